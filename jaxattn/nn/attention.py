@@ -1,0 +1,160 @@
+"""Multi-head attention (MHA / GQA / MQA) with any positional scheme and an explicit KV cache."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxattn.cache import KVCache, kv_cache_bytes_per_token
+from jaxattn.nn.linear import Einsum
+from jaxattn.nn.positional import T5RelativePositionBias
+from jaxattn.ops.alibi import alibi_slopes
+from jaxattn.ops.attention import dot_product_attention
+from jaxattn.ops.rope import RopeScaling, apply_rope
+from jaxattn.sharding import shard
+
+PositionKind = Literal["rope", "alibi", "t5", "none"]
+POSITION_KINDS = ("rope", "alibi", "t5", "none")
+
+
+class Attention(nnx.Module):
+  """Self-attention: ``o_proj(attention(rope(q_proj x), rope(k_proj x), v_proj x))``.
+
+  ``num_kv_heads == num_heads`` is MHA, ``1`` is MQA, a divisor in between is GQA.  ``position``
+  picks where position enters: ``"rope"`` rotates q and k (``rotary_dim`` < ``head_dim`` is partial
+  RoPE; ``rope_interleaved`` picks consecutive pairs instead of Llama's half split), ``"alibi"`` adds
+  ``slope * (j - i)``, ``"t5"`` adds a learned bucketed bias per head, ``"none"`` leaves positions to
+  the embeddings (sinusoidal or learned absolute).  ``sliding_window=w`` lets a query at ``p`` see
+  keys ``p - w .. p`` (causal) or ``p - w .. p + w``.
+
+  Call ``attn(x)`` for a full pass; with ``cache=attn.init_cache(...)`` it returns ``(y, cache)``
+  and a prefill followed by token-by-token decode equals the full pass on the same tokens.
+  """
+
+  def __init__(
+      self,
+      embed_dim: int,
+      num_heads: int,
+      num_kv_heads: int | None = None,
+      head_dim: int | None = None,
+      *,
+      v_head_dim: int | None = None,
+      causal: bool = True,
+      position: PositionKind = "rope",
+      rope_base: float = 10000.0,
+      rotary_dim: int | None = None,
+      rope_interleaved: bool = False,
+      rope_scaling: RopeScaling | None = None,
+      t5_num_buckets: int = 32,
+      t5_max_distance: int = 128,
+      sliding_window: int | None = None,
+      logits_soft_cap: float | None = None,
+      attention_scale: float | None = None,
+      use_bias: bool = False,
+      implementation=None,
+      rngs: nnx.Rngs,
+      dtype=None,
+      param_dtype=jnp.float32,
+  ):
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    if num_heads < 1 or num_kv_heads < 1:
+      raise ValueError(f"`num_heads` ({num_heads}) and `num_kv_heads` ({num_kv_heads}) must be >= 1.")
+    if num_heads % num_kv_heads != 0:
+      raise ValueError(f"`num_heads` ({num_heads}) must be divisible by `num_kv_heads` "
+                       f"({num_kv_heads}): each KV head serves num_heads / num_kv_heads query heads.")
+    if head_dim is None:
+      if embed_dim % num_heads:
+        raise ValueError(f"`embed_dim` ({embed_dim}) is not divisible by `num_heads` ({num_heads}); "
+                         "pass `head_dim` explicitly.")
+      head_dim = embed_dim // num_heads
+    if position not in POSITION_KINDS:
+      raise ValueError(f"`position` must be one of {POSITION_KINDS}, got {position!r}.")
+    if sliding_window is not None and (not isinstance(sliding_window, (int, np.integer))
+                                       or sliding_window < 0):
+      raise ValueError(f"`sliding_window` must be a non-negative int or None, got {sliding_window!r}.")
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+      raise ValueError(f"`logits_soft_cap` must be positive or None, got {logits_soft_cap!r}.")
+    if position == "rope":
+      rd = head_dim if rotary_dim is None else rotary_dim
+      if rd % 2 or not 0 < rd <= head_dim:
+        raise ValueError(f"`rotary_dim` must be even and in (0, head_dim={head_dim}], got {rd}.")
+    self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
+    self.head_dim = head_dim
+    self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
+    self.causal, self.position = causal, position
+    self.rope_base, self.rotary_dim = rope_base, rotary_dim
+    self.rope_interleaved, self.rope_scaling = rope_interleaved, rope_scaling
+    self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
+    self.attention_scale, self.implementation, self.dtype = attention_scale, implementation, dtype
+
+    kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype, use_bias=use_bias)
+    d, n, k, h, hv = embed_dim, num_heads, num_kv_heads, head_dim, self.v_head_dim
+    self.q_proj = Einsum("BTD,DNH->BTNH", (d, n, h), ("embed", "heads", "head_dim"), **kw)
+    self.k_proj = Einsum("BSD,DKH->BSKH", (d, k, h), ("embed", "kv_heads", "head_dim"), **kw)
+    self.v_proj = Einsum("BSD,DKH->BSKH", (d, k, hv), ("embed", "kv_heads", "head_dim"), **kw)
+    self.o_proj = Einsum("BTNH,NHD->BTD", (n, hv, d), ("heads", "head_dim", "embed"),
+                         fan_in_axes=(0, 1), **kw)
+    self.rel_bias = (T5RelativePositionBias(n, bidirectional=not causal, num_buckets=t5_num_buckets,
+                                            max_distance=t5_max_distance, rngs=rngs)
+                     if position == "t5" else None)
+
+  # -- cache -----------------------------------------------------------------------------------
+
+  def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+    """An empty cache for ``batch`` sequences of up to ``max_len`` tokens."""
+    dtype = dtype or self.dtype or jnp.float32
+    return KVCache.init(batch, max_len, self.num_kv_heads, self.head_dim, self.v_head_dim, dtype)
+
+  def cache_bytes(self, seq_len: int, batch: int = 1, dtype=jnp.bfloat16) -> int:
+    """KV cache bytes of this layer for ``seq_len`` tokens: the seed's ``2 x n x h_kv x d x bytes``."""
+    return batch * seq_len * kv_cache_bytes_per_token(self.num_kv_heads, self.head_dim, dtype,
+                                                      self.v_head_dim)
+
+  # -- forward ---------------------------------------------------------------------------------
+
+  def __call__(self, x, *, positions=None, segment_ids=None, mask=None,
+               cache: KVCache | None = None, implementation=None):
+    """``x [B, T, D]`` -> ``[B, T, D]`` (and the updated cache when one is given).
+
+    ``positions [B, T]`` (default ``cache.index + arange(T)``) feed RoPE; restart them per segment
+    for packed sequences.  ``segment_ids [B, T]`` confines attention to a segment; ``mask`` is an
+    extra boolean ``[B|1, N|1, T, S]`` array or ``Mask``.
+    """
+    b, t, _ = x.shape
+    x = shard(x, ("batch", "length", "act_embed"))
+    offset = 0 if cache is None else cache.index
+    if positions is None:
+      positions = (offset + jnp.arange(t, dtype=jnp.int32))[None, :]
+    q = self.q_proj(x)  # [B, T, N, H]
+    k = self.k_proj(x)  # [B, T, K, H]
+    v = self.v_proj(x)  # [B, T, K, h]
+    if self.position == "rope":
+      rope = dict(base=self.rope_base, rotary_dim=self.rotary_dim,
+                  interleaved=self.rope_interleaved, scaling=self.rope_scaling)
+      q = apply_rope(q, positions, **rope)
+      k = apply_rope(k, positions, **rope)
+    kv_lengths = None
+    if cache is not None:
+      if segment_ids is not None:
+        raise ValueError("`segment_ids` (packed sequences) cannot be combined with a KV `cache`.")
+      cache = cache.update(k, v)
+      k, v = cache.key.astype(q.dtype), cache.value.astype(q.dtype)
+      kv_lengths = jnp.full((b,), cache.index, jnp.int32)
+    q = shard(q, ("batch", "length", "act_heads", "head_dim"))
+    bias = None
+    if self.rel_bias is not None:
+      q_pos = offset + jnp.arange(t, dtype=jnp.int32)
+      bias = self.rel_bias(q_pos, jnp.arange(k.shape[1], dtype=jnp.int32))
+    slopes = alibi_slopes(self.num_heads) if self.position == "alibi" else None
+    out = dot_product_attention(
+        q, k, v, bias, mask, scale=self.attention_scale, is_causal=self.causal,
+        local_window_size=self.sliding_window, segment_ids=segment_ids, kv_lengths=kv_lengths,
+        q_offset=offset, alibi_slopes=slopes, logits_soft_cap=self.logits_soft_cap,
+        implementation=implementation or self.implementation)
+    y = self.o_proj(out)
+    y = shard(y, ("batch", "length", "act_embed"))
+    return y if cache is None else (y, cache)

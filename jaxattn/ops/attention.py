@@ -1,0 +1,217 @@
+"""Scaled dot-product attention: the formula and its one dispatch point.
+
+Shapes (the package docstring defines the letters): ``query [B, T, N, H]``, ``key [B, S, K, H]``,
+``value [B, S, K, h]``, output ``[B, T, N, h]``.  ``N % K == 0``: ``K == N`` is MHA, ``K == 1`` MQA,
+anything between GQA, where query head ``n`` reads KV head ``n // (N // K)``.
+
+Order of operations (``jaxattn.ops.scores``): scale -> bias (incl. ALiBi) -> soft-cap -> mask ->
+softmax (fp32) -> weighted sum of values.  A query row that the mask empties entirely gives zeros
+(and log-sum-exp ``-inf``), never NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Literal, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+from jaxattn.ops import scores as S
+from jaxattn.ops.masks import Mask, make_mask
+
+Implementation = Literal["xla", "xla_chunked", "pallas_tpu", "pallas_gpu"]
+IMPLEMENTATIONS: tuple[str, ...] = ("xla", "xla_chunked", "pallas_tpu", "pallas_gpu")
+
+# name -> callable with the normalized signature of `_attention_xla`; Pallas kernels register here.
+_REGISTRY: dict[str, Callable] = {}
+# name -> reason it is not available (explicit requests raise with this reason).
+_UNAVAILABLE: dict[str, str] = {
+    "pallas_tpu": "no Pallas TPU flash-attention kernel is registered in this build of jaxattn",
+    "pallas_gpu": "no Pallas GPU flash-attention kernel is registered in this build of jaxattn",
+}
+
+
+def register_implementation(name: str, fn: Callable) -> None:
+  """Registers a backend under ``name`` (one of ``IMPLEMENTATIONS``); used by ``pallas_kernels``."""
+  if name not in IMPLEMENTATIONS:
+    raise ValueError(f"`name` must be one of {IMPLEMENTATIONS}, got {name!r}.")
+  _REGISTRY[name] = fn
+  _UNAVAILABLE.pop(name, None)
+
+
+def _auto_order() -> list[str]:
+  platform = jax.default_backend()
+  if platform == "tpu":
+    return ["pallas_tpu", "xla_chunked"]
+  if platform in ("gpu", "cuda", "rocm"):
+    return ["pallas_gpu", "xla_chunked"]
+  return ["xla_chunked"]
+
+
+def _resolve(implementation) -> Callable:
+  if implementation is None:
+    order = _auto_order()
+  elif isinstance(implementation, str):
+    order = [implementation]
+  else:
+    order = list(implementation)
+  reasons = []
+  for name in order:
+    if name not in IMPLEMENTATIONS:
+      raise ValueError(f"`implementation` must be None, one of {IMPLEMENTATIONS} or a sequence of "
+                       f"them, got {implementation!r}.")
+    _load_builtin(name)
+    if name in _REGISTRY:
+      return _REGISTRY[name]
+    reasons.append(f"{name}: {_UNAVAILABLE.get(name, 'not registered')}")
+  raise ValueError("no requested attention implementation is available (explicit choices never "
+                   "fall back): " + "; ".join(reasons))
+
+
+def _load_builtin(name):
+  if name in _REGISTRY:
+    return
+  if name == "xla":
+    _REGISTRY["xla"] = _attention_xla
+  elif name == "xla_chunked":
+    from jaxattn.ops.attention_chunked import chunked_attention  # noqa: PLC0415 (import cycle)
+    _REGISTRY["xla_chunked"] = chunked_attention
+  elif name in ("pallas_tpu", "pallas_gpu"):
+    try:  # Kernels register themselves on import.
+      import pallas_kernels.flash_attention  # noqa: F401, PLC0415
+    except ImportError:
+      pass
+
+
+def _validate(query, key, value, bias, mask, scale, alibi_slopes, logits_soft_cap):
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if x.ndim != 4:
+      raise ValueError(f"`{name}` must have rank 4 ([B, T|S, heads, head_dim]), got shape {x.shape}.")
+  b, t, n, h = query.shape
+  if key.shape[0] != b or value.shape[0] != b:
+    raise ValueError(f"batch sizes differ: query {query.shape}, key {key.shape}, value {value.shape}.")
+  if key.shape[1] != value.shape[1] or key.shape[2] != value.shape[2]:
+    raise ValueError(f"`key` {key.shape} and `value` {value.shape} must share [B, S, K].")
+  if key.shape[3] != h:
+    raise ValueError(f"`key` head_dim {key.shape[3]} must equal `query` head_dim {h}.")
+  kh = key.shape[2]
+  if n % kh != 0:
+    raise ValueError(f"query heads N={n} must be a multiple of key/value heads K={kh} "
+                     "(MHA: K == N, GQA: N % K == 0, MQA: K == 1).")
+  if not (query.dtype == key.dtype == value.dtype):
+    raise ValueError(f"`query`, `key`, `value` dtypes must match, got {query.dtype}, {key.dtype}, "
+                     f"{value.dtype}.")
+  s = key.shape[1]
+  if bias is not None:
+    try:
+      np.broadcast_shapes(bias.shape, (b, n, t, s))
+    except ValueError:
+      raise ValueError(f"`bias` shape {bias.shape} must broadcast to [B, N, T, S] = {(b, n, t, s)}.")
+    if bias.ndim != 4 or bias.shape[1] not in (1, n):
+      raise ValueError(f"`bias` must be 4-D [B|1, N|1, T|1, S|1], got shape {bias.shape}.")
+  if mask is not None and not isinstance(mask, Mask):
+    mshape = np.shape(mask)
+    if len(mshape) != 4 or mshape[1] not in (1, n):
+      raise ValueError(f"`mask` array must be 4-D [B|1, N|1, T|1, S|1], got shape {mshape}.")
+    try:
+      np.broadcast_shapes(mshape, (b, n, t, s))
+    except ValueError:
+      raise ValueError(f"`mask` shape {mshape} must broadcast to [B, N, T, S] = {(b, n, t, s)}.")
+  if scale is not None and not isinstance(scale, (jax.Array, jax.core.Tracer)):
+    if not (math.isfinite(scale) and scale > 0):
+      raise ValueError(f"`scale` must be a positive finite float, got {scale!r}.")
+  if alibi_slopes is not None and tuple(np.shape(alibi_slopes)) != (n,):
+    raise ValueError(f"`alibi_slopes` must have shape [N] = ({n},), got {np.shape(alibi_slopes)}.")
+  if logits_soft_cap is not None and not (logits_soft_cap > 0):
+    raise ValueError(f"`logits_soft_cap` must be a positive float or None, got {logits_soft_cap!r}.")
+
+
+def dot_product_attention(
+    query: Float[Array, "B T N H"],
+    key: Float[Array, "B S K H"],
+    value: Float[Array, "B S K h"],
+    bias: Float[Array, "#B #N #T #S"] | None = None,
+    mask: Bool[Array, "#B #N #T #S"] | Mask | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    local_window_size: int | tuple[int | None, int | None] | None = None,
+    segment_ids: Int[Array, "B T"] | tuple[Int[Array, "B T"], Int[Array, "B S"]] | None = None,
+    kv_lengths: Int[Array, "B"] | None = None,
+    q_offset: int | Int[Array, ""] = 0,
+    alibi_slopes: Float[Array, "N"] | None = None,
+    logits_soft_cap: float | None = None,
+    return_residuals: bool = False,
+    implementation: Implementation | Sequence[Implementation] | None = None,
+) -> Float[Array, "B T N h"] | tuple[Float[Array, "B T N h"], Float[Array, "B N T"]]:
+  """Scaled dot-product attention with GQA/MQA, masks, biases and soft-capping.
+
+  Args:
+    query, key, value: ``[B, T, N, H]``, ``[B, S, K, H]``, ``[B, S, K, h]``, one dtype.
+    bias: additive logits bias broadcastable as ``[B|1, N|1, T, S]`` (e.g. a T5 relative bias).
+    mask: a boolean array ``[B|1, N|1, T, S]`` (True = attend) or a ``jaxattn.ops.masks.Mask``.
+    scale: logits scale, default ``1 / sqrt(H)``.
+    is_causal: queries attend only to keys at positions ``<=`` their own.
+    local_window_size: sliding-window radius ``w`` (``[p-w, p]`` when causal, ``[p-w, p+w]``
+      otherwise) or an explicit ``(left, right)`` pair as in ``jax.nn.dot_product_attention``.
+    segment_ids: ``[B, T]`` (self-attention) or a ``(q_ids [B, T], kv_ids [B, S])`` pair for packed
+      sequences; tokens attend only within their segment.
+    kv_lengths: ``[B]`` number of valid keys per batch row (padding / unfilled cache slots).
+    q_offset: position of query row 0 in key coordinates (a KV-cache decode passes the number of
+      tokens already cached); 0 aligns a causal mask top-left as ``jax.nn`` does.
+    alibi_slopes: ``[N]`` ALiBi slopes; adds ``slope * (j - i)`` computed from positions.
+    logits_soft_cap: if set, ``logits = cap * tanh(logits / cap)`` after the bias.
+    return_residuals: also return the fp32 log-sum-exp of each row, ``[B, N, T]`` (``-inf`` for a
+      fully masked row), as the flash backward pass consumes it.
+    implementation: None (auto: Pallas on TPU/GPU when registered, else ``"xla_chunked"``), one of
+      ``"xla"`` (materializes ``T x S`` logits), ``"xla_chunked"`` (online softmax over key blocks,
+      skipping blocks the mask empties), ``"pallas_tpu"``, ``"pallas_gpu"``, or a sequence tried in
+      order.  An unavailable explicit choice raises ``ValueError``; nothing falls back silently.
+
+  Returns:
+    ``[B, T, N, h]`` in the query dtype; with ``return_residuals``, ``(out, lse)``.
+  """
+  _validate(query, key, value, bias, mask, scale, alibi_slopes, logits_soft_cap)
+  impl = _resolve(implementation)
+  mask_obj = mask if isinstance(mask, Mask) else None
+  mask_array = None if (mask is None or isinstance(mask, Mask)) else jnp.asarray(mask, bool)
+  mask_obj = make_mask(is_causal=is_causal, local_window_size=local_window_size,
+                       segment_ids=segment_ids, kv_lengths=kv_lengths, mask=mask_obj)
+  if scale is None:
+    scale = 1.0 / math.sqrt(query.shape[-1])
+  return impl(query, key, value, bias=bias, mask=mask_obj, mask_array=mask_array, scale=scale,
+              alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap, q_offset=q_offset,
+              return_residuals=return_residuals)
+
+
+def _attention_xla(query, key, value, *, bias, mask, mask_array, scale, alibi_slopes,
+                   logits_soft_cap, q_offset, return_residuals):
+  """Reference path: materializes the full ``[B, K, G, T, S]`` logits."""
+  b, t, n, _ = query.shape
+  s, kh = key.shape[1], key.shape[2]
+  q = S.group_heads(jnp.swapaxes(query, 1, 2), kh)  # [B, K, G, T, H]
+  k = jnp.swapaxes(key, 1, 2)  # [B, K, S, H]
+  v = jnp.swapaxes(value, 1, 2)  # [B, K, S, h]
+  slopes = None if alibi_slopes is None else jnp.asarray(alibi_slopes, jnp.float32).reshape(kh, n // kh)
+  logits, _ = S.block_logits(
+      q, k, scale=scale, q_idx=jnp.arange(t, dtype=jnp.int32), kv_idx=jnp.arange(s, dtype=jnp.int32),
+      q_offset=q_offset, bias=S.group_heads(bias, kh), alibi_slopes=slopes,
+      logits_soft_cap=logits_soft_cap, mask=mask, mask_array=S.group_heads(mask_array, kh))
+  m, p, l = S.safe_softmax_stats(logits)  # [B, K, G, T, 1], [..., S], [..., 1]
+  acc = jnp.einsum("bkgts,bksh->bkgth", p, v.astype(jnp.float32))
+  out = S.ungroup(S.finalize(acc, l, query.dtype))
+  if return_residuals:
+    return out, S.ungroup_lse(S.lse_from_stats(m, l)[..., 0])
+  return out
+
+
+def attention_weights(query, key, **kwargs) -> Float[Array, "B N T S"]:
+  """The softmax probabilities ``[B, N, T, S]`` (fp32) of the reference path; for tests and plots."""
+  b, t, n, h = query.shape
+  value = jnp.eye(key.shape[1], dtype=query.dtype)[None, :, None, :]
+  value = jnp.broadcast_to(value, (b, key.shape[1], key.shape[2], key.shape[1]))
+  out = dot_product_attention(query, key, value, implementation="xla", **kwargs)
+  return jnp.swapaxes(out, 1, 2).astype(jnp.float32)

@@ -1,0 +1,98 @@
+"""The Attention module: KV-cache decode equals the full pass, cache size, positional schemes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxattn.nn.attention import Attention
+from jaxattn.ops.rope import RopeScaling
+
+D = 32
+
+CONFIGS = {
+    "mha_rope": dict(num_heads=4),
+    "gqa_rope_interleaved": dict(num_heads=4, num_kv_heads=2, rope_interleaved=True),
+    "mqa_partial_rope": dict(num_heads=4, num_kv_heads=1, rotary_dim=4),
+    "alibi": dict(num_heads=4, position="alibi"),
+    "t5": dict(num_heads=4, position="t5", t5_num_buckets=8, t5_max_distance=16),
+    "sliding_window_softcap": dict(num_heads=4, num_kv_heads=2, sliding_window=3,
+                                   logits_soft_cap=5.0),
+    "yarn": dict(num_heads=4, num_kv_heads=2,
+                 rope_scaling=RopeScaling(type="yarn", factor=4.0, original_max_position_embeddings=8)),
+    "no_position_vhead": dict(num_heads=4, position="none", v_head_dim=6),
+}
+
+
+def _x(t=11, b=2, seed=1):
+  return jax.random.normal(jax.random.key(seed), (b, t, D))
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_prefill_then_decode_equals_full_pass(name):
+  attn = Attention(D, rngs=nnx.Rngs(0), **CONFIGS[name])
+  if attn.rel_bias is not None:  # make the T5 bias matter
+    attn.rel_bias.embedding[...] = jax.random.normal(jax.random.key(9), attn.rel_bias.embedding.shape)
+  x = _x()
+  full = attn(x)
+  cache = attn.init_cache(batch=2, max_len=16)
+  y0, cache = attn(x[:, :5], cache=cache)  # prefill 5 tokens
+  outs = [y0]
+  step = nnx.jit(lambda m, c, xt: m(xt, cache=c))
+  for t in range(5, 11):  # then one token at a time
+    yt, cache = step(attn, cache, x[:, t:t + 1])
+    outs.append(yt)
+  np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=2e-5, rtol=2e-5)
+  assert int(cache.index) == 11
+
+
+def test_cache_bytes_is_the_seed_formula():
+  attn = Attention(4096, num_heads=32, num_kv_heads=8, head_dim=128, rngs=nnx.Rngs(0))
+  # 2 x n x h_kv x d x bytes
+  assert attn.cache_bytes(1000, dtype=jnp.bfloat16) == 2 * 1000 * 8 * 128 * 2
+  cache = Attention(D, num_heads=4, num_kv_heads=2, rngs=nnx.Rngs(0)).init_cache(3, 10, jnp.bfloat16)
+  assert cache.nbytes == 2 * 3 * 10 * 2 * 8 * 2
+
+
+def test_cache_overflow_and_packed_with_cache_raise():
+  attn = Attention(D, num_heads=4, rngs=nnx.Rngs(0))
+  cache = attn.init_cache(2, 4)
+  with pytest.raises(ValueError, match="capacity"):
+    attn(_x(t=5), cache=cache)
+  _, filled = attn(_x(t=2), cache=cache)
+  with pytest.raises(ValueError, match="overflow"):
+    attn(_x(t=3), cache=filled)
+  with pytest.raises(ValueError, match="segment_ids"):
+    attn(_x(t=2), cache=cache, segment_ids=jnp.zeros((2, 2), jnp.int32))
+
+
+def test_gqa_module_shapes_and_packed_sequences():
+  attn = Attention(D, num_heads=4, num_kv_heads=2, rngs=nnx.Rngs(0))
+  assert attn.q_proj.kernel.shape == (D, 4, 8) and attn.k_proj.kernel.shape == (D, 2, 8)
+  x = _x(t=8, b=1)
+  seg = jnp.array([[0, 0, 0, 1, 1, 1, 1, 1]])
+  pos = jnp.array([[0, 1, 2, 0, 1, 2, 3, 4]])
+  packed = attn(x, segment_ids=seg, positions=pos)
+  np.testing.assert_allclose(packed[:, 3:], attn(x[:, 3:]), atol=2e-5)
+  np.testing.assert_allclose(packed[:, :3], attn(x[:, :3]), atol=2e-5)
+
+
+def test_grad_through_module():
+  attn = Attention(D, num_heads=4, num_kv_heads=2, rngs=nnx.Rngs(0))
+  grads = nnx.grad(lambda m: jnp.mean(m(_x()) ** 2))(attn)
+  norms = jax.tree.leaves(jax.tree.map(lambda g: float(jnp.linalg.norm(g)), grads))
+  assert len(norms) == 4 and all(np.isfinite(n) and n > 0 for n in norms)
+
+
+def test_bad_configs_raise():
+  with pytest.raises(ValueError, match="divisible by `num_kv_heads`"):
+    Attention(D, num_heads=4, num_kv_heads=3, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="rotary_dim"):
+    Attention(D, num_heads=4, rotary_dim=3, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="sliding_window"):
+    Attention(D, num_heads=4, sliding_window=-2, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="position"):
+    Attention(D, num_heads=4, position="sinusoidal-ish", rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="embed_dim"):
+    Attention(30, num_heads=4, rngs=nnx.Rngs(0))

@@ -1,0 +1,237 @@
+"""The attention formula and its dispatcher: agreement with jax.nn, the seed's properties, errors.
+
+Tolerances: fp32 results are compared at 2e-5 (accumulation order differs between paths); bf16
+inputs at 2e-2, about two bf16 ulps at the unit scale of attention outputs (the softmax and the
+accumulation are fp32, the inputs and the output carry bf16 rounding).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxattn.ops.attention import attention_weights, dot_product_attention as dpa
+from jaxattn.ops.masks import CausalMask, sliding_window
+
+IMPLS = ["xla", "xla_chunked"]
+
+
+def _qkv(b=2, t=7, s=None, n=4, k=2, h=8, hv=None, dtype=jnp.float32, seed=0):
+  s = t if s is None else s
+  ks = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(ks[0], (b, t, n, h), dtype)
+  kk = jax.random.normal(ks[1], (b, s, k, h), dtype)
+  v = jax.random.normal(ks[2], (b, s, k, hv or h), dtype)
+  return q, kk, v
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("n,k", [(4, 4), (4, 2), (4, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("t,s", [(7, 7), (5, 9)])
+def test_matches_jax_nn(impl, n, k, causal, t, s):
+  q, kk, v = _qkv(t=t, s=s, n=n, k=k)
+  got = dpa(q, kk, v, is_causal=causal, implementation=impl)
+  want = jax.nn.dot_product_attention(q, kk, v, is_causal=causal)
+  np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_matches_jax_nn_bias_mask_window_scale(impl):
+  q, kk, v = _qkv(t=9, n=4, k=2)
+  bias = jax.random.normal(jax.random.key(3), (2, 4, 9, 9))
+  mask = jax.random.bernoulli(jax.random.key(4), 0.7, (2, 1, 9, 9))
+  for kwargs in (dict(bias=bias), dict(mask=mask), dict(local_window_size=(2, 1)),
+                 dict(is_causal=True, local_window_size=(3, 0)), dict(scale=0.3, bias=bias)):
+    got = dpa(q, kk, v, implementation=impl, **kwargs)
+    want = jax.nn.dot_product_attention(q, kk, v, **kwargs)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5, err_msg=str(kwargs.keys()))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gradients_match_jax_nn(impl):
+  q, kk, v = _qkv(t=6, n=4, k=2)
+  bias = jax.random.normal(jax.random.key(3), (1, 4, 6, 6))
+  ct = jax.random.normal(jax.random.key(5), (2, 6, 4, 8))
+
+  def loss(fn):
+    return lambda q, k, v, b: jnp.sum(fn(q, k, v, b) * ct)
+
+  ours = jax.grad(loss(lambda *a: dpa(*a, is_causal=True, implementation=impl)), argnums=(0, 1, 2, 3))
+  ref = jax.grad(loss(lambda *a: jax.nn.dot_product_attention(*a, is_causal=True)),
+                 argnums=(0, 1, 2, 3))
+  for g, w in zip(ours(q, kk, v, bias), ref(q, kk, v, bias)):
+    np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5)
+
+
+def test_check_grads_reference():
+  q, kk, v = _qkv(b=1, t=4, n=2, k=1, h=4)
+  jax.test_util.check_grads(lambda q, k, v: dpa(q, k, v, is_causal=True, implementation="xla"),
+                            (q, kk, v), order=1, modes=("rev",), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gqa_equals_mha_with_repeated_kv(impl):
+  q, kk, v = _qkv(n=6, k=2)
+  rep = lambda x: jnp.repeat(x, 3, axis=2)  # head n reads KV head n // 3
+  np.testing.assert_allclose(dpa(q, kk, v, is_causal=True, implementation=impl),
+                             dpa(q, rep(kk), rep(v), is_causal=True, implementation=impl),
+                             atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fully_masked_rows_give_zeros_not_nan(impl):
+  q, kk, v = _qkv(t=5)
+  mask = jnp.ones((2, 1, 5, 5), bool).at[:, :, 2, :].set(False)
+  out, lse = dpa(q, kk, v, mask=mask, return_residuals=True, implementation=impl)
+  assert not np.isnan(np.asarray(out)).any()
+  np.testing.assert_array_equal(out[:, 2], 0.0)
+  assert np.isneginf(np.asarray(lse)[:, :, 2]).all()
+  g = jax.grad(lambda q: dpa(q, kk, v, mask=mask, implementation=impl).sum())(q)
+  assert np.isfinite(np.asarray(g)).all()
+  np.testing.assert_array_equal(g[:, 2], 0.0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_residuals_are_logsumexp(impl):
+  q, kk, v = _qkv(t=5, s=8, n=4, k=2)
+  _, lse = dpa(q, kk, v, is_causal=True, return_residuals=True, implementation=impl)
+  logits = np.einsum("btnh,bsnh->bnts", q, np.repeat(kk, 2, axis=2)) / np.sqrt(8)
+  logits = np.where(np.tril(np.ones((5, 8), bool)), logits, -np.inf)
+  want = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+  assert lse.shape == (2, 4, 5) and lse.dtype == jnp.float32
+  np.testing.assert_allclose(lse, want, atol=1e-5, rtol=1e-5)
+
+
+def test_self_attention_is_permutation_equivariant():
+  """Seed 3.1: without positions, shuffling the tokens only relabels the outputs."""
+  q, kk, v = _qkv(t=8)
+  perm = np.array([3, 1, 7, 0, 5, 2, 6, 4])
+  out = dpa(q, kk, v)
+  out_perm = dpa(q[:, perm], kk[:, perm], v[:, perm])
+  np.testing.assert_allclose(out_perm, out[:, perm], atol=2e-6)
+  # A causal mask breaks the symmetry (it is a position signal).
+  assert not np.allclose(dpa(q[:, perm], kk[:, perm], v[:, perm], is_causal=True),
+                         dpa(q, kk, v, is_causal=True)[:, perm], atol=1e-3)
+
+
+def test_weights_are_row_stochastic():
+  q, kk, _ = _qkv(t=6)
+  w = attention_weights(q, kk, is_causal=True)
+  np.testing.assert_allclose(w.sum(-1), 1.0, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(w)[..., np.triu_indices(6, 1)[0], np.triu_indices(6, 1)[1]], 0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_soft_cap_and_alibi(impl):
+  q, kk, v = _qkv(t=6, n=4, k=2)
+  cap = 2.0
+  logits = jnp.einsum("btnh,bsnh->bnts", q, jnp.repeat(kk, 2, axis=2)) / np.sqrt(8)
+  capped = cap * jnp.tanh(logits / cap)
+  want = jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(capped, -1), jnp.repeat(v, 2, axis=2))
+  np.testing.assert_allclose(dpa(q, kk, v, logits_soft_cap=cap, implementation=impl), want,
+                             atol=2e-5)
+  slopes = jnp.array([-0.5, -0.25, -0.125, -1 / 16])
+  rel = jnp.arange(6)[None, :] - jnp.arange(6)[:, None]
+  bias = (slopes[:, None, None] * rel)[None]
+  np.testing.assert_allclose(dpa(q, kk, v, alibi_slopes=-slopes, is_causal=True, implementation=impl),
+                             dpa(q, kk, v, bias=-bias, is_causal=True, implementation="xla"), atol=2e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_segments_equal_separate_sequences(impl):
+  q, kk, v = _qkv(b=1, t=9, n=2, k=2)
+  seg = jnp.array([[0, 0, 0, 0, 1, 1, 1, 1, 1]])
+  packed = dpa(q, kk, v, is_causal=True, segment_ids=seg, implementation=impl)
+  a = dpa(q[:, :4], kk[:, :4], v[:, :4], is_causal=True, implementation=impl)
+  b = dpa(q[:, 4:], kk[:, 4:], v[:, 4:], is_causal=True, implementation=impl)
+  np.testing.assert_allclose(packed, jnp.concatenate([a, b], 1), atol=2e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_kv_lengths_and_q_offset(impl):
+  q, kk, v = _qkv(b=2, t=8, n=4, k=2)
+  full = dpa(q, kk, v, is_causal=True, implementation=impl)
+  # Decode row 5 against a cache buffer of 8 slots with 6 filled equals row 5 of the full pass.
+  row = dpa(q[:, 5:6], kk, v, is_causal=True, q_offset=5, kv_lengths=jnp.array([6, 6]),
+            implementation=impl)
+  np.testing.assert_allclose(row, full[:, 5:6], atol=2e-5)
+  traced = jax.jit(lambda off: dpa(q[:, 5:6], kk, v, is_causal=True, q_offset=off,
+                                   kv_lengths=jnp.array([6, 6]), implementation=impl))(jnp.int32(5))
+  np.testing.assert_allclose(traced, full[:, 5:6], atol=2e-5)
+  short = dpa(q, kk[:, :3], v[:, :3], implementation=impl)
+  np.testing.assert_allclose(dpa(q, kk, v, kv_lengths=jnp.array([3, 3]), implementation=impl),
+                             short, atol=2e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bf16_within_tolerance(impl):
+  q, kk, v = _qkv(t=9, n=4, k=2)
+  ref = dpa(q, kk, v, is_causal=True, implementation="xla")
+  got = dpa(q.astype(jnp.bfloat16), kk.astype(jnp.bfloat16), v.astype(jnp.bfloat16), is_causal=True,
+            implementation=impl)
+  assert got.dtype == jnp.bfloat16
+  np.testing.assert_allclose(got.astype(jnp.float32), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_value_head_dim_and_mask_object(impl):
+  q, kk, v = _qkv(t=7, hv=5)
+  out = dpa(q, kk, v, mask=sliding_window(2), implementation=impl)
+  assert out.shape == (2, 7, 4, 5)
+  np.testing.assert_allclose(out, dpa(q, kk, v, is_causal=True, local_window_size=2,
+                                      implementation="xla"), atol=2e-5)
+  np.testing.assert_allclose(dpa(q, kk, v, mask=CausalMask(), implementation=impl),
+                             dpa(q, kk, v, is_causal=True, implementation="xla"), atol=2e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_jit_vmap_and_single_trace(impl):
+  q, kk, v = _qkv(t=6)
+  traces = []
+
+  @jax.jit
+  def f(q, k, v):
+    traces.append(1)
+    return dpa(q, k, v, is_causal=True, implementation=impl)
+
+  f(q, kk, v)
+  f(q + 1, kk, v)
+  assert len(traces) == 1
+  batched = jax.vmap(lambda q, k, v: dpa(q, k, v, is_causal=True, implementation=impl))(
+      q[None].repeat(3, 0), kk[None].repeat(3, 0), v[None].repeat(3, 0))
+  np.testing.assert_allclose(batched[1], f(q, kk, v), atol=2e-5)
+
+
+def test_auto_implementation_on_cpu_is_chunked():
+  q, kk, v = _qkv(t=6)
+  np.testing.assert_allclose(dpa(q, kk, v, is_causal=True),
+                             dpa(q, kk, v, is_causal=True, implementation="xla_chunked"), atol=0)
+
+
+def test_errors():
+  q, kk, v = _qkv(n=4, k=2)
+  with pytest.raises(ValueError, match="multiple of key/value heads"):
+    dpa(*_qkv(n=4, k=3))
+  with pytest.raises(ValueError, match="dtypes must match"):
+    dpa(q, kk.astype(jnp.bfloat16), v)
+  with pytest.raises(ValueError, match="head_dim"):
+    dpa(q, kk[..., :4], v)
+  with pytest.raises(ValueError, match="must share"):
+    dpa(q, kk, v[:, :3])
+  with pytest.raises(ValueError, match="rank 4"):
+    dpa(q[0], kk, v)
+  with pytest.raises(ValueError, match="implementation"):
+    dpa(q, kk, v, implementation="cudnn_magic")
+  with pytest.raises(ValueError, match="never fall back"):
+    dpa(q, kk, v, implementation="pallas_tpu")
+  with pytest.raises(ValueError, match="local_window_size"):
+    dpa(q, kk, v, local_window_size=-1)
+  with pytest.raises(ValueError, match="bias"):
+    dpa(q, kk, v, bias=jnp.zeros((2, 3, 7, 7)))
+  with pytest.raises(ValueError, match="logits_soft_cap"):
+    dpa(q, kk, v, logits_soft_cap=0.0)
+  with pytest.raises(ValueError, match="alibi_slopes"):
+    dpa(q, kk, v, alibi_slopes=jnp.ones(3))
+  with pytest.raises(ValueError, match="scale"):
+    dpa(q, kk, v, scale=-1.0)
