@@ -1,0 +1,23 @@
+"""jaxattn: the mechanisms of modern transformer attention in JAX / Flax NNX.
+
+Layers: formulas (``jaxattn.ops``, pure functions, fp32 math) -> modules (``jaxattn.nn``, Flax NNX,
+parameters with logical sharding axes, explicit caches) -> kernels (``pallas_kernels``).
+
+Shape letters, used in signatures, einsum strings and comments throughout:
+
+  B  batch                      T  query length          S  key/value length
+  N  query heads                K  key/value heads (N % K == 0; G = N // K query heads per KV head)
+  H  query/key head size        h  value head size when it differs from H
+  D  model (embedding) size     F  MLP hidden size       L  cache capacity
+  R  rotary dimensions (partial RoPE rotates the first R of H)
+
+Activations are ``[B, T, N, H]`` as in ``jax.nn.dot_product_attention``.
+"""
+
+from jaxattn import cache, ops, sharding  # noqa: F401
+from jaxattn.cache import KVCache, kv_cache_bytes_per_token
+from jaxattn.ops.attention import dot_product_attention
+
+__version__ = "0.1.0"
+
+__all__ = ["KVCache", "dot_product_attention", "kv_cache_bytes_per_token", "cache", "ops", "sharding"]

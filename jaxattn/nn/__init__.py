@@ -1,0 +1,11 @@
+"""Flax NNX modules built on ``jaxattn.ops`` (Linen users: ``flax.nnx.bridge.to_linen``)."""
+
+from jaxattn.nn.attention import Attention
+from jaxattn.nn.block import TransformerBlock
+from jaxattn.nn.linear import Einsum, param
+from jaxattn.nn.mlp import MLP
+from jaxattn.nn.norms import LayerNorm, RMSNorm
+from jaxattn.nn.positional import LearnedPositionalEmbedding, T5RelativePositionBias
+
+__all__ = ["MLP", "Attention", "Einsum", "LayerNorm", "LearnedPositionalEmbedding", "RMSNorm",
+           "T5RelativePositionBias", "TransformerBlock", "param"]
