@@ -96,3 +96,13 @@ def test_bad_configs_raise():
     Attention(D, num_heads=4, position="sinusoidal-ish", rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="embed_dim"):
     Attention(30, num_heads=4, rngs=nnx.Rngs(0))
+
+
+def test_bf16_compute_with_fp32_params():
+  attn = Attention(D, num_heads=4, num_kv_heads=2, rngs=nnx.Rngs(0))
+  attn16 = Attention(D, num_heads=4, num_kv_heads=2, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  x = _x()
+  y16 = attn16(x.astype(jnp.bfloat16))
+  assert y16.dtype == jnp.bfloat16 and attn16.q_proj.kernel[...].dtype == jnp.float32
+  # bf16 projections + bf16 attention output: ~3 significant digits on O(1) activations.
+  np.testing.assert_allclose(y16.astype(jnp.float32), attn(x), atol=5e-2, rtol=5e-2)

@@ -1,0 +1,20 @@
+"""The README's quick start runs as written (keeps the README true as the code changes)."""
+
+import pathlib
+import re
+
+
+def test_readme_quick_start_runs():
+  text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+  code = re.search(r"## Quick start\n\n```python\n(.*?)```", text, re.S).group(1)
+  scope: dict = {}
+  exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - our own documentation
+  assert scope["logits"].shape == (2, 16, 1000)
+  assert scope["next_logits"].shape == (2, 1, 1000)
+  assert scope["out"].shape == (1, 1024, 8, 64)
+
+
+def test_readme_test_command_matches_ci():
+  root = pathlib.Path(__file__).parents[1]
+  readme, ci = (root / "README.md").read_text(), (root / ".ci" / "run").read_text()
+  assert "-m pytest -n 2 -q" in readme and "-m pytest -n 2 -q" in ci
