@@ -34,6 +34,14 @@ _UNAVAILABLE: dict[str, str] = {
 }
 
 
+class UnsupportedError(ValueError):
+  """A backend cannot compute this call (e.g. a kernel given a dense bias).
+
+  With ``implementation=None`` the dispatcher then tries the next backend in its order and, if none
+  can, reports every reason; an explicitly requested backend lets it propagate.
+  """
+
+
 def register_implementation(name: str, fn: Callable) -> None:
   """Registers a backend under ``name`` (one of ``IMPLEMENTATIONS``); used by ``pallas_kernels``."""
   if name not in IMPLEMENTATIONS:
@@ -175,16 +183,29 @@ def dot_product_attention(
     ``[B, T, N, h]`` in the query dtype; with ``return_residuals``, ``(out, lse)``.
   """
   _validate(query, key, value, bias, mask, scale, alibi_slopes, logits_soft_cap)
-  impl = _resolve(implementation)
   mask_obj = mask if isinstance(mask, Mask) else None
   mask_array = None if (mask is None or isinstance(mask, Mask)) else jnp.asarray(mask, bool)
   mask_obj = make_mask(is_causal=is_causal, local_window_size=local_window_size,
                        segment_ids=segment_ids, kv_lengths=kv_lengths, mask=mask_obj)
   if scale is None:
     scale = 1.0 / math.sqrt(query.shape[-1])
-  return impl(query, key, value, bias=bias, mask=mask_obj, mask_array=mask_array, scale=scale,
-              alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap, q_offset=q_offset,
-              return_residuals=return_residuals)
+  kwargs = dict(bias=bias, mask=mask_obj, mask_array=mask_array, scale=scale,
+                alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap, q_offset=q_offset,
+                return_residuals=return_residuals)
+  if implementation is not None:
+    return _resolve(implementation)(query, key, value, **kwargs)
+  # Auto: the first available backend that accepts this call.
+  reasons = []
+  for name in _auto_order():
+    _load_builtin(name)
+    if name not in _REGISTRY:
+      reasons.append(f"{name}: {_UNAVAILABLE.get(name, 'not registered')}")
+      continue
+    try:
+      return _REGISTRY[name](query, key, value, **kwargs)
+    except UnsupportedError as e:
+      reasons.append(f"{name}: {e}")
+  raise ValueError("no attention implementation can compute this call: " + "; ".join(reasons))
 
 
 def _attention_xla(query, key, value, *, bias, mask, mask_array, scale, alibi_slopes,

@@ -209,6 +209,26 @@ def test_auto_implementation_on_cpu_is_chunked():
                              dpa(q, kk, v, is_causal=True, implementation="xla_chunked"), atol=0)
 
 
+def test_auto_dispatch_skips_backends_that_decline(monkeypatch):
+  """Auto mode tries its order and moves past a backend that raises UnsupportedError."""
+  import jaxattn.ops.attention as A
+  q, kk, v = _qkv(t=5)
+  calls = []
+
+  def declining(*args, **kwargs):
+    calls.append(1)
+    raise A.UnsupportedError("no dense bias here")
+
+  monkeypatch.setattr(A, "_auto_order", lambda: ["pallas_gpu", "xla"])
+  monkeypatch.setitem(A._REGISTRY, "pallas_gpu", declining)
+  bias = jax.random.normal(jax.random.key(1), (1, 4, 5, 5))
+  np.testing.assert_allclose(dpa(q, kk, v, bias=bias), dpa(q, kk, v, bias=bias, implementation="xla"))
+  assert calls == [1]
+  monkeypatch.setattr(A, "_auto_order", lambda: ["pallas_gpu"])
+  with pytest.raises(ValueError, match="no dense bias here"):
+    dpa(q, kk, v, bias=bias)
+
+
 def test_errors():
   q, kk, v = _qkv(n=4, k=2)
   with pytest.raises(ValueError, match="multiple of key/value heads"):
@@ -223,8 +243,9 @@ def test_errors():
     dpa(q[0], kk, v)
   with pytest.raises(ValueError, match="implementation"):
     dpa(q, kk, v, implementation="cudnn_magic")
-  with pytest.raises(ValueError, match="never fall back"):
-    dpa(q, kk, v, implementation="pallas_tpu")
+  # An explicit backend that cannot take this call raises; it never falls back.
+  with pytest.raises(ValueError, match="dense `bias`"):
+    dpa(q, kk, v, bias=jnp.zeros((1, 4, 7, 7)), implementation="pallas_tpu")
   with pytest.raises(ValueError, match="local_window_size"):
     dpa(q, kk, v, local_window_size=-1)
   with pytest.raises(ValueError, match="bias"):

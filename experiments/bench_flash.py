@@ -1,0 +1,379 @@
+"""Flash attention: the Pallas kernels against the platform's attention baseline and matmul peak.
+
+What it measures depends on the default JAX backend:
+
+* GPU: the Pallas GPU kernel (``implementation="pallas_gpu"``) against
+  ``jax.nn.dot_product_attention(implementation="cudnn")``, bf16, causal and not, for each
+  sequence length; TFLOP/s of useful work and its share of a bf16 matmul's rate measured in the
+  same run.
+* TPU: the Pallas TPU kernel against ``jax.nn.dot_product_attention`` (XLA), the same columns.
+* CPU: the memory-efficient XLA path (``implementation="xla_chunked"``, the default on CPU) against
+  ``jax.nn.dot_product_attention``, fp32, with peak memory; the Pallas kernels only run
+  interpreted on CPU, which says nothing about speed.
+
+Columns: best-of-``--repeats`` wall time of the compiled call; useful TFLOP/s (forward: ``2 B N
+(H + h) * pairs``, where ``pairs`` is ``T S`` or, causal, ``T (T + 1) / 2``; forward + backward:
+3.5x that, the FlashAttention-2 accounting); ``speedup`` = baseline time / our time (> 1: ours is
+faster); ``% peak`` = our TFLOP/s / the matmul's; peak memory (temp + arguments + outputs from
+``compiled.memory_analysis()``).  ``--check`` first compares outputs and gradients with the
+formula on the accelerator (a correctness smoke test that needs no pytest).
+
+    python -m experiments.bench_flash                                    # platform defaults
+    python -m experiments.bench_flash --seq-lens 2048 4096 8192 16384 --backward
+    python -m experiments.bench_flash --seq-lens 1024 2048 --no-plot
+    python -m experiments.bench_flash --roofline     # the TPU table of docs/performance.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxattn.ops.attention import dot_product_attention
+from pallas_kernels.flash_attention import BlockSizes
+
+try:
+  from tqdm import tqdm
+except ImportError:  # tqdm is optional
+  tqdm = None
+
+
+def _platform() -> str:
+  p = jax.default_backend()
+  return "gpu" if p in ("gpu", "cuda", "rocm") else p
+
+
+def _compile(fn, *args):
+  return jax.jit(fn).lower(*args).compile()
+
+
+def _best_time(compiled, args, repeats):
+  jax.block_until_ready(compiled(*args))  # warm-up
+  best = float("inf")
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    best = min(best, time.perf_counter() - t0)
+  return best
+
+
+def _peak_bytes(compiled) -> float:
+  m = compiled.memory_analysis()
+  if m is None:
+    return float("nan")
+  return float(m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes)
+
+
+def matmul_rate(n: int, dtype, repeats: int) -> float:
+  """Rate of one ``n x n x n`` matmul (random data, fp32 accumulation), FLOP/s."""
+  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
+  b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dtype)
+  f = _compile(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(dtype), a, b)
+  return 2 * n**3 / _best_time(f, (a, b), repeats)
+
+
+def attention_flops(b, t, s, n, h, hv, causal, backward) -> float:
+  pairs = t * (t + 1) / 2 if causal and t == s else t * s
+  fwd = 2.0 * b * n * (h + hv) * pairs
+  return fwd * (3.5 if backward else 1.0)
+
+
+def _make(kind, causal, backward):
+  """The function timed for one implementation: forward, or forward + backward (grads of sum)."""
+  if kind == "ours":
+    impl = {"gpu": "pallas_gpu", "tpu": "pallas_tpu", "cpu": "xla_chunked"}[_platform()]
+
+    def fwd(q, k, v):
+      return dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
+  else:
+    impl = "cudnn" if _platform() == "gpu" else "xla"
+
+    def fwd(q, k, v):
+      return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
+
+  if not backward:
+    return fwd
+  grad = jax.grad(lambda q, k, v: jnp.sum(fwd(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
+  return grad
+
+
+def run_benchmark(args) -> list[dict]:
+  platform = _platform()
+  dtype = jnp.dtype(args.dtype or ("float32" if platform == "cpu" else "bfloat16"))
+  seq_lens = args.seq_lens or ([1024, 2048, 4096] if platform == "cpu"
+                               else [2048, 4096, 8192, 16384])
+  peak_size = args.matmul_size or (2048 if platform == "cpu" else 8192)
+  # TFLOP/s on accelerators, GFLOP/s on CPU.
+  unit, uname = (1e9, "GFLOP/s") if platform == "cpu" else (1e12, "TFLOP/s")
+  peak = matmul_rate(peak_size, dtype, args.repeats) / unit
+  base_name = {"gpu": "cudnn", "tpu": "jax.nn (XLA)", "cpu": "jax.nn (XLA)"}[platform]
+  ours_name = {"gpu": "pallas_gpu", "tpu": "pallas_tpu", "cpu": "xla_chunked"}[platform]
+  print(f"platform={platform} device={jax.devices()[0].device_kind} jax={jax.__version__} "
+        f"dtype={dtype.name} heads={args.heads}/{args.kv_heads} head_dim={args.head_dim} "
+        f"tokens/batch={args.tokens} {'fwd+bwd' if args.backward else 'fwd'}")
+  print(f"matmul peak ({peak_size}^3, {dtype.name}): {peak:.1f} {uname}")
+  print(f"{'T':>6} {'causal':>6} {'B':>3} | {ours_name + ' ms':>15} {uname:>8} {'% peak':>7} "
+        f"{'mem MiB':>8} | {base_name + ' ms':>17} {uname:>8} {'mem MiB':>8} | {'speedup':>7}")
+  jobs = [(t, c) for t in seq_lens for c in (False, True)]
+  it = tqdm(jobs, desc="bench_flash", leave=False, file=sys.stderr) if tqdm else jobs
+  rows = []
+  for t, causal in it:
+    b = max(1, args.tokens // t)
+    ks = jax.random.split(jax.random.key(t), 3)
+    q = jax.random.normal(ks[0], (b, t, args.heads, args.head_dim), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[1], (b, t, args.kv_heads, args.head_dim), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], (b, t, args.kv_heads, args.head_dim), jnp.float32).astype(dtype)
+    flops = attention_flops(b, t, t, args.heads, args.head_dim, args.head_dim, causal,
+                            args.backward)
+    row = {"T": t, "causal": causal, "B": b}
+    for kind in ("ours", "base"):
+      try:
+        compiled = _compile(_make(kind, causal, args.backward), q, k, v)
+        sec = _best_time(compiled, (q, k, v), args.repeats)
+        row[kind] = (sec, flops / sec / unit, _peak_bytes(compiled) / 2**20)
+      except Exception as e:  # a baseline may not support a shape (e.g. cuDNN limits): say why
+        row[kind] = None
+        row[kind + "_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    rows.append(row)
+    ours, base = row["ours"], row["base"]
+    fmt = lambda r: (f"{r[0] * 1e3:15.2f} {r[1]:8.1f}" if r else f"{'n/a':>15} {'':>8}")  # noqa
+    line = f"{t:>6} {str(causal):>6} {b:>3} | {fmt(ours)} "
+    line += f"{100 * ours[1] / peak:6.1f}% {ours[2]:8.0f} | " if ours else f"{'':>7} {'':>8} | "
+    line += (f"{base[0] * 1e3:17.2f} {base[1]:8.1f} {base[2]:8.0f} | " if base
+             else f"{'n/a':>17} {'':>8} {'':>8} | ")
+    line += f"{base[0] / ours[0]:6.2f}x" if (ours and base) else "     -"
+    print(line, flush=True)
+    for kind in ("ours", "base"):
+      if row.get(kind + "_error"):
+        print(f"       {kind}: {row[kind + '_error']}")
+  _goal(rows, peak, platform, args)
+  if args.plot:
+    _plot(rows, peak, ours_name, base_name, uname, args.plot)
+  return rows
+
+
+def _goal(rows, peak, platform, args):
+  if platform == "cpu":
+    last = [r for r in rows if r["causal"] and r["ours"] and r["base"]]
+    if last:
+      r = last[-1]
+      print(f"goal (CPU, causal T={r['T']}): {r['base'][0] / r['ours'][0]:.2f}x jax.nn time, "
+            f"{r['base'][2] / r['ours'][2]:.1f}x less memory")
+    return
+  at = [r for r in rows if r["T"] == 8192 and r["ours"]]
+  for r in at:
+    share = r["ours"][1] / peak
+    vs = (r["base"][0] / r["ours"][0]) if r["base"] else float("nan")
+    ok = share >= 0.6 and (vs >= 1.0 or math.isnan(vs))
+    print(f"goal (T=8192, causal={r['causal']}, {'fwd+bwd' if args.backward else 'fwd'}): "
+          f"{100 * share:.0f}% of matmul peak (>= 60%), {vs:.2f}x the baseline (>= 1): "
+          f"{'MET' if ok else 'NOT MET'}")
+
+
+def _plot(rows, peak, ours_name, base_name, uname, path):
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print("matplotlib not installed: no plot")
+    return
+  fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+  for ax, causal in zip(axes, (False, True)):
+    sel = [r for r in rows if r["causal"] == causal]
+    ts = [r["T"] for r in sel]
+    for kind, name in (("ours", ours_name), ("base", base_name)):
+      ax.plot(ts, [r[kind][1] if r[kind] else np.nan for r in sel], marker="o", label=name)
+    ax.axhline(peak, color="gray", ls="--", label="matmul peak")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length T")
+    ax.set_title("causal" if causal else "full")
+    ax.legend()
+  axes[0].set_ylabel(uname)
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  print(f"plot: {path}")
+
+
+# ----------------------------------------------------------------------------------------------
+# TPU roofline on paper (docs/performance.md)
+# ----------------------------------------------------------------------------------------------
+
+# Public chip specifications (Cloud TPU documentation): bf16 peak FLOP/s, HBM bytes/s.
+TPU_SPECS = {"v5e": (197e12, 819e9), "v6e": (918e12, 1638e9)}
+
+
+def forward_step_intensity(block_q, block_k, head_dim, v_head_dim, itemsize, seq_k):
+  """FLOP per HBM byte of the TPU forward kernel over one query block's row of ``seq_k`` keys:
+  every step fetches a ``[block_k, H]`` key and ``[block_k, h]`` value block; the query block, the
+  output and the lane-replicated fp32 lse block move once per row."""
+  steps = seq_k // block_k
+  flops = 2.0 * block_q * seq_k * (head_dim + v_head_dim)
+  moved = steps * block_k * (head_dim + v_head_dim) * itemsize
+  moved += block_q * (head_dim + v_head_dim) * itemsize + block_q * 128 * 4
+  return flops / moved
+
+
+def backward_intensities(block_q, block_k, head_dim, v_head_dim, itemsize, seq):
+  """(dQ kernel, dK/dV kernel) FLOP per HBM byte over one row of the grid."""
+  h, hv = head_dim, v_head_dim
+  # dQ: per step k, v blocks; s = q k^T, dp = do v^T, dq += ds k: 3 matmuls.
+  steps = seq // block_k
+  flops = 2.0 * block_q * seq * (2 * h + hv)
+  moved = steps * block_k * (h + hv) * itemsize + block_q * (h + 2 * hv) * itemsize \
+      + 2 * block_q * 128 * 4 + block_q * h * 4
+  dq = flops / moved
+  # dK/dV: per step q, do blocks and the sublane-replicated lse and delta rows; 4 matmuls.
+  steps = seq // block_q
+  flops = 2.0 * block_k * seq * (2 * h + 2 * hv)
+  moved = steps * (block_q * (h + hv) * itemsize + 2 * 8 * block_q * 4) \
+      + block_k * (h + hv) * (itemsize + 4)
+  return dq, flops / moved
+
+
+def print_roofline(head_dim=128, seq=8192, itemsize=2):
+  from pallas_kernels.flash_attention import tpu  # noqa: PLC0415
+  print(f"TPU forward kernel, H = h = {head_dim}, {'bf16' if itemsize == 2 else 'fp32'}, "
+        f"S = {seq}; ridge = peak / bandwidth:")
+  for chip, (peak, bw) in TPU_SPECS.items():
+    print(f"  {chip}: {peak / 1e12:.0f} TFLOP/s, {bw / 1e9:.0f} GB/s, ridge {peak / bw:.0f} FLOP/B")
+  print(f"{'block_q':>7} {'block_k':>7} | {'FLOP/B fwd':>10} {'dQ':>6} {'dK/dV':>6} | "
+        f"{'VMEM MiB fwd':>12} {'dQ':>5} {'dK/dV':>5} | "
+        + " ".join(f"{c + ' fwd bound':>16}" for c in TPU_SPECS))
+  for bq, bk in ((128, 128), (256, 256), (256, 512), (512, 512), (1024, 512), (1024, 1024),
+                 (2048, 512)):
+    i_f = forward_step_intensity(bq, bk, head_dim, head_dim, itemsize, seq)
+    i_dq, i_dkv = backward_intensities(bq, bk, head_dim, head_dim, itemsize, seq)
+    vmem = [f(bq, bk, head_dim, head_dim, itemsize) / 2**20
+            for f in (tpu.vmem_bytes_forward, tpu.vmem_bytes_dq, tpu.vmem_bytes_dkv)]
+    cells = []
+    for peak, bw in TPU_SPECS.values():
+      frac = min(1.0, i_f * bw / peak)  # attainable share of peak (roofline) in the forward
+      cells.append(f"{'compute' if frac >= 1 else 'memory'} {100 * frac:5.0f}%")
+    print(f"{bq:>7} {bk:>7} | {i_f:>10.0f} {i_dq:>6.0f} {i_dkv:>6.0f} | {vmem[0]:>12.1f} "
+          f"{vmem[1]:>5.1f} {vmem[2]:>5.1f} | " + " ".join(f"{c:>16}" for c in cells))
+
+
+# ----------------------------------------------------------------------------------------------
+# Correctness smoke test on the accelerator (no pytest needed)
+# ----------------------------------------------------------------------------------------------
+
+
+def run_check() -> bool:
+  """Kernel vs formula (outputs and gradients) for a few feature mixes, on the default device."""
+  from jaxattn.ops import masks as M  # noqa: PLC0415
+  from pallas_kernels.flash_attention import flash_attention_gpu, flash_attention_tpu  # noqa
+
+  platform = _platform()
+  kernel = {"gpu": flash_attention_gpu, "tpu": flash_attention_tpu}.get(platform)
+  if kernel is None:
+    print("check: no accelerator; the kernels are tested in interpret mode by tests/kernels/")
+    return True
+  blocks = BlockSizes.gpu() if platform == "gpu" else BlockSizes(128, 128, 128, 128)
+  ok = True
+  cases = [
+      ("bf16 causal GQA", jnp.bfloat16, (2, 1000, 8, 2, 128), dict(is_causal=True), 3e-2),
+      ("bf16 window+segments+alibi+softcap", jnp.bfloat16, (2, 777, 4, 4, 64),
+       dict(local_window_size=100, segments=True, alibi=True, logits_soft_cap=20.0), 3e-2),
+      ("fp32 padding, offset", jnp.float32, (2, 300, 4, 1, 64),
+       dict(is_causal=True, kv_lengths=True, q_offset=0), 1e-2),  # TF32 matmuls on GPU
+  ]
+  for name, dtype, (b, t, n, kh, h), kw, tol in cases:
+    ks = jax.random.split(jax.random.key(7), 3)
+    q = jax.random.normal(ks[0], (b, t, n, h), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[1], (b, t, kh, h), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], (b, t, kh, h), jnp.float32).astype(dtype)
+    ref_kw = {key: val for key, val in kw.items() if key not in ("segments", "alibi", "kv_lengths")}
+    if kw.get("segments"):
+      ref_kw["segment_ids"] = jnp.asarray(np.arange(t)[None, :].repeat(b, 0) * 3 // t, jnp.int32)
+    if kw.get("alibi"):
+      ref_kw["alibi_slopes"] = jnp.asarray(0.5 ** np.arange(1, n + 1), jnp.float32)
+    if kw.get("kv_lengths"):
+      ref_kw["kv_lengths"] = jnp.asarray([t, t // 3], jnp.int32)
+    mask = M.make_mask(is_causal=ref_kw.get("is_causal", False),
+                       local_window_size=ref_kw.get("local_window_size"),
+                       segment_ids=ref_kw.get("segment_ids"), kv_lengths=ref_kw.get("kv_lengths"))
+
+    def ours(q, k, v):
+      return kernel(q, k, v, mask, alibi_slopes=ref_kw.get("alibi_slopes"),
+                    logits_soft_cap=ref_kw.get("logits_soft_cap"),
+                    q_offset=ref_kw.get("q_offset", 0), block_sizes=blocks)
+
+    def ref(q, k, v):
+      f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+      return dot_product_attention(f32(q), f32(k), f32(v), implementation="xla", **ref_kw)
+
+    def with_grads(f):
+      def g(q, k, v):
+        out, vjp = jax.vjp(f, q, k, v)
+        return (out,) + vjp(jnp.cos(out.astype(jnp.float32)).astype(out.dtype))
+      return jax.jit(g)
+
+    got = with_grads(ours)(q, k, v)
+    want = with_grads(ref)(q, k, v)
+    errs = []
+    for x, y in zip(got, want):
+      x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+      errs.append(float(np.max(np.abs(x - y))) / max(1.0, float(np.max(np.abs(y)))))
+    passed = all(e <= tol for e in errs) and not any(np.isnan(np.asarray(x, np.float32)).any()
+                                                      for x in got)
+    ok &= passed
+    print(f"check {name}: max err out/dq/dk/dv = "
+          + " ".join(f"{e:.2e}" for e in errs) + f" (tol {tol:g}) {'PASS' if passed else 'FAIL'}")
+  return ok
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--seq-lens", type=int, nargs="+", default=None,
+                 help="sequence lengths (default: 2k..16k on accelerators, 1k..4k on CPU)")
+  p.add_argument("--tokens", type=int, default=None,
+                 help="tokens per call: batch = tokens // T (default 16384; CPU 4096)")
+  p.add_argument("--heads", type=int, default=None, help="query heads (default 16; CPU 8)")
+  p.add_argument("--kv-heads", type=int, default=None, help="KV heads (default: = heads)")
+  p.add_argument("--head-dim", type=int, default=None, help="head size (default 128; CPU 64)")
+  p.add_argument("--dtype", default=None, help="default bfloat16 (accelerators) / float32 (CPU)")
+  p.add_argument("--backward", action="store_true", help="time forward + backward")
+  p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--matmul-size", type=int, default=None)
+  p.add_argument("--plot", default=None,
+                 help="where to save the rate plot (default runs/bench_flash_<platform>.png)")
+  p.add_argument("--no-plot", action="store_true")
+  p.add_argument("--check", action="store_true", help="correctness check on the device first")
+  p.add_argument("--check-only", action="store_true")
+  p.add_argument("--roofline", action="store_true",
+                 help="print the TPU v5e/v6e roofline table of docs/performance.md and exit")
+  args = p.parse_args(argv)
+  if args.roofline:
+    print_roofline(head_dim=args.head_dim or 128)
+    print()
+    print_roofline(head_dim=64)
+    return 0
+  cpu = _platform() == "cpu"
+  args.tokens = args.tokens or (4096 if cpu else 16384)
+  args.heads = args.heads or (8 if cpu else 16)
+  args.kv_heads = args.kv_heads or args.heads
+  args.head_dim = args.head_dim or (64 if cpu else 128)
+  if args.no_plot:
+    args.plot = None
+  elif args.plot is None:
+    suffix = "_bwd" if args.backward else ""
+    args.plot = os.path.join("runs", f"bench_flash_{_platform()}{suffix}.png")
+  ok = True
+  if args.check or args.check_only:
+    ok = run_check()
+  if not args.check_only:
+    run_benchmark(args)
+  return 0 if ok else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

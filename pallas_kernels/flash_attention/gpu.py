@@ -1,0 +1,428 @@
+"""Flash attention for NVIDIA GPUs (Pallas Triton): forward, dQ and dK/dV kernels.
+
+The same function, features and block tables as the TPU kernel (``tpu.py``), in the GPU shape of
+the algorithm (FlashAttention-2): one program per ``(query block, batch row, head)`` holds its query
+tile and fp32 accumulator in registers and loops over key blocks *inside* the kernel::
+
+    for w in range(n_full):      j = table[w];  online-softmax step on k_j, v_j   (no mask)
+    for w in range(n_full, n_full + n_partial):   the same step, mask evaluated
+
+so empty blocks are never loaded and FULL blocks never evaluate the mask.  The layout stays
+``[B, T, N, H]`` (no transpose): a program addresses rows ``T`` with stride ``N * H``.  Head sizes
+are zero-padded to a power of two (Triton tiles), sequences to whole blocks.
+
+Backward: a dQ kernel (programs over query blocks, loop over key blocks) and a dK/dV kernel
+(programs over key blocks and *query* heads, loop over the non-empty query blocks in transposed
+orientation).  With GQA each query head writes its own fp32 dK/dV partial and XLA sums the ``G``
+heads of a group: no atomics, and any group size (a Triton tile cannot span a group of 3 or 7).
+
+Validated here in interpret mode only (``interpret=True`` runs the kernels on CPU);
+``experiments/device_check.sh`` runs the tests and the benchmark on a real GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jaxtyping import Array, Float, Int
+
+from jaxattn.ops.masks import Mask
+from pallas_kernels.flash_attention import common as C
+from pallas_kernels.flash_attention.sharded import run_flash
+
+
+def _div(x, d: int):
+  """``x // d`` for non-negative grid indices: truncating division (one scalar op; ``//`` adds
+  sign fix-ups), and none at all when ``d == 1``."""
+  return x if d == 1 else lax.div(x, d)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public entry point
+# ----------------------------------------------------------------------------------------------
+
+
+def flash_attention(
+    query: Float[Array, "B T N H"],
+    key: Float[Array, "B S K H"],
+    value: Float[Array, "B S K h"],
+    mask: Mask | None = None,
+    *,
+    scale: float | None = None,
+    alibi_slopes: Float[Array, "N"] | None = None,
+    logits_soft_cap: float | None = None,
+    q_offset: int | Int[Array, ""] = 0,
+    return_residuals: bool = False,
+    block_sizes: C.BlockSizes | None = None,
+    interpret: bool | None = None,
+    mesh=None,
+) -> Float[Array, "B T N h"] | tuple[Float[Array, "B T N h"], Float[Array, "B N T"]]:
+  """Flash attention on NVIDIA GPUs; arguments as ``pallas_kernels.flash_attention.tpu``.
+
+  ``block_sizes`` defaults to ``BlockSizes.gpu()``; its blocks must be powers of two >= 16.
+  ``interpret=None`` interprets (on CPU) unless the default backend is a GPU.
+  """
+  if interpret is None:
+    interpret = jax.default_backend() not in ("gpu", "cuda", "rocm")
+  block_sizes = block_sizes or C.BlockSizes.gpu()
+  for name in ("block_q", "block_k", "block_q_dkv", "block_k_dkv"):
+    v = getattr(block_sizes, name)
+    if v < 16 or v & (v - 1):
+      raise ValueError(f"GPU flash attention: `block_sizes.{name}` must be a power of two >= 16 "
+                       f"(a Triton tile), got {v}.")
+  out, lse = run_flash(query, key, value, mask, scale=scale, alibi_slopes=alibi_slopes,
+                       logits_soft_cap=logits_soft_cap, q_offset=q_offset, block_sizes=block_sizes,
+                       interpret=bool(interpret), mesh=mesh, build=_build, pow2_blocks=True)
+  return (out, lse) if return_residuals else out
+
+
+# ----------------------------------------------------------------------------------------------
+# custom VJP
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=128)
+def _build(plan: C.Plan):
+  """``(q, k, v, aux) -> (out [B, T, N, h], lse [B, N, T])`` with its flash backward."""
+
+  @jax.custom_vjp
+  def attention(q, k, v, aux):
+    return _forward(plan, q, k, v, aux)
+
+  def fwd(q, k, v, aux):
+    out, lse = _forward(plan, q, k, v, aux)
+    return (out, lse), (q, k, v, aux, out, lse)
+
+  def bwd(res, cotangents):
+    q, k, v, aux, out, lse = res
+    d_out, d_lse = cotangents
+    dq, dk, dv = _backward(plan, q, k, v, aux, out, lse, d_out, d_lse)
+    return dq, dk, dv, None
+
+  attention.defvjp(fwd, bwd)
+  return jax.jit(attention)
+
+
+def _pow2(x: int) -> int:
+  return max(16, 1 << (x - 1).bit_length())
+
+
+def _pad(x, seq_len, head_dim):
+  """``[B, T, N, H]`` zero-padded to ``[B, seq_len, N, head_dim]``."""
+  if x.shape[1] == seq_len and x.shape[3] == head_dim:
+    return x
+  return jnp.pad(x, ((0, 0), (0, seq_len - x.shape[1]), (0, 0), (0, head_dim - x.shape[3])))
+
+
+def _pad_vec(x):
+  """1-D scalar table padded to a power-of-two length (a Triton tile)."""
+  n = x.shape[0]
+  return jnp.pad(x, (0, _pow2(n) - n)) if n != _pow2(n) else x
+
+
+class _Inputs:
+
+  def __init__(self, plan: C.Plan, q, k, v, aux):
+    self.hp, self.vp = _pow2(plan.head_dim), _pow2(plan.v_head_dim)
+    self.q = _pad(q, plan.q_pad, self.hp)  # [B, Tp, N, Hp]
+    self.k = _pad(k, plan.kv_pad, self.hp)  # [B, Sp, K, Hp]
+    self.v = _pad(v, plan.kv_pad, self.vp)  # [B, Sp, K, hp]
+    ints = [aux["q_offset"].reshape(1)]
+    if plan.has_lengths:
+      ints.append(aux["kv_lengths"].astype(jnp.int32))
+    self.iscal = _pad_vec(jnp.concatenate(ints))  # q_offset, kv_lengths
+    floats = [aux["scale"].reshape(1)]
+    if plan.has_alibi:
+      floats.append(aux["slopes"])
+    self.fscal = _pad_vec(jnp.concatenate(floats))  # scale, slopes
+    self.segs = ()
+    if plan.has_segments:
+      self.segs = (C.pad_edge(aux["q_ids"].astype(jnp.int32), plan.q_pad),  # [B, Tp]
+                   C.pad_edge(aux["kv_ids"].astype(jnp.int32), plan.kv_pad))  # [B, Sp]
+
+
+def _tables(plan, aux, transpose):
+  return C.block_tables(plan, q_ids=aux["q_ids"], kv_ids=aux["kv_ids"],
+                        kv_lengths=aux["kv_lengths"], transpose=transpose, pad_width_to_pow2=True)
+
+
+def _compiler_params(plan: C.Plan, head_dim: int):
+  num_warps = plan.num_warps or (4 if head_dim <= 64 else 8)
+  return plgpu.CompilerParams(num_warps=num_warps, num_stages=plan.num_stages)
+
+
+def _scalars(plan, iscal_ref, fscal_ref, b, n):
+  slope = fscal_ref[1 + n] if plan.has_alibi else None
+  kv_length = iscal_ref[1 + b] if plan.has_lengths else None
+  return iscal_ref[0], fscal_ref[0], slope, kv_length
+
+
+def _bt(plan, b):
+  return b if plan.per_batch_tables else 0
+
+
+def _visit(counts_ref, entries_ref, carry, step):
+  """Runs ``step(block, carry, masked)`` over the FULL then the PARTIAL entries of one row."""
+  n_full, n_part = counts_ref[0], counts_ref[1]
+  for masked, lo, hi in ((False, 0, n_full), (True, n_full, n_full + n_part)):
+    carry = lax.fori_loop(
+        lo, hi, lambda w, c, masked=masked: step(entries_ref[w] >> C.KIND_BITS, c, masked), carry)
+  return carry
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------
+
+
+def _forward(plan: C.Plan, q, k, v, aux):
+  x = _Inputs(plan, q, k, v, aux)
+  entries, counts = _tables(plan, aux, transpose=False)
+  out, lse = _fwd_call(plan, entries.shape[-1], x.hp, x.vp)(
+      x.q, x.k, x.v, entries, counts, x.iscal, x.fscal, *x.segs)
+  return out[:, :plan.q_len, :, :plan.v_head_dim], lse[:, :, :plan.q_len]
+
+
+def _common_specs(plan, width, iscal_len, fscal_len, transpose):
+  """Table, count, scalar and segment-id specs for a grid ``(blocks, B, heads)``."""
+  rows_block = plan.block_k_dkv if transpose else plan.block_q
+  specs = [
+      pl.BlockSpec((None, None, width), lambda r, b, h: (_bt(plan, b), r, 0)),  # entries
+      pl.BlockSpec((None, None, 2), lambda r, b, h: (_bt(plan, b), r, 0)),  # counts
+      pl.BlockSpec((iscal_len,), lambda r, b, h: (0,)),
+      pl.BlockSpec((fscal_len,), lambda r, b, h: (0,)),
+  ]
+  if plan.has_segments:
+    if transpose:  # programs own key blocks and loop over all query rows
+      specs += [pl.BlockSpec((None, plan.q_pad), lambda r, b, h: (b, 0)),
+                pl.BlockSpec((None, rows_block), lambda r, b, h: (b, r))]
+    else:
+      specs += [pl.BlockSpec((None, rows_block), lambda r, b, h: (b, r)),
+                pl.BlockSpec((None, plan.kv_pad), lambda r, b, h: (b, 0))]
+  return specs
+
+
+@functools.lru_cache(maxsize=128)
+def _fwd_call(plan: C.Plan, width: int, hp: int, vp: int):
+  bq, g = plan.block_q, plan.groups
+  nq = plan.q_pad // bq
+  in_specs = [
+      pl.BlockSpec((None, bq, None, hp), lambda i, b, n: (b, i, n, 0)),  # q tile
+      pl.BlockSpec((None, plan.kv_pad, None, hp), lambda i, b, n: (b, 0, _div(n, g), 0)),  # k (all)
+      pl.BlockSpec((None, plan.kv_pad, None, vp), lambda i, b, n: (b, 0, _div(n, g), 0)),  # v (all)
+  ] + _common_specs(plan, width, *_scalar_lens(plan), transpose=False)
+  out_specs = [
+      pl.BlockSpec((None, bq, None, vp), lambda i, b, n: (b, i, n, 0)),
+      pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i)),
+  ]
+  out_shape = [
+      jax.ShapeDtypeStruct((plan.batch, plan.q_pad, plan.num_heads, vp), jnp.dtype(plan.dtype)),
+      jax.ShapeDtypeStruct((plan.batch, plan.num_heads, plan.q_pad), jnp.float32),
+  ]
+  return pl.pallas_call(
+      functools.partial(_fwd_kernel, plan=plan),
+      grid=(nq, plan.batch, plan.num_heads),
+      in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+      compiler_params=_compiler_params(plan, hp),
+      interpret=plan.interpret, name="jaxattn_flash_fwd_gpu")
+
+
+def _scalar_lens(plan):
+  return _pow2(1 + (plan.batch if plan.has_lengths else 0)), _pow2(
+      1 + (plan.num_heads if plan.has_alibi else 0))
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, entries_ref, counts_ref, iscal_ref, fscal_ref, *refs, plan):
+  if plan.has_segments:
+    qseg_ref, kvseg_ref, *refs = refs
+  o_ref, lse_ref = refs
+  i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  bq, bk = plan.block_q, plan.block_k
+  q_offset, scale, slope, kv_length = _scalars(plan, iscal_ref, fscal_ref, b, n)
+  q = q_ref[...]  # [bq, Hp], resident for the whole loop
+  q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)[:, None]  # [bq, 1]
+  q_seg = qseg_ref[...][:, None] if plan.has_segments else None
+
+  def step(j, carry, masked):
+    acc, m, l = carry  # [bq, hp], [bq], [bq]
+    start = pl.multiple_of(j * bk, bk)
+    k = k_ref[pl.ds(start, bk), :]  # [bk, Hp]
+    v = v_ref[pl.ds(start, bk), :]  # [bk, hp]
+    s = plgpu.dot(q, k, trans_b=True)  # [bq, bk] fp32
+    kv_idx = start + jnp.arange(bk, dtype=jnp.int32)[None, :]
+    segs = {}
+    if masked and plan.has_segments:
+      segs = dict(q_seg=q_seg, kv_seg=kvseg_ref[pl.ds(start, bk)][None, :])
+    s = C.block_scores(s, plan=plan, q_idx=q_idx, kv_idx=kv_idx, q_offset=q_offset, scale=scale,
+                       slope=slope, masked=masked, kv_length=kv_length, **segs)
+    m_next = jnp.maximum(m, jnp.max(s, axis=1))
+    m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # no allowed key yet: exp(-inf) = 0
+    p = jnp.exp(s - m_safe[:, None])
+    alpha = jnp.exp(m - m_safe)
+    acc = acc * alpha[:, None] + plgpu.dot(p.astype(C.matmul_dtype(v)), v)
+    return acc, m_next, l * alpha + jnp.sum(p, axis=1)
+
+  init = (jnp.zeros((bq, o_ref.shape[-1]), jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32),
+          jnp.zeros((bq,), jnp.float32))
+  acc, m, l = _visit(counts_ref, entries_ref, init, step)
+  ok = l > 0.0
+  inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)  # a row with no allowed key gives 0
+  o_ref[...] = (acc * inv[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(ok, m + jnp.log(jnp.where(ok, l, 1.0)), -jnp.inf)
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------------
+
+
+def _backward(plan: C.Plan, q, k, v, aux, out, lse, d_out, d_lse):
+  x = _Inputs(plan, q, k, v, aux)
+  do = _pad(d_out, plan.q_pad, x.vp)  # [B, Tp, N, hp]
+  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, N]
+  delta = jnp.swapaxes(delta, 1, 2) - d_lse.astype(jnp.float32)  # [B, N, T]
+  lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)  # empty rows: p = exp(-inf - 0) = 0
+  pad_t = ((0, 0), (0, 0), (0, plan.q_pad - plan.q_len))
+  delta, lse_safe = jnp.pad(delta, pad_t), jnp.pad(lse_safe, pad_t)
+
+  entries, counts = _tables(plan, aux, transpose=False)
+  dq = _dq_call(plan, entries.shape[-1], x.hp, x.vp)(
+      x.q, x.k, x.v, do, lse_safe, delta, entries, counts, x.iscal, x.fscal, *x.segs)
+  entries_t, counts_t = _tables(plan, aux, transpose=True)
+  dk, dv = _dkv_call(plan, entries_t.shape[-1], x.hp, x.vp)(
+      x.q, x.k, x.v, do, lse_safe, delta, entries_t, counts_t, x.iscal, x.fscal, *x.segs)
+  b, s, kh, g = plan.batch, plan.kv_len, plan.num_kv_heads, plan.groups
+  # Per-query-head partials [B, Sp, N, .] -> sum over the G heads of each KV head.
+  dk = dk[:, :s, :, :plan.head_dim].reshape(b, s, kh, g, plan.head_dim).sum(3)
+  dv = dv[:, :s, :, :plan.v_head_dim].reshape(b, s, kh, g, plan.v_head_dim).sum(3)
+  dq = dq[:, :plan.q_len, :, :plan.head_dim]
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@functools.lru_cache(maxsize=128)
+def _dq_call(plan: C.Plan, width: int, hp: int, vp: int):
+  bq, g = plan.block_q, plan.groups
+  nq = plan.q_pad // bq
+  row = lambda i, b, n: (b, i, n, 0)  # noqa: E731
+  kv_all = lambda i, b, n: (b, 0, _div(n, g), 0)  # noqa: E731
+  in_specs = [
+      pl.BlockSpec((None, bq, None, hp), row),  # q
+      pl.BlockSpec((None, plan.kv_pad, None, hp), kv_all),  # k
+      pl.BlockSpec((None, plan.kv_pad, None, vp), kv_all),  # v
+      pl.BlockSpec((None, bq, None, vp), row),  # do
+      pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i)),  # lse
+      pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i)),  # delta
+  ] + _common_specs(plan, width, *_scalar_lens(plan), transpose=False)
+  return pl.pallas_call(
+      functools.partial(_dq_kernel, plan=plan),
+      grid=(nq, plan.batch, plan.num_heads),
+      in_specs=in_specs, out_specs=pl.BlockSpec((None, bq, None, hp), row),
+      out_shape=jax.ShapeDtypeStruct((plan.batch, plan.q_pad, plan.num_heads, hp), jnp.float32),
+      compiler_params=_compiler_params(plan, hp),
+      interpret=plan.interpret, name="jaxattn_flash_dq_gpu")
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entries_ref, counts_ref, iscal_ref,
+               fscal_ref, *refs, plan):
+  if plan.has_segments:
+    qseg_ref, kvseg_ref, *refs = refs
+  (dq_ref,) = refs
+  i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  bq, bk = plan.block_q, plan.block_k
+  q_offset, scale, slope, kv_length = _scalars(plan, iscal_ref, fscal_ref, b, n)
+  q, do = q_ref[...], do_ref[...]  # [bq, Hp], [bq, hp]
+  lse, delta = lse_ref[...][:, None], delta_ref[...][:, None]  # [bq, 1]
+  q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)[:, None]
+  q_seg = qseg_ref[...][:, None] if plan.has_segments else None
+
+  def step(j, dq, masked):
+    start = pl.multiple_of(j * bk, bk)
+    k = k_ref[pl.ds(start, bk), :]
+    v = v_ref[pl.ds(start, bk), :]
+    s = plgpu.dot(q, k, trans_b=True)  # [bq, bk]
+    kv_idx = start + jnp.arange(bk, dtype=jnp.int32)[None, :]
+    segs = {}
+    if masked and plan.has_segments:
+      segs = dict(q_seg=q_seg, kv_seg=kvseg_ref[pl.ds(start, bk)][None, :])
+    s = C.block_scores(s, plan=plan, q_idx=q_idx, kv_idx=kv_idx, q_offset=q_offset, scale=scale,
+                       slope=slope, masked=masked, kv_length=kv_length, **segs)
+    p = jnp.exp(s - lse)
+    dp = plgpu.dot(do, v, trans_b=True)  # [bq, bk]
+    ds = C.soft_cap_grad(p * (dp - delta), s, plan)
+    return dq + plgpu.dot(ds.astype(C.matmul_dtype(k)), k)  # [bq, Hp]
+
+  dq = _visit(counts_ref, entries_ref, jnp.zeros(dq_ref.shape, jnp.float32), step)
+  dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+@functools.lru_cache(maxsize=128)
+def _dkv_call(plan: C.Plan, width: int, hp: int, vp: int):
+  bk, g = plan.block_k_dkv, plan.groups
+  nk = plan.kv_pad // bk
+  q_all = lambda j, b, n: (b, 0, n, 0)  # noqa: E731
+  kv_blk = lambda j, b, n: (b, j, _div(n, g), 0)  # noqa: E731
+  in_specs = [
+      pl.BlockSpec((None, plan.q_pad, None, hp), q_all),  # q (all rows of head n)
+      pl.BlockSpec((None, bk, None, hp), kv_blk),  # k tile
+      pl.BlockSpec((None, bk, None, vp), kv_blk),  # v tile
+      pl.BlockSpec((None, plan.q_pad, None, vp), q_all),  # do
+      pl.BlockSpec((None, None, plan.q_pad), lambda j, b, n: (b, n, 0)),  # lse
+      pl.BlockSpec((None, None, plan.q_pad), lambda j, b, n: (b, n, 0)),  # delta
+  ] + _common_specs(plan, width, *_scalar_lens(plan), transpose=True)
+  out = lambda j, b, n: (b, j, n, 0)  # noqa: E731
+  out_shape = [
+      jax.ShapeDtypeStruct((plan.batch, plan.kv_pad, plan.num_heads, hp), jnp.float32),
+      jax.ShapeDtypeStruct((plan.batch, plan.kv_pad, plan.num_heads, vp), jnp.float32),
+  ]
+  return pl.pallas_call(
+      functools.partial(_dkv_kernel, plan=plan),
+      grid=(nk, plan.batch, plan.num_heads),
+      in_specs=in_specs,
+      out_specs=[pl.BlockSpec((None, bk, None, hp), out), pl.BlockSpec((None, bk, None, vp), out)],
+      out_shape=out_shape,
+      compiler_params=_compiler_params(plan, hp),
+      interpret=plan.interpret, name="jaxattn_flash_dkv_gpu")
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entries_ref, counts_ref,
+                iscal_ref, fscal_ref, *refs, plan):
+  if plan.has_segments:
+    qseg_ref, kvseg_ref, *refs = refs
+  dk_ref, dv_ref = refs
+  j, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  bq, bk = plan.block_q_dkv, plan.block_k_dkv
+  q_offset, scale, slope, kv_length = _scalars(plan, iscal_ref, fscal_ref, b, n)
+  k, v = k_ref[...], v_ref[...]  # [bk, Hp], [bk, hp], resident for the whole loop
+  kv_idx = j * bk + jnp.arange(bk, dtype=jnp.int32)[:, None]  # [bk, 1]
+  kv_seg = kvseg_ref[...][:, None] if plan.has_segments else None
+
+  def step(i, carry, masked):
+    dk, dv = carry
+    start = pl.multiple_of(i * bq, bq)
+    q = q_ref[pl.ds(start, bq), :]  # [bq, Hp]
+    do = do_ref[pl.ds(start, bq), :]  # [bq, hp]
+    s = plgpu.dot(k, q, trans_b=True)  # [bk, bq] = s^T
+    q_idx = start + jnp.arange(bq, dtype=jnp.int32)[None, :]
+    segs = {}
+    if masked and plan.has_segments:
+      segs = dict(kv_seg=kv_seg, q_seg=qseg_ref[pl.ds(start, bq)][None, :])
+    s = C.block_scores(s, plan=plan, q_idx=q_idx, kv_idx=kv_idx, q_offset=q_offset, scale=scale,
+                       slope=slope, masked=masked, kv_length=kv_length, **segs)
+    p = jnp.exp(s - lse_ref[pl.ds(start, bq)][None, :])  # p^T
+    dv = dv + plgpu.dot(p.astype(C.matmul_dtype(do)), do)  # [bk, hp]
+    dp = plgpu.dot(v, do, trans_b=True)  # [bk, bq] = dp^T
+    ds = C.soft_cap_grad(p * (dp - delta_ref[pl.ds(start, bq)][None, :]), s, plan)
+    return dk + plgpu.dot(ds.astype(C.matmul_dtype(q)), q), dv  # [bk, Hp]
+
+  init = (jnp.zeros(dk_ref.shape, jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32))
+  dk, dv = _visit(counts_ref, entries_ref, init, step)
+  dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+__all__ = ["flash_attention"]

@@ -1,0 +1,149 @@
+"""Running a flash-attention kernel under a device mesh.
+
+A Pallas call cannot be auto-partitioned by XLA (Mosaic and Triton kernels are opaque custom
+calls), so every call runs inside ``jax.shard_map``: batch is split over the mesh axes that the
+``"batch"`` rule of ``jaxattn.sharding.DEFAULT_RULES`` names, heads over the ``"heads"`` axes.  Each
+device then runs the kernel on its local ``[B/d, T, N/t, H]`` slice; no communication is needed
+because attention is independent per batch row and per head.
+
+Heads are split only when both the query heads ``N`` and the KV heads ``K`` divide by the head
+axes (so each shard keeps whole GQA groups: local query head ``n`` still reads local KV head
+``n // G``); otherwise heads stay whole and only batch is split.  Without a mesh (none passed and
+none set by ``jax.set_mesh``) the kernel runs directly.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxattn import sharding as jsharding
+from pallas_kernels.flash_attention import common
+
+
+def _context_mesh():
+  try:
+    mesh = jax.sharding.get_abstract_mesh()
+  except AttributeError:  # pragma: no cover - older jax
+    return None
+  if mesh is None or mesh.empty:
+    return None
+  return mesh
+
+
+def _free_axes(mesh) -> dict[str, int]:
+  """Mesh axes we may split over: size > 1 and not already manual (inside another shard_map)."""
+  manual = set(getattr(mesh, "manual_axes", ()) or ())
+  return {a: s for a, s in dict(mesh.shape).items() if s > 1 and a not in manual}
+
+
+def _spec_axes(logical: str, size: int, mesh, free: dict[str, int]):
+  """Mesh axes for one logical dimension of ``size``, restricted to free axes; None if none."""
+  entry = jsharding.logical_to_spec((logical,), mesh=mesh, shape=(size,))[0]
+  axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+  axes = tuple(a for a in axes if a in free)
+  if not axes or size % int(np.prod([free[a] for a in axes])):
+    return None
+  return axes[0] if len(axes) == 1 else axes
+
+
+def plan_specs(mesh, batch: int, num_heads: int, num_kv_heads: int):
+  """``(batch_axes, head_axes)`` used for a call with these sizes on ``mesh`` (None: not split)."""
+  free = _free_axes(mesh)
+  batch_axes = _spec_axes("batch", batch, mesh, free)
+  heads = _spec_axes("heads", num_heads, mesh, free)
+  kv_heads = _spec_axes("kv_heads", num_kv_heads, mesh, free)
+  head_axes = heads if heads == kv_heads else None
+  return batch_axes, head_axes
+
+
+def shard_attention(local: Callable, query, key, value, *, q_ids, kv_ids, kv_lengths,
+                    alibi_slopes, q_offset, scale, mesh=None):
+  """Runs ``local(q, k, v, q_ids, kv_ids, kv_lengths, slopes, q_offset, scale) -> (out, lse)``
+  under ``shard_map`` over ``mesh`` (or the context mesh), or directly when there is none.
+
+  Python scalars (``q_offset``, ``scale``) are closed over; arrays travel as ``shard_map``
+  arguments, batch-indexed ones split with the batch, ``alibi_slopes`` with the heads.
+  """
+  use_context = mesh is None
+  mesh = _context_mesh() if mesh is None else mesh
+  if mesh is None or not _free_axes(mesh):
+    return local(query, key, value, q_ids, kv_ids, kv_lengths, alibi_slopes, q_offset, scale)
+
+  b, _, n, _ = query.shape
+  bax, hax = plan_specs(mesh, b, n, key.shape[2])
+  named = {  # name -> (array, spec)
+      "query": (query, P(bax, None, hax, None)),
+      "key": (key, P(bax, None, hax, None)),
+      "value": (value, P(bax, None, hax, None)),
+      "q_ids": (q_ids, P(bax, None)),
+      "kv_ids": (kv_ids, P(bax, None)),
+      "kv_lengths": (kv_lengths, P(bax)),
+      "alibi_slopes": (alibi_slopes, P(hax)),
+      "q_offset": (q_offset, P()),
+      "scale": (scale, P()),
+  }
+  arrays = {k: v for k, v in named.items() if isinstance(v[0], (jax.Array, jax.core.Tracer))}
+  names = list(arrays)
+  in_specs = tuple(arrays[k][1] for k in names)
+  args = [_place(arrays[k][0], arrays[k][1], mesh) for k in names]
+
+  def body(*xs):
+    got = dict(zip(names, xs))
+    val = lambda k: got[k] if k in got else named[k][0]  # noqa: E731
+    return local(val("query"), val("key"), val("value"), val("q_ids"), val("kv_ids"),
+                 val("kv_lengths"), val("alibi_slopes"), val("q_offset"), val("scale"))
+
+  # check_vma=False: pallas_call outputs carry no varying-mesh-axis annotations.
+  f = jax.shard_map(body, mesh=None if use_context else mesh, in_specs=in_specs,
+                    out_specs=(P(bax, None, hax, None), P(bax, hax, None)), check_vma=False)
+  return f(*args)
+
+
+def run_flash(query, key, value, mask, *, scale, alibi_slopes, logits_soft_cap, q_offset,
+              block_sizes, interpret, mesh, build, pow2_blocks=False):
+  """The TPU and GPU entry points: validate, split the mask, shard, and run
+  ``build(plan)(q, k, v, aux)`` on each shard (``build`` maps a ``Plan`` to the backend's custom-VJP
+  function)."""
+  static, segments, lengths = common.split_mask(mask)
+  if scale is None:
+    scale = 1.0 / float(query.shape[-1]) ** 0.5
+  common.validate(query, key, value, q_offset=q_offset, scale=scale, alibi_slopes=alibi_slopes,
+                  logits_soft_cap=logits_soft_cap, segment_ids=segments, kv_lengths=lengths)
+  if not isinstance(block_sizes, common.BlockSizes):
+    raise ValueError(f"`block_sizes` must be a BlockSizes, got {type(block_sizes).__name__}.")
+  static_offset = None if common.is_traced(q_offset) else int(q_offset)
+
+  def local(q, k, v, q_ids, kv_ids, lens, slopes, offset, scl):
+    seg = None if q_ids is None else (q_ids, kv_ids)
+    plan = common.make_plan(
+        q, k, v, static_mask=static, q_offset=offset if static_offset is None else static_offset,
+        logits_soft_cap=logits_soft_cap, alibi_slopes=slopes, segment_ids=seg, kv_lengths=lens,
+        block_sizes=block_sizes, interpret=interpret, pow2_blocks=pow2_blocks)
+    aux = {"q_ids": q_ids, "kv_ids": kv_ids, "kv_lengths": lens,
+           "slopes": None if slopes is None else slopes.astype(jnp.float32),
+           "q_offset": jnp.asarray(offset, jnp.int32), "scale": jnp.asarray(scl, jnp.float32)}
+    return build(plan)(q, k, v, aux)
+
+  q_ids, kv_ids = (None, None) if segments is None else segments
+  return shard_attention(local, query, key, value, q_ids=q_ids, kv_ids=kv_ids, kv_lengths=lengths,
+                         alibi_slopes=alibi_slopes, q_offset=q_offset, scale=scale, mesh=mesh)
+
+
+def _place(x, spec, mesh):
+  """With Explicit mesh axes, ``shard_map`` refuses inputs whose sharding differs from its
+  ``in_specs`` rather than resharding them, so reshard explicitly; Auto axes need nothing."""
+  types = getattr(mesh, "axis_types", None)
+  explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+  if types and explicit is not None and any(t == explicit for t in types):
+    if isinstance(mesh, jax.sharding.Mesh):
+      return jax.sharding.reshard(x, NamedSharding(mesh, spec))
+    return jax.sharding.reshard(x, spec)
+  return x
+
+
+__all__ = ["shard_attention", "plan_specs", "run_flash"]

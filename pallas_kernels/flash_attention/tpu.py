@@ -1,0 +1,572 @@
+"""Flash attention for TPU (Mosaic): forward, dQ and dK/dV kernels with block-sparse masks.
+
+Reads top-down: public entry -> custom VJP -> forward / backward -> ``pallas_call`` builders ->
+kernels.  Semantics are those of ``jaxattn.ops.attention.dot_product_attention``; the tests hold the
+kernels against that formula.
+
+Layout.  Inputs ``[B, T, N, H]`` are transposed (and padded to whole blocks) to ``[B, N, T, H]``
+so that every VMEM block is a ``[rows, head_dim]`` tile.  GQA/MQA: query head ``n`` reads KV head
+``n // G`` through the index maps; K/V are never repeated in memory.
+
+Forward grid ``(B, N, query blocks, W)``::
+
+    for w in range(W):                       # "arbitrary": sequential, accumulates in VMEM
+      j, kind = table[b, i, w]               # scalar-prefetched (SMEM): w-th non-empty key block
+      if kind != EMPTY:                      # padded steps re-point to the last block: no DMA
+        s = scores(q_i . k_j)                # scale -> ALiBi -> soft-cap -> mask (PARTIAL only)
+        m' = max(m, rowmax(s));  p = exp(s - m');  a = exp(m - m')
+        l = a l + rowsum(p);  acc = a acc + p v_j;  m = m'
+    out_i = acc / l;  lse_i = m + log l      (zeros and -inf for a row with no allowed key)
+
+``W`` is the largest number of non-empty key blocks of any query block: causal attention runs about
+half the grid steps of full attention, a sliding window ``O(window / block)`` per query block.
+
+Backward (FlashAttention-2, recomputing ``p = exp(s - lse)`` from the forward's log-sum-exp):
+
+* dQ kernel, grid ``(B, N, query blocks, W)``: ``dq_i = scale * sum_j ds_ij k_j``;
+* dK/dV kernel, grid ``(B, K, key blocks, G * W_t)``: for each key block the non-empty query
+  blocks of all ``G`` query heads of its KV head (transposed table), in transposed orientation
+  ``s^T = k_j q_i^T`` so every matmul is a plain or NT product:
+  ``dv_j = sum p^T do``, ``dk_j = scale * sum ds^T q`` with ``ds = p (do v^T - delta)``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jaxtyping import Array, Float, Int
+
+from jaxattn.ops.masks import FULL, PARTIAL, Mask
+from pallas_kernels.flash_attention import common as C
+from pallas_kernels.flash_attention.sharded import run_flash
+
+NT_DIMS = (((1,), (1,)), ((), ()))  # a @ b.T
+NN_DIMS = (((1,), (0,)), ((), ()))  # a @ b
+_KIND_MASK = (1 << C.KIND_BITS) - 1
+
+
+def _div(x, d: int):
+  """``x // d`` for non-negative grid indices: truncating division (one scalar op; ``//`` adds
+  sign fix-ups), and none at all when ``d == 1``."""
+  return x if d == 1 else lax.div(x, d)
+
+
+def _rem(x, d: int):
+  return 0 if d == 1 else lax.rem(x, d)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public entry point
+# ----------------------------------------------------------------------------------------------
+
+
+def flash_attention(
+    query: Float[Array, "B T N H"],
+    key: Float[Array, "B S K H"],
+    value: Float[Array, "B S K h"],
+    mask: Mask | None = None,
+    *,
+    scale: float | None = None,
+    alibi_slopes: Float[Array, "N"] | None = None,
+    logits_soft_cap: float | None = None,
+    q_offset: int | Int[Array, ""] = 0,
+    return_residuals: bool = False,
+    block_sizes: C.BlockSizes | None = None,
+    interpret=None,
+    mesh=None,
+) -> Float[Array, "B T N h"] | tuple[Float[Array, "B T N h"], Float[Array, "B N T"]]:
+  """Flash attention on TPU; the function of ``dot_product_attention`` (without a dense bias).
+
+  Args:
+    query, key, value: ``[B, T, N, H]``, ``[B, S, K, H]``, ``[B, S, K, h]``; float32 or bfloat16.
+    mask: a ``jaxattn.ops.masks.Mask``: any position mask (causal, window, global tokens, their
+      ``&``/``|``), ``&`` at most one ``SegmentMask`` and any ``PaddingMask``.
+    scale: logits scale, default ``1 / sqrt(H)``.
+    alibi_slopes: ``[N]`` ALiBi slopes (not differentiated).
+    logits_soft_cap: ``cap * tanh(logits / cap)`` when set.
+    q_offset: position of query row 0 in key coordinates; a traced value disables static block
+      skipping (every block is visited, still exact).
+    return_residuals: also return the fp32 log-sum-exp ``[B, N, T]``.
+    block_sizes: ``BlockSizes``; default ``BlockSizes.tpu()``.
+    interpret: None (interpret unless running on TPU), False, True, or ``pltpu.InterpretParams``.
+    mesh: a ``Mesh`` to run under ``shard_map`` (batch and heads sharded); default: the mesh set
+      by ``jax.set_mesh`` if any.
+
+  Returns:
+    ``[B, T, N, h]`` in the query dtype; with ``return_residuals``, ``(out, lse)``.
+  """
+  if interpret is None:
+    interpret = jax.default_backend() != "tpu"
+  out, lse = run_flash(query, key, value, mask, scale=scale, alibi_slopes=alibi_slopes,
+                       logits_soft_cap=logits_soft_cap, q_offset=q_offset,
+                       block_sizes=block_sizes or C.BlockSizes.tpu(), interpret=interpret,
+                       mesh=mesh, build=_build)
+  return (out, lse) if return_residuals else out
+
+
+# ----------------------------------------------------------------------------------------------
+# custom VJP
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=128)
+def _build(plan: C.Plan):
+  """``(q, k, v, aux) -> (out [B, T, N, h], lse [B, N, T])`` with its flash backward."""
+
+  @jax.custom_vjp
+  def attention(q, k, v, aux):
+    return _forward(plan, q, k, v, aux)
+
+  def fwd(q, k, v, aux):
+    out, lse = _forward(plan, q, k, v, aux)
+    return (out, lse), (q, k, v, aux, out, lse)
+
+  def bwd(res, cotangents):
+    q, k, v, aux, out, lse = res
+    d_out, d_lse = cotangents
+    dq, dk, dv = _backward(plan, q, k, v, aux, out, lse, d_out, d_lse)
+    return dq, dk, dv, None
+
+  attention.defvjp(fwd, bwd)
+  return jax.jit(attention)
+
+
+def _pad_to(x, axis, size):
+  if x.shape[axis] == size:
+    return x
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, pad)
+
+
+def _heads_major(x, length):
+  """``[B, T, N, H]`` -> ``[B, N, Tp, H]`` (zero padded)."""
+  return _pad_to(jnp.swapaxes(x, 1, 2), 2, length)
+
+
+class _Inputs:
+  """The kernel-side views shared by forward and backward."""
+
+  def __init__(self, plan: C.Plan, q, k, v, aux):
+    self.q = _heads_major(q, plan.q_pad)  # [B, N, Tp, H]
+    self.k = _heads_major(k, plan.kv_pad)  # [B, K, Sp, H]
+    self.v = _heads_major(v, plan.kv_pad)  # [B, K, Sp, h]
+    ints = [aux["q_offset"].reshape(1)]
+    if plan.has_lengths:
+      ints.append(aux["kv_lengths"].astype(jnp.int32))
+    self.iscal = jnp.concatenate(ints)  # [1 (+ B)]: q_offset, kv_lengths
+    floats = [aux["scale"].reshape(1)]
+    if plan.has_alibi:
+      floats.append(aux["slopes"])
+    self.fscal = jnp.concatenate(floats)  # [1 (+ N)]: scale, slopes
+    self.q_ids = self.kv_ids = None
+    if plan.has_segments:
+      self.q_ids = C.pad_edge(aux["q_ids"].astype(jnp.int32), plan.q_pad)  # [B, Tp]
+      self.kv_ids = C.pad_edge(aux["kv_ids"].astype(jnp.int32), plan.kv_pad)  # [B, Sp]
+
+  def segs_for_rows_of_q(self):
+    """Query ids as columns ``[B, Tp, LANES]`` and key ids as rows ``[B, SUBLANES, Sp]``."""
+    b, tp = self.q_ids.shape
+    sp = self.kv_ids.shape[1]
+    return (jnp.broadcast_to(self.q_ids[:, :, None], (b, tp, C.NUM_LANES)),
+            jnp.broadcast_to(self.kv_ids[:, None, :], (b, C.NUM_SUBLANES, sp)))
+
+  def segs_for_rows_of_k(self):
+    """Key ids as columns ``[B, Sp, LANES]`` and query ids as rows ``[B, SUBLANES, Tp]``."""
+    b, tp = self.q_ids.shape
+    sp = self.kv_ids.shape[1]
+    return (jnp.broadcast_to(self.kv_ids[:, :, None], (b, sp, C.NUM_LANES)),
+            jnp.broadcast_to(self.q_ids[:, None, :], (b, C.NUM_SUBLANES, tp)))
+
+
+def _tables(plan, aux, transpose):
+  entries, _ = C.block_tables(plan, q_ids=aux["q_ids"], kv_ids=aux["kv_ids"],
+                              kv_lengths=aux["kv_lengths"], transpose=transpose)
+  width = entries.shape[-1]
+  return entries.reshape(-1), width  # flat: 1-D SMEM arrays are not padded to tiles
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------
+
+
+def _forward(plan: C.Plan, q, k, v, aux):
+  x = _Inputs(plan, q, k, v, aux)
+  entries, width = _tables(plan, aux, transpose=False)
+  segs = x.segs_for_rows_of_q() if plan.has_segments else ()
+  out, lse = _fwd_call(plan, width)(entries, x.iscal, x.fscal, x.q, x.k, x.v, *segs)
+  out = jnp.swapaxes(out[:, :, :plan.q_len], 1, 2)  # [B, T, N, h]
+  return out, lse[:, :, :plan.q_len, 0]  # [B, N, T]
+
+
+def _compiler_params(semantics, vmem_bytes: int):
+  # Raise the scoped VMEM limit only when the working set needs it (large blocks / head sizes).
+  limit = None
+  if vmem_bytes > 12 * 2**20:
+    limit = min(int(vmem_bytes * 1.5), 96 * 2**20)
+  return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=limit)
+
+
+def vmem_bytes_forward(block_q: int, block_k: int, head_dim: int, v_head_dim: int,
+                       itemsize: int) -> int:
+  """VMEM working set of one forward grid step: double-buffered q, k, v, out and lse blocks, the
+  fp32 scratch (m, l, acc) and the fp32 ``[block_q, block_k]`` scores and probabilities."""
+  io = 2 * itemsize * (block_q * head_dim + block_k * (head_dim + v_head_dim)
+                       + block_q * v_head_dim)
+  io += 2 * 4 * block_q * C.NUM_LANES  # lse block
+  scratch = 4 * (2 * block_q * C.NUM_LANES + block_q * v_head_dim)
+  temps = 2 * 4 * block_q * block_k
+  return io + scratch + temps
+
+
+def vmem_bytes_dq(block_q: int, block_k: int, head_dim: int, v_head_dim: int,
+                  itemsize: int) -> int:
+  """VMEM working set of one dQ step: double-buffered q, k, v, do, fp32 dq out, lse and delta
+  (lane-replicated) blocks, the fp32 accumulator and four fp32 ``[block_q, block_k]`` temporaries
+  (s, p, dp, ds)."""
+  io = 2 * itemsize * (block_q * head_dim + block_k * (head_dim + v_head_dim)
+                       + block_q * v_head_dim)
+  io += 2 * 4 * (block_q * head_dim + 2 * block_q * C.NUM_LANES)
+  return io + 4 * block_q * head_dim + 4 * 4 * block_q * block_k
+
+
+def vmem_bytes_dkv(block_q: int, block_k: int, head_dim: int, v_head_dim: int,
+                   itemsize: int) -> int:
+  """VMEM working set of one dK/dV step: double-buffered q, do, k, v, fp32 dk/dv out and the
+  sublane-replicated lse/delta rows, the two fp32 accumulators and four fp32 temporaries."""
+  io = 2 * itemsize * (block_q + block_k) * (head_dim + v_head_dim)
+  io += 2 * 4 * (block_k * (head_dim + v_head_dim) + 2 * C.NUM_SUBLANES * block_q)
+  return io + 4 * block_k * (head_dim + v_head_dim) + 4 * 4 * block_q * block_k
+
+
+def _entry_index(plan: C.Plan, rows: int, width: int):
+  """Index of table entry ``(b, row, w)`` in the flat table."""
+  per_batch = plan.per_batch_tables
+
+  def index(b, r, w):
+    return ((b if per_batch else 0) * rows + r) * width + w
+
+  return index
+
+
+@functools.lru_cache(maxsize=128)
+def _fwd_call(plan: C.Plan, width: int):
+  bq, bk, g = plan.block_q, plan.block_k, plan.groups
+  hd, hv = plan.head_dim, plan.v_head_dim
+  nq = plan.q_pad // bq
+  at = _entry_index(plan, nq, width)
+
+  def kv_block(b, i, w, entries):
+    return entries[at(b, i, w)] >> C.KIND_BITS
+
+  q_spec = pl.BlockSpec((None, None, bq, hd), lambda b, n, i, w, *_: (b, n, i, 0))
+  k_spec = pl.BlockSpec((None, None, bk, hd),
+                        lambda b, n, i, w, e, *_: (b, _div(n, g), kv_block(b, i, w, e), 0))
+  v_spec = pl.BlockSpec((None, None, bk, hv),
+                        lambda b, n, i, w, e, *_: (b, _div(n, g), kv_block(b, i, w, e), 0))
+  in_specs = [q_spec, k_spec, v_spec]
+  if plan.has_segments:
+    in_specs += [
+        pl.BlockSpec((None, bq, C.NUM_LANES), lambda b, n, i, w, *_: (b, i, 0)),
+        pl.BlockSpec((None, C.NUM_SUBLANES, bk),
+                     lambda b, n, i, w, e, *_: (b, 0, kv_block(b, i, w, e))),
+    ]
+  out_specs = [
+      pl.BlockSpec((None, None, bq, hv), lambda b, n, i, w, *_: (b, n, i, 0)),
+      pl.BlockSpec((None, None, bq, C.NUM_LANES), lambda b, n, i, w, *_: (b, n, i, 0)),
+  ]
+  out_shape = [
+      jax.ShapeDtypeStruct((plan.batch, plan.num_heads, plan.q_pad, hv), jnp.dtype(plan.dtype)),
+      jax.ShapeDtypeStruct((plan.batch, plan.num_heads, plan.q_pad, C.NUM_LANES), jnp.float32),
+  ]
+  scratch = [pltpu.VMEM((bq, C.NUM_LANES), jnp.float32),  # running max m
+             pltpu.VMEM((bq, C.NUM_LANES), jnp.float32),  # running sum l
+             pltpu.VMEM((bq, hv), jnp.float32)]  # accumulator
+  grid = (plan.batch, plan.num_heads, nq, width)
+  kernel = functools.partial(_fwd_kernel, plan=plan, width=width, at=at)
+  vmem = vmem_bytes_forward(bq, bk, hd, hv, jnp.dtype(plan.dtype).itemsize)
+  return pl.pallas_call(
+      kernel,
+      grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=3, grid=grid, in_specs=in_specs,
+                                             out_specs=out_specs, scratch_shapes=scratch),
+      out_shape=out_shape,
+      compiler_params=_compiler_params(("parallel", "parallel", "parallel", "arbitrary"), vmem),
+      interpret=plan.interpret,
+      name="jaxattn_flash_fwd",
+  )
+
+
+def _scalars(plan, iscal_ref, fscal_ref, b, n):
+  """(q_offset, scale, ALiBi slope of head n or None, key length of row b or None) from SMEM."""
+  slope = fscal_ref[1 + n] if plan.has_alibi else None
+  kv_length = iscal_ref[1 + b] if plan.has_lengths else None
+  return iscal_ref[0], fscal_ref[0], slope, kv_length
+
+
+def _fwd_kernel(entries_ref, iscal_ref, fscal_ref, q_ref, k_ref, v_ref, *refs, plan, width, at):
+  if plan.has_segments:
+    qseg_ref, kvseg_ref, *refs = refs
+  o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
+  b, n, i, w = (pl.program_id(a) for a in range(4))
+  entry = entries_ref[at(b, i, w)]
+  j, kind = entry >> C.KIND_BITS, entry & _KIND_MASK
+  q_offset, scale, slope, kv_length = _scalars(plan, iscal_ref, fscal_ref, b, n)
+
+  @pl.when(w == 0)
+  def init():
+    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  def compute(masked: bool):
+    q, k, v = q_ref[...], k_ref[...], v_ref[...]  # [bq, H], [bk, H], [bk, h]
+    s = lax.dot_general(q, k, NT_DIMS, preferred_element_type=jnp.float32)  # [bq, bk]
+    q_idx = i * plan.block_q + lax.broadcasted_iota(jnp.int32, s.shape, 0)
+    kv_idx = j * plan.block_k + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+    segs = {}
+    if masked and plan.has_segments:
+      segs = dict(q_seg=qseg_ref[:, :1], kv_seg=kvseg_ref[:1, :])  # [bq, 1], [1, bk]
+    s = C.block_scores(s, plan=plan, q_idx=q_idx, kv_idx=kv_idx, q_offset=q_offset, scale=scale,
+                       slope=slope, masked=masked, kv_length=kv_length, **segs)
+    m_prev, l_prev = m_ref[:, :1], l_ref[:, :1]  # [bq, 1]
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # no allowed key yet: exp(-inf - 0) = 0
+    p = jnp.exp(s - m_safe)  # [bq, bk]
+    alpha = jnp.exp(m_prev - m_safe)
+    l_ref[...] = jnp.broadcast_to(alpha * l_prev + jnp.sum(p, axis=1, keepdims=True), l_ref.shape)
+    m_ref[...] = jnp.broadcast_to(m_next, m_ref.shape)
+    pv = lax.dot_general(p.astype(C.matmul_dtype(v)), v, NN_DIMS,
+                         preferred_element_type=jnp.float32)  # [bq, h]
+    acc_ref[...] = alpha * acc_ref[...] + pv
+
+  pl.when(kind == FULL)(lambda: compute(False))
+  pl.when(kind == PARTIAL)(lambda: compute(True))
+
+  @pl.when(w == width - 1)
+  def store():
+    l, m = l_ref[:, :1], m_ref[:, :1]
+    ok = l > 0.0
+    inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)  # a row with no allowed key gives 0
+    o_ref[...] = (acc_ref[...] * inv).astype(o_ref.dtype)
+    lse = jnp.where(ok, m + jnp.log(jnp.where(ok, l, 1.0)), -jnp.inf)
+    lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------------
+
+
+def _backward(plan: C.Plan, q, k, v, aux, out, lse, d_out, d_lse):
+  x = _Inputs(plan, q, k, v, aux)
+  b, n = plan.batch, plan.num_heads
+  do = _heads_major(d_out, plan.q_pad)  # [B, N, Tp, h]
+  # delta_i = sum_h dO * O; the lse cotangent enters as p * d_lse, i.e. delta - d_lse.
+  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, N]
+  delta = jnp.swapaxes(delta, 1, 2) - d_lse.astype(jnp.float32)  # [B, N, T]
+  lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)  # empty rows: p = exp(-inf - 0) = 0
+  delta = _pad_to(delta, 2, plan.q_pad)
+  lse_safe = _pad_to(lse_safe, 2, plan.q_pad)
+
+  def cols(a):  # [B, N, Tp] -> [B, N, Tp, LANES]
+    return jnp.broadcast_to(a[..., None], (b, n, plan.q_pad, C.NUM_LANES))
+
+  def rows(a):  # [B, N, Tp] -> [B, N, SUBLANES, Tp]
+    return jnp.broadcast_to(a[:, :, None, :], (b, n, C.NUM_SUBLANES, plan.q_pad))
+
+  entries, width = _tables(plan, aux, transpose=False)
+  segs = x.segs_for_rows_of_q() if plan.has_segments else ()
+  dq = _dq_call(plan, width)(entries, x.iscal, x.fscal, x.q, x.k, x.v, do, cols(lse_safe),
+                             cols(delta), *segs)
+  entries_t, width_t = _tables(plan, aux, transpose=True)
+  segs = x.segs_for_rows_of_k() if plan.has_segments else ()
+  dk, dv = _dkv_call(plan, width_t)(entries_t, x.iscal, x.fscal, x.q, x.k, x.v, do,
+                                    rows(lse_safe), rows(delta), *segs)
+  dq = jnp.swapaxes(dq[:, :, :plan.q_len], 1, 2)
+  dk = jnp.swapaxes(dk[:, :, :plan.kv_len], 1, 2)
+  dv = jnp.swapaxes(dv[:, :, :plan.kv_len], 1, 2)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@functools.lru_cache(maxsize=128)
+def _dq_call(plan: C.Plan, width: int):
+  bq, bk, g = plan.block_q, plan.block_k, plan.groups
+  hd, hv = plan.head_dim, plan.v_head_dim
+  nq = plan.q_pad // bq
+  at = _entry_index(plan, nq, width)
+
+  def kv_block(b, i, w, entries):
+    return entries[at(b, i, w)] >> C.KIND_BITS
+
+  row = lambda b, n, i, w, *_: (b, n, i, 0)  # noqa: E731
+  kv = lambda b, n, i, w, e, *_: (b, _div(n, g), kv_block(b, i, w, e), 0)  # noqa: E731
+  in_specs = [
+      pl.BlockSpec((None, None, bq, hd), row),  # q
+      pl.BlockSpec((None, None, bk, hd), kv),  # k
+      pl.BlockSpec((None, None, bk, hv), kv),  # v
+      pl.BlockSpec((None, None, bq, hv), row),  # do
+      pl.BlockSpec((None, None, bq, C.NUM_LANES), row),  # lse
+      pl.BlockSpec((None, None, bq, C.NUM_LANES), row),  # delta
+  ]
+  if plan.has_segments:
+    in_specs += [
+        pl.BlockSpec((None, bq, C.NUM_LANES), lambda b, n, i, w, *_: (b, i, 0)),
+        pl.BlockSpec((None, C.NUM_SUBLANES, bk),
+                     lambda b, n, i, w, e, *_: (b, 0, kv_block(b, i, w, e))),
+    ]
+  out_specs = pl.BlockSpec((None, None, bq, hd), row)
+  out_shape = jax.ShapeDtypeStruct((plan.batch, plan.num_heads, plan.q_pad, hd), jnp.float32)
+  scratch = [pltpu.VMEM((bq, hd), jnp.float32)]
+  grid = (plan.batch, plan.num_heads, nq, width)
+  kernel = functools.partial(_dq_kernel, plan=plan, width=width, at=at)
+  vmem = vmem_bytes_dq(bq, bk, hd, hv, jnp.dtype(plan.dtype).itemsize)
+  return pl.pallas_call(
+      kernel,
+      grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=3, grid=grid, in_specs=in_specs,
+                                             out_specs=out_specs, scratch_shapes=scratch),
+      out_shape=out_shape,
+      compiler_params=_compiler_params(("parallel", "parallel", "parallel", "arbitrary"), vmem),
+      interpret=plan.interpret,
+      name="jaxattn_flash_dq",
+  )
+
+
+def _dq_kernel(entries_ref, iscal_ref, fscal_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+               *refs, plan, width, at):
+  if plan.has_segments:
+    qseg_ref, kvseg_ref, *refs = refs
+  dq_ref, acc_ref = refs
+  b, n, i, w = (pl.program_id(a) for a in range(4))
+  entry = entries_ref[at(b, i, w)]
+  j, kind = entry >> C.KIND_BITS, entry & _KIND_MASK
+  q_offset, scale, slope, kv_length = _scalars(plan, iscal_ref, fscal_ref, b, n)
+
+  @pl.when(w == 0)
+  def init():
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  def compute(masked: bool):
+    q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
+    s = lax.dot_general(q, k, NT_DIMS, preferred_element_type=jnp.float32)  # [bq, bk]
+    q_idx = i * plan.block_q + lax.broadcasted_iota(jnp.int32, s.shape, 0)
+    kv_idx = j * plan.block_k + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+    segs = {}
+    if masked and plan.has_segments:
+      segs = dict(q_seg=qseg_ref[:, :1], kv_seg=kvseg_ref[:1, :])
+    s = C.block_scores(s, plan=plan, q_idx=q_idx, kv_idx=kv_idx, q_offset=q_offset, scale=scale,
+                       slope=slope, masked=masked, kv_length=kv_length, **segs)
+    p = jnp.exp(s - lse_ref[:, :1])  # [bq, bk]
+    dp = lax.dot_general(do, v, NT_DIMS, preferred_element_type=jnp.float32)  # [bq, bk]
+    ds = C.soft_cap_grad(p * (dp - delta_ref[:, :1]), s, plan)
+    acc_ref[...] += lax.dot_general(ds.astype(C.matmul_dtype(k)), k, NN_DIMS,
+                                    preferred_element_type=jnp.float32)  # [bq, H]
+
+  pl.when(kind == FULL)(lambda: compute(False))
+  pl.when(kind == PARTIAL)(lambda: compute(True))
+
+  @pl.when(w == width - 1)
+  def store():
+    dq_ref[...] = (acc_ref[...] * scale).astype(dq_ref.dtype)
+
+
+@functools.lru_cache(maxsize=128)
+def _dkv_call(plan: C.Plan, width: int):
+  bq, bk, g = plan.block_q_dkv, plan.block_k_dkv, plan.groups
+  hd, hv = plan.head_dim, plan.v_head_dim
+  nk = plan.kv_pad // bk
+  at = _entry_index(plan, nk, width)
+
+  def q_block(b, j, r, entries):
+    return entries[at(b, j, _rem(r, width))] >> C.KIND_BITS
+
+  def head(kh, r):
+    return kh * g + _div(r, width)
+
+  q_rows = lambda b, kh, j, r, e, *_: (b, head(kh, r), q_block(b, j, r, e), 0)  # noqa: E731
+  q_cols = lambda b, kh, j, r, e, *_: (b, head(kh, r), 0, q_block(b, j, r, e))  # noqa: E731
+  k_rows = lambda b, kh, j, r, *_: (b, kh, j, 0)  # noqa: E731
+  in_specs = [
+      pl.BlockSpec((None, None, bq, hd), q_rows),  # q
+      pl.BlockSpec((None, None, bk, hd), k_rows),  # k
+      pl.BlockSpec((None, None, bk, hv), k_rows),  # v
+      pl.BlockSpec((None, None, bq, hv), q_rows),  # do
+      pl.BlockSpec((None, None, C.NUM_SUBLANES, bq), q_cols),  # lse as a row
+      pl.BlockSpec((None, None, C.NUM_SUBLANES, bq), q_cols),  # delta as a row
+  ]
+  if plan.has_segments:
+    in_specs += [
+        pl.BlockSpec((None, bk, C.NUM_LANES), lambda b, kh, j, r, *_: (b, j, 0)),
+        pl.BlockSpec((None, C.NUM_SUBLANES, bq),
+                     lambda b, kh, j, r, e, *_: (b, 0, q_block(b, j, r, e))),
+    ]
+  out_specs = [pl.BlockSpec((None, None, bk, hd), k_rows),
+               pl.BlockSpec((None, None, bk, hv), k_rows)]
+  out_shape = [
+      jax.ShapeDtypeStruct((plan.batch, plan.num_kv_heads, plan.kv_pad, hd), jnp.float32),
+      jax.ShapeDtypeStruct((plan.batch, plan.num_kv_heads, plan.kv_pad, hv), jnp.float32),
+  ]
+  scratch = [pltpu.VMEM((bk, hd), jnp.float32), pltpu.VMEM((bk, hv), jnp.float32)]
+  grid = (plan.batch, plan.num_kv_heads, nk, g * width)
+  kernel = functools.partial(_dkv_kernel, plan=plan, width=width, at=at)
+  vmem = vmem_bytes_dkv(bq, bk, hd, hv, jnp.dtype(plan.dtype).itemsize)
+  return pl.pallas_call(
+      kernel,
+      grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=3, grid=grid, in_specs=in_specs,
+                                             out_specs=out_specs, scratch_shapes=scratch),
+      out_shape=out_shape,
+      compiler_params=_compiler_params(("parallel", "parallel", "parallel", "arbitrary"), vmem),
+      interpret=plan.interpret,
+      name="jaxattn_flash_dkv",
+  )
+
+
+def _dkv_kernel(entries_ref, iscal_ref, fscal_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+                *refs, plan, width, at):
+  if plan.has_segments:
+    kvseg_ref, qseg_ref, *refs = refs
+  dk_ref, dv_ref, dk_acc, dv_acc = refs
+  b, kh, j, r = (pl.program_id(a) for a in range(4))
+  n = kh * plan.groups + _div(r, width)  # the query head of this step
+  entry = entries_ref[at(b, j, _rem(r, width))]
+  i, kind = entry >> C.KIND_BITS, entry & _KIND_MASK
+  q_offset, scale, slope, kv_length = _scalars(plan, iscal_ref, fscal_ref, b, n)
+
+  @pl.when(r == 0)
+  def init():
+    dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+    dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+
+  def compute(masked: bool):
+    q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
+    s = lax.dot_general(k, q, NT_DIMS, preferred_element_type=jnp.float32)  # [bk, bq] = s^T
+    kv_idx = j * plan.block_k_dkv + lax.broadcasted_iota(jnp.int32, s.shape, 0)
+    q_idx = i * plan.block_q_dkv + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+    segs = {}
+    if masked and plan.has_segments:
+      segs = dict(kv_seg=kvseg_ref[:, :1], q_seg=qseg_ref[:1, :])  # [bk, 1], [1, bq]
+    s = C.block_scores(s, plan=plan, q_idx=q_idx, kv_idx=kv_idx, q_offset=q_offset, scale=scale,
+                       slope=slope, masked=masked, kv_length=kv_length, **segs)
+    p = jnp.exp(s - lse_ref[:1, :])  # [bk, bq] = p^T
+    dv_acc[...] += lax.dot_general(p.astype(C.matmul_dtype(do)), do, NN_DIMS,
+                                   preferred_element_type=jnp.float32)  # [bk, h]
+    dp = lax.dot_general(v, do, NT_DIMS, preferred_element_type=jnp.float32)  # [bk, bq] = dp^T
+    ds = C.soft_cap_grad(p * (dp - delta_ref[:1, :]), s, plan)
+    dk_acc[...] += lax.dot_general(ds.astype(C.matmul_dtype(q)), q, NN_DIMS,
+                                   preferred_element_type=jnp.float32)  # [bk, H]
+
+  pl.when(kind == FULL)(lambda: compute(False))
+  pl.when(kind == PARTIAL)(lambda: compute(True))
+
+  @pl.when(r == plan.groups * width - 1)
+  def store():
+    dk_ref[...] = (dk_acc[...] * scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+
+
+__all__ = ["flash_attention", "vmem_bytes_forward", "vmem_bytes_dq", "vmem_bytes_dkv"]
