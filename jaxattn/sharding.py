@@ -35,6 +35,7 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("norm", None),
     ("position", None),
     ("relpos_buckets", None),
+    ("latent", None),              # MLA compressed (LoRA-rank) axis: small, shared by all heads
     ("act_embed", None),           # activation feature axis stays whole between blocks
     ("act_heads", "tensor"),
 )

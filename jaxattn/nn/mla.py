@@ -1,0 +1,235 @@
+"""Multi-head latent attention (MLA) as a Flax NNX module, with its latent cache.
+
+The formulas are in ``jaxattn.ops.mla``; this module owns the weights (DeepSeek-V2/V3 layout):
+
+    c_Q  = RMSNorm(x W_down^Q)                      [B, T, Cq]     (only with q_lora_rank)
+    q    = c_Q W_up^Q  (or x W^Q)                   [B, T, N, P + R] -> q^C [.., :P], q^R [.., P:]
+    c_KV = RMSNorm(x W_down^KV)                     [B, S, C]      cached
+    k^R  = RoPE(x W^KR)                             [B, S, R]      cached, shared by all heads
+    k^C_i = c_KV W_up^K_i,  v_i = c_KV W_up^V_i     [B, S, N, P], [B, S, N, h]  (naive mode only)
+    y    = o_proj(attention)                        [B, T, D]
+
+``mode="naive"`` reconstructs per-head keys and values; ``mode="absorbed"`` folds ``W_up^K`` into
+the query and applies ``W_up^V`` after the attention sum, attending straight against the cached
+latents.  Same weights, same result (fp32: ~1e-6); naive is the cheaper order for long prefill and
+training, absorbed for decode.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from jaxattn.kv_efficiency import kv_cache_per_token
+from jaxattn.mla_cache import LatentCache
+from jaxattn.nn.linear import Einsum
+from jaxattn.nn.norms import RMSNorm
+from jaxattn.ops.mla import MODES, Mode, mla_attention, mla_score_terms, mla_softmax_scale
+from jaxattn.ops.rope import RopeScaling, apply_rope
+from jaxattn.sharding import shard
+
+
+def _check_positive(name, v, allow_none=False):
+  if allow_none and v is None:
+    return
+  if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+    allowed = "a positive int or None" if allow_none else "a positive int"
+    raise ValueError(f"`{name}` must be {allowed}, got {v!r}.")
+
+
+class MLA(nnx.Module):
+  """DeepSeek's multi-head latent attention with decoupled RoPE and a latent KV cache.
+
+  Args:
+    embed_dim: ``D``.
+    num_heads: ``N`` query heads (every head gets its own keys and values from the shared latent).
+    kv_lora_rank: ``C``, the latent size ``d_c`` (DeepSeek-V2/V3: 512).
+    qk_nope_head_dim: ``P``, content part of each query/key head (128).
+    qk_rope_head_dim: ``R``, decoupled RoPE part, even (64); ONE rotated key of this size is shared
+      by all heads.
+    v_head_dim: ``h``, value head size (default ``P``).
+    q_lora_rank: ``Cq``; set to compress the query through ``x W_down^Q`` and an RMSNorm (V3: 1536),
+      None for a plain ``x W^Q`` (V2-Lite).
+    causal: causal self-attention.
+    mode: default inference path, ``"naive"`` or ``"absorbed"`` (overridable per call).
+    rope_base: ``rope_theta``.
+    rope_interleaved: rotate consecutive pairs (DeepSeek's reference weights; transformers'
+      ``rope_interleave=True``) rather than the half split.
+    rope_scaling: a ``RopeScaling`` (YaRN for DeepSeek); its ``mscale_all_dim`` also multiplies the
+      softmax scale by ``yarn_mscale(factor, mscale_all_dim) ** 2``.
+    attention_scale: overrides the softmax scale (default ``mla_softmax_scale(P + R, rope_scaling)``).
+    norm_eps: epsilon of the two RMSNorms.
+    use_bias: biases on the down-projections, the RoPE key projection and ``o_proj`` (transformers'
+      ``attention_bias``; up-projections never have one).
+    implementation: attention backend, as in ``dot_product_attention``.
+    rngs, dtype, param_dtype: as every jaxattn module (compute dtype default: the input's).
+
+  Call ``mla(x)`` for a full pass; with ``cache=mla.init_cache(...)`` it returns ``(y, cache)``, and
+  prefill followed by token-by-token decode equals the full pass in either mode.
+  """
+
+  def __init__(
+      self,
+      embed_dim: int,
+      num_heads: int,
+      *,
+      kv_lora_rank: int,
+      qk_nope_head_dim: int,
+      qk_rope_head_dim: int,
+      v_head_dim: int | None = None,
+      q_lora_rank: int | None = None,
+      causal: bool = True,
+      mode: Mode = "naive",
+      rope_base: float = 10000.0,
+      rope_interleaved: bool = True,
+      rope_scaling: RopeScaling | None = None,
+      attention_scale: float | None = None,
+      norm_eps: float = 1e-6,
+      use_bias: bool = False,
+      implementation=None,
+      rngs: nnx.Rngs,
+      dtype=None,
+      param_dtype=jnp.float32,
+  ):
+    v_head_dim = qk_nope_head_dim if v_head_dim is None else v_head_dim
+    for name, v in (("embed_dim", embed_dim), ("num_heads", num_heads),
+                    ("kv_lora_rank", kv_lora_rank), ("qk_nope_head_dim", qk_nope_head_dim),
+                    ("qk_rope_head_dim", qk_rope_head_dim), ("v_head_dim", v_head_dim)):
+      _check_positive(name, v)
+    _check_positive("q_lora_rank", q_lora_rank, allow_none=True)
+    if qk_rope_head_dim % 2:
+      raise ValueError(f"`qk_rope_head_dim`={qk_rope_head_dim} must be even (RoPE rotates pairs of "
+                       "coordinates).")
+    if mode not in MODES:
+      raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}.")
+    if rope_scaling is not None and not isinstance(rope_scaling, RopeScaling):
+      raise ValueError(f"`rope_scaling` must be None or a RopeScaling, got {rope_scaling!r} (a "
+                       "transformers dict converts with RopeScaling.from_hf).")
+    if attention_scale is not None and not attention_scale > 0:
+      raise ValueError(f"`attention_scale` must be positive or None, got {attention_scale!r}.")
+    self.embed_dim, self.num_heads = embed_dim, num_heads
+    self.kv_lora_rank, self.q_lora_rank = kv_lora_rank, q_lora_rank
+    self.qk_nope_head_dim, self.qk_rope_head_dim = qk_nope_head_dim, qk_rope_head_dim
+    self.v_head_dim = v_head_dim
+    self.causal, self.mode = causal, mode
+    self.rope_base, self.rope_interleaved = rope_base, rope_interleaved
+    self.rope_scaling = rope_scaling
+    self.scale = (mla_softmax_scale(qk_nope_head_dim + qk_rope_head_dim, rope_scaling)
+                  if attention_scale is None else float(attention_scale))
+    self.implementation, self.dtype = implementation, dtype
+
+    kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+    d, n, c, hv = embed_dim, num_heads, kv_lora_rank, v_head_dim
+    p, r = qk_nope_head_dim, qk_rope_head_dim
+    if q_lora_rank is None:
+      self.q_proj = Einsum("BTD,DNH->BTNH", (d, n, p + r), ("embed", "heads", "head_dim"), **kw)
+      self.q_down = self.q_norm = self.q_up = None
+    else:
+      self.q_proj = None
+      self.q_down = Einsum("BTD,DC->BTC", (d, q_lora_rank), ("embed", "latent"), use_bias=use_bias,
+                           **kw)
+      self.q_norm = RMSNorm(q_lora_rank, eps=norm_eps, rngs=rngs, param_dtype=param_dtype)
+      self.q_up = Einsum("BTC,CNH->BTNH", (q_lora_rank, n, p + r), ("latent", "heads", "head_dim"),
+                         **kw)
+    self.kv_down = Einsum("BSD,DC->BSC", (d, c), ("embed", "latent"), use_bias=use_bias, **kw)
+    self.kv_norm = RMSNorm(c, eps=norm_eps, rngs=rngs, param_dtype=param_dtype)
+    self.k_rope_proj = Einsum("BSD,DR->BSR", (d, r), ("embed", "head_dim"), use_bias=use_bias, **kw)
+    self.k_up = Einsum("BSC,CNH->BSNH", (c, n, p), ("latent", "heads", "head_dim"), **kw)
+    self.v_up = Einsum("BSC,CNH->BSNH", (c, n, hv), ("latent", "heads", "head_dim"), **kw)
+    self.o_proj = Einsum("BTNH,NHD->BTD", (n, hv, d), ("heads", "head_dim", "embed"),
+                         fan_in_axes=(0, 1), use_bias=use_bias, **kw)
+
+  # -- cache -----------------------------------------------------------------------------------
+
+  def init_cache(self, batch: int, max_len: int, dtype=None) -> LatentCache:
+    """An empty latent cache for ``batch`` sequences of up to ``max_len`` tokens."""
+    dtype = dtype or self.dtype or jnp.float32
+    return LatentCache.init(batch, max_len, self.kv_lora_rank, self.qk_rope_head_dim, dtype)
+
+  def cache_bytes(self, seq_len: int, batch: int = 1, dtype=jnp.bfloat16) -> int:
+    """Latent cache bytes of this layer for ``seq_len`` tokens: ``(C + R) x bytes`` per token."""
+    per_token = kv_cache_per_token("mla", num_heads=self.num_heads, head_dim=self.qk_nope_head_dim,
+                                   kv_lora_rank=self.kv_lora_rank,
+                                   qk_rope_head_dim=self.qk_rope_head_dim, dtype=dtype)
+    return batch * seq_len * per_token.bytes_per_token
+
+  # -- forward ---------------------------------------------------------------------------------
+
+  def _project(self, x, positions):
+    """``(q^C [B,T,N,P], q^R [B,T,N,R], c_KV [B,T,C], k^R [B,T,R])``, RoPE applied to q^R and k^R."""
+    if self.q_proj is not None:
+      q = self.q_proj(x)
+    else:
+      q = self.q_up(self.q_norm(self.q_down(x)))
+    q = shard(q, ("batch", "length", "act_heads", "head_dim"))
+    q_nope, q_rope = q[..., :self.qk_nope_head_dim], q[..., self.qk_nope_head_dim:]
+    c_kv = self.kv_norm(self.kv_down(x))
+    c_kv = shard(c_kv, ("batch", "length", None))
+    k_rope = self.k_rope_proj(x)[:, :, None, :]  # [B, T, 1, R]: one head for apply_rope
+    rope = dict(base=self.rope_base, interleaved=self.rope_interleaved, scaling=self.rope_scaling)
+    q_rope = apply_rope(q_rope, positions, **rope)
+    k_rope = apply_rope(k_rope, positions, **rope)[:, :, 0, :]
+    return q_nope, q_rope, c_kv, k_rope
+
+  def _positions(self, t, offset, positions):
+    if positions is None:
+      return (offset + jnp.arange(t, dtype=jnp.int32))[None, :]
+    return positions
+
+  def __call__(
+      self,
+      x: Float[Array, "B T D"],
+      *,
+      positions: Int[Array, "#B T"] | None = None,
+      cache: LatentCache | None = None,
+      mode: Mode | None = None,
+      segment_ids: Int[Array, "B T"] | None = None,
+      mask=None,
+      implementation=None,
+  ) -> Float[Array, "B T D"] | tuple[Float[Array, "B T D"], LatentCache]:
+    """``x [B, T, D]`` -> ``[B, T, D]`` (and the updated cache when one is given).
+
+    ``positions [B, T]`` (default ``cache.index + arange(T)``) feed RoPE.  ``mode`` overrides the
+    module's default path.  ``segment_ids [B, T]`` confines attention to a segment (not with a
+    cache); ``mask`` is an extra boolean ``[B|1, N|1, T, S]`` array or ``Mask``.
+    """
+    mode = self.mode if mode is None else mode
+    if mode not in MODES:
+      raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}.")
+    if x.ndim != 3 or x.shape[-1] != self.embed_dim:
+      raise ValueError(f"`x` must be [B, T, D={self.embed_dim}], got shape {x.shape}.")
+    if cache is not None:
+      if segment_ids is not None:
+        raise ValueError("`segment_ids` (packed sequences) cannot be combined with a latent `cache`.")
+      if cache.kv_lora_rank != self.kv_lora_rank or cache.qk_rope_head_dim != self.qk_rope_head_dim:
+        raise ValueError(f"`cache` holds C={cache.kv_lora_rank}, R={cache.qk_rope_head_dim}; this "
+                         f"layer needs C={self.kv_lora_rank}, R={self.qk_rope_head_dim}.")
+    b, t, _ = x.shape
+    x = shard(x, ("batch", "length", "act_embed"))
+    offset = 0 if cache is None else cache.index
+    positions = self._positions(t, offset, positions)
+    q_nope, q_rope, c_kv, k_rope = self._project(x, positions)
+    kv_lengths = None
+    if cache is not None:
+      cache = cache.update(c_kv, k_rope)
+      c_kv, k_rope = cache.c_kv.astype(q_nope.dtype), cache.k_rope.astype(q_nope.dtype)
+      kv_lengths = jnp.full((b,), cache.index, jnp.int32)
+    out = mla_attention(
+        q_nope, q_rope, c_kv, k_rope, self.k_up.kernel[...], self.v_up.kernel[...], mask,
+        mode=mode, scale=self.scale, is_causal=self.causal, segment_ids=segment_ids,
+        kv_lengths=kv_lengths, q_offset=offset,
+        implementation=implementation or self.implementation)
+    y = self.o_proj(out)
+    y = shard(y, ("batch", "length", "act_embed"))
+    return y if cache is None else (y, cache)
+
+  def score_terms(self, x: Float[Array, "B T D"], *, positions: Int[Array, "#B T"] | None = None
+                  ) -> tuple[Float[Array, "B N T T"], Float[Array, "B N T T"]]:
+    """The unscaled fp32 ``(content, position)`` score terms ``[B, N, T, S]`` of self-attention over
+    ``x``, before masking (``self.scale * (content + position)`` are the logits); for tests and
+    plots of the decoupled RoPE stream."""
+    positions = self._positions(x.shape[1], 0, positions)
+    q_nope, q_rope, c_kv, k_rope = self._project(x, positions)
+    return mla_score_terms(q_nope, q_rope, c_kv, k_rope, self.k_up.kernel[...])
