@@ -3,9 +3,10 @@
 from jaxattn.nn.attention import Attention
 from jaxattn.nn.block import TransformerBlock
 from jaxattn.nn.linear import Einsum, param
+from jaxattn.nn.mla import MLA
 from jaxattn.nn.mlp import MLP
 from jaxattn.nn.norms import LayerNorm, RMSNorm
 from jaxattn.nn.positional import LearnedPositionalEmbedding, T5RelativePositionBias
 
-__all__ = ["MLP", "Attention", "Einsum", "LayerNorm", "LearnedPositionalEmbedding", "RMSNorm",
+__all__ = ["MLA", "MLP", "Attention", "Einsum", "LayerNorm", "LearnedPositionalEmbedding", "RMSNorm",
            "T5RelativePositionBias", "TransformerBlock", "param"]
