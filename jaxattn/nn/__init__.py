@@ -5,8 +5,9 @@ from jaxattn.nn.block import TransformerBlock
 from jaxattn.nn.linear import Einsum, param
 from jaxattn.nn.mla import MLA
 from jaxattn.nn.mlp import MLP
+from jaxattn.nn.moe import MoE
 from jaxattn.nn.norms import LayerNorm, RMSNorm
 from jaxattn.nn.positional import LearnedPositionalEmbedding, T5RelativePositionBias
 
-__all__ = ["MLA", "MLP", "Attention", "Einsum", "LayerNorm", "LearnedPositionalEmbedding", "RMSNorm",
+__all__ = ["MLA", "MLP", "MoE", "Attention", "Einsum", "LayerNorm", "LearnedPositionalEmbedding", "RMSNorm",
            "T5RelativePositionBias", "TransformerBlock", "param"]

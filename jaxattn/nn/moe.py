@@ -1,0 +1,202 @@
+"""Mixture-of-experts feed-forward layer: DeepSeek-V3 routing, SwiGLU experts, shared experts."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Bool, Float, Int
+
+from jaxattn.nn.linear import param
+from jaxattn.nn.mlp import MLP
+from jaxattn.ops import moe as M
+from jaxattn.sharding import _active_mesh, shard
+
+
+class RouterBias(nnx.Variable):
+  """The per-expert selection bias of auxiliary-loss-free balancing.
+
+  Not an ``nnx.Param``: no gradient reaches it (it only ranks experts) and an optimizer built over
+  ``nnx.Param`` leaves it alone.  The training step moves it with ``MoE.update_bias``.
+  """
+
+
+class MoEStats(NamedTuple):
+  """Routing statistics of one call, for logging and for the bias update.
+
+  ``load [E]``: assignments per expert (before capacity drops); ``max_over_mean``: ``max(load) /
+  mean(load)``; ``dropped``: assignments dropped by the capacity limit (0 when dropless);
+  ``aux_loss``: the weighted sum of the enabled balance losses, to add to the training loss;
+  ``sequence_balance_loss``, ``switch_aux_loss``, ``z_loss``: the unweighted terms (0 when disabled).
+  """
+  load: Float[Array, "E"]
+  max_over_mean: Float[Array, ""]
+  dropped: Int[Array, ""]
+  aux_loss: Float[Array, ""]
+  sequence_balance_loss: Float[Array, ""]
+  switch_aux_loss: Float[Array, ""]
+  z_loss: Float[Array, ""]
+
+
+class MoE(nnx.Module):
+  """``y = shared(x) + sum_{i in E_sel(x)} g_i(x) SwiGLU_i(x)`` over ``num_experts`` routed experts.
+
+  Routing is ``jaxattn.ops.moe.route``: ``score_func`` scores (sigmoid as DeepSeek-V3, or softmax),
+  a ``RouterBias`` that only ranks experts, group-limited selection (``n_group``, ``topk_group``),
+  ``top_k`` experts weighted by their unbiased scores (normalized if ``norm_topk_prob``) times
+  ``routed_scaling_factor``.  ``num_shared_experts`` shared experts always run, as one SwiGLU MLP of
+  hidden size ``shared_dim`` (default ``num_shared_experts * expert_dim``, as transformers).
+
+  Dispatch: dropless (sort by expert + grouped matmul; ``implementation``, ``block_size`` as in
+  ``grouped_swiglu``) or, with ``capacity_factor``, a fixed ``[E, C, D]`` buffer that drops
+  overflow.  Under a mesh whose ``expert`` axis has size > 1 the dropless path runs expert-parallel
+  (``routed_experts_sharded``: all-to-all inside ``jax.shard_map``) unless ``expert_parallel=False``.
+
+  Balancing: ``seq_balance_alpha`` (DeepSeek-V3's sequence-wise loss, alpha ~1e-4),
+  ``switch_loss_alpha`` (Switch/GShard) and ``z_loss_coef`` (ST-MoE) weight the losses summed in
+  ``stats.aux_loss``; ``update_bias(stats.load)`` applies the auxiliary-loss-free bias update.
+
+  Parameters: ``router`` ``[D, E]`` (fp32 math), ``w_gate``/``w_up`` ``[E, D, F]``, ``w_down``
+  ``[E, F, D]`` on the ``expert`` logical axis, ``shared`` (an ``MLP``), ``router_bias`` ``[E]``.
+  """
+
+  def __init__(
+      self,
+      embed_dim: int,
+      num_experts: int,
+      top_k: int,
+      expert_dim: int,
+      *,
+      num_shared_experts: int = 0,
+      shared_dim: int | None = None,
+      score_func: M.ScoreFunc = "sigmoid",
+      n_group: int = 1,
+      topk_group: int | None = None,
+      norm_topk_prob: bool = True,
+      routed_scaling_factor: float = 1.0,
+      seq_balance_alpha: float = 0.0,
+      switch_loss_alpha: float = 0.0,
+      z_loss_coef: float = 0.0,
+      bias_update_rate: float = 1e-3,
+      capacity_factor: float | None = None,
+      expert_parallel: bool | None = None,
+      implementation: M.Implementation | None = None,
+      block_size: int | None = None,
+      rngs: nnx.Rngs,
+      dtype=None,
+      param_dtype=jnp.float32,
+  ):
+    for name, v in (("embed_dim", embed_dim), ("expert_dim", expert_dim)):
+      if not isinstance(v, int) or v < 1:
+        raise ValueError(f"`{name}` must be a positive int, got {v!r}.")
+    M.check_routing_config(num_experts, top_k, n_group, topk_group)
+    if score_func not in M.SCORE_FUNCS:
+      raise ValueError(f"`score_func` must be one of {M.SCORE_FUNCS}, got {score_func!r}.")
+    if not isinstance(num_shared_experts, int) or num_shared_experts < 0:
+      raise ValueError(f"`num_shared_experts` must be an int >= 0, got {num_shared_experts!r}.")
+    if capacity_factor is not None and not capacity_factor > 0:
+      raise ValueError(f"`capacity_factor` must be positive or None, got {capacity_factor!r}.")
+    if implementation is not None and implementation not in M.IMPLEMENTATIONS:
+      raise ValueError(f"`implementation` must be None or one of {M.IMPLEMENTATIONS}, got "
+                       f"{implementation!r}.")
+    if expert_parallel and capacity_factor is not None:
+      raise ValueError("`expert_parallel=True` is the dropless path; with `capacity_factor` the "
+                       "[E, C, D] buffer is split over the `expert` axis by XLA instead.")
+    for name, v in (("seq_balance_alpha", seq_balance_alpha),
+                    ("switch_loss_alpha", switch_loss_alpha), ("z_loss_coef", z_loss_coef)):
+      if v < 0:
+        raise ValueError(f"`{name}` must be >= 0, got {v!r}.")
+    self.embed_dim, self.num_experts, self.top_k, self.expert_dim = (embed_dim, num_experts, top_k,
+                                                                     expert_dim)
+    self.score_func, self.n_group, self.topk_group = score_func, n_group, topk_group
+    self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
+    self.seq_balance_alpha, self.switch_loss_alpha = seq_balance_alpha, switch_loss_alpha
+    self.z_loss_coef, self.bias_update_rate = z_loss_coef, bias_update_rate
+    self.capacity_factor, self.expert_parallel = capacity_factor, expert_parallel
+    self.implementation, self.block_size, self.dtype = implementation, block_size, dtype
+
+    d, e, f = embed_dim, num_experts, expert_dim
+    expert_init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=1,
+                                                    out_axis=2, batch_axis=(0,))
+    # Routing needs every expert's score for a token, so the router's expert axis stays whole.
+    self.router = param(rngs, nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal"),
+                        (d, e), ("embed", None), param_dtype)
+    self.w_gate = param(rngs, expert_init, (e, d, f), ("expert", "embed", "mlp"), param_dtype)
+    self.w_up = param(rngs, expert_init, (e, d, f), ("expert", "embed", "mlp"), param_dtype)
+    self.w_down = param(rngs, expert_init, (e, f, d), ("expert", "mlp", "embed"), param_dtype)
+    self.router_bias = RouterBias(jnp.zeros((e,), jnp.float32), logical_axes=(None,))
+    shared_dim = shared_dim or num_shared_experts * expert_dim
+    self.shared = (MLP(d, shared_dim, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+                   if num_shared_experts > 0 else None)
+
+  # -- routing ---------------------------------------------------------------------------------
+
+  def route(self, x: Float[Array, "*B D"]) -> M.Routing:
+    """The router's decision for each token of ``x`` (fp32 logits and scores)."""
+    router = self.router[...].astype(jnp.float32)
+    logits = jnp.einsum("...d,de->...e", x.astype(jnp.float32), router)
+    return M.route(logits, self.router_bias[...], top_k=self.top_k, score_func=self.score_func,
+                   n_group=self.n_group, topk_group=self.topk_group,
+                   norm_topk_prob=self.norm_topk_prob,
+                   routed_scaling_factor=self.routed_scaling_factor)
+
+  def update_bias(self, load: Float[Array, "E"], rate: float | None = None) -> None:
+    """``router_bias += rate * sign(mean(load) - load)`` (default ``rate``: ``bias_update_rate``)."""
+    rate = self.bias_update_rate if rate is None else rate
+    self.router_bias[...] = M.bias_update(self.router_bias[...], load, rate=rate)
+
+  def _use_expert_parallel(self) -> bool:
+    if self.capacity_factor is not None or self.expert_parallel is False:
+      return False
+    mesh = _active_mesh()
+    has_axis = mesh is not None and dict(mesh.shape).get("expert", 1) > 1
+    if self.expert_parallel and not has_axis:
+      raise ValueError("`expert_parallel=True` needs an active mesh (jax.set_mesh) with an `expert` "
+                       "axis of size > 1.")
+    return has_axis
+
+  # -- forward ---------------------------------------------------------------------------------
+
+  def __call__(self, x: Float[Array, "B T D"], *, token_mask: Bool[Array, "B T"] | None = None
+               ) -> tuple[Float[Array, "B T D"], MoEStats]:
+    """``x [B, T, D]`` -> ``(y [B, T, D], stats)``.
+
+    ``token_mask [B, T]`` (False for padding) keeps tokens out of the load, the losses and the
+    statistics; they are still routed (their outputs are meaningless, as for any padding).
+    """
+    if x.ndim != 3 or x.shape[-1] != self.embed_dim:
+      raise ValueError(f"`x` must be [B, T, D={self.embed_dim}], got shape {x.shape}.")
+    b, t, d = x.shape
+    dtype = self.dtype or x.dtype
+    x = shard(x.astype(dtype), ("batch", "length", "act_embed"))
+    r = self.route(x)
+    wg, wu, wd = (w[...].astype(dtype) for w in (self.w_gate, self.w_up, self.w_down))
+    flat = (x.reshape(b * t, d), r.indices.reshape(b * t, -1), r.weights.reshape(b * t, -1),
+            wg, wu, wd)
+    if self._use_expert_parallel():
+      y = M.routed_experts_sharded(*flat, implementation=self.implementation,
+                                   block_size=self.block_size)
+      dropped = jnp.zeros((), jnp.int32)
+    else:
+      y, dropped = M.routed_experts(*flat, capacity_factor=self.capacity_factor,
+                                    implementation=self.implementation, block_size=self.block_size)
+    y = y.reshape(b, t, d)
+    if self.shared is not None:
+      y = y + self.shared(x)
+    y = shard(y, ("batch", "length", "act_embed"))
+    return y, self._stats(r, dropped, token_mask)
+
+  def _stats(self, r: M.Routing, dropped, token_mask) -> MoEStats:
+    load = jax.lax.stop_gradient(M.expert_load(r.indices, self.num_experts, token_mask))
+    zero = jnp.zeros((), jnp.float32)
+    seq = (M.sequence_balance_loss(r.scores, r.indices, token_mask)
+           if self.seq_balance_alpha else zero)
+    # Switch's P_i are probabilities: softmax scores as they are, sigmoid scores normalized per
+    # token (DeepSeek-V3's s'_i).
+    probs = r.scores / jnp.maximum(r.scores.sum(-1, keepdims=True), 1e-20)
+    switch = M.switch_aux_loss(probs, r.indices, token_mask) if self.switch_loss_alpha else zero
+    z = M.router_z_loss(r.logits, token_mask) if self.z_loss_coef else zero
+    aux = self.seq_balance_alpha * seq + self.switch_loss_alpha * switch + self.z_loss_coef * z
+    return MoEStats(load, M.load_imbalance(load), dropped, aux, seq, switch, z)

@@ -1,0 +1,369 @@
+"""MoE formulas: DeepSeek-V3 routing (seed example, groups, bias), balancing, grouped dispatch."""
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxattn import sharding
+from jaxattn.ops import moe
+
+
+def _rand(i, shape, scale=1.0):
+  return jax.random.normal(jax.random.key(i), shape) * scale
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing
+# ---------------------------------------------------------------------------------------------
+
+
+def test_seed_worked_example():
+  # Four experts, top-2.  Expert 1 has the largest raw score, but its bias of -0.5 drops it to
+  # 0.3 < 0.4, so experts 2 and 3 run; their UNBIASED scores 0.5 and 0.4 give 0.5/0.9 and 0.4/0.9.
+  scores = jnp.array([0.2, 0.8, 0.5, 0.4])
+  bias = jnp.array([0.0, -0.5, 0.0, 0.0])
+  weights, idx = moe.select_experts(scores, bias, top_k=2)
+  np.testing.assert_array_equal(idx, [2, 3])
+  np.testing.assert_allclose(weights, [0.5 / 0.9, 0.4 / 0.9], rtol=1e-6)
+  np.testing.assert_allclose(np.round(weights, 2), [0.56, 0.44])
+  # Without the bias expert 1 wins: the bias is what changed the selection.
+  w0, idx0 = moe.select_experts(scores, None, top_k=2)
+  np.testing.assert_array_equal(idx0, [1, 2])
+  np.testing.assert_allclose(w0, [0.8 / 1.3, 0.5 / 1.3], rtol=1e-6)
+  # The same example through sigmoid logits.
+  logits = jnp.log(scores / (1 - scores))
+  r = moe.route(logits, bias, top_k=2, score_func="sigmoid")
+  np.testing.assert_array_equal(r.indices, [2, 3])
+  np.testing.assert_allclose(r.weights, [0.5 / 0.9, 0.4 / 0.9], rtol=1e-5)
+
+
+def _numpy_select(scores, bias, top_k, n_group, topk_group, norm, factor):
+  """Independent per-token loops of DeepSeek-V3's group-limited routing."""
+  scores, bias = np.asarray(scores, np.float64), np.asarray(bias, np.float64)
+  m, e = scores.shape
+  per = e // n_group
+  out_w, out_i = np.zeros((m, top_k)), np.zeros((m, top_k), int)
+  for t in range(m):
+    choice = scores[t] + bias
+    gscore = [sorted(choice[g * per:(g + 1) * per])[-min(2, per):] for g in range(n_group)]
+    gscore = np.array([sum(v) for v in gscore])
+    groups = np.argsort(-gscore, kind="stable")[:topk_group]
+    allowed = [i for i in range(e) if i // per in groups]
+    sel = sorted(allowed, key=lambda i: -choice[i])[:top_k]
+    w = scores[t, sel]
+    if norm:
+      w = w / w.sum()
+    out_w[t], out_i[t] = w * factor, sel
+  return out_w, out_i
+
+
+@pytest.mark.parametrize("n_group,topk_group,top_k,norm", [(1, 1, 3, True), (4, 2, 3, True),
+                                                           (8, 3, 2, False), (4, 1, 4, True)])
+def test_group_limited_routing_matches_numpy(n_group, topk_group, top_k, norm):
+  scores = jax.nn.sigmoid(_rand(0, (64, 16), 2.0))
+  bias = _rand(1, (16,), 0.1)
+  w, idx = moe.select_experts(scores, bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
+                              norm_topk_prob=norm, routed_scaling_factor=2.5)
+  want_w, want_i = _numpy_select(scores, bias, top_k, n_group, topk_group, norm, 2.5)
+  np.testing.assert_array_equal(idx, want_i)
+  np.testing.assert_allclose(w, want_w, rtol=1e-5)
+  if n_group > 1:
+    # Every selected expert lies in one of `topk_group` groups.
+    assert (np.array([len(set(row)) for row in np.asarray(idx) // (16 // n_group)])
+            <= topk_group).all()
+
+
+def test_bias_changes_selection_but_never_the_weights():
+  scores = jax.nn.sigmoid(_rand(2, (256, 8)))
+  bias = _rand(3, (8,), 0.1)
+  select = jax.jit(lambda s, b: moe.select_experts(s, b, top_k=2))
+  w, idx = select(scores, bias)
+  w0, idx0 = select(scores, jnp.zeros_like(bias))
+  changed = np.any(np.sort(idx, -1) != np.sort(idx0, -1), -1)
+  assert 0.1 < changed.mean() < 0.9, changed.mean()  # the bias does move selections
+  # Weights are always the unbiased scores of whatever was selected, normalized.
+  s_sel = np.take_along_axis(np.asarray(scores), np.asarray(idx), -1)
+  np.testing.assert_allclose(w, s_sel / s_sel.sum(-1, keepdims=True), rtol=1e-6)
+  # Where the selected set is unchanged, each expert's weight is unchanged (order may differ).
+  gate = lambda w, i: np.asarray(jnp.einsum("mke,mk->me", jax.nn.one_hot(i, 8), w))
+  np.testing.assert_allclose(gate(w, idx)[~changed], gate(w0, idx0)[~changed], rtol=1e-6)
+  # No gradient reaches the bias; the scores do get one.
+  f = lambda s, b: jnp.sum(moe.select_experts(s, b, top_k=2)[0] * jnp.arange(2.0))
+  gs, gb = jax.grad(f, argnums=(0, 1))(scores, bias)
+  assert float(jnp.abs(gb).max()) == 0.0
+  assert float(jnp.abs(gs).max()) > 0.0
+
+
+def test_softmax_scores_and_unnormalized_weights():
+  logits = _rand(4, (5, 6))
+  r = moe.route(logits, top_k=2, score_func="softmax", norm_topk_prob=False,
+                routed_scaling_factor=3.0)
+  p = np.asarray(jax.nn.softmax(logits))
+  np.testing.assert_allclose(r.scores, p, rtol=1e-6)
+  np.testing.assert_array_equal(r.indices, np.argsort(-p, -1)[:, :2])
+  np.testing.assert_allclose(r.weights, 3.0 * np.sort(p, -1)[:, ::-1][:, :2], rtol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(num_experts=4, top_k=5), "top_k"),
+    (dict(num_experts=6, top_k=2, n_group=4), "n_group"),
+    (dict(num_experts=8, top_k=2, n_group=4, topk_group=5), "topk_group"),
+    (dict(num_experts=8, top_k=5, n_group=4, topk_group=2), "top_k"),
+    (dict(num_experts=8, top_k=0), "top_k"),
+])
+def test_routing_config_errors(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    moe.check_routing_config(**kwargs)
+  e = kwargs.pop("num_experts")
+  with pytest.raises(ValueError, match=match):
+    moe.select_experts(jnp.ones((3, e)), **kwargs)
+
+
+def test_routing_input_errors():
+  with pytest.raises(ValueError, match="score_func"):
+    moe.route(jnp.ones((2, 4)), top_k=1, score_func="relu")
+  with pytest.raises(ValueError, match="bias"):
+    moe.select_experts(jnp.ones((2, 4)), jnp.zeros((3,)), top_k=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Balancing
+# ---------------------------------------------------------------------------------------------
+
+
+def test_bias_update_moves_a_skewed_router_toward_balance():
+  m, e, k = 2048, 16, 2
+  # A skewed router: expert i's logits are shifted by 2 * i / e, so high ids are overloaded.
+  logits = _rand(5, (m, e)) + 2.0 * jnp.arange(e) / e
+  bias = jnp.zeros((e,))
+
+  @jax.jit
+  def step(bias):
+    r = moe.route(logits, bias, top_k=k)
+    load = moe.expert_load(r.indices, e)
+    return moe.bias_update(bias, load, rate=0.002), moe.load_imbalance(load), load
+
+  _, start, load0 = step(bias)
+  # One step: the most loaded expert's bias falls, the least loaded one's rises.
+  b1 = step(bias)[0]
+  assert b1[int(jnp.argmax(load0))] < 0 < b1[int(jnp.argmin(load0))]
+  history = []
+  for _ in range(300):
+    bias, imb, _ = step(bias)
+    history.append(float(imb))
+  assert float(start) > 2.0, start
+  assert np.mean(history[-20:]) < 1.25, history[-20:]
+  assert np.mean(history[-20:]) < 0.5 * float(start)
+
+
+def test_bias_update_formula():
+  b = jnp.array([0.1, 0.0, -0.2, 0.3])
+  load = jnp.array([10.0, 2.0, 4.0, 4.0])  # mean 5
+  np.testing.assert_allclose(moe.bias_update(b, load, rate=0.01), b + 0.01 * jnp.array([-1, 1, 1, 1]))
+  np.testing.assert_allclose(moe.bias_update(b, jnp.full((4,), 3.0), rate=0.01), b)  # balanced
+
+
+def test_expert_load_and_imbalance():
+  idx = jnp.array([[0, 1], [0, 2], [0, 1]])
+  np.testing.assert_allclose(moe.expert_load(idx, 4), [3, 2, 1, 0])
+  np.testing.assert_allclose(moe.expert_load(idx, 4, jnp.array([True, False, True])), [2, 2, 0, 0])
+  np.testing.assert_allclose(moe.load_imbalance(jnp.array([3.0, 2, 1, 0])), 3 / 1.5)
+
+
+def test_sequence_balance_loss_matches_definition():
+  b, t, e, k = 3, 10, 8, 2
+  scores = jax.nn.sigmoid(_rand(6, (b, t, e)))
+  idx = moe.select_experts(scores, top_k=k)[1]
+  mask = jnp.arange(t)[None, :] < jnp.array([[10], [7], [3]])
+  s, i, mk = np.asarray(scores, np.float64), np.asarray(idx), np.asarray(mask)
+  want = []
+  for bi in range(b):
+    n = mk[bi].sum()
+    f = np.zeros(e)
+    for tt in range(t):
+      if mk[bi, tt]:
+        f[i[bi, tt]] += 1
+    f *= e / (k * n)
+    p = (s[bi] / s[bi].sum(-1, keepdims=True))[mk[bi]].sum(0) / n
+    want.append((f * p).sum())
+  np.testing.assert_allclose(moe.sequence_balance_loss(scores, idx, mask), np.mean(want), rtol=1e-5)
+  # Uniform scores with a perfectly balanced selection give 1; all tokens on the same experts
+  # with all the probability there give E / k.
+  uni = jnp.full((1, 4, 4), 0.5)
+  bal = jnp.array([[[0, 1], [2, 3], [0, 1], [2, 3]]])
+  np.testing.assert_allclose(moe.sequence_balance_loss(uni, bal), 1.0, rtol=1e-6)
+  peaked = jnp.tile(jnp.array([1.0, 1.0, 0.0, 0.0]), (1, 4, 1))
+  np.testing.assert_allclose(moe.sequence_balance_loss(peaked, jnp.zeros((1, 4, 2), int) +
+                                                       jnp.array([0, 1])), 2.0, rtol=1e-6)
+  with pytest.raises(ValueError, match="scores"):
+    moe.sequence_balance_loss(scores[0], idx[0])
+
+
+def test_switch_loss_and_z_loss_match_numpy():
+  logits = _rand(7, (40, 8))
+  probs = jax.nn.softmax(logits)
+  idx = moe.route(logits, top_k=2, score_func="softmax").indices
+  p, i = np.asarray(probs, np.float64), np.asarray(idx)
+  f = np.array([(i == j).sum() for j in range(8)]) / 40
+  np.testing.assert_allclose(moe.switch_aux_loss(probs, idx), 8 * (f * p.mean(0)).sum(), rtol=1e-5)
+  lse = np.log(np.exp(np.asarray(logits, np.float64)).sum(-1))
+  np.testing.assert_allclose(moe.router_z_loss(logits), (lse ** 2).mean(), rtol=1e-5)
+  mask = jnp.arange(40) < 25
+  np.testing.assert_allclose(moe.router_z_loss(logits, mask), (lse[:25] ** 2).mean(), rtol=1e-5)
+  with pytest.raises(ValueError, match="token_mask"):
+    moe.router_z_loss(logits, mask[:10])
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch
+# ---------------------------------------------------------------------------------------------
+
+E, D, F = 8, 16, 24
+
+
+def _experts(seed=10):
+  return (_rand(seed, (E, D, F), D ** -0.5), _rand(seed + 1, (E, D, F), D ** -0.5),
+          _rand(seed + 2, (E, F, D), F ** -0.5))
+
+
+def _routing(m=48, k=2, seed=20, skew=0.0):
+  r = moe.route(_rand(seed, (m, E)) + skew * jnp.arange(E), top_k=k)
+  return _rand(seed + 1, (m, D)), r.indices, r.weights
+
+
+@pytest.mark.parametrize("implementation", moe.IMPLEMENTATIONS)
+def test_grouped_matmul_matches_per_row_numpy(implementation):
+  group_sizes = jnp.array([3, 0, 5, 1, 0, 7, 2, 4])  # empty groups; 22 of 26 rows used
+  x, w = _rand(30, (26, D)), _rand(31, (E, D, F))
+  y = moe.grouped_matmul(x, w, group_sizes, implementation=implementation, block_size=4)
+  gid = np.repeat(np.arange(E), np.asarray(group_sizes))
+  want = np.zeros((26, F))
+  for r, g in enumerate(gid):
+    want[r] = np.asarray(x[r], np.float64) @ np.asarray(w[g], np.float64)
+  np.testing.assert_allclose(y, want, atol=1e-5, rtol=1e-5)  # rows 22.. are exactly zero
+
+
+def test_block_layout_pads_each_group_to_whole_blocks():
+  lay = moe.block_layout(jnp.array([3, 0, 5, 1]), 10, 4)
+  # Groups occupy blocks [0], [], [1, 2], [3]; row 9 is past the groups.
+  np.testing.assert_array_equal(lay.position, [0, 1, 2, 4, 5, 6, 7, 8, 12, lay.num_blocks * 4])
+  np.testing.assert_array_equal(lay.block_group[:4], [0, 2, 2, 3])
+  assert int(lay.num_used) == 4 and lay.num_blocks == 3 + 4
+
+
+def _value_and_grads(fn, x, idx, w, wg, wu, wd):
+  """(output, grads of sum(sin(output)) w.r.t. x, weights and the expert matrices), one jit."""
+  def f(x, w, wg, wu, wd):
+    out = fn(x, idx, w, wg, wu, wd)
+    out = out[0] if isinstance(out, tuple) else out
+    return jnp.sum(jnp.sin(out)), out
+  (_, out), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4), has_aux=True))(
+      x, w, wg, wu, wd)
+  return out, grads
+
+
+def _assert_same(got, want):
+  np.testing.assert_allclose(got[0], want[0], atol=2e-5, rtol=1e-5)
+  for name, g, r in zip(("x", "weights", "w_gate", "w_up", "w_down"), got[1], want[1]):
+    np.testing.assert_allclose(g, r, atol=5e-5, rtol=1e-4, err_msg=name)
+
+
+@pytest.mark.parametrize("implementation", moe.IMPLEMENTATIONS)
+def test_dropless_dispatch_equals_dense_every_expert_reference(implementation):
+  x, idx, w = _routing(skew=0.3)
+  args = (x, idx, w) + _experts()
+  # Forward and gradients (x, routing weights, all expert matrices) against every-expert-and-mask.
+  got = _value_and_grads(lambda *a: moe.routed_experts(*a, implementation=implementation,
+                                                       block_size=8), *args)
+  _assert_same(got, _dense_reference())
+
+
+@functools.lru_cache(maxsize=None)
+def _dense_reference():
+  x, idx, w = _routing(skew=0.3)
+  return _value_and_grads(moe.dense_experts, x, idx, w, *_experts())
+
+
+def test_dense_reference_is_a_per_token_loop():
+  x, idx, w = _routing(m=6)
+  wg, wu, wd = (np.asarray(a, np.float64) for a in _experts())
+  want = np.zeros((6, D))
+  for t in range(6):
+    for j in range(2):
+      e = int(idx[t, j])
+      h = np.asarray(x[t], np.float64)
+      g = h @ wg[e]
+      want[t] += float(w[t, j]) * ((g / (1 + np.exp(-g)) * (h @ wu[e])) @ wd[e])
+  np.testing.assert_allclose(moe.dense_experts(x, idx, w, *_experts()), want, atol=1e-5)
+
+
+def test_capacity_mode_drops_overflow_first_choices_first():
+  m, k = 48, 2
+  x, idx, w = _routing(m=m, k=k, skew=0.6)
+  wg, wu, wd = _experts()
+  # Ample capacity: nothing dropped, identical to dropless.
+  y, dropped = moe.routed_experts(x, idx, w, wg, wu, wd, capacity_factor=float(E))
+  assert int(dropped) == 0
+  np.testing.assert_allclose(y, moe.dense_experts(x, idx, w, wg, wu, wd), atol=2e-5)
+  # Capacity 1.0: C = 12 slots per expert. Simulate the priority rule (all first choices in token
+  # order, then all second choices) independently and zero the weights of what overflows.
+  cap = moe.expert_capacity(m, E, k, 1.0)
+  assert cap == 12
+  i = np.asarray(idx)
+  used, keep = np.zeros(E, int), np.zeros((m, k), bool)
+  for j, t in itertools.product(range(k), range(m)):
+    keep[t, j] = used[i[t, j]] < cap
+    used[i[t, j]] += 1
+  assert (~keep).sum() > 0
+  y, dropped = moe.routed_experts(x, idx, w, wg, wu, wd, capacity_factor=1.0)
+  assert int(dropped) == (~keep).sum()
+  want = moe.dense_experts(x, idx, jnp.where(keep, w, 0.0), wg, wu, wd)
+  np.testing.assert_allclose(y, want, atol=2e-5)
+
+
+def test_dispatch_errors():
+  x, idx, w = _routing()
+  wg, wu, wd = _experts()
+  with pytest.raises(ValueError, match="implementation"):
+    moe.routed_experts(x, idx, w, wg, wu, wd, implementation="cuda")
+  with pytest.raises(ValueError, match="capacity_factor"):
+    moe.routed_experts(x, idx, w, wg, wu, wd, capacity_factor=0.0)
+  with pytest.raises(ValueError, match="want `x`"):
+    moe.routed_experts(x, idx[:, :1], w, wg, wu, wd)
+  with pytest.raises(ValueError, match="w_gate"):
+    moe.routed_experts(x[:, :4], idx, w, wg, wu, wd)
+  with pytest.raises(ValueError, match="expert weights"):
+    moe.grouped_swiglu(x, jnp.zeros((E,), jnp.int32), wg, wu, wu)
+  with pytest.raises(ValueError, match="group_sizes"):
+    moe.grouped_matmul(x, wg, jnp.zeros((3,), jnp.int32))
+  with pytest.raises(ValueError, match="block_size"):
+    moe.grouped_matmul(x, wg, jnp.zeros((E,), jnp.int32), implementation="blocked", block_size=-4)
+
+
+def test_expert_parallel_equals_single_device():
+  mesh = sharding.make_mesh({"expert": 8})
+  x, idx, w = _routing(m=64, skew=0.5)  # skewed: some devices receive far more than others
+  args = (x, idx, w) + _experts()
+  want = _value_and_grads(moe.dense_experts, *args)
+  with jax.set_mesh(mesh):
+    got = _value_and_grads(moe.routed_experts_sharded, *args)
+  _assert_same(got, want)
+  # Capacity mode under the same mesh: XLA partitions the [E, C, D] buffer, the result is unchanged.
+  cap = jax.jit(lambda *a: moe.routed_experts(*a, capacity_factor=1.0))
+  want_cap = cap(*args)
+  with jax.set_mesh(mesh):
+    got_cap = cap(*args)
+  np.testing.assert_allclose(got_cap[0], want_cap[0], atol=2e-5)
+  assert int(got_cap[1]) == int(want_cap[1]) > 0
+  wg = args[3]
+  # Experts that do not divide over the axis, tokens that do not divide over the devices.
+  with pytest.raises(ValueError, match="divisible"):
+    moe.routed_experts_sharded(x, idx, w, wg[:6], wg[:6], args[5][:6], mesh=mesh)
+  with pytest.raises(ValueError, match="tokens must divide"):
+    moe.routed_experts_sharded(x[:60], idx[:60], w[:60], *args[3:], mesh=mesh)
+  with pytest.raises(ValueError, match="no mesh"):
+    moe.routed_experts_sharded(*args)
