@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.test_util import check_grads
 
 from jaxattn.ops.attention import attention_weights, dot_product_attention as dpa
 from jaxattn.ops.masks import CausalMask, sliding_window
@@ -66,7 +67,7 @@ def test_gradients_match_jax_nn(impl):
 
 def test_check_grads_reference():
   q, kk, v = _qkv(b=1, t=4, n=2, k=1, h=4)
-  jax.test_util.check_grads(lambda q, k, v: dpa(q, k, v, is_causal=True, implementation="xla"),
+  check_grads(lambda q, k, v: dpa(q, k, v, is_causal=True, implementation="xla"),
                             (q, kk, v), order=1, modes=("rev",), atol=2e-2, rtol=2e-2)
 
 

@@ -1,0 +1,216 @@
+"""Causal attention on CPU: the chunked XLA path against `jax.nn` and PyTorch, time and memory.
+
+For each sequence length T it prints one row:
+
+* ``chunked`` / ``jax.nn``: best-of-``--repeats`` wall time of the jitted, compiled call
+  (``jaxattn`` with ``implementation="xla_chunked"`` and ``jax.nn.dot_product_attention(...,
+  is_causal=True)``), and their ratio;
+* peak memory of each from ``compiled.memory_analysis()``: temp + argument + output bytes, i.e.
+  everything XLA allocates for one call (aliased outputs would be counted twice; there are none
+  here);
+* useful GFLOP/s of the chunked path (causal: ``4 * B * N * H * T * T / 2`` forward, 3.5x that
+  for forward + backward) and its share of a large fp32 matmul's rate (4096^3, jitted) timed in
+  the same run;
+* PyTorch's CPU ``scaled_dot_product_attention(is_causal=True)`` on the same shapes and
+  ``chunked / torch`` (``> 1`` means PyTorch is faster), skipped with a message without torch.
+
+A final line checks the goals: >= 4x faster than ``jax.nn`` at the longest T, memory linear in T,
+>= 60% of the matmul rate.
+
+    python experiments/bench_attention.py --seq-lens 1024 2048 4096 8192 --repeats 3
+    python experiments/bench_attention.py --backward --plot attention.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxattn.ops.attention import dot_product_attention
+
+try:
+  from tqdm import tqdm
+except ImportError:  # tqdm is optional
+  tqdm = None
+
+
+def _compile(fn, *args):
+  t0 = time.perf_counter()
+  compiled = jax.jit(fn).lower(*args).compile()
+  return compiled, time.perf_counter() - t0
+
+
+def _best_time(compiled, args, repeats):
+  jax.block_until_ready(compiled(*args))  # warm-up
+  best = float("inf")
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    best = min(best, time.perf_counter() - t0)
+  return best
+
+
+def _peak_bytes(compiled):
+  m = compiled.memory_analysis()
+  if m is None:
+    return float("nan")
+  return m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
+
+
+def _matmul_rate(repeats, n=4096):
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), jnp.float32)
+  compiled, _ = _compile(lambda a, b: a @ b, x, x)
+  return 2 * n**3 / _best_time(compiled, (x, x), repeats) / 1e9
+
+
+def _attention_fns(backward):
+  def chunked(q, k, v):
+    return dot_product_attention(q, k, v, is_causal=True, implementation="xla_chunked")
+
+  def reference(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+  if not backward:
+    return chunked, reference
+
+  def with_grad(f):
+    return jax.value_and_grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32)),
+                              argnums=(0, 1, 2))
+
+  return with_grad(chunked), with_grad(reference)
+
+
+def _torch_time(shape, dtype, repeats, backward):
+  try:
+    import torch
+  except ImportError:
+    return None
+  b, t, n, h = shape
+  tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+  gen = torch.Generator().manual_seed(0)
+  q, k, v = (torch.randn(b, n, t, h, generator=gen, dtype=tdtype) for _ in range(3))
+  sdpa = torch.nn.functional.scaled_dot_product_attention
+
+  def run():
+    if backward:
+      qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+      sdpa(qq, kk, vv, is_causal=True).float().sum().backward()
+    else:
+      with torch.no_grad():
+        sdpa(q, k, v, is_causal=True)
+
+  run()
+  best = float("inf")
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    run()
+    best = min(best, time.perf_counter() - t0)
+  return best
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+  parser.add_argument("--repeats", type=int, default=3, help="best of this many timed calls")
+  parser.add_argument("--batch", type=int, default=1)
+  parser.add_argument("--heads", type=int, default=8)
+  parser.add_argument("--head-dim", type=int, default=64)
+  parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+  parser.add_argument("--backward", action="store_true", help="time value_and_grad w.r.t. q, k, v")
+  parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
+  parser.add_argument("--plot", default=None, help="optional path of a time/memory plot (png)")
+  args = parser.parse_args(argv)
+
+  b, n, h = args.batch, args.heads, args.head_dim
+  dtype = jnp.dtype(args.dtype)
+  mode = "forward + backward (value_and_grad)" if args.backward else "forward"
+  print(f"causal attention, {mode}; B={b} N={n} H={h} {args.dtype}; backend "
+        f"{jax.default_backend()} ({jax.device_count()} device, {jax.devices()[0].device_kind})")
+  rate = _matmul_rate(args.repeats)
+  print(f"fp32 matmul 4096^3 (jitted): {rate:.0f} GFLOP/s")
+  print("memory = temp + argument + output bytes of the compiled executable (memory_analysis)")
+
+  chunked_fn, reference_fn = _attention_fns(args.backward)
+  flop_factor = 3.5 if args.backward else 1.0  # backward: 5 block matmuls against forward's 2
+  have_torch = not args.no_torch
+  if have_torch:
+    try:
+      import torch  # noqa: F401
+    except ImportError:
+      have_torch = False
+      print("torch is not installed: PyTorch baseline skipped")
+
+  header = (f"{'T':>6} {'chunked s':>10} {'jax.nn s':>9} {'speedup':>8} {'chunked MB':>11} "
+            f"{'jax.nn MB':>10} {'GFLOP/s':>8} {'% mm':>5} {'torch s':>8} {'ch/torch':>9} "
+            f"{'compile s':>9}")
+  rows = []
+  seq_lens = tqdm(args.seq_lens, desc="T", leave=False, disable=None) if tqdm else args.seq_lens
+  for t in seq_lens:
+    rng = np.random.default_rng(t)
+    q, k, v = (jnp.asarray(rng.standard_normal((b, t, n, h)), dtype) for _ in range(3))
+    c_exe, c_compile = _compile(chunked_fn, q, k, v)
+    c_time = _best_time(c_exe, (q, k, v), args.repeats)
+    c_mem = _peak_bytes(c_exe)
+    del c_exe
+    r_exe, _ = _compile(reference_fn, q, k, v)
+    r_time = _best_time(r_exe, (q, k, v), args.repeats)
+    r_mem = _peak_bytes(r_exe)
+    del r_exe
+    flops = flop_factor * 4 * b * n * h * t * t / 2
+    gflops = flops / c_time / 1e9
+    tt = _torch_time((b, t, n, h), args.dtype, args.repeats, args.backward) if have_torch else None
+    rows.append(dict(t=t, c_time=c_time, r_time=r_time, c_mem=c_mem, r_mem=r_mem, gflops=gflops,
+                     torch=tt, compile=c_compile))
+  print(header)
+  for r in rows:
+    torch_s = f"{r['torch']:8.3f} {r['c_time'] / r['torch']:9.2f}" if r["torch"] else \
+        f"{'-':>8} {'-':>9}"
+    print(f"{r['t']:>6} {r['c_time']:10.3f} {r['r_time']:9.3f} {r['r_time'] / r['c_time']:7.1f}x "
+          f"{r['c_mem'] / 2**20:11.1f} {r['r_mem'] / 2**20:10.1f} {r['gflops']:8.0f} "
+          f"{100 * r['gflops'] / rate:4.0f}% {torch_s} {r['compile']:9.1f}")
+
+  last = rows[-1]
+  speedup = last["r_time"] / last["c_time"]
+  # Memory linear in T: from the shortest to the longest T, bytes grow at most ~proportionally
+  # (x 1.5 slack for fixed per-block buffers), while a T x S path grows quadratically.
+  growth = last["c_mem"] / rows[0]["c_mem"]
+  t_ratio = last["t"] / rows[0]["t"]
+  linear = growth <= 1.5 * t_ratio if len(rows) > 1 else True
+  share = last["gflops"] / rate
+  ok = speedup >= 4 and linear and share >= 0.6
+  print(f"verdict at T={last['t']}: {speedup:.1f}x jax.nn (goal >= 4x: "
+        f"{'met' if speedup >= 4 else 'missed'}); memory x{growth:.1f} for T x{t_ratio:.0f} "
+        f"({'linear' if linear else 'super-linear'}); {100 * share:.0f}% of the fp32 matmul rate "
+        f"(goal >= 60%: {'met' if share >= 0.6 else 'missed'})"
+        + (f"; {last['c_time'] / last['torch']:.2f}x PyTorch's time" if last["torch"] else "")
+        + f" -> {'all goals met' if ok else 'goals not all met'}")
+
+  if args.plot:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ts = [r["t"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.plot(ts, [r["c_time"] for r in rows], "o-", label="jaxattn xla_chunked")
+    ax1.plot(ts, [r["r_time"] for r in rows], "s-", label="jax.nn.dot_product_attention")
+    if all(r["torch"] for r in rows):
+      ax1.plot(ts, [r["torch"] for r in rows], "^-", label="torch SDPA (CPU)")
+    ax1.set(xscale="log", yscale="log", xlabel="T", ylabel="seconds", title=f"causal, {mode}")
+    ax2.plot(ts, [r["c_mem"] / 2**20 for r in rows], "o-", label="jaxattn xla_chunked")
+    ax2.plot(ts, [r["r_mem"] / 2**20 for r in rows], "s-", label="jax.nn.dot_product_attention")
+    ax2.set(xscale="log", yscale="log", xlabel="T", ylabel="MiB (temp + args + outputs)",
+            title="compiled memory")
+    for ax in (ax1, ax2):
+      ax.legend()
+      ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=120)
+    print(f"plot written to {args.plot}")
+
+
+if __name__ == "__main__":
+  main()
