@@ -64,6 +64,9 @@ class Mask:
     allowed is ``FULL``.
     """
     if self.is_static:
+      band = _band(self)
+      if band is not None:
+        return _band_block_view(band, q_len, kv_len, block_q, block_k, int(q_offset))
       return _static_block_view(self, q_len, kv_len, block_q, block_k, int(q_offset))
     dense = jnp.asarray(self.dense(q_len, kv_len, q_offset))
     if dense.ndim == 2:
@@ -84,6 +87,45 @@ def _reduce_blocks(dense, block_q, block_k, xp):
   has_any = any_.reshape(shape).any(axis=(-3, -1))
   has_all = (all_ | ~valid).reshape(shape).all(axis=(-3, -1))
   return xp.where(has_all, FULL, xp.where(has_any, PARTIAL, EMPTY)).astype(xp.int8)
+
+
+def _band(mask) -> tuple[float, float] | None:
+  """``(left, right)`` when ``mask`` allows exactly keys ``p - left <= j <= p + right`` (inf for an
+  unbounded side): causal, sliding-window and full masks and their conjunctions.  None otherwise."""
+  inf = float("inf")
+  if isinstance(mask, FullMask):
+    return inf, inf
+  if isinstance(mask, CausalMask):
+    return inf, 0.0
+  if isinstance(mask, SlidingWindowMask):
+    return (inf if mask.left is None else float(mask.left),
+            inf if mask.right is None else float(mask.right))
+  if isinstance(mask, AndMask):
+    a, b = _band(mask.a), _band(mask.b)
+    if a is not None and b is not None:
+      return min(a[0], b[0]), min(a[1], b[1])
+  return None
+
+
+@functools.lru_cache(maxsize=256)
+def _band_block_view(band, q_len, kv_len, block_q, block_k, q_offset):
+  """Block view of a band mask from block corners: O(blocks), not O(T * S).
+
+  Row ``p`` allows the key interval ``[p - left, p + right]``; both ends grow with ``p``, so a block
+  is EMPTY when the union of its rows' intervals misses its key range and FULL when the first row's
+  interval reaches its last key and the last row's interval reaches its first key.
+  """
+  left, right = band
+  nq, nk = -(-q_len // block_q), -(-kv_len // block_k)
+  r0 = np.arange(nq)[:, None] * block_q + q_offset  # first / last (in-range) query position
+  r1 = np.minimum(np.arange(nq)[:, None] * block_q + block_q, q_len) - 1 + q_offset
+  c0 = np.arange(nk)[None, :] * block_k  # first / last (in-range) key index
+  c1 = np.minimum(np.arange(nk)[None, :] * block_k + block_k, kv_len) - 1
+  empty = (r1 + right < c0) | (r0 - left > c1)
+  full = (r1 - left <= c0) & (r0 + right >= c1)
+  out = np.where(full, FULL, np.where(empty, EMPTY, PARTIAL)).astype(np.int8)
+  out.setflags(write=False)
+  return out
 
 
 @functools.lru_cache(maxsize=256)

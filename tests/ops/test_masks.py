@@ -93,3 +93,12 @@ def test_mask_errors():
     M.make_mask(local_window_size=(1, 2, 3))
   with pytest.raises(ValueError, match="indices"):
     M.GlobalTokensMask((-1,))
+
+
+def test_band_block_view_is_cheap_at_long_lengths():
+  """Causal / window block views come from block corners, not a dense T x S evaluation."""
+  view = M.CausalMask().block_view(131072, 131072, 512, 256)
+  assert view.shape == (256, 512)
+  assert (view == M.EMPTY).sum() == sum(512 - 2 * (i + 1) for i in range(256))
+  assert M._band(M.CausalMask() & M.sliding_window(4, causal=False)) == (4.0, 0.0)
+  assert M._band(M.CausalMask() | M.GlobalTokensMask((0,))) is None
