@@ -30,41 +30,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.timing import best_time, compile_timed, matmul_rate, peak_bytes
 from jaxattn.ops.attention import dot_product_attention
 
 try:
   from tqdm import tqdm
 except ImportError:  # tqdm is optional
   tqdm = None
-
-
-def _compile(fn, *args):
-  t0 = time.perf_counter()
-  compiled = jax.jit(fn).lower(*args).compile()
-  return compiled, time.perf_counter() - t0
-
-
-def _best_time(compiled, args, repeats):
-  jax.block_until_ready(compiled(*args))  # warm-up
-  best = float("inf")
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    best = min(best, time.perf_counter() - t0)
-  return best
-
-
-def _peak_bytes(compiled):
-  m = compiled.memory_analysis()
-  if m is None:
-    return float("nan")
-  return m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
-
-
-def _matmul_rate(repeats, n=4096):
-  x = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), jnp.float32)
-  compiled, _ = _compile(lambda a, b: a @ b, x, x)
-  return 2 * n**3 / _best_time(compiled, (x, x), repeats) / 1e9
 
 
 def _attention_fns(backward):
@@ -130,7 +102,7 @@ def main(argv=None):
   mode = "forward + backward (value_and_grad)" if args.backward else "forward"
   print(f"causal attention, {mode}; B={b} N={n} H={h} {args.dtype}; backend "
         f"{jax.default_backend()} ({jax.device_count()} device, {jax.devices()[0].device_kind})")
-  rate = _matmul_rate(args.repeats)
+  rate = matmul_rate(4096, jnp.float32, args.repeats) / 1e9
   print(f"fp32 matmul 4096^3 (jitted): {rate:.0f} GFLOP/s")
   print("memory = temp + argument + output bytes of the compiled executable (memory_analysis)")
 
@@ -152,13 +124,13 @@ def main(argv=None):
   for t in seq_lens:
     rng = np.random.default_rng(t)
     q, k, v = (jnp.asarray(rng.standard_normal((b, t, n, h)), dtype) for _ in range(3))
-    c_exe, c_compile = _compile(chunked_fn, q, k, v)
-    c_time = _best_time(c_exe, (q, k, v), args.repeats)
-    c_mem = _peak_bytes(c_exe)
+    c_exe, c_compile = compile_timed(chunked_fn, q, k, v)
+    c_time = best_time(c_exe, (q, k, v), args.repeats)
+    c_mem = peak_bytes(c_exe)
     del c_exe
-    r_exe, _ = _compile(reference_fn, q, k, v)
-    r_time = _best_time(r_exe, (q, k, v), args.repeats)
-    r_mem = _peak_bytes(r_exe)
+    r_exe, _ = compile_timed(reference_fn, q, k, v)
+    r_time = best_time(r_exe, (q, k, v), args.repeats)
+    r_mem = peak_bytes(r_exe)
     del r_exe
     flops = flop_factor * 4 * b * n * h * t * t / 2
     gflops = flops / c_time / 1e9

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.timing import best_time, compile_timed, matmul_rate, peak_bytes
 from jaxattn.ops.attention import dot_product_attention
 from pallas_kernels.flash_attention import BlockSizes
 
@@ -48,35 +49,6 @@ except ImportError:  # tqdm is optional
 def _platform() -> str:
   p = jax.default_backend()
   return "gpu" if p in ("gpu", "cuda", "rocm") else p
-
-
-def _compile(fn, *args):
-  return jax.jit(fn).lower(*args).compile()
-
-
-def _best_time(compiled, args, repeats):
-  jax.block_until_ready(compiled(*args))  # warm-up
-  best = float("inf")
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    best = min(best, time.perf_counter() - t0)
-  return best
-
-
-def _peak_bytes(compiled) -> float:
-  m = compiled.memory_analysis()
-  if m is None:
-    return float("nan")
-  return float(m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes)
-
-
-def matmul_rate(n: int, dtype, repeats: int) -> float:
-  """Rate of one ``n x n x n`` matmul (random data, fp32 accumulation), FLOP/s."""
-  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
-  b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dtype)
-  f = _compile(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(dtype), a, b)
-  return 2 * n**3 / _best_time(f, (a, b), repeats)
 
 
 def attention_flops(b, t, s, n, h, hv, causal, backward) -> float:
@@ -135,9 +107,9 @@ def run_benchmark(args) -> list[dict]:
     row = {"T": t, "causal": causal, "B": b}
     for kind in ("ours", "base"):
       try:
-        compiled = _compile(_make(kind, causal, args.backward), q, k, v)
-        sec = _best_time(compiled, (q, k, v), args.repeats)
-        row[kind] = (sec, flops / sec / unit, _peak_bytes(compiled) / 2**20)
+        compiled, _ = compile_timed(_make(kind, causal, args.backward), q, k, v)
+        sec = best_time(compiled, (q, k, v), args.repeats)
+        row[kind] = (sec, flops / sec / unit, peak_bytes(compiled) / 2**20)
       except Exception as e:  # a baseline may not support a shape (e.g. cuDNN limits): say why
         row[kind] = None
         row[kind + "_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
