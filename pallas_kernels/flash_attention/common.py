@@ -507,3 +507,27 @@ def matmul_dtype(x):
 
 __all__ = ["BlockSizes", "Plan", "make_plan", "split_mask", "eval_mask", "block_tables",
            "block_counts", "block_scores", "validate", "NUM_LANES", "NUM_SUBLANES"]
+
+
+def flash_custom_vjp(plan, forward, backward):
+  """The jitted ``(q, k, v, aux) -> (out, lse)`` of one backend, differentiated by its own kernels.
+
+  ``forward(plan, q, k, v, aux) -> (out, lse)``; ``backward(plan, q, k, v, aux, out, lse, d_out,
+  d_lse) -> (dq, dk, dv)``.  ``aux`` (offsets, lengths, slopes, segment ids) gets no cotangent.
+  """
+
+  @jax.custom_vjp
+  def attention(q, k, v, aux):
+    return forward(plan, q, k, v, aux)
+
+  def fwd(q, k, v, aux):
+    out, lse = forward(plan, q, k, v, aux)
+    return (out, lse), (q, k, v, aux, out, lse)
+
+  def bwd(res, cotangents):
+    q, k, v, aux, out, lse = res
+    d_out, d_lse = cotangents
+    return (*backward(plan, q, k, v, aux, out, lse, d_out, d_lse), None)
+
+  attention.defvjp(fwd, bwd)
+  return jax.jit(attention)

@@ -89,23 +89,7 @@ def flash_attention(
 @functools.lru_cache(maxsize=128)
 def _build(plan: C.Plan):
   """``(q, k, v, aux) -> (out [B, T, N, h], lse [B, N, T])`` with its flash backward."""
-
-  @jax.custom_vjp
-  def attention(q, k, v, aux):
-    return _forward(plan, q, k, v, aux)
-
-  def fwd(q, k, v, aux):
-    out, lse = _forward(plan, q, k, v, aux)
-    return (out, lse), (q, k, v, aux, out, lse)
-
-  def bwd(res, cotangents):
-    q, k, v, aux, out, lse = res
-    d_out, d_lse = cotangents
-    dq, dk, dv = _backward(plan, q, k, v, aux, out, lse, d_out, d_lse)
-    return dq, dk, dv, None
-
-  attention.defvjp(fwd, bwd)
-  return jax.jit(attention)
+  return C.flash_custom_vjp(plan, _forward, _backward)
 
 
 def _pow2(x: int) -> int:
