@@ -3,11 +3,16 @@
 from jaxattn.nn.attention import Attention
 from jaxattn.nn.block import TransformerBlock
 from jaxattn.nn.linear import Einsum, param
+from jaxattn.nn.lora import (LoRA, LoRAParam, apply_lora, count_parameters, lora_optimizer,
+                             merge_lora, unload_lora, unmerge_lora)
+from jaxattn.nn.mhc import HyperConnection, StreamCollapse
 from jaxattn.nn.mla import MLA
 from jaxattn.nn.mlp import MLP
 from jaxattn.nn.moe import MoE
 from jaxattn.nn.norms import LayerNorm, RMSNorm
 from jaxattn.nn.positional import LearnedPositionalEmbedding, T5RelativePositionBias
 
-__all__ = ["MLA", "MLP", "MoE", "Attention", "Einsum", "LayerNorm", "LearnedPositionalEmbedding", "RMSNorm",
+__all__ = ["MLA", "MLP", "MoE", "HyperConnection", "StreamCollapse", "LoRA", "LoRAParam",
+           "apply_lora", "count_parameters", "lora_optimizer", "merge_lora", "unload_lora",
+           "unmerge_lora", "Attention", "Einsum", "LayerNorm", "LearnedPositionalEmbedding", "RMSNorm",
            "T5RelativePositionBias", "TransformerBlock", "param"]

@@ -4,6 +4,8 @@ from jaxattn.ops.alibi import alibi_bias, alibi_slopes
 from jaxattn.ops.attention import IMPLEMENTATIONS, attention_weights, dot_product_attention
 from jaxattn.ops.masks import (CausalMask, FullMask, GlobalTokensMask, Mask, PaddingMask,
                                SegmentMask, SlidingWindowMask, make_mask, sliding_window)
+from jaxattn.ops.hyper import sinkhorn
+from jaxattn.ops.nf4 import dequantize_nf4, quantize_nf4
 from jaxattn.ops.mla import (absorb_output_weights, absorb_query_weights, mla_attention,
                              mla_score_terms, mla_softmax_scale)
 from jaxattn.ops.norms import layer_norm, rms_norm
@@ -17,5 +19,6 @@ __all__ = [
     "attention_weights", "dot_product_attention", "layer_norm", "make_mask", "rms_norm",
     "rope_frequencies", "sinusoidal_positions", "sliding_window", "t5_position_bias",
     "t5_relative_position_bucket", "yarn_mscale", "absorb_output_weights", "absorb_query_weights",
-    "mla_attention", "mla_score_terms", "mla_softmax_scale",
+    "mla_attention", "mla_score_terms", "mla_softmax_scale", "sinkhorn", "quantize_nf4",
+    "dequantize_nf4",
 ]
