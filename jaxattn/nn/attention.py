@@ -10,6 +10,7 @@ import numpy as np
 from flax import nnx
 
 from jaxattn.cache import KVCache, kv_cache_bytes_per_token
+from jaxattn.rolling_cache import RollingKVCache
 from jaxattn.nn.linear import Einsum
 from jaxattn.nn.positional import T5RelativePositionBias
 from jaxattn.ops.alibi import alibi_slopes
@@ -109,6 +110,26 @@ class Attention(nnx.Module):
     dtype = dtype or self.dtype or jnp.float32
     return KVCache.init(batch, max_len, self.num_kv_heads, self.head_dim, self.v_head_dim, dtype)
 
+  def init_rolling_cache(self, batch: int, dtype=None) -> RollingKVCache:
+    """A ring-buffer cache of the last ``sliding_window`` tokens (``jaxattn.rolling_cache``): decode
+    memory independent of the sequence length.  Needs ``causal`` and ``sliding_window``."""
+    if self.sliding_window is None or not self.causal:
+      raise ValueError(f"a rolling cache needs a causal layer with `sliding_window` set; got "
+                       f"causal={self.causal}, sliding_window={self.sliding_window}.")
+    dtype = dtype or self.dtype or jnp.float32
+    return RollingKVCache.init(batch, int(self.sliding_window), self.num_kv_heads, self.head_dim,
+                               self.v_head_dim, dtype)
+
+  def _check_rolling(self, cache, mask):
+    if self.sliding_window is None or not self.causal or cache.window != self.sliding_window:
+      raise ValueError(f"a RollingKVCache(window={cache.window}) needs a causal layer with "
+                       f"sliding_window={cache.window}; this layer has causal={self.causal}, "
+                       f"sliding_window={self.sliding_window}.")
+    if self.position in ("alibi", "t5") or mask is not None:
+      raise ValueError(f"a RollingKVCache keeps keys out of position order; it supports "
+                       f"position='rope' or 'none' and no extra `mask` (position={self.position!r}, "
+                       f"mask given: {mask is not None}).")
+
   def cache_bytes(self, seq_len: int, batch: int = 1, dtype=jnp.bfloat16) -> int:
     """KV cache bytes of this layer for ``seq_len`` tokens: the seed's ``2 x n x h_kv x d x bytes``."""
     return batch * seq_len * kv_cache_bytes_per_token(self.num_kv_heads, self.head_dim, dtype,
@@ -138,12 +159,18 @@ class Attention(nnx.Module):
       q = apply_rope(q, positions, **rope)
       k = apply_rope(k, positions, **rope)
     kv_lengths = None
+    rolling = isinstance(cache, RollingKVCache)
     if cache is not None:
       if segment_ids is not None:
         raise ValueError("`segment_ids` (packed sequences) cannot be combined with a KV `cache`.")
-      cache = cache.update(k, v)
-      k, v = cache.key.astype(q.dtype), cache.value.astype(q.dtype)
-      kv_lengths = jnp.full((b,), cache.index, jnp.int32)
+      if rolling:  # ring buffer: the window and causality come from the slots' positions
+        self._check_rolling(cache, mask)
+        k, v, mask, cache = cache.extend(k, v)
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
+      else:
+        cache = cache.update(k, v)
+        k, v = cache.key.astype(q.dtype), cache.value.astype(q.dtype)
+        kv_lengths = jnp.full((b,), cache.index, jnp.int32)
     q = shard(q, ("batch", "length", "act_heads", "head_dim"))
     bias = None
     if self.rel_bias is not None:
@@ -151,9 +178,10 @@ class Attention(nnx.Module):
       bias = self.rel_bias(q_pos, jnp.arange(k.shape[1], dtype=jnp.int32))
     slopes = alibi_slopes(self.num_heads) if self.position == "alibi" else None
     out = dot_product_attention(
-        q, k, v, bias, mask, scale=self.attention_scale, is_causal=self.causal,
-        local_window_size=self.sliding_window, segment_ids=segment_ids, kv_lengths=kv_lengths,
-        q_offset=offset, alibi_slopes=slopes, logits_soft_cap=self.logits_soft_cap,
+        q, k, v, bias, mask, scale=self.attention_scale, is_causal=self.causal and not rolling,
+        local_window_size=None if rolling else self.sliding_window, segment_ids=segment_ids,
+        kv_lengths=kv_lengths, q_offset=0 if rolling else offset, alibi_slopes=slopes,
+        logits_soft_cap=self.logits_soft_cap,
         implementation=implementation or self.implementation)
     y = self.o_proj(out)
     y = shard(y, ("batch", "length", "act_embed"))

@@ -1,0 +1,246 @@
+"""DeepSeek Sparse Attention (DSA, DeepSeek-V3.2) on MLA: a lightning indexer picks top-K latents.
+
+Seed 3.7 "DeepSeek Sparse Attention" and the second seed's "Sparse attention (DSA)".  Per token:
+
+    q^I  = RoPE_part(c_Q W^IQ)                 [B, T, H_I, d_I]  H_I light heads from the query latent
+    k^I  = RoPE_part(LayerNorm(x W^IK))        [B, T, d_I]       ONE key shared by the heads (MQA)
+    w    = x W^IW * H_I^-1/2 * d_I^-1/2        [B, T, H_I]       per-token head weights
+    I[t, s] = sum_j w[t, j] ReLU(q^I[t, j] . k^I[s])   (causal)  -> S_t = TopK(I[t], k)
+    y    = o_proj(MLA attention restricted to S_t)                (absorbed form over the latents)
+
+``RoPE_part`` rotates the first ``index_rope_dim`` coordinates (half-split pairs, as DeepSeek-V3.2's
+indexer).  With ``index_rotate`` the indexer queries and keys go through ``hadamard_transform``
+(scores unchanged) and with ``index_quant`` ("int8"/"fp8") they are rounded to 8 bits before
+scoring; the decode cache stores the indexer keys in that 8-bit form with their scales.
+
+Training (``return_aux=True``): ``aux["indexer_loss"]`` is the KL from the main attention's
+head-summed distribution (stop-gradient) to the indexer's softmax -- over all causal keys in
+``attention_mode="dense"`` (warm-up: main attention dense), over ``S_t`` in ``"sparse"``.  The
+indexer reads ``stop_gradient`` of its inputs, so the indexer loss trains only the indexer and the
+language-model loss (through the top-K gather, which has no gradient to the indexer) only the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from jaxattn.dsa_cache import DSACache, quantize_index_keys
+from jaxattn.nn.linear import Einsum
+from jaxattn.nn.mla import MLA, _check_positive
+from jaxattn.nn.norms import LayerNorm
+from jaxattn.ops.hadamard import hadamard_transform
+from jaxattn.ops.mla import mla_attention, mla_score_terms
+from jaxattn.ops.quantization import QUANT_FORMATS, dequantize, fake_quantize
+from jaxattn.ops.rope import apply_rope
+from jaxattn.ops.sparse import (indexer_kl_loss, indexer_scores, indices_to_mask,
+                                sparse_mla_attention, topk_indices)
+from jaxattn.sharding import shard
+
+AttentionMode = Literal["dense", "sparse"]
+ATTENTION_MODES = ("dense", "sparse")
+
+
+class LightningIndexer(nnx.Module):
+  """DSA's lightning indexer: scores ``I [B, T, S]`` from ``H_I`` light heads and one shared key.
+
+  Args:
+    embed_dim: ``D`` (keys and head weights read ``x``).
+    query_dim: width of the query input (the query latent ``Cq``, or ``D`` without one).
+    num_heads: ``H_I`` (DeepSeek-V3.2: 64).
+    head_dim: ``d_I``, a power of two when ``rotate`` (128).
+    rope_dim: rotated leading coordinates of ``q^I`` and ``k^I`` (64), even, ``<= head_dim``.
+    rope_base: RoPE base.
+    rotate: Hadamard-rotate queries and keys before (optional) quantization.
+    quant: None, "int8" or "fp8" scoring; ``quant_block_size`` None = one scale per vector (fp8
+      default: 128-entry blocks, or the whole vector when shorter).
+  """
+
+  def __init__(self, embed_dim: int, query_dim: int, *, num_heads: int, head_dim: int,
+               rope_dim: int, rope_base: float = 10000.0, rotate: bool = True, quant=None,
+               quant_block_size: int | None = None, norm_eps: float = 1e-6, rngs: nnx.Rngs,
+               dtype=None, param_dtype=jnp.float32):
+    for name, v in (("embed_dim", embed_dim), ("query_dim", query_dim), ("num_heads", num_heads),
+                    ("head_dim", head_dim)):
+      _check_positive(name, v)
+    if not isinstance(rope_dim, int) or rope_dim < 0 or rope_dim % 2 or rope_dim > head_dim:
+      raise ValueError(f"`rope_dim` must be an even int in [0, head_dim={head_dim}], got "
+                       f"{rope_dim!r}.")
+    if rotate and head_dim & (head_dim - 1):
+      raise ValueError(f"`head_dim`={head_dim} must be a power of two for the Hadamard rotation "
+                       "(or pass rotate=False).")
+    if quant not in QUANT_FORMATS:
+      raise ValueError(f"`quant` must be one of {QUANT_FORMATS}, got {quant!r}.")
+    if quant == "fp8" and quant_block_size is None:
+      quant_block_size = min(128, head_dim)
+    if quant_block_size is not None and (quant_block_size < 1 or head_dim % quant_block_size):
+      raise ValueError(f"`quant_block_size`={quant_block_size!r} must divide head_dim={head_dim}.")
+    self.num_heads, self.head_dim, self.rope_dim = num_heads, head_dim, rope_dim
+    self.rope_base, self.rotate, self.quant = rope_base, rotate, quant
+    self.quant_block_size = quant_block_size
+    kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+    self.wq = Einsum("BTC,CJE->BTJE", (query_dim, num_heads, head_dim),
+                     ("latent", "heads", "head_dim"), **kw)
+    self.wk = Einsum("BSD,DE->BSE", (embed_dim, head_dim), ("embed", "head_dim"), **kw)
+    self.k_norm = LayerNorm(head_dim, eps=norm_eps, rngs=rngs, param_dtype=param_dtype)
+    self.weights_proj = Einsum("BTD,DJ->BTJ", (embed_dim, num_heads), ("embed", "heads"), **kw)
+
+  def _rope(self, x, positions):
+    if self.rope_dim == 0:
+      return x
+    return apply_rope(x, positions, base=self.rope_base, rotary_dim=self.rope_dim,
+                      interleaved=False)
+
+  def _prepare(self, x):
+    """Rotation then 8-bit rounding, fp32."""
+    x = x.astype(jnp.float32)
+    return hadamard_transform(x) if self.rotate else x
+
+  def project(self, x: Float[Array, "B T D"], q_in: Float[Array, "B T Cq"],
+              positions: Int[Array, "#B T"]):
+    """``(q^I [B,T,H_I,d_I] fp32, as scored; keys (stored form) [B,T,d_I]; scales [B,T,nb];
+    w [B,T,H_I] fp32)``."""
+    q = self._rope(self.wq(q_in), positions)
+    k = self._rope(self.k_norm(self.wk(x))[:, :, None, :], positions)[:, :, 0, :]
+    w = self.weights_proj(x).astype(jnp.float32) * (self.num_heads * self.head_dim) ** -0.5
+    q = fake_quantize(self._prepare(q), self.quant, block_size=self.quant_block_size)
+    keys, scales = quantize_index_keys(self._prepare(k), self.quant, self.quant_block_size)
+    return q, keys, scales, w
+
+  def __call__(self, x: Float[Array, "B T D"], q_in: Float[Array, "B T Cq"], *,
+               positions: Int[Array, "#B T"] | None = None) -> Float[Array, "B T T"]:
+    """Causal self-scores ``I [B, T, T]`` (``-inf`` above the diagonal)."""
+    if positions is None:
+      positions = jnp.arange(x.shape[1], dtype=jnp.int32)[None]
+    q, keys, scales, w = self.project(x, q_in, positions)
+    return indexer_scores(q, dequantize(keys, scales), w)
+
+
+class DSA(MLA):
+  """MLA with DeepSeek Sparse Attention: a ``LightningIndexer`` selects ``index_topk`` latents.
+
+  Takes every ``MLA`` argument (``causal`` must stay True) plus:
+    index_num_heads, index_head_dim, index_rope_dim: the indexer's ``H_I``, ``d_I`` and rotated
+      width (DeepSeek-V3.2: 64, 128, 64).
+    index_topk: ``k`` (2048 in V3.2); every position is used when fewer are available.
+    attention_mode: "sparse" (top-K) or "dense" (the warm-up stage: MLA attention over all keys,
+      indexer scored and trained alongside); overridable per call.
+    index_rotate, index_quant, index_quant_block_size: as ``LightningIndexer``'s rotate / quant.
+
+  The indexer reads the query latent ``c_Q`` when ``q_lora_rank`` is set, else ``x``.  Sparse
+  attention runs in MLA's absorbed form over the selected latent rows.
+  ``y = dsa(x)``; ``y, cache = dsa(x, cache=cache)``; with ``return_aux=True`` also a dict with
+  ``indices [B, T, k]`` (sparse mode), ``index_scores [B, T, S]`` and ``indexer_loss``.
+  """
+
+  def __init__(self, embed_dim: int, num_heads: int, *, index_num_heads: int,
+               index_head_dim: int, index_rope_dim: int, index_topk: int,
+               attention_mode: AttentionMode = "sparse", index_rotate: bool = True,
+               index_quant=None, index_quant_block_size: int | None = None, rngs: nnx.Rngs,
+               **mla_kwargs):
+    super().__init__(embed_dim, num_heads, rngs=rngs, **mla_kwargs)
+    if not self.causal:
+      raise ValueError("DSA needs `causal=True`: the indexer selects among earlier tokens.")
+    _check_positive("index_topk", index_topk)
+    if attention_mode not in ATTENTION_MODES:
+      raise ValueError(f"`attention_mode` must be one of {ATTENTION_MODES}, got "
+                       f"{attention_mode!r}.")
+    self.index_topk, self.attention_mode = int(index_topk), attention_mode
+    q_dim = embed_dim if self.q_lora_rank is None else self.q_lora_rank
+    self.indexer = LightningIndexer(
+        embed_dim, q_dim, num_heads=index_num_heads, head_dim=index_head_dim,
+        rope_dim=index_rope_dim, rope_base=self.rope_base, rotate=index_rotate, quant=index_quant,
+        quant_block_size=index_quant_block_size, norm_eps=mla_kwargs.get("norm_eps", 1e-6),
+        rngs=rngs, dtype=mla_kwargs.get("dtype"), param_dtype=mla_kwargs.get("param_dtype",
+                                                                           jnp.float32))
+
+  def init_cache(self, batch: int, max_len: int, dtype=None) -> DSACache:
+    """An empty cache: latent rows plus the indexer keys in their scoring format."""
+    dtype = dtype or self.dtype or jnp.float32
+    ix = self.indexer
+    return DSACache.init(batch, max_len, kv_lora_rank=self.kv_lora_rank,
+                         qk_rope_head_dim=self.qk_rope_head_dim, index_head_dim=ix.head_dim,
+                         quant=ix.quant, quant_block_size=ix.quant_block_size, dtype=dtype)
+
+  def _project_all(self, x, positions):
+    """MLA's projections, also returning the query latent the indexer reads."""
+    if self.q_proj is not None:
+      q_in = x
+      q = self.q_proj(x)
+    else:
+      q_in = self.q_norm(self.q_down(x))
+      q = self.q_up(q_in)
+    q = shard(q, ("batch", "length", "act_heads", "head_dim"))
+    p = self.qk_nope_head_dim
+    rope = dict(base=self.rope_base, interleaved=self.rope_interleaved, scaling=self.rope_scaling)
+    q_nope, q_rope = q[..., :p], apply_rope(q[..., p:], positions, **rope)
+    c_kv = shard(self.kv_norm(self.kv_down(x)), ("batch", "length", None))
+    k_rope = apply_rope(self.k_rope_proj(x)[:, :, None, :], positions, **rope)[:, :, 0, :]
+    return q_in, q_nope, q_rope, c_kv, k_rope
+
+  def __call__(
+      self,
+      x: Float[Array, "B T D"],
+      *,
+      positions: Int[Array, "#B T"] | None = None,
+      cache: DSACache | None = None,
+      attention_mode: AttentionMode | None = None,
+      return_aux: bool = False,
+      implementation=None,
+  ):
+    mode = self.attention_mode if attention_mode is None else attention_mode
+    if mode not in ATTENTION_MODES:
+      raise ValueError(f"`attention_mode` must be one of {ATTENTION_MODES}, got {mode!r}.")
+    if x.ndim != 3 or x.shape[-1] != self.embed_dim:
+      raise ValueError(f"`x` must be [B, T, D={self.embed_dim}], got shape {x.shape}.")
+    if cache is not None and not isinstance(cache, DSACache):
+      raise ValueError(f"`cache` must be a DSACache (from DSA.init_cache), got {type(cache)}.")
+    b, t, _ = x.shape
+    x = shard(x, ("batch", "length", "act_embed"))
+    offset = 0 if cache is None else cache.index
+    positions = self._positions(t, offset, positions)
+    q_in, q_nope, q_rope, c_kv, k_rope = self._project_all(x, positions)
+    # The indexer learns only from its own loss: detach its inputs from the main model.
+    q_idx, keys, scales, w = self.indexer.project(jax.lax.stop_gradient(x),
+                                                  jax.lax.stop_gradient(q_in), positions)
+    kv_lengths = None
+    if cache is not None:
+      cache = cache.update(c_kv, k_rope, keys, scales)
+      c_kv = cache.latent.c_kv.astype(q_nope.dtype)
+      k_rope = cache.latent.k_rope.astype(q_nope.dtype)
+      k_idx = cache.index_keys_fp32()
+      kv_lengths = jnp.full((b,), cache.index, jnp.int32)
+    else:
+      k_idx = dequantize(keys, scales)
+    scores = indexer_scores(q_idx, k_idx, w, q_offset=offset, kv_lengths=kv_lengths)
+    w_uk, w_uv = self.k_up.kernel[...], self.v_up.kernel[...]
+    indices = None
+    if mode == "sparse":
+      indices = topk_indices(scores, self.index_topk)
+      out = sparse_mla_attention(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, indices,
+                                 scale=self.scale)
+    else:
+      out = mla_attention(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, mode=self.mode,
+                          scale=self.scale, is_causal=True, kv_lengths=kv_lengths, q_offset=offset,
+                          implementation=implementation or self.implementation)
+    y = shard(self.o_proj(out), ("batch", "length", "act_embed"))
+    result = (y,) if cache is None else (y, cache)
+    if return_aux:
+      result = result + (self._aux(q_nope, q_rope, c_kv, k_rope, scores, indices),)
+    return result[0] if len(result) == 1 else result
+
+  def _aux(self, q_nope, q_rope, c_kv, k_rope, scores, indices):
+    """Indexer loss against the main attention's (dense or selected-set) distribution."""
+    content, position = mla_score_terms(q_nope, q_rope, c_kv, k_rope, self.k_up.kernel[...])
+    allowed = jnp.isfinite(scores)                                 # causal and filled slots
+    if indices is not None:
+      allowed = allowed & indices_to_mask(indices, scores.shape[-1])[:, 0]
+    logits = jnp.where(allowed[:, None], self.scale * (content + position), -jnp.inf)
+    probs = jax.nn.softmax(logits, axis=-1)
+    probs = jnp.where(allowed[:, None], probs, 0.0)
+    loss = indexer_kl_loss(probs, scores, allowed)
+    return {"indices": indices, "index_scores": scores, "indexer_loss": loss}

@@ -1,0 +1,117 @@
+"""DSA module: indexer formula, dense/sparse modes, decode == prefill, quantized cache, training."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxattn.dsa_cache import DSACache
+from jaxattn.nn.dsa import DSA, LightningIndexer
+from jaxattn.ops.rope import apply_rope
+from jaxattn.ops.sparse import indices_to_mask
+
+D, N, T = 32, 4, 10
+MLA_KW = dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+              q_lora_rank=24)
+
+
+def _dsa(topk=4, quant=None, mode="sparse", seed=0):
+  return DSA(D, N, index_num_heads=3, index_head_dim=16, index_rope_dim=4, index_topk=topk,
+             index_quant=quant, attention_mode=mode, rngs=nnx.Rngs(seed), **MLA_KW)
+
+
+def _x(seed=1, b=2, t=T):
+  return jax.random.normal(jax.random.key(seed), (b, t, D))
+
+
+def test_indexer_matches_direct_formula():
+  ix = LightningIndexer(D, 24, num_heads=3, head_dim=16, rope_dim=4, rotate=True,
+                        rngs=nnx.Rngs(0))
+  x, c = _x(), jax.random.normal(jax.random.key(2), (2, T, 24))
+  got = ix(x, c)
+  pos = jnp.arange(T)[None]
+  q = apply_rope(jnp.einsum("btc,cje->btje", c, ix.wq.kernel[...]), pos, rotary_dim=4)
+  k = jnp.einsum("btd,de->bte", x, ix.wk.kernel[...])
+  k = (k - k.mean(-1, keepdims=True)) / jnp.sqrt(k.var(-1, keepdims=True) + 1e-6)
+  k = apply_rope(k[:, :, None], pos, rotary_dim=4)[:, :, 0]
+  w = jnp.einsum("btd,dj->btj", x, ix.weights_proj.kernel[...]) / jnp.sqrt(3 * 16)
+  # Hadamard rotation leaves the scores of the unrotated formula unchanged.
+  ref = jnp.einsum("btj,btjs->bts", w, jax.nn.relu(jnp.einsum("btje,bse->btjs", q, k)))
+  causal = jnp.tril(jnp.ones((T, T), bool))
+  np.testing.assert_allclose(got, jnp.where(causal, ref, -jnp.inf), rtol=1e-4, atol=1e-4)
+
+
+def test_topk_at_least_t_equals_dense_mla():
+  m = _dsa(topk=T)
+  x = _x()
+  np.testing.assert_allclose(m(x), m(x, attention_mode="dense"), rtol=1e-4, atol=1e-5)
+  y_mla = super(DSA, m).__call__(x, mode="absorbed")              # plain MLA, same weights
+  np.testing.assert_allclose(m(x), y_mla, rtol=1e-4, atol=1e-5)
+
+
+def test_small_topk_equals_mla_under_selection_mask():
+  m = _dsa(topk=3)
+  x = _x()
+  y, aux = m(x, return_aux=True)
+  mask = indices_to_mask(aux["indices"], T)
+  y_ref = super(DSA, m).__call__(x, mask=mask, mode="naive", implementation="xla")
+  np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=1e-5)
+  assert not np.allclose(y, m(x, attention_mode="dense"), atol=1e-3)
+
+
+@pytest.mark.parametrize("quant", [None, "int8", "fp8"])
+def test_decode_equals_prefill(quant):
+  m = _dsa(topk=4, quant=quant)
+  x = _x(3)
+  full = m(x)
+  cache = m.init_cache(2, 16)
+  y0, cache = m(x[:, :4], cache=cache)
+  ys = [y0]
+  for i in range(4, T):
+    yi, cache = m(x[:, i:i + 1], cache=cache)
+    ys.append(yi)
+  np.testing.assert_allclose(jnp.concatenate(ys, 1), full, rtol=1e-4, atol=1e-5)
+  want = {None: jnp.float32, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[quant]
+  assert cache.index_keys.dtype == want and int(cache.index) == T
+
+
+def test_training_losses_and_gradients():
+  m = _dsa(topk=4)
+  x = _x(4)
+  graphdef, params, rest = nnx.split(m, nnx.Param, ...)
+
+  def losses(p, mode):
+    mod = nnx.merge(graphdef, p, rest)
+    y, aux = mod(x, attention_mode=mode, return_aux=True)
+    return jnp.mean(y ** 2), aux["indexer_loss"]
+
+  for mode in ("dense", "sparse"):
+    # One compiled program: both losses and their gradients.
+    lm, li, g_main, g_idx = jax.jit(lambda p: (
+        *losses(p, mode), jax.grad(lambda p_: losses(p_, mode)[0])(p),
+        jax.grad(lambda p_: losses(p_, mode)[1])(p)))(params)
+    assert float(li) >= 0.0 and np.isfinite(float(lm))
+    # The indexer loss trains the indexer only; the LM loss never reaches the indexer.
+    assert float(jnp.abs(g_idx["indexer"]["wq"]["kernel"][...]).max()) > 0
+    assert float(jnp.abs(g_idx["kv_down"]["kernel"][...]).max()) == 0
+    assert float(jnp.abs(g_main["indexer"]["wq"]["kernel"][...]).max()) == 0
+    assert float(jnp.abs(g_main["kv_down"]["kernel"][...]).max()) > 0
+
+
+def test_errors():
+  with pytest.raises(ValueError, match="index_topk"):
+    _dsa(topk=0)
+  with pytest.raises(ValueError, match="causal"):
+    DSA(D, N, index_num_heads=2, index_head_dim=16, index_rope_dim=4, index_topk=2, causal=False,
+        rngs=nnx.Rngs(0), **MLA_KW)
+  with pytest.raises(ValueError, match="power of two"):
+    DSA(D, N, index_num_heads=2, index_head_dim=12, index_rope_dim=4, index_topk=2,
+        rngs=nnx.Rngs(0), **MLA_KW)
+  with pytest.raises(ValueError, match="attention_mode"):
+    _dsa()(_x(), attention_mode="block")
+  with pytest.raises(ValueError, match="quant"):
+    _dsa(quant="int4")
+  with pytest.raises(ValueError, match="cache"):
+    _dsa()(_x(), cache=object())
+  assert isinstance(_dsa().init_cache(1, 8), DSACache)

@@ -1,0 +1,187 @@
+"""DSA formulas: indexer scores vs a direct loop, top-K, sparse attention vs dense, MLA, KL loss."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxattn.ops.attention import attention_weights, dot_product_attention
+from jaxattn.ops.hadamard import hadamard_transform
+from jaxattn.ops.mla import mla_attention
+from jaxattn.ops.sparse import (indexer_kl_loss, indexer_scores, indices_to_mask,
+                                sparse_attention, sparse_mla_attention, topk_indices)
+
+B, T, N, K, H = 2, 12, 4, 2, 8
+
+
+def _qkv(seed=0, t=T, s=T):
+  ks = jax.random.split(jax.random.key(seed), 3)
+  return (jax.random.normal(ks[0], (B, t, N, H)), jax.random.normal(ks[1], (B, s, K, H)),
+          jax.random.normal(ks[2], (B, s, K, H)))
+
+
+def _indexer_inputs(seed=1, t=T, s=T, hi=3, d=16):
+  ks = jax.random.split(jax.random.key(seed), 3)
+  return (jax.random.normal(ks[0], (B, t, hi, d)), jax.random.normal(ks[1], (B, s, d)),
+          jax.random.uniform(ks[2], (B, t, hi)) - 0.3)
+
+
+def test_indexer_scores_direct_formula():
+  q, k, w = _indexer_inputs()
+  got = np.asarray(indexer_scores(q, k, w))
+  qn, kn, wn = map(np.asarray, (q, k, w))
+  for b in range(B):
+    for t in range(T):
+      for s in range(T):
+        if s > t:
+          assert got[b, t, s] == -np.inf
+        else:
+          ref = sum(wn[b, t, j] * max(0.0, float(qn[b, t, j] @ kn[b, s])) for j in range(3))
+          np.testing.assert_allclose(got[b, t, s], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_indexer_decode_offset_and_lengths():
+  q, k, w = _indexer_inputs()
+  full = indexer_scores(q, k, w)
+  # Query row 7 alone, as a decode step with 8 valid cache slots out of 12.
+  step = indexer_scores(q[:, 7:8], k, w[:, 7:8], q_offset=7, kv_lengths=jnp.array([8, 8]))
+  np.testing.assert_allclose(step, full[:, 7:8], rtol=1e-6)
+
+
+def test_indexer_hadamard_invariance_and_quantized_close():
+  q, k, w = _indexer_inputs(d=32)
+  ref = indexer_scores(q, k, w)
+  rot = indexer_scores(hadamard_transform(q), hadamard_transform(k), w)
+  np.testing.assert_allclose(rot, ref, rtol=1e-4, atol=1e-4)
+  for fmt in ("int8", "fp8"):
+    got = indexer_scores(hadamard_transform(q), hadamard_transform(k), w, quant=fmt)
+    fin = np.isfinite(np.asarray(ref))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(got)), fin)
+    err = np.abs(np.asarray(got)[fin] - np.asarray(ref)[fin])
+    assert err.max() < 0.1 * np.abs(np.asarray(ref))[fin].max(), fmt
+
+
+def test_topk_basic_and_padding():
+  scores = jnp.array([[[0.1, -jnp.inf, -jnp.inf, -jnp.inf],
+                       [0.5, 0.9, -jnp.inf, -jnp.inf],
+                       [0.3, 0.0, 0.8, -jnp.inf]]])
+  idx = topk_indices(scores, 2)
+  np.testing.assert_array_equal(idx, [[[0, -1], [1, 0], [2, 0]]])
+  idx6 = topk_indices(scores, 6)  # k > S: everything available, padded with -1
+  assert idx6.shape == (1, 3, 6)
+  np.testing.assert_array_equal(idx6[0, 2], [2, 0, 1, -1, -1, -1])
+
+
+def test_seed_example_selects_cat_and_mat():
+  # "The cat sat on a mat near me": position 8 ("me") selects 2 and 6 (scores 0.8, 0.9).
+  row = jnp.array([0.1, 0.8, 0.0, 0.2, 0.05, 0.9, 0.3, 0.1])[None, None]  # positions 1..8
+  idx = topk_indices(row, 2) + 1
+  assert sorted(np.asarray(idx)[0, 0].tolist()) == [2, 6]
+
+
+@pytest.mark.parametrize("k", [T, T + 5])
+def test_k_at_least_n_equals_dense_causal(k):
+  q, kk, v = _qkv()
+  qi, ki, w = _indexer_inputs()
+  idx = topk_indices(indexer_scores(qi, ki, w), k)
+  got = sparse_attention(q, kk, v, idx)
+  ref = dot_product_attention(q, kk, v, is_causal=True, implementation="xla")
+  np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_small_k_equals_dense_under_selection_mask():
+  q, kk, v = _qkv(3)
+  qi, ki, w = _indexer_inputs(4)
+  idx = topk_indices(indexer_scores(qi, ki, w), 4)
+  mask = indices_to_mask(idx, T)
+  assert int(mask.sum(-1).max()) == 4
+  got = sparse_attention(q, kk, v, idx)
+  ref = dot_product_attention(q, kk, v, mask=mask, implementation="xla")
+  np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+  # Gradients through the gather equal the dense masked ones.
+  f = lambda fn: jax.grad(lambda q_, k_, v_: jnp.sum(jnp.sin(fn(q_, k_, v_))), (0, 1, 2))(q, kk, v)
+  g_sp = f(lambda a, b, c: sparse_attention(a, b, c, idx))
+  g_de = f(lambda a, b, c: dot_product_attention(a, b, c, mask=mask, implementation="xla"))
+  for a, b in zip(g_sp, g_de):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_decode_row_matches_prefill_and_empty_row_is_zero():
+  q, kk, v = _qkv(5)
+  qi, ki, w = _indexer_inputs(6)
+  idx = topk_indices(indexer_scores(qi, ki, w), 3)
+  full = sparse_attention(q, kk, v, idx)
+  step = topk_indices(indexer_scores(qi[:, 9:10], ki, w[:, 9:10], q_offset=9,
+                                     kv_lengths=jnp.array([10, 10])), 3)
+  np.testing.assert_array_equal(step, idx[:, 9:10])
+  np.testing.assert_allclose(sparse_attention(q[:, 9:10], kk, v, step), full[:, 9:10], atol=1e-6)
+  none = -jnp.ones((B, T, 3), jnp.int32)
+  np.testing.assert_array_equal(sparse_attention(q, kk, v, none), 0.0)
+
+
+def test_sparse_mla_matches_masked_mla():
+  ks = jax.random.split(jax.random.key(7), 6)
+  c, p, r, hv, s = 16, 8, 4, 6, T
+  q_nope = jax.random.normal(ks[0], (B, T, N, p))
+  q_rope = jax.random.normal(ks[1], (B, T, N, r))
+  c_kv = jax.random.normal(ks[2], (B, s, c))
+  k_rope = jax.random.normal(ks[3], (B, s, r))
+  w_uk = jax.random.normal(ks[4], (c, N, p)) * 0.3
+  w_uv = jax.random.normal(ks[5], (c, N, hv)) * 0.3
+  qi, ki, w = _indexer_inputs(8)
+  idx = topk_indices(indexer_scores(qi, ki, w), 5)
+  got = sparse_mla_attention(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, idx)
+  ref = mla_attention(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, indices_to_mask(idx, s),
+                      mode="naive", implementation="xla")
+  np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_kl_loss_zero_when_matched_and_gradient_only_to_indexer():
+  q, kk, _ = _qkv(9)
+  probs = attention_weights(q, kk, is_causal=True)                # [B, N, T, S]
+  target = jnp.sum(probs, axis=1) / N
+  causal = jnp.tril(jnp.ones((T, T), bool))[None].repeat(B, 0)
+  scores = jnp.where(causal, jnp.log(jnp.where(causal, target, 1.0)), -jnp.inf)
+  assert float(indexer_kl_loss(probs, scores)) == pytest.approx(0.0, abs=1e-5)
+  qi, ki, w = _indexer_inputs(10)
+  sc = indexer_scores(qi, ki, w)
+  loss = indexer_kl_loss(probs, sc)
+  # Direct KL per row.
+  p, s_ = np.asarray(target), np.asarray(sc)
+  ref = 0.0
+  for b in range(B):
+    for t in range(T):
+      lq = s_[b, t, :t + 1] - np.log(np.sum(np.exp(s_[b, t, :t + 1] - s_[b, t, :t + 1].max()))) \
+          - s_[b, t, :t + 1].max()
+      pt = p[b, t, :t + 1] / p[b, t, :t + 1].sum()
+      ref += np.sum(pt * (np.log(pt) - lq))
+  assert float(loss) == pytest.approx(ref / (B * T), rel=1e-4)
+  g_attn = jax.grad(lambda a: indexer_kl_loss(a, sc))(probs)
+  np.testing.assert_array_equal(g_attn, 0.0)                       # stop-gradient on the target
+  g_sc = jax.grad(lambda x: indexer_kl_loss(probs, x))(sc)
+  assert float(jnp.abs(g_sc).max()) > 0
+  # Sparse stage: restricted to the selected set.
+  idx = topk_indices(sc, 3)
+  sel = indices_to_mask(idx, T)[:, 0]
+  assert float(indexer_kl_loss(probs, sc, sel)) >= 0.0
+
+
+def test_errors():
+  q, kk, v = _qkv()
+  qi, ki, w = _indexer_inputs()
+  sc = indexer_scores(qi, ki, w)
+  for bad in (0, -3, 2.0):
+    with pytest.raises(ValueError, match="`k`"):
+      topk_indices(sc, bad)
+  with pytest.raises(ValueError, match="k_index"):
+    indexer_scores(qi, ki[..., :8], w)
+  with pytest.raises(ValueError, match="weights"):
+    indexer_scores(qi, ki, w[..., :2])
+  with pytest.raises(ValueError, match="indices"):
+    sparse_attention(q, kk, v, jnp.zeros((B, T + 1, 2), jnp.int32))
+  with pytest.raises(ValueError, match="value"):
+    sparse_attention(q, kk, v[:, :5], jnp.zeros((B, T, 2), jnp.int32))
+  with pytest.raises(ValueError, match="index_scores"):
+    indexer_kl_loss(jnp.ones((B, N, T, T)), jnp.ones((B, T, T + 1)))
+  with pytest.raises(ValueError, match="quant"):
+    indexer_scores(qi, ki, w, quant="int4")
