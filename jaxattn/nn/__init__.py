@@ -3,6 +3,8 @@
 from jaxattn.nn.attention import Attention
 from jaxattn.nn.block import TransformerBlock
 from jaxattn.nn.dsa import DSA, LightningIndexer
+from jaxattn.nn.gated_deltanet import DeltaNetCache, GatedDeltaNet
+from jaxattn.nn.hybrid import HybridStack
 from jaxattn.nn.linear import Einsum, param
 from jaxattn.nn.lora import (LoRA, LoRAParam, apply_lora, count_parameters, lora_optimizer,
                              merge_lora, unload_lora, unmerge_lora)
@@ -13,7 +15,7 @@ from jaxattn.nn.moe import MoE
 from jaxattn.nn.norms import LayerNorm, RMSNorm
 from jaxattn.nn.positional import LearnedPositionalEmbedding, T5RelativePositionBias
 
-__all__ = ["DSA", "LightningIndexer", "MLA", "MLP", "MoE", "HyperConnection", "StreamCollapse", "LoRA", "LoRAParam",
+__all__ = ["DeltaNetCache", "GatedDeltaNet", "HybridStack", "DSA", "LightningIndexer", "MLA", "MLP", "MoE", "HyperConnection", "StreamCollapse", "LoRA", "LoRAParam",
            "apply_lora", "count_parameters", "lora_optimizer", "merge_lora", "unload_lora",
            "unmerge_lora", "Attention", "Einsum", "LayerNorm", "LearnedPositionalEmbedding", "RMSNorm",
            "T5RelativePositionBias", "TransformerBlock", "param"]
