@@ -8,7 +8,7 @@
 2. Trains a tiny 2-layer decoder (optax AdamW) on a copy task once per positional scheme
    (none, sinusoidal, learned, T5 bias, ALiBi, RoPE, partial RoPE) and reports the loss on the
    copied half: only a model that knows where it is can solve it.
-3. Prints the KV-cache table (seed 3.1/3.9) for MHA, GQA and MQA at a Llama-like size.
+3. Prints the KV-cache table (seed 3.1/3.9) for MHA, GQA, MQA and MLA at a Llama-like size.
 
 Writes ``report.json`` (and ``loss.png`` when matplotlib is installed) under ``--out``.
 """
@@ -26,7 +26,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxattn.cache import kv_cache_bytes_per_token
+from jaxattn.kv_efficiency import kv_cache_per_token
 from jaxattn.nn.block import TransformerBlock
 from jaxattn.nn.positional import LearnedPositionalEmbedding
 from jaxattn.ops.alibi import alibi_bias, alibi_slopes
@@ -159,13 +159,15 @@ def train(scheme, steps, *, seed=0, vocab=32, dim=64, half=16, batch=32):
 
 
 def kv_table(num_layers=32, num_heads=32, head_dim=128, context=131072):
+  """The seed's KV efficiency hierarchy at a Llama-like size (MLA at DeepSeek's d_c=512, d_r=64)."""
+  variants = [("mha", {}), ("gqa", dict(num_kv_heads=8)), ("mqa", {}),
+              ("mla", dict(kv_lora_rank=512, qk_rope_head_dim=64))]
   rows = []
-  for name, kvh in (("MHA", num_heads), ("GQA (G=8)", 8), ("MQA", 1)):
-    per_tok = kv_cache_bytes_per_token(kvh, head_dim, jnp.bfloat16) // 2  # numbers per token
-    total = num_layers * context * kv_cache_bytes_per_token(kvh, head_dim, jnp.bfloat16)
-    rows.append(dict(variant=name, kv_heads=kvh, numbers_per_token_per_layer=per_tok,
-                     ratio_to_mha=per_tok / (2 * num_heads * head_dim),
-                     gib_at_context_bf16=total / 2**30))
+  for kind, extra in variants:
+    cost = kv_cache_per_token(kind, num_heads=num_heads, head_dim=head_dim, **extra)
+    rows.append(dict(variant=cost.name, numbers_per_token_per_layer=cost.numbers_per_token,
+                     ratio_to_mha=cost.ratio_to_mha,
+                     gib_at_context_bf16=num_layers * context * cost.bytes_per_token / 2**30))
   return rows
 
 
@@ -195,9 +197,9 @@ def main(argv=None):
 
   print("\n== 3. KV cache per layer and token (Llama-like: 32 layers, 32 heads x 128, 128k context, bf16)")
   table = kv_table()
-  print(f"  {'variant':10s} {'kv heads':>8s} {'numbers/token/layer':>20s} {'vs MHA':>7s} {'GiB @128k':>10s}")
+  print(f"  {'variant':10s} {'numbers/token/layer':>20s} {'vs MHA':>7s} {'GiB @128k':>10s}")
   for r in table:
-    print(f"  {r['variant']:10s} {r['kv_heads']:8d} {r['numbers_per_token_per_layer']:20d} "
+    print(f"  {r['variant']:10s} {r['numbers_per_token_per_layer']:20d} "
           f"{r['ratio_to_mha']:7.3f} {r['gib_at_context_bf16']:10.1f}")
 
   report = dict(checks=checks, final_loss={k: float(np.mean(v[-10:])) for k, v in curves.items()},
