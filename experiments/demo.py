@@ -137,7 +137,7 @@ def copy_batch(key, batch, half, vocab):
 
 def train(scheme, steps, *, seed=0, vocab=32, dim=64, half=16, batch=32):
   model = TinyLM(scheme, vocab, dim, 2, 2 * half, rngs=nnx.Rngs(seed))
-  opt = nnx.Optimizer(model, optax.adamw(optax.warmup_cosine_decay_schedule(0, 3e-3, 20, steps), weight_decay=0.01),
+  opt = nnx.Optimizer(model, optax.adamw(optax.warmup_cosine_decay_schedule(0, 3e-3, min(20, steps // 5), max(steps, 2)), weight_decay=0.01),
                       wrt=nnx.Param)
 
   @nnx.jit
