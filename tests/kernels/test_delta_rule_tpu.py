@@ -64,19 +64,8 @@ def test_gradients_through_the_kernel_equal_the_xla_pass():
                              atol=2e-5, rtol=2e-5)
 
 
-def test_no_races_under_the_tpu_interpreter(monkeypatch):
-  try:
-    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
-  except ImportError:  # pragma: no cover - moved in another jax release
-    pytest.skip("TPU interpret-mode race state not found in this jax release")
-  states = []
-
-  class Recording(ipc.RaceDetectionState):
-    def __init__(self, *args, **kwargs):
-      super().__init__(*args, **kwargs)
-      states.append(self)
-
-  monkeypatch.setattr(ipc, "RaceDetectionState", Recording)
+def test_no_races_under_the_tpu_interpreter(race_states):
+  states = race_states
   q, k, v, g, beta, s0 = _inputs(b=1, t=16, k=1, n=2, seed=2)
   b, t, kh, h = k.shape
   args = (q * h ** -0.5, k, v.reshape(b, t, kh, 2, 6), g.reshape(b, t, kh, 2),

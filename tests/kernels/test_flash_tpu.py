@@ -187,21 +187,10 @@ def test_forward_random_shapes(t, s, groups, kv_heads, mask):
   assert_close(got, want, 2e-5, "out")
 
 
-def test_no_races_in_any_kernel(monkeypatch):
+def test_no_races_in_any_kernel(race_states):
   """TPU-semantics interpreter with race detection over the forward, dQ and dK/dV kernels."""
   pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
-  try:
-    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
-  except ImportError:  # pragma: no cover - moved in another jax release
-    pytest.skip("TPU interpret-mode race state not found in this jax release")
-  states = []
-
-  class Recording(ipc.RaceDetectionState):  # one state per kernel launch; keep them all
-    def __init__(self, *args, **kwargs):
-      super().__init__(*args, **kwargs)
-      states.append(self)
-
-  monkeypatch.setattr(ipc, "RaceDetectionState", Recording)
+  states = race_states
   shape, kw = (1, 16, 16, 2, 1, 8, 8), {"is_causal": True, "segments": True}
   (q, k, v), ref_kw = build_case(shape, kw)
   params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)

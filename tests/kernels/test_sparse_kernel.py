@@ -13,24 +13,6 @@ from pallas_kernels.sparse_attention import sparse_attention_tpu, sparse_mla_att
 RACES = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
 
 
-@pytest.fixture
-def race_states(monkeypatch):
-  """Records every race-detection state the TPU interpreter creates (one per kernel launch)."""
-  try:
-    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
-  except ImportError:  # pragma: no cover - moved in another jax release
-    pytest.skip("TPU interpret-mode race state not found in this jax release")
-  states = []
-
-  class Recording(ipc.RaceDetectionState):
-    def __init__(self, *args, **kwargs):
-      super().__init__(*args, **kwargs)
-      states.append(self)
-
-  monkeypatch.setattr(ipc, "RaceDetectionState", Recording)
-  return states
-
-
 def _indices(b, t, s, k, seed, q_offset=0):
   ks = jax.random.split(jax.random.key(seed), 3)
   qi = jax.random.normal(ks[0], (b, t, 2, 8))
