@@ -189,6 +189,20 @@ def _forward(plan: C.Plan, q, k, v, aux):
   return out, lse[:, :, :plan.q_len, 0]  # [B, N, T]
 
 
+def _launch(kernel, plan, grid, in_specs, out_specs, out_shape, scratch, vmem, name):
+  """The ``pallas_call`` all three kernels share: three scalar-prefetched tables (block entries, int
+  and float scalars), a grid whose last axis walks the non-empty blocks sequentially."""
+  return pl.pallas_call(
+      kernel,
+      grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=3, grid=grid, in_specs=in_specs,
+                                             out_specs=out_specs, scratch_shapes=scratch),
+      out_shape=out_shape,
+      compiler_params=_compiler_params(("parallel", "parallel", "parallel", "arbitrary"), vmem),
+      interpret=plan.interpret,
+      name=name,
+  )
+
+
 def _compiler_params(semantics, vmem_bytes: int):
   # Raise the scoped VMEM limit only when the working set needs it (large blocks / head sizes).
   limit = None
@@ -275,15 +289,8 @@ def _fwd_call(plan: C.Plan, width: int):
   grid = (plan.batch, plan.num_heads, nq, width)
   kernel = functools.partial(_fwd_kernel, plan=plan, width=width, at=at)
   vmem = vmem_bytes_forward(bq, bk, hd, hv, jnp.dtype(plan.dtype).itemsize)
-  return pl.pallas_call(
-      kernel,
-      grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=3, grid=grid, in_specs=in_specs,
-                                             out_specs=out_specs, scratch_shapes=scratch),
-      out_shape=out_shape,
-      compiler_params=_compiler_params(("parallel", "parallel", "parallel", "arbitrary"), vmem),
-      interpret=plan.interpret,
-      name="jaxattn_flash_fwd",
-  )
+  return _launch(kernel, plan, grid, in_specs, out_specs, out_shape, scratch, vmem,
+                 "jaxattn_flash_fwd")
 
 
 def _scalars(plan, iscal_ref, fscal_ref, b, n):
@@ -410,15 +417,8 @@ def _dq_call(plan: C.Plan, width: int):
   grid = (plan.batch, plan.num_heads, nq, width)
   kernel = functools.partial(_dq_kernel, plan=plan, width=width, at=at)
   vmem = vmem_bytes_dq(bq, bk, hd, hv, jnp.dtype(plan.dtype).itemsize)
-  return pl.pallas_call(
-      kernel,
-      grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=3, grid=grid, in_specs=in_specs,
-                                             out_specs=out_specs, scratch_shapes=scratch),
-      out_shape=out_shape,
-      compiler_params=_compiler_params(("parallel", "parallel", "parallel", "arbitrary"), vmem),
-      interpret=plan.interpret,
-      name="jaxattn_flash_dq",
-  )
+  return _launch(kernel, plan, grid, in_specs, out_specs, out_shape, scratch, vmem,
+                 "jaxattn_flash_dq")
 
 
 def _dq_kernel(entries_ref, iscal_ref, fscal_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
@@ -499,15 +499,8 @@ def _dkv_call(plan: C.Plan, width: int):
   grid = (plan.batch, plan.num_kv_heads, nk, g * width)
   kernel = functools.partial(_dkv_kernel, plan=plan, width=width, at=at)
   vmem = vmem_bytes_dkv(bq, bk, hd, hv, jnp.dtype(plan.dtype).itemsize)
-  return pl.pallas_call(
-      kernel,
-      grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=3, grid=grid, in_specs=in_specs,
-                                             out_specs=out_specs, scratch_shapes=scratch),
-      out_shape=out_shape,
-      compiler_params=_compiler_params(("parallel", "parallel", "parallel", "arbitrary"), vmem),
-      interpret=plan.interpret,
-      name="jaxattn_flash_dkv",
-  )
+  return _launch(kernel, plan, grid, in_specs, out_specs, out_shape, scratch, vmem,
+                 "jaxattn_flash_dkv")
 
 
 def _dkv_kernel(entries_ref, iscal_ref, fscal_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
