@@ -38,6 +38,7 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("latent", None),              # MLA compressed (LoRA-rank) axis: small, shared by all heads
     ("act_embed", None),           # activation feature axis stays whole between blocks
     ("act_heads", "tensor"),
+    ("layers", None),              # the leading axis of scanned (stacked) layer parameters
 )
 
 

@@ -1,0 +1,631 @@
+"""A decoder-only language model assembled from jaxattn's mechanisms by a ``ModelConfig``.
+
+    tokens [B, T] -> embed (+ learned / sinusoidal positions) -> [mHC: n streams]
+                  -> layers (mixer per ``layer_pattern``, dense MLP or MoE) -> final norm -> logits
+
+Layer pattern letters (``layer_pattern`` repeats to ``num_layers``; layer ``i`` uses
+``pattern[i % len(pattern)]``):
+
+    A  attention: MHA / GQA / MQA by ``num_kv_heads``          (``jaxattn.nn.Attention``)
+    S  sliding-window attention with ``sliding_window``        (``Attention``)
+    M  multi-head latent attention, decoupled RoPE             (``jaxattn.nn.MLA``)
+    I  DeepSeek sparse attention: MLA + lightning indexer      (``jaxattn.nn.DSA``)
+    D  Gated DeltaNet                                          (``jaxattn.nn.GatedDeltaNet``)
+
+``num_experts > 0`` makes every layer from ``first_k_dense`` on a DeepSeek-style MoE.
+
+Depth without pain: with ``scan_layers=True`` the layers after the dense prefix are grouped into
+identical *units* of one pattern period, created with ``nnx.vmap`` (parameters stacked on a leading
+``layers`` axis) and run with ``nnx.scan``, so compile time does not grow with depth.  A remainder
+that does not fill a unit runs unrolled.  ``remat`` wraps each layer (or unit) in
+``jax.checkpoint`` with the named policy.
+
+The call convention follows the modules: ``logits = model(tokens)``; with a cache from
+``model.init_cache(...)``, ``logits, cache = model(tokens, cache=cache)``; ``return_aux=True``
+appends a dict with the MoE auxiliary loss, the DSA indexer loss and the per-site expert loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from jaxattn.cache import KVCache
+from jaxattn.nn.attention import Attention
+from jaxattn.nn.dsa import DSA
+from jaxattn.nn.gated_deltanet import GatedDeltaNet
+from jaxattn.nn.linear import Einsum, param
+from jaxattn.nn.mhc import HyperConnection, StreamCollapse
+from jaxattn.nn.mla import MLA
+from jaxattn.nn.mlp import MLP
+from jaxattn.nn.moe import MoE
+from jaxattn.nn.norms import make_norm
+from jaxattn.nn.positional import LearnedPositionalEmbedding
+from jaxattn.ops.hyper import hc_read, hc_write
+from jaxattn.ops.moe import bias_update
+from jaxattn.ops.rope import RopeScaling
+from jaxattn.ops.sinusoidal import sinusoidal_positions
+from jaxattn.sharding import shard
+
+LAYER_KINDS = {"A": "attention (MHA/GQA/MQA)", "S": "sliding-window attention",
+               "M": "multi-head latent attention", "I": "DeepSeek sparse attention (MLA + indexer)",
+               "D": "Gated DeltaNet"}
+POSITIONS = ("rope", "alibi", "t5", "learned", "sinusoidal", "none")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Everything that defines a ``DecoderLM``; frozen, hashable, JSON round-trippable.
+
+  Fields are grouped by the mechanism they configure; a field of a mechanism the pattern does not
+  use is ignored.  ``dtype`` is the compute dtype (``"bfloat16"`` = mixed precision: fp32
+  parameters, bf16 matmuls, fp32 softmax / norms / logits); ``param_dtype`` the storage dtype.
+  """
+
+  vocab_size: int = 259
+  embed_dim: int = 128
+  num_layers: int = 4
+  num_heads: int = 4
+  mlp_dim: int = 384
+  layer_pattern: str = "A"
+  # attention (A / S)
+  num_kv_heads: int | None = None
+  head_dim: int | None = None
+  position: str = "rope"
+  max_seq_len: int = 2048                     # the learned table's rows; also the default cache
+  rope_base: float = 10000.0
+  rotary_dim: int | None = None
+  rope_interleaved: bool = False
+  rope_scaling: dict | None = None            # RopeScaling fields, e.g. {"type": "yarn", ...}
+  sliding_window: int | None = None
+  logits_soft_cap: float | None = None
+  attention_bias: bool = False
+  t5_num_buckets: int = 32
+  t5_max_distance: int = 128
+  attention_implementation: str | None = None
+  # MLA (M / I)
+  kv_lora_rank: int = 64
+  q_lora_rank: int | None = None
+  qk_nope_head_dim: int = 32
+  qk_rope_head_dim: int = 16
+  v_head_dim: int | None = None
+  mla_mode: str = "naive"
+  mla_rope_interleaved: bool = True
+  # DSA (I)
+  index_num_heads: int = 4
+  index_head_dim: int = 32
+  index_rope_dim: int = 16
+  index_topk: int = 64
+  dsa_attention_mode: str = "sparse"
+  indexer_loss_weight: float = 1.0
+  # Gated DeltaNet (D)
+  deltanet_num_heads: int | None = None
+  deltanet_num_key_heads: int | None = None
+  deltanet_head_dim: int | None = None
+  deltanet_v_head_dim: int | None = None
+  deltanet_chunk_size: int = 64
+  # norms and MLP
+  norm: str = "rms"
+  norm_position: str = "pre"
+  norm_eps: float = 1e-6
+  mlp_activation: str = "silu"
+  gated_mlp: bool = True
+  # MoE (num_experts > 0)
+  num_experts: int = 0
+  num_experts_per_tok: int = 2
+  moe_expert_dim: int | None = None
+  num_shared_experts: int = 0
+  first_k_dense: int = 0
+  moe_score_func: str = "sigmoid"
+  moe_n_group: int = 1
+  moe_topk_group: int | None = None
+  moe_norm_topk_prob: bool = True
+  moe_routed_scaling_factor: float = 1.0
+  moe_seq_balance_alpha: float = 1e-4
+  moe_bias_update_rate: float = 1e-3
+  moe_capacity_factor: float | None = None
+  # residual streams
+  residual: str = "plain"                     # plain | mhc | hc
+  num_streams: int = 4
+  # head
+  tie_embeddings: bool = True
+  # numerics and compilation
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  scan_layers: bool = False
+  remat: str = "none"
+
+  def __post_init__(self):
+    def positive(name, allow_none=False):
+      v = getattr(self, name)
+      if v is None and allow_none:
+        return
+      if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"`{name}` must be a positive int, got {v!r}.")
+    for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "mlp_dim", "max_seq_len"):
+      positive(name)
+    for name in ("num_kv_heads", "head_dim", "moe_expert_dim"):
+      positive(name, allow_none=True)
+    pat = self.layer_pattern
+    if not isinstance(pat, str) or not pat or set(pat) - set(LAYER_KINDS):
+      raise ValueError(f"`layer_pattern` must be a non-empty string of {sorted(LAYER_KINDS)} "
+                       f"({'; '.join(f'{k}: {v}' for k, v in LAYER_KINDS.items())}), got {pat!r}.")
+    if self.position not in POSITIONS:
+      raise ValueError(f"`position` must be one of {POSITIONS}, got {self.position!r}.")
+    if "S" in self.kinds() and (self.sliding_window is None or self.sliding_window < 0):
+      raise ValueError(f"`layer_pattern` {pat!r} has sliding-window layers (S): `sliding_window` "
+                       f"must be a non-negative int, got {self.sliding_window!r}.")
+    if self.norm not in ("rms", "layer"):
+      raise ValueError(f"`norm` must be 'rms' or 'layer', got {self.norm!r}.")
+    if self.norm_position not in ("pre", "post"):
+      raise ValueError(f"`norm_position` must be 'pre' or 'post', got {self.norm_position!r}.")
+    if self.residual not in ("plain", "mhc", "hc"):
+      raise ValueError(f"`residual` must be 'plain', 'mhc' or 'hc', got {self.residual!r}.")
+    if self.residual != "plain" and self.norm_position != "pre":
+      raise ValueError(f"`residual={self.residual!r}` needs norm_position='pre', got "
+                       f"{self.norm_position!r}.")
+    if self.dtype not in DTYPES or self.param_dtype not in DTYPES:
+      raise ValueError(f"`dtype` ({self.dtype!r}) and `param_dtype` ({self.param_dtype!r}) must be "
+                       f"one of {sorted(DTYPES)}.")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"`remat` must be one of {REMAT_POLICIES}, got {self.remat!r}.")
+    if self.num_experts < 0 or not 0 <= self.first_k_dense <= self.num_layers:
+      raise ValueError(f"`num_experts` ({self.num_experts}) must be >= 0 and `first_k_dense` "
+                       f"({self.first_k_dense}) in [0, num_layers={self.num_layers}].")
+    if self.position in ("alibi", "t5") and self.kinds() & set("MI"):
+      raise ValueError(f"`position={self.position!r}` applies to A/S attention layers only; MLA and "
+                       f"DSA layers (in {pat!r}) always use decoupled RoPE. Use 'rope' or 'none'.")
+
+  # -- helpers ---------------------------------------------------------------------------------
+
+  def kinds(self) -> set[str]:
+    return set(self.layer_pattern[i % len(self.layer_pattern)] for i in range(self.num_layers))
+
+  def layer_kind(self, i: int) -> tuple[str, bool]:
+    """``(mixer letter, is_moe)`` of layer ``i``."""
+    return self.layer_pattern[i % len(self.layer_pattern)], self.num_experts > 0 and i >= self.first_k_dense
+
+  @property
+  def compute_dtype(self):
+    return DTYPES[self.dtype]
+
+  @property
+  def parameter_dtype(self):
+    return DTYPES[self.param_dtype]
+
+  def replace(self, **changes) -> "ModelConfig":
+    return dataclasses.replace(self, **changes)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+      raise ValueError(f"unknown ModelConfig field(s) {unknown}.")
+    return cls(**d)
+
+  def to_json(self) -> str:
+    return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+def _rope_scaling(cfg: ModelConfig) -> RopeScaling | None:
+  return None if cfg.rope_scaling is None else RopeScaling(**cfg.rope_scaling)
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+  """Static description of a run of layers: ``kinds[j] = (letter, is_moe)`` per layer in it."""
+  kinds: tuple[tuple[str, bool], ...]
+
+
+def _zero():
+  return jnp.zeros((), jnp.float32)
+
+
+class DecoderLayer(nnx.Module):
+  """One residual block: ``mixer`` (per ``kind``) and ``ffn`` (MLP or MoE), norms pre or post,
+  optionally over mHC / HC residual streams.  ``__call__`` returns ``(y, cache, aux)``."""
+
+  def __init__(self, cfg: ModelConfig, kind: str, moe: bool, *, layer_index: int = 0,
+               rngs: nnx.Rngs):
+    d, dtype, pdt = cfg.embed_dim, cfg.compute_dtype, cfg.parameter_dtype
+    self.kind, self.is_moe, self.residual = kind, moe, cfg.residual
+    self.norm_position = cfg.norm_position
+    self.indexer_weight = cfg.indexer_loss_weight
+    common = dict(rngs=rngs, dtype=dtype, param_dtype=pdt)
+    self.mixer_norm = make_norm(cfg.norm, d, eps=cfg.norm_eps, rngs=rngs, param_dtype=pdt)
+    if kind in "AS":
+      pos = cfg.position if cfg.position in ("rope", "alibi", "t5") else "none"
+      self.mixer = Attention(
+          d, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, position=pos, rope_base=cfg.rope_base,
+          rotary_dim=cfg.rotary_dim, rope_interleaved=cfg.rope_interleaved,
+          rope_scaling=_rope_scaling(cfg), t5_num_buckets=cfg.t5_num_buckets,
+          t5_max_distance=cfg.t5_max_distance,
+          sliding_window=cfg.sliding_window if kind == "S" else None,
+          logits_soft_cap=cfg.logits_soft_cap, use_bias=cfg.attention_bias,
+          implementation=cfg.attention_implementation, **common)
+    elif kind in "MI":
+      mla = dict(kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank,
+                 qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
+                 v_head_dim=cfg.v_head_dim, mode=cfg.mla_mode, rope_base=cfg.rope_base,
+                 rope_interleaved=cfg.mla_rope_interleaved, rope_scaling=_rope_scaling(cfg),
+                 norm_eps=cfg.norm_eps, implementation=cfg.attention_implementation, **common)
+      if kind == "M":
+        self.mixer = MLA(d, cfg.num_heads, **mla)
+      else:
+        self.mixer = DSA(d, cfg.num_heads, index_num_heads=cfg.index_num_heads,
+                         index_head_dim=cfg.index_head_dim, index_rope_dim=cfg.index_rope_dim,
+                         index_topk=cfg.index_topk, attention_mode=cfg.dsa_attention_mode, **mla)
+    else:
+      self.mixer = GatedDeltaNet(
+          d, cfg.deltanet_num_heads or cfg.num_heads, num_key_heads=cfg.deltanet_num_key_heads,
+          head_dim=cfg.deltanet_head_dim, v_head_dim=cfg.deltanet_v_head_dim,
+          chunk_size=cfg.deltanet_chunk_size, norm_eps=cfg.norm_eps, **common)
+    self.ffn_norm = make_norm(cfg.norm, d, eps=cfg.norm_eps, rngs=rngs, param_dtype=pdt)
+    if moe:
+      self.ffn = MoE(d, cfg.num_experts, cfg.num_experts_per_tok,
+                     cfg.moe_expert_dim or cfg.mlp_dim, num_shared_experts=cfg.num_shared_experts,
+                     score_func=cfg.moe_score_func, n_group=cfg.moe_n_group,
+                     topk_group=cfg.moe_topk_group, norm_topk_prob=cfg.moe_norm_topk_prob,
+                     routed_scaling_factor=cfg.moe_routed_scaling_factor,
+                     seq_balance_alpha=cfg.moe_seq_balance_alpha,
+                     bias_update_rate=cfg.moe_bias_update_rate,
+                     capacity_factor=cfg.moe_capacity_factor, **common)
+    else:
+      self.ffn = MLP(d, cfg.mlp_dim, activation=cfg.mlp_activation, gated=cfg.gated_mlp, **common)
+    if cfg.residual == "plain":
+      self.mixer_hc = self.ffn_hc = None
+    else:
+      hk = dict(kind=cfg.residual, layer_index=layer_index, rngs=rngs, param_dtype=pdt)
+      self.mixer_hc = HyperConnection(d, cfg.num_streams, **hk)
+      self.ffn_hc = HyperConnection(d, cfg.num_streams, **hk)
+
+  def init_cache(self, batch: int, max_len: int, dtype=None, *, rolling: bool = False):
+    if self.kind == "D":
+      return self.mixer.init_cache(batch, max_len, dtype)
+    if rolling and self.kind == "S":
+      return self.mixer.init_rolling_cache(batch, dtype)
+    return self.mixer.init_cache(batch, max_len, dtype)
+
+  def cache_bytes(self, seq_len: int, batch: int = 1, dtype=jnp.bfloat16) -> int:
+    return self.mixer.cache_bytes(seq_len, batch, dtype)
+
+  def _mix(self, h, positions, segment_ids, cache, want_aux):
+    aux = _zero()
+    if self.kind in "AS":
+      out = self.mixer(h, positions=positions, segment_ids=segment_ids, cache=cache)
+    elif self.kind == "M":
+      out = self.mixer(h, positions=positions, segment_ids=segment_ids, cache=cache)
+    elif self.kind == "I":
+      if segment_ids is not None:
+        raise ValueError("DSA layers (pattern letter I) do not take `segment_ids`: the indexer "
+                         "selects among all earlier tokens. Train them on unpacked rows, or pass "
+                         "segment_ids=None to let packed documents see each other.")
+      out = self.mixer(h, positions=positions, cache=cache, return_aux=want_aux)
+      if want_aux:
+        *out, a = out if isinstance(out, tuple) else (out,)
+        out = out[0] if len(out) == 1 else tuple(out)
+        aux = a["indexer_loss"] * self.indexer_weight
+    else:
+      out = self.mixer(h, segment_ids=segment_ids, cache=cache)
+    if cache is not None:
+      out, cache = out
+    return out, cache, aux
+
+  def _ffn(self, h, token_mask):
+    if self.is_moe:
+      y, stats = self.ffn(h, token_mask=token_mask)
+      return y, stats.aux_loss, stats.load
+    return self.ffn(h), _zero(), None
+
+  def __call__(self, x, *, positions=None, segment_ids=None, cache=None, want_aux=False):
+    token_mask = None if segment_ids is None else segment_ids > 0
+    if self.residual == "plain":
+      x = shard(x, ("batch", "length", "act_embed"))
+      if self.norm_position == "pre":
+        a, cache, ix = self._mix(self.mixer_norm(x), positions, segment_ids, cache, want_aux)
+        h = x + a
+        f, moe_aux, load = self._ffn(self.ffn_norm(h), token_mask)
+        y = h + f
+      else:
+        a, cache, ix = self._mix(x, positions, segment_ids, cache, want_aux)
+        h = self.mixer_norm(x + a)
+        f, moe_aux, load = self._ffn(h, token_mask)
+        y = self.ffn_norm(h + f)
+      y = shard(y, ("batch", "length", "act_embed"))
+    else:
+      x = shard(x, ("batch", "length", None, "act_embed"))
+      pre, post, res = self.mixer_hc.coefficients(x)
+      a, cache, ix = self._mix(self.mixer_norm(hc_read(x, pre)), positions, segment_ids, cache,
+                               want_aux)
+      x = hc_write(x, a, post, res)
+      pre, post, res = self.ffn_hc.coefficients(x)
+      f, moe_aux, load = self._ffn(self.ffn_norm(hc_read(x, pre)), token_mask)
+      y = shard(hc_write(x, f, post, res), ("batch", "length", None, "act_embed"))
+    aux = {"moe_aux_loss": moe_aux, "indexer_loss": ix}
+    if load is not None:
+      aux["moe_load"] = load
+    return y, cache, aux
+
+
+class LayerUnit(nnx.Module):
+  """Consecutive layers run as one step (one pattern period); stacked and scanned as a whole."""
+
+  def __init__(self, cfg: ModelConfig, unit: Unit, *, first_index: int, rngs: nnx.Rngs):
+    self.layers = nnx.List([DecoderLayer(cfg, k, moe, layer_index=first_index + j, rngs=rngs)
+                            for j, (k, moe) in enumerate(unit.kinds)])
+
+  def init_cache(self, batch, max_len, dtype=None, *, rolling=False):
+    return tuple(l.init_cache(batch, max_len, dtype, rolling=rolling) for l in self.layers)
+
+  def __call__(self, x, positions, segment_ids, cache, want_aux):
+    new_cache, auxes = [], []
+    for j, layer in enumerate(self.layers):
+      x, c, aux = layer(x, positions=positions, segment_ids=segment_ids,
+                        cache=None if cache is None else cache[j], want_aux=want_aux)
+      new_cache.append(c)
+      auxes.append(aux)
+    return x, (None if cache is None else tuple(new_cache)), tuple(auxes)
+
+
+def _remat_policy(name: str):
+  return {"full": None, "dots": jax.checkpoint_policies.checkpoint_dots,
+          "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[name]
+
+
+def _add_leading_axis_name(module: nnx.Module, name: str) -> None:
+  """Stacked parameters gain a leading axis: prepend its logical name to ``logical_axes``."""
+  for _, var in nnx.iter_graph(module):
+    if isinstance(var, nnx.Variable):
+      axes = var.get_metadata().get("logical_axes")
+      if axes is not None:
+        var.set_metadata("logical_axes", (name,) + tuple(axes))
+
+
+class ScannedUnits(nnx.Module):
+  """``count`` identical ``LayerUnit`` s with stacked parameters, run by ``nnx.scan``."""
+
+  def __init__(self, cfg: ModelConfig, unit: Unit, count: int, *, first_index: int,
+               rngs: nnx.Rngs):
+    self.count, self.remat = count, cfg.remat
+
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(r):
+      return LayerUnit(cfg, unit, first_index=first_index, rngs=r)
+
+    self.units = make(rngs)
+    _add_leading_axis_name(self.units, "layers")
+
+  def init_cache(self, batch, max_len, dtype=None, *, rolling=False):
+    # Cache shapes depend only on static attributes, identical across the stack.
+    one = self.units.init_cache(batch, max_len, dtype, rolling=rolling)
+    return jax.tree.map(lambda a: jnp.broadcast_to(a, (self.count,) + a.shape), one)
+
+  def __call__(self, x, positions, segment_ids, cache, want_aux):
+    def body(x, unit, cache):
+      y, c, aux = unit(x, positions, segment_ids, cache, want_aux)
+      return y, (c, aux)
+
+    if self.remat != "none" and cache is None:
+      body = nnx.remat(body, policy=_remat_policy(self.remat), prevent_cse=False)
+    if cache is None:
+      step = nnx.scan(lambda x, unit: body(x, unit, None), in_axes=(nnx.Carry, 0),
+                      out_axes=(nnx.Carry, 0))
+      x, (_, aux) = step(x, self.units)
+      return x, None, aux
+    step = nnx.scan(body, in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
+    x, (cache, aux) = step(x, self.units, cache)
+    return x, cache, aux
+
+
+class UnrolledUnit(nnx.Module):
+  """Layers run one after another (the dense prefix, a remainder, or everything unscanned)."""
+
+  def __init__(self, cfg: ModelConfig, unit: Unit, *, first_index: int, rngs: nnx.Rngs):
+    self.unit = LayerUnit(cfg, unit, first_index=first_index, rngs=rngs)
+    self.remat = cfg.remat
+
+  def init_cache(self, batch, max_len, dtype=None, *, rolling=False):
+    return self.unit.init_cache(batch, max_len, dtype, rolling=rolling)
+
+  def __call__(self, x, positions, segment_ids, cache, want_aux):
+    if self.remat != "none" and cache is None:
+      new_aux = []
+      for layer in self.unit.layers:
+        f = nnx.remat(lambda layer, x: layer(x, positions=positions, segment_ids=segment_ids,
+                                             want_aux=want_aux),
+                      policy=_remat_policy(self.remat), prevent_cse=True)
+        x, _, aux = f(layer, x)
+        new_aux.append(aux)
+      return x, None, tuple(new_aux)
+    return self.unit(x, positions, segment_ids, cache, want_aux)
+
+
+def plan_groups(cfg: ModelConfig) -> list[tuple[str, Unit, int, int]]:
+  """How the layers are grouped: ``(mode, unit, count, first_layer)`` with mode ``"unrolled"``
+  (``count`` = 1) or ``"scanned"`` (``count`` stacked copies of ``unit``)."""
+  kinds = [cfg.layer_kind(i) for i in range(cfg.num_layers)]
+  if not cfg.scan_layers:
+    return [("unrolled", Unit(tuple(kinds)), 1, 0)]
+  groups = []
+  k = cfg.first_k_dense if cfg.num_experts > 0 else 0
+  if k:
+    groups.append(("unrolled", Unit(tuple(kinds[:k])), 1, 0))
+  p = len(cfg.layer_pattern)
+  rest = cfg.num_layers - k
+  count = rest // p
+  if count >= 1:
+    groups.append(("scanned", Unit(tuple(kinds[k:k + p])), count, k))
+  tail = k + count * p
+  if tail < cfg.num_layers:
+    groups.append(("unrolled", Unit(tuple(kinds[tail:])), 1, tail))
+  return groups
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ModelCache:
+  """The decode state of a ``DecoderLM``: one entry per layer group, and the tokens seen so far."""
+
+  groups: tuple
+  index: Int[Array, ""]
+
+
+class DecoderLM(nnx.Module):
+  """A decoder-only language model from a ``ModelConfig`` (see the module docstring)."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    cfg = self.config = config
+    d, v, pdt = cfg.embed_dim, cfg.vocab_size, cfg.parameter_dtype
+    self.embed = param(rngs, nnx.initializers.normal(stddev=1.0), (v, d), ("vocab", "embed"), pdt)
+    self.pos_embed = (LearnedPositionalEmbedding(cfg.max_seq_len, d, rngs=rngs, param_dtype=pdt)
+                      if cfg.position == "learned" else None)
+    groups = []
+    for mode, unit, count, first in plan_groups(cfg):
+      if mode == "scanned":
+        groups.append(ScannedUnits(cfg, unit, count, first_index=first, rngs=rngs))
+      else:
+        groups.append(UnrolledUnit(cfg, unit, first_index=first, rngs=rngs))
+    self.groups = nnx.List(groups)
+    self.collapse = (StreamCollapse(d, cfg.num_streams, kind="mhc", rngs=rngs, param_dtype=pdt)
+                     if cfg.residual != "plain" else None)
+    self.final_norm = make_norm(cfg.norm, d, eps=cfg.norm_eps, rngs=rngs, param_dtype=pdt)
+    self.lm_head = (None if cfg.tie_embeddings else
+                    Einsum("BTD,DV->BTV", (d, v), ("embed", "vocab"), rngs=rngs,
+                           dtype=cfg.compute_dtype, param_dtype=pdt))
+
+  # -- cache -----------------------------------------------------------------------------------
+
+  def init_cache(self, batch: int, max_len: int | None = None, dtype=None, *,
+                 rolling: bool = False) -> ModelCache:
+    """An empty decode cache for ``batch`` sequences of up to ``max_len`` (default
+    ``max_seq_len``) tokens; ``rolling=True`` keeps only the window in sliding-window layers."""
+    max_len = max_len or self.config.max_seq_len
+    dtype = dtype or self.config.compute_dtype
+    return ModelCache(tuple(g.init_cache(batch, max_len, dtype, rolling=rolling)
+                            for g in self.groups), jnp.zeros((), jnp.int32))
+
+  def cache_bytes(self, seq_len: int, batch: int = 1, dtype=jnp.bfloat16) -> int:
+    """Decode-cache bytes after ``seq_len`` tokens, summed over layers (the seeds' formulas)."""
+    total = 0
+    for i in range(self.config.num_layers):
+      total += _layer_at(self, i).cache_bytes(seq_len, batch, dtype)
+    return total
+
+  # -- forward ---------------------------------------------------------------------------------
+
+  def embed_tokens(self, tokens, positions):
+    cfg = self.config
+    x = jnp.take(self.embed[...], tokens, axis=0).astype(cfg.compute_dtype)
+    if cfg.position == "learned":
+      x = x + self.pos_embed(positions).astype(x.dtype)
+    elif cfg.position == "sinusoidal":
+      x = x + sinusoidal_positions(positions, cfg.embed_dim).astype(x.dtype)
+    return x
+
+  def __call__(self, tokens: Int[Array, "B T"], *, positions: Int[Array, "B T"] | None = None,
+               segment_ids: Int[Array, "B T"] | None = None, cache: ModelCache | None = None,
+               return_aux: bool = False, return_hidden: bool = False):
+    """``tokens [B, T]`` -> fp32 logits ``[B, T, V]`` (+ cache) (+ aux).
+
+    ``positions [B, T]`` default to ``cache.index + arange(T)``; for packed rows pass positions
+    that restart per segment along with ``segment_ids`` (0 = padding).  ``return_aux`` adds
+    ``{"moe_aux_loss", "indexer_loss", "moe_loads"}`` (``moe_loads``: one ``[E]`` or stacked
+    ``[L, E]`` array per MoE site, in ``moe_sites()`` order).
+    """
+    cfg = self.config
+    if tokens.ndim != 2:
+      raise ValueError(f"`tokens` must be [B, T] integers, got shape {tokens.shape}.")
+    b, t = tokens.shape
+    if cache is not None and segment_ids is not None:
+      raise ValueError("`segment_ids` (packed rows) cannot be combined with a decode `cache`.")
+    offset = 0 if cache is None else cache.index
+    if positions is None:
+      positions = jnp.broadcast_to(offset + jnp.arange(t, dtype=jnp.int32), (b, t))
+    x = self.embed_tokens(tokens, positions)
+    if cfg.residual != "plain":
+      x = jnp.broadcast_to(x[:, :, None, :], (b, t, cfg.num_streams, cfg.embed_dim))
+    new_groups, auxes = [], []
+    for i, group in enumerate(self.groups):
+      x, c, aux = group(x, positions, segment_ids, None if cache is None else cache.groups[i],
+                        return_aux)
+      new_groups.append(c)
+      auxes.append(aux)
+    if self.collapse is not None:
+      x = self.collapse(x).astype(cfg.compute_dtype)
+    h = self.final_norm(x)
+    if return_hidden:
+      logits = h
+    elif self.lm_head is None:
+      logits = jnp.einsum("btd,vd->btv", h.astype(cfg.compute_dtype),
+                          self.embed[...].astype(cfg.compute_dtype))
+    else:
+      logits = self.lm_head(h.astype(cfg.compute_dtype))
+    logits = shard(logits.astype(jnp.float32), ("batch", "length", None))
+    out = (logits,)
+    if cache is not None:
+      out += (ModelCache(tuple(new_groups), cache.index + t),)
+    if return_aux:
+      out += (_reduce_aux(auxes),)
+    return out[0] if len(out) == 1 else out
+
+  # -- MoE router biases ---------------------------------------------------------------------
+
+  def moe_sites(self) -> list[MoE]:
+    """The MoE modules in the order ``return_aux``'s ``moe_loads`` lists their loads."""
+    return [m for m in _iter_layers_static(self) if m is not None]
+
+  def update_router_biases(self, moe_loads) -> None:
+    """Auxiliary-loss-free balancing after a step: each router bias moves against its load."""
+    sites = self.moe_sites()
+    if len(sites) != len(moe_loads):
+      raise ValueError(f"got {len(moe_loads)} load arrays for {len(sites)} MoE sites.")
+    for moe, load in zip(sites, moe_loads):
+      bias = moe.router_bias[...]
+      if bias.ndim == 2:  # stacked layers: one update per layer
+        new = jax.vmap(lambda b_, l_: bias_update(b_, l_, rate=moe.bias_update_rate))(bias, load)
+      else:
+        new = bias_update(bias, load, rate=moe.bias_update_rate)
+      moe.router_bias[...] = new
+
+
+def _iter_layers_static(model: DecoderLM):
+  """MoE modules of every layer (stacked modules once per stack), in forward order."""
+  for group in model.groups:
+    unit = group.units if isinstance(group, ScannedUnits) else group.unit
+    for layer in unit.layers:
+      yield layer.ffn if layer.is_moe else None
+
+
+def _layer_at(model: DecoderLM, i: int) -> DecoderLayer:
+  """Layer ``i`` (for a scanned stack, the module holding the whole stack's static structure)."""
+  for (_, unit, count, first), group in zip(plan_groups(model.config), model.groups):
+    n = len(unit.kinds) * count
+    if first <= i < first + n:
+      u = group.units if isinstance(group, ScannedUnits) else group.unit
+      return u.layers[(i - first) % len(unit.kinds)]
+  raise IndexError(f"layer {i} out of range (num_layers={model.config.num_layers}).")
+
+
+def _reduce_aux(auxes) -> dict:
+  """Sums the per-layer losses; keeps each MoE site's load (stacked for scanned units)."""
+  moe_aux, index_loss, loads = _zero(), _zero(), []
+  for group_aux in auxes:
+    for layer_aux in group_aux:
+      moe_aux = moe_aux + jnp.sum(layer_aux["moe_aux_loss"])
+      index_loss = index_loss + jnp.sum(layer_aux["indexer_loss"])
+      if "moe_load" in layer_aux:
+        loads.append(layer_aux["moe_load"])
+  return {"moe_aux_loss": moe_aux, "indexer_loss": index_loss, "moe_loads": loads}
