@@ -88,6 +88,8 @@ class ModelConfig:
   sliding_window: int | None = None
   logits_soft_cap: float | None = None
   attention_bias: bool = False
+  attention_qk_norm: bool = False            # per-head RMSNorm on q and k before RoPE (Qwen3-Next)
+  attention_output_gate: bool = False        # out * sigmoid(x W_gate) per head (Qwen3-Next)
   t5_num_buckets: int = 32
   t5_max_distance: int = 128
   attention_implementation: str | None = None
@@ -118,6 +120,7 @@ class ModelConfig:
   norm_eps: float = 1e-6
   mlp_activation: str = "silu"
   gated_mlp: bool = True
+  mlp_bias: bool = False
   # MoE (num_experts > 0)
   num_experts: int = 0
   num_experts_per_tok: int = 2
@@ -132,6 +135,8 @@ class ModelConfig:
   moe_seq_balance_alpha: float = 1e-4
   moe_bias_update_rate: float = 1e-3
   moe_capacity_factor: float | None = None
+  moe_shared_dim: int | None = None          # shared-expert hidden size (default shared x expert)
+  moe_shared_gate: bool = False              # sigmoid(x w) gate on the shared expert (Qwen3-Next)
   # residual streams
   residual: str = "plain"                     # plain | mhc | hc
   num_streams: int = 4
@@ -254,6 +259,8 @@ class DecoderLayer(nnx.Module):
           t5_max_distance=cfg.t5_max_distance,
           sliding_window=cfg.sliding_window if kind == "S" else None,
           logits_soft_cap=cfg.logits_soft_cap, use_bias=cfg.attention_bias,
+          qk_norm=cfg.attention_qk_norm, output_gate=cfg.attention_output_gate,
+          norm_eps=cfg.norm_eps,
           implementation=cfg.attention_implementation, **common)
     elif kind in "MI":
       mla = dict(kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank,
@@ -281,9 +288,11 @@ class DecoderLayer(nnx.Module):
                      routed_scaling_factor=cfg.moe_routed_scaling_factor,
                      seq_balance_alpha=cfg.moe_seq_balance_alpha,
                      bias_update_rate=cfg.moe_bias_update_rate,
-                     capacity_factor=cfg.moe_capacity_factor, **common)
+                     capacity_factor=cfg.moe_capacity_factor, shared_dim=cfg.moe_shared_dim,
+                     shared_gate=cfg.moe_shared_gate, **common)
     else:
-      self.ffn = MLP(d, cfg.mlp_dim, activation=cfg.mlp_activation, gated=cfg.gated_mlp, **common)
+      self.ffn = MLP(d, cfg.mlp_dim, activation=cfg.mlp_activation, gated=cfg.gated_mlp,
+                     use_bias=cfg.mlp_bias, **common)
     if cfg.residual == "plain":
       self.mixer_hc = self.ffn_hc = None
     else:
@@ -489,7 +498,9 @@ class DecoderLM(nnx.Module):
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     cfg = self.config = config
     d, v, pdt = cfg.embed_dim, cfg.vocab_size, cfg.parameter_dtype
-    self.embed = param(rngs, nnx.initializers.normal(stddev=1.0), (v, d), ("vocab", "embed"), pdt)
+    # std 1/sqrt(D): tied logits start at unit scale (loss ~ log V), not sqrt(D) times that.
+    self.embed = param(rngs, nnx.initializers.normal(stddev=d ** -0.5), (v, d), ("vocab", "embed"),
+                       pdt)
     self.pos_embed = (LearnedPositionalEmbedding(cfg.max_seq_len, d, rngs=rngs, param_dtype=pdt)
                       if cfg.position == "learned" else None)
     groups = []

@@ -1,0 +1,206 @@
+"""The training step: loss, optimizer, and a ``jax.jit`` step with explicit shardings on a mesh.
+
+The model is handled functionally: ``nnx.split`` gives a static ``graphdef``, the trainable
+``params`` (``nnx.Param``) and the ``rest`` (non-trainable variables such as MoE router biases,
+updated outside the gradient).  A ``TrainState`` holds ``params``, ``rest``, the optax state and the
+step; ``make_train_step`` jits ``(state, batch) -> (state, metrics)`` with ``in_shardings`` /
+``out_shardings`` taken from the state's placement (parameters by the logical rules of
+``jaxattn.sharding``, optimizer moments like their parameters, batches over ``data`` x ``fsdp``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxattn.nn.model import DecoderLM, ModelConfig
+from jaxattn.sharding import logical_to_spec, param_shardings
+
+Batch = dict[str, jax.Array]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+  """Everything that changes during training (a pytree; the ``graphdef`` lives outside)."""
+
+  params: Any
+  rest: Any
+  opt_state: Any
+  step: jax.Array
+
+
+def make_optimizer(*, learning_rate: float = 3e-3, warmup_steps: int = 100,
+                   total_steps: int = 1000, weight_decay: float = 0.1, clip_norm: float = 1.0,
+                   b1: float = 0.9, b2: float = 0.95, min_lr_ratio: float = 0.1
+                   ) -> optax.GradientTransformation:
+  """AdamW on a linear-warmup + cosine schedule, after global-norm gradient clipping.
+
+  Weight decay applies to matrices only (``ndim >= 2``): norms' scales and biases are not decayed.
+  """
+  for name, v in (("learning_rate", learning_rate), ("total_steps", total_steps)):
+    if not v > 0:
+      raise ValueError(f"`{name}` must be positive, got {v!r}.")
+  if not 0 <= warmup_steps <= total_steps:
+    raise ValueError(f"`warmup_steps` must be in [0, total_steps={total_steps}], got {warmup_steps}.")
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=learning_rate, warmup_steps=max(warmup_steps, 1),
+      decay_steps=max(total_steps, warmup_steps + 1), end_value=learning_rate * min_lr_ratio)
+  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+  return optax.chain(
+      optax.clip_by_global_norm(clip_norm),
+      optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay, mask=decay_mask))
+
+
+def cross_entropy(logits, targets, mask=None):
+  """Summed token cross-entropy and the token count (fp32).  ``logits [B, T, V]``."""
+  logits = logits.astype(jnp.float32)
+  logz = jax.nn.logsumexp(logits, axis=-1)
+  picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  nll = logz - picked
+  mask = jnp.ones_like(nll) if mask is None else mask.astype(jnp.float32)
+  return jnp.sum(nll * mask), jnp.sum(mask)
+
+
+def model_inputs(model_cfg: ModelConfig, batch: Batch) -> dict:
+  """The model's keyword inputs from a packed batch.  DSA layers cannot take ``segment_ids``:
+  for them packed documents see each other (positions still restart per document)."""
+  seg = batch.get("segment_ids")
+  if seg is not None and "I" in model_cfg.kinds():
+    seg = None
+  return dict(positions=batch.get("positions"), segment_ids=seg)
+
+
+def loss_fn(model: DecoderLM, batch: Batch):
+  """Mean next-token cross-entropy over ``loss_mask`` plus the MoE and indexer auxiliary losses.
+
+  Returns ``(total, (metrics, moe_loads))``.
+  """
+  logits, aux = model(batch["tokens"], return_aux=True, **model_inputs(model.config, batch))
+  nll, count = cross_entropy(logits, batch["targets"], batch.get("loss_mask"))
+  ce = nll / jnp.maximum(count, 1.0)
+  total = ce + aux["moe_aux_loss"] + aux["indexer_loss"]
+  metrics = {"loss": ce, "total_loss": total, "moe_aux_loss": aux["moe_aux_loss"],
+             "indexer_loss": aux["indexer_loss"], "tokens": count}
+  return total, (metrics, aux["moe_loads"])
+
+
+def split_model(model: DecoderLM):
+  """``(graphdef, params, rest)``."""
+  return nnx.split(model, nnx.Param, ...)
+
+
+def init_train_state(model: DecoderLM, tx: optax.GradientTransformation, *,
+                     mesh: Mesh | None = None):
+  """``(graphdef, state)`` with parameters on their shards (when ``mesh``) and optimizer moments
+  placed like their parameters."""
+  graphdef, params, rest = split_model(model)
+  if mesh is not None:
+    params = jax.device_put(params, param_shardings(params, mesh))
+    rest = jax.device_put(rest, param_shardings(rest, mesh))
+  # jit propagates each parameter's sharding to its zeros-like moments.
+  opt_state = jax.jit(tx.init)(params)
+  step = jnp.zeros((), jnp.int32)
+  if mesh is not None:
+    step = jax.device_put(step, NamedSharding(mesh, P()))
+  return graphdef, TrainState(params, rest, opt_state, step)
+
+
+def state_shardings(state: TrainState):
+  """The ``NamedSharding`` (or ``SingleDeviceSharding``) of every leaf, as placed."""
+  return jax.tree.map(lambda x: x.sharding, state)
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+  """Batches are split over ``data`` x ``fsdp`` on their leading axis."""
+  spec = logical_to_spec(("batch",) + (None,) * (ndim - 1), mesh=mesh)
+  return NamedSharding(mesh, spec)
+
+
+def shard_batch(batch: dict, mesh: Mesh | None):
+  """Host numpy batch -> device arrays (split over the batch axes of ``mesh``)."""
+  if mesh is None:
+    return {k: jnp.asarray(v) for k, v in batch.items()}
+  return {k: jax.device_put(np.asarray(v), batch_sharding(mesh, np.ndim(v)))
+          for k, v in batch.items()}
+
+
+def _train_step(graphdef, tx, state: TrainState, batch: Batch):
+  def loss(params):
+    model = nnx.merge(graphdef, params, state.rest)
+    return loss_fn(model, batch)
+
+  (_, (metrics, loads)), grads = jax.value_and_grad(loss, has_aux=True)(state.params)
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  rest = state.rest
+  if loads:  # auxiliary-loss-free balancing: router biases move against their load
+    model = nnx.merge(graphdef, params, rest)
+    model.update_router_biases(loads)
+    _, _, rest = split_model(model)
+  metrics = dict(metrics, grad_norm=optax.global_norm(grads))
+  return TrainState(params, rest, opt_state, state.step + 1), metrics
+
+
+def make_train_step(graphdef, tx, state: TrainState, *, mesh: Mesh | None = None,
+                    donate: bool = True) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+  """``jax.jit`` of one optimizer step with explicit in/out shardings (from ``state``'s placement
+  and ``batch_sharding``) when ``mesh`` is given."""
+  fn = lambda state, batch: _train_step(graphdef, tx, state, batch)
+  kw = dict(donate_argnums=(0,) if donate else ())
+  if mesh is None:
+    return jax.jit(fn, **kw)
+  s = state_shardings(state)
+  b = batch_sharding(mesh)
+  rep = NamedSharding(mesh, P())
+  return jax.jit(fn, in_shardings=(s, b), out_shardings=(s, rep), **kw)
+
+
+def make_eval_step(graphdef, *, mesh: Mesh | None = None):
+  """``jax.jit`` of ``(params, rest, batch) -> (summed nll, token count)``."""
+  def fn(params, rest, batch):
+    model = nnx.merge(graphdef, params, rest)
+    logits = model(batch["tokens"], **model_inputs(model.config, batch))
+    return cross_entropy(logits, batch["targets"], batch.get("loss_mask"))
+  return jax.jit(fn)
+
+
+def evaluate(eval_step, state: TrainState, batches, *, mesh: Mesh | None = None) -> dict:
+  """Mean loss and perplexity over ``batches``."""
+  nll, count = 0.0, 0.0
+  for batch in batches:
+    s, c = eval_step(state.params, state.rest, shard_batch(batch, mesh))
+    nll += float(s)
+    count += float(c)
+  loss = nll / max(count, 1.0)
+  return {"eval_loss": loss, "eval_ppl": float(np.exp(min(loss, 50.0))), "eval_tokens": count}
+
+
+def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+  """Training FLOPs per token (forward + backward = 3x forward): 6 x active matmul parameters plus
+  the attention score / value products (12 x layers x d_attn x T / 2 for causal attention)."""
+  model = nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0)))
+  params = nnx.state(model, nnx.Param)
+  total = 0
+  active = 0.0
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    n = int(np.prod(leaf.shape))
+    names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+    if leaf.ndim < 2 or "embed" in names[:1]:
+      continue  # norms/biases; the input embedding is a lookup (the tied head is counted below)
+    if any(n_ in ("w_gate", "w_up", "w_down") for n_ in names):
+      n = n * cfg.num_experts_per_tok / max(cfg.num_experts, 1)  # only top-k experts run
+    active += n
+    total += 1
+  active += cfg.vocab_size * cfg.embed_dim if cfg.tie_embeddings else 0
+  attn_layers = sum(1 for i in range(cfg.num_layers) if cfg.layer_kind(i)[0] in "ASMI")
+  head_dim = cfg.head_dim or cfg.embed_dim // cfg.num_heads
+  attn = 12 * attn_layers * cfg.num_heads * head_dim * seq_len / 2
+  return 6 * active + attn
