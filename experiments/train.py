@@ -1,0 +1,342 @@
+"""Train a jaxattn decoder on a device mesh: the main job.
+
+    python -m experiments.train [--preset llama] [--size tiny] [--steps 300] [--batch-size 16]
+        [--seq-len 256] [--lr 3e-3] [--warmup 30] [--mesh data=2,tensor=4] [--dtype bfloat16]
+        [--scan-layers] [--remat dots] [--data PATH | --data hf:NAME] [--out runs/train]
+        [--save-every 100] [--keep 3] [--no-resume] [--eval-every 100] [--set key=value ...]
+        [--sample-tokens 200] [--report]
+
+* Mesh: all devices, axes ``data / fsdp / tensor / expert`` (``--mesh`` gives some sizes, ``data``
+  takes the rest).  Parameters are created directly on their shards (``nnx.eval_shape`` -> logical
+  rules -> ``jax.jit(out_shardings=...)``), the optimizer moments follow them, and the train step is
+  a ``jax.jit`` with explicit in/out shardings (``jaxattn.train.step``).
+* Optimizer: AdamW, linear warmup + cosine decay, global-norm clipping.  ``--dtype bfloat16`` is
+  mixed precision (fp32 parameters and optimizer, bf16 matmuls, fp32 softmax/norms/loss).
+* Data: byte-level, packed rows with segment ids (``jaxattn.train.data``); the default text ships
+  with Python (no download).  Deterministic and resumable.
+* Checkpoints (orbax, ``--out/checkpoints``): every ``--save-every`` steps, on SIGINT/SIGTERM and
+  at the end; the last ``--keep`` are kept; a rerun with the same ``--out`` resumes exactly
+  (parameters, optimizer, step, data position, RNG) unless ``--no-resume``.
+* Logs: a progress bar (loss, tokens/s, ETA), ``--out/metrics.jsonl`` (one JSON object per step and
+  per evaluation), evaluation perplexity every ``--eval-every`` steps and at the end, then a greedy
+  sample streamed from the trained model, and with ``--report`` the experiment report.
+* Multi-host: launched as several processes (``JAX_COORDINATOR_ADDRESS`` / ``--coordinator`` set),
+  it calls ``jax.distributed.initialize`` and each host feeds its slice of the global batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import math
+import os
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+from tqdm import tqdm
+
+from jaxattn.configs import PRESETS, get_config
+from jaxattn.generation import generate
+from jaxattn.nn.model import DecoderLM, ModelConfig
+from jaxattn.sharding import make_mesh, param_shardings
+from jaxattn.train.checkpoint import Checkpointer, install_interrupt_handler
+from jaxattn.train.data import (ByteTokenizer, PackedDataset, eval_batches, load_text,
+                                split_documents, tokenize_documents)
+from jaxattn.train.step import (TrainState, evaluate, init_train_state, make_eval_step,
+                                make_optimizer, make_train_step, model_flops_per_token,
+                                shard_batch)
+
+
+def parse_mesh(text: str | None) -> dict[str, int]:
+  """``"data=2,tensor=4"`` -> ``{"data": 2, "tensor": 4}``."""
+  if not text:
+    return {}
+  out = {}
+  for part in text.split(","):
+    name, _, size = part.partition("=")
+    if not size.isdigit():
+      raise ValueError(f"`--mesh` entries must look like axis=size, got {part!r}.")
+    out[name.strip()] = int(size)
+  return out
+
+
+def parse_overrides(items: list[str]) -> dict:
+  """``["num_layers=8", "sliding_window=None"]`` -> a dict of Python literals (strings as is)."""
+  out = {}
+  for item in items or []:
+    key, eq, value = item.partition("=")
+    if not eq:
+      raise ValueError(f"`--set` takes key=value, got {item!r}.")
+    try:
+      out[key] = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+      out[key] = value
+  return out
+
+
+def build_config(args) -> ModelConfig:
+  over = parse_overrides(args.set)
+  if args.dtype:
+    over["dtype"] = args.dtype
+  if args.scan_layers:
+    over["scan_layers"] = True
+  if args.remat:
+    over["remat"] = args.remat
+  cfg = get_config(args.preset, args.size, **over)
+  if cfg.position == "learned" and cfg.max_seq_len < args.seq_len:
+    cfg = cfg.replace(max_seq_len=args.seq_len)
+  return cfg
+
+
+def create_sharded_model(cfg: ModelConfig, mesh, seed: int) -> DecoderLM:
+  """Builds the model with every parameter created directly on its shards."""
+  abstract = nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(seed)))
+  graphdef, abs_state = nnx.split(abstract)
+  shardings = param_shardings(abs_state, mesh)
+  state = jax.jit(lambda: nnx.state(DecoderLM(cfg, rngs=nnx.Rngs(seed))),
+                  out_shardings=shardings)()
+  return nnx.merge(graphdef, state)
+
+
+def abstract_like(tree):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def maybe_initialize_distributed(args) -> None:
+  if args.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS"):
+    kw = {}
+    if args.coordinator:
+      kw = dict(coordinator_address=args.coordinator, num_processes=args.num_processes,
+                process_id=args.process_id)
+    jax.distributed.initialize(**kw)
+
+
+class MetricsLog:
+  """Append-only JSONL; on resume, lines from steps after the restored one are dropped."""
+
+  def __init__(self, path: pathlib.Path, resume_step: int):
+    self.path = path
+    lines = []
+    if resume_step > 0 and path.exists():
+      for line in path.read_text().splitlines():
+        try:
+          if json.loads(line).get("step", 0) <= resume_step:
+            lines.append(line)
+        except json.JSONDecodeError:
+          pass
+    path.write_text("".join(l + "\n" for l in lines))
+
+  def write(self, record: dict) -> None:
+    if jax.process_index() == 0:
+      with self.path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def train(args) -> dict:
+  """Runs the job; returns a summary dict (also written to ``--out/summary.json``)."""
+  maybe_initialize_distributed(args)
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  cfg = build_config(args)
+  mesh = make_mesh(parse_mesh(args.mesh))
+  pi, pc = jax.process_index(), jax.process_count()
+  log = (lambda *a: print(*a, flush=True)) if pi == 0 else (lambda *a: None)
+  log(f"preset {args.preset} ({args.size}); mesh {dict(mesh.shape)} over {jax.device_count()} "
+      f"{jax.devices()[0].platform} device(s), {pc} process(es)")
+
+  # -- data ------------------------------------------------------------------------------------
+  tokenizer = ByteTokenizer()
+  docs = load_text(args.data)
+  train_docs, eval_docs = split_documents(docs, eval_every=args.eval_split_every)
+  train_tok = tokenize_documents(train_docs, tokenizer)
+  eval_tok = tokenize_documents(eval_docs, tokenizer)
+  data = PackedDataset(train_tok, batch_size=args.batch_size, seq_len=args.seq_len,
+                       seed=args.seed, process_index=pi, process_count=pc)
+  evals = eval_batches(eval_tok, batch_size=args.batch_size, seq_len=args.seq_len,
+                       process_index=pi, process_count=pc, max_batches=args.eval_batches)
+  if cfg.vocab_size < tokenizer.vocab_size:
+    raise ValueError(f"the model's vocab_size ({cfg.vocab_size}) is below the tokenizer's "
+                     f"({tokenizer.vocab_size}).")
+
+  with jax.set_mesh(mesh):
+    # -- model, optimizer, state ---------------------------------------------------------------
+    model = create_sharded_model(cfg, mesh, args.seed)
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    log(f"model: {n_params / 1e6:.2f}M parameters, layers {cfg.num_layers} "
+        f"(pattern {cfg.layer_pattern!r}), position {cfg.position}, dtype {cfg.dtype}, "
+        f"scan {cfg.scan_layers}, remat {cfg.remat}")
+    tx = make_optimizer(learning_rate=args.lr, warmup_steps=min(args.warmup, args.steps),
+                        total_steps=args.steps, weight_decay=args.weight_decay,
+                        clip_norm=args.clip)
+    graphdef, state = init_train_state(model, tx, mesh=mesh)
+    del model
+
+    # -- resume ----------------------------------------------------------------------------------
+    ckpt = Checkpointer(out / "checkpoints", max_to_keep=args.keep, save_every=args.save_every)
+    start = 0
+    rng = np.random.default_rng(args.seed)
+    if not args.no_resume and ckpt.latest_step() is not None:
+      state, meta = ckpt.restore(target=abstract_like(state), fallback=True)
+      if meta.get("config") != cfg.to_dict():
+        raise ValueError(f"the checkpoint in {ckpt.directory} was written for another model "
+                         "config; use another --out or --no-resume.")
+      data.restore(meta["data"])
+      rng.bit_generator.state = meta["rng"]
+      start = int(state.step)
+      log(f"resumed from step {start} ({ckpt.directory})")
+
+    def meta():
+      return {"config": cfg.to_dict(), "data": data.state(), "rng": rng.bit_generator.state,
+              "preset": args.preset, "size": args.size}
+
+    step_fn = make_train_step(graphdef, tx, state, mesh=mesh)
+    eval_fn = make_eval_step(graphdef, mesh=mesh)
+    metrics_log = MetricsLog(out / "metrics.jsonl", start)
+    flops_per_token = model_flops_per_token(cfg, args.seq_len)
+
+    # -- loop ------------------------------------------------------------------------------------
+    t_compile = None
+    history = []
+    tokens_seen = 0
+    t_window, tok_window = time.perf_counter(), 0
+    interrupted = False
+    bar = tqdm(total=args.steps, initial=start, desc="train", unit="step", disable=pi != 0,
+               dynamic_ncols=True)
+    with install_interrupt_handler() as interrupt:
+      for step in range(start, args.steps):
+        batch = shard_batch(next(data), mesh)
+        t0 = time.perf_counter()
+        state, m = step_fn(state, batch)
+        n = int(step + 1)
+        tokens_seen += data.tokens_per_batch
+        tok_window += data.tokens_per_batch
+        if t_compile is None:  # the first step compiles: keep it out of the throughput
+          jax.block_until_ready(m)
+          t_compile = time.perf_counter() - t0
+          t_window, tok_window = time.perf_counter(), 0
+        if n % args.log_every == 0 or n == args.steps:
+          m = {k: float(v) for k, v in m.items()}
+          dt = time.perf_counter() - t_window
+          tps = tok_window / dt if dt > 0 and tok_window else float("nan")
+          t_window, tok_window = time.perf_counter(), 0
+          rec = dict(step=n, **m, tokens_per_s=tps, epoch=data.epoch,
+                     mfu_flops=flops_per_token * tps if math.isfinite(tps) else None)
+          history.append(rec)
+          metrics_log.write(rec)
+          bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tps:,.0f}")
+        bar.update(1)
+        if args.eval_every and n % args.eval_every == 0 and n < args.steps:
+          ev = evaluate(eval_fn, state, evals, mesh=mesh)
+          metrics_log.write(dict(step=n, **ev))
+          bar.write(f"step {n}: eval loss {ev['eval_loss']:.4f}, ppl {ev['eval_ppl']:.2f}")
+        ckpt.save(n, state, meta())
+        if args.stop_at_step is not None and n == args.stop_at_step:
+          interrupt.requested = True  # behaves exactly like SIGINT at this step (for tests)
+        if interrupt:
+          ckpt.save(n, state, meta(), force=True)
+          ckpt.wait()
+          bar.write(f"interrupted: saved step {n} to {ckpt.directory}; rerun to resume")
+          interrupted = True
+          break
+    bar.close()
+    final_step = int(state.step)
+    if not interrupted:
+      ckpt.save(final_step, state, meta(), force=True)
+    ckpt.wait()
+    ckpt.close()
+    if interrupted:
+      return {"interrupted": True, "step": final_step}
+
+    ev = evaluate(eval_fn, state, evals, mesh=mesh)
+    metrics_log.write(dict(step=final_step, **ev))
+    log(f"eval: loss {ev['eval_loss']:.4f}  perplexity {ev['eval_ppl']:.2f} "
+        f"({int(ev['eval_tokens'])} held-out tokens)")
+
+    sample = ""
+    if args.sample_tokens and pi == 0:
+      model = nnx.merge(graphdef, state.params, state.rest)
+      prompt = tokenizer.encode(args.prompt, add_bos=True)[None, :]
+      log(f"sample (greedy, {args.sample_tokens} bytes) after {args.prompt!r}:")
+      pieces = []
+
+      def stream(ids):
+        s = tokenizer.decode(ids[:1])
+        pieces.append(s)
+        print(s, end="", flush=True)
+
+      generate(model, prompt, args.sample_tokens, on_token=stream)
+      print(flush=True)
+      sample = args.prompt + "".join(pieces)
+
+  first = history[0]["loss"] if history else float("nan")
+  last = history[-1]["loss"] if history else float("nan")
+  tps = [h["tokens_per_s"] for h in history[1:] if math.isfinite(h["tokens_per_s"])]
+  summary = dict(preset=args.preset, size=args.size, steps=final_step, parameters=n_params,
+                 first_loss=first, last_loss=last, **ev, compile_s=t_compile,
+                 tokens_per_s=float(np.median(tps)) if tps else None, sample=sample,
+                 mesh=dict(mesh.shape), config=cfg.to_dict())
+  if pi == 0:
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    log(f"loss {first:.3f} -> {last:.3f}; summary, metrics and checkpoints in {out}/")
+  return summary
+
+
+def make_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--preset", default="llama", choices=sorted(PRESETS))
+  p.add_argument("--size", default="tiny", choices=("tiny", "full"))
+  p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                 help="ModelConfig overrides, e.g. --set num_layers=6 sliding_window=64")
+  p.add_argument("--steps", type=int, default=300)
+  p.add_argument("--batch-size", type=int, default=16, help="global rows per step")
+  p.add_argument("--seq-len", type=int, default=256)
+  p.add_argument("--lr", type=float, default=3e-3)
+  p.add_argument("--warmup", type=int, default=30)
+  p.add_argument("--weight-decay", type=float, default=0.1)
+  p.add_argument("--clip", type=float, default=1.0)
+  p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
+  p.add_argument("--scan-layers", action="store_true")
+  p.add_argument("--remat", choices=("none", "full", "dots", "dots_no_batch"), default=None)
+  p.add_argument("--mesh", default=None, help="axis sizes, e.g. data=2,tensor=4 (data: the rest)")
+  p.add_argument("--data", default=None, help="text file, or hf:NAME[:CONFIG][:SPLIT]; default: "
+                 "Python's documentation topics")
+  p.add_argument("--eval-split-every", type=int, default=20, help="every n-th document is held out")
+  p.add_argument("--eval-every", type=int, default=100)
+  p.add_argument("--eval-batches", type=int, default=8)
+  p.add_argument("--log-every", type=int, default=1)
+  p.add_argument("--out", default="runs/train")
+  p.add_argument("--save-every", type=int, default=100)
+  p.add_argument("--keep", type=int, default=3)
+  p.add_argument("--no-resume", action="store_true")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--sample-tokens", type=int, default=200)
+  p.add_argument("--prompt", default="The ")
+  p.add_argument("--report", action="store_true", help="run `experiments.report --quick` after")
+  p.add_argument("--stop-at-step", type=int, default=None, help=argparse.SUPPRESS)
+  p.add_argument("--coordinator", default=None, help="multi-host: coordinator address host:port")
+  p.add_argument("--num-processes", type=int, default=None)
+  p.add_argument("--process-id", type=int, default=None)
+  return p
+
+
+def main(argv=None) -> int:
+  args = make_parser().parse_args(argv)
+  summary = train(args)
+  if summary.get("interrupted"):
+    return 130
+  if args.report and jax.process_index() == 0:
+    from experiments import report
+    return report.main(["--quick", "--train-dir", str(args.out)])
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,165 @@
+"""DecoderLM: every preset builds, runs and decodes == forward; scanned == unrolled; remat; errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxattn.configs import PRESETS, get_config
+from jaxattn.nn.model import DecoderLM, ModelConfig, plan_groups
+
+SMALL = dict(embed_dim=32, mlp_dim=64, max_seq_len=64)
+
+
+def small_config(name, **kw):
+  cfg = get_config(name, **SMALL)
+  layers = len(cfg.layer_pattern) + (1 if cfg.num_experts else 0)
+  extra = dict(num_layers=layers)
+  if cfg.num_experts:
+    extra.update(moe_expert_dim=16, first_k_dense=1)
+  if cfg.kinds() & set("MI"):
+    extra.update(kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                 v_head_dim=8, index_head_dim=8, index_rope_dim=4, index_topk=5)
+  if "D" in cfg.layer_pattern:
+    extra.update(deltanet_head_dim=8, deltanet_v_head_dim=8, deltanet_chunk_size=4, rotary_dim=4)
+  if "S" in cfg.layer_pattern:
+    extra.update(sliding_window=3)
+  extra.update(kw)
+  return cfg.replace(**extra)
+
+
+def decode_matches_forward(model, tokens, prefill):
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def full(state, tokens):
+    return nnx.merge(graphdef, state)(tokens)
+
+  @jax.jit
+  def step(state, tokens, cache):
+    return nnx.merge(graphdef, state)(tokens, cache=cache)
+
+  ref = full(state, tokens)
+  cache = model.init_cache(tokens.shape[0], tokens.shape[1])
+  out, cache = step(state, tokens[:, :prefill], cache)
+  outs = [out]
+  for i in range(prefill, tokens.shape[1]):
+    o, cache = step(state, tokens[:, i:i + 1], cache)
+    outs.append(o)
+  dec = jnp.concatenate(outs, axis=1)
+  assert int(cache.index) == tokens.shape[1]
+  return ref, dec
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_builds_runs_and_decodes_like_forward(name):
+  cfg = small_config(name)
+  model = DecoderLM(cfg, rngs=nnx.Rngs(0))
+  tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, cfg.vocab_size)
+  ref, dec = decode_matches_forward(model, tokens, prefill=6)
+  assert ref.shape == (2, 9, cfg.vocab_size) and ref.dtype == jnp.float32
+  assert np.isfinite(np.asarray(ref)).all()
+  np.testing.assert_allclose(dec, ref, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("name", ["llama", "deepseek-v3", "qwen3-next"])
+def test_full_size_presets_have_the_published_shape(name):
+  cfg = get_config(name, size="full")
+  model = nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0)))
+  n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  expected = {"llama": 8.03e9, "deepseek-v3": 671e9, "qwen3-next": 80e9}[name]
+  assert abs(n - expected) / expected < 0.05, n
+
+
+def _stack_unrolled_into_scanned(unrolled, scanned):
+  """Copies the unrolled model's parameters into the scanned model (stacking per unit)."""
+  u_state = nnx.state(unrolled)
+  s_state = nnx.state(scanned)
+  layers = u_state["groups"][0]["unit"]["layers"]
+  period = len(scanned.config.layer_pattern)
+  count = scanned.config.num_layers // period
+  stacked = {j: jax.tree.map(lambda *xs: jnp.stack(xs),
+                             *[layers[c * period + j] for c in range(count)])
+             for j in range(period)}
+  new = dict(s_state.to_pure_dict())
+  u_pure = u_state.to_pure_dict()
+  for key in new:
+    if key != "groups":
+      new[key] = u_pure[key]
+  new["groups"] = {0: {"units": {"layers": {j: nnx.State(stacked[j]).to_pure_dict()
+                                            for j in stacked}}}}
+  nnx.replace_by_pure_dict(s_state, new)
+  nnx.update(scanned, s_state)
+
+
+@pytest.mark.parametrize("pattern", ["A", "SA"])
+def test_scanned_and_rematerialized_stacks_equal_the_unrolled_stack(pattern):
+  cfg = small_config("mistral", layer_pattern=pattern, num_layers=4)
+  unrolled = DecoderLM(cfg, rngs=nnx.Rngs(0))
+  scanned = DecoderLM(cfg.replace(scan_layers=True), rngs=nnx.Rngs(1))
+  remat = DecoderLM(cfg.replace(scan_layers=True, remat="full"), rngs=nnx.Rngs(2))
+  assert [g[0] for g in plan_groups(scanned.config)] == ["scanned"]
+  _stack_unrolled_into_scanned(unrolled, scanned)
+  _stack_unrolled_into_scanned(unrolled, remat)
+  # the stacked parameters carry the leading "layers" axis name
+  kernel = scanned.groups[0].units.layers[0].mixer.q_proj.kernel
+  assert kernel.get_metadata()["logical_axes"][0] == "layers" and kernel.shape[0] == 4 // len(pattern)
+  tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, cfg.vocab_size)
+
+  def loss(model):
+    return jnp.mean(jax.nn.log_softmax(model(tokens))[..., 0])
+
+  results = [nnx.jit(nnx.value_and_grad(loss))(m) for m in (unrolled, scanned, remat)]
+  (l0, g0), (l1, g1), (l2, g2) = results
+  np.testing.assert_allclose(l1, l0, rtol=1e-5)
+  np.testing.assert_allclose(l2, l0, rtol=1e-5)
+  # gradients of layer 1's query projection (unit 1 // period, position 1 % period)
+  p = len(pattern)
+  ref = g0["groups"][0]["unit"]["layers"][1]["mixer"]["q_proj"]["kernel"][...]
+  for g in (g1, g2):
+    got = g["groups"][0]["units"]["layers"][1 % p]["mixer"]["q_proj"]["kernel"][...][1 // p]
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-6)
+
+
+def test_dense_prefix_then_scanned_moe_units_and_an_unrolled_remainder():
+  cfg = small_config("deepseek-v3", num_layers=4, first_k_dense=1, layer_pattern="MM",
+                     scan_layers=True)
+  plan = plan_groups(cfg)
+  assert [(m, c, f) for m, _, c, f in plan] == [("unrolled", 1, 0), ("scanned", 1, 1),
+                                                 ("unrolled", 1, 3)]
+  model = DecoderLM(cfg, rngs=nnx.Rngs(0))
+  logits, aux = model(jnp.zeros((1, 4), jnp.int32), return_aux=True)
+  assert len(aux["moe_loads"]) == 3 and aux["moe_loads"][1].shape == (1, 8)  # stacked site
+  before = model.groups[1].units.layers[0].ffn.router_bias[...]
+  model.update_router_biases(aux["moe_loads"])
+  assert before.shape == (1, 8)
+  assert not np.allclose(model.groups[1].units.layers[0].ffn.router_bias[...], before)
+
+
+def test_tied_and_untied_heads_and_cache_bytes():
+  cfg = small_config("llama")
+  tied = DecoderLM(cfg, rngs=nnx.Rngs(0))
+  untied = DecoderLM(cfg.replace(tie_embeddings=False), rngs=nnx.Rngs(0))
+  assert tied.lm_head is None and untied.lm_head.kernel.shape == (32, cfg.vocab_size)
+  # GQA: 2 (k, v) x layers x kv heads x head dim x 2 bytes per token
+  assert tied.cache_bytes(10) == 10 * 2 * cfg.num_layers * 2 * 8 * 2
+
+
+def test_config_round_trip_and_errors():
+  cfg = get_config("deepseek-v3.2")
+  assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+  with pytest.raises(ValueError, match="layer_pattern"):
+    ModelConfig(layer_pattern="AQ")
+  with pytest.raises(ValueError, match="sliding_window"):
+    ModelConfig(layer_pattern="S")
+  with pytest.raises(ValueError, match="decoupled RoPE"):
+    ModelConfig(layer_pattern="M", position="alibi")
+  with pytest.raises(ValueError, match="unknown ModelConfig field"):
+    ModelConfig.from_dict({"hidden_size": 4})
+  with pytest.raises(ValueError, match="unknown preset"):
+    get_config("gpt-5")
+  with pytest.raises(ValueError, match="remat"):
+    ModelConfig(remat="sometimes")
+  with pytest.raises(ValueError, match="tokens"):
+    DecoderLM(small_config("llama"), rngs=nnx.Rngs(0))(jnp.zeros((4,), jnp.int32))
