@@ -146,6 +146,10 @@ def train(args) -> dict:
   out.mkdir(parents=True, exist_ok=True)
   cfg = build_config(args)
   mesh = make_mesh(parse_mesh(args.mesh))
+  shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  if args.batch_size % shards:
+    raise ValueError(f"`--batch-size` ({args.batch_size}) must be divisible by the batch shards "
+                     f"data x fsdp = {shards} of mesh {dict(mesh.shape)}.")
   pi, pc = jax.process_index(), jax.process_count()
   log = (lambda *a: print(*a, flush=True)) if pi == 0 else (lambda *a: None)
   log(f"preset {args.preset} ({args.size}); mesh {dict(mesh.shape)} over {jax.device_count()} "

@@ -109,7 +109,11 @@ def init_train_state(model: DecoderLM, tx: optax.GradientTransformation, *,
   opt_state = jax.jit(tx.init)(params)
   step = jnp.zeros((), jnp.int32)
   if mesh is not None:
-    step = jax.device_put(step, NamedSharding(mesh, P()))
+    # leaves not derived from a parameter (counts, the step) are replicated over the mesh
+    rep = NamedSharding(mesh, P())
+    place = lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, rep)
+    opt_state = jax.tree.map(place, opt_state)
+    step = jax.device_put(step, rep)
   return graphdef, TrainState(params, rest, opt_state, step)
 
 
