@@ -169,6 +169,8 @@ def train(args) -> dict:
     raise ValueError(f"the model's vocab_size ({cfg.vocab_size}) is below the tokenizer's "
                      f"({tokenizer.vocab_size}).")
 
+  if pi == 0:  # what experiments.generate needs to rebuild the model around a checkpoint
+    (out / "config.json").write_text(cfg.to_json())
   with jax.set_mesh(mesh):
     # -- model, optimizer, state ---------------------------------------------------------------
     model = create_sharded_model(cfg, mesh, args.seed)

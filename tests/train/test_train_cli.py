@@ -24,6 +24,8 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path):
   assert summary["last_loss"] < summary["first_loss"]
   assert np.isfinite(summary["eval_ppl"]) and len(summary["sample"]) > 0
   assert (a / "summary.json").exists()
+  from experiments import generate as generate_cli
+  assert generate_cli.main(["--run", str(a), "--max-new-tokens", "4"]) == 0
   # interrupted at step 5 (as by SIGINT): saves and stops; the rerun resumes and finishes
   first = train_cli.train(train_cli.make_parser().parse_args(
       COMMON + ["--steps", "8", "--save-every", "3", "--out", str(b), "--stop-at-step", "5",

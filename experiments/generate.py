@@ -1,0 +1,93 @@
+"""Generate text from a trained (or converted) checkpoint with the KV cache, streaming tokens.
+
+    python -m experiments.generate --run runs/train [--prompt "The "] [--max-new-tokens 200]
+        [--temperature 0.8] [--top-p 0.95] [--seed 0] [--step N]
+
+``--run`` is a directory written by ``experiments.train`` (``config.json`` + ``checkpoints/``); the
+newest readable step is loaded unless ``--step``.  ``--checkpoint`` instead loads a checkpoint
+written by ``python -m jaxattn.convert`` (converted Hugging Face weights).  Prefill runs the prompt
+once, then one jitted decode step per token; greedy when ``--temperature 0``.  Text is byte-level
+(``jaxattn.train.data.ByteTokenizer``) for trained runs; ``--prompt-ids`` takes raw token ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxattn.generation import generate
+from jaxattn.nn.model import DecoderLM, ModelConfig
+from jaxattn.train.checkpoint import Checkpointer
+from jaxattn.train.data import ByteTokenizer
+from jaxattn.train.step import init_train_state, make_optimizer
+
+
+def load_run(run: str | pathlib.Path, step: int | None = None) -> tuple[DecoderLM, int]:
+  """The model of a training run at ``step`` (default: newest readable), and that step."""
+  run = pathlib.Path(run)
+  cfg_path = run / "config.json"
+  if not cfg_path.exists():
+    raise FileNotFoundError(f"{cfg_path} not found: `--run` must be an experiments.train output "
+                            "directory (with config.json and checkpoints/).")
+  cfg = ModelConfig.from_dict(json.loads(cfg_path.read_text()))
+  tx = make_optimizer()  # only the optimizer state's structure matters for the restore target
+  abstract_model = nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0)))
+
+  def init():
+    model = DecoderLM(cfg, rngs=nnx.Rngs(0))
+    return init_train_state(model, tx)[1]
+
+  target = jax.eval_shape(init)
+  ckpt = Checkpointer(run / "checkpoints")
+  state, _ = ckpt.restore(step, target=target, fallback=step is None)
+  ckpt.close()
+  graphdef, _, _ = nnx.split(abstract_model, nnx.Param, ...)
+  return nnx.merge(graphdef, state.params, state.rest), int(state.step)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  src = p.add_mutually_exclusive_group(required=True)
+  src.add_argument("--run", help="experiments.train output directory")
+  src.add_argument("--checkpoint", help="a jaxattn.convert checkpoint directory")
+  p.add_argument("--step", type=int, default=None)
+  p.add_argument("--prompt", default="The ")
+  p.add_argument("--prompt-ids", default=None, help="comma-separated token ids instead of text")
+  p.add_argument("--max-new-tokens", type=int, default=200)
+  p.add_argument("--temperature", type=float, default=0.0)
+  p.add_argument("--top-p", type=float, default=1.0)
+  p.add_argument("--seed", type=int, default=0)
+  args = p.parse_args(argv)
+
+  tokenizer = ByteTokenizer()
+  if args.run:
+    model, step = load_run(args.run, args.step)
+    print(f"loaded {args.run} at step {step}", file=sys.stderr)
+  else:
+    from jaxattn.convert import load_checkpoint
+    model = load_checkpoint(args.checkpoint)
+  if args.prompt_ids:
+    prompt = np.array([[int(t) for t in args.prompt_ids.split(",")]], np.int32)
+    show = lambda ids: print(f" {int(ids[0])}", end="", flush=True)
+  else:
+    prompt = tokenizer.encode(args.prompt, add_bos=True)[None, :]
+    show = lambda ids: print(tokenizer.decode(ids[:1]), end="", flush=True)
+    print(args.prompt, end="", flush=True)
+  t0 = time.perf_counter()
+  out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature,
+                 top_p=args.top_p, seed=args.seed, on_token=show)
+  dt = time.perf_counter() - t0
+  n = out.shape[1] - prompt.shape[1]
+  print(f"\n[{n} tokens in {dt:.2f} s incl. compile]", file=sys.stderr)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

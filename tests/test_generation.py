@@ -1,0 +1,60 @@
+"""Generation: greedy == argmax of the full forward, nucleus sampling keeps only the nucleus."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxattn.configs import get_config
+from jaxattn.generation import generate, sample_logits
+from jaxattn.nn.model import DecoderLM
+
+
+def test_greedy_generation_equals_argmax_of_the_uncached_forward():
+  cfg = get_config("mistral", embed_dim=32, mlp_dim=64, num_layers=2, sliding_window=3)
+  model = DecoderLM(cfg, rngs=nnx.Rngs(0))
+  prompt = np.array([[1, 40, 50, 60], [1, 70, 80, 90]], np.int32)
+  streamed = []
+  out = generate(model, prompt, 6, on_token=lambda ids: streamed.append(ids.copy()))
+  assert out.shape == (2, 10) and (out[:, :4] == prompt).all()
+  np.testing.assert_array_equal(np.stack(streamed, 1), out[:, 4:])
+  forward = nnx.jit(lambda m, t: m(t))
+  seq = prompt
+  for _ in range(6):  # no cache: recompute everything each step
+    nxt = np.asarray(jnp.argmax(forward(model, jnp.asarray(seq))[:, -1], -1))[:, None]
+    seq = np.concatenate([seq, nxt.astype(np.int32)], 1)
+  np.testing.assert_array_equal(out, seq)
+
+
+def test_generation_stops_at_eos_and_checks_arguments():
+  cfg = get_config("llama", embed_dim=32, mlp_dim=64, num_layers=1)
+  model = DecoderLM(cfg, rngs=nnx.Rngs(0))
+  prompt = np.array([[1, 2, 3]], np.int32)
+  first = generate(model, prompt, 1)[0, -1]
+  out = generate(model, prompt, 10, eos_id=int(first))
+  assert out.shape == (1, 4)
+  with pytest.raises(ValueError, match="prompt"):
+    generate(model, np.zeros((3,), np.int32), 2)
+  with pytest.raises(ValueError, match="max_len"):
+    generate(model, prompt, 5, max_len=4)
+  learned = DecoderLM(cfg.replace(position="learned", max_seq_len=6), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="learned position table"):
+    generate(learned, prompt, 5)
+
+
+def test_nucleus_sampling_draws_only_from_the_top_p_set():
+  probs = jnp.array([0.5, 0.3, 0.15, 0.05])
+  logits = jnp.tile(jnp.log(probs), (4000, 1))
+  draws = np.asarray(sample_logits(logits, jax.random.key(0), temperature=1.0, top_p=0.7))
+  counts = np.bincount(draws, minlength=4) / draws.size
+  assert counts[2] == 0 and counts[3] == 0                 # outside the 0.8-mass nucleus {0, 1}
+  np.testing.assert_allclose(counts[:2], [0.5 / 0.8, 0.3 / 0.8], atol=0.03)  # renormalized
+  full = np.asarray(sample_logits(logits, jax.random.key(1), temperature=1.0))
+  np.testing.assert_allclose(np.bincount(full, minlength=4) / full.size, probs, atol=0.03)
+  greedy = sample_logits(logits[:2], jax.random.key(0))
+  assert (np.asarray(greedy) == 0).all()
+  with pytest.raises(ValueError, match="top_p"):
+    sample_logits(logits, jax.random.key(0), temperature=1.0, top_p=0.0)
+  with pytest.raises(ValueError, match="temperature"):
+    sample_logits(logits, jax.random.key(0), temperature=-1.0)
