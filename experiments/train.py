@@ -340,7 +340,7 @@ def main(argv=None) -> int:
     return 130
   if args.report and jax.process_index() == 0:
     from experiments import report
-    return report.main(["--quick", "--train-dir", str(args.out)])
+    return report.main(["--quick", "--train-metrics", str(pathlib.Path(args.out) / "metrics.jsonl")])
   return 0
 
 

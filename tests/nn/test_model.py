@@ -137,6 +137,21 @@ def test_dense_prefix_then_scanned_moe_units_and_an_unrolled_remainder():
   assert not np.allclose(model.groups[1].units.layers[0].ffn.router_bias[...], before)
 
 
+def test_sliding_window_model_decodes_with_a_rolling_cache_of_the_window():
+  cfg = small_config("mistral", num_layers=2)
+  model = DecoderLM(cfg, rngs=nnx.Rngs(0))
+  tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, cfg.vocab_size)
+  cache = model.init_cache(2, rolling=True)
+  assert all(c.key.shape[1] == cfg.sliding_window for c in cache.groups[0])  # w slots, not T
+  step = nnx.jit(lambda m, t, c: m(t, cache=c))
+  out, cache = step(model, tokens[:, :5], cache)
+  outs = [out]
+  for i in range(5, 9):
+    o, cache = step(model, tokens[:, i:i + 1], cache)
+    outs.append(o)
+  np.testing.assert_allclose(jnp.concatenate(outs, 1), model(tokens), atol=2e-5)
+
+
 def test_tied_and_untied_heads_and_cache_bytes():
   cfg = small_config("llama")
   tied = DecoderLM(cfg, rngs=nnx.Rngs(0))
