@@ -18,7 +18,7 @@
   at the end; the last ``--keep`` are kept; a rerun with the same ``--out`` resumes exactly
   (parameters, optimizer, step, data position, RNG) unless ``--no-resume``.
 * Logs: a progress bar (loss, tokens/s, ETA), ``--out/metrics.jsonl`` (one JSON object per step and
-  per evaluation), evaluation perplexity every ``--eval-every`` steps and at the end, then a greedy
+  per evaluation), evaluation perplexity every ``--eval-every`` steps and at the end, then a
   sample streamed from the trained model, and with ``--report`` the experiment report.
 * Multi-host: launched as several processes (``JAX_COORDINATOR_ADDRESS`` / ``--coordinator`` set),
   it calls ``jax.distributed.initialize`` and each host feeds its slice of the global batch.
@@ -269,7 +269,8 @@ def train(args) -> dict:
     if args.sample_tokens and pi == 0:
       model = nnx.merge(graphdef, state.params, state.rest)
       prompt = tokenizer.encode(args.prompt, add_bos=True)[None, :]
-      log(f"sample (greedy, {args.sample_tokens} bytes) after {args.prompt!r}:")
+      log(f"sample ({args.sample_tokens} bytes, temperature {args.sample_temperature}, top-p "
+          f"{args.sample_top_p}) after {args.prompt!r}:")
       pieces = []
 
       def stream(ids):
@@ -277,7 +278,8 @@ def train(args) -> dict:
         pieces.append(s)
         print(s, end="", flush=True)
 
-      generate(model, prompt, args.sample_tokens, on_token=stream)
+      generate(model, prompt, args.sample_tokens, temperature=args.sample_temperature,
+               top_p=args.sample_top_p, seed=args.seed, on_token=stream)
       print(flush=True)
       sample = args.prompt + "".join(pieces)
 
@@ -325,6 +327,8 @@ def make_parser() -> argparse.ArgumentParser:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--sample-tokens", type=int, default=200)
   p.add_argument("--prompt", default="The ")
+  p.add_argument("--sample-temperature", type=float, default=0.7)
+  p.add_argument("--sample-top-p", type=float, default=0.9)
   p.add_argument("--report", action="store_true", help="run `experiments.report --quick` after")
   p.add_argument("--stop-at-step", type=int, default=None, help=argparse.SUPPRESS)
   p.add_argument("--coordinator", default=None, help="multi-host: coordinator address host:port")
