@@ -10,11 +10,14 @@ import numpy as np
 from flax import nnx
 
 from jaxattn.cache import KVCache, kv_cache_bytes_per_token
+from jaxattn.paged_cache import PagedKVCache
 from jaxattn.rolling_cache import RollingKVCache
 from jaxattn.nn.linear import Einsum
+from jaxattn.nn.norms import RMSNorm
 from jaxattn.nn.positional import T5RelativePositionBias
 from jaxattn.ops.alibi import alibi_slopes
 from jaxattn.ops.attention import dot_product_attention
+from jaxattn.ops.decode import paged_attention
 from jaxattn.ops.rope import RopeScaling, apply_rope
 from jaxattn.sharding import shard
 
@@ -30,7 +33,9 @@ class Attention(nnx.Module):
   RoPE; ``rope_interleaved`` picks consecutive pairs instead of Llama's half split), ``"alibi"`` adds
   ``slope * (j - i)``, ``"t5"`` adds a learned bucketed bias per head, ``"none"`` leaves positions to
   the embeddings (sinusoidal or learned absolute).  ``sliding_window=w`` lets a query at ``p`` see
-  keys ``p - w .. p`` (causal) or ``p - w .. p + w``.
+  keys ``p - w .. p`` (causal) or ``p - w .. p + w``.  ``qk_norm`` RMS-normalizes each q and k head
+  (``norm_eps``) before RoPE, and ``output_gate`` multiplies each output head by ``sigmoid(x
+  W_gate)`` before ``o_proj`` (both as Qwen3-Next's full-attention layers).
 
   Call ``attn(x)`` for a full pass; with ``cache=attn.init_cache(...)`` it returns ``(y, cache)``
   and a prefill followed by token-by-token decode equals the full pass on the same tokens.
@@ -56,6 +61,9 @@ class Attention(nnx.Module):
       logits_soft_cap: float | None = None,
       attention_scale: float | None = None,
       use_bias: bool = False,
+      qk_norm: bool = False,
+      output_gate: bool = False,
+      norm_eps: float = 1e-6,
       implementation=None,
       rngs: nnx.Rngs,
       dtype=None,
@@ -102,6 +110,13 @@ class Attention(nnx.Module):
     self.rel_bias = (T5RelativePositionBias(n, bidirectional=not causal, num_buckets=t5_num_buckets,
                                             max_distance=t5_max_distance, rngs=rngs)
                      if position == "t5" else None)
+    # Qwen3-Next: RMSNorm over each q / k head before RoPE, and a sigmoid gate per output head.
+    self.q_norm = (RMSNorm(h, eps=norm_eps, rngs=rngs, param_dtype=param_dtype) if qk_norm
+                   else None)
+    self.k_norm = (RMSNorm(h, eps=norm_eps, rngs=rngs, param_dtype=param_dtype) if qk_norm
+                   else None)
+    self.gate_proj = (Einsum("BTD,DNH->BTNH", (d, n, hv), ("embed", "heads", "head_dim"), **kw)
+                      if output_gate else None)
 
   # -- cache -----------------------------------------------------------------------------------
 
@@ -130,6 +145,43 @@ class Attention(nnx.Module):
                        f"position='rope' or 'none' and no extra `mask` (position={self.position!r}, "
                        f"mask given: {mask is not None}).")
 
+  def init_paged_cache(self, batch: int, num_pages: int, page_size: int, *,
+                       max_pages_per_seq: int | None = None, dtype=None) -> PagedKVCache:
+    """An empty paged cache (``jaxattn.paged_cache``): a pool of ``num_pages`` pages of
+    ``page_size`` tokens shared by ``batch`` sequences of ragged lengths."""
+    dtype = dtype or self.dtype or jnp.float32
+    return PagedKVCache.init(batch, num_pages, page_size, self.num_kv_heads, self.head_dim,
+                             self.v_head_dim, max_pages_per_seq=max_pages_per_seq, dtype=dtype)
+
+  def _paged_call(self, x, positions, segment_ids, mask, cache: PagedKVCache, implementation):
+    """Prefill / decode against a paged cache: each sequence's ``T`` new tokens go at its own
+    length (ragged batch) and attend causally to everything it holds."""
+    if (not self.causal or self.sliding_window is not None or self.position in ("alibi", "t5")
+        or segment_ids is not None or mask is not None):
+      raise ValueError(f"a PagedKVCache supports causal layers with position 'rope' or 'none', no "
+                       f"sliding window, `mask` or `segment_ids`; this layer has causal="
+                       f"{self.causal}, position={self.position!r}, sliding_window="
+                       f"{self.sliding_window}, mask given: {mask is not None}, segment_ids given: "
+                       f"{segment_ids is not None}.")
+    t = x.shape[1]
+    x = shard(x, ("batch", "length", "act_embed"))
+    if positions is None:  # per-sequence positions: the batch is ragged
+      positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    q, k, v = self._qkv(x)
+    if self.position == "rope":
+      rope = dict(base=self.rope_base, rotary_dim=self.rotary_dim,
+                  interleaved=self.rope_interleaved, scaling=self.rope_scaling)
+      q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)
+    cache = cache.append(k, v)
+    q = shard(q, ("batch", "length", "act_heads", "head_dim"))
+    impl = implementation or self.implementation
+    impl = "xla" if impl == "xla_chunked" else impl  # the dense backends' XLA name
+    out = paged_attention(q, cache.key_pool, cache.value_pool, cache.page_table, cache.lengths,
+                          scale=self.attention_scale, logits_soft_cap=self.logits_soft_cap,
+                          implementation=impl)
+    y = shard(self.o_proj(self._gate(x, out.astype(q.dtype))), ("batch", "length", "act_embed"))
+    return y, cache
+
   def cache_bytes(self, seq_len: int, batch: int = 1, dtype=jnp.bfloat16) -> int:
     """KV cache bytes of this layer for ``seq_len`` tokens: the seed's ``2 x n x h_kv x d x bytes``."""
     return batch * seq_len * kv_cache_bytes_per_token(self.num_kv_heads, self.head_dim, dtype,
@@ -137,22 +189,37 @@ class Attention(nnx.Module):
 
   # -- forward ---------------------------------------------------------------------------------
 
+  def _qkv(self, x):
+    """``q [B,T,N,H], k [B,T,K,H], v [B,T,K,h]``, q and k per-head normed if ``qk_norm``."""
+    q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+    if self.q_norm is not None:
+      q, k = self.q_norm(q).astype(q.dtype), self.k_norm(k).astype(k.dtype)
+    return q, k, v
+
+  def _gate(self, x, out):
+    """``out [B,T,N,h] * sigmoid(x W_gate)`` when the layer has an output gate."""
+    if self.gate_proj is None:
+      return out
+    g = jax.nn.sigmoid(self.gate_proj(x).astype(jnp.float32))
+    return (out.astype(jnp.float32) * g).astype(out.dtype)
+
   def __call__(self, x, *, positions=None, segment_ids=None, mask=None,
                cache: KVCache | None = None, implementation=None):
     """``x [B, T, D]`` -> ``[B, T, D]`` (and the updated cache when one is given).
 
     ``positions [B, T]`` (default ``cache.index + arange(T)``) feed RoPE; restart them per segment
     for packed sequences.  ``segment_ids [B, T]`` confines attention to a segment; ``mask`` is an
-    extra boolean ``[B|1, N|1, T, S]`` array or ``Mask``.
+    extra boolean ``[B|1, N|1, T, S]`` array or ``Mask``.  A ``PagedKVCache`` (``init_paged_cache``)
+    gives each sequence its own length; default positions then continue each sequence.
     """
+    if isinstance(cache, PagedKVCache):
+      return self._paged_call(x, positions, segment_ids, mask, cache, implementation)
     b, t, _ = x.shape
     x = shard(x, ("batch", "length", "act_embed"))
     offset = 0 if cache is None else cache.index
     if positions is None:
       positions = (offset + jnp.arange(t, dtype=jnp.int32))[None, :]
-    q = self.q_proj(x)  # [B, T, N, H]
-    k = self.k_proj(x)  # [B, T, K, H]
-    v = self.v_proj(x)  # [B, T, K, h]
+    q, k, v = self._qkv(x)  # [B, T, N, H], [B, T, K, H], [B, T, K, h]
     if self.position == "rope":
       rope = dict(base=self.rope_base, rotary_dim=self.rotary_dim,
                   interleaved=self.rope_interleaved, scaling=self.rope_scaling)
@@ -183,6 +250,6 @@ class Attention(nnx.Module):
         kv_lengths=kv_lengths, q_offset=0 if rolling else offset, alibi_slopes=slopes,
         logits_soft_cap=self.logits_soft_cap,
         implementation=implementation or self.implementation)
-    y = self.o_proj(out)
+    y = self.o_proj(self._gate(x, out))
     y = shard(y, ("batch", "length", "act_embed"))
     return y if cache is None else (y, cache)

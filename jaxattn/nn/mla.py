@@ -24,8 +24,10 @@ from jaxtyping import Array, Float, Int
 
 from jaxattn.kv_efficiency import kv_cache_per_token
 from jaxattn.mla_cache import LatentCache
+from jaxattn.paged_cache import PagedLatentCache
 from jaxattn.nn.linear import Einsum
 from jaxattn.nn.norms import RMSNorm
+from jaxattn.ops.decode import paged_mla_decode
 from jaxattn.ops.mla import MODES, Mode, mla_attention, mla_score_terms, mla_softmax_scale
 from jaxattn.ops.rope import RopeScaling, apply_rope
 from jaxattn.sharding import shard
@@ -67,7 +69,8 @@ class MLA(nnx.Module):
     rngs, dtype, param_dtype: as every jaxattn module (compute dtype default: the input's).
 
   Call ``mla(x)`` for a full pass; with ``cache=mla.init_cache(...)`` it returns ``(y, cache)``, and
-  prefill followed by token-by-token decode equals the full pass in either mode.
+  prefill followed by token-by-token decode equals the full pass in either mode.  A paged cache
+  (``init_paged_cache``) decodes ragged batches, always in absorbed form.
   """
 
   def __init__(
@@ -148,6 +151,43 @@ class MLA(nnx.Module):
     dtype = dtype or self.dtype or jnp.float32
     return LatentCache.init(batch, max_len, self.kv_lora_rank, self.qk_rope_head_dim, dtype)
 
+  def init_paged_cache(self, batch: int, num_pages: int, page_size: int, *,
+                       max_pages_per_seq: int | None = None, dtype=None) -> PagedLatentCache:
+    """An empty paged latent cache (``jaxattn.paged_cache``): ``num_pages`` pages of
+    ``page_size`` rows ``[c_KV, k^R]`` shared by ``batch`` sequences of ragged lengths."""
+    dtype = dtype or self.dtype or jnp.float32
+    return PagedLatentCache.init(batch, num_pages, page_size, self.kv_lora_rank,
+                                 self.qk_rope_head_dim, max_pages_per_seq=max_pages_per_seq,
+                                 dtype=dtype)
+
+  def _paged_call(self, x, positions, segment_ids, mask, cache: PagedLatentCache,
+                  implementation):
+    """Prefill / decode against a paged latent cache, always in absorbed form (the decode path:
+    ``paged_mla_decode`` returns latent outputs, ``W_up^V`` and ``o_proj`` follow)."""
+    if not self.causal or segment_ids is not None or mask is not None:
+      raise ValueError(f"a PagedLatentCache supports causal layers without `mask` or "
+                       f"`segment_ids`; this layer has causal={self.causal}, mask given: "
+                       f"{mask is not None}, segment_ids given: {segment_ids is not None}.")
+    t = x.shape[1]
+    x = shard(x, ("batch", "length", "act_embed"))
+    if positions is None:  # per-sequence positions: the batch is ragged
+      positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    q_nope, q_rope, c_kv, k_rope = self._project(x, positions)
+    cache = cache.append(c_kv, k_rope)
+    dt = q_nope.dtype
+    w_uk, w_uv = self.k_up.kernel[...].astype(dt), self.v_up.kernel[...].astype(dt)
+    # q^C_i . (c W_up^K_i) = (q^C_i W_up^K_i^T) . c: the query goes to latent space once.
+    q_latent = jnp.einsum("btnp,cnp->btnc", q_nope, w_uk, preferred_element_type=jnp.float32)
+    impl = implementation or self.implementation
+    impl = "xla" if impl == "xla_chunked" else impl  # the dense backends' XLA name
+    o_latent = paged_mla_decode(q_latent.astype(dt), q_rope, cache.c_kv_pool, cache.k_rope_pool,
+                                cache.page_table, cache.lengths, scale=self.scale,
+                                implementation=impl)                        # [B, T, N, C]
+    out = jnp.einsum("btnc,cnh->btnh", o_latent.astype(dt), w_uv,
+                     preferred_element_type=jnp.float32).astype(dt)
+    y = shard(self.o_proj(out), ("batch", "length", "act_embed"))
+    return y, cache
+
   def cache_bytes(self, seq_len: int, batch: int = 1, dtype=jnp.bfloat16) -> int:
     """Latent cache bytes of this layer for ``seq_len`` tokens: ``(C + R) x bytes`` per token."""
     per_token = kv_cache_per_token("mla", num_heads=self.num_heads, head_dim=self.qk_nope_head_dim,
@@ -200,6 +240,11 @@ class MLA(nnx.Module):
       raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}.")
     if x.ndim != 3 or x.shape[-1] != self.embed_dim:
       raise ValueError(f"`x` must be [B, T, D={self.embed_dim}], got shape {x.shape}.")
+    if isinstance(cache, PagedLatentCache):
+      if cache.kv_lora_rank != self.kv_lora_rank or cache.qk_rope_head_dim != self.qk_rope_head_dim:
+        raise ValueError(f"`cache` holds C={cache.kv_lora_rank}, R={cache.qk_rope_head_dim}; this "
+                         f"layer needs C={self.kv_lora_rank}, R={self.qk_rope_head_dim}.")
+      return self._paged_call(x, positions, segment_ids, mask, cache, implementation)
     if cache is not None:
       if segment_ids is not None:
         raise ValueError("`segment_ids` (packed sequences) cannot be combined with a latent `cache`.")

@@ -157,7 +157,7 @@ class ModelConfig:
         raise ValueError(f"`{name}` must be a positive int, got {v!r}.")
     for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "mlp_dim", "max_seq_len"):
       positive(name)
-    for name in ("num_kv_heads", "head_dim", "moe_expert_dim"):
+    for name in ("num_kv_heads", "head_dim", "moe_expert_dim", "moe_shared_dim"):
       positive(name, allow_none=True)
     pat = self.layer_pattern
     if not isinstance(pat, str) or not pat or set(pat) - set(LAYER_KINDS):
@@ -188,6 +188,9 @@ class ModelConfig:
     if self.position in ("alibi", "t5") and self.kinds() & set("MI"):
       raise ValueError(f"`position={self.position!r}` applies to A/S attention layers only; MLA and "
                        f"DSA layers (in {pat!r}) always use decoupled RoPE. Use 'rope' or 'none'.")
+
+  def __hash__(self):  # rope_scaling is a dict: hash the canonical JSON form instead
+    return hash(self.to_json())
 
   # -- helpers ---------------------------------------------------------------------------------
 

@@ -47,7 +47,8 @@ class MoE(nnx.Module):
   a ``RouterBias`` that only ranks experts, group-limited selection (``n_group``, ``topk_group``),
   ``top_k`` experts weighted by their unbiased scores (normalized if ``norm_topk_prob``) times
   ``routed_scaling_factor``.  ``num_shared_experts`` shared experts always run, as one SwiGLU MLP of
-  hidden size ``shared_dim`` (default ``num_shared_experts * expert_dim``, as transformers).
+  hidden size ``shared_dim`` (default ``num_shared_experts * expert_dim``, as transformers), scaled
+  per token by ``sigmoid(x . w)`` when ``shared_gate`` (Qwen3-Next's ``shared_expert_gate``).
 
   Dispatch: dropless (sort by expert + grouped matmul; ``implementation``, ``block_size`` as in
   ``grouped_swiglu``) or, with ``capacity_factor``, a fixed ``[E, C, D]`` buffer that drops
@@ -71,6 +72,7 @@ class MoE(nnx.Module):
       *,
       num_shared_experts: int = 0,
       shared_dim: int | None = None,
+      shared_gate: bool = False,
       score_func: M.ScoreFunc = "sigmoid",
       n_group: int = 1,
       topk_group: int | None = None,
@@ -130,6 +132,9 @@ class MoE(nnx.Module):
     shared_dim = shared_dim or num_shared_experts * expert_dim
     self.shared = (MLP(d, shared_dim, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
                    if num_shared_experts > 0 else None)
+    # Qwen3-Next scales the shared expert per token by sigmoid(x . w_gate).
+    self.shared_gate = (param(rngs, nnx.initializers.zeros_init(), (d,), ("embed",), param_dtype)
+                        if shared_gate and num_shared_experts > 0 else None)
 
   # -- routing ---------------------------------------------------------------------------------
 
@@ -184,7 +189,12 @@ class MoE(nnx.Module):
                                     implementation=self.implementation, block_size=self.block_size)
     y = y.reshape(b, t, d)
     if self.shared is not None:
-      y = y + self.shared(x)
+      s = self.shared(x)
+      if self.shared_gate is not None:
+        g = jax.nn.sigmoid(jnp.einsum("btd,d->bt", x.astype(jnp.float32),
+                                      self.shared_gate[...].astype(jnp.float32)))
+        s = (s.astype(jnp.float32) * g[..., None]).astype(s.dtype)
+      y = y + s
     y = shard(y, ("batch", "length", "act_embed"))
     return y, self._stats(r, dropped, token_mask)
 

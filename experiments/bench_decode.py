@@ -1,0 +1,238 @@
+"""Decode over a paged cache: time per step and effective bandwidth against the device's copy rate.
+
+    python -m experiments.bench_decode [--kind gqa,mla] [--contexts 1024,4096] [--batches 1,4]
+                                       [--impls contiguous,xla_paged] [--dtype bfloat16]
+                                       [--page-size 64] [--splits 4] [--repeats 5]
+                                       [--copy-mb 256] [--out runs/bench_decode]
+
+One decode step (one new token per sequence, every sequence ``--contexts`` tokens long) of one
+layer's attention core, projections excluded:
+
+* ``gqa``: ``--heads`` query heads over ``--kv-heads`` KV heads of ``--head-dim`` (Llama-3-8B:
+  32 / 8 / 128); the cache read is ``B * S * K * 2H * bytes``.
+* ``mla``: DeepSeek-V3's absorbed decode, ``--mla-heads`` heads in latent space over rows of
+  ``--latent + --rope`` (512 + 64); the cache read is ``B * S * (C + R) * bytes``.
+
+Implementations (``--impls``):
+
+* ``contiguous``: the XLA path over a contiguous ``[B, S, ...]`` cache (``dot_product_attention``
+  with ``kv_lengths``; MLA as ``mla_attention(mode="absorbed")`` calls it: one shared key of width
+  ``C + R``) -- what ``KVCache`` / ``LatentCache`` decode runs today.
+* ``xla_paged``: ``jaxattn.ops.decode`` with ``implementation="xla"`` on pages scattered at random
+  through the pool: gathers the pages to a contiguous copy first.
+* ``pallas_paged``: the same with ``implementation="pallas_tpu"`` (``--splits`` split-KV
+  partitions).  Compiled only on a TPU; elsewhere it runs interpreted, so only tiny sizes make
+  sense (``--allow-interpret``).
+
+The named baseline is the device's copy bandwidth, measured in the same run: ``y = x + 1`` on a
+``--copy-mb`` MB array moves ``2 x`` its bytes (read + write).  Each row prints time per step,
+effective bandwidth (cache bytes read / time), its % of the copy bandwidth, the ratio to
+``contiguous`` and the compiled program's peak memory (arguments + outputs + temporaries).
+Writes ``results.json`` and ``bench_decode.png`` under ``--out``.  On a shared CPU absolute numbers
+are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from experiments.timing import best_time, compile_timed, peak_bytes
+from jaxattn.ops.attention import dot_product_attention
+from jaxattn.ops.decode import paged_attention, paged_mla_decode
+
+IMPLS = ("contiguous", "xla_paged", "pallas_paged")
+
+
+def copy_bandwidth(mb: int, repeats: int) -> float:
+  """Bytes per second of ``x + 1`` over an ``mb`` MB fp32 array (read + write counted)."""
+  n = mb * (1 << 20) // 4
+  x = jnp.ones((n,), jnp.float32)
+  f, _ = compile_timed(lambda x: x + 1, x)
+  return 2 * n * 4 / best_time(f, (x,), repeats)
+
+
+def _pools(rng, b, s, page, shapes, dtype):
+  """Random pools for ``b`` sequences of ``s`` tokens, pages scattered at random, and the
+  equivalent contiguous buffers.  ``shapes``: the trailing shape of each pool."""
+  m = -(-s // page)
+  perm = rng.permutation(b * m).astype(np.int32)
+  table = jnp.asarray(perm.reshape(b, m))
+  pools, flats = [], []
+  for shape in shapes:
+    contiguous = jnp.asarray(rng.standard_normal((b, m * page) + shape), dtype)
+    pool = jnp.zeros((b * m, page) + shape, dtype)
+    pool = pool.at[table.reshape(-1)].set(contiguous.reshape((b * m, page) + shape))
+    pools.append(pool)
+    flats.append(contiguous)
+  return pools, flats, table
+
+
+def build_case(kind, b, s, args, dtype, rng):
+  """``{impl: (fn, args)}`` for one (kind, batch, context) and the cache bytes one step reads."""
+  lengths = jnp.full((b,), s, jnp.int32)
+  itemsize = jnp.dtype(dtype).itemsize
+  if kind == "gqa":
+    n, kh, h = args.heads, args.kv_heads, args.head_dim
+    (kp, vp), (kc, vc), table = _pools(rng, b, s, args.page_size, [(kh, h), (kh, h)], dtype)
+    q = jnp.asarray(rng.standard_normal((b, 1, n, h)), dtype)
+    nbytes = b * s * kh * 2 * h * itemsize
+    fns = {
+        "contiguous": (lambda q, k, v, lens: dot_product_attention(
+            q, k, v, kv_lengths=lens, implementation="xla"), (q, kc, vc, lengths)),
+        "xla_paged": (lambda q, k, v, t, lens: paged_attention(
+            q, k, v, t, lens, implementation="xla"), (q, kp, vp, table, lengths)),
+        "pallas_paged": (lambda q, k, v, t, lens: paged_attention(
+            q, k, v, t, lens, implementation="pallas_tpu", num_splits=args.splits),
+                         (q, kp, vp, table, lengths)),
+    }
+    return fns, nbytes
+  n, c, r = args.mla_heads, args.latent, args.rope
+  (cp, rp), (cc, rc), table = _pools(rng, b, s, args.page_size, [(c,), (r,)], dtype)
+  ql = jnp.asarray(rng.standard_normal((b, 1, n, c)), dtype)
+  qr = jnp.asarray(rng.standard_normal((b, 1, n, r)), dtype)
+  scale = 1.0 / math.sqrt(args.mla_qk_dim)
+  nbytes = b * s * (c + r) * itemsize
+
+  def contiguous(ql, qr, c_kv, k_rope, lens):
+    # As mla_attention(mode="absorbed"): the row [c_KV, k^R] is one shared key, [..:C] the value.
+    kv = jnp.concatenate([c_kv, k_rope], axis=-1)[:, :, None, :]
+    query = jnp.concatenate([ql, qr], axis=-1)
+    return dot_product_attention(query, kv, kv, scale=scale, kv_lengths=lens,
+                                 implementation="xla")[..., :c]
+
+  fns = {
+      "contiguous": (contiguous, (ql, qr, cc, rc, lengths)),
+      "xla_paged": (lambda ql, qr, cp, rp, t, lens: paged_mla_decode(
+          ql, qr, cp, rp, t, lens, scale=scale, implementation="xla"),
+                    (ql, qr, cp, rp, table, lengths)),
+      "pallas_paged": (lambda ql, qr, cp, rp, t, lens: paged_mla_decode(
+          ql, qr, cp, rp, t, lens, scale=scale, implementation="pallas_tpu",
+          num_splits=args.splits), (ql, qr, cp, rp, table, lengths)),
+  }
+  return fns, nbytes
+
+
+def _ints(text):
+  return [int(v) for v in text.split(",") if v]
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  ap.add_argument("--kind", type=str, default="gqa,mla", help="gqa, mla or both")
+  ap.add_argument("--contexts", type=str, default="1024,4096",
+                  help="tokens per sequence (target on an accelerator: 4096,...,65536)")
+  ap.add_argument("--batches", type=str, default="1,4", help="target on an accelerator: 1,...,64")
+  ap.add_argument("--impls", type=str, default="contiguous,xla_paged")
+  ap.add_argument("--dtype", type=str, default="bfloat16")
+  ap.add_argument("--heads", type=int, default=32)
+  ap.add_argument("--kv-heads", type=int, default=8)
+  ap.add_argument("--head-dim", type=int, default=128)
+  ap.add_argument("--mla-heads", type=int, default=16, help="DeepSeek-V3: 128 (16 per device "
+                  "at 8-way tensor parallelism)")
+  ap.add_argument("--latent", type=int, default=512)
+  ap.add_argument("--rope", type=int, default=64)
+  ap.add_argument("--mla-qk-dim", type=int, default=192, help="P + R, for the softmax scale")
+  ap.add_argument("--page-size", type=int, default=64)
+  ap.add_argument("--splits", type=int, default=4, help="split-KV partitions (pallas_paged)")
+  ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--copy-mb", type=int, default=256)
+  ap.add_argument("--allow-interpret", action="store_true",
+                  help="run pallas_paged off TPU (interpreted: tiny sizes only)")
+  ap.add_argument("--max-cache-gb", type=float, default=8.0,
+                  help="skip (kind, context, batch) cases whose cache exceeds this: the benchmark "
+                  "holds the cache twice (pool and contiguous) plus the paged path's gathered copy")
+  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--out", type=str, default="runs/bench_decode")
+  args = ap.parse_args(argv)
+
+  kinds = [k for k in args.kind.split(",") if k]
+  impls = [i for i in args.impls.split(",") if i]
+  for name, values, allowed in (("--kind", kinds, ("gqa", "mla")), ("--impls", impls, IMPLS)):
+    bad = [v for v in values if v not in allowed]
+    if bad:
+      ap.error(f"{name}: unknown {bad}; allowed: {allowed}")
+  if ("pallas_paged" in impls and jax.default_backend() != "tpu"
+      and not args.allow_interpret):
+    ap.error("pallas_paged compiles only on TPU; pass --allow-interpret to run it interpreted")
+  contexts, batches = _ints(args.contexts), _ints(args.batches)
+  dtype = jnp.dtype(args.dtype)
+  rng = np.random.default_rng(args.seed)
+
+  copy_bw = copy_bandwidth(args.copy_mb, args.repeats)
+  print(f"device {jax.devices()[0].device_kind} ({jax.default_backend()}); copy bandwidth "
+        f"(x + 1 over {args.copy_mb} MB, read + write): {copy_bw / 1e9:.1f} GB/s")
+  rows = []
+  bar = tqdm(total=len(kinds) * len(contexts) * len(batches) * len(impls), desc="bench_decode")
+  for kind in kinds:
+    for s in contexts:
+      for b in batches:
+        per_token = (2 * args.kv_heads * args.head_dim if kind == "gqa"
+                     else args.latent + args.rope) * dtype.itemsize
+        if b * s * per_token > args.max_cache_gb * 2**30:
+          tqdm.write(f"skip {kind} context={s} batch={b}: cache {b * s * per_token / 2**30:.1f} GB "
+                     f"> --max-cache-gb {args.max_cache_gb}")
+          bar.update(len(impls))
+          continue
+        fns, nbytes = build_case(kind, b, s, args, dtype, rng)
+        base = None
+        for impl in impls:
+          fn, fargs = fns[impl]
+          compiled, _ = compile_timed(fn, *fargs)
+          sec = best_time(compiled, fargs, args.repeats)
+          base = sec if impl == "contiguous" else base
+          rows.append(dict(kind=kind, context=s, batch=b, impl=impl, ms=sec * 1e3,
+                           cache_mb=nbytes / 2**20, gbps=nbytes / sec / 1e9,
+                           pct_copy=100 * nbytes / sec / copy_bw,
+                           vs_contiguous=None if base is None else sec / base,
+                           peak_mb=peak_bytes(compiled) / 2**20))
+          bar.update()
+  bar.close()
+
+  header = (f"{'kind':4} {'ctx':>6} {'B':>3} {'impl':13} {'ms/step':>9} {'cache MB':>9} "
+            f"{'GB/s':>7} {'% copy':>7} {'x contig':>9} {'peak MB':>9}")
+  print(header)
+  for r in rows:
+    ratio = "" if r["vs_contiguous"] is None else f"{r['vs_contiguous']:.2f}"
+    print(f"{r['kind']:4} {r['context']:>6} {r['batch']:>3} {r['impl']:13} {r['ms']:>9.3f} "
+          f"{r['cache_mb']:>9.1f} {r['gbps']:>7.1f} {r['pct_copy']:>7.1f} {ratio:>9} "
+          f"{r['peak_mb']:>9.1f}")
+  print("x contig: time per step relative to the contiguous XLA path (lower is faster).")
+
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "results.json").write_text(json.dumps(dict(
+      args=vars(args), device=jax.devices()[0].device_kind, copy_gbps=copy_bw / 1e9, rows=rows),
+      indent=1))
+  import matplotlib  # noqa: PLC0415
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+  fig, axes = plt.subplots(1, len(kinds), figsize=(6 * len(kinds), 4), squeeze=False)
+  for ax, kind in zip(axes[0], kinds):
+    for impl in impls:
+      for b in batches:
+        pts = [(r["context"], r["pct_copy"]) for r in rows
+               if r["kind"] == kind and r["impl"] == impl and r["batch"] == b]
+        if not pts:
+          continue
+        ax.plot(*zip(*pts), marker="o", label=f"{impl} B={b}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (tokens per sequence)")
+    ax.set_ylabel("% of measured copy bandwidth")
+    ax.set_title(f"{kind} decode, {args.dtype}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(out / "bench_decode.png", dpi=120)
+  print(f"wrote {out / 'results.json'} and {out / 'bench_decode.png'}")
+
+
+if __name__ == "__main__":
+  main()

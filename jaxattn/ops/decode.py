@@ -1,0 +1,312 @@
+"""Decode attention over a paged cache (``jaxattn.paged_cache``): formulas and one dispatch point.
+
+Serving decodes a few new tokens per sequence against a long cache held in pages.  Two ops:
+
+* ``paged_attention``: MHA / GQA / MQA.  ``q [B, T, N, H]`` (or ``[B, N, H]``: ``T = 1``) against
+  ``key_pool [P, page, K, H]`` / ``value_pool [P, page, K, h]`` through ``page_table [B, M]`` and
+  ``lengths [B]``.
+* ``paged_mla_decode``: MLA in absorbed form.  The query is already in latent space
+  (``q_latent = q^C W_up^K^T [.., N, C]`` plus the rotated ``q_rope [.., N, R]``); every head
+  attends to the shared cached rows ``[c_KV, k^R]`` (one MQA key of width ``C + R`` whose first
+  ``C`` entries are the value) and the result stays in latent space ``[.., N, C]`` -- the module
+  applies ``W_up^V`` and ``o_proj``.  With ``indices`` (DeepSeek Sparse Attention) only the selected
+  positions are attended.
+
+Semantics shared by both (the contract the kernels are tested against):
+
+* The ``T`` queries of sequence ``b`` are its LAST ``T`` tokens, already appended: query ``t`` sits
+  at position ``lengths[b] - T + t`` and sees keys ``s <= lengths[b] - T + t`` (causal); ``T = 1``
+  is plain decode (all ``lengths[b]`` keys).  Rows whose position is negative see nothing.
+* Logits in fp32: ``scale * q.k`` -> soft-cap ``c * tanh(x / c)`` (when ``logits_soft_cap``) ->
+  mask -> softmax in fp32.  A query with no visible key (``lengths[b] = 0``) returns zeros.
+* Output in the query dtype.
+
+Implementations: ``"xla"`` (the reference below: gather every page to a contiguous ``[B, S, ...]``
+buffer, dense fp32 softmax) and ``"pallas_tpu"`` (``pallas_kernels.decode_attention`` /
+``pallas_kernels.mla_decode``: reads pages in place by scalar prefetch, split-KV, runs interpreted
+off TPU).  ``implementation=None`` picks ``"pallas_tpu"`` on TPU and ``"xla"`` elsewhere; an
+explicit choice never falls back.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from jaxattn.paged_cache import PageTable, gather_pages
+
+DecodeImplementation = Literal["xla", "pallas_tpu"]
+DECODE_IMPLEMENTATIONS: tuple[str, ...] = ("xla", "pallas_tpu")
+
+_F32 = jnp.float32
+
+
+def resolve_implementation(implementation) -> str:
+  """``None`` -> ``"pallas_tpu"`` on TPU, else ``"xla"``; an explicit name is checked, never
+  replaced."""
+  if implementation is None:
+    return "pallas_tpu" if jax.default_backend() == "tpu" else "xla"
+  if implementation not in DECODE_IMPLEMENTATIONS:
+    raise ValueError(f"`implementation` must be None or one of {DECODE_IMPLEMENTATIONS}, got "
+                     f"{implementation!r}.")
+  return implementation
+
+
+def _table(page_table, lengths, page_size) -> PageTable:
+  """A ``PageTable`` view for ``gather_pages`` (the free stack is not needed to read)."""
+  empty = jnp.zeros((0,), jnp.int32)
+  return PageTable(page_table=page_table, lengths=lengths, free_pages=empty,
+                   num_free=jnp.zeros((), jnp.int32), page_size=page_size)
+
+
+def check_table(page_table, lengths, batch: int, num_pages: int | None = None, page_size=None):
+  """Validates ``page_table [B, M]`` and ``lengths [B]`` (int32-convertible integer arrays)."""
+  if page_table.ndim != 2 or page_table.shape[0] != batch:
+    raise ValueError(f"`page_table` must be [B={batch}, max_pages], got shape {page_table.shape}.")
+  if lengths.shape != (batch,):
+    raise ValueError(f"`lengths` must be [B={batch}], got shape {lengths.shape}.")
+  for name, x in (("page_table", page_table), ("lengths", lengths)):
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise ValueError(f"`{name}` must be an integer array, got dtype {x.dtype}.")
+  if page_size is not None and not isinstance(lengths, jax.core.Tracer):
+    cap = page_table.shape[1] * page_size
+    lens = np.asarray(lengths)
+    if ((lens < 0) | (lens > cap)).any():
+      raise ValueError(f"`lengths` must lie in [0, max_pages * page_size = {cap}], got {lens}.")
+
+
+def _check_scale(name, v):
+  if v is not None and not isinstance(v, (jax.Array, jax.core.Tracer)):
+    if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+      raise ValueError(f"`{name}` must be a positive finite float or None, got {v!r}.")
+
+
+def _as_4d(q, name):
+  if q.ndim == 3:
+    return q[:, None], True
+  if q.ndim == 4:
+    return q, False
+  raise ValueError(f"`{name}` must be [B, N, ...] or [B, T, N, ...], got shape {q.shape}.")
+
+
+def _visible(t, s, lengths):
+  """``[B, T, S]``: key ``s`` exists and is not after query ``t`` (the last ``T`` tokens)."""
+  kv = jnp.arange(s, dtype=jnp.int32)[None, None, :]
+  q_pos = lengths[:, None, None] - t + jnp.arange(t, dtype=jnp.int32)[None, :, None]
+  return (kv < lengths[:, None, None]) & (kv <= q_pos)
+
+
+def _softmax_rows(logits, valid):
+  """fp32 softmax over the last axis with invalid entries dropped; all-invalid rows give zeros."""
+  logits = jnp.where(valid, logits, -jnp.inf)
+  m = jnp.max(logits, axis=-1, keepdims=True)
+  p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
+  l = jnp.sum(p, axis=-1, keepdims=True)
+  return p / jnp.where(l > 0, l, 1.0)
+
+
+def _cap(logits, logits_soft_cap):
+  if logits_soft_cap is None:
+    return logits
+  return logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+
+
+@functools.partial(jax.jit, static_argnames=("logits_soft_cap",))
+def paged_attention_xla(query, key_pool, value_pool, page_table, lengths, *, scale,
+                        logits_soft_cap=None):
+  """The reference: gather pages to ``[B, S, K, H]``, then dense fp32 attention.  ``query`` is
+  ``[B, T, N, H]``; see ``paged_attention``."""
+  b, t, n, h = query.shape
+  kh = key_pool.shape[2]
+  table = _table(page_table, lengths, key_pool.shape[1])
+  key = gather_pages(key_pool, table).astype(_F32)                  # [B, S, K, H]
+  value = gather_pages(value_pool, table).astype(_F32)              # [B, S, K, h]
+  q = query.astype(_F32).reshape(b, t, kh, n // kh, h)              # head n reads KV head n // G
+  logits = _cap(jnp.einsum("btkgh,bskh->bkgts", q, key) * scale, logits_soft_cap)
+  p = _softmax_rows(logits, _visible(t, key.shape[1], lengths)[:, None, None])
+  out = jnp.einsum("bkgts,bskh->btkgh", p, value)
+  return out.reshape(b, t, n, value.shape[-1]).astype(query.dtype)
+
+
+def paged_attention(
+    query: Float[Array, "B T N H"] | Float[Array, "B N H"],
+    key_pool: Float[Array, "P page K H"],
+    value_pool: Float[Array, "P page K h"],
+    page_table: Int[Array, "B M"],
+    lengths: Int[Array, "B"],
+    *,
+    scale: float | None = None,
+    logits_soft_cap: float | None = None,
+    num_splits: int = 1,
+    implementation: DecodeImplementation | None = None,
+    interpret=None,
+) -> Float[Array, "B T N h"] | Float[Array, "B N h"]:
+  """Attention of each sequence's newest ``T`` tokens over its paged keys and values.
+
+  Args:
+    query: ``[B, T, N, H]`` or ``[B, N, H]`` (one token), ``N % K == 0`` (GQA: head ``n`` reads
+      KV head ``n // (N / K)``).
+    key_pool: ``[P, page, K, H]``; value_pool: ``[P, page, K, h]`` (a ``PagedKVCache``'s pools).
+    page_table: ``[B, M]`` int32, pool page of each logical page (``-1`` = none).
+    lengths: ``[B]`` int32 tokens held per sequence, the new ones included; 0 gives zeros.
+    scale: logits scale, default ``1 / sqrt(H)``.
+    logits_soft_cap: ``c`` in ``c * tanh(logits / c)`` (Gemma 2), applied after the scale.
+    num_splits: split-KV partitions (flash-decoding) for the kernel: each covers ``M / num_splits``
+      pages and yields a partial (output, log-sum-exp), merged in a combine step.  Ignored by
+      ``"xla"``.
+    implementation: ``None`` (``"pallas_tpu"`` on TPU, else ``"xla"``), ``"xla"`` or
+      ``"pallas_tpu"``.
+    interpret: for ``"pallas_tpu"``: None (interpret unless on TPU), a bool, or a
+      ``pltpu.InterpretParams``.
+
+  Returns:
+    ``[B, T, N, h]`` (``[B, N, h]`` for a 3-D query) in the query dtype.
+  """
+  q, squeeze = _as_4d(query, "query")
+  b, t, n, h = q.shape
+  if key_pool.ndim != 4 or value_pool.ndim != 4:
+    raise ValueError(f"`key_pool` / `value_pool` must be [P, page, K, H] / [P, page, K, h], got "
+                     f"{key_pool.shape}, {value_pool.shape}.")
+  if key_pool.shape[3] != h or value_pool.shape[:3] != key_pool.shape[:3]:
+    raise ValueError(f"`key_pool` {key_pool.shape} must be [P, page, K, H={h}] and `value_pool` "
+                     f"{value_pool.shape} share its [P, page, K].")
+  kh = key_pool.shape[2]
+  if n % kh:
+    raise ValueError(f"query heads N={n} must be a multiple of the KV heads K={kh}.")
+  check_table(page_table, lengths, b, page_size=key_pool.shape[1])
+  _check_scale("scale", scale)
+  _check_scale("logits_soft_cap", logits_soft_cap)
+  if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+    raise ValueError(f"`num_splits` must be a positive int, got {num_splits!r}.")
+  scale = 1.0 / math.sqrt(h) if scale is None else scale
+  page_table, lengths = page_table.astype(jnp.int32), lengths.astype(jnp.int32)
+  impl = resolve_implementation(implementation)
+  if impl == "xla":
+    out = paged_attention_xla(q, key_pool, value_pool, page_table, lengths, scale=scale,
+                              logits_soft_cap=logits_soft_cap)
+  else:
+    from pallas_kernels.decode_attention import paged_attention_tpu  # noqa: PLC0415 (optional)
+    out = paged_attention_tpu(q, key_pool, value_pool, page_table, lengths, scale=scale,
+                              logits_soft_cap=logits_soft_cap, num_splits=num_splits,
+                              interpret=interpret)
+  return out[:, 0] if squeeze else out
+
+
+def sparse_rows(indices, page_table, lengths, page_size):
+  """``(valid [B, T, k], page [B, T, k], offset [B, T, k])`` of selected positions ``indices``:
+  a position is valid when ``0 <= i < lengths[b]``."""
+  m = page_table.shape[1]
+  valid = (indices >= 0) & (indices < lengths[:, None, None])
+  safe = jnp.where(valid, indices, 0)
+  logical = jnp.clip(safe // page_size, 0, m - 1)
+  page = jnp.take_along_axis(page_table[:, None, :], logical, axis=2)
+  return valid & (page >= 0), jnp.maximum(page, 0), safe % page_size
+
+
+@jax.jit
+def paged_mla_decode_xla(q_latent, q_rope, c_kv_pool, k_rope_pool, page_table, lengths, *, scale,
+                         indices=None):
+  """The reference (``q_*`` are ``[B, T, N, .]``, ``indices`` ``[B, T, k]`` or None): gather the
+  latent rows, fp32 softmax over ``q~ . c + q^R . k^R``, weighted sum of ``c``."""
+  b, t, n, c = q_latent.shape
+  ql, qr = q_latent.astype(_F32), q_rope.astype(_F32)
+  if indices is None:
+    table = _table(page_table, lengths, c_kv_pool.shape[1])
+    ckv = gather_pages(c_kv_pool, table).astype(_F32)               # [B, S, C]
+    kr = gather_pages(k_rope_pool, table).astype(_F32)              # [B, S, R]
+    logits = (jnp.einsum("btnc,bsc->btns", ql, ckv)
+              + jnp.einsum("btnr,bsr->btns", qr, kr)) * scale
+    p = _softmax_rows(logits, _visible(t, ckv.shape[1], lengths)[:, :, None])
+    out = jnp.einsum("btns,bsc->btnc", p, ckv)
+  else:
+    valid, page, off = sparse_rows(indices, page_table, lengths, c_kv_pool.shape[1])
+    keep = valid[..., None]                                         # unselected rows: zeros
+    ckv = jnp.where(keep, c_kv_pool[page, off].astype(_F32), 0.0)  # [B, T, k, C]
+    kr = jnp.where(keep, k_rope_pool[page, off].astype(_F32), 0.0)  # [B, T, k, R]
+    logits = (jnp.einsum("btnc,btjc->btnj", ql, ckv)
+              + jnp.einsum("btnr,btjr->btnj", qr, kr)) * scale
+    p = _softmax_rows(logits, valid[:, :, None, :])
+    out = jnp.einsum("btnj,btjc->btnc", p, ckv)
+  return out.astype(q_latent.dtype)
+
+
+def paged_mla_decode(
+    q_latent: Float[Array, "B T N C"] | Float[Array, "B N C"],
+    q_rope: Float[Array, "B T N R"] | Float[Array, "B N R"],
+    c_kv_pool: Float[Array, "P page C"],
+    k_rope_pool: Float[Array, "P page R"],
+    page_table: Int[Array, "B M"],
+    lengths: Int[Array, "B"],
+    *,
+    scale: float,
+    indices: Int[Array, "B k"] | Int[Array, "B T k"] | None = None,
+    num_splits: int = 1,
+    implementation: DecodeImplementation | None = None,
+    interpret=None,
+) -> Float[Array, "B T N C"] | Float[Array, "B N C"]:
+  """Absorbed MLA attention over a paged latent cache; the output stays in latent space.
+
+  Args:
+    q_latent: ``[B, T, N, C]`` or ``[B, N, C]``: ``q^C_i (W_up^K_i)^T``, the content query mapped
+      into latent space.
+    q_rope: ``[B, T, N, R]`` / ``[B, N, R]``: the rotated position query.
+    c_kv_pool: ``[P, page, C]``; k_rope_pool: ``[P, page, R]`` (a ``PagedLatentCache``'s pools).
+    page_table, lengths: as in ``paged_attention``.
+    scale: the softmax scale (MLA's is ``1 / sqrt(P + R)``, not derivable from these shapes).
+    indices: sparse (DSA) mode: ``[B, k]`` (or ``[B, T, k]``) selected positions per query,
+      ``-1`` = none; positions outside ``[0, lengths[b])`` are ignored too.  Causality is the
+      selector's job (the lightning indexer masks future keys), as in
+      ``jaxattn.ops.sparse.sparse_mla_attention``.  None: dense causal attention.
+    num_splits, implementation, interpret: as in ``paged_attention`` (``num_splits`` applies to
+      the dense mode).
+
+  Returns:
+    ``[B, T, N, C]`` (``[B, N, C]`` for 3-D queries): ``sum_s p_s c_s`` per head, query dtype.
+  """
+  ql, squeeze = _as_4d(q_latent, "q_latent")
+  qr, _ = _as_4d(q_rope, "q_rope")
+  b, t, n, c = ql.shape
+  if qr.shape[:3] != (b, t, n) or q_rope.ndim != q_latent.ndim:
+    raise ValueError(f"`q_rope` {q_rope.shape} must share [B, (T,) N] with `q_latent` "
+                     f"{q_latent.shape}.")
+  r = qr.shape[3]
+  if c_kv_pool.ndim != 3 or c_kv_pool.shape[2] != c:
+    raise ValueError(f"`c_kv_pool` must be [P, page, C={c}], got {c_kv_pool.shape}.")
+  if k_rope_pool.shape != c_kv_pool.shape[:2] + (r,):
+    raise ValueError(f"`k_rope_pool` must be {c_kv_pool.shape[:2] + (r,)} ([P, page, R]), got "
+                     f"{k_rope_pool.shape}.")
+  check_table(page_table, lengths, b, page_size=c_kv_pool.shape[1])
+  if scale is None:
+    raise ValueError("`scale` is required for MLA (1 / sqrt(P + R), times the YaRN mscale^2).")
+  _check_scale("scale", scale)
+  if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+    raise ValueError(f"`num_splits` must be a positive int, got {num_splits!r}.")
+  if indices is not None:
+    if squeeze and indices.ndim == 2:
+      indices = indices[:, None]
+    if indices.ndim != 3 or indices.shape[:2] != (b, t) or indices.shape[2] < 1:
+      want = f"[B={b}, k]" if squeeze else f"[B={b}, T={t}, k]"
+      raise ValueError(f"`indices` must be {want} with k >= 1, got shape {indices.shape}.")
+    if not jnp.issubdtype(indices.dtype, jnp.integer):
+      raise ValueError(f"`indices` must be an integer array, got dtype {indices.dtype}.")
+    indices = indices.astype(jnp.int32)
+  page_table, lengths = page_table.astype(jnp.int32), lengths.astype(jnp.int32)
+  impl = resolve_implementation(implementation)
+  if impl == "xla":
+    out = paged_mla_decode_xla(ql, qr, c_kv_pool, k_rope_pool, page_table, lengths, scale=scale,
+                               indices=indices)
+  else:
+    from pallas_kernels.mla_decode import paged_mla_decode_tpu  # noqa: PLC0415 (optional)
+    out = paged_mla_decode_tpu(ql, qr, c_kv_pool, k_rope_pool, page_table, lengths, scale=scale,
+                               indices=indices, num_splits=num_splits, interpret=interpret)
+  return out[:, 0] if squeeze else out
+
+
+__all__ = ["DECODE_IMPLEMENTATIONS", "paged_attention", "paged_attention_xla", "paged_mla_decode",
+           "paged_mla_decode_xla", "resolve_implementation", "sparse_rows"]

@@ -1,0 +1,397 @@
+"""Paged decode caches: fixed-size pages in one pool, a page table per sequence, ragged lengths.
+
+A contiguous cache (``KVCache``, ``LatentCache``) reserves ``max_len`` slots for every sequence.
+A paged cache keeps one pool of ``P`` pages of ``page_size`` tokens per cache kind and hands pages
+to sequences as they grow, so memory follows the tokens actually held and sequences of different
+lengths share one batch:
+
+    pool          [P, page, ...]      KV: key [P, page, K, H] and value [P, page, K, h];
+                                      MLA: c_kv [P, page, C] and k_rope [P, page, R];
+                                      DSA indexer: keys [P, page, d_I] (int8/fp8/fp32) + scales
+    page_table    [B, max_pages]      int32: logical page j of sequence b lives in pool page
+                                      page_table[b, j]; -1 = not allocated
+    lengths       [B]                 int32: tokens held by each sequence (ragged; 0 = empty)
+
+Token ``s`` of sequence ``b`` lives at ``pool[page_table[b, s // page], s % page]``.
+
+Allocation is *functional and jit-compatible*: the free pages form a stack (``free_pages [P]``,
+the first ``num_free`` entries free) that is part of the pytree, so ``append`` (which pops pages
+for sequences that cross a page boundary) and ``free`` (which pushes a finished sequence's pages
+back) are pure array updates that run inside ``jax.jit`` and return a new cache.  Running out of
+pages cannot raise inside jit: with concrete values (eager calls) ``append`` raises ``ValueError``;
+under jit, check ``cache.table.pages_needed(t) <= cache.table.num_free`` on the host between
+steps (tokens that found no page are dropped and the sequence's length does not count them).
+
+One cache holds one layer.  A model with many layers appends the same token counts to each layer's
+cache, so their page tables stay identical; sharing one table across layers is an optimization
+left to the serving loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+_I32 = jnp.int32
+
+
+def _check_positive(where, **values):
+  for name, v in values.items():
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+      raise ValueError(f"{where}: `{name}` must be a positive int, got {v!r}.")
+
+
+def _concrete(*xs) -> bool:
+  return not any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PageTable:
+  """Which pool pages each sequence owns, how long each sequence is, and the free-page stack.
+
+  ``page_table [B, max_pages]`` int32 (-1 = unallocated), ``lengths [B]`` int32,
+  ``free_pages [P]`` int32 (entries ``[0, num_free)`` are the free page ids, the rest stale),
+  ``num_free`` int32 scalar.  ``page_size`` is static metadata.
+  """
+
+  page_table: Int[Array, "B M"]
+  lengths: Int[Array, "B"]
+  free_pages: Int[Array, "P"]
+  num_free: Int[Array, ""]
+  page_size: int = dataclasses.field(metadata=dict(static=True))
+
+  @classmethod
+  def init(cls, batch: int, num_pages: int, page_size: int,
+           max_pages_per_seq: int | None = None) -> "PageTable":
+    """All pages free, every sequence empty.  ``max_pages_per_seq`` defaults to ``num_pages``."""
+    max_pages_per_seq = num_pages if max_pages_per_seq is None else max_pages_per_seq
+    _check_positive("PageTable.init", batch=batch, num_pages=num_pages, page_size=page_size,
+                    max_pages_per_seq=max_pages_per_seq)
+    # Pop order: page 0 first (the stack top is the last free entry, so store them reversed).
+    return cls(page_table=jnp.full((batch, max_pages_per_seq), -1, _I32),
+               lengths=jnp.zeros((batch,), _I32),
+               free_pages=jnp.arange(num_pages - 1, -1, -1, dtype=_I32),
+               num_free=jnp.asarray(num_pages, _I32), page_size=int(page_size))
+
+  @property
+  def batch(self) -> int:
+    return self.page_table.shape[0]
+
+  @property
+  def max_pages(self) -> int:
+    return self.page_table.shape[1]
+
+  @property
+  def num_pages(self) -> int:
+    return self.free_pages.shape[0]
+
+  @property
+  def max_len(self) -> int:
+    """Most tokens one sequence can hold: ``max_pages * page_size``."""
+    return self.max_pages * self.page_size
+
+  def _counts(self, t: int, num_tokens) -> Int[Array, "B"]:
+    if num_tokens is None:
+      return jnp.full((self.batch,), t, _I32)
+    num_tokens = jnp.asarray(num_tokens, _I32)
+    if num_tokens.shape != (self.batch,):
+      raise ValueError(f"`num_tokens` must be [B={self.batch}], got shape {num_tokens.shape}.")
+    if _concrete(num_tokens):
+      n = np.asarray(num_tokens)
+      if ((n < 0) | (n > t)).any():
+        raise ValueError(f"`num_tokens` must lie in [0, T={t}], got {n}.")
+    return num_tokens
+
+  def pages_needed(self, t: int, num_tokens: Int[Array, "B"] | None = None) -> Int[Array, ""]:
+    """Pages ``reserve(t, num_tokens)`` would pop from the free stack."""
+    counts = self._counts(t, num_tokens)
+    ps = self.page_size
+    return jnp.sum(-(-(self.lengths + counts) // ps) - (-(-self.lengths // ps)))
+
+  def reserve(self, t: int, num_tokens: Int[Array, "B"] | None = None
+              ) -> tuple["PageTable", Int[Array, "B T"], Int[Array, "B T"]]:
+    """Makes room for ``t`` new tokens per sequence (``num_tokens[b] <= t`` of them real).
+
+    Returns ``(table, page [B, T], offset [B, T])``: new token ``i`` of sequence ``b`` goes to
+    ``pool[page[b, i], offset[b, i]]``.  Tokens not written (``i >= num_tokens[b]``, or no page
+    left under jit) get ``page = P`` (one past the pool), which ``.at[...].set(mode="drop")``
+    ignores.  Lengths advance by the tokens that found a slot.
+    """
+    return _reserve(self, t, self.check_reserve(t, num_tokens))
+
+  def check_reserve(self, t: int, num_tokens: Int[Array, "B"] | None = None) -> Int[Array, "B"]:
+    """Validates a ``reserve(t, num_tokens)`` (with concrete values: capacity and free pages too)
+    and returns the per-sequence token counts ``[B]``."""
+    _check_positive("reserve", t=t)
+    counts = self._counts(t, num_tokens)
+    if _concrete(counts, self.lengths, self.num_free):  # eager call: check on the host
+      ps = self.page_size
+      lens, n = np.asarray(self.lengths), np.asarray(counts)
+      if (lens + n).max() > self.max_len:
+        raise ValueError(f"sequence too long: lengths {lens} + {n} new tokens exceed max_pages * "
+                         f"page_size = {self.max_pages} * {ps} = {self.max_len}.")
+      need = int((-(-(lens + n) // ps) - (-(-lens // ps))).sum())
+      if need > int(self.num_free):
+        raise ValueError(f"out of pages: {need} new pages needed, {int(self.num_free)} free "
+                         f"(pool of {self.num_pages} pages of {ps} tokens).")
+    return counts
+
+  def free(self, done: Bool[Array, "B"]) -> "PageTable":
+    """Returns the pages of the sequences where ``done [B]`` (bool) is True to the free stack and
+    empties those sequences (length 0, no pages)."""
+    done = jnp.asarray(done)
+    if done.shape != (self.batch,) or done.dtype != jnp.bool_:
+      raise ValueError(f"`done` must be a bool array [B={self.batch}], got {done.dtype} "
+                       f"{done.shape}.")
+    return _free(self, done)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _reserve(table: PageTable, t: int, counts):
+  """``PageTable.reserve`` after validation (jitted: eager decode loops compile it once)."""
+  counts = jnp.clip(counts, 0, t)
+  ps, m, num_pages = table.page_size, table.max_pages, table.num_pages
+  old_pages = -(-table.lengths // ps)                                 # [B] pages already owned
+  new_len = jnp.minimum(table.lengths + counts, table.max_len)
+  need = -(-new_len // ps) - old_pages                                # [B] pages to pop
+  total = jnp.sum(need)
+  # Sequence b takes the stack entries just below the top, in batch order.
+  start = jnp.cumsum(need) - need                                     # [B]
+  k = jnp.arange(m, dtype=_I32)[None, :] - old_pages[:, None]         # k-th new page of b
+  is_new = (k >= 0) & (k < need[:, None])
+  stack_pos = table.num_free - 1 - (start[:, None] + k)               # [B, M]
+  got = is_new & (stack_pos >= 0)
+  popped = table.free_pages[jnp.clip(stack_pos, 0, num_pages - 1)]
+  page_table = jnp.where(got, popped, table.page_table)
+  # Slot of every new token; one whose page is missing is not written (page = P: dropped).
+  pos = table.lengths[:, None] + jnp.arange(t, dtype=_I32)[None, :]  # [B, T]
+  page = jnp.take_along_axis(page_table, jnp.clip(pos // ps, 0, m - 1), axis=1)
+  ok = (jnp.arange(t)[None, :] < counts[:, None]) & (pos < table.max_len) & (page >= 0)
+  page = jnp.where(ok, page, num_pages)
+  # Pages are popped in logical order, so a sequence short of pages (only possible under jit)
+  # keeps a prefix of its new tokens: the count of written ones is its length increase.
+  written = jnp.sum(ok, axis=1).astype(_I32)
+  new = PageTable(page_table=page_table, lengths=table.lengths + written,
+                  free_pages=table.free_pages,
+                  num_free=jnp.maximum(table.num_free - total, 0).astype(_I32), page_size=ps)
+  return new, page, pos % ps
+
+
+@jax.jit
+def _free(table: PageTable, done):
+  ps = table.page_size
+  owned = jnp.arange(table.max_pages)[None, :] < (-(-table.lengths // ps))[:, None]
+  release = (owned & done[:, None] & (table.page_table >= 0)).reshape(-1)  # [B * M]
+  slot = table.num_free + jnp.cumsum(release) - 1                     # stack slot of each page
+  slot = jnp.where(release, slot, table.num_pages)                    # the others: dropped
+  free_pages = table.free_pages.at[slot].set(table.page_table.reshape(-1), mode="drop")
+  return PageTable(page_table=jnp.where(done[:, None], -1, table.page_table),
+                   lengths=jnp.where(done, 0, table.lengths), free_pages=free_pages,
+                   num_free=(table.num_free + jnp.sum(release)).astype(_I32), page_size=ps)
+
+
+def _write(pool, page, offset, new):
+  """``pool [P, page, ...]`` with ``new [B, T, ...]`` written at ``(page, offset) [B, T]``."""
+  return pool.at[page, offset].set(new.astype(pool.dtype), mode="drop")
+
+
+def gather_pages(pool: Float[Array, "P page ..."],
+                 table: PageTable) -> Float[Array, "B M*page ..."]:
+  """The pages of every sequence laid out contiguously: ``[B, max_pages * page_size, ...]``.
+
+  Positions at or past a sequence's length are zero (unallocated pages never leak another
+  sequence's data).  This is the reference path; kernels read the pool through the table.
+  """
+  if pool.ndim < 2 or pool.shape[1] != table.page_size:
+    raise ValueError(f"`pool` {pool.shape} must be [P, page_size={table.page_size}, ...].")
+  return _gather(pool, table.page_table, table.lengths)
+
+
+@jax.jit
+def _gather(pool, page_table, lengths):
+  b, m = page_table.shape
+  x = pool[jnp.maximum(page_table, 0)]                                # [B, M, page, ...]
+  x = x.reshape((b, m * pool.shape[1]) + pool.shape[2:])
+  valid = jnp.arange(m * pool.shape[1])[None, :] < lengths[:, None]   # [B, S]
+  return jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 2)), x, jnp.zeros((), x.dtype))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+  """Keys and values in pages: ``key_pool [P, page, K, H]``, ``value_pool [P, page, K, h]``, and
+  the ``PageTable`` that maps sequences to pages.  Decode is ``y, cache = attn(x, cache=cache)``."""
+
+  key_pool: Float[Array, "P page K H"]
+  value_pool: Float[Array, "P page K h"]
+  table: PageTable
+
+  @classmethod
+  def init(cls, batch: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+           v_head_dim: int | None = None, *, max_pages_per_seq: int | None = None,
+           dtype=jnp.float32) -> "PagedKVCache":
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
+    _check_positive("PagedKVCache.init", num_kv_heads=num_kv_heads, head_dim=head_dim,
+                    v_head_dim=v_head_dim)
+    table = PageTable.init(batch, num_pages, page_size, max_pages_per_seq)
+    return cls(key_pool=jnp.zeros((num_pages, page_size, num_kv_heads, head_dim), dtype),
+               value_pool=jnp.zeros((num_pages, page_size, num_kv_heads, v_head_dim), dtype),
+               table=table)
+
+  @property
+  def lengths(self) -> Int[Array, "B"]:
+    return self.table.lengths
+
+  @property
+  def page_table(self) -> Int[Array, "B M"]:
+    return self.table.page_table
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of the two pools (all pages, used or not)."""
+    return int(self.key_pool.size * self.key_pool.dtype.itemsize
+               + self.value_pool.size * self.value_pool.dtype.itemsize)
+
+  def append(self, key: Float[Array, "B T K H"], value: Float[Array, "B T K h"],
+             num_tokens: Int[Array, "B"] | None = None) -> "PagedKVCache":
+    """Writes ``T`` new tokens of every sequence at its length (only the first ``num_tokens[b]``
+    of sequence ``b`` when given: ragged prefill), allocating pages as needed."""
+    kp, vp = self.key_pool, self.value_pool
+    if key.ndim != 4 or key.shape[0] != self.table.batch or key.shape[2:] != kp.shape[2:]:
+      raise ValueError(f"`key` {key.shape} must be [B={self.table.batch}, T, K, H] with "
+                       f"[K, H]={kp.shape[2:]}.")
+    if value.shape[:2] != key.shape[:2] or value.shape[2:] != vp.shape[2:]:
+      raise ValueError(f"`value` {value.shape} must be [B, T]={key.shape[:2]} + [K, h]="
+                       f"{vp.shape[2:]}.")
+    return _append_kv(self, key, value, self.table.check_reserve(key.shape[1], num_tokens))
+
+  def free(self, done) -> "PagedKVCache":
+    """Releases the pages of the sequences where ``done [B]`` is True (see ``PageTable.free``)."""
+    return dataclasses.replace(self, table=self.table.free(done))
+
+  def gather(self) -> tuple[Float[Array, "B S K H"], Float[Array, "B S K h"]]:
+    """Contiguous ``(key, value)`` ``[B, max_pages * page_size, K, H|h]`` for the reference path."""
+    return gather_pages(self.key_pool, self.table), gather_pages(self.value_pool, self.table)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedLatentCache:
+  """The MLA latent cache in pages: ``c_kv_pool [P, page, C]`` (normalized latents),
+  ``k_rope_pool [P, page, R]`` (the rotated key shared by all heads) and, for DeepSeek Sparse
+  Attention, optional indexer keys ``index_keys_pool [P, page, d_I]`` (int8 / fp8 / fp32) with
+  ``index_scales_pool [P, page, nb]`` (fp32), stored as the scorer reads them."""
+
+  c_kv_pool: Float[Array, "P page C"]
+  k_rope_pool: Float[Array, "P page R"]
+  table: PageTable
+  index_keys_pool: Array | None = None
+  index_scales_pool: Float[Array, "P page nb"] | None = None
+
+  @classmethod
+  def init(cls, batch: int, num_pages: int, page_size: int, kv_lora_rank: int,
+           qk_rope_head_dim: int, *, max_pages_per_seq: int | None = None,
+           index_head_dim: int | None = None, index_dtype=jnp.float32,
+           index_num_scales: int = 1, dtype=jnp.float32) -> "PagedLatentCache":
+    """``index_head_dim`` set: also hold indexer keys of that width in ``index_dtype`` with
+    ``index_num_scales`` fp32 scales per token."""
+    _check_positive("PagedLatentCache.init", kv_lora_rank=kv_lora_rank,
+                    qk_rope_head_dim=qk_rope_head_dim)
+    table = PageTable.init(batch, num_pages, page_size, max_pages_per_seq)
+    keys = scales = None
+    if index_head_dim is not None:
+      _check_positive("PagedLatentCache.init", index_head_dim=index_head_dim,
+                      index_num_scales=index_num_scales)
+      keys = jnp.zeros((num_pages, page_size, index_head_dim), index_dtype)
+      scales = jnp.ones((num_pages, page_size, index_num_scales), jnp.float32)
+    return cls(c_kv_pool=jnp.zeros((num_pages, page_size, kv_lora_rank), dtype),
+               k_rope_pool=jnp.zeros((num_pages, page_size, qk_rope_head_dim), dtype),
+               table=table, index_keys_pool=keys, index_scales_pool=scales)
+
+  @property
+  def kv_lora_rank(self) -> int:
+    return self.c_kv_pool.shape[2]
+
+  @property
+  def qk_rope_head_dim(self) -> int:
+    return self.k_rope_pool.shape[2]
+
+  @property
+  def lengths(self) -> Int[Array, "B"]:
+    return self.table.lengths
+
+  @property
+  def page_table(self) -> Int[Array, "B M"]:
+    return self.table.page_table
+
+  @property
+  def nbytes(self) -> int:
+    arrays = [self.c_kv_pool, self.k_rope_pool, self.index_keys_pool, self.index_scales_pool]
+    return int(sum(a.size * a.dtype.itemsize for a in arrays if a is not None))
+
+  def append(self, c_kv: Float[Array, "B T C"], k_rope: Float[Array, "B T R"],
+             index_keys: Array | None = None, index_scales: Float[Array, "B T nb"] | None = None,
+             num_tokens: Int[Array, "B"] | None = None) -> "PagedLatentCache":
+    """Writes ``T`` new latent rows per sequence at its length (indexer keys too when this cache
+    holds them: pass them already quantized), allocating pages as needed."""
+    b = self.table.batch
+    if c_kv.ndim != 3 or c_kv.shape[0] != b or c_kv.shape[2] != self.kv_lora_rank:
+      raise ValueError(f"`c_kv` {c_kv.shape} must be [B={b}, T, C={self.kv_lora_rank}].")
+    if k_rope.shape != c_kv.shape[:2] + (self.qk_rope_head_dim,):
+      raise ValueError(f"`k_rope` {k_rope.shape} must be "
+                       f"{c_kv.shape[:2] + (self.qk_rope_head_dim,)} ([B, T, R]).")
+    has_index = self.index_keys_pool is not None
+    if has_index != (index_keys is not None) or (index_keys is None) != (index_scales is None):
+      raise ValueError(f"`index_keys` and `index_scales` must be given exactly when the cache "
+                       f"holds indexer keys (it does: {has_index}); got keys="
+                       f"{index_keys is not None}, scales={index_scales is not None}.")
+    keys, scales = self.index_keys_pool, self.index_scales_pool
+    if has_index:
+      if index_keys.shape != c_kv.shape[:2] + keys.shape[2:] or index_keys.dtype != keys.dtype:
+        raise ValueError(f"`index_keys` {index_keys.dtype}{index_keys.shape} must be "
+                         f"{keys.dtype}{c_kv.shape[:2] + keys.shape[2:]}.")
+      if index_scales.shape != c_kv.shape[:2] + scales.shape[2:]:
+        raise ValueError(f"`index_scales` {index_scales.shape} must be "
+                         f"{c_kv.shape[:2] + scales.shape[2:]}.")
+    return _append_latent(self, c_kv, k_rope, index_keys, index_scales,
+                          self.table.check_reserve(c_kv.shape[1], num_tokens))
+
+  def free(self, done) -> "PagedLatentCache":
+    """Releases the pages of the sequences where ``done [B]`` is True (see ``PageTable.free``)."""
+    return dataclasses.replace(self, table=self.table.free(done))
+
+  def gather(self) -> tuple[Float[Array, "B S C"], Float[Array, "B S R"]]:
+    """Contiguous ``(c_kv, k_rope)`` ``[B, max_pages * page_size, C|R]`` (reference path)."""
+    return gather_pages(self.c_kv_pool, self.table), gather_pages(self.k_rope_pool, self.table)
+
+  def gather_index_keys(self) -> tuple[Array, Float[Array, "B S nb"]]:
+    """Contiguous indexer ``(keys, scales)`` ``[B, S, d_I]``, ``[B, S, nb]``."""
+    if self.index_keys_pool is None:
+      raise ValueError("this PagedLatentCache holds no indexer keys (init with `index_head_dim`).")
+    return (gather_pages(self.index_keys_pool, self.table),
+            gather_pages(self.index_scales_pool, self.table))
+
+
+# One jitted program per append (reserve + every pool write), so an eager decode loop compiles once.
+@jax.jit
+def _append_kv(cache: PagedKVCache, key, value, counts) -> PagedKVCache:
+  table, page, off = _reserve(cache.table, key.shape[1], counts)
+  return PagedKVCache(_write(cache.key_pool, page, off, key),
+                      _write(cache.value_pool, page, off, value), table)
+
+
+@jax.jit
+def _append_latent(cache: PagedLatentCache, c_kv, k_rope, index_keys, index_scales,
+                   counts) -> PagedLatentCache:
+  table, page, off = _reserve(cache.table, c_kv.shape[1], counts)
+  keys, scales = cache.index_keys_pool, cache.index_scales_pool
+  if keys is not None:
+    keys, scales = _write(keys, page, off, index_keys), _write(scales, page, off, index_scales)
+  return PagedLatentCache(_write(cache.c_kv_pool, page, off, c_kv),
+                          _write(cache.k_rope_pool, page, off, k_rope), table, keys, scales)

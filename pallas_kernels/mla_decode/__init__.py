@@ -1,0 +1,10 @@
+"""Absorbed MLA decode over a paged latent cache as Pallas TPU-style kernels: dense split-KV and
+DSA sparse (top-K rows only).
+
+Reached through ``jaxattn.ops.decode.paged_mla_decode(..., implementation="pallas_tpu")`` (the
+default on TPU); ``jaxattn.ops.decode.paged_mla_decode_xla`` is the reference.
+"""
+
+from pallas_kernels.mla_decode.tpu import paged_mla_decode_tpu
+
+__all__ = ["paged_mla_decode_tpu"]

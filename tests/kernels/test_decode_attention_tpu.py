@@ -1,0 +1,118 @@
+"""The paged GQA/MQA/MHA decode kernel (interpret mode, race detection) against the XLA paged
+formula: ragged lengths incl. zero, several new tokens, split-KV == single pass, bf16, soft-cap,
+stale pages never read into the result, the DMA clamp, and the shard_map wrapper on the simulated
+8-device mesh."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxattn import sharding
+from jaxattn.ops.decode import paged_attention
+from jaxattn.paged_cache import PagedKVCache
+from pallas_kernels.decode_attention import paged_attention_tpu
+from pallas_kernels.decode_attention.tpu import page_index
+
+RACES = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
+PAGE = 4
+
+
+def cache_for(lengths, kh, h=8, hv=8, dtype=jnp.float32, num_pages=12, max_pages=4, seed=0):
+  """A paged cache holding ``lengths`` random tokens in randomly placed pages; every slot that
+  holds no token is NaN, so reading one into the result would show."""
+  b, s = len(lengths), max(max(lengths), 1)
+  rng = np.random.default_rng(seed)
+  cache = PagedKVCache.init(b, num_pages, PAGE, kh, h, hv, max_pages_per_seq=max_pages,
+                            dtype=dtype)
+  order = jnp.asarray(rng.permutation(num_pages).astype(np.int32))
+  cache = dataclasses.replace(
+      cache, key_pool=jnp.full_like(cache.key_pool, jnp.nan),
+      value_pool=jnp.full_like(cache.value_pool, jnp.nan),
+      table=dataclasses.replace(cache.table, free_pages=order))
+  key = jnp.asarray(rng.standard_normal((b, s, kh, h)), dtype)
+  value = jnp.asarray(rng.standard_normal((b, s, kh, hv)), dtype)
+  return cache.append(key, value, np.asarray(lengths))
+
+
+def queries(b, t, n, h=8, dtype=jnp.float32, seed=1):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal((b, t, n, h)), dtype)
+
+
+def _call(q, cache, **kw):
+  return paged_attention(q, cache.key_pool, cache.value_pool, cache.page_table, cache.lengths, **kw)
+
+
+def test_matches_reference_with_race_detection(race_states):
+  cache = cache_for((7, 0), kh=2, num_pages=6, max_pages=3)   # grid (2, 2, 2)
+  q = queries(2, 1, 4)
+  ref = _call(q, cache, implementation="xla")
+  got = _call(q, cache, implementation="pallas_tpu", num_splits=2, interpret=RACES)
+  np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+  assert np.isfinite(np.asarray(got)).all()
+  np.testing.assert_array_equal(got[1], 0.0)
+  assert race_states and not any(st.races_found for st in race_states)
+
+
+# MHA with several new tokens and a soft-cap; MQA in bf16; each single pass and split.
+@pytest.mark.parametrize("n,kh,t,dtype,cap", [
+    (2, 2, 3, jnp.float32, 1.5),
+    (4, 1, 1, jnp.bfloat16, None),
+])
+def test_ragged_batches_and_split_kv(n, kh, t, dtype, cap):
+  lengths = (9, 0, 4, 2, 16)
+  cache = cache_for(lengths, kh, dtype=dtype, num_pages=16)
+  q = queries(len(lengths), t, n, dtype=dtype)
+  kw = dict(scale=0.5, logits_soft_cap=cap)
+  ref = _call(q, cache, implementation="xla", **kw)
+  single = _call(q, cache, implementation="pallas_tpu", num_splits=1, interpret=True, **kw)
+  split = _call(q, cache, implementation="pallas_tpu", num_splits=3, interpret=True, **kw)
+  assert single.dtype == split.dtype == dtype
+  # fp32: same math in a different order (1e-5).  bf16: both round an fp32 result once (2^-8).
+  tol = dict(rtol=1e-5, atol=1e-6) if dtype == jnp.float32 else dict(rtol=2e-2, atol=2e-2)
+  np.testing.assert_allclose(single.astype(np.float32), ref.astype(np.float32), **tol)
+  np.testing.assert_allclose(split.astype(np.float32), single.astype(np.float32), **tol)
+  np.testing.assert_array_equal(single[1], 0.0)
+  if t == 3:  # sequence 3 holds 2 tokens: its first of 3 query rows sits at position -1
+    np.testing.assert_array_equal(single[3, 0], 0.0)
+
+
+def test_page_index_clamps_to_the_last_valid_page():
+  """Steps past a sequence's length re-point at its last page, so no new DMA is issued; an empty
+  sequence points at a real page id (0 here) rather than -1."""
+  lens = jnp.array([5, 0], jnp.int32)
+  table = jnp.array([7, 3, -1, -1, -1, -1, -1, -1], jnp.int32)  # [B=2, M=4] flattened
+  got = [int(page_index(lens, table, 0, j, max_pages=4, page_size=4)) for j in range(4)]
+  assert got == [7, 3, 3, 3]
+  assert int(page_index(lens, table, 1, 2, max_pages=4, page_size=4)) == 0
+
+
+def test_sharded_under_mesh_equals_unsharded():
+  mesh = sharding.make_mesh({"data": 2, "tensor": 4})
+  b, n, kh = 2, 8, 4
+  cache = cache_for((6, 11), kh)
+  q = queries(b, 1, n)
+  ref = _call(q, cache, implementation="xla")
+  with jax.set_mesh(mesh):
+    qs = jax.device_put(q, NamedSharding(mesh, P("data", None, "tensor", None)))
+    got = jax.jit(lambda q, c: _call(q, c, implementation="pallas_tpu", num_splits=2,
+                                     interpret=True))(qs, cache)
+  np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+  # An explicit mesh argument, MQA (one KV head cannot split over "tensor": heads stay whole).
+  cache1 = cache_for((6, 11), 1)
+  got1 = paged_attention_tpu(q, cache1.key_pool, cache1.value_pool, cache1.page_table,
+                             cache1.lengths, scale=8 ** -0.5, interpret=True, mesh=mesh)
+  np.testing.assert_allclose(got1, _call(q, cache1, implementation="xla"), rtol=1e-5, atol=1e-6)
+
+
+def test_errors():
+  cache = cache_for((3,), 1)
+  with pytest.raises(ValueError, match="num_splits"):
+    paged_attention_tpu(queries(1, 1, 2), cache.key_pool, cache.value_pool, cache.page_table,
+                        cache.lengths, scale=1.0, num_splits=0, interpret=True)
+  with pytest.raises(ValueError, match="num_splits"):
+    _call(queries(1, 1, 2), cache, implementation="pallas_tpu", num_splits=1.5)

@@ -1,0 +1,225 @@
+"""Paged decode formulas against independent references: float64 NumPy attention per sequence and
+head on the contiguous keys (GQA / MQA / MHA, ragged lengths incl. zero, several new tokens,
+soft-cap, bf16), naive-form MLA in NumPy and the ``mla_attention`` formula, DSA's
+``sparse_mla_attention`` for sparse mode; the dispatcher and its errors."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxattn.ops.decode import paged_attention, paged_mla_decode, resolve_implementation
+from jaxattn.ops.sparse import sparse_mla_attention
+from jaxattn.paged_cache import PagedKVCache, PagedLatentCache
+
+PAGE = 4
+LENGTHS = (9, 0, 4, 6)  # ragged: spans pages, an empty sequence, an exact page
+
+
+def _shuffled(table, seed):
+  """The table with its free pages in random order, so sequences get scattered pages."""
+  order = np.random.default_rng(seed).permutation(table.num_pages).astype(np.int32)
+  return dataclasses.replace(table, free_pages=jnp.asarray(order))
+
+
+def kv_cache(kh, h=8, hv=6, dtype=jnp.float32, seed=0):
+  """A paged cache holding LENGTHS tokens of random keys/values in randomly placed pages, and the
+  contiguous keys/values ``[B, S, K, H|h]`` it should hold."""
+  b, s = len(LENGTHS), max(LENGTHS)
+  rng = np.random.default_rng(seed)
+  key = jnp.asarray(rng.standard_normal((b, s, kh, h)), dtype)
+  value = jnp.asarray(rng.standard_normal((b, s, kh, hv)), dtype)
+  cache = PagedKVCache.init(b, 12, PAGE, kh, h, hv, max_pages_per_seq=4, dtype=dtype)
+  cache = dataclasses.replace(cache, table=_shuffled(cache.table, seed))
+  cache = cache.append(key, value, np.array(LENGTHS))
+  np.testing.assert_array_equal(cache.lengths, LENGTHS)
+  return cache, key, value
+
+
+def _softmax_np(logits):
+  logits = logits - logits.max(-1, keepdims=True)
+  p = np.exp(logits)
+  return p / p.sum(-1, keepdims=True)
+
+
+def dense_reference(q, key, value, lengths, *, scale=None, logits_soft_cap=None):
+  """NumPy, float64, one sequence and head at a time: the last ``T`` tokens of each sequence
+  attend causally to its own prefix (head n reads KV head n // G); empty rows give zeros."""
+  q, key, value = (np.asarray(x, np.float64) for x in (q, key, value))
+  b, t, n, h = q.shape
+  g = n // key.shape[2]
+  scale = h ** -0.5 if scale is None else scale
+  out = np.zeros((b, t, n, value.shape[-1]))
+  for i, length in enumerate(lengths):
+    for j in range(t):
+      pos = length - t + j                                # this query's position
+      if pos < 0:
+        continue
+      for head in range(n):
+        logits = key[i, :pos + 1, head // g] @ q[i, j, head] * scale
+        if logits_soft_cap is not None:
+          logits = logits_soft_cap * np.tanh(logits / logits_soft_cap)
+        out[i, j, head] = _softmax_np(logits) @ value[i, :pos + 1, head // g]
+  return out
+
+
+def mla_reference(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, lengths, scale):
+  """NumPy float64 MLA in its naive (per-head keys and values) form, per sequence."""
+  q_nope, q_rope, c_kv, k_rope, w_uk, w_uv = (np.asarray(x, np.float64) for x in (
+      q_nope, q_rope, c_kv, k_rope, w_uk, w_uv))
+  b, t, n, _ = q_nope.shape
+  out = np.zeros((b, t, n, w_uv.shape[-1]))
+  for i, length in enumerate(lengths):
+    for j in range(t):
+      pos = length - t + j
+      if pos < 0:
+        continue
+      for head in range(n):
+        k_c = c_kv[i, :pos + 1] @ w_uk[:, head]           # [S, P] this head's content keys
+        v = c_kv[i, :pos + 1] @ w_uv[:, head]             # [S, h]
+        logits = (k_c @ q_nope[i, j, head] + k_rope[i, :pos + 1] @ q_rope[i, j, head]) * scale
+        out[i, j, head] = _softmax_np(logits) @ v
+  return out
+
+
+@pytest.mark.parametrize("n,kh", [(4, 4), (4, 2), (4, 1)])  # MHA, GQA, MQA
+@pytest.mark.parametrize("t", [1, 3])
+def test_paged_equals_contiguous(n, kh, t):
+  cache, key, value = kv_cache(kh)
+  (q,) = _normal(5, (len(LENGTHS), t, n, 8))
+  got = paged_attention(q, cache.key_pool, cache.value_pool, cache.page_table, cache.lengths,
+                        implementation="xla")
+  np.testing.assert_allclose(got, dense_reference(q, key, value, LENGTHS), rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(got[1], 0.0)          # zero-length sequence
+  if t == 1:  # a [B, N, H] query is T = 1
+    got3 = paged_attention(q[:, 0], cache.key_pool, cache.value_pool, cache.page_table,
+                           cache.lengths, implementation="xla")
+    np.testing.assert_array_equal(got3, got[:, 0])
+
+
+def test_soft_cap_scale_and_bf16():
+  cache, key, value = kv_cache(2, dtype=jnp.bfloat16)
+  q = _normal(6, (len(LENGTHS), 2, 4, 8), scale=3.0)[0].astype(jnp.bfloat16)
+  kw = dict(scale=0.7, logits_soft_cap=2.0)
+  got = paged_attention(q, cache.key_pool, cache.value_pool, cache.page_table, cache.lengths,
+                        implementation="xla", **kw)
+  assert got.dtype == jnp.bfloat16
+  ref = dense_reference(q.astype(jnp.float32), key.astype(jnp.float32),
+                        value.astype(jnp.float32), LENGTHS, **kw)
+  # Both compute in fp32 from the same bf16 inputs; only the final bf16 rounding differs (2^-8).
+  np.testing.assert_allclose(got.astype(jnp.float32), ref, rtol=1e-2, atol=1e-2)
+  uncapped = paged_attention(q, cache.key_pool, cache.value_pool, cache.page_table,
+                             cache.lengths, implementation="xla", scale=0.7)
+  assert float(jnp.max(jnp.abs(uncapped.astype(jnp.float32) - got.astype(jnp.float32)))) > 0.05
+
+
+def latent_cache(c=12, r=4, seed=1):
+  b, s = len(LENGTHS), max(LENGTHS)
+  rng = np.random.default_rng(seed)
+  c_kv = jnp.asarray(rng.standard_normal((b, s, c)), jnp.float32)
+  k_rope = jnp.asarray(rng.standard_normal((b, s, r)), jnp.float32)
+  cache = PagedLatentCache.init(b, 12, PAGE, c, r, max_pages_per_seq=4)
+  cache = dataclasses.replace(cache, table=_shuffled(cache.table, seed))
+  cache = cache.append(c_kv, k_rope, num_tokens=np.array(LENGTHS))
+  return cache, c_kv, k_rope
+
+
+def _normal(seed, *shapes, scale=1.0):
+  rng = np.random.default_rng(seed)
+  return [jnp.asarray(scale * rng.standard_normal(sh), jnp.float32) for sh in shapes]
+
+
+@pytest.mark.parametrize("t", [1, 2])
+def test_mla_paged_equals_mla_attention(t):
+  """Latent output, up-projected by W_up^V, equals the module formula (naive mode: independent of
+  the absorbed algebra) on each sequence's contiguous latents."""
+  n, p, r, c, hv = 3, 5, 4, 12, 6
+  cache, c_kv, k_rope = latent_cache(c, r)
+  q_nope, q_rope = _normal(7, (len(LENGTHS), t, n, p), (len(LENGTHS), t, n, r))
+  w_uk, w_uv = _normal(8, (c, n, p), (c, n, hv), scale=0.4)
+  scale = 0.3
+  q_lat = jnp.einsum("btnp,cnp->btnc", q_nope, w_uk)
+  got = paged_mla_decode(q_lat, q_rope, cache.c_kv_pool, cache.k_rope_pool, cache.page_table,
+                         cache.lengths, scale=scale, implementation="xla")
+  assert got.shape == (len(LENGTHS), t, n, c)
+  got = jnp.einsum("btnc,cnh->btnh", got, w_uv)
+  ref = mla_reference(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, LENGTHS, scale)
+  np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+  np.testing.assert_array_equal(got[1], 0.0)
+
+
+def test_sparse_mla_equals_gather_reference():
+  n, p, r, c, hv, k = 3, 5, 4, 12, 6, 5
+  cache, c_kv, k_rope = latent_cache(c, r)
+  b = len(LENGTHS)
+  q_nope, q_rope = _normal(9, (b, 1, n, p), (b, 1, n, r))
+  w_uk, w_uv = _normal(10, (c, n, p), (c, n, hv), scale=0.4)
+  # Distinct random picks among each sequence's positions; -1 where it has fewer than k.
+  rng = np.random.default_rng(11)
+  idx = np.full((b, 1, k), -1, np.int32)
+  for i, length in enumerate(LENGTHS):
+    picks = rng.permutation(length)[:k]
+    idx[i, 0, :len(picks)] = picks
+  idx[0, 0, 1] = -1
+  idx = jnp.asarray(idx)
+  q_lat = jnp.einsum("btnp,cnp->btnc", q_nope, w_uk)
+  got = paged_mla_decode(q_lat[:, 0], q_rope[:, 0], cache.c_kv_pool, cache.k_rope_pool,
+                         cache.page_table, cache.lengths, scale=0.3, indices=idx[:, 0],
+                         implementation="xla")                         # [B, N, C], indices [B, k]
+  got = jnp.einsum("bnc,cnh->bnh", got, w_uv)
+  ref = sparse_mla_attention(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, idx, scale=0.3)[:, 0]
+  np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+  np.testing.assert_array_equal(got[1], 0.0)
+  # Positions at or past the length are ignored (their pages may belong to someone else).
+  far = idx.at[2, 0, 0].set(LENGTHS[2] + 3)
+  got_far = paged_mla_decode(q_lat, q_rope, cache.c_kv_pool, cache.k_rope_pool, cache.page_table,
+                             cache.lengths, scale=0.3, indices=far, implementation="xla")
+  ref_far = paged_mla_decode(q_lat, q_rope, cache.c_kv_pool, cache.k_rope_pool, cache.page_table,
+                             cache.lengths, scale=0.3, indices=far.at[2, 0, 0].set(-1),
+                             implementation="xla")
+  np.testing.assert_array_equal(got_far, ref_far)
+
+
+def test_dispatch_and_errors():
+  assert resolve_implementation(None) == ("pallas_tpu" if jax.default_backend() == "tpu"
+                                          else "xla")
+  cache, _, _ = kv_cache(2)
+  args = (cache.key_pool, cache.value_pool, cache.page_table, cache.lengths)
+  q = jnp.ones((len(LENGTHS), 4, 8))
+  with pytest.raises(ValueError, match="implementation"):
+    paged_attention(q, *args, implementation="xla_chunked")
+  with pytest.raises(ValueError, match="multiple"):
+    paged_attention(jnp.ones((len(LENGTHS), 3, 8)), *args)
+  with pytest.raises(ValueError, match="query"):
+    paged_attention(jnp.ones((4, 8)), *args)
+  with pytest.raises(ValueError, match="key_pool"):
+    paged_attention(jnp.ones((len(LENGTHS), 4, 6)), *args)
+  with pytest.raises(ValueError, match="page_table"):
+    paged_attention(q, *args[:2], cache.page_table[:2], cache.lengths)
+  with pytest.raises(ValueError, match="lengths"):
+    paged_attention(q, *args[:3], jnp.array([1, 2, 3, 17]))
+  with pytest.raises(ValueError, match="lengths"):
+    paged_attention(q, *args[:3], cache.lengths.astype(jnp.float32))
+  with pytest.raises(ValueError, match="scale"):
+    paged_attention(q, *args, scale=-1.0)
+  with pytest.raises(ValueError, match="logits_soft_cap"):
+    paged_attention(q, *args, logits_soft_cap=0.0)
+  with pytest.raises(ValueError, match="num_splits"):
+    paged_attention(q, *args, num_splits=0)
+  lat, _, _ = latent_cache()
+  largs = (lat.c_kv_pool, lat.k_rope_pool, lat.page_table, lat.lengths)
+  ql, qr = jnp.ones((len(LENGTHS), 3, 12)), jnp.ones((len(LENGTHS), 3, 4))
+  with pytest.raises(ValueError, match="scale"):
+    paged_mla_decode(ql, qr, *largs, scale=None)
+  with pytest.raises(ValueError, match="q_rope"):
+    paged_mla_decode(ql, qr[:, :2], *largs, scale=0.1)
+  with pytest.raises(ValueError, match="c_kv_pool"):
+    paged_mla_decode(jnp.ones((len(LENGTHS), 3, 10)), qr, *largs, scale=0.1)
+  with pytest.raises(ValueError, match="k_rope_pool"):
+    paged_mla_decode(ql, jnp.ones((len(LENGTHS), 3, 2)), *largs, scale=0.1)
+  with pytest.raises(ValueError, match="indices"):
+    paged_mla_decode(ql, qr, *largs, scale=0.1, indices=jnp.ones((2, 3), jnp.int32))
+  with pytest.raises(ValueError, match="indices"):
+    paged_mla_decode(ql, qr, *largs, scale=0.1, indices=jnp.ones((len(LENGTHS), 3)))
