@@ -10,7 +10,8 @@
 #   2. tests/kernels/test_flash_gpu.py on the compiled kernels (forward, gradients, bf16, masks);
 #   3. experiments.bench_flash --check: kernel vs formula at realistic sizes on the device, then
 #      the forward benchmark against cuDNN and the bf16 matmul peak, T = 2k..16k, causal and not;
-#   4. the forward + backward benchmark at T = 2k and 8k.
+#   4. the forward + backward benchmark at T = 2k and 8k;
+#   5. the decode benchmark (contiguous vs paged XLA paths against the copy bandwidth).
 # Outputs (log, table, plot) go to $OUT if set, else runs/.  Exit status: 0 when every step passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -59,5 +60,8 @@ step "check + forward benchmark" 120 "$DEST/bench_flash_gpu.txt" \
 step "forward+backward benchmark" 60 "$DEST/bench_flash_gpu_bwd.txt" \
   "$PY" -m experiments.bench_flash --backward --seq-lens 2048 8192 --repeats 3 \
   --plot "$DEST/bench_flash_gpu_bwd.png"
+step "decode benchmark (XLA contiguous vs paged, vs copy bandwidth)" 90 "$DEST/bench_decode.txt" \
+  "$PY" -m experiments.bench_decode --contexts 4096,32768 --batches 1,8 \
+  --impls contiguous,xla_paged --repeats 3 --out "$DEST/bench_decode"
 echo "device_check: $([ "$status" -eq 0 ] && echo PASSED || echo FAILED)"
 exit $status
