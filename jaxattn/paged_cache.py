@@ -222,9 +222,23 @@ def _gather(pool, page_table, lengths):
   return jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 2)), x, jnp.zeros((), x.dtype))
 
 
+class _TableViews:
+  """The page table's views, shared by the paged caches."""
+
+  table: "PageTable"
+
+  @property
+  def lengths(self) -> Int[Array, "B"]:
+    return self.table.lengths
+
+  @property
+  def page_table(self) -> Int[Array, "B M"]:
+    return self.table.page_table
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class PagedKVCache:
+class PagedKVCache(_TableViews):
   """Keys and values in pages: ``key_pool [P, page, K, H]``, ``value_pool [P, page, K, h]``, and
   the ``PageTable`` that maps sequences to pages.  Decode is ``y, cache = attn(x, cache=cache)``."""
 
@@ -243,14 +257,6 @@ class PagedKVCache:
     return cls(key_pool=jnp.zeros((num_pages, page_size, num_kv_heads, head_dim), dtype),
                value_pool=jnp.zeros((num_pages, page_size, num_kv_heads, v_head_dim), dtype),
                table=table)
-
-  @property
-  def lengths(self) -> Int[Array, "B"]:
-    return self.table.lengths
-
-  @property
-  def page_table(self) -> Int[Array, "B M"]:
-    return self.table.page_table
 
   @property
   def nbytes(self) -> int:
@@ -282,7 +288,7 @@ class PagedKVCache:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class PagedLatentCache:
+class PagedLatentCache(_TableViews):
   """The MLA latent cache in pages: ``c_kv_pool [P, page, C]`` (normalized latents),
   ``k_rope_pool [P, page, R]`` (the rotated key shared by all heads) and, for DeepSeek Sparse
   Attention, optional indexer keys ``index_keys_pool [P, page, d_I]`` (int8 / fp8 / fp32) with
@@ -321,14 +327,6 @@ class PagedLatentCache:
   @property
   def qk_rope_head_dim(self) -> int:
     return self.k_rope_pool.shape[2]
-
-  @property
-  def lengths(self) -> Int[Array, "B"]:
-    return self.table.lengths
-
-  @property
-  def page_table(self) -> Int[Array, "B M"]:
-    return self.table.page_table
 
   @property
   def nbytes(self) -> int:
