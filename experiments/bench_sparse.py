@@ -2,25 +2,31 @@
 
     python -m experiments.bench_sparse [--lengths 4096,8192,16384,32768] [--heads 8] [--head-dim 64]
                                        [--window 256] [--topk 256] [--index-heads 4]
-                                       [--index-dim 32] [--chunk 1024] [--iters 2]
-                                       [--out runs/bench_sparse]
+                                       [--index-dim 32] [--index-block 1024] [--query-block 128]
+                                       [--main-chunk 64] [--chunk 1024] [--iters 2]
+                                       [--allpairs-max-len 32768] [--out runs/bench_sparse]
 
 One attention layer's core (projections excluded), batch 1, fp32, ``--heads`` query heads over one
 shared key/value head of ``--head-dim`` (MQA, like DSA's shared MLA latent):
 
 * ``dense``: causal ``dot_product_attention(implementation="xla_chunked")`` (skips key blocks
-  above the diagonal) -- the baseline every ratio is against.
+  above the diagonal) -- the baseline every prefill ratio is against.
 * ``swa``: the same call with ``local_window_size=--window``: only the band's blocks run.
-* ``dsa``: lightning indexer (``--index-heads`` x ``--index-dim``, fp32 scores) -> top-``--topk``
-  -> ``sparse_attention`` (gather reference), query chunks of ``--chunk`` rows under ``lax.map``
-  so scratch stays bounded.  ``dsa_main`` times only the sparse attention given the indices
-  (the main-attention cost that should grow linearly in T); ``dsa`` includes the indexer.
+* ``dsa``: the streaming lightning indexer + top-``--topk`` (``indexer_topk``: query chunks of
+  ``--query-block`` rows score only the causal key blocks of ``--index-block``, candidates above a
+  bisected threshold go to a small ``lax.top_k``), then ``sparse_attention`` (gather reference) in
+  chunks of ``--main-chunk`` query rows.  Indexer ``--index-heads`` x ``--index-dim``, fp32 scores.
+  ``dsa_index`` times the selection alone, ``dsa_main`` the sparse attention alone given the
+  selected indices (the main-attention cost that should grow linearly in T).
+* ``dsa_allpairs``: the previous path for comparison -- per ``--chunk`` query rows, indexer scores
+  against all ``S`` keys -> ``topk_indices`` -> sparse attention (``--allpairs-max-len`` caps T).
 
 Decode: one new token against a cache of ``T`` entries (dense: all of them; swa: the last
-``--window`` as a rolling cache keeps; dsa: indexer over ``T`` keys + top-K + gather).
-Reports median times, XLA scratch (``memory_analysis().temp_size_in_bytes``), ratios against
+``--window`` as a rolling cache keeps; dsa: streaming indexer over ``T`` keys + top-K + gather).
+Reports median wall times and median process CPU times (CPU seconds are less sensitive to other
+jobs on a shared machine), XLA scratch (``memory_analysis().temp_size_in_bytes``), ratios against
 ``dense`` from the same run and the log-log slope of time vs T.  Writes ``results.json`` and
-``bench_sparse.png`` under ``--out``.  A shared, loaded CPU makes absolute numbers noisy.
+``bench_sparse.png`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -37,46 +43,62 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxattn.ops.attention import dot_product_attention
-from jaxattn.ops.sparse import indexer_scores, sparse_attention, topk_indices
+from jaxattn.ops.sparse import indexer_scores, indexer_topk, sparse_attention, topk_indices
 
 
-def dsa_prefill(q, k, v, qi, ki, w, *, topk, chunk, with_indexer=True, indices=None):
-  """Chunked DSA prefill: per chunk of query rows, indexer scores -> top-K -> sparse attention.
+def sparse_main(q, k, v, indices, *, chunk):
+  """Sparse attention over given indices, ``chunk`` query rows at a time under ``lax.map``: the
+  gathered ``[chunk, k, H]`` rows stay small enough for the cache."""
+  b, t, n, _ = q.shape
+  chunk = min(chunk, t)
+  pad = -t % chunk
+  qp = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+  ip = jnp.pad(indices, ((0, 0), (0, pad), (0, 0)), constant_values=-1)
 
-  ``lax.map`` over chunks keeps one chunk's ``[chunk, S]`` scores and gathered rows live at a time.
-  Every chunk scores all ``S`` keys (the causal mask zeroes the later ones): static shapes, at the
-  price of twice the causal indexer work.  (Unrolled chunks over causal key prefixes were tried:
-  XLA kept every chunk's intermediates alive, 9 GB of scratch at T = 32k, and ran slower.)
-  """
+  def one(c):
+    qc = jax.lax.dynamic_slice_in_dim(qp, c * chunk, chunk, axis=1)
+    return sparse_attention(qc, k, v, jax.lax.dynamic_slice_in_dim(ip, c * chunk, chunk, axis=1))
+
+  out = jax.lax.map(one, jnp.arange((t + pad) // chunk))        # [nc, B, chunk, N, h]
+  return jnp.moveaxis(out, 0, 1).reshape(b, t + pad, n, v.shape[-1])[:, :t]
+
+
+def dsa_prefill(q, k, v, qi, ki, w, *, topk, index_block, query_block, main_chunk):
+  """Streaming DSA prefill: ``indexer_topk`` then chunked sparse attention."""
+  idx = indexer_topk(qi, ki, w, topk, block_size=index_block, query_block=query_block)
+  return sparse_main(q, k, v, idx, chunk=main_chunk)
+
+
+def dsa_prefill_allpairs(q, k, v, qi, ki, w, *, topk, chunk):
+  """The all-pairs path: per chunk of query rows, indexer scores against all ``S`` keys (the
+  causal mask sets the later ones to -inf) -> top-K -> sparse attention."""
   b, t, n, h = q.shape
   nc = t // chunk
 
   def one(c):
     start = c * chunk
     qc = jax.lax.dynamic_slice_in_dim(q, start, chunk, axis=1)
-    if with_indexer:
-      sc = indexer_scores(jax.lax.dynamic_slice_in_dim(qi, start, chunk, axis=1), ki,
-                          jax.lax.dynamic_slice_in_dim(w, start, chunk, axis=1), q_offset=start)
-      idx = topk_indices(sc, topk)
-    else:
-      idx = jax.lax.dynamic_slice_in_dim(indices, start, chunk, axis=1)
-    return sparse_attention(qc, k, v, idx)
+    sc = indexer_scores(jax.lax.dynamic_slice_in_dim(qi, start, chunk, axis=1), ki,
+                        jax.lax.dynamic_slice_in_dim(w, start, chunk, axis=1), q_offset=start)
+    return sparse_attention(qc, k, v, topk_indices(sc, topk))
 
   out = jax.lax.map(one, jnp.arange(nc))                 # [nc, B, chunk, N, h]
   return jnp.moveaxis(out, 0, 1).reshape(b, t, n, v.shape[-1])
 
 
 def timed(fn, args, iters):
+  """``(median wall s, median process CPU s, XLA scratch bytes)`` of the compiled ``fn``."""
   compiled = jax.jit(fn).lower(*args).compile()
   mem = compiled.memory_analysis()
   scratch = int(getattr(mem, "temp_size_in_bytes", 0)) if mem is not None else 0
   jax.block_until_ready(compiled(*args))                 # warm-up
-  times = []
+  walls, cpus = [], []
   for _ in range(iters):
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     jax.block_until_ready(compiled(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times), scratch
+    walls.append(time.perf_counter() - t0)
+    cpus.append(time.process_time() - c0)
+  return statistics.median(walls), statistics.median(cpus), scratch
 
 
 def main(argv=None):
@@ -88,20 +110,25 @@ def main(argv=None):
   ap.add_argument("--topk", type=int, default=256)
   ap.add_argument("--index-heads", type=int, default=4)
   ap.add_argument("--index-dim", type=int, default=32)
-  ap.add_argument("--chunk", type=int, default=1024)
+  ap.add_argument("--index-block", type=int, default=1024, help="indexer key tile")
+  ap.add_argument("--query-block", type=int, default=128, help="indexer query rows per chunk")
+  ap.add_argument("--main-chunk", type=int, default=64, help="sparse-attention query rows per step")
+  ap.add_argument("--chunk", type=int, default=1024, help="query chunk of the all-pairs path")
   ap.add_argument("--iters", type=int, default=2)
   ap.add_argument("--skip-dense-above", type=int, default=1 << 30,
                   help="skip the dense prefill for T above this (it is the slowest)")
+  ap.add_argument("--allpairs-max-len", type=int, default=1 << 30,
+                  help="time the all-pairs DSA path only up to this T")
   ap.add_argument("--out", type=str, default="runs/bench_sparse")
   args = ap.parse_args(argv)
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   lengths = [int(x) for x in args.lengths.split(",")]
   n, h, hi, di = args.heads, args.head_dim, args.index_heads, args.index_dim
+  sel = dict(topk=args.topk, index_block=args.index_block, query_block=args.query_block)
   rows = []
-  bar = tqdm(total=len(lengths) * 7, desc="bench_sparse")
+  bar = tqdm(total=len(lengths) * 9, desc="bench_sparse")
   for t in lengths:
-    chunk = min(args.chunk, t)
     ks = jax.random.split(jax.random.key(t), 6)
     q = jax.random.normal(ks[0], (1, t, n, h))
     k = jax.random.normal(ks[1], (1, t, 1, h))
@@ -109,9 +136,6 @@ def main(argv=None):
     qi = jax.random.normal(ks[3], (1, t, hi, di))
     ki = jax.random.normal(ks[4], (1, t, di))
     w = jax.random.uniform(ks[5], (1, t, hi))
-    idx = jax.jit(lambda a, b_, c: topk_indices(indexer_scores(a, b_, c), args.topk))(
-        qi[:, :chunk], ki[:, :chunk], w[:, :chunk])
-    idx = jnp.concatenate([idx, jnp.tile(idx[:, -1:], (1, t - chunk, 1))], axis=1)  # cheap indices
     res = dict(T=t)
     if t <= args.skip_dense_above:
       res["dense"] = timed(lambda a, b_, c: dot_product_attention(
@@ -121,14 +145,21 @@ def main(argv=None):
         a, b_, c, is_causal=True, local_window_size=args.window, implementation="xla_chunked"),
         (q, k, v), args.iters)
     bar.update()
-    res["dsa"] = timed(lambda a, b_, c, d, e, f: dsa_prefill(a, b_, c, d, e, f, topk=args.topk,
-                                                             chunk=chunk),
-                       (q, k, v, qi, ki, w), args.iters)
+    res["dsa"] = timed(lambda a, b_, c, d, e, f: dsa_prefill(
+        a, b_, c, d, e, f, main_chunk=args.main_chunk, **sel), (q, k, v, qi, ki, w), args.iters)
     bar.update()
-    res["dsa_main"] = timed(lambda a, b_, c, i: dsa_prefill(a, b_, c, None, None, None,
-                                                            topk=args.topk, chunk=chunk,
-                                                            with_indexer=False, indices=i),
+    select = lambda d, e, f: indexer_topk(d, e, f, args.topk, block_size=args.index_block,
+                                          query_block=args.query_block)
+    res["dsa_index"] = timed(select, (qi, ki, w), args.iters)
+    bar.update()
+    idx = jax.jit(select)(qi, ki, w)                     # the real selection, for dsa_main
+    res["dsa_main"] = timed(lambda a, b_, c, i: sparse_main(a, b_, c, i, chunk=args.main_chunk),
                             (q, k, v, idx), args.iters)
+    bar.update()
+    if t <= args.allpairs_max_len and t % min(args.chunk, t) == 0:
+      res["dsa_allpairs"] = timed(lambda a, b_, c, d, e, f: dsa_prefill_allpairs(
+          a, b_, c, d, e, f, topk=args.topk, chunk=min(args.chunk, t)), (q, k, v, qi, ki, w),
+          args.iters)
     bar.update()
     # Decode: the last token against T cached entries.
     q1, qi1, w1 = q[:, -1:], qi[:, -1:], w[:, -1:]
@@ -142,45 +173,52 @@ def main(argv=None):
         (q1, kw_, vw_), max(args.iters, 5))
     bar.update()
     res["decode_dsa"] = timed(lambda a, b_, c, d, e, f: sparse_attention(
-        a, b_, c, topk_indices(indexer_scores(d, e, f, q_offset=t - 1), args.topk)),
+        a, b_, c, indexer_topk(d, e, f, args.topk, q_offset=t - 1, block_size=args.index_block)),
         (q1, k, v, qi1, ki, w1), max(args.iters, 5))
     bar.update()
     rows.append(res)
   bar.close()
 
-  names = ["dense", "swa", "dsa", "dsa_main", "decode_dense", "decode_swa", "decode_dsa"]
+  names = ["dense", "swa", "dsa", "dsa_index", "dsa_main", "dsa_allpairs", "decode_dense",
+           "decode_swa", "decode_dsa"]
   print(f"\nT, heads={n}x{h} (1 KV head), window={args.window}, top-k={args.topk}, "
-        f"indexer {hi}x{di}; time s (scratch MiB) [ratio vs dense]")
+        f"indexer {hi}x{di} (key tile {args.index_block}, query block {args.query_block}), "
+        f"main chunk {args.main_chunk}")
+  print("wall s / CPU s (scratch MiB) [speed-up vs dense: wall / CPU]")
   for r in rows:
     parts = []
     for nm in names:
       if nm not in r:
         continue
-      tm, mem = r[nm]
+      tm, cpu, mem = r[nm]
       base = r.get("decode_dense" if nm.startswith("decode") else "dense")
-      ratio = f" [{base[0] / tm:5.1f}x]" if base is not None and nm not in ("dense",
-                                                                              "decode_dense") else ""
-      parts.append(f"{nm} {tm:.4f}s ({mem / 2**20:.0f}){ratio}")
-    print(f"T={r['T']:6d}: " + "; ".join(parts))
+      ratio = (f" [{base[0] / tm:.1f}x / {base[1] / cpu:.1f}x]"
+               if base is not None and nm not in ("dense", "decode_dense") else "")
+      parts.append(f"{nm} {tm:.4f}/{cpu:.4f}s ({mem / 2**20:.0f}){ratio}")
+    print(f"T={r['T']:6d}: " + "\n          ".join(parts))
   slopes = {}
   if len(rows) > 1:
     ts = np.log([r["T"] for r in rows])
     for nm in names:
       if all(nm in r for r in rows):
         slopes[nm] = float(np.polyfit(ts, np.log([r[nm][0] for r in rows]), 1)[0])
-    print("log-log slope of time vs T (1 = linear, 2 = quadratic): " +
+    print("log-log slope of wall time vs T (1 = linear, 2 = quadratic): " +
           ", ".join(f"{k_} {v_:.2f}" for k_, v_ in slopes.items()))
+  last = rows[-1]
+  if "dense" in last:
+    wall, cpu = (last["dense"][i] / last["dsa"][i] for i in (0, 1))
+    print(f"goal (DSA prefill incl. indexer >= 3x faster than dense at T={last['T']}): "
+          f"wall {wall:.2f}x, CPU {cpu:.2f}x")
   (out / "results.json").write_text(json.dumps(dict(args=vars(args), rows=rows, slopes=slopes),
                                                indent=2))
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(1, 2, figsize=(10, 4))
-  for nm, a in (("dense", 0), ("swa", 0), ("dsa", 0), ("dsa_main", 0), ("decode_dense", 1),
-                ("decode_swa", 1), ("decode_dsa", 1)):
+  for nm in names:
     pts = [(r["T"], r[nm][0]) for r in rows if nm in r]
     if pts:
-      ax[a].loglog(*zip(*pts), "o-", label=nm)
+      ax[1 if nm.startswith("decode") else 0].loglog(*zip(*pts), "o-", label=nm)
   ax[0].set(xlabel="T", ylabel="prefill time (s)", title="prefill (CPU)")
   ax[1].set(xlabel="T (cache length)", ylabel="decode step time (s)", title="decode (CPU)")
   for a in ax:

@@ -37,7 +37,7 @@ from jaxattn.ops.hadamard import hadamard_transform
 from jaxattn.ops.mla import mla_attention, mla_score_terms
 from jaxattn.ops.quantization import QUANT_FORMATS, dequantize, fake_quantize
 from jaxattn.ops.rope import apply_rope
-from jaxattn.ops.sparse import (indexer_kl_loss, indexer_scores, indices_to_mask,
+from jaxattn.ops.sparse import (indexer_kl_loss, indexer_scores, indexer_topk, indices_to_mask,
                                 sparse_mla_attention, topk_indices)
 from jaxattn.sharding import shard
 
@@ -216,11 +216,17 @@ class DSA(MLA):
       kv_lengths = jnp.full((b,), cache.index, jnp.int32)
     else:
       k_idx = dequantize(keys, scales)
-    scores = indexer_scores(q_idx, k_idx, w, q_offset=offset, kv_lengths=kv_lengths)
     w_uk, w_uv = self.k_up.kernel[...], self.v_up.kernel[...]
-    indices = None
+    indices = scores = None
+    if return_aux or mode == "dense":
+      scores = indexer_scores(q_idx, k_idx, w, q_offset=offset, kv_lengths=kv_lengths)
     if mode == "sparse":
-      indices = topk_indices(scores, self.index_topk)
+      if scores is None:
+        # Only the selection is needed: stream it (causal key blocks, no [T, S] scores).
+        indices = indexer_topk(q_idx, k_idx, w, self.index_topk, q_offset=offset,
+                               kv_lengths=kv_lengths)
+      else:
+        indices = topk_indices(scores, self.index_topk)
       out = sparse_mla_attention(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, indices,
                                  scale=self.scale)
     else:

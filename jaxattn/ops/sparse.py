@@ -251,3 +251,250 @@ def indexer_kl_loss(
   kl = jnp.where(pos, target * (jnp.log(jnp.where(pos, target, 1.0)) - jnp.where(pos, log_q, 0.0)),
                  0.0)
   return jnp.sum(kl) / (b * t)
+
+
+# ----------------------------------------------------------------------------------------------
+# Streaming causal indexer + top-K selector.
+#
+# ``topk_indices(indexer_scores(...))`` materializes every ``[T, S]`` score (the upper triangle
+# included) and hands whole rows to ``lax.top_k``, whose CPU implementation is a scalar
+# ``partial_sort``: a few ns per element scanned plus a fixed cost that grows with ``k``.  The
+# streaming path below
+#   1. walks query chunks; per chunk a dynamic-trip ``fori_loop`` scores only the key blocks that
+#      some row of the chunk can see (causal / ``kv_lengths`` block skipping), in tiles small enough
+#      to stay in cache, and keeps a running strided maximum ``gmax[g] = max_{s = g mod G} I[s]``;
+#   2. finds, by a vectorized bisection over the ``G`` strided maxima, a threshold ``L`` with at
+#      least ``k`` strided maxima ``>= L`` -- hence at least ``k`` scores ``>= L``, so ``L`` is a
+#      lower bound on the ``k``-th largest score and every top-``k`` position is a candidate;
+#   3. compacts the (typically ~1.1 k) candidates ``I >= L`` into ``M`` slots in position order
+#      (a vectorized sum-tree descent) and runs ``lax.top_k`` on those ``M`` only.  Because the
+#      slots keep position order, ties resolve to the lower position exactly as ``topk_indices``
+#      does, so the result (order included) is the reference's for the same scores.  A chunk in
+#      which some row has more than ``M`` candidates (heavy ties, adversarial scores) falls back
+#      to ``lax.top_k`` over its full rows.
+# ----------------------------------------------------------------------------------------------
+
+_INT32_MAX = 0x7FFFFFFF
+
+
+def _order_key(x):
+  """A monotone int32 key of fp32 values: ``x < y  <=>  key(x) < key(y)`` (NaN aside)."""
+  bits = jax.lax.bitcast_convert_type(x.astype(_F32), jnp.int32)
+  return jnp.where(bits < 0, bits ^ _INT32_MAX, bits)
+
+
+def _from_order_key(key):
+  bits = jnp.where(key < 0, key ^ _INT32_MAX, key)
+  return jax.lax.bitcast_convert_type(bits, _F32)
+
+
+def _kth_lower_bound(gmax, k, steps):
+  """Per row, a threshold ``L`` (fp32) with ``#{gmax >= L} >= k``, as large as ``steps`` bisection
+  steps over the int32 order keys find; ``-FLT_MAX`` (= all finite) when fewer than ``k`` of
+  ``gmax [R, G]`` are finite.  32 steps give the ``k``-th largest exactly; fewer give a slightly
+  lower (still valid) bound and so a few more candidates."""
+  key = _order_key(gmax)
+  lo = jnp.full(gmax.shape[:-1], _order_key(jnp.float32(-jnp.inf)) + 1, jnp.int32)
+  hi = jnp.max(key, axis=-1) + 1          # count(key >= hi) = 0 < k
+  lo = jnp.minimum(lo, hi)
+
+  def step(_, lh):
+    lo, hi = lh
+    # Floor midpoint without int32 overflow (the key range spans all of int32).
+    mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)
+    ok = jnp.sum(key >= mid[..., None], axis=-1, dtype=jnp.int32) >= k
+    return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+  lo, _ = jax.lax.fori_loop(0, steps, step, (lo, hi))
+  return _from_order_key(lo)
+
+
+def _nth_true(hit, size):
+  """Indices of the first ``size`` True entries of ``hit [R, G]`` in increasing order, ``-1``
+  where a row has fewer; and the per-row count of True.
+
+  Vectorized descent of a sum tree (pairwise sums per level, then one gather per level and slot)
+  -- no scatter, no sort, and no cumulative sum (which XLA:CPU lowers to a slow reduce-window).
+  """
+  r, g = hit.shape
+  depth = max(g - 1, 0).bit_length()
+  levels = [jnp.pad(hit.astype(jnp.int32), ((0, 0), (0, (1 << depth) - g)))]
+  for _ in range(depth):
+    levels.append(levels[-1].reshape(r, -1, 2).sum(-1))
+  total = levels[-1][:, 0]
+  rank = jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), (r, size))
+  node = jnp.zeros((r, size), jnp.int32)
+  for lvl in reversed(levels[:-1]):
+    left = 2 * node
+    left_count = jnp.take_along_axis(lvl, left, axis=-1)
+    right = rank >= left_count
+    rank = jnp.where(right, rank - left_count, rank)
+    node = left + right.astype(jnp.int32)
+  return jnp.where(jnp.arange(size)[None] < total[:, None], node, -1), total
+
+
+def _row_topk(scores, k):
+  """``lax.top_k`` over rows ``[R, S]`` -> ``int32 [R, k]`` with ``-1`` for -inf / missing."""
+  kk = min(k, scores.shape[-1])
+  vals, idx = jax.lax.top_k(scores, kk)
+  idx = jnp.where(jnp.isfinite(vals), idx.astype(jnp.int32), -1)
+  if kk < k:
+    idx = jnp.pad(idx, ((0, 0), (0, k - kk)), constant_values=-1)
+  return idx
+
+
+def _select_topk(scores, gmax, k, *, candidates, steps):
+  """Exact ``topk_indices`` of rows ``scores [R, S]`` given their strided maxima ``gmax [R, G]``
+  (``G >= k``; ``gmax[g] = max_{s = g mod G} scores[s]``); see the section comment."""
+  thr = _kth_lower_bound(gmax, k, steps)
+  pos, total = _nth_true(scores >= thr[:, None], candidates)      # [R, candidates], in order
+  vals = jnp.take_along_axis(scores, jnp.maximum(pos, 0), axis=-1)
+  vals = jnp.where(pos >= 0, vals, NEG_INF)
+
+  def filtered():
+    # Slots keep position order, so top_k's ties (lower slot) are the reference's (lower position).
+    top = _row_topk(vals, k)
+    return jnp.where(top >= 0, jnp.take_along_axis(pos, jnp.maximum(top, 0), axis=-1), -1)
+
+  return jax.lax.cond(jnp.all(total <= candidates), filtered, lambda: _row_topk(scores, k))
+
+
+def _round_up(x, m):
+  return -(-x // m) * m
+
+
+@functools.partial(jax.jit, static_argnames=('k', 'block_size', 'query_block', 'candidates',
+                                             'quant', 'quant_block_size', 'bisect_steps'))
+def indexer_topk(
+    q_index: Float[Array, "B T HI d"],
+    k_index: Float[Array, "B S d"],
+    weights: Float[Array, "B T HI"],
+    k: int,
+    *,
+    q_offset: int | Int[Array, ""] = 0,
+    kv_lengths: Int[Array, "B"] | None = None,
+    block_size: int = 1024,
+    query_block: int = 128,
+    candidates: int | None = None,
+    quant: QuantFormat = None,
+    quant_block_size: int | None = None,
+    bisect_steps: int = 24,
+) -> Int[Array, "B T k"]:
+  """``topk_indices(indexer_scores(q_index, k_index, weights, ...), k)`` without the ``[T, S]``
+  scores: streaming causal lightning-indexer scoring and top-``k`` selection.
+
+  Same arguments and result as that composition (causal), including the order within a row
+  (decreasing score, ties to the lower position) and ``-1`` padding; scores are computed in fp32
+  tiles, so they may differ from ``indexer_scores`` in the last bit and a selection can differ
+  only between scores that near-tie at the ``k``-th place.  Work and scratch:
+
+  * query rows go in chunks of ``query_block``; a chunk scores only the key blocks of
+    ``block_size`` that one of its rows can see (``s <= q_offset + t``, ``s < kv_lengths``), so the
+    upper triangle is skipped and scratch is ``O(B * query_block * S)``;
+  * selection scans each row with vectorized passes and hands ``lax.top_k`` only ``candidates``
+    (default ``1.5 k``; random scores give about ``1.1 k``) positions per row; a chunk with a row
+    of more candidates (e.g. thousands of exactly tied scores) uses ``lax.top_k`` on its full
+    rows instead, still exact.
+
+  Args:
+    q_index, k_index, weights, q_offset, kv_lengths, quant, quant_block_size: as
+      ``indexer_scores`` (``quant`` rounds queries and keys through the 8-bit format first).
+    k: at most ``k`` positions per query row.
+    block_size: keys per scoring tile (a multiple of 8).
+    query_block: query rows per chunk.
+    candidates: slots per row handed to ``lax.top_k`` (``>= k``); default ``1.5 k`` rounded up
+      to a multiple of 8.
+    bisect_steps: bisection steps for the candidate threshold (1..32; 32 = exact ``k``-th strided
+      maximum, fewer = a lower threshold, more candidates, never a wrong result).
+  """
+  if q_index.ndim != 4 or k_index.ndim != 3 or weights.ndim != 3:
+    raise ValueError(f"`q_index` [B, T, H_I, d], `k_index` [B, S, d], `weights` [B, T, H_I] have "
+                     f"ranks 4, 3, 3; got shapes {q_index.shape}, {k_index.shape}, "
+                     f"{weights.shape}.")
+  b, t, hi, d = q_index.shape
+  if k_index.shape[0] != b or k_index.shape[2] != d:
+    raise ValueError(f"`k_index` {k_index.shape} must be [B={b}, S, d={d}] to match `q_index` "
+                     f"{q_index.shape}.")
+  if weights.shape != (b, t, hi):
+    raise ValueError(f"`weights` must be [B, T, H_I] = {(b, t, hi)}, got {weights.shape}.")
+  _check_k(k)
+  if quant not in QUANT_FORMATS:
+    raise ValueError(f"`quant` must be one of {QUANT_FORMATS}, got {quant!r}.")
+  if not isinstance(block_size, int) or block_size < 8 or block_size % 8:
+    raise ValueError(f"`block_size` must be a positive multiple of 8, got {block_size!r}.")
+  if not isinstance(query_block, int) or query_block < 1:
+    raise ValueError(f"`query_block` must be a positive int, got {query_block!r}.")
+  if candidates is None:
+    candidates = _round_up(3 * k // 2, 8)
+  if not isinstance(candidates, int) or candidates < k:
+    raise ValueError(f"`candidates` must be an int >= k={k}, got {candidates!r}.")
+  if not isinstance(bisect_steps, int) or not 1 <= bisect_steps <= 32:
+    raise ValueError(f"`bisect_steps` must be an int in [1, 32], got {bisect_steps!r}.")
+  s = k_index.shape[1]
+  q = fake_quantize(q_index, quant, block_size=quant_block_size).astype(_F32)
+  keys = fake_quantize(k_index, quant, block_size=quant_block_size).astype(_F32)
+  w = weights.astype(_F32)
+
+  bk = min(block_size, _round_up(s, 8))
+  s_pad = _round_up(s, bk)
+  n_blocks = s_pad // bk
+  keys = jnp.pad(keys, ((0, 0), (0, s_pad - s), (0, 0)))
+  cq = min(query_block, t)
+  t_pad = _round_up(t, cq)
+  n_chunks = t_pad // cq
+  q = jnp.pad(q, ((0, 0), (0, t_pad - t), (0, 0), (0, 0)))
+  w = jnp.pad(w, ((0, 0), (0, t_pad - t), (0, 0)))
+  q_offset = jnp.asarray(q_offset, jnp.int32)
+  lengths = (jnp.full((b,), s, jnp.int32) if kv_lengths is None
+             else jnp.minimum(jnp.asarray(kv_lengths, jnp.int32), s))
+  # Strided groups: G >= k (so >= k of them are finite whenever >= k keys are visible -- visible
+  # keys are a prefix of each row) and a multiple of the tile, so a tile maps onto a slice of G.
+  n_groups = _round_up(max(2 * k, bk), bk)
+  filtered = s_pad > candidates                 # else top_k over the (short) rows directly
+
+  def chunk(buf, c):
+    qc = jax.lax.dynamic_slice_in_dim(q, c * cq, cq, axis=1)     # [B, cq, HI, d]
+    wc = jax.lax.dynamic_slice_in_dim(w, c * cq, cq, axis=1)     # [B, cq, HI]
+    rows = q_offset + c * cq + jnp.arange(cq, dtype=jnp.int32)   # query positions
+    # Keys any row of this chunk can see: s < min(q_offset + (c+1) cq, max kv_length).
+    limit = jnp.minimum(q_offset + (c + 1) * cq, jnp.max(lengths))
+    trips = jnp.clip((limit + bk - 1) // bk, 0, n_blocks)
+
+    def tile(i, carry):
+      buf, gmax = carry
+      kb = jax.lax.dynamic_slice_in_dim(keys, i * bk, bk, axis=1)  # [B, bk, d]
+      # One [cq, bk] matmul per indexer head: the logits tile stays in cache for ReLU and the
+      # weighted sum, where an all-heads einsum would write [cq, HI, bk] out first.
+      sc = jnp.zeros((b, cq, bk), _F32)
+      for j in range(hi):
+        lg = jnp.einsum("btd,bsd->bts", qc[:, :, j], kb, preferred_element_type=_F32)
+        sc = sc + wc[:, :, j, None] * jax.nn.relu(lg)
+      pos = i * bk + jnp.arange(bk, dtype=jnp.int32)
+      ok = (pos[None, None, :] <= rows[None, :, None]) & (pos[None, None, :] < lengths[:, None,
+                                                                                        None])
+      sc = jnp.where(ok, sc, NEG_INF)
+      buf = jax.lax.dynamic_update_slice_in_dim(buf, sc, i * bk, axis=2)
+      if filtered:
+        at = (i * bk) % n_groups
+        cur = jax.lax.dynamic_slice_in_dim(gmax, at, bk, axis=2)
+        gmax = jax.lax.dynamic_update_slice_in_dim(gmax, jnp.maximum(cur, sc), at, axis=2)
+      return buf, gmax
+
+    gmax = jnp.full((b, cq, n_groups if filtered else 1), NEG_INF, _F32)
+    # Trip counts never decrease from chunk to chunk, so the tiles beyond this chunk's are still
+    # the -inf the carried buffer started with: no per-chunk reset of the [B, cq, S] scratch.
+    # (The running strided maximum mixes tiles, so it starts afresh.)
+    buf, gmax = jax.lax.fori_loop(0, trips, tile, (buf, gmax))
+    rows_sc = buf.reshape(b * cq, s_pad)
+    if filtered:
+      idx = _select_topk(rows_sc, gmax.reshape(b * cq, n_groups), k, candidates=candidates,
+                         steps=bisect_steps)
+    else:
+      idx = _row_topk(rows_sc, k)
+    return buf, idx.reshape(b, cq, k)
+
+  buf0 = jnp.full((b, cq, s_pad), NEG_INF, _F32)
+  _, idx = jax.lax.scan(chunk, buf0, jnp.arange(n_chunks))        # [n_chunks, B, cq, k]
+  idx = jnp.moveaxis(idx, 0, 1).reshape(b, t_pad, k)[:, :t]
+  # Padded key columns are never visible, but keep the contract explicit.
+  return jnp.where(idx < s, idx, -1)

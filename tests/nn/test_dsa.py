@@ -115,3 +115,25 @@ def test_errors():
   with pytest.raises(ValueError, match="cache"):
     _dsa()(_x(), cache=object())
   assert isinstance(_dsa().init_cache(1, 8), DSACache)
+
+
+def test_streaming_selection_equals_full_scores_path():
+  # Sparse mode without aux streams the selection (indexer_topk); with aux it takes top-K of the
+  # full scores.  Same outputs and the same gradients to the main weights (decode == prefill on
+  # the streaming path: test_decode_equals_prefill).
+  m = _dsa(topk=3, quant="int8")
+  x = _x(5, t=13)
+  y_stream = m(x)
+  y_full, _ = m(x, return_aux=True)
+  np.testing.assert_allclose(y_stream, y_full, rtol=1e-5, atol=1e-6)
+  graphdef, params, rest = nnx.split(m, nnx.Param, ...)
+
+  def lm_loss(p, aux):
+    out = nnx.merge(graphdef, p, rest)(x, return_aux=aux)
+    return jnp.mean((out[0] if aux else out) ** 2)
+
+  g_stream = jax.grad(lambda p: lm_loss(p, False))(params)
+  g_full = jax.grad(lambda p: lm_loss(p, True))(params)
+  np.testing.assert_allclose(g_stream["kv_down"]["kernel"][...], g_full["kv_down"]["kernel"][...],
+                             rtol=1e-4, atol=1e-6)
+  assert float(jnp.abs(g_stream["kv_down"]["kernel"][...]).max()) > 0
