@@ -191,7 +191,10 @@ class DSA(MLA):
       attention_mode: AttentionMode | None = None,
       return_aux: bool = False,
       implementation=None,
+      segment_ids: Int[Array, "B T"] | None = None,
   ):
+    """``segment_ids [B, T]`` (packed rows, 0 = padding): the indexer selects, and attention
+    reads, only earlier tokens of the query's own segment (full scores are formed for the mask)."""
     mode = self.attention_mode if attention_mode is None else attention_mode
     if mode not in ATTENTION_MODES:
       raise ValueError(f"`attention_mode` must be one of {ATTENTION_MODES}, got {mode!r}.")
@@ -200,6 +203,9 @@ class DSA(MLA):
     if cache is not None and not isinstance(cache, DSACache):
       raise ValueError(f"`cache` must be a DSACache (from DSA.init_cache), got {type(cache)}.")
     b, t, _ = x.shape
+    if segment_ids is not None and (cache is not None or segment_ids.shape != (b, t)):
+      raise ValueError(f"`segment_ids` must be [B, T] = {(b, t)} and cannot be combined with a "
+                       f"cache; got shape {segment_ids.shape}, cache given: {cache is not None}.")
     x = shard(x, ("batch", "length", "act_embed"))
     offset = 0 if cache is None else cache.index
     positions = self._positions(t, offset, positions)
@@ -218,8 +224,12 @@ class DSA(MLA):
       k_idx = dequantize(keys, scales)
     w_uk, w_uv = self.k_up.kernel[...], self.v_up.kernel[...]
     indices = scores = None
-    if return_aux or mode == "dense":
+    if return_aux or mode == "dense" or segment_ids is not None:
       scores = indexer_scores(q_idx, k_idx, w, q_offset=offset, kv_lengths=kv_lengths)
+      if segment_ids is not None:
+        same = ((segment_ids[:, :, None] == segment_ids[:, None, :])
+                & (segment_ids[:, :, None] > 0))
+        scores = jnp.where(same, scores, -jnp.inf)
     if mode == "sparse":
       if scores is None:
         # Only the selection is needed: stream it (causal key blocks, no [T, S] scores).
@@ -232,6 +242,7 @@ class DSA(MLA):
     else:
       out = mla_attention(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, mode=self.mode,
                           scale=self.scale, is_causal=True, kv_lengths=kv_lengths, q_offset=offset,
+                          segment_ids=segment_ids,
                           implementation=implementation or self.implementation)
     y = shard(self.o_proj(out), ("batch", "length", "act_embed"))
     result = (y,) if cache is None else (y, cache)

@@ -320,11 +320,8 @@ class DecoderLayer(nnx.Module):
     elif self.kind == "M":
       out = self.mixer(h, positions=positions, segment_ids=segment_ids, cache=cache)
     elif self.kind == "I":
-      if segment_ids is not None:
-        raise ValueError("DSA layers (pattern letter I) do not take `segment_ids`: the indexer "
-                         "selects among all earlier tokens. Train them on unpacked rows, or pass "
-                         "segment_ids=None to let packed documents see each other.")
-      out = self.mixer(h, positions=positions, cache=cache, return_aux=want_aux)
+      out = self.mixer(h, positions=positions, cache=cache, return_aux=want_aux,
+                       segment_ids=segment_ids)
       if want_aux:
         *out, a = out if isinstance(out, tuple) else (out,)
         out = out[0] if len(out) == 1 else tuple(out)

@@ -70,12 +70,9 @@ def cross_entropy(logits, targets, mask=None):
 
 
 def model_inputs(model_cfg: ModelConfig, batch: Batch) -> dict:
-  """The model's keyword inputs from a packed batch.  DSA layers cannot take ``segment_ids``:
-  for them packed documents see each other (positions still restart per document)."""
-  seg = batch.get("segment_ids")
-  if seg is not None and "I" in model_cfg.kinds():
-    seg = None
-  return dict(positions=batch.get("positions"), segment_ids=seg)
+  """The model's keyword inputs from a packed batch (positions restart per document)."""
+  del model_cfg
+  return dict(positions=batch.get("positions"), segment_ids=batch.get("segment_ids"))
 
 
 def loss_fn(model: DecoderLM, batch: Batch):

@@ -137,3 +137,26 @@ def test_streaming_selection_equals_full_scores_path():
   np.testing.assert_allclose(g_stream["kv_down"]["kernel"][...], g_full["kv_down"]["kernel"][...],
                              rtol=1e-4, atol=1e-6)
   assert float(jnp.abs(g_stream["kv_down"]["kernel"][...]).max()) > 0
+
+
+@pytest.mark.parametrize("mode", ["sparse", "dense"])
+def test_dsa_packed_segments_equal_separate_sequences(mode):
+  """Two documents packed in one row (segment ids) give each document's own output."""
+  dsa = DSA(32, 2, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, index_num_heads=2,
+            index_head_dim=8, index_rope_dim=4, index_topk=3, attention_mode=mode,
+            rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (1, 9, 32))
+  seg = jnp.array([[1, 1, 1, 1, 1, 2, 2, 2, 2]])
+  pos = jnp.array([[0, 1, 2, 3, 4, 0, 1, 2, 3]])
+  packed, aux = dsa(x, positions=pos, segment_ids=seg, return_aux=True)
+  first = dsa(x[:, :5])
+  second = dsa(x[:, 5:])
+  np.testing.assert_allclose(packed[:, :5], first, atol=1e-5)
+  np.testing.assert_allclose(packed[:, 5:], second, atol=1e-5)
+  if mode == "sparse":  # no selected key crosses a document boundary
+    idx = np.asarray(aux["indices"][0])
+    for t in range(9):
+      sel = idx[t][idx[t] >= 0]
+      assert ((sel < 5) == (t < 5)).all() and (sel <= t).all()
+  with pytest.raises(ValueError, match="segment_ids"):
+    dsa(x, segment_ids=seg[:, :4])
