@@ -543,6 +543,9 @@ class DecoderLM(nnx.Module):
     if cfg.position == "learned":
       x = x + self.pos_embed(positions).astype(x.dtype)
     elif cfg.position == "sinusoidal":
+      # As the original Transformer: embeddings scaled by sqrt(D) so the unit-amplitude encoding
+      # (norm sqrt(D / 2)) does not drown the token identity.
+      x = x * jnp.sqrt(float(cfg.embed_dim)).astype(x.dtype)
       x = x + sinusoidal_positions(positions, cfg.embed_dim).astype(x.dtype)
     return x
 
