@@ -91,7 +91,8 @@ def train(pattern, lengths, *, steps, batch, dim, window, lr, seed):
   """One model per pattern, trained on all lengths in turn (one length per step): short sequences
   are learned first and carry the mechanism over to long ones, as in Zoology's mixed training."""
   model = RecallModel(pattern, dim=dim, window=window, rngs=nnx.Rngs(seed))
-  schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(steps // 10, 1), steps)
+  warmup = max(steps // 10, 1)
+  schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1))
   opt = nnx.Optimizer(model, optax.adamw(schedule, weight_decay=0.1), wrt=nnx.Param)
 
   @nnx.jit
