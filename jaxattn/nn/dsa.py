@@ -33,12 +33,14 @@ from jaxattn.dsa_cache import DSACache, quantize_index_keys
 from jaxattn.nn.linear import Einsum
 from jaxattn.nn.mla import MLA, _check_positive
 from jaxattn.nn.norms import LayerNorm
+from jaxattn.ops.decode import paged_mla_decode
 from jaxattn.ops.hadamard import hadamard_transform
 from jaxattn.ops.mla import mla_attention, mla_score_terms
 from jaxattn.ops.quantization import QUANT_FORMATS, dequantize, fake_quantize
 from jaxattn.ops.rope import apply_rope
 from jaxattn.ops.sparse import (indexer_kl_loss, indexer_scores, indexer_topk, indices_to_mask,
                                 sparse_mla_attention, topk_indices)
+from jaxattn.paged_cache import PagedLatentCache
 from jaxattn.sharding import shard
 
 AttentionMode = Literal["dense", "sparse"]
@@ -135,6 +137,7 @@ class DSA(MLA):
   attention runs in MLA's absorbed form over the selected latent rows.
   ``y = dsa(x)``; ``y, cache = dsa(x, cache=cache)``; with ``return_aux=True`` also a dict with
   ``indices [B, T, k]`` (sparse mode), ``index_scores [B, T, S]`` and ``indexer_loss``.
+  A paged cache (``init_paged_cache``) decodes ragged batches through ``paged_mla_decode``.
   """
 
   def __init__(self, embed_dim: int, num_heads: int, *, index_num_heads: int,
@@ -165,6 +168,96 @@ class DSA(MLA):
     return DSACache.init(batch, max_len, kv_lora_rank=self.kv_lora_rank,
                          qk_rope_head_dim=self.qk_rope_head_dim, index_head_dim=ix.head_dim,
                          quant=ix.quant, quant_block_size=ix.quant_block_size, dtype=dtype)
+
+  def _index_key_format(self):
+    """``(dtype, number of scales)`` of one stored indexer key: whatever ``quantize_index_keys``
+    produces for this indexer (the contiguous cache's format, so the two never drift apart)."""
+    ix = self.indexer
+    keys, scales = jax.eval_shape(lambda: quantize_index_keys(
+        jnp.zeros((1, 1, ix.head_dim), jnp.float32), ix.quant, ix.quant_block_size))
+    return keys.dtype, scales.shape[-1]
+
+  def init_paged_cache(self, batch: int, num_pages: int, page_size: int, *,
+                       max_pages_per_seq: int | None = None, dtype=None) -> PagedLatentCache:
+    """An empty paged cache (``jaxattn.paged_cache``): ``num_pages`` pages of ``page_size`` rows
+    ``[c_KV, k^R]`` plus the indexer key of each row in its scoring format (int8 / fp8 / fp32 with
+    fp32 scales), shared by ``batch`` sequences of ragged lengths."""
+    dtype = dtype or self.dtype or jnp.float32
+    index_dtype, num_scales = self._index_key_format()
+    return PagedLatentCache.init(batch, num_pages, page_size, self.kv_lora_rank,
+                                 self.qk_rope_head_dim, max_pages_per_seq=max_pages_per_seq,
+                                 index_head_dim=self.indexer.head_dim, index_dtype=index_dtype,
+                                 index_num_scales=num_scales, dtype=dtype)
+
+  def _check_paged_cache(self, cache: PagedLatentCache):
+    if cache.kv_lora_rank != self.kv_lora_rank or cache.qk_rope_head_dim != self.qk_rope_head_dim:
+      raise ValueError(f"`cache` holds C={cache.kv_lora_rank}, R={cache.qk_rope_head_dim}; this "
+                       f"layer needs C={self.kv_lora_rank}, R={self.qk_rope_head_dim}.")
+    if cache.index_keys_pool is None:
+      raise ValueError("`cache` is a PagedLatentCache without indexer keys (index_keys_pool is "
+                       "None, as MLA.init_paged_cache makes it); DSA needs DSA.init_paged_cache.")
+    index_dtype, num_scales = self._index_key_format()
+    keys, scales = cache.index_keys_pool, cache.index_scales_pool
+    if (keys.dtype != index_dtype or keys.shape[2] != self.indexer.head_dim
+        or scales.shape[2] != num_scales):
+      raise ValueError(f"`cache` indexer keys are {keys.dtype} [.., {keys.shape[2]}] with "
+                       f"{scales.shape[2]} scale(s); this layer stores {index_dtype} "
+                       f"[.., d_I={self.indexer.head_dim}] with {num_scales} scale(s) "
+                       f"(index_quant={self.indexer.quant!r}).")
+
+  def _paged_call(self, x, positions, cache: PagedLatentCache, mode, return_aux, implementation,
+                  segment_ids):
+    """Prefill / decode against a paged cache, always in absorbed form; batches may be ragged.
+
+    Each sequence appends its ``T`` new rows (latents, rotated key, quantized indexer key) at its
+    own length, RoPE positions default to ``lengths[b] + arange(T)``; the indexer scores that
+    sequence's cached keys (gathered through the page table: the reference path) causally and
+    within its length; ``paged_mla_decode`` attends to the top-K positions (sparse) or all of
+    them (dense) in latent space; ``W_up^V`` and ``o_proj`` follow, as in the contiguous path.
+    """
+    if segment_ids is not None:
+      raise ValueError("`segment_ids` (packed sequences) cannot be combined with a "
+                       "PagedLatentCache: each batch row is one sequence.")
+    self._check_paged_cache(cache)
+    t = x.shape[1]
+    x = shard(x, ("batch", "length", "act_embed"))
+    if positions is None:  # per-sequence positions: the batch is ragged
+      positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    q_in, q_nope, q_rope, c_kv, k_rope = self._project_all(x, positions)
+    # The indexer learns only from its own loss: detach its inputs from the main model.
+    q_idx, keys, scales, w = self.indexer.project(jax.lax.stop_gradient(x),
+                                                  jax.lax.stop_gradient(q_in), positions)
+    cache = cache.append(c_kv, k_rope, keys, scales)
+    lengths = cache.lengths
+    indices = scores = None
+    if mode == "sparse" or return_aux:
+      k_idx = dequantize(*cache.gather_index_keys())                # [B, S, d_I]
+      scores = indexer_scores(q_idx, k_idx, w, causal=False, kv_lengths=lengths)
+      # The T queries are each sequence's last T tokens (paged_mla_decode's contract): query t of
+      # sequence b sits at lengths[b] - T + t, a per-sequence offset that indexer_scores' scalar
+      # q_offset cannot express, so causality is applied here.
+      q_pos = lengths[:, None] - t + jnp.arange(t, dtype=jnp.int32)[None, :]       # [B, T]
+      visible = jnp.arange(k_idx.shape[1], dtype=jnp.int32)[None, None, :] <= q_pos[:, :, None]
+      scores = jnp.where(visible, scores, -jnp.inf)
+      if mode == "sparse":
+        indices = topk_indices(scores, self.index_topk)            # [B, T, k], -1 = none
+    dt = q_nope.dtype
+    w_uk, w_uv = self.k_up.kernel[...].astype(dt), self.v_up.kernel[...].astype(dt)
+    # q^C_i . (c W_up^K_i) = (q^C_i W_up^K_i^T) . c: the query goes to latent space once.
+    q_latent = jnp.einsum("btnp,cnp->btnc", q_nope, w_uk, preferred_element_type=jnp.float32)
+    impl = implementation or self.implementation
+    impl = "xla" if impl == "xla_chunked" else impl  # the dense backends' XLA name
+    o_latent = paged_mla_decode(q_latent.astype(dt), q_rope, cache.c_kv_pool, cache.k_rope_pool,
+                                cache.page_table, lengths, scale=self.scale, indices=indices,
+                                implementation=impl)                        # [B, T, N, C]
+    out = jnp.einsum("btnc,cnh->btnh", o_latent.astype(dt), w_uv,
+                     preferred_element_type=jnp.float32).astype(dt)
+    y = shard(self.o_proj(out), ("batch", "length", "act_embed"))
+    if not return_aux:
+      return y, cache
+    c_all, k_rope_all = cache.gather()                               # [B, S, C], [B, S, R]
+    return y, cache, self._aux(q_nope, q_rope, c_all.astype(dt), k_rope_all.astype(dt), scores,
+                               indices)
 
   def _project_all(self, x, positions):
     """MLA's projections, also returning the query latent the indexer reads."""
@@ -200,8 +293,11 @@ class DSA(MLA):
       raise ValueError(f"`attention_mode` must be one of {ATTENTION_MODES}, got {mode!r}.")
     if x.ndim != 3 or x.shape[-1] != self.embed_dim:
       raise ValueError(f"`x` must be [B, T, D={self.embed_dim}], got shape {x.shape}.")
+    if isinstance(cache, PagedLatentCache):
+      return self._paged_call(x, positions, cache, mode, return_aux, implementation, segment_ids)
     if cache is not None and not isinstance(cache, DSACache):
-      raise ValueError(f"`cache` must be a DSACache (from DSA.init_cache), got {type(cache)}.")
+      raise ValueError(f"`cache` must be a DSACache (DSA.init_cache) or a PagedLatentCache "
+                       f"(DSA.init_paged_cache), got {type(cache)}.")
     b, t, _ = x.shape
     if segment_ids is not None and (cache is not None or segment_ids.shape != (b, t)):
       raise ValueError(f"`segment_ids` must be [B, T] = {(b, t)} and cannot be combined with a "
