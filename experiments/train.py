@@ -115,6 +115,8 @@ def maybe_initialize_distributed(args) -> None:
     if args.coordinator:
       kw = dict(coordinator_address=args.coordinator, num_processes=args.num_processes,
                 process_id=args.process_id)
+    if os.environ.get("JAX_PLATFORMS", "") == "cpu":  # CPU processes talk through gloo
+      jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(**kw)
 
 
@@ -123,6 +125,8 @@ class MetricsLog:
 
   def __init__(self, path: pathlib.Path, resume_step: int):
     self.path = path
+    if jax.process_index() != 0:  # one writer
+      return
     lines = []
     if resume_step > 0 and path.exists():
       for line in path.read_text().splitlines():
@@ -266,7 +270,7 @@ def train(args) -> dict:
         f"({int(ev['eval_tokens'])} held-out tokens)")
 
     sample = ""
-    if args.sample_tokens and pi == 0:
+    if args.sample_tokens:  # every process runs the (SPMD) generation; process 0 prints
       model = nnx.merge(graphdef, state.params, state.rest)
       prompt = tokenizer.encode(args.prompt, add_bos=True)[None, :]
       log(f"sample ({args.sample_tokens} bytes, temperature {args.sample_temperature}, top-p "
@@ -276,11 +280,12 @@ def train(args) -> dict:
       def stream(ids):
         s = tokenizer.decode(ids[:1])
         pieces.append(s)
-        print(s, end="", flush=True)
+        if pi == 0:
+          print(s, end="", flush=True)
 
       generate(model, prompt, args.sample_tokens, temperature=args.sample_temperature,
                top_p=args.sample_top_p, seed=args.seed, on_token=stream)
-      print(flush=True)
+      log("")
       sample = args.prompt + "".join(pieces)
 
   first = history[0]["loss"] if history else float("nan")

@@ -126,9 +126,17 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
 
 
 def shard_batch(batch: dict, mesh: Mesh | None):
-  """Host numpy batch -> device arrays (split over the batch axes of ``mesh``)."""
+  """Host numpy batch -> device arrays (split over the batch axes of ``mesh``).
+
+  With several processes each host passes its own rows (``PackedDataset`` with ``process_index``)
+  and the global array is assembled from them.
+  """
   if mesh is None:
     return {k: jnp.asarray(v) for k, v in batch.items()}
+  if jax.process_count() > 1:
+    return {k: jax.make_array_from_process_local_data(batch_sharding(mesh, np.ndim(v)),
+                                                      np.asarray(v))
+            for k, v in batch.items()}
   return {k: jax.device_put(np.asarray(v), batch_sharding(mesh, np.ndim(v)))
           for k, v in batch.items()}
 
