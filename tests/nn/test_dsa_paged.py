@@ -3,8 +3,6 @@
 batches with a freed sequence's pages reused by a new one, auxiliary outputs, the Pallas kernel
 through the module, errors."""
 
-import math
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -12,6 +10,7 @@ from flax import nnx
 
 from jaxattn.nn.dsa import DSA
 from jaxattn.paged_cache import PagedLatentCache
+from jaxattn.testing import random_module
 
 D = 32
 MLA_KW = dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
@@ -22,21 +21,9 @@ TOPK = 3  # below the sequence lengths used here, so the selection matters
 def _dsa(quant=None, mode="sparse", topk=TOPK, seed=0):
   """The module built abstractly and filled with random weights from NumPy (its initializers
   compile once per parameter shape, which would dominate this file's runtime)."""
-  module = nnx.eval_shape(lambda: DSA(D, 4, index_num_heads=3, index_head_dim=16,
+  return random_module(lambda: DSA(D, 4, index_num_heads=3, index_head_dim=16,
                                       index_rope_dim=4, index_topk=topk, index_quant=quant,
-                                      attention_mode=mode, rngs=nnx.Rngs(0), **MLA_KW))
-  rng = np.random.default_rng(seed)
-  for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
-    shape = var.get_value().shape
-    if path[-1] == "kernel":
-      fan_in = shape[0] * (shape[1] if path[0] == "o_proj" else 1)
-      value = rng.standard_normal(shape) / math.sqrt(fan_in)
-    elif path[-1] == "scale":
-      value = 1 + 0.2 * rng.standard_normal(shape)
-    else:
-      value = 0.1 * rng.standard_normal(shape)
-    var.set_value(jnp.asarray(value, var.get_value().dtype))
-  return module
+                                      attention_mode=mode, rngs=nnx.Rngs(0), **MLA_KW), seed)
 
 
 def _x(t, b=2, seed=1):

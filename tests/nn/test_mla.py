@@ -1,8 +1,6 @@
 """The MLA module: naive == absorbed, decode == full pass, the latent cache, decoupled RoPE's relative
 position term, gradients, sharding on the simulated mesh, errors; partial RoPE in ``Attention``."""
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +14,7 @@ from jaxattn.mla_cache import LatentCache
 from jaxattn.nn.attention import Attention
 from jaxattn.nn.mla import MLA
 from jaxattn.ops.rope import apply_rope
+from jaxattn.testing import random_module
 
 D, N = 32, 4
 DIMS = dict(kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
@@ -35,19 +34,7 @@ def random_mla(seed=0, **config):
   once per parameter shape (~4 s of CPU for one MLA), which would dominate this file's runtime.
   Parameter metadata (logical axes) is the constructor's.
   """
-  mla = nnx.eval_shape(lambda: MLA(D, N, rngs=nnx.Rngs(0), **{**DIMS, **config}))
-  rng = np.random.default_rng(seed)
-  for path, var in nnx.to_flat_state(nnx.state(mla, nnx.Param)):
-    shape = var.get_value().shape
-    if path[-1] == "kernel":
-      fan_in = shape[0] * (shape[1] if path[0] == "o_proj" else 1)
-      value = rng.standard_normal(shape) / math.sqrt(fan_in)
-    elif path[-1] == "scale":
-      value = 1 + 0.2 * rng.standard_normal(shape)
-    else:
-      value = 0.1 * rng.standard_normal(shape)
-    var.set_value(jnp.asarray(value, var.get_value().dtype))
-  return mla
+  return random_module(lambda: MLA(D, N, rngs=nnx.Rngs(0), **{**DIMS, **config}), seed)
 
 
 def _x(t=10, b=2, seed=1):

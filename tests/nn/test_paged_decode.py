@@ -2,8 +2,6 @@
 contiguous-cache decode and the full pass, ragged batches (a finished sequence freed and a new one
 started beside a running one), the Pallas kernel through the module, errors."""
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +11,7 @@ from flax import nnx
 from jaxattn.nn.attention import Attention
 from jaxattn.nn.mla import MLA
 from jaxattn.paged_cache import PagedKVCache, PagedLatentCache
+from jaxattn.testing import random_module
 
 D = 32
 MLA_DIMS = dict(kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
@@ -20,21 +19,7 @@ MLA_DIMS = dict(kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_
 
 
 def _filled(ctor, seed=0):
-  """The module built abstractly and filled with random weights from NumPy (its initializers
-  compile once per parameter shape, which would dominate this file's runtime)."""
-  module = nnx.eval_shape(ctor)
-  rng = np.random.default_rng(seed)
-  for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
-    shape = var.get_value().shape
-    if path[-1] == "kernel":
-      fan_in = shape[0] * (shape[1] if path[0] == "o_proj" else 1)
-      value = rng.standard_normal(shape) / math.sqrt(fan_in)
-    elif path[-1] == "scale":
-      value = 1 + 0.2 * rng.standard_normal(shape)
-    else:
-      value = 0.1 * rng.standard_normal(shape)
-    var.set_value(jnp.asarray(value, var.get_value().dtype))
-  return module
+  return random_module(ctor, seed)
 
 
 def gqa():

@@ -1,0 +1,33 @@
+"""Helpers for testing modules built on jaxattn."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+def random_module(ctor: Callable[[], nnx.Module], seed: int = 0) -> nnx.Module:
+  """``ctor()`` built abstractly and filled with random weights drawn by NumPy.
+
+  Kernels get a fan-in scaled normal (the ``o_proj`` fan-in spans its first two axes), norm scales
+  ``1 + 0.2 N(0, 1)`` and everything else ``0.1 N(0, 1)``, so norms and biases matter in tests.
+  The module's own initializers would run eagerly and compile once per parameter shape, which
+  dominates small tests' runtime.  Parameter metadata (logical axes) is the constructor's.
+  """
+  module = nnx.eval_shape(ctor)
+  rng = np.random.default_rng(seed)
+  for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+    shape = var.get_value().shape
+    if path[-1] == "kernel":
+      fan_in = shape[0] * (shape[1] if path[0] == "o_proj" else 1)
+      value = rng.standard_normal(shape) / math.sqrt(fan_in)
+    elif path[-1] == "scale":
+      value = 1 + 0.2 * rng.standard_normal(shape)
+    else:
+      value = 0.1 * rng.standard_normal(shape)
+    var.set_value(jnp.asarray(value, var.get_value().dtype))
+  return module
