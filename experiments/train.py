@@ -36,10 +36,8 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 from jaxattn.configs import PRESETS, get_config
@@ -49,7 +47,7 @@ from jaxattn.sharding import make_mesh, param_shardings
 from jaxattn.train.checkpoint import Checkpointer, install_interrupt_handler
 from jaxattn.train.data import (ByteTokenizer, PackedDataset, eval_batches, load_text,
                                 split_documents, tokenize_documents)
-from jaxattn.train.step import (TrainState, evaluate, init_train_state, make_eval_step,
+from jaxattn.train.step import (evaluate, init_train_state, make_eval_step,
                                 make_optimizer, make_train_step, model_flops_per_token,
                                 shard_batch)
 
@@ -214,7 +212,6 @@ def train(args) -> dict:
     # -- loop ------------------------------------------------------------------------------------
     t_compile = None
     history = []
-    tokens_seen = 0
     t_window, tok_window = time.perf_counter(), 0
     interrupted = False
     bar = tqdm(total=args.steps, initial=start, desc="train", unit="step", disable=pi != 0,
@@ -225,7 +222,6 @@ def train(args) -> dict:
         t0 = time.perf_counter()
         state, m = step_fn(state, batch)
         n = int(step + 1)
-        tokens_seen += data.tokens_per_batch
         tok_window += data.tokens_per_batch
         if t_compile is None:  # the first step compiles: keep it out of the throughput
           jax.block_until_ready(m)

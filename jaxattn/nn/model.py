@@ -29,14 +29,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Int
 
-from jaxattn.cache import KVCache
 from jaxattn.nn.attention import Attention
 from jaxattn.nn.dsa import DSA
 from jaxattn.nn.gated_deltanet import GatedDeltaNet
@@ -315,9 +314,7 @@ class DecoderLayer(nnx.Module):
 
   def _mix(self, h, positions, segment_ids, cache, want_aux):
     aux = _zero()
-    if self.kind in "AS":
-      out = self.mixer(h, positions=positions, segment_ids=segment_ids, cache=cache)
-    elif self.kind == "M":
+    if self.kind in "ASM":
       out = self.mixer(h, positions=positions, segment_ids=segment_ids, cache=cache)
     elif self.kind == "I":
       out = self.mixer(h, positions=positions, cache=cache, return_aux=want_aux,

@@ -197,7 +197,6 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
   the attention score / value products (12 x layers x d_attn x T / 2 for causal attention)."""
   model = nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0)))
   params = nnx.state(model, nnx.Param)
-  total = 0
   active = 0.0
   for path, leaf in jax.tree_util.tree_leaves_with_path(params):
     n = int(np.prod(leaf.shape))
@@ -207,7 +206,6 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     if any(n_ in ("w_gate", "w_up", "w_down") for n_ in names):
       n = n * cfg.num_experts_per_tok / max(cfg.num_experts, 1)  # only top-k experts run
     active += n
-    total += 1
   active += cfg.vocab_size * cfg.embed_dim if cfg.tie_embeddings else 0
   attn_layers = sum(1 for i in range(cfg.num_layers) if cfg.layer_kind(i)[0] in "ASMI")
   head_dim = cfg.head_dim or cfg.embed_dim // cfg.num_heads
