@@ -30,7 +30,6 @@ import argparse
 import math
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -303,6 +302,101 @@ def run_check() -> bool:
   return ok
 
 
+SWEEP_CONFIGS = (  # (block_q, block_k, num_warps, num_stages) of the GPU forward kernel
+    (128, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3))
+SWEEP_BWD_CONFIGS = (  # (block_q_dkv, block_k_dkv, num_warps, num_stages), dQ and dK/dV kernels
+    (64, 64, 4, 2), (64, 64, 8, 2), (64, 64, 4, 3), (32, 64, 4, 2))
+SWEEP_OPTIONS = (  # code-generation switches of pallas_kernels.flash_attention.gpu
+    {"exp": "exp", "affine": False, "reverse": False},
+    {"exp": "exp2", "affine": False, "reverse": False},
+    {"exp": "ex2asm", "affine": False, "reverse": False},
+    {"exp": "ex2asm", "affine": True, "reverse": False},
+    {"exp": "ex2asm", "affine": True, "reverse": True},
+    {"exp": "exp2", "affine": True, "reverse": True})
+
+
+def run_sweep(args) -> list[dict]:
+  """GPU kernels' block sizes and code-generation switches at one length: TFLOP/s of each
+  (block_q, block_k, warps, stages, switches), causal and not, against the same-run matmul peak
+  and cuDNN; with ``--backward`` the forward + backward of the causal case too."""
+  from jaxattn.ops import masks as M  # noqa: PLC0415
+  from pallas_kernels.flash_attention import flash_attention_gpu  # noqa: PLC0415
+  from pallas_kernels.flash_attention import gpu as gpu_kernel  # noqa: PLC0415
+
+  if _platform() != "gpu":
+    print("sweep: GPU only")
+    return []
+  dtype = jnp.dtype(args.dtype or "bfloat16")
+  t = args.sweep
+  b = max(1, args.tokens // t)
+  peak = matmul_rate(args.matmul_size or 8192, dtype, args.repeats) / 1e12
+  ks = jax.random.split(jax.random.key(t), 3)
+  shape_q = (b, t, args.heads, args.head_dim)
+  shape_kv = (b, t, args.kv_heads, args.head_dim)
+  q = jax.random.normal(ks[0], shape_q, jnp.float32).astype(dtype)
+  k = jax.random.normal(ks[1], shape_kv, jnp.float32).astype(dtype)
+  v = jax.random.normal(ks[2], shape_kv, jnp.float32).astype(dtype)
+  print(f"sweep T={t} B={b} heads={args.heads}/{args.kv_heads} head_dim={args.head_dim} "
+        f"{dtype.name}; matmul peak {peak:.1f} TFLOP/s")
+  saved = gpu_kernel.get_options()
+  rows = []
+
+  def timed(label, fn, flops, base):
+    try:
+      sec = best_time(compile_timed(fn, q, k, v)[0], (q, k, v), args.repeats)
+    except Exception as e:  # a config may not fit (shared memory, registers): say why
+      print(f"    {label}: {type(e).__name__}: {str(e).splitlines()[0][:100]}", flush=True)
+      return None
+    rate = flops / sec / 1e12
+    print(f"    {label}: {sec * 1e3:7.2f} ms {rate:6.1f} TFLOP/s {100 * rate / peak:5.1f}% peak "
+          f"{base / sec:5.2f}x cudnn", flush=True)
+    return sec, rate
+
+  passes = [(c, False) for c in (False, True)] + ([(True, True)] if args.backward else [])
+  try:
+    for causal, backward in passes:
+      flops = attention_flops(b, t, t, args.heads, args.head_dim, args.head_dim, causal, backward)
+      base = best_time(compile_timed(_make("base", causal, backward), q, k, v)[0], (q, k, v),
+                       args.repeats)
+      print(f"  causal={causal} {'fwd+bwd' if backward else 'fwd'}: cudnn {base * 1e3:.2f} ms "
+            f"{flops / base / 1e12:.1f} TFLOP/s", flush=True)
+      mask = M.make_mask(is_causal=causal)
+      if backward:
+        configs = [(128, 64, bqd, bkd, w, st) for bqd, bkd, w, st in SWEEP_BWD_CONFIGS]
+        options = [SWEEP_OPTIONS[0], SWEEP_OPTIONS[4]]  # as is; everything on
+      else:
+        configs = [(bq, bk, 64, 64, w, st) for bq, bk, w, st in SWEEP_CONFIGS]
+        options = SWEEP_OPTIONS
+      for opts in options:
+        gpu_kernel.set_options(**opts)
+        for bq, bk, bqd, bkd, w, st in configs:
+          blocks = BlockSizes(bq, bk, bqd, bkd, num_warps=w, num_stages=st)
+
+          def fwd(q, k, v, blocks=blocks, mask=mask):
+            return flash_attention_gpu(q, k, v, mask, block_sizes=blocks)
+
+          fn = fwd
+          if backward:
+            fn = jax.grad(lambda q, k, v, f=fwd: jnp.sum(f(q, k, v).astype(jnp.float32)),
+                          argnums=(0, 1, 2))
+          label = (f"{opts['exp']:6} affine={int(opts['affine'])} rev={int(opts['reverse'])} "
+                   + (f"bq_dkv={bqd:>3} bk_dkv={bkd:>3}" if backward else f"bq={bq:>3} bk={bk:>3}")
+                   + f" warps={w} stages={st}")
+          got = timed(label, fn, flops, base)
+          if got:
+            rows.append(dict(causal=causal, backward=backward, **opts, block_q=bq, block_k=bk,
+                             block_q_dkv=bqd, block_k_dkv=bkd, num_warps=w, num_stages=st,
+                             ms=got[0] * 1e3, tflops=got[1], vs_cudnn=base / got[0]))
+  finally:
+    gpu_kernel.set_options(**saved)
+  for causal, backward in passes:
+    mine = [r for r in rows if r["causal"] == causal and r["backward"] == backward]
+    if mine:
+      best = max(mine, key=lambda r: r["tflops"])
+      print(f"  best causal={causal} {'fwd+bwd' if backward else 'fwd'}: {best}")
+  return rows
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--seq-lens", type=int, nargs="+", default=None,
@@ -321,6 +415,9 @@ def main(argv=None):
   p.add_argument("--no-plot", action="store_true")
   p.add_argument("--check", action="store_true", help="correctness check on the device first")
   p.add_argument("--check-only", action="store_true")
+  p.add_argument("--sweep", type=int, default=None, metavar="T",
+                 help="GPU: time the kernels' block sizes and code-generation switches at length T "
+                 "(forward; with --backward also forward + backward, causal) and exit")
   p.add_argument("--roofline", action="store_true",
                  help="print the TPU v5e/v6e roofline table of docs/performance.md and exit")
   args = p.parse_args(argv)
@@ -339,6 +436,9 @@ def main(argv=None):
   elif args.plot is None:
     suffix = "_bwd" if args.backward else ""
     args.plot = os.path.join("runs", f"bench_flash_{_platform()}{suffix}.png")
+  if args.sweep:
+    run_sweep(args)
+    return 0
   ok = True
   if args.check or args.check_only:
     ok = run_check()

@@ -10,8 +10,9 @@
 #   2. tests/kernels/test_flash_gpu.py on the compiled kernels (forward, gradients, bf16, masks);
 #   3. experiments.bench_flash --check: kernel vs formula at realistic sizes on the device, then
 #      the forward benchmark against cuDNN and the bf16 matmul peak, T = 2k..16k, causal and not;
-#   4. the forward + backward benchmark at T = 2k and 8k;
-#   5. the decode benchmark (contiguous vs paged XLA paths against the copy bandwidth).
+#   4. the forward kernel's block sizes swept at T = 8k (TFLOP/s per tile, against cuDNN);
+#   5. the forward + backward benchmark at T = 2k and 8k;
+#   6. the decode benchmark (contiguous vs paged XLA paths against the copy bandwidth).
 # Outputs (log, table, plot) go to $OUT if set, else runs/.  Exit status: 0 when every step passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -44,6 +45,8 @@ if missing:
   sys.exit(f"missing Python packages: {missing} (carry them as wheels)")
 import jax
 print("python", sys.version.split()[0], "jax", jax.__version__, "devices", jax.devices())
+import flax
+print("flax", flax.__version__)
 if jax.default_backend() not in ("gpu", "cuda"):
   sys.exit(f"JAX sees no GPU (backend {jax.default_backend()!r})")
 PYEOF
@@ -53,10 +56,12 @@ if [ "$status" -ne 0 ]; then
 fi
 
 step "kernel tests" 120 "$DEST/test_flash_gpu.log" \
-  "$PY" -m pytest -q -x -p no:cacheprovider tests/kernels/test_flash_gpu.py
+  "$PY" -m pytest -q -rf --maxfail=3 -p no:cacheprovider tests/kernels/test_flash_gpu.py
 step "check + forward benchmark" 120 "$DEST/bench_flash_gpu.txt" \
   "$PY" -m experiments.bench_flash --check --seq-lens 2048 4096 8192 16384 --repeats 5 \
   --plot "$DEST/bench_flash_gpu.png"
+step "forward block-size sweep" 120 "$DEST/sweep_flash_gpu.txt" \
+  "$PY" -m experiments.bench_flash --sweep 8192 --repeats 5
 step "forward+backward benchmark" 60 "$DEST/bench_flash_gpu_bwd.txt" \
   "$PY" -m experiments.bench_flash --backward --seq-lens 2048 8192 --repeats 3 \
   --plot "$DEST/bench_flash_gpu_bwd.png"

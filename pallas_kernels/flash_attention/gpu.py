@@ -26,6 +26,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -34,6 +35,84 @@ from jaxtyping import Array, Float, Int
 from jaxattn.ops.masks import Mask
 from pallas_kernels.flash_attention import common as C
 from pallas_kernels.flash_attention.sharded import run_flash
+
+
+# Code-generation switches of the kernels, timed on an H200 (jax 0.11.2, bf16, B=2, N=16, H=128,
+# T=8192) by ``python -m experiments.bench_flash --sweep 8192 --backward``; change them with
+# ``set_options`` (results do not depend on them beyond rounding):
+#   exp:     "exp" (lax.exp: libdevice ``expf``), "exp2" (logits kept in base 2 with log2(e) folded
+#            into the scale, lax.exp2) or "ex2asm" (base 2 with the ``ex2.approx.f32`` instruction
+#            inline; lax.exp2 when interpreted).  Forward at 128 x 64 tiles, 4 warps, 3 stages:
+#            exp 343 TFLOP/s -> exp2 407 (non-causal); the softmax's exponentials, not the
+#            matmuls, were the bound.  Default "exp2".
+#   affine:  when every row of a pass's block table lists its FULL and its PARTIAL key blocks as
+#            ascending runs (causal, or no mask), address block ``w`` of a run as ``first + w``
+#            instead of loading ``table[w]`` inside the loop, so Triton's pipeliner sees loads
+#            affine in the loop counter.  Causal forward 268 -> 334 TFLOP/s (with ``reverse``); on
+#            tables without PARTIAL blocks (no mask) it measured slower (407 -> 383), so it applies
+#            only to tables that have them.  Default True.
+#   reverse: forward and dQ programs take query blocks last-first (under a causal mask the last
+#            blocks carry the most key blocks; launching them first shortens the tail wave).
+#            Default True.
+_OPTIONS = {"exp": "exp2", "affine": True, "reverse": True}
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+
+def set_options(**options):
+  """Sets kernel code-generation switches (see ``_OPTIONS``) and drops cached kernels."""
+  for name, value in options.items():
+    if name not in _OPTIONS:
+      raise ValueError(f"set_options: unknown option {name!r}; allowed: {sorted(_OPTIONS)}.")
+    _OPTIONS[name] = value
+  for f in (_build, _fwd_call, _dq_call, _dkv_call):
+    f.cache_clear()
+
+
+def get_options() -> dict:
+  return dict(_OPTIONS)
+
+
+def _exp2(x, interpret: bool):
+  if _OPTIONS["exp"] == "ex2asm" and not interpret:
+    (y,) = plgpu.elementwise_inline_asm(
+        "ex2.approx.f32 $0, $1;", args=[x], constraints="=r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
+    return y
+  return jnp.exp2(x)
+
+
+def _affine(plan: C.Plan, transpose: bool) -> bool:
+  """Whether the static block table of a pass has PARTIAL blocks and lists, per row, FULL then
+  PARTIAL columns as two ascending runs of consecutive blocks (so ``table[w] = table[lo] + (w -
+  lo)`` within a run)."""
+  if not _OPTIONS["affine"] or plan.per_batch_tables:
+    return False
+  bq, bk = (plan.block_q_dkv, plan.block_k_dkv) if transpose else (plan.block_q, plan.block_k)
+  kinds = np.asarray(C.static_kinds(plan, bq, bk))
+  if transpose:
+    kinds = kinds.T
+  if not np.any(kinds == C.PARTIAL):
+    return False  # measured slower than the table load when every block is FULL (see _OPTIONS)
+  for row in kinds:
+    for kind in (C.FULL, C.PARTIAL):
+      cols = np.flatnonzero(row == kind)
+      if cols.size > 1 and np.any(np.diff(cols) != 1):
+        return False
+  return True
+
+
+def _reversed_rows(specs, rows: int):
+  """The specs with grid axis 0 read backwards (``r -> rows - 1 - r``) under ``reverse``."""
+  if not _OPTIONS["reverse"]:
+    return specs
+  return [pl.BlockSpec(sp.block_shape,
+                       lambda r, b, h, f=sp.index_map: f(rows - 1 - r, b, h)) for sp in specs]
+
+
+def _row_id(rows: int):
+  i = pl.program_id(0)
+  return rows - 1 - i if _OPTIONS["reverse"] else i
 
 
 def _div(x, d: int):
@@ -150,12 +229,18 @@ def _bt(plan, b):
   return b if plan.per_batch_tables else 0
 
 
-def _visit(counts_ref, entries_ref, carry, step):
-  """Runs ``step(block, carry, masked)`` over the FULL then the PARTIAL entries of one row."""
+def _visit(counts_ref, entries_ref, carry, step, affine=False):
+  """Runs ``step(block, carry, masked)`` over the FULL then the PARTIAL entries of one row
+  (``affine``: each run's blocks are consecutive, see ``_affine``)."""
   n_full, n_part = counts_ref[0], counts_ref[1]
+  width = entries_ref.shape[0]
   for masked, lo, hi in ((False, 0, n_full), (True, n_full, n_full + n_part)):
-    carry = lax.fori_loop(
-        lo, hi, lambda w, c, masked=masked: step(entries_ref[w] >> C.KIND_BITS, c, masked), carry)
+    if affine:
+      base = (entries_ref[jnp.minimum(lo, width - 1)] >> C.KIND_BITS) - lo
+      body = lambda w, c, masked=masked, base=base: step(base + w, c, masked)  # noqa: E731
+    else:
+      body = lambda w, c, masked=masked: step(entries_ref[w] >> C.KIND_BITS, c, masked)  # noqa
+    carry = lax.fori_loop(lo, hi, body, carry)
   return carry
 
 
@@ -211,8 +296,8 @@ def _fwd_call(plan: C.Plan, width: int, hp: int, vp: int):
   return pl.pallas_call(
       functools.partial(_fwd_kernel, plan=plan),
       grid=(nq, plan.batch, plan.num_heads),
-      in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-      compiler_params=_compiler_params(plan, hp),
+      in_specs=_reversed_rows(in_specs, nq), out_specs=_reversed_rows(out_specs, nq),
+      out_shape=out_shape, compiler_params=_compiler_params(plan, hp),
       interpret=plan.interpret, name="jaxattn_flash_fwd_gpu")
 
 
@@ -225,12 +310,19 @@ def _fwd_kernel(q_ref, k_ref, v_ref, entries_ref, counts_ref, iscal_ref, fscal_r
   if plan.has_segments:
     qseg_ref, kvseg_ref, *refs = refs
   o_ref, lse_ref = refs
-  i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  i, b, n = _row_id(plan.q_pad // plan.block_q), pl.program_id(1), pl.program_id(2)
   bq, bk = plan.block_q, plan.block_k
   q_offset, scale, slope, kv_length = _scalars(plan, iscal_ref, fscal_ref, b, n)
   q = q_ref[...]  # [bq, Hp], resident for the whole loop
   q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)[:, None]  # [bq, 1]
   q_seg = qseg_ref[...][:, None] if plan.has_segments else None
+
+  base2 = _OPTIONS["exp"] != "exp"
+  # Base 2: logits times log2(e), so that exp(x - m) = exp2(x' - m').  Without ALiBi or soft-cap
+  # the factor folds into the scale (one multiply per logit, as before).
+  fold = base2 and slope is None and plan.logits_soft_cap is None
+  step_scale = scale * _LOG2E if fold else scale
+  expf = (lambda x: _exp2(x, plan.interpret)) if base2 else jnp.exp  # noqa: E731
 
   def step(j, carry, masked):
     acc, m, l = carry  # [bq, hp], [bq], [bq]
@@ -242,22 +334,28 @@ def _fwd_kernel(q_ref, k_ref, v_ref, entries_ref, counts_ref, iscal_ref, fscal_r
     segs = {}
     if masked and plan.has_segments:
       segs = dict(q_seg=q_seg, kv_seg=kvseg_ref[pl.ds(start, bk)][None, :])
-    s = C.block_scores(s, plan=plan, q_idx=q_idx, kv_idx=kv_idx, q_offset=q_offset, scale=scale,
-                       slope=slope, masked=masked, kv_length=kv_length, **segs)
+    s = C.block_scores(s, plan=plan, q_idx=q_idx, kv_idx=kv_idx, q_offset=q_offset,
+                       scale=step_scale, slope=slope, masked=masked, kv_length=kv_length, **segs)
+    if base2 and not fold:
+      s = s * _LOG2E
     m_next = jnp.maximum(m, jnp.max(s, axis=1))
     m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # no allowed key yet: exp(-inf) = 0
-    p = jnp.exp(s - m_safe[:, None])
-    alpha = jnp.exp(m - m_safe)
+    p = expf(s - m_safe[:, None])
+    alpha = expf(m - m_safe)
     acc = acc * alpha[:, None] + plgpu.dot(p.astype(C.matmul_dtype(v)), v)
     return acc, m_next, l * alpha + jnp.sum(p, axis=1)
 
   init = (jnp.zeros((bq, o_ref.shape[-1]), jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32),
           jnp.zeros((bq,), jnp.float32))
-  acc, m, l = _visit(counts_ref, entries_ref, init, step)
+  acc, m, l = _visit(counts_ref, entries_ref, init, step, affine=_affine(plan, False))
   ok = l > 0.0
   inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)  # a row with no allowed key gives 0
   o_ref[...] = (acc * inv[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(ok, m + jnp.log(jnp.where(ok, l, 1.0)), -jnp.inf)
+  if base2:
+    lse = (m + jnp.log2(jnp.where(ok, l, 1.0))) * _LN2
+  else:
+    lse = m + jnp.log(jnp.where(ok, l, 1.0))
+  lse_ref[...] = jnp.where(ok, lse, -jnp.inf)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -288,6 +386,25 @@ def _backward(plan: C.Plan, q, k, v, aux, out, lse, d_out, d_lse):
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
+def _probs(plan, scale, slope):
+  """``(s, lse, **where) -> (logits, p)`` of one backward block: ``p = exp(logits - lse)``, in base
+  2 under the ``exp`` switch (``logits`` are returned in natural units for the soft-cap's chain
+  rule whenever a soft-cap is set)."""
+  base2 = _OPTIONS["exp"] != "exp"
+  fold = base2 and slope is None and plan.logits_soft_cap is None
+
+  def prob(s, lse, **where):
+    if fold:
+      s2 = C.block_scores(s, plan=plan, scale=scale * _LOG2E, slope=slope, **where)
+      return s2, _exp2(s2 - lse * _LOG2E, plan.interpret)
+    s = C.block_scores(s, plan=plan, scale=scale, slope=slope, **where)
+    if base2:
+      return s, _exp2((s - lse) * _LOG2E, plan.interpret)
+    return s, jnp.exp(s - lse)
+
+  return prob
+
+
 @functools.lru_cache(maxsize=128)
 def _dq_call(plan: C.Plan, width: int, hp: int, vp: int):
   bq, g = plan.block_q, plan.groups
@@ -305,7 +422,8 @@ def _dq_call(plan: C.Plan, width: int, hp: int, vp: int):
   return pl.pallas_call(
       functools.partial(_dq_kernel, plan=plan),
       grid=(nq, plan.batch, plan.num_heads),
-      in_specs=in_specs, out_specs=pl.BlockSpec((None, bq, None, hp), row),
+      in_specs=_reversed_rows(in_specs, nq),
+      out_specs=_reversed_rows([pl.BlockSpec((None, bq, None, hp), row)], nq)[0],
       out_shape=jax.ShapeDtypeStruct((plan.batch, plan.q_pad, plan.num_heads, hp), jnp.float32),
       compiler_params=_compiler_params(plan, hp),
       interpret=plan.interpret, name="jaxattn_flash_dq_gpu")
@@ -316,13 +434,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entries_ref, cou
   if plan.has_segments:
     qseg_ref, kvseg_ref, *refs = refs
   (dq_ref,) = refs
-  i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  i, b, n = _row_id(plan.q_pad // plan.block_q), pl.program_id(1), pl.program_id(2)
   bq, bk = plan.block_q, plan.block_k
   q_offset, scale, slope, kv_length = _scalars(plan, iscal_ref, fscal_ref, b, n)
   q, do = q_ref[...], do_ref[...]  # [bq, Hp], [bq, hp]
   lse, delta = lse_ref[...][:, None], delta_ref[...][:, None]  # [bq, 1]
   q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)[:, None]
   q_seg = qseg_ref[...][:, None] if plan.has_segments else None
+  prob = _probs(plan, scale, slope)
 
   def step(j, dq, masked):
     start = pl.multiple_of(j * bk, bk)
@@ -333,14 +452,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entries_ref, cou
     segs = {}
     if masked and plan.has_segments:
       segs = dict(q_seg=q_seg, kv_seg=kvseg_ref[pl.ds(start, bk)][None, :])
-    s = C.block_scores(s, plan=plan, q_idx=q_idx, kv_idx=kv_idx, q_offset=q_offset, scale=scale,
-                       slope=slope, masked=masked, kv_length=kv_length, **segs)
-    p = jnp.exp(s - lse)
+    s, p = prob(s, lse, q_idx=q_idx, kv_idx=kv_idx, q_offset=q_offset, masked=masked,
+                kv_length=kv_length, **segs)
     dp = plgpu.dot(do, v, trans_b=True)  # [bq, bk]
     ds = C.soft_cap_grad(p * (dp - delta), s, plan)
     return dq + plgpu.dot(ds.astype(C.matmul_dtype(k)), k)  # [bq, Hp]
 
-  dq = _visit(counts_ref, entries_ref, jnp.zeros(dq_ref.shape, jnp.float32), step)
+  dq = _visit(counts_ref, entries_ref, jnp.zeros(dq_ref.shape, jnp.float32), step,
+              affine=_affine(plan, False))
   dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
@@ -384,6 +503,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entries_ref, co
   k, v = k_ref[...], v_ref[...]  # [bk, Hp], [bk, hp], resident for the whole loop
   kv_idx = j * bk + jnp.arange(bk, dtype=jnp.int32)[:, None]  # [bk, 1]
   kv_seg = kvseg_ref[...][:, None] if plan.has_segments else None
+  prob = _probs(plan, scale, slope)
 
   def step(i, carry, masked):
     dk, dv = carry
@@ -395,16 +515,15 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entries_ref, co
     segs = {}
     if masked and plan.has_segments:
       segs = dict(kv_seg=kv_seg, q_seg=qseg_ref[pl.ds(start, bq)][None, :])
-    s = C.block_scores(s, plan=plan, q_idx=q_idx, kv_idx=kv_idx, q_offset=q_offset, scale=scale,
-                       slope=slope, masked=masked, kv_length=kv_length, **segs)
-    p = jnp.exp(s - lse_ref[pl.ds(start, bq)][None, :])  # p^T
+    s, p = prob(s, lse_ref[pl.ds(start, bq)][None, :], q_idx=q_idx, kv_idx=kv_idx,
+                q_offset=q_offset, masked=masked, kv_length=kv_length, **segs)  # p^T
     dv = dv + plgpu.dot(p.astype(C.matmul_dtype(do)), do)  # [bk, hp]
     dp = plgpu.dot(v, do, trans_b=True)  # [bk, bq] = dp^T
     ds = C.soft_cap_grad(p * (dp - delta_ref[pl.ds(start, bq)][None, :]), s, plan)
     return dk + plgpu.dot(ds.astype(C.matmul_dtype(q)), q), dv  # [bk, Hp]
 
   init = (jnp.zeros(dk_ref.shape, jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32))
-  dk, dv = _visit(counts_ref, entries_ref, init, step)
+  dk, dv = _visit(counts_ref, entries_ref, init, step, affine=_affine(plan, True))
   dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
 

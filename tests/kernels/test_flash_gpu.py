@@ -17,6 +17,8 @@ import pytest
 from jaxattn.ops import masks as M
 from jaxattn.ops.attention import dot_product_attention
 from pallas_kernels.flash_attention import BlockSizes, flash_attention_gpu
+from pallas_kernels.flash_attention import common as C
+from pallas_kernels.flash_attention import gpu as gpu_kernel
 
 ON_GPU = jax.default_backend() in ("gpu", "cuda", "rocm")
 FAST_COMPILE = {} if ON_GPU else {"xla_backend_optimization_level": 0,
@@ -173,3 +175,55 @@ def test_block_sizes_must_be_triton_tiles():
     flash_attention_gpu(q, k, v, block_sizes=BlockSizes(48, 16, 48, 16))
   with pytest.raises(ValueError, match="num_warps"):
     BlockSizes(16, 16, 16, 16, num_warps=3)
+
+
+@pytest.fixture(params=[{"exp": "exp2", "affine": True, "reverse": True},
+                        {"exp": "ex2asm", "affine": False, "reverse": False}],
+                ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def codegen_options(request):
+  saved = gpu_kernel.get_options()
+  gpu_kernel.set_options(**request.param)
+  yield request.param
+  gpu_kernel.set_options(**saved)
+
+
+@pytest.mark.parametrize("name", ["causal_gqa_ragged", "padding_softcap_offset"])
+def test_codegen_switches_keep_results(codegen_options, name):
+  """Base-2 softmax and affine block addressing (``gpu.set_options``) give the formula's results;
+  the causal case has an affine table, the padded one does not (per-batch lengths)."""
+  (q, k, v), kw = build(*CASES[name])
+  out, lse, grads = run(lambda q, k, v: loss_and_grads(kernel_fn(kw), q, k, v), q, k, v)
+  r_out, r_lse, r_grads = run(lambda q, k, v: loss_and_grads(reference_fn(kw), q, k, v), q, k, v)
+  assert_close(out, r_out, F32_TOL, "out")
+  assert_close(jnp.where(jnp.isfinite(lse), lse, 0), jnp.where(jnp.isfinite(r_lse), r_lse, 0),
+               F32_TOL, "lse")
+  for g, rg, label in zip(grads, r_grads, ("dq", "dk", "dv")):
+    assert_close(g, rg, F32_GRAD_TOL, label)
+
+
+def test_codegen_switches_lower_to_triton(codegen_options):
+  test_lowers_to_triton()
+
+
+def test_affine_tables_detected():
+  def plan(mask, length=100):
+    q = jax.ShapeDtypeStruct((1, length, 2, 16), jnp.float32)
+    return C.make_plan(q, q, q, static_mask=mask, q_offset=0, logits_soft_cap=None,
+                       alibi_slopes=None, segment_ids=None, kv_lengths=None, block_sizes=SMALL,
+                       interpret=True)
+
+  saved = gpu_kernel.get_options()
+  try:
+    gpu_kernel.set_options(affine=True)
+    assert gpu_kernel._affine(plan(M.CausalMask()), False)
+    assert gpu_kernel._affine(plan(M.CausalMask()), True)
+    assert gpu_kernel._affine(plan(None), False)  # the ragged last key block is PARTIAL
+    assert not gpu_kernel._affine(plan(None, 96), False)  # all FULL: table loads (faster)
+    # A window whose band leaves FULL blocks between two PARTIAL edges: not one ascending run.
+    assert not gpu_kernel._affine(plan(M.SlidingWindowMask(60, 0)), False)
+    gpu_kernel.set_options(affine=False)
+    assert not gpu_kernel._affine(plan(M.CausalMask()), False)
+  finally:
+    gpu_kernel.set_options(**saved)
+  with pytest.raises(ValueError, match="unknown option"):
+    gpu_kernel.set_options(fast=True)
