@@ -111,7 +111,7 @@ def run_benchmark(args) -> list[dict]:
         row[kind] = (sec, flops / sec / unit, peak_bytes(compiled) / 2**20)
       except Exception as e:  # a baseline may not support a shape (e.g. cuDNN limits): say why
         row[kind] = None
-        row[kind + "_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        row[kind + "_error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"
     rows.append(row)
     ours, base = row["ours"], row["base"]
     fmt = lambda r: (f"{r[0] * 1e3:15.2f} {r[1]:8.1f}" if r else f"{'n/a':>15} {'':>8}")  # noqa
@@ -305,14 +305,32 @@ def run_check() -> bool:
 SWEEP_CONFIGS = (  # (block_q, block_k, num_warps, num_stages) of the GPU forward kernel
     (128, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3))
 SWEEP_BWD_CONFIGS = (  # (block_q_dkv, block_k_dkv, num_warps, num_stages), dQ and dK/dV kernels
-    (64, 64, 4, 2), (64, 64, 8, 2), (64, 64, 4, 3), (32, 64, 4, 2))
+    (64, 64, 4, 3), (64, 64, 8, 2), (32, 64, 4, 3), (32, 128, 4, 3), (32, 128, 8, 3),
+    (64, 128, 8, 2))
 SWEEP_OPTIONS = (  # code-generation switches of pallas_kernels.flash_attention.gpu
     {"exp": "exp", "affine": False, "reverse": False},
     {"exp": "exp2", "affine": False, "reverse": False},
     {"exp": "ex2asm", "affine": False, "reverse": False},
     {"exp": "ex2asm", "affine": True, "reverse": False},
     {"exp": "ex2asm", "affine": True, "reverse": True},
-    {"exp": "exp2", "affine": True, "reverse": True})
+    {"exp": "exp2", "affine": True, "reverse": True})  # the default (last)
+
+
+def _time_jax_mgpu(q, k, v, causal, flops, base, peak, repeats):
+  """JAX's own Hopper flash attention (Pallas on Mosaic GPU, FlashAttention-3 style:
+  ``jax.experimental.pallas.ops.gpu.attention_mgpu``), forward, as a second reference point."""
+  try:
+    from jax.experimental.pallas.ops.gpu import attention_mgpu  # noqa: PLC0415
+    config = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2,
+                                         causal=causal)
+    fn = lambda q, k, v: attention_mgpu.attention(q, k, v, config)  # noqa: E731
+    sec = best_time(compile_timed(fn, q, k, v)[0], (q, k, v), repeats)
+  except Exception as e:  # not in every JAX build, or the GPU is not a Hopper
+    print(f"    jax attention_mgpu: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:100]}")
+    return
+  rate = flops / sec / 1e12
+  print(f"    jax attention_mgpu (block_q 64, block_kv 128): {sec * 1e3:7.2f} ms {rate:6.1f} "
+        f"TFLOP/s {100 * rate / peak:5.1f}% peak {base / sec:5.2f}x cudnn", flush=True)
 
 
 def run_sweep(args) -> list[dict]:
@@ -345,7 +363,8 @@ def run_sweep(args) -> list[dict]:
     try:
       sec = best_time(compile_timed(fn, q, k, v)[0], (q, k, v), args.repeats)
     except Exception as e:  # a config may not fit (shared memory, registers): say why
-      print(f"    {label}: {type(e).__name__}: {str(e).splitlines()[0][:100]}", flush=True)
+      print(f"    {label}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:100]}",
+            flush=True)
       return None
     rate = flops / sec / 1e12
     print(f"    {label}: {sec * 1e3:7.2f} ms {rate:6.1f} TFLOP/s {100 * rate / peak:5.1f}% peak "
@@ -360,13 +379,15 @@ def run_sweep(args) -> list[dict]:
                        args.repeats)
       print(f"  causal={causal} {'fwd+bwd' if backward else 'fwd'}: cudnn {base * 1e3:.2f} ms "
             f"{flops / base / 1e12:.1f} TFLOP/s", flush=True)
+      if not backward:
+        _time_jax_mgpu(q, k, v, causal, flops, base, peak, args.repeats)
       mask = M.make_mask(is_causal=causal)
       if backward:
         configs = [(128, 64, bqd, bkd, w, st) for bqd, bkd, w, st in SWEEP_BWD_CONFIGS]
-        options = [SWEEP_OPTIONS[0], SWEEP_OPTIONS[4]]  # as is; everything on
+        options = [SWEEP_OPTIONS[-1]]
       else:
         configs = [(bq, bk, 64, 64, w, st) for bq, bk, w, st in SWEEP_CONFIGS]
-        options = SWEEP_OPTIONS
+        options = SWEEP_OPTIONS if args.sweep_switches else [SWEEP_OPTIONS[-1]]
       for opts in options:
         gpu_kernel.set_options(**opts)
         for bq, bk, bqd, bkd, w, st in configs:
@@ -418,6 +439,8 @@ def main(argv=None):
   p.add_argument("--sweep", type=int, default=None, metavar="T",
                  help="GPU: time the kernels' block sizes and code-generation switches at length T "
                  "(forward; with --backward also forward + backward, causal) and exit")
+  p.add_argument("--sweep-switches", action="store_true",
+                 help="with --sweep: also time every code-generation switch combination")
   p.add_argument("--roofline", action="store_true",
                  help="print the TPU v5e/v6e roofline table of docs/performance.md and exit")
   args = p.parse_args(argv)

@@ -10,7 +10,8 @@
 #   2. tests/kernels/test_flash_gpu.py on the compiled kernels (forward, gradients, bf16, masks);
 #   3. experiments.bench_flash --check: kernel vs formula at realistic sizes on the device, then
 #      the forward benchmark against cuDNN and the bf16 matmul peak, T = 2k..16k, causal and not;
-#   4. the forward kernel's block sizes swept at T = 8k (TFLOP/s per tile, against cuDNN);
+#   4. the kernels' block sizes swept at T = 8k (TFLOP/s per tile, against cuDNN and JAX's own
+#      Mosaic GPU flash attention);
 #   5. the forward + backward benchmark at T = 2k and 8k;
 #   6. the decode benchmark (contiguous vs paged XLA paths against the copy bandwidth).
 # Outputs (log, table, plot) go to $OUT if set, else runs/.  Exit status: 0 when every step passed.
@@ -60,8 +61,8 @@ step "kernel tests" 120 "$DEST/test_flash_gpu.log" \
 step "check + forward benchmark" 120 "$DEST/bench_flash_gpu.txt" \
   "$PY" -m experiments.bench_flash --check --seq-lens 2048 4096 8192 16384 --repeats 5 \
   --plot "$DEST/bench_flash_gpu.png"
-step "forward block-size sweep" 120 "$DEST/sweep_flash_gpu.txt" \
-  "$PY" -m experiments.bench_flash --sweep 8192 --repeats 5
+step "block-size sweep (forward; forward + backward, causal)" 150 "$DEST/sweep_flash_gpu.txt" \
+  "$PY" -m experiments.bench_flash --sweep 8192 --backward --repeats 5
 step "forward+backward benchmark" 60 "$DEST/bench_flash_gpu_bwd.txt" \
   "$PY" -m experiments.bench_flash --backward --seq-lens 2048 8192 --repeats 3 \
   --plot "$DEST/bench_flash_gpu_bwd.png"
