@@ -22,10 +22,13 @@ Semantics shared by both (the contract the kernels are tested against):
 * Output in the query dtype.
 
 Implementations: ``"xla"`` (the reference below: gather every page to a contiguous ``[B, S, ...]``
-buffer, dense fp32 softmax) and ``"pallas_tpu"`` (``pallas_kernels.decode_attention`` /
+buffer, dense fp32 softmax), ``"pallas_tpu"`` (``pallas_kernels.decode_attention`` /
 ``pallas_kernels.mla_decode``: reads pages in place by scalar prefetch, split-KV, runs interpreted
-off TPU).  ``implementation=None`` picks ``"pallas_tpu"`` on TPU and ``"xla"`` elsewhere; an
-explicit choice never falls back.
+off TPU) and ``"pallas_gpu"`` (the Pallas Triton kernels in the same packages' ``gpu.py``: pages
+read in place by scalar loads of the page table, split-KV, runs interpreted off GPU).
+``implementation=None`` picks ``"pallas_tpu"`` on TPU, ``"pallas_gpu"`` on an NVIDIA GPU (when
+the page size is a multiple of 16, its smallest key block; else ``"xla"``) and ``"xla"``
+elsewhere; an explicit choice never falls back.
 """
 
 from __future__ import annotations
@@ -41,21 +44,31 @@ from jaxtyping import Array, Float, Int
 
 from jaxattn.paged_cache import PageTable, gather_pages
 
-DecodeImplementation = Literal["xla", "pallas_tpu"]
-DECODE_IMPLEMENTATIONS: tuple[str, ...] = ("xla", "pallas_tpu")
+DecodeImplementation = Literal["xla", "pallas_tpu", "pallas_gpu"]
+DECODE_IMPLEMENTATIONS: tuple[str, ...] = ("xla", "pallas_tpu", "pallas_gpu")
 
 _F32 = jnp.float32
 
 
 def resolve_implementation(implementation) -> str:
-  """``None`` -> ``"pallas_tpu"`` on TPU, else ``"xla"``; an explicit name is checked, never
-  replaced."""
+  """``None`` -> ``"pallas_tpu"`` on TPU, ``"pallas_gpu"`` on an NVIDIA GPU, else ``"xla"``; an
+  explicit name is checked, never replaced."""
   if implementation is None:
-    return "pallas_tpu" if jax.default_backend() == "tpu" else "xla"
+    backend = jax.default_backend()
+    return {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(backend, "xla")
   if implementation not in DECODE_IMPLEMENTATIONS:
     raise ValueError(f"`implementation` must be None or one of {DECODE_IMPLEMENTATIONS}, got "
                      f"{implementation!r}.")
   return implementation
+
+
+def _gpu_fits(impl: str, requested, page_size: int) -> str:
+  """The automatic choice (``requested=None``) falls back from ``"pallas_gpu"`` to ``"xla"`` when
+  the pages are not whole 16-token Triton tiles (the GPU kernels' key blocks may not straddle
+  pages); an explicit ``"pallas_gpu"`` is kept and raises there."""
+  if impl == "pallas_gpu" and requested is None and page_size % 16:
+    return "xla"
+  return impl
 
 
 def _table(page_table, lengths, page_size) -> PageTable:
@@ -85,6 +98,12 @@ def _check_scale(name, v):
   if v is not None and not isinstance(v, (jax.Array, jax.core.Tracer)):
     if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
       raise ValueError(f"`{name}` must be a positive finite float or None, got {v!r}.")
+
+
+def _check_splits(num_splits):
+  if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                 or num_splits < 1):
+    raise ValueError(f"`num_splits` must be a positive int or None, got {num_splits!r}.")
 
 
 def _as_4d(q, name):
@@ -143,7 +162,7 @@ def paged_attention(
     *,
     scale: float | None = None,
     logits_soft_cap: float | None = None,
-    num_splits: int = 1,
+    num_splits: int | None = None,
     implementation: DecodeImplementation | None = None,
     interpret=None,
 ) -> Float[Array, "B T N h"] | Float[Array, "B N h"]:
@@ -158,12 +177,15 @@ def paged_attention(
     scale: logits scale, default ``1 / sqrt(H)``.
     logits_soft_cap: ``c`` in ``c * tanh(logits / c)`` (Gemma 2), applied after the scale.
     num_splits: split-KV partitions (flash-decoding) for the kernel: each covers ``M / num_splits``
-      pages and yields a partial (output, log-sum-exp), merged in a combine step.  Ignored by
-      ``"xla"``.
-    implementation: ``None`` (``"pallas_tpu"`` on TPU, else ``"xla"``), ``"xla"`` or
-      ``"pallas_tpu"``.
-    interpret: for ``"pallas_tpu"``: None (interpret unless on TPU), a bool, or a
-      ``pltpu.InterpretParams``.
+      pages and yields a partial (output, log-sum-exp), merged in a combine step.  None: 1 for
+      ``"pallas_tpu"``; for ``"pallas_gpu"``
+      ``clamp(ceil(2 * SMs / programs_per_split), 1, max(1, M * page // 256))`` (about two
+      programs per multiprocessor, partitions of 256+ tokens; ``programs_per_split = B * K``
+      here).  Ignored by ``"xla"``.
+    implementation: ``None`` (``"pallas_tpu"`` on TPU, ``"pallas_gpu"`` on an NVIDIA GPU, else
+      ``"xla"``), ``"xla"``, ``"pallas_tpu"`` or ``"pallas_gpu"``.
+    interpret: for the Pallas kernels: None (interpret unless on their hardware), a bool, or (TPU)
+      a ``pltpu.InterpretParams``.
 
   Returns:
     ``[B, T, N, h]`` (``[B, N, h]`` for a 3-D query) in the query dtype.
@@ -182,18 +204,22 @@ def paged_attention(
   check_table(page_table, lengths, b, page_size=key_pool.shape[1])
   _check_scale("scale", scale)
   _check_scale("logits_soft_cap", logits_soft_cap)
-  if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
-    raise ValueError(f"`num_splits` must be a positive int, got {num_splits!r}.")
+  _check_splits(num_splits)
   scale = 1.0 / math.sqrt(h) if scale is None else scale
   page_table, lengths = page_table.astype(jnp.int32), lengths.astype(jnp.int32)
-  impl = resolve_implementation(implementation)
+  impl = _gpu_fits(resolve_implementation(implementation), implementation, key_pool.shape[1])
   if impl == "xla":
     out = paged_attention_xla(q, key_pool, value_pool, page_table, lengths, scale=scale,
                               logits_soft_cap=logits_soft_cap)
+  elif impl == "pallas_gpu":
+    from pallas_kernels.decode_attention import paged_attention_gpu  # noqa: PLC0415 (optional)
+    out = paged_attention_gpu(q, key_pool, value_pool, page_table, lengths, scale=scale,
+                              logits_soft_cap=logits_soft_cap, num_splits=num_splits,
+                              interpret=interpret)
   else:
     from pallas_kernels.decode_attention import paged_attention_tpu  # noqa: PLC0415 (optional)
     out = paged_attention_tpu(q, key_pool, value_pool, page_table, lengths, scale=scale,
-                              logits_soft_cap=logits_soft_cap, num_splits=num_splits,
+                              logits_soft_cap=logits_soft_cap, num_splits=num_splits or 1,
                               interpret=interpret)
   return out[:, 0] if squeeze else out
 
@@ -246,7 +272,7 @@ def paged_mla_decode(
     *,
     scale: float,
     indices: Int[Array, "B k"] | Int[Array, "B T k"] | None = None,
-    num_splits: int = 1,
+    num_splits: int | None = None,
     implementation: DecodeImplementation | None = None,
     interpret=None,
 ) -> Float[Array, "B T N C"] | Float[Array, "B N C"]:
@@ -264,7 +290,7 @@ def paged_mla_decode(
       selector's job (the lightning indexer masks future keys), as in
       ``jaxattn.ops.sparse.sparse_mla_attention``.  None: dense causal attention.
     num_splits, implementation, interpret: as in ``paged_attention`` (``num_splits`` applies to
-      the dense mode).
+      the dense mode; for ``"pallas_gpu"`` ``programs_per_split = B * ceil(T * N / 16)``).
 
   Returns:
     ``[B, T, N, C]`` (``[B, N, C]`` for 3-D queries): ``sum_s p_s c_s`` per head, query dtype.
@@ -285,8 +311,7 @@ def paged_mla_decode(
   if scale is None:
     raise ValueError("`scale` is required for MLA (1 / sqrt(P + R), times the YaRN mscale^2).")
   _check_scale("scale", scale)
-  if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
-    raise ValueError(f"`num_splits` must be a positive int, got {num_splits!r}.")
+  _check_splits(num_splits)
   if indices is not None:
     if squeeze and indices.ndim == 2:
       indices = indices[:, None]
@@ -298,13 +323,19 @@ def paged_mla_decode(
     indices = indices.astype(jnp.int32)
   page_table, lengths = page_table.astype(jnp.int32), lengths.astype(jnp.int32)
   impl = resolve_implementation(implementation)
+  if indices is None:
+    impl = _gpu_fits(impl, implementation, c_kv_pool.shape[1])
   if impl == "xla":
     out = paged_mla_decode_xla(ql, qr, c_kv_pool, k_rope_pool, page_table, lengths, scale=scale,
                                indices=indices)
+  elif impl == "pallas_gpu":
+    from pallas_kernels.mla_decode import paged_mla_decode_gpu  # noqa: PLC0415 (optional)
+    out = paged_mla_decode_gpu(ql, qr, c_kv_pool, k_rope_pool, page_table, lengths, scale=scale,
+                               indices=indices, num_splits=num_splits, interpret=interpret)
   else:
     from pallas_kernels.mla_decode import paged_mla_decode_tpu  # noqa: PLC0415 (optional)
     out = paged_mla_decode_tpu(ql, qr, c_kv_pool, k_rope_pool, page_table, lengths, scale=scale,
-                               indices=indices, num_splits=num_splits, interpret=interpret)
+                               indices=indices, num_splits=num_splits or 1, interpret=interpret)
   return out[:, 0] if squeeze else out
 
 

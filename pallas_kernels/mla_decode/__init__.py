@@ -2,9 +2,11 @@
 DSA sparse (top-K rows only).
 
 Reached through ``jaxattn.ops.decode.paged_mla_decode(..., implementation="pallas_tpu")`` (the
-default on TPU); ``jaxattn.ops.decode.paged_mla_decode_xla`` is the reference.
+default on TPU); ``jaxattn.ops.decode.paged_mla_decode_xla`` is the reference.  ``gpu.py``: both
+modes for NVIDIA GPUs (Pallas Triton, ``implementation="pallas_gpu"``, the default there).
 """
 
+from pallas_kernels.mla_decode.gpu import paged_mla_decode_gpu
 from pallas_kernels.mla_decode.tpu import paged_mla_decode_tpu
 
-__all__ = ["paged_mla_decode_tpu"]
+__all__ = ["paged_mla_decode_gpu", "paged_mla_decode_tpu"]

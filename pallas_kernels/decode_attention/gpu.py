@@ -1,0 +1,289 @@
+"""Paged GQA / MQA / MHA decode for NVIDIA GPUs (Pallas Triton), split-KV with a combine step.
+
+The GPU shape of ``tpu.py``'s algorithm (flash-decoding): one program per
+``(sequence b, KV head k, split-KV partition s)`` holds every query head of KV group ``k`` in one
+tile and loops over its partition's key blocks *inside* the kernel::
+
+    grid (B, K, S)
+    q tile   [rows, H]        rows = T * G query rows (t, g) of KV head k, zero-padded to a power
+                              of two >= 16 (a Triton dot tile): each fetched key serves all G heads
+    loop     i < ceil((min(end, length) - start) / block_k)     -- past the length: no iteration
+             pos = start + i * block_k;  page = page_table[b, pos // page]  (a scalar load)
+             k, v = pool[page, pos % page : + block_k, k, :]    [block_k, H], [block_k, h]
+             logits = scale * q k^T (fp32) -> soft-cap -> causal mask -> online softmax
+             acc += p @ v                                       [rows, h] fp32
+    out      [B, S, K, rows, h] fp32 + lse [B, S, K, rows]: the partition's partial, merged over
+             S by ``tpu.combine``: with ``lse* = logsumexp_s lse_s``,
+             ``out = sum_s exp(lse_s - lse*) out_s``
+
+Pages are read in place from the pool (no gathered copy).  A key block never straddles a page:
+``page_size`` must be a multiple of ``block_k`` (a power of two >= 16).  Head sizes that are not a
+power of two are zero-padded, which copies the pools: fine for tests, slow for serving -- use
+H in {16, 32, 64, 128, 256}.  Slots past a sequence's length inside its last block may hold stale
+data (even NaN): masked loads read them as zeros, and their logits are masked.
+
+``num_splits=None`` picks ``clamp(ceil(2 * SMs / (B * K)), 1, max(1, M * page // 256))``
+partitions (``M`` = pages per sequence, ``SMs`` the device's multiprocessor count, 132 when
+unknown): about two programs per SM, so that small batches still fill the GPU, but no partition
+shorter than 256 tokens (its fp32 partial output must stay small next to what it reads).
+
+Validated in interpret mode on CPU (``interpret=True``) against
+``jaxattn.ops.decode.paged_attention_xla``; ``experiments/bench_decode.py --check`` compares the
+compiled kernel with the formula on a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels.decode_attention.tpu import combine
+
+_F32 = jnp.float32
+DEFAULT_SMS = 132  # H100 / H200 SXM
+
+
+def pow2(x: int) -> int:
+  """Smallest power of two >= max(x, 16): the smallest Triton dot tile."""
+  return max(16, 1 << (max(x, 1) - 1).bit_length())
+
+
+def default_interpret(interpret) -> bool:
+  if interpret is None:
+    return jax.default_backend() not in ("gpu", "cuda", "rocm")
+  return bool(interpret)
+
+
+def num_sms() -> int:
+  """Multiprocessors of the default device (``DEFAULT_SMS`` when JAX does not say)."""
+  try:
+    count = getattr(jax.devices()[0], "core_count", None)
+  except Exception:  # noqa: BLE001 (no device query must break a call)
+    count = None
+  return int(count) if isinstance(count, int) and count > 0 else DEFAULT_SMS
+
+
+MIN_SPLIT_TOKENS = 256
+
+
+def auto_splits(programs_per_split: int, max_pages: int, page_size: int) -> int:
+  """``clamp(ceil(2 * SMs / programs_per_split), 1, max(1, M * page // MIN_SPLIT_TOKENS))``:
+  about two programs per SM, but each partition at least ``MIN_SPLIT_TOKENS`` long -- every
+  partition writes (and the combine reads) an fp32 partial of its rows, which must stay small
+  next to the cache bytes it reads (an MLA partial of 16 x 512 fp32 is 32 KB = 28 cached rows)."""
+  cap = max(1, max_pages * page_size // MIN_SPLIT_TOKENS)
+  return max(1, min(cap, -(-2 * num_sms() // max(programs_per_split, 1))))
+
+
+def check_block_k(block_k, page_size: int, default: int) -> int:
+  """The key block: ``block_k`` or the largest power of two <= ``default`` dividing the page."""
+  if block_k is None:
+    block_k = default
+    while block_k > 16 and page_size % block_k:
+      block_k //= 2
+  if isinstance(block_k, bool) or not isinstance(block_k, int) or block_k < 16 or (
+      block_k & (block_k - 1)):
+    raise ValueError(f"`block_k` must be a power of two >= 16 (a Triton tile), got {block_k!r}.")
+  if page_size % block_k:
+    raise ValueError(f"the pool's page size ({page_size}) must be a multiple of `block_k` "
+                     f"({block_k}) on GPU: a key block may not straddle two pages; use pages of "
+                     f"16, 32, 64, ... tokens.")
+  return block_k
+
+
+def check_splits(num_splits):
+  if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                 or num_splits < 1):
+    raise ValueError(f"`num_splits` must be a positive int or None (automatic), got "
+                     f"{num_splits!r}.")
+
+
+def pad_last(x, size: int):
+  """Zero-pads the last axis to ``size`` (a no-op when it already is)."""
+  if x.shape[-1] == size:
+    return x
+  return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
+
+
+def pad_lengths(lengths):
+  """``[B]`` lengths padded to a power-of-two length (only scalars are read from it)."""
+  b = lengths.shape[0]
+  return jnp.pad(lengths, (0, pow2(b) - b))
+
+
+def partition_blocks(length, s, pages_per_split: int, page_size: int, block_k: int):
+  """``(first position, number of key blocks)`` of partition ``s``, clipped to ``length``."""
+  start = s * (pages_per_split * page_size)
+  end = jnp.minimum(start + pages_per_split * page_size, length)
+  return start, lax.div(jnp.maximum(end - start, 0) + (block_k - 1), block_k)
+
+
+def block_location(table_ref, pos, page_size: int, block_k: int):
+  """``(pool page, offset in it)`` of the key block starting at position ``pos``."""
+  logical = lax.div(pos, page_size)
+  off = pl.multiple_of(pos - logical * page_size, block_k)
+  return jnp.maximum(table_ref[logical], 0), off
+
+
+def load_rows(ref, page, off, block_k: int, live):
+  """``ref[page, off : off + block_k, :]`` with the rows where ``live [block_k, 1]`` is False read
+  as zeros and not fetched.  Slots past a sequence's length may hold anything (even NaN): zeroed,
+  ``0 * NaN`` cannot reach the accumulator.  A masked load (rather than a ``where`` after it)
+  keeps the load a plain Triton load that the software pipeliner can prefetch."""
+  shape = (block_k, ref.shape[-1])
+  return plgpu.load(ref.at[page, pl.ds(off, block_k), :], mask=jnp.broadcast_to(live, shape),
+                    other=0.0)
+
+
+def online_step(carry, logits, value):
+  """One online-softmax step: ``logits [rows, bk]`` fp32 (masked entries ``-inf``), ``value
+  [bk, h]``; carry ``(acc [rows, h], m [rows], l [rows])`` fp32."""
+  acc, m, l = carry
+  m_next = jnp.maximum(m, jnp.max(logits, axis=1))
+  m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # nothing seen yet: keep exp() finite
+  p = jnp.exp(logits - m_safe[:, None])
+  alpha = jnp.exp(m - m_safe)
+  pv_dtype = value.dtype if jnp.finfo(value.dtype).bits < 32 else _F32
+  acc = acc * alpha[:, None] + plgpu.dot(p.astype(pv_dtype), value)
+  return acc, m_next, l * alpha + jnp.sum(p, axis=1)
+
+
+def finish(carry):
+  """``(out [rows, h], lse [rows])``: zeros and ``-inf`` where the partition saw no key."""
+  acc, m, l = carry
+  ok = l > 0.0
+  out = acc * jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)[:, None]
+  return out, jnp.where(ok, m + jnp.log(jnp.where(ok, l, 1.0)), -jnp.inf)
+
+
+# -- the kernel --------------------------------------------------------------------------------
+
+def _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, soft_cap, num_t,
+            groups, pages_per_split, block_k):
+  b, s = pl.program_id(0), pl.program_id(2)
+  page_size = k_ref.shape[1]
+  rows = q_ref.shape[0]
+  length = lens_ref[b]
+  start, n_blocks = partition_blocks(length, s, pages_per_split, page_size, block_k)
+  q = q_ref[...]                                                     # [rows, Hp]
+  # Query row (t, g) sits at position length - T + t and sees keys up to it (the contract).
+  q_pos = length - num_t + lax.div(jnp.arange(rows, dtype=jnp.int32), groups)[:, None]
+
+  def body(i, carry):
+    pos = start + i * block_k
+    page, off = block_location(table_ref, pos, page_size, block_k)
+    kv_pos = pos + jnp.arange(block_k, dtype=jnp.int32)
+    live = (kv_pos < length)[:, None]
+    k = load_rows(k_ref, page, off, block_k, live)                   # [bk, Hp]
+    v = load_rows(v_ref, page, off, block_k, live)                   # [bk, hp]
+    logits = plgpu.dot(q, k, trans_b=True) * scale                   # [rows, bk] fp32
+    if soft_cap is not None:
+      logits = soft_cap * jnp.tanh(logits / soft_cap)
+    valid = (kv_pos[None, :] < length) & (kv_pos[None, :] <= q_pos)
+    return online_step(carry, jnp.where(valid, logits, -jnp.inf), v)
+
+  init = (jnp.zeros((rows, o_ref.shape[-1]), _F32), jnp.full((rows,), -jnp.inf, _F32),
+          jnp.zeros((rows,), _F32))
+  out, lse = finish(lax.fori_loop(0, n_blocks, body, init))
+  o_ref[...] = out
+  lse_ref[...] = lse
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "num_splits", "block_k",
+                                             "num_warps", "num_stages", "interpret"))
+def _call(q, key_pool, value_pool, page_table, lengths, *, scale, soft_cap, num_splits, block_k,
+          num_warps, num_stages, interpret):
+  b, t, n, h = q.shape
+  num_pages, page_size, kh, hv = value_pool.shape
+  g = n // kh
+  m = page_table.shape[1]
+  splits = min(num_splits, m)
+  pps = -(-m // splits)                                              # pages per partition
+  splits = -(-m // pps)                                              # no empty trailing ones
+  hp, vp, rows = pow2(h), pow2(hv), pow2(t * g)
+  # [B, T, K, G, H] -> [B, K, T*G, H], rows (t, g) of one KV head contiguous, padded to a tile.
+  qk = q.reshape(b, t, kh, g, h).transpose(0, 2, 1, 3, 4).reshape(b, kh, t * g, h)
+  qk = jnp.pad(qk, ((0, 0), (0, 0), (0, rows - t * g), (0, hp - h)))
+  key_pool, value_pool = pad_last(key_pool, hp), pad_last(value_pool, vp)  # copies unless pow2
+  kernel = functools.partial(_kernel, scale=float(scale), soft_cap=soft_cap, num_t=t, groups=g,
+                             pages_per_split=pps, block_k=block_k)
+  lens = pad_lengths(lengths)
+  pool_map = lambda bi, ki, si: (0, 0, ki, 0)  # noqa: E731
+  out, lse = pl.pallas_call(
+      kernel,
+      grid=(b, kh, splits),
+      in_specs=[
+          pl.BlockSpec(lens.shape, lambda bi, ki, si: (0,)),                      # lengths
+          pl.BlockSpec((None, m), lambda bi, ki, si: (bi, 0)),                    # page table row
+          pl.BlockSpec((None, None, rows, hp), lambda bi, ki, si: (bi, ki, 0, 0)),  # q tile
+          pl.BlockSpec((num_pages, page_size, None, hp), pool_map),               # key pool
+          pl.BlockSpec((num_pages, page_size, None, vp), pool_map),               # value pool
+      ],
+      out_specs=[
+          pl.BlockSpec((None, None, None, rows, vp), lambda bi, ki, si: (bi, si, ki, 0, 0)),
+          pl.BlockSpec((None, None, None, rows), lambda bi, ki, si: (bi, si, ki, 0)),
+      ],
+      out_shape=[jax.ShapeDtypeStruct((b, splits, kh, rows, vp), _F32),
+                 jax.ShapeDtypeStruct((b, splits, kh, rows), _F32)],
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret, name="jaxattn_paged_decode_gpu",
+  )(lens, page_table, qk, key_pool, value_pool)
+  out = combine(out, lse[..., None])                                 # [B, K, rows, vp]
+  out = out[:, :, :t * g, :hv].reshape(b, kh, t, g, hv).transpose(0, 2, 1, 3, 4)
+  return out.reshape(b, t, n, hv).astype(q.dtype)
+
+
+def paged_attention_gpu(
+    query: Float[Array, "B T N H"],
+    key_pool: Float[Array, "P page K H"],
+    value_pool: Float[Array, "P page K h"],
+    page_table: Int[Array, "B M"],
+    lengths: Int[Array, "B"],
+    *,
+    scale: float,
+    logits_soft_cap: float | None = None,
+    num_splits: int | None = None,
+    block_k: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool | None = None,
+) -> Float[Array, "B T N h"]:
+  """``jaxattn.ops.decode.paged_attention`` as a Pallas Triton kernel (shapes checked there).
+
+  Args:
+    query, key_pool, value_pool, page_table, lengths, scale, logits_soft_cap: as
+      ``paged_attention`` (``query`` 4-D).
+    num_splits: split-KV partitions (each ``ceil(M / num_splits)`` pages), None = automatic
+      (module docstring).
+    block_k: keys per loop step, a power of two >= 16 dividing the page size; default the largest
+      of 64, 32, 16 that divides it.
+    num_warps, num_stages: Triton launch parameters.
+    interpret: None runs the kernel interpreted unless the default backend is a GPU.
+
+  Returns:
+    ``[B, T, N, h]`` in the query dtype.
+  """
+  check_splits(num_splits)
+  if query.ndim != 4 or key_pool.ndim != 4 or value_pool.shape[:3] != key_pool.shape[:3]:
+    raise ValueError(f"`query` must be [B, T, N, H] and the pools [P, page, K, H|h], got "
+                     f"{query.shape}, {key_pool.shape}, {value_pool.shape}.")
+  if query.shape[2] % key_pool.shape[2]:
+    raise ValueError(f"query heads N={query.shape[2]} must be a multiple of the KV heads "
+                     f"K={key_pool.shape[2]}.")
+  block_k = check_block_k(block_k, key_pool.shape[1], 64)
+  if num_splits is None:
+    num_splits = auto_splits(query.shape[0] * key_pool.shape[2], page_table.shape[1],
+                             key_pool.shape[1])
+  return _call(query, key_pool, value_pool, page_table.astype(jnp.int32),
+               lengths.astype(jnp.int32), scale=float(scale), soft_cap=logits_soft_cap,
+               num_splits=num_splits, block_k=block_k, num_warps=num_warps,
+               num_stages=num_stages, interpret=default_interpret(interpret))
+
+
+__all__ = ["auto_splits", "paged_attention_gpu"]

@@ -1,0 +1,270 @@
+"""Absorbed MLA decode over a paged latent cache for NVIDIA GPUs (Pallas Triton): dense split-KV
+and sparse (DSA).
+
+The query arrives in latent space (``q~ [N, C]`` plus the rotated ``q^R [N, R]``); every head
+attends to the same cached rows ``[c_KV, k^R]`` (MQA over latents) and the output stays in latent
+space.  One program per ``(sequence b, split-KV partition s, head block h)``::
+
+    grid (B, S, ceil(T*N / block_h))
+    q tiles  [block_h, C], [block_h, R]   query rows (t, n) folded together, zero-padded to whole
+                                          blocks (C, R zero-padded to powers of two if needed)
+    loop     i < ceil((min(end, length) - start) / block_k)      -- past the length: no iteration
+             page = page_table[b, pos // page]                  (a scalar load)
+             c  = c_pool[page, pos % page : + block_k, :]        [block_k, C]
+             kr = kr_pool[page, ...]                             [block_k, R]
+             logits = scale * (q~ c^T + q^R kr^T)  fp32  -> causal mask -> online softmax
+             acc += p @ c                                        [block_h, C] fp32
+    out      [B, S, rows, C] fp32 + lse [B, S, rows]: partials merged by
+             ``decode_attention.combine``
+
+Every head block of a sequence reads the whole latent cache, so with ``N <= block_h`` (e.g. 16
+heads: DeepSeek-V3's 128 under 8-way tensor parallelism) each cached byte is read once; with 128
+heads on one device it is read ``128 / block_h`` times (mostly from L2) and absorbed MLA decode is
+compute-bound on an H200 anyway (~2 * 128 * 576 FLOPs per 1,152 cached bytes).
+
+``T > 1`` new tokens per sequence are supported by folding ``(t, n)`` into the rows with the
+contract's causal rule (row ``(t, n)`` sees keys ``<= lengths[b] - T + t``).
+
+Sparse mode (DeepSeek Sparse Attention, ``indices [B, T, k]``): grid ``(B, T, head blocks)``; each
+step loads ``block_k`` selected positions, looks their pages up in the page-table row (a vector
+gather), and gathers those rows of the pool viewed flat as ``[P * page, C]`` by a vector of row
+offsets; unselected or out-of-range slots are zeroed and masked.  No split-KV (``k`` is small:
+2,048 for DeepSeek-V3.2).
+
+``num_splits=None`` picks ``clamp(ceil(2 * SMs / (B * head_blocks)), 1, max(1, M * page // 256))``
+partitions (``pallas_kernels.decode_attention.gpu.auto_splits``).
+Validated in interpret mode on CPU against ``jaxattn.ops.decode.paged_mla_decode_xla``;
+``experiments/bench_decode.py --check`` compares the compiled kernel with it on a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels.decode_attention.gpu import (auto_splits, block_location, check_block_k,
+                                                 check_splits, default_interpret, finish,
+                                                 load_rows, online_step, pad_last, pad_lengths,
+                                                 partition_blocks, pow2)
+from pallas_kernels.decode_attention.tpu import combine
+
+_F32 = jnp.float32
+
+
+def _kernel(lens_ref, table_ref, ql_ref, qr_ref, c_ref, kr_ref, o_ref, lse_ref, *, scale, num_t,
+            num_heads, pages_per_split, block_k):
+  b, s, hb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  page_size = c_ref.shape[1]
+  block_h = ql_ref.shape[0]
+  length = lens_ref[b]
+  start, n_blocks = partition_blocks(length, s, pages_per_split, page_size, block_k)
+  ql, qr = ql_ref[...], qr_ref[...]                                  # [bh, Cp], [bh, Rp]
+  row = hb * block_h + jnp.arange(block_h, dtype=jnp.int32)          # folded (t, n)
+  q_pos = (length - num_t + lax.div(row, num_heads))[:, None]        # [bh, 1]
+
+  def body(i, carry):
+    pos = start + i * block_k
+    page, off = block_location(table_ref, pos, page_size, block_k)
+    kv_pos = pos + jnp.arange(block_k, dtype=jnp.int32)
+    live = (kv_pos < length)[:, None]              # rows past the length: zeros, not fetched
+    c = load_rows(c_ref, page, off, block_k, live)                   # [bk, Cp]
+    kr = load_rows(kr_ref, page, off, block_k, live)                 # [bk, Rp]
+    logits = (plgpu.dot(ql, c, trans_b=True) + plgpu.dot(qr, kr, trans_b=True)) * scale
+    valid = (kv_pos[None, :] < length) & (kv_pos[None, :] <= q_pos)
+    return online_step(carry, jnp.where(valid, logits, -jnp.inf), c)
+
+  init = (jnp.zeros((block_h, o_ref.shape[-1]), _F32), jnp.full((block_h,), -jnp.inf, _F32),
+          jnp.zeros((block_h,), _F32))
+  out, lse = finish(lax.fori_loop(0, n_blocks, body, init))
+  o_ref[...] = out
+  lse_ref[...] = lse
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "block_h", "block_k",
+                                             "num_warps", "num_stages", "interpret"))
+def _call(q_latent, q_rope, c_pool, kr_pool, page_table, lengths, *, scale, num_splits, block_h,
+          block_k, num_warps, num_stages, interpret):
+  b, t, n, c = q_latent.shape
+  r = q_rope.shape[3]
+  num_pages, page_size = c_pool.shape[:2]
+  m = page_table.shape[1]
+  splits = min(num_splits, m)
+  pps = -(-m // splits)
+  splits = -(-m // pps)
+  cp, rp = pow2(c), pow2(r)
+  rows = t * n
+  rows_p = -(-rows // block_h) * block_h
+  ql = jnp.pad(q_latent.reshape(b, rows, c), ((0, 0), (0, rows_p - rows), (0, cp - c)))
+  qr = jnp.pad(q_rope.reshape(b, rows, r), ((0, 0), (0, rows_p - rows), (0, rp - r)))
+  c_pool, kr_pool = pad_last(c_pool, cp), pad_last(kr_pool, rp)  # copies unless powers of two
+  kernel = functools.partial(_kernel, scale=float(scale), num_t=t, num_heads=n,
+                             pages_per_split=pps, block_k=block_k)
+  lens = pad_lengths(lengths)
+  q_map = lambda bi, si, hi: (bi, hi, 0)  # noqa: E731
+  out, lse = pl.pallas_call(
+      kernel,
+      grid=(b, splits, rows_p // block_h),
+      in_specs=[
+          pl.BlockSpec(lens.shape, lambda bi, si, hi: (0,)),                    # lengths
+          pl.BlockSpec((None, m), lambda bi, si, hi: (bi, 0)),                  # page table row
+          pl.BlockSpec((None, block_h, cp), q_map),                             # q~ tile
+          pl.BlockSpec((None, block_h, rp), q_map),                             # q^R tile
+          pl.BlockSpec((num_pages, page_size, cp), lambda bi, si, hi: (0, 0, 0)),  # c_KV pool
+          pl.BlockSpec((num_pages, page_size, rp), lambda bi, si, hi: (0, 0, 0)),  # k^R pool
+      ],
+      out_specs=[
+          pl.BlockSpec((None, None, block_h, cp), lambda bi, si, hi: (bi, si, hi, 0)),
+          pl.BlockSpec((None, None, block_h), lambda bi, si, hi: (bi, si, hi)),
+      ],
+      out_shape=[jax.ShapeDtypeStruct((b, splits, rows_p, cp), _F32),
+                 jax.ShapeDtypeStruct((b, splits, rows_p), _F32)],
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret, name="jaxattn_paged_mla_decode_gpu",
+  )(lens, page_table, ql, qr, c_pool, kr_pool)
+  out = combine(out, lse[..., None])                                 # [B, rows_p, Cp]
+  return out[:, :rows, :c].reshape(b, t, n, c).astype(q_latent.dtype)
+
+
+# -- sparse (DSA): selected rows only ------------------------------------------------------------
+
+def _sparse_kernel(lens_ref, table_ref, idx_ref, ql_ref, qr_ref, c_ref, kr_ref, o_ref, *, scale,
+                   page_size, block_k, num_blocks):
+  b = pl.program_id(0)
+  block_h = ql_ref.shape[0]
+  length = lens_ref[b]
+  ql, qr = ql_ref[...], qr_ref[...]                                  # [bh, Cp], [bh, Rp]
+
+  def body(j, carry):
+    idx = idx_ref[pl.ds(pl.multiple_of(j * block_k, block_k), block_k)]  # [bk] positions
+    valid = (idx >= 0) & (idx < length)
+    pos = jnp.where(valid, idx, 0)
+    logical = lax.div(pos, page_size)
+    page = table_ref[logical]                                        # [bk] gathered page ids
+    valid = valid & (page >= 0)
+    row = jnp.maximum(page, 0) * page_size + (pos - logical * page_size)  # rows of the flat pool
+    # Gathered rows (a vector of row offsets); unselected slots may point at anything (NaN):
+    # zero them so that 0 * NaN cannot reach the accumulator.
+    c = jnp.where(valid[:, None], c_ref[row, :], 0.0).astype(c_ref.dtype)    # [bk, Cp]
+    kr = jnp.where(valid[:, None], kr_ref[row, :], 0.0).astype(kr_ref.dtype)  # [bk, Rp]
+    logits = (plgpu.dot(ql, c, trans_b=True) + plgpu.dot(qr, kr, trans_b=True)) * scale
+    return online_step(carry, jnp.where(valid[None, :], logits, -jnp.inf), c)
+
+  init = (jnp.zeros((block_h, o_ref.shape[-1]), _F32), jnp.full((block_h,), -jnp.inf, _F32),
+          jnp.zeros((block_h,), _F32))
+  out, _ = finish(lax.fori_loop(0, num_blocks, body, init))
+  o_ref[...] = out.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_h", "block_k", "num_warps",
+                                             "num_stages", "interpret"))
+def _sparse_call(q_latent, q_rope, c_pool, kr_pool, page_table, lengths, indices, *, scale,
+                 block_h, block_k, num_warps, num_stages, interpret):
+  b, t, n, c = q_latent.shape
+  r = q_rope.shape[3]
+  num_pages, page_size = c_pool.shape[:2]
+  m, k = page_table.shape[1], indices.shape[2]
+  cp, rp = pow2(c), pow2(r)
+  n_p = -(-n // block_h) * block_h
+  k_p = -(-k // block_k) * block_k
+  ql = jnp.pad(q_latent, ((0, 0), (0, 0), (0, n_p - n), (0, cp - c)))
+  qr = jnp.pad(q_rope, ((0, 0), (0, 0), (0, n_p - n), (0, rp - r)))
+  idx = jnp.pad(indices, ((0, 0), (0, 0), (0, k_p - k)), constant_values=-1)
+  # Flat [P * page, C|R] views (free reshapes): a selected row is one offset.
+  c_flat = pad_last(c_pool, cp).reshape(num_pages * page_size, cp)
+  kr_flat = pad_last(kr_pool, rp).reshape(num_pages * page_size, rp)
+  kernel = functools.partial(_sparse_kernel, scale=float(scale), page_size=page_size,
+                             block_k=block_k, num_blocks=k_p // block_k)
+  lens = pad_lengths(lengths)
+  q_map = lambda bi, ti, hi: (bi, ti, hi, 0)  # noqa: E731
+  out = pl.pallas_call(
+      kernel,
+      grid=(b, t, n_p // block_h),
+      in_specs=[
+          pl.BlockSpec(lens.shape, lambda bi, ti, hi: (0,)),                    # lengths
+          pl.BlockSpec((None, m), lambda bi, ti, hi: (bi, 0)),                  # page table row
+          pl.BlockSpec((None, None, k_p), lambda bi, ti, hi: (bi, ti, 0)),      # selected positions
+          pl.BlockSpec((None, None, block_h, cp), q_map),                       # q~ tile
+          pl.BlockSpec((None, None, block_h, rp), q_map),                       # q^R tile
+          pl.BlockSpec(c_flat.shape, lambda bi, ti, hi: (0, 0)),                # c_KV rows
+          pl.BlockSpec(kr_flat.shape, lambda bi, ti, hi: (0, 0)),               # k^R rows
+      ],
+      out_specs=pl.BlockSpec((None, None, block_h, cp), q_map),
+      out_shape=jax.ShapeDtypeStruct((b, t, n_p, cp), q_latent.dtype),
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret, name="jaxattn_sparse_mla_decode_gpu",
+  )(lens, page_table, idx, ql, qr, c_flat, kr_flat)
+  return out[:, :, :n, :c]
+
+
+def paged_mla_decode_gpu(
+    q_latent: Float[Array, "B T N C"],
+    q_rope: Float[Array, "B T N R"],
+    c_kv_pool: Float[Array, "P page C"],
+    k_rope_pool: Float[Array, "P page R"],
+    page_table: Int[Array, "B M"],
+    lengths: Int[Array, "B"],
+    *,
+    scale: float,
+    indices: Int[Array, "B T k"] | None = None,
+    num_splits: int | None = None,
+    block_h: int = 16,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+    interpret: bool | None = None,
+) -> Float[Array, "B T N C"]:
+  """``jaxattn.ops.decode.paged_mla_decode`` (dense split-KV and sparse) as Pallas Triton kernels.
+
+  Args:
+    q_latent, q_rope, c_kv_pool, k_rope_pool, page_table, lengths, scale: as
+      ``paged_mla_decode`` (queries 4-D; shapes checked there).
+    indices: sparse (DSA) mode: ``[B, T, k]`` selected positions (``-1`` = none; positions outside
+      ``[0, lengths[b])`` ignored); None: dense causal attention.
+    num_splits: split-KV partitions of the dense mode, None = automatic (module docstring).
+    block_h: query rows per program, a power of two >= 16.
+    block_k: cached rows per loop step, a power of two >= 16; dense: dividing the page size,
+      default the largest of 32, 16 that divides it; sparse: selected rows gathered per step,
+      default 16.
+    num_warps, num_stages: Triton launch parameters; ``num_warps`` defaults to 8 for latents of
+      256+ (a ``[16, 512]`` fp32 accumulator is 64 registers per thread with 4 warps), else 4.
+    interpret: None runs the kernel interpreted unless the default backend is a GPU.
+
+  Returns:
+    ``[B, T, N, C]`` in the query dtype.
+  """
+  check_splits(num_splits)
+  if isinstance(block_h, bool) or not isinstance(block_h, int) or block_h < 16 or (
+      block_h & (block_h - 1)):
+    raise ValueError(f"`block_h` must be a power of two >= 16 (a Triton tile), got {block_h!r}.")
+  if q_latent.ndim != 4 or q_rope.ndim != 4 or c_kv_pool.ndim != 3 or k_rope_pool.ndim != 3:
+    raise ValueError(f"queries must be [B, T, N, C|R] and pools [P, page, C|R], got "
+                     f"{q_latent.shape}, {q_rope.shape}, {c_kv_pool.shape}, {k_rope_pool.shape}.")
+  if num_warps is None:
+    num_warps = 8 if pow2(q_latent.shape[-1]) >= 256 else 4
+  b, t, n = q_latent.shape[:3]
+  if indices is not None:
+    if indices.shape[:2] != (b, t) or indices.ndim != 3:
+      raise ValueError(f"`indices` must be [B={b}, T={t}, k], got shape {indices.shape}.")
+    # Selected rows are gathered one by one: any block size works, no page alignment needed.
+    block_k = check_block_k(block_k, 16 if block_k is None else block_k, 16)
+    return _sparse_call(q_latent, q_rope, c_kv_pool, k_rope_pool, page_table.astype(jnp.int32),
+                        lengths.astype(jnp.int32), indices.astype(jnp.int32), scale=float(scale),
+                        block_h=block_h, block_k=block_k, num_warps=num_warps,
+                        num_stages=num_stages, interpret=default_interpret(interpret))
+  block_k = check_block_k(block_k, c_kv_pool.shape[1], 32)
+  if num_splits is None:
+    num_splits = auto_splits(b * -(-(t * n) // block_h), page_table.shape[1],
+                             c_kv_pool.shape[1])
+  return _call(q_latent, q_rope, c_kv_pool, k_rope_pool, page_table.astype(jnp.int32),
+               lengths.astype(jnp.int32), scale=float(scale), num_splits=num_splits,
+               block_h=block_h, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+               interpret=default_interpret(interpret))
+
+
+__all__ = ["paged_mla_decode_gpu"]
