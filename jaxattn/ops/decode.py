@@ -26,9 +26,9 @@ buffer, dense fp32 softmax), ``"pallas_tpu"`` (``pallas_kernels.decode_attention
 ``pallas_kernels.mla_decode``: reads pages in place by scalar prefetch, split-KV, runs interpreted
 off TPU) and ``"pallas_gpu"`` (the Pallas Triton kernels in the same packages' ``gpu.py``: pages
 read in place by scalar loads of the page table, split-KV, runs interpreted off GPU).
-``implementation=None`` picks ``"pallas_tpu"`` on TPU, ``"pallas_gpu"`` on an NVIDIA GPU (when
-the page size is a multiple of 16, its smallest key block; else ``"xla"``) and ``"xla"``
-elsewhere; an explicit choice never falls back.
+``implementation=None`` picks ``"pallas_tpu"`` on TPU and ``"xla"`` elsewhere: the GPU kernels are
+opt-in (``implementation="pallas_gpu"``) until a GPU run of ``experiments/device_check.sh`` has
+validated them.  An explicit choice never falls back.
 """
 
 from __future__ import annotations
@@ -51,24 +51,15 @@ _F32 = jnp.float32
 
 
 def resolve_implementation(implementation) -> str:
-  """``None`` -> ``"pallas_tpu"`` on TPU, ``"pallas_gpu"`` on an NVIDIA GPU, else ``"xla"``; an
-  explicit name is checked, never replaced."""
+  """``None`` -> ``"pallas_tpu"`` on TPU, else ``"xla"``; an explicit name is checked, never
+  replaced.  The GPU kernels (``"pallas_gpu"``) are opt-in until they have been validated on
+  GPU hardware (``experiments/device_check.sh``); they are tested in interpret mode only."""
   if implementation is None:
-    backend = jax.default_backend()
-    return {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(backend, "xla")
+    return "pallas_tpu" if jax.default_backend() == "tpu" else "xla"
   if implementation not in DECODE_IMPLEMENTATIONS:
     raise ValueError(f"`implementation` must be None or one of {DECODE_IMPLEMENTATIONS}, got "
                      f"{implementation!r}.")
   return implementation
-
-
-def _gpu_fits(impl: str, requested, page_size: int) -> str:
-  """The automatic choice (``requested=None``) falls back from ``"pallas_gpu"`` to ``"xla"`` when
-  the pages are not whole 16-token Triton tiles (the GPU kernels' key blocks may not straddle
-  pages); an explicit ``"pallas_gpu"`` is kept and raises there."""
-  if impl == "pallas_gpu" and requested is None and page_size % 16:
-    return "xla"
-  return impl
 
 
 def _table(page_table, lengths, page_size) -> PageTable:
@@ -182,8 +173,8 @@ def paged_attention(
       ``clamp(ceil(2 * SMs / programs_per_split), 1, max(1, M * page // 256))`` (about two
       programs per multiprocessor, partitions of 256+ tokens; ``programs_per_split = B * K``
       here).  Ignored by ``"xla"``.
-    implementation: ``None`` (``"pallas_tpu"`` on TPU, ``"pallas_gpu"`` on an NVIDIA GPU, else
-      ``"xla"``), ``"xla"``, ``"pallas_tpu"`` or ``"pallas_gpu"``.
+    implementation: ``None`` (``"pallas_tpu"`` on TPU, else ``"xla"``), ``"xla"``,
+      ``"pallas_tpu"`` or ``"pallas_gpu"``.
     interpret: for the Pallas kernels: None (interpret unless on their hardware), a bool, or (TPU)
       a ``pltpu.InterpretParams``.
 
@@ -207,7 +198,7 @@ def paged_attention(
   _check_splits(num_splits)
   scale = 1.0 / math.sqrt(h) if scale is None else scale
   page_table, lengths = page_table.astype(jnp.int32), lengths.astype(jnp.int32)
-  impl = _gpu_fits(resolve_implementation(implementation), implementation, key_pool.shape[1])
+  impl = resolve_implementation(implementation)
   if impl == "xla":
     out = paged_attention_xla(q, key_pool, value_pool, page_table, lengths, scale=scale,
                               logits_soft_cap=logits_soft_cap)
@@ -323,8 +314,6 @@ def paged_mla_decode(
     indices = indices.astype(jnp.int32)
   page_table, lengths = page_table.astype(jnp.int32), lengths.astype(jnp.int32)
   impl = resolve_implementation(implementation)
-  if indices is None:
-    impl = _gpu_fits(impl, implementation, c_kv_pool.shape[1])
   if impl == "xla":
     out = paged_mla_decode_xla(ql, qr, c_kv_pool, k_rope_pool, page_table, lengths, scale=scale,
                                indices=indices)

@@ -184,12 +184,6 @@ def test_mla_sparse_matches_gather_reference(dtype):
   np.testing.assert_array_equal(np.asarray(got[1], np.float32), 0.0)
 
 
-def test_automatic_choice_falls_back_only_when_pages_do_not_fit():
-  assert decode_ops._gpu_fits("pallas_gpu", None, 8) == "xla"         # 8-token pages: no tile
-  assert decode_ops._gpu_fits("pallas_gpu", None, 64) == "pallas_gpu"
-  assert decode_ops._gpu_fits("pallas_gpu", "pallas_gpu", 8) == "pallas_gpu"  # explicit: kept
-
-
 # -- errors ---------------------------------------------------------------------------------------
 
 def test_errors():
