@@ -20,12 +20,12 @@ For each preset (``jaxattn.configs``, tiny size): the jitted train step of ``jax
     peak        argument + output - aliased (donated) + temporary bytes of the compiled step
                 (``jax.jit(...).lower(...).compile().memory_analysis()``)
 
-``model_flops_per_token`` counts 6 x active matmul parameters plus causal attention's score and
-value products (only the routed top-k experts of a MoE count).  It is an approximation: Gated
-DeltaNet's chunked recurrence and the DSA indexer's scores are not in it (qwen3-next's and
-deepseek-v3.2's MFU are underestimates on that account), while sliding-window and DSA top-k
-attention are counted as full causal attention (overestimates when the window / top-k is shorter
-than the sequence).  Timings on a shared CPU are noisy:
+``model_flops_per_token`` counts 6 x active matmul parameters plus each attention layer's score
+and value products over the keys a causal query attends on average (all earlier ones; at most the
+window + 1 for sliding-window layers; at most top-k for DSA, plus the indexer's scores over every
+earlier key); only the routed top-k experts of a MoE count.  Gated DeltaNet's chunked recurrence
+is not in it (qwen3-next's MFU is an underestimate on that account).  Timings on a shared CPU are
+noisy:
 read ratios, not the digits.  Prints a table and writes ``results.json`` under ``--out``.
 """
 

@@ -192,9 +192,20 @@ def evaluate(eval_step, state: TrainState, batches, *, mesh: Mesh | None = None)
   return {"eval_loss": loss, "eval_ppl": float(np.exp(min(loss, 50.0))), "eval_tokens": count}
 
 
+def mean_keys_per_query(seq_len: int, limit: int | None = None) -> float:
+  """Mean number of keys a causal query attends over a sequence of ``seq_len`` tokens when each
+  sees at most ``limit`` keys (None: all earlier ones, ``(T + 1) / 2`` on average)."""
+  t = np.arange(1, seq_len + 1, dtype=np.float64)
+  return float(np.mean(t if limit is None else np.minimum(t, limit)))
+
+
 def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
   """Training FLOPs per token (forward + backward = 3x forward): 6 x active matmul parameters plus
-  the attention score / value products (12 x layers x d_attn x T / 2 for causal attention)."""
+  each attention layer's score and value products, ``6 N (d_qk + d_v)`` per attended key, over the
+  keys a causal query actually attends on average: all earlier ones (A, M), at most
+  ``sliding_window + 1`` (S), at most ``index_topk`` (I, sparse mode) plus the lightning
+  indexer's ``6 H_I d_I`` per earlier key.  Gated DeltaNet layers count their projections only
+  (their chunked state update is linear in T and small next to them)."""
   model = nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0)))
   params = nnx.state(model, nnx.Param)
   active = 0.0
@@ -207,7 +218,23 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
       n = n * cfg.num_experts_per_tok / max(cfg.num_experts, 1)  # only top-k experts run
     active += n
   active += cfg.vocab_size * cfg.embed_dim if cfg.tie_embeddings else 0
-  attn_layers = sum(1 for i in range(cfg.num_layers) if cfg.layer_kind(i)[0] in "ASMI")
   head_dim = cfg.head_dim or cfg.embed_dim // cfg.num_heads
-  attn = 12 * attn_layers * cfg.num_heads * head_dim * seq_len / 2
+  mla_qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+  mla_v = cfg.v_head_dim if cfg.v_head_dim is not None else cfg.qk_nope_head_dim
+  full = mean_keys_per_query(seq_len)
+  attn = 0.0
+  for i in range(cfg.num_layers):
+    kind = cfg.layer_kind(i)[0]
+    if kind == "A":
+      attn += 6 * cfg.num_heads * 2 * head_dim * full
+    elif kind == "S":
+      attn += 6 * cfg.num_heads * 2 * head_dim * mean_keys_per_query(seq_len,
+                                                                     cfg.sliding_window + 1)
+    elif kind == "M":
+      attn += 6 * cfg.num_heads * (mla_qk + mla_v) * full
+    elif kind == "I":
+      keys = full if cfg.dsa_attention_mode == "dense" else mean_keys_per_query(seq_len,
+                                                                               cfg.index_topk)
+      attn += 6 * cfg.num_heads * (mla_qk + mla_v) * keys
+      attn += 6 * cfg.index_num_heads * cfg.index_head_dim * full
   return 6 * active + attn

@@ -100,9 +100,21 @@ def test_model_flops_counts_active_parameters():
   d = dense.embed_dim
   per_layer = d * (4 * 32 * 2 + 2 * 32 * 2) + 3 * d * dense.mlp_dim  # q,o: 4 heads; k,v: 2 heads
   want = 6 * (dense.num_layers * per_layer + dense.vocab_size * d) \
-      + 12 * dense.num_layers * d * 256 / 2
+      + 12 * dense.num_layers * d * (256 + 1) / 2  # causal: (T + 1) / 2 keys per query
   assert f_dense == pytest.approx(want, rel=1e-6)
   assert model_flops_per_token(moe, 256) > 0
+  # A sliding window of w sees min(t, w + 1) keys: with w >= T it is causal attention.
+  assert model_flops_per_token(dense.replace(layer_pattern="S", sliding_window=4096), 256) == \
+      pytest.approx(f_dense, rel=1e-9)
+  windowed = model_flops_per_token(dense.replace(layer_pattern="S", sliding_window=15), 256)
+  keys = (sum(range(1, 17)) + 16 * (256 - 16)) / 256
+  assert f_dense - windowed == pytest.approx(
+      12 * dense.num_layers * d * ((256 + 1) / 2 - keys), rel=1e-9)
+  # DSA: top-k keys for the main attention plus the indexer over every earlier key.
+  dsa = get_config("deepseek-v3.2")
+  sparse, dense_mode = (model_flops_per_token(dsa, 512),
+                        model_flops_per_token(dsa.replace(dsa_attention_mode="dense"), 512))
+  assert sparse < dense_mode
 
 
 def test_mixed_precision_step_tracks_fp32():
