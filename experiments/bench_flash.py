@@ -384,12 +384,12 @@ def run_sweep(args) -> list[dict]:
       mask = M.make_mask(is_causal=causal)
       if backward:
         configs = [(128, 64, bqd, bkd, w, st) for bqd, bkd, w, st in SWEEP_BWD_CONFIGS]
-        options = [SWEEP_OPTIONS[-1]]
+        options = [SWEEP_OPTIONS[-1], {**SWEEP_OPTIONS[-1], "dq": "atomic"}]
       else:
         configs = [(bq, bk, 64, 64, w, st) for bq, bk, w, st in SWEEP_CONFIGS]
         options = SWEEP_OPTIONS if args.sweep_switches else [SWEEP_OPTIONS[-1]]
       for opts in options:
-        gpu_kernel.set_options(**opts)
+        gpu_kernel.set_options(**{**saved, **opts})
         for bq, bk, bqd, bkd, w, st in configs:
           blocks = BlockSizes(bq, bk, bqd, bkd, num_warps=w, num_stages=st)
 
@@ -401,11 +401,13 @@ def run_sweep(args) -> list[dict]:
             fn = jax.grad(lambda q, k, v, f=fwd: jnp.sum(f(q, k, v).astype(jnp.float32)),
                           argnums=(0, 1, 2))
           label = (f"{opts['exp']:6} affine={int(opts['affine'])} rev={int(opts['reverse'])} "
+                   + (f"dq={opts.get('dq', saved['dq']):6} " if backward else "")
                    + (f"bq_dkv={bqd:>3} bk_dkv={bkd:>3}" if backward else f"bq={bq:>3} bk={bk:>3}")
                    + f" warps={w} stages={st}")
           got = timed(label, fn, flops, base)
           if got:
-            rows.append(dict(causal=causal, backward=backward, **opts, block_q=bq, block_k=bk,
+            rows.append(dict(causal=causal, backward=backward, **{**saved, **opts}, block_q=bq,
+                             block_k=bk,
                              block_q_dkv=bqd, block_k_dkv=bkd, num_warps=w, num_stages=st,
                              ms=got[0] * 1e3, tflops=got[1], vs_cudnn=base / got[0]))
   finally:

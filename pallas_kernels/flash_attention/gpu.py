@@ -54,7 +54,12 @@ from pallas_kernels.flash_attention.sharded import run_flash
 #   reverse: forward and dQ programs take query blocks last-first (under a causal mask the last
 #            blocks carry the most key blocks; launching them first shortens the tail wave).
 #            Default True.
-_OPTIONS = {"exp": "exp2", "affine": True, "reverse": True}
+#   dq:      "kernel" (a dQ kernel over query blocks: it recomputes the logits and ``do v^T``, seven
+#            matmuls per block pair in all) or "atomic" (the dK/dV kernel also adds each block's
+#            ``ds k`` into an fp32 dQ with atomic adds, as FlashAttention-2's CUDA backward does:
+#            five matmuls, no dQ kernel).  Default "kernel"; "atomic" is tested for results here
+#            but not yet timed on a GPU.
+_OPTIONS = {"exp": "exp2", "affine": True, "reverse": True, "dq": "kernel"}
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 
@@ -372,12 +377,20 @@ def _backward(plan: C.Plan, q, k, v, aux, out, lse, d_out, d_lse):
   pad_t = ((0, 0), (0, 0), (0, plan.q_pad - plan.q_len))
   delta, lse_safe = jnp.pad(delta, pad_t), jnp.pad(lse_safe, pad_t)
 
-  entries, counts = _tables(plan, aux, transpose=False)
-  dq = _dq_call(plan, entries.shape[-1], x.hp, x.vp)(
-      x.q, x.k, x.v, do, lse_safe, delta, entries, counts, x.iscal, x.fscal, *x.segs)
+  atomic = _OPTIONS["dq"] == "atomic"
+  if not atomic:
+    entries, counts = _tables(plan, aux, transpose=False)
+    dq = _dq_call(plan, entries.shape[-1], x.hp, x.vp)(
+        x.q, x.k, x.v, do, lse_safe, delta, entries, counts, x.iscal, x.fscal, *x.segs)
   entries_t, counts_t = _tables(plan, aux, transpose=True)
-  dk, dv = _dkv_call(plan, entries_t.shape[-1], x.hp, x.vp)(
-      x.q, x.k, x.v, do, lse_safe, delta, entries_t, counts_t, x.iscal, x.fscal, *x.segs)
+  extra = ()
+  if atomic:  # the dK/dV kernel accumulates dQ into this zeroed fp32 buffer (aliased in place)
+    extra = (jnp.zeros((plan.batch, plan.q_pad, plan.num_heads, x.hp), jnp.float32),)
+  outs = _dkv_call(plan, entries_t.shape[-1], x.hp, x.vp, atomic)(
+      x.q, x.k, x.v, do, lse_safe, delta, entries_t, counts_t, x.iscal, x.fscal, *x.segs, *extra)
+  dk, dv = outs[:2]
+  if atomic:
+    dq = outs[2] * aux["scale"]
   b, s, kh, g = plan.batch, plan.kv_len, plan.num_kv_heads, plan.groups
   # Per-query-head partials [B, Sp, N, .] -> sum over the G heads of each KV head.
   dk = dk[:, :s, :, :plan.head_dim].reshape(b, s, kh, g, plan.head_dim).sum(3)
@@ -464,7 +477,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entries_ref, cou
 
 
 @functools.lru_cache(maxsize=128)
-def _dkv_call(plan: C.Plan, width: int, hp: int, vp: int):
+def _dkv_call(plan: C.Plan, width: int, hp: int, vp: int, atomic_dq: bool = False):
   bk, g = plan.block_k_dkv, plan.groups
   nk = plan.kv_pad // bk
   q_all = lambda j, b, n: (b, 0, n, 0)  # noqa: E731
@@ -482,21 +495,31 @@ def _dkv_call(plan: C.Plan, width: int, hp: int, vp: int):
       jax.ShapeDtypeStruct((plan.batch, plan.kv_pad, plan.num_heads, hp), jnp.float32),
       jax.ShapeDtypeStruct((plan.batch, plan.kv_pad, plan.num_heads, vp), jnp.float32),
   ]
+  out_specs = [pl.BlockSpec((None, bk, None, hp), out), pl.BlockSpec((None, bk, None, vp), out)]
+  aliases = {}
+  if atomic_dq:  # every program of head n adds into all of dQ[b, :, n]: the whole column block
+    dq_spec = pl.BlockSpec((None, plan.q_pad, None, hp), q_all)
+    in_specs.append(dq_spec)
+    out_specs.append(dq_spec)
+    out_shape.append(jax.ShapeDtypeStruct((plan.batch, plan.q_pad, plan.num_heads, hp),
+                                          jnp.float32))
+    aliases = {len(in_specs) - 1: 2}
   return pl.pallas_call(
-      functools.partial(_dkv_kernel, plan=plan),
+      functools.partial(_dkv_kernel, plan=plan, atomic_dq=atomic_dq),
       grid=(nk, plan.batch, plan.num_heads),
-      in_specs=in_specs,
-      out_specs=[pl.BlockSpec((None, bk, None, hp), out), pl.BlockSpec((None, bk, None, vp), out)],
-      out_shape=out_shape,
+      in_specs=in_specs, out_specs=out_specs, out_shape=out_shape, input_output_aliases=aliases,
       compiler_params=_compiler_params(plan, hp),
       interpret=plan.interpret, name="jaxattn_flash_dkv_gpu")
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entries_ref, counts_ref,
-                iscal_ref, fscal_ref, *refs, plan):
+                iscal_ref, fscal_ref, *refs, plan, atomic_dq=False):
   if plan.has_segments:
     qseg_ref, kvseg_ref, *refs = refs
-  dk_ref, dv_ref = refs
+  if atomic_dq:
+    _, dk_ref, dv_ref, dq_ref = refs  # the aliased input is the output dq_ref
+  else:
+    dk_ref, dv_ref = refs
   j, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   bq, bk = plan.block_q_dkv, plan.block_k_dkv
   q_offset, scale, slope, kv_length = _scalars(plan, iscal_ref, fscal_ref, b, n)
@@ -520,7 +543,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entries_ref, co
     dv = dv + plgpu.dot(p.astype(C.matmul_dtype(do)), do)  # [bk, hp]
     dp = plgpu.dot(v, do, trans_b=True)  # [bk, bq] = dp^T
     ds = C.soft_cap_grad(p * (dp - delta_ref[pl.ds(start, bq)][None, :]), s, plan)
-    return dk + plgpu.dot(ds.astype(C.matmul_dtype(q)), q), dv  # [bk, Hp]
+    ds_mm = ds.astype(C.matmul_dtype(q))
+    if atomic_dq:  # dQ rows of this query block += ds k  (ds is ds^T here: [bk, bq])
+      plgpu.atomic_add(dq_ref, (pl.ds(start, bq), slice(None)),
+                       plgpu.dot(ds_mm, k, trans_a=True))
+    return dk + plgpu.dot(ds_mm, q), dv  # [bk, Hp]
 
   init = (jnp.zeros(dk_ref.shape, jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32))
   dk, dv = _visit(counts_ref, entries_ref, init, step, affine=_affine(plan, True))

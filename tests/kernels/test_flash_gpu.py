@@ -165,7 +165,12 @@ def test_lowers_to_triton():
     return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
   text = jax.jit(grads).trace(q, k, k, ids, slopes).lower(lowering_platforms=("cuda",)).as_text()
-  for name in ("jaxattn_flash_fwd_gpu", "jaxattn_flash_dq_gpu", "jaxattn_flash_dkv_gpu"):
+  kernels = ["jaxattn_flash_fwd_gpu", "jaxattn_flash_dkv_gpu"]
+  if gpu_kernel.get_options()["dq"] == "kernel":
+    kernels.append("jaxattn_flash_dq_gpu")
+  else:
+    assert "jaxattn_flash_dq_gpu" not in text
+  for name in kernels:
     assert name in text
 
 
@@ -177,8 +182,8 @@ def test_block_sizes_must_be_triton_tiles():
     BlockSizes(16, 16, 16, 16, num_warps=3)
 
 
-@pytest.fixture(params=[{"exp": "exp2", "affine": True, "reverse": True},
-                        {"exp": "ex2asm", "affine": False, "reverse": False}],
+@pytest.fixture(params=[{"exp": "exp2", "affine": True, "reverse": True, "dq": "atomic"},
+                        {"exp": "ex2asm", "affine": False, "reverse": False, "dq": "kernel"}],
                 ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
 def codegen_options(request):
   saved = gpu_kernel.get_options()
