@@ -281,7 +281,9 @@ def paged_mla_decode(
       selector's job (the lightning indexer masks future keys), as in
       ``jaxattn.ops.sparse.sparse_mla_attention``.  None: dense causal attention.
     num_splits, implementation, interpret: as in ``paged_attention`` (``num_splits`` applies to
-      the dense mode; for ``"pallas_gpu"`` ``programs_per_split = B * ceil(T * N / 16)``).
+      the dense mode, and for ``"pallas_gpu"`` to the sparse mode too, over the ``k`` selected
+      slots; there ``programs_per_split = B * ceil(T * N / 16)`` dense, ``B * T * ceil(N / 16)``
+      sparse).
 
   Returns:
     ``[B, T, N, C]`` (``[B, N, C]`` for 3-D queries): ``sum_s p_s c_s`` per head, query dtype.

@@ -27,6 +27,9 @@ partitions (``M`` = pages per sequence, ``SMs`` the device's multiprocessor coun
 unknown): about two programs per SM, so that small batches still fill the GPU, but no partition
 shorter than 256 tokens (its fp32 partial output must stay small next to what it reads).
 
+Under a device mesh (``mesh=`` or ``jax.set_mesh``) the call runs in ``jax.shard_map`` over the
+batch (and the KV heads), as ``tpu.py`` does: a ``pallas_call`` cannot be partitioned by XLA.
+
 Validated in interpret mode on CPU (``interpret=True``) against
 ``jaxattn.ops.decode.paged_attention_xla``; ``experiments/bench_decode.py --check`` compares the
 compiled kernel with the formula on a GPU.
@@ -41,9 +44,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.decode_attention.tpu import combine
+from pallas_kernels.flash_attention import sharded
 
 _F32 = jnp.float32
 DEFAULT_SMS = 132  # H100 / H200 SXM
@@ -253,6 +258,7 @@ def paged_attention_gpu(
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool | None = None,
+    mesh=None,
 ) -> Float[Array, "B T N h"]:
   """``jaxattn.ops.decode.paged_attention`` as a Pallas Triton kernel (shapes checked there).
 
@@ -265,6 +271,13 @@ def paged_attention_gpu(
       of 64, 32, 16 that divides it.
     num_warps, num_stages: Triton launch parameters.
     interpret: None runs the kernel interpreted unless the default backend is a GPU.
+    mesh: a ``jax.sharding.Mesh`` to run under; None uses the one set by ``jax.set_mesh`` (if
+      any).  Under a mesh the call runs in ``jax.shard_map`` exactly as ``paged_attention_tpu``:
+      queries, page table and lengths split over the ``"batch"`` mesh axes, queries and pools over
+      the ``"kv_heads"`` axes when both ``N`` and ``K`` divide (whole GQA groups per device); a
+      size that does not divide stays whole (replicated).  The pools are not split over batch:
+      any sequence may own any page.  ``num_splits=None`` is then chosen per device, from the
+      local batch and KV heads.
 
   Returns:
     ``[B, T, N, h]`` in the query dtype.
@@ -277,13 +290,31 @@ def paged_attention_gpu(
     raise ValueError(f"query heads N={query.shape[2]} must be a multiple of the KV heads "
                      f"K={key_pool.shape[2]}.")
   block_k = check_block_k(block_k, key_pool.shape[1], 64)
-  if num_splits is None:
-    num_splits = auto_splits(query.shape[0] * key_pool.shape[2], page_table.shape[1],
-                             key_pool.shape[1])
-  return _call(query, key_pool, value_pool, page_table.astype(jnp.int32),
-               lengths.astype(jnp.int32), scale=float(scale), soft_cap=logits_soft_cap,
-               num_splits=num_splits, block_k=block_k, num_warps=num_warps,
-               num_stages=num_stages, interpret=default_interpret(interpret))
+  interpret = default_interpret(interpret)
+
+  def local(q, k_pool, v_pool, table, lens):
+    # Shapes here are the device's own (inside shard_map): the automatic split count must fill
+    # this device's multiprocessors with its local B * K programs, not the global ones.
+    splits = num_splits
+    if splits is None:
+      splits = auto_splits(q.shape[0] * k_pool.shape[2], table.shape[1], k_pool.shape[1])
+    return _call(q, k_pool, v_pool, table, lens, scale=float(scale), soft_cap=logits_soft_cap,
+                 num_splits=splits, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+                 interpret=interpret)
+
+  args = (query, key_pool, value_pool, page_table.astype(jnp.int32), lengths.astype(jnp.int32))
+  use_context = mesh is None
+  mesh = sharded._context_mesh() if mesh is None else mesh
+  if mesh is None or not sharded._free_axes(mesh):
+    return local(*args)
+  bax, hax = sharded.plan_specs(mesh, query.shape[0], query.shape[2], key_pool.shape[2])
+  specs = (P(bax, None, hax, None), P(None, None, hax, None), P(None, None, hax, None),
+           P(bax, None), P(bax))
+  placed = [sharded._place(x, sp, mesh) for x, sp in zip(args, specs)]
+  # check_vma=False: pallas_call outputs carry no varying-mesh-axis annotations.
+  f = jax.shard_map(local, mesh=None if use_context else mesh, in_specs=specs,
+                    out_specs=P(bax, None, hax, None), check_vma=False)
+  return f(*placed)
 
 
 __all__ = ["auto_splits", "paged_attention_gpu"]

@@ -3,7 +3,8 @@ DSA sparse (top-K rows only).
 
 Reached through ``jaxattn.ops.decode.paged_mla_decode(..., implementation="pallas_tpu")`` (the
 default on TPU); ``jaxattn.ops.decode.paged_mla_decode_xla`` is the reference.  ``gpu.py``: both
-modes for NVIDIA GPUs (Pallas Triton, ``implementation="pallas_gpu"``, the default there).
+modes for NVIDIA GPUs (Pallas Triton, ``implementation="pallas_gpu"``, opt-in until validated on
+a GPU).
 """
 
 from pallas_kernels.mla_decode.gpu import paged_mla_decode_gpu

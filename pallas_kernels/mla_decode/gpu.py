@@ -28,11 +28,21 @@ contract's causal rule (row ``(t, n)`` sees keys ``<= lengths[b] - T + t``).
 Sparse mode (DeepSeek Sparse Attention, ``indices [B, T, k]``): grid ``(B, T, head blocks)``; each
 step loads ``block_k`` selected positions, looks their pages up in the page-table row (a vector
 gather), and gathers those rows of the pool viewed flat as ``[P * page, C]`` by a vector of row
-offsets; unselected or out-of-range slots are zeroed and masked.  No split-KV (``k`` is small:
-2,048 for DeepSeek-V3.2).
+offsets; unselected or out-of-range slots are zeroed and masked.  Split-KV over the ``k`` selected
+slots: grid ``(B, T, S, head blocks)``, partition ``s`` takes whole ``block_k`` blocks of the
+index row, writes an fp32 partial and its log-sum-exp, merged by the same ``combine`` (one
+partition writes the output directly).
 
-``num_splits=None`` picks ``clamp(ceil(2 * SMs / (B * head_blocks)), 1, max(1, M * page // 256))``
-partitions (``pallas_kernels.decode_attention.gpu.auto_splits``).
+``num_splits=None`` picks ``clamp(ceil(2 * SMs / programs_per_split), 1, max(1, L // 256))``
+partitions (``pallas_kernels.decode_attention.gpu.auto_splits``): dense ``programs_per_split = B *
+head_blocks`` and ``L = M * page`` cached positions; sparse ``programs_per_split = B * T *
+head_blocks`` and ``L = k`` selected slots.  Under a device mesh it is chosen per device, from the
+local sizes.
+
+Under a mesh (``mesh=`` or ``jax.set_mesh``) both modes run in ``jax.shard_map`` as ``tpu.py``
+does: batch over the ``"batch"`` mesh axes, query heads over the ``"heads"`` axes (every head
+reads the same latent rows, so each device holds the whole latent pool but only its heads).
+
 Validated in interpret mode on CPU against ``jaxattn.ops.decode.paged_mla_decode_xla``;
 ``experiments/bench_decode.py --check`` compares the compiled kernel with it on a GPU.
 """
@@ -46,6 +56,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.decode_attention.gpu import (auto_splits, block_location, check_block_k,
@@ -53,6 +64,7 @@ from pallas_kernels.decode_attention.gpu import (auto_splits, block_location, ch
                                                  load_rows, online_step, pad_last, pad_lengths,
                                                  partition_blocks, pow2)
 from pallas_kernels.decode_attention.tpu import combine
+from pallas_kernels.flash_attention import sharded
 
 _F32 = jnp.float32
 
@@ -133,8 +145,11 @@ def _call(q_latent, q_rope, c_pool, kr_pool, page_table, lengths, *, scale, num_
 
 # -- sparse (DSA): selected rows only ------------------------------------------------------------
 
-def _sparse_kernel(lens_ref, table_ref, idx_ref, ql_ref, qr_ref, c_ref, kr_ref, o_ref, *, scale,
-                   page_size, block_k, num_blocks):
+def _sparse_kernel(lens_ref, table_ref, idx_ref, ql_ref, qr_ref, c_ref, kr_ref, o_ref, *lse_ref,
+                   scale, page_size, block_k, num_blocks, blocks_per_split):
+  """``blocks_per_split=None``: one pass over all ``num_blocks`` blocks, the output written in its
+  dtype; else partition ``program_id(2)`` covers its blocks and writes an fp32 partial plus its
+  log-sum-exp to ``lse_ref``."""
   b = pl.program_id(0)
   block_h = ql_ref.shape[0]
   length = lens_ref[b]
@@ -157,14 +172,21 @@ def _sparse_kernel(lens_ref, table_ref, idx_ref, ql_ref, qr_ref, c_ref, kr_ref, 
 
   init = (jnp.zeros((block_h, o_ref.shape[-1]), _F32), jnp.full((block_h,), -jnp.inf, _F32),
           jnp.zeros((block_h,), _F32))
-  out, _ = finish(lax.fori_loop(0, num_blocks, body, init))
-  o_ref[...] = out.astype(o_ref.dtype)
+  if blocks_per_split is None:
+    out, _ = finish(lax.fori_loop(0, num_blocks, body, init))
+    o_ref[...] = out.astype(o_ref.dtype)
+    return
+  first = pl.program_id(2) * blocks_per_split
+  last = jnp.minimum(first + blocks_per_split, num_blocks)
+  out, lse = finish(lax.fori_loop(first, last, body, init))
+  o_ref[...] = out
+  lse_ref[0][...] = lse
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_h", "block_k", "num_warps",
-                                             "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "block_h", "block_k",
+                                             "num_warps", "num_stages", "interpret"))
 def _sparse_call(q_latent, q_rope, c_pool, kr_pool, page_table, lengths, indices, *, scale,
-                 block_h, block_k, num_warps, num_stages, interpret):
+                 num_splits, block_h, block_k, num_warps, num_stages, interpret):
   b, t, n, c = q_latent.shape
   r = q_rope.shape[3]
   num_pages, page_size = c_pool.shape[:2]
@@ -178,9 +200,18 @@ def _sparse_call(q_latent, q_rope, c_pool, kr_pool, page_table, lengths, indices
   # Flat [P * page, C|R] views (free reshapes): a selected row is one offset.
   c_flat = pad_last(c_pool, cp).reshape(num_pages * page_size, cp)
   kr_flat = pad_last(kr_pool, rp).reshape(num_pages * page_size, rp)
-  kernel = functools.partial(_sparse_kernel, scale=float(scale), page_size=page_size,
-                             block_k=block_k, num_blocks=k_p // block_k)
+  num_blocks = k_p // block_k
+  bps = -(-num_blocks // min(num_splits, num_blocks))              # blocks per partition
+  splits = -(-num_blocks // bps)                                     # no empty trailing ones
   lens = pad_lengths(lengths)
+  if splits > 1:
+    return _sparse_split_call(lens, page_table, idx, ql, qr, c_flat, kr_flat, scale=scale,
+                              page_size=page_size, block_h=block_h, block_k=block_k,
+                              num_blocks=num_blocks, blocks_per_split=bps, splits=splits,
+                              num_warps=num_warps, num_stages=num_stages,
+                              interpret=interpret)[:, :, :n, :c].astype(q_latent.dtype)
+  kernel = functools.partial(_sparse_kernel, scale=float(scale), page_size=page_size,
+                             block_k=block_k, num_blocks=num_blocks, blocks_per_split=None)
   q_map = lambda bi, ti, hi: (bi, ti, hi, 0)  # noqa: E731
   out = pl.pallas_call(
       kernel,
@@ -202,6 +233,44 @@ def _sparse_call(q_latent, q_rope, c_pool, kr_pool, page_table, lengths, indices
   return out[:, :, :n, :c]
 
 
+def _sparse_split_call(lens, page_table, idx, ql, qr, c_flat, kr_flat, *, scale, page_size,
+                       block_h, block_k, num_blocks, blocks_per_split, splits, num_warps,
+                       num_stages, interpret):
+  """Split-KV over the selected slots: grid ``(B, T, S, head blocks)``, fp32 partials
+  ``[B, S, T, N_p, Cp]`` and log-sum-exps ``[B, S, T, N_p]`` merged by ``combine`` ->
+  ``[B, T, N_p, Cp]`` fp32 (inputs already padded by ``_sparse_call``)."""
+  b, t, n_p, cp = ql.shape
+  rp = qr.shape[3]
+  m, k_p = page_table.shape[1], idx.shape[2]
+  kernel = functools.partial(_sparse_kernel, scale=float(scale), page_size=page_size,
+                             block_k=block_k, num_blocks=num_blocks,
+                             blocks_per_split=blocks_per_split)
+  q_map = lambda bi, ti, si, hi: (bi, ti, hi, 0)  # noqa: E731
+  out, lse = pl.pallas_call(
+      kernel,
+      grid=(b, t, splits, n_p // block_h),
+      in_specs=[
+          pl.BlockSpec(lens.shape, lambda bi, ti, si, hi: (0,)),                # lengths
+          pl.BlockSpec((None, m), lambda bi, ti, si, hi: (bi, 0)),              # page table row
+          pl.BlockSpec((None, None, k_p), lambda bi, ti, si, hi: (bi, ti, 0)),  # selected positions
+          pl.BlockSpec((None, None, block_h, cp), q_map),                       # q~ tile
+          pl.BlockSpec((None, None, block_h, rp), q_map),                       # q^R tile
+          pl.BlockSpec(c_flat.shape, lambda bi, ti, si, hi: (0, 0)),            # c_KV rows
+          pl.BlockSpec(kr_flat.shape, lambda bi, ti, si, hi: (0, 0)),           # k^R rows
+      ],
+      out_specs=[
+          pl.BlockSpec((None, None, None, block_h, cp),
+                       lambda bi, ti, si, hi: (bi, si, ti, hi, 0)),
+          pl.BlockSpec((None, None, None, block_h), lambda bi, ti, si, hi: (bi, si, ti, hi)),
+      ],
+      out_shape=[jax.ShapeDtypeStruct((b, splits, t, n_p, cp), _F32),
+                 jax.ShapeDtypeStruct((b, splits, t, n_p), _F32)],
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret, name="jaxattn_sparse_mla_decode_gpu_split",
+  )(lens, page_table, idx, ql, qr, c_flat, kr_flat)
+  return combine(out, lse[..., None])                                # [B, T, N_p, Cp]
+
+
 def paged_mla_decode_gpu(
     q_latent: Float[Array, "B T N C"],
     q_rope: Float[Array, "B T N R"],
@@ -218,6 +287,7 @@ def paged_mla_decode_gpu(
     num_warps: int | None = None,
     num_stages: int = 2,
     interpret: bool | None = None,
+    mesh=None,
 ) -> Float[Array, "B T N C"]:
   """``jaxattn.ops.decode.paged_mla_decode`` (dense split-KV and sparse) as Pallas Triton kernels.
 
@@ -226,7 +296,8 @@ def paged_mla_decode_gpu(
       ``paged_mla_decode`` (queries 4-D; shapes checked there).
     indices: sparse (DSA) mode: ``[B, T, k]`` selected positions (``-1`` = none; positions outside
       ``[0, lengths[b])`` ignored); None: dense causal attention.
-    num_splits: split-KV partitions of the dense mode, None = automatic (module docstring).
+    num_splits: split-KV partitions (dense: of the ``M`` pages; sparse: of the ``k`` selected
+      slots, in whole ``block_k`` blocks), None = automatic (module docstring).
     block_h: query rows per program, a power of two >= 16.
     block_k: cached rows per loop step, a power of two >= 16; dense: dividing the page size,
       default the largest of 32, 16 that divides it; sparse: selected rows gathered per step,
@@ -234,6 +305,10 @@ def paged_mla_decode_gpu(
     num_warps, num_stages: Triton launch parameters; ``num_warps`` defaults to 8 for latents of
       256+ (a ``[16, 512]`` fp32 accumulator is 64 registers per thread with 4 warps), else 4.
     interpret: None runs the kernel interpreted unless the default backend is a GPU.
+    mesh: a ``jax.sharding.Mesh`` to run under; None uses the one set by ``jax.set_mesh`` (if
+      any).  As ``paged_mla_decode_tpu``: queries, page table, lengths (and indices) split over
+      the ``"batch"`` mesh axes, query heads over the ``"heads"`` axes; the latent pools stay
+      whole on every device; a size that does not divide stays whole (replicated).
 
   Returns:
     ``[B, T, N, C]`` in the query dtype.
@@ -248,23 +323,52 @@ def paged_mla_decode_gpu(
   if num_warps is None:
     num_warps = 8 if pow2(q_latent.shape[-1]) >= 256 else 4
   b, t, n = q_latent.shape[:3]
+  interpret = default_interpret(interpret)
+  args = [q_latent, q_rope, c_kv_pool, k_rope_pool, page_table.astype(jnp.int32),
+          lengths.astype(jnp.int32)]
+  kw = dict(scale=float(scale), block_h=block_h, num_warps=num_warps, num_stages=num_stages,
+            interpret=interpret)
   if indices is not None:
     if indices.shape[:2] != (b, t) or indices.ndim != 3:
       raise ValueError(f"`indices` must be [B={b}, T={t}, k], got shape {indices.shape}.")
     # Selected rows are gathered one by one: any block size works, no page alignment needed.
     block_k = check_block_k(block_k, 16 if block_k is None else block_k, 16)
-    return _sparse_call(q_latent, q_rope, c_kv_pool, k_rope_pool, page_table.astype(jnp.int32),
-                        lengths.astype(jnp.int32), indices.astype(jnp.int32), scale=float(scale),
-                        block_h=block_h, block_k=block_k, num_warps=num_warps,
-                        num_stages=num_stages, interpret=default_interpret(interpret))
-  block_k = check_block_k(block_k, c_kv_pool.shape[1], 32)
-  if num_splits is None:
-    num_splits = auto_splits(b * -(-(t * n) // block_h), page_table.shape[1],
-                             c_kv_pool.shape[1])
-  return _call(q_latent, q_rope, c_kv_pool, k_rope_pool, page_table.astype(jnp.int32),
-               lengths.astype(jnp.int32), scale=float(scale), num_splits=num_splits,
-               block_h=block_h, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-               interpret=default_interpret(interpret))
+    args.append(indices.astype(jnp.int32))
+
+    def local(ql, qr, c_pool, kr_pool, table, lens, idx):
+      # Local (per-device) sizes: the k selected slots count as k one-row pages, so partitions
+      # hold >= MIN_SPLIT_TOKENS slots, as the dense mode's hold >= MIN_SPLIT_TOKENS positions.
+      lb, lt, ln = ql.shape[:3]
+      splits = num_splits
+      if splits is None:
+        splits = auto_splits(lb * lt * -(-ln // block_h), idx.shape[2], 1)
+      return _sparse_call(ql, qr, c_pool, kr_pool, table, lens, idx, num_splits=splits,
+                          block_k=block_k, **kw)
+  else:
+    block_k = check_block_k(block_k, c_kv_pool.shape[1], 32)
+
+    def local(ql, qr, c_pool, kr_pool, table, lens):
+      lb, lt, ln = ql.shape[:3]
+      splits = num_splits
+      if splits is None:
+        splits = auto_splits(lb * -(-(lt * ln) // block_h), table.shape[1], c_pool.shape[1])
+      return _call(ql, qr, c_pool, kr_pool, table, lens, num_splits=splits, block_k=block_k,
+                   **kw)
+
+  use_context = mesh is None
+  mesh = sharded._context_mesh() if mesh is None else mesh
+  if mesh is None or not sharded._free_axes(mesh):
+    return local(*args)
+  free = sharded._free_axes(mesh)
+  bax = sharded._spec_axes("batch", b, mesh, free)
+  hax = sharded._spec_axes("heads", n, mesh, free)
+  q_spec = P(bax, None, hax, None)
+  specs = (q_spec, q_spec, P(), P(), P(bax, None), P(bax), P(bax, None, None))[:len(args)]
+  placed = [sharded._place(x, sp, mesh) for x, sp in zip(args, specs)]
+  # check_vma=False: pallas_call outputs carry no varying-mesh-axis annotations.
+  f = jax.shard_map(local, mesh=None if use_context else mesh, in_specs=specs, out_specs=q_spec,
+                    check_vma=False)
+  return f(*placed)
 
 
 __all__ = ["paged_mla_decode_gpu"]
