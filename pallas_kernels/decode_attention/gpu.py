@@ -44,11 +44,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.decode_attention.tpu import combine
-from pallas_kernels.flash_attention import sharded
+from pallas_kernels.decode_attention.tpu import combine, run_sharded_gqa
 
 _F32 = jnp.float32
 DEFAULT_SMS = 132  # H100 / H200 SXM
@@ -303,18 +301,7 @@ def paged_attention_gpu(
                  interpret=interpret)
 
   args = (query, key_pool, value_pool, page_table.astype(jnp.int32), lengths.astype(jnp.int32))
-  use_context = mesh is None
-  mesh = sharded._context_mesh() if mesh is None else mesh
-  if mesh is None or not sharded._free_axes(mesh):
-    return local(*args)
-  bax, hax = sharded.plan_specs(mesh, query.shape[0], query.shape[2], key_pool.shape[2])
-  specs = (P(bax, None, hax, None), P(None, None, hax, None), P(None, None, hax, None),
-           P(bax, None), P(bax))
-  placed = [sharded._place(x, sp, mesh) for x, sp in zip(args, specs)]
-  # check_vma=False: pallas_call outputs carry no varying-mesh-axis annotations.
-  f = jax.shard_map(local, mesh=None if use_context else mesh, in_specs=specs,
-                    out_specs=P(bax, None, hax, None), check_vma=False)
-  return f(*placed)
+  return run_sharded_gqa(local, args, mesh)
 
 
 __all__ = ["auto_splits", "paged_attention_gpu"]

@@ -176,6 +176,26 @@ def _local(q, key_pool, value_pool, page_table, lengths, *, scale, soft_cap, num
   return out.astype(q.dtype)
 
 
+def run_sharded_gqa(local, args, mesh):
+  """``local(query, key_pool, value_pool, page_table, lengths)`` under ``mesh`` (None: the context
+  mesh; no mesh or no free axis: called directly): queries, page table and lengths split over the
+  ``"batch"`` axes, queries and pools over ``"kv_heads"`` when both ``N`` and ``K`` divide.  Shared
+  by the TPU and GPU decode kernels."""
+  use_context = mesh is None
+  mesh = sharded._context_mesh() if mesh is None else mesh
+  if mesh is None or not sharded._free_axes(mesh):
+    return local(*args)
+  query, key_pool = args[0], args[1]
+  bax, hax = sharded.plan_specs(mesh, query.shape[0], query.shape[2], key_pool.shape[2])
+  specs = (P(bax, None, hax, None), P(None, None, hax, None), P(None, None, hax, None),
+           P(bax, None), P(bax))
+  placed = [sharded._place(x, sp, mesh) for x, sp in zip(args, specs)]
+  # check_vma=False: pallas_call outputs carry no varying-mesh-axis annotations.
+  f = jax.shard_map(local, mesh=None if use_context else mesh, in_specs=specs,
+                    out_specs=P(bax, None, hax, None), check_vma=False)
+  return f(*placed)
+
+
 def paged_attention_tpu(
     query: Float[Array, "B T N H"],
     key_pool: Float[Array, "P page K H"],
@@ -201,17 +221,4 @@ def paged_attention_tpu(
     raise ValueError(f"`num_splits` must be >= 1, got {num_splits!r}.")
   local = functools.partial(_local, scale=scale, soft_cap=logits_soft_cap, num_splits=num_splits,
                             interpret=interpret)
-  use_context = mesh is None
-  mesh = sharded._context_mesh() if mesh is None else mesh
-  if mesh is None or not sharded._free_axes(mesh):
-    return local(query, key_pool, value_pool, page_table, lengths)
-  b, _, n, _ = query.shape
-  bax, hax = sharded.plan_specs(mesh, b, n, key_pool.shape[2])
-  specs = (P(bax, None, hax, None), P(None, None, hax, None), P(None, None, hax, None),
-           P(bax, None), P(bax))
-  args = [sharded._place(x, sp, mesh)
-          for x, sp in zip((query, key_pool, value_pool, page_table, lengths), specs)]
-  # check_vma=False: pallas_call outputs carry no varying-mesh-axis annotations.
-  f = jax.shard_map(local, mesh=None if use_context else mesh, in_specs=specs,
-                    out_specs=P(bax, None, hax, None), check_vma=False)
-  return f(*args)
+  return run_sharded_gqa(local, (query, key_pool, value_pool, page_table, lengths), mesh)

@@ -56,7 +56,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.decode_attention.gpu import (auto_splits, block_location, check_block_k,
@@ -64,7 +63,7 @@ from pallas_kernels.decode_attention.gpu import (auto_splits, block_location, ch
                                                  load_rows, online_step, pad_last, pad_lengths,
                                                  partition_blocks, pow2)
 from pallas_kernels.decode_attention.tpu import combine
-from pallas_kernels.flash_attention import sharded
+from pallas_kernels.mla_decode.tpu import run_sharded_mla
 
 _F32 = jnp.float32
 
@@ -355,20 +354,7 @@ def paged_mla_decode_gpu(
       return _call(ql, qr, c_pool, kr_pool, table, lens, num_splits=splits, block_k=block_k,
                    **kw)
 
-  use_context = mesh is None
-  mesh = sharded._context_mesh() if mesh is None else mesh
-  if mesh is None or not sharded._free_axes(mesh):
-    return local(*args)
-  free = sharded._free_axes(mesh)
-  bax = sharded._spec_axes("batch", b, mesh, free)
-  hax = sharded._spec_axes("heads", n, mesh, free)
-  q_spec = P(bax, None, hax, None)
-  specs = (q_spec, q_spec, P(), P(), P(bax, None), P(bax), P(bax, None, None))[:len(args)]
-  placed = [sharded._place(x, sp, mesh) for x, sp in zip(args, specs)]
-  # check_vma=False: pallas_call outputs carry no varying-mesh-axis annotations.
-  f = jax.shard_map(local, mesh=None if use_context else mesh, in_specs=specs, out_specs=q_spec,
-                    check_vma=False)
-  return f(*placed)
+  return run_sharded_mla(local, args, mesh)
 
 
 __all__ = ["paged_mla_decode_gpu"]

@@ -203,6 +203,28 @@ def _sparse_local(q_latent, q_rope, c_pool, kr_pool, page_table, lengths, indice
     q_latent, q_rope, c_pool[:, :, None, :], kr_pool[:, :, None, :])
 
 
+def run_sharded_mla(local, args, mesh):
+  """``local(q_latent, q_rope, c_pool, kr_pool, page_table, lengths[, indices])`` under ``mesh``
+  (None: the context mesh; no mesh or no free axis: called directly): batch over the ``"batch"``
+  axes, query heads over ``"heads"``; every device keeps the whole latent pool.  Shared by the TPU
+  and GPU MLA decode kernels."""
+  use_context = mesh is None
+  mesh = sharded._context_mesh() if mesh is None else mesh
+  if mesh is None or not sharded._free_axes(mesh):
+    return local(*args)
+  b, _, n, _ = args[0].shape
+  free = sharded._free_axes(mesh)
+  bax = sharded._spec_axes("batch", b, mesh, free)
+  hax = sharded._spec_axes("heads", n, mesh, free)
+  q_spec = P(bax, None, hax, None)
+  specs = (q_spec, q_spec, P(), P(), P(bax, None), P(bax), P(bax, None, None))[:len(args)]
+  placed = [sharded._place(x, sp, mesh) for x, sp in zip(args, specs)]
+  # check_vma=False: pallas_call outputs carry no varying-mesh-axis annotations.
+  f = jax.shard_map(local, mesh=None if use_context else mesh, in_specs=specs, out_specs=q_spec,
+                    check_vma=False)
+  return f(*placed)
+
+
 def paged_mla_decode_tpu(
     q_latent: Float[Array, "B T N C"],
     q_rope: Float[Array, "B T N R"],
@@ -233,17 +255,4 @@ def paged_mla_decode_tpu(
   args = [q_latent, q_rope, c_kv_pool, k_rope_pool, page_table, lengths]
   if indices is not None:
     args.append(indices)
-  use_context = mesh is None
-  mesh = sharded._context_mesh() if mesh is None else mesh
-  if mesh is None or not sharded._free_axes(mesh):
-    return local(*args)
-  b, _, n, _ = q_latent.shape
-  free = sharded._free_axes(mesh)
-  bax = sharded._spec_axes("batch", b, mesh, free)
-  hax = sharded._spec_axes("heads", n, mesh, free)
-  q_spec = P(bax, None, hax, None)
-  specs = (q_spec, q_spec, P(), P(), P(bax, None), P(bax), P(bax, None, None))[:len(args)]
-  placed = [sharded._place(x, sp, mesh) for x, sp in zip(args, specs)]
-  f = jax.shard_map(local, mesh=None if use_context else mesh, in_specs=specs, out_specs=q_spec,
-                    check_vma=False)
-  return f(*placed)
+  return run_sharded_mla(local, args, mesh)
