@@ -15,6 +15,15 @@ adapters stay in ``param_dtype``.
 Adapter matrices are ``LoRAParam`` (a subclass of ``nnx.Param``), so ``nnx.state(model, LoRAParam)``,
 ``nnx.DiffState(0, LoRAParam)`` and ``nnx.Optimizer(model, tx, wrt=LoRAParam)`` select exactly them;
 NF4 storage is ``NF4Weight`` (an ``nnx.Variable``, never a parameter).  Formulas: ``jaxattn.ops.lora``.
+
+Stacked (scanned) layers: a layer whose kernel has more axes than its einsum's kernel term, as in
+``DecoderLM(config)`` with ``scan_layers=True`` (kernels ``[L, ...]`` with the logical axis
+``"layers"`` first), gets stacked adapters ``lora_a [L, ...in, r]``, ``lora_b [L, r, ...out]``
+(A drawn independently per layer, B zero; the kernel's leading axis names prefixed) and, with
+``quantize_base``, one NF4 code per layer.  They sit in the stacked state, so ``nnx.scan`` hands
+each step its own layer's slice; ``merge`` / ``unmerge`` / ``delta`` / ``unload_lora`` work on the
+whole stack (the update is vmapped over the leading axes).  A stacked layer runs one slice at a
+time: call it inside ``nnx.scan`` / ``nnx.vmap`` over the leading axes, as the model does.
 """
 
 from __future__ import annotations
@@ -62,7 +71,55 @@ def _base_spec(base) -> str:
 
 
 def _kernel_shape(base) -> tuple[int, ...]:
-  return base.kernel_shape if isinstance(base, NF4Einsum) else tuple(base.kernel[...].shape)
+  """The stored kernel's full shape, leading stacked axes included."""
+  if isinstance(base, NF4Einsum):
+    return base.stack_shape + base.kernel_shape
+  return tuple(base.kernel[...].shape)
+
+
+def _kernel_term_rank(spec: str) -> int:
+  """Number of axes of the kernel term of ``spec`` (``"BTD,DNH->BTNH"``: 3)."""
+  terms = spec.replace(" ", "").split("->")[0].split(",") if isinstance(spec, str) else ()
+  if len(terms) != 2 or "..." in terms[1]:
+    raise ValueError(f"`spec` must be an explicit two-operand einsum 'x,kernel->out' without '...' "
+                     f"in the kernel term, got {spec!r}.")
+  return len(terms[1])
+
+
+def _num_stacked(spec: str, shape: Sequence[int], what: str) -> int:
+  """How many leading axes of a kernel of ``shape`` stack copies of the ``spec`` kernel."""
+  n = len(shape) - _kernel_term_rank(spec)
+  if n < 0:
+    raise ValueError(f"{what} of shape {tuple(shape)} has fewer axes than the kernel term of its "
+                     f"spec {spec!r} ({_kernel_term_rank(spec)}); want the kernel, optionally with "
+                     "leading stacked (scanned-layer) axes.")
+  return n
+
+
+def _over_stack(f: Callable, n: int) -> Callable:
+  """``f`` mapped over ``n`` leading axes of every argument (``n = 0``: ``f`` itself)."""
+  for _ in range(n):
+    f = jax.vmap(f)
+  return f
+
+
+def _stacked_dropout(rate: float, rngs: nnx.Rngs, stack: tuple[int, ...]) -> nnx.Dropout:
+  """A ``Dropout`` whose RNG state is split over ``stack`` (each scanned layer draws its own
+  masks), created as the model creates its stacked layers."""
+  if not stack:
+    return nnx.Dropout(rate, rngs=rngs)
+
+  @nnx.split_rngs(splits=stack[0])
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def make(r):
+    return _stacked_dropout(rate, r, stack[1:])
+  return make(rngs)
+
+
+def _stacked_call_error(name: str, stack: tuple[int, ...]) -> ValueError:
+  return ValueError(f"this {name} holds layers stacked over leading axes of shape {stack} (scanned "
+                    "layers); call it on one slice, inside nnx.scan / nnx.vmap over those axes as "
+                    "DecoderLM(scan_layers=True) does.")
 
 
 class NF4Einsum(nnx.Module):
@@ -74,6 +131,11 @@ class NF4Einsum(nnx.Module):
   keeping the full-precision kernel between the passes.  The
   kernel is flattened row-major for quantization, so it is not shardable by logical axes (it is ~8x
   smaller).
+
+  A ``kernel`` with more axes than the spec's kernel term is a stack of kernels (scanned layers,
+  ``stack_shape`` = the extra leading axes): each is quantized on its own (``packed [L, n / 2]``,
+  ``absmax [L, nb]``, ...), ``kernel_shape`` is one layer's, and the layer runs one slice at a time
+  (inside ``nnx.scan``).
   """
 
   def __init__(self, spec: str, kernel: jax.Array, bias: jax.Array | None = None, *,
@@ -81,12 +143,16 @@ class NF4Einsum(nnx.Module):
                block_size: int = 64, double_quant: bool = True, scale_block_size: int = 256,
                dtype=None, recompute: bool = True, source: str = "einsum"):
     self.spec, self.dtype, self.source, self.recompute = spec, dtype, source, recompute
-    self.kernel_shape = tuple(int(s) for s in kernel.shape)
+    n = _num_stacked(spec, kernel.shape, "`kernel`")
+    self.stack_shape = tuple(int(s) for s in kernel.shape[:n])
+    self.kernel_shape = tuple(int(s) for s in kernel.shape[n:])
     self.kernel_axes = tuple(kernel_axes) if kernel_axes is not None else (None,) * kernel.ndim
     self.param_dtype = jnp.dtype(kernel.dtype)
     self.block_size, self.scale_block_size = block_size, scale_block_size
-    q = nf4_ops.quantize_nf4(kernel, block_size=block_size, double_quant=double_quant,
-                             scale_block_size=scale_block_size)
+    # Stacked layers: one code per layer (vmapped), so a scan step's slice is a plain NF4 kernel.
+    q = _over_stack(lambda w: nf4_ops.quantize_nf4(w, block_size=block_size,
+                                                   double_quant=double_quant,
+                                                   scale_block_size=scale_block_size), n)(kernel)
     self.packed = NF4Weight(q.packed, num_elements=int(kernel.size))
     self.absmax = NF4Weight(q.absmax, num_elements=0)
     self.absmax_scale = None if q.absmax_scale is None else NF4Weight(q.absmax_scale, num_elements=0)
@@ -113,12 +179,19 @@ class NF4Einsum(nnx.Module):
     return nf4_ops.NF4Tensor(self.packed[...], self.absmax[...], opt(self.absmax_scale),
                              opt(self.absmax_offset))
 
+  def _num_stacked_now(self) -> int:
+    # From the array, not ``stack_shape``: inside nnx.scan the same module holds one slice.
+    return self.packed[...].ndim - 1
+
   def dequantized_kernel(self, dtype=jnp.float32) -> jax.Array:
-    """The kernel rebuilt from NF4 (``kernel_shape``, ``dtype``)."""
-    return nf4_ops.dequantize_nf4(self.quantized(), self.kernel_shape, block_size=self.block_size,
-                                  scale_block_size=self.scale_block_size, dtype=dtype)
+    """The kernel rebuilt from NF4 (leading stacked axes + ``kernel_shape``, ``dtype``)."""
+    f = lambda q: nf4_ops.dequantize_nf4(q, self.kernel_shape, block_size=self.block_size,
+                                         scale_block_size=self.scale_block_size, dtype=dtype)
+    return _over_stack(f, self._num_stacked_now())(self.quantized())
 
   def __call__(self, x: jax.Array) -> jax.Array:
+    if self._num_stacked_now():
+      raise _stacked_call_error("NF4Einsum", self.stack_shape)
     dtype = self.dtype or x.dtype
     if self.recompute:
       y = nf4_ops.nf4_einsum(self.spec, x, self.quantized(), self.kernel_shape,
@@ -139,6 +212,11 @@ class LoRA(nnx.Module):
   starts as the base.  ``scaling = alpha / rank`` (``alpha / sqrt(rank)`` with ``use_rslora``).
   ``dropout`` applies to the adapter's input only (active unless ``model.eval()``).
   ``merge()`` adds ``scaling * A B`` to the base kernel and skips the adapter; ``unmerge()`` undoes it.
+
+  A base whose kernel carries leading stacked axes (scanned layers, ``stack_shape``, e.g. ``[L]``)
+  gets adapters stacked the same way (``[L, ...in, r]``, ``[L, r, ...out]``, A drawn independently
+  per layer, logical axes prefixed with the kernel's leading names, dropout RNG split per layer);
+  the forward pass then runs on one slice (inside ``nnx.scan``), ``merge``/``delta`` on the stack.
   """
 
   def __init__(self, base, *, rank: int = 8, alpha: float = 8.0, use_rslora: bool = False,
@@ -150,22 +228,34 @@ class LoRA(nnx.Module):
     self.rank, self.alpha, self.use_rslora = rank, alpha, use_rslora
     self.specs = lora_ops.lora_einsum_specs(spec)
     self.base = base
-    shape, axes = _kernel_shape(base), _kernel_axes(base)
+    full_shape, full_axes = _kernel_shape(base), _kernel_axes(base)
+    n = _num_stacked(spec, full_shape, f"the kernel of {type(base).__name__}")
+    self.stack_shape = tuple(full_shape[:n])
+    stack_axes, shape, axes = tuple(full_axes[:n]), full_shape[n:], full_axes[n:]
     sp = self.specs
     fan_in = int(np.prod([shape[i] for i in sp.in_axes]))
     bound = lora_ops.kaiming_uniform_bound(fan_in)
-    a_axes = tuple(axes[i] for i in sp.shared_axes + sp.in_axes) + (None,)
-    b_axes = tuple(axes[i] for i in sp.shared_axes) + (None,) + tuple(axes[i] for i in sp.out_axes)
-    self.lora_a = LoRAParam(
-        jax.random.uniform(rngs.params(), sp.a_shape(shape, rank), param_dtype, -bound, bound),
-        logical_axes=a_axes)
-    self.lora_b = LoRAParam(jnp.zeros(sp.b_shape(shape, rank), param_dtype), logical_axes=b_axes)
-    self.dropout = nnx.Dropout(dropout, rngs=rngs) if dropout > 0 else None
+    a_axes = stack_axes + tuple(axes[i] for i in sp.shared_axes + sp.in_axes) + (None,)
+    b_axes = (stack_axes + tuple(axes[i] for i in sp.shared_axes) + (None,)
+              + tuple(axes[i] for i in sp.out_axes))
+    a_shape = sp.a_shape(shape, rank)
+    # Stacked layers: i.i.d. entries over the whole stack, i.e. an independent draw per layer, each
+    # with one layer's bound.
+    a = jax.random.uniform(rngs.params(), self.stack_shape + a_shape, param_dtype, -bound, bound)
+    self.lora_a = LoRAParam(a, logical_axes=a_axes)
+    self.lora_b = LoRAParam(jnp.zeros(self.stack_shape + sp.b_shape(shape, rank), param_dtype),
+                            logical_axes=b_axes)
+    self.dropout = _stacked_dropout(dropout, rngs, self.stack_shape) if dropout > 0 else None
     self.merged = False
 
+  def _num_stacked_now(self) -> int:
+    # From the array, not ``stack_shape``: inside nnx.scan the same module holds one slice.
+    return self.lora_a[...].ndim - (len(self.specs.shared_axes) + len(self.specs.in_axes) + 1)
+
   def delta(self) -> jax.Array:
-    """The kernel-shaped update ``scaling * A B`` (fp32)."""
-    return lora_ops.lora_delta(self.specs, self.lora_a[...], self.lora_b[...], self.scaling)
+    """The kernel-shaped update ``scaling * A B`` (fp32; stacked layers: vmapped over the stack)."""
+    f = lambda a, b: lora_ops.lora_delta(self.specs, a, b, self.scaling)
+    return _over_stack(f, self._num_stacked_now())(self.lora_a[...], self.lora_b[...])
 
   def merge(self) -> None:
     """``W0 <- W0 + scaling * A B`` in place; the adapter is then skipped in the forward pass."""
@@ -187,6 +277,8 @@ class LoRA(nnx.Module):
     self.merged = False
 
   def __call__(self, x: jax.Array) -> jax.Array:
+    if self._num_stacked_now():
+      raise _stacked_call_error("LoRA layer", self.stack_shape)
     y = self.base(x)
     if self.merged:
       return y
@@ -304,13 +396,14 @@ def unmerge_lora(model: nnx.Module) -> None:
 def _dense_like(base: NF4Einsum, kernel: jax.Array):
   """An ``Einsum`` / ``nnx.Linear`` holding ``kernel`` (built abstractly, then filled)."""
   bias = None if base.bias is None else base.bias[...]
+  n = len(base.stack_shape)   # stacked layers: build one layer's module, then store the stack
   if base.source == "linear":
     din, dout = base.kernel_shape
     layer = nnx.eval_shape(lambda: nnx.Linear(din, dout, use_bias=bias is not None, dtype=base.dtype,
                                               rngs=nnx.Rngs(0)))
     layer.kernel = nnx.Param(kernel)
   else:
-    layer = nnx.eval_shape(lambda: Einsum(base.spec, base.kernel_shape, base.kernel_axes,
+    layer = nnx.eval_shape(lambda: Einsum(base.spec, base.kernel_shape, base.kernel_axes[n:],
                                           rngs=nnx.Rngs(0), use_bias=bias is not None,
                                           dtype=base.dtype))
     layer.kernel = nnx.Param(kernel, logical_axes=base.kernel_axes)
@@ -398,6 +491,8 @@ def count_parameters(model: nnx.Module, *, trainable: Any = LoRAParam) -> Parame
   is_trainable = nnx.filterlib.to_predicate(trainable)
   counts = dict(trainable=0, frozen=0, trainable_bytes=0, frozen_bytes=0)
   for path, v in nnx.to_flat_state(nnx.state(model)):
+    if isinstance(v, nnx.RngState):   # dropout keys and counters (typed keys have no itemsize)
+      continue
     value = v.get_value() if hasattr(v, "get_value") else v.value
     nbytes = int(math.prod(value.shape)) * jnp.dtype(value.dtype).itemsize
     if is_trainable(path, v):
