@@ -51,3 +51,12 @@ class Einsum(nnx.Module):
     if self.bias is not None:
       y = y + self.bias[...].astype(dtype)
     return y
+
+
+def effective_kernel(layer) -> jax.Array:
+  """The kernel a projection layer applies, for code that uses it as a matrix rather than calling
+  the layer (MLA's matrix absorption): ``layer.kernel`` for ``Einsum`` / ``nnx.Linear``, or
+  ``layer.effective_kernel()`` for wrappers that define it (a LoRA adapter: base + ``scaling * A
+  B``; an NF4 base: the dequantized kernel)."""
+  fn = getattr(layer, "effective_kernel", None)
+  return fn() if callable(fn) else layer.kernel[...]

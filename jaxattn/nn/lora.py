@@ -39,7 +39,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxattn.nn.linear import Einsum
+from jaxattn.nn.linear import Einsum, effective_kernel
 from jaxattn.ops import lora as lora_ops
 from jaxattn.ops import nf4 as nf4_ops
 
@@ -189,6 +189,10 @@ class NF4Einsum(nnx.Module):
                                          scale_block_size=self.scale_block_size, dtype=dtype)
     return _over_stack(f, self._num_stacked_now())(self.quantized())
 
+  def effective_kernel(self) -> jax.Array:
+    """The dequantized kernel in the parameter dtype (``jaxattn.nn.linear.effective_kernel``)."""
+    return self.dequantized_kernel(self.param_dtype)
+
   def __call__(self, x: jax.Array) -> jax.Array:
     if self._num_stacked_now():
       raise _stacked_call_error("NF4Einsum", self.stack_shape)
@@ -251,6 +255,14 @@ class LoRA(nnx.Module):
   def _num_stacked_now(self) -> int:
     # From the array, not ``stack_shape``: inside nnx.scan the same module holds one slice.
     return self.lora_a[...].ndim - (len(self.specs.shared_axes) + len(self.specs.in_axes) + 1)
+
+  def effective_kernel(self) -> jax.Array:
+    """``W0 + scaling * A B`` (just ``W0`` once merged), in ``W0``'s dtype: what MLA's matrix
+    absorption uses in place of the kernel (``jaxattn.nn.linear.effective_kernel``)."""
+    w = effective_kernel(self.base)
+    if self.merged:
+      return w
+    return (w.astype(jnp.float32) + self.delta()).astype(w.dtype)
 
   def delta(self) -> jax.Array:
     """The kernel-shaped update ``scaling * A B`` (fp32; stacked layers: vmapped over the stack)."""

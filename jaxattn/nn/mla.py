@@ -25,7 +25,7 @@ from jaxtyping import Array, Float, Int
 from jaxattn.kv_efficiency import kv_cache_per_token
 from jaxattn.mla_cache import LatentCache
 from jaxattn.paged_cache import PagedLatentCache
-from jaxattn.nn.linear import Einsum
+from jaxattn.nn.linear import Einsum, effective_kernel
 from jaxattn.nn.norms import RMSNorm
 from jaxattn.ops.decode import paged_mla_decode
 from jaxattn.ops.mla import MODES, Mode, mla_attention, mla_score_terms, mla_softmax_scale
@@ -175,7 +175,7 @@ class MLA(nnx.Module):
     q_nope, q_rope, c_kv, k_rope = self._project(x, positions)
     cache = cache.append(c_kv, k_rope)
     dt = q_nope.dtype
-    w_uk, w_uv = self.k_up.kernel[...].astype(dt), self.v_up.kernel[...].astype(dt)
+    w_uk, w_uv = effective_kernel(self.k_up).astype(dt), effective_kernel(self.v_up).astype(dt)
     # q^C_i . (c W_up^K_i) = (q^C_i W_up^K_i^T) . c: the query goes to latent space once.
     q_latent = jnp.einsum("btnp,cnp->btnc", q_nope, w_uk, preferred_element_type=jnp.float32)
     impl = implementation or self.implementation
@@ -261,8 +261,9 @@ class MLA(nnx.Module):
       cache = cache.update(c_kv, k_rope)
       c_kv, k_rope = cache.c_kv.astype(q_nope.dtype), cache.k_rope.astype(q_nope.dtype)
       kv_lengths = jnp.full((b,), cache.index, jnp.int32)
+    w_uk, w_uv = effective_kernel(self.k_up), effective_kernel(self.v_up)
     out = mla_attention(
-        q_nope, q_rope, c_kv, k_rope, self.k_up.kernel[...], self.v_up.kernel[...], mask,
+        q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, mask,
         mode=mode, scale=self.scale, is_causal=self.causal, segment_ids=segment_ids,
         kv_lengths=kv_lengths, q_offset=offset,
         implementation=implementation or self.implementation)
@@ -277,4 +278,4 @@ class MLA(nnx.Module):
     plots of the decoupled RoPE stream."""
     positions = self._positions(x.shape[1], 0, positions)
     q_nope, q_rope, c_kv, k_rope = self._project(x, positions)
-    return mla_score_terms(q_nope, q_rope, c_kv, k_rope, self.k_up.kernel[...])
+    return mla_score_terms(q_nope, q_rope, c_kv, k_rope, effective_kernel(self.k_up))
