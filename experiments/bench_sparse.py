@@ -2,9 +2,10 @@
 
     python -m experiments.bench_sparse [--lengths 4096,8192,16384,32768] [--heads 8] [--head-dim 64]
                                        [--window 256] [--topk 256] [--index-heads 4]
-                                       [--index-dim 32] [--index-block 1024] [--query-block 128]
-                                       [--main-chunk 64] [--chunk 1024] [--iters 2]
-                                       [--allpairs-max-len 32768] [--out runs/bench_sparse]
+                                       [--index-dim 32] [--index-block 1024] [--query-block 256]
+                                       [--order position] [--main-chunk 64] [--chunk 1024]
+                                       [--iters 3] [--allpairs-max-len 32768]
+                                       [--out runs/bench_sparse]
 
 One attention layer's core (projections excluded), batch 1, fp32, ``--heads`` query heads over one
 shared key/value head of ``--head-dim`` (MQA, like DSA's shared MLA latent):
@@ -14,8 +15,9 @@ shared key/value head of ``--head-dim`` (MQA, like DSA's shared MLA latent):
 * ``swa``: the same call with ``local_window_size=--window``: only the band's blocks run.
 * ``dsa``: the streaming lightning indexer + top-``--topk`` (``indexer_topk``: query chunks of
   ``--query-block`` rows score only the causal key blocks of ``--index-block``, candidates above a
-  bisected threshold go to a small ``lax.top_k``), then ``sparse_attention`` (gather reference) in
-  chunks of ``--main-chunk`` query rows.  Indexer ``--index-heads`` x ``--index-dim``, fp32 scores.
+  bisected threshold are compacted and the exact top-k among them is taken, ``--order position``
+  without a sort), then ``sparse_attention`` (gather reference) in chunks of ``--main-chunk``
+  query rows.  Indexer ``--index-heads`` x ``--index-dim``, fp32 scores.
   ``dsa_index`` times the selection alone, ``dsa_main`` the sparse attention alone given the
   selected indices (the main-attention cost that should grow linearly in T).
 * ``dsa_allpairs``: the previous path for comparison -- per ``--chunk`` query rows, indexer scores
@@ -23,16 +25,19 @@ shared key/value head of ``--head-dim`` (MQA, like DSA's shared MLA latent):
 
 Decode: one new token against a cache of ``T`` entries (dense: all of them; swa: the last
 ``--window`` as a rolling cache keeps; dsa: streaming indexer over ``T`` keys + top-K + gather).
+All variants of one ``T`` are compiled first and then timed round-robin (one call of each per
+round, ``--iters`` rounds), so every ratio compares calls made under the same machine load.
 Reports median wall times and median process CPU times (CPU seconds are less sensitive to other
-jobs on a shared machine), XLA scratch (``memory_analysis().temp_size_in_bytes``), ratios against
-``dense`` from the same run and the log-log slope of time vs T.  Writes ``results.json`` and
-``bench_sparse.png`` under ``--out``.
+jobs on a shared machine), the load average before and after, XLA scratch
+(``memory_analysis().temp_size_in_bytes``), ratios against ``dense`` and the log-log slope of time
+vs T.  Writes ``results.json`` and ``bench_sparse.png`` under ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import statistics
 import time
@@ -63,9 +68,10 @@ def sparse_main(q, k, v, indices, *, chunk):
   return jnp.moveaxis(out, 0, 1).reshape(b, t + pad, n, v.shape[-1])[:, :t]
 
 
-def dsa_prefill(q, k, v, qi, ki, w, *, topk, index_block, query_block, main_chunk):
+def dsa_prefill(q, k, v, qi, ki, w, *, topk, index_block, query_block, order, main_chunk):
   """Streaming DSA prefill: ``indexer_topk`` then chunked sparse attention."""
-  idx = indexer_topk(qi, ki, w, topk, block_size=index_block, query_block=query_block)
+  idx = indexer_topk(qi, ki, w, topk, block_size=index_block, query_block=query_block,
+                     order=order)
   return sparse_main(q, k, v, idx, chunk=main_chunk)
 
 
@@ -86,19 +92,32 @@ def dsa_prefill_allpairs(q, k, v, qi, ki, w, *, topk, chunk):
   return jnp.moveaxis(out, 0, 1).reshape(b, t, n, v.shape[-1])
 
 
-def timed(fn, args, iters):
-  """``(median wall s, median process CPU s, XLA scratch bytes)`` of the compiled ``fn``."""
+def compile_case(fn, args):
+  """``(compiled fn, XLA scratch bytes)``; one warm-up call."""
   compiled = jax.jit(fn).lower(*args).compile()
   mem = compiled.memory_analysis()
   scratch = int(getattr(mem, "temp_size_in_bytes", 0)) if mem is not None else 0
-  jax.block_until_ready(compiled(*args))                 # warm-up
-  walls, cpus = [], []
+  jax.block_until_ready(compiled(*args))
+  return compiled, scratch
+
+
+def time_round_robin(cases, iters, bar=None):
+  """``{name: (median wall s, median process CPU s, scratch bytes)}`` for ``cases`` =
+  ``{name: (compiled, args, scratch, repeats)}``: each round calls every case once (``repeats``
+  times back to back for the very short decode calls), so all cases see the same load."""
+  walls = {nm: [] for nm in cases}
+  cpus = {nm: [] for nm in cases}
   for _ in range(iters):
-    c0, t0 = time.process_time(), time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    walls.append(time.perf_counter() - t0)
-    cpus.append(time.process_time() - c0)
-  return statistics.median(walls), statistics.median(cpus), scratch
+    for nm, (compiled, args, _, reps) in cases.items():
+      for _ in range(reps):
+        c0, t0 = time.process_time(), time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        walls[nm].append(time.perf_counter() - t0)
+        cpus[nm].append(time.process_time() - c0)
+    if bar is not None:
+      bar.update()
+  return {nm: (statistics.median(walls[nm]), statistics.median(cpus[nm]), cases[nm][2])
+          for nm in cases}
 
 
 def main(argv=None):
@@ -111,10 +130,12 @@ def main(argv=None):
   ap.add_argument("--index-heads", type=int, default=4)
   ap.add_argument("--index-dim", type=int, default=32)
   ap.add_argument("--index-block", type=int, default=1024, help="indexer key tile")
-  ap.add_argument("--query-block", type=int, default=128, help="indexer query rows per chunk")
+  ap.add_argument("--query-block", type=int, default=256, help="indexer query rows per chunk")
+  ap.add_argument("--order", choices=("position", "score"), default="position",
+                  help="order of the selected indices (position: no final sort)")
   ap.add_argument("--main-chunk", type=int, default=64, help="sparse-attention query rows per step")
   ap.add_argument("--chunk", type=int, default=1024, help="query chunk of the all-pairs path")
-  ap.add_argument("--iters", type=int, default=2)
+  ap.add_argument("--iters", type=int, default=3, help="timing rounds (medians)")
   ap.add_argument("--skip-dense-above", type=int, default=1 << 30,
                   help="skip the dense prefill for T above this (it is the slowest)")
   ap.add_argument("--allpairs-max-len", type=int, default=1 << 30,
@@ -125,9 +146,11 @@ def main(argv=None):
   out.mkdir(parents=True, exist_ok=True)
   lengths = [int(x) for x in args.lengths.split(",")]
   n, h, hi, di = args.heads, args.head_dim, args.index_heads, args.index_dim
-  sel = dict(topk=args.topk, index_block=args.index_block, query_block=args.query_block)
+  sel = dict(topk=args.topk, index_block=args.index_block, query_block=args.query_block,
+             order=args.order)
+  load_before = os.getloadavg()
   rows = []
-  bar = tqdm(total=len(lengths) * 9, desc="bench_sparse")
+  bar = tqdm(total=len(lengths) * (args.iters + 1), desc="bench_sparse")
   for t in lengths:
     ks = jax.random.split(jax.random.key(t), 6)
     q = jax.random.normal(ks[0], (1, t, n, h))
@@ -136,54 +159,52 @@ def main(argv=None):
     qi = jax.random.normal(ks[3], (1, t, hi, di))
     ki = jax.random.normal(ks[4], (1, t, di))
     w = jax.random.uniform(ks[5], (1, t, hi))
-    res = dict(T=t)
+    fns = {}
     if t <= args.skip_dense_above:
-      res["dense"] = timed(lambda a, b_, c: dot_product_attention(
-          a, b_, c, is_causal=True, implementation="xla_chunked"), (q, k, v), args.iters)
-    bar.update()
-    res["swa"] = timed(lambda a, b_, c: dot_product_attention(
+      fns["dense"] = (lambda a, b_, c: dot_product_attention(
+          a, b_, c, is_causal=True, implementation="xla_chunked"), (q, k, v), 1)
+    fns["swa"] = (lambda a, b_, c: dot_product_attention(
         a, b_, c, is_causal=True, local_window_size=args.window, implementation="xla_chunked"),
-        (q, k, v), args.iters)
-    bar.update()
-    res["dsa"] = timed(lambda a, b_, c, d, e, f: dsa_prefill(
-        a, b_, c, d, e, f, main_chunk=args.main_chunk, **sel), (q, k, v, qi, ki, w), args.iters)
-    bar.update()
+        (q, k, v), 1)
+    fns["dsa"] = (lambda a, b_, c, d, e, f: dsa_prefill(
+        a, b_, c, d, e, f, main_chunk=args.main_chunk, **sel), (q, k, v, qi, ki, w), 1)
     select = lambda d, e, f: indexer_topk(d, e, f, args.topk, block_size=args.index_block,
-                                          query_block=args.query_block)
-    res["dsa_index"] = timed(select, (qi, ki, w), args.iters)
-    bar.update()
+                                          query_block=args.query_block, order=args.order)
+    fns["dsa_index"] = (select, (qi, ki, w), 1)
     idx = jax.jit(select)(qi, ki, w)                     # the real selection, for dsa_main
-    res["dsa_main"] = timed(lambda a, b_, c, i: sparse_main(a, b_, c, i, chunk=args.main_chunk),
-                            (q, k, v, idx), args.iters)
-    bar.update()
+    fns["dsa_main"] = (lambda a, b_, c, i: sparse_main(a, b_, c, i, chunk=args.main_chunk),
+                       (q, k, v, idx), 1)
     if t <= args.allpairs_max_len and t % min(args.chunk, t) == 0:
-      res["dsa_allpairs"] = timed(lambda a, b_, c, d, e, f: dsa_prefill_allpairs(
-          a, b_, c, d, e, f, topk=args.topk, chunk=min(args.chunk, t)), (q, k, v, qi, ki, w),
-          args.iters)
-    bar.update()
+      fns["dsa_allpairs"] = (lambda a, b_, c, d, e, f: dsa_prefill_allpairs(
+          a, b_, c, d, e, f, topk=args.topk, chunk=min(args.chunk, t)), (q, k, v, qi, ki, w), 1)
     # Decode: the last token against T cached entries.
     q1, qi1, w1 = q[:, -1:], qi[:, -1:], w[:, -1:]
-    res["decode_dense"] = timed(lambda a, b_, c: dot_product_attention(
-        a, b_, c, is_causal=True, q_offset=t - 1, implementation="xla_chunked"),
-        (q1, k, v), max(args.iters, 5))
-    bar.update()
+    fns["decode_dense"] = (lambda a, b_, c: dot_product_attention(
+        a, b_, c, is_causal=True, q_offset=t - 1, implementation="xla_chunked"), (q1, k, v), 5)
     kw_, vw_ = k[:, -args.window - 1:], v[:, -args.window - 1:]  # what a rolling cache holds
-    res["decode_swa"] = timed(lambda a, b_, c: dot_product_attention(
+    fns["decode_swa"] = (lambda a, b_, c: dot_product_attention(
         a, b_, c, is_causal=True, q_offset=b_.shape[1] - 1, implementation="xla_chunked"),
-        (q1, kw_, vw_), max(args.iters, 5))
+        (q1, kw_, vw_), 5)
+    fns["decode_dsa"] = (lambda a, b_, c, d, e, f: sparse_attention(
+        a, b_, c, indexer_topk(d, e, f, args.topk, q_offset=t - 1, block_size=args.index_block,
+                               order=args.order)), (q1, k, v, qi1, ki, w1), 5)
+    cases = {}
+    for nm, (fn, fargs, reps) in fns.items():
+      compiled, scratch = compile_case(fn, fargs)
+      cases[nm] = (compiled, fargs, scratch, reps)
     bar.update()
-    res["decode_dsa"] = timed(lambda a, b_, c, d, e, f: sparse_attention(
-        a, b_, c, indexer_topk(d, e, f, args.topk, q_offset=t - 1, block_size=args.index_block)),
-        (q1, k, v, qi1, ki, w1), max(args.iters, 5))
-    bar.update()
-    rows.append(res)
+    rows.append(dict(T=t, **time_round_robin(cases, args.iters, bar)))
   bar.close()
+  load_after = os.getloadavg()
 
   names = ["dense", "swa", "dsa", "dsa_index", "dsa_main", "dsa_allpairs", "decode_dense",
            "decode_swa", "decode_dsa"]
   print(f"\nT, heads={n}x{h} (1 KV head), window={args.window}, top-k={args.topk}, "
         f"indexer {hi}x{di} (key tile {args.index_block}, query block {args.query_block}), "
-        f"main chunk {args.main_chunk}")
+        f"main chunk {args.main_chunk}, order {args.order}")
+  print(f"load average (1/5/15 min) before {load_before[0]:.2f}/{load_before[1]:.2f}/"
+        f"{load_before[2]:.2f}, after {load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f} "
+        f"on {os.cpu_count()} CPUs")
   print("wall s / CPU s (scratch MiB) [speed-up vs dense: wall / CPU]")
   for r in rows:
     parts = []
@@ -209,7 +230,8 @@ def main(argv=None):
     wall, cpu = (last["dense"][i] / last["dsa"][i] for i in (0, 1))
     print(f"goal (DSA prefill incl. indexer >= 3x faster than dense at T={last['T']}): "
           f"wall {wall:.2f}x, CPU {cpu:.2f}x")
-  (out / "results.json").write_text(json.dumps(dict(args=vars(args), rows=rows, slopes=slopes),
+  (out / "results.json").write_text(json.dumps(dict(args=vars(args), rows=rows, slopes=slopes,
+                                                    load=[load_before, load_after]),
                                                indent=2))
   import matplotlib
   matplotlib.use("Agg")

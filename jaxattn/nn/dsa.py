@@ -328,9 +328,10 @@ class DSA(MLA):
         scores = jnp.where(same, scores, -jnp.inf)
     if mode == "sparse":
       if scores is None:
-        # Only the selection is needed: stream it (causal key blocks, no [T, S] scores).
+        # Only the selection is needed: stream it (causal key blocks, no [T, S] scores).  The
+        # attention needs the set, not its order: position order skips the final sort.
         indices = indexer_topk(q_idx, k_idx, w, self.index_topk, q_offset=offset,
-                               kv_lengths=kv_lengths)
+                               kv_lengths=kv_lengths, order="position")
       else:
         indices = topk_indices(scores, self.index_topk)
       out = sparse_mla_attention(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, indices,
