@@ -30,7 +30,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from jaxattn.dsa_cache import DSACache, quantize_index_keys
-from jaxattn.nn.linear import Einsum
+from jaxattn.nn.linear import Einsum, effective_kernel
 from jaxattn.nn.mla import MLA, _check_positive
 from jaxattn.nn.norms import LayerNorm
 from jaxattn.ops.decode import paged_mla_decode
@@ -242,7 +242,7 @@ class DSA(MLA):
       if mode == "sparse":
         indices = topk_indices(scores, self.index_topk)            # [B, T, k], -1 = none
     dt = q_nope.dtype
-    w_uk, w_uv = self.k_up.kernel[...].astype(dt), self.v_up.kernel[...].astype(dt)
+    w_uk, w_uv = effective_kernel(self.k_up).astype(dt), effective_kernel(self.v_up).astype(dt)
     # q^C_i . (c W_up^K_i) = (q^C_i W_up^K_i^T) . c: the query goes to latent space once.
     q_latent = jnp.einsum("btnp,cnp->btnc", q_nope, w_uk, preferred_element_type=jnp.float32)
     impl = implementation or self.implementation
@@ -318,7 +318,7 @@ class DSA(MLA):
       kv_lengths = jnp.full((b,), cache.index, jnp.int32)
     else:
       k_idx = dequantize(keys, scales)
-    w_uk, w_uv = self.k_up.kernel[...], self.v_up.kernel[...]
+    w_uk, w_uv = effective_kernel(self.k_up), effective_kernel(self.v_up)
     indices = scores = None
     if return_aux or mode == "dense" or segment_ids is not None:
       scores = indexer_scores(q_idx, k_idx, w, q_offset=offset, kv_lengths=kv_lengths)
@@ -349,7 +349,7 @@ class DSA(MLA):
 
   def _aux(self, q_nope, q_rope, c_kv, k_rope, scores, indices):
     """Indexer loss against the main attention's (dense or selected-set) distribution."""
-    content, position = mla_score_terms(q_nope, q_rope, c_kv, k_rope, self.k_up.kernel[...])
+    content, position = mla_score_terms(q_nope, q_rope, c_kv, k_rope, effective_kernel(self.k_up))
     allowed = jnp.isfinite(scores)                                 # causal and filled slots
     if indices is not None:
       allowed = allowed & indices_to_mask(indices, scores.shape[-1])[:, 0]

@@ -90,3 +90,26 @@ def test_absorbed_path_gradients_reach_the_adapters_and_match_naive():
   for a, n in zip(leaves_abs, leaves_naive):
     assert float(jnp.max(jnp.abs(a))) > 0
     np.testing.assert_allclose(np.asarray(a), np.asarray(n), atol=1e-4, rtol=1e-4)
+
+
+def test_dsa_absorbed_path_uses_the_adapters():
+  """DSA (MLA + lightning indexer) absorbs the up-projections too: with adapters on them its
+  forward equals the same model with the merged kernels."""
+  from jaxattn.nn.dsa import DSA  # noqa: PLC0415
+
+  def build():
+    return DSA(32, 4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+               index_num_heads=2, index_head_dim=8, index_rope_dim=4, index_topk=3,
+               rngs=nnx.Rngs(0))
+
+  model, x = build(), _x()
+  apply_lora(model, r"(k_up|v_up)$", rank=2, rngs=nnx.Rngs(1))
+  for layer in (model.k_up, model.v_up):
+    layer.lora_b[...] = 0.3 * jax.random.normal(jax.random.key(5), layer.lora_b[...].shape)
+  got = nnx.jit(lambda m, x: m(x))(model, x)
+  plain = build()
+  for name in ("k_up", "v_up"):
+    getattr(plain, name).kernel[...] = effective_kernel(getattr(model, name))
+  want = nnx.jit(lambda m, x: m(x))(plain, x)
+  assert float(jnp.max(jnp.abs(want - nnx.jit(lambda m, x: m(x))(build(), x)))) > 1e-3
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
