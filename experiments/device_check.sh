@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Pallas GPU kernels on an NVIDIA GPU: correctness, then speed, in about 6 minutes.
+# Pallas GPU kernels on an NVIDIA GPU: correctness, then speed, in about 4 minutes.
 #
 #   bash experiments/device_check.sh            # from the repository root or anywhere
+#   TUNE=1 bash experiments/device_check.sh     # + tile sweeps (about 2 minutes more)
 #
 # Needs nothing installed from this repository: it runs the checkout with PYTHONPATH set to it,
 # on the machine's own python3 with jax (CUDA), flax, jaxtyping, matplotlib, tqdm and pytest.
@@ -10,11 +11,11 @@
 #   2. decode kernels: tests/kernels/test_decode_gpu.py compiled, then experiments.bench_decode
 #      --check (kernels vs formulas at 32k context) and the decode benchmark (contiguous XLA,
 #      paged XLA and the paged Pallas kernels against the copy bandwidth, 4k and 32k, batch
-#      1..32), then a few MLA kernel tile settings at 32k;
+#      1..32), then (TUNE=1) a few MLA kernel tile settings at 32k;
 #   3. flash kernels: tests/kernels/test_flash_gpu.py compiled, experiments.bench_flash --check
 #      and the forward benchmark against cuDNN and the bf16 matmul peak (T = 2k..16k, causal and
-#      not), the forward + backward benchmark (T = 2k, 8k), and the tile sweep at T = 8k
-#      (against cuDNN and JAX's own Mosaic GPU flash attention).
+#      not), the forward + backward benchmark (T = 2k, 8k), and (TUNE=1) the tile and
+#      code-generation sweep at T = 8k (against cuDNN and JAX's own Mosaic GPU flash attention).
 # Everything printed goes to $OUT/device_check.log (or runs/), with the plots beside it.
 # Exit status: 0 when every step passed.
 set -uo pipefail
@@ -66,7 +67,9 @@ step "decode check + benchmark" 200 \
   "$PY" -m experiments.bench_decode --check --kind gqa,mla --contexts 4096,32768 \
   --batches 1,8,32 --impls contiguous,xla_paged,pallas_gpu_paged --repeats 5 --out "$WORK/decode"
 cp "$WORK/decode/bench_decode.png" "$WORK/decode/results.json" "$DEST/" 2>/dev/null
-for cfg in "64 8 2" "64 4 3" "32 4 3" "16 4 2"; do
+TILES=()
+[ "${TUNE:-0}" = 1 ] && TILES=("64 8 2" "64 4 3" "32 4 3" "16 4 2")
+for cfg in ${TILES[@]+"${TILES[@]}"}; do
   set -- $cfg
   step "MLA decode tiles: block_k=$1 warps=$2 stages=$3" 40 \
     "$PY" -m experiments.bench_decode --kind mla --contexts 32768 --batches 8,32 \
@@ -82,7 +85,9 @@ step "flash check + forward benchmark" 120 \
 step "flash forward+backward benchmark" 60 \
   "$PY" -m experiments.bench_flash --backward --seq-lens 2048 8192 --repeats 3 \
   --plot "$DEST/bench_flash_gpu_bwd.png"
-step "flash tile sweep (forward; forward + backward, causal)" 150 \
-  "$PY" -m experiments.bench_flash --sweep 8192 --backward --repeats 5
+if [ "${TUNE:-0}" = 1 ]; then
+  step "flash tile sweep (forward; forward + backward, causal)" 200 \
+    "$PY" -m experiments.bench_flash --sweep 8192 --backward --sweep-switches --repeats 5
+fi
 echo "device_check: $([ "$status" -eq 0 ] && echo PASSED || echo FAILED)"
 exit $status
