@@ -5,6 +5,7 @@
                                        [--index-dim 32] [--index-block 1024] [--query-block 256]
                                        [--order position] [--main-chunk 64] [--chunk 1024]
                                        [--iters 3] [--allpairs-max-len 32768]
+                                       [--index-quant none] [--no-bf16]
                                        [--out runs/bench_sparse]
 
 One attention layer's core (projections excluded), batch 1, fp32, ``--heads`` query heads over one
@@ -17,9 +18,13 @@ shared key/value head of ``--head-dim`` (MQA, like DSA's shared MLA latent):
   ``--query-block`` rows score only the causal key blocks of ``--index-block``, candidates above a
   bisected threshold are compacted and the exact top-k among them is taken, ``--order position``
   without a sort), then ``sparse_attention`` (gather reference) in chunks of ``--main-chunk``
-  query rows.  Indexer ``--index-heads`` x ``--index-dim``, fp32 scores.
+  query rows.  Indexer ``--index-heads`` x ``--index-dim``, fp32 scores (``--index-quant``
+  int8 / fp8: queries and keys rounded through that format, one scale per vector).
   ``dsa_index`` times the selection alone, ``dsa_main`` the sparse attention alone given the
   selected indices (the main-attention cost that should grow linearly in T).
+* ``dsa_bf16`` / ``dsa_index_bf16``: the same with the reduced-precision indexer
+  (``indexer_topk(dot_dtype="bfloat16")``: bf16 dot operands, fp32 accumulation and scores), and
+  its recall of the fp32 selection (``--no-bf16`` skips them).
 * ``dsa_allpairs``: the previous path for comparison -- per ``--chunk`` query rows, indexer scores
   against all ``S`` keys -> ``topk_indices`` -> sparse attention (``--allpairs-max-len`` caps T).
 
@@ -68,10 +73,11 @@ def sparse_main(q, k, v, indices, *, chunk):
   return jnp.moveaxis(out, 0, 1).reshape(b, t + pad, n, v.shape[-1])[:, :t]
 
 
-def dsa_prefill(q, k, v, qi, ki, w, *, topk, index_block, query_block, order, main_chunk):
+def dsa_prefill(q, k, v, qi, ki, w, *, topk, index_block, query_block, order, main_chunk,
+                quant=None, dot_dtype=None):
   """Streaming DSA prefill: ``indexer_topk`` then chunked sparse attention."""
   idx = indexer_topk(qi, ki, w, topk, block_size=index_block, query_block=query_block,
-                     order=order)
+                     order=order, quant=quant, dot_dtype=dot_dtype)
   return sparse_main(q, k, v, idx, chunk=main_chunk)
 
 
@@ -90,6 +96,15 @@ def dsa_prefill_allpairs(q, k, v, qi, ki, w, *, topk, chunk):
 
   out = jax.lax.map(one, jnp.arange(nc))                 # [nc, B, chunk, N, h]
   return jnp.moveaxis(out, 0, 1).reshape(b, t, n, v.shape[-1])
+
+
+def selection_recall(ref, got):
+  """``(mean, min)`` over query rows of ``|got & ref| / |ref|`` (``-1`` padding ignored)."""
+  per_row = []
+  for r, g in zip(ref.reshape(-1, ref.shape[-1]), got.reshape(-1, got.shape[-1])):
+    r = r[r >= 0]
+    per_row.append(np.isin(r, g).mean() if r.size else 1.0)
+  return float(np.mean(per_row)), float(np.min(per_row))
 
 
 def compile_case(fn, args):
@@ -140,14 +155,20 @@ def main(argv=None):
                   help="skip the dense prefill for T above this (it is the slowest)")
   ap.add_argument("--allpairs-max-len", type=int, default=1 << 30,
                   help="time the all-pairs DSA path only up to this T")
+  ap.add_argument("--index-quant", choices=("none", "int8", "fp8"), default="none",
+                  help="8-bit indexer scoring (per-vector scales) for every DSA variant; with "
+                       "the bf16 indexer its dots run on the 8-bit codes")
+  ap.add_argument("--no-bf16", action="store_true",
+                  help="skip the bf16-indexer variants (dsa_bf16, dsa_index_bf16)")
   ap.add_argument("--out", type=str, default="runs/bench_sparse")
   args = ap.parse_args(argv)
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   lengths = [int(x) for x in args.lengths.split(",")]
   n, h, hi, di = args.heads, args.head_dim, args.index_heads, args.index_dim
+  quant = None if args.index_quant == "none" else args.index_quant
   sel = dict(topk=args.topk, index_block=args.index_block, query_block=args.query_block,
-             order=args.order)
+             order=args.order, quant=quant)
   load_before = os.getloadavg()
   rows = []
   bar = tqdm(total=len(lengths) * (args.iters + 1), desc="bench_sparse")
@@ -168,10 +189,19 @@ def main(argv=None):
         (q, k, v), 1)
     fns["dsa"] = (lambda a, b_, c, d, e, f: dsa_prefill(
         a, b_, c, d, e, f, main_chunk=args.main_chunk, **sel), (q, k, v, qi, ki, w), 1)
-    select = lambda d, e, f: indexer_topk(d, e, f, args.topk, block_size=args.index_block,
-                                          query_block=args.query_block, order=args.order)
+    select = lambda d, e, f, dd=None: indexer_topk(
+        d, e, f, args.topk, block_size=args.index_block, query_block=args.query_block,
+        order=args.order, quant=quant, dot_dtype=dd)
     fns["dsa_index"] = (select, (qi, ki, w), 1)
     idx = jax.jit(select)(qi, ki, w)                     # the real selection, for dsa_main
+    recall = None
+    if not args.no_bf16:
+      fns["dsa_bf16"] = (lambda a, b_, c, d, e, f: dsa_prefill(
+          a, b_, c, d, e, f, main_chunk=args.main_chunk, dot_dtype="bfloat16", **sel),
+          (q, k, v, qi, ki, w), 1)
+      select_bf16 = lambda d, e, f: select(d, e, f, "bfloat16")
+      fns["dsa_index_bf16"] = (select_bf16, (qi, ki, w), 1)
+      recall = selection_recall(np.asarray(idx), np.asarray(jax.jit(select_bf16)(qi, ki, w)))
     fns["dsa_main"] = (lambda a, b_, c, i: sparse_main(a, b_, c, i, chunk=args.main_chunk),
                        (q, k, v, idx), 1)
     if t <= args.allpairs_max_len and t % min(args.chunk, t) == 0:
@@ -187,21 +217,22 @@ def main(argv=None):
         (q1, kw_, vw_), 5)
     fns["decode_dsa"] = (lambda a, b_, c, d, e, f: sparse_attention(
         a, b_, c, indexer_topk(d, e, f, args.topk, q_offset=t - 1, block_size=args.index_block,
-                               order=args.order)), (q1, k, v, qi1, ki, w1), 5)
+                               order=args.order, quant=quant)), (q1, k, v, qi1, ki, w1), 5)
     cases = {}
     for nm, (fn, fargs, reps) in fns.items():
       compiled, scratch = compile_case(fn, fargs)
       cases[nm] = (compiled, fargs, scratch, reps)
     bar.update()
-    rows.append(dict(T=t, **time_round_robin(cases, args.iters, bar)))
+    rows.append(dict(T=t, **time_round_robin(cases, args.iters, bar), recall_bf16=recall))
   bar.close()
   load_after = os.getloadavg()
 
-  names = ["dense", "swa", "dsa", "dsa_index", "dsa_main", "dsa_allpairs", "decode_dense",
+  names = ["dense", "swa", "dsa", "dsa_index", "dsa_bf16", "dsa_index_bf16", "dsa_main",
+           "dsa_allpairs", "decode_dense",
            "decode_swa", "decode_dsa"]
   print(f"\nT, heads={n}x{h} (1 KV head), window={args.window}, top-k={args.topk}, "
         f"indexer {hi}x{di} (key tile {args.index_block}, query block {args.query_block}), "
-        f"main chunk {args.main_chunk}, order {args.order}")
+        f"main chunk {args.main_chunk}, order {args.order}, indexer quant {args.index_quant}")
   print(f"load average (1/5/15 min) before {load_before[0]:.2f}/{load_before[1]:.2f}/"
         f"{load_before[2]:.2f}, after {load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f} "
         f"on {os.cpu_count()} CPUs")
@@ -216,6 +247,9 @@ def main(argv=None):
       ratio = (f" [{base[0] / tm:.1f}x / {base[1] / cpu:.1f}x]"
                if base is not None and nm not in ("dense", "decode_dense") else "")
       parts.append(f"{nm} {tm:.4f}/{cpu:.4f}s ({mem / 2**20:.0f}){ratio}")
+    if r["recall_bf16"] is not None:
+      parts.append(f"bf16-indexer recall of the fp32 selection: mean {r['recall_bf16'][0]:.4f}, "
+                   f"min row {r['recall_bf16'][1]:.4f}")
     print(f"T={r['T']:6d}: " + "\n          ".join(parts))
   slopes = {}
   if len(rows) > 1:
@@ -229,7 +263,10 @@ def main(argv=None):
   if "dense" in last:
     wall, cpu = (last["dense"][i] / last["dsa"][i] for i in (0, 1))
     print(f"goal (DSA prefill incl. indexer >= 3x faster than dense at T={last['T']}): "
-          f"wall {wall:.2f}x, CPU {cpu:.2f}x")
+          f"fp32 indexer: wall {wall:.2f}x, CPU {cpu:.2f}x")
+    if "dsa_bf16" in last:
+      wall, cpu = (last["dense"][i] / last["dsa_bf16"][i] for i in (0, 1))
+      print(f"  bf16 indexer (dot_dtype='bfloat16'): wall {wall:.2f}x, CPU {cpu:.2f}x")
   (out / "results.json").write_text(json.dumps(dict(args=vars(args), rows=rows, slopes=slopes,
                                                     load=[load_before, load_after]),
                                                indent=2))

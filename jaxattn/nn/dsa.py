@@ -38,8 +38,8 @@ from jaxattn.ops.hadamard import hadamard_transform
 from jaxattn.ops.mla import mla_attention, mla_score_terms
 from jaxattn.ops.quantization import QUANT_FORMATS, dequantize, fake_quantize
 from jaxattn.ops.rope import apply_rope
-from jaxattn.ops.sparse import (indexer_kl_loss, indexer_scores, indexer_topk, indices_to_mask,
-                                sparse_mla_attention, topk_indices)
+from jaxattn.ops.sparse import (DOT_DTYPES, indexer_kl_loss, indexer_scores, indexer_topk,
+                                indices_to_mask, sparse_mla_attention, topk_indices)
 from jaxattn.paged_cache import PagedLatentCache
 from jaxattn.sharding import shard
 
@@ -60,12 +60,15 @@ class LightningIndexer(nnx.Module):
     rotate: Hadamard-rotate queries and keys before (optional) quantization.
     quant: None, "int8" or "fp8" scoring; ``quant_block_size`` None = one scale per vector (fp8
       default: 128-entry blocks, or the whole vector when shorter).
+    dot_dtype: None (fp32 dot products) or "bfloat16": the scoring dots take bf16 operands and
+      accumulate in fp32 (``indexer_scores`` / ``indexer_topk``'s ``dot_dtype``).  With ``quant``
+      the module scores the dequantized values, so these are rounded to bf16 once more.
   """
 
   def __init__(self, embed_dim: int, query_dim: int, *, num_heads: int, head_dim: int,
                rope_dim: int, rope_base: float = 10000.0, rotate: bool = True, quant=None,
                quant_block_size: int | None = None, norm_eps: float = 1e-6, rngs: nnx.Rngs,
-               dtype=None, param_dtype=jnp.float32):
+               dtype=None, param_dtype=jnp.float32, dot_dtype: str | None = None):
     for name, v in (("embed_dim", embed_dim), ("query_dim", query_dim), ("num_heads", num_heads),
                     ("head_dim", head_dim)):
       _check_positive(name, v)
@@ -81,6 +84,9 @@ class LightningIndexer(nnx.Module):
       quant_block_size = min(128, head_dim)
     if quant_block_size is not None and (quant_block_size < 1 or head_dim % quant_block_size):
       raise ValueError(f"`quant_block_size`={quant_block_size!r} must divide head_dim={head_dim}.")
+    if dot_dtype not in DOT_DTYPES:
+      raise ValueError(f"`dot_dtype` must be one of {DOT_DTYPES}, got {dot_dtype!r}.")
+    self.dot_dtype = dot_dtype
     self.num_heads, self.head_dim, self.rope_dim = num_heads, head_dim, rope_dim
     self.rope_base, self.rotate, self.quant = rope_base, rotate, quant
     self.quant_block_size = quant_block_size
@@ -119,7 +125,7 @@ class LightningIndexer(nnx.Module):
     if positions is None:
       positions = jnp.arange(x.shape[1], dtype=jnp.int32)[None]
     q, keys, scales, w = self.project(x, q_in, positions)
-    return indexer_scores(q, dequantize(keys, scales), w)
+    return indexer_scores(q, dequantize(keys, scales), w, dot_dtype=self.dot_dtype)
 
 
 class DSA(MLA):
@@ -131,7 +137,8 @@ class DSA(MLA):
     index_topk: ``k`` (2048 in V3.2); every position is used when fewer are available.
     attention_mode: "sparse" (top-K) or "dense" (the warm-up stage: MLA attention over all keys,
       indexer scored and trained alongside); overridable per call.
-    index_rotate, index_quant, index_quant_block_size: as ``LightningIndexer``'s rotate / quant.
+    index_rotate, index_quant, index_quant_block_size, index_dot_dtype: as ``LightningIndexer``'s
+      rotate / quant / dot_dtype (``index_dot_dtype="bfloat16"``: reduced-precision scoring).
 
   The indexer reads the query latent ``c_Q`` when ``q_lora_rank`` is set, else ``x``.  Sparse
   attention runs in MLA's absorbed form over the selected latent rows.
@@ -143,8 +150,8 @@ class DSA(MLA):
   def __init__(self, embed_dim: int, num_heads: int, *, index_num_heads: int,
                index_head_dim: int, index_rope_dim: int, index_topk: int,
                attention_mode: AttentionMode = "sparse", index_rotate: bool = True,
-               index_quant=None, index_quant_block_size: int | None = None, rngs: nnx.Rngs,
-               **mla_kwargs):
+               index_quant=None, index_quant_block_size: int | None = None,
+               index_dot_dtype: str | None = None, rngs: nnx.Rngs, **mla_kwargs):
     super().__init__(embed_dim, num_heads, rngs=rngs, **mla_kwargs)
     if not self.causal:
       raise ValueError("DSA needs `causal=True`: the indexer selects among earlier tokens.")
@@ -159,7 +166,8 @@ class DSA(MLA):
         rope_dim=index_rope_dim, rope_base=self.rope_base, rotate=index_rotate, quant=index_quant,
         quant_block_size=index_quant_block_size, norm_eps=mla_kwargs.get("norm_eps", 1e-6),
         rngs=rngs, dtype=mla_kwargs.get("dtype"), param_dtype=mla_kwargs.get("param_dtype",
-                                                                           jnp.float32))
+                                                                           jnp.float32),
+        dot_dtype=index_dot_dtype)
 
   def init_cache(self, batch: int, max_len: int, dtype=None) -> DSACache:
     """An empty cache: latent rows plus the indexer keys in their scoring format."""
@@ -232,7 +240,8 @@ class DSA(MLA):
     indices = scores = None
     if mode == "sparse" or return_aux:
       k_idx = dequantize(*cache.gather_index_keys())                # [B, S, d_I]
-      scores = indexer_scores(q_idx, k_idx, w, causal=False, kv_lengths=lengths)
+      scores = indexer_scores(q_idx, k_idx, w, causal=False, kv_lengths=lengths,
+                              dot_dtype=self.indexer.dot_dtype)
       # The T queries are each sequence's last T tokens (paged_mla_decode's contract): query t of
       # sequence b sits at lengths[b] - T + t, a per-sequence offset that indexer_scores' scalar
       # q_offset cannot express, so causality is applied here.
@@ -321,7 +330,8 @@ class DSA(MLA):
     w_uk, w_uv = effective_kernel(self.k_up), effective_kernel(self.v_up)
     indices = scores = None
     if return_aux or mode == "dense" or segment_ids is not None:
-      scores = indexer_scores(q_idx, k_idx, w, q_offset=offset, kv_lengths=kv_lengths)
+      scores = indexer_scores(q_idx, k_idx, w, q_offset=offset, kv_lengths=kv_lengths,
+                              dot_dtype=self.indexer.dot_dtype)
       if segment_ids is not None:
         same = ((segment_ids[:, :, None] == segment_ids[:, None, :])
                 & (segment_ids[:, :, None] > 0))
@@ -331,7 +341,8 @@ class DSA(MLA):
         # Only the selection is needed: stream it (causal key blocks, no [T, S] scores).  The
         # attention needs the set, not its order: position order skips the final sort.
         indices = indexer_topk(q_idx, k_idx, w, self.index_topk, q_offset=offset,
-                               kv_lengths=kv_lengths, order="position")
+                               kv_lengths=kv_lengths, order="position",
+                               dot_dtype=self.indexer.dot_dtype)
       else:
         indices = topk_indices(scores, self.index_topk)
       out = sparse_mla_attention(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, indices,
