@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.flash_attention import sharded
+from pallas_kernels.flash_attention.common import reset_online_softmax
 
 _F32 = jnp.float32
 
@@ -96,11 +97,7 @@ def _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_ref, l_r
   length = lens_ref[b]
   start = (s * pages_per_split + j) * page_size       # first position of this page
 
-  @pl.when(j == 0)
-  def init():
-    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, _F32)
-    l_ref[...] = jnp.zeros(l_ref.shape, _F32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, _F32)
+  reset_online_softmax(j == 0, m_ref, l_ref, acc_ref)
 
   @pl.when(start < length)
   def compute():
@@ -181,20 +178,14 @@ def run_sharded_gqa(local, args, mesh):
   mesh; no mesh or no free axis: called directly): queries, page table and lengths split over the
   ``"batch"`` axes, queries and pools over ``"kv_heads"`` when both ``N`` and ``K`` divide.  Shared
   by the TPU and GPU decode kernels."""
-  use_context = mesh is None
-  mesh = sharded._context_mesh() if mesh is None else mesh
-  if mesh is None or not sharded._free_axes(mesh):
-    return local(*args)
   query, key_pool = args[0], args[1]
-  bax, hax = sharded.plan_specs(mesh, query.shape[0], query.shape[2], key_pool.shape[2])
-  specs = (P(bax, None, hax, None), P(None, None, hax, None), P(None, None, hax, None),
-           P(bax, None), P(bax))
-  placed = [sharded._place(x, sp, mesh) for x, sp in zip(args, specs)]
-  # check_vma=False: pallas_call outputs carry no varying-mesh-axis annotations.
-  f = jax.shard_map(local, mesh=None if use_context else mesh, in_specs=specs,
-                    out_specs=P(bax, None, hax, None), check_vma=False)
-  return f(*placed)
 
+  def specs(mesh):
+    bax, hax = sharded.plan_specs(mesh, query.shape[0], query.shape[2], key_pool.shape[2])
+    return ((P(bax, None, hax, None), P(None, None, hax, None), P(None, None, hax, None),
+             P(bax, None), P(bax)), P(bax, None, hax, None))
+
+  return sharded.run_sharded(local, args, mesh, specs)
 
 def paged_attention_tpu(
     query: Float[Array, "B T N H"],

@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 
 from jaxattn.ops.attention import UnsupportedError
 from jaxattn.ops.masks import (
@@ -499,6 +500,17 @@ def soft_cap_grad(ds, s, plan: Plan):
     return ds
   t = jnp.clip(s / jnp.float32(plan.logits_soft_cap), -1.0, 1.0)
   return ds * (1.0 - t * t)
+
+
+def reset_online_softmax(first, m_ref, l_ref, acc_ref):
+  """At the first step of a row (``first``, traced bool) of a TPU kernel: running max ``-inf``,
+  running sum and accumulator zero (fp32 scratch)."""
+
+  @pl.when(first)
+  def _():
+    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
 
 def matmul_dtype(x):

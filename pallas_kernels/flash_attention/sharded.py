@@ -61,6 +61,22 @@ def plan_specs(mesh, batch: int, num_heads: int, num_kv_heads: int):
   return batch_axes, head_axes
 
 
+def run_sharded(local: Callable, args, mesh, specs: Callable):
+  """``local(*args)`` under ``shard_map`` over ``mesh`` (None: the context mesh set by
+  ``jax.set_mesh``), or directly when there is no mesh or no free axis to split over.
+  ``specs(mesh) -> (in_specs, out_specs)`` names the split of ``args`` and of the result."""
+  use_context = mesh is None
+  mesh = _context_mesh() if mesh is None else mesh
+  if mesh is None or not _free_axes(mesh):
+    return local(*args)
+  in_specs, out_specs = specs(mesh)
+  placed = [_place(x, sp, mesh) for x, sp in zip(args, in_specs)]
+  # check_vma=False: pallas_call outputs carry no varying-mesh-axis annotations.
+  f = jax.shard_map(local, mesh=None if use_context else mesh, in_specs=tuple(in_specs),
+                    out_specs=out_specs, check_vma=False)
+  return f(*placed)
+
+
 def shard_attention(local: Callable, query, key, value, *, q_ids, kv_ids, kv_lengths,
                     alibi_slopes, q_offset, scale, mesh=None):
   """Runs ``local(q, k, v, q_ids, kv_ids, kv_lengths, slopes, q_offset, scale) -> (out, lse)``
@@ -69,39 +85,23 @@ def shard_attention(local: Callable, query, key, value, *, q_ids, kv_ids, kv_len
   Python scalars (``q_offset``, ``scale``) are closed over; arrays travel as ``shard_map``
   arguments, batch-indexed ones split with the batch, ``alibi_slopes`` with the heads.
   """
-  use_context = mesh is None
-  mesh = _context_mesh() if mesh is None else mesh
-  if mesh is None or not _free_axes(mesh):
-    return local(query, key, value, q_ids, kv_ids, kv_lengths, alibi_slopes, q_offset, scale)
-
-  b, _, n, _ = query.shape
-  bax, hax = plan_specs(mesh, b, n, key.shape[2])
-  named = {  # name -> (array, spec)
-      "query": (query, P(bax, None, hax, None)),
-      "key": (key, P(bax, None, hax, None)),
-      "value": (value, P(bax, None, hax, None)),
-      "q_ids": (q_ids, P(bax, None)),
-      "kv_ids": (kv_ids, P(bax, None)),
-      "kv_lengths": (kv_lengths, P(bax)),
-      "alibi_slopes": (alibi_slopes, P(hax)),
-      "q_offset": (q_offset, P()),
-      "scale": (scale, P()),
-  }
-  arrays = {k: v for k, v in named.items() if isinstance(v[0], (jax.Array, jax.core.Tracer))}
-  names = list(arrays)
-  in_specs = tuple(arrays[k][1] for k in names)
-  args = [_place(arrays[k][0], arrays[k][1], mesh) for k in names]
+  named = {"query": query, "key": key, "value": value, "q_ids": q_ids, "kv_ids": kv_ids,
+           "kv_lengths": kv_lengths, "alibi_slopes": alibi_slopes, "q_offset": q_offset,
+           "scale": scale}
+  names = [k for k, v in named.items() if isinstance(v, (jax.Array, jax.core.Tracer))]
 
   def body(*xs):
-    got = dict(zip(names, xs))
-    val = lambda k: got[k] if k in got else named[k][0]  # noqa: E731
-    return local(val("query"), val("key"), val("value"), val("q_ids"), val("kv_ids"),
-                 val("kv_lengths"), val("alibi_slopes"), val("q_offset"), val("scale"))
+    got = {**named, **dict(zip(names, xs))}
+    return local(*(got[k] for k in named))
 
-  # check_vma=False: pallas_call outputs carry no varying-mesh-axis annotations.
-  f = jax.shard_map(body, mesh=None if use_context else mesh, in_specs=in_specs,
-                    out_specs=(P(bax, None, hax, None), P(bax, hax, None)), check_vma=False)
-  return f(*args)
+  def specs(mesh):
+    bax, hax = plan_specs(mesh, query.shape[0], query.shape[2], key.shape[2])
+    table = {"query": P(bax, None, hax, None), "key": P(bax, None, hax, None),
+             "value": P(bax, None, hax, None), "q_ids": P(bax, None), "kv_ids": P(bax, None),
+             "kv_lengths": P(bax), "alibi_slopes": P(hax), "q_offset": P(), "scale": P()}
+    return [table[k] for k in names], (P(bax, None, hax, None), P(bax, hax, None))
+
+  return run_sharded(body, [named[k] for k in names], mesh, specs)
 
 
 def run_flash(query, key, value, mask, *, scale, alibi_slopes, logits_soft_cap, q_offset,
@@ -146,4 +146,4 @@ def _place(x, spec, mesh):
   return x
 
 
-__all__ = ["shard_attention", "plan_specs", "run_flash"]
+__all__ = ["shard_attention", "plan_specs", "run_flash", "run_sharded"]

@@ -309,11 +309,7 @@ def _fwd_kernel(entries_ref, iscal_ref, fscal_ref, q_ref, k_ref, v_ref, *refs, p
   j, kind = entry >> C.KIND_BITS, entry & _KIND_MASK
   q_offset, scale, slope, kv_length = _scalars(plan, iscal_ref, fscal_ref, b, n)
 
-  @pl.when(w == 0)
-  def init():
-    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+  C.reset_online_softmax(w == 0, m_ref, l_ref, acc_ref)
 
   def compute(masked: bool):
     q, k, v = q_ref[...], k_ref[...], v_ref[...]  # [bq, H], [bk, H], [bk, h]

@@ -41,6 +41,7 @@ from jaxtyping import Array, Float, Int
 from pallas_kernels.decode_attention.tpu import (combine, default_interpret, finalize,
                                                  online_softmax_update, page_index)
 from pallas_kernels.flash_attention import sharded
+from pallas_kernels.flash_attention.common import reset_online_softmax
 
 _F32 = jnp.float32
 
@@ -59,11 +60,7 @@ def _dense_kernel(lens_ref, table_ref, ql_ref, qr_ref, c_ref, kr_ref, o_ref, lse
   length = lens_ref[b]
   start = (s * pages_per_split + j) * page_size
 
-  @pl.when(j == 0)
-  def init():
-    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, _F32)
-    l_ref[...] = jnp.zeros(l_ref.shape, _F32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, _F32)
+  reset_online_softmax(j == 0, m_ref, l_ref, acc_ref)
 
   @pl.when(start < length)
   def compute():
@@ -133,11 +130,7 @@ def _sparse_kernel(lens_ref, table_ref, idx_ref, ql_ref, qr_ref, c_ref, kr_ref, 
                    l_ref, acc_ref, *, scale, num_t, num_k):
   b, t, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
-  @pl.when(j == 0)
-  def init():
-    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, _F32)
-    l_ref[...] = jnp.zeros(l_ref.shape, _F32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, _F32)
+  reset_online_softmax(j == 0, m_ref, l_ref, acc_ref)
 
   pos = idx_ref[(b * num_t + t) * num_k + j]
 
@@ -208,22 +201,16 @@ def run_sharded_mla(local, args, mesh):
   (None: the context mesh; no mesh or no free axis: called directly): batch over the ``"batch"``
   axes, query heads over ``"heads"``; every device keeps the whole latent pool.  Shared by the TPU
   and GPU MLA decode kernels."""
-  use_context = mesh is None
-  mesh = sharded._context_mesh() if mesh is None else mesh
-  if mesh is None or not sharded._free_axes(mesh):
-    return local(*args)
   b, _, n, _ = args[0].shape
-  free = sharded._free_axes(mesh)
-  bax = sharded._spec_axes("batch", b, mesh, free)
-  hax = sharded._spec_axes("heads", n, mesh, free)
-  q_spec = P(bax, None, hax, None)
-  specs = (q_spec, q_spec, P(), P(), P(bax, None), P(bax), P(bax, None, None))[:len(args)]
-  placed = [sharded._place(x, sp, mesh) for x, sp in zip(args, specs)]
-  # check_vma=False: pallas_call outputs carry no varying-mesh-axis annotations.
-  f = jax.shard_map(local, mesh=None if use_context else mesh, in_specs=specs, out_specs=q_spec,
-                    check_vma=False)
-  return f(*placed)
 
+  def specs(mesh):
+    free = sharded._free_axes(mesh)
+    bax = sharded._spec_axes("batch", b, mesh, free)
+    hax = sharded._spec_axes("heads", n, mesh, free)
+    q_spec = P(bax, None, hax, None)
+    return (q_spec, q_spec, P(), P(), P(bax, None), P(bax), P(bax, None, None))[:len(args)], q_spec
+
+  return sharded.run_sharded(local, args, mesh, specs)
 
 def paged_mla_decode_tpu(
     q_latent: Float[Array, "B T N C"],

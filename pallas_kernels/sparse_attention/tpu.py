@@ -30,6 +30,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.flash_attention.common import reset_online_softmax
+
 _F32 = jnp.float32
 
 
@@ -37,11 +39,7 @@ def _kernel(idx_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *, scale
             groups):
   b, t, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
-  @pl.when(j == 0)
-  def init():
-    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, _F32)
-    l_ref[...] = jnp.zeros(l_ref.shape, _F32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, _F32)
+  reset_online_softmax(j == 0, m_ref, l_ref, acc_ref)
 
   row = idx_ref[(b * num_t + t) * num_k + j]
 
