@@ -33,7 +33,6 @@ from jaxattn.dsa_cache import DSACache, quantize_index_keys
 from jaxattn.nn.linear import Einsum, effective_kernel
 from jaxattn.nn.mla import MLA, _check_positive
 from jaxattn.nn.norms import LayerNorm
-from jaxattn.ops.decode import paged_mla_decode
 from jaxattn.ops.hadamard import hadamard_transform
 from jaxattn.ops.mla import mla_attention, mla_score_terms
 from jaxattn.ops.quantization import QUANT_FORMATS, dequantize, fake_quantize
@@ -250,20 +249,10 @@ class DSA(MLA):
       scores = jnp.where(visible, scores, -jnp.inf)
       if mode == "sparse":
         indices = topk_indices(scores, self.index_topk)            # [B, T, k], -1 = none
-    dt = q_nope.dtype
-    w_uk, w_uv = effective_kernel(self.k_up).astype(dt), effective_kernel(self.v_up).astype(dt)
-    # q^C_i . (c W_up^K_i) = (q^C_i W_up^K_i^T) . c: the query goes to latent space once.
-    q_latent = jnp.einsum("btnp,cnp->btnc", q_nope, w_uk, preferred_element_type=jnp.float32)
-    impl = implementation or self.implementation
-    impl = "xla" if impl == "xla_chunked" else impl  # the dense backends' XLA name
-    o_latent = paged_mla_decode(q_latent.astype(dt), q_rope, cache.c_kv_pool, cache.k_rope_pool,
-                                cache.page_table, lengths, scale=self.scale, indices=indices,
-                                implementation=impl)                        # [B, T, N, C]
-    out = jnp.einsum("btnc,cnh->btnh", o_latent.astype(dt), w_uv,
-                     preferred_element_type=jnp.float32).astype(dt)
-    y = shard(self.o_proj(out), ("batch", "length", "act_embed"))
+    y = self._absorbed_paged(q_nope, q_rope, cache, lengths, indices, implementation)
     if not return_aux:
       return y, cache
+    dt = q_nope.dtype
     c_all, k_rope_all = cache.gather()                               # [B, S, C], [B, S, R]
     return y, cache, self._aux(q_nope, q_rope, c_all.astype(dt), k_rope_all.astype(dt), scores,
                                indices)

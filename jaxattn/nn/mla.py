@@ -174,6 +174,13 @@ class MLA(nnx.Module):
       positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     q_nope, q_rope, c_kv, k_rope = self._project(x, positions)
     cache = cache.append(c_kv, k_rope)
+    return self._absorbed_paged(q_nope, q_rope, cache, cache.lengths, None, implementation), cache
+
+  def _absorbed_paged(self, q_nope, q_rope, cache: PagedLatentCache, lengths, indices,
+                      implementation):
+    """``o_proj`` of absorbed attention over a paged latent cache (``indices``: DSA's selected
+    positions, or None for dense): the query goes to latent space, ``paged_mla_decode`` attends,
+    ``W_up^V`` maps back."""
     dt = q_nope.dtype
     w_uk, w_uv = effective_kernel(self.k_up).astype(dt), effective_kernel(self.v_up).astype(dt)
     # q^C_i . (c W_up^K_i) = (q^C_i W_up^K_i^T) . c: the query goes to latent space once.
@@ -181,12 +188,11 @@ class MLA(nnx.Module):
     impl = implementation or self.implementation
     impl = "xla" if impl == "xla_chunked" else impl  # the dense backends' XLA name
     o_latent = paged_mla_decode(q_latent.astype(dt), q_rope, cache.c_kv_pool, cache.k_rope_pool,
-                                cache.page_table, cache.lengths, scale=self.scale,
+                                cache.page_table, lengths, scale=self.scale, indices=indices,
                                 implementation=impl)                        # [B, T, N, C]
     out = jnp.einsum("btnc,cnh->btnh", o_latent.astype(dt), w_uv,
                      preferred_element_type=jnp.float32).astype(dt)
-    y = shard(self.o_proj(out), ("batch", "length", "act_embed"))
-    return y, cache
+    return shard(self.o_proj(out), ("batch", "length", "act_embed"))
 
   def cache_bytes(self, seq_len: int, batch: int = 1, dtype=jnp.bfloat16) -> int:
     """Latent cache bytes of this layer for ``seq_len`` tokens: ``(C + R) x bytes`` per token."""
