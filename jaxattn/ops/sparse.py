@@ -42,6 +42,22 @@ def _check_dot_dtype(dot_dtype):
     raise ValueError(f"`dot_dtype` must be one of {DOT_DTYPES}, got {dot_dtype!r}.")
 
 
+def _check_index_operands(q_index, k_index, weights) -> tuple[int, int, int, int]:
+  """Shapes of the indexer's operands (``[B, T, H_I, d]``, ``[B, S, d]``, ``[B, T, H_I]``);
+  returns ``(B, T, H_I, d)``."""
+  if q_index.ndim != 4 or k_index.ndim != 3 or weights.ndim != 3:
+    raise ValueError(f"`q_index` [B, T, H_I, d], `k_index` [B, S, d], `weights` [B, T, H_I] have "
+                     f"ranks 4, 3, 3; got shapes {q_index.shape}, {k_index.shape}, "
+                     f"{weights.shape}.")
+  b, t, hi, d = q_index.shape
+  if k_index.shape[0] != b or k_index.shape[2] != d:
+    raise ValueError(f"`k_index` {k_index.shape} must be [B={b}, S, d={d}] to match `q_index` "
+                     f"{q_index.shape}.")
+  if weights.shape != (b, t, hi):
+    raise ValueError(f"`weights` must be [B, T, H_I] = {(b, t, hi)}, got {weights.shape}.")
+  return b, t, hi, d
+
+
 def _dot_operand(x, dot_dtype):
   """``x`` as the indexer's dot operand: fp32 unchanged, else rounded to ``dot_dtype``."""
   return x if dot_dtype is None else x.astype(jnp.dtype(dot_dtype))
@@ -123,15 +139,7 @@ def indexer_scores(
       8-bit codes, exact in bf16, and apply the scales afterwards: the same scores as fp32
       quantized scoring up to fp32 rounding, at the bf16 speed.
   """
-  if q_index.ndim != 4 or k_index.ndim != 3 or weights.ndim != 3:
-    raise ValueError(f"`q_index` [B, T, H_I, d], `k_index` [B, S, d], `weights` [B, T, H_I] have "
-                     f"ranks 4, 3, 3; got shapes {q_index.shape}, {k_index.shape}, {weights.shape}.")
-  b, t, hi, d = q_index.shape
-  if k_index.shape[0] != b or k_index.shape[2] != d:
-    raise ValueError(f"`k_index` {k_index.shape} must be [B={b}, S, d={d}] to match `q_index` "
-                     f"{q_index.shape}.")
-  if weights.shape != (b, t, hi):
-    raise ValueError(f"`weights` must be [B, T, H_I] = {(b, t, hi)}, got {weights.shape}.")
+  b, t, _, _ = _check_index_operands(q_index, k_index, weights)
   if quant not in QUANT_FORMATS:
     raise ValueError(f"`quant` must be one of {QUANT_FORMATS}, got {quant!r}.")
   _check_dot_dtype(dot_dtype)
@@ -584,16 +592,7 @@ def indexer_topk(
       skips the final sort -- the faster choice when only the set matters (sparse attention),
       and its gathers then walk the keys in memory order.
   """
-  if q_index.ndim != 4 or k_index.ndim != 3 or weights.ndim != 3:
-    raise ValueError(f"`q_index` [B, T, H_I, d], `k_index` [B, S, d], `weights` [B, T, H_I] have "
-                     f"ranks 4, 3, 3; got shapes {q_index.shape}, {k_index.shape}, "
-                     f"{weights.shape}.")
-  b, t, hi, d = q_index.shape
-  if k_index.shape[0] != b or k_index.shape[2] != d:
-    raise ValueError(f"`k_index` {k_index.shape} must be [B={b}, S, d={d}] to match `q_index` "
-                     f"{q_index.shape}.")
-  if weights.shape != (b, t, hi):
-    raise ValueError(f"`weights` must be [B, T, H_I] = {(b, t, hi)}, got {weights.shape}.")
+  b, t, hi, d = _check_index_operands(q_index, k_index, weights)
   _check_k(k)
   if quant not in QUANT_FORMATS:
     raise ValueError(f"`quant` must be one of {QUANT_FORMATS}, got {quant!r}.")
