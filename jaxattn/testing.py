@@ -31,3 +31,15 @@ def random_module(ctor: Callable[[], nnx.Module], seed: int = 0) -> nnx.Module:
       value = 0.1 * rng.standard_normal(shape)
     var.set_value(jnp.asarray(value, var.get_value().dtype))
   return module
+
+
+def prefill_then_decode(step: Callable, module, cache, x, prefill: int):
+  """Runs ``step(module, cache, tokens) -> (y, cache)`` on the first ``prefill`` positions of ``x
+  [B, T, D]``, then on one position at a time; returns the outputs ``[B, T, D]`` concatenated and
+  the final cache (decode must reproduce the full pass)."""
+  y, cache = step(module, cache, x[:, :prefill])
+  outs = [y]
+  for t in range(prefill, x.shape[1]):
+    y, cache = step(module, cache, x[:, t:t + 1])
+    outs.append(y)
+  return jnp.concatenate(outs, axis=1), cache

@@ -10,7 +10,7 @@ from flax import nnx
 
 from jaxattn.nn.dsa import DSA
 from jaxattn.paged_cache import PagedLatentCache
-from jaxattn.testing import random_module
+from jaxattn.testing import prefill_then_decode, random_module
 
 D = 32
 MLA_KW = dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
@@ -41,13 +41,7 @@ def _full(m, x, attention_mode=None):
 
 
 def _decode(module, cache, x, prefill):
-  """Prefill ``prefill`` tokens then decode the rest one at a time: outputs ``[B, T, D]``."""
-  y, cache = _step(module, cache, x[:, :prefill])
-  outs = [y]
-  for t in range(prefill, x.shape[1]):
-    y, cache = _step(module, cache, x[:, t:t + 1])
-    outs.append(y)
-  return jnp.concatenate(outs, axis=1), cache
+  return prefill_then_decode(_step, module, cache, x, prefill)
 
 
 # Tolerances: every path computes in fp32; they differ only in summation order (absorbed vs naive

@@ -2,7 +2,6 @@
 contiguous-cache decode and the full pass, ragged batches (a finished sequence freed and a new one
 started beside a running one), the Pallas kernel through the module, errors."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,7 +10,7 @@ from flax import nnx
 from jaxattn.nn.attention import Attention
 from jaxattn.nn.mla import MLA
 from jaxattn.paged_cache import PagedKVCache, PagedLatentCache
-from jaxattn.testing import random_module
+from jaxattn.testing import prefill_then_decode, random_module
 
 D = 32
 MLA_DIMS = dict(kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
@@ -44,13 +43,7 @@ _full = nnx.jit(lambda m, x: m(x))
 
 
 def _decode(module, cache, x, prefill):
-  """Prefill ``prefill`` tokens then decode the rest one at a time: outputs ``[B, T, D]``."""
-  y, cache = _step(module, cache, x[:, :prefill])
-  outs = [y]
-  for t in range(prefill, x.shape[1]):
-    y, cache = _step(module, cache, x[:, t:t + 1])
-    outs.append(y)
-  return jnp.concatenate(outs, axis=1), cache
+  return prefill_then_decode(_step, module, cache, x, prefill)
 
 
 @pytest.mark.parametrize("make", [gqa, mla], ids=["gqa", "mla"])
