@@ -11,17 +11,24 @@
 One attention layer's core (projections excluded), batch 1, fp32, ``--heads`` query heads over one
 shared key/value head of ``--head-dim`` (MQA, like DSA's shared MLA latent):
 
-* ``dense``: causal ``dot_product_attention(implementation="xla_chunked")`` (skips key blocks
-  above the diagonal) -- the baseline every prefill ratio is against.
+Every variant uses the library's default implementation on this machine unless its name ends in
+``_xla``: on a CPU where the native kernels build (``jaxattn.native``), dense and sliding-window
+attention run the fused flash kernel (``implementation="cpu"``) and DSA the native indexer /
+top-k and sparse-attention kernels (``jaxattn.ops.sparse_cpu``); the header line says which.
+
+* ``dense``: causal ``dot_product_attention`` (skips key blocks above the diagonal) -- the
+  baseline every prefill ratio is against.
 * ``swa``: the same call with ``local_window_size=--window``: only the band's blocks run.
-* ``dsa``: the streaming lightning indexer + top-``--topk`` (``indexer_topk``: query chunks of
-  ``--query-block`` rows score only the causal key blocks of ``--index-block``, candidates above a
-  bisected threshold are compacted and the exact top-k among them is taken, ``--order position``
-  without a sort), then ``sparse_attention`` (gather reference) in chunks of ``--main-chunk``
-  query rows.  Indexer ``--index-heads`` x ``--index-dim``, fp32 scores (``--index-quant``
-  int8 / fp8: queries and keys rounded through that format, one scale per vector).
-  ``dsa_index`` times the selection alone, ``dsa_main`` the sparse attention alone given the
-  selected indices (the main-attention cost that should grow linearly in T).
+* ``dsa``: the lightning indexer + top-``--topk`` (``indexer_topk``, ``--order position``), then
+  ``sparse_attention`` in chunks of ``--main-chunk`` query rows.  Indexer ``--index-heads`` x
+  ``--index-dim``, fp32 scores (``--index-quant`` int8 / fp8: queries and keys rounded through
+  that format, one scale per vector).  ``dsa_index`` times the selection alone, ``dsa_main`` the
+  sparse attention alone given the selected indices (the main-attention cost that should grow
+  linearly in T).
+* ``dsa_xla``: the same on the pure-XLA paths (``implementation="xla"``): the streaming indexer
+  (query chunks of ``--query-block`` rows score only the causal key blocks of ``--index-block``,
+  candidates above a bisected threshold are compacted, the exact top-k among them is taken) and
+  the gather reference of sparse attention.
 * ``dsa_bf16`` / ``dsa_index_bf16``: the same with the reduced-precision indexer
   (``indexer_topk(dot_dtype="bfloat16")``: bf16 dot operands, fp32 accumulation and scores), and
   its recall of the fp32 selection (``--no-bf16`` skips them).
@@ -52,11 +59,12 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from jaxattn import native
 from jaxattn.ops.attention import dot_product_attention
 from jaxattn.ops.sparse import indexer_scores, indexer_topk, sparse_attention, topk_indices
 
 
-def sparse_main(q, k, v, indices, *, chunk):
+def sparse_main(q, k, v, indices, *, chunk, implementation=None):
   """Sparse attention over given indices, ``chunk`` query rows at a time under ``lax.map``: the
   gathered ``[chunk, k, H]`` rows stay small enough for the cache."""
   b, t, n, _ = q.shape
@@ -67,18 +75,19 @@ def sparse_main(q, k, v, indices, *, chunk):
 
   def one(c):
     qc = jax.lax.dynamic_slice_in_dim(qp, c * chunk, chunk, axis=1)
-    return sparse_attention(qc, k, v, jax.lax.dynamic_slice_in_dim(ip, c * chunk, chunk, axis=1))
+    return sparse_attention(qc, k, v, jax.lax.dynamic_slice_in_dim(ip, c * chunk, chunk, axis=1),
+                            implementation=implementation)
 
   out = jax.lax.map(one, jnp.arange((t + pad) // chunk))        # [nc, B, chunk, N, h]
   return jnp.moveaxis(out, 0, 1).reshape(b, t + pad, n, v.shape[-1])[:, :t]
 
 
 def dsa_prefill(q, k, v, qi, ki, w, *, topk, index_block, query_block, order, main_chunk,
-                quant=None, dot_dtype=None):
+                quant=None, dot_dtype=None, implementation=None):
   """Streaming DSA prefill: ``indexer_topk`` then chunked sparse attention."""
   idx = indexer_topk(qi, ki, w, topk, block_size=index_block, query_block=query_block,
-                     order=order, quant=quant, dot_dtype=dot_dtype)
-  return sparse_main(q, k, v, idx, chunk=main_chunk)
+                     order=order, quant=quant, dot_dtype=dot_dtype, implementation=implementation)
+  return sparse_main(q, k, v, idx, chunk=main_chunk, implementation=implementation)
 
 
 def dsa_prefill_allpairs(q, k, v, qi, ki, w, *, topk, chunk):
@@ -182,13 +191,15 @@ def main(argv=None):
     w = jax.random.uniform(ks[5], (1, t, hi))
     fns = {}
     if t <= args.skip_dense_above:
-      fns["dense"] = (lambda a, b_, c: dot_product_attention(
-          a, b_, c, is_causal=True, implementation="xla_chunked"), (q, k, v), 1)
+      fns["dense"] = (lambda a, b_, c: dot_product_attention(a, b_, c, is_causal=True),
+                      (q, k, v), 1)
     fns["swa"] = (lambda a, b_, c: dot_product_attention(
-        a, b_, c, is_causal=True, local_window_size=args.window, implementation="xla_chunked"),
-        (q, k, v), 1)
+        a, b_, c, is_causal=True, local_window_size=args.window), (q, k, v), 1)
     fns["dsa"] = (lambda a, b_, c, d, e, f: dsa_prefill(
         a, b_, c, d, e, f, main_chunk=args.main_chunk, **sel), (q, k, v, qi, ki, w), 1)
+    fns["dsa_xla"] = (lambda a, b_, c, d, e, f: dsa_prefill(
+        a, b_, c, d, e, f, main_chunk=args.main_chunk, implementation="xla", **sel),
+        (q, k, v, qi, ki, w), 1)
     select = lambda d, e, f, dd=None: indexer_topk(
         d, e, f, args.topk, block_size=args.index_block, query_block=args.query_block,
         order=args.order, quant=quant, dot_dtype=dd)
@@ -210,11 +221,10 @@ def main(argv=None):
     # Decode: the last token against T cached entries.
     q1, qi1, w1 = q[:, -1:], qi[:, -1:], w[:, -1:]
     fns["decode_dense"] = (lambda a, b_, c: dot_product_attention(
-        a, b_, c, is_causal=True, q_offset=t - 1, implementation="xla_chunked"), (q1, k, v), 5)
+        a, b_, c, is_causal=True, q_offset=t - 1), (q1, k, v), 5)
     kw_, vw_ = k[:, -args.window - 1:], v[:, -args.window - 1:]  # what a rolling cache holds
     fns["decode_swa"] = (lambda a, b_, c: dot_product_attention(
-        a, b_, c, is_causal=True, q_offset=b_.shape[1] - 1, implementation="xla_chunked"),
-        (q1, kw_, vw_), 5)
+        a, b_, c, is_causal=True, q_offset=b_.shape[1] - 1), (q1, kw_, vw_), 5)
     fns["decode_dsa"] = (lambda a, b_, c, d, e, f: sparse_attention(
         a, b_, c, indexer_topk(d, e, f, args.topk, q_offset=t - 1, block_size=args.index_block,
                                order=args.order, quant=quant)), (q1, k, v, qi1, ki, w1), 5)
@@ -227,12 +237,15 @@ def main(argv=None):
   bar.close()
   load_after = os.getloadavg()
 
-  names = ["dense", "swa", "dsa", "dsa_index", "dsa_bf16", "dsa_index_bf16", "dsa_main",
+  names = ["dense", "swa", "dsa", "dsa_xla", "dsa_index", "dsa_bf16", "dsa_index_bf16", "dsa_main",
            "dsa_allpairs", "decode_dense",
            "decode_swa", "decode_dsa"]
   print(f"\nT, heads={n}x{h} (1 KV head), window={args.window}, top-k={args.topk}, "
         f"indexer {hi}x{di} (key tile {args.index_block}, query block {args.query_block}), "
         f"main chunk {args.main_chunk}, order {args.order}, indexer quant {args.index_quant}")
+  print("implementations: " + ("native CPU kernels (dense / swa: 'cpu'; dsa: indexer + sparse "
+                               "attention 'cpu'); *_xla: pure XLA" if native.available() else
+                               f"XLA only (native kernels unavailable: {native.reason()})"))
   print(f"load average (1/5/15 min) before {load_before[0]:.2f}/{load_before[1]:.2f}/"
         f"{load_before[2]:.2f}, after {load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f} "
         f"on {os.cpu_count()} CPUs")
@@ -267,6 +280,9 @@ def main(argv=None):
     if "dsa_bf16" in last:
       wall, cpu = (last["dense"][i] / last["dsa_bf16"][i] for i in (0, 1))
       print(f"  bf16 indexer (dot_dtype='bfloat16'): wall {wall:.2f}x, CPU {cpu:.2f}x")
+    wall, cpu = (last["dense"][i] / last["dsa_xla"][i] for i in (0, 1))
+    print(f"  pure-XLA DSA (dsa_xla) against the same dense baseline: wall {wall:.2f}x, "
+          f"CPU {cpu:.2f}x")
   (out / "results.json").write_text(json.dumps(dict(args=vars(args), rows=rows, slopes=slopes,
                                                     load=[load_before, load_after]),
                                                indent=2))

@@ -22,8 +22,8 @@ from jaxtyping import Array, Bool, Float, Int
 from jaxattn.ops import scores as S
 from jaxattn.ops.masks import Mask, make_mask
 
-Implementation = Literal["xla", "xla_chunked", "pallas_tpu", "pallas_gpu"]
-IMPLEMENTATIONS: tuple[str, ...] = ("xla", "xla_chunked", "pallas_tpu", "pallas_gpu")
+Implementation = Literal["xla", "xla_chunked", "cpu", "pallas_tpu", "pallas_gpu"]
+IMPLEMENTATIONS: tuple[str, ...] = ("xla", "xla_chunked", "cpu", "pallas_tpu", "pallas_gpu")
 
 # name -> callable with the normalized signature of `_attention_xla`; Pallas kernels register here.
 _REGISTRY: dict[str, Callable] = {}
@@ -56,7 +56,7 @@ def _auto_order() -> list[str]:
     return ["pallas_tpu", "xla_chunked"]
   if platform in ("gpu", "cuda", "rocm"):
     return ["pallas_gpu", "xla_chunked"]
-  return ["xla_chunked"]
+  return ["cpu", "xla_chunked"]
 
 
 def _resolve(implementation) -> Callable:
@@ -87,6 +87,9 @@ def _load_builtin(name):
   elif name == "xla_chunked":
     from jaxattn.ops.attention_chunked import chunked_attention  # noqa: PLC0415 (import cycle)
     _REGISTRY["xla_chunked"] = chunked_attention
+  elif name == "cpu":
+    from jaxattn.ops.attention_cpu import cpu_attention  # noqa: PLC0415 (import cycle)
+    _REGISTRY["cpu"] = cpu_attention
   elif name in ("pallas_tpu", "pallas_gpu"):
     try:  # Kernels register themselves on import.
       import pallas_kernels.flash_attention  # noqa: F401, PLC0415
@@ -174,10 +177,13 @@ def dot_product_attention(
     logits_soft_cap: if set, ``logits = cap * tanh(logits / cap)`` after the bias.
     return_residuals: also return the fp32 log-sum-exp of each row, ``[B, N, T]`` (``-inf`` for a
       fully masked row), as the flash backward pass consumes it.
-    implementation: None (auto: Pallas on TPU/GPU when registered, else ``"xla_chunked"``), one of
-      ``"xla"`` (materializes ``T x S`` logits), ``"xla_chunked"`` (online softmax over key blocks,
-      skipping blocks the mask empties), ``"pallas_tpu"``, ``"pallas_gpu"``, or a sequence tried in
-      order.  An unavailable explicit choice raises ``ValueError``; nothing falls back silently.
+    implementation: None (auto: Pallas on TPU/GPU when registered; on CPU the native kernel
+      ``"cpu"`` where it computes the call, else ``"xla_chunked"``), one of ``"xla"``
+      (materializes ``T x S`` logits), ``"xla_chunked"`` (online softmax over key blocks, skipping
+      blocks the mask empties), ``"cpu"`` (fused C++ kernel through XLA's FFI: band masks, no
+      bias / ALiBi / soft-cap; ``jaxattn.ops.attention_cpu``), ``"pallas_tpu"``, ``"pallas_gpu"``,
+      or a sequence tried in order.  An unavailable explicit choice raises ``ValueError``; nothing
+      falls back silently.
 
   Returns:
     ``[B, T, N, h]`` in the query dtype; with ``return_residuals``, ``(out, lse)``.

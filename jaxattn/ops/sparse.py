@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from jaxattn import native
+from jaxattn.ops import sparse_cpu
 from jaxattn.ops.quantization import (QUANT_FORMATS, QuantFormat, fake_quantize, quantize_fp8,
                                       quantize_int8)
 
@@ -35,6 +37,22 @@ NEG_INF = -jnp.inf
 # Operand dtypes of the indexer's dot products: None = fp32; "bfloat16" = bf16 operands with fp32
 # accumulation (DeepSeek-V3.2 scores in FP8; bf16 is the reduced precision XLA:CPU runs fast).
 DOT_DTYPES = (None, "bfloat16")
+
+
+IMPLEMENTATIONS = ("xla", "cpu")
+
+
+def _resolve_implementation(implementation):
+  """``"cpu"`` or ``"xla"`` for the ``implementation`` argument of the DSA ops."""
+  if implementation is None:
+    return "cpu" if sparse_cpu.available() else "xla"
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"`implementation` must be None or one of {IMPLEMENTATIONS}, got "
+                     f"{implementation!r}.")
+  if implementation == "cpu" and not sparse_cpu.available():
+    raise ValueError("`implementation='cpu'` needs a CPU backend and the native kernels: "
+                     + (native.reason() or f"the backend is {jax.default_backend()!r}"))
+  return implementation
 
 
 def _check_dot_dtype(dot_dtype):
@@ -191,7 +209,7 @@ def _check_indices(indices, b, t, name="indices"):
     raise ValueError(f"`{name}` must be an integer array, got dtype {indices.dtype}.")
 
 
-@functools.partial(jax.jit, static_argnames=('scale',))
+@functools.partial(jax.jit, static_argnames=('scale', 'implementation'))
 def sparse_attention(
     query: Float[Array, "B T N H"],
     key: Float[Array, "B S K H"],
@@ -199,12 +217,18 @@ def sparse_attention(
     indices: Int[Array, "B T k"],
     *,
     scale: float | None = None,
+    implementation: str | None = None,
 ) -> Float[Array, "B T N h"]:
-  """Attention of each query over only its selected key positions (gather reference).
+  """Attention of each query over only its selected key positions.
 
   ``indices [B, T, k]`` (from ``topk_indices``; ``-1`` = unused slot) are shared by all heads;
   GQA/MQA as in ``dot_product_attention`` (``N % K == 0``).  Logits and softmax in fp32; a row with
   no valid index yields zeros.  Cost ``O(B T k N H)``, independent of ``S`` apart from the gather.
+
+  ``implementation``: ``"xla"`` (the gather reference), ``"cpu"`` (the native kernel of
+  ``jaxattn.ops.sparse_cpu``: gathers only the selected rows into cache-resident tiles; its
+  gradient is the reference's), or None: ``"cpu"`` on a CPU backend where the kernel is built,
+  else ``"xla"``.
   """
   if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
     raise ValueError(f"`query`, `key`, `value` must be [B, T, N, H], [B, S, K, H], [B, S, K, h]; "
@@ -220,6 +244,16 @@ def sparse_attention(
   _check_indices(indices, b, t)
   if scale is None:
     scale = 1.0 / math.sqrt(h)
+  if _resolve_implementation(implementation) == "cpu":
+    return sparse_cpu.sparse_attention_cpu(query, key, value, indices, float(scale),
+                                           _sparse_attention_xla)
+  return _sparse_attention_xla(query, key, value, indices, scale)
+
+
+def _sparse_attention_xla(query, key, value, indices, scale):
+  """The gather reference of ``sparse_attention`` (arguments already checked)."""
+  b, t, n, h = query.shape
+  kh = key.shape[2]
   valid = indices >= 0                                            # [B, T, k]
   safe = jnp.where(valid, indices, 0).astype(jnp.int32)
   gather = jax.vmap(lambda x, i: x[i])                            # per batch row: [S, ...][T, k]
@@ -238,7 +272,7 @@ def sparse_attention(
   return out.reshape(b, t, n, value.shape[-1]).astype(query.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=('scale',))
+@functools.partial(jax.jit, static_argnames=('scale', 'implementation'))
 def sparse_mla_attention(
     q_nope: Float[Array, "B T N P"],
     q_rope: Float[Array, "B T N R"],
@@ -249,12 +283,14 @@ def sparse_mla_attention(
     indices: Int[Array, "B T k"],
     *,
     scale: float | None = None,
+    implementation: str | None = None,
 ) -> Float[Array, "B T N h"]:
   """DSA on MLA (DeepSeek-V3.2): sparse attention over the selected latent rows, absorbed form.
 
   As ``jaxattn.ops.mla.mla_attention(mode="absorbed")``: queries are mapped into latent space
   (``q^C_i W_up^K_i^T``), attend against the selected ``[c_KV, k^R]`` rows as one shared key whose
   first ``C`` entries are the value, and ``W_up^V`` is applied after the sum.
+  ``implementation`` as ``sparse_attention``.
   """
   if q_nope.ndim != 4 or q_rope.ndim != 4 or c_kv.ndim != 3 or k_rope.ndim != 3:
     raise ValueError(f"`q_nope` [B,T,N,P], `q_rope` [B,T,N,R], `c_kv` [B,S,C], `k_rope` [B,S,R]: got "
@@ -273,7 +309,8 @@ def sparse_mla_attention(
   q_lat = jnp.einsum("btnp,cnp->btnc", q_nope, w_uk.astype(dt), preferred_element_type=_F32)
   query = jnp.concatenate([q_lat.astype(dt), q_rope], axis=-1)    # [B, T, N, C + R]
   kv = jnp.concatenate([c_kv, k_rope], axis=-1)[:, :, None, :]   # [B, S, 1, C + R]
-  o_lat = sparse_attention(query, kv, kv, indices, scale=scale)[..., :c]  # [B, T, N, C]
+  o_lat = sparse_attention(query, kv, kv, indices, scale=scale,
+                           implementation=implementation)[..., :c]  # [B, T, N, C]
   return jnp.einsum("btnc,cnh->btnh", o_lat, w_uv.astype(dt),
                     preferred_element_type=_F32).astype(dt)
 
@@ -542,7 +579,7 @@ def _round_up(x, m):
 
 @functools.partial(jax.jit, static_argnames=('k', 'block_size', 'query_block', 'candidates',
                                              'quant', 'quant_block_size', 'bisect_steps',
-                                             'order', 'dot_dtype'))
+                                             'order', 'dot_dtype', 'implementation'))
 def indexer_topk(
     q_index: Float[Array, "B T HI d"],
     k_index: Float[Array, "B S d"],
@@ -559,6 +596,7 @@ def indexer_topk(
     bisect_steps: int = 12,
     order: str = "score",
     dot_dtype: str | None = None,
+    implementation: str | None = None,
 ) -> Int[Array, "B T k"]:
   """``topk_indices(indexer_scores(q_index, k_index, weights, ...), k)`` without the ``[T, S]``
   scores: streaming causal lightning-indexer scoring and top-``k`` selection.
@@ -591,6 +629,11 @@ def indexer_topk(
       ``"position"``: the same set in increasing position order (``-1`` padding last), which
       skips the final sort -- the faster choice when only the set matters (sparse attention),
       and its gathers then walk the keys in memory order.
+    implementation: ``"xla"`` (the streaming XLA path described above), ``"cpu"`` (the native
+      kernel of ``jaxattn.ops.sparse_cpu``: the same selection semantics on its own fp32 tiles;
+      ``block_size``, ``query_block``, ``candidates`` and ``bisect_steps`` are XLA-path knobs it
+      does not use), or None: ``"cpu"`` on a CPU backend where the kernel is built, else
+      ``"xla"``.
   """
   b, t, hi, d = _check_index_operands(q_index, k_index, weights)
   _check_k(k)
@@ -609,10 +652,15 @@ def indexer_topk(
   if order not in ("score", "position"):
     raise ValueError(f"`order` must be 'score' or 'position', got {order!r}.")
   _check_dot_dtype(dot_dtype)
+  impl = _resolve_implementation(implementation)
   s = k_index.shape[1]
   # Rounded to the dot dtype once here, not per tile.
   q, keys, w, k_scale = _index_operands(q_index, k_index, weights, quant, quant_block_size,
                                         dot_dtype)
+  if impl == "cpu":
+    lengths = (jnp.full((b,), s, jnp.int32) if kv_lengths is None
+               else jnp.minimum(jnp.asarray(kv_lengths, jnp.int32), s))
+    return sparse_cpu.indexer_topk_cpu(q, keys, w, k_scale, q_offset, lengths, k, order)
 
   bk = min(block_size, _round_up(s, 8))
   s_pad = _round_up(s, bk)

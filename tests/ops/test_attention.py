@@ -204,10 +204,17 @@ def test_jit_vmap_and_single_trace(impl):
   np.testing.assert_allclose(batched[1], f(q, kk, v), atol=2e-5)
 
 
-def test_auto_implementation_on_cpu_is_chunked():
+def test_auto_implementation_on_cpu_is_native_kernel_else_chunked():
+  from jaxattn import native
+
   q, kk, v = _qkv(t=6)
+  want = "cpu" if native.available() else "xla_chunked"
   np.testing.assert_allclose(dpa(q, kk, v, is_causal=True),
-                             dpa(q, kk, v, is_causal=True, implementation="xla_chunked"), atol=0)
+                             dpa(q, kk, v, is_causal=True, implementation=want), atol=0)
+  # Calls the native kernel cannot compute (here a soft-cap) go to the chunked path.
+  np.testing.assert_allclose(dpa(q, kk, v, is_causal=True, logits_soft_cap=3.0),
+                             dpa(q, kk, v, is_causal=True, logits_soft_cap=3.0,
+                                 implementation="xla_chunked"), atol=0)
 
 
 def test_auto_dispatch_skips_backends_that_decline(monkeypatch):

@@ -1,0 +1,194 @@
+// Fused flash-attention forward for the CPU, as an XLA FFI custom call.
+//
+// What XLA:CPU cannot do with the chunked path (jaxattn/ops/attention_chunked.py): keep a block of
+// logits in cache between the two matmuls and the softmax, and run independent query blocks on the
+// cores without synchronizing after every op.  Here one task is (batch row, query head, query
+// block): it loads its queries once, then for every key block that the band mask does not empty
+//
+//   s      = (scale * log2 e) q k^T          register-blocked 8 x 32 tiles, row max on the fly
+//   m_new  = max(m, rowmax(s))
+//   p      = 2^(s - m_new),  l = 2^(m - m_new) l + rowsum(p)
+//   o      = 2^(m - m_new) o + p v            register-blocked 6 x 64 tiles
+//
+// and finally writes o / l and the natural-log log-sum-exp.  Keys are first packed per KV head
+// into 32-column strips of k^T (the layout the q k^T tile reads with unit stride) and values into
+// rows padded to a multiple of 16 floats; GQA/MQA query heads read their KV head's packs.  Tasks
+// go to XLA's intra-op thread pool, longest query rows first.
+//
+// Masks: a band `p - left <= j <= p + right` (p = query row + q_offset; causal is left = inf,
+// right = 0; a value < 0 means unbounded), which covers causal, sliding-window and full
+// attention.  Blocks outside the band are skipped, blocks inside it are computed without a mask.
+//
+// The vector code uses GCC/Clang vector extensions (16 floats), so it compiles for any target; the
+// loader builds it with -march=native.
+
+#include "common.h"
+
+namespace {
+
+using namespace jaxattn_native;  // NOLINT
+
+ffi::Error FlashForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                        ffi::Buffer<ffi::F32> v, float scale, int64_t left, int64_t right,
+                        int64_t q_offset, int64_t block_q, int64_t block_k,
+                        ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  const size_t rank = qd.size();
+  if (rank < 4 || kd.size() != rank || vd.size() != rank)
+    return ffi::Error::InvalidArgument("flash_attention: q, k, v must have one rank >= 4");
+  const int64_t b = Prod(qd, 0, rank - 3);
+  const int64_t t = qd[rank - 3], n = qd[rank - 2], h = qd[rank - 1];
+  const int64_t s = kd[rank - 3], kh = kd[rank - 2], hv = vd[rank - 1];
+  if (Prod(kd, 0, rank - 3) != b || Prod(vd, 0, rank - 3) != b || kd[rank - 1] != h ||
+      vd[rank - 3] != s || vd[rank - 2] != kh || kh <= 0 || n % kh != 0)
+    return ffi::Error::InvalidArgument("flash_attention: inconsistent q, k, v shapes");
+  if (block_q <= 0 || block_q % kQkRows != 0 || block_k <= 0 || block_k % kStrip != 0)
+    return ffi::Error::InvalidArgument(
+        "flash_attention: block_q must be a positive multiple of 8, block_k of 32");
+  const int64_t g = n / kh;
+  const int64_t kUnbounded = int64_t{1} << 40;
+  const Band band{left < 0 ? kUnbounded : left, right < 0 ? kUnbounded : right, q_offset, s};
+
+  const float* qp = q.typed_data();
+  const float* kp = k.typed_data();
+  const float* vp = v.typed_data();
+  float* op = out->typed_data();
+  float* lp = lse->typed_data();
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  if (b * t * n == 0) return ffi::Error::Success();
+  if (s == 0) {  // no keys: every row is empty
+    std::fill(op, op + b * t * n * hv, 0.f);
+    std::fill(lp, lp + b * n * t, neg_inf);
+    return ffi::Error::Success();
+  }
+
+  const int64_t s_pad = (s + kStrip - 1) / kStrip * kStrip;
+  const int64_t strips = s_pad / kStrip;
+  const int64_t hv_pad = (hv + kLanes - 1) / kLanes * kLanes;
+  const int64_t bq = std::min<int64_t>(block_q, (t + kQkRows - 1) / kQkRows * kQkRows);
+  const int64_t bk = std::min<int64_t>(block_k, s_pad);
+  const int64_t nq = (t + bq - 1) / bq, nk = (s_pad + bk - 1) / bk;
+
+  // Pack k^T into strips [B, K, strips, H, 32] and v into [B, K, S_pad, hv_pad], zero padded.
+  Buf kt = Alloc(b * kh * strips * h * kStrip);
+  Buf vpk = Alloc(b * kh * s_pad * hv_pad);
+  ParallelFor(pool, b * kh, [&](int64_t bk_idx) {
+    const int64_t bi = bk_idx / kh, ki = bk_idx % kh;
+    float* ktd = kt.get() + bk_idx * strips * h * kStrip;
+    for (int64_t st = 0; st < strips; ++st) {
+      float* dst = ktd + st * h * kStrip;
+      for (int64_t c = 0; c < kStrip; ++c) {
+        const int64_t j = st * kStrip + c;
+        if (j < s) {
+          const float* src = kp + ((bi * s + j) * kh + ki) * h;
+          for (int64_t d = 0; d < h; ++d) dst[d * kStrip + c] = src[d];
+        } else {
+          for (int64_t d = 0; d < h; ++d) dst[d * kStrip + c] = 0.f;
+        }
+      }
+    }
+    float* vdst = vpk.get() + bk_idx * s_pad * hv_pad;
+    for (int64_t j = 0; j < s_pad; ++j) {
+      float* row = vdst + j * hv_pad;
+      if (j < s) {
+        std::memcpy(row, vp + ((bi * s + j) * kh + ki) * hv, hv * sizeof(float));
+        std::fill(row + hv, row + hv_pad, 0.f);
+      } else {
+        std::fill(row, row + hv_pad, 0.f);
+      }
+    }
+  });
+
+  const float q_scale = scale * 1.4426950408889634f;  // logits in base 2
+  const float ln2 = 0.6931471805599453f;
+
+  // Task (query block i, batch row, query head), the longest query rows first under a causal band.
+  ParallelFor(pool, nq * b * n, [&](int64_t task) {
+    const int64_t i = nq - 1 - task / (b * n);
+    const int64_t bi = (task % (b * n)) / n, ni = task % n;
+    const int64_t ki = ni / g;
+    const int64_t t0 = i * bq, rows = std::min<int64_t>(bq, t - t0);
+    Buf qb = Alloc(bq * h), sb = Alloc(bq * bk), ob = Alloc(bq * hv_pad);
+    std::vector<float> m(bq, neg_inf), l(bq, 0.f), alpha(bq, 1.f), mx(bq);
+    for (int64_t r = 0; r < bq; ++r) {
+      float* dst = qb.get() + r * h;
+      if (r < rows) {
+        const float* src = qp + ((bi * t + t0 + r) * n + ni) * h;
+        for (int64_t d = 0; d < h; ++d) dst[d] = src[d] * q_scale;
+      } else {
+        std::fill(dst, dst + h, 0.f);
+      }
+    }
+    std::fill(ob.get(), ob.get() + bq * hv_pad, 0.f);
+    const float* ktd = kt.get() + (bi * kh + ki) * strips * h * kStrip;
+    const float* vd_ = vpk.get() + (bi * kh + ki) * s_pad * hv_pad;
+    const int64_t r0 = t0 + q_offset, r1 = t0 + rows - 1 + q_offset;  // query positions
+    for (int64_t j = 0; j < nk; ++j) {
+      const int64_t c0 = j * bk, cols = std::min<int64_t>(bk, s_pad - c0);
+      const int64_t c1 = std::min<int64_t>(c0 + cols, s) - 1;  // last valid key
+      if (c1 < c0) break;
+      if (r1 + band.right < c0 || r0 - band.left > c1) continue;  // empty block
+      const bool full = r1 - band.left <= c0 && r0 + band.right >= c0 + cols - 1 && c0 + cols <= s;
+      vf rowmax[kQkRows];
+      for (int64_t rt = 0; rt < bq; rt += kQkRows) {
+        for (int r = 0; r < kQkRows; ++r) rowmax[r] = splat(neg_inf);
+        for (int64_t st = 0; st < cols / kStrip; ++st) {
+          const float* ks = ktd + (c0 / kStrip + st) * h * kStrip;
+          float* sd = sb.get() + rt * bk + st * kStrip;
+          if (full)
+            QkTile<false>(qb.get() + rt * h, h, ks, h, sd, bk, rowmax, 0, 0, band);
+          else
+            QkTile<true>(qb.get() + rt * h, h, ks, h, sd, bk, rowmax, t0 + rt + q_offset,
+                         c0 + st * kStrip, band);
+        }
+        for (int r = 0; r < kQkRows; ++r) mx[rt + r] = hmax(rowmax[r]);
+      }
+      for (int64_t r = 0; r < bq; ++r) {
+        float* row = sb.get() + r * bk;
+        const float m_new = std::max(m[r], mx[r]);
+        if (r >= rows || m_new == neg_inf) {  // padding row, or nothing visible yet
+          alpha[r] = 1.f;
+          std::fill(row, row + cols, 0.f);
+          continue;
+        }
+        alpha[r] = std::exp2(m[r] - m_new);
+        const vf mv = splat(m_new);
+        vf sum = vf{};
+        for (int64_t c = 0; c < cols; c += kLanes) {
+          const vf e = exp2v(load(row + c) - mv);
+          store(row + c, e);
+          sum += e;
+        }
+        l[r] = alpha[r] * l[r] + hsum(sum);
+        m[r] = m_new;
+      }
+      PvBlock(sb.get(), bk, cols, vd_ + c0 * hv_pad, hv_pad, ob.get(), hv_pad, alpha.data(),
+              hv_pad, bq);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      float* dst = op + ((bi * t + t0 + r) * n + ni) * hv;
+      const float* src = ob.get() + r * hv_pad;
+      const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+      for (int64_t c = 0; c < hv; ++c) dst[c] = src[c] * inv;
+      lp[(bi * n + ni) * t + t0 + r] = l[r] > 0.f ? (m[r] + std::log2(l[r])) * ln2 : neg_inf;
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxattn_flash_attention_fwd_f32, FlashForward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("left")
+                                  .Attr<int64_t>("right")
+                                  .Attr<int64_t>("q_offset")
+                                  .Attr<int64_t>("block_q")
+                                  .Attr<int64_t>("block_k")
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

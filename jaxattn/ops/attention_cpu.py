@@ -1,0 +1,172 @@
+"""The ``"cpu"`` implementation of ``dot_product_attention``: a fused native kernel for the CPU.
+
+The forward pass is one XLA FFI custom call into ``jaxattn/native/flash_attention.cc``: a flash
+attention loop in C++ with register-blocked ``q k^T`` and ``p v`` tiles, a vectorized base-2
+softmax and the query blocks spread over XLA's intra-op threads.  The chunked XLA path
+(``"xla_chunked"``) computes the same function with one XLA op per step of the loop; the native
+kernel keeps each block of logits in cache between its two matmuls and runs independent query
+blocks on independent cores, about twice as fast on a 2-core AVX-512 machine (see
+``experiments/bench_attention.py``).
+
+The backward pass is the chunked path's flash backward (``attention_chunked.backward_from_lse``),
+recomputing probabilities from the log-sum-exp this forward returns.
+
+It computes the masks that are a band of positions (causal, sliding window, full attention, any
+conjunction of them; ``jaxattn.ops.masks._band``) with a static ``q_offset`` and scale, no bias,
+no ALiBi and no soft-cap, in fp32 (bf16 / fp16 inputs are computed in fp32 and rounded once).
+Anything else raises ``UnsupportedError``, so ``implementation=None`` moves on to
+``"xla_chunked"``.  Without a C++ compiler the kernel is unavailable (``jaxattn.native.reason()``).
+Under a device mesh the call runs inside ``shard_map`` with batch and heads split, as the Pallas
+kernels do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+from jaxattn import native
+from jaxattn.ops import attention_chunked
+from jaxattn.ops.attention import UnsupportedError
+from jaxattn.ops.masks import Mask, _band
+
+# Measured on a 2-core AVX-512 CPU, causal, 8 heads of 64, fp32, T = 8192 (forward, seconds):
+#   32x256 0.329, 64x256 0.306, 64x128 0.297, 128x256 0.302, 64x512 0.302.
+DEFAULT_BLOCK_Q = 64
+DEFAULT_BLOCK_K = 128
+_TARGET = "jaxattn_flash_attention_fwd_f32"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  scale: float
+  left: int  # -1: unbounded
+  right: int  # -1: unbounded
+  q_offset: int
+  block_q: int
+  block_k: int
+  mask: Mask | None
+
+
+def cpu_attention(
+    query: Float[Array, "B T N H"],
+    key: Float[Array, "B S K H"],
+    value: Float[Array, "B S K h"],
+    *,
+    bias=None,
+    mask: Mask | None = None,
+    mask_array=None,
+    scale: float,
+    alibi_slopes=None,
+    logits_soft_cap: float | None = None,
+    q_offset: int = 0,
+    return_residuals: bool = False,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    mesh=None,
+):
+  """Attention by the native CPU kernel; the normalized signature of the dispatch backends.
+
+  Args as ``chunked_attention``; ``block_q`` (a multiple of 8) and ``block_k`` (a multiple of 32)
+  default to ``DEFAULT_BLOCK_Q / DEFAULT_BLOCK_K``; ``mesh`` as the Pallas kernels (None: the
+  context mesh, if any).
+
+  Raises:
+    UnsupportedError: for what the kernel does not compute (see the module docstring).
+    ValueError: for bad block sizes.
+  """
+  for name, present in (("bias", bias is not None), ("a boolean mask array", mask_array is not None),
+                        ("ALiBi", alibi_slopes is not None),
+                        ("logits_soft_cap", logits_soft_cap is not None)):
+    if present:
+      raise UnsupportedError(f"the native CPU kernel does not support {name}")
+  band = (math.inf, math.inf) if mask is None else _band(mask)
+  if band is None:
+    raise UnsupportedError(f"the native CPU kernel computes band masks (causal / sliding window) "
+                           f"only, got {type(mask).__name__}")
+  static_offset = attention_chunked._concrete(q_offset, int)
+  static_scale = attention_chunked._concrete(scale, float)
+  if static_offset is None or static_scale is None:
+    raise UnsupportedError("the native CPU kernel needs a static q_offset and scale")
+  if jax.default_backend() != "cpu":
+    raise UnsupportedError(f"the native kernel runs on CPU, the default backend is "
+                           f"{jax.default_backend()!r}")
+  bq = DEFAULT_BLOCK_Q if block_q is None else block_q
+  bk = DEFAULT_BLOCK_K if block_k is None else block_k
+  if not isinstance(bq, (int, np.integer)) or bq <= 0 or bq % 8:
+    raise ValueError(f"`block_q` must be a positive multiple of 8, got {block_q!r}.")
+  if not isinstance(bk, (int, np.integer)) or bk <= 0 or bk % 32:
+    raise ValueError(f"`block_k` must be a positive multiple of 32, got {block_k!r}.")
+  if not native.available():
+    raise UnsupportedError(f"the native CPU kernels are unavailable: {native.reason()}")
+
+  def side(x):
+    return -1 if math.isinf(x) else int(x)
+
+  st = _Static(scale=static_scale, left=side(band[0]), right=side(band[1]), q_offset=static_offset,
+               block_q=int(bq), block_k=int(bk), mask=mask)
+
+  def local(q, k, v, *_):
+    return _build(st)(q, k, v)
+
+  from pallas_kernels.flash_attention.sharded import shard_attention  # noqa: PLC0415
+
+  out, lse = shard_attention(local, query, key, value, q_ids=None, kv_ids=None, kv_lengths=None,
+                             alibi_slopes=None, q_offset=static_offset, scale=static_scale,
+                             mesh=mesh)
+  return (out, lse) if return_residuals else out
+
+
+def workspace_bytes(query_shape, key_shape, value_shape) -> int:
+  """Bytes the kernel allocates outside XLA's buffers: ``k^T`` and ``v`` packed per KV head
+  (``B K S_pad (H + h_pad)`` fp32), linear in the sequence length."""
+  b, s, kh, h = key_shape
+  hv = value_shape[-1]
+  s_pad = -(-s // 32) * 32
+  hv_pad = -(-hv // 16) * 16
+  return 4 * b * kh * s_pad * (h + hv_pad)
+
+
+def _forward(st: _Static, q, k, v):
+  b, t, n, _ = q.shape
+  hv = v.shape[-1]
+  f32 = jnp.float32
+  call = jax.ffi.ffi_call(
+      _TARGET, (jax.ShapeDtypeStruct((b, t, n, hv), f32), jax.ShapeDtypeStruct((b, n, t), f32)),
+      vmap_method="broadcast_all")
+  out, lse = call(q.astype(f32), k.astype(f32), v.astype(f32), scale=np.float32(st.scale),
+                  left=np.int64(st.left), right=np.int64(st.right), q_offset=np.int64(st.q_offset),
+                  block_q=np.int64(st.block_q), block_k=np.int64(st.block_k))
+  return out.astype(q.dtype), lse
+
+
+@functools.lru_cache(maxsize=128)
+def _build(st: _Static):
+  """``(q, k, v) -> (out, lse)`` with the chunked flash backward, for one static configuration."""
+
+  @jax.custom_vjp
+  def attention(q, k, v):
+    return _forward(st, q, k, v)
+
+  def fwd(q, k, v):
+    out, lse = _forward(st, q, k, v)
+    return (out, lse), (q, k, v, out, lse)
+
+  def bwd(res, cotangents):
+    q, k, v, out, lse = res
+    d_out, d_lse = cotangents
+    cfg, aux = attention_chunked.make_config(q, k, v, mask=st.mask, scale=st.scale,
+                                             q_offset=st.q_offset)
+    return attention_chunked.backward_from_lse(cfg, aux, q, k, v, out, lse, d_out, d_lse)
+
+  attention.defvjp(fwd, bwd)
+  return attention
+
+
+__all__ = ["cpu_attention", "workspace_bytes", "DEFAULT_BLOCK_Q", "DEFAULT_BLOCK_K"]
