@@ -40,9 +40,11 @@ Decode: one new token against a cache of ``T`` entries (dense: all of them; swa:
 All variants of one ``T`` are compiled first and then timed round-robin (one call of each per
 round, ``--iters`` rounds), so every ratio compares calls made under the same machine load.
 Reports median wall times and median process CPU times (CPU seconds are less sensitive to other
-jobs on a shared machine), the load average before and after, XLA scratch
-(``memory_analysis().temp_size_in_bytes``), ratios against ``dense`` and the log-log slope of time
-vs T.  Writes ``results.json`` and ``bench_sparse.png`` under ``--out``.
+jobs on a shared machine), the load average before and after, scratch (XLA's
+``memory_analysis().temp_size_in_bytes`` plus what the native kernels allocate themselves:
+``attention_cpu.workspace_bytes``, ``sparse_cpu.indexer_workspace_bytes`` /
+``sparse_workspace_bytes`` with one task per core), ratios against ``dense`` and the log-log
+slope of time vs T.  Writes ``results.json`` and ``bench_sparse.png`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ from tqdm import tqdm
 
 from jaxattn import native
 from jaxattn.ops.attention import dot_product_attention
+from jaxattn.ops.attention_cpu import workspace_bytes
+from jaxattn.ops.sparse_cpu import indexer_workspace_bytes, sparse_workspace_bytes
 from jaxattn.ops.sparse import indexer_scores, indexer_topk, sparse_attention, topk_indices
 
 
@@ -228,10 +232,23 @@ def main(argv=None):
     fns["decode_dsa"] = (lambda a, b_, c, d, e, f: sparse_attention(
         a, b_, c, indexer_topk(d, e, f, args.topk, q_offset=t - 1, block_size=args.index_block,
                                order=args.order, quant=quant)), (q1, k, v, qi1, ki, w1), 5)
+    # Memory the native kernels allocate themselves (not in XLA's memory analysis).
+    extra = {}
+    if native.available():
+      threads = os.cpu_count() or 1
+      dense_ws = workspace_bytes(q.shape, k.shape, v.shape)
+      index_ws = indexer_workspace_bytes(1, t, hi, di, args.topk, threads)
+      main_ws = sparse_workspace_bytes(args.topk, h, h, n, threads)
+      extra = {"dense": dense_ws, "swa": dense_ws, "dsa": index_ws + main_ws,
+               "dsa_index": index_ws, "dsa_bf16": index_ws + main_ws, "dsa_index_bf16": index_ws,
+               "dsa_main": main_ws, "dsa_allpairs": main_ws,
+               "decode_dense": workspace_bytes(q1.shape, k.shape, v.shape),
+               "decode_swa": workspace_bytes(q1.shape, kw_.shape, vw_.shape),
+               "decode_dsa": indexer_workspace_bytes(1, t, hi, di, args.topk, 1) + main_ws}
     cases = {}
     for nm, (fn, fargs, reps) in fns.items():
       compiled, scratch = compile_case(fn, fargs)
-      cases[nm] = (compiled, fargs, scratch, reps)
+      cases[nm] = (compiled, fargs, scratch + extra.get(nm, 0), reps)
     bar.update()
     rows.append(dict(T=t, **time_round_robin(cases, args.iters, bar), recall_bf16=recall))
   bar.close()

@@ -84,9 +84,12 @@ struct Band {
 };
 
 // s[r, 0:32] = q[r, :] . kt[:, 0:32] for kQkRows rows; updates the per-row running vector max.
+// kMasked: entries outside the band, at columns >= s_len, or (when q_seg is given) whose query
+// segment id q_seg[r] differs from the key's k_seg[0:32] are set to -inf.
 template <bool kMasked>
 inline void QkTile(const float* q, int64_t ldq, const float* kt, int64_t h, float* s, int64_t lds,
-                   vf* rowmax, int64_t row_pos0, int64_t col0, const Band& band) {
+                   vf* rowmax, int64_t row_pos0, int64_t col0, const Band& band,
+                   const int32_t* q_seg = nullptr, const int32_t* k_seg = nullptr) {
   vf acc[kQkRows][2];
 #pragma GCC unroll 8
   for (int r = 0; r < kQkRows; ++r) acc[r][0] = acc[r][1] = vf{};
@@ -107,14 +110,24 @@ inline void QkTile(const float* q, int64_t ldq, const float* kt, int64_t h, floa
     const vi c0 = iota + static_cast<int32_t>(col0);
     const vi c1 = c0 + kLanes;
     const vi s_len = vi{} + static_cast<int32_t>(std::min<int64_t>(band.s_len, 1 << 30));
+    vi ks0 = vi{}, ks1 = vi{};
+    if (q_seg) {
+      ks0 = *reinterpret_cast<const viu*>(k_seg);
+      ks1 = *reinterpret_cast<const viu*>(k_seg + kLanes);
+    }
 #pragma GCC unroll 8
     for (int r = 0; r < kQkRows; ++r) {
       const int64_t pos = row_pos0 + r;
       const int32_t lo = static_cast<int32_t>(std::max<int64_t>(pos - band.left, -(1 << 30)));
       const int32_t hi = static_cast<int32_t>(std::min<int64_t>(pos + band.right, 1 << 30));
       const vi vlo = vi{} + lo, vhi = vi{} + hi;
-      const vi ok0 = (c0 >= vlo) & (c0 <= vhi) & (c0 < s_len);
-      const vi ok1 = (c1 >= vlo) & (c1 <= vhi) & (c1 < s_len);
+      vi ok0 = (c0 >= vlo) & (c0 <= vhi) & (c0 < s_len);
+      vi ok1 = (c1 >= vlo) & (c1 <= vhi) & (c1 < s_len);
+      if (q_seg) {
+        const vi qs = vi{} + q_seg[r];
+        ok0 &= ks0 == qs;
+        ok1 &= ks1 == qs;
+      }
       acc[r][0] = ok0 ? acc[r][0] : neg_inf;
       acc[r][1] = ok1 ? acc[r][1] : neg_inf;
     }

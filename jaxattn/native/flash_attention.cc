@@ -17,7 +17,10 @@
 //
 // Masks: a band `p - left <= j <= p + right` (p = query row + q_offset; causal is left = inf,
 // right = 0; a value < 0 means unbounded), which covers causal, sliding-window and full
-// attention.  Blocks outside the band are skipped, blocks inside it are computed without a mask.
+// attention; optionally segment ids (packed sequences: query and key attend only within equal
+// ids) and key lengths per batch row (padding).  Blocks outside the band, past the length or
+// sharing no segment id with the query block are skipped; blocks entirely inside all of them are
+// computed without a mask.
 //
 // The vector code uses GCC/Clang vector extensions (16 floats), so it compiles for any target; the
 // loader builds it with -march=native.
@@ -29,7 +32,9 @@ namespace {
 using namespace jaxattn_native;  // NOLINT
 
 ffi::Error FlashForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                        ffi::Buffer<ffi::F32> v, float scale, int64_t left, int64_t right,
+                        ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> q_seg_ids,
+                        ffi::Buffer<ffi::S32> kv_seg_ids, ffi::Buffer<ffi::S32> kv_lengths,
+                        float scale, int64_t left, int64_t right,
                         int64_t q_offset, int64_t block_q, int64_t block_k,
                         ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
@@ -46,8 +51,15 @@ ffi::Error FlashForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
     return ffi::Error::InvalidArgument(
         "flash_attention: block_q must be a positive multiple of 8, block_k of 32");
   const int64_t g = n / kh;
+  const bool segmented = q_seg_ids.element_count() != 0;
+  if ((segmented && (q_seg_ids.element_count() != b * t || kv_seg_ids.element_count() != b * s)) ||
+      (kv_lengths.element_count() != 0 && kv_lengths.element_count() != b))
+    return ffi::Error::InvalidArgument("flash_attention: segment ids [B, T] / [B, S], lengths [B]");
+  const int32_t* qsp = segmented ? q_seg_ids.typed_data() : nullptr;
+  const int32_t* ksp = segmented ? kv_seg_ids.typed_data() : nullptr;
+  const int32_t* lenp = kv_lengths.element_count() ? kv_lengths.typed_data() : nullptr;
   const int64_t kUnbounded = int64_t{1} << 40;
-  const Band band{left < 0 ? kUnbounded : left, right < 0 ? kUnbounded : right, q_offset, s};
+  const Band band0{left < 0 ? kUnbounded : left, right < 0 ? kUnbounded : right, q_offset, s};
 
   const float* qp = q.typed_data();
   const float* kp = k.typed_data();
@@ -99,6 +111,25 @@ ffi::Error FlashForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
     }
   });
 
+  // Key segment ids padded to the strips, and each key block's [min, max] segment id.
+  std::vector<int32_t> kseg_pad(segmented ? b * s_pad : 0, -1);
+  std::vector<int32_t> kseg_lo(segmented ? b * nk : 0), kseg_hi(segmented ? b * nk : 0);
+  if (segmented) {
+    for (int64_t bi = 0; bi < b; ++bi) {
+      std::copy(ksp + bi * s, ksp + (bi + 1) * s, kseg_pad.begin() + bi * s_pad);
+      for (int64_t j = 0; j < nk; ++j) {
+        const int64_t c0 = j * bk, c1 = std::min<int64_t>(c0 + bk, s);
+        int32_t lo = std::numeric_limits<int32_t>::max(), hi = std::numeric_limits<int32_t>::min();
+        for (int64_t c = c0; c < c1; ++c) {
+          lo = std::min(lo, ksp[bi * s + c]);
+          hi = std::max(hi, ksp[bi * s + c]);
+        }
+        kseg_lo[bi * nk + j] = lo;
+        kseg_hi[bi * nk + j] = hi;
+      }
+    }
+  }
+
   const float q_scale = scale * 1.4426950408889634f;  // logits in base 2
   const float ln2 = 0.6931471805599453f;
 
@@ -108,6 +139,15 @@ ffi::Error FlashForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
     const int64_t bi = (task % (b * n)) / n, ni = task % n;
     const int64_t ki = ni / g;
     const int64_t t0 = i * bq, rows = std::min<int64_t>(bq, t - t0);
+    Band band = band0;
+    if (lenp) band.s_len = std::max<int64_t>(0, std::min<int64_t>(s, lenp[bi]));
+    std::vector<int32_t> qseg(segmented ? bq : 0, -2);
+    int32_t qseg_lo = 0, qseg_hi = 0;
+    if (segmented) {
+      std::copy(qsp + bi * t + t0, qsp + bi * t + t0 + rows, qseg.begin());
+      qseg_lo = *std::min_element(qseg.begin(), qseg.begin() + rows);
+      qseg_hi = *std::max_element(qseg.begin(), qseg.begin() + rows);
+    }
     Buf qb = Alloc(bq * h), sb = Alloc(bq * bk), ob = Alloc(bq * hv_pad);
     std::vector<float> m(bq, neg_inf), l(bq, 0.f), alpha(bq, 1.f), mx(bq);
     for (int64_t r = 0; r < bq; ++r) {
@@ -125,10 +165,16 @@ ffi::Error FlashForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
     const int64_t r0 = t0 + q_offset, r1 = t0 + rows - 1 + q_offset;  // query positions
     for (int64_t j = 0; j < nk; ++j) {
       const int64_t c0 = j * bk, cols = std::min<int64_t>(bk, s_pad - c0);
-      const int64_t c1 = std::min<int64_t>(c0 + cols, s) - 1;  // last valid key
+      const int64_t c1 = std::min<int64_t>(c0 + cols, band.s_len) - 1;  // last valid key
       if (c1 < c0) break;
       if (r1 + band.right < c0 || r0 - band.left > c1) continue;  // empty block
-      const bool full = r1 - band.left <= c0 && r0 + band.right >= c0 + cols - 1 && c0 + cols <= s;
+      bool full = r1 - band.left <= c0 && r0 + band.right >= c0 + cols - 1 &&
+                  c0 + cols <= band.s_len;
+      if (segmented) {
+        const int32_t lo = kseg_lo[bi * nk + j], hi = kseg_hi[bi * nk + j];
+        if (hi < qseg_lo || lo > qseg_hi) continue;  // no shared segment: empty
+        full = full && lo == hi && qseg_lo == qseg_hi && lo == qseg_lo;
+      }
       vf rowmax[kQkRows];
       for (int64_t rt = 0; rt < bq; rt += kQkRows) {
         for (int r = 0; r < kQkRows; ++r) rowmax[r] = splat(neg_inf);
@@ -139,7 +185,8 @@ ffi::Error FlashForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
             QkTile<false>(qb.get() + rt * h, h, ks, h, sd, bk, rowmax, 0, 0, band);
           else
             QkTile<true>(qb.get() + rt * h, h, ks, h, sd, bk, rowmax, t0 + rt + q_offset,
-                         c0 + st * kStrip, band);
+                         c0 + st * kStrip, band, segmented ? qseg.data() + rt : nullptr,
+                         segmented ? kseg_pad.data() + bi * s_pad + c0 + st * kStrip : nullptr);
         }
         for (int r = 0; r < kQkRows; ++r) mx[rt + r] = hmax(rowmax[r]);
       }
@@ -184,6 +231,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxattn_flash_attention_fwd_f32, FlashForward,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("left")
                                   .Attr<int64_t>("right")

@@ -12,8 +12,9 @@ The backward pass is the chunked path's flash backward (``attention_chunked.back
 recomputing probabilities from the log-sum-exp this forward returns.
 
 It computes the masks that are a band of positions (causal, sliding window, full attention, any
-conjunction of them; ``jaxattn.ops.masks._band``) with a static ``q_offset`` and scale, no bias,
-no ALiBi and no soft-cap, in fp32 (bf16 / fp16 inputs are computed in fp32 and rounded once).
+conjunction of them; ``jaxattn.ops.masks._band``), optionally with segment ids (packed sequences;
+key blocks that share no id with a query block are skipped) and key lengths, with a static
+``q_offset`` and scale, no bias, no ALiBi and no soft-cap, in fp32 (bf16 / fp16 inputs are computed in fp32 and rounded once).
 Anything else raises ``UnsupportedError``, so ``implementation=None`` moves on to
 ``"xla_chunked"``.  Without a C++ compiler the kernel is unavailable (``jaxattn.native.reason()``).
 Under a device mesh the call runs inside ``shard_map`` with batch and heads split, as the Pallas
@@ -34,7 +35,7 @@ from jaxtyping import Array, Float
 from jaxattn import native
 from jaxattn.ops import attention_chunked
 from jaxattn.ops.attention import UnsupportedError
-from jaxattn.ops.masks import Mask, _band
+from jaxattn.ops.masks import AndMask, Mask, PaddingMask, SegmentMask, _band
 
 # Measured on a 2-core AVX-512 CPU, causal, 8 heads of 64, fp32, T = 8192 (forward, seconds):
 #   32x256 0.329, 64x256 0.306, 64x128 0.297, 128x256 0.302, 64x512 0.302.
@@ -51,7 +52,7 @@ class _Static:
   q_offset: int
   block_q: int
   block_k: int
-  mask: Mask | None
+  mask: Mask | None  # the static (band) part; segment ids and lengths travel as arrays
 
 
 def cpu_attention(
@@ -86,10 +87,12 @@ def cpu_attention(
                         ("logits_soft_cap", logits_soft_cap is not None)):
     if present:
       raise UnsupportedError(f"the native CPU kernel does not support {name}")
-  band = (math.inf, math.inf) if mask is None else _band(mask)
-  if band is None:
+  static, data = attention_chunked.split_static(mask)
+  band = (math.inf, math.inf) if static is None else _band(static)
+  segments, lengths = _data_parts(data)
+  if band is None or segments is False:
     raise UnsupportedError(f"the native CPU kernel computes band masks (causal / sliding window) "
-                           f"only, got {type(mask).__name__}")
+                           f"with segment ids and key lengths, got {type(mask).__name__}")
   static_offset = attention_chunked._concrete(q_offset, int)
   static_scale = attention_chunked._concrete(scale, float)
   if static_offset is None or static_scale is None:
@@ -110,17 +113,36 @@ def cpu_attention(
     return -1 if math.isinf(x) else int(x)
 
   st = _Static(scale=static_scale, left=side(band[0]), right=side(band[1]), q_offset=static_offset,
-               block_q=int(bq), block_k=int(bk), mask=mask)
+               block_q=int(bq), block_k=int(bk), mask=static)
+  q_ids, kv_ids = (None, None) if segments is None else segments
 
-  def local(q, k, v, *_):
-    return _build(st)(q, k, v)
+  def local(q, k, v, q_ids, kv_ids, lengths, *_):
+    return _build(st)(q, k, v, q_ids, kv_ids, lengths)
 
   from pallas_kernels.flash_attention.sharded import shard_attention  # noqa: PLC0415
 
-  out, lse = shard_attention(local, query, key, value, q_ids=None, kv_ids=None, kv_lengths=None,
-                             alibi_slopes=None, q_offset=static_offset, scale=static_scale,
-                             mesh=mesh)
+  out, lse = shard_attention(local, query, key, value, q_ids=q_ids, kv_ids=kv_ids,
+                             kv_lengths=lengths, alibi_slopes=None, q_offset=static_offset,
+                             scale=static_scale, mesh=mesh)
   return (out, lse) if return_residuals else out
+
+
+def _data_parts(data):
+  """``(segments, lengths)`` of the data part of a mask: ``(q_ids, kv_ids)`` or None, and a
+  ``[B]`` length array or None; ``(False, None)`` when it holds anything else."""
+  segments = lengths = None
+  stack = [] if data is None else [data]
+  while stack:
+    m = stack.pop()
+    if isinstance(m, AndMask):
+      stack += [m.a, m.b]
+    elif isinstance(m, SegmentMask) and segments is None:
+      segments = (jnp.asarray(m.q_segment_ids, jnp.int32), jnp.asarray(m.kv_segment_ids, jnp.int32))
+    elif isinstance(m, PaddingMask) and lengths is None:
+      lengths = jnp.asarray(m.kv_lengths, jnp.int32)
+    else:
+      return False, None
+  return segments, lengths
 
 
 def workspace_bytes(query_shape, key_shape, value_shape) -> int:
@@ -133,14 +155,18 @@ def workspace_bytes(query_shape, key_shape, value_shape) -> int:
   return 4 * b * kh * s_pad * (h + hv_pad)
 
 
-def _forward(st: _Static, q, k, v):
+def _forward(st: _Static, q, k, v, q_ids, kv_ids, lengths):
   b, t, n, _ = q.shape
   hv = v.shape[-1]
   f32 = jnp.float32
   call = jax.ffi.ffi_call(
       _TARGET, (jax.ShapeDtypeStruct((b, t, n, hv), f32), jax.ShapeDtypeStruct((b, n, t), f32)),
       vmap_method="broadcast_all")
-  out, lse = call(q.astype(f32), k.astype(f32), v.astype(f32), scale=np.float32(st.scale),
+  none = jnp.zeros((0,), jnp.int32)
+  ids = (none, none) if q_ids is None else (q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32))
+  lens = none if lengths is None else lengths.astype(jnp.int32)
+  out, lse = call(q.astype(f32), k.astype(f32), v.astype(f32), *ids, lens,
+                  scale=np.float32(st.scale),
                   left=np.int64(st.left), right=np.int64(st.right), q_offset=np.int64(st.q_offset),
                   block_q=np.int64(st.block_q), block_k=np.int64(st.block_k))
   return out.astype(q.dtype), lse
@@ -151,19 +177,25 @@ def _build(st: _Static):
   """``(q, k, v) -> (out, lse)`` with the chunked flash backward, for one static configuration."""
 
   @jax.custom_vjp
-  def attention(q, k, v):
-    return _forward(st, q, k, v)
+  def attention(q, k, v, q_ids, kv_ids, lengths):
+    return _forward(st, q, k, v, q_ids, kv_ids, lengths)
 
-  def fwd(q, k, v):
-    out, lse = _forward(st, q, k, v)
-    return (out, lse), (q, k, v, out, lse)
+  def fwd(q, k, v, q_ids, kv_ids, lengths):
+    out, lse = _forward(st, q, k, v, q_ids, kv_ids, lengths)
+    return (out, lse), (q, k, v, q_ids, kv_ids, lengths, out, lse)
 
   def bwd(res, cotangents):
-    q, k, v, out, lse = res
+    q, k, v, q_ids, kv_ids, lengths, out, lse = res
     d_out, d_lse = cotangents
-    cfg, aux = attention_chunked.make_config(q, k, v, mask=st.mask, scale=st.scale,
+    mask = st.mask
+    for part in ((None if q_ids is None else SegmentMask(q_ids, kv_ids)),
+                 (None if lengths is None else PaddingMask(lengths))):
+      if part is not None:
+        mask = part if mask is None else mask & part
+    cfg, aux = attention_chunked.make_config(q, k, v, mask=mask, scale=st.scale,
                                              q_offset=st.q_offset)
-    return attention_chunked.backward_from_lse(cfg, aux, q, k, v, out, lse, d_out, d_lse)
+    dq, dk, dv = attention_chunked.backward_from_lse(cfg, aux, q, k, v, out, lse, d_out, d_lse)
+    return dq, dk, dv, None, None, None
 
   attention.defvjp(fwd, bwd)
   return attention

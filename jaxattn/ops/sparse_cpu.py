@@ -57,6 +57,25 @@ def indexer_topk_cpu(q, keys, w, k_scale, q_offset, lengths, k: int, order: str)
               block_k=np.int64(INDEX_BLOCK_K))
 
 
+def indexer_workspace_bytes(b: int, s: int, hi: int, d: int, k: int, threads: int) -> int:
+  """Bytes ``indexer_topk_cpu`` allocates outside XLA's buffers: the keys packed as ``k^T``
+  strips (``B S_pad d`` fp32, linear in ``S``) and, per running task, its query rows, score tile
+  and candidate sets."""
+  s_pad = -(-s // 32) * 32
+  task = 4 * (INDEX_BLOCK_Q * (hi * d + hi + INDEX_BLOCK_K)
+              + (INDEX_BLOCK_Q + 1) * (4 * k + 16) * 2)
+  return 4 * b * s_pad * d + threads * task
+
+
+def sparse_workspace_bytes(kk: int, h: int, hv: int, g: int, threads: int) -> int:
+  """Bytes ``sparse_attention_cpu`` allocates per running task (gathered ``k^T`` strips, logits,
+  outputs), times ``threads``; independent of the sequence length."""
+  kk_pad = max(-(-kk // 32) * 32, 32)
+  rows = -(-g // 8) * 8
+  hv_pad = -(-hv // 16) * 16
+  return threads * 4 * (kk_pad * h + rows * (h + kk_pad + hv_pad) + kk_pad * 2 + hv_pad + 16)
+
+
 def _sparse_forward(query, key, value, indices, scale):
   b, t, n, _ = query.shape
   call = jax.ffi.ffi_call(
@@ -87,5 +106,5 @@ def _bwd(scale, reference, res, d_out):
 
 sparse_attention_cpu.defvjp(_fwd, _bwd)
 
-__all__ = ["available", "indexer_topk_cpu", "sparse_attention_cpu", "INDEX_BLOCK_Q",
-           "INDEX_BLOCK_K"]
+__all__ = ["available", "indexer_topk_cpu", "sparse_attention_cpu", "indexer_workspace_bytes",
+           "sparse_workspace_bytes", "INDEX_BLOCK_Q", "INDEX_BLOCK_K"]

@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxattn import native, sharding
 from jaxattn.ops import attention as A
+from jaxattn.ops import masks as M
 from jaxattn.ops.attention import UnsupportedError, dot_product_attention
 from jaxattn.ops.attention_cpu import cpu_attention, workspace_bytes
 
@@ -69,6 +70,37 @@ def test_forward_and_lse_match_formula(case):
   if not finite.all():  # a row with no visible key gives zeros, not NaN
     rows = ~finite  # [B, N, T]
     assert np.all(np.asarray(got).transpose(0, 2, 1, 3)[rows] == 0)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(is_causal=True, segments=True),  # packed documents: cross-document blocks are skipped
+    dict(is_causal=True, lengths=True),  # padded keys
+    dict(is_causal=True, local_window_size=17, segments=True, lengths=True),
+    dict(segments=True, lengths=True),  # bidirectional, as an encoder over packed sequences
+])
+def test_segment_ids_and_lengths(kw):
+  kw = dict(kw)
+  q, k, v = inputs(2, 100, 100, 4, 2, 32, 32, seed=6)
+  ids = np.stack([np.repeat([1, 2, 3, 0], [30, 40, 20, 10]), np.repeat([1, 2], [5, 95])])
+  if kw.pop("segments", False):
+    kw["segment_ids"] = jnp.asarray(ids, jnp.int32)
+  if kw.pop("lengths", False):
+    kw["kv_lengths"] = jnp.asarray([100, 60], jnp.int32)
+
+  def run(impl):
+    def f(q, k, v):
+      out, lse = dot_product_attention(q, k, v, return_residuals=True, implementation=impl, **kw)
+      return jnp.sum(out * jnp.cos(out)), (out, lse)
+    return jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+
+  (_, (got, lse)), grads = run("cpu")
+  (_, (want, want_lse)), want_grads = run("xla")
+  np.testing.assert_allclose(got, want, atol=2e-6)
+  finite = np.isfinite(np.asarray(want_lse))
+  np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
+  np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(want_lse)[finite], atol=2e-6)
+  for g, w in zip(grads, want_grads):
+    np.testing.assert_allclose(g, w, atol=2e-5)
 
 
 def test_bf16_inputs():
@@ -135,12 +167,11 @@ def test_auto_dispatch_uses_the_kernel_where_it_applies(monkeypatch):
   np.testing.assert_allclose(out, dot_product_attention(q, k, v, is_causal=True,
                                                         implementation="xla"), atol=2e-6)
   # What the kernel does not compute falls back to "xla_chunked", with the same result.
-  ids = jnp.asarray(np.arange(24)[None] // 10, jnp.int32)
-  for kw in (dict(segment_ids=ids), dict(logits_soft_cap=5.0),
-             dict(alibi_slopes=jnp.asarray([0.5, 0.25])),
-             dict(bias=jnp.ones((1, 2, 24, 24)))):
-    got = dot_product_attention(q, k, v, is_causal=True, **kw)
-    want = dot_product_attention(q, k, v, is_causal=True, implementation="xla", **kw)
+  longformer = M.sliding_window(3, causal=False) | M.GlobalTokensMask((0,))
+  for kw in (dict(logits_soft_cap=5.0), dict(alibi_slopes=jnp.asarray([0.5, 0.25])),
+             dict(bias=jnp.ones((1, 2, 24, 24))), dict(mask=longformer)):
+    got = dot_product_attention(q, k, v, is_causal="mask" not in kw, **kw)
+    want = dot_product_attention(q, k, v, is_causal="mask" not in kw, implementation="xla", **kw)
     np.testing.assert_allclose(got, want, atol=2e-6)
   assert len(calls) == 5  # tried every time, accepted once
 
@@ -150,7 +181,8 @@ def test_errors():
   with pytest.raises(ValueError, match="does not support bias"):
     dot_product_attention(q, k, v, bias=jnp.zeros((1, 2, 16, 16)), implementation="cpu")
   with pytest.raises(ValueError, match="band masks"):
-    dot_product_attention(q, k, v, segment_ids=jnp.zeros((1, 16), jnp.int32), implementation="cpu")
+    dot_product_attention(q, k, v, mask=M.CausalMask() | M.GlobalTokensMask((0,)),
+                          implementation="cpu")
   with pytest.raises(ValueError, match="static q_offset"):
     jax.jit(lambda o: dot_product_attention(q, k, v, is_causal=True, q_offset=o,
                                             implementation="cpu"))(jnp.int32(0))
@@ -183,8 +215,11 @@ def test_sharded_matches_unsharded():
   mesh = sharding.make_mesh({"data": 2, "tensor": 4})
   q, k, v = inputs(2, 40, 40, 8, 4, 16, 16, seed=5)
 
+  ids = jnp.asarray(np.stack([np.repeat([1, 2], [15, 25]), np.repeat([1, 2, 3], [5, 30, 5])]),
+                    jnp.int32)
+
   def loss(q, k, v):
-    out = dot_product_attention(q, k, v, is_causal=True, implementation="cpu")
+    out = dot_product_attention(q, k, v, is_causal=True, segment_ids=ids, implementation="cpu")
     return jnp.sum(out * jnp.cos(out)), out
 
   grad_fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
@@ -195,7 +230,7 @@ def test_sharded_matches_unsharded():
   assert out.sharding.spec == P("data", None, "tensor", None)
 
   def ref(q, k, v):
-    out = dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    out = dot_product_attention(q, k, v, is_causal=True, segment_ids=ids, implementation="xla")
     return jnp.sum(out * jnp.cos(out)), out
 
   (_, want), want_grads = jax.value_and_grad(ref, argnums=(0, 1, 2), has_aux=True)(q, k, v)
