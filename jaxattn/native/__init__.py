@@ -30,7 +30,8 @@ import jax
 _SOURCES = ("flash_attention.cc", "sparse.cc")
 _HEADERS = ("common.h",)
 # Handler symbols in the library, registered as FFI targets of the same names.
-_TARGETS = ("jaxattn_flash_attention_fwd_f32", "jaxattn_indexer_topk_f32",
+_TARGETS = ("jaxattn_flash_attention_fwd_f32", "jaxattn_flash_attention_bwd_f32",
+            "jaxattn_indexer_topk_f32",
             "jaxattn_sparse_attention_f32")
 _FLAGS = ("-O3", "-march=native", "-std=gnu++17", "-shared", "-fPIC", "-w")
 

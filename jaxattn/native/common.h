@@ -140,14 +140,15 @@ inline void QkTile(const float* q, int64_t ldq, const float* kt, int64_t h, floa
   }
 }
 
-// o[r, 0:16*NV] = alpha[r] * o[r, :] + p[r, 0:n] v[0:n, :] for kPvRows rows.
-template <int MR, int NV>
+// o[r, 0:16*NV] = alpha[r] * o[r, :] + p[r, 0:n] v[0:n, :] for MR rows (alpha null: 1).
+// kTransA: p is stored transposed, element (r, j) at p[j * ldp + r] (p^T v without a transpose).
+template <int MR, int NV, bool kTransA = false>
 inline void PvTile(const float* p, int64_t ldp, int64_t n, const float* v, int64_t ldv, float* o,
                    int64_t ldo, const float* alpha) {
   vf acc[MR][NV];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
-    const vf a = splat(alpha[r]);
+    const vf a = splat(alpha ? alpha[r] : 1.f);
 #pragma GCC unroll 4
     for (int c = 0; c < NV; ++c) acc[r][c] = load(o + r * ldo + c * kLanes) * a;
   }
@@ -157,7 +158,7 @@ inline void PvTile(const float* p, int64_t ldp, int64_t n, const float* v, int64
     for (int c = 0; c < NV; ++c) vv[c] = load(v + j * ldv + c * kLanes);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
-      const vf a = splat(p[r * ldp + j]);
+      const vf a = splat(kTransA ? p[j * ldp + r] : p[r * ldp + j]);
 #pragma GCC unroll 4
       for (int c = 0; c < NV; ++c) acc[r][c] += a * vv[c];
     }
@@ -169,28 +170,33 @@ inline void PvTile(const float* p, int64_t ldp, int64_t n, const float* v, int64
   }
 }
 
-template <int MR>
+template <int MR, bool kTransA = false>
 inline void PvRows(const float* p, int64_t ldp, int64_t n, const float* v, int64_t ldv, float* o,
                    int64_t ldo, const float* alpha, int64_t hv_pad) {
   int64_t c = 0;
   for (; c + kPvVecs * kLanes <= hv_pad; c += kPvVecs * kLanes)
-    PvTile<MR, kPvVecs>(p, ldp, n, v + c, ldv, o + c, ldo, alpha);
+    PvTile<MR, kPvVecs, kTransA>(p, ldp, n, v + c, ldv, o + c, ldo, alpha);
   switch ((hv_pad - c) / kLanes) {
-    case 3: PvTile<MR, 3>(p, ldp, n, v + c, ldv, o + c, ldo, alpha); break;
-    case 2: PvTile<MR, 2>(p, ldp, n, v + c, ldv, o + c, ldo, alpha); break;
-    case 1: PvTile<MR, 1>(p, ldp, n, v + c, ldv, o + c, ldo, alpha); break;
+    case 3: PvTile<MR, 3, kTransA>(p, ldp, n, v + c, ldv, o + c, ldo, alpha); break;
+    case 2: PvTile<MR, 2, kTransA>(p, ldp, n, v + c, ldv, o + c, ldo, alpha); break;
+    case 1: PvTile<MR, 1, kTransA>(p, ldp, n, v + c, ldv, o + c, ldo, alpha); break;
     default: break;
   }
 }
 
-// p v for `rows` rows (a multiple of 8): tiles of kPvRows rows, then the remainder.
+// p v for `rows` rows (a multiple of 2): tiles of kPvRows rows, then the remainder.  kTransA: p
+// stored transposed ([n, rows] with row stride ldp).
+template <bool kTransA = false>
 inline void PvBlock(const float* p, int64_t ldp, int64_t n, const float* v, int64_t ldv, float* o,
                     int64_t ldo, const float* alpha, int64_t hv_pad, int64_t rows) {
   int64_t r = 0;
+  const int64_t step = kTransA ? 1 : ldp;  // p offset of row r
   for (; r + kPvRows <= rows; r += kPvRows)
-    PvRows<kPvRows>(p + r * ldp, ldp, n, v, ldv, o + r * ldo, ldo, alpha + r, hv_pad);
+    PvRows<kPvRows, kTransA>(p + r * step, ldp, n, v, ldv, o + r * ldo, ldo,
+                             alpha ? alpha + r : nullptr, hv_pad);
   for (; r + 2 <= rows; r += 2)
-    PvRows<2>(p + r * ldp, ldp, n, v, ldv, o + r * ldo, ldo, alpha + r, hv_pad);
+    PvRows<2, kTransA>(p + r * step, ldp, n, v, ldv, o + r * ldo, ldo, alpha ? alpha + r : nullptr,
+                       hv_pad);
 }
 
 struct AlignedFree {

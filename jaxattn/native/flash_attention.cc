@@ -223,6 +223,243 @@ ffi::Error FlashForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
   return ffi::Error::Success();
 }
 
+// EMPTY / PARTIAL / FULL of the block pair (query rows [t0, t0 + rows), key columns
+// [c0, c0 + cols)) under the band, the key length and the segment-id ranges.
+enum BlockKind { kEmpty = 0, kPartial = 1, kFull = 2 };
+
+struct Masking {
+  Band band;  // s_len: the batch row's key length
+  const int32_t* q_seg;  // [T] ids of the batch row, or null
+  const int32_t* k_seg;  // [S] ids, or null
+
+  BlockKind Kind(int64_t t0, int64_t rows, int64_t c0, int64_t cols) const {
+    const int64_t r0 = t0 + band.q_offset, r1 = t0 + rows - 1 + band.q_offset;
+    const int64_t c1 = std::min<int64_t>(c0 + cols, band.s_len) - 1;
+    if (c1 < c0 || r1 + band.right < c0 || r0 - band.left > c1) return kEmpty;
+    bool full = r1 - band.left <= c0 && r0 + band.right >= c0 + cols - 1 && c0 + cols <= band.s_len;
+    if (q_seg) {
+      const auto [qlo, qhi] = std::minmax_element(q_seg + t0, q_seg + t0 + rows);
+      const auto [klo, khi] = std::minmax_element(k_seg + c0, k_seg + c1 + 1);
+      if (*khi < *qlo || *klo > *qhi) return kEmpty;
+      full = full && *klo == *khi && *qlo == *qhi && *klo == *qlo;
+    }
+    return full ? kFull : kPartial;
+  }
+};
+
+// Gradients of the forward above (flash-attention-2, probabilities recomputed from the
+// log-sum-exp): pass 1, one task per (batch row, KV head, key block), accumulates
+//   dv_j += p^T do_i,   dk_j += scale ds^T q_i,   ds = p (do_i v_j^T - delta_i)
+// over the query blocks and the G query heads of the KV head; pass 2, one task per (batch row,
+// query head, query block), accumulates dq_i += scale ds k_j over the key blocks.  Seven block
+// matmuls per block pair (the minimal five plus q k^T and do v^T recomputed in pass 2), each a
+// register-blocked tile; p^T and ds^T are read transposed in place.  delta = rowsum(do * o) minus
+// the log-sum-exp cotangent, from the caller.
+ffi::Error FlashBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                         ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> d_out,
+                         ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta,
+                         ffi::Buffer<ffi::S32> q_seg_ids, ffi::Buffer<ffi::S32> kv_seg_ids,
+                         ffi::Buffer<ffi::S32> kv_lengths, float scale, int64_t left,
+                         int64_t right, int64_t q_offset, int64_t block_q, int64_t block_k,
+                         ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
+                         ffi::ResultBuffer<ffi::F32> dv) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  const size_t rank = qd.size();
+  if (rank < 4 || kd.size() != rank || vd.size() != rank)
+    return ffi::Error::InvalidArgument("flash_attention_bwd: q, k, v must have one rank >= 4");
+  const int64_t b = Prod(qd, 0, rank - 3);
+  const int64_t t = qd[rank - 3], n = qd[rank - 2], h = qd[rank - 1];
+  const int64_t s = kd[rank - 3], kh = kd[rank - 2], hv = vd[rank - 1];
+  if (Prod(kd, 0, rank - 3) != b || Prod(vd, 0, rank - 3) != b || kd[rank - 1] != h ||
+      vd[rank - 3] != s || vd[rank - 2] != kh || kh <= 0 || n % kh != 0 ||
+      d_out.element_count() != b * t * n * hv || lse.element_count() != b * n * t ||
+      delta.element_count() != b * n * t)
+    return ffi::Error::InvalidArgument("flash_attention_bwd: inconsistent shapes");
+  if (block_q <= 0 || block_q % kQkRows != 0 || block_k <= 0 || block_k % kStrip != 0)
+    return ffi::Error::InvalidArgument("flash_attention_bwd: bad block sizes");
+  const bool segmented = q_seg_ids.element_count() != 0;
+  if ((segmented && (q_seg_ids.element_count() != b * t || kv_seg_ids.element_count() != b * s)) ||
+      (kv_lengths.element_count() != 0 && kv_lengths.element_count() != b))
+    return ffi::Error::InvalidArgument("flash_attention_bwd: bad segment ids / lengths");
+  float* dqp = dq->typed_data();
+  float* dkp = dk->typed_data();
+  float* dvp = dv->typed_data();
+  std::fill(dqp, dqp + b * t * n * h, 0.f);
+  std::fill(dkp, dkp + b * s * kh * h, 0.f);
+  std::fill(dvp, dvp + b * s * kh * hv, 0.f);
+  if (b * t * n == 0 || s == 0) return ffi::Error::Success();
+  const float* qp = q.typed_data();
+  const float* kp = k.typed_data();
+  const float* vp = v.typed_data();
+  const float* dop = d_out.typed_data();
+  const float* lp = lse.typed_data();
+  const float* dlp = delta.typed_data();
+  const int32_t* qsp = segmented ? q_seg_ids.typed_data() : nullptr;
+  const int32_t* ksp = segmented ? kv_seg_ids.typed_data() : nullptr;
+  const int32_t* lenp = kv_lengths.element_count() ? kv_lengths.typed_data() : nullptr;
+  const int64_t g = n / kh;
+  const int64_t kUnbounded = int64_t{1} << 40;
+  const Band band0{left < 0 ? kUnbounded : left, right < 0 ? kUnbounded : right, q_offset, s};
+
+  const int64_t s_pad = (s + kStrip - 1) / kStrip * kStrip;
+  const int64_t strips = s_pad / kStrip;
+  const int64_t h_pad = (h + kLanes - 1) / kLanes * kLanes;
+  const int64_t hv_pad = (hv + kLanes - 1) / kLanes * kLanes;
+  const int64_t bq = std::min<int64_t>(block_q, (t + kQkRows - 1) / kQkRows * kQkRows);
+  const int64_t bk = std::min<int64_t>(block_k, s_pad);
+  const int64_t nq = (t + bq - 1) / bq, nk = (s_pad + bk - 1) / bk;
+
+  // Per (batch row, KV head): k^T and v^T strips, key rows padded to h_pad; padded key segment ids.
+  Buf kt = Alloc(b * kh * strips * h * kStrip), vt = Alloc(b * kh * strips * hv * kStrip);
+  Buf krows = Alloc(b * kh * s_pad * h_pad);
+  std::vector<int32_t> kseg_pad(segmented ? b * s_pad : 0, -1);
+  if (segmented)
+    for (int64_t bi = 0; bi < b; ++bi)
+      std::copy(ksp + bi * s, ksp + (bi + 1) * s, kseg_pad.begin() + bi * s_pad);
+  ParallelFor(pool, b * kh, [&](int64_t idx) {
+    const int64_t bi = idx / kh, ki = idx % kh;
+    float* ktd = kt.get() + idx * strips * h * kStrip;
+    float* vtd = vt.get() + idx * strips * hv * kStrip;
+    float* kr = krows.get() + idx * s_pad * h_pad;
+    for (int64_t j = 0; j < s_pad; ++j) {
+      const int64_t st = j / kStrip, c = j % kStrip;
+      const float* ksrc = kp + ((bi * s + j) * kh + ki) * h;
+      const float* vsrc = vp + ((bi * s + j) * kh + ki) * hv;
+      for (int64_t d = 0; d < h; ++d) ktd[(st * h + d) * kStrip + c] = j < s ? ksrc[d] : 0.f;
+      for (int64_t d = 0; d < hv; ++d) vtd[(st * hv + d) * kStrip + c] = j < s ? vsrc[d] : 0.f;
+      for (int64_t d = 0; d < h_pad; ++d) kr[j * h_pad + d] = (j < s && d < h) ? ksrc[d] : 0.f;
+    }
+  });
+
+  const float q_scale = scale * 1.4426950408889634f;
+  const float log2e = 1.4426950408889634f;
+  const float inf = std::numeric_limits<float>::infinity();
+  auto masking = [&](int64_t bi) {
+    Masking mk{band0, segmented ? qsp + bi * t : nullptr,
+               segmented ? kseg_pad.data() + bi * s_pad : nullptr};
+    if (lenp) mk.band.s_len = std::max<int64_t>(0, std::min<int64_t>(s, lenp[bi]));
+    return mk;
+  };
+
+  // Loads query block i of head ni: scaled rows (for q k^T), plain rows padded to h_pad (for
+  // ds^T q), do rows padded to hv_pad, base-2 lse (+inf for empty and padding rows), delta.
+  struct QBlock {
+    Buf qs, qr, dob;
+    std::vector<float> lse2, dlt;
+    std::vector<int32_t> seg;
+  };
+  auto load_q = [&](QBlock& qb, int64_t bi, int64_t ni, int64_t i) {
+    const int64_t t0 = i * bq, rows = std::min<int64_t>(bq, t - t0);
+    for (int64_t r = 0; r < bq; ++r) {
+      const bool ok = r < rows;
+      const float* qsrc = qp + ((bi * t + t0 + r) * n + ni) * h;
+      const float* dsrc = dop + ((bi * t + t0 + r) * n + ni) * hv;
+      for (int64_t d = 0; d < h; ++d) qb.qs.get()[r * h + d] = ok ? qsrc[d] * q_scale : 0.f;
+      for (int64_t d = 0; d < h_pad; ++d) qb.qr.get()[r * h_pad + d] = (ok && d < h) ? qsrc[d] : 0.f;
+      for (int64_t d = 0; d < hv_pad; ++d)
+        qb.dob.get()[r * hv_pad + d] = (ok && d < hv) ? dsrc[d] : 0.f;
+      const float l = ok ? lp[(bi * n + ni) * t + t0 + r] : -inf;
+      qb.lse2[r] = std::isfinite(l) ? l * log2e : inf;
+      qb.dlt[r] = ok ? dlp[(bi * n + ni) * t + t0 + r] : 0.f;
+      if (segmented) qb.seg[r] = ok ? qsp[bi * t + t0 + r] : -2;
+    }
+  };
+  auto new_qblock = [&]() {
+    QBlock qb{Alloc(bq * h), Alloc(bq * h_pad), Alloc(bq * hv_pad), std::vector<float>(bq),
+              std::vector<float>(bq), std::vector<int32_t>(segmented ? bq : 0)};
+    return qb;
+  };
+  // p and ds of block pair (i, j) into pb / dsb ([bq, bk]); returns the key columns computed.
+  auto probs = [&](const QBlock& qb, const Masking& mk, BlockKind kind, int64_t bi, int64_t ki,
+                   int64_t i, int64_t c0, int64_t cols, float* pb, float* dsb) {
+    const float* ktd = kt.get() + (bi * kh + ki) * strips * h * kStrip;
+    const float* vtd = vt.get() + (bi * kh + ki) * strips * hv * kStrip;
+    vf dummy[kQkRows];
+    for (int64_t rt = 0; rt < bq; rt += kQkRows) {
+      for (int64_t st = 0; st < cols / kStrip; ++st) {
+        const int64_t strip = c0 / kStrip + st;
+        float* sd = pb + rt * bk + st * kStrip;
+        if (kind == kFull)
+          QkTile<false>(qb.qs.get() + rt * h, h, ktd + strip * h * kStrip, h, sd, bk, dummy, 0, 0,
+                        mk.band);
+        else
+          QkTile<true>(qb.qs.get() + rt * h, h, ktd + strip * h * kStrip, h, sd, bk, dummy,
+                       i * bq + rt + q_offset, c0 + st * kStrip, mk.band,
+                       segmented ? qb.seg.data() + rt : nullptr,
+                       segmented ? mk.k_seg + c0 + st * kStrip : nullptr);
+        QkTile<false>(qb.dob.get() + rt * hv_pad, hv_pad, vtd + strip * hv * kStrip, hv,
+                      dsb + rt * bk + st * kStrip, bk, dummy, 0, 0, mk.band);
+      }
+    }
+    for (int64_t r = 0; r < bq; ++r) {
+      float* pr = pb + r * bk;
+      float* dr = dsb + r * bk;
+      const vf l2 = splat(qb.lse2[r]), dl = splat(qb.dlt[r]);
+      for (int64_t c = 0; c < cols; c += kLanes) {
+        const vf p = exp2v(load(pr + c) - l2);
+        store(pr + c, p);
+        store(dr + c, p * (load(dr + c) - dl));
+      }
+    }
+  };
+
+  // Pass 1: dk, dv per key block.
+  ParallelFor(pool, b * kh * nk, [&](int64_t task) {
+    const int64_t j = task % nk, ki = (task / nk) % kh, bi = task / (nk * kh);
+    const Masking mk = masking(bi);
+    const int64_t c0 = j * bk, cols = std::min<int64_t>(bk, s_pad - c0);
+    QBlock qb = new_qblock();
+    Buf pb = Alloc(bq * bk), dsb = Alloc(bq * bk), dka = Alloc(bk * h_pad), dva = Alloc(bk * hv_pad);
+    std::fill(dka.get(), dka.get() + bk * h_pad, 0.f);
+    std::fill(dva.get(), dva.get() + bk * hv_pad, 0.f);
+    for (int64_t gi = 0; gi < g; ++gi) {
+      const int64_t ni = ki * g + gi;
+      for (int64_t i = 0; i < nq; ++i) {
+        const int64_t t0 = i * bq, rows = std::min<int64_t>(bq, t - t0);
+        const BlockKind kind = mk.Kind(t0, rows, c0, cols);
+        if (kind == kEmpty) continue;
+        load_q(qb, bi, ni, i);
+        probs(qb, mk, kind, bi, ki, i, c0, cols, pb.get(), dsb.get());
+        PvBlock<true>(pb.get(), bk, bq, qb.dob.get(), hv_pad, dva.get(), hv_pad, nullptr, hv_pad,
+                      cols);
+        PvBlock<true>(dsb.get(), bk, bq, qb.qr.get(), h_pad, dka.get(), h_pad, nullptr, h_pad,
+                      cols);
+      }
+    }
+    for (int64_t c = 0; c < std::min<int64_t>(cols, s - c0); ++c) {
+      float* dkd = dkp + ((bi * s + c0 + c) * kh + ki) * h;
+      float* dvd = dvp + ((bi * s + c0 + c) * kh + ki) * hv;
+      for (int64_t d = 0; d < h; ++d) dkd[d] = dka.get()[c * h_pad + d] * scale;
+      for (int64_t d = 0; d < hv; ++d) dvd[d] = dva.get()[c * hv_pad + d];
+    }
+  });
+
+  // Pass 2: dq per query block.
+  ParallelFor(pool, b * n * nq, [&](int64_t task) {
+    const int64_t i = nq - 1 - task / (b * n);
+    const int64_t bi = (task % (b * n)) / n, ni = task % n, ki = ni / g;
+    const Masking mk = masking(bi);
+    const int64_t t0 = i * bq, rows = std::min<int64_t>(bq, t - t0);
+    QBlock qb = new_qblock();
+    load_q(qb, bi, ni, i);
+    Buf pb = Alloc(bq * bk), dsb = Alloc(bq * bk), dqa = Alloc(bq * h_pad);
+    std::fill(dqa.get(), dqa.get() + bq * h_pad, 0.f);
+    const float* kr = krows.get() + (bi * kh + ki) * s_pad * h_pad;
+    for (int64_t j = 0; j < nk; ++j) {
+      const int64_t c0 = j * bk, cols = std::min<int64_t>(bk, s_pad - c0);
+      const BlockKind kind = mk.Kind(t0, rows, c0, cols);
+      if (kind == kEmpty) continue;
+      probs(qb, mk, kind, bi, ki, i, c0, cols, pb.get(), dsb.get());
+      PvBlock(dsb.get(), bk, cols, kr + c0 * h_pad, h_pad, dqa.get(), h_pad, nullptr, h_pad, bq);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      float* dst = dqp + ((bi * t + t0 + r) * n + ni) * h;
+      for (int64_t d = 0; d < h; ++d) dst[d] = dqa.get()[r * h_pad + d] * scale;
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxattn_flash_attention_fwd_f32, FlashForward,
@@ -240,5 +477,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxattn_flash_attention_fwd_f32, FlashForward,
                                   .Attr<int64_t>("q_offset")
                                   .Attr<int64_t>("block_q")
                                   .Attr<int64_t>("block_k")
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxattn_flash_attention_bwd_f32, FlashBackward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("left")
+                                  .Attr<int64_t>("right")
+                                  .Attr<int64_t>("q_offset")
+                                  .Attr<int64_t>("block_q")
+                                  .Attr<int64_t>("block_k")
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -8,8 +8,8 @@ kernel keeps each block of logits in cache between its two matmuls and runs inde
 blocks on independent cores, about twice as fast on a 2-core AVX-512 machine (see
 ``experiments/bench_attention.py``).
 
-The backward pass is the chunked path's flash backward (``attention_chunked.backward_from_lse``),
-recomputing probabilities from the log-sum-exp this forward returns.
+The backward pass is a second native kernel (flash-attention-2: probabilities recomputed from the
+log-sum-exp the forward returns; dK/dV per key block, then dQ per query block).
 
 It computes the masks that are a band of positions (causal, sliding window, full attention, any
 conjunction of them; ``jaxattn.ops.masks._band``), optionally with segment ids (packed sequences;
@@ -41,7 +41,11 @@ from jaxattn.ops.masks import AndMask, Mask, PaddingMask, SegmentMask, _band
 #   32x256 0.329, 64x256 0.306, 64x128 0.297, 128x256 0.302, 64x512 0.302.
 DEFAULT_BLOCK_Q = 64
 DEFAULT_BLOCK_K = 128
+# Backward blocks (both passes).
+BWD_BLOCK_Q = 64
+BWD_BLOCK_K = 128
 _TARGET = "jaxattn_flash_attention_fwd_f32"
+_TARGET_BWD = "jaxattn_flash_attention_bwd_f32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +176,25 @@ def _forward(st: _Static, q, k, v, q_ids, kv_ids, lengths):
   return out.astype(q.dtype), lse
 
 
+def _backward(st: _Static, q, k, v, q_ids, kv_ids, lengths, out, lse, d_out, d_lse):
+  f32 = jnp.float32
+  # delta_i = sum_h do * o, minus the cotangent of the log-sum-exp (which enters as p * d_lse).
+  delta = jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1)  # [B, T, N]
+  delta = jnp.swapaxes(delta, -1, -2) - d_lse.astype(f32)  # [B, N, T]
+  call = jax.ffi.ffi_call(
+      _TARGET_BWD, tuple(jax.ShapeDtypeStruct(x.shape, f32) for x in (q, k, v)),
+      vmap_method="broadcast_all")
+  none = jnp.zeros((0,), jnp.int32)
+  ids = (none, none) if q_ids is None else (q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32))
+  lens = none if lengths is None else lengths.astype(jnp.int32)
+  dq, dk, dv = call(q.astype(f32), k.astype(f32), v.astype(f32), d_out.astype(f32),
+                    lse.astype(f32), delta, *ids, lens, scale=np.float32(st.scale),
+                    left=np.int64(st.left), right=np.int64(st.right),
+                    q_offset=np.int64(st.q_offset), block_q=np.int64(BWD_BLOCK_Q),
+                    block_k=np.int64(BWD_BLOCK_K))
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
 @functools.lru_cache(maxsize=128)
 def _build(st: _Static):
   """``(q, k, v) -> (out, lse)`` with the chunked flash backward, for one static configuration."""
@@ -187,14 +210,7 @@ def _build(st: _Static):
   def bwd(res, cotangents):
     q, k, v, q_ids, kv_ids, lengths, out, lse = res
     d_out, d_lse = cotangents
-    mask = st.mask
-    for part in ((None if q_ids is None else SegmentMask(q_ids, kv_ids)),
-                 (None if lengths is None else PaddingMask(lengths))):
-      if part is not None:
-        mask = part if mask is None else mask & part
-    cfg, aux = attention_chunked.make_config(q, k, v, mask=mask, scale=st.scale,
-                                             q_offset=st.q_offset)
-    dq, dk, dv = attention_chunked.backward_from_lse(cfg, aux, q, k, v, out, lse, d_out, d_lse)
+    dq, dk, dv = _backward(st, q, k, v, q_ids, kv_ids, lengths, out, lse, d_out, d_lse)
     return dq, dk, dv, None, None, None
 
   attention.defvjp(fwd, bwd)
