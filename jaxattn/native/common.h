@@ -237,6 +237,44 @@ inline void ParallelFor(ffi::ThreadPool& pool, int64_t count, const std::functio
   while (state->done.load(std::memory_order_acquire) < count) std::this_thread::yield();
 }
 
+// As ParallelFor, and fn(item, slot) also gets the index of the thread that runs it (0 <= slot <
+// the returned bound, fixed per thread for the call): per-thread accumulators without atomics.
+inline int64_t ParallelForSlots(ffi::ThreadPool& pool, int64_t count,
+                                const std::function<void(int64_t, int64_t)>& fn,
+                                int64_t* slots_used = nullptr) {
+  struct State {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+    std::atomic<int64_t> slot{0};
+    int64_t count = 0;
+    const std::function<void(int64_t, int64_t)>* fn = nullptr;
+  };
+  auto state = std::make_shared<State>();
+  state->count = count;
+  state->fn = &fn;
+  auto drain = [](State& st) {
+    int64_t slot = -1;
+    for (;;) {
+      const int64_t i = st.next.fetch_add(1, std::memory_order_relaxed);
+      if (i >= st.count) return;
+      if (slot < 0) slot = st.slot.fetch_add(1, std::memory_order_relaxed);
+      (*st.fn)(i, slot);
+      st.done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t workers = std::max<int64_t>(0, std::min<int64_t>(pool.num_threads() - 1, count - 1));
+  for (int64_t w = 0; w < workers; ++w) pool.Schedule([state, drain]() { drain(*state); });
+  drain(*state);
+  while (state->done.load(std::memory_order_acquire) < count) std::this_thread::yield();
+  if (slots_used) *slots_used = state->slot.load();
+  return workers + 1;
+}
+
+// The number of slots ParallelForSlots may use for `count` items.
+inline int64_t MaxSlots(ffi::ThreadPool& pool, int64_t count) {
+  return std::max<int64_t>(0, std::min<int64_t>(pool.num_threads() - 1, count - 1)) + 1;
+}
+
 inline int64_t Prod(ffi::Span<const int64_t> dims, size_t begin, size_t end) {
   int64_t p = 1;
   for (size_t i = begin; i < end; ++i) p *= dims[i];

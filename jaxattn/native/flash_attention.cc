@@ -248,13 +248,13 @@ struct Masking {
 };
 
 // Gradients of the forward above (flash-attention-2, probabilities recomputed from the
-// log-sum-exp): pass 1, one task per (batch row, KV head, key block), accumulates
+// log-sum-exp): one task per (batch row, KV head, key block) accumulates
 //   dv_j += p^T do_i,   dk_j += scale ds^T q_i,   ds = p (do_i v_j^T - delta_i)
-// over the query blocks and the G query heads of the KV head; pass 2, one task per (batch row,
-// query head, query block), accumulates dq_i += scale ds k_j over the key blocks.  Seven block
-// matmuls per block pair (the minimal five plus q k^T and do v^T recomputed in pass 2), each a
-// register-blocked tile; p^T and ds^T are read transposed in place.  delta = rowsum(do * o) minus
-// the log-sum-exp cotangent, from the caller.
+// over the query blocks and the G query heads of the KV head, and adds dq_i += ds k_j into an
+// accumulator owned by the thread that runs it (no atomics; the threads' accumulators are summed
+// at the end, B N T h fp32 each).  Five block matmuls per block pair, each a register-blocked
+// tile; p^T and ds^T are read transposed in place.  delta = rowsum(do * o) minus the log-sum-exp
+// cotangent, from the caller.
 ffi::Error FlashBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                          ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> d_out,
                          ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta,
@@ -403,15 +403,24 @@ ffi::Error FlashBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
     }
   };
 
-  // Pass 1: dk, dv per key block.
-  ParallelFor(pool, b * kh * nk, [&](int64_t task) {
-    const int64_t j = task % nk, ki = (task / nk) % kh, bi = task / (nk * kh);
+  // One pass over key blocks (longest causal columns first): dk, dv of the block, and its dq
+  // contribution added to the running thread's own accumulator [B, N, T, h_pad], summed after.
+  const int64_t tasks = b * kh * nk;
+  const int64_t slots = MaxSlots(pool, tasks);
+  const int64_t t_pad = nq * bq;
+  Buf dq_acc = Alloc(slots * b * n * t_pad * h_pad);
+  std::fill(dq_acc.get(), dq_acc.get() + slots * b * n * t_pad * h_pad, 0.f);
+  int64_t slots_used = 0;
+  ParallelForSlots(pool, tasks, [&](int64_t task, int64_t slot) {
+    const int64_t j = task / (b * kh), ki = (task / b) % kh, bi = task % b;
     const Masking mk = masking(bi);
     const int64_t c0 = j * bk, cols = std::min<int64_t>(bk, s_pad - c0);
     QBlock qb = new_qblock();
     Buf pb = Alloc(bq * bk), dsb = Alloc(bq * bk), dka = Alloc(bk * h_pad), dva = Alloc(bk * hv_pad);
     std::fill(dka.get(), dka.get() + bk * h_pad, 0.f);
     std::fill(dva.get(), dva.get() + bk * hv_pad, 0.f);
+    const float* kr = krows.get() + (bi * kh + ki) * s_pad * h_pad;
+    float* dq_slot = dq_acc.get() + slot * b * n * t_pad * h_pad;
     for (int64_t gi = 0; gi < g; ++gi) {
       const int64_t ni = ki * g + gi;
       for (int64_t i = 0; i < nq; ++i) {
@@ -424,6 +433,10 @@ ffi::Error FlashBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
                       cols);
         PvBlock<true>(dsb.get(), bk, bq, qb.qr.get(), h_pad, dka.get(), h_pad, nullptr, h_pad,
                       cols);
+        // Whole blocks of bq rows (the accumulator's T is padded to nq bq; padding rows of ds
+        // are zero).
+        PvBlock(dsb.get(), bk, cols, kr + c0 * h_pad, h_pad,
+                dq_slot + ((bi * n + ni) * t_pad + t0) * h_pad, h_pad, nullptr, h_pad, bq);
       }
     }
     for (int64_t c = 0; c < std::min<int64_t>(cols, s - c0); ++c) {
@@ -432,29 +445,19 @@ ffi::Error FlashBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
       for (int64_t d = 0; d < h; ++d) dkd[d] = dka.get()[c * h_pad + d] * scale;
       for (int64_t d = 0; d < hv; ++d) dvd[d] = dva.get()[c * hv_pad + d];
     }
-  });
+  }, &slots_used);
 
-  // Pass 2: dq per query block.
-  ParallelFor(pool, b * n * nq, [&](int64_t task) {
-    const int64_t i = nq - 1 - task / (b * n);
-    const int64_t bi = (task % (b * n)) / n, ni = task % n, ki = ni / g;
-    const Masking mk = masking(bi);
-    const int64_t t0 = i * bq, rows = std::min<int64_t>(bq, t - t0);
-    QBlock qb = new_qblock();
-    load_q(qb, bi, ni, i);
-    Buf pb = Alloc(bq * bk), dsb = Alloc(bq * bk), dqa = Alloc(bq * h_pad);
-    std::fill(dqa.get(), dqa.get() + bq * h_pad, 0.f);
-    const float* kr = krows.get() + (bi * kh + ki) * s_pad * h_pad;
-    for (int64_t j = 0; j < nk; ++j) {
-      const int64_t c0 = j * bk, cols = std::min<int64_t>(bk, s_pad - c0);
-      const BlockKind kind = mk.Kind(t0, rows, c0, cols);
-      if (kind == kEmpty) continue;
-      probs(qb, mk, kind, bi, ki, i, c0, cols, pb.get(), dsb.get());
-      PvBlock(dsb.get(), bk, cols, kr + c0 * h_pad, h_pad, dqa.get(), h_pad, nullptr, h_pad, bq);
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-      float* dst = dqp + ((bi * t + t0 + r) * n + ni) * h;
-      for (int64_t d = 0; d < h; ++d) dst[d] = dqa.get()[r * h_pad + d] * scale;
+  // dq = scale * (sum of the threads' accumulators).
+  ParallelFor(pool, b * n, [&](int64_t idx) {
+    const int64_t bi = idx / n, ni = idx % n;
+    for (int64_t r = 0; r < t; ++r) {
+      float* dst = dqp + ((bi * t + r) * n + ni) * h;
+      for (int64_t d = 0; d < h; ++d) {
+        float acc = 0.f;
+        for (int64_t sl = 0; sl < slots_used; ++sl)
+          acc += dq_acc.get()[((sl * b + bi) * n + ni) * t_pad * h_pad + r * h_pad + d];
+        dst[d] = acc * scale;
+      }
     }
   });
   return ffi::Error::Success();
