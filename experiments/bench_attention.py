@@ -12,8 +12,8 @@ For each sequence length T it prints one row:
   much lower means other processes took the cores and the row is noisy);
 * peak memory of each from ``compiled.memory_analysis()``: temp + argument + output bytes, i.e.
   everything XLA allocates for one call (aliased outputs would be counted twice; there are none
-  here), plus, for the native kernel, the packed keys and values it allocates itself
-  (``attention_cpu.workspace_bytes``);
+  here), plus, for the native kernels, the packed keys and values (and, backward, the per-thread
+  dQ accumulators) they allocate themselves (``attention_cpu.workspace_bytes``);
 * useful GFLOP/s of jaxattn and of the chunked path (causal: ``4 * B * N * H * T * T / 2``
   forward, 3.5x that for forward + backward) and their share of a large fp32 matmul's rate
   (``mm GF/s``: 4096^3, jitted, median of the same number of calls, re-measured just before each
@@ -187,7 +187,8 @@ def main(argv=None):
     rate = matmul_rate() / 1e9
     d_exe, d_compile = compile_timed(default_fn, q, k, v)
     d_samples = _samples(d_exe, (q, k, v), args.repeats)
-    d_mem = peak_bytes(d_exe) + (workspace_bytes(q.shape, k.shape, v.shape)
+    d_mem = peak_bytes(d_exe) + (workspace_bytes(q.shape, k.shape, v.shape,
+                                                 backward=args.backward, threads=os.cpu_count())
                                  if default_impl == "cpu" else 0)
     del d_exe
     if default_impl == "xla_chunked":

@@ -9,7 +9,8 @@ blocks on independent cores, about twice as fast on a 2-core AVX-512 machine (se
 ``experiments/bench_attention.py``).
 
 The backward pass is a second native kernel (flash-attention-2: probabilities recomputed from the
-log-sum-exp the forward returns; dK/dV per key block, then dQ per query block).
+log-sum-exp the forward returns; one task per key block computes its dK/dV and adds its dQ share
+into a per-thread accumulator, so dQ's summation order depends on scheduling in the last bits).
 
 It computes the masks that are a band of positions (causal, sliding window, full attention, any
 conjunction of them; ``jaxattn.ops.masks._band``), optionally with segment ids (packed sequences;
@@ -149,14 +150,27 @@ def _data_parts(data):
   return segments, lengths
 
 
-def workspace_bytes(query_shape, key_shape, value_shape) -> int:
-  """Bytes the kernel allocates outside XLA's buffers: ``k^T`` and ``v`` packed per KV head
-  (``B K S_pad (H + h_pad)`` fp32), linear in the sequence length."""
+def workspace_bytes(query_shape, key_shape, value_shape, *, backward: bool = False,
+                    threads: int = 1) -> int:
+  """Bytes the kernels allocate outside XLA's buffers, linear in the sequence length.
+
+  Forward: ``k^T`` and ``v`` packed per KV head (``B K S_pad (H + h_pad)`` fp32).  With
+  ``backward``, the larger of that and the backward's packs (``k^T``, ``v^T``, key rows:
+  ``B K S_pad (2 H_pad + h)``) plus its per-thread dQ accumulators
+  (``threads B N T_pad H_pad``), ``threads`` being the cores that run it.
+  """
   b, s, kh, h = key_shape
+  t, n = query_shape[1], query_shape[2]
   hv = value_shape[-1]
   s_pad = -(-s // 32) * 32
   hv_pad = -(-hv // 16) * 16
-  return 4 * b * kh * s_pad * (h + hv_pad)
+  h_pad = -(-h // 16) * 16
+  fwd = 4 * b * kh * s_pad * (h + hv_pad)
+  if not backward:
+    return fwd
+  t_pad = -(-t // BWD_BLOCK_Q) * BWD_BLOCK_Q
+  bwd = 4 * b * kh * s_pad * (h + hv + h_pad) + 4 * threads * b * n * t_pad * h_pad
+  return max(fwd, bwd)
 
 
 def _forward(st: _Static, q, k, v, q_ids, kv_ids, lengths):

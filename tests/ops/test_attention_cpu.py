@@ -209,6 +209,9 @@ def test_workspace_is_linear_in_length():
   small = workspace_bytes((1, 1024, 8, 64), (1, 1024, 8, 64), (1, 1024, 8, 64))
   assert small == 4 * 8 * 1024 * 128
   assert workspace_bytes((1, 2048, 8, 64), (1, 2048, 8, 64), (1, 2048, 8, 64)) == 2 * small
+  bwd = workspace_bytes((1, 1024, 8, 64), (1, 1024, 8, 64), (1, 1024, 8, 64), backward=True,
+                        threads=2)
+  assert bwd == 4 * 8 * 1024 * (64 + 64 + 64) + 4 * 2 * 8 * 1024 * 64
 
 
 def test_sharded_matches_unsharded():
