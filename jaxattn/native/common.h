@@ -83,14 +83,10 @@ struct Band {
   int64_t s_len;        // valid keys; columns >= s_len are masked
 };
 
-// s[r, 0:32] = q[r, :] . kt[:, 0:32] for kQkRows rows; updates the per-row running vector max.
-// kMasked: entries outside the band, at columns >= s_len, or (when q_seg is given) whose query
-// segment id q_seg[r] differs from the key's k_seg[0:32] are set to -inf.
-template <bool kMasked>
-inline void QkTile(const float* q, int64_t ldq, const float* kt, int64_t h, float* s, int64_t lds,
-                   vf* rowmax, int64_t row_pos0, int64_t col0, const Band& band,
-                   const int32_t* q_seg = nullptr, const int32_t* k_seg = nullptr) {
-  vf acc[kQkRows][2];
+// acc[r] = q[r, 0:h] . kt[0:h, 0:32] for kQkRows rows (row stride ldq; kt a packed 32-column
+// strip): the 8 x 32 register tile every q k^T product here runs on.
+inline void DotTile(const float* q, int64_t ldq, const float* kt, int64_t h,
+                    vf (&acc)[kQkRows][2]) {
 #pragma GCC unroll 8
   for (int r = 0; r < kQkRows; ++r) acc[r][0] = acc[r][1] = vf{};
   for (int64_t d = 0; d < h; ++d) {
@@ -103,6 +99,17 @@ inline void QkTile(const float* q, int64_t ldq, const float* kt, int64_t h, floa
       acc[r][1] += a * k1;
     }
   }
+}
+
+// s[r, 0:32] = q[r, :] . kt[:, 0:32] for kQkRows rows; updates the per-row running vector max.
+// kMasked: entries outside the band, at columns >= s_len, or (when q_seg is given) whose query
+// segment id q_seg[r] differs from the key's k_seg[0:32] are set to -inf.
+template <bool kMasked>
+inline void QkTile(const float* q, int64_t ldq, const float* kt, int64_t h, float* s, int64_t lds,
+                   vf* rowmax, int64_t row_pos0, int64_t col0, const Band& band,
+                   const int32_t* q_seg = nullptr, const int32_t* k_seg = nullptr) {
+  vf acc[kQkRows][2];
+  DotTile(q, ldq, kt, h, acc);
   if (kMasked) {
     const vf neg_inf = splat(-std::numeric_limits<float>::infinity());
     vi iota;

@@ -176,19 +176,7 @@ inline void IndexTile(const float* q, int64_t ldq, int64_t hi, int64_t d, const 
                       const float* kt, float* sc, int64_t lds) {
   for (int64_t j = 0; j < hi; ++j) {
     vf acc[kQkRows][2];
-#pragma GCC unroll 8
-    for (int r = 0; r < kQkRows; ++r) acc[r][0] = acc[r][1] = vf{};
-    const float* qj = q + j * d;
-    for (int64_t dd = 0; dd < d; ++dd) {
-      const vf k0 = load(kt + dd * kStrip);
-      const vf k1 = load(kt + dd * kStrip + kLanes);
-#pragma GCC unroll 8
-      for (int r = 0; r < kQkRows; ++r) {
-        const vf a = splat(qj[r * ldq + dd]);
-        acc[r][0] += a * k0;
-        acc[r][1] += a * k1;
-      }
-    }
+    DotTile(q + j * d, ldq, kt, d, acc);
     const vf zero = vf{};
 #pragma GCC unroll 8
     for (int r = 0; r < kQkRows; ++r) {

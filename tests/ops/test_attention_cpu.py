@@ -118,6 +118,22 @@ def test_bf16_inputs():
   assert err_kernel <= err_ref + 1e-3
 
 
+def test_bf16_gradients():
+  q, k, v = inputs(1, 70, 70, 4, 2, 32, 32, dtype=jnp.bfloat16, seed=8)
+
+  def grads(impl, dtype):
+    def f(q, k, v):
+      out = dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+      return jnp.sum(out.astype(jnp.float32) * jnp.cos(out.astype(jnp.float32)))
+    return jax.grad(f, argnums=(0, 1, 2))(*(x.astype(dtype) for x in (q, k, v)))
+
+  got = grads("cpu", jnp.bfloat16)
+  want = grads("xla", jnp.float32)  # the formula in fp32 on the same (bf16-exact) inputs
+  for g, w in zip(got, want):
+    assert g.dtype == jnp.bfloat16
+    np.testing.assert_allclose(g.astype(jnp.float32), w, atol=3e-2, rtol=3e-2)
+
+
 @pytest.mark.parametrize("kw", [dict(is_causal=True), dict(local_window_size=(7, 3))])
 def test_gradients_match_formula(kw):
   q, k, v = inputs(2, 45, 45, 4, 2, 32, 24, seed=2)
