@@ -101,15 +101,50 @@ inline void DotTile(const float* q, int64_t ldq, const float* kt, int64_t h,
   }
 }
 
-// s[r, 0:32] = q[r, :] . kt[:, 0:32] for kQkRows rows; updates the per-row running vector max.
-// kMasked: entries outside the band, at columns >= s_len, or (when q_seg is given) whose query
-// segment id q_seg[r] differs from the key's k_seg[0:32] are set to -inf.
+// tanh(x) = sign(x) (1 - 2^(-2|x| log2 e)) / (1 + 2^(-2|x| log2 e)); absolute error ~1e-7.
+inline vf tanhv(vf x) {
+  const vf ax = vmax(x, -x);
+  const vf e = exp2v(splat(-2.8853900817779268f) * ax);
+  const vf r = (splat(1.f) - e) / (splat(1.f) + e);
+  return x < vf{} ? -r : r;
+}
+
+// Logit terms after q k^T, in base-2 units (everything times log2 e): ALiBi's
+// alibi2 * (column - row position) and the soft-cap cap2 * tanh(x / cap2) (0: none).
+struct LogitMods {
+  float alibi2 = 0.f;
+  float cap2 = 0.f;
+};
+
+// s[r, 0:32] = q[r, :] . kt[:, 0:32] for kQkRows rows (+ ALiBi, soft-cap); updates the per-row
+// running vector max.  row_pos0 / col0: position of row 0 and column of lane 0.  kMasked: entries
+// outside the band, at columns >= s_len, or (when q_seg is given) whose query segment id q_seg[r]
+// differs from the key's k_seg[0:32] are set to -inf.
 template <bool kMasked>
 inline void QkTile(const float* q, int64_t ldq, const float* kt, int64_t h, float* s, int64_t lds,
                    vf* rowmax, int64_t row_pos0, int64_t col0, const Band& band,
-                   const int32_t* q_seg = nullptr, const int32_t* k_seg = nullptr) {
+                   const int32_t* q_seg = nullptr, const int32_t* k_seg = nullptr,
+                   LogitMods mods = {}) {
   vf acc[kQkRows][2];
   DotTile(q, ldq, kt, h, acc);
+  if (mods.alibi2 != 0.f) {
+    vf cf;
+    for (int i = 0; i < kLanes; ++i) cf[i] = static_cast<float>(col0 + i);
+#pragma GCC unroll 8
+    for (int r = 0; r < kQkRows; ++r) {
+      const vf rel = cf - splat(static_cast<float>(row_pos0 + r));
+      acc[r][0] += splat(mods.alibi2) * rel;
+      acc[r][1] += splat(mods.alibi2) * (rel + splat(static_cast<float>(kLanes)));
+    }
+  }
+  if (mods.cap2 > 0.f) {
+    const vf cap = splat(mods.cap2), inv = splat(1.f / mods.cap2);
+#pragma GCC unroll 8
+    for (int r = 0; r < kQkRows; ++r) {
+      acc[r][0] = cap * tanhv(acc[r][0] * inv);
+      acc[r][1] = cap * tanhv(acc[r][1] * inv);
+    }
+  }
   if (kMasked) {
     const vf neg_inf = splat(-std::numeric_limits<float>::infinity());
     vi iota;

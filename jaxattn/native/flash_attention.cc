@@ -34,7 +34,8 @@ using namespace jaxattn_native;  // NOLINT
 ffi::Error FlashForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                         ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> q_seg_ids,
                         ffi::Buffer<ffi::S32> kv_seg_ids, ffi::Buffer<ffi::S32> kv_lengths,
-                        float scale, int64_t left, int64_t right,
+                        ffi::Buffer<ffi::F32> alibi_slopes, float scale, float soft_cap,
+                        int64_t left, int64_t right,
                         int64_t q_offset, int64_t block_q, int64_t block_k,
                         ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
@@ -58,6 +59,9 @@ ffi::Error FlashForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
   const int32_t* qsp = segmented ? q_seg_ids.typed_data() : nullptr;
   const int32_t* ksp = segmented ? kv_seg_ids.typed_data() : nullptr;
   const int32_t* lenp = kv_lengths.element_count() ? kv_lengths.typed_data() : nullptr;
+  if (alibi_slopes.element_count() != 0 && alibi_slopes.element_count() != n)
+    return ffi::Error::InvalidArgument("flash_attention: alibi_slopes must be [N] or empty");
+  const float* slp = alibi_slopes.element_count() ? alibi_slopes.typed_data() : nullptr;
   const int64_t kUnbounded = int64_t{1} << 40;
   const Band band0{left < 0 ? kUnbounded : left, right < 0 ? kUnbounded : right, q_offset, s};
 
@@ -141,6 +145,8 @@ ffi::Error FlashForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
     const int64_t t0 = i * bq, rows = std::min<int64_t>(bq, t - t0);
     Band band = band0;
     if (lenp) band.s_len = std::max<int64_t>(0, std::min<int64_t>(s, lenp[bi]));
+    const LogitMods mods{slp ? slp[ni] * 1.4426950408889634f : 0.f,
+                         soft_cap > 0.f ? soft_cap * 1.4426950408889634f : 0.f};
     std::vector<int32_t> qseg(segmented ? bq : 0, -2);
     int32_t qseg_lo = 0, qseg_hi = 0;
     if (segmented) {
@@ -182,11 +188,13 @@ ffi::Error FlashForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
           const float* ks = ktd + (c0 / kStrip + st) * h * kStrip;
           float* sd = sb.get() + rt * bk + st * kStrip;
           if (full)
-            QkTile<false>(qb.get() + rt * h, h, ks, h, sd, bk, rowmax, 0, 0, band);
+            QkTile<false>(qb.get() + rt * h, h, ks, h, sd, bk, rowmax, t0 + rt + q_offset,
+                          c0 + st * kStrip, band, nullptr, nullptr, mods);
           else
             QkTile<true>(qb.get() + rt * h, h, ks, h, sd, bk, rowmax, t0 + rt + q_offset,
                          c0 + st * kStrip, band, segmented ? qseg.data() + rt : nullptr,
-                         segmented ? kseg_pad.data() + bi * s_pad + c0 + st * kStrip : nullptr);
+                         segmented ? kseg_pad.data() + bi * s_pad + c0 + st * kStrip : nullptr,
+                         mods);
         }
         for (int r = 0; r < kQkRows; ++r) mx[rt + r] = hmax(rowmax[r]);
       }
@@ -259,8 +267,9 @@ ffi::Error FlashBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
                          ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> d_out,
                          ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta,
                          ffi::Buffer<ffi::S32> q_seg_ids, ffi::Buffer<ffi::S32> kv_seg_ids,
-                         ffi::Buffer<ffi::S32> kv_lengths, float scale, int64_t left,
-                         int64_t right, int64_t q_offset, int64_t block_q, int64_t block_k,
+                         ffi::Buffer<ffi::S32> kv_lengths, ffi::Buffer<ffi::F32> alibi_slopes,
+                         float scale, float soft_cap, int64_t left, int64_t right,
+                         int64_t q_offset, int64_t block_q, int64_t block_k,
                          ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
                          ffi::ResultBuffer<ffi::F32> dv) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
@@ -297,6 +306,10 @@ ffi::Error FlashBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   const int32_t* qsp = segmented ? q_seg_ids.typed_data() : nullptr;
   const int32_t* ksp = segmented ? kv_seg_ids.typed_data() : nullptr;
   const int32_t* lenp = kv_lengths.element_count() ? kv_lengths.typed_data() : nullptr;
+  if (alibi_slopes.element_count() != 0 && alibi_slopes.element_count() != n)
+    return ffi::Error::InvalidArgument("flash_attention_bwd: alibi_slopes must be [N] or empty");
+  const float* slp = alibi_slopes.element_count() ? alibi_slopes.typed_data() : nullptr;
+  const float cap2 = soft_cap > 0.f ? soft_cap * 1.4426950408889634f : 0.f;
   const int64_t g = n / kh;
   const int64_t kUnbounded = int64_t{1} << 40;
   const Band band0{left < 0 ? kUnbounded : left, right < 0 ? kUnbounded : right, q_offset, s};
@@ -370,8 +383,10 @@ ffi::Error FlashBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
     return qb;
   };
   // p and ds of block pair (i, j) into pb / dsb ([bq, bk]); returns the key columns computed.
-  auto probs = [&](const QBlock& qb, const Masking& mk, BlockKind kind, int64_t bi, int64_t ki,
+  auto probs = [&](const QBlock& qb, const Masking& mk, BlockKind kind, int64_t bi, int64_t ni,
                    int64_t i, int64_t c0, int64_t cols, float* pb, float* dsb) {
+    const int64_t ki = ni / g;
+    const LogitMods mods{slp ? slp[ni] * log2e : 0.f, cap2};
     const float* ktd = kt.get() + (bi * kh + ki) * strips * h * kStrip;
     const float* vtd = vt.get() + (bi * kh + ki) * strips * hv * kStrip;
     vf dummy[kQkRows];
@@ -380,13 +395,14 @@ ffi::Error FlashBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
         const int64_t strip = c0 / kStrip + st;
         float* sd = pb + rt * bk + st * kStrip;
         if (kind == kFull)
-          QkTile<false>(qb.qs.get() + rt * h, h, ktd + strip * h * kStrip, h, sd, bk, dummy, 0, 0,
-                        mk.band);
+          QkTile<false>(qb.qs.get() + rt * h, h, ktd + strip * h * kStrip, h, sd, bk, dummy,
+                        i * bq + rt + q_offset, c0 + st * kStrip, mk.band, nullptr, nullptr,
+                        mods);
         else
           QkTile<true>(qb.qs.get() + rt * h, h, ktd + strip * h * kStrip, h, sd, bk, dummy,
                        i * bq + rt + q_offset, c0 + st * kStrip, mk.band,
                        segmented ? qb.seg.data() + rt : nullptr,
-                       segmented ? mk.k_seg + c0 + st * kStrip : nullptr);
+                       segmented ? mk.k_seg + c0 + st * kStrip : nullptr, mods);
         QkTile<false>(qb.dob.get() + rt * hv_pad, hv_pad, vtd + strip * hv * kStrip, hv,
                       dsb + rt * bk + st * kStrip, bk, dummy, 0, 0, mk.band);
       }
@@ -395,6 +411,18 @@ ffi::Error FlashBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
       float* pr = pb + r * bk;
       float* dr = dsb + r * bk;
       const vf l2 = splat(qb.lse2[r]), dl = splat(qb.dlt[r]);
+      if (cap2 > 0.f) {  // d cap tanh(x / cap) / dx = 1 - tanh^2 (masked: -inf -> 0)
+        const vf inv = splat(1.f / cap2), one = splat(1.f);
+        for (int64_t c = 0; c < cols; c += kLanes) {
+          const vf sv = load(pr + c);
+          const vf p = exp2v(sv - l2);
+          const vf th = sv * inv;
+          const vf th2 = th * th;
+          store(pr + c, p);
+          store(dr + c, p * (load(dr + c) - dl) * (one - (th2 < one ? th2 : one)));
+        }
+        continue;
+      }
       for (int64_t c = 0; c < cols; c += kLanes) {
         const vf p = exp2v(load(pr + c) - l2);
         store(pr + c, p);
@@ -428,7 +456,7 @@ ffi::Error FlashBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
         const BlockKind kind = mk.Kind(t0, rows, c0, cols);
         if (kind == kEmpty) continue;
         load_q(qb, bi, ni, i);
-        probs(qb, mk, kind, bi, ki, i, c0, cols, pb.get(), dsb.get());
+        probs(qb, mk, kind, bi, ni, i, c0, cols, pb.get(), dsb.get());
         PvBlock<true>(pb.get(), bk, bq, qb.dob.get(), hv_pad, dva.get(), hv_pad, nullptr, hv_pad,
                       cols);
         PvBlock<true>(dsb.get(), bk, bq, qb.qr.get(), h_pad, dka.get(), h_pad, nullptr, h_pad,
@@ -474,7 +502,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxattn_flash_attention_fwd_f32, FlashForward,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
+                                  .Attr<float>("soft_cap")
                                   .Attr<int64_t>("left")
                                   .Attr<int64_t>("right")
                                   .Attr<int64_t>("q_offset")
@@ -495,7 +525,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxattn_flash_attention_bwd_f32, FlashBackward,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
+                                  .Attr<float>("soft_cap")
                                   .Attr<int64_t>("left")
                                   .Attr<int64_t>("right")
                                   .Attr<int64_t>("q_offset")

@@ -180,8 +180,9 @@ def dot_product_attention(
     implementation: None (auto: Pallas on TPU/GPU when registered; on CPU the native kernel
       ``"cpu"`` where it computes the call, else ``"xla_chunked"``), one of ``"xla"``
       (materializes ``T x S`` logits), ``"xla_chunked"`` (online softmax over key blocks, skipping
-      blocks the mask empties), ``"cpu"`` (fused C++ kernel through XLA's FFI: band masks, no
-      bias / ALiBi / soft-cap; ``jaxattn.ops.attention_cpu``), ``"pallas_tpu"``, ``"pallas_gpu"``,
+      blocks the mask empties), ``"cpu"`` (fused C++ kernels through XLA's FFI, forward and
+      backward: band masks, segment ids, lengths, ALiBi, soft-cap, no dense bias or mask array;
+      ``jaxattn.ops.attention_cpu``), ``"pallas_tpu"``, ``"pallas_gpu"``,
       or a sequence tried in order.  An unavailable explicit choice raises ``ValueError``; nothing
       falls back silently.
 

@@ -14,8 +14,9 @@ into a per-thread accumulator, so dQ's summation order depends on scheduling in 
 
 It computes the masks that are a band of positions (causal, sliding window, full attention, any
 conjunction of them; ``jaxattn.ops.masks._band``), optionally with segment ids (packed sequences;
-key blocks that share no id with a query block are skipped) and key lengths, with a static
-``q_offset`` and scale, no bias, no ALiBi and no soft-cap, in fp32 (bf16 / fp16 inputs are computed in fp32 and rounded once).
+key blocks that share no id with a query block are skipped) and key lengths, ALiBi (from slopes
+and positions) and a soft-cap, with a static ``q_offset`` and scale and no dense bias, in fp32
+(bf16 / fp16 inputs are computed in fp32 and rounded once).
 Anything else raises ``UnsupportedError``, so ``implementation=None`` moves on to
 ``"xla_chunked"``.  Without a C++ compiler the kernel is unavailable (``jaxattn.native.reason()``).
 Under a device mesh the call runs inside ``shard_map`` with batch and heads split, as the Pallas
@@ -58,6 +59,7 @@ class _Static:
   block_q: int
   block_k: int
   mask: Mask | None  # the static (band) part; segment ids and lengths travel as arrays
+  soft_cap: float  # 0: none
 
 
 def cpu_attention(
@@ -87,9 +89,7 @@ def cpu_attention(
     UnsupportedError: for what the kernel does not compute (see the module docstring).
     ValueError: for bad block sizes.
   """
-  for name, present in (("bias", bias is not None), ("a boolean mask array", mask_array is not None),
-                        ("ALiBi", alibi_slopes is not None),
-                        ("logits_soft_cap", logits_soft_cap is not None)):
+  for name, present in (("bias", bias is not None), ("a boolean mask array", mask_array is not None)):
     if present:
       raise UnsupportedError(f"the native CPU kernel does not support {name}")
   static, data = attention_chunked.split_static(mask)
@@ -118,16 +118,18 @@ def cpu_attention(
     return -1 if math.isinf(x) else int(x)
 
   st = _Static(scale=static_scale, left=side(band[0]), right=side(band[1]), q_offset=static_offset,
-               block_q=int(bq), block_k=int(bk), mask=static)
+               block_q=int(bq), block_k=int(bk), mask=static,
+               soft_cap=0.0 if logits_soft_cap is None else float(logits_soft_cap))
   q_ids, kv_ids = (None, None) if segments is None else segments
+  slopes = None if alibi_slopes is None else jnp.asarray(alibi_slopes, jnp.float32)
 
-  def local(q, k, v, q_ids, kv_ids, lengths, *_):
-    return _build(st)(q, k, v, q_ids, kv_ids, lengths)
+  def local(q, k, v, q_ids, kv_ids, lengths, slopes, *_):
+    return _build(st)(q, k, v, q_ids, kv_ids, lengths, slopes)
 
   from pallas_kernels.flash_attention.sharded import shard_attention  # noqa: PLC0415
 
   out, lse = shard_attention(local, query, key, value, q_ids=q_ids, kv_ids=kv_ids,
-                             kv_lengths=lengths, alibi_slopes=None, q_offset=static_offset,
+                             kv_lengths=lengths, alibi_slopes=slopes, q_offset=static_offset,
                              scale=static_scale, mesh=mesh)
   return (out, lse) if return_residuals else out
 
@@ -173,7 +175,11 @@ def workspace_bytes(query_shape, key_shape, value_shape, *, backward: bool = Fal
   return max(fwd, bwd)
 
 
-def _forward(st: _Static, q, k, v, q_ids, kv_ids, lengths):
+def _slopes(slopes):
+  return jnp.zeros((0,), jnp.float32) if slopes is None else slopes.astype(jnp.float32)
+
+
+def _forward(st: _Static, q, k, v, q_ids, kv_ids, lengths, slopes):
   b, t, n, _ = q.shape
   hv = v.shape[-1]
   f32 = jnp.float32
@@ -183,14 +189,14 @@ def _forward(st: _Static, q, k, v, q_ids, kv_ids, lengths):
   none = jnp.zeros((0,), jnp.int32)
   ids = (none, none) if q_ids is None else (q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32))
   lens = none if lengths is None else lengths.astype(jnp.int32)
-  out, lse = call(q.astype(f32), k.astype(f32), v.astype(f32), *ids, lens,
-                  scale=np.float32(st.scale),
+  out, lse = call(q.astype(f32), k.astype(f32), v.astype(f32), *ids, lens, _slopes(slopes),
+                  scale=np.float32(st.scale), soft_cap=np.float32(st.soft_cap),
                   left=np.int64(st.left), right=np.int64(st.right), q_offset=np.int64(st.q_offset),
                   block_q=np.int64(st.block_q), block_k=np.int64(st.block_k))
   return out.astype(q.dtype), lse
 
 
-def _backward(st: _Static, q, k, v, q_ids, kv_ids, lengths, out, lse, d_out, d_lse):
+def _backward(st: _Static, q, k, v, q_ids, kv_ids, lengths, slopes, out, lse, d_out, d_lse):
   f32 = jnp.float32
   # delta_i = sum_h do * o, minus the cotangent of the log-sum-exp (which enters as p * d_lse).
   delta = jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1)  # [B, T, N]
@@ -202,7 +208,8 @@ def _backward(st: _Static, q, k, v, q_ids, kv_ids, lengths, out, lse, d_out, d_l
   ids = (none, none) if q_ids is None else (q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32))
   lens = none if lengths is None else lengths.astype(jnp.int32)
   dq, dk, dv = call(q.astype(f32), k.astype(f32), v.astype(f32), d_out.astype(f32),
-                    lse.astype(f32), delta, *ids, lens, scale=np.float32(st.scale),
+                    lse.astype(f32), delta, *ids, lens, _slopes(slopes),
+                    scale=np.float32(st.scale), soft_cap=np.float32(st.soft_cap),
                     left=np.int64(st.left), right=np.int64(st.right),
                     q_offset=np.int64(st.q_offset), block_q=np.int64(BWD_BLOCK_Q),
                     block_k=np.int64(BWD_BLOCK_K))
@@ -214,18 +221,18 @@ def _build(st: _Static):
   """``(q, k, v) -> (out, lse)`` with the chunked flash backward, for one static configuration."""
 
   @jax.custom_vjp
-  def attention(q, k, v, q_ids, kv_ids, lengths):
-    return _forward(st, q, k, v, q_ids, kv_ids, lengths)
+  def attention(q, k, v, q_ids, kv_ids, lengths, slopes):
+    return _forward(st, q, k, v, q_ids, kv_ids, lengths, slopes)
 
-  def fwd(q, k, v, q_ids, kv_ids, lengths):
-    out, lse = _forward(st, q, k, v, q_ids, kv_ids, lengths)
-    return (out, lse), (q, k, v, q_ids, kv_ids, lengths, out, lse)
+  def fwd(q, k, v, q_ids, kv_ids, lengths, slopes):
+    out, lse = _forward(st, q, k, v, q_ids, kv_ids, lengths, slopes)
+    return (out, lse), (q, k, v, q_ids, kv_ids, lengths, slopes, out, lse)
 
   def bwd(res, cotangents):
-    q, k, v, q_ids, kv_ids, lengths, out, lse = res
+    q, k, v, q_ids, kv_ids, lengths, slopes, out, lse = res
     d_out, d_lse = cotangents
-    dq, dk, dv = _backward(st, q, k, v, q_ids, kv_ids, lengths, out, lse, d_out, d_lse)
-    return dq, dk, dv, None, None, None
+    dq, dk, dv = _backward(st, q, k, v, q_ids, kv_ids, lengths, slopes, out, lse, d_out, d_lse)
+    return dq, dk, dv, None, None, None, None  # ALiBi slopes are not differentiated
 
   attention.defvjp(fwd, bwd)
   return attention

@@ -234,7 +234,7 @@ def sparse_attention(
     raise ValueError(f"`query`, `key`, `value` must be [B, T, N, H], [B, S, K, H], [B, S, K, h]; "
                      f"got {query.shape}, {key.shape}, {value.shape}.")
   b, t, n, h = query.shape
-  s, kh = key.shape[1], key.shape[2]
+  kh = key.shape[2]
   if key.shape[0] != b or key.shape[3] != h:
     raise ValueError(f"`key` {key.shape} must be [B={b}, S, K, H={h}].")
   if value.shape[:3] != key.shape[:3]:

@@ -211,9 +211,10 @@ def test_auto_implementation_on_cpu_is_native_kernel_else_chunked():
   want = "cpu" if native.available() else "xla_chunked"
   np.testing.assert_allclose(dpa(q, kk, v, is_causal=True),
                              dpa(q, kk, v, is_causal=True, implementation=want), atol=0)
-  # Calls the native kernel cannot compute (here a soft-cap) go to the chunked path.
-  np.testing.assert_allclose(dpa(q, kk, v, is_causal=True, logits_soft_cap=3.0),
-                             dpa(q, kk, v, is_causal=True, logits_soft_cap=3.0,
+  # Calls the native kernel cannot compute (here a dense bias) go to the chunked path.
+  bias = jnp.ones((1, 1, 6, 6), jnp.float32)
+  np.testing.assert_allclose(dpa(q, kk, v, bias=bias, is_causal=True),
+                             dpa(q, kk, v, bias=bias, is_causal=True,
                                  implementation="xla_chunked"), atol=0)
 
 

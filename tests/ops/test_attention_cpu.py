@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxattn import native, sharding
 from jaxattn.ops import attention as A
 from jaxattn.ops import masks as M
-from jaxattn.ops.attention import UnsupportedError, dot_product_attention
+from jaxattn.ops.attention import dot_product_attention
 from jaxattn.ops.attention_cpu import cpu_attention, workspace_bytes
 
 if shutil.which("c++") is None and shutil.which("g++") is None and shutil.which("clang++") is None:
@@ -118,6 +118,35 @@ def test_bf16_inputs():
   assert err_kernel <= err_ref + 1e-3
 
 
+@pytest.mark.parametrize("kw", [
+    dict(alibi=True),
+    dict(logits_soft_cap=3.0),
+    dict(alibi=True, logits_soft_cap=5.0, local_window_size=20, segments=True),
+])
+def test_alibi_and_soft_cap(kw):
+  kw = dict(kw)
+  q, k, v = inputs(2, 90, 90, 4, 2, 32, 24, seed=9)
+  q = q * 2  # larger logits, so that the soft-cap bends them
+  if kw.pop("alibi", False):
+    kw["alibi_slopes"] = jnp.asarray(0.5 ** np.arange(1, 5), jnp.float32)
+  if kw.pop("segments", False):
+    kw["segment_ids"] = jnp.asarray(np.repeat([[1, 2, 3]], 30, axis=1).repeat(2, 0), jnp.int32)
+
+  def run(impl):
+    def f(q, k, v):
+      out, lse = dot_product_attention(q, k, v, is_causal=True, return_residuals=True,
+                                       implementation=impl, **kw)
+      return jnp.sum(out * jnp.cos(out)), (out, lse)
+    return jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+
+  (_, (got, lse)), grads = run("cpu")
+  (_, (want, want_lse)), want_grads = run("xla")
+  np.testing.assert_allclose(got, want, atol=5e-6)
+  np.testing.assert_allclose(lse, want_lse, atol=5e-6)
+  for g, w in zip(grads, want_grads):
+    np.testing.assert_allclose(g, w, atol=5e-5)
+
+
 def test_bf16_gradients():
   q, k, v = inputs(1, 70, 70, 4, 2, 32, 32, dtype=jnp.bfloat16, seed=8)
 
@@ -184,12 +213,12 @@ def test_auto_dispatch_uses_the_kernel_where_it_applies(monkeypatch):
                                                         implementation="xla"), atol=2e-6)
   # What the kernel does not compute falls back to "xla_chunked", with the same result.
   longformer = M.sliding_window(3, causal=False) | M.GlobalTokensMask((0,))
-  for kw in (dict(logits_soft_cap=5.0), dict(alibi_slopes=jnp.asarray([0.5, 0.25])),
-             dict(bias=jnp.ones((1, 2, 24, 24))), dict(mask=longformer)):
+  for kw in (dict(bias=jnp.ones((1, 2, 24, 24))), dict(mask=longformer),
+             dict(mask=jnp.asarray(np.tri(24, dtype=bool))[None, None])):
     got = dot_product_attention(q, k, v, is_causal="mask" not in kw, **kw)
     want = dot_product_attention(q, k, v, is_causal="mask" not in kw, implementation="xla", **kw)
     np.testing.assert_allclose(got, want, atol=2e-6)
-  assert len(calls) == 5  # tried every time, accepted once
+  assert len(calls) == 4  # tried every time, accepted once
 
 
 def test_errors():
