@@ -59,9 +59,15 @@ ffi::Error FlashForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
   const int32_t* qsp = segmented ? q_seg_ids.typed_data() : nullptr;
   const int32_t* ksp = segmented ? kv_seg_ids.typed_data() : nullptr;
   const int32_t* lenp = kv_lengths.element_count() ? kv_lengths.typed_data() : nullptr;
-  if (alibi_slopes.element_count() != 0 && alibi_slopes.element_count() != n)
+  // Slopes [N], or [V, N] when a vmap broadcast them with the V leading dims of the batch.
+  const int64_t slope_sets = alibi_slopes.element_count() / std::max<int64_t>(n, 1);
+  if (alibi_slopes.element_count() != 0 &&
+      (alibi_slopes.element_count() % n != 0 || b % slope_sets != 0))
     return ffi::Error::InvalidArgument("flash_attention: alibi_slopes must be [N] or empty");
-  const float* slp = alibi_slopes.element_count() ? alibi_slopes.typed_data() : nullptr;
+  const float* slp0 = alibi_slopes.element_count() ? alibi_slopes.typed_data() : nullptr;
+  auto slope = [&](int64_t bi, int64_t ni) {  // the slope of head ni for batch row bi
+    return slp0[(bi / (b / slope_sets)) * n + ni];
+  };
   const int64_t kUnbounded = int64_t{1} << 40;
   const Band band0{left < 0 ? kUnbounded : left, right < 0 ? kUnbounded : right, q_offset, s};
 
@@ -145,7 +151,7 @@ ffi::Error FlashForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
     const int64_t t0 = i * bq, rows = std::min<int64_t>(bq, t - t0);
     Band band = band0;
     if (lenp) band.s_len = std::max<int64_t>(0, std::min<int64_t>(s, lenp[bi]));
-    const LogitMods mods{slp ? slp[ni] * 1.4426950408889634f : 0.f,
+    const LogitMods mods{slp0 ? slope(bi, ni) * 1.4426950408889634f : 0.f,
                          soft_cap > 0.f ? soft_cap * 1.4426950408889634f : 0.f};
     std::vector<int32_t> qseg(segmented ? bq : 0, -2);
     int32_t qseg_lo = 0, qseg_hi = 0;
@@ -306,9 +312,15 @@ ffi::Error FlashBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   const int32_t* qsp = segmented ? q_seg_ids.typed_data() : nullptr;
   const int32_t* ksp = segmented ? kv_seg_ids.typed_data() : nullptr;
   const int32_t* lenp = kv_lengths.element_count() ? kv_lengths.typed_data() : nullptr;
-  if (alibi_slopes.element_count() != 0 && alibi_slopes.element_count() != n)
+  // Slopes [N], or [V, N] when a vmap broadcast them with the V leading dims of the batch.
+  const int64_t slope_sets = alibi_slopes.element_count() / std::max<int64_t>(n, 1);
+  if (alibi_slopes.element_count() != 0 &&
+      (alibi_slopes.element_count() % n != 0 || b % slope_sets != 0))
     return ffi::Error::InvalidArgument("flash_attention_bwd: alibi_slopes must be [N] or empty");
-  const float* slp = alibi_slopes.element_count() ? alibi_slopes.typed_data() : nullptr;
+  const float* slp0 = alibi_slopes.element_count() ? alibi_slopes.typed_data() : nullptr;
+  auto slope = [&](int64_t bi, int64_t ni) {  // the slope of head ni for batch row bi
+    return slp0[(bi / (b / slope_sets)) * n + ni];
+  };
   const float cap2 = soft_cap > 0.f ? soft_cap * 1.4426950408889634f : 0.f;
   const int64_t g = n / kh;
   const int64_t kUnbounded = int64_t{1} << 40;
@@ -386,7 +398,7 @@ ffi::Error FlashBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   auto probs = [&](const QBlock& qb, const Masking& mk, BlockKind kind, int64_t bi, int64_t ni,
                    int64_t i, int64_t c0, int64_t cols, float* pb, float* dsb) {
     const int64_t ki = ni / g;
-    const LogitMods mods{slp ? slp[ni] * log2e : 0.f, cap2};
+    const LogitMods mods{slp0 ? slope(bi, ni) * log2e : 0.f, cap2};
     const float* ktd = kt.get() + (bi * kh + ki) * strips * h * kStrip;
     const float* vtd = vt.get() + (bi * kh + ki) * strips * hv * kStrip;
     vf dummy[kQkRows];

@@ -196,6 +196,24 @@ def test_jit_vmap_and_one_trace():
   np.testing.assert_allclose(batched, want, atol=2e-6)
 
 
+def test_vmap_with_alibi_segments_and_gradients():
+  q, k, v = inputs(3, 20, 20, 2, 1, 16, 16, seed=10)
+  slopes = jnp.asarray([0.5, 0.25])
+  ids = jnp.asarray(np.repeat([[1, 2]], 10, axis=1), jnp.int32)
+
+  def f(impl):
+    def one(q, k, v):
+      out = dot_product_attention(q[None], k[None], v[None], is_causal=True, alibi_slopes=slopes,
+                                  segment_ids=ids, implementation=impl)
+      return jnp.sum(out * jnp.cos(out))
+    return jax.vmap(jax.value_and_grad(one, argnums=(0, 1, 2)))
+
+  (got, got_g), (want, want_g) = f("cpu")(q, k, v), f("xla")(q, k, v)
+  np.testing.assert_allclose(got, want, rtol=1e-5)  # sums of ~300 terms
+  for g, w in zip(got_g, want_g):
+    np.testing.assert_allclose(g, w, atol=2e-5)
+
+
 def test_auto_dispatch_uses_the_kernel_where_it_applies(monkeypatch):
   q, k, v = inputs(1, 24, 24, 2, 2, 16, 16, seed=4)
   A._load_builtin("cpu")
