@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -82,6 +83,7 @@ def _build(cxx: str) -> Path:
   if lib.exists():
     return lib
   out_dir.mkdir(parents=True, exist_ok=True)
+  logging.getLogger("jaxattn").info("compiling the native CPU kernels into %s (once, ~10 s)", lib)
   # Build into a temporary name, then rename: concurrent processes never load a partial file.
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
   os.close(fd)
