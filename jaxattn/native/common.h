@@ -28,6 +28,7 @@ constexpr int kStrip = 32;  // columns of one packed k^T strip (two vectors)
 constexpr int kQkRows = 8;  // rows of a q k^T register tile
 constexpr int kPvRows = 6;  // rows of a p v register tile (24 accumulators)
 constexpr int kPvVecs = 4;  // vectors (64 columns) of a p v register tile
+constexpr float kLog2e = 1.4426950408889634f;  // logits are computed in base 2
 
 typedef float vf __attribute__((vector_size(64)));
 typedef float vfu __attribute__((vector_size(64), aligned(4)));
@@ -252,38 +253,18 @@ inline Buf Alloc(int64_t n) {
   return Buf(static_cast<float*>(std::aligned_alloc(64, bytes)));
 }
 
-// Runs fn(0..count-1) on the caller and up to `workers` pool threads.  The caller takes items too
-// and waits only for items to finish (not for tasks to start), so a busy or absent pool cannot
-// deadlock it; late tasks find no items left and return without touching the caller's frame.
-inline void ParallelFor(ffi::ThreadPool& pool, int64_t count, const std::function<void(int64_t)>& fn) {
-  struct State {
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> done{0};
-    int64_t count = 0;
-    const std::function<void(int64_t)>* fn = nullptr;
-  };
-  auto state = std::make_shared<State>();
-  state->count = count;
-  state->fn = &fn;
-  auto drain = [](State& st) {
-    for (;;) {
-      const int64_t i = st.next.fetch_add(1, std::memory_order_relaxed);
-      if (i >= st.count) return;
-      (*st.fn)(i);
-      st.done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t workers = std::min<int64_t>(pool.num_threads() - 1, count - 1);
-  for (int64_t w = 0; w < workers; ++w) pool.Schedule([state, drain]() { drain(*state); });
-  drain(*state);
-  while (state->done.load(std::memory_order_acquire) < count) std::this_thread::yield();
+// The number of threads ParallelForSlots may use for `count` items (the caller and pool threads).
+inline int64_t MaxSlots(ffi::ThreadPool& pool, int64_t count) {
+  return std::max<int64_t>(0, std::min<int64_t>(pool.num_threads() - 1, count - 1)) + 1;
 }
 
-// As ParallelFor, and fn(item, slot) also gets the index of the thread that runs it (0 <= slot <
-// the returned bound, fixed per thread for the call): per-thread accumulators without atomics.
+// Runs fn(item, slot) for items 0..count-1 on the caller and up to MaxSlots - 1 pool threads;
+// `slot` numbers the threads that took items (0 <= slot < MaxSlots, fixed per thread for the call),
+// for per-thread accumulators without atomics.  Returns how many slots were used.  The caller takes
+// items too and waits only for items to finish (not for tasks to start), so a busy or absent pool
+// cannot deadlock it; late tasks find no items left and return without touching the caller's frame.
 inline int64_t ParallelForSlots(ffi::ThreadPool& pool, int64_t count,
-                                const std::function<void(int64_t, int64_t)>& fn,
-                                int64_t* slots_used = nullptr) {
+                                const std::function<void(int64_t, int64_t)>& fn) {
   struct State {
     std::atomic<int64_t> next{0};
     std::atomic<int64_t> done{0};
@@ -304,17 +285,45 @@ inline int64_t ParallelForSlots(ffi::ThreadPool& pool, int64_t count,
       st.done.fetch_add(1, std::memory_order_release);
     }
   };
-  const int64_t workers = std::max<int64_t>(0, std::min<int64_t>(pool.num_threads() - 1, count - 1));
+  const int64_t workers = MaxSlots(pool, count) - 1;
   for (int64_t w = 0; w < workers; ++w) pool.Schedule([state, drain]() { drain(*state); });
   drain(*state);
   while (state->done.load(std::memory_order_acquire) < count) std::this_thread::yield();
-  if (slots_used) *slots_used = state->slot.load();
-  return workers + 1;
+  return state->slot.load();
 }
 
-// The number of slots ParallelForSlots may use for `count` items.
-inline int64_t MaxSlots(ffi::ThreadPool& pool, int64_t count) {
-  return std::max<int64_t>(0, std::min<int64_t>(pool.num_threads() - 1, count - 1)) + 1;
+// fn(0..count-1) in parallel, as ParallelForSlots without the slot.
+inline void ParallelFor(ffi::ThreadPool& pool, int64_t count, const std::function<void(int64_t)>& fn) {
+  ParallelForSlots(pool, count, [&fn](int64_t i, int64_t) { fn(i); });
+}
+
+// Packs rows [S, d] (row stride ld) into k^T strips [ceil(S/32), d, 32], zero padded: the layout
+// the q k^T tile reads.
+inline void PackStripsT(const float* rows, int64_t s, int64_t d, int64_t ld, float* kt) {
+  const int64_t strips = (s + kStrip - 1) / kStrip;
+  for (int64_t st = 0; st < strips; ++st) {
+    float* dst = kt + st * d * kStrip;
+    for (int64_t c = 0; c < kStrip; ++c) {
+      const int64_t j = st * kStrip + c;
+      if (j < s) {
+        const float* src = rows + j * ld;
+        for (int64_t dd = 0; dd < d; ++dd) dst[dd * kStrip + c] = src[dd];
+      } else {
+        for (int64_t dd = 0; dd < d; ++dd) dst[dd * kStrip + c] = 0.f;
+      }
+    }
+  }
+}
+
+// Copies rows [S, d] (row stride ld) into [s_pad, d_pad] (s_pad >= S, d_pad >= d), zero padded:
+// the layout the p v tile reads.
+inline void PackRows(const float* rows, int64_t s, int64_t d, int64_t ld, int64_t s_pad,
+                     int64_t d_pad, float* dst) {
+  for (int64_t j = 0; j < s_pad; ++j) {
+    float* row = dst + j * d_pad;
+    if (j < s) std::memcpy(row, rows + j * ld, d * sizeof(float));
+    std::fill(row + (j < s ? d : 0), row + d_pad, 0.f);
+  }
 }
 
 inline int64_t Prod(ffi::Span<const int64_t> dims, size_t begin, size_t end) {

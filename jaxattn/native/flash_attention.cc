@@ -31,6 +31,105 @@ namespace {
 
 using namespace jaxattn_native;  // NOLINT
 
+// EMPTY / PARTIAL / FULL of the block pair (query rows [t0, t0 + rows), key columns
+// [c0, c0 + cols)) under the band, the key length and the segment-id ranges.
+enum BlockKind { kEmpty = 0, kPartial = 1, kFull = 2 };
+
+struct Masking {
+  Band band;  // s_len: the batch row's key length
+  const int32_t* q_seg;  // [T] ids of the batch row, or null
+  const int32_t* k_seg;  // [S] ids, or null
+
+  BlockKind Kind(int64_t t0, int64_t rows, int64_t c0, int64_t cols) const {
+    const int64_t r0 = t0 + band.q_offset, r1 = t0 + rows - 1 + band.q_offset;
+    const int64_t c1 = std::min<int64_t>(c0 + cols, band.s_len) - 1;
+    if (c1 < c0 || r1 + band.right < c0 || r0 - band.left > c1) return kEmpty;
+    bool full = r1 - band.left <= c0 && r0 + band.right >= c0 + cols - 1 && c0 + cols <= band.s_len;
+    if (q_seg) {
+      const auto [qlo, qhi] = std::minmax_element(q_seg + t0, q_seg + t0 + rows);
+      const auto [klo, khi] = std::minmax_element(k_seg + c0, k_seg + c1 + 1);
+      if (*khi < *qlo || *klo > *qhi) return kEmpty;
+      full = full && *klo == *khi && *qlo == *qhi && *klo == *qlo;
+    }
+    return full ? kFull : kPartial;
+  }
+};
+
+// Sizes and mask inputs of one call, shared by the forward and backward kernels and checked once.
+struct Problem {
+  int64_t b, t, n, h, s, kh, hv, g, s_pad;
+  Band band;                      // s_len = S; per batch row see ForRow
+  const int32_t* q_seg = nullptr;  // [B, T] segment ids, or null
+  std::vector<int32_t> k_seg;     // [B, s_pad] key segment ids padded with -1, or empty
+  const int32_t* lengths = nullptr;  // [B], or null
+  const float* slopes = nullptr;     // [V, N] ALiBi slopes (V divides B), or null
+  int64_t slope_sets = 1;
+  float cap2 = 0.f;  // soft-cap in base-2 units, 0: none
+
+  // ALiBi slope and soft-cap of query head ni in batch row bi, in base-2 units.
+  LogitMods Mods(int64_t bi, int64_t ni) const {
+    return {slopes ? slopes[(bi / (b / slope_sets)) * n + ni] * kLog2e : 0.f, cap2};
+  }
+
+  // The masking of batch row bi: its key length and segment ids.
+  Masking ForRow(int64_t bi) const {
+    Masking mk{band, q_seg ? q_seg + bi * t : nullptr,
+               q_seg ? k_seg.data() + bi * s_pad : nullptr};
+    if (lengths) mk.band.s_len = std::max<int64_t>(0, std::min<int64_t>(s, lengths[bi]));
+    return mk;
+  }
+};
+
+// Reads q [.., T, N, H], k [.., S, K, H], v [.., S, K, h] (the leading dims are the batch) and the
+// optional mask inputs (size 0 when absent) into `p`; an InvalidArgument error names what is wrong.
+ffi::Error ParseProblem(const char* name, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k,
+                        ffi::Buffer<ffi::F32>& v, ffi::Buffer<ffi::S32>& q_seg_ids,
+                        ffi::Buffer<ffi::S32>& kv_seg_ids, ffi::Buffer<ffi::S32>& kv_lengths,
+                        ffi::Buffer<ffi::F32>& alibi_slopes, float soft_cap, int64_t left,
+                        int64_t right, int64_t q_offset, int64_t block_q, int64_t block_k,
+                        Problem& p) {
+  const std::string where(name);
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  const size_t rank = qd.size();
+  if (rank < 4 || kd.size() != rank || vd.size() != rank)
+    return ffi::Error::InvalidArgument(where + ": q, k, v must have one rank >= 4");
+  p.b = Prod(qd, 0, rank - 3);
+  p.t = qd[rank - 3], p.n = qd[rank - 2], p.h = qd[rank - 1];
+  p.s = kd[rank - 3], p.kh = kd[rank - 2], p.hv = vd[rank - 1];
+  if (Prod(kd, 0, rank - 3) != p.b || Prod(vd, 0, rank - 3) != p.b || kd[rank - 1] != p.h ||
+      vd[rank - 3] != p.s || vd[rank - 2] != p.kh || p.kh <= 0 || p.n % p.kh != 0)
+    return ffi::Error::InvalidArgument(where + ": inconsistent q, k, v shapes");
+  if (block_q <= 0 || block_q % kQkRows != 0 || block_k <= 0 || block_k % kStrip != 0)
+    return ffi::Error::InvalidArgument(
+        where + ": block_q must be a positive multiple of 8, block_k of 32");
+  p.g = p.n / p.kh;
+  p.s_pad = (p.s + kStrip - 1) / kStrip * kStrip;
+  const bool segmented = q_seg_ids.element_count() != 0;
+  if ((segmented &&
+       (q_seg_ids.element_count() != p.b * p.t || kv_seg_ids.element_count() != p.b * p.s)) ||
+      (kv_lengths.element_count() != 0 && kv_lengths.element_count() != p.b))
+    return ffi::Error::InvalidArgument(where + ": segment ids [B, T] / [B, S], lengths [B]");
+  if (segmented) {
+    p.q_seg = q_seg_ids.typed_data();
+    p.k_seg.assign(p.b * p.s_pad, -1);
+    for (int64_t bi = 0; bi < p.b; ++bi)
+      std::copy(kv_seg_ids.typed_data() + bi * p.s, kv_seg_ids.typed_data() + (bi + 1) * p.s,
+                p.k_seg.begin() + bi * p.s_pad);
+  }
+  p.lengths = kv_lengths.element_count() ? kv_lengths.typed_data() : nullptr;
+  // Slopes [N], or [V, N] when a vmap broadcast them with the V leading dims of the batch.
+  if (alibi_slopes.element_count() != 0) {
+    p.slope_sets = alibi_slopes.element_count() / std::max<int64_t>(p.n, 1);
+    if (alibi_slopes.element_count() % p.n != 0 || p.b % p.slope_sets != 0)
+      return ffi::Error::InvalidArgument(where + ": alibi_slopes must be [N] or empty");
+    p.slopes = alibi_slopes.typed_data();
+  }
+  p.cap2 = soft_cap > 0.f ? soft_cap * kLog2e : 0.f;
+  const int64_t kUnbounded = int64_t{1} << 40;
+  p.band = Band{left < 0 ? kUnbounded : left, right < 0 ? kUnbounded : right, q_offset, p.s};
+  return ffi::Error::Success();
+}
+
 ffi::Error FlashForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                         ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> q_seg_ids,
                         ffi::Buffer<ffi::S32> kv_seg_ids, ffi::Buffer<ffi::S32> kv_lengths,
@@ -38,39 +137,13 @@ ffi::Error FlashForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
                         int64_t left, int64_t right,
                         int64_t q_offset, int64_t block_q, int64_t block_k,
                         ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
-  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
-  const size_t rank = qd.size();
-  if (rank < 4 || kd.size() != rank || vd.size() != rank)
-    return ffi::Error::InvalidArgument("flash_attention: q, k, v must have one rank >= 4");
-  const int64_t b = Prod(qd, 0, rank - 3);
-  const int64_t t = qd[rank - 3], n = qd[rank - 2], h = qd[rank - 1];
-  const int64_t s = kd[rank - 3], kh = kd[rank - 2], hv = vd[rank - 1];
-  if (Prod(kd, 0, rank - 3) != b || Prod(vd, 0, rank - 3) != b || kd[rank - 1] != h ||
-      vd[rank - 3] != s || vd[rank - 2] != kh || kh <= 0 || n % kh != 0)
-    return ffi::Error::InvalidArgument("flash_attention: inconsistent q, k, v shapes");
-  if (block_q <= 0 || block_q % kQkRows != 0 || block_k <= 0 || block_k % kStrip != 0)
-    return ffi::Error::InvalidArgument(
-        "flash_attention: block_q must be a positive multiple of 8, block_k of 32");
-  const int64_t g = n / kh;
-  const bool segmented = q_seg_ids.element_count() != 0;
-  if ((segmented && (q_seg_ids.element_count() != b * t || kv_seg_ids.element_count() != b * s)) ||
-      (kv_lengths.element_count() != 0 && kv_lengths.element_count() != b))
-    return ffi::Error::InvalidArgument("flash_attention: segment ids [B, T] / [B, S], lengths [B]");
-  const int32_t* qsp = segmented ? q_seg_ids.typed_data() : nullptr;
-  const int32_t* ksp = segmented ? kv_seg_ids.typed_data() : nullptr;
-  const int32_t* lenp = kv_lengths.element_count() ? kv_lengths.typed_data() : nullptr;
-  // Slopes [N], or [V, N] when a vmap broadcast them with the V leading dims of the batch.
-  const int64_t slope_sets = alibi_slopes.element_count() / std::max<int64_t>(n, 1);
-  if (alibi_slopes.element_count() != 0 &&
-      (alibi_slopes.element_count() % n != 0 || b % slope_sets != 0))
-    return ffi::Error::InvalidArgument("flash_attention: alibi_slopes must be [N] or empty");
-  const float* slp0 = alibi_slopes.element_count() ? alibi_slopes.typed_data() : nullptr;
-  auto slope = [&](int64_t bi, int64_t ni) {  // the slope of head ni for batch row bi
-    return slp0[(bi / (b / slope_sets)) * n + ni];
-  };
-  const int64_t kUnbounded = int64_t{1} << 40;
-  const Band band0{left < 0 ? kUnbounded : left, right < 0 ? kUnbounded : right, q_offset, s};
-
+  Problem pb;
+  if (ffi::Error e = ParseProblem("flash_attention", q, k, v, q_seg_ids, kv_seg_ids, kv_lengths,
+                                  alibi_slopes, soft_cap, left, right, q_offset, block_q, block_k,
+                                  pb);
+      e.failure())
+    return e;
+  const int64_t b = pb.b, t = pb.t, n = pb.n, h = pb.h, s = pb.s, kh = pb.kh, hv = pb.hv, g = pb.g;
   const float* qp = q.typed_data();
   const float* kp = k.typed_data();
   const float* vp = v.typed_data();
@@ -84,7 +157,7 @@ ffi::Error FlashForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
     return ffi::Error::Success();
   }
 
-  const int64_t s_pad = (s + kStrip - 1) / kStrip * kStrip;
+  const int64_t s_pad = pb.s_pad;
   const int64_t strips = s_pad / kStrip;
   const int64_t hv_pad = (hv + kLanes - 1) / kLanes * kLanes;
   const int64_t bq = std::min<int64_t>(block_q, (t + kQkRows - 1) / kQkRows * kQkRows);
@@ -94,53 +167,14 @@ ffi::Error FlashForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
   // Pack k^T into strips [B, K, strips, H, 32] and v into [B, K, S_pad, hv_pad], zero padded.
   Buf kt = Alloc(b * kh * strips * h * kStrip);
   Buf vpk = Alloc(b * kh * s_pad * hv_pad);
-  ParallelFor(pool, b * kh, [&](int64_t bk_idx) {
-    const int64_t bi = bk_idx / kh, ki = bk_idx % kh;
-    float* ktd = kt.get() + bk_idx * strips * h * kStrip;
-    for (int64_t st = 0; st < strips; ++st) {
-      float* dst = ktd + st * h * kStrip;
-      for (int64_t c = 0; c < kStrip; ++c) {
-        const int64_t j = st * kStrip + c;
-        if (j < s) {
-          const float* src = kp + ((bi * s + j) * kh + ki) * h;
-          for (int64_t d = 0; d < h; ++d) dst[d * kStrip + c] = src[d];
-        } else {
-          for (int64_t d = 0; d < h; ++d) dst[d * kStrip + c] = 0.f;
-        }
-      }
-    }
-    float* vdst = vpk.get() + bk_idx * s_pad * hv_pad;
-    for (int64_t j = 0; j < s_pad; ++j) {
-      float* row = vdst + j * hv_pad;
-      if (j < s) {
-        std::memcpy(row, vp + ((bi * s + j) * kh + ki) * hv, hv * sizeof(float));
-        std::fill(row + hv, row + hv_pad, 0.f);
-      } else {
-        std::fill(row, row + hv_pad, 0.f);
-      }
-    }
+  ParallelFor(pool, b * kh, [&](int64_t idx) {
+    const int64_t bi = idx / kh, ki = idx % kh;
+    PackStripsT(kp + (bi * s * kh + ki) * h, s, h, kh * h, kt.get() + idx * strips * h * kStrip);
+    PackRows(vp + (bi * s * kh + ki) * hv, s, hv, kh * hv, s_pad, hv_pad,
+             vpk.get() + idx * s_pad * hv_pad);
   });
 
-  // Key segment ids padded to the strips, and each key block's [min, max] segment id.
-  std::vector<int32_t> kseg_pad(segmented ? b * s_pad : 0, -1);
-  std::vector<int32_t> kseg_lo(segmented ? b * nk : 0), kseg_hi(segmented ? b * nk : 0);
-  if (segmented) {
-    for (int64_t bi = 0; bi < b; ++bi) {
-      std::copy(ksp + bi * s, ksp + (bi + 1) * s, kseg_pad.begin() + bi * s_pad);
-      for (int64_t j = 0; j < nk; ++j) {
-        const int64_t c0 = j * bk, c1 = std::min<int64_t>(c0 + bk, s);
-        int32_t lo = std::numeric_limits<int32_t>::max(), hi = std::numeric_limits<int32_t>::min();
-        for (int64_t c = c0; c < c1; ++c) {
-          lo = std::min(lo, ksp[bi * s + c]);
-          hi = std::max(hi, ksp[bi * s + c]);
-        }
-        kseg_lo[bi * nk + j] = lo;
-        kseg_hi[bi * nk + j] = hi;
-      }
-    }
-  }
-
-  const float q_scale = scale * 1.4426950408889634f;  // logits in base 2
+  const float q_scale = scale * kLog2e;  // logits in base 2
   const float ln2 = 0.6931471805599453f;
 
   // Task (query block i, batch row, query head), the longest query rows first under a causal band.
@@ -149,17 +183,10 @@ ffi::Error FlashForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
     const int64_t bi = (task % (b * n)) / n, ni = task % n;
     const int64_t ki = ni / g;
     const int64_t t0 = i * bq, rows = std::min<int64_t>(bq, t - t0);
-    Band band = band0;
-    if (lenp) band.s_len = std::max<int64_t>(0, std::min<int64_t>(s, lenp[bi]));
-    const LogitMods mods{slp0 ? slope(bi, ni) * 1.4426950408889634f : 0.f,
-                         soft_cap > 0.f ? soft_cap * 1.4426950408889634f : 0.f};
-    std::vector<int32_t> qseg(segmented ? bq : 0, -2);
-    int32_t qseg_lo = 0, qseg_hi = 0;
-    if (segmented) {
-      std::copy(qsp + bi * t + t0, qsp + bi * t + t0 + rows, qseg.begin());
-      qseg_lo = *std::min_element(qseg.begin(), qseg.begin() + rows);
-      qseg_hi = *std::max_element(qseg.begin(), qseg.begin() + rows);
-    }
+    const Masking mk = pb.ForRow(bi);
+    const LogitMods mods = pb.Mods(bi, ni);
+    std::vector<int32_t> qseg(mk.q_seg ? bq : 0, -2);  // the block's ids, padding rows -2
+    if (mk.q_seg) std::copy(mk.q_seg + t0, mk.q_seg + t0 + rows, qseg.begin());
     Buf qb = Alloc(bq * h), sb = Alloc(bq * bk), ob = Alloc(bq * hv_pad);
     std::vector<float> m(bq, neg_inf), l(bq, 0.f), alpha(bq, 1.f), mx(bq);
     for (int64_t r = 0; r < bq; ++r) {
@@ -174,33 +201,23 @@ ffi::Error FlashForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
     std::fill(ob.get(), ob.get() + bq * hv_pad, 0.f);
     const float* ktd = kt.get() + (bi * kh + ki) * strips * h * kStrip;
     const float* vd_ = vpk.get() + (bi * kh + ki) * s_pad * hv_pad;
-    const int64_t r0 = t0 + q_offset, r1 = t0 + rows - 1 + q_offset;  // query positions
     for (int64_t j = 0; j < nk; ++j) {
       const int64_t c0 = j * bk, cols = std::min<int64_t>(bk, s_pad - c0);
-      const int64_t c1 = std::min<int64_t>(c0 + cols, band.s_len) - 1;  // last valid key
-      if (c1 < c0) break;
-      if (r1 + band.right < c0 || r0 - band.left > c1) continue;  // empty block
-      bool full = r1 - band.left <= c0 && r0 + band.right >= c0 + cols - 1 &&
-                  c0 + cols <= band.s_len;
-      if (segmented) {
-        const int32_t lo = kseg_lo[bi * nk + j], hi = kseg_hi[bi * nk + j];
-        if (hi < qseg_lo || lo > qseg_hi) continue;  // no shared segment: empty
-        full = full && lo == hi && qseg_lo == qseg_hi && lo == qseg_lo;
-      }
+      const BlockKind kind = mk.Kind(t0, rows, c0, cols);
+      if (kind == kEmpty) continue;
       vf rowmax[kQkRows];
       for (int64_t rt = 0; rt < bq; rt += kQkRows) {
         for (int r = 0; r < kQkRows; ++r) rowmax[r] = splat(neg_inf);
         for (int64_t st = 0; st < cols / kStrip; ++st) {
           const float* ks = ktd + (c0 / kStrip + st) * h * kStrip;
           float* sd = sb.get() + rt * bk + st * kStrip;
-          if (full)
+          if (kind == kFull)
             QkTile<false>(qb.get() + rt * h, h, ks, h, sd, bk, rowmax, t0 + rt + q_offset,
-                          c0 + st * kStrip, band, nullptr, nullptr, mods);
+                          c0 + st * kStrip, mk.band, nullptr, nullptr, mods);
           else
             QkTile<true>(qb.get() + rt * h, h, ks, h, sd, bk, rowmax, t0 + rt + q_offset,
-                         c0 + st * kStrip, band, segmented ? qseg.data() + rt : nullptr,
-                         segmented ? kseg_pad.data() + bi * s_pad + c0 + st * kStrip : nullptr,
-                         mods);
+                         c0 + st * kStrip, mk.band, mk.q_seg ? qseg.data() + rt : nullptr,
+                         mk.q_seg ? mk.k_seg + c0 + st * kStrip : nullptr, mods);
         }
         for (int r = 0; r < kQkRows; ++r) mx[rt + r] = hmax(rowmax[r]);
       }
@@ -237,30 +254,6 @@ ffi::Error FlashForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
   return ffi::Error::Success();
 }
 
-// EMPTY / PARTIAL / FULL of the block pair (query rows [t0, t0 + rows), key columns
-// [c0, c0 + cols)) under the band, the key length and the segment-id ranges.
-enum BlockKind { kEmpty = 0, kPartial = 1, kFull = 2 };
-
-struct Masking {
-  Band band;  // s_len: the batch row's key length
-  const int32_t* q_seg;  // [T] ids of the batch row, or null
-  const int32_t* k_seg;  // [S] ids, or null
-
-  BlockKind Kind(int64_t t0, int64_t rows, int64_t c0, int64_t cols) const {
-    const int64_t r0 = t0 + band.q_offset, r1 = t0 + rows - 1 + band.q_offset;
-    const int64_t c1 = std::min<int64_t>(c0 + cols, band.s_len) - 1;
-    if (c1 < c0 || r1 + band.right < c0 || r0 - band.left > c1) return kEmpty;
-    bool full = r1 - band.left <= c0 && r0 + band.right >= c0 + cols - 1 && c0 + cols <= band.s_len;
-    if (q_seg) {
-      const auto [qlo, qhi] = std::minmax_element(q_seg + t0, q_seg + t0 + rows);
-      const auto [klo, khi] = std::minmax_element(k_seg + c0, k_seg + c1 + 1);
-      if (*khi < *qlo || *klo > *qhi) return kEmpty;
-      full = full && *klo == *khi && *qlo == *qhi && *klo == *qlo;
-    }
-    return full ? kFull : kPartial;
-  }
-};
-
 // Gradients of the forward above (flash-attention-2, probabilities recomputed from the
 // log-sum-exp): one task per (batch row, KV head, key block) accumulates
 //   dv_j += p^T do_i,   dk_j += scale ds^T q_i,   ds = p (do_i v_j^T - delta_i)
@@ -278,24 +271,16 @@ ffi::Error FlashBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
                          int64_t q_offset, int64_t block_q, int64_t block_k,
                          ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
                          ffi::ResultBuffer<ffi::F32> dv) {
-  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
-  const size_t rank = qd.size();
-  if (rank < 4 || kd.size() != rank || vd.size() != rank)
-    return ffi::Error::InvalidArgument("flash_attention_bwd: q, k, v must have one rank >= 4");
-  const int64_t b = Prod(qd, 0, rank - 3);
-  const int64_t t = qd[rank - 3], n = qd[rank - 2], h = qd[rank - 1];
-  const int64_t s = kd[rank - 3], kh = kd[rank - 2], hv = vd[rank - 1];
-  if (Prod(kd, 0, rank - 3) != b || Prod(vd, 0, rank - 3) != b || kd[rank - 1] != h ||
-      vd[rank - 3] != s || vd[rank - 2] != kh || kh <= 0 || n % kh != 0 ||
-      d_out.element_count() != b * t * n * hv || lse.element_count() != b * n * t ||
+  Problem pb;
+  if (ffi::Error e = ParseProblem("flash_attention_bwd", q, k, v, q_seg_ids, kv_seg_ids,
+                                  kv_lengths, alibi_slopes, soft_cap, left, right, q_offset,
+                                  block_q, block_k, pb);
+      e.failure())
+    return e;
+  const int64_t b = pb.b, t = pb.t, n = pb.n, h = pb.h, s = pb.s, kh = pb.kh, hv = pb.hv, g = pb.g;
+  if (d_out.element_count() != b * t * n * hv || lse.element_count() != b * n * t ||
       delta.element_count() != b * n * t)
-    return ffi::Error::InvalidArgument("flash_attention_bwd: inconsistent shapes");
-  if (block_q <= 0 || block_q % kQkRows != 0 || block_k <= 0 || block_k % kStrip != 0)
-    return ffi::Error::InvalidArgument("flash_attention_bwd: bad block sizes");
-  const bool segmented = q_seg_ids.element_count() != 0;
-  if ((segmented && (q_seg_ids.element_count() != b * t || kv_seg_ids.element_count() != b * s)) ||
-      (kv_lengths.element_count() != 0 && kv_lengths.element_count() != b))
-    return ffi::Error::InvalidArgument("flash_attention_bwd: bad segment ids / lengths");
+    return ffi::Error::InvalidArgument("flash_attention_bwd: d_out, lse, delta shapes");
   float* dqp = dq->typed_data();
   float* dkp = dk->typed_data();
   float* dvp = dv->typed_data();
@@ -309,24 +294,8 @@ ffi::Error FlashBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   const float* dop = d_out.typed_data();
   const float* lp = lse.typed_data();
   const float* dlp = delta.typed_data();
-  const int32_t* qsp = segmented ? q_seg_ids.typed_data() : nullptr;
-  const int32_t* ksp = segmented ? kv_seg_ids.typed_data() : nullptr;
-  const int32_t* lenp = kv_lengths.element_count() ? kv_lengths.typed_data() : nullptr;
-  // Slopes [N], or [V, N] when a vmap broadcast them with the V leading dims of the batch.
-  const int64_t slope_sets = alibi_slopes.element_count() / std::max<int64_t>(n, 1);
-  if (alibi_slopes.element_count() != 0 &&
-      (alibi_slopes.element_count() % n != 0 || b % slope_sets != 0))
-    return ffi::Error::InvalidArgument("flash_attention_bwd: alibi_slopes must be [N] or empty");
-  const float* slp0 = alibi_slopes.element_count() ? alibi_slopes.typed_data() : nullptr;
-  auto slope = [&](int64_t bi, int64_t ni) {  // the slope of head ni for batch row bi
-    return slp0[(bi / (b / slope_sets)) * n + ni];
-  };
-  const float cap2 = soft_cap > 0.f ? soft_cap * 1.4426950408889634f : 0.f;
-  const int64_t g = n / kh;
-  const int64_t kUnbounded = int64_t{1} << 40;
-  const Band band0{left < 0 ? kUnbounded : left, right < 0 ? kUnbounded : right, q_offset, s};
 
-  const int64_t s_pad = (s + kStrip - 1) / kStrip * kStrip;
+  const int64_t s_pad = pb.s_pad;
   const int64_t strips = s_pad / kStrip;
   const int64_t h_pad = (h + kLanes - 1) / kLanes * kLanes;
   const int64_t hv_pad = (hv + kLanes - 1) / kLanes * kLanes;
@@ -334,37 +303,20 @@ ffi::Error FlashBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   const int64_t bk = std::min<int64_t>(block_k, s_pad);
   const int64_t nq = (t + bq - 1) / bq, nk = (s_pad + bk - 1) / bk;
 
-  // Per (batch row, KV head): k^T and v^T strips, key rows padded to h_pad; padded key segment ids.
+  // Per (batch row, KV head): k^T and v^T strips, key rows padded to h_pad.
   Buf kt = Alloc(b * kh * strips * h * kStrip), vt = Alloc(b * kh * strips * hv * kStrip);
   Buf krows = Alloc(b * kh * s_pad * h_pad);
-  std::vector<int32_t> kseg_pad(segmented ? b * s_pad : 0, -1);
-  if (segmented)
-    for (int64_t bi = 0; bi < b; ++bi)
-      std::copy(ksp + bi * s, ksp + (bi + 1) * s, kseg_pad.begin() + bi * s_pad);
   ParallelFor(pool, b * kh, [&](int64_t idx) {
     const int64_t bi = idx / kh, ki = idx % kh;
-    float* ktd = kt.get() + idx * strips * h * kStrip;
-    float* vtd = vt.get() + idx * strips * hv * kStrip;
-    float* kr = krows.get() + idx * s_pad * h_pad;
-    for (int64_t j = 0; j < s_pad; ++j) {
-      const int64_t st = j / kStrip, c = j % kStrip;
-      const float* ksrc = kp + ((bi * s + j) * kh + ki) * h;
-      const float* vsrc = vp + ((bi * s + j) * kh + ki) * hv;
-      for (int64_t d = 0; d < h; ++d) ktd[(st * h + d) * kStrip + c] = j < s ? ksrc[d] : 0.f;
-      for (int64_t d = 0; d < hv; ++d) vtd[(st * hv + d) * kStrip + c] = j < s ? vsrc[d] : 0.f;
-      for (int64_t d = 0; d < h_pad; ++d) kr[j * h_pad + d] = (j < s && d < h) ? ksrc[d] : 0.f;
-    }
+    const float* ksrc = kp + (bi * s * kh + ki) * h;
+    PackStripsT(ksrc, s, h, kh * h, kt.get() + idx * strips * h * kStrip);
+    PackStripsT(vp + (bi * s * kh + ki) * hv, s, hv, kh * hv, vt.get() + idx * strips * hv * kStrip);
+    PackRows(ksrc, s, h, kh * h, s_pad, h_pad, krows.get() + idx * s_pad * h_pad);
   });
 
-  const float q_scale = scale * 1.4426950408889634f;
-  const float log2e = 1.4426950408889634f;
+  const float q_scale = scale * kLog2e;
   const float inf = std::numeric_limits<float>::infinity();
-  auto masking = [&](int64_t bi) {
-    Masking mk{band0, segmented ? qsp + bi * t : nullptr,
-               segmented ? kseg_pad.data() + bi * s_pad : nullptr};
-    if (lenp) mk.band.s_len = std::max<int64_t>(0, std::min<int64_t>(s, lenp[bi]));
-    return mk;
-  };
+  const bool segmented = pb.q_seg != nullptr;
 
   // Loads query block i of head ni: scaled rows (for q k^T), plain rows padded to h_pad (for
   // ds^T q), do rows padded to hv_pad, base-2 lse (+inf for empty and padding rows), delta.
@@ -384,9 +336,9 @@ ffi::Error FlashBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
       for (int64_t d = 0; d < hv_pad; ++d)
         qb.dob.get()[r * hv_pad + d] = (ok && d < hv) ? dsrc[d] : 0.f;
       const float l = ok ? lp[(bi * n + ni) * t + t0 + r] : -inf;
-      qb.lse2[r] = std::isfinite(l) ? l * log2e : inf;
+      qb.lse2[r] = std::isfinite(l) ? l * kLog2e : inf;
       qb.dlt[r] = ok ? dlp[(bi * n + ni) * t + t0 + r] : 0.f;
-      if (segmented) qb.seg[r] = ok ? qsp[bi * t + t0 + r] : -2;
+      if (segmented) qb.seg[r] = ok ? pb.q_seg[bi * t + t0 + r] : -2;
     }
   };
   auto new_qblock = [&]() {
@@ -394,18 +346,18 @@ ffi::Error FlashBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
               std::vector<float>(bq), std::vector<int32_t>(segmented ? bq : 0)};
     return qb;
   };
-  // p and ds of block pair (i, j) into pb / dsb ([bq, bk]); returns the key columns computed.
+  // p and ds of block pair (i, j) into pbuf / dsb ([bq, bk]).
   auto probs = [&](const QBlock& qb, const Masking& mk, BlockKind kind, int64_t bi, int64_t ni,
-                   int64_t i, int64_t c0, int64_t cols, float* pb, float* dsb) {
+                   int64_t i, int64_t c0, int64_t cols, float* pbuf, float* dsb) {
     const int64_t ki = ni / g;
-    const LogitMods mods{slp0 ? slope(bi, ni) * log2e : 0.f, cap2};
+    const LogitMods mods = pb.Mods(bi, ni);
     const float* ktd = kt.get() + (bi * kh + ki) * strips * h * kStrip;
     const float* vtd = vt.get() + (bi * kh + ki) * strips * hv * kStrip;
     vf dummy[kQkRows];
     for (int64_t rt = 0; rt < bq; rt += kQkRows) {
       for (int64_t st = 0; st < cols / kStrip; ++st) {
         const int64_t strip = c0 / kStrip + st;
-        float* sd = pb + rt * bk + st * kStrip;
+        float* sd = pbuf + rt * bk + st * kStrip;
         if (kind == kFull)
           QkTile<false>(qb.qs.get() + rt * h, h, ktd + strip * h * kStrip, h, sd, bk, dummy,
                         i * bq + rt + q_offset, c0 + st * kStrip, mk.band, nullptr, nullptr,
@@ -420,11 +372,11 @@ ffi::Error FlashBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
       }
     }
     for (int64_t r = 0; r < bq; ++r) {
-      float* pr = pb + r * bk;
+      float* pr = pbuf + r * bk;
       float* dr = dsb + r * bk;
       const vf l2 = splat(qb.lse2[r]), dl = splat(qb.dlt[r]);
-      if (cap2 > 0.f) {  // d cap tanh(x / cap) / dx = 1 - tanh^2 (masked: -inf -> 0)
-        const vf inv = splat(1.f / cap2), one = splat(1.f);
+      if (pb.cap2 > 0.f) {  // d cap tanh(x / cap) / dx = 1 - tanh^2 (masked: -inf -> 0)
+        const vf inv = splat(1.f / pb.cap2), one = splat(1.f);
         for (int64_t c = 0; c < cols; c += kLanes) {
           const vf sv = load(pr + c);
           const vf p = exp2v(sv - l2);
@@ -450,13 +402,12 @@ ffi::Error FlashBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   const int64_t t_pad = nq * bq;
   Buf dq_acc = Alloc(slots * b * n * t_pad * h_pad);
   std::fill(dq_acc.get(), dq_acc.get() + slots * b * n * t_pad * h_pad, 0.f);
-  int64_t slots_used = 0;
-  ParallelForSlots(pool, tasks, [&](int64_t task, int64_t slot) {
+  const int64_t slots_used = ParallelForSlots(pool, tasks, [&](int64_t task, int64_t slot) {
     const int64_t j = task / (b * kh), ki = (task / b) % kh, bi = task % b;
-    const Masking mk = masking(bi);
+    const Masking mk = pb.ForRow(bi);
     const int64_t c0 = j * bk, cols = std::min<int64_t>(bk, s_pad - c0);
     QBlock qb = new_qblock();
-    Buf pb = Alloc(bq * bk), dsb = Alloc(bq * bk), dka = Alloc(bk * h_pad), dva = Alloc(bk * hv_pad);
+    Buf pbuf = Alloc(bq * bk), dsb = Alloc(bq * bk), dka = Alloc(bk * h_pad), dva = Alloc(bk * hv_pad);
     std::fill(dka.get(), dka.get() + bk * h_pad, 0.f);
     std::fill(dva.get(), dva.get() + bk * hv_pad, 0.f);
     const float* kr = krows.get() + (bi * kh + ki) * s_pad * h_pad;
@@ -468,8 +419,8 @@ ffi::Error FlashBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
         const BlockKind kind = mk.Kind(t0, rows, c0, cols);
         if (kind == kEmpty) continue;
         load_q(qb, bi, ni, i);
-        probs(qb, mk, kind, bi, ni, i, c0, cols, pb.get(), dsb.get());
-        PvBlock<true>(pb.get(), bk, bq, qb.dob.get(), hv_pad, dva.get(), hv_pad, nullptr, hv_pad,
+        probs(qb, mk, kind, bi, ni, i, c0, cols, pbuf.get(), dsb.get());
+        PvBlock<true>(pbuf.get(), bk, bq, qb.dob.get(), hv_pad, dva.get(), hv_pad, nullptr, hv_pad,
                       cols);
         PvBlock<true>(dsb.get(), bk, bq, qb.qr.get(), h_pad, dka.get(), h_pad, nullptr, h_pad,
                       cols);
@@ -485,7 +436,7 @@ ffi::Error FlashBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
       for (int64_t d = 0; d < h; ++d) dkd[d] = dka.get()[c * h_pad + d] * scale;
       for (int64_t d = 0; d < hv; ++d) dvd[d] = dva.get()[c * hv_pad + d];
     }
-  }, &slots_used);
+  });
 
   // dq = scale * (sum of the threads' accumulators).
   ParallelFor(pool, b * n, [&](int64_t idx) {

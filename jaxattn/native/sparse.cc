@@ -188,23 +188,6 @@ inline void IndexTile(const float* q, int64_t ldq, int64_t hi, int64_t d, const 
   }
 }
 
-// Packs keys [S, d] (row stride ld) into k^T strips [ceil(S/32), d, 32], zero padded.
-void PackKeysT(const float* keys, int64_t s, int64_t d, int64_t ld, float* kt) {
-  const int64_t strips = (s + kStrip - 1) / kStrip;
-  for (int64_t st = 0; st < strips; ++st) {
-    float* dst = kt + st * d * kStrip;
-    for (int64_t c = 0; c < kStrip; ++c) {
-      const int64_t j = st * kStrip + c;
-      if (j < s) {
-        const float* src = keys + j * ld;
-        for (int64_t dd = 0; dd < d; ++dd) dst[dd * kStrip + c] = src[dd];
-      } else {
-        for (int64_t dd = 0; dd < d; ++dd) dst[dd * kStrip + c] = 0.f;
-      }
-    }
-  }
-}
-
 ffi::Error IndexerTopk(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys,
                        ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> k_scale,
                        ffi::Buffer<ffi::S32> q_offset, ffi::Buffer<ffi::S32> lengths, int64_t k,
@@ -233,7 +216,7 @@ ffi::Error IndexerTopk(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
   const int64_t strips = (s + kStrip - 1) / kStrip;
   Buf kt = Alloc(b * strips * d * kStrip);
   ParallelFor(pool, b, [&](int64_t bi) {
-    PackKeysT(kp + bi * s * d, s, d, d, kt.get() + bi * strips * d * kStrip);
+    PackStripsT(kp + bi * s * d, s, d, d, kt.get() + bi * strips * d * kStrip);
   });
 
   const int64_t bq = std::min<int64_t>(block_q, (t + kQkRows - 1) / kQkRows * kQkRows);
@@ -414,7 +397,7 @@ ffi::Error SparseAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   const int64_t rows = (g + kQkRows - 1) / kQkRows * kQkRows;
   const int64_t kk_pad = std::max<int64_t>((kk + kStrip - 1) / kStrip * kStrip, kStrip);
   const int64_t hv_pad = (hv + kLanes - 1) / kLanes * kLanes;
-  const float q_scale = scale * 1.4426950408889634f;
+  const float q_scale = scale * kLog2e;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const Band band{int64_t{1} << 40, int64_t{1} << 40, 0, 0};
 

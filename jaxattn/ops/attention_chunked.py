@@ -153,17 +153,6 @@ def chunked_attention(
   Returns:
     ``[B, T, N, h]`` in the query dtype; with ``return_residuals``, ``(out, lse)``.
   """
-  cfg, aux = make_config(query, key, value, bias=bias, mask=mask, mask_array=mask_array, scale=scale,
-                         alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap,
-                         q_offset=q_offset, block_q=block_q, block_k=block_k)
-  out, lse = _build(cfg)(query, key, value, bias, aux)
-  return (out, lse) if return_residuals else out
-
-
-def make_config(query, key, value, *, bias=None, mask=None, mask_array=None, scale,
-                alibi_slopes=None, logits_soft_cap=None, q_offset=0, block_q=None, block_k=None):
-  """``(cfg, aux)``: the static configuration (hashable) and the non-differentiable array inputs
-  of one call, as ``chunked_attention`` and ``backward_from_lse`` take them."""
   b, t, n, hd = query.shape
   s, kh = key.shape[1], key.shape[2]
   hv = value.shape[3]
@@ -191,7 +180,8 @@ def make_config(query, key, value, *, bias=None, mask=None, mask_array=None, sca
       "q_offset": None if static_offset is not None else jnp.asarray(q_offset, jnp.int32),
       "scale": None if static_scale is not None else jnp.asarray(scale, jnp.float32),
   }
-  return cfg, aux
+  out, lse = _build(cfg)(query, key, value, bias, aux)
+  return (out, lse) if return_residuals else out
 
 
 def _concrete(x, kind):
@@ -598,19 +588,5 @@ def _backward(cfg: _Config, query, key, value, bias, aux, out, lse_g, d_out, d_l
   return dq, dk, dv, dbias
 
 
-def backward_from_lse(cfg: _Config, aux, query, key, value, out, lse, d_out, d_lse):
-  """The flash backward pass for a forward computed elsewhere (e.g. the native CPU kernel).
-
-  ``lse [B, N, T]`` is the forward's natural-log log-sum-exp (``-inf`` for empty rows); returns
-  ``(dq, dk, dv)``.  ``cfg`` and ``aux`` come from ``make_config`` without bias.
-  """
-  b, t, n, _, _, kh, _ = cfg.shape
-  lse_g = jnp.pad(lse.astype(jnp.float32).reshape(b, kh, n // kh, t),
-                  ((0, 0), (0, 0), (0, 0), (0, cfg.num_q_blocks * cfg.block_q - t)),
-                  constant_values=-jnp.inf)
-  dq, dk, dv, _ = _backward(cfg, query, key, value, None, aux, out, lse_g, d_out, d_lse)
-  return dq, dk, dv
-
-
-__all__ = ["chunked_attention", "make_config", "backward_from_lse", "block_schedule", "block_kinds", "split_static",
+__all__ = ["chunked_attention", "block_schedule", "block_kinds", "split_static",
            "DEFAULT_BLOCK_Q", "DEFAULT_BLOCK_K"]

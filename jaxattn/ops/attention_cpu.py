@@ -58,7 +58,6 @@ class _Static:
   q_offset: int
   block_q: int
   block_k: int
-  mask: Mask | None  # the static (band) part; segment ids and lengths travel as arrays
   soft_cap: float  # 0: none
 
 
@@ -118,7 +117,7 @@ def cpu_attention(
     return -1 if math.isinf(x) else int(x)
 
   st = _Static(scale=static_scale, left=side(band[0]), right=side(band[1]), q_offset=static_offset,
-               block_q=int(bq), block_k=int(bk), mask=static,
+               block_q=int(bq), block_k=int(bk),
                soft_cap=0.0 if logits_soft_cap is None else float(logits_soft_cap))
   q_ids, kv_ids = (None, None) if segments is None else segments
   slopes = None if alibi_slopes is None else jnp.asarray(alibi_slopes, jnp.float32)
@@ -175,8 +174,19 @@ def workspace_bytes(query_shape, key_shape, value_shape, *, backward: bool = Fal
   return max(fwd, bwd)
 
 
-def _slopes(slopes):
-  return jnp.zeros((0,), jnp.float32) if slopes is None else slopes.astype(jnp.float32)
+def _mask_operands(q_ids, kv_ids, lengths, slopes):
+  """The optional mask inputs of both kernels, each a size-0 array when absent."""
+  def opt(x, dtype):
+    return jnp.zeros((0,), dtype) if x is None else x.astype(dtype)
+  i32 = jnp.int32
+  return opt(q_ids, i32), opt(kv_ids, i32), opt(lengths, i32), opt(slopes, jnp.float32)
+
+
+def _attrs(st: _Static, block_q: int, block_k: int) -> dict:
+  """The attributes both kernels take."""
+  return dict(scale=np.float32(st.scale), soft_cap=np.float32(st.soft_cap), left=np.int64(st.left),
+              right=np.int64(st.right), q_offset=np.int64(st.q_offset),
+              block_q=np.int64(block_q), block_k=np.int64(block_k))
 
 
 def _forward(st: _Static, q, k, v, q_ids, kv_ids, lengths, slopes):
@@ -186,13 +196,9 @@ def _forward(st: _Static, q, k, v, q_ids, kv_ids, lengths, slopes):
   call = jax.ffi.ffi_call(
       _TARGET, (jax.ShapeDtypeStruct((b, t, n, hv), f32), jax.ShapeDtypeStruct((b, n, t), f32)),
       vmap_method="broadcast_all")
-  none = jnp.zeros((0,), jnp.int32)
-  ids = (none, none) if q_ids is None else (q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32))
-  lens = none if lengths is None else lengths.astype(jnp.int32)
-  out, lse = call(q.astype(f32), k.astype(f32), v.astype(f32), *ids, lens, _slopes(slopes),
-                  scale=np.float32(st.scale), soft_cap=np.float32(st.soft_cap),
-                  left=np.int64(st.left), right=np.int64(st.right), q_offset=np.int64(st.q_offset),
-                  block_q=np.int64(st.block_q), block_k=np.int64(st.block_k))
+  out, lse = call(q.astype(f32), k.astype(f32), v.astype(f32),
+                  *_mask_operands(q_ids, kv_ids, lengths, slopes),
+                  **_attrs(st, st.block_q, st.block_k))
   return out.astype(q.dtype), lse
 
 
@@ -204,21 +210,16 @@ def _backward(st: _Static, q, k, v, q_ids, kv_ids, lengths, slopes, out, lse, d_
   call = jax.ffi.ffi_call(
       _TARGET_BWD, tuple(jax.ShapeDtypeStruct(x.shape, f32) for x in (q, k, v)),
       vmap_method="broadcast_all")
-  none = jnp.zeros((0,), jnp.int32)
-  ids = (none, none) if q_ids is None else (q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32))
-  lens = none if lengths is None else lengths.astype(jnp.int32)
   dq, dk, dv = call(q.astype(f32), k.astype(f32), v.astype(f32), d_out.astype(f32),
-                    lse.astype(f32), delta, *ids, lens, _slopes(slopes),
-                    scale=np.float32(st.scale), soft_cap=np.float32(st.soft_cap),
-                    left=np.int64(st.left), right=np.int64(st.right),
-                    q_offset=np.int64(st.q_offset), block_q=np.int64(BWD_BLOCK_Q),
-                    block_k=np.int64(BWD_BLOCK_K))
+                    lse.astype(f32), delta, *_mask_operands(q_ids, kv_ids, lengths, slopes),
+                    **_attrs(st, BWD_BLOCK_Q, BWD_BLOCK_K))
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 @functools.lru_cache(maxsize=128)
 def _build(st: _Static):
-  """``(q, k, v) -> (out, lse)`` with the chunked flash backward, for one static configuration."""
+  """``(q, k, v, q_ids, kv_ids, lengths, slopes) -> (out, lse)`` with the native backward, for
+  one static configuration."""
 
   @jax.custom_vjp
   def attention(q, k, v, q_ids, kv_ids, lengths, slopes):
