@@ -86,6 +86,10 @@ def run_benchmark(args) -> list[dict]:
   peak = matmul_rate(peak_size, dtype, args.repeats) / unit
   base_name = {"gpu": "cudnn", "tpu": "jax.nn (XLA)", "cpu": "jax.nn (XLA)"}[platform]
   ours_name = {"gpu": "pallas_gpu", "tpu": "pallas_tpu", "cpu": "xla_chunked"}[platform]
+  if platform == "gpu":
+    from pallas_kernels.flash_attention import gpu as gpu_kernel  # noqa: PLC0415
+    if gpu_kernel.get_options()["forward"] == "hopper":
+      ours_name = "pallas_gpu/hopper"
   print(f"platform={platform} device={jax.devices()[0].device_kind} jax={jax.__version__} "
         f"dtype={dtype.name} heads={args.heads}/{args.kv_heads} head_dim={args.head_dim} "
         f"tokens/batch={args.tokens} {'fwd+bwd' if args.backward else 'fwd'}")
@@ -256,7 +260,13 @@ def run_check() -> bool:
        dict(local_window_size=100, segments=True, alibi=True, logits_soft_cap=20.0), 3e-2),
       ("fp32 padding, offset", jnp.float32, (2, 300, 4, 1, 64),
        dict(is_causal=True, kv_lengths=True, q_offset=0), 1e-2),  # TF32 matmuls on GPU
+      ("bf16 causal window+softcap+offset, H=64", jnp.bfloat16, (2, 1500, 8, 1, 64),
+       dict(is_causal=True, local_window_size=300, logits_soft_cap=30.0, q_offset=40), 3e-2),
   ]
+  if platform == "gpu":
+    from pallas_kernels.flash_attention import gpu as gpu_kernel  # noqa: PLC0415
+    print(f"check: GPU forward kernel = {gpu_kernel.get_options()['forward']} (bf16 band-mask "
+          "cases run it when it is 'hopper' on an sm_90 GPU; the rest take the Triton forward)")
   for name, dtype, (b, t, n, kh, h), kw, tol in cases:
     ks = jax.random.split(jax.random.key(7), 3)
     q = jax.random.normal(ks[0], (b, t, n, h), jnp.float32).astype(dtype)
@@ -316,6 +326,10 @@ SWEEP_OPTIONS = (  # code-generation switches of pallas_kernels.flash_attention.
     {"exp": "exp2", "affine": True, "reverse": True})  # the default (last)
 
 
+HOPPER_SWEEP = (  # (block_k, stages, pingpong) of the Hopper (Mosaic GPU) forward kernel
+    (128, 2, True), (128, 2, False), (64, 2, True), (64, 3, True), (128, 3, True))
+
+
 def _time_jax_mgpu(q, k, v, causal, flops, base, peak, repeats):
   """JAX's own Hopper flash attention (Pallas on Mosaic GPU, FlashAttention-3 style:
   ``jax.experimental.pallas.ops.gpu.attention_mgpu``), forward, as a second reference point."""
@@ -331,6 +345,27 @@ def _time_jax_mgpu(q, k, v, causal, flops, base, peak, repeats):
   rate = flops / sec / 1e12
   print(f"    jax attention_mgpu (block_q 64, block_kv 128): {sec * 1e3:7.2f} ms {rate:6.1f} "
         f"TFLOP/s {100 * rate / peak:5.1f}% peak {base / sec:5.2f}x cudnn", flush=True)
+
+
+def _sweep_hopper(q, k, v, mask, causal, flops, base, timed, rows, saved):
+  """The Hopper forward (``gpu.set_options(forward="hopper")``) at each ``HOPPER_SWEEP`` config."""
+  from pallas_kernels.flash_attention import flash_attention_gpu, hopper  # noqa: PLC0415
+  from pallas_kernels.flash_attention import gpu as gpu_kernel  # noqa: PLC0415
+
+  for bk, stages, pingpong in HOPPER_SWEEP:
+    cfg = hopper.Config(block_k=bk, stages=stages, pingpong=pingpong)
+    if hopper.smem_bytes(q.shape[-1], cfg) > hopper._SMEM_BYTES:
+      continue
+    try:
+      gpu_kernel.set_options(**{**saved, "forward": "hopper", "hopper": cfg})
+      fn = lambda q, k, v: flash_attention_gpu(q, k, v, mask)  # noqa: E731
+      got = timed(f"hopper bk={bk:>3} stages={stages} pingpong={int(pingpong)}", fn, flops, base)
+    finally:
+      gpu_kernel.set_options(**saved)
+    if got:
+      rows.append(dict(causal=causal, backward=False, forward="hopper", block_k=bk,
+                       stages=stages, pingpong=pingpong, ms=got[0] * 1e3, tflops=got[1],
+                       vs_cudnn=base / got[0]))
 
 
 def run_sweep(args) -> list[dict]:
@@ -388,6 +423,8 @@ def run_sweep(args) -> list[dict]:
       else:
         configs = [(bq, bk, 64, 64, w, st) for bq, bk, w, st in SWEEP_CONFIGS]
         options = SWEEP_OPTIONS if args.sweep_switches else [SWEEP_OPTIONS[-1]]
+      if not backward:
+        _sweep_hopper(q, k, v, mask, causal, flops, base, timed, rows, saved)
       for opts in options:
         gpu_kernel.set_options(**{**saved, **opts})
         for bq, bk, bqd, bkd, w, st in configs:
@@ -443,6 +480,9 @@ def main(argv=None):
                  "(forward; with --backward also forward + backward, causal) and exit")
   p.add_argument("--sweep-switches", action="store_true",
                  help="with --sweep: also time every code-generation switch combination")
+  p.add_argument("--gpu-forward", choices=("triton", "hopper"), default=None,
+                 help="GPU: the forward kernel of implementation='pallas_gpu' (default: the "
+                 "library's, pallas_kernels.flash_attention.gpu option `forward`)")
   p.add_argument("--roofline", action="store_true",
                  help="print the TPU v5e/v6e roofline table of docs/performance.md and exit")
   args = p.parse_args(argv)
@@ -461,6 +501,9 @@ def main(argv=None):
   elif args.plot is None:
     suffix = "_bwd" if args.backward else ""
     args.plot = os.path.join("runs", f"bench_flash_{_platform()}{suffix}.png")
+  if args.gpu_forward:
+    from pallas_kernels.flash_attention import gpu as gpu_kernel  # noqa: PLC0415
+    gpu_kernel.set_options(forward=args.gpu_forward)
   if args.sweep:
     run_sweep(args)
     return 0

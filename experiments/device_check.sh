@@ -3,6 +3,7 @@
 #
 #   bash experiments/device_check.sh            # from the repository root or anywhere
 #   TUNE=1 bash experiments/device_check.sh     # + tile sweeps (about 2 minutes more)
+#   PART=decode bash experiments/device_check.sh # only the decode steps (PART=flash: only flash)
 #
 # Needs nothing installed from this repository: it runs the checkout with PYTHONPATH set to it,
 # on the machine's own python3 with jax (CUDA), flax, jaxtyping, matplotlib, tqdm and pytest.
@@ -15,7 +16,9 @@
 #   3. flash kernels: tests/kernels/test_flash_gpu.py compiled, experiments.bench_flash --check
 #      and the forward benchmark against cuDNN and the bf16 matmul peak (T = 2k..16k, causal and
 #      not), the forward + backward benchmark (T = 2k, 8k), and (TUNE=1) the tile and
-#      code-generation sweep at T = 8k (against cuDNN and JAX's own Mosaic GPU flash attention).
+#      code-generation sweep at T = 8k (against cuDNN and JAX's own Mosaic GPU flash attention);
+#      the Hopper (Mosaic GPU) forward: its tests compiled, --check and the forward benchmark with
+#      --gpu-forward hopper, and (TUNE=1) its tiles in the sweep.
 # Everything printed goes to $OUT/device_check.log (or runs/), with the plots beside it.
 # Exit status: 0 when every step passed.
 set -uo pipefail
@@ -61,6 +64,8 @@ if [ "$status" -ne 0 ]; then
   exit 1
 fi
 
+PART="${PART:-all}"
+if [ "$PART" != flash ]; then
 step "decode kernel tests" 120 \
   "$PY" -m pytest -q -rf --maxfail=3 -p no:cacheprovider tests/kernels/test_decode_gpu.py
 step "decode check + benchmark" 200 \
@@ -77,8 +82,14 @@ for cfg in ${TILES[@]+"${TILES[@]}"}; do
     --repeats 5 --out "$WORK/tiles"
 done
 
-step "flash kernel tests" 120 \
-  "$PY" -m pytest -q -rf --maxfail=3 -p no:cacheprovider tests/kernels/test_flash_gpu.py
+fi
+if [ "$PART" != decode ]; then
+step "flash kernel tests" 150 \
+  "$PY" -m pytest -q -rf --maxfail=3 -p no:cacheprovider tests/kernels/test_flash_gpu.py \
+  tests/kernels/test_flash_hopper.py
+step "hopper forward: check + benchmark" 120 \
+  "$PY" -m experiments.bench_flash --gpu-forward hopper --check --seq-lens 2048 8192 16384 \
+  --repeats 5 --plot "$DEST/bench_flash_gpu_hopper.png"
 step "flash check + forward benchmark" 120 \
   "$PY" -m experiments.bench_flash --check --seq-lens 2048 4096 8192 16384 --repeats 5 \
   --plot "$DEST/bench_flash_gpu.png"
@@ -88,6 +99,7 @@ step "flash forward+backward benchmark" 60 \
 if [ "${TUNE:-0}" = 1 ]; then
   step "flash tile sweep (forward; forward + backward, causal)" 200 \
     "$PY" -m experiments.bench_flash --sweep 8192 --backward --sweep-switches --repeats 5
+fi
 fi
 echo "device_check: $([ "$status" -eq 0 ] && echo PASSED || echo FAILED)"
 exit $status

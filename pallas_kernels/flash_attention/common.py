@@ -228,6 +228,7 @@ class Plan:
   num_warps: int | None
   num_stages: int
   interpret: Any
+  static_scale: float | None = None  # None: the scale is traced (only ``aux["scale"]`` has it)
 
   @property
   def groups(self) -> int:
@@ -257,7 +258,7 @@ def _pad_lengths(length: int, big: int, small: int, pow2: bool) -> tuple[int, in
 
 def make_plan(query, key, value, *, static_mask, q_offset, logits_soft_cap, alibi_slopes,
               segment_ids, kv_lengths, block_sizes: BlockSizes, interpret,
-              pow2_blocks: bool = False) -> Plan:
+              pow2_blocks: bool = False, scale=None) -> Plan:
   b, t, n, hd = query.shape
   s, kh, hv = key.shape[1], key.shape[2], value.shape[3]
   bq, bqd = block_sizes.block_q, block_sizes.block_q_dkv
@@ -278,7 +279,8 @@ def make_plan(query, key, value, *, static_mask, q_offset, logits_soft_cap, alib
       logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
       has_alibi=alibi_slopes is not None, has_segments=segment_ids is not None,
       has_lengths=kv_lengths is not None, num_warps=block_sizes.num_warps,
-      num_stages=block_sizes.num_stages, interpret=interpret)
+      num_stages=block_sizes.num_stages, interpret=interpret,
+      static_scale=None if scale is None or is_traced(scale) else float(scale))
 
 
 def is_traced(x) -> bool:

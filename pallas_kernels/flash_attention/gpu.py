@@ -34,6 +34,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxattn.ops.masks import Mask
 from pallas_kernels.flash_attention import common as C
+from pallas_kernels.flash_attention import hopper
 from pallas_kernels.flash_attention.sharded import run_flash
 
 
@@ -59,7 +60,16 @@ from pallas_kernels.flash_attention.sharded import run_flash
 #            ``ds k`` into an fp32 dQ with atomic adds, as FlashAttention-2's CUDA backward does:
 #            five matmuls, no dQ kernel).  Default "kernel"; "atomic" is tested for results here
 #            but not yet timed on a GPU.
-_OPTIONS = {"exp": "exp2", "affine": True, "reverse": True, "dq": "kernel"}
+#   forward: "triton" (the kernel below) or "hopper" (``hopper.py``: Mosaic GPU, TMA + wgmma +
+#            warp specialisation, for sm_90 GPUs; calls it does not take -- fp32, ALiBi, segment
+#            ids, per-row lengths, non-band masks, traced scale or offset, another GPU -- stay on
+#            Triton, see ``hopper_reason``).  The backward is Triton's either way.  Default
+#            "triton" until the Hopper kernel is timed on hardware.
+#   hopper:  the Hopper kernel's ``hopper.Config`` (None: its defaults).
+_OPTIONS = {"exp": "exp2", "affine": True, "reverse": True, "dq": "kernel", "forward": "triton",
+            "hopper": None}
+_ALLOWED = {"exp": ("exp", "exp2", "ex2asm"), "affine": (True, False), "reverse": (True, False),
+            "dq": ("kernel", "atomic"), "forward": ("triton", "hopper")}
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 
@@ -69,6 +79,11 @@ def set_options(**options):
   for name, value in options.items():
     if name not in _OPTIONS:
       raise ValueError(f"set_options: unknown option {name!r}; allowed: {sorted(_OPTIONS)}.")
+    if name in _ALLOWED and value not in _ALLOWED[name]:
+      raise ValueError(f"set_options: `{name}`={value!r}; allowed: {list(_ALLOWED[name])}.")
+    if name == "hopper" and value is not None and not isinstance(value, hopper.Config):
+      raise ValueError(f"set_options: `hopper` must be a hopper.Config or None, got "
+                       f"{type(value).__name__}.")
     _OPTIONS[name] = value
   for f in (_build, _fwd_call, _dq_call, _dkv_call):
     f.cache_clear()
@@ -254,7 +269,27 @@ def _visit(counts_ref, entries_ref, carry, step, affine=False):
 # ----------------------------------------------------------------------------------------------
 
 
+def hopper_reason(plan: C.Plan) -> str | None:
+  """None when ``forward="hopper"`` runs this plan's forward on the Hopper kernel, else why not."""
+  if _OPTIONS["forward"] != "hopper":
+    return "option forward='triton'"
+  if not plan.interpret:
+    cc = getattr(jax.devices()[0], "compute_capability", None)
+    if cc is None or not str(cc).startswith("9"):
+      return f"device compute capability {cc} (the kernel is for sm_90)"
+  if plan.static_scale is None:
+    return "a traced scale"
+  return hopper.supports(dtype=plan.dtype, head_dim=plan.head_dim, v_head_dim=plan.v_head_dim,
+                         static_mask=plan.static_mask, static_q_offset=plan.static_q_offset,
+                         has_alibi=plan.has_alibi, has_segments=plan.has_segments,
+                         has_lengths=plan.has_lengths, config=_OPTIONS["hopper"])
+
+
 def _forward(plan: C.Plan, q, k, v, aux):
+  if hopper_reason(plan) is None:
+    return hopper.forward(q, k, v, mask=plan.static_mask, scale=plan.static_scale,
+                          q_offset=plan.static_q_offset, logits_soft_cap=plan.logits_soft_cap,
+                          config=_OPTIONS["hopper"], interpret=plan.interpret or None)
   x = _Inputs(plan, q, k, v, aux)
   entries, counts = _tables(plan, aux, transpose=False)
   out, lse = _fwd_call(plan, entries.shape[-1], x.hp, x.vp)(

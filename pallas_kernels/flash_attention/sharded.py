@@ -123,7 +123,7 @@ def run_flash(query, key, value, mask, *, scale, alibi_slopes, logits_soft_cap, 
     plan = common.make_plan(
         q, k, v, static_mask=static, q_offset=offset if static_offset is None else static_offset,
         logits_soft_cap=logits_soft_cap, alibi_slopes=slopes, segment_ids=seg, kv_lengths=lens,
-        block_sizes=block_sizes, interpret=interpret, pow2_blocks=pow2_blocks)
+        block_sizes=block_sizes, interpret=interpret, pow2_blocks=pow2_blocks, scale=scl)
     aux = {"q_ids": q_ids, "kv_ids": kv_ids, "kv_lengths": lens,
            "slopes": None if slopes is None else slopes.astype(jnp.float32),
            "q_offset": jnp.asarray(offset, jnp.int32), "scale": jnp.asarray(scl, jnp.float32)}
