@@ -241,7 +241,10 @@ def _call(st: _Static):
 
   def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, q_ready,
              k_ready, v_ready, free, turn):
-    tile, head, batch = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
+    # Query tiles last-first: under a causal mask the last tiles see the most keys, and starting
+    # them first shortens the final wave (as in the Triton kernel).
+    tile = (tp // rows - 1) - lax.axis_index("q")
+    head, batch = lax.axis_index("heads"), lax.axis_index("batch")
     wg = lax.axis_index("wg")
     kv_head = lax.div(head, i32(groups))
     cta_lo, cta_hi, _, _ = key_range(tile * rows, rows)
