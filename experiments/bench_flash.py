@@ -88,7 +88,8 @@ def run_benchmark(args) -> list[dict]:
   ours_name = {"gpu": "pallas_gpu", "tpu": "pallas_tpu", "cpu": "xla_chunked"}[platform]
   if platform == "gpu":
     from pallas_kernels.flash_attention import gpu as gpu_kernel  # noqa: PLC0415
-    if gpu_kernel.get_options()["forward"] == "hopper":
+    opts = gpu_kernel.get_options()
+    if "hopper" in (opts["forward"], opts["backward"] if args.backward else None):
       ours_name = "pallas_gpu/hopper"
   print(f"platform={platform} device={jax.devices()[0].device_kind} jax={jax.__version__} "
         f"dtype={dtype.name} heads={args.heads}/{args.kv_heads} head_dim={args.head_dim} "
@@ -265,8 +266,9 @@ def run_check() -> bool:
   ]
   if platform == "gpu":
     from pallas_kernels.flash_attention import gpu as gpu_kernel  # noqa: PLC0415
-    print(f"check: GPU forward kernel = {gpu_kernel.get_options()['forward']} (bf16 band-mask "
-          "cases run it when it is 'hopper' on an sm_90 GPU; the rest take the Triton forward)")
+    opts = gpu_kernel.get_options()
+    print(f"check: GPU kernels forward={opts['forward']} backward={opts['backward']} (bf16 "
+          "band-mask cases run the Hopper ones when set on an sm_90 GPU; the rest take Triton's)")
   for name, dtype, (b, t, n, kh, h), kw, tol in cases:
     ks = jax.random.split(jax.random.key(7), 3)
     q = jax.random.normal(ks[0], (b, t, n, h), jnp.float32).astype(dtype)
@@ -347,8 +349,9 @@ def _time_jax_mgpu(q, k, v, causal, flops, base, peak, repeats):
         f"TFLOP/s {100 * rate / peak:5.1f}% peak {base / sec:5.2f}x cudnn", flush=True)
 
 
-def _sweep_hopper(q, k, v, mask, causal, flops, base, timed, rows, saved):
-  """The Hopper forward (``gpu.set_options(forward="hopper")``) at each ``HOPPER_SWEEP`` config."""
+def _sweep_hopper(q, k, v, mask, causal, flops, base, timed, rows, saved, backward=False):
+  """The Hopper forward (``gpu.set_options(forward="hopper")``; with ``backward``, forward +
+  backward with both passes on the Hopper kernels) at each ``HOPPER_SWEEP`` config."""
   from pallas_kernels.flash_attention import flash_attention_gpu, hopper  # noqa: PLC0415
   from pallas_kernels.flash_attention import gpu as gpu_kernel  # noqa: PLC0415
 
@@ -357,13 +360,18 @@ def _sweep_hopper(q, k, v, mask, causal, flops, base, timed, rows, saved):
     if hopper.smem_bytes(q.shape[-1], cfg) > hopper._SMEM_BYTES:
       continue
     try:
-      gpu_kernel.set_options(**{**saved, "forward": "hopper", "hopper": cfg})
+      gpu_kernel.set_options(**{**saved, "forward": "hopper", "hopper": cfg,
+                                "backward": "hopper" if backward else saved["backward"]})
       fn = lambda q, k, v: flash_attention_gpu(q, k, v, mask)  # noqa: E731
-      got = timed(f"hopper bk={bk:>3} stages={stages} pingpong={int(pingpong)}", fn, flops, base)
+      if backward:
+        fn = jax.grad(lambda q, k, v, f=fn: jnp.sum(f(q, k, v).astype(jnp.float32)),
+                      argnums=(0, 1, 2))
+      got = timed(f"hopper{' fwd+bwd' if backward else ''} bk={bk:>3} stages={stages} "
+                  f"pingpong={int(pingpong)}", fn, flops, base)
     finally:
       gpu_kernel.set_options(**saved)
     if got:
-      rows.append(dict(causal=causal, backward=False, forward="hopper", block_k=bk,
+      rows.append(dict(causal=causal, backward=backward, forward="hopper", block_k=bk,
                        stages=stages, pingpong=pingpong, ms=got[0] * 1e3, tflops=got[1],
                        vs_cudnn=base / got[0]))
 
@@ -420,6 +428,7 @@ def run_sweep(args) -> list[dict]:
       if backward:
         configs = [(128, 64, bqd, bkd, w, st) for bqd, bkd, w, st in SWEEP_BWD_CONFIGS]
         options = [SWEEP_OPTIONS[-1], {**SWEEP_OPTIONS[-1], "dq": "atomic"}]
+        _sweep_hopper(q, k, v, mask, causal, flops, base, timed, rows, saved, backward=True)
       else:
         configs = [(bq, bk, 64, 64, w, st) for bq, bk, w, st in SWEEP_CONFIGS]
         options = SWEEP_OPTIONS if args.sweep_switches else [SWEEP_OPTIONS[-1]]
@@ -483,6 +492,9 @@ def main(argv=None):
   p.add_argument("--gpu-forward", choices=("triton", "hopper"), default=None,
                  help="GPU: the forward kernel of implementation='pallas_gpu' (default: the "
                  "library's, pallas_kernels.flash_attention.gpu option `forward`)")
+  p.add_argument("--gpu-backward", choices=("triton", "hopper"), default=None,
+                 help="GPU: the backward kernels of implementation='pallas_gpu' (default: the "
+                 "library's, option `backward`)")
   p.add_argument("--roofline", action="store_true",
                  help="print the TPU v5e/v6e roofline table of docs/performance.md and exit")
   args = p.parse_args(argv)
@@ -501,9 +513,10 @@ def main(argv=None):
   elif args.plot is None:
     suffix = "_bwd" if args.backward else ""
     args.plot = os.path.join("runs", f"bench_flash_{_platform()}{suffix}.png")
-  if args.gpu_forward:
+  if args.gpu_forward or args.gpu_backward:
     from pallas_kernels.flash_attention import gpu as gpu_kernel  # noqa: PLC0415
-    gpu_kernel.set_options(forward=args.gpu_forward)
+    gpu_kernel.set_options(**{k: v for k, v in (("forward", args.gpu_forward),
+                                                ("backward", args.gpu_backward)) if v})
   if args.sweep:
     run_sweep(args)
     return 0

@@ -17,8 +17,9 @@
 #      and the forward benchmark against cuDNN and the bf16 matmul peak (T = 2k..16k, causal and
 #      not), the forward + backward benchmark (T = 2k, 8k), and (TUNE=1) the tile and
 #      code-generation sweep at T = 8k (against cuDNN and JAX's own Mosaic GPU flash attention);
-#      the Hopper (Mosaic GPU) forward: its tests compiled, --check and the forward benchmark with
-#      --gpu-forward hopper, and (TUNE=1) its tiles in the sweep.
+#      the Hopper (Mosaic GPU) kernels: their tests compiled, --check and the forward and forward +
+#      backward benchmarks with --gpu-forward/--gpu-backward hopper, (TUNE=1) their tiles in the
+#      sweep.
 # Everything printed goes to $OUT/device_check.log (or runs/), with the plots beside it.
 # Exit status: 0 when every step passed.
 set -uo pipefail
@@ -87,9 +88,12 @@ if [ "$PART" != decode ]; then
 step "flash kernel tests" 150 \
   "$PY" -m pytest -q -rf --maxfail=3 -p no:cacheprovider tests/kernels/test_flash_gpu.py \
   tests/kernels/test_flash_hopper.py
-step "hopper forward: check + benchmark" 120 \
-  "$PY" -m experiments.bench_flash --gpu-forward hopper --check --seq-lens 2048 8192 16384 \
-  --repeats 5 --plot "$DEST/bench_flash_gpu_hopper.png"
+step "hopper kernels: check + forward benchmark" 120 \
+  "$PY" -m experiments.bench_flash --gpu-forward hopper --gpu-backward hopper --check \
+  --seq-lens 2048 8192 16384 --repeats 5 --plot "$DEST/bench_flash_gpu_hopper.png"
+step "hopper kernels: forward+backward benchmark" 60 \
+  "$PY" -m experiments.bench_flash --gpu-forward hopper --gpu-backward hopper --backward \
+  --seq-lens 2048 8192 --repeats 3 --plot "$DEST/bench_flash_gpu_hopper_bwd.png"
 step "flash check + forward benchmark" 120 \
   "$PY" -m experiments.bench_flash --check --seq-lens 2048 4096 8192 16384 --repeats 5 \
   --plot "$DEST/bench_flash_gpu.png"

@@ -63,13 +63,17 @@ from pallas_kernels.flash_attention.sharded import run_flash
 #   forward: "triton" (the kernel below) or "hopper" (``hopper.py``: Mosaic GPU, TMA + wgmma +
 #            warp specialisation, for sm_90 GPUs; calls it does not take -- fp32, ALiBi, segment
 #            ids, per-row lengths, non-band masks, traced scale or offset, another GPU -- stay on
-#            Triton, see ``hopper_reason``).  The backward is Triton's either way.  Default
-#            "triton" until the Hopper kernel is timed on hardware.
-#   hopper:  the Hopper kernel's ``hopper.Config`` (None: its defaults).
+#            Triton, see ``hopper_reason``).  Either backward takes either forward's output.
+#            Default "triton" until the Hopper kernel is timed on hardware.
+#   backward: "triton" (the dQ and dK/dV kernels below) or "hopper" (``hopper.backward``: the same
+#            two passes as Mosaic GPU kernels; the dK/dV pass sums a GQA group in the kernel).
+#            Same eligibility as ``forward``, head sizes up to 128.  Default "triton".
+#   hopper:  the Hopper kernels' ``hopper.Config`` (None: their defaults).
 _OPTIONS = {"exp": "exp2", "affine": True, "reverse": True, "dq": "kernel", "forward": "triton",
-            "hopper": None}
+            "backward": "triton", "hopper": None}
 _ALLOWED = {"exp": ("exp", "exp2", "ex2asm"), "affine": (True, False), "reverse": (True, False),
-            "dq": ("kernel", "atomic"), "forward": ("triton", "hopper")}
+            "dq": ("kernel", "atomic"), "forward": ("triton", "hopper"),
+            "backward": ("triton", "hopper")}
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 
@@ -269,10 +273,13 @@ def _visit(counts_ref, entries_ref, carry, step, affine=False):
 # ----------------------------------------------------------------------------------------------
 
 
-def hopper_reason(plan: C.Plan) -> str | None:
-  """None when ``forward="hopper"`` runs this plan's forward on the Hopper kernel, else why not."""
-  if _OPTIONS["forward"] != "hopper":
-    return "option forward='triton'"
+def hopper_reason(plan: C.Plan, which: str = "forward") -> str | None:
+  """None when option ``which`` ("forward" / "backward") = "hopper" runs this plan's pass on the
+  Hopper kernels, else why not."""
+  if _OPTIONS[which] != "hopper":
+    return f"option {which}='triton'"
+  if which == "backward" and (why := hopper.supports_backward(head_dim=plan.head_dim)):
+    return why
   if not plan.interpret:
     cc = getattr(jax.devices()[0], "compute_capability", None)
     if cc is None or not str(cc).startswith("9"):
@@ -404,6 +411,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, entries_ref, counts_ref, iscal_ref, fscal_r
 
 
 def _backward(plan: C.Plan, q, k, v, aux, out, lse, d_out, d_lse):
+  if hopper_reason(plan, "backward") is None:
+    return hopper.backward(q, k, v, out, lse, d_out, d_lse, mask=plan.static_mask,
+                           scale=plan.static_scale, q_offset=plan.static_q_offset,
+                           logits_soft_cap=plan.logits_soft_cap, config=_OPTIONS["hopper"],
+                           interpret=plan.interpret or None)
   x = _Inputs(plan, q, k, v, aux)
   do = _pad(d_out, plan.q_pad, x.vp)  # [B, Tp, N, hp]
   delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, N]

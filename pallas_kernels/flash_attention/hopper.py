@@ -24,8 +24,15 @@ lengths and the logit soft-cap.  Per consumer the key blocks split into runs:
 the band are not computed (a consumer still waits for and releases them, which keeps the
 mbarrier phases of the two consumers in step).  The CTA loads only the union of its two consumers'
 runs.  Data masks (segment ids, per-row lengths), ALiBi and fp32 inputs are the Triton kernel's
-(``supports`` says which); the backward is the Triton kernels' (they take this forward's
-log-sum-exp unchanged).
+(``supports`` says which).
+
+The backward (``backward``) is FlashAttention-2's two passes on the same skeleton (``_Ctx``: a
+producer ring, two consumers, skip / masked / full runs): a dQ kernel over query tiles streams
+K / V blocks (``s = q k^T``, ``dp = do v^T``, ``dq += ds k``), and a dK/dV kernel over key tiles
+streams ``q`` / ``do`` blocks with their log-sum-exp and ``delta`` rows (``s^T = k q^T``,
+``dv += p^T do``, ``dp^T = v do^T``, ``dk += ds^T q``), walking the ``G`` query heads of its KV
+head in turn so that GQA gradients are summed in fp32 registers.  Either backward (this or
+Triton's) takes either forward's output.
 
 Tested on CPU with Mosaic GPU's interpreter (threads, barriers and TMA simulated, races detected),
 lowered for CUDA in tests (``jax.export``); speed only on a Hopper GPU
@@ -173,7 +180,7 @@ def forward(query, key, value, *, mask: Mask | None = None, scale: float | None 
     raise ValueError(f"hopper.forward: key {key.shape} {key.dtype} and value {value.shape} "
                      f"{value.dtype} must both be [B={b}, S, K, H={h}] in {query.dtype}.")
   if interpret is True:
-    interpret = plgpu.InterpretParams() if hasattr(plgpu, "InterpretParams") else _interpret_params()
+    interpret = _interpret_params()
   _, left, right = band(mask)
   st = _Static(batch=b, q_len=t, kv_len=s, num_heads=n, num_kv_heads=kh, head_dim=h,
                dtype=jnp.dtype(query.dtype).name, left=left, right=right, q_offset=int(q_offset),
@@ -201,43 +208,224 @@ def _cdiv(a, b):
   return -(-a // b)
 
 
+_BIG = 1 << 20  # offsets keep divisions of possibly negative positions non-negative
+
+
+def _fdiv(x, d: int):
+  """floor(x / d) of a traced int32 (``lax.div`` truncates toward zero)."""
+  return lax.div(x + d * _BIG, jnp.int32(d)) - _BIG
+
+
+def _cdiv_t(x, d: int):
+  return _fdiv(x + (d - 1), d)
+
+
+def _clamp(lo, x, hi):
+  return lax.min(lax.max(x, lo), hi)
+
+
+def _runs(lo, hi, f_lo, f_hi):
+  """Clamps a FULL run into ``[lo, hi)`` (``lo <= f_lo <= f_hi <= hi``)."""
+  hi = lax.max(hi, lo)
+  f_lo = _clamp(lo, f_lo, hi)
+  f_hi = _clamp(f_lo, f_hi, hi)
+  return lo, hi, f_lo, f_hi
+
+
+def key_blocks(st: "_Static", r0, nrows: int, bk: int, kv_len_blocks: int):
+  """Key blocks ``[lo, hi)`` that query rows ``r0 .. r0 + nrows - 1`` may see, and the FULL run
+  ``[f_lo, f_hi)`` inside it (every key of the block allowed for every row, no padding key)."""
+  i32 = jnp.int32
+  p0 = r0 + st.q_offset
+  p1 = p0 + (nrows - 1)
+  lo = i32(0) if st.left is None else _fdiv(lax.max(p0 - st.left, i32(0)), bk)
+  hi_key = i32(st.kv_len) if st.right is None else _clamp(i32(0), p1 + st.right + 1,
+                                                            i32(st.kv_len))
+  hi = lax.min(_cdiv_t(hi_key, bk), i32(kv_len_blocks))
+  f_lo = lo if st.left is None else _cdiv_t(p1 - st.left, bk)
+  full_end = i32(st.kv_len) if st.right is None else _clamp(i32(0), p0 + st.right + 1,
+                                                              i32(st.kv_len))
+  return _runs(lo, hi, f_lo, _fdiv(full_end, bk))
+
+
+def query_blocks(st: "_Static", k0, nkeys: int, bq: int):
+  """Query blocks ``[lo, hi)`` whose rows may see keys ``k0 .. k0 + nkeys - 1``, and the FULL
+  run (every row of the block sees every key of the tile).  Key padding is not masked here: the
+  gradients of padding keys are dropped, and real keys' gradients do not depend on them."""
+  i32 = jnp.int32
+  k1 = k0 + (nkeys - 1)
+  r_lo = i32(0) if st.right is None else _clamp(i32(0), k0 - st.right - st.q_offset,
+                                                  i32(st.q_len))
+  r_end = i32(st.q_len) if st.left is None else _clamp(i32(0), k1 + st.left - st.q_offset + 1,
+                                                         i32(st.q_len))
+  lo, hi = _fdiv(r_lo, bq), _cdiv_t(r_end, bq)
+  f_lo = lo if st.right is None else _cdiv_t(k1 - st.right - st.q_offset, bq)
+  f_hi = hi if st.left is None else _fdiv(k0 + st.left - st.q_offset + 1, bq)
+  return _runs(lo, hi, f_lo, f_hi)
+
+
+class _Ctx:
+  """What every kernel body shares: layouts (none when interpreted), the ping-pong turn, the
+  producer's ring and the consumers' runs."""
+
+  def __init__(self, st: "_Static", stages: int, pingpong: bool):
+    self.st, self.stages, self.pingpong = st, stages, pingpong
+    self.interpret = bool(st.interpret)
+
+  def cast(self, x, layout):
+    return x if self.interpret else plgpu.layout_cast(x, layout)
+
+  def full(self, shape, value):
+    layout = plgpu.Layout.WGMMA if len(shape) == 2 else plgpu.Layout.WGMMA.reduce(1)
+    return self.cast(jnp.full(shape, value, jnp.float32), layout)
+
+  def iota(self, shape, dim):
+    return self.cast(lax.broadcasted_iota(jnp.int32, shape, dim), plgpu.Layout.WGMMA)
+
+  def load_vec(self, ref, axis: int):
+    """A ``[n]`` fp32 row (``axis=1``: one value per accumulator row) or column vector."""
+    if self.interpret:
+      return ref[...]
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(axis))
+
+  def take_turn(self, turn):
+    if self.pingpong:
+      plgpu.barrier_arrive(turn)
+      plgpu.barrier_wait(turn)
+
+  def mm(self, a_ref, b_ref, shape, *, transpose_b: bool, turn=None):
+    """``a @ b`` (``b^T`` with ``transpose_b``) of two shared-memory tiles into fresh fp32
+    registers; ``turn`` hands the tensor cores over between issue and wait."""
+    if self.interpret:  # the interpreter's wgmma takes no transposed or register operands
+      dims = (((1,), (1,)), ((), ())) if transpose_b else (((1,), (0,)), ((), ()))
+      out = lax.dot_general(a_ref[...], b_ref[...], dims, preferred_element_type=jnp.float32)
+      if turn is not None:
+        self.take_turn(turn)
+      return out
+
+    def body(acc_ref):
+      plgpu.wgmma(acc_ref, a_ref, plgpu.transpose_ref(b_ref, (1, 0)) if transpose_b else b_ref)
+      if turn is not None:
+        self.take_turn(turn)
+      return acc_ref[...]
+
+    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+
+  def mm_acc(self, acc, a, b_ref):
+    """``acc + a @ b``: ``a`` a 16-bit register tile, ``b`` a shared-memory tile; on hardware the
+    accumulator is the wgmma's own (updated in place)."""
+    if self.interpret:
+      return acc + jnp.dot(a, b_ref[...], preferred_element_type=jnp.float32)
+
+    def body(acc_ref):
+      plgpu.wgmma(acc_ref, a, b_ref)
+
+    return pl.run_state(body)(plgpu.ACC.init(acc))
+
+  def produce(self, total, free, load):
+    """The producer warpgroup: ``load(t, slot)`` issues the TMA copies of global step ``t``;
+    slot ``t % stages`` is refilled once both consumers released step ``t - stages``; at the end
+    it observes the last phases of ``free`` (no barrier left mid-phase at exit)."""
+    i32, stages = jnp.int32, self.stages
+    plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
+
+    @pl.loop(0, lax.min(total, i32(stages)))
+    def _prologue(t):
+      load(t, t)
+
+    @pl.loop(stages, lax.max(total, i32(stages)))
+    def _steady(t):
+      slot = lax.rem(t, stages)
+      plgpu.barrier_wait(free.at[slot])
+      load(t, slot)
+
+    @pl.loop(lax.max(total - stages, i32(0)), total)
+    def _drain(t):
+      plgpu.barrier_wait(free.at[lax.rem(t, stages)])
+
+  def consume(self, carry, *, outer: int, cta_lo, steps, runs, ready, free, turn, compute):
+    """One consumer's walk over ``outer`` passes of the CTA's ``steps`` blocks (global step
+    ``t = o * steps + s``): ``[skip | masked | full | masked | skip]`` from its own ``runs``.
+    ``compute(t, slot, block, o, carry, masked) -> carry`` must arrive on ``free`` and take two
+    turns; a skipped step waits for its copies, releases the slot and takes its two turns, so
+    both consumers see every barrier phase."""
+    lo, hi, f_lo, f_hi = runs
+    a, b, c, d = lo - cta_lo, f_lo - cta_lo, f_hi - cta_lo, hi - cta_lo
+    stages = self.stages
+
+    def skip(o):
+      def body(s, carry):
+        slot = lax.rem(o * steps + s, stages)
+        for bar in ready:
+          plgpu.barrier_wait(bar.at[slot])
+        plgpu.barrier_arrive(free.at[slot])
+        self.take_turn(turn)
+        self.take_turn(turn)
+        return carry
+      return body
+
+    def run(o, masked):
+      def body(s, carry):
+        t = o * steps + s
+        return compute(t, lax.rem(t, stages), cta_lo + s, o, carry, masked)
+      return body
+
+    def one_pass(o, carry):
+      lax.fori_loop(0, a, skip(o), None)
+      carry = lax.fori_loop(a, b, run(o, True), carry)
+      carry = lax.fori_loop(b, c, run(o, False), carry)
+      carry = lax.fori_loop(c, d, run(o, True), carry)
+      lax.fori_loop(d, steps, skip(o), None)
+      return carry
+
+    if outer == 1:
+      return one_pass(jnp.int32(0), carry)
+    return lax.fori_loop(0, outer, one_pass, carry)
+
+
+def _logits(ctx: _Ctx, s):
+  """Base-2 logits of raw ``q . k`` (fp32) and, with a soft-cap, ``tanh`` of the capped logit
+  (its chain rule is ``1 - tanh^2``)."""
+  st = ctx.st
+  if st.soft_cap is None:
+    return s * (st.scale * _LOG2E), None
+  t = jnp.tanh(s * (st.scale / st.soft_cap))
+  return (st.soft_cap * _LOG2E) * t, t
+
+
+def _band_ok(ctx: _Ctx, q_pos, k_pos, check_len: bool):
+  st = ctx.st
+  ok = k_pos < st.kv_len if check_len else None
+  for cond in ((k_pos >= q_pos - st.left) if st.left is not None else None,
+               (k_pos <= q_pos + st.right) if st.right is not None else None):
+    if cond is not None:
+      ok = cond if ok is None else ok & cond
+  return ok
+
+
+def _shapes(st: "_Static", rows: int, kv_multiple: int):
+  return _cdiv(st.q_len, rows) * rows, _cdiv(st.kv_len, kv_multiple) * kv_multiple
+
+
+def _tiled():
+  return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------
+
+
 @functools.lru_cache(maxsize=64)
 def _call(st: _Static):
   cfg = st.config
   bq, bk, stages = cfg.block_q, cfg.block_k, cfg.stages
   rows = 2 * bq
-  tp, sp = _cdiv(st.q_len, rows) * rows, _cdiv(st.kv_len, bk) * bk
+  tp, sp = _shapes(st, rows, bk)
   dtype = jnp.dtype(st.dtype)
   h = st.head_dim
   groups = st.num_heads // st.num_kv_heads
-  scale2 = st.scale * _LOG2E  # logits in base 2
-  i32 = jnp.int32
-
-  def key_range(r0, nrows):
-    """Key blocks ``[lo, hi)`` that rows ``r0 .. r0 + nrows - 1`` may see, and the FULL run
-    ``[f_lo, f_hi)`` inside it (every key of the block allowed for every row)."""
-    p0 = r0 + st.q_offset  # position of the first row
-    p1 = p0 + nrows - 1
-    lo = i32(0) if st.left is None else lax.div(lax.max(p0 - st.left, i32(0)), i32(bk))
-    hi_key = i32(st.kv_len) if st.right is None else lax.clamp(i32(0), p1 + st.right + 1,
-                                                                 i32(st.kv_len))
-    hi = lax.div(hi_key + (bk - 1), i32(bk))
-    hi = lax.max(hi, lo)
-    # FULL: first key >= p1 - left, last key <= p0 + right, and no padding key.
-    f_lo = lo if st.left is None else lax.max(lax.div(p1 - st.left + bk - 1, i32(bk)), lo)
-    full_end = i32(st.kv_len) if st.right is None else lax.clamp(i32(0), p0 + st.right + 1,
-                                                                   i32(st.kv_len))
-    f_hi = lax.min(lax.div(full_end, i32(bk)), hi)
-    f_lo = lax.min(f_lo, hi)
-    f_hi = lax.max(f_hi, f_lo)
-    return lo, hi, f_lo, f_hi
-
-  def cast(x, layout):  # Mosaic GPU's interpreter runs without register layouts
-    return x if st.interpret else plgpu.layout_cast(x, layout)
-
-  def iota(dim):
-    x = lax.broadcasted_iota(i32, (bq, bk), dim)
-    return cast(x, plgpu.Layout.WGMMA)
+  ctx = _Ctx(st, stages, cfg.pingpong)
 
   def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, q_ready,
              k_ready, v_ready, free, turn):
@@ -246,71 +434,30 @@ def _call(st: _Static):
     tile = (tp // rows - 1) - lax.axis_index("q")
     head, batch = lax.axis_index("heads"), lax.axis_index("batch")
     wg = lax.axis_index("wg")
-    kv_head = lax.div(head, i32(groups))
-    cta_lo, cta_hi, _, _ = key_range(tile * rows, rows)
+    kv_head = lax.div(head, jnp.int32(groups))
+    cta_lo, cta_hi, _, _ = key_blocks(st, tile * rows, rows, bk, sp // bk)
     steps = cta_hi - cta_lo
-
-    def take_turn():
-      if cfg.pingpong:
-        plgpu.barrier_arrive(turn)
-        plgpu.barrier_wait(turn)
 
     @pl.when(wg < 2)
     def _consumer():
       plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
       r0 = tile * rows + wg * bq
-      lo, hi, f_lo, f_hi = key_range(r0, bq)
       my_q = q_smem.at[wg]
       plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(r0, bq), head], my_q, q_ready.at[wg])
       plgpu.barrier_wait(q_ready.at[wg])
-
-      row_layout = plgpu.Layout.WGMMA.reduce(1)
-      m = cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout)
-      l = cast(jnp.full((bq,), 0.0, jnp.float32), row_layout)
-      acc = cast(jnp.full((bq, h), 0.0, jnp.float32), plgpu.Layout.WGMMA)
       if cfg.pingpong:
-        pl.when(wg == 1)(take_turn)  # consumer 0 goes first
+        pl.when(wg == 1)(lambda: ctx.take_turn(turn))  # consumer 0 goes first
 
-      def skip(step, carry):
-        slot = lax.rem(step, stages)
-        plgpu.barrier_wait(k_ready.at[slot])
-        plgpu.barrier_wait(v_ready.at[slot])
-        plgpu.barrier_arrive(free.at[slot])
-        take_turn()
-        take_turn()
-        return carry
-
-      def compute(step, carry, masked):
+      def compute(t, slot, block, o, carry, masked):
+        del t, o
         acc, m, l = carry
-        slot = lax.rem(step, stages)
-        block = cta_lo + step
         plgpu.barrier_wait(k_ready.at[slot])
-
-        def qk(acc_ref):
-          plgpu.wgmma(acc_ref, my_q, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-          take_turn()  # the other consumer may issue its matmuls now
-          return acc_ref[...]
-
-        if st.interpret:  # the interpreter's wgmma takes no transposed or register operands
-          s = lax.dot_general(my_q[...], k_smem[slot], (((1,), (1,)), ((), ())),
-                              preferred_element_type=jnp.float32)
-          take_turn()
-        else:
-          s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
-        if st.soft_cap is not None:
-          cap = st.soft_cap
-          s = (cap * _LOG2E) * jnp.tanh(s * (st.scale / cap))
-        else:
-          s = s * scale2
+        s = ctx.mm(my_q, k_smem.at[slot], (bq, bk), transpose_b=True, turn=turn)
+        s, _ = _logits(ctx, s)
         if masked:
-          q_pos = iota(0) + (r0 + st.q_offset)
-          k_pos = iota(1) + block * bk
-          ok = k_pos < st.kv_len
-          if st.left is not None:
-            ok = ok & (k_pos >= q_pos - st.left)
-          if st.right is not None:
-            ok = ok & (k_pos <= q_pos + st.right)
-          s = jnp.where(ok, s, -jnp.inf)
+          q_pos = ctx.iota((bq, bk), 0) + (r0 + st.q_offset)
+          k_pos = ctx.iota((bq, bk), 1) + block * bk
+          s = jnp.where(_band_ok(ctx, q_pos, k_pos, check_len=True), s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=1))
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no allowed key yet
         alpha = jnp.exp2(m - m_use)
@@ -318,29 +465,18 @@ def _call(st: _Static):
         l = l * alpha + p.sum(axis=1)
         p16 = p.astype(dtype)
         plgpu.barrier_wait(v_ready.at[slot])
-
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        if st.interpret:
-          acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
-        else:  # accumulate in place: the output tile is the wgmma accumulator (one fp32 tile)
-          def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-
-          acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-        take_turn()
+        acc = ctx.mm_acc(acc, p16, v_smem.at[slot])
+        ctx.take_turn(turn)
         plgpu.barrier_arrive(free.at[slot])
         return acc, m_new, l
 
-      carry = (acc, m, l)
-      a, b_, c, d = lo - cta_lo, f_lo - cta_lo, f_hi - cta_lo, hi - cta_lo
-      lax.fori_loop(0, a, skip, None)
-      carry = lax.fori_loop(a, b_, functools.partial(compute, masked=True), carry)
-      carry = lax.fori_loop(b_, c, functools.partial(compute, masked=False), carry)
-      carry = lax.fori_loop(c, d, functools.partial(compute, masked=True), carry)
-      lax.fori_loop(d, steps, skip, None)
-      acc, m, l = carry
+      carry = (ctx.full((bq, h), 0.0), ctx.full((bq,), -jnp.inf), ctx.full((bq,), 0.0))
+      acc, m, l = ctx.consume(carry, outer=1, cta_lo=cta_lo, steps=steps,
+                              runs=key_blocks(st, r0, bq, bk, sp // bk),
+                              ready=(k_ready, v_ready), free=free, turn=turn, compute=compute)
       if cfg.pingpong:
-        pl.when(wg == 0)(take_turn)  # balance consumer 1's first turn
+        pl.when(wg == 0)(lambda: ctx.take_turn(turn))  # balance consumer 1's first turn
 
       ok = l > 0.0
       inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
@@ -353,34 +489,19 @@ def _call(st: _Static):
 
     @pl.when(wg == 2)
     def _producer():
-      plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
-
-      def load(step, slot):
-        keys = pl.ds((cta_lo + step) * bk, bk)
+      def load(t, slot):
+        keys = pl.ds((cta_lo + t) * bk, bk)
         plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_smem.at[slot], k_ready.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], v_smem.at[slot], v_ready.at[slot])
 
-      @pl.loop(0, lax.min(steps, i32(stages)))
-      def _prologue(step):
-        load(step, step)
-
-      @pl.loop(stages, lax.max(steps, i32(stages)))
-      def _steady(step):
-        slot = lax.rem(step, stages)
-        plgpu.barrier_wait(free.at[slot])  # both consumers are done with block step - stages
-        load(step, slot)
-
-      @pl.loop(lax.max(steps - stages, i32(0)), steps)
-      def _drain(step):  # observe every phase of `free` (no barrier left mid-phase at exit)
-        plgpu.barrier_wait(free.at[lax.rem(step, stages)])
+      ctx.produce(steps, free, load)
 
   def entry(q_ref, k_ref, v_ref, o_ref, lse_ref):
-    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     pl.run_scoped(
         lambda *scratch: kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch),
-        plgpu.SMEM((2, bq, h), dtype, transforms=transforms),
-        plgpu.SMEM((stages, bk, h), dtype, transforms=transforms),
-        plgpu.SMEM((stages, bk, h), dtype, transforms=transforms),
+        plgpu.SMEM((2, bq, h), dtype, transforms=_tiled()),
+        plgpu.SMEM((stages, bk, h), dtype, transforms=_tiled()),
+        plgpu.SMEM((stages, bk, h), dtype, transforms=_tiled()),
         plgpu.SMEM((2, bq), jnp.float32),
         plgpu.Barrier(num_barriers=2),
         plgpu.Barrier(num_barriers=stages),
@@ -403,12 +524,321 @@ def _call(st: _Static):
   )
 
   def run(q, k, v):
-    if tp != st.q_len:
-      q = jnp.pad(q, ((0, 0), (0, tp - st.q_len), (0, 0), (0, 0)))
-    if sp != st.kv_len:
-      k = jnp.pad(k, ((0, 0), (0, sp - st.kv_len), (0, 0), (0, 0)))
-      v = jnp.pad(v, ((0, 0), (0, sp - st.kv_len), (0, 0), (0, 0)))
+    q, k, v = _pad_seq(q, tp), _pad_seq(k, sp), _pad_seq(v, sp)
     out, lse = call(q, k, v)
     return out[:, :st.q_len], lse[:, :, :st.q_len]
+
+  return jax.jit(run)
+
+
+def _pad_seq(x, length: int):
+  if x.shape[1] == length:
+    return x
+  return jnp.pad(x, ((0, 0), (0, length - x.shape[1])) + ((0, 0),) * (x.ndim - 2))
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------------
+
+
+def supports_backward(*, head_dim: int, config: Config | None = None) -> str | None:
+  """None when the Hopper backward kernels take a call that the forward takes, else why not."""
+  if head_dim > 128:
+    return f"head size {head_dim} (the backward holds dK and dV tiles: at most 128)"
+  return None
+
+
+def backward(query, key, value, out, lse, d_out, d_lse=None, *, mask: Mask | None = None,
+             scale: float | None = None, q_offset: int = 0,
+             logits_soft_cap: float | None = None, config: Config | None = None,
+             interpret=None):
+  """``(dq, dk, dv)`` of ``forward`` from its ``out`` and ``lse`` (FlashAttention-2's backward on
+  Hopper: a dQ kernel over query tiles and a dK/dV kernel over key tiles, each a producer and two
+  ping-ponging ``wgmma`` consumers; the dK/dV kernel walks the ``G`` query heads of its KV head in
+  turn, so GQA gradients are summed in fp32 in the kernel).  ``d_lse``: the cotangent of ``lse``
+  (None: zero)."""
+  b, t, n, h = query.shape
+  s, kh = key.shape[1], key.shape[2]
+  config = config or default_config(h)
+  reason = supports(dtype=query.dtype, head_dim=h, v_head_dim=value.shape[3], static_mask=mask,
+                    static_q_offset=q_offset, has_alibi=False, has_segments=False,
+                    has_lengths=False, config=config) or supports_backward(head_dim=h)
+  if reason is not None:
+    raise ValueError(f"hopper.backward: unsupported call: {reason}.")
+  if interpret is True:
+    interpret = _interpret_params()
+  _, left, right = band(mask)
+  st = _Static(batch=b, q_len=t, kv_len=s, num_heads=n, num_kv_heads=kh, head_dim=h,
+               dtype=jnp.dtype(query.dtype).name, left=left, right=right, q_offset=int(q_offset),
+               scale=float(h ** -0.5 if scale is None else scale),
+               soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+               config=config, interpret=interpret or None)
+  delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
+  if d_lse is not None:
+    delta = delta - d_lse.astype(jnp.float32)
+  # Base-2 log-sum-exp; rows without keys (-inf) -> +inf, so that p = exp2(s - lse) = 0.
+  lse2 = jnp.where(jnp.isfinite(lse), lse * _LOG2E, jnp.inf).astype(jnp.float32)
+  dq = _dq_call(st)(query, key, value, d_out.astype(query.dtype), lse2, delta)
+  dk, dv = _dkv_call(st)(query, key, value, d_out.astype(query.dtype), lse2, delta)
+  return dq, dk, dv
+
+
+_BWD_BLOCK = 64  # query rows per consumer and keys per step (dQ); keys per consumer and query
+                 # rows per step (dK/dV): two [64, 64] fp32 logit tiles next to the accumulators
+
+
+def _pad_rows(x, length: int, value: float):  # [B, N, T] vectors
+  if x.shape[-1] == length:
+    return x
+  return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[-1])), constant_values=value)
+
+
+def _rows(lse2, delta, tp: int):
+  """Padded rows: ``lse = +inf`` (p = 0) and ``delta = 0``."""
+  return (_pad_rows(lse2, tp, jnp.inf),
+          _pad_rows(jnp.where(jnp.isfinite(delta), delta, 0.0), tp, 0.0))
+
+
+@functools.lru_cache(maxsize=64)
+def _dq_call(st: _Static):
+  cfg = st.config
+  bq = bk = _BWD_BLOCK
+  stages = cfg.stages
+  rows = 2 * bq
+  tp, sp = _shapes(st, rows, 2 * _BWD_BLOCK)
+  dtype = jnp.dtype(st.dtype)
+  h = st.head_dim
+  groups = st.num_heads // st.num_kv_heads
+  ctx = _Ctx(st, stages, cfg.pingpong)
+
+  def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, q_smem, do_smem, lse_smem,
+             delta_smem, k_smem, v_smem, q_ready, do_ready, lse_ready, delta_ready, k_ready,
+             v_ready, free, turn):
+    tile = (tp // rows - 1) - lax.axis_index("q")
+    head, batch = lax.axis_index("heads"), lax.axis_index("batch")
+    wg = lax.axis_index("wg")
+    kv_head = lax.div(head, jnp.int32(groups))
+    cta_lo, cta_hi, _, _ = key_blocks(st, tile * rows, rows, bk, sp // bk)
+    steps = cta_hi - cta_lo
+
+    @pl.when(wg < 2)
+    def _consumer():
+      plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
+      r0 = tile * rows + wg * bq
+      my_q, my_do = q_smem.at[wg], do_smem.at[wg]
+      rows_ = pl.ds(r0, bq)
+      plgpu.copy_gmem_to_smem(q_ref.at[batch, rows_, head], my_q, q_ready.at[wg])
+      plgpu.copy_gmem_to_smem(do_ref.at[batch, rows_, head], my_do, do_ready.at[wg])
+      plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, rows_], lse_smem.at[wg], lse_ready.at[wg])
+      plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, rows_], delta_smem.at[wg],
+                              delta_ready.at[wg])
+      for bar in (q_ready, do_ready, lse_ready, delta_ready):
+        plgpu.barrier_wait(bar.at[wg])
+      lse = ctx.load_vec(lse_smem.at[wg], 1)
+      delta = ctx.load_vec(delta_smem.at[wg], 1)
+      if cfg.pingpong:
+        pl.when(wg == 1)(lambda: ctx.take_turn(turn))
+
+      def compute(t, slot, block, o, dq, masked):
+        del t, o
+        plgpu.barrier_wait(k_ready.at[slot])
+        s = ctx.mm(my_q, k_smem.at[slot], (bq, bk), transpose_b=True, turn=turn)
+        s, tanh = _logits(ctx, s)
+        if masked:
+          q_pos = ctx.iota((bq, bk), 0) + (r0 + st.q_offset)
+          k_pos = ctx.iota((bq, bk), 1) + block * bk
+          s = jnp.where(_band_ok(ctx, q_pos, k_pos, check_len=True), s, -jnp.inf)
+        p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [0]))
+        plgpu.barrier_wait(v_ready.at[slot])
+        dp = ctx.mm(my_do, v_smem.at[slot], (bq, bk), transpose_b=True)
+        ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+        if tanh is not None:
+          ds = ds * (1.0 - tanh * tanh)
+        dq = ctx.mm_acc(dq, ds.astype(dtype), k_smem.at[slot])
+        ctx.take_turn(turn)
+        plgpu.barrier_arrive(free.at[slot])
+        return dq
+
+      dq = ctx.consume(ctx.full((bq, h), 0.0), outer=1, cta_lo=cta_lo, steps=steps,
+                       runs=key_blocks(st, r0, bq, bk, sp // bk), ready=(k_ready, v_ready),
+                       free=free, turn=turn, compute=compute)
+      if cfg.pingpong:
+        pl.when(wg == 0)(lambda: ctx.take_turn(turn))
+      my_q[...] = (dq * st.scale).astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(my_q, dq_ref.at[batch, rows_, head])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _producer():
+      def load(t, slot):
+        keys = pl.ds((cta_lo + t) * bk, bk)
+        plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_smem.at[slot], k_ready.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], v_smem.at[slot], v_ready.at[slot])
+
+      ctx.produce(steps, free, load)
+
+  def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref):
+    pl.run_scoped(
+        lambda *scratch: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
+                                *scratch),
+        plgpu.SMEM((2, bq, h), dtype, transforms=_tiled()),
+        plgpu.SMEM((2, bq, h), dtype, transforms=_tiled()),
+        plgpu.SMEM((2, bq), jnp.float32),
+        plgpu.SMEM((2, bq), jnp.float32),
+        plgpu.SMEM((stages, bk, h), dtype, transforms=_tiled()),
+        plgpu.SMEM((stages, bk, h), dtype, transforms=_tiled()),
+        *(plgpu.Barrier(num_barriers=2) for _ in range(4)),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2),
+        collective_axes="wg",
+    )
+
+  call = _kernel(
+      entry,
+      out_type=jax.ShapeDtypeStruct((st.batch, tp, st.num_heads, h), dtype),
+      grid=(tp // rows, st.num_heads, st.batch),
+      grid_names=("q", "heads", "batch"),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=st.interpret,
+  )
+
+  def run(q, k, v, do, lse2, delta):
+    dq = call(_pad_seq(q, tp), _pad_seq(k, sp), _pad_seq(v, sp), _pad_seq(do, tp),
+              *_rows(lse2, delta, tp))
+    return dq[:, :st.q_len]
+
+  return jax.jit(run)
+
+
+@functools.lru_cache(maxsize=64)
+def _dkv_call(st: _Static):
+  cfg = st.config
+  bq = bk = _BWD_BLOCK
+  stages = cfg.stages
+  keys_per_cta = 2 * bk
+  tp, sp = _shapes(st, 2 * _BWD_BLOCK, keys_per_cta)
+  dtype = jnp.dtype(st.dtype)
+  h = st.head_dim
+  groups = st.num_heads // st.num_kv_heads
+  ctx = _Ctx(st, stages, cfg.pingpong)
+
+  def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, k_smem, v_smem,
+             q_smem, do_smem, lse_smem, delta_smem, k_ready, v_ready, q_ready, do_ready,
+             lse_ready, delta_ready, free, turn):
+    tile = lax.axis_index("k")  # key tiles in order: under a causal mask the first see most rows
+    kv_head, batch = lax.axis_index("kv_heads"), lax.axis_index("batch")
+    wg = lax.axis_index("wg")
+    cta_lo, cta_hi, _, _ = query_blocks(st, tile * keys_per_cta, keys_per_cta, bq)
+    steps = cta_hi - cta_lo
+
+    @pl.when(wg < 2)
+    def _consumer():
+      plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
+      k0 = tile * keys_per_cta + wg * bk
+      my_k, my_v = k_smem.at[wg], v_smem.at[wg]
+      keys = pl.ds(k0, bk)
+      plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], my_k, k_ready.at[wg])
+      plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], my_v, v_ready.at[wg])
+      plgpu.barrier_wait(k_ready.at[wg])
+      plgpu.barrier_wait(v_ready.at[wg])
+      if cfg.pingpong:
+        pl.when(wg == 1)(lambda: ctx.take_turn(turn))
+
+      def compute(t, slot, block, o, carry, masked):
+        del t, o
+        dk, dv = carry
+        for bar in (q_ready, lse_ready):
+          plgpu.barrier_wait(bar.at[slot])
+        s = ctx.mm(my_k, q_smem.at[slot], (bk, bq), transpose_b=True, turn=turn)  # s^T
+        s, tanh = _logits(ctx, s)
+        if masked and (st.left is not None or st.right is not None):
+          k_pos = ctx.iota((bk, bq), 0) + k0
+          q_pos = ctx.iota((bk, bq), 1) + (block * bq + st.q_offset)
+          s = jnp.where(_band_ok(ctx, q_pos, k_pos, check_len=False), s, -jnp.inf)
+        lse = ctx.load_vec(lse_smem.at[slot], 0)
+        p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [1]))  # p^T
+        for bar in (do_ready, delta_ready):
+          plgpu.barrier_wait(bar.at[slot])
+        dv = ctx.mm_acc(dv, p.astype(dtype), do_smem.at[slot])
+        dp = ctx.mm(my_v, do_smem.at[slot], (bk, bq), transpose_b=True)  # dp^T
+        delta = ctx.load_vec(delta_smem.at[slot], 0)
+        ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [1]))
+        if tanh is not None:
+          ds = ds * (1.0 - tanh * tanh)
+        dk = ctx.mm_acc(dk, ds.astype(dtype), q_smem.at[slot])
+        ctx.take_turn(turn)
+        plgpu.barrier_arrive(free.at[slot])
+        return dk, dv
+
+      carry = (ctx.full((bk, h), 0.0), ctx.full((bk, h), 0.0))
+      dk, dv = ctx.consume(carry, outer=groups, cta_lo=cta_lo, steps=steps,
+                           runs=query_blocks(st, k0, bk, bq),
+                           ready=(q_ready, do_ready, lse_ready, delta_ready), free=free,
+                           turn=turn, compute=compute)
+      if cfg.pingpong:
+        pl.when(wg == 0)(lambda: ctx.take_turn(turn))
+      my_k[...] = (dk * st.scale).astype(dtype)
+      my_v[...] = dv.astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(my_k, dk_ref.at[batch, keys, kv_head])
+      plgpu.copy_smem_to_gmem(my_v, dv_ref.at[batch, keys, kv_head])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _producer():
+      def load(t, slot):
+        g = lax.div(t, steps)
+        head = kv_head * groups + g
+        rows_ = pl.ds((cta_lo + t - g * steps) * bq, bq)
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, rows_, head], q_smem.at[slot], q_ready.at[slot])
+        plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, rows_], lse_smem.at[slot],
+                                lse_ready.at[slot])
+        plgpu.copy_gmem_to_smem(do_ref.at[batch, rows_, head], do_smem.at[slot],
+                                do_ready.at[slot])
+        plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, rows_], delta_smem.at[slot],
+                                delta_ready.at[slot])
+
+      ctx.produce(groups * steps, free, load)
+
+  def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref):
+    pl.run_scoped(
+        lambda *scratch: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
+                                *scratch),
+        plgpu.SMEM((2, bk, h), dtype, transforms=_tiled()),
+        plgpu.SMEM((2, bk, h), dtype, transforms=_tiled()),
+        plgpu.SMEM((stages, bq, h), dtype, transforms=_tiled()),
+        plgpu.SMEM((stages, bq, h), dtype, transforms=_tiled()),
+        plgpu.SMEM((stages, bq), jnp.float32),
+        plgpu.SMEM((stages, bq), jnp.float32),
+        plgpu.Barrier(num_barriers=2),
+        plgpu.Barrier(num_barriers=2),
+        *(plgpu.Barrier(num_barriers=stages) for _ in range(4)),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2),
+        collective_axes="wg",
+    )
+
+  kv_shape = jax.ShapeDtypeStruct((st.batch, sp, st.num_kv_heads, h), dtype)
+  call = _kernel(
+      entry,
+      out_type=(kv_shape, kv_shape),
+      grid=(sp // keys_per_cta, st.num_kv_heads, st.batch),
+      grid_names=("k", "kv_heads", "batch"),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=st.interpret,
+  )
+
+  def run(q, k, v, do, lse2, delta):
+    dk, dv = call(_pad_seq(q, tp), _pad_seq(k, sp), _pad_seq(v, sp), _pad_seq(do, tp),
+                  *_rows(lse2, delta, tp))
+    return dk[:, :st.kv_len], dv[:, :st.kv_len]
 
   return jax.jit(run)

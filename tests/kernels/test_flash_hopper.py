@@ -1,4 +1,4 @@
-"""The Hopper (Mosaic GPU) flash-attention forward against the attention formula.
+"""The Hopper (Mosaic GPU) flash-attention kernels (forward; dQ and dK/dV) against the formula.
 
 Without a GPU the kernel runs in Mosaic GPU's interpreter: the three warpgroups as threads, TMA
 copies, mbarriers (every phase must be observed) and shared memory simulated, with race detection
@@ -84,6 +84,39 @@ def test_forward_matches_formula(case):
   assert_close(lse, want_lse, 1e-2, name + " lse")
 
 
+BWD_CASES = [
+    # name, (b, t, s, n, k, h), mask, q_offset, cap, dtype, config
+    ("causal gqa ragged", (1, 150, 150, 2, 1, 64), M.CausalMask(), 0, None, jnp.bfloat16,
+     hopper.Config(block_k=64)),
+    ("window softcap offset", (1, 130, 200, 2, 1, 64), M.SlidingWindowMask(50, 10), 60, 30.0,
+     jnp.bfloat16, hopper.Config(block_k=64, stages=3)),
+    ("full mha fp16 no pingpong", (1, 128, 128, 2, 2, 64), None, 0, None, jnp.float16,
+     hopper.Config(block_k=64, pingpong=False)),
+]
+
+
+@pytest.mark.parametrize("case", BWD_CASES, ids=[c[0] for c in BWD_CASES])
+def test_backward_matches_formula(case):
+  """dQ, dK, dV (GQA groups summed in the kernel) from the kernel's own forward, with a cotangent
+  on the log-sum-exp too, against the formula's VJP."""
+  name, (b, t, s, n, k, h), mask, q_offset, cap, dtype, config = case
+  q, key, v = inputs(b, t, s, n, k, h, dtype)
+  ks = jax.random.split(jax.random.key(9), 2)
+  d_out = jax.random.normal(ks[0], (b, t, n, h), jnp.float32).astype(dtype)
+  d_lse = 0.3 * jax.random.normal(ks[1], (b, n, t), jnp.float32)
+  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+  (_, lse_ref), vjp = jax.vjp(lambda q, k, v: formula(q, k, v, mask, q_offset, cap),
+                              f32(q), f32(key), f32(v))
+  want = vjp((f32(d_out), jnp.where(jnp.isfinite(lse_ref), d_lse, 0.0)))
+  out, lse = hopper.forward(q, key, v, mask=mask, q_offset=q_offset, logits_soft_cap=cap,
+                            config=config, interpret=interpret())
+  got = hopper.backward(q, key, v, out, lse, d_out, d_lse, mask=mask, q_offset=q_offset,
+                        logits_soft_cap=cap, config=config, interpret=interpret())
+  for g, w, x, grad in zip(got, want, (q, key, v), ("dq", "dk", "dv")):
+    assert g.shape == x.shape and g.dtype == x.dtype, grad
+    assert_close(g, w, TOL, f"{name} {grad}")
+
+
 def test_rows_without_keys_and_races():
   """A negative offset under a causal mask leaves the first rows with no key: output 0 and
   ``lse = -inf``; whole key blocks before the band are skipped by one consumer, not the other.
@@ -103,22 +136,28 @@ def test_rows_without_keys_and_races():
   assert_close(lse[:, :, 70:], want_lse[:, :, 70:], 1e-2, "lse")
 
 
-def test_through_gpu_entry_point_with_gradients():
-  """``gpu.set_options(forward="hopper")``: ``flash_attention_gpu`` runs this forward (counted)
-  and the Triton backward on its log-sum-exp; values and gradients match the formula."""
+@pytest.mark.parametrize("forward,backward", [("hopper", "triton"), ("triton", "hopper"),
+                                              ("hopper", "hopper")])
+def test_through_gpu_entry_point_with_gradients(forward, backward):
+  """``gpu.set_options(forward=..., backward=...)``: ``flash_attention_gpu`` runs the Hopper
+  forward (counted) with the Triton backward on its log-sum-exp, and the Hopper backward on either
+  forward's; values and gradients match the formula."""
   q, key, v = inputs(1, 150, 150, 2, 1, 64, jnp.bfloat16, seed=1)
   mask = M.CausalMask()
-  calls = []
-  real = hopper.forward
+  calls = {"forward": 0, "backward": 0}
+  real = {name: getattr(hopper, name) for name in calls}
 
-  def counting(*a, **kw):
-    calls.append(kw.get("config"))
-    return real(*a, **kw)
+  def counting(name):
+    def f(*a, **kw):
+      calls[name] += 1
+      return real[name](*a, **kw)
+    return f
 
   saved = gpu_kernel.get_options()
   try:
-    gpu_kernel.set_options(forward="hopper", hopper=hopper.Config(block_k=64))
-    hopper.forward = counting
+    gpu_kernel.set_options(forward=forward, backward=backward, hopper=hopper.Config(block_k=64))
+    for name in calls:
+      setattr(hopper, name, counting(name))
 
     def loss(f):
       def g(q, k, v):
@@ -132,9 +171,11 @@ def test_through_gpu_entry_point_with_gradients():
     (_, want), want_grads = loss(lambda q, k, v: dot_product_attention(
         f32(q), f32(k), f32(v), mask=mask, implementation="xla"))(q, key, v)
   finally:
-    hopper.forward = real
+    for name in calls:
+      setattr(hopper, name, real[name])
     gpu_kernel.set_options(**saved)
-  assert calls, "the Hopper forward did not run"
+  for name, option in (("forward", forward), ("backward", backward)):
+    assert (calls[name] > 0) == (option == "hopper"), (name, calls)
   assert_close(out, want, TOL, "out")
   for g, w, name in zip(grads, want_grads, ("dq", "dk", "dv")):
     assert_close(g, w, 3e-2, name)
@@ -161,6 +202,16 @@ def test_dispatch_reasons():
     assert "ALiBi" in gpu_kernel.hopper_reason(_plan(alibi_slopes=jnp.ones((2,))))
     assert "GlobalTokensMask" in gpu_kernel.hopper_reason(
         _plan(static_mask=M.GlobalTokensMask((0,))))
+    assert gpu_kernel.hopper_reason(_plan(), "backward") == "option backward='triton'"
+    gpu_kernel.set_options(backward="hopper")
+    assert gpu_kernel.hopper_reason(_plan(), "backward") is None
+    q, key, v = inputs(1, 64, 64, 2, 1, 256)
+    wide = C.make_plan(q, key, v, static_mask=None, q_offset=0, logits_soft_cap=None,
+                       alibi_slopes=None, segment_ids=None, kv_lengths=None,
+                       block_sizes=C.BlockSizes.gpu(), interpret=not ON_GPU, pow2_blocks=True,
+                       scale=0.1)
+    assert gpu_kernel.hopper_reason(wide) is None
+    assert "head size 256" in gpu_kernel.hopper_reason(wide, "backward")
   finally:
     gpu_kernel.set_options(**saved)
 
@@ -211,3 +262,10 @@ def test_lowers_for_cuda(h, mask, cap, pingpong):
                                      config=cfg)
   text = jax.export.export(jax.jit(f), platforms=("cuda",))(q, k, k).mlir_module()
   assert re.findall(r"custom_call @(mosaic_gpu\w*)", text)
+  if h > 128:
+    return
+  lse = jax.ShapeDtypeStruct((2, 4, 1000), jnp.float32)
+  g = lambda q, k, v, o, lse, do: hopper.backward(  # noqa: E731
+      q, k, v, o, lse, do, mask=mask, logits_soft_cap=cap, config=cfg)
+  text = jax.export.export(jax.jit(g), platforms=("cuda",))(q, k, k, q, lse, q).mlir_module()
+  assert len(re.findall(r"custom_call @(mosaic_gpu\w*)", text)) == 2  # dQ, dK/dV
