@@ -12,7 +12,9 @@ default where the kernels are built).
   Differentiable: the backward pass is the VJP of the XLA gather reference.
 
 Both run on fp32 operands (other dtypes are converted; the outputs take the query dtype), under
-``jax.jit`` and ``jax.vmap`` (sequentially over the mapped axis).
+``jax.jit`` and ``jax.vmap`` (sequentially over the mapped axis), and under a device mesh inside
+``jax.shard_map`` (batch split, and for sparse attention heads too, by the ``"batch"`` /
+``"heads"`` sharding rules), so each device runs the kernel on its own slice.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jaxattn import native
 
@@ -43,18 +46,39 @@ def indexer_topk_cpu(q, keys, w, k_scale, q_offset, lengths, k: int, order: str)
   ``q [B, T, HI, d]``, ``keys [B, S, d]``, ``w [B, T, HI]``, ``k_scale [B, S]`` or None,
   ``q_offset`` an int scalar (may be traced), ``lengths [B]`` int.
   """
-  b, t = q.shape[:2]
-  call = jax.ffi.ffi_call("jaxattn_indexer_topk_f32", jax.ShapeDtypeStruct((b, t, k), jnp.int32),
-                          vmap_method="sequential")
-  scale = jnp.zeros((0,), _F32) if k_scale is None else k_scale.astype(_F32)
+  scale = jnp.zeros((q.shape[0], 0), _F32) if k_scale is None else k_scale.astype(_F32)
   # Integer positions carry no gradient: cut the operands' tangents so that differentiating
   # through a model that selects with this kernel never reaches the FFI call.
   q, keys, w, scale = (jax.lax.stop_gradient(x.astype(_F32)) for x in (q, keys, w, scale))
-  return call(q, keys, w, scale,
-              jnp.reshape(jnp.asarray(q_offset, jnp.int32), (1,)),
-              jnp.asarray(lengths, jnp.int32), k=np.int64(k),
-              by_position=np.int64(order == "position"), block_q=np.int64(INDEX_BLOCK_Q),
-              block_k=np.int64(INDEX_BLOCK_K))
+  offset = jnp.reshape(jnp.asarray(q_offset, jnp.int32), (1,))
+
+  def local(q, keys, w, scale, offset, lengths):
+    b, t = q.shape[:2]
+    call = jax.ffi.ffi_call("jaxattn_indexer_topk_f32",
+                            jax.ShapeDtypeStruct((b, t, k), jnp.int32), vmap_method="sequential")
+    return call(q, keys, w, scale.reshape(-1), offset, lengths, k=np.int64(k),
+                by_position=np.int64(order == "position"), block_q=np.int64(INDEX_BLOCK_Q),
+                block_k=np.int64(INDEX_BLOCK_K))
+
+  def specs(mesh):
+    bax, _ = _axes(mesh, q.shape[0], 1, 1)
+    return [P(bax), P(bax), P(bax), P(bax), P(), P(bax)], P(bax)
+
+  return _sharded(local, [q, keys, w, scale, offset, jnp.asarray(lengths, jnp.int32)], specs)
+
+
+def _axes(mesh, batch: int, heads: int, kv_heads: int):
+  from pallas_kernels.flash_attention.sharded import plan_specs  # noqa: PLC0415
+  return plan_specs(mesh, batch, heads, kv_heads)
+
+
+def _sharded(local, args, specs):
+  """``local(*args)`` in ``shard_map`` under the context mesh (batch, and heads where given,
+  split as the attention kernels split them: each device runs the native kernel on its slice),
+  or directly without one.  An FFI call cannot be partitioned by XLA, which would otherwise
+  gather its operands and run it whole on every device."""
+  from pallas_kernels.flash_attention.sharded import run_sharded  # noqa: PLC0415
+  return run_sharded(local, args, None, specs)
 
 
 def indexer_workspace_bytes(b: int, s: int, hi: int, d: int, k: int, threads: int) -> int:
@@ -77,12 +101,20 @@ def sparse_workspace_bytes(kk: int, h: int, hv: int, g: int, threads: int) -> in
 
 
 def _sparse_forward(query, key, value, indices, scale):
-  b, t, n, _ = query.shape
-  call = jax.ffi.ffi_call(
-      "jaxattn_sparse_attention_f32", jax.ShapeDtypeStruct((b, t, n, value.shape[-1]), _F32),
-      vmap_method="sequential")
-  out = call(query.astype(_F32), key.astype(_F32), value.astype(_F32),
-             indices.astype(jnp.int32), scale=np.float32(scale))
+  def local(query, key, value, indices):
+    b, t, n, _ = query.shape
+    call = jax.ffi.ffi_call(
+        "jaxattn_sparse_attention_f32", jax.ShapeDtypeStruct((b, t, n, value.shape[-1]), _F32),
+        vmap_method="sequential")
+    return call(query, key, value, indices, scale=np.float32(scale))
+
+  def specs(mesh):
+    bax, hax = _axes(mesh, query.shape[0], query.shape[2], key.shape[2])
+    heads = P(bax, None, hax, None)
+    return [heads, heads, heads, P(bax)], heads
+
+  out = _sharded(local, [query.astype(_F32), key.astype(_F32), value.astype(_F32),
+                         indices.astype(jnp.int32)], specs)
   return out.astype(query.dtype)
 
 

@@ -9,6 +9,7 @@ Sparse attention: values and gradients against the gather reference (MHA / GQA /
 widths that are not multiples of 16, empty slots and empty rows, bf16), and DSA on MLA.
 """
 
+import functools
 import shutil
 
 import jax
@@ -159,3 +160,46 @@ def test_sparse_mla_attention_native_matches_reference():
   got = sparse_mla_attention(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, idx)  # native default
   want = sparse_mla_attention(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, idx, implementation="xla")
   np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+def test_sharded_under_a_mesh_matches_unsharded():
+  """Under the 8-device mesh the native calls run in ``shard_map`` (batch split; sparse attention
+  also over heads), each device on its slice; selection and outputs equal the unsharded XLA
+  paths, and the gradient (the XLA reference's VJP) too."""
+  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
+
+  from jaxattn import sharding  # noqa: PLC0415
+
+  mesh = sharding.make_mesh({"data": 2, "tensor": 4})
+  q, keys, w = index_inputs(2, 40, 96, 4, 16, seed=11)
+  lengths = jnp.asarray([96, 70], jnp.int32)
+  rng = np.random.default_rng(12)
+  query = jnp.asarray(rng.standard_normal((2, 40, 8, 16)), jnp.float32)
+  key = jnp.asarray(rng.standard_normal((2, 96, 4, 16)), jnp.float32)
+  value = jnp.asarray(rng.standard_normal((2, 96, 4, 24)), jnp.float32)
+
+  def run(impl, q, keys, w, query, key, value):
+    idx = indexer_topk(q, keys, w, k=16, q_offset=56, kv_lengths=lengths, implementation=impl)
+
+    def loss(query, key, value):
+      out = sparse_attention(query, key, value, idx, implementation=impl)
+      return jnp.sum(out * jnp.cos(out)), out
+
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(query, key,
+                                                                                  value)
+    return idx, out, grads
+
+  f = jax.jit(functools.partial(run, "cpu"))
+  with jax.set_mesh(mesh):
+    args = (q, keys, w, query, key, value)
+    jaxpr = str(jax.make_jaxpr(f)(*args))
+    assert jaxpr.count("shard_map") >= 2 and "jaxattn_indexer_topk_f32" in jaxpr
+    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+    idx, out, grads = f(put(q, P("data")), put(keys, P("data")), put(w, P("data")),
+                        put(query, P("data", None, "tensor")), put(key, P("data", None, "tensor")),
+                        put(value, P("data", None, "tensor")))
+  want_idx, want_out, want_grads = run("xla", q, keys, w, query, key, value)
+  np.testing.assert_array_equal(np.asarray(idx), np.asarray(want_idx))
+  np.testing.assert_allclose(out, want_out, atol=2e-5)
+  for g, wg in zip(grads, want_grads):
+    np.testing.assert_allclose(g, wg, atol=2e-5)
