@@ -21,6 +21,9 @@ sizes: they must be multiples of 128 or the full dimension for Mosaic; ``C`` a m
 Gradients: a custom VJP whose backward differentiates the XLA pass (``_state_pass`` under
 ``lax.scan``), so training gets the XLA backward and the kernel forward.
 
+Under a device mesh the kernel runs in ``jax.shard_map`` with batch and key heads split (the
+``"batch"`` / ``"heads"`` sharding rules), each device on its own slice.
+
 Status: correct in interpret mode (``tests/kernels/test_delta_rule_tpu.py``).  Not timed on a TPU;
 whether it beats the XLA scan there is unmeasured, so ``implementation=None`` never selects it.
 """
@@ -34,6 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
 from jaxattn.ops import delta_rule as dr
@@ -109,6 +113,20 @@ state_pass_tpu.defvjp(_fwd, _bwd)
 
 
 def _forward(u, w, qg, intra, kg, chunk_decay, state, interpret):
+  """The kernel under the context mesh in ``shard_map`` (batch and key heads split: the pass is
+  independent per ``(batch, key head, value head)``), or directly without one."""
+  from pallas_kernels.flash_attention.sharded import plan_specs, run_sharded  # noqa: PLC0415
+
+  def specs(mesh):
+    bax, hax = plan_specs(mesh, u.shape[0], u.shape[2], u.shape[2])
+    chunked = P(bax, None, hax)
+    return [chunked] * 6 + [P(bax, hax)], (P(bax, hax), P(bax, hax))
+
+  local = functools.partial(_forward_local, interpret=interpret)
+  return run_sharded(local, [u, w, qg, intra, kg, chunk_decay, state], None, specs)
+
+
+def _forward_local(u, w, qg, intra, kg, chunk_decay, state, interpret):
   b, nc, kh, grp, c, hv = u.shape
   hk = w.shape[-1]
   # Kernel layout: [B, K, G, nc, ...] so one program's chunks are contiguous along the grid axis.
