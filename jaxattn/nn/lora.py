@@ -8,6 +8,10 @@
     loss = step(model, optimizer, batch)
     merge_lora(model)                                             # W0 += s * A B (unmerge_lora undoes)
 
+A MoE's routed experts are targets too, by the path of their weight (``r"ffn/w_(gate|up|down)$"``):
+each gets per-expert adapters (``ExpertLoRA``, ``A [E, in, r]``, ``B [E, r, out]``) that the MoE adds
+to its expert kernels before dispatch; merge / unmerge / unload / counts / the optimizer cover them.
+
 ``apply_lora(..., quantize_base=True)`` is QLoRA: the frozen base kernels are stored as NF4 with
 double-quantized scales (``jaxattn.ops.nf4``) and dequantized on the fly in the forward pass; the
 adapters stay in ``param_dtype``.
@@ -300,6 +304,81 @@ class LoRA(nnx.Module):
     return y + (self.scaling * jnp.einsum(self.specs.up, z, self.lora_b[...].astype(dt))).astype(dt)
 
 
+EXPERT_KERNELS = ("w_gate", "w_up", "w_down")   # the routed experts' weights of a MoE
+
+
+class ExpertLoRA(nnx.Module):
+  """Per-expert LoRA on a MoE's routed-expert weight ``W [..., E, in, out]``: expert ``e``'s kernel
+  becomes ``W_e + scaling * A_e B_e`` with ``A [..., E, in, r]`` (Kaiming-uniform, bound
+  ``1 / sqrt(in)``, as ``LoRA``) and ``B [..., E, r, out]`` (zero).  The MoE applies the update to
+  its expert kernels before the grouped matmul (``MoE.expert_kernel``), so the dispatch (dropless,
+  capacity, expert-parallel) is unchanged; the update costs ``2 E in r out`` FLOPs and one
+  kernel-sized fp32 temporary per step.  Leading axes (scanned layers) are stacked as in ``LoRA``.
+  Attached by ``apply_lora`` as ``<name>_lora`` on the MoE; ``merged`` means it is in ``W``.
+  """
+
+  def __init__(self, kernel: nnx.Param, *, rank: int = 8, alpha: float = 8.0,
+               use_rslora: bool = False, rngs: nnx.Rngs, param_dtype=jnp.float32):
+    shape = tuple(kernel[...].shape)
+    if len(shape) < 3:
+      raise ValueError(f"an expert kernel must be [..., E, in, out], got shape {shape}.")
+    axes = kernel.get_metadata().get("logical_axes")
+    axes = tuple(axes) if axes is not None else (None,) * len(shape)
+    self.scaling = lora_ops.lora_scaling(rank, alpha, use_rslora=use_rslora)
+    self.rank, self.alpha, self.use_rslora = rank, alpha, use_rslora
+    bound = lora_ops.kaiming_uniform_bound(shape[-2])
+    a = jax.random.uniform(rngs.params(), shape[:-1] + (rank,), param_dtype, -bound, bound)
+    self.lora_a = LoRAParam(a, logical_axes=axes[:-1] + (None,))
+    self.lora_b = LoRAParam(jnp.zeros(shape[:-2] + (rank, shape[-1]), param_dtype),
+                            logical_axes=axes[:-2] + (None, axes[-1]))
+    self.merged = False
+
+  def delta(self) -> jax.Array:
+    """``scaling * A_e B_e`` for every expert (and stacked layer): fp32, the kernel's shape."""
+    a = self.lora_a[...].astype(jnp.float32)
+    b = self.lora_b[...].astype(jnp.float32)
+    return self.scaling * jnp.einsum("...ir,...ro->...io", a, b)
+
+  def apply(self, w: jax.Array) -> jax.Array:
+    """``w + delta`` in ``w``'s dtype (``w`` itself once merged)."""
+    if self.merged:
+      return w
+    return (w.astype(jnp.float32) + self.delta()).astype(w.dtype)
+
+
+def _moe_type():
+  from jaxattn.nn.moe import MoE  # noqa: PLC0415  (moe imports nothing from here)
+  return MoE
+
+
+def _expert_targets(model, regexes=None):
+  """``[(path, moe, name)]`` of routed-expert weights (``.../<moe>/w_gate`` etc.) whose path one
+  of ``regexes`` matches (all of them without ``regexes``)."""
+  out = []
+  for path, moe in _find(model, _moe_type()):
+    for name in EXPERT_KERNELS:
+      p = f"{_path_str(path)}/{name}"
+      if regexes is None or any(r.search(p) for r in regexes):
+        out.append((p, moe, name))
+  return out
+
+
+def expert_lora_layers(model: nnx.Module) -> list[tuple[str, ExpertLoRA]]:
+  """``[(path of the expert weight, ExpertLoRA)]`` in ``model``."""
+  return [(p, getattr(moe, f"{name}_lora")) for p, moe, name in _expert_targets(model)
+          if getattr(moe, f"{name}_lora", None) is not None]
+
+
+def _merge_experts(model, sign: float, merged: bool) -> None:
+  for _, moe, name in _expert_targets(model):
+    adapter = getattr(moe, f"{name}_lora", None)
+    if adapter is None or adapter.merged == merged:
+      continue
+    k = getattr(moe, name)
+    k[...] = (k[...].astype(jnp.float32) + sign * adapter.delta()).astype(k[...].dtype)
+    adapter.merged = merged
+
+
 # ---------------------------------------------------------------------------------------------
 # Transforms over a whole model
 # ---------------------------------------------------------------------------------------------
@@ -364,9 +443,11 @@ def apply_lora(
 
   ``targets``: a regular expression (or several) searched in each layer's path, the attribute names
   and list indices joined by ``/`` (``"blocks/3/attn/q_proj"``): ``r"attn/(q|v)_proj$"``,
-  ``r"mlp/(up|gate|down)$"``, ``".*"``.  ``quantize_base=True`` stores the selected base kernels in NF4
-  (QLoRA; ``block_size``, ``double_quant``).  Returns the adapted paths; raises ``ValueError`` when
-  nothing matches.
+  ``r"mlp/(up|gate|down)$"``, ``".*"``.  A MoE's routed-expert weights are targets too, by the path
+  of the weight (``r"ffn/w_(gate|up|down)$"``): each gets per-expert adapters (``ExpertLoRA``).
+  ``quantize_base=True`` stores the selected base kernels in NF4 (QLoRA; ``block_size``,
+  ``double_quant``); expert weights take neither NF4 nor ``dropout``.  Returns the adapted paths;
+  raises ``ValueError`` when nothing matches.
   """
   patterns = [targets] if isinstance(targets, str) else list(targets)
   if not patterns:
@@ -376,16 +457,27 @@ def apply_lora(
   except re.error as e:
     raise ValueError(f"`targets` {patterns!r} is not a valid regular expression: {e}") from None
   found = _find(model, _TARGET_TYPES, lambda s: any(r.search(s) for r in regexes))
-  if not found:
-    candidates = [_path_str(p) for p, _ in _find(model, _TARGET_TYPES)]
-    raise ValueError(f"`targets` {patterns!r} match no Einsum / nnx.Linear layer; layers: "
-                     f"{candidates[:20]}{' ...' if len(candidates) > 20 else ''}.")
+  experts = [(p, moe, name) for p, moe, name in _expert_targets(model, regexes)
+             if getattr(moe, f"{name}_lora", None) is None]
+  if not found and not experts:
+    candidates = ([_path_str(p) for p, _ in _find(model, _TARGET_TYPES)]
+                  + [p for p, _, _ in _expert_targets(model)])
+    raise ValueError(f"`targets` {patterns!r} match no Einsum / nnx.Linear layer or expert "
+                     f"weight; layers: {candidates[:20]}{' ...' if len(candidates) > 20 else ''}.")
+  if experts and (quantize_base or dropout > 0):
+    raise ValueError(f"`targets` {patterns!r} select routed-expert weights "
+                     f"({experts[0][0]}, ...), which take no NF4 base (`quantize_base`) and no "
+                     "`dropout`; target them in a separate apply_lora call without those.")
+  for _, moe, name in experts:
+    setattr(moe, f"{name}_lora", ExpertLoRA(getattr(moe, name), rank=rank, alpha=alpha,
+                                            use_rslora=use_rslora, rngs=rngs,
+                                            param_dtype=param_dtype))
   for path, layer in found:
     base = (NF4Einsum.from_module(layer, block_size=block_size, double_quant=double_quant)
             if quantize_base else layer)
     _replace(model, path, LoRA(base, rank=rank, alpha=alpha, use_rslora=use_rslora, dropout=dropout,
                                rngs=rngs, param_dtype=param_dtype))
-  return [_path_str(p) for p, _ in found]
+  return [_path_str(p) for p, _ in found] + [p for p, _, _ in experts]
 
 
 def lora_layers(model: nnx.Module) -> list[tuple[str, LoRA]]:
@@ -394,15 +486,17 @@ def lora_layers(model: nnx.Module) -> list[tuple[str, LoRA]]:
 
 
 def merge_lora(model: nnx.Module) -> None:
-  """Merges every adapter into its base kernel (in place)."""
+  """Merges every adapter into its base kernel (in place), expert adapters included."""
   for _, m in lora_layers(model):
     m.merge()
+  _merge_experts(model, 1.0, True)
 
 
 def unmerge_lora(model: nnx.Module) -> None:
   """Undoes ``merge_lora`` (in place)."""
   for _, m in lora_layers(model):
     m.unmerge()
+  _merge_experts(model, -1.0, False)
 
 
 def _dense_like(base: NF4Einsum, kernel: jax.Array):
@@ -429,8 +523,16 @@ def unload_lora(model: nnx.Module, *, merge: bool = True) -> None:
   """Replaces every ``LoRA`` wrapper by a plain layer (in place), merged unless ``merge=False``.
 
   An NF4 base becomes a dense layer holding ``dequantize(W0) + scaling * A B`` (``merge=True``) or
-  ``dequantize(W0)``: the same function as the adapted layer, at full-precision cost.
+  ``dequantize(W0)``: the same function as the adapted layer, at full-precision cost.  Expert
+  adapters are merged into (or removed from) their MoE's weights and dropped.
   """
+  if merge:
+    _merge_experts(model, 1.0, True)
+  else:
+    _merge_experts(model, -1.0, False)
+  for _, moe, name in _expert_targets(model):
+    if getattr(moe, f"{name}_lora", None) is not None:
+      setattr(moe, f"{name}_lora", None)
   for path, m in _find(model, LoRA):
     if isinstance(m.base, NF4Einsum):
       w = m.base.dequantized_kernel(jnp.float32)

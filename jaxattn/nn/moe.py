@@ -162,6 +162,13 @@ class MoE(nnx.Module):
                        "axis of size > 1.")
     return has_axis
 
+  def expert_kernel(self, name: str) -> jax.Array:
+    """``w_gate`` / ``w_up`` / ``w_down`` as the experts use it: with a LoRA adapter attached by
+    ``jaxattn.nn.lora.apply_lora`` (``<name>_lora``, unmerged), ``W + scaling * A_e B_e``."""
+    w = getattr(self, name)[...]
+    adapter = getattr(self, f"{name}_lora", None)
+    return w if adapter is None else adapter.apply(w)
+
   # -- forward ---------------------------------------------------------------------------------
 
   def __call__(self, x: Float[Array, "B T D"], *, token_mask: Bool[Array, "B T"] | None = None
@@ -177,7 +184,8 @@ class MoE(nnx.Module):
     dtype = self.dtype or x.dtype
     x = shard(x.astype(dtype), ("batch", "length", "act_embed"))
     r = self.route(x)
-    wg, wu, wd = (w[...].astype(dtype) for w in (self.w_gate, self.w_up, self.w_down))
+    wg, wu, wd = (self.expert_kernel(name).astype(dtype)
+                  for name in ("w_gate", "w_up", "w_down"))
     flat = (x.reshape(b * t, d), r.indices.reshape(b * t, -1), r.weights.reshape(b * t, -1),
             wg, wu, wd)
     if self._use_expert_parallel():
