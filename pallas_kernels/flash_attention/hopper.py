@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -165,29 +164,39 @@ def forward(query, key, value, *, mask: Mask | None = None, scale: float | None 
   ``K``); rows without an allowed key give 0 and ``lse = -inf``.  ``interpret``: None runs the
   hardware, or pass ``plgpu.InterpretParams`` / True to run Mosaic GPU's interpreter on CPU.
   """
+  st = _static("forward", query, key, value, mask=mask, scale=scale, q_offset=q_offset,
+               logits_soft_cap=logits_soft_cap, config=config, interpret=interpret)
+  return _call(st)(query, key, value)
+
+
+def _static(name: str, query, key, value, *, mask, scale, q_offset, logits_soft_cap, config,
+            interpret) -> _Static:
+  """Checks a call of ``forward`` / ``backward`` (``ValueError`` naming what is unsupported) and
+  returns its static description."""
   b, t, n, h = query.shape
   s, kh = key.shape[1], key.shape[2]
   config = config or default_config(h)
   reason = supports(dtype=query.dtype, head_dim=h, v_head_dim=value.shape[3], static_mask=mask,
                     static_q_offset=q_offset, has_alibi=False, has_segments=False,
                     has_lengths=False, config=config)
+  if reason is None and name == "backward":
+    reason = supports_backward(head_dim=h)
   if reason is not None:
-    raise ValueError(f"hopper.forward: unsupported call: {reason}.")
+    raise ValueError(f"hopper.{name}: unsupported call: {reason}.")
   if n % kh:
-    raise ValueError(f"hopper.forward: query heads {n} must be a multiple of key heads {kh}.")
+    raise ValueError(f"hopper.{name}: query heads {n} must be a multiple of key heads {kh}.")
   if key.shape != (b, s, kh, h) or value.shape != key.shape or key.dtype != query.dtype or (
       value.dtype != query.dtype):
-    raise ValueError(f"hopper.forward: key {key.shape} {key.dtype} and value {value.shape} "
+    raise ValueError(f"hopper.{name}: key {key.shape} {key.dtype} and value {value.shape} "
                      f"{value.dtype} must both be [B={b}, S, K, H={h}] in {query.dtype}.")
   if interpret is True:
     interpret = _interpret_params()
   _, left, right = band(mask)
-  st = _Static(batch=b, q_len=t, kv_len=s, num_heads=n, num_kv_heads=kh, head_dim=h,
-               dtype=jnp.dtype(query.dtype).name, left=left, right=right, q_offset=int(q_offset),
-               scale=float(h ** -0.5 if scale is None else scale),
-               soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-               config=config, interpret=interpret or None)
-  return _call(st)(query, key, value)
+  return _Static(batch=b, q_len=t, kv_len=s, num_heads=n, num_kv_heads=kh, head_dim=h,
+                 dtype=jnp.dtype(query.dtype).name, left=left, right=right,
+                 q_offset=int(q_offset), scale=float(h ** -0.5 if scale is None else scale),
+                 soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+                 config=config, interpret=interpret or None)
 
 
 def _interpret_params():
@@ -195,13 +204,17 @@ def _interpret_params():
   return InterpretGPUParams()
 
 
-def _kernel(body, **kwargs):
-  """``plgpu.kernel`` with ``out_type`` (``out_shape`` on jax versions before the rename)."""
+def _launch(st: "_Static", entry, out_type, grid, grid_names):
+  """``plgpu.kernel`` with a producer and two consumer warpgroups (axis ``"wg"``), approximate
+  math, and ``out_type`` (``out_shape`` on jax versions before the rename)."""
+  kwargs = dict(out_type=out_type, grid=grid, grid_names=grid_names, num_threads=3,
+                thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
+                interpret=st.interpret)
   try:
-    return plgpu.kernel(body, **kwargs)
+    return plgpu.kernel(entry, **kwargs)
   except TypeError:
     kwargs["out_shape"] = kwargs.pop("out_type")
-    return plgpu.kernel(body, **kwargs)
+    return plgpu.kernel(entry, **kwargs)
 
 
 def _cdiv(a, b):
@@ -403,6 +416,44 @@ def _band_ok(ctx: _Ctx, q_pos, k_pos, check_len: bool):
   return ok
 
 
+def _query_cta(st: "_Static", tp: int, rows: int, bk: int, sp: int):
+  """``(tile, head, batch, wg, kv_head, cta_lo, steps)`` of a kernel over query tiles (grid
+  ``("q", "heads", "batch")``).  Tiles run last-first: under a causal mask the last tiles see the
+  most keys, and starting them first shortens the final wave (as in the Triton kernel)."""
+  tile = (tp // rows - 1) - lax.axis_index("q")
+  head, batch = lax.axis_index("heads"), lax.axis_index("batch")
+  kv_head = lax.div(head, jnp.int32(st.num_heads // st.num_kv_heads))
+  cta_lo, cta_hi, _, _ = key_blocks(st, tile * rows, rows, bk, sp // bk)
+  return tile, head, batch, lax.axis_index("wg"), kv_head, cta_lo, cta_hi - cta_lo
+
+
+def _masked_scores(ctx: _Ctx, s, r0, block, bk: int):
+  """Band and key-padding mask of a ``[rows, bk]`` logit tile of query rows from ``r0``."""
+  st = ctx.st
+  q_pos = ctx.iota(s.shape, 0) + (r0 + st.q_offset)
+  k_pos = ctx.iota(s.shape, 1) + block * bk
+  return jnp.where(_band_ok(ctx, q_pos, k_pos, check_len=True), s, -jnp.inf)
+
+
+def _load_resident(wg, *copies):
+  """A consumer's tiles that stay for the whole loop: each ``(src, dst, barriers)`` copied by TMA
+  to ``barriers[wg]``, then all awaited."""
+  for src, dst, bar in copies:
+    plgpu.copy_gmem_to_smem(src, dst, bar.at[wg])
+  for _, _, bar in copies:
+    plgpu.barrier_wait(bar.at[wg])
+
+
+def _kv_loader(refs, smems, ready, batch, kv_head, cta_lo, bk: int):
+  """The producer's ``load(t, slot)`` of key block ``cta_lo + t``: K and V by TMA, each to its
+  own ready barrier."""
+  def load(t, slot):
+    keys = pl.ds((cta_lo + t) * bk, bk)
+    for ref, smem, bar in zip(refs, smems, ready):
+      plgpu.copy_gmem_to_smem(ref.at[batch, keys, kv_head], smem.at[slot], bar.at[slot])
+  return load
+
+
 def _shapes(st: "_Static", rows: int, kv_multiple: int):
   return _cdiv(st.q_len, rows) * rows, _cdiv(st.kv_len, kv_multiple) * kv_multiple
 
@@ -424,27 +475,18 @@ def _call(st: _Static):
   tp, sp = _shapes(st, rows, bk)
   dtype = jnp.dtype(st.dtype)
   h = st.head_dim
-  groups = st.num_heads // st.num_kv_heads
   ctx = _Ctx(st, stages, cfg.pingpong)
 
   def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, q_ready,
              k_ready, v_ready, free, turn):
-    # Query tiles last-first: under a causal mask the last tiles see the most keys, and starting
-    # them first shortens the final wave (as in the Triton kernel).
-    tile = (tp // rows - 1) - lax.axis_index("q")
-    head, batch = lax.axis_index("heads"), lax.axis_index("batch")
-    wg = lax.axis_index("wg")
-    kv_head = lax.div(head, jnp.int32(groups))
-    cta_lo, cta_hi, _, _ = key_blocks(st, tile * rows, rows, bk, sp // bk)
-    steps = cta_hi - cta_lo
+    tile, head, batch, wg, kv_head, cta_lo, steps = _query_cta(st, tp, rows, bk, sp)
 
     @pl.when(wg < 2)
     def _consumer():
       plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
       r0 = tile * rows + wg * bq
       my_q = q_smem.at[wg]
-      plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(r0, bq), head], my_q, q_ready.at[wg])
-      plgpu.barrier_wait(q_ready.at[wg])
+      _load_resident(wg, (q_ref.at[batch, pl.ds(r0, bq), head], my_q, q_ready))
       if cfg.pingpong:
         pl.when(wg == 1)(lambda: ctx.take_turn(turn))  # consumer 0 goes first
 
@@ -455,9 +497,7 @@ def _call(st: _Static):
         s = ctx.mm(my_q, k_smem.at[slot], (bq, bk), transpose_b=True, turn=turn)
         s, _ = _logits(ctx, s)
         if masked:
-          q_pos = ctx.iota((bq, bk), 0) + (r0 + st.q_offset)
-          k_pos = ctx.iota((bq, bk), 1) + block * bk
-          s = jnp.where(_band_ok(ctx, q_pos, k_pos, check_len=True), s, -jnp.inf)
+          s = _masked_scores(ctx, s, r0, block, bk)
         m_new = jnp.maximum(m, s.max(axis=1))
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no allowed key yet
         alpha = jnp.exp2(m - m_use)
@@ -489,12 +529,8 @@ def _call(st: _Static):
 
     @pl.when(wg == 2)
     def _producer():
-      def load(t, slot):
-        keys = pl.ds((cta_lo + t) * bk, bk)
-        plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_smem.at[slot], k_ready.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], v_smem.at[slot], v_ready.at[slot])
-
-      ctx.produce(steps, free, load)
+      ctx.produce(steps, free, _kv_loader((k_ref, v_ref), (k_smem, v_smem), (k_ready, v_ready),
+                                          batch, kv_head, cta_lo, bk))
 
   def entry(q_ref, k_ref, v_ref, o_ref, lse_ref):
     pl.run_scoped(
@@ -511,17 +547,8 @@ def _call(st: _Static):
         collective_axes="wg",
     )
 
-  call = _kernel(
-      entry,
-      out_type=(jax.ShapeDtypeStruct((st.batch, tp, st.num_heads, h), dtype),
-                jax.ShapeDtypeStruct((st.batch, st.num_heads, tp), jnp.float32)),
-      grid=(tp // rows, st.num_heads, st.batch),
-      grid_names=("q", "heads", "batch"),
-      num_threads=3,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=st.interpret,
-  )
+  call = _launch(st, entry, (jax.ShapeDtypeStruct((st.batch, tp, st.num_heads, h), dtype),
+                jax.ShapeDtypeStruct((st.batch, st.num_heads, tp), jnp.float32)), (tp // rows, st.num_heads, st.batch), ("q", "heads", "batch"))
 
   def run(q, k, v):
     q, k, v = _pad_seq(q, tp), _pad_seq(k, sp), _pad_seq(v, sp)
@@ -558,22 +585,8 @@ def backward(query, key, value, out, lse, d_out, d_lse=None, *, mask: Mask | Non
   ping-ponging ``wgmma`` consumers; the dK/dV kernel walks the ``G`` query heads of its KV head in
   turn, so GQA gradients are summed in fp32 in the kernel).  ``d_lse``: the cotangent of ``lse``
   (None: zero)."""
-  b, t, n, h = query.shape
-  s, kh = key.shape[1], key.shape[2]
-  config = config or default_config(h)
-  reason = supports(dtype=query.dtype, head_dim=h, v_head_dim=value.shape[3], static_mask=mask,
-                    static_q_offset=q_offset, has_alibi=False, has_segments=False,
-                    has_lengths=False, config=config) or supports_backward(head_dim=h)
-  if reason is not None:
-    raise ValueError(f"hopper.backward: unsupported call: {reason}.")
-  if interpret is True:
-    interpret = _interpret_params()
-  _, left, right = band(mask)
-  st = _Static(batch=b, q_len=t, kv_len=s, num_heads=n, num_kv_heads=kh, head_dim=h,
-               dtype=jnp.dtype(query.dtype).name, left=left, right=right, q_offset=int(q_offset),
-               scale=float(h ** -0.5 if scale is None else scale),
-               soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-               config=config, interpret=interpret or None)
+  st = _static("backward", query, key, value, mask=mask, scale=scale, q_offset=q_offset,
+               logits_soft_cap=logits_soft_cap, config=config, interpret=interpret)
   delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
   if d_lse is not None:
     delta = delta - d_lse.astype(jnp.float32)
@@ -609,18 +622,12 @@ def _dq_call(st: _Static):
   tp, sp = _shapes(st, rows, 2 * _BWD_BLOCK)
   dtype = jnp.dtype(st.dtype)
   h = st.head_dim
-  groups = st.num_heads // st.num_kv_heads
   ctx = _Ctx(st, stages, cfg.pingpong)
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, q_smem, do_smem, lse_smem,
              delta_smem, k_smem, v_smem, q_ready, do_ready, lse_ready, delta_ready, k_ready,
              v_ready, free, turn):
-    tile = (tp // rows - 1) - lax.axis_index("q")
-    head, batch = lax.axis_index("heads"), lax.axis_index("batch")
-    wg = lax.axis_index("wg")
-    kv_head = lax.div(head, jnp.int32(groups))
-    cta_lo, cta_hi, _, _ = key_blocks(st, tile * rows, rows, bk, sp // bk)
-    steps = cta_hi - cta_lo
+    tile, head, batch, wg, kv_head, cta_lo, steps = _query_cta(st, tp, rows, bk, sp)
 
     @pl.when(wg < 2)
     def _consumer():
@@ -628,13 +635,10 @@ def _dq_call(st: _Static):
       r0 = tile * rows + wg * bq
       my_q, my_do = q_smem.at[wg], do_smem.at[wg]
       rows_ = pl.ds(r0, bq)
-      plgpu.copy_gmem_to_smem(q_ref.at[batch, rows_, head], my_q, q_ready.at[wg])
-      plgpu.copy_gmem_to_smem(do_ref.at[batch, rows_, head], my_do, do_ready.at[wg])
-      plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, rows_], lse_smem.at[wg], lse_ready.at[wg])
-      plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, rows_], delta_smem.at[wg],
-                              delta_ready.at[wg])
-      for bar in (q_ready, do_ready, lse_ready, delta_ready):
-        plgpu.barrier_wait(bar.at[wg])
+      _load_resident(wg, (q_ref.at[batch, rows_, head], my_q, q_ready),
+                     (do_ref.at[batch, rows_, head], my_do, do_ready),
+                     (lse_ref.at[batch, head, rows_], lse_smem.at[wg], lse_ready),
+                     (delta_ref.at[batch, head, rows_], delta_smem.at[wg], delta_ready))
       lse = ctx.load_vec(lse_smem.at[wg], 1)
       delta = ctx.load_vec(delta_smem.at[wg], 1)
       if cfg.pingpong:
@@ -646,9 +650,7 @@ def _dq_call(st: _Static):
         s = ctx.mm(my_q, k_smem.at[slot], (bq, bk), transpose_b=True, turn=turn)
         s, tanh = _logits(ctx, s)
         if masked:
-          q_pos = ctx.iota((bq, bk), 0) + (r0 + st.q_offset)
-          k_pos = ctx.iota((bq, bk), 1) + block * bk
-          s = jnp.where(_band_ok(ctx, q_pos, k_pos, check_len=True), s, -jnp.inf)
+          s = _masked_scores(ctx, s, r0, block, bk)
         p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [0]))
         plgpu.barrier_wait(v_ready.at[slot])
         dp = ctx.mm(my_do, v_smem.at[slot], (bq, bk), transpose_b=True)
@@ -672,12 +674,8 @@ def _dq_call(st: _Static):
 
     @pl.when(wg == 2)
     def _producer():
-      def load(t, slot):
-        keys = pl.ds((cta_lo + t) * bk, bk)
-        plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_smem.at[slot], k_ready.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], v_smem.at[slot], v_ready.at[slot])
-
-      ctx.produce(steps, free, load)
+      ctx.produce(steps, free, _kv_loader((k_ref, v_ref), (k_smem, v_smem), (k_ready, v_ready),
+                                          batch, kv_head, cta_lo, bk))
 
   def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref):
     pl.run_scoped(
@@ -697,16 +695,7 @@ def _dq_call(st: _Static):
         collective_axes="wg",
     )
 
-  call = _kernel(
-      entry,
-      out_type=jax.ShapeDtypeStruct((st.batch, tp, st.num_heads, h), dtype),
-      grid=(tp // rows, st.num_heads, st.batch),
-      grid_names=("q", "heads", "batch"),
-      num_threads=3,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=st.interpret,
-  )
+  call = _launch(st, entry, jax.ShapeDtypeStruct((st.batch, tp, st.num_heads, h), dtype), (tp // rows, st.num_heads, st.batch), ("q", "heads", "batch"))
 
   def run(q, k, v, do, lse2, delta):
     dq = call(_pad_seq(q, tp), _pad_seq(k, sp), _pad_seq(v, sp), _pad_seq(do, tp),
@@ -743,10 +732,8 @@ def _dkv_call(st: _Static):
       k0 = tile * keys_per_cta + wg * bk
       my_k, my_v = k_smem.at[wg], v_smem.at[wg]
       keys = pl.ds(k0, bk)
-      plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], my_k, k_ready.at[wg])
-      plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], my_v, v_ready.at[wg])
-      plgpu.barrier_wait(k_ready.at[wg])
-      plgpu.barrier_wait(v_ready.at[wg])
+      _load_resident(wg, (k_ref.at[batch, keys, kv_head], my_k, k_ready),
+                     (v_ref.at[batch, keys, kv_head], my_v, v_ready))
       if cfg.pingpong:
         pl.when(wg == 1)(lambda: ctx.take_turn(turn))
 
@@ -825,16 +812,7 @@ def _dkv_call(st: _Static):
     )
 
   kv_shape = jax.ShapeDtypeStruct((st.batch, sp, st.num_kv_heads, h), dtype)
-  call = _kernel(
-      entry,
-      out_type=(kv_shape, kv_shape),
-      grid=(sp // keys_per_cta, st.num_kv_heads, st.batch),
-      grid_names=("k", "kv_heads", "batch"),
-      num_threads=3,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=st.interpret,
-  )
+  call = _launch(st, entry, (kv_shape, kv_shape), (sp // keys_per_cta, st.num_kv_heads, st.batch), ("k", "kv_heads", "batch"))
 
   def run(q, k, v, do, lse2, delta):
     dk, dv = call(_pad_seq(q, tp), _pad_seq(k, sp), _pad_seq(v, sp), _pad_seq(do, tp),
