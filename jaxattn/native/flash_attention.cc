@@ -25,6 +25,8 @@
 // The vector code uses GCC/Clang vector extensions (16 floats), so it compiles for any target; the
 // loader builds it with -march=native.
 
+#include <utility>
+
 #include "common.h"
 
 namespace {
@@ -456,46 +458,42 @@ ffi::Error FlashBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
 
 }  // namespace
 
+// The operands and attributes both attention calls end with, in ParseProblem's order: segment ids
+// (query, key), key lengths, ALiBi slopes; scale, soft-cap, band, query offset and tiles.
+template <typename Binding>
+auto BindMasking(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Attr<float>("scale")
+      .template Attr<float>("soft_cap")
+      .template Attr<int64_t>("left")
+      .template Attr<int64_t>("right")
+      .template Attr<int64_t>("q_offset")
+      .template Attr<int64_t>("block_q")
+      .template Attr<int64_t>("block_k");
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxattn_flash_attention_fwd_f32, FlashForward,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("scale")
-                                  .Attr<float>("soft_cap")
-                                  .Attr<int64_t>("left")
-                                  .Attr<int64_t>("right")
-                                  .Attr<int64_t>("q_offset")
-                                  .Attr<int64_t>("block_q")
-                                  .Attr<int64_t>("block_k")
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                              BindMasking(ffi::Ffi::Bind()
+                                              .Ctx<ffi::ThreadPool>()
+                                              .Arg<ffi::Buffer<ffi::F32>>()     // q
+                                              .Arg<ffi::Buffer<ffi::F32>>()     // k
+                                              .Arg<ffi::Buffer<ffi::F32>>())    // v
+                                  .Ret<ffi::Buffer<ffi::F32>>()                 // out
+                                  .Ret<ffi::Buffer<ffi::F32>>());               // lse
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxattn_flash_attention_bwd_f32, FlashBackward,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("scale")
-                                  .Attr<float>("soft_cap")
-                                  .Attr<int64_t>("left")
-                                  .Attr<int64_t>("right")
-                                  .Attr<int64_t>("q_offset")
-                                  .Attr<int64_t>("block_q")
-                                  .Attr<int64_t>("block_k")
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                              BindMasking(ffi::Ffi::Bind()
+                                              .Ctx<ffi::ThreadPool>()
+                                              .Arg<ffi::Buffer<ffi::F32>>()     // q
+                                              .Arg<ffi::Buffer<ffi::F32>>()     // k
+                                              .Arg<ffi::Buffer<ffi::F32>>()     // v
+                                              .Arg<ffi::Buffer<ffi::F32>>()     // d_out
+                                              .Arg<ffi::Buffer<ffi::F32>>()     // lse
+                                              .Arg<ffi::Buffer<ffi::F32>>())    // delta
+                                  .Ret<ffi::Buffer<ffi::F32>>()                 // dq
+                                  .Ret<ffi::Buffer<ffi::F32>>()                 // dk
+                                  .Ret<ffi::Buffer<ffi::F32>>());               // dv
