@@ -292,11 +292,16 @@ def hopper_reason(plan: C.Plan, which: str = "forward") -> str | None:
                          has_lengths=plan.has_lengths, config=_OPTIONS["hopper"])
 
 
+def _hopper_kwargs(plan: C.Plan) -> dict:
+  """The static arguments of ``hopper.forward`` / ``hopper.backward`` for this plan."""
+  return dict(mask=plan.static_mask, scale=plan.static_scale, q_offset=plan.static_q_offset,
+              logits_soft_cap=plan.logits_soft_cap, config=_OPTIONS["hopper"],
+              interpret=plan.interpret or None)
+
+
 def _forward(plan: C.Plan, q, k, v, aux):
   if hopper_reason(plan) is None:
-    return hopper.forward(q, k, v, mask=plan.static_mask, scale=plan.static_scale,
-                          q_offset=plan.static_q_offset, logits_soft_cap=plan.logits_soft_cap,
-                          config=_OPTIONS["hopper"], interpret=plan.interpret or None)
+    return hopper.forward(q, k, v, **_hopper_kwargs(plan))
   x = _Inputs(plan, q, k, v, aux)
   entries, counts = _tables(plan, aux, transpose=False)
   out, lse = _fwd_call(plan, entries.shape[-1], x.hp, x.vp)(
@@ -412,10 +417,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, entries_ref, counts_ref, iscal_ref, fscal_r
 
 def _backward(plan: C.Plan, q, k, v, aux, out, lse, d_out, d_lse):
   if hopper_reason(plan, "backward") is None:
-    return hopper.backward(q, k, v, out, lse, d_out, d_lse, mask=plan.static_mask,
-                           scale=plan.static_scale, q_offset=plan.static_q_offset,
-                           logits_soft_cap=plan.logits_soft_cap, config=_OPTIONS["hopper"],
-                           interpret=plan.interpret or None)
+    return hopper.backward(q, k, v, out, lse, d_out, d_lse, **_hopper_kwargs(plan))
   x = _Inputs(plan, q, k, v, aux)
   do = _pad(d_out, plan.q_pad, x.vp)  # [B, Tp, N, hp]
   delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, N]

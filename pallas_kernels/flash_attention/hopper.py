@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +51,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxattn.ops.masks import AndMask, CausalMask, FullMask, Mask, SlidingWindowMask
+from jaxattn.ops.masks import Mask, _band
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -86,19 +87,12 @@ class Config:
 
 def band(mask: Mask | None) -> tuple[bool, int | None, int | None]:
   """``(ok, left, right)``: whether ``mask`` is a band ``p - left <= j <= p + right`` (None:
-  unbounded on that side), and its reach."""
-  if mask is None or isinstance(mask, FullMask):
-    return True, None, None
-  if isinstance(mask, CausalMask):
-    return True, None, 0
-  if isinstance(mask, SlidingWindowMask):
-    return True, mask.left, mask.right
-  if isinstance(mask, AndMask):
-    ok_a, la, ra = band(mask.a)
-    ok_b, lb, rb = band(mask.b)
-    pick = lambda x, y: y if x is None else x if y is None else min(x, y)  # noqa: E731
-    return ok_a and ok_b, pick(la, lb), pick(ra, rb)
-  return False, None, None
+  unbounded on that side), and its reach (``jaxattn.ops.masks._band`` in the kernels' terms)."""
+  reach = (math.inf, math.inf) if mask is None else _band(mask)
+  if reach is None:
+    return False, None, None
+  left, right = (None if x == math.inf else int(x) for x in reach)
+  return True, left, right
 
 
 _SMEM_BYTES = 227 * 1024  # shared memory one H100 / H200 CTA may hold
