@@ -3,6 +3,12 @@
 import os
 
 os.environ.setdefault("XLA_FLAGS", "")
+# The CPU client runs asynchronous executions on a pool sized by the core count (2 in CI).
+# Mosaic GPU's interpreter runs each warpgroup of a kernel as its own execution, blocked on
+# simulated barriers until the others arrive: with the interpreted kernel's own execution holding
+# one pool thread and a waiting warpgroup the other, a third warpgroup never gets a thread and the
+# kernel deadlocks.  A larger pool (threads mostly asleep) gives every warpgroup one.
+os.environ.setdefault("PJRT_NPROC", str(max(16, os.cpu_count() or 1)))
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)

@@ -361,12 +361,20 @@ def static_kinds(plan: Plan, bq: int, bk: int) -> np.ndarray:
 
 def data_kinds(plan: Plan, bq: int, bk: int, q_ids, kv_ids, kv_lengths):
   """``[B, Tp/bq, Sp/bk]`` kinds that segment ids and key lengths allow (FULL: unconstrained)."""
-  nq, nk = plan.q_pad // bq, plan.kv_pad // bk
-  kinds = jnp.full((plan.batch, nq, nk), FULL, jnp.int8)
+  return pair_kinds(plan.batch, plan.q_pad, plan.kv_pad, bq, bk, q_ids, kv_ids, kv_lengths)
+
+
+def pair_kinds(batch: int, q_pad: int, kv_pad: int, bq: int, bk: int, q_ids, kv_ids, kv_lengths):
+  """``[B, q_pad/bq, kv_pad/bk]`` kinds of (query block, key block) pairs that segment ids
+  (``[B, T]`` / ``[B, S]`` or None) and key lengths (``[B]`` or None) allow: EMPTY when the
+  blocks' id ranges are disjoint or every key lies past the length, FULL when both blocks hold
+  one and the same id and no key past the length, else PARTIAL."""
+  nq, nk = q_pad // bq, kv_pad // bk
+  kinds = jnp.full((batch, nq, nk), FULL, jnp.int8)
   if q_ids is not None:
     # ids of padded rows/keys repeat the last real id, so they do not widen a block's id range.
-    qb = pad_edge(q_ids, plan.q_pad).reshape(plan.batch, nq, bq)
-    kb = pad_edge(kv_ids, plan.kv_pad).reshape(plan.batch, nk, bk)
+    qb = pad_edge(q_ids, q_pad).reshape(batch, nq, bq)
+    kb = pad_edge(kv_ids, kv_pad).reshape(batch, nk, bk)
     qmin, qmax = qb.min(-1)[:, :, None], qb.max(-1)[:, :, None]
     kmin, kmax = kb.min(-1)[:, None, :], kb.max(-1)[:, None, :]
     disjoint = (qmax < kmin) | (kmax < qmin)

@@ -61,9 +61,10 @@ from pallas_kernels.flash_attention.sharded import run_flash
 #            five matmuls, no dQ kernel).  Default "kernel"; "atomic" is tested for results here
 #            but not yet timed on a GPU.
 #   forward: "triton" (the kernel below) or "hopper" (``hopper.py``: Mosaic GPU, TMA + wgmma +
-#            warp specialisation, for sm_90 GPUs; calls it does not take -- fp32, ALiBi, segment
-#            ids, per-row lengths, non-band masks, traced scale or offset, another GPU -- stay on
-#            Triton, see ``hopper_reason``).  Either backward takes either forward's output.
+#            warp specialisation, for sm_90 GPUs; band masks with segment ids, key lengths, ALiBi
+#            and soft-cap; calls it does not take -- fp32, non-band masks, traced scale or offset,
+#            another GPU -- stay on Triton, see ``hopper_reason``).  Either backward takes either
+#            forward's output.
 #            Default "triton" until the Hopper kernel is timed on hardware.
 #   backward: "triton" (the dQ and dK/dV kernels below) or "hopper" (``hopper.backward``: the same
 #            two passes as Mosaic GPU kernels; the dK/dV pass sums a GQA group in the kernel).
@@ -288,20 +289,23 @@ def hopper_reason(plan: C.Plan, which: str = "forward") -> str | None:
     return "a traced scale"
   return hopper.supports(dtype=plan.dtype, head_dim=plan.head_dim, v_head_dim=plan.v_head_dim,
                          static_mask=plan.static_mask, static_q_offset=plan.static_q_offset,
-                         has_alibi=plan.has_alibi, has_segments=plan.has_segments,
-                         has_lengths=plan.has_lengths, config=_OPTIONS["hopper"])
+                         config=_OPTIONS["hopper"])
 
 
-def _hopper_kwargs(plan: C.Plan) -> dict:
-  """The static arguments of ``hopper.forward`` / ``hopper.backward`` for this plan."""
+def _hopper_kwargs(plan: C.Plan, aux) -> dict:
+  """The arguments of ``hopper.forward`` / ``hopper.backward`` for this plan besides the
+  tensors: its static part and its data masks / slopes."""
   return dict(mask=plan.static_mask, scale=plan.static_scale, q_offset=plan.static_q_offset,
               logits_soft_cap=plan.logits_soft_cap, config=_OPTIONS["hopper"],
-              interpret=plan.interpret or None)
+              interpret=plan.interpret or None,
+              alibi_slopes=aux["slopes"] if plan.has_alibi else None,
+              segment_ids=(aux["q_ids"], aux["kv_ids"]) if plan.has_segments else None,
+              kv_lengths=aux["kv_lengths"] if plan.has_lengths else None)
 
 
 def _forward(plan: C.Plan, q, k, v, aux):
   if hopper_reason(plan) is None:
-    return hopper.forward(q, k, v, **_hopper_kwargs(plan))
+    return hopper.forward(q, k, v, **_hopper_kwargs(plan, aux))
   x = _Inputs(plan, q, k, v, aux)
   entries, counts = _tables(plan, aux, transpose=False)
   out, lse = _fwd_call(plan, entries.shape[-1], x.hp, x.vp)(
@@ -417,7 +421,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, entries_ref, counts_ref, iscal_ref, fscal_r
 
 def _backward(plan: C.Plan, q, k, v, aux, out, lse, d_out, d_lse):
   if hopper_reason(plan, "backward") is None:
-    return hopper.backward(q, k, v, out, lse, d_out, d_lse, **_hopper_kwargs(plan))
+    return hopper.backward(q, k, v, out, lse, d_out, d_lse, **_hopper_kwargs(plan, aux))
   x = _Inputs(plan, q, k, v, aux)
   do = _pad(d_out, plan.q_pad, x.vp)  # [B, Tp, N, hp]
   delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, N]

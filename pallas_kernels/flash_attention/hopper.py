@@ -23,8 +23,16 @@ lengths and the logit soft-cap.  Per consumer the key blocks split into runs:
 ``[skip | masked | full | masked | skip]``: FULL blocks never evaluate the mask and blocks outside
 the band are not computed (a consumer still waits for and releases them, which keeps the
 mbarrier phases of the two consumers in step).  The CTA loads only the union of its two consumers'
-runs.  Data masks (segment ids, per-row lengths), ALiBi and fp32 inputs are the Triton kernel's
-(``supports`` says which).
+runs.
+
+Data masks refine the runs per batch row at run time: segment ids (packed sequences) and key
+lengths give, per 64-row (or, in the dK/dV kernel, 64-key) tile, the block range that can hold an
+allowed pair and the FULL run inside it (``run_table``, from ``common.pair_kinds``: the blocks'
+id ranges and the lengths), read from global memory by all three warpgroups and intersected with
+the band's runs; in masked blocks the ids (the consumer's rows resident, each key block's streamed
+by TMA beside K) and ``j < kv_lengths[b]`` join the band test.  ALiBi adds
+``slope * (j - (i + q_offset))`` to every block's logits (slope read per head) before the
+soft-cap.  fp32 inputs and non-band masks are the Triton kernel's (``supports`` says why).
 
 The backward (``backward``) is FlashAttention-2's two passes on the same skeleton (``_Ctx``: a
 producer ring, two consumers, skip / masked / full runs): a dQ kernel over query tiles streams
@@ -111,9 +119,9 @@ def default_config(head_dim: int) -> Config:
 
 
 def supports(*, dtype, head_dim: int, v_head_dim: int, static_mask, static_q_offset,
-             has_alibi: bool, has_segments: bool, has_lengths: bool,
              config: Config | None = None) -> str | None:
-  """None when the Hopper kernel runs this call, else the reason it does not."""
+  """None when the Hopper kernel runs this call, else the reason it does not (ALiBi, segment
+  ids and key lengths are always taken)."""
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"dtype {jnp.dtype(dtype).name} (the wgmma path takes bfloat16 / float16)"
   if head_dim != v_head_dim or head_dim not in (64, 128, 256):
@@ -122,8 +130,6 @@ def supports(*, dtype, head_dim: int, v_head_dim: int, static_mask, static_q_off
     return f"mask {type(static_mask).__name__} (band masks only)"
   if static_q_offset is None:
     return "a traced q_offset"
-  if has_alibi or has_segments or has_lengths:
-    return "ALiBi / segment ids / per-row lengths"
   config = config or default_config(head_dim)
   if smem_bytes(head_dim, config) > _SMEM_BYTES:
     return (f"{config} needs {smem_bytes(head_dim, config)} bytes of shared memory at head size "
@@ -147,32 +153,43 @@ class _Static:
   soft_cap: float | None
   config: Config
   interpret: object
+  alibi: bool = False
+  segments: bool = False
+  lengths: bool = False
+
+  @property
+  def data(self) -> bool:
+    """Whether segment ids / key lengths refine the blocks' runs (per batch row, at run time)."""
+    return self.segments or self.lengths
 
 
 def forward(query, key, value, *, mask: Mask | None = None, scale: float | None = None,
-            q_offset: int = 0, logits_soft_cap: float | None = None,
-            config: Config | None = None, interpret=None):
+            q_offset: int = 0, logits_soft_cap: float | None = None, alibi_slopes=None,
+            segment_ids=None, kv_lengths=None, config: Config | None = None, interpret=None):
   """``(out [B, T, N, H], lse [B, N, T] fp32, natural log)`` of band-masked attention.
 
   ``query [B, T, N, H]``, ``key`` / ``value [B, S, K, H]`` in bf16 or fp16 (``N`` a multiple of
-  ``K``); rows without an allowed key give 0 and ``lse = -inf``.  ``interpret``: None runs the
-  hardware, or pass ``plgpu.InterpretParams`` / True to run Mosaic GPU's interpreter on CPU.
+  ``K``); rows without an allowed key give 0 and ``lse = -inf``.  ``alibi_slopes [N]`` adds
+  ``slope * (j - (i + q_offset))`` to the scaled logits (before the soft-cap);
+  ``segment_ids = (q_ids [B, T], kv_ids [B, S])`` allows pairs of equal ids; ``kv_lengths [B]``
+  allows keys ``j < kv_lengths[b]``.  ``interpret``: None runs the hardware, or pass
+  ``plgpu.InterpretParams`` / True to run Mosaic GPU's interpreter on CPU.
   """
+  data = dict(alibi_slopes=alibi_slopes, segment_ids=segment_ids, kv_lengths=kv_lengths)
   st = _static("forward", query, key, value, mask=mask, scale=scale, q_offset=q_offset,
-               logits_soft_cap=logits_soft_cap, config=config, interpret=interpret)
-  return _call(st)(query, key, value)
+               logits_soft_cap=logits_soft_cap, config=config, interpret=interpret, **data)
+  return _call(st)(query, key, value, _aux(st, **data))
 
 
 def _static(name: str, query, key, value, *, mask, scale, q_offset, logits_soft_cap, config,
-            interpret) -> _Static:
+            interpret, alibi_slopes=None, segment_ids=None, kv_lengths=None) -> _Static:
   """Checks a call of ``forward`` / ``backward`` (``ValueError`` naming what is unsupported) and
   returns its static description."""
   b, t, n, h = query.shape
   s, kh = key.shape[1], key.shape[2]
   config = config or default_config(h)
   reason = supports(dtype=query.dtype, head_dim=h, v_head_dim=value.shape[3], static_mask=mask,
-                    static_q_offset=q_offset, has_alibi=False, has_segments=False,
-                    has_lengths=False, config=config)
+                    static_q_offset=q_offset, config=config)
   if reason is None and name == "backward":
     reason = supports_backward(head_dim=h)
   if reason is not None:
@@ -183,6 +200,17 @@ def _static(name: str, query, key, value, *, mask, scale, q_offset, logits_soft_
       value.dtype != query.dtype):
     raise ValueError(f"hopper.{name}: key {key.shape} {key.dtype} and value {value.shape} "
                      f"{value.dtype} must both be [B={b}, S, K, H={h}] in {query.dtype}.")
+  if alibi_slopes is not None and tuple(alibi_slopes.shape) != (n,):
+    raise ValueError(f"hopper.{name}: `alibi_slopes` must have shape [N] = ({n},), got "
+                     f"{tuple(alibi_slopes.shape)}.")
+  if segment_ids is not None and (
+      len(segment_ids) != 2 or tuple(segment_ids[0].shape) != (b, t)
+      or tuple(segment_ids[1].shape) != (b, s)):
+    raise ValueError(f"hopper.{name}: `segment_ids` must be (q_ids [B, T] = {(b, t)}, kv_ids "
+                     f"[B, S] = {(b, s)}), got {tuple(tuple(x.shape) for x in segment_ids)}.")
+  if kv_lengths is not None and tuple(kv_lengths.shape) != (b,):
+    raise ValueError(f"hopper.{name}: `kv_lengths` must have shape [B] = ({b},), got "
+                     f"{tuple(kv_lengths.shape)}.")
   if interpret is True:
     interpret = _interpret_params()
   _, left, right = band(mask)
@@ -190,7 +218,20 @@ def _static(name: str, query, key, value, *, mask, scale, q_offset, logits_soft_
                  dtype=jnp.dtype(query.dtype).name, left=left, right=right,
                  q_offset=int(q_offset), scale=float(h ** -0.5 if scale is None else scale),
                  soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-                 config=config, interpret=interpret or None)
+                 config=config, interpret=interpret or None, alibi=alibi_slopes is not None,
+                 segments=segment_ids is not None, lengths=kv_lengths is not None)
+
+
+def _aux(st: _Static, *, alibi_slopes, segment_ids, kv_lengths) -> dict:
+  """The data inputs of a call (unpadded), by the names the kernels read them under."""
+  aux = {}
+  if st.alibi:
+    aux["slopes"] = alibi_slopes.astype(jnp.float32)
+  if st.lengths:
+    aux["lengths"] = kv_lengths.astype(jnp.int32)
+  if st.segments:
+    aux["q_ids"], aux["kv_ids"] = (x.astype(jnp.int32) for x in segment_ids)
+  return aux
 
 
 def _interpret_params():
@@ -356,8 +397,8 @@ class _Ctx:
     ``compute(t, slot, block, o, carry, masked) -> carry`` must arrive on ``free`` and take two
     turns; a skipped step waits for its copies, releases the slot and takes its two turns, so
     both consumers see every barrier phase."""
-    lo, hi, f_lo, f_hi = runs
-    a, b, c, d = lo - cta_lo, f_lo - cta_lo, f_hi - cta_lo, hi - cta_lo
+    lo, hi, f_lo, f_hi = runs  # clamped into the CTA's range (an empty run skips every step)
+    a, b, c, d = (_clamp(jnp.int32(0), x - cta_lo, steps) for x in (lo, f_lo, f_hi, hi))
     stages = self.stages
 
     def skip(o):
@@ -390,43 +431,142 @@ class _Ctx:
     return lax.fori_loop(0, outer, one_pass, carry)
 
 
-def _logits(ctx: _Ctx, s):
-  """Base-2 logits of raw ``q . k`` (fp32) and, with a soft-cap, ``tanh`` of the capped logit
-  (its chain rule is ``1 - tanh^2``)."""
+def _logits(ctx: _Ctx, s, bias=None):
+  """Base-2 logits of raw ``q . k`` (fp32) plus ``bias`` (ALiBi, natural units) and, with a
+  soft-cap, ``tanh`` of the capped logit (its chain rule is ``1 - tanh^2``)."""
   st = ctx.st
   if st.soft_cap is None:
-    return s * (st.scale * _LOG2E), None
-  t = jnp.tanh(s * (st.scale / st.soft_cap))
+    x = s * (st.scale * _LOG2E)
+    return (x if bias is None else x + bias * _LOG2E), None
+  if bias is None:
+    t = jnp.tanh(s * (st.scale / st.soft_cap))
+  else:
+    t = jnp.tanh((s * st.scale + bias) * (1.0 / st.soft_cap))
   return (st.soft_cap * _LOG2E) * t, t
 
 
-def _band_ok(ctx: _Ctx, q_pos, k_pos, check_len: bool):
+def _scores(ctx: _Ctx, s, *, q0, k0, rows_dim: int, masked: bool, slope=None, limit=None,
+            q_seg=None, k_seg=None):
+  """Base-2 logits (and the soft-cap's tanh) of a raw ``q . k`` tile whose query rows start at
+  ``q0`` along axis ``rows_dim`` and keys at ``k0`` along the other, in the order scale -> ALiBi
+  (``slope * (j - (i + q_offset))``) -> soft-cap -> mask.  Only ``masked`` blocks evaluate the
+  mask: the band, keys ``>= limit`` (None: no bound) and unequal segment ids (``q_seg`` /
+  ``k_seg``: the tile's row and column id vectors)."""
   st = ctx.st
-  ok = k_pos < st.kv_len if check_len else None
-  for cond in ((k_pos >= q_pos - st.left) if st.left is not None else None,
-               (k_pos <= q_pos + st.right) if st.right is not None else None):
+  kd = 1 - rows_dim
+  if slope is not None or masked:
+    q_pos = ctx.iota(s.shape, rows_dim) + (q0 + st.q_offset)
+    k_pos = ctx.iota(s.shape, kd) + k0
+  bias = None if slope is None else slope * (k_pos - q_pos).astype(jnp.float32)
+  s, tanh = _logits(ctx, s, bias)
+  if not masked:
+    return s, tanh
+  ok = None
+  for cond in ((k_pos < limit) if limit is not None else None,
+               (k_pos >= q_pos - st.left) if st.left is not None else None,
+               (k_pos <= q_pos + st.right) if st.right is not None else None,
+               (lax.broadcast_in_dim(q_seg, s.shape, [rows_dim])
+                == lax.broadcast_in_dim(k_seg, s.shape, [kd])) if q_seg is not None else None):
     if cond is not None:
       ok = cond if ok is None else ok & cond
-  return ok
+  return (s if ok is None else jnp.where(ok, s, -jnp.inf)), tanh
 
 
-def _query_cta(st: "_Static", tp: int, rows: int, bk: int, sp: int):
-  """``(tile, head, batch, wg, kv_head, cta_lo, steps)`` of a kernel over query tiles (grid
-  ``("q", "heads", "batch")``).  Tiles run last-first: under a causal mask the last tiles see the
-  most keys, and starting them first shortens the final wave (as in the Triton kernel)."""
+def _with_data(band_runs, tab_ref, batch, tile):
+  """A consumer's runs: its band runs intersected with row ``tile`` of the data table
+  (``[B, R, 4]``: the block range that segment ids / key lengths allow and its FULL run)."""
+  if tab_ref is None:
+    return band_runs
+  lo, hi, f_lo, f_hi = band_runs
+  d_lo, d_hi, d_flo, d_fhi = (tab_ref[batch, tile, i] for i in range(4))
+  return _runs(lax.max(lo, d_lo), lax.min(hi, d_hi), lax.max(f_lo, d_flo), lax.min(f_hi, d_fhi))
+
+
+def _union(runs_a, runs_b):
+  """``(cta_lo, steps)``: the block range a CTA loads, the smallest holding both consumers'
+  non-empty runs (0 steps when both are empty)."""
+  i32 = jnp.int32
+  (lo_a, hi_a, _, _), (lo_b, hi_b, _, _) = runs_a, runs_b
+  e_a, e_b = hi_a <= lo_a, hi_b <= lo_b
+  lo = lax.min(jnp.where(e_a, i32(_BIG), lo_a), jnp.where(e_b, i32(_BIG), lo_b))
+  hi = lax.max(jnp.where(e_a, i32(0), hi_a), jnp.where(e_b, i32(0), hi_b))
+  steps = lax.max(hi - lo, i32(0))
+  return jnp.where(steps > 0, lo, i32(0)), steps
+
+
+def run_table(kinds):
+  """``[B, R, 4]`` int32 ``(lo, hi, f_lo, f_hi)`` per row of block kinds ``[B, R, C]``: the
+  blocks from the row's first to its last non-EMPTY one, and its FULL run when the row's FULL
+  blocks are contiguous (else none: they are evaluated masked, which is exact)."""
+  from pallas_kernels.flash_attention.common import EMPTY, FULL  # noqa: PLC0415
+  c = kinds.shape[-1]
+  i32 = jnp.int32
+
+  def first(m):
+    return jnp.argmax(m, axis=-1).astype(i32)
+
+  def end(m):
+    return (c - jnp.argmax(m[..., ::-1], axis=-1)).astype(i32)
+
+  some, full = kinds != EMPTY, kinds == FULL
+  any_some = some.any(-1)
+  lo, hi = jnp.where(any_some, first(some), 0), jnp.where(any_some, end(some), 0)
+  f_lo, f_hi = first(full), end(full)
+  contiguous = full.any(-1) & (full.sum(-1, dtype=i32) == f_hi - f_lo)
+  return jnp.stack([lo, hi, jnp.where(contiguous, f_lo, lo), jnp.where(contiguous, f_hi, lo)],
+                   axis=-1).astype(i32)
+
+
+def _data_table(st: _Static, aux: dict, q_pad: int, kv_pad: int, bq: int, bk: int,
+                transpose: bool):
+  """The run table of a kernel over ``bq``-row query tiles and ``bk``-key blocks (``transpose``:
+  over ``bk``-key tiles and ``bq``-row query blocks); None without segment ids / key lengths."""
+  if not st.data:
+    return None
+  from pallas_kernels.flash_attention.common import pair_kinds  # noqa: PLC0415
+  kinds = pair_kinds(st.batch, q_pad, kv_pad, bq, bk, aux.get("q_ids"), aux.get("kv_ids"),
+                     aux.get("lengths"))
+  return run_table(jnp.swapaxes(kinds, 1, 2) if transpose else kinds)
+
+
+def _data_names(st: _Static) -> tuple[str, ...]:
+  """The kernels' inputs after their tensors, in order."""
+  return ((("tab",) if st.data else ()) + (("slopes",) if st.alibi else ())
+          + (("lengths",) if st.lengths else ()) + (("q_ids", "kv_ids") if st.segments else ()))
+
+
+def _data_inputs(st: _Static, aux: dict, tab, q_pad: int, kv_pad: int) -> list:
+  from pallas_kernels.flash_attention.common import pad_edge  # noqa: PLC0415
+  vals = dict(aux, tab=tab)
+  if st.segments:
+    vals["q_ids"], vals["kv_ids"] = pad_edge(aux["q_ids"], q_pad), pad_edge(aux["kv_ids"], kv_pad)
+  return [vals[name] for name in _data_names(st)]
+
+
+def _key_limit(st: _Static, refs, batch, always: bool):
+  """Keys at or past this index are masked: ``min(kv_lengths[b], S)``, else ``S`` when
+  ``always`` (padding keys), else None."""
+  if st.lengths:
+    return lax.min(refs["lengths"][batch], jnp.int32(st.kv_len))
+  return jnp.int32(st.kv_len) if always else None
+
+
+def _query_cta(st: "_Static", refs, tp: int, bq: int, bk: int, sp: int):
+  """``(tile, head, batch, wg, kv_head, cta_lo, steps, runs)`` of a kernel over query tiles of
+  two consumers' ``bq`` rows (grid ``("q", "heads", "batch")``); ``runs(r0)``: the runs of the
+  consumer whose rows start at ``r0``.  Tiles run last-first: under a causal mask the last tiles
+  see the most keys, and starting them first shortens the final wave (as in the Triton kernel)."""
+  rows = 2 * bq
   tile = (tp // rows - 1) - lax.axis_index("q")
   head, batch = lax.axis_index("heads"), lax.axis_index("batch")
   kv_head = lax.div(head, jnp.int32(st.num_heads // st.num_kv_heads))
-  cta_lo, cta_hi, _, _ = key_blocks(st, tile * rows, rows, bk, sp // bk)
-  return tile, head, batch, lax.axis_index("wg"), kv_head, cta_lo, cta_hi - cta_lo
 
+  def runs(r0):
+    return _with_data(key_blocks(st, r0, bq, bk, sp // bk), refs.get("tab"), batch,
+                      lax.div(r0, jnp.int32(bq)))
 
-def _masked_scores(ctx: _Ctx, s, r0, block, bk: int):
-  """Band and key-padding mask of a ``[rows, bk]`` logit tile of query rows from ``r0``."""
-  st = ctx.st
-  q_pos = ctx.iota(s.shape, 0) + (r0 + st.q_offset)
-  k_pos = ctx.iota(s.shape, 1) + block * bk
-  return jnp.where(_band_ok(ctx, q_pos, k_pos, check_len=True), s, -jnp.inf)
+  cta_lo, steps = _union(runs(tile * rows), runs(tile * rows + bq))
+  return tile, head, batch, lax.axis_index("wg"), kv_head, cta_lo, steps, runs
 
 
 def _load_resident(wg, *copies):
@@ -438,13 +578,18 @@ def _load_resident(wg, *copies):
     plgpu.barrier_wait(bar.at[wg])
 
 
-def _kv_loader(refs, smems, ready, batch, kv_head, cta_lo, bk: int):
-  """The producer's ``load(t, slot)`` of key block ``cta_lo + t``: K and V by TMA, each to its
-  own ready barrier."""
+def _kv_loader(st: "_Static", refs, scratch, batch, kv_head, cta_lo, bk: int):
+  """The producer's ``load(t, slot)`` of key block ``cta_lo + t``: K, V (and the keys' segment
+  ids) by TMA, each to its own ready barrier."""
   def load(t, slot):
     keys = pl.ds((cta_lo + t) * bk, bk)
-    for ref, smem, bar in zip(refs, smems, ready):
-      plgpu.copy_gmem_to_smem(ref.at[batch, keys, kv_head], smem.at[slot], bar.at[slot])
+    plgpu.copy_gmem_to_smem(refs["k"].at[batch, keys, kv_head], scratch["k"].at[slot],
+                            scratch["k_ready"].at[slot])
+    plgpu.copy_gmem_to_smem(refs["v"].at[batch, keys, kv_head], scratch["v"].at[slot],
+                            scratch["v_ready"].at[slot])
+    if st.segments:
+      plgpu.copy_gmem_to_smem(refs["kv_ids"].at[batch, keys], scratch["kseg"].at[slot],
+                              scratch["kseg_ready"].at[slot])
   return load
 
 
@@ -454,6 +599,56 @@ def _shapes(st: "_Static", rows: int, kv_multiple: int):
 
 def _tiled():
   return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def _entry(names: tuple[str, ...], scratch: dict, kernel):
+  """The kernel entry: refs by name (inputs, data inputs, outputs), scratch by name."""
+  def entry(*refs):
+    named = dict(zip(names, refs, strict=True))
+    pl.run_scoped(lambda **s: kernel(named, s), collective_axes="wg", **scratch)
+  return entry
+
+
+def _key_scratch(st: _Static, dtype, stages: int, bq: int, bk: int, h: int) -> dict:
+  """Shared memory and barriers of a kernel over query tiles that streams K / V blocks."""
+  scratch = dict(
+      k=plgpu.SMEM((stages, bk, h), dtype, transforms=_tiled()),
+      v=plgpu.SMEM((stages, bk, h), dtype, transforms=_tiled()),
+      k_ready=plgpu.Barrier(num_barriers=stages), v_ready=plgpu.Barrier(num_barriers=stages),
+      free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      turn=plgpu.Barrier(num_arrivals=2))
+  if st.segments:
+    scratch.update(qseg=plgpu.SMEM((2, bq), jnp.int32), qseg_ready=plgpu.Barrier(num_barriers=2),
+                   kseg=plgpu.SMEM((stages, bk), jnp.int32),
+                   kseg_ready=plgpu.Barrier(num_barriers=stages))
+  return scratch
+
+
+def _key_ready(st: _Static, scratch) -> tuple:
+  return (scratch["k_ready"], scratch["v_ready"]) + (
+      (scratch["kseg_ready"],) if st.segments else ())
+
+
+def _query_rows(ctx: _Ctx, refs, scratch, wg, batch, head, rows_, my_tiles):
+  """A consumer of a kernel over query tiles loads its resident tiles (``my_tiles``: ``(src,
+  dst, barriers)``, plus its rows' segment ids) and returns its data-feature arguments of
+  ``_scores`` (the slope, the key limit, the rows' ids)."""
+  st = ctx.st
+  copies = list(my_tiles)
+  if st.segments:
+    copies.append((refs["q_ids"].at[batch, rows_], scratch["qseg"].at[wg],
+                   scratch["qseg_ready"]))
+  _load_resident(wg, *copies)
+  return dict(slope=refs["slopes"][head] if st.alibi else None,
+              limit=_key_limit(st, refs, batch, always=True),
+              q_seg=ctx.load_vec(scratch["qseg"].at[wg], 1) if st.segments else None)
+
+
+def _key_ids(ctx: _Ctx, scratch, slot, masked: bool):
+  """The streamed key block's segment ids (a column vector), where a masked block needs them."""
+  if not (ctx.st.segments and masked):
+    return None
+  return ctx.load_vec(scratch["kseg"].at[slot], 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -471,16 +666,18 @@ def _call(st: _Static):
   h = st.head_dim
   ctx = _Ctx(st, stages, cfg.pingpong)
 
-  def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, q_ready,
-             k_ready, v_ready, free, turn):
-    tile, head, batch, wg, kv_head, cta_lo, steps = _query_cta(st, tp, rows, bk, sp)
+  def kernel(refs, scratch):
+    tile, head, batch, wg, kv_head, cta_lo, steps, runs = _query_cta(st, refs, tp, bq, bk, sp)
+    k_ready, v_ready, free, turn = (scratch[n] for n in ("k_ready", "v_ready", "free", "turn"))
 
     @pl.when(wg < 2)
     def _consumer():
       plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
       r0 = tile * rows + wg * bq
-      my_q = q_smem.at[wg]
-      _load_resident(wg, (q_ref.at[batch, pl.ds(r0, bq), head], my_q, q_ready))
+      my_q = scratch["q"].at[wg]
+      rows_ = pl.ds(r0, bq)
+      data = _query_rows(ctx, refs, scratch, wg, batch, head, rows_,
+                         [(refs["q"].at[batch, rows_, head], my_q, scratch["q_ready"])])
       if cfg.pingpong:
         pl.when(wg == 1)(lambda: ctx.take_turn(turn))  # consumer 0 goes first
 
@@ -488,10 +685,11 @@ def _call(st: _Static):
         del t, o
         acc, m, l = carry
         plgpu.barrier_wait(k_ready.at[slot])
-        s = ctx.mm(my_q, k_smem.at[slot], (bq, bk), transpose_b=True, turn=turn)
-        s, _ = _logits(ctx, s)
-        if masked:
-          s = _masked_scores(ctx, s, r0, block, bk)
+        if st.segments:
+          plgpu.barrier_wait(scratch["kseg_ready"].at[slot])
+        s = ctx.mm(my_q, scratch["k"].at[slot], (bq, bk), transpose_b=True, turn=turn)
+        s, _ = _scores(ctx, s, q0=r0, k0=block * bk, rows_dim=0, masked=masked,
+                       k_seg=_key_ids(ctx, scratch, slot, masked), **data)
         m_new = jnp.maximum(m, s.max(axis=1))
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no allowed key yet
         alpha = jnp.exp2(m - m_use)
@@ -500,53 +698,45 @@ def _call(st: _Static):
         p16 = p.astype(dtype)
         plgpu.barrier_wait(v_ready.at[slot])
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        acc = ctx.mm_acc(acc, p16, v_smem.at[slot])
+        acc = ctx.mm_acc(acc, p16, scratch["v"].at[slot])
         ctx.take_turn(turn)
         plgpu.barrier_arrive(free.at[slot])
         return acc, m_new, l
 
       carry = (ctx.full((bq, h), 0.0), ctx.full((bq,), -jnp.inf), ctx.full((bq,), 0.0))
-      acc, m, l = ctx.consume(carry, outer=1, cta_lo=cta_lo, steps=steps,
-                              runs=key_blocks(st, r0, bq, bk, sp // bk),
-                              ready=(k_ready, v_ready), free=free, turn=turn, compute=compute)
+      acc, m, l = ctx.consume(carry, outer=1, cta_lo=cta_lo, steps=steps, runs=runs(r0),
+                              ready=_key_ready(st, scratch), free=free, turn=turn,
+                              compute=compute)
       if cfg.pingpong:
         pl.when(wg == 0)(lambda: ctx.take_turn(turn))  # balance consumer 1's first turn
 
       ok = l > 0.0
       inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
       my_q[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
-      lse_smem.at[wg][...] = jnp.where(ok, (m + jnp.log2(jnp.where(ok, l, 1.0))) * _LN2, -jnp.inf)
+      lse_smem = scratch["lse"].at[wg]
+      lse_smem[...] = jnp.where(ok, (m + jnp.log2(jnp.where(ok, l, 1.0))) * _LN2, -jnp.inf)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(my_q, o_ref.at[batch, pl.ds(r0, bq), head])
-      plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(r0, bq)])
+      plgpu.copy_smem_to_gmem(my_q, refs["o"].at[batch, rows_, head])
+      plgpu.copy_smem_to_gmem(lse_smem, refs["lse"].at[batch, head, rows_])
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
     def _producer():
-      ctx.produce(steps, free, _kv_loader((k_ref, v_ref), (k_smem, v_smem), (k_ready, v_ready),
-                                          batch, kv_head, cta_lo, bk))
+      ctx.produce(steps, free, _kv_loader(st, refs, scratch, batch, kv_head, cta_lo, bk))
 
-  def entry(q_ref, k_ref, v_ref, o_ref, lse_ref):
-    pl.run_scoped(
-        lambda *scratch: kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch),
-        plgpu.SMEM((2, bq, h), dtype, transforms=_tiled()),
-        plgpu.SMEM((stages, bk, h), dtype, transforms=_tiled()),
-        plgpu.SMEM((stages, bk, h), dtype, transforms=_tiled()),
-        plgpu.SMEM((2, bq), jnp.float32),
-        plgpu.Barrier(num_barriers=2),
-        plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=2),
-        collective_axes="wg",
-    )
+  scratch = dict(q=plgpu.SMEM((2, bq, h), dtype, transforms=_tiled()),
+                 lse=plgpu.SMEM((2, bq), jnp.float32), q_ready=plgpu.Barrier(num_barriers=2),
+                 **_key_scratch(st, dtype, stages, bq, bk, h))
+  names = ("q", "k", "v") + _data_names(st) + ("o", "lse")
+  call = _launch(st, _entry(names, scratch, kernel),
+                 (jax.ShapeDtypeStruct((st.batch, tp, st.num_heads, h), dtype),
+                  jax.ShapeDtypeStruct((st.batch, st.num_heads, tp), jnp.float32)),
+                 (tp // rows, st.num_heads, st.batch), ("q", "heads", "batch"))
 
-  call = _launch(st, entry, (jax.ShapeDtypeStruct((st.batch, tp, st.num_heads, h), dtype),
-                jax.ShapeDtypeStruct((st.batch, st.num_heads, tp), jnp.float32)), (tp // rows, st.num_heads, st.batch), ("q", "heads", "batch"))
-
-  def run(q, k, v):
-    q, k, v = _pad_seq(q, tp), _pad_seq(k, sp), _pad_seq(v, sp)
-    out, lse = call(q, k, v)
+  def run(q, k, v, aux):
+    tab = _data_table(st, aux, tp, sp, bq, bk, transpose=False)
+    out, lse = call(_pad_seq(q, tp), _pad_seq(k, sp), _pad_seq(v, sp),
+                    *_data_inputs(st, aux, tab, tp, sp))
     return out[:, :st.q_len], lse[:, :, :st.q_len]
 
   return jax.jit(run)
@@ -572,22 +762,25 @@ def supports_backward(*, head_dim: int, config: Config | None = None) -> str | N
 
 def backward(query, key, value, out, lse, d_out, d_lse=None, *, mask: Mask | None = None,
              scale: float | None = None, q_offset: int = 0,
-             logits_soft_cap: float | None = None, config: Config | None = None,
-             interpret=None):
+             logits_soft_cap: float | None = None, alibi_slopes=None, segment_ids=None,
+             kv_lengths=None, config: Config | None = None, interpret=None):
   """``(dq, dk, dv)`` of ``forward`` from its ``out`` and ``lse`` (FlashAttention-2's backward on
   Hopper: a dQ kernel over query tiles and a dK/dV kernel over key tiles, each a producer and two
   ping-ponging ``wgmma`` consumers; the dK/dV kernel walks the ``G`` query heads of its KV head in
   turn, so GQA gradients are summed in fp32 in the kernel).  ``d_lse``: the cotangent of ``lse``
-  (None: zero)."""
+  (None: zero).  The data arguments are ``forward``'s (they get no gradient)."""
+  data = dict(alibi_slopes=alibi_slopes, segment_ids=segment_ids, kv_lengths=kv_lengths)
   st = _static("backward", query, key, value, mask=mask, scale=scale, q_offset=q_offset,
-               logits_soft_cap=logits_soft_cap, config=config, interpret=interpret)
+               logits_soft_cap=logits_soft_cap, config=config, interpret=interpret, **data)
+  aux = _aux(st, **data)
   delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
   if d_lse is not None:
     delta = delta - d_lse.astype(jnp.float32)
   # Base-2 log-sum-exp; rows without keys (-inf) -> +inf, so that p = exp2(s - lse) = 0.
   lse2 = jnp.where(jnp.isfinite(lse), lse * _LOG2E, jnp.inf).astype(jnp.float32)
-  dq = _dq_call(st)(query, key, value, d_out.astype(query.dtype), lse2, delta)
-  dk, dv = _dkv_call(st)(query, key, value, d_out.astype(query.dtype), lse2, delta)
+  d_out = d_out.astype(query.dtype)
+  dq = _dq_call(st)(query, key, value, d_out, lse2, delta, aux)
+  dk, dv = _dkv_call(st)(query, key, value, d_out, lse2, delta, aux)
   return dq, dk, dv
 
 
@@ -618,82 +811,76 @@ def _dq_call(st: _Static):
   h = st.head_dim
   ctx = _Ctx(st, stages, cfg.pingpong)
 
-  def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, q_smem, do_smem, lse_smem,
-             delta_smem, k_smem, v_smem, q_ready, do_ready, lse_ready, delta_ready, k_ready,
-             v_ready, free, turn):
-    tile, head, batch, wg, kv_head, cta_lo, steps = _query_cta(st, tp, rows, bk, sp)
+  def kernel(refs, scratch):
+    tile, head, batch, wg, kv_head, cta_lo, steps, runs = _query_cta(st, refs, tp, bq, bk, sp)
+    k_ready, v_ready, free, turn = (scratch[n] for n in ("k_ready", "v_ready", "free", "turn"))
 
     @pl.when(wg < 2)
     def _consumer():
       plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
       r0 = tile * rows + wg * bq
-      my_q, my_do = q_smem.at[wg], do_smem.at[wg]
+      my_q, my_do = scratch["q"].at[wg], scratch["do"].at[wg]
       rows_ = pl.ds(r0, bq)
-      _load_resident(wg, (q_ref.at[batch, rows_, head], my_q, q_ready),
-                     (do_ref.at[batch, rows_, head], my_do, do_ready),
-                     (lse_ref.at[batch, head, rows_], lse_smem.at[wg], lse_ready),
-                     (delta_ref.at[batch, head, rows_], delta_smem.at[wg], delta_ready))
-      lse = ctx.load_vec(lse_smem.at[wg], 1)
-      delta = ctx.load_vec(delta_smem.at[wg], 1)
+      data = _query_rows(
+          ctx, refs, scratch, wg, batch, head, rows_,
+          [(refs["q"].at[batch, rows_, head], my_q, scratch["q_ready"]),
+           (refs["do"].at[batch, rows_, head], my_do, scratch["do_ready"]),
+           (refs["lse"].at[batch, head, rows_], scratch["lse"].at[wg], scratch["lse_ready"]),
+           (refs["delta"].at[batch, head, rows_], scratch["delta"].at[wg],
+            scratch["delta_ready"])])
+      lse = ctx.load_vec(scratch["lse"].at[wg], 1)
+      delta = ctx.load_vec(scratch["delta"].at[wg], 1)
       if cfg.pingpong:
         pl.when(wg == 1)(lambda: ctx.take_turn(turn))
 
       def compute(t, slot, block, o, dq, masked):
         del t, o
         plgpu.barrier_wait(k_ready.at[slot])
-        s = ctx.mm(my_q, k_smem.at[slot], (bq, bk), transpose_b=True, turn=turn)
-        s, tanh = _logits(ctx, s)
-        if masked:
-          s = _masked_scores(ctx, s, r0, block, bk)
+        if st.segments:
+          plgpu.barrier_wait(scratch["kseg_ready"].at[slot])
+        s = ctx.mm(my_q, scratch["k"].at[slot], (bq, bk), transpose_b=True, turn=turn)
+        s, tanh = _scores(ctx, s, q0=r0, k0=block * bk, rows_dim=0, masked=masked,
+                          k_seg=_key_ids(ctx, scratch, slot, masked), **data)
         p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [0]))
         plgpu.barrier_wait(v_ready.at[slot])
-        dp = ctx.mm(my_do, v_smem.at[slot], (bq, bk), transpose_b=True)
+        dp = ctx.mm(my_do, scratch["v"].at[slot], (bq, bk), transpose_b=True)
         ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
         if tanh is not None:
           ds = ds * (1.0 - tanh * tanh)
-        dq = ctx.mm_acc(dq, ds.astype(dtype), k_smem.at[slot])
+        dq = ctx.mm_acc(dq, ds.astype(dtype), scratch["k"].at[slot])
         ctx.take_turn(turn)
         plgpu.barrier_arrive(free.at[slot])
         return dq
 
       dq = ctx.consume(ctx.full((bq, h), 0.0), outer=1, cta_lo=cta_lo, steps=steps,
-                       runs=key_blocks(st, r0, bq, bk, sp // bk), ready=(k_ready, v_ready),
-                       free=free, turn=turn, compute=compute)
+                       runs=runs(r0), ready=_key_ready(st, scratch), free=free, turn=turn,
+                       compute=compute)
       if cfg.pingpong:
         pl.when(wg == 0)(lambda: ctx.take_turn(turn))
       my_q[...] = (dq * st.scale).astype(dtype)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(my_q, dq_ref.at[batch, rows_, head])
+      plgpu.copy_smem_to_gmem(my_q, refs["dq"].at[batch, rows_, head])
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
     def _producer():
-      ctx.produce(steps, free, _kv_loader((k_ref, v_ref), (k_smem, v_smem), (k_ready, v_ready),
-                                          batch, kv_head, cta_lo, bk))
+      ctx.produce(steps, free, _kv_loader(st, refs, scratch, batch, kv_head, cta_lo, bk))
 
-  def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref):
-    pl.run_scoped(
-        lambda *scratch: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
-                                *scratch),
-        plgpu.SMEM((2, bq, h), dtype, transforms=_tiled()),
-        plgpu.SMEM((2, bq, h), dtype, transforms=_tiled()),
-        plgpu.SMEM((2, bq), jnp.float32),
-        plgpu.SMEM((2, bq), jnp.float32),
-        plgpu.SMEM((stages, bk, h), dtype, transforms=_tiled()),
-        plgpu.SMEM((stages, bk, h), dtype, transforms=_tiled()),
-        *(plgpu.Barrier(num_barriers=2) for _ in range(4)),
-        plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=2),
-        collective_axes="wg",
-    )
+  scratch = dict(q=plgpu.SMEM((2, bq, h), dtype, transforms=_tiled()),
+                 do=plgpu.SMEM((2, bq, h), dtype, transforms=_tiled()),
+                 lse=plgpu.SMEM((2, bq), jnp.float32), delta=plgpu.SMEM((2, bq), jnp.float32),
+                 **{f"{n}_ready": plgpu.Barrier(num_barriers=2)
+                    for n in ("q", "do", "lse", "delta")},
+                 **_key_scratch(st, dtype, stages, bq, bk, h))
+  names = ("q", "k", "v", "do", "lse", "delta") + _data_names(st) + ("dq",)
+  call = _launch(st, _entry(names, scratch, kernel),
+                 jax.ShapeDtypeStruct((st.batch, tp, st.num_heads, h), dtype),
+                 (tp // rows, st.num_heads, st.batch), ("q", "heads", "batch"))
 
-  call = _launch(st, entry, jax.ShapeDtypeStruct((st.batch, tp, st.num_heads, h), dtype), (tp // rows, st.num_heads, st.batch), ("q", "heads", "batch"))
-
-  def run(q, k, v, do, lse2, delta):
+  def run(q, k, v, do, lse2, delta, aux):
+    tab = _data_table(st, aux, tp, sp, bq, bk, transpose=False)
     dq = call(_pad_seq(q, tp), _pad_seq(k, sp), _pad_seq(v, sp), _pad_seq(do, tp),
-              *_rows(lse2, delta, tp))
+              *_rows(lse2, delta, tp), *_data_inputs(st, aux, tab, tp, sp))
     return dq[:, :st.q_len]
 
   return jax.jit(run)
@@ -711,64 +898,72 @@ def _dkv_call(st: _Static):
   groups = st.num_heads // st.num_kv_heads
   ctx = _Ctx(st, stages, cfg.pingpong)
 
-  def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, k_smem, v_smem,
-             q_smem, do_smem, lse_smem, delta_smem, k_ready, v_ready, q_ready, do_ready,
-             lse_ready, delta_ready, free, turn):
+  def kernel(refs, scratch):
     tile = lax.axis_index("k")  # key tiles in order: under a causal mask the first see most rows
     kv_head, batch = lax.axis_index("kv_heads"), lax.axis_index("batch")
     wg = lax.axis_index("wg")
-    cta_lo, cta_hi, _, _ = query_blocks(st, tile * keys_per_cta, keys_per_cta, bq)
-    steps = cta_hi - cta_lo
+    free, turn = scratch["free"], scratch["turn"]
+
+    def runs(k0):
+      return _with_data(query_blocks(st, k0, bk, bq), refs.get("tab"), batch,
+                        lax.div(k0, jnp.int32(bk)))
+
+    cta_lo, steps = _union(runs(tile * keys_per_cta), runs(tile * keys_per_cta + bk))
 
     @pl.when(wg < 2)
     def _consumer():
       plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
       k0 = tile * keys_per_cta + wg * bk
-      my_k, my_v = k_smem.at[wg], v_smem.at[wg]
+      my_k, my_v = scratch["k"].at[wg], scratch["v"].at[wg]
       keys = pl.ds(k0, bk)
-      _load_resident(wg, (k_ref.at[batch, keys, kv_head], my_k, k_ready),
-                     (v_ref.at[batch, keys, kv_head], my_v, v_ready))
+      copies = [(refs["k"].at[batch, keys, kv_head], my_k, scratch["k_ready"]),
+                (refs["v"].at[batch, keys, kv_head], my_v, scratch["v_ready"])]
+      if st.segments:
+        copies.append((refs["kv_ids"].at[batch, keys], scratch["kseg"].at[wg],
+                       scratch["kseg_ready"]))
+      _load_resident(wg, *copies)
+      k_seg = ctx.load_vec(scratch["kseg"].at[wg], 1) if st.segments else None
+      limit = _key_limit(st, refs, batch, always=False)  # padding keys' gradients are dropped
       if cfg.pingpong:
         pl.when(wg == 1)(lambda: ctx.take_turn(turn))
 
       def compute(t, slot, block, o, carry, masked):
-        del t, o
+        del t
         dk, dv = carry
-        for bar in (q_ready, lse_ready):
-          plgpu.barrier_wait(bar.at[slot])
-        s = ctx.mm(my_k, q_smem.at[slot], (bk, bq), transpose_b=True, turn=turn)  # s^T
-        s, tanh = _logits(ctx, s)
-        if masked and (st.left is not None or st.right is not None):
-          k_pos = ctx.iota((bk, bq), 0) + k0
-          q_pos = ctx.iota((bk, bq), 1) + (block * bq + st.q_offset)
-          s = jnp.where(_band_ok(ctx, q_pos, k_pos, check_len=False), s, -jnp.inf)
-        lse = ctx.load_vec(lse_smem.at[slot], 0)
+        for name in ("q", "lse") + (("qseg",) if st.segments else ()):
+          plgpu.barrier_wait(scratch[name + "_ready"].at[slot])
+        s = ctx.mm(my_k, scratch["q"].at[slot], (bk, bq), transpose_b=True, turn=turn)  # s^T
+        slope = refs["slopes"][kv_head * groups + o] if st.alibi else None
+        q_seg = ctx.load_vec(scratch["qseg"].at[slot], 0) if st.segments and masked else None
+        s, tanh = _scores(ctx, s, q0=block * bq, k0=k0, rows_dim=1, masked=masked, slope=slope,
+                          limit=limit, q_seg=q_seg, k_seg=k_seg)
+        lse = ctx.load_vec(scratch["lse"].at[slot], 0)
         p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [1]))  # p^T
-        for bar in (do_ready, delta_ready):
-          plgpu.barrier_wait(bar.at[slot])
-        dv = ctx.mm_acc(dv, p.astype(dtype), do_smem.at[slot])
-        dp = ctx.mm(my_v, do_smem.at[slot], (bk, bq), transpose_b=True)  # dp^T
-        delta = ctx.load_vec(delta_smem.at[slot], 0)
+        for name in ("do", "delta"):
+          plgpu.barrier_wait(scratch[name + "_ready"].at[slot])
+        dv = ctx.mm_acc(dv, p.astype(dtype), scratch["do"].at[slot])
+        dp = ctx.mm(my_v, scratch["do"].at[slot], (bk, bq), transpose_b=True)  # dp^T
+        delta = ctx.load_vec(scratch["delta"].at[slot], 0)
         ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [1]))
         if tanh is not None:
           ds = ds * (1.0 - tanh * tanh)
-        dk = ctx.mm_acc(dk, ds.astype(dtype), q_smem.at[slot])
+        dk = ctx.mm_acc(dk, ds.astype(dtype), scratch["q"].at[slot])
         ctx.take_turn(turn)
         plgpu.barrier_arrive(free.at[slot])
         return dk, dv
 
       carry = (ctx.full((bk, h), 0.0), ctx.full((bk, h), 0.0))
-      dk, dv = ctx.consume(carry, outer=groups, cta_lo=cta_lo, steps=steps,
-                           runs=query_blocks(st, k0, bk, bq),
-                           ready=(q_ready, do_ready, lse_ready, delta_ready), free=free,
-                           turn=turn, compute=compute)
+      ready = tuple(scratch[n + "_ready"] for n in ("q", "do", "lse", "delta")) + (
+          (scratch["qseg_ready"],) if st.segments else ())
+      dk, dv = ctx.consume(carry, outer=groups, cta_lo=cta_lo, steps=steps, runs=runs(k0),
+                           ready=ready, free=free, turn=turn, compute=compute)
       if cfg.pingpong:
         pl.when(wg == 0)(lambda: ctx.take_turn(turn))
       my_k[...] = (dk * st.scale).astype(dtype)
       my_v[...] = dv.astype(dtype)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(my_k, dk_ref.at[batch, keys, kv_head])
-      plgpu.copy_smem_to_gmem(my_v, dv_ref.at[batch, keys, kv_head])
+      plgpu.copy_smem_to_gmem(my_k, refs["dk"].at[batch, keys, kv_head])
+      plgpu.copy_smem_to_gmem(my_v, refs["dv"].at[batch, keys, kv_head])
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
@@ -777,40 +972,40 @@ def _dkv_call(st: _Static):
         g = lax.div(t, steps)
         head = kv_head * groups + g
         rows_ = pl.ds((cta_lo + t - g * steps) * bq, bq)
-        plgpu.copy_gmem_to_smem(q_ref.at[batch, rows_, head], q_smem.at[slot], q_ready.at[slot])
-        plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, rows_], lse_smem.at[slot],
-                                lse_ready.at[slot])
-        plgpu.copy_gmem_to_smem(do_ref.at[batch, rows_, head], do_smem.at[slot],
-                                do_ready.at[slot])
-        plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, rows_], delta_smem.at[slot],
-                                delta_ready.at[slot])
+        for name, src in (("q", refs["q"].at[batch, rows_, head]),
+                          ("lse", refs["lse"].at[batch, head, rows_]),
+                          ("do", refs["do"].at[batch, rows_, head]),
+                          ("delta", refs["delta"].at[batch, head, rows_])):
+          plgpu.copy_gmem_to_smem(src, scratch[name].at[slot], scratch[name + "_ready"].at[slot])
+        if st.segments:
+          plgpu.copy_gmem_to_smem(refs["q_ids"].at[batch, rows_], scratch["qseg"].at[slot],
+                                  scratch["qseg_ready"].at[slot])
 
       ctx.produce(groups * steps, free, load)
 
-  def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref):
-    pl.run_scoped(
-        lambda *scratch: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
-                                *scratch),
-        plgpu.SMEM((2, bk, h), dtype, transforms=_tiled()),
-        plgpu.SMEM((2, bk, h), dtype, transforms=_tiled()),
-        plgpu.SMEM((stages, bq, h), dtype, transforms=_tiled()),
-        plgpu.SMEM((stages, bq, h), dtype, transforms=_tiled()),
-        plgpu.SMEM((stages, bq), jnp.float32),
-        plgpu.SMEM((stages, bq), jnp.float32),
-        plgpu.Barrier(num_barriers=2),
-        plgpu.Barrier(num_barriers=2),
-        *(plgpu.Barrier(num_barriers=stages) for _ in range(4)),
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=2),
-        collective_axes="wg",
-    )
-
+  scratch = dict(
+      k=plgpu.SMEM((2, bk, h), dtype, transforms=_tiled()),
+      v=plgpu.SMEM((2, bk, h), dtype, transforms=_tiled()),
+      q=plgpu.SMEM((stages, bq, h), dtype, transforms=_tiled()),
+      do=plgpu.SMEM((stages, bq, h), dtype, transforms=_tiled()),
+      lse=plgpu.SMEM((stages, bq), jnp.float32), delta=plgpu.SMEM((stages, bq), jnp.float32),
+      k_ready=plgpu.Barrier(num_barriers=2), v_ready=plgpu.Barrier(num_barriers=2),
+      **{f"{n}_ready": plgpu.Barrier(num_barriers=stages) for n in ("q", "do", "lse", "delta")},
+      free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      turn=plgpu.Barrier(num_arrivals=2))
+  if st.segments:
+    scratch.update(kseg=plgpu.SMEM((2, bk), jnp.int32), kseg_ready=plgpu.Barrier(num_barriers=2),
+                   qseg=plgpu.SMEM((stages, bq), jnp.int32),
+                   qseg_ready=plgpu.Barrier(num_barriers=stages))
+  names = ("q", "k", "v", "do", "lse", "delta") + _data_names(st) + ("dk", "dv")
   kv_shape = jax.ShapeDtypeStruct((st.batch, sp, st.num_kv_heads, h), dtype)
-  call = _launch(st, entry, (kv_shape, kv_shape), (sp // keys_per_cta, st.num_kv_heads, st.batch), ("k", "kv_heads", "batch"))
+  call = _launch(st, _entry(names, scratch, kernel), (kv_shape, kv_shape),
+                 (sp // keys_per_cta, st.num_kv_heads, st.batch), ("k", "kv_heads", "batch"))
 
-  def run(q, k, v, do, lse2, delta):
+  def run(q, k, v, do, lse2, delta, aux):
+    tab = _data_table(st, aux, tp, sp, bq, bk, transpose=True)
     dk, dv = call(_pad_seq(q, tp), _pad_seq(k, sp), _pad_seq(v, sp), _pad_seq(do, tp),
-                  *_rows(lse2, delta, tp))
+                  *_rows(lse2, delta, tp), *_data_inputs(st, aux, tab, tp, sp))
     return dk[:, :st.kv_len], dv[:, :st.kv_len]
 
   return jax.jit(run)

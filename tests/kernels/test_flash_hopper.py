@@ -44,10 +44,11 @@ def inputs(b, t, s, n, k, h, dtype=jnp.bfloat16, seed=0):
   return q, key, v
 
 
-def formula(q, k, v, mask, q_offset, cap):
+def formula(q, k, v, mask, q_offset, cap, slopes=None):
   f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
   return dot_product_attention(f32(q), f32(k), f32(v), mask=mask, q_offset=q_offset,
-                               logits_soft_cap=cap, implementation="xla", return_residuals=True)
+                               logits_soft_cap=cap, alibi_slopes=slopes, implementation="xla",
+                               return_residuals=True)
 
 
 def assert_close(got, want, tol, name):
@@ -117,6 +118,111 @@ def test_backward_matches_formula(case):
     assert_close(g, w, TOL, f"{name} {grad}")
 
 
+def packed_ids(b, length, sizes, seed):
+  """``[b, length]`` ids of packed sequences (``sizes`` cycled, shifted per row)."""
+  rows = []
+  for r in range(b):
+    cycle = np.roll(np.asarray(sizes), r + seed)
+    rows.append(np.repeat(np.arange(len(cycle) * 8), np.tile(cycle, 8))[:length])
+  return jnp.asarray(np.stack(rows), jnp.int32)
+
+
+def data_case(name, b, t, s, n, k, mask, q_offset, cap, dtype, config, *, segments, lengths,
+              alibi, seed=0):
+  """Inputs, kernel keyword arguments and the formula's mask of one data-feature case."""
+  q, key, v = inputs(b, t, s, n, k, 64, dtype, seed=seed)
+  kw, full_mask = {}, mask
+  if segments == "packed":  # contiguous runs, as packed training batches are
+    q_ids, kv_ids = packed_ids(b, t, (37, 70, 50), seed), packed_ids(b, s, (37, 70, 50), seed)
+  elif segments == "scattered":  # not contiguous: every block may meet every block
+    rng = np.random.RandomState(seed)
+    q_ids, kv_ids = (jnp.asarray(rng.randint(0, 3, (b, x)), jnp.int32) for x in (t, s))
+  if segments:
+    kw["segment_ids"] = (q_ids, kv_ids)
+    full_mask = M.SegmentMask(q_ids, kv_ids) if full_mask is None else (
+        full_mask & M.SegmentMask(q_ids, kv_ids))
+  if lengths is not None:
+    kw["kv_lengths"] = jnp.asarray(lengths, jnp.int32)
+    full_mask = M.PaddingMask(kw["kv_lengths"]) if full_mask is None else (
+        full_mask & M.PaddingMask(kw["kv_lengths"]))
+  if alibi:
+    kw["alibi_slopes"] = jnp.asarray(np.geomspace(0.25, 0.02, n), jnp.float32)
+  return (q, key, v), kw, full_mask
+
+
+DATA_CASES = [
+    # name, (b, t, s, n, k), mask, q_offset, cap, dtype, config, segments, lengths, alibi
+    ("packed causal gqa", (2, 200, 200, 2, 1), M.CausalMask(), 0, None, jnp.bfloat16,
+     hopper.Config(block_k=64), "packed", None, False),
+    ("lengths window alibi softcap", (2, 130, 260, 2, 2), M.SlidingWindowMask(60, 10), 90, 30.0,
+     jnp.bfloat16, hopper.Config(block_k=64, stages=3), None, (0, 150), True),
+    ("scattered ids lengths alibi no pingpong fp16", (1, 128, 192, 2, 1), None, 0, None,
+     jnp.float16, hopper.Config(block_k=64, pingpong=False), "scattered", (170,), True),
+    ("packed lengths alibi 128-key steps", (1, 256, 256, 1, 1), M.CausalMask(), 0, None,
+     jnp.bfloat16, hopper.Config(block_k=128), "packed", (230,), True),
+]
+
+
+@pytest.mark.parametrize("case", DATA_CASES, ids=[c[0] for c in DATA_CASES])
+def test_forward_data_features_match_formula(case):
+  """Segment ids (packed, and scattered so that every block is evaluated masked), key lengths (a
+  zero-length row: output 0, lse -inf) and ALiBi, against the formula with the same mask."""
+  name, (b, t, s, n, k), mask, q_offset, cap, dtype, config, segments, lengths, alibi = case
+  (q, key, v), kw, full_mask = data_case(name, b, t, s, n, k, mask, q_offset, cap, dtype, config,
+                                         segments=segments, lengths=lengths, alibi=alibi)
+  races = segments == "scattered"  # the streamed ids' slots too: no race
+  out, lse = hopper.forward(q, key, v, mask=mask, q_offset=q_offset, logits_soft_cap=cap,
+                            config=config, interpret=interpret(detect_races=races), **kw)
+  if races and not ON_GPU:
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks  # noqa: PLC0415
+    assert not gpu_callbacks.get_races().races_found
+  want_out, want_lse = formula(q, key, v, full_mask, q_offset, cap, kw.get("alibi_slopes"))
+  empty = ~np.isfinite(np.asarray(want_lse))
+  assert np.all(np.isneginf(np.asarray(lse)[empty]))
+  assert np.all(np.asarray(out, np.float32).transpose(0, 2, 1, 3)[empty] == 0.0)
+  assert_close(out, want_out, TOL, name + " out")
+  assert_close(jnp.where(empty, 0.0, lse), jnp.where(empty, 0.0, want_lse), 1e-2, name + " lse")
+
+
+@pytest.mark.parametrize("case", [DATA_CASES[0], DATA_CASES[1]], ids=["packed", "lengths"])
+def test_backward_data_features_match_formula(case):
+  """dQ, dK, dV with segment ids / key lengths / ALiBi against the formula's VJP: keys past a
+  row's length and keys of other segments get no gradient."""
+  name, (b, t, s, n, k), mask, q_offset, cap, dtype, config, segments, lengths, alibi = case
+  if segments:  # all three features at once on the packed case
+    lengths, alibi = (180, 200), True
+  (q, key, v), kw, full_mask = data_case(name, b, t, s, n, k, mask, q_offset, cap, dtype, config,
+                                         segments=segments, lengths=lengths, alibi=alibi)
+  ks = jax.random.split(jax.random.key(5), 2)
+  d_out = jax.random.normal(ks[0], q.shape, jnp.float32).astype(dtype)
+  d_lse = 0.3 * jax.random.normal(ks[1], (b, n, t), jnp.float32)
+  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+  (_, lse_ref), vjp = jax.vjp(
+      lambda q, k, v: formula(q, k, v, full_mask, q_offset, cap, kw.get("alibi_slopes")),
+      f32(q), f32(key), f32(v))
+  want = vjp((f32(d_out), jnp.where(jnp.isfinite(lse_ref), d_lse, 0.0)))
+  out, lse = hopper.forward(q, key, v, mask=mask, q_offset=q_offset, logits_soft_cap=cap,
+                            config=config, interpret=interpret(), **kw)
+  got = hopper.backward(q, key, v, out, lse, d_out, d_lse, mask=mask, q_offset=q_offset,
+                        logits_soft_cap=cap, config=config, interpret=interpret(), **kw)
+  for g, w, grad in zip(got, want, ("dq", "dk", "dv")):
+    assert_close(g, w, TOL, f"{name} {grad}")
+  if lengths is not None:
+    for row, length in enumerate(lengths):
+      assert np.all(np.asarray(got[1][row, length:], np.float32) == 0.0)
+      assert np.all(np.asarray(got[2][row, length:], np.float32) == 0.0)
+
+
+def test_run_table():
+  """Per row of block kinds: first to last non-empty block, and the FULL run only when the FULL
+  blocks are contiguous (else every block of the range is evaluated masked)."""
+  E, P, F = C.EMPTY, C.PARTIAL, C.FULL
+  kinds = jnp.asarray([[[E, P, F, F, P, E], [E, E, E, E, E, E], [F, E, F, E, E, E],
+                        [P, P, E, E, E, P]]], jnp.int8)
+  table = np.asarray(hopper.run_table(kinds))[0]
+  np.testing.assert_array_equal(table, [[1, 5, 2, 4], [0, 0, 0, 0], [0, 3, 0, 0], [0, 6, 0, 0]])
+
+
 def test_rows_without_keys_and_races():
   """A negative offset under a causal mask leaves the first rows with no key: output 0 and
   ``lse = -inf``; whole key blocks before the band are skipped by one consumer, not the other.
@@ -141,9 +247,12 @@ def test_rows_without_keys_and_races():
 def test_through_gpu_entry_point_with_gradients(forward, backward):
   """``gpu.set_options(forward=..., backward=...)``: ``flash_attention_gpu`` runs the Hopper
   forward (counted) with the Triton backward on its log-sum-exp, and the Hopper backward on either
-  forward's; values and gradients match the formula."""
+  forward's; values and gradients match the formula.  The training path: three packed sequences
+  (causal & segment ids) with ALiBi slopes, which the dispatch hands to the Hopper kernels."""
   q, key, v = inputs(1, 150, 150, 2, 1, 64, jnp.bfloat16, seed=1)
-  mask = M.CausalMask()
+  ids = jnp.asarray(np.repeat([0, 1, 2], [40, 70, 40])[None], jnp.int32)
+  mask = M.CausalMask() & M.SegmentMask(ids, ids)
+  slopes = jnp.array([0.1, 0.03], jnp.float32)
   calls = {"forward": 0, "backward": 0}
   real = {name: getattr(hopper, name) for name in calls}
 
@@ -166,10 +275,11 @@ def test_through_gpu_entry_point_with_gradients(forward, backward):
         return jnp.sum(o * jnp.cos(o)), out
       return jax.value_and_grad(g, argnums=(0, 1, 2), has_aux=True)
 
-    (_, out), grads = loss(lambda q, k, v: flash_attention_gpu(q, k, v, mask))(q, key, v)
+    (_, out), grads = loss(lambda q, k, v: flash_attention_gpu(
+        q, k, v, mask, alibi_slopes=slopes))(q, key, v)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     (_, want), want_grads = loss(lambda q, k, v: dot_product_attention(
-        f32(q), f32(k), f32(v), mask=mask, implementation="xla"))(q, key, v)
+        f32(q), f32(k), f32(v), mask=mask, alibi_slopes=slopes, implementation="xla"))(q, key, v)
   finally:
     for name in calls:
       setattr(hopper, name, real[name])
@@ -199,7 +309,9 @@ def test_dispatch_reasons():
     assert gpu_kernel.hopper_reason(_plan()) is None
     assert "dtype float32" in gpu_kernel.hopper_reason(_plan(dtype=jnp.float32))
     assert "traced scale" in gpu_kernel.hopper_reason(_plan(scale=None))
-    assert "ALiBi" in gpu_kernel.hopper_reason(_plan(alibi_slopes=jnp.ones((2,))))
+    ids = jnp.zeros((1, 64), jnp.int32)
+    assert gpu_kernel.hopper_reason(_plan(alibi_slopes=jnp.ones((2,)), segment_ids=(ids, ids),
+                                          kv_lengths=jnp.full((1,), 50))) is None
     assert "GlobalTokensMask" in gpu_kernel.hopper_reason(
         _plan(static_mask=M.GlobalTokensMask((0,))))
     assert gpu_kernel.hopper_reason(_plan(), "backward") == "option backward='triton'"
@@ -222,8 +334,7 @@ def test_shared_memory_limit_and_defaults():
   for h in (64, 128, 256):
     assert hopper.smem_bytes(h, hopper.default_config(h)) <= 227 * 1024
   reason = hopper.supports(dtype=jnp.bfloat16, head_dim=256, v_head_dim=256, static_mask=None,
-                           static_q_offset=0, has_alibi=False, has_segments=False,
-                           has_lengths=False, config=hopper.Config(block_k=128, stages=3))
+                           static_q_offset=0, config=hopper.Config(block_k=128, stages=3))
   assert "shared memory" in reason
 
 
@@ -243,29 +354,51 @@ def test_errors():
   q, key, v = inputs(1, 64, 64, 3, 2, 64)
   with pytest.raises(ValueError, match="multiple of key heads"):
     hopper.forward(q, key, v)
+  q, key, v = inputs(2, 64, 80, 2, 1, 64)
+  ids = jnp.zeros((2, 64), jnp.int32)
+  with pytest.raises(ValueError, match=r"`alibi_slopes` must have shape \[N\] = \(2,\)"):
+    hopper.forward(q, key, v, alibi_slopes=jnp.ones((3,)))
+  with pytest.raises(ValueError, match=r"`segment_ids` must be"):
+    hopper.forward(q, key, v, segment_ids=(ids, ids))  # kv ids must be [B, S] = (2, 80)
+  with pytest.raises(ValueError, match=r"`kv_lengths` must have shape \[B\] = \(2,\)"):
+    hopper.backward(q, key, v, q, jnp.zeros((2, 2, 64)), q, kv_lengths=jnp.ones((1,), jnp.int32))
   with pytest.raises(ValueError, match="allowed"):
     gpu_kernel.set_options(forward="cuda")
   with pytest.raises(ValueError, match="hopper.Config"):
     gpu_kernel.set_options(hopper={"block_k": 64})
 
 
-@pytest.mark.parametrize("h,mask,cap,pingpong", [
-    (64, None, None, True), (128, M.CausalMask(), None, True),
-    (128, M.SlidingWindowMask(256, 0), 30.0, False), (256, M.CausalMask(), None, True)])
-def test_lowers_for_cuda(h, mask, cap, pingpong):
+@pytest.mark.parametrize("h,mask,cap,pingpong,data", [
+    (64, None, None, True, False), (128, M.CausalMask(), None, True, False),
+    (128, M.SlidingWindowMask(256, 0), 30.0, False, False),
+    (256, M.CausalMask(), None, True, False),
+    (128, M.CausalMask(), 30.0, True, True)])
+def test_lowers_for_cuda(h, mask, cap, pingpong, data):
   """The hardware program (wgmma from shared memory and registers, layouts, TMA, barriers) goes
-  through Mosaic GPU's lowering to one custom call, for every head size and both schedules."""
+  through Mosaic GPU's lowering to one custom call, for every head size and both schedules, and
+  with segment ids, key lengths and ALiBi (``data``)."""
   q = jax.ShapeDtypeStruct((2, 1000, 4, h), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((2, 1000, 2, h), jnp.bfloat16)
+  ids = jax.ShapeDtypeStruct((2, 1000), jnp.int32)
+  extra = (ids, ids, jax.ShapeDtypeStruct((2,), jnp.int32),
+           jax.ShapeDtypeStruct((4,), jnp.float32)) if data else ()
+
+  def kw(*extra):
+    if not extra:
+      return {}
+    q_ids, kv_ids, lengths, slopes = extra
+    return dict(segment_ids=(q_ids, kv_ids), kv_lengths=lengths, alibi_slopes=slopes)
+
   cfg = hopper.Config(block_k=hopper.default_config(h).block_k, pingpong=pingpong)
-  f = lambda q, k, v: hopper.forward(q, k, v, mask=mask, logits_soft_cap=cap,  # noqa: E731
-                                     config=cfg)
-  text = jax.export.export(jax.jit(f), platforms=("cuda",))(q, k, k).mlir_module()
+  f = lambda q, k, v, *extra: hopper.forward(  # noqa: E731
+      q, k, v, mask=mask, logits_soft_cap=cap, config=cfg, **kw(*extra))
+  text = jax.export.export(jax.jit(f), platforms=("cuda",))(q, k, k, *extra).mlir_module()
   assert re.findall(r"custom_call @(mosaic_gpu\w*)", text)
   if h > 128:
     return
   lse = jax.ShapeDtypeStruct((2, 4, 1000), jnp.float32)
-  g = lambda q, k, v, o, lse, do: hopper.backward(  # noqa: E731
-      q, k, v, o, lse, do, mask=mask, logits_soft_cap=cap, config=cfg)
-  text = jax.export.export(jax.jit(g), platforms=("cuda",))(q, k, k, q, lse, q).mlir_module()
+  g = lambda q, k, v, o, lse, do, *extra: hopper.backward(  # noqa: E731
+      q, k, v, o, lse, do, mask=mask, logits_soft_cap=cap, config=cfg, **kw(*extra))
+  text = jax.export.export(jax.jit(g), platforms=("cuda",))(q, k, k, q, lse, q,
+                                                            *extra).mlir_module()
   assert len(re.findall(r"custom_call @(mosaic_gpu\w*)", text)) == 2  # dQ, dK/dV
