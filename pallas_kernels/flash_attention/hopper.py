@@ -341,6 +341,15 @@ class _Ctx:
       plgpu.barrier_arrive(turn)
       plgpu.barrier_wait(turn)
 
+  def release(self, free, slot, generic_reads: bool = False):
+    """Hands slot ``slot`` back to the producer.  Reads of the slot through the generic proxy
+    (``plgpu.load`` of the streamed id / log-sum-exp rows; every read, when interpreted) are
+    fenced first (``commit_smem``: ``fence.proxy.async``), so that they are ordered before the
+    TMA write that refills the slot; ``wgmma`` reads are in the async proxy already."""
+    if generic_reads or self.interpret:
+      plgpu.commit_smem()
+    plgpu.barrier_arrive(free.at[slot])
+
   def mm(self, a_ref, b_ref, shape, *, transpose_b: bool, turn=None):
     """``a @ b`` (``b^T`` with ``transpose_b``) of two shared-memory tiles into fresh fp32
     registers; ``turn`` hands the tensor cores over between issue and wait."""
@@ -352,7 +361,7 @@ class _Ctx:
       return out
 
     def body(acc_ref):
-      plgpu.wgmma(acc_ref, a_ref, plgpu.transpose_ref(b_ref, (1, 0)) if transpose_b else b_ref)
+      plgpu.wgmma(acc_ref, a_ref, b_ref.transpose((1, 0)) if transpose_b else b_ref)
       if turn is not None:
         self.take_turn(turn)
       return acc_ref[...]
@@ -700,7 +709,7 @@ def _call(st: _Static):
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         acc = ctx.mm_acc(acc, p16, scratch["v"].at[slot])
         ctx.take_turn(turn)
-        plgpu.barrier_arrive(free.at[slot])
+        ctx.release(free, slot, generic_reads=st.segments)
         return acc, m_new, l
 
       carry = (ctx.full((bq, h), 0.0), ctx.full((bq,), -jnp.inf), ctx.full((bq,), 0.0))
@@ -849,7 +858,7 @@ def _dq_call(st: _Static):
           ds = ds * (1.0 - tanh * tanh)
         dq = ctx.mm_acc(dq, ds.astype(dtype), scratch["k"].at[slot])
         ctx.take_turn(turn)
-        plgpu.barrier_arrive(free.at[slot])
+        ctx.release(free, slot, generic_reads=st.segments)
         return dq
 
       dq = ctx.consume(ctx.full((bq, h), 0.0), outer=1, cta_lo=cta_lo, steps=steps,
@@ -949,7 +958,7 @@ def _dkv_call(st: _Static):
           ds = ds * (1.0 - tanh * tanh)
         dk = ctx.mm_acc(dk, ds.astype(dtype), scratch["q"].at[slot])
         ctx.take_turn(turn)
-        plgpu.barrier_arrive(free.at[slot])
+        ctx.release(free, slot, generic_reads=True)
         return dk, dv
 
       carry = (ctx.full((bk, h), 0.0), ctx.full((bk, h), 0.0))
