@@ -618,19 +618,24 @@ def _entry(names: tuple[str, ...], scratch: dict, kernel):
   return entry
 
 
-def _key_scratch(st: _Static, dtype, stages: int, bq: int, bk: int, h: int) -> dict:
-  """Shared memory and barriers of a kernel over query tiles that streams K / V blocks."""
-  scratch = dict(
-      k=plgpu.SMEM((stages, bk, h), dtype, transforms=_tiled()),
-      v=plgpu.SMEM((stages, bk, h), dtype, transforms=_tiled()),
-      k_ready=plgpu.Barrier(num_barriers=stages), v_ready=plgpu.Barrier(num_barriers=stages),
-      free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-      turn=plgpu.Barrier(num_arrivals=2))
-  if st.segments:
-    scratch.update(qseg=plgpu.SMEM((2, bq), jnp.int32), qseg_ready=plgpu.Barrier(num_barriers=2),
-                   kseg=plgpu.SMEM((stages, bk), jnp.int32),
-                   kseg_ready=plgpu.Barrier(num_barriers=stages))
+def _ring_scratch(st: _Static, dtype, stages: int, *, resident: tuple, streamed: tuple) -> dict:
+  """Shared memory and barriers of a kernel: each consumer's resident tiles (``2`` of each) and
+  the producer's ring (``stages`` of each), every buffer with its ready barriers, plus ``free``
+  and the ping-pong ``turn``.  ``resident`` / ``streamed``: ``(name, rows, dtype)``, a 16-bit
+  ``[rows, H]`` tile when ``dtype`` is None, else a ``[rows]`` vector."""
+  scratch = dict(free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+                 turn=plgpu.Barrier(num_arrivals=2))
+  for count, buffers in ((2, resident), (stages, streamed)):
+    for name, rows, vec_dtype in buffers:
+      scratch[name] = (plgpu.SMEM((count, rows, st.head_dim), dtype, transforms=_tiled())
+                       if vec_dtype is None else plgpu.SMEM((count, rows), vec_dtype))
+      scratch[name + "_ready"] = plgpu.Barrier(num_barriers=count)
   return scratch
+
+
+def _ids(st: _Static, name: str, rows: int) -> tuple:
+  """The segment-id vector buffer ``name`` of a kernel, when the call has segment ids."""
+  return ((name, rows, jnp.int32),) if st.segments else ()
 
 
 def _key_ready(st: _Static, scratch) -> tuple:
@@ -733,9 +738,9 @@ def _call(st: _Static):
     def _producer():
       ctx.produce(steps, free, _kv_loader(st, refs, scratch, batch, kv_head, cta_lo, bk))
 
-  scratch = dict(q=plgpu.SMEM((2, bq, h), dtype, transforms=_tiled()),
-                 lse=plgpu.SMEM((2, bq), jnp.float32), q_ready=plgpu.Barrier(num_barriers=2),
-                 **_key_scratch(st, dtype, stages, bq, bk, h))
+  scratch = _ring_scratch(st, dtype, stages, resident=(("q", bq, None),) + _ids(st, "qseg", bq),
+                          streamed=(("k", bk, None), ("v", bk, None)) + _ids(st, "kseg", bk))
+  scratch["lse"] = plgpu.SMEM((2, bq), jnp.float32)  # the output rows' log-sum-exp, for TMA
   names = ("q", "k", "v") + _data_names(st) + ("o", "lse")
   call = _launch(st, _entry(names, scratch, kernel),
                  (jax.ShapeDtypeStruct((st.batch, tp, st.num_heads, h), dtype),
@@ -875,12 +880,11 @@ def _dq_call(st: _Static):
     def _producer():
       ctx.produce(steps, free, _kv_loader(st, refs, scratch, batch, kv_head, cta_lo, bk))
 
-  scratch = dict(q=plgpu.SMEM((2, bq, h), dtype, transforms=_tiled()),
-                 do=plgpu.SMEM((2, bq, h), dtype, transforms=_tiled()),
-                 lse=plgpu.SMEM((2, bq), jnp.float32), delta=plgpu.SMEM((2, bq), jnp.float32),
-                 **{f"{n}_ready": plgpu.Barrier(num_barriers=2)
-                    for n in ("q", "do", "lse", "delta")},
-                 **_key_scratch(st, dtype, stages, bq, bk, h))
+  scratch = _ring_scratch(
+      st, dtype, stages,
+      resident=(("q", bq, None), ("do", bq, None), ("lse", bq, jnp.float32),
+                ("delta", bq, jnp.float32)) + _ids(st, "qseg", bq),
+      streamed=(("k", bk, None), ("v", bk, None)) + _ids(st, "kseg", bk))
   names = ("q", "k", "v", "do", "lse", "delta") + _data_names(st) + ("dq",)
   call = _launch(st, _entry(names, scratch, kernel),
                  jax.ShapeDtypeStruct((st.batch, tp, st.num_heads, h), dtype),
@@ -992,20 +996,10 @@ def _dkv_call(st: _Static):
 
       ctx.produce(groups * steps, free, load)
 
-  scratch = dict(
-      k=plgpu.SMEM((2, bk, h), dtype, transforms=_tiled()),
-      v=plgpu.SMEM((2, bk, h), dtype, transforms=_tiled()),
-      q=plgpu.SMEM((stages, bq, h), dtype, transforms=_tiled()),
-      do=plgpu.SMEM((stages, bq, h), dtype, transforms=_tiled()),
-      lse=plgpu.SMEM((stages, bq), jnp.float32), delta=plgpu.SMEM((stages, bq), jnp.float32),
-      k_ready=plgpu.Barrier(num_barriers=2), v_ready=plgpu.Barrier(num_barriers=2),
-      **{f"{n}_ready": plgpu.Barrier(num_barriers=stages) for n in ("q", "do", "lse", "delta")},
-      free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-      turn=plgpu.Barrier(num_arrivals=2))
-  if st.segments:
-    scratch.update(kseg=plgpu.SMEM((2, bk), jnp.int32), kseg_ready=plgpu.Barrier(num_barriers=2),
-                   qseg=plgpu.SMEM((stages, bq), jnp.int32),
-                   qseg_ready=plgpu.Barrier(num_barriers=stages))
+  scratch = _ring_scratch(
+      st, dtype, stages, resident=(("k", bk, None), ("v", bk, None)) + _ids(st, "kseg", bk),
+      streamed=(("q", bq, None), ("do", bq, None), ("lse", bq, jnp.float32),
+                ("delta", bq, jnp.float32)) + _ids(st, "qseg", bq))
   names = ("q", "k", "v", "do", "lse", "delta") + _data_names(st) + ("dk", "dv")
   kv_shape = jax.ShapeDtypeStruct((st.batch, sp, st.num_kv_heads, h), dtype)
   call = _launch(st, _entry(names, scratch, kernel), (kv_shape, kv_shape),
