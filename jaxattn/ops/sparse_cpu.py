@@ -46,7 +46,9 @@ def indexer_topk_cpu(q, keys, w, k_scale, q_offset, lengths, k: int, order: str)
   ``q [B, T, HI, d]``, ``keys [B, S, d]``, ``w [B, T, HI]``, ``k_scale [B, S]`` or None,
   ``q_offset`` an int scalar (may be traced), ``lengths [B]`` int.
   """
-  scale = jnp.zeros((q.shape[0], 0), _F32) if k_scale is None else k_scale.astype(_F32)
+  # No k_scale: ones (x * 1 is exact) rather than an empty operand, which XLA's compiler in
+  # jaxlib 0.11 crashes on inside shard_map.
+  scale = jnp.ones(keys.shape[:2], _F32) if k_scale is None else k_scale.astype(_F32)
   # Integer positions carry no gradient: cut the operands' tangents so that differentiating
   # through a model that selects with this kernel never reaches the FFI call.
   q, keys, w, scale = (jax.lax.stop_gradient(x.astype(_F32)) for x in (q, keys, w, scale))

@@ -20,3 +20,21 @@ def race_states(monkeypatch):
 
   monkeypatch.setattr(ipc, "RaceDetectionState", Recording)
   return states
+
+
+@pytest.fixture
+def cuda_target(monkeypatch):
+  """Lowering the Triton kernels for CUDA on a machine without a GPU.  From jax 0.11 the Triton
+  lowering reads the target GPU from the local device (or an abstract mesh's); where there is no
+  GPU, this names an H200 (sm_90), the target the lowering tests are written for.  On a GPU, and
+  on jax releases that lower without device information, it changes nothing."""
+  import jax  # noqa: PLC0415
+
+  try:
+    from jax._src.pallas.triton import gpu_info  # noqa: PLC0415
+  except ImportError:
+    return
+  if jax.default_backend() == "gpu" or not hasattr(gpu_info, "get_gpu_info_from_version"):
+    return
+  h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+  monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: h200)

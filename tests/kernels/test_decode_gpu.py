@@ -213,7 +213,7 @@ def test_errors():
     paged_mla_decode_gpu(*largs, scale=1.0, block_h=8)
 
 
-def test_kernels_lower_to_triton():
+def test_kernels_lower_to_triton(cuda_target):
   """The kernels lower to Triton IR for CUDA at production sizes (bf16 Llama-3-8B GQA with a
   soft-cap and two new tokens; DeepSeek-V3 MLA with 128 heads, 512 + 64 latents, dense and sparse
   with top-2048); compiling that IR needs a GPU."""

@@ -293,7 +293,7 @@ def test_errors():
 
 # -- lowering to Triton IR -----------------------------------------------------------------------
 
-def test_new_variants_lower_to_triton(mesh):
+def test_new_variants_lower_to_triton(mesh, cuda_target):
   """The sparse split-KV kernel lowers to Triton IR at DeepSeek-V3.2 sizes (128 heads, 512 + 64
   latents, top-2048, bf16), and the single-pass one when ``num_splits=1``; under the mesh, GQA and
   sparse MLA lower with per-device shapes inside the shard_map (compiling needs a GPU)."""

@@ -145,7 +145,7 @@ def test_dispatcher_uses_the_kernel():
   assert_close(out, want, F32_TOL, "out")
 
 
-def test_lowers_to_triton():
+def test_lowers_to_triton(cuda_target):
   """All three kernels lower to Triton IR for CUDA at production sizes (bf16, causal, GQA,
   segments, ALiBi, soft-cap, ragged lengths); compiling that IR needs a GPU."""
   b, t, n, kh, h = 2, 1000, 8, 2, 128
@@ -206,8 +206,8 @@ def test_codegen_switches_keep_results(codegen_options, name):
     assert_close(g, rg, F32_GRAD_TOL, label)
 
 
-def test_codegen_switches_lower_to_triton(codegen_options):
-  test_lowers_to_triton()
+def test_codegen_switches_lower_to_triton(codegen_options, cuda_target):
+  test_lowers_to_triton(cuda_target)
 
 
 def test_affine_tables_detected():
