@@ -59,7 +59,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxattn.ops.masks import Mask, _band
+from jaxattn.ops.masks import EMPTY, FULL, Mask, _band
+from pallas_kernels.flash_attention.common import pad_edge, pair_kinds
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -403,9 +404,9 @@ class _Ctx:
   def consume(self, carry, *, outer: int, cta_lo, steps, runs, ready, free, turn, compute):
     """One consumer's walk over ``outer`` passes of the CTA's ``steps`` blocks (global step
     ``t = o * steps + s``): ``[skip | masked | full | masked | skip]`` from its own ``runs``.
-    ``compute(t, slot, block, o, carry, masked) -> carry`` must arrive on ``free`` and take two
-    turns; a skipped step waits for its copies, releases the slot and takes its two turns, so
-    both consumers see every barrier phase."""
+    ``compute(t, slot, block, o, carry, masked) -> carry`` must hand the slot back
+    (``release``) and take two turns; a skipped step waits for its copies, releases the slot and
+    takes its two turns, so both consumers see every barrier phase."""
     lo, hi, f_lo, f_hi = runs  # clamped into the CTA's range (an empty run skips every step)
     a, b, c, d = (_clamp(jnp.int32(0), x - cta_lo, steps) for x in (lo, f_lo, f_hi, hi))
     stages = self.stages
@@ -507,7 +508,6 @@ def run_table(kinds):
   """``[B, R, 4]`` int32 ``(lo, hi, f_lo, f_hi)`` per row of block kinds ``[B, R, C]``: the
   blocks from the row's first to its last non-EMPTY one, and its FULL run when the row's FULL
   blocks are contiguous (else none: they are evaluated masked, which is exact)."""
-  from pallas_kernels.flash_attention.common import EMPTY, FULL  # noqa: PLC0415
   c = kinds.shape[-1]
   i32 = jnp.int32
 
@@ -532,7 +532,6 @@ def _data_table(st: _Static, aux: dict, q_pad: int, kv_pad: int, bq: int, bk: in
   over ``bk``-key tiles and ``bq``-row query blocks); None without segment ids / key lengths."""
   if not st.data:
     return None
-  from pallas_kernels.flash_attention.common import pair_kinds  # noqa: PLC0415
   kinds = pair_kinds(st.batch, q_pad, kv_pad, bq, bk, aux.get("q_ids"), aux.get("kv_ids"),
                      aux.get("lengths"))
   return run_table(jnp.swapaxes(kinds, 1, 2) if transpose else kinds)
@@ -545,7 +544,6 @@ def _data_names(st: _Static) -> tuple[str, ...]:
 
 
 def _data_inputs(st: _Static, aux: dict, tab, q_pad: int, kv_pad: int) -> list:
-  from pallas_kernels.flash_attention.common import pad_edge  # noqa: PLC0415
   vals = dict(aux, tab=tab)
   if st.segments:
     vals["q_ids"], vals["kv_ids"] = pad_edge(aux["q_ids"], q_pad), pad_edge(aux["kv_ids"], kv_pad)
@@ -658,11 +656,12 @@ def _query_rows(ctx: _Ctx, refs, scratch, wg, batch, head, rows_, my_tiles):
               q_seg=ctx.load_vec(scratch["qseg"].at[wg], 1) if st.segments else None)
 
 
-def _key_ids(ctx: _Ctx, scratch, slot, masked: bool):
-  """The streamed key block's segment ids (a column vector), where a masked block needs them."""
+def _streamed_ids(ctx: _Ctx, scratch, name: str, slot, masked: bool):
+  """The segment ids of the streamed block in ``slot`` of buffer ``name`` (a column vector of
+  the logit tile), where a masked block needs them."""
   if not (ctx.st.segments and masked):
     return None
-  return ctx.load_vec(scratch["kseg"].at[slot], 0)
+  return ctx.load_vec(scratch[name].at[slot], 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -703,7 +702,7 @@ def _call(st: _Static):
           plgpu.barrier_wait(scratch["kseg_ready"].at[slot])
         s = ctx.mm(my_q, scratch["k"].at[slot], (bq, bk), transpose_b=True, turn=turn)
         s, _ = _scores(ctx, s, q0=r0, k0=block * bk, rows_dim=0, masked=masked,
-                       k_seg=_key_ids(ctx, scratch, slot, masked), **data)
+                       k_seg=_streamed_ids(ctx, scratch, "kseg", slot, masked), **data)
         m_new = jnp.maximum(m, s.max(axis=1))
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no allowed key yet
         alpha = jnp.exp2(m - m_use)
@@ -854,7 +853,7 @@ def _dq_call(st: _Static):
           plgpu.barrier_wait(scratch["kseg_ready"].at[slot])
         s = ctx.mm(my_q, scratch["k"].at[slot], (bq, bk), transpose_b=True, turn=turn)
         s, tanh = _scores(ctx, s, q0=r0, k0=block * bk, rows_dim=0, masked=masked,
-                          k_seg=_key_ids(ctx, scratch, slot, masked), **data)
+                          k_seg=_streamed_ids(ctx, scratch, "kseg", slot, masked), **data)
         p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [0]))
         plgpu.barrier_wait(v_ready.at[slot])
         dp = ctx.mm(my_do, scratch["v"].at[slot], (bq, bk), transpose_b=True)
@@ -947,7 +946,7 @@ def _dkv_call(st: _Static):
           plgpu.barrier_wait(scratch[name + "_ready"].at[slot])
         s = ctx.mm(my_k, scratch["q"].at[slot], (bk, bq), transpose_b=True, turn=turn)  # s^T
         slope = refs["slopes"][kv_head * groups + o] if st.alibi else None
-        q_seg = ctx.load_vec(scratch["qseg"].at[slot], 0) if st.segments and masked else None
+        q_seg = _streamed_ids(ctx, scratch, "qseg", slot, masked)
         s, tanh = _scores(ctx, s, q0=block * bq, k0=k0, rows_dim=1, masked=masked, slope=slope,
                           limit=limit, q_seg=q_seg, k_seg=k_seg)
         lse = ctx.load_vec(scratch["lse"].at[slot], 0)

@@ -131,8 +131,7 @@ def packed_ids(b, length, sizes, seed):
   return jnp.asarray(np.stack(rows), jnp.int32)
 
 
-def data_case(name, b, t, s, n, k, mask, q_offset, cap, dtype, config, *, segments, lengths,
-              alibi, seed=0):
+def data_case(b, t, s, n, k, mask, dtype, *, segments, lengths, alibi, seed=0):
   """Inputs, kernel keyword arguments and the formula's mask of one data-feature case."""
   q, key, v = inputs(b, t, s, n, k, 64, dtype, seed=seed)
   kw, full_mask = {}, mask
@@ -172,8 +171,8 @@ def test_forward_data_features_match_formula(case):
   """Segment ids (packed, and scattered so that every block is evaluated masked), key lengths (a
   zero-length row: output 0, lse -inf) and ALiBi, against the formula with the same mask."""
   name, (b, t, s, n, k), mask, q_offset, cap, dtype, config, segments, lengths, alibi = case
-  (q, key, v), kw, full_mask = data_case(name, b, t, s, n, k, mask, q_offset, cap, dtype, config,
-                                         segments=segments, lengths=lengths, alibi=alibi)
+  (q, key, v), kw, full_mask = data_case(b, t, s, n, k, mask, dtype, segments=segments,
+                                         lengths=lengths, alibi=alibi)
   races = segments == "scattered"  # three key blocks through two slots, ids streamed: no race
   out, lse = hopper.forward(q, key, v, mask=mask, q_offset=q_offset, logits_soft_cap=cap,
                             config=config, interpret=interpret(detect_races=races), **kw)
@@ -195,8 +194,8 @@ def test_backward_data_features_match_formula(case):
   name, (b, t, s, n, k), mask, q_offset, cap, dtype, config, segments, lengths, alibi = case
   if segments:  # all three features at once on the packed case
     lengths, alibi = (180, 200), True
-  (q, key, v), kw, full_mask = data_case(name, b, t, s, n, k, mask, q_offset, cap, dtype, config,
-                                         segments=segments, lengths=lengths, alibi=alibi)
+  (q, key, v), kw, full_mask = data_case(b, t, s, n, k, mask, dtype, segments=segments,
+                                         lengths=lengths, alibi=alibi)
   ks = jax.random.split(jax.random.key(5), 2)
   d_out = jax.random.normal(ks[0], q.shape, jnp.float32).astype(dtype)
   d_lse = 0.3 * jax.random.normal(ks[1], (b, n, t), jnp.float32)
