@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 
 import jax
@@ -61,6 +62,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxattn.ops.masks import EMPTY, FULL, Mask, _band
 from pallas_kernels.flash_attention.common import pad_edge, pair_kinds
+
+# ``plgpu.load(ref, idx, *, layout)`` in jax 0.10 (``idx`` required), optional in 0.11, gone in 0.12.
+_LOAD_IDX = ((),) if "idx" in inspect.signature(plgpu.load).parameters else ()
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -335,7 +339,7 @@ class _Ctx:
     """A ``[n]`` fp32 row (``axis=1``: one value per accumulator row) or column vector."""
     if self.interpret:
       return ref[...]
-    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(axis))
+    return plgpu.load(ref, *_LOAD_IDX, layout=plgpu.Layout.WGMMA.reduce(axis))
 
   def take_turn(self, turn):
     if self.pingpong:
