@@ -12,7 +12,8 @@
 #   2. decode kernels: tests/kernels/test_decode_gpu.py compiled, then experiments.bench_decode
 #      --check (kernels vs formulas at 32k context) and the decode benchmark (contiguous XLA,
 #      paged XLA and the paged Pallas kernels against the copy bandwidth, 4k and 32k, batch
-#      1..32), then (TUNE=1) a few MLA kernel tile settings at 32k;
+#      1..32), then (TUNE=1) a few MLA kernel tile settings at 32k; then the top-K sparse (DSA)
+#      kernels compiled against the gather reference and timed (experiments.bench_sparse_kernel);
 #   3. flash kernels: tests/kernels/test_flash_gpu.py compiled, experiments.bench_flash --check
 #      and the forward benchmark against cuDNN and the bf16 matmul peak (T = 2k..16k, causal and
 #      not), the forward + backward benchmark (T = 2k, 8k), and (TUNE=1) the tile and
@@ -82,6 +83,10 @@ for cfg in ${TILES[@]+"${TILES[@]}"}; do
     --impls pallas_gpu_paged --gpu-block-k "$1" --gpu-warps "$2" --gpu-stages "$3" \
     --repeats 5 --out "$WORK/tiles"
 done
+step "sparse (DSA) kernels: check + benchmark" 150 \
+  "$PY" -m experiments.bench_sparse_kernel --check --contexts 8192,32768 --repeats 5 \
+  --out "$WORK/sparse"
+cp "$WORK/sparse/results.json" "$DEST/sparse_results.json" 2>/dev/null
 
 fi
 if [ "$PART" != decode ]; then

@@ -13,8 +13,10 @@ scores are not the attention weights.  Indices are ``int32 [B, T, k]``, the same
 ``indexer_kl_loss``: KL from the main attention's head-summed distribution (stop-gradient) to the
 indexer's softmax.
 
-Everything here is the XLA reference (gathers); ``pallas_kernels.sparse_attention`` holds the
-kernel that fetches only the selected rows.
+Everything here is the XLA reference (gathers); ``sparse_attention`` and ``sparse_mla_attention``
+dispatch to kernels that fetch only the selected rows: the native CPU kernel
+(``jaxattn.ops.sparse_cpu``) and the Pallas kernels of ``pallas_kernels.sparse_attention`` (TPU:
+manual row DMAs; GPU: Triton gathers).  Every kernel's gradient is the reference's VJP.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxattn import native
@@ -39,12 +42,16 @@ NEG_INF = -jnp.inf
 DOT_DTYPES = (None, "bfloat16")
 
 
-IMPLEMENTATIONS = ("xla", "cpu")
+IMPLEMENTATIONS = ("xla", "cpu", "pallas_tpu", "pallas_gpu")
 
 
 def _resolve_implementation(implementation):
-  """``"cpu"`` or ``"xla"`` for the ``implementation`` argument of the DSA ops."""
+  """The ``implementation`` argument of the DSA ops.  None: ``"pallas_tpu"`` on TPU, ``"cpu"``
+  where the native kernels are built, else ``"xla"`` (the GPU kernel is opt-in until a GPU run has
+  validated it, as the decode kernels are).  The Pallas names run interpreted off their hardware."""
   if implementation is None:
+    if jax.default_backend() == "tpu":
+      return "pallas_tpu"
     return "cpu" if sparse_cpu.available() else "xla"
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"`implementation` must be None or one of {IMPLEMENTATIONS}, got "
@@ -225,10 +232,12 @@ def sparse_attention(
   GQA/MQA as in ``dot_product_attention`` (``N % K == 0``).  Logits and softmax in fp32; a row with
   no valid index yields zeros.  Cost ``O(B T k N H)``, independent of ``S`` apart from the gather.
 
+  Positions outside ``[0, S)`` count as ``-1``.
+
   ``implementation``: ``"xla"`` (the gather reference), ``"cpu"`` (the native kernel of
-  ``jaxattn.ops.sparse_cpu``: gathers only the selected rows into cache-resident tiles; its
-  gradient is the reference's), or None: ``"cpu"`` on a CPU backend where the kernel is built,
-  else ``"xla"``.
+  ``jaxattn.ops.sparse_cpu``: gathers only the selected rows into cache-resident tiles),
+  ``"pallas_tpu"`` / ``"pallas_gpu"`` (``pallas_kernels.sparse_attention``: only the selected rows
+  leave HBM), or None (``_resolve_implementation``).  Every kernel's gradient is the reference's.
   """
   if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
     raise ValueError(f"`query`, `key`, `value` must be [B, T, N, H], [B, S, K, H], [B, S, K, h]; "
@@ -244,10 +253,48 @@ def sparse_attention(
   _check_indices(indices, b, t)
   if scale is None:
     scale = 1.0 / math.sqrt(h)
-  if _resolve_implementation(implementation) == "cpu":
+  impl = _resolve_implementation(implementation)
+  indices = _in_range(indices, key.shape[1])
+  if impl == "cpu":
     return sparse_cpu.sparse_attention_cpu(query, key, value, indices, float(scale),
                                            _sparse_attention_xla)
+  if impl in ("pallas_tpu", "pallas_gpu"):
+    from pallas_kernels import sparse_attention as kernels  # noqa: PLC0415 (optional)
+
+    kernel = (kernels.sparse_attention_tpu if impl == "pallas_tpu"
+              else kernels.sparse_attention_gpu)
+    return _with_reference_grad(
+        lambda q, k, v, i: kernel(q, k, v, i, scale=float(scale)),
+        lambda q, k, v, i: _sparse_attention_xla(q, k, v, i, float(scale)),
+        query, key, value, indices)
   return _sparse_attention_xla(query, key, value, indices, scale)
+
+
+def _in_range(indices, num_keys):
+  """``indices`` with positions outside ``[0, num_keys)`` replaced by ``-1`` (every path then
+  agrees: the kernels skip them, the gather reference would clamp them)."""
+  indices = indices.astype(jnp.int32)
+  return jnp.where((indices >= 0) & (indices < num_keys), indices, -1)
+
+
+def _with_reference_grad(kernel, reference, *args):
+  """``kernel(*args)`` (the last argument: integer indices) whose VJP is ``reference``'s: the
+  kernels are forward-only, the top-K gather's backward is the reference's scatter-add."""
+
+  @jax.custom_vjp
+  def f(*args):
+    return kernel(*args)
+
+  def fwd(*args):
+    return kernel(*args), args
+
+  def bwd(args, d_out):
+    *arrays, indices = args
+    _, vjp = jax.vjp(lambda *xs: reference(*xs, indices), *arrays)
+    return (*vjp(d_out), np.zeros(indices.shape, jax.dtypes.float0))
+
+  f.defvjp(fwd, bwd)
+  return f(*args)
 
 
 def _sparse_attention_xla(query, key, value, indices, scale):
@@ -290,7 +337,8 @@ def sparse_mla_attention(
   As ``jaxattn.ops.mla.mla_attention(mode="absorbed")``: queries are mapped into latent space
   (``q^C_i W_up^K_i^T``), attend against the selected ``[c_KV, k^R]`` rows as one shared key whose
   first ``C`` entries are the value, and ``W_up^V`` is applied after the sum.
-  ``implementation`` as ``sparse_attention``.
+  ``implementation`` as ``sparse_attention``; the Pallas kernels gather the two parts of the
+  shared key from ``c_kv`` and ``k_rope`` themselves (no concatenated copy of the cache).
   """
   if q_nope.ndim != 4 or q_rope.ndim != 4 or c_kv.ndim != 3 or k_rope.ndim != 3:
     raise ValueError(f"`q_nope` [B,T,N,P], `q_rope` [B,T,N,R], `c_kv` [B,S,C], `k_rope` [B,S,R]: got "
@@ -303,16 +351,37 @@ def sparse_mla_attention(
   if k_rope.shape != c_kv.shape[:2] + (r,) or q_rope.shape[:3] != (b, t, n):
     raise ValueError(f"`k_rope` {k_rope.shape} / `q_rope` {q_rope.shape} do not match `c_kv` "
                      f"{c_kv.shape} / `q_nope` {q_nope.shape}.")
+  _check_indices(indices, b, t)
   if scale is None:
     scale = 1.0 / math.sqrt(p + r)
   dt = q_nope.dtype
   q_lat = jnp.einsum("btnp,cnp->btnc", q_nope, w_uk.astype(dt), preferred_element_type=_F32)
-  query = jnp.concatenate([q_lat.astype(dt), q_rope], axis=-1)    # [B, T, N, C + R]
-  kv = jnp.concatenate([c_kv, k_rope], axis=-1)[:, :, None, :]   # [B, S, 1, C + R]
-  o_lat = sparse_attention(query, kv, kv, indices, scale=scale,
-                           implementation=implementation)[..., :c]  # [B, T, N, C]
+  impl = _resolve_implementation(implementation)
+  if impl in ("pallas_tpu", "pallas_gpu"):
+    from pallas_kernels import sparse_attention as kernels  # noqa: PLC0415 (optional)
+
+    kernel = (kernels.sparse_mla_latent_tpu if impl == "pallas_tpu"
+              else kernels.sparse_mla_latent_gpu)
+    o_lat = _with_reference_grad(
+        lambda ql, qr, ck, kr, i: kernel(ql, qr, ck, kr, i, scale=float(scale)),
+        functools.partial(_latent_reference, scale=float(scale)),
+        q_lat.astype(dt), q_rope.astype(dt), c_kv, k_rope.astype(c_kv.dtype),
+        _in_range(indices, c_kv.shape[1]))
+  else:
+    o_lat = _latent_reference(q_lat.astype(dt), q_rope, c_kv, k_rope, indices, scale=scale,
+                              implementation=impl)
   return jnp.einsum("btnc,cnh->btnh", o_lat, w_uv.astype(dt),
                     preferred_element_type=_F32).astype(dt)
+
+
+def _latent_reference(q_lat, q_rope, c_kv, k_rope, indices, *, scale, implementation="xla"):
+  """Absorbed MLA's latent core as ``sparse_attention`` over the concatenated shared key
+  ``[c_KV, k^R]`` (its first ``C`` entries the value) -> ``[B, T, N, C]``."""
+  c = c_kv.shape[2]
+  query = jnp.concatenate([q_lat, q_rope.astype(q_lat.dtype)], axis=-1)   # [B, T, N, C + R]
+  kv = jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1)[:, :, None, :]
+  return sparse_attention(query, kv, kv, indices, scale=scale,
+                          implementation=implementation)[..., :c]
 
 
 @jax.jit

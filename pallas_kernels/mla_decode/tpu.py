@@ -17,11 +17,11 @@ Dense mode, split-KV (flash-decoding), page table and lengths by scalar prefetch
 Pages past a sequence's length do no compute and their DMA index is clamped to its last valid page
 (no refetch), exactly as in ``pallas_kernels.decode_attention``.
 
-Sparse mode (DeepSeek Sparse Attention): ``indices [B, T, k]`` selected positions, by scalar
-prefetch with the page table; grid ``(B, T, k)`` fetches ONE row of ``c_KV`` and ``k^R`` per step
-(row-granular DMA: correct and simple, but each step moves only ``(C + R) * bytes``; a production
-kernel would batch several rows per step with manual async copies).  Invalid slots (``-1`` or past
-the length) re-point at the previous valid row and skip compute.
+Sparse mode (DeepSeek Sparse Attention): ``indices [B, T, k]`` selected positions become row
+addresses of the pools viewed flat (through the page table; ``-1`` past the length, unused or on
+an unmapped page) and ``pallas_kernels.sparse_attention.tpu.gather_attention`` gathers ``block_k``
+rows per step with double-buffered manual DMAs, all ``N`` heads of a token sharing each row, the
+gathered ``c_KV`` rows doubling as the value.
 
 Validated in interpret mode (race detection on) against ``jaxattn.ops.decode.paged_mla_decode_xla``;
 not yet compiled on a TPU.
@@ -42,6 +42,7 @@ from pallas_kernels.decode_attention.tpu import (combine, default_interpret, fin
                                                  online_softmax_update, page_index)
 from pallas_kernels.flash_attention import sharded
 from pallas_kernels.flash_attention.common import reset_online_softmax
+from pallas_kernels.sparse_attention.tpu import gather_attention
 
 _F32 = jnp.float32
 
@@ -126,74 +127,28 @@ def _dense_local(q_latent, q_rope, c_pool, kr_pool, page_table, lengths, *, scal
 
 # -- sparse (DSA): selected rows only ----------------------------------------------------------
 
-def _sparse_kernel(lens_ref, table_ref, idx_ref, ql_ref, qr_ref, c_ref, kr_ref, o_ref, m_ref,
-                   l_ref, acc_ref, *, scale, num_t, num_k):
-  b, t, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-
-  reset_online_softmax(j == 0, m_ref, l_ref, acc_ref)
-
-  pos = idx_ref[(b * num_t + t) * num_k + j]
-
-  @pl.when((pos >= 0) & (pos < lens_ref[b]))
-  def compute():
-    c = c_ref[...].astype(_F32)                                             # [1, C]
-    logits = (_dot_t(ql_ref[...].astype(_F32), c)
-              + _dot_t(qr_ref[...].astype(_F32), kr_ref[...].astype(_F32))) * scale  # [N, 1]
-    online_softmax_update(m_ref, l_ref, acc_ref, logits, jnp.ones(logits.shape, bool), c)
-
-  @pl.when(j == num_k - 1)
-  def store():
-    out, _ = finalize(m_ref[...], l_ref[...], acc_ref[...])
-    o_ref[...] = out.astype(o_ref.dtype)
-
-
 @functools.partial(jax.jit, static_argnames=("scale", "interpret"))
 def _sparse_local(q_latent, q_rope, c_pool, kr_pool, page_table, lengths, indices, *, scale,
                   interpret):
+  """The selected positions become rows of the pools viewed flat as ``[P * page, C|R]`` (free
+  reshapes): ``table[b, pos // page] * page + pos % page``, ``-1`` where the slot is unused, past
+  the length or on an unmapped page; ``gather_attention`` fetches ``block_k`` of them per step."""
   b, t, n, c = q_latent.shape
   r = q_rope.shape[3]
-  page_size, m = c_pool.shape[1], page_table.shape[1]
-  num_k = indices.shape[2]
-  # The pools are viewed as [P, page, 1, C|R] (a free reshape) so that a one-row block keeps its
-  # last two dims equal to the array's, as Mosaic requires of blocks not tiled by (8, 128).
-  # Invalid slots point at the last valid slot before them (or position 0), so the pipeline keeps
-  # the row it already holds instead of fetching a new one.
+  num_pages, page_size = c_pool.shape[:2]
+  m = page_table.shape[1]
   valid = (indices >= 0) & (indices < lengths[:, None, None])
-  slot = jnp.where(valid, jnp.arange(num_k)[None, None, :], -1)
-  last_valid = jax.lax.cummax(slot, axis=2)
-  fetch = jnp.where(last_valid >= 0,
-                    jnp.take_along_axis(indices, jnp.maximum(last_valid, 0), axis=2), 0)
-  safe_idx = jnp.where(valid, indices, -1)
-
-  def row_map(bi, ti, ji, lens_ref, table_ref, idx_ref, fetch_ref):
-    p = fetch_ref[(bi * t + ti) * num_k + ji]
-    return (jnp.maximum(table_ref[bi * m + p // page_size], 0), p % page_size, 0, 0)
-
-  q_map = lambda bi, ti, ji, *_: (bi, ti, 0, 0)  # noqa: E731
-  kernel = functools.partial(_sparse_kernel, scale=float(scale), num_t=t, num_k=num_k)
-
-  def body(lens_ref, table_ref, idx_ref, fetch_ref, *refs):
-    del fetch_ref  # only the index maps read it
-    kernel(lens_ref, table_ref, idx_ref, *refs)
-
-  grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=4,
-      grid=(b, t, num_k),
-      in_specs=[pl.BlockSpec((None, None, n, c), q_map),             # q~ [N, C]
-                pl.BlockSpec((None, None, n, r), q_map),             # q^R [N, R]
-                pl.BlockSpec((None, None, 1, c), row_map),           # one c_KV row [1, C]
-                pl.BlockSpec((None, None, 1, r), row_map)],          # one k^R row [1, R]
-      out_specs=pl.BlockSpec((None, None, n, c), q_map),
-      scratch_shapes=[pltpu.VMEM((n, 1), _F32), pltpu.VMEM((n, 1), _F32),
-                      pltpu.VMEM((n, c), _F32)])
-  return pl.pallas_call(
-      body, grid_spec=grid_spec,
-      out_shape=jax.ShapeDtypeStruct((b, t, n, c), q_latent.dtype),
-      compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel", "arbitrary")),
-      interpret=default_interpret(interpret),
-  )(lengths, page_table.reshape(-1), safe_idx.reshape(-1), fetch.reshape(-1).astype(jnp.int32),
-    q_latent, q_rope, c_pool[:, :, None, :], kr_pool[:, :, None, :])
+  pos = jnp.where(valid, indices, 0)
+  logical = jnp.minimum(pos // page_size, m - 1)
+  page = jnp.take_along_axis(page_table, logical.reshape(b, -1), axis=1).reshape(pos.shape)
+  valid = valid & (page >= 0) & (page < num_pages)
+  rows = jnp.where(valid, page * page_size + pos % page_size, -1).reshape(b * t, -1)
+  out = gather_attention(
+      (q_latent.reshape(b * t, n, c), q_rope.astype(q_latent.dtype).reshape(b * t, n, r)),
+      (c_pool.reshape(num_pages * page_size, c),
+       kr_pool.astype(c_pool.dtype).reshape(num_pages * page_size, r)),
+      rows, kv_heads=1, scale=scale, value_part=0, interpret=default_interpret(interpret))
+  return out.reshape(b, t, n, c)
 
 
 def run_sharded_mla(local, args, mesh):

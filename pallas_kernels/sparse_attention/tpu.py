@@ -1,22 +1,32 @@
-"""Top-K sparse attention kernel (TPU / Mosaic style): fetch only the selected key/value rows.
+"""Top-K sparse attention (TPU / Mosaic style): gather only the selected rows, ``block_k`` per step.
 
-The selected positions ``indices [B, T, k]`` (``-1`` = unused) are passed by scalar prefetch
-(``pltpu.PrefetchScalarGridSpec``), so they sit in SMEM before the grid starts and the key/value
-``index_map`` can read them: grid step ``(b, t, j)`` DMAs exactly row ``indices[b, t, j]`` of the
-keys and values into VMEM -- the ``S - k`` unselected rows are never read.  An online softmax
-(running max ``m``, sum ``l``, accumulator ``acc`` in VMEM scratch) folds the ``k`` rows in, as a
-flash kernel folds key blocks, and the last step normalizes.  Unused slots are skipped with
-``pl.when``; a query with no valid slot returns zeros.
+One kernel serves DeepSeek Sparse Attention prefill (``sparse_attention_tpu``, GQA over a
+contiguous cache), DSA on MLA (``sparse_mla_attention_tpu``, latent rows) and sparse MLA decode over
+a paged latent pool (``pallas_kernels.mla_decode``): each of them turns its selected positions into
+**row addresses** of a flat pool ``[rows, K * D]`` (``-1`` = no row) and calls ``gather_attention``.
 
-    grid (B, T, k)            b, t: parallel; j: the selected rows, sequential ("arbitrary")
-    q block   [N, H]          query row (b, t), all heads
-    k/v block [K, H] / [K, h] cache row indices[b, t, j], all KV heads (GQA: head n reads n // G)
+    grid (M,)                      one program per query token (all its heads), "parallel"
+    q blocks   [N, D_p]            per key part p (e.g. latent and rotary parts), auto-pipelined
+    addresses  [1 + k_pad] SMEM    the number of blocks to visit, then the row addresses
+    pools      [rows, K * D_p]     left in HBM (``memory_space=pl.ANY``)
+    buffers    [2, block_k, K*D_p] VMEM, double-buffered
 
-One row per grid step keeps the kernel short and obviously correct; a production TPU kernel would
-gather several rows per step with manual DMAs (as JAX's paged attention does with pages) to
-amortize the per-step overhead.  Validated in interpret mode (with race detection) against
-``jaxattn.ops.sparse.sparse_attention``; forward only (DSA's top-K gather carries no gradient to
-the indexer, and training uses the XLA reference).
+    for each block j of block_k selected slots (only up to the last valid one):
+      start the manual row DMAs of block j + 1 into the other buffer  (one async copy per row)
+      wait for block j's rows
+      per KV head g:  s = scale * sum_p q_p[g] k_p[g]^T      [G, block_k] fp32 on the MXU
+                      online softmax (m, l, acc in VMEM scratch); acc += p @ v[g]
+
+Slots without a row (``-1``) start no DMA: their buffer rows are zero-filled instead (a stale or
+never-written row may hold anything, and ``0 * NaN`` must not reach the accumulator) and their
+logits are masked.  The value is either its own pool or one of the key parts (MLA: the first ``C``
+entries of the latent row ``[c_KV, k^R]`` are the value, so the row is fetched once).
+
+What is left for a hardware run: the first block of each token is not overlapped with the previous
+token's compute (the next token's addresses live in the next grid step's SMEM block), and there is
+no split-KV over the selected slots (decode with batch 1 runs on one core).  Validated in interpret
+mode (race detection on) against the gather references of ``jaxattn.ops.sparse`` and
+``jaxattn.ops.decode``; not yet compiled on a TPU.
 """
 
 from __future__ import annotations
@@ -26,44 +36,200 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.flash_attention.common import reset_online_softmax
-
 _F32 = jnp.float32
 
 
-def _kernel(idx_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *, scale, num_t, num_k,
-            groups):
-  b, t, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+def default_block_k(k: int) -> int:
+  """Selected rows gathered per step: all of them up to 128, in multiples of 8 (sublanes)."""
+  return min(128, -(-k // 8) * 8)
 
-  reset_online_softmax(j == 0, m_ref, l_ref, acc_ref)
 
-  row = idx_ref[(b * num_t + t) * num_k + j]
+def _dot_t(a, b):
+  """``a @ b.T`` with fp32 accumulation."""
+  return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
 
-  @pl.when(row >= 0)
-  def compute():
-    q = q_ref[...].astype(_F32)                                  # [N, H]
-    k = k_ref[...].astype(_F32)                                  # [K, H]
-    v = v_ref[...].astype(_F32)                                  # [K, h]
-    if groups > 1:                                               # GQA: head n uses KV head n // G
-      k = jnp.repeat(k, groups, axis=0)                          # [N, H]
-      v = jnp.repeat(v, groups, axis=0)                          # [N, h]
-    s = jnp.sum(q * k, axis=-1, keepdims=True) * scale           # [N, 1]
-    m_prev = m_ref[...]                                          # [N, 1]
-    m_new = jnp.maximum(m_prev, s)
-    alpha = jnp.exp(m_prev - m_new)                              # 0 on the first valid row
-    p = jnp.exp(s - m_new)                                       # [N, 1]
-    l_ref[...] = alpha * l_ref[...] + p
-    acc_ref[...] = alpha * acc_ref[...] + p * v                  # [N, h]
-    m_ref[...] = m_new
 
-  @pl.when(j == num_k - 1)
-  def store():
-    l = l_ref[...]
-    o_ref[...] = jnp.where(l > 0, acc_ref[...] / jnp.where(l > 0, l, 1.0), 0.0).astype(o_ref.dtype)
+def _kernel(meta_ref, rows_ref, *refs, dims, value_part, value_width, kv_heads, groups, block_k,
+            scale):
+  n_parts = len(dims)
+  q_refs, refs = refs[:n_parts], refs[n_parts:]
+  pool_refs, refs = refs[:n_parts], refs[n_parts:]
+  vpool_ref, refs = (refs[0], refs[1:]) if value_part is None else (None, refs)
+  o_ref, refs = refs[0], refs[1:]
+  bufs, refs = refs[:n_parts], refs[n_parts:]
+  vbuf, refs = (refs[0], refs[1:]) if value_part is None else (None, refs)
+  sem, m_ref, l_ref, acc_ref = refs
+  copies = list(zip(pool_refs, bufs))             # (HBM pool, VMEM buffer) pairs a row fills
+  if value_part is None:
+    copies.append((vpool_ref, vbuf))
+
+  def row_copy(src, buf, addr, slot, r):
+    return pltpu.make_async_copy(src.at[pl.ds(addr, 1)], buf.at[slot, pl.ds(r, 1)], sem.at[slot])
+
+  def start(blk, slot):
+    def one(r, carry):
+      addr = meta_ref[1 + blk * block_k + r]
+
+      @pl.when(addr >= 0)
+      def _():
+        for src, buf in copies:
+          row_copy(src, buf, addr, slot, r).start()
+
+      @pl.when(addr < 0)
+      def _():
+        for _, buf in copies:
+          buf[slot, pl.ds(r, 1), :] = jnp.zeros((1, buf.shape[-1]), buf.dtype)
+      return carry
+
+    lax.fori_loop(0, block_k, one, 0)
+
+  def wait(blk, slot):
+    def one(r, carry):
+      addr = meta_ref[1 + blk * block_k + r]
+
+      @pl.when(addr >= 0)
+      def _():
+        for src, buf in copies:
+          row_copy(src, buf, addr, slot, r).wait()
+      return carry
+
+    lax.fori_loop(0, block_k, one, 0)
+
+  def compute(blk, slot):
+    first = pl.multiple_of(blk * block_k, block_k)
+    valid = rows_ref[:, pl.ds(first, block_k)] >= 0                     # [1, bk]
+    for g in range(kv_heads):
+      rs = pl.ds(g * groups, groups)
+      logits = None
+      for p, d in enumerate(dims):
+        part = _dot_t(q_refs[p][rs, :], bufs[p][slot, :, pl.ds(g * d, d)])  # [G, bk]
+        logits = part if logits is None else logits + part
+      logits = jnp.where(valid, logits * scale, -jnp.inf)
+      src = vbuf if value_part is None else bufs[value_part]
+      v = src[slot, :, pl.ds(g * value_width, value_width)]                 # [bk, h]
+      m_prev = m_ref[rs, :]
+      m_new = jnp.maximum(m_prev, jnp.max(logits, axis=1, keepdims=True))
+      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)                    # nothing seen yet
+      prob = jnp.exp(logits - m_safe)
+      alpha = jnp.exp(m_prev - m_safe)
+      l_ref[rs, :] = alpha * l_ref[rs, :] + jnp.sum(prob, axis=1, keepdims=True)
+      pv_dtype = v.dtype if jnp.finfo(v.dtype).bits < 32 else _F32
+      acc_ref[rs, :] = alpha * acc_ref[rs, :] + lax.dot_general(
+          prob.astype(pv_dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=_F32)
+      m_ref[rs, :] = m_new
+
+  m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, _F32)
+  l_ref[...] = jnp.zeros(l_ref.shape, _F32)
+  acc_ref[...] = jnp.zeros(acc_ref.shape, _F32)
+  num_blocks = meta_ref[0]
+
+  @pl.when(num_blocks > 0)
+  def _():
+    start(0, 0)
+
+  def body(blk, carry):
+    slot = lax.rem(blk, 2)
+
+    @pl.when(blk + 1 < num_blocks)
+    def _():
+      start(blk + 1, 1 - slot)
+
+    wait(blk, slot)
+    compute(blk, slot)
+    return carry
+
+  lax.fori_loop(0, num_blocks, body, 0)
+  l = l_ref[...]
+  o_ref[...] = jnp.where(l > 0, acc_ref[...] / jnp.where(l > 0, l, 1.0), 0.0).astype(o_ref.dtype)
+
+
+def gather_attention(
+    q_parts: tuple[Float[Array, "M N D"], ...],
+    pools: tuple[Float[Array, "rows W"], ...],
+    rows: Int[Array, "M k"],
+    *,
+    kv_heads: int,
+    scale: float,
+    value_pool: Float[Array, "rows V"] | None = None,
+    value_part: int | None = None,
+    block_k: int | None = None,
+    interpret=None,
+) -> Float[Array, "M N h"]:
+  """Attention of each query token over the pool rows named by its addresses.
+
+  ``q_parts[p] [M, N, D_p]`` and ``pools[p] [rows, K * D_p]``: the logit of head ``n`` (KV head
+  ``g = n // (N / K)``) against row ``a`` is ``scale * sum_p q_p[n] . pools[p][a, g*D_p:(g+1)*D_p]``.
+  The value is ``value_pool [rows, K * h]``, or, with ``value_part=p``, the key part ``p`` itself.
+  ``rows [M, k]``: row addresses in ``[0, rows)`` or ``-1`` (none; a token with none gets zeros).
+  Returns ``[M, N, h]`` in the queries' dtype.  ``interpret``: None (compile on TPU, else
+  interpret), True/False, or a ``pltpu.InterpretParams``.
+  """
+  if (value_pool is None) == (value_part is None):
+    raise ValueError("pass exactly one of `value_pool` and `value_part`.")
+  m, n = q_parts[0].shape[:2]
+  if n % kv_heads:
+    raise ValueError(f"query heads N={n} must be a multiple of key heads K={kv_heads}.")
+  dims = tuple(q.shape[2] for q in q_parts)
+  for q, pool, d in zip(q_parts, pools, dims):
+    if q.shape[:2] != (m, n) or pool.shape[1] != kv_heads * d or pool.shape[0] != pools[0].shape[0]:
+      raise ValueError(f"query part {q.shape} and pool {pool.shape} must be [M={m}, N={n}, D] "
+                       f"and [rows, K * D] with K={kv_heads}.")
+  if value_part is not None:
+    value_width = dims[value_part]
+  else:
+    if value_pool.shape[0] != pools[0].shape[0] or value_pool.shape[1] % kv_heads:
+      raise ValueError(f"`value_pool` {value_pool.shape} must be [rows, K * h] with K={kv_heads}.")
+    value_width = value_pool.shape[1] // kv_heads
+  k = rows.shape[1]
+  block_k = default_block_k(k) if block_k is None else block_k
+  if block_k < 1 or block_k % 8:
+    raise ValueError(f"`block_k` must be a positive multiple of 8, got {block_k!r}.")
+  k_pad = -(-k // block_k) * block_k
+  rows = jnp.pad(rows.astype(jnp.int32), ((0, 0), (0, k_pad - k)), constant_values=-1)
+  slot = jnp.arange(k_pad, dtype=jnp.int32)
+  last = jnp.max(jnp.where(rows >= 0, slot, -1), axis=1)                  # last valid slot
+  num_blocks = (last + block_k) // block_k                                 # 0 when none
+  meta = jnp.concatenate([num_blocks[:, None], rows], axis=1)              # [M, 1 + k_pad]
+
+  kernel = functools.partial(_kernel, dims=dims, value_part=value_part, value_width=value_width,
+                             kv_heads=kv_heads, groups=n // kv_heads, block_k=block_k,
+                             scale=float(scale))
+  all_pools = list(pools) + ([] if value_pool is None else [value_pool])
+  in_specs = (
+      [pl.BlockSpec((None, 1 + k_pad), lambda i: (i, 0), memory_space=pltpu.SMEM),
+       pl.BlockSpec((None, 1, k_pad), lambda i: (i, 0, 0))]
+      + [pl.BlockSpec((None, n, d), lambda i: (i, 0, 0)) for d in dims]
+      + [pl.BlockSpec(memory_space=pl.ANY) for _ in all_pools])
+  scratch = ([pltpu.VMEM((2, block_k, p.shape[1]), p.dtype) for p in all_pools]
+             + [pltpu.SemaphoreType.DMA((2,)),
+                pltpu.VMEM((n, 1), _F32), pltpu.VMEM((n, 1), _F32),
+                pltpu.VMEM((n, value_width), _F32)])
+  if interpret is None:
+    interpret = jax.default_backend() != "tpu"
+  return pl.pallas_call(
+      kernel,
+      grid=(m,),
+      in_specs=in_specs,
+      out_specs=pl.BlockSpec((None, n, value_width), lambda i: (i, 0, 0)),
+      out_shape=jax.ShapeDtypeStruct((m, n, value_width), q_parts[0].dtype),
+      scratch_shapes=scratch,
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+      interpret=interpret,
+  )(meta, rows[:, None, :], *q_parts, *all_pools)
+
+
+def _flat_rows(indices, num_keys):
+  """Row addresses of ``[B * S]``-row pools for ``indices [B, T, k]`` -> ``[B * T, k]``; ``-1`` and
+  out-of-range positions become ``-1``."""
+  b = indices.shape[0]
+  valid = (indices >= 0) & (indices < num_keys)
+  base = (jnp.arange(b, dtype=jnp.int32) * num_keys)[:, None, None]
+  return jnp.where(valid, indices.astype(jnp.int32) + base, -1).reshape(-1, indices.shape[2])
 
 
 def sparse_attention_tpu(
@@ -73,12 +239,13 @@ def sparse_attention_tpu(
     indices: Int[Array, "B T k"],
     *,
     scale: float | None = None,
-    interpret=False,
+    block_k: int | None = None,
+    interpret=None,
 ) -> Float[Array, "B T N h"]:
   """``jaxattn.ops.sparse.sparse_attention`` as a Pallas kernel reading only the selected rows.
 
-  ``interpret``: False (compile for TPU), True, or a ``pltpu.InterpretParams`` (e.g. with
-  ``detect_races=True``) to run on CPU.
+  Positions outside ``[0, S)`` count as ``-1`` (unused).  ``block_k``: selected rows gathered per
+  step (a multiple of 8; default ``default_block_k(k)``).  ``interpret`` as ``gather_attention``.
   """
   if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
     raise ValueError(f"`query`, `key`, `value` must be [B, T, N, H], [B, S, K, H], [B, S, K, h]; "
@@ -92,32 +259,41 @@ def sparse_attention_tpu(
     raise ValueError(f"query heads N={n} must be a multiple of key heads K={kh}.")
   if indices.ndim != 3 or indices.shape[:2] != (b, t) or indices.shape[2] < 1:
     raise ValueError(f"`indices` must be [B={b}, T={t}, k>=1], got shape {indices.shape}.")
-  num_k = indices.shape[2]
   scale = 1.0 / math.sqrt(h) if scale is None else float(scale)
-  # Out-of-range rows are treated as unused, like -1 (the reference would wrap or clamp them).
-  idx = jnp.where((indices >= 0) & (indices < s), indices, -1).astype(jnp.int32).reshape(-1)
+  out = gather_attention((query.reshape(b * t, n, h),), (key.reshape(b * s, kh * h),),
+                         _flat_rows(indices, s), kv_heads=kh, scale=scale,
+                         value_pool=value.reshape(b * s, kh * hv), block_k=block_k,
+                         interpret=interpret)
+  return out.reshape(b, t, n, hv)
 
-  def kv_map(bi, ti, ji, idx_ref):
-    return (bi, jnp.maximum(idx_ref[(bi * t + ti) * num_k + ji], 0), 0, 0)
 
-  kernel = functools.partial(_kernel, scale=scale, num_t=t, num_k=num_k, groups=n // kh)
-  grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=1,
-      grid=(b, t, num_k),
-      in_specs=[
-          pl.BlockSpec((None, None, n, h), lambda bi, ti, ji, _: (bi, ti, 0, 0)),   # q [N, H]
-          pl.BlockSpec((None, None, kh, h), kv_map),                                # k row [K, H]
-          pl.BlockSpec((None, None, kh, hv), kv_map),                               # v row [K, h]
-      ],
-      out_specs=pl.BlockSpec((None, None, n, hv), lambda bi, ti, ji, _: (bi, ti, 0, 0)),
-      scratch_shapes=[pltpu.VMEM((n, 1), _F32),     # running max m
-                      pltpu.VMEM((n, 1), _F32),     # running sum l
-                      pltpu.VMEM((n, hv), _F32)])   # accumulator
-  # b and t write disjoint output rows, so they may run on different cores; j accumulates.
-  params = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"))
-  return pl.pallas_call(
-      kernel, grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct((b, t, n, hv), query.dtype),
-      compiler_params=params, interpret=interpret)(idx, query, key, value)
+def sparse_mla_latent_tpu(
+    q_latent: Float[Array, "B T N C"],
+    q_rope: Float[Array, "B T N R"],
+    c_kv: Float[Array, "B S C"],
+    k_rope: Float[Array, "B S R"],
+    indices: Int[Array, "B T k"],
+    *,
+    scale: float,
+    block_k: int | None = None,
+    interpret=None,
+) -> Float[Array, "B T N C"]:
+  """The latent-space core of DSA on MLA: every head of a token attends to the selected rows of
+  the shared key ``[c_KV, k^R]`` (gathered from the two arrays, no concatenated copy), and the
+  gathered ``c_KV`` rows are the value.  Output ``[B, T, N, C]`` in the queries' dtype."""
+  b, t, n, c = q_latent.shape
+  s, r = c_kv.shape[1], k_rope.shape[2]
+  if (c_kv.shape != (b, s, c) or k_rope.shape != (b, s, r) or q_rope.shape != (b, t, n, r)):
+    raise ValueError(f"`q_latent` [B,T,N,C], `q_rope` [B,T,N,R], `c_kv` [B,S,C], `k_rope` [B,S,R]"
+                     f": got {q_latent.shape}, {q_rope.shape}, {c_kv.shape}, {k_rope.shape}.")
+  if indices.ndim != 3 or indices.shape[:2] != (b, t) or indices.shape[2] < 1:
+    raise ValueError(f"`indices` must be [B={b}, T={t}, k>=1], got shape {indices.shape}.")
+  out = gather_attention(
+      (q_latent.reshape(b * t, n, c), q_rope.astype(q_latent.dtype).reshape(b * t, n, r)),
+      (c_kv.reshape(b * s, c), k_rope.astype(c_kv.dtype).reshape(b * s, r)),
+      _flat_rows(indices, s), kv_heads=1, scale=float(scale), value_part=0, block_k=block_k,
+      interpret=interpret)
+  return out.reshape(b, t, n, c)
 
 
 def sparse_mla_attention_tpu(
@@ -130,25 +306,20 @@ def sparse_mla_attention_tpu(
     indices: Int[Array, "B T k"],
     *,
     scale: float | None = None,
-    interpret=False,
+    block_k: int | None = None,
+    interpret=None,
 ) -> Float[Array, "B T N h"]:
-  """DSA over the MLA latent cache: the kernel fetches only the selected ``[c_KV, k^R]`` rows.
-
-  Absorbed form, as ``jaxattn.ops.sparse.sparse_mla_attention``: the latent row is the single
-  shared key, its first ``C`` entries the value (the kernel reads the row once per selected slot
-  for each role).
-  """
+  """DSA over the MLA latent cache, absorbed form, as ``jaxattn.ops.sparse.sparse_mla_attention``:
+  queries mapped into latent space, ``sparse_mla_latent_tpu``, then ``W_up^V``."""
   b, t, n, p = q_nope.shape
   c, r = c_kv.shape[2], q_rope.shape[3]
   if w_uk.shape != (c, n, p) or w_uv.shape[:2] != (c, n):
     raise ValueError(f"`w_uk` must be [C, N, P] = {(c, n, p)} and `w_uv` [C={c}, N={n}, h]; got "
                      f"{w_uk.shape}, {w_uv.shape}.")
-  scale = 1.0 / math.sqrt(p + r) if scale is None else scale
+  scale = 1.0 / math.sqrt(p + r) if scale is None else float(scale)
   dt = q_nope.dtype
   q_lat = jnp.einsum("btnp,cnp->btnc", q_nope, w_uk.astype(dt), preferred_element_type=_F32)
-  query = jnp.concatenate([q_lat.astype(dt), q_rope], axis=-1)   # [B, T, N, C + R]
-  kv = jnp.concatenate([c_kv, k_rope], axis=-1)[:, :, None, :]  # [B, S, 1, C + R]
-  o_lat = sparse_attention_tpu(query, kv, c_kv[:, :, None, :], indices, scale=scale,
-                               interpret=interpret)              # [B, T, N, C]
+  o_lat = sparse_mla_latent_tpu(q_lat.astype(dt), q_rope, c_kv, k_rope, indices, scale=scale,
+                                block_k=block_k, interpret=interpret)
   return jnp.einsum("btnc,cnh->btnh", o_lat, w_uv.astype(dt),
                     preferred_element_type=_F32).astype(dt)

@@ -1,4 +1,6 @@
-"""The top-K sparse attention Pallas kernel (interpret mode, race detection) vs the gather reference."""
+"""The top-K sparse attention Pallas kernels (TPU: manual row DMAs, interpreted with race detection;
+GPU: Triton gathers, interpreted) vs the gather reference, and the dispatch through
+``jaxattn.ops.sparse`` (forward and gradients)."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +10,10 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jaxattn.ops.sparse import (indexer_scores, sparse_attention, sparse_mla_attention,
                                 topk_indices)
-from pallas_kernels.sparse_attention import sparse_attention_tpu, sparse_mla_attention_tpu
+from pallas_kernels.sparse_attention import (gather_attention, sparse_attention_gpu,
+                                             sparse_attention_tpu, sparse_mla_attention_gpu,
+                                             sparse_mla_attention_tpu, sparse_mla_latent_gpu,
+                                             sparse_mla_latent_tpu)
 
 RACES = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
 
@@ -22,48 +27,199 @@ def _indices(b, t, s, k, seed, q_offset=0):
   return topk_indices(indexer_scores(qi, ki, w, q_offset=q_offset, kv_lengths=lengths), k)
 
 
-# Race detection (slow: it tracks every DMA) on one GQA case; plain interpret mode on the other.
-@pytest.mark.parametrize("n,kh,k,b,interpret", [(4, 2, 3, 1, RACES), (2, 1, 9, 2, True)])
-def test_prefill_matches_gather_reference_with_race_detection(n, kh, k, b, interpret, race_states):
-  t, h = 6, 8
-  ks = jax.random.split(jax.random.key(0), 3)
-  q = jax.random.normal(ks[0], (b, t, n, h))
-  key = jax.random.normal(ks[1], (b, t, kh, h))
-  v = jax.random.normal(ks[2], (b, t, kh, 4))
-  idx = _indices(b, t, t, k, 1)          # k=9 > T: rows padded with -1, row 0 has one position
-  assert int((idx < 0).sum()) > 0
-  got = sparse_attention_tpu(q, key, v, idx, interpret=interpret)
-  np.testing.assert_allclose(got, sparse_attention(q, key, v, idx), rtol=1e-5, atol=1e-6)
+def _scattered(b, t, s, k, seed):
+  """Random positions with holes: ``-1`` in the middle of rows, a whole row of ``-1`` (batch 0,
+  token 1), one out-of-range position, trailing ``-1`` on the last token.  Position 0 is never
+  selected (so its row, where kernels may point unused slots, can be poisoned)."""
+  idx = jax.random.randint(jax.random.key(seed), (b, t, k), -4, s)
+  idx = jnp.where(idx < 0, -1, jnp.maximum(idx, 1))
+  idx = idx.at[0, 1].set(-1).at[-1, -1, k // 2:].set(-1).at[-1, 0, 0].set(s + 5)
+  return idx
+
+
+def _gqa(b, t, s, n, kh, h, hv, dtype, seed=0):
+  ks = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(ks[0], (b, t, n, h)).astype(dtype)
+  key = jax.random.normal(ks[1], (b, s, kh, h)).astype(dtype)
+  v = jax.random.normal(ks[2], (b, s, kh, hv)).astype(dtype)
+  return q, key, v
+
+
+def _reference(q, key, v, idx):
+  """The gather reference in fp32 with out-of-range positions as ``-1``."""
+  idx = jnp.where((idx >= 0) & (idx < key.shape[1]), idx, -1)
+  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+  return sparse_attention(f32(q), f32(key), f32(v), idx, implementation="xla")
+
+
+def _poison_unselected(key, v, idx):
+  """NaN in every cache row no token selects: a kernel that reads (or multiplies by) an
+  unselected row produces NaN."""
+  b, s = key.shape[:2]
+  used = jnp.zeros((b, s), bool)
+  safe = jnp.where((idx >= 0) & (idx < s), idx, s)
+  used = jax.vmap(lambda u, i: u.at[i.reshape(-1)].set(True, mode="drop"))(used, safe)
+  nan = ~used[:, :, None, None]
+  return jnp.where(nan, jnp.nan, key), jnp.where(nan, jnp.nan, v)
+
+
+# Race detection (slow: it tracks every DMA) on the GQA case; plain interpret mode on the MQA one.
+@pytest.mark.parametrize("n,kh,k,block_k,interpret", [(4, 2, 21, 8, RACES),
+                                                      (3, 1, 9, 16, True)])
+def test_tpu_kernel_blocks_holes_and_races(n, kh, k, block_k, interpret, race_states):
+  """Several double-buffered blocks of row DMAs (k = 21 in blocks of 8), holes, an empty token,
+  trailing unused slots (blocks skipped), an out-of-range position; unselected rows are NaN."""
+  b, t, s = 2, 5, 30
+  q, key, v = _gqa(b, t, s, n, kh, 16, 8, jnp.float32)
+  idx = _scattered(b, t, s, k, 1)
+  key, v = _poison_unselected(key, v, idx)
+  got = sparse_attention_tpu(q, key, v, idx, block_k=block_k, interpret=interpret)
+  np.testing.assert_allclose(got, _reference(q, jnp.nan_to_num(key), jnp.nan_to_num(v), idx),
+                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(got[0, 1], 0.0)                      # no position selected
   if interpret is RACES:
     assert race_states and not any(st.races_found for st in race_states)
 
 
-def test_decode_over_mla_latent_cache(race_states):
-  b, n, p, r, c, hv, cap = 2, 4, 8, 4, 16, 8, 16
-  ks = jax.random.split(jax.random.key(2), 6)
-  q_nope = jax.random.normal(ks[0], (b, 1, n, p))
-  q_rope = jax.random.normal(ks[1], (b, 1, n, r))
-  c_kv = jax.random.normal(ks[2], (b, cap, c))
-  k_rope = jax.random.normal(ks[3], (b, cap, r))
-  w_uk = jax.random.normal(ks[4], (c, n, p)) * 0.3
-  w_uv = jax.random.normal(ks[5], (c, n, hv)) * 0.3
-  idx = _indices(b, 1, cap, 4, 3, q_offset=10)   # 11 filled slots out of 16
-  assert int(idx.max()) <= 10
-  got = sparse_mla_attention_tpu(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, idx, interpret=RACES)
-  ref = sparse_mla_attention(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, idx)
+def test_gpu_kernel_blocks_holes_and_padding():
+  """Triton gathers: GQA groups of 3 and head sizes 24 / 20 (padded to Triton tiles), k = 37 in
+  blocks of 16; unselected rows are NaN."""
+  b, t, s = 2, 4, 40
+  q, key, v = _gqa(b, t, s, 6, 2, 24, 20, jnp.float32, seed=2)
+  idx = _scattered(b, t, s, 37, 3)
+  key, v = _poison_unselected(key, v, idx)
+  got = sparse_attention_gpu(q, key, v, idx, block_k=16, interpret=True)
+  np.testing.assert_allclose(got, _reference(q, jnp.nan_to_num(key), jnp.nan_to_num(v), idx),
+                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(got[0, 1], 0.0)
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_kernels_bf16(backend):
+  b, t, s = 1, 3, 24
+  q, key, v = _gqa(b, t, s, 4, 2, 32, 32, jnp.bfloat16, seed=4)
+  idx = _indices(b, t, s, 10, 5, q_offset=s - t)
+  if backend == "tpu":
+    got = sparse_attention_tpu(q, key, v, idx, block_k=8, interpret=True)
+  else:
+    got = sparse_attention_gpu(q, key, v, idx, block_k=16, interpret=True)
+  assert got.dtype == jnp.bfloat16
+  np.testing.assert_allclose(got.astype(jnp.float32), _reference(q, key, v, idx),
+                             rtol=2e-2, atol=2e-2)
+
+
+def _mla_inputs(b, t, s, n, dtype, seed):
+  p, r, c, hv = 8, 4, 16, 8
+  ks = jax.random.split(jax.random.key(seed), 6)
+  return (jax.random.normal(ks[0], (b, t, n, p)).astype(dtype),
+          jax.random.normal(ks[1], (b, t, n, r)).astype(dtype),
+          jax.random.normal(ks[2], (b, s, c)).astype(dtype),
+          jax.random.normal(ks[3], (b, s, r)).astype(dtype),
+          (jax.random.normal(ks[4], (c, n, p)) * 0.3).astype(dtype),
+          (jax.random.normal(ks[5], (c, n, hv)) * 0.3).astype(dtype))
+
+
+def test_mla_latent_kernels_with_race_detection(race_states):
+  """DSA on MLA: the TPU kernel gathers ``c_KV`` and ``k^R`` rows from their own arrays (the value
+  is the gathered ``c_KV`` row), the GPU path runs the sparse MLA decode kernel over the cache as
+  one page per batch row; both equal the concatenated-key reference."""
+  b, t, s = 2, 3, 20
+  args = _mla_inputs(b, t, s, 4, jnp.float32, 6)
+  idx = _indices(b, t, s, 12, 7, q_offset=s - t)
+  ref = sparse_mla_attention(*args, idx, implementation="xla")
+  got = sparse_mla_attention_tpu(*args, idx, block_k=8, interpret=RACES)
   np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
   assert race_states and not any(st.races_found for st in race_states)
+  got = sparse_mla_attention_gpu(*args, idx, num_splits=2, interpret=True)
+  np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_empty_rows_and_errors():
+@pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
+def test_dispatch_forward_and_gradients(impl):
+  """``sparse_attention`` / ``sparse_mla_attention(implementation=...)``: the kernel's output and
+  the reference's gradients (the kernels are forward-only; their VJP is the gather reference's),
+  out-of-range positions treated as ``-1`` by every path."""
+  b, t, s = 2, 4, 18
+  q, key, v = _gqa(b, t, s, 4, 2, 16, 8, jnp.float32, seed=8)
+  idx = _scattered(b, t, s, 7, 9)
+
+  def loss(impl, q, key, v):
+    return jnp.sum(jnp.sin(sparse_attention(q, key, v, idx, implementation=impl)))
+
+  ref, ref_g = jax.value_and_grad(loss, (1, 2, 3))("xla", q, key, v)
+  got, got_g = jax.value_and_grad(loss, (1, 2, 3))(impl, q, key, v)
+  np.testing.assert_allclose(got, ref, rtol=1e-5)
+  for g, r in zip(got_g, ref_g):
+    np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+  assert float(jnp.abs(ref_g[1]).sum()) > 0
+
+  args = _mla_inputs(b, t, s, 4, jnp.float32, 10)
+
+  def mla_loss(impl, *args):
+    return jnp.sum(jnp.sin(sparse_mla_attention(*args, idx, implementation=impl)))
+
+  ref, ref_g = jax.value_and_grad(mla_loss, tuple(range(1, 7)))("xla", *args)
+  got, got_g = jax.value_and_grad(mla_loss, tuple(range(1, 7)))(impl, *args)
+  np.testing.assert_allclose(got, ref, rtol=1e-5)
+  for g, r in zip(got_g, ref_g):
+    np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+
+
+def test_errors():
   q = jnp.ones((1, 2, 2, 8))
   kv = jnp.ones((1, 4, 1, 8))
   idx = jnp.array([[[-1, -1], [2, -1]]], jnp.int32)
-  out = sparse_attention_tpu(q, kv, kv, idx, interpret=True)
-  np.testing.assert_array_equal(out[0, 0], 0.0)
-  np.testing.assert_allclose(out[0, 1], 1.0)
-  with pytest.raises(ValueError, match="indices"):
-    sparse_attention_tpu(q, kv, kv, idx[:, :1], interpret=True)
-  with pytest.raises(ValueError, match="multiple"):
-    sparse_attention_tpu(jnp.ones((1, 2, 3, 8)), jnp.ones((1, 4, 2, 8)), jnp.ones((1, 4, 2, 8)),
-                         idx, interpret=True)
+  for kernel in (sparse_attention_tpu, sparse_attention_gpu):
+    with pytest.raises(ValueError, match="indices"):
+      kernel(q, kv, kv, idx[:, :1], interpret=True)
+    with pytest.raises(ValueError, match="multiple"):
+      kernel(jnp.ones((1, 2, 3, 8)), jnp.ones((1, 4, 2, 8)), jnp.ones((1, 4, 2, 8)), idx,
+             interpret=True)
+  with pytest.raises(ValueError, match="block_k"):
+    sparse_attention_tpu(q, kv, kv, idx, block_k=12, interpret=True)
+  with pytest.raises(ValueError, match="block_k"):
+    sparse_attention_gpu(q, kv, kv, idx, block_k=24, interpret=True)
+  with pytest.raises(ValueError, match="exactly one"):
+    gather_attention((q[0],), (kv[0, :, 0],), idx[0], kv_heads=1, scale=1.0)
+  with pytest.raises(ValueError, match="implementation"):
+    sparse_attention(q, kv, kv, idx, implementation="pallas")
+  lat = (jnp.ones((1, 2, 2, 16)), jnp.ones((1, 2, 2, 4)), jnp.ones((1, 4, 16)))
+  for kernel in (sparse_mla_latent_tpu, sparse_mla_latent_gpu):
+    with pytest.raises(ValueError, match="k_rope"):
+      kernel(*lat, jnp.ones((1, 4, 8)), idx, scale=1.0)
+
+
+def test_gpu_kernels_lower_to_triton(cuda_target):
+  """DeepSeek-V3.2-sized prefill lowers to Triton IR for CUDA: GQA top-2048 over 32k keys (bf16),
+  and DSA on MLA (128 heads, 512 + 64 latents); compiling the IR needs a GPU."""
+  bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
+  idx = jax.ShapeDtypeStruct((1, 8, 2048), jnp.int32)
+
+  def gqa(q, k, v, i):
+    return sparse_attention_gpu(q, k, v, i, interpret=False)
+
+  def mla(ql, qr, c, kr, i):
+    return sparse_mla_latent_gpu(ql, qr, c, kr, i, scale=0.07, interpret=False)
+
+  for name, f, args in [
+      ("jaxattn_sparse_attention_gpu", gqa,
+       (bf16(1, 8, 32, 128), bf16(1, 32768, 8, 128), bf16(1, 32768, 8, 128), idx)),
+      ("jaxattn_sparse_mla_decode_gpu", mla,
+       (bf16(1, 8, 128, 512), bf16(1, 8, 128, 64), bf16(1, 32768, 512), bf16(1, 32768, 64), idx)),
+  ]:
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert name in text
+
+
+def test_benchmark_script(tmp_path):
+  """``experiments.bench_sparse_kernel`` at a tiny size: both kinds, the kernel checked against the
+  reference, results written."""
+  from experiments import bench_sparse_kernel  # noqa: PLC0415
+
+  rows = bench_sparse_kernel.main(["--contexts", "40", "--queries", "3", "--topk", "20",
+                                   "--mla-heads", "4", "--impl", "pallas_gpu", "--check",
+                                   "--repeats", "1", "--dtype", "float32",
+                                   "--out", str(tmp_path)])
+  assert [r["kind"] for r in rows] == ["mla", "gqa"]
+  assert all(r["max_rel_err"] < 1e-4 and r["kernel_s"] > 0 for r in rows)
+  assert (tmp_path / "results.json").exists()

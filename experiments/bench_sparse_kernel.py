@@ -1,0 +1,123 @@
+"""Top-K sparse attention kernels vs the XLA gather reference, on whatever device JAX has.
+
+    python -m experiments.bench_sparse_kernel [--kind mla,gqa] [--contexts 8192,32768]
+        [--queries 512] [--topk 2048] [--mla-heads 128] [--dtype bfloat16] [--impl auto]
+        [--check] [--repeats 5] [--out runs/bench_sparse_kernel]
+
+DSA prefill's main attention given the selected positions (the indexer excluded), batch 1,
+``--queries`` query tokens against a cache of each ``--contexts`` length, each token selecting
+``--topk`` positions (random, distinct, causal-agnostic):
+
+* ``mla``: DeepSeek-V3.2's absorbed form (``sparse_mla_attention``): ``--mla-heads`` heads over
+  the shared latent row ``[c_KV (512), k^R (64)]``, value = ``c_KV``; the up-projections are
+  included (the same in both paths).
+* ``gqa``: ``sparse_attention`` with 32 query heads over 8 KV heads of 128.
+
+``--impl``: the kernel path (``auto``: ``pallas_gpu`` on a GPU, ``pallas_tpu`` on a TPU, the
+native ``cpu`` kernel on a CPU) against ``implementation="xla"`` (gathers every selected row for
+every token, then dense math) in the same run.  Reports the best time per call, the selected rows'
+bytes read per second (``T * k * row bytes / time``: every token reads its rows once, heads
+share them), TFLOP/s (``2 * T * N * k * (key width + value width)``), the XLA path's time over the
+kernel's, and peak memory from each compiled executable's memory analysis.  ``--check`` compares
+the kernel's output with the reference's first (max abs error, relative to the output's scale).
+Writes ``results.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from experiments.timing import best_time, compile_timed, peak_bytes
+from jaxattn.ops.sparse import sparse_attention, sparse_mla_attention
+
+
+def default_impl() -> str:
+  backend = jax.default_backend()
+  return {"gpu": "pallas_gpu", "cuda": "pallas_gpu", "tpu": "pallas_tpu"}.get(backend, "cpu")
+
+
+def random_indices(t: int, s: int, k: int, seed: int) -> jax.Array:
+  """``[1, t, k]`` distinct positions in ``[0, s)`` per token (``k <= s``)."""
+  keys = jax.random.split(jax.random.key(seed), t)
+  return jax.vmap(lambda key: jax.random.permutation(key, s)[:k])(keys)[None].astype(jnp.int32)
+
+
+def case_inputs(kind: str, t: int, s: int, k: int, heads: int, dtype):
+  """``(fn(impl) -> callable, args, row bytes, flops per call)`` for one case."""
+  ks = jax.random.split(jax.random.key(0), 6)
+  rnd = lambda i, shape, sc=1.0: (jax.random.normal(ks[i], shape) * sc).astype(dtype)  # noqa: E731
+  idx = random_indices(t, s, k, 7)
+  bytes_ = jnp.dtype(dtype).itemsize
+  if kind == "mla":
+    c, r, p, hv = 512, 64, 128, 128
+    args = (rnd(0, (1, t, heads, p)), rnd(1, (1, t, heads, r)), rnd(2, (1, s, c)),
+            rnd(3, (1, s, r)), rnd(4, (c, heads, p), 0.05), rnd(5, (c, heads, hv), 0.05), idx)
+
+    def fn(impl):
+      return lambda *a: sparse_mla_attention(*a, implementation=impl)
+    return fn, args, (c + r) * bytes_, 2 * t * heads * k * (c + r + c)
+  n, kh, h = 32, 8, 128
+  args = (rnd(0, (1, t, n, h)), rnd(1, (1, s, kh, h)), rnd(2, (1, s, kh, h)), idx)
+
+  def fn(impl):
+    return lambda *a: sparse_attention(*a, implementation=impl)
+  return fn, args, 2 * kh * h * bytes_, 2 * t * n * k * (h + h)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  ap.add_argument("--kind", default="mla,gqa")
+  ap.add_argument("--contexts", default="8192,32768")
+  ap.add_argument("--queries", type=int, default=512)
+  ap.add_argument("--topk", type=int, default=2048)
+  ap.add_argument("--mla-heads", type=int, default=128)
+  ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+  ap.add_argument("--impl", default="auto", help="kernel implementation (auto: per backend)")
+  ap.add_argument("--check", action="store_true", help="compare outputs before timing")
+  ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--out", default="runs/bench_sparse_kernel")
+  args = ap.parse_args(argv)
+  impl = default_impl() if args.impl == "auto" else args.impl
+  dtype = jnp.dtype(args.dtype)
+  cases = [(kind, int(s)) for kind in args.kind.split(",") for s in args.contexts.split(",")]
+  print(f"device {jax.devices()[0].device_kind}  backend {jax.default_backend()}  kernel {impl}  "
+        f"vs xla  T={args.queries}  top-{args.topk}  {args.dtype}")
+  print(f"{'case':>14} {'kernel ms':>10} {'xla ms':>9} {'speedup':>8} {'GB/s':>8} {'TFLOP/s':>8} "
+        f"{'kernel MiB':>11} {'xla MiB':>9} {'max err':>9}")
+  results = []
+  for kind, s in tqdm(cases, desc="sparse kernels", leave=False):
+    k = min(args.topk, s)
+    fn, inputs, row_bytes, flops = case_inputs(kind, args.queries, s, k, args.mla_heads, dtype)
+    kern, _ = compile_timed(fn(impl), *inputs)
+    ref, _ = compile_timed(fn("xla"), *inputs)
+    err = float("nan")
+    if args.check:
+      got, want = (np.asarray(f(*inputs), np.float32) for f in (kern, ref))
+      err = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+    t_k = best_time(kern, inputs, args.repeats)
+    t_x = best_time(ref, inputs, args.repeats)
+    row = dict(kind=kind, context=s, queries=args.queries, topk=k, impl=impl, dtype=args.dtype,
+               kernel_s=t_k, xla_s=t_x, speedup=t_x / t_k,
+               gbps=args.queries * k * row_bytes / t_k / 1e9, tflops=flops / t_k / 1e12,
+               kernel_bytes=peak_bytes(kern), xla_bytes=peak_bytes(ref), max_rel_err=err)
+    results.append(row)
+    tqdm.write(f"{kind + ' ' + str(s):>14} {t_k * 1e3:10.3f} {t_x * 1e3:9.3f} "
+               f"{row['speedup']:7.2f}x {row['gbps']:8.1f} {row['tflops']:8.2f} "
+               f"{row['kernel_bytes'] / 2**20:11.1f} {row['xla_bytes'] / 2**20:9.1f} {err:9.2e}")
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "results.json").write_text(json.dumps(results, indent=1))
+  if args.check and any(not (r["max_rel_err"] < 2e-2) for r in results):
+    raise SystemExit("kernel output differs from the reference (max_rel_err >= 2e-2)")
+  return results
+
+
+if __name__ == "__main__":
+  main()
