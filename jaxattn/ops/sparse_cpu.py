@@ -121,20 +121,19 @@ def _sparse_forward(query, key, value, indices, scale):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def sparse_attention_cpu(query, key, value, indices, scale: float, reference):
-  """Sparse attention by the native kernel; ``reference(query, key, value, indices, scale)`` is the
-  XLA formula whose VJP is the backward pass."""
+def sparse_attention_cpu(query, key, value, indices, scale: float, backward):
+  """Sparse attention by the native kernel; ``backward(query, key, value, indices, scale, d_out)
+  -> (dq, dk, dv)`` is the backward pass (``jaxattn.ops.sparse.sparse_attention_vjp``)."""
   return _sparse_forward(query, key, value, indices, scale)
 
 
-def _fwd(query, key, value, indices, scale, reference):
+def _fwd(query, key, value, indices, scale, backward):
   return _sparse_forward(query, key, value, indices, scale), (query, key, value, indices)
 
 
-def _bwd(scale, reference, res, d_out):
+def _bwd(scale, backward, res, d_out):
   query, key, value, indices = res
-  _, vjp = jax.vjp(lambda q, k, v: reference(q, k, v, indices, scale), query, key, value)
-  dq, dk, dv = vjp(d_out)
+  dq, dk, dv = backward(query, key, value, indices, scale, d_out)
   return dq, dk, dv, np.zeros(indices.shape, jax.dtypes.float0)
 
 
