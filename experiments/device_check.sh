@@ -87,6 +87,9 @@ step "sparse (DSA) kernels: check + benchmark" 150 \
   "$PY" -m experiments.bench_sparse_kernel --check --contexts 8192,32768 --repeats 5 \
   --out "$WORK/sparse"
 cp "$WORK/sparse/results.json" "$DEST/sparse_results.json" 2>/dev/null
+step "sparse (DSA) kernels: forward + backward" 120 \
+  "$PY" -m experiments.bench_sparse_kernel --check --backward --contexts 8192 --repeats 3 \
+  --out "$WORK/sparse_bwd"
 
 fi
 if [ "$PART" != decode ]; then

@@ -223,3 +223,8 @@ def test_benchmark_script(tmp_path):
   assert [r["kind"] for r in rows] == ["mla", "gqa"]
   assert all(r["max_rel_err"] < 1e-4 and r["kernel_s"] > 0 for r in rows)
   assert (tmp_path / "results.json").exists()
+  rows = bench_sparse_kernel.main(["--contexts", "40", "--queries", "3", "--topk", "20",
+                                   "--mla-heads", "4", "--impl", "pallas_gpu", "--check",
+                                   "--backward", "--kind", "gqa", "--repeats", "1",
+                                   "--dtype", "float32", "--out", str(tmp_path)])
+  assert rows[0]["backward"] and rows[0]["max_rel_err"] < 1e-4
