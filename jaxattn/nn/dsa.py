@@ -37,6 +37,7 @@ from jaxattn.ops.hadamard import hadamard_transform
 from jaxattn.ops.mla import mla_attention, mla_score_terms
 from jaxattn.ops.quantization import QUANT_FORMATS, dequantize, fake_quantize
 from jaxattn.ops.rope import apply_rope
+from jaxattn.ops.sparse import IMPLEMENTATIONS as SPARSE_IMPLEMENTATIONS
 from jaxattn.ops.sparse import (DOT_DTYPES, indexer_kl_loss, indexer_scores, indexer_topk,
                                 indices_to_mask, sparse_mla_attention, topk_indices)
 from jaxattn.paged_cache import PagedLatentCache
@@ -334,8 +335,12 @@ class DSA(MLA):
                                dot_dtype=self.indexer.dot_dtype)
       else:
         indices = topk_indices(scores, self.index_topk)
+      # The dense backend's name picks the sparse kernel where one exists under that name
+      # ("xla", "cpu", "pallas_tpu", "pallas_gpu"); "xla_chunked" and None take its default.
+      impl = implementation or self.implementation
       out = sparse_mla_attention(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, indices,
-                                 scale=self.scale)
+                                 scale=self.scale,
+                                 implementation=impl if impl in SPARSE_IMPLEMENTATIONS else None)
     else:
       out = mla_attention(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, mode=self.mode,
                           scale=self.scale, is_causal=True, kv_lengths=kv_lengths, q_offset=offset,

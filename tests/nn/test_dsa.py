@@ -160,3 +160,22 @@ def test_dsa_packed_segments_equal_separate_sequences(mode):
       assert ((sel < 5) == (t < 5)).all() and (sel <= t).all()
   with pytest.raises(ValueError, match="segment_ids"):
     dsa(x, segment_ids=seg[:, :4])
+
+
+@pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
+def test_sparse_kernels_through_the_module(impl):
+  """``implementation="pallas_tpu" | "pallas_gpu"`` reaches the top-K sparse kernels (interpreted
+  here): the output and the main loss's gradients equal the XLA path's."""
+  m = _dsa(topk=4)
+  x = _x(5)
+  graphdef, params, rest = nnx.split(m, nnx.Param, ...)
+
+  def loss(p, impl):
+    return jnp.mean(nnx.merge(graphdef, p, rest)(x, implementation=impl) ** 2)
+
+  want, g_want = jax.value_and_grad(loss)(params, "xla")
+  got, g_got = jax.value_and_grad(loss)(params, impl)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  assert "pallas_call" in str(jax.make_jaxpr(lambda p: loss(p, impl))(params))
