@@ -7,7 +7,7 @@ a paged latent pool (``pallas_kernels.mla_decode``): each of them turns its sele
 
     grid (M,)                      one program per query token (all its heads), "parallel"
     q blocks   [N, D_p]            per key part p (e.g. latent and rotary parts), auto-pipelined
-    addresses  [1 + k_pad] SMEM    the number of blocks to visit, then the row addresses
+    addresses  [1, 1 + k_pad] SMEM the number of blocks to visit, then the row addresses
     pools      [rows, K * D_p]     left in HBM (``memory_space=pl.ANY``)
     buffers    [2, block_k, K*D_p] VMEM, double-buffered
 
@@ -73,7 +73,7 @@ def _kernel(meta_ref, rows_ref, *refs, dims, value_part, value_width, kv_heads, 
 
   def start(blk, slot):
     def one(r, carry):
-      addr = meta_ref[1 + blk * block_k + r]
+      addr = meta_ref[0, 1 + blk * block_k + r]
 
       @pl.when(addr >= 0)
       def _():
@@ -90,7 +90,7 @@ def _kernel(meta_ref, rows_ref, *refs, dims, value_part, value_width, kv_heads, 
 
   def wait(blk, slot):
     def one(r, carry):
-      addr = meta_ref[1 + blk * block_k + r]
+      addr = meta_ref[0, 1 + blk * block_k + r]
 
       @pl.when(addr >= 0)
       def _():
@@ -126,7 +126,7 @@ def _kernel(meta_ref, rows_ref, *refs, dims, value_part, value_width, kv_heads, 
   m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, _F32)
   l_ref[...] = jnp.zeros(l_ref.shape, _F32)
   acc_ref[...] = jnp.zeros(acc_ref.shape, _F32)
-  num_blocks = meta_ref[0]
+  num_blocks = meta_ref[0, 0]
 
   @pl.when(num_blocks > 0)
   def _():
@@ -201,7 +201,7 @@ def gather_attention(
                              scale=float(scale))
   all_pools = list(pools) + ([] if value_pool is None else [value_pool])
   in_specs = (
-      [pl.BlockSpec((None, 1 + k_pad), lambda i: (i, 0), memory_space=pltpu.SMEM),
+      [pl.BlockSpec((None, 1, 1 + k_pad), lambda i: (i, 0, 0), memory_space=pltpu.SMEM),
        pl.BlockSpec((None, 1, k_pad), lambda i: (i, 0, 0))]
       + [pl.BlockSpec((None, n, d), lambda i: (i, 0, 0)) for d in dims]
       + [pl.BlockSpec(memory_space=pl.ANY) for _ in all_pools])
@@ -219,8 +219,8 @@ def gather_attention(
       out_shape=jax.ShapeDtypeStruct((m, n, value_width), q_parts[0].dtype),
       scratch_shapes=scratch,
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
-      interpret=interpret,
-  )(meta, rows[:, None, :], *q_parts, *all_pools)
+      interpret=interpret, name="jaxattn_sparse_attention_tpu",
+  )(meta[:, None, :], rows[:, None, :], *q_parts, *all_pools)
 
 
 def _flat_rows(indices, num_keys):

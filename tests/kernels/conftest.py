@@ -38,3 +38,22 @@ def cuda_target(monkeypatch):
     return
   h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
   monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: h200)
+
+
+@pytest.fixture
+def tpu_target():
+  """Lowering the TPU kernels to Mosaic on a machine without a TPU: registers a TPU v5e (one
+  core) as this device's chip description for the duration of the test, and removes it (and any
+  cached lookup) afterwards."""
+  import jax  # noqa: PLC0415
+
+  try:
+    from jax._src.pallas.mosaic import tpu_info  # noqa: PLC0415
+    info = tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1)
+  except (ImportError, AttributeError, TypeError):  # pragma: no cover - other jax releases
+    pytest.skip("no TPU chip description to lower against in this jax release")
+  kind = jax.devices()[0].device_kind
+  tpu_info.registry[kind] = lambda: info
+  yield info
+  tpu_info.registry.pop(kind, None)
+  getattr(tpu_info.get_tpu_info, "cache_clear", lambda: None)()
