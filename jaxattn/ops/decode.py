@@ -316,6 +316,11 @@ def paged_mla_decode(
     indices = indices.astype(jnp.int32)
   page_table, lengths = page_table.astype(jnp.int32), lengths.astype(jnp.int32)
   impl = resolve_implementation(implementation)
+  if implementation is None and indices is not None and impl == "pallas_tpu":
+    # The TPU kernel gathers single rows, which Mosaic allows only from a [rows, 1, C] view of the
+    # pool; XLA re-tiles the whole pool into it on every step (docs/performance.md), more bytes
+    # than the XLA gather reads.  Explicit "pallas_tpu" still runs the kernel.
+    impl = "xla"
   if impl == "xla":
     out = paged_mla_decode_xla(ql, qr, c_kv_pool, k_rope_pool, page_table, lengths, scale=scale,
                                indices=indices)

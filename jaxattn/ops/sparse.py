@@ -46,13 +46,17 @@ DOT_DTYPES = (None, "bfloat16")
 IMPLEMENTATIONS = ("xla", "cpu", "pallas_tpu", "pallas_gpu")
 
 
-def _resolve_implementation(implementation):
-  """The ``implementation`` argument of the DSA ops.  None: ``"pallas_tpu"`` on TPU, ``"cpu"``
-  where the native kernels are built, else ``"xla"`` (the GPU kernel is opt-in until a GPU run has
-  validated it, as the decode kernels are).  The Pallas names run interpreted off their hardware."""
+def _resolve_implementation(implementation, gathered_rows=None, pool_rows=None):
+  """The ``implementation`` argument of the DSA ops.  None: ``"cpu"`` where the native kernels are
+  built; on TPU ``"pallas_tpu"`` when the call gathers at least as many rows as the cache holds
+  (``gathered_rows >= pool_rows``: prefill), else ``"xla"`` (the kernel's row gathers need the
+  cache re-tiled on every call, see docs/performance.md); else ``"xla"`` (the GPU kernel is opt-in
+  until a GPU run has validated it, as the decode kernels are).  The Pallas names run interpreted
+  off their hardware."""
   if implementation is None:
     if jax.default_backend() == "tpu":
-      return "pallas_tpu"
+      big = gathered_rows is not None and gathered_rows >= pool_rows
+      return "pallas_tpu" if big else "xla"
     return "cpu" if sparse_cpu.available() else "xla"
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"`implementation` must be None or one of {IMPLEMENTATIONS}, got "
@@ -255,7 +259,7 @@ def sparse_attention(
   _check_indices(indices, b, t)
   if scale is None:
     scale = 1.0 / math.sqrt(h)
-  impl = _resolve_implementation(implementation)
+  impl = _resolve_implementation(implementation, t * indices.shape[2], key.shape[1])
   indices = _in_range(indices, key.shape[1])
   if impl == "cpu":
     return sparse_cpu.sparse_attention_cpu(query, key, value, indices, float(scale),
@@ -403,7 +407,7 @@ def sparse_mla_attention(
     scale = 1.0 / math.sqrt(p + r)
   dt = q_nope.dtype
   q_lat = jnp.einsum("btnp,cnp->btnc", q_nope, w_uk.astype(dt), preferred_element_type=_F32)
-  impl = _resolve_implementation(implementation)
+  impl = _resolve_implementation(implementation, t * indices.shape[2], c_kv.shape[1])
   if impl in ("pallas_tpu", "pallas_gpu"):
     from pallas_kernels import sparse_attention as kernels  # noqa: PLC0415 (optional)
 
@@ -781,6 +785,9 @@ def indexer_topk(
   if order not in ("score", "position"):
     raise ValueError(f"`order` must be 'score' or 'position', got {order!r}.")
   _check_dot_dtype(dot_dtype)
+  if implementation not in (None, "xla", "cpu"):
+    raise ValueError(f"`implementation` must be None, 'xla' or 'cpu' for the indexer, got "
+                     f"{implementation!r}.")
   impl = _resolve_implementation(implementation)
   s = k_index.shape[1]
   # Rounded to the dot dtype once here, not per tile.

@@ -21,7 +21,8 @@ pipeline does not fetch it again.  ``combine`` merges the ``S`` partials (flash-
 
 One page per grid step keeps the kernel simple; pick ``page_size`` large enough (128+ tokens) to
 amortize the per-step overhead on TPU.  Validated in interpret mode (race detection on) against
-``jaxattn.ops.decode.paged_attention_xla``; not yet compiled on a TPU.
+``jaxattn.ops.decode.paged_attention_xla``; compiled for TPU v5e / v6e by
+``experiments/tpu_compile_check.py``, not yet run on one.
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ Gradients: a custom VJP whose backward differentiates the XLA pass (``_state_pas
 Under a device mesh the kernel runs in ``jax.shard_map`` with batch and key heads split (the
 ``"batch"`` / ``"heads"`` sharding rules), each device on its own slice.
 
-Status: correct in interpret mode (``tests/kernels/test_delta_rule_tpu.py``).  Not timed on a TPU;
+Status: correct in interpret mode (``tests/kernels/test_delta_rule_tpu.py``), compiled for TPU
+v5e / v6e by ``experiments/tpu_compile_check.py``.  Not timed on a TPU;
 whether it beats the XLA scan there is unmeasured, so ``implementation=None`` never selects it.
 """
 

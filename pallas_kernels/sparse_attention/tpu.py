@@ -8,8 +8,8 @@ a paged latent pool (``pallas_kernels.mla_decode``): each of them turns its sele
     grid (M,)                      one program per query token (all its heads), "parallel"
     q blocks   [N, D_p]            per key part p (e.g. latent and rotary parts), auto-pipelined
     addresses  [1, 1 + k_pad] SMEM the number of blocks to visit, then the row addresses
-    pools      [rows, K * D_p]     left in HBM (``memory_space=pl.ANY``)
-    buffers    [2, block_k, K*D_p] VMEM, double-buffered
+    pools      [rows, 1, K * D_p]  left in HBM (``memory_space=pl.ANY``)
+    buffers    [2, block_k, 1, K*D_p]  VMEM, double-buffered
 
     for each block j of block_k selected slots (only up to the last valid one):
       start the manual row DMAs of block j + 1 into the other buffer  (one async copy per row)
@@ -22,11 +22,18 @@ never-written row may hold anything, and ``0 * NaN`` must not reach the accumula
 logits are masked.  The value is either its own pool or one of the key parts (MLA: the first ``C``
 entries of the latent row ``[c_KV, k^R]`` are the value, so the row is fetched once).
 
+Mosaic allows a DMA slice of a tiled dimension only at whole tiles, so single rows move between
+``[rows, 1, K * D]`` views of the pools and ``[2, block_k, 1, K * D]`` buffers (the row index on
+an untiled dimension).  Compiled for TPU v5e / v6e by ``experiments/tpu_compile_check.py``; XLA
+re-tiles each pool into that view on every call (a copy of the cache), which prefill amortizes
+and decode does not -- ``jaxattn.ops.sparse`` and ``jaxattn.ops.decode`` take the XLA gather by
+default for decode-sized calls on TPU.
+
 What is left for a hardware run: the first block of each token is not overlapped with the previous
 token's compute (the next token's addresses live in the next grid step's SMEM block), and there is
 no split-KV over the selected slots (decode with batch 1 runs on one core).  Validated in interpret
 mode (race detection on) against the gather references of ``jaxattn.ops.sparse`` and
-``jaxattn.ops.decode``; not yet compiled on a TPU.
+``jaxattn.ops.decode``; not yet run on a TPU.
 """
 
 from __future__ import annotations
@@ -69,7 +76,7 @@ def _kernel(meta_ref, rows_ref, *refs, dims, value_part, value_width, kv_heads, 
     copies.append((vpool_ref, vbuf))
 
   def row_copy(src, buf, addr, slot, r):
-    return pltpu.make_async_copy(src.at[pl.ds(addr, 1)], buf.at[slot, pl.ds(r, 1)], sem.at[slot])
+    return pltpu.make_async_copy(src.at[addr], buf.at[slot, r], sem.at[slot])
 
   def start(blk, slot):
     def one(r, carry):
@@ -83,7 +90,7 @@ def _kernel(meta_ref, rows_ref, *refs, dims, value_part, value_width, kv_heads, 
       @pl.when(addr < 0)
       def _():
         for _, buf in copies:
-          buf[slot, pl.ds(r, 1), :] = jnp.zeros((1, buf.shape[-1]), buf.dtype)
+          buf[slot, r] = jnp.zeros((1, buf.shape[-1]), buf.dtype)
       return carry
 
     lax.fori_loop(0, block_k, one, 0)
@@ -107,11 +114,11 @@ def _kernel(meta_ref, rows_ref, *refs, dims, value_part, value_width, kv_heads, 
       rs = pl.ds(g * groups, groups)
       logits = None
       for p, d in enumerate(dims):
-        part = _dot_t(q_refs[p][rs, :], bufs[p][slot, :, pl.ds(g * d, d)])  # [G, bk]
+        part = _dot_t(q_refs[p][rs, :], bufs[p][slot, :, 0, pl.ds(g * d, d)])  # [G, bk]
         logits = part if logits is None else logits + part
       logits = jnp.where(valid, logits * scale, -jnp.inf)
       src = vbuf if value_part is None else bufs[value_part]
-      v = src[slot, :, pl.ds(g * value_width, value_width)]                 # [bk, h]
+      v = src[slot, :, 0, pl.ds(g * value_width, value_width)]              # [bk, h]
       m_prev = m_ref[rs, :]
       m_new = jnp.maximum(m_prev, jnp.max(logits, axis=1, keepdims=True))
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)                    # nothing seen yet
@@ -205,7 +212,7 @@ def gather_attention(
        pl.BlockSpec((None, 1, k_pad), lambda i: (i, 0, 0))]
       + [pl.BlockSpec((None, n, d), lambda i: (i, 0, 0)) for d in dims]
       + [pl.BlockSpec(memory_space=pl.ANY) for _ in all_pools])
-  scratch = ([pltpu.VMEM((2, block_k, p.shape[1]), p.dtype) for p in all_pools]
+  scratch = ([pltpu.VMEM((2, block_k, 1, p.shape[1]), p.dtype) for p in all_pools]
              + [pltpu.SemaphoreType.DMA((2,)),
                 pltpu.VMEM((n, 1), _F32), pltpu.VMEM((n, 1), _F32),
                 pltpu.VMEM((n, value_width), _F32)])
@@ -220,7 +227,7 @@ def gather_attention(
       scratch_shapes=scratch,
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
       interpret=interpret, name="jaxattn_sparse_attention_tpu",
-  )(meta[:, None, :], rows[:, None, :], *q_parts, *all_pools)
+  )(meta[:, None, :], rows[:, None, :], *q_parts, *(p[:, None, :] for p in all_pools))
 
 
 def _flat_rows(indices, num_keys):

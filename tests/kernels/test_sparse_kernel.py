@@ -165,6 +165,26 @@ def test_dispatch_forward_and_gradients(impl):
     np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
 
 
+def test_tpu_default_takes_the_kernel_for_prefill_only(monkeypatch):
+  """On TPU the kernel's row gathers need the cache re-tiled on every call, so the default takes
+  it only when a call gathers at least as many rows as the cache holds (prefill); decode-sized
+  calls and paged sparse decode take the XLA gather.  Explicit names are never replaced."""
+  from jaxattn.ops import sparse as sparse_ops  # noqa: PLC0415
+  from jaxattn.ops.decode import paged_mla_decode  # noqa: PLC0415
+
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  assert sparse_ops._resolve_implementation(None, 4096 * 2048, 32768) == "pallas_tpu"
+  assert sparse_ops._resolve_implementation(None, 1 * 2048, 32768) == "xla"
+  assert sparse_ops._resolve_implementation("pallas_tpu", 1, 32768) == "pallas_tpu"
+  ql, qr = jnp.ones((2, 1, 4, 16)), jnp.ones((2, 1, 4, 4))
+  pools = (jnp.ones((6, 8, 16)), jnp.ones((6, 8, 4)))
+  table, lens = jnp.arange(6, dtype=jnp.int32).reshape(2, 3), jnp.array([20, 9], jnp.int32)
+  idx = jnp.zeros((2, 1, 4), jnp.int32)
+  jaxpr = jax.make_jaxpr(lambda *a: paged_mla_decode(*a, scale=0.1, indices=idx))(
+      ql, qr, *pools, table, lens)
+  assert "pallas_call" not in str(jaxpr)
+
+
 def test_errors():
   q = jnp.ones((1, 2, 2, 8))
   kv = jnp.ones((1, 4, 1, 8))

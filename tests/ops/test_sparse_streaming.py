@@ -134,3 +134,5 @@ def test_errors():
     indexer_topk(q, kk, w[..., :2], 2)
   with pytest.raises(ValueError, match="quant"):
     indexer_topk(q, kk, w, 2, quant="int4")
+  with pytest.raises(ValueError, match="for the indexer"):
+    indexer_topk(q, kk, w, 2, implementation="pallas_tpu")

@@ -1,0 +1,40 @@
+"""``experiments.tpu_compile_check``: the HLO copy scan and the command line.  The compile itself
+needs libtpu (``pip install -e ".[tpu-compile]"``): it runs in a subprocess when libtpu is
+installed, so that the TPU plugin's environment stays out of this process."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from experiments import tpu_compile_check as tcc
+
+
+def test_big_copies_sizes_copies_and_transposes():
+  hlo = "\n".join([
+      "  %copy.20 = bf16[32768,1,64]{2,1,0:T(2,128)(2,1)} copy(%bitcast.16), metadata={}",
+      "  %copy.2 = s32[8,1]{1,0:T(8,128)} copy(%p)",                          # small: ignored
+      "  %transpose.6 = f32[2,1024,256]{2,1,0} transpose(%x), dimensions={0,1,2}",
+      "  %copy-start = (bf16[1,8,128,512]{3,2,1,0}, u32[]) copy-start(%ql.1)",  # tuple: ignored
+      "  %add.1 = f32[4096,4096]{1,0} add(%a, %b)",                             # not a copy
+  ])
+  assert tcc.big_copies(hlo) == ["bf16[32768,1,64] (4 MiB)", "f32[2,1024,256] (2 MiB)"]
+
+
+def test_unknown_chip_is_refused():
+  with pytest.raises(SystemExit, match="--chips"):
+    tcc.main(["--chips", "v5e,v9"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="needs libtpu: pip install -e '.[tpu-compile]'")
+def test_kernels_compile_for_tpu_v5e(tmp_path):
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+  proc = subprocess.run(
+      [sys.executable, "-m", "experiments.tpu_compile_check", "--chips", "v5e",
+       "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, env=env,
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+  assert "8 of 8 compiled" in proc.stdout
