@@ -18,3 +18,4 @@ def test_readme_test_command_matches_ci():
   root = pathlib.Path(__file__).parents[1]
   readme, ci = (root / "README.md").read_text(), (root / ".ci" / "run").read_text()
   assert "-m pytest -n 2 -q" in readme and "-m pytest -n 2 -q" in ci
+  assert 'install -e ".[test,tpu-compile]"' in readme and '-e ".[test,tpu-compile]"' in ci
