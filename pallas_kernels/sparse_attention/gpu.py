@@ -25,7 +25,6 @@ Validated in interpret mode on CPU against ``jaxattn.ops.sparse``; lowered for C
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +35,7 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.decode_attention.gpu import (default_interpret, finish, online_step, pad_last,
                                                  pad_lengths, pow2)
+from pallas_kernels.sparse_attention import common
 
 _F32 = jnp.float32
 
@@ -113,21 +113,9 @@ def sparse_attention_gpu(
   rows.  Positions outside ``[0, S)`` count as ``-1`` (unused).  ``block_k``: selected rows
   gathered per step (a power of two >= 16).  ``interpret``: None (compile on a GPU, else
   interpret) or a bool."""
-  if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
-    raise ValueError(f"`query`, `key`, `value` must be [B, T, N, H], [B, S, K, H], [B, S, K, h]; "
-                     f"got {query.shape}, {key.shape}, {value.shape}.")
-  b, t, n, h = query.shape
-  kh = key.shape[2]
-  if key.shape[0] != b or key.shape[3] != h or value.shape[:3] != key.shape[:3]:
-    raise ValueError(f"`key` {key.shape} / `value` {value.shape} must be [B={b}, S, K, H={h}] / "
-                     "[B, S, K, h].")
-  if n % kh:
-    raise ValueError(f"query heads N={n} must be a multiple of key heads K={kh}.")
-  if indices.ndim != 3 or indices.shape[:2] != (b, t) or indices.shape[2] < 1:
-    raise ValueError(f"`indices` must be [B={b}, T={t}, k>=1], got shape {indices.shape}.")
+  scale = common.check_gqa(query, key, value, indices, scale)
   if block_k < 16 or block_k & (block_k - 1):
     raise ValueError(f"`block_k` must be a power of two >= 16, got {block_k!r}.")
-  scale = 1.0 / math.sqrt(h) if scale is None else float(scale)
   return _call(query, key, value, indices, scale=scale, block_k=block_k, num_warps=num_warps,
                num_stages=num_stages, interpret=default_interpret(interpret))
 
@@ -148,13 +136,8 @@ def sparse_mla_latent_gpu(
   of the selected slots (None: chosen from the device's SM count)."""
   from pallas_kernels.mla_decode.gpu import paged_mla_decode_gpu  # noqa: PLC0415 (import cycle)
 
-  b, t, n, c = q_latent.shape
-  s, r = c_kv.shape[1], k_rope.shape[2]
-  if (c_kv.shape != (b, s, c) or k_rope.shape != (b, s, r) or q_rope.shape != (b, t, n, r)):
-    raise ValueError(f"`q_latent` [B,T,N,C], `q_rope` [B,T,N,R], `c_kv` [B,S,C], `k_rope` [B,S,R]"
-                     f": got {q_latent.shape}, {q_rope.shape}, {c_kv.shape}, {k_rope.shape}.")
-  if indices.ndim != 3 or indices.shape[:2] != (b, t) or indices.shape[2] < 1:
-    raise ValueError(f"`indices` must be [B={b}, T={t}, k>=1], got shape {indices.shape}.")
+  common.check_latent(q_latent, q_rope, c_kv, k_rope, indices)
+  b, s = c_kv.shape[:2]
   table = jnp.arange(b, dtype=jnp.int32)[:, None]                    # batch row b = page b
   return paged_mla_decode_gpu(q_latent, q_rope.astype(q_latent.dtype), c_kv,
                               k_rope.astype(c_kv.dtype), table, jnp.full((b,), s, jnp.int32),
@@ -177,15 +160,8 @@ def sparse_mla_attention_gpu(
 ) -> Float[Array, "B T N h"]:
   """DSA over the MLA latent cache, absorbed form, as ``jaxattn.ops.sparse.sparse_mla_attention``:
   queries mapped into latent space, ``sparse_mla_latent_gpu``, then ``W_up^V``."""
-  b, t, n, p = q_nope.shape
-  c, r = c_kv.shape[2], q_rope.shape[3]
-  if w_uk.shape != (c, n, p) or w_uv.shape[:2] != (c, n):
-    raise ValueError(f"`w_uk` must be [C, N, P] = {(c, n, p)} and `w_uv` [C={c}, N={n}, h]; got "
-                     f"{w_uk.shape}, {w_uv.shape}.")
-  scale = 1.0 / math.sqrt(p + r) if scale is None else float(scale)
-  dt = q_nope.dtype
-  q_lat = jnp.einsum("btnp,cnp->btnc", q_nope, w_uk.astype(dt), preferred_element_type=_F32)
-  o_lat = sparse_mla_latent_gpu(q_lat.astype(dt), q_rope, c_kv, k_rope, indices, scale=scale,
-                                num_splits=num_splits, interpret=interpret)
-  return jnp.einsum("btnc,cnh->btnh", o_lat.astype(dt), w_uv.astype(dt),
-                    preferred_element_type=_F32).astype(dt)
+  return common.absorbed(
+      lambda ql, qr, c, kr, i, sc: sparse_mla_latent_gpu(ql, qr, c, kr, i, scale=sc,
+                                                         num_splits=num_splits,
+                                                         interpret=interpret),
+      q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, indices, scale)

@@ -39,7 +39,6 @@ mode (race detection on) against the gather references of ``jaxattn.ops.sparse``
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +46,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
+
+from pallas_kernels.sparse_attention import common
 
 _F32 = jnp.float32
 
@@ -254,19 +255,9 @@ def sparse_attention_tpu(
   Positions outside ``[0, S)`` count as ``-1`` (unused).  ``block_k``: selected rows gathered per
   step (a multiple of 8; default ``default_block_k(k)``).  ``interpret`` as ``gather_attention``.
   """
-  if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
-    raise ValueError(f"`query`, `key`, `value` must be [B, T, N, H], [B, S, K, H], [B, S, K, h]; "
-                     f"got {query.shape}, {key.shape}, {value.shape}.")
+  scale = common.check_gqa(query, key, value, indices, scale)
   b, t, n, h = query.shape
   s, kh, hv = key.shape[1], key.shape[2], value.shape[3]
-  if key.shape[0] != b or key.shape[3] != h or value.shape[:3] != key.shape[:3]:
-    raise ValueError(f"`key` {key.shape} / `value` {value.shape} must be [B={b}, S, K, H={h}] / "
-                     "[B, S, K, h].")
-  if n % kh:
-    raise ValueError(f"query heads N={n} must be a multiple of key heads K={kh}.")
-  if indices.ndim != 3 or indices.shape[:2] != (b, t) or indices.shape[2] < 1:
-    raise ValueError(f"`indices` must be [B={b}, T={t}, k>=1], got shape {indices.shape}.")
-  scale = 1.0 / math.sqrt(h) if scale is None else float(scale)
   out = gather_attention((query.reshape(b * t, n, h),), (key.reshape(b * s, kh * h),),
                          _flat_rows(indices, s), kv_heads=kh, scale=scale,
                          value_pool=value.reshape(b * s, kh * hv), block_k=block_k,
@@ -288,13 +279,9 @@ def sparse_mla_latent_tpu(
   """The latent-space core of DSA on MLA: every head of a token attends to the selected rows of
   the shared key ``[c_KV, k^R]`` (gathered from the two arrays, no concatenated copy), and the
   gathered ``c_KV`` rows are the value.  Output ``[B, T, N, C]`` in the queries' dtype."""
+  common.check_latent(q_latent, q_rope, c_kv, k_rope, indices)
   b, t, n, c = q_latent.shape
   s, r = c_kv.shape[1], k_rope.shape[2]
-  if (c_kv.shape != (b, s, c) or k_rope.shape != (b, s, r) or q_rope.shape != (b, t, n, r)):
-    raise ValueError(f"`q_latent` [B,T,N,C], `q_rope` [B,T,N,R], `c_kv` [B,S,C], `k_rope` [B,S,R]"
-                     f": got {q_latent.shape}, {q_rope.shape}, {c_kv.shape}, {k_rope.shape}.")
-  if indices.ndim != 3 or indices.shape[:2] != (b, t) or indices.shape[2] < 1:
-    raise ValueError(f"`indices` must be [B={b}, T={t}, k>=1], got shape {indices.shape}.")
   out = gather_attention(
       (q_latent.reshape(b * t, n, c), q_rope.astype(q_latent.dtype).reshape(b * t, n, r)),
       (c_kv.reshape(b * s, c), k_rope.astype(c_kv.dtype).reshape(b * s, r)),
@@ -318,15 +305,7 @@ def sparse_mla_attention_tpu(
 ) -> Float[Array, "B T N h"]:
   """DSA over the MLA latent cache, absorbed form, as ``jaxattn.ops.sparse.sparse_mla_attention``:
   queries mapped into latent space, ``sparse_mla_latent_tpu``, then ``W_up^V``."""
-  b, t, n, p = q_nope.shape
-  c, r = c_kv.shape[2], q_rope.shape[3]
-  if w_uk.shape != (c, n, p) or w_uv.shape[:2] != (c, n):
-    raise ValueError(f"`w_uk` must be [C, N, P] = {(c, n, p)} and `w_uv` [C={c}, N={n}, h]; got "
-                     f"{w_uk.shape}, {w_uv.shape}.")
-  scale = 1.0 / math.sqrt(p + r) if scale is None else float(scale)
-  dt = q_nope.dtype
-  q_lat = jnp.einsum("btnp,cnp->btnc", q_nope, w_uk.astype(dt), preferred_element_type=_F32)
-  o_lat = sparse_mla_latent_tpu(q_lat.astype(dt), q_rope, c_kv, k_rope, indices, scale=scale,
-                                block_k=block_k, interpret=interpret)
-  return jnp.einsum("btnc,cnh->btnh", o_lat, w_uv.astype(dt),
-                    preferred_element_type=_F32).astype(dt)
+  return common.absorbed(
+      lambda ql, qr, c, kr, i, sc: sparse_mla_latent_tpu(ql, qr, c, kr, i, scale=sc,
+                                                         block_k=block_k, interpret=interpret),
+      q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, indices, scale)

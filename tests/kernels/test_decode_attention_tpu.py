@@ -116,28 +116,3 @@ def test_errors():
                         cache.lengths, scale=1.0, num_splits=0, interpret=True)
   with pytest.raises(ValueError, match="num_splits"):
     _call(queries(1, 1, 2), cache, implementation="pallas_tpu", num_splits=1.5)
-
-
-def test_decode_kernels_lower_to_mosaic(tpu_target):
-  """The paged decode kernels lower to Mosaic for a TPU v5e at production sizes (bf16): GQA
-  (Llama-3-8B heads, two new tokens, soft-cap, split-KV) and dense absorbed MLA (DeepSeek-V3,
-  128 heads, 512 + 64 latents, split-KV)."""
-  from jaxattn.ops.decode import paged_mla_decode  # noqa: PLC0415
-
-  bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
-  table, lens = jax.ShapeDtypeStruct((2, 512), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32)
-
-  def gqa(q, k, v, t, n):
-    return paged_attention(q, k, v, t, n, implementation="pallas_tpu", logits_soft_cap=30.0,
-                           num_splits=4, interpret=False)
-
-  def mla(ql, qr, c, kr, t, n):
-    return paged_mla_decode(ql, qr, c, kr, t, n, scale=0.07, implementation="pallas_tpu",
-                            num_splits=4, interpret=False)
-
-  for f, args in [
-      (gqa, (bf16(2, 2, 32, 128), bf16(1024, 64, 8, 128), bf16(1024, 64, 8, 128), table, lens)),
-      (mla, (bf16(2, 128, 512), bf16(2, 128, 64), bf16(1024, 64, 512), bf16(1024, 64, 64), table,
-             lens)),
-  ]:
-    assert "tpu_custom_call" in jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",)).as_text()

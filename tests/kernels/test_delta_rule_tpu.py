@@ -103,15 +103,3 @@ def test_sharded_under_a_mesh_matches_unsharded():
   want, want_s = gated_delta_rule(q, k, v, g, beta, implementation="recurrent", **kw)
   np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
   np.testing.assert_allclose(got_s, want_s, atol=2e-5, rtol=2e-5)
-
-
-def test_kernel_lowers_to_mosaic(tpu_target):
-  """The state-pass kernel lowers to Mosaic for a TPU v5e at Qwen3-Next-like sizes (heads of 128,
-  chunks of 64, 1024 tokens, two value heads per key head)."""
-  b, t, kh, grp, h = 2, 1024, 4, 2, 128
-  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-  args = (f32(b, t, kh, h), f32(b, t, kh, h), f32(b, t, kh, grp, h), f32(b, t, kh, grp),
-          f32(b, t, kh, grp), f32(b, kh, grp, h, h), f32(b, t))
-  text = jax.jit(lambda *a: kernels.chunked_delta_rule_tpu(*a, chunk_size=64, interpret=False)
-                 ).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
-  assert "jaxattn_delta_rule_state_pass_tpu" in text

@@ -238,33 +238,3 @@ def test_benchmark_script(tmp_path):
                                    "--backward", "--kind", "gqa", "--repeats", "1",
                                    "--dtype", "float32", "--out", str(tmp_path)])
   assert rows[0]["backward"] and rows[0]["max_rel_err"] < 1e-4
-
-
-def test_tpu_kernel_lowers_to_mosaic(tpu_target):
-  """DeepSeek-V3.2-sized sparse attention lowers to Mosaic for a TPU v5e: DSA on MLA (128 heads,
-  512 + 64 latents, top-2048 of 32k), GQA prefill, sparse MLA decode over a paged pool (bf16)."""
-  from jaxattn.ops.decode import paged_mla_decode  # noqa: PLC0415
-
-  bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
-  idx = jax.ShapeDtypeStruct((1, 8, 2048), jnp.int32)
-
-  def mla(ql, qr, c, kr, i):
-    return sparse_mla_latent_tpu(ql, qr, c, kr, i, scale=0.07, interpret=False)
-
-  def gqa(q, k, v, i):
-    return sparse_attention_tpu(q, k, v, i, interpret=False)
-
-  def decode(ql, qr, c, kr, table, lens, i):
-    return paged_mla_decode(ql, qr, c, kr, table, lens, scale=0.07, indices=i,
-                            implementation="pallas_tpu", interpret=False)
-
-  for f, args in [
-      (mla, (bf16(1, 8, 128, 512), bf16(1, 8, 128, 64), bf16(1, 32768, 512), bf16(1, 32768, 64),
-             idx)),
-      (gqa, (bf16(1, 8, 32, 128), bf16(1, 32768, 8, 128), bf16(1, 32768, 8, 128), idx)),
-      (decode, (bf16(2, 128, 512), bf16(2, 128, 64), bf16(1024, 64, 512), bf16(1024, 64, 64),
-                jax.ShapeDtypeStruct((2, 512), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32),
-                jax.ShapeDtypeStruct((2, 2048), jnp.int32))),
-  ]:
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
-    assert "jaxattn_sparse_attention_tpu" in text

@@ -1,0 +1,56 @@
+"""What the TPU and GPU top-K sparse kernels share: argument checks and MLA's absorption."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+_F32 = jnp.float32
+
+
+def check_indices(indices, b: int, t: int) -> None:
+  if indices.ndim != 3 or indices.shape[:2] != (b, t) or indices.shape[2] < 1:
+    raise ValueError(f"`indices` must be [B={b}, T={t}, k>=1], got shape {indices.shape}.")
+
+
+def check_gqa(query, key, value, indices, scale) -> float:
+  """Checks ``sparse_attention``'s arguments; returns the scale (default ``1 / sqrt(H)``)."""
+  if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
+    raise ValueError(f"`query`, `key`, `value` must be [B, T, N, H], [B, S, K, H], [B, S, K, h]; "
+                     f"got {query.shape}, {key.shape}, {value.shape}.")
+  b, t, n, h = query.shape
+  kh = key.shape[2]
+  if key.shape[0] != b or key.shape[3] != h or value.shape[:3] != key.shape[:3]:
+    raise ValueError(f"`key` {key.shape} / `value` {value.shape} must be [B={b}, S, K, H={h}] / "
+                     "[B, S, K, h].")
+  if n % kh:
+    raise ValueError(f"query heads N={n} must be a multiple of key heads K={kh}.")
+  check_indices(indices, b, t)
+  return 1.0 / math.sqrt(h) if scale is None else float(scale)
+
+
+def check_latent(q_latent, q_rope, c_kv, k_rope, indices) -> None:
+  """Checks the latent-space arguments of DSA on MLA."""
+  b, t, n, c = q_latent.shape
+  s, r = c_kv.shape[1], k_rope.shape[-1]
+  if c_kv.shape != (b, s, c) or k_rope.shape != (b, s, r) or q_rope.shape != (b, t, n, r):
+    raise ValueError(f"`q_latent` [B,T,N,C], `q_rope` [B,T,N,R], `c_kv` [B,S,C], `k_rope` [B,S,R]"
+                     f": got {q_latent.shape}, {q_rope.shape}, {c_kv.shape}, {k_rope.shape}.")
+  check_indices(indices, b, t)
+
+
+def absorbed(latent_fn, q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, indices, scale):
+  """DSA on MLA in absorbed form around a latent-space kernel: ``q~ = q^C W_up^K`` per head,
+  ``latent_fn(q~, q^R, c_KV, k^R, indices, scale) -> [B, T, N, C]``, then ``W_up^V``."""
+  b, t, n, p = q_nope.shape
+  c, r = c_kv.shape[-1], q_rope.shape[-1]
+  if w_uk.shape != (c, n, p) or w_uv.shape[:2] != (c, n):
+    raise ValueError(f"`w_uk` must be [C, N, P] = {(c, n, p)} and `w_uv` [C={c}, N={n}, h]; got "
+                     f"{w_uk.shape}, {w_uv.shape}.")
+  scale = 1.0 / math.sqrt(p + r) if scale is None else float(scale)
+  dt = q_nope.dtype
+  q_lat = jnp.einsum("btnp,cnp->btnc", q_nope, w_uk.astype(dt), preferred_element_type=_F32)
+  o_lat = latent_fn(q_lat.astype(dt), q_rope, c_kv, k_rope, indices, scale)
+  return jnp.einsum("btnc,cnh->btnh", o_lat.astype(dt), w_uv.astype(dt),
+                    preferred_element_type=_F32).astype(dt)
