@@ -30,6 +30,9 @@ os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 os.environ.setdefault("TPU_WORKER_ID", "0")
 os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-1")
+# Other processes with libtpu loaded (test workers that imported jax) hold its lockfile, which
+# guards TPU chips against sharing; there is no chip here to share.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
