@@ -103,7 +103,7 @@ def test_quantized_codes_with_key_scales(quant):
 
 def test_unknown_implementation_raises():
   q, keys, w = index_inputs(1, 4, 4, 1, 8)
-  with pytest.raises(ValueError, match="`implementation` must be None or one of"):
+  with pytest.raises(ValueError, match="`implementation` must be None, 'xla' or 'cpu'"):
     indexer_topk(q, keys, w, 2, implementation="gpu")
   with pytest.raises(ValueError, match="`implementation` must be None or one of"):
     sparse_attention(jnp.ones((1, 4, 2, 8)), jnp.ones((1, 4, 1, 8)), jnp.ones((1, 4, 1, 8)),
