@@ -16,7 +16,9 @@ Cases (bf16): flash attention forward at T = 8192 (causal GQA 32/8 x 128, defaul
 forward + backward at T = 4096 with segments, ALiBi and a soft-cap; top-K sparse attention for
 DeepSeek-V3.2 prefill (MLA: 128 heads, 512 + 64 latents; GQA 32/8), 8 tokens selecting 2048 of
 32k; paged decode (GQA with split-KV; absorbed MLA dense and sparse, 2 sequences x 32k); the gated
-delta-rule state pass (fp32, heads of 128, chunks of 64).  Exit status 1 if any case failed.
+delta-rule state pass (fp32, heads of 128, chunks of 64).  And on a 4-chip slice (``data`` 2 x
+``tensor`` 2), the kernels in ``jax.shard_map`` as a sharded step calls them: flash forward +
+backward, sparse MLA prefill, paged MLA decode.  Exit status 1 if any case failed.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 CHIPS = {"v4": "v4:1x1x1", "v5e": "v5e:1x1", "v5p": "v5p:1x1x1", "v6e": "v6e:1x1"}
+SLICES = {"v4": "v4:2x2x1", "v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}  # 4 chips
 _COPY = re.compile(r"= (\w+)\[([\d,]*)\][^ ]* (?:copy|copy-start|transpose)\(")
 
 
@@ -126,6 +129,50 @@ def cases():
   }
 
 
+def sharded_cases(mesh):
+  """``name -> (function, sharded argument shapes)`` on a ``data`` x ``tensor`` mesh: the kernels
+  in ``jax.shard_map``, batch over ``data`` and heads over ``tensor``, as a jit-sharded training or
+  serving step calls them."""
+  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
+
+  from jaxattn.ops import masks as M  # noqa: PLC0415
+  from pallas_kernels.flash_attention import flash_attention_tpu  # noqa: PLC0415
+  from pallas_kernels.mla_decode import paged_mla_decode_tpu  # noqa: PLC0415
+  from pallas_kernels.sparse_attention import sparse_mla_latent_tpu  # noqa: PLC0415
+
+  def sds(dtype, *spec):
+    sharding = NamedSharding(mesh, P(*spec))
+    return lambda *shape: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+  heads, rows = ("data", None, "tensor", None), ("data", None, None)
+  bf16_h, bf16_r, i32_r = sds(jnp.bfloat16, *heads), sds(jnp.bfloat16, *rows), sds(jnp.int32, *rows)
+
+  def flash_grads(q, k, v, ids):
+    mask = M.CausalMask() & M.SegmentMask(ids, ids)
+
+    def loss(q, k, v):
+      out = flash_attention_tpu(q, k, v, mask, logits_soft_cap=30.0, interpret=False, mesh=mesh)
+      return jnp.sum(out.astype(jnp.float32))
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+  whole = sds(jnp.bfloat16)
+  return {
+      "flash fwd + bwd, 2x2 mesh": (flash_grads, (
+          bf16_h(2, 4096, 32, 128), bf16_h(2, 4096, 8, 128), bf16_h(2, 4096, 8, 128),
+          sds(jnp.int32, "data", None)(2, 4096))),
+      "sparse MLA prefill, 2x2 mesh": (
+          lambda ql, qr, c, kr, i: sparse_mla_latent_tpu(ql, qr, c, kr, i, scale=0.07,
+                                                         interpret=False, mesh=mesh),
+          (bf16_h(2, 8, 128, 512), bf16_h(2, 8, 128, 64), bf16_r(2, 32768, 512),
+           bf16_r(2, 32768, 64), i32_r(2, 8, 2048))),
+      "paged MLA decode, 2x2 mesh": (
+          lambda ql, qr, c, kr, t, n: paged_mla_decode_tpu(ql, qr, c, kr, t, n, scale=0.07,
+                                                           num_splits=4, interpret=False,
+                                                           mesh=mesh),
+          (bf16_h(2, 1, 128, 512), bf16_h(2, 1, 128, 64), whole(1024, 64, 512),
+           whole(1024, 64, 64), sds(jnp.int32, "data", None)(2, 512), sds(jnp.int32, "data")(2))),
+  }
+
+
 def compile_for(chip: str, only=None):
   """Compiles every case for ``chip``; returns one result dict per case."""
   from jax._src.pallas.mosaic import tpu_info  # noqa: PLC0415
@@ -141,12 +188,19 @@ def compile_for(chip: str, only=None):
   tpu_info.registry[local] = lambda: info
   mesh = jax.sharding.Mesh(topo.devices[:1], ("x",))
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  todo = [(name, fn, [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated)
+                      for s in shapes]) for name, (fn, shapes) in cases().items()]
+  slice_ = topologies.get_topology_desc(platform="tpu", topology_name=SLICES[chip],
+                                        chip_config_name="default",
+                                        chips_per_host_bounds=(2, 2, 1), num_slices=1)
+  grid = np.asarray(slice_.devices[:4]).reshape(2, 2)
+  todo += [(name, fn, list(shapes)) for name, (fn, shapes)
+           in sharded_cases(jax.sharding.Mesh(grid, ("data", "tensor"))).items()]
   results = []
   try:
-    for name, (fn, shapes) in cases().items():
+    for name, fn, args in todo:
       if only and name not in only:
         continue
-      args = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated) for s in shapes]
       row = dict(chip=chip, case=name)
       t0 = time.perf_counter()
       try:
@@ -164,7 +218,7 @@ def compile_for(chip: str, only=None):
                 f"MiB  inputs {row['argument_bytes'] / 2**20:8.1f} MiB"
                 + (f"  copies: {', '.join(row['copies'])}" if row["copies"] else "")
                 if row["ok"] else "FAILED\n    " + row["error"].replace("\n", "\n    "))
-      print(f"{chip:>4}  {name:<26} {status}", flush=True)
+      print(f"{chip:>4}  {name:<29} {status}", flush=True)
   finally:
     tpu_info.registry.pop(local, None)
   return results

@@ -1,10 +1,14 @@
-"""What the TPU and GPU top-K sparse kernels share: argument checks and MLA's absorption."""
+"""What the TPU and GPU top-K sparse kernels share: argument checks, running under a device mesh,
+and MLA's absorption."""
 
 from __future__ import annotations
 
 import math
 
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from pallas_kernels.flash_attention import sharded
 
 _F32 = jnp.float32
 
@@ -38,6 +42,36 @@ def check_latent(q_latent, q_rope, c_kv, k_rope, indices) -> None:
     raise ValueError(f"`q_latent` [B,T,N,C], `q_rope` [B,T,N,R], `c_kv` [B,S,C], `k_rope` [B,S,R]"
                      f": got {q_latent.shape}, {q_rope.shape}, {c_kv.shape}, {k_rope.shape}.")
   check_indices(indices, b, t)
+
+
+def run_gqa_sharded(local, query, key, value, indices, mesh):
+  """``local(query, key, value, indices)`` under ``mesh`` (None: the context mesh; no mesh: called
+  directly) in ``jax.shard_map``: batch (queries, cache, indices) over the ``"batch"`` axes, query
+  and KV heads over the ``"heads"`` axes when both divide (whole GQA groups per shard).  Each
+  shard gathers its own batch rows' selected rows for its own heads: no communication."""
+  b, _, n, _ = query.shape
+
+  def specs(mesh):
+    batch, heads = sharded.plan_specs(mesh, b, n, key.shape[2])
+    spec = P(batch, None, heads, None)
+    return (spec, spec, spec, P(batch, None, None)), spec
+
+  return sharded.run_sharded(local, (query, key, value, indices), mesh, specs)
+
+
+def run_latent_sharded(local, q_latent, q_rope, c_kv, k_rope, indices, mesh):
+  """As ``run_gqa_sharded`` for DSA on MLA: every head reads the same latent rows, so the latent
+  cache splits over batch only and the heads over the ``"heads"`` axes."""
+  b, _, n, _ = q_latent.shape
+
+  def specs(mesh):
+    free = sharded._free_axes(mesh)
+    batch = sharded._spec_axes("batch", b, mesh, free)
+    heads = sharded._spec_axes("heads", n, mesh, free)
+    q, rows = P(batch, None, heads, None), P(batch, None, None)
+    return (q, q, rows, rows, rows), q
+
+  return sharded.run_sharded(local, (q_latent, q_rope, c_kv, k_rope, indices), mesh, specs)
 
 
 def absorbed(latent_fn, q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, indices, scale):

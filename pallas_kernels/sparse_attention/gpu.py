@@ -108,16 +108,18 @@ def sparse_attention_gpu(
     num_warps: int = 4,
     num_stages: int = 2,
     interpret=None,
+    mesh=None,
 ) -> Float[Array, "B T N h"]:
   """``jaxattn.ops.sparse.sparse_attention`` as a Pallas Triton kernel reading only the selected
   rows.  Positions outside ``[0, S)`` count as ``-1`` (unused).  ``block_k``: selected rows
   gathered per step (a power of two >= 16).  ``interpret``: None (compile on a GPU, else
-  interpret) or a bool."""
+  interpret) or a bool.  ``mesh`` as ``tpu.sparse_attention_tpu``."""
   scale = common.check_gqa(query, key, value, indices, scale)
   if block_k < 16 or block_k & (block_k - 1):
     raise ValueError(f"`block_k` must be a power of two >= 16, got {block_k!r}.")
-  return _call(query, key, value, indices, scale=scale, block_k=block_k, num_warps=num_warps,
-               num_stages=num_stages, interpret=default_interpret(interpret))
+  local = functools.partial(_call, scale=scale, block_k=block_k, num_warps=num_warps,
+                            num_stages=num_stages, interpret=default_interpret(interpret))
+  return common.run_gqa_sharded(local, query, key, value, indices, mesh)
 
 
 def sparse_mla_latent_gpu(
@@ -130,19 +132,25 @@ def sparse_mla_latent_gpu(
     scale: float,
     num_splits: int | None = None,
     interpret=None,
+    mesh=None,
 ) -> Float[Array, "B T N C"]:
   """The latent-space core of DSA on MLA (as ``tpu.sparse_mla_latent_tpu``): the contiguous cache
   goes to the sparse MLA decode kernel as ``B`` pages of ``S`` rows.  ``num_splits``: partitions
-  of the selected slots (None: chosen from the device's SM count)."""
+  of the selected slots (None: chosen from the device's SM count).  ``mesh`` as
+  ``tpu.sparse_mla_latent_tpu``."""
   from pallas_kernels.mla_decode.gpu import paged_mla_decode_gpu  # noqa: PLC0415 (import cycle)
 
   common.check_latent(q_latent, q_rope, c_kv, k_rope, indices)
-  b, s = c_kv.shape[:2]
-  table = jnp.arange(b, dtype=jnp.int32)[:, None]                    # batch row b = page b
-  return paged_mla_decode_gpu(q_latent, q_rope.astype(q_latent.dtype), c_kv,
-                              k_rope.astype(c_kv.dtype), table, jnp.full((b,), s, jnp.int32),
-                              scale=float(scale), indices=indices.astype(jnp.int32),
-                              num_splits=num_splits, interpret=interpret)
+
+  def local(q_latent, q_rope, c_kv, k_rope, indices):
+    b, s = c_kv.shape[:2]
+    table = jnp.arange(b, dtype=jnp.int32)[:, None]                  # batch row b = page b
+    return paged_mla_decode_gpu(q_latent, q_rope.astype(q_latent.dtype), c_kv,
+                                k_rope.astype(c_kv.dtype), table, jnp.full((b,), s, jnp.int32),
+                                scale=float(scale), indices=indices.astype(jnp.int32),
+                                num_splits=num_splits, interpret=interpret)
+
+  return common.run_latent_sharded(local, q_latent, q_rope, c_kv, k_rope, indices, mesh)
 
 
 def sparse_mla_attention_gpu(
@@ -157,11 +165,12 @@ def sparse_mla_attention_gpu(
     scale: float | None = None,
     num_splits: int | None = None,
     interpret=None,
+    mesh=None,
 ) -> Float[Array, "B T N h"]:
   """DSA over the MLA latent cache, absorbed form, as ``jaxattn.ops.sparse.sparse_mla_attention``:
   queries mapped into latent space, ``sparse_mla_latent_gpu``, then ``W_up^V``."""
   return common.absorbed(
       lambda ql, qr, c, kr, i, sc: sparse_mla_latent_gpu(ql, qr, c, kr, i, scale=sc,
                                                          num_splits=num_splits,
-                                                         interpret=interpret),
+                                                         interpret=interpret, mesh=mesh),
       q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, indices, scale)

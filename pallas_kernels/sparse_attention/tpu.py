@@ -249,20 +249,27 @@ def sparse_attention_tpu(
     scale: float | None = None,
     block_k: int | None = None,
     interpret=None,
+    mesh=None,
 ) -> Float[Array, "B T N h"]:
   """``jaxattn.ops.sparse.sparse_attention`` as a Pallas kernel reading only the selected rows.
 
   Positions outside ``[0, S)`` count as ``-1`` (unused).  ``block_k``: selected rows gathered per
   step (a multiple of 8; default ``default_block_k(k)``).  ``interpret`` as ``gather_attention``.
+  ``mesh`` (None: the one set by ``jax.set_mesh``, if any): run in ``jax.shard_map`` with batch
+  and heads split (``common.run_gqa_sharded``).
   """
   scale = common.check_gqa(query, key, value, indices, scale)
-  b, t, n, h = query.shape
-  s, kh, hv = key.shape[1], key.shape[2], value.shape[3]
-  out = gather_attention((query.reshape(b * t, n, h),), (key.reshape(b * s, kh * h),),
-                         _flat_rows(indices, s), kv_heads=kh, scale=scale,
-                         value_pool=value.reshape(b * s, kh * hv), block_k=block_k,
-                         interpret=interpret)
-  return out.reshape(b, t, n, hv)
+
+  def local(query, key, value, indices):
+    b, t, n, h = query.shape
+    s, kh, hv = key.shape[1], key.shape[2], value.shape[3]
+    out = gather_attention((query.reshape(b * t, n, h),), (key.reshape(b * s, kh * h),),
+                           _flat_rows(indices, s), kv_heads=kh, scale=scale,
+                           value_pool=value.reshape(b * s, kh * hv), block_k=block_k,
+                           interpret=interpret)
+    return out.reshape(b, t, n, hv)
+
+  return common.run_gqa_sharded(local, query, key, value, indices, mesh)
 
 
 def sparse_mla_latent_tpu(
@@ -275,19 +282,25 @@ def sparse_mla_latent_tpu(
     scale: float,
     block_k: int | None = None,
     interpret=None,
+    mesh=None,
 ) -> Float[Array, "B T N C"]:
   """The latent-space core of DSA on MLA: every head of a token attends to the selected rows of
   the shared key ``[c_KV, k^R]`` (gathered from the two arrays, no concatenated copy), and the
-  gathered ``c_KV`` rows are the value.  Output ``[B, T, N, C]`` in the queries' dtype."""
+  gathered ``c_KV`` rows are the value.  Output ``[B, T, N, C]`` in the queries' dtype.  ``mesh``
+  as ``sparse_attention_tpu`` (``common.run_latent_sharded``)."""
   common.check_latent(q_latent, q_rope, c_kv, k_rope, indices)
-  b, t, n, c = q_latent.shape
-  s, r = c_kv.shape[1], k_rope.shape[2]
-  out = gather_attention(
-      (q_latent.reshape(b * t, n, c), q_rope.astype(q_latent.dtype).reshape(b * t, n, r)),
-      (c_kv.reshape(b * s, c), k_rope.astype(c_kv.dtype).reshape(b * s, r)),
-      _flat_rows(indices, s), kv_heads=1, scale=float(scale), value_part=0, block_k=block_k,
-      interpret=interpret)
-  return out.reshape(b, t, n, c)
+
+  def local(q_latent, q_rope, c_kv, k_rope, indices):
+    b, t, n, c = q_latent.shape
+    s, r = c_kv.shape[1], k_rope.shape[2]
+    out = gather_attention(
+        (q_latent.reshape(b * t, n, c), q_rope.astype(q_latent.dtype).reshape(b * t, n, r)),
+        (c_kv.reshape(b * s, c), k_rope.astype(c_kv.dtype).reshape(b * s, r)),
+        _flat_rows(indices, s), kv_heads=1, scale=float(scale), value_part=0, block_k=block_k,
+        interpret=interpret)
+    return out.reshape(b, t, n, c)
+
+  return common.run_latent_sharded(local, q_latent, q_rope, c_kv, k_rope, indices, mesh)
 
 
 def sparse_mla_attention_tpu(
@@ -302,10 +315,12 @@ def sparse_mla_attention_tpu(
     scale: float | None = None,
     block_k: int | None = None,
     interpret=None,
+    mesh=None,
 ) -> Float[Array, "B T N h"]:
   """DSA over the MLA latent cache, absorbed form, as ``jaxattn.ops.sparse.sparse_mla_attention``:
   queries mapped into latent space, ``sparse_mla_latent_tpu``, then ``W_up^V``."""
   return common.absorbed(
       lambda ql, qr, c, kr, i, sc: sparse_mla_latent_tpu(ql, qr, c, kr, i, scale=sc,
-                                                         block_k=block_k, interpret=interpret),
+                                                         block_k=block_k, interpret=interpret,
+                                                         mesh=mesh),
       q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, indices, scale)

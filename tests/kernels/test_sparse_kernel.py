@@ -175,6 +175,44 @@ def test_tpu_default_takes_the_kernel_for_prefill_only(monkeypatch):
   assert "pallas_call" not in str(jaxpr)
 
 
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_sharded_under_a_mesh_equals_unsharded(backend):
+  """Under the simulated 8-device mesh (data 2 x tensor 4) the kernels run in ``shard_map``: batch
+  over data, query / KV heads (GQA) or query heads (MLA latents, the cache whole per batch shard)
+  over tensor; the result equals the unsharded gather reference."""
+  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
+
+  from jaxattn import sharding  # noqa: PLC0415
+
+  mesh = sharding.make_mesh({"data": 2, "tensor": 4})
+  b, t, s = 2, 3, 20
+  q, key, v = _gqa(b, t, s, 8, 4, 16, 8, jnp.float32, seed=11)
+  idx = _scattered(b, t, s, 9, 12)
+  lat = (jax.random.normal(jax.random.key(13), (b, t, 4, 16)),
+         jax.random.normal(jax.random.key(14), (b, t, 4, 4)),
+         jax.random.normal(jax.random.key(15), (b, s, 16)),
+         jax.random.normal(jax.random.key(16), (b, s, 4)))
+  if backend == "tpu":
+    gqa = lambda *a: sparse_attention_tpu(*a, block_k=8, interpret=True)  # noqa: E731
+    latent = lambda *a: sparse_mla_latent_tpu(*a, scale=0.2, interpret=True)  # noqa: E731
+  else:
+    gqa = lambda *a: sparse_attention_gpu(*a, block_k=16, interpret=True)  # noqa: E731
+    latent = lambda *a: sparse_mla_latent_gpu(*a, scale=0.2, interpret=True)  # noqa: E731
+  heads = NamedSharding(mesh, P("data", None, "tensor", None))
+  rows = NamedSharding(mesh, P("data", None, None))
+  with jax.set_mesh(mesh):
+    args = (*(jax.device_put(x, heads) for x in (q, key, v)), jax.device_put(idx, rows))
+    assert "shard_map" in str(jax.make_jaxpr(gqa)(*args))
+    got = jax.jit(gqa)(*args)
+    largs = (*(jax.device_put(x, heads) for x in lat[:2]),
+             *(jax.device_put(x, rows) for x in lat[2:]), jax.device_put(idx, rows))
+    got_lat = jax.jit(latent)(*largs)
+  np.testing.assert_allclose(got, _reference(q, key, v, idx), rtol=1e-5, atol=1e-6)
+  from jaxattn.ops.sparse import _latent_reference  # noqa: PLC0415
+  want_lat = _latent_reference(*lat, jnp.where(idx < s, idx, -1), scale=0.2)
+  np.testing.assert_allclose(got_lat, want_lat, rtol=1e-5, atol=1e-5)
+
+
 def test_errors():
   q = jnp.ones((1, 2, 2, 8))
   kv = jnp.ones((1, 4, 1, 8))
