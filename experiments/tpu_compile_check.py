@@ -156,15 +156,15 @@ def sharded_cases(mesh):
 
   whole = sds(jnp.bfloat16)
   return {
-      "flash fwd + bwd, 2x2 mesh": (flash_grads, (
+      "flash fwd + bwd (2x2 mesh)": (flash_grads, (
           bf16_h(2, 4096, 32, 128), bf16_h(2, 4096, 8, 128), bf16_h(2, 4096, 8, 128),
           sds(jnp.int32, "data", None)(2, 4096))),
-      "sparse MLA prefill, 2x2 mesh": (
+      "sparse MLA prefill (2x2 mesh)": (
           lambda ql, qr, c, kr, i: sparse_mla_latent_tpu(ql, qr, c, kr, i, scale=0.07,
                                                          interpret=False, mesh=mesh),
           (bf16_h(2, 8, 128, 512), bf16_h(2, 8, 128, 64), bf16_r(2, 32768, 512),
            bf16_r(2, 32768, 64), i32_r(2, 8, 2048))),
-      "paged MLA decode, 2x2 mesh": (
+      "paged MLA decode (2x2 mesh)": (
           lambda ql, qr, c, kr, t, n: paged_mla_decode_tpu(ql, qr, c, kr, t, n, scale=0.07,
                                                            num_splits=4, interpret=False,
                                                            mesh=mesh),

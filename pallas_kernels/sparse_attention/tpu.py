@@ -76,37 +76,34 @@ def _kernel(meta_ref, rows_ref, *refs, dims, value_part, value_width, kv_heads, 
   if value_part is None:
     copies.append((vpool_ref, vbuf))
 
-  def row_copy(src, buf, addr, slot, r):
-    return pltpu.make_async_copy(src.at[addr], buf.at[slot, r], sem.at[slot])
+  def each_row(blk, slot, fetched, missing=None):
+    """``fetched(copy)`` for every row DMA of block ``blk`` (into ``slot``) that has an address;
+    ``missing(r)`` for the slots without one."""
+    def one(r, carry):
+      addr = meta_ref[0, 1 + blk * block_k + r]
+
+      @pl.when(addr >= 0)
+      def _():
+        for src, buf in copies:
+          fetched(pltpu.make_async_copy(src.at[addr], buf.at[slot, r], sem.at[slot]))
+
+      if missing is not None:
+        pl.when(addr < 0)(lambda: missing(r))
+      return carry
+
+    lax.fori_loop(0, block_k, one, 0)
+
+  def zero_row(slot):
+    def fill(r):
+      for _, buf in copies:
+        buf[slot, r] = jnp.zeros((1, buf.shape[-1]), buf.dtype)
+    return fill
 
   def start(blk, slot):
-    def one(r, carry):
-      addr = meta_ref[0, 1 + blk * block_k + r]
-
-      @pl.when(addr >= 0)
-      def _():
-        for src, buf in copies:
-          row_copy(src, buf, addr, slot, r).start()
-
-      @pl.when(addr < 0)
-      def _():
-        for _, buf in copies:
-          buf[slot, r] = jnp.zeros((1, buf.shape[-1]), buf.dtype)
-      return carry
-
-    lax.fori_loop(0, block_k, one, 0)
+    each_row(blk, slot, lambda copy: copy.start(), zero_row(slot))
 
   def wait(blk, slot):
-    def one(r, carry):
-      addr = meta_ref[0, 1 + blk * block_k + r]
-
-      @pl.when(addr >= 0)
-      def _():
-        for src, buf in copies:
-          row_copy(src, buf, addr, slot, r).wait()
-      return carry
-
-    lax.fori_loop(0, block_k, one, 0)
+    each_row(blk, slot, lambda copy: copy.wait())
 
   def compute(blk, slot):
     first = pl.multiple_of(blk * block_k, block_k)
