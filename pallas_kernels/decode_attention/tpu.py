@@ -44,9 +44,15 @@ _F32 = jnp.float32
 
 # -- the shared online-softmax pieces (also used by the MLA decode kernel) -------------------------
 
+def dot_t(a, b):
+  """``a [R, X] @ b [S, X]^T`` with fp32 accumulation."""
+  return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
+
+
 def online_softmax_update(m_ref, l_ref, acc_ref, logits, valid, value):
-  """Folds one block into the running ``(m, l, acc)``: ``logits [R, S]`` fp32, ``valid [R, S]``,
-  ``value [S, h]`` fp32; refs are ``[R, 1]``, ``[R, 1]``, ``[R, h]`` views."""
+  """Folds one block into the running ``(m, l, acc)``: ``logits [R, S]`` fp32, ``valid`` broadcast
+  to ``[R, S]``, ``value [S, h]`` fp32 (or narrower: the probabilities are then rounded to its
+  dtype for the matmul, accumulated in fp32); refs are ``[R, 1]``, ``[R, 1]``, ``[R, h]`` views."""
   logits = jnp.where(valid, logits, -jnp.inf)
   m_prev = m_ref[...]
   m_new = jnp.maximum(m_prev, jnp.max(logits, axis=-1, keepdims=True))
@@ -54,6 +60,8 @@ def online_softmax_update(m_ref, l_ref, acc_ref, logits, valid, value):
   alpha = jnp.exp(m_prev - m_safe)                    # 0 while m_prev = -inf
   p = jnp.exp(logits - m_safe)                        # 0 on invalid entries
   l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=-1, keepdims=True)
+  if jnp.finfo(value.dtype).bits < 32:
+    p = p.astype(value.dtype)
   acc_ref[...] = alpha * acc_ref[...] + jax.lax.dot_general(
       p, value, (((1,), (0,)), ((), ())), preferred_element_type=_F32)
   m_ref[...] = m_new
@@ -112,8 +120,7 @@ def _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_ref, l_r
     for kv in range(num_kv):                                               # static: K is small
       q = q_ref[kv].astype(_F32)                                           # [T*G, H]
       k = k_ref[:, kv, :].astype(_F32)                                     # [page, H]
-      logits = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                   preferred_element_type=_F32) * scale    # [T*G, page]
+      logits = dot_t(q, k) * scale                                         # [T*G, page]
       if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
       online_softmax_update(m_ref.at[kv], l_ref.at[kv], acc_ref.at[kv], logits, valid,

@@ -38,7 +38,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.decode_attention.tpu import (combine, default_interpret, finalize,
+from pallas_kernels.decode_attention.tpu import (combine, default_interpret, dot_t, finalize,
                                                  online_softmax_update, page_index)
 from pallas_kernels.flash_attention import sharded
 from pallas_kernels.flash_attention.common import reset_online_softmax
@@ -46,13 +46,6 @@ from pallas_kernels.sparse_attention.tpu import gather_attention
 
 _F32 = jnp.float32
 
-
-def _dot_t(a, b):
-  """``a [R, X] @ b [S, X]^T`` in fp32."""
-  return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
-
-
-# -- dense, split-KV ---------------------------------------------------------------------------
 
 def _dense_kernel(lens_ref, table_ref, ql_ref, qr_ref, c_ref, kr_ref, o_ref, lse_ref, m_ref,
                   l_ref, acc_ref, *, scale, num_t, num_heads, pages_per_split):
@@ -70,8 +63,8 @@ def _dense_kernel(lens_ref, table_ref, ql_ref, qr_ref, c_ref, kr_ref, o_ref, lse
     # Rows past the length hold stale data: zero them so 0 * NaN cannot reach the accumulator.
     live = (start + jax.lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)) < length
     c = jnp.where(live, c, 0.0)
-    logits = (_dot_t(ql_ref[...].astype(_F32), c)
-              + _dot_t(qr_ref[...].astype(_F32), kr_ref[...].astype(_F32))) * scale
+    logits = (dot_t(ql_ref[...].astype(_F32), c)
+              + dot_t(qr_ref[...].astype(_F32), kr_ref[...].astype(_F32))) * scale
     kv_pos = start + jax.lax.broadcasted_iota(jnp.int32, (rows, page_size), 1)
     q_pos = length - num_t + jax.lax.broadcasted_iota(jnp.int32, (rows, page_size), 0) // num_heads
     online_softmax_update(m_ref, l_ref, acc_ref, logits, (kv_pos < length) & (kv_pos <= q_pos), c)

@@ -44,6 +44,25 @@ def check_latent(q_latent, q_rope, c_kv, k_rope, indices) -> None:
   check_indices(indices, b, t)
 
 
+def flat_rows(indices, num_keys: int):
+  """Row addresses of ``[B * S]``-row pools for ``indices [B, T, k]`` -> ``[B * T, k]`` int32;
+  ``-1`` and out-of-range positions become ``-1``."""
+  b = indices.shape[0]
+  valid = (indices >= 0) & (indices < num_keys)
+  base = (jnp.arange(b, dtype=jnp.int32) * num_keys)[:, None, None]
+  return jnp.where(valid, indices.astype(jnp.int32) + base, -1).reshape(-1, indices.shape[2])
+
+
+def pad_rows(rows, block_k: int):
+  """``rows [M, k]`` padded with ``-1`` to whole blocks of ``block_k`` slots, and per row the
+  number of blocks a kernel visits: up to the one holding its last valid slot (0 when none)."""
+  k = rows.shape[1]
+  k_pad = -(-k // block_k) * block_k
+  rows = jnp.pad(rows.astype(jnp.int32), ((0, 0), (0, k_pad - k)), constant_values=-1)
+  last = jnp.max(jnp.where(rows >= 0, jnp.arange(k_pad, dtype=jnp.int32), -1), axis=1)
+  return rows, (last + block_k) // block_k
+
+
 def run_gqa_sharded(local, query, key, value, indices, mesh):
   """``local(query, key, value, indices)`` under ``mesh`` (None: the context mesh; no mesh: called
   directly) in ``jax.shard_map``: batch (queries, cache, indices) over the ``"batch"`` axes, query

@@ -65,15 +65,10 @@ def _call(query, key, value, indices, *, scale, block_k, num_warps, num_stages, 
   b, t, n, h = query.shape
   s, kh, hv = key.shape[1], key.shape[2], value.shape[3]
   g = n // kh
-  k = indices.shape[2]
   gp, hp, vp = pow2(g), pow2(h), pow2(hv)
-  k_pad = -(-k // block_k) * block_k
-  valid = (indices >= 0) & (indices < s)
-  base = (jnp.arange(b, dtype=jnp.int32) * s)[:, None, None]
-  rows = jnp.where(valid, indices.astype(jnp.int32) + base, -1).reshape(b * t, k)
-  rows = jnp.pad(rows, ((0, 0), (0, k_pad - k)), constant_values=-1)
-  last = jnp.max(jnp.where(rows >= 0, jnp.arange(k_pad, dtype=jnp.int32), -1), axis=1)
-  counts = pad_lengths((last + block_k) // block_k)                  # blocks to visit per token
+  rows, blocks = common.pad_rows(common.flat_rows(indices, s), block_k)
+  k_pad = rows.shape[1]
+  counts = pad_lengths(blocks)                                       # blocks to visit per token
   q = query.reshape(b * t, kh, g, h)
   q = jnp.pad(q, ((0, 0), (0, 0), (0, gp - g), (0, hp - h)))
   k_flat = pad_last(key, hp).reshape(b * s * kh, hp)

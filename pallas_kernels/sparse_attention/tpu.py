@@ -47,6 +47,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.decode_attention.tpu import dot_t, finalize, online_softmax_update
+from pallas_kernels.flash_attention.common import reset_online_softmax
 from pallas_kernels.sparse_attention import common
 
 _F32 = jnp.float32
@@ -55,11 +57,6 @@ _F32 = jnp.float32
 def default_block_k(k: int) -> int:
   """Selected rows gathered per step: all of them up to 128, in multiples of 8 (sublanes)."""
   return min(128, -(-k // 8) * 8)
-
-
-def _dot_t(a, b):
-  """``a @ b.T`` with fp32 accumulation."""
-  return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
 
 
 def _kernel(meta_ref, rows_ref, *refs, dims, value_part, value_width, kv_heads, groups, block_k,
@@ -112,25 +109,13 @@ def _kernel(meta_ref, rows_ref, *refs, dims, value_part, value_width, kv_heads, 
       rs = pl.ds(g * groups, groups)
       logits = None
       for p, d in enumerate(dims):
-        part = _dot_t(q_refs[p][rs, :], bufs[p][slot, :, 0, pl.ds(g * d, d)])  # [G, bk]
+        part = dot_t(q_refs[p][rs, :], bufs[p][slot, :, 0, pl.ds(g * d, d)])   # [G, bk]
         logits = part if logits is None else logits + part
-      logits = jnp.where(valid, logits * scale, -jnp.inf)
       src = vbuf if value_part is None else bufs[value_part]
       v = src[slot, :, 0, pl.ds(g * value_width, value_width)]              # [bk, h]
-      m_prev = m_ref[rs, :]
-      m_new = jnp.maximum(m_prev, jnp.max(logits, axis=1, keepdims=True))
-      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)                    # nothing seen yet
-      prob = jnp.exp(logits - m_safe)
-      alpha = jnp.exp(m_prev - m_safe)
-      l_ref[rs, :] = alpha * l_ref[rs, :] + jnp.sum(prob, axis=1, keepdims=True)
-      pv_dtype = v.dtype if jnp.finfo(v.dtype).bits < 32 else _F32
-      acc_ref[rs, :] = alpha * acc_ref[rs, :] + lax.dot_general(
-          prob.astype(pv_dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=_F32)
-      m_ref[rs, :] = m_new
+      online_softmax_update(m_ref.at[rs], l_ref.at[rs], acc_ref.at[rs], logits * scale, valid, v)
 
-  m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, _F32)
-  l_ref[...] = jnp.zeros(l_ref.shape, _F32)
-  acc_ref[...] = jnp.zeros(acc_ref.shape, _F32)
+  reset_online_softmax(True, m_ref, l_ref, acc_ref)
   num_blocks = meta_ref[0, 0]
 
   @pl.when(num_blocks > 0)
@@ -149,8 +134,8 @@ def _kernel(meta_ref, rows_ref, *refs, dims, value_part, value_width, kv_heads, 
     return carry
 
   lax.fori_loop(0, num_blocks, body, 0)
-  l = l_ref[...]
-  o_ref[...] = jnp.where(l > 0, acc_ref[...] / jnp.where(l > 0, l, 1.0), 0.0).astype(o_ref.dtype)
+  out, _ = finalize(m_ref[...], l_ref[...], acc_ref[...])
+  o_ref[...] = out.astype(o_ref.dtype)
 
 
 def gather_attention(
@@ -194,11 +179,8 @@ def gather_attention(
   block_k = default_block_k(k) if block_k is None else block_k
   if block_k < 1 or block_k % 8:
     raise ValueError(f"`block_k` must be a positive multiple of 8, got {block_k!r}.")
-  k_pad = -(-k // block_k) * block_k
-  rows = jnp.pad(rows.astype(jnp.int32), ((0, 0), (0, k_pad - k)), constant_values=-1)
-  slot = jnp.arange(k_pad, dtype=jnp.int32)
-  last = jnp.max(jnp.where(rows >= 0, slot, -1), axis=1)                  # last valid slot
-  num_blocks = (last + block_k) // block_k                                 # 0 when none
+  rows, num_blocks = common.pad_rows(rows, block_k)
+  k_pad = rows.shape[1]
   meta = jnp.concatenate([num_blocks[:, None], rows], axis=1)              # [M, 1 + k_pad]
 
   kernel = functools.partial(_kernel, dims=dims, value_part=value_part, value_width=value_width,
@@ -228,15 +210,6 @@ def gather_attention(
   )(meta[:, None, :], rows[:, None, :], *q_parts, *(p[:, None, :] for p in all_pools))
 
 
-def _flat_rows(indices, num_keys):
-  """Row addresses of ``[B * S]``-row pools for ``indices [B, T, k]`` -> ``[B * T, k]``; ``-1`` and
-  out-of-range positions become ``-1``."""
-  b = indices.shape[0]
-  valid = (indices >= 0) & (indices < num_keys)
-  base = (jnp.arange(b, dtype=jnp.int32) * num_keys)[:, None, None]
-  return jnp.where(valid, indices.astype(jnp.int32) + base, -1).reshape(-1, indices.shape[2])
-
-
 def sparse_attention_tpu(
     query: Float[Array, "B T N H"],
     key: Float[Array, "B S K H"],
@@ -261,7 +234,7 @@ def sparse_attention_tpu(
     b, t, n, h = query.shape
     s, kh, hv = key.shape[1], key.shape[2], value.shape[3]
     out = gather_attention((query.reshape(b * t, n, h),), (key.reshape(b * s, kh * h),),
-                           _flat_rows(indices, s), kv_heads=kh, scale=scale,
+                           common.flat_rows(indices, s), kv_heads=kh, scale=scale,
                            value_pool=value.reshape(b * s, kh * hv), block_k=block_k,
                            interpret=interpret)
     return out.reshape(b, t, n, hv)
@@ -293,7 +266,7 @@ def sparse_mla_latent_tpu(
     out = gather_attention(
         (q_latent.reshape(b * t, n, c), q_rope.astype(q_latent.dtype).reshape(b * t, n, r)),
         (c_kv.reshape(b * s, c), k_rope.astype(c_kv.dtype).reshape(b * s, r)),
-        _flat_rows(indices, s), kv_heads=1, scale=float(scale), value_part=0, block_k=block_k,
+        common.flat_rows(indices, s), kv_heads=1, scale=float(scale), value_part=0, block_k=block_k,
         interpret=interpret)
     return out.reshape(b, t, n, c)
 
