@@ -50,12 +50,16 @@ DECODE_IMPLEMENTATIONS: tuple[str, ...] = ("xla", "pallas_tpu", "pallas_gpu")
 _F32 = jnp.float32
 
 
-def resolve_implementation(implementation) -> str:
+def resolve_implementation(implementation, *, sparse: bool = False) -> str:
   """``None`` -> ``"pallas_tpu"`` on TPU, else ``"xla"``; an explicit name is checked, never
   replaced.  The GPU kernels (``"pallas_gpu"``) are opt-in until they have been validated on
-  GPU hardware (``experiments/device_check.sh``); they are tested in interpret mode only."""
+  GPU hardware (``experiments/device_check.sh``); they are tested in interpret mode only.
+
+  ``sparse`` (DSA decode): ``None`` -> ``"xla"`` on TPU too.  The TPU kernel gathers single rows,
+  which Mosaic allows only from a ``[rows, 1, C]`` view of the pool, and XLA re-tiles the whole
+  pool into it on every step (docs/performance.md): more bytes than the XLA gather reads."""
   if implementation is None:
-    return "pallas_tpu" if jax.default_backend() == "tpu" else "xla"
+    return "pallas_tpu" if jax.default_backend() == "tpu" and not sparse else "xla"
   if implementation not in DECODE_IMPLEMENTATIONS:
     raise ValueError(f"`implementation` must be None or one of {DECODE_IMPLEMENTATIONS}, got "
                      f"{implementation!r}.")
@@ -315,12 +319,7 @@ def paged_mla_decode(
       raise ValueError(f"`indices` must be an integer array, got dtype {indices.dtype}.")
     indices = indices.astype(jnp.int32)
   page_table, lengths = page_table.astype(jnp.int32), lengths.astype(jnp.int32)
-  impl = resolve_implementation(implementation)
-  if implementation is None and indices is not None and impl == "pallas_tpu":
-    # The TPU kernel gathers single rows, which Mosaic allows only from a [rows, 1, C] view of the
-    # pool; XLA re-tiles the whole pool into it on every step (docs/performance.md), more bytes
-    # than the XLA gather reads.  Explicit "pallas_tpu" still runs the kernel.
-    impl = "xla"
+  impl = resolve_implementation(implementation, sparse=indices is not None)
   if impl == "xla":
     out = paged_mla_decode_xla(ql, qr, c_kv_pool, k_rope_pool, page_table, lengths, scale=scale,
                                indices=indices)
