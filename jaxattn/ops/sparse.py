@@ -425,22 +425,26 @@ def sparse_mla_attention(
                     preferred_element_type=_F32).astype(dt)
 
 
-def _latent_reference(q_lat, q_rope, c_kv, k_rope, indices, *, scale, implementation="xla"):
-  """Absorbed MLA's latent core as ``sparse_attention`` over the concatenated shared key
-  ``[c_KV, k^R]`` (its first ``C`` entries the value) -> ``[B, T, N, C]``."""
-  c = c_kv.shape[2]
-  query = jnp.concatenate([q_lat, q_rope.astype(q_lat.dtype)], axis=-1)   # [B, T, N, C + R]
+def _shared_key(q_lat, q_rope, c_kv, k_rope):
+  """Absorbed MLA as MQA: queries ``[q~, q^R]`` ``[B, T, N, C + R]`` and the one shared key
+  ``[c_KV, k^R]`` ``[B, S, 1, C + R]`` (whose first ``C`` entries are the value)."""
+  query = jnp.concatenate([q_lat, q_rope.astype(q_lat.dtype)], axis=-1)
   kv = jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1)[:, :, None, :]
+  return query, kv
+
+
+def _latent_reference(q_lat, q_rope, c_kv, k_rope, indices, *, scale, implementation="xla"):
+  """Absorbed MLA's latent core as ``sparse_attention`` over the shared key -> ``[B, T, N, C]``."""
+  query, kv = _shared_key(q_lat, q_rope, c_kv, k_rope)
   return sparse_attention(query, kv, kv, indices, scale=scale,
-                          implementation=implementation)[..., :c]
+                          implementation=implementation)[..., :c_kv.shape[2]]
 
 
 def _latent_vjp(q_lat, q_rope, c_kv, k_rope, indices, d_out, *, scale):
-  """The backward pass of ``_latent_reference`` by ``sparse_attention_vjp`` over the concatenated
-  shared key (a copy of the cache, made in the backward pass only)."""
+  """The backward pass of ``_latent_reference`` by ``sparse_attention_vjp`` over the shared key
+  (a concatenated copy of the cache, made in the backward pass only)."""
   c = c_kv.shape[2]
-  query = jnp.concatenate([q_lat, q_rope.astype(q_lat.dtype)], axis=-1)
-  kv = jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1)[:, :, None, :]
+  query, kv = _shared_key(q_lat, q_rope, c_kv, k_rope)
   d_full = jnp.pad(d_out, [(0, 0)] * 3 + [(0, kv.shape[-1] - c)])  # the output is [..., :C]
   dq, dk, dv = sparse_attention_vjp(query, kv, kv, indices, scale, d_full)
   dkv = (dk.astype(_F32) + dv.astype(_F32))[:, :, 0]
