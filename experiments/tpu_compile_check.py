@@ -46,8 +46,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-CHIPS = {"v4": "v4:1x1x1", "v5e": "v5e:1x1", "v5p": "v5p:1x1x1", "v6e": "v6e:1x1"}
-SLICES = {"v4": "v4:2x2x1", "v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}  # 4 chips
+# chip -> (one-chip topology, 4-chip topology, tpu_info.ChipVersion name)
+CHIPS = {"v4": ("v4:1x1x1", "v4:2x2x1", "TPU_V4"), "v5e": ("v5e:1x1", "v5e:2x2", "TPU_V5E"),
+         "v5p": ("v5p:1x1x1", "v5p:2x2x1", "TPU_V5P"), "v6e": ("v6e:1x1", "v6e:2x2", "TPU_V6E")}
 _COPY = re.compile(r"= (\w+)\[([\d,]*)\][^ ]* (?:copy|copy-start|transpose)\(")
 
 
@@ -178,22 +179,22 @@ def compile_for(chip: str, only=None):
   from jax._src.pallas.mosaic import tpu_info  # noqa: PLC0415
   from jax.experimental import topologies  # noqa: PLC0415
 
-  topo = topologies.get_topology_desc(platform="tpu", topology_name=CHIPS[chip],
-                                      chip_config_name="default",
-                                      chips_per_host_bounds=(1, 1, 1), num_slices=1)
+  one_chip, four_chips, version = CHIPS[chip]
+
+  def devices(name, bounds):
+    return topologies.get_topology_desc(platform="tpu", topology_name=name,
+                                        chip_config_name="default",
+                                        chips_per_host_bounds=bounds, num_slices=1).devices
+
   # Some Mosaic lowering rules read the local device's chip description: stand in the target.
-  version = {"v4": "TPU_V4", "v5e": "TPU_V5E", "v5p": "TPU_V5P", "v6e": "TPU_V6E"}[chip]
   info = tpu_info.get_tpu_info_for_chip(getattr(tpu_info.ChipVersion, version), 1)
   local = jax.devices()[0].device_kind
   tpu_info.registry[local] = lambda: info
-  mesh = jax.sharding.Mesh(topo.devices[:1], ("x",))
+  mesh = jax.sharding.Mesh(devices(one_chip, (1, 1, 1))[:1], ("x",))
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   todo = [(name, fn, [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated)
                       for s in shapes]) for name, (fn, shapes) in cases().items()]
-  slice_ = topologies.get_topology_desc(platform="tpu", topology_name=SLICES[chip],
-                                        chip_config_name="default",
-                                        chips_per_host_bounds=(2, 2, 1), num_slices=1)
-  grid = np.asarray(slice_.devices[:4]).reshape(2, 2)
+  grid = np.asarray(devices(four_chips, (2, 2, 1))[:4]).reshape(2, 2)
   todo += [(name, fn, list(shapes)) for name, (fn, shapes)
            in sharded_cases(jax.sharding.Mesh(grid, ("data", "tensor"))).items()]
   results = []
