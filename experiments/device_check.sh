@@ -14,7 +14,8 @@
 #      paged XLA and the paged Pallas kernels against the copy bandwidth, 4k and 32k, batch
 #      1..32), then (TUNE=1) a few MLA kernel tile settings at 32k; then the top-K sparse (DSA)
 #      kernels compiled against the gather reference and timed (experiments.bench_sparse_kernel);
-#   3. flash kernels: tests/kernels/test_flash_gpu.py compiled, experiments.bench_flash --check
+#   3. flash kernels: tests/kernels/test_flash_gpu.py compiled (and the cuDNN backend of the
+#      dispatcher against the formula, tests/ops/test_attention_cudnn.py), bench_flash --check
 #      and the forward benchmark against cuDNN and the bf16 matmul peak (T = 2k..16k, causal and
 #      not), the forward + backward benchmark (T = 2k, 8k), and (TUNE=1) the tile and
 #      code-generation sweep at T = 8k (against cuDNN and JAX's own Mosaic GPU flash attention);
@@ -95,7 +96,7 @@ fi
 if [ "$PART" != decode ]; then
 step "flash kernel tests" 150 \
   "$PY" -m pytest -q -rf --maxfail=3 -p no:cacheprovider tests/kernels/test_flash_gpu.py \
-  tests/kernels/test_flash_hopper.py
+  tests/kernels/test_flash_hopper.py tests/ops/test_attention_cudnn.py
 step "hopper kernels: check + forward benchmark" 120 \
   "$PY" -m experiments.bench_flash --gpu-forward hopper --gpu-backward hopper --check \
   --seq-lens 2048 8192 16384 --repeats 5 --plot "$DEST/bench_flash_gpu_hopper.png"

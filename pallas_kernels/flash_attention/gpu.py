@@ -33,6 +33,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
 from jaxattn.ops.attention import UnsupportedError
+from jaxattn.ops.attention_cudnn import nvidia_reason
 from jaxattn.ops.masks import Mask
 from pallas_kernels.flash_attention import common as C
 from pallas_kernels.flash_attention import hopper
@@ -152,23 +153,6 @@ def _div(x, d: int):
 # ----------------------------------------------------------------------------------------------
 
 
-def device_reason(device=None) -> str | None:
-  """None when the Triton kernels can be compiled for ``device`` (default: the first device),
-  else why not: they need an NVIDIA GPU of compute capability 8.0 or newer (bf16 tensor-core
-  dots, ``cp.async`` pipelining; validated on sm_90).  A Colab T4 (7.5) or a ROCm device gets
-  ``UnsupportedError``, so ``implementation=None`` moves on to the XLA path there."""
-  device = jax.devices()[0] if device is None else device
-  cc = getattr(device, "compute_capability", None)
-  major = str(cc).split(".")[0]
-  if cc is None or not major.isdigit():
-    return (f"device {getattr(device, 'device_kind', device)!r} reports no NVIDIA compute "
-            f"capability (got {cc!r}); the kernels are built for NVIDIA sm_80 and newer")
-  if int(major) < 8:
-    return (f"device {getattr(device, 'device_kind', device)!r} has compute capability {cc}; "
-            "the kernels need sm_80 or newer")
-  return None
-
-
 def flash_attention(
     query: Float[Array, "B T N H"],
     key: Float[Array, "B S K H"],
@@ -193,7 +177,7 @@ def flash_attention(
   if interpret is None:
     interpret = not on_gpu
   # (Lowering for CUDA on a machine without a GPU, as the lowering tests do, checks nothing.)
-  if not interpret and on_gpu and (why := device_reason()):
+  if not interpret and on_gpu and (why := nvidia_reason()):
     raise UnsupportedError(f"implementation='pallas_gpu' cannot run here: {why}. Use "
                            "implementation='xla_chunked' (automatic dispatch does).")
   block_sizes = block_sizes or C.BlockSizes.gpu()
