@@ -188,10 +188,11 @@ def test_forward_data_features_match_formula(case):
 
 
 BWD_DATA_CASES = [
-    # DATA_CASES' first two, smaller: still three query tiles and three key blocks of 64 each.
-    ("packed causal gqa", (2, 130, 130, 2, 1), M.CausalMask(), 0, None, jnp.bfloat16,
+    # DATA_CASES' first two, smaller: still three query tiles and three key blocks of 64 each;
+    # GQA on the packed case, two batch rows (one of length 0) on the other.
+    ("packed causal gqa", (1, 130, 130, 2, 1), M.CausalMask(), 0, None, jnp.bfloat16,
      hopper.Config(block_k=64), "packed", None, False),
-    ("lengths window alibi softcap", (2, 130, 200, 2, 1), M.SlidingWindowMask(60, 10), 60, 30.0,
+    ("lengths window alibi softcap", (2, 130, 200, 1, 1), M.SlidingWindowMask(60, 10), 60, 30.0,
      jnp.bfloat16, hopper.Config(block_k=64, stages=3), None, (0, 150), True),
 ]
 
@@ -202,7 +203,7 @@ def test_backward_data_features_match_formula(case):
   row's length and keys of other segments get no gradient."""
   name, (b, t, s, n, k), mask, q_offset, cap, dtype, config, segments, lengths, alibi = case
   if segments:  # all three features at once on the packed case
-    lengths, alibi = (110, 130), True
+    lengths, alibi = (110,), True
   (q, key, v), kw, full_mask = data_case(b, t, s, n, k, mask, dtype, segments=segments,
                                          lengths=lengths, alibi=alibi)
   ks = jax.random.split(jax.random.key(5), 2)
