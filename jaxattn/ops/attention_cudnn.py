@@ -21,6 +21,9 @@ mask when the lengths differ; ``implementation="xla"`` of ``jax.nn`` computes th
 on any device, which is what the tests check the mapping against on CPU.  Rows are never fully
 masked under these masks, so the "zeros, not NaN" contract of empty rows holds trivially.
 
+Under a mesh (``jax.set_mesh``) the call runs in ``jax.shard_map`` with batch and heads split, as
+the Pallas kernels do (``pallas_kernels.flash_attention.sharded``).
+
 Needs an NVIDIA GPU of compute capability 8.0 or newer and bf16 / fp16 inputs; jax.nn checks the
 rest (head sizes, the cuDNN version) when the call is traced, and those refusals become
 ``UnsupportedError`` too.
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxattn.ops import masks as M
 from jaxattn.ops.attention import UnsupportedError
@@ -97,8 +101,18 @@ def cudnn_attention(query, key, value, *, bias, mask, mask_array, scale, alibi_s
   if kwargs and query.shape[1] != key.shape[1]:
     raise UnsupportedError(f"a causal mask goes to cuDNN only for self-attention (T == S), got "
                            f"T={query.shape[1]}, S={key.shape[1]}")
-  try:
-    return jax.nn.dot_product_attention(query, key, value, scale=float(scale),
-                                        implementation="cudnn", **kwargs)
+  from pallas_kernels.flash_attention import sharded  # noqa: PLC0415 (import cycle)
+
+  def local(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, scale=float(scale), implementation="cudnn",
+                                        **kwargs)
+
+  def specs(mesh):
+    bax, hax = sharded.plan_specs(mesh, query.shape[0], query.shape[2], key.shape[2])
+    spec = P(bax, None, hax, None)
+    return [spec, spec, spec], spec
+
+  try:  # under a mesh, as the Pallas kernels: batch and heads split in shard_map
+    return sharded.run_sharded(local, [query, key, value], None, specs)
   except (NotImplementedError, ValueError, RuntimeError) as e:
     raise UnsupportedError(f"jax.nn's cuDNN path refused the call: {e}") from e

@@ -45,7 +45,7 @@ def as_if_on_gpu(monkeypatch):
     return real(*args, implementation="xla", **kwargs)
 
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  monkeypatch.setattr(jax, "devices", lambda *a: [_Device("9.0", "NVIDIA H200")])
+  monkeypatch.setattr(CU, "nvidia_reason", lambda device=None: None)   # an sm_90 device
   monkeypatch.setattr(jax.nn, "dot_product_attention", xla_instead)
   return calls
 
@@ -187,3 +187,30 @@ def test_auto_order_per_platform(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda p=platform: p)
     assert A._auto_order() == order
   assert "cudnn" in A.IMPLEMENTATIONS
+
+
+def test_under_a_mesh_runs_sharded(as_if_on_gpu):
+  """Under ``jax.set_mesh`` (the simulated 8 devices) the call runs in ``shard_map`` with batch
+  over ``data`` and heads over ``tensor``; forward and gradients equal the unsharded formula."""
+  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
+
+  from jaxattn import sharding  # noqa: PLC0415
+  mesh = sharding.make_mesh({"data": 2, "tensor": 4})
+  q, k, v = _qkv(b=2, t=24, s=24, n=8, k=4)
+
+  def loss(impl):
+    def f(q, k, v):
+      out = dpa(q, k, v, is_causal=True, implementation=impl)
+      return jnp.sum(out.astype(jnp.float32) ** 2), out
+    return jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)
+
+  with jax.set_mesh(mesh):
+    assert "shard_map" in str(jax.make_jaxpr(loss("cudnn"))(q, k, v))
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, P("data", None, "tensor", None)))  # noqa
+    (_, out), grads = jax.jit(loss("cudnn"))(put(q), put(k), put(v))
+  assert out.sharding.spec == P("data", None, "tensor", None)
+  (_, want), want_grads = loss("xla")(q, k, v)
+  f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+  np.testing.assert_allclose(f32(out), f32(want), atol=2e-2)
+  for g, w in zip(grads, want_grads):   # bf16 gradients: a few ulps of their magnitude
+    np.testing.assert_allclose(f32(g), f32(w), atol=2e-2 * max(1.0, np.abs(f32(w)).max()))
