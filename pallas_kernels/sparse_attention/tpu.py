@@ -5,14 +5,19 @@ contiguous cache), DSA on MLA (``sparse_mla_attention_tpu``, latent rows) and sp
 a paged latent pool (``pallas_kernels.mla_decode``): each of them turns its selected positions into
 **row addresses** of a flat pool ``[rows, K * D]`` (``-1`` = no row) and calls ``gather_attention``.
 
-    grid (M,)                      one program per query token (all its heads), "parallel"
+    grid (2, M / 2)                one program per query token (all its heads): two halves of
+                                   the tokens, "parallel" (one per TensorCore of a megacore
+                                   chip), each walked in order ("arbitrary")
     q blocks   [N, D_p]            per key part p (e.g. latent and rotary parts), auto-pipelined
-    addresses  [1, 1 + k_pad] SMEM the number of blocks to visit, then the row addresses
+    addresses  [1, 1 + k_pad] SMEM the number of blocks to visit, then the row addresses; the
+                                   next token's too (a second block of the same array)
     pools      [rows, 1, K * D_p]  left in HBM (``memory_space=pl.ANY``)
     buffers    [2, block_k, 1, K*D_p]  VMEM, double-buffered
 
     for each block j of block_k selected slots (only up to the last valid one):
-      start the manual row DMAs of block j + 1 into the other buffer  (one async copy per row)
+      start the manual row DMAs of block j + 1 into the other buffer  (one async copy per row);
+        at the last block, those of the next token's block 0 (its first block was started by
+        the step before, so only a core's first token waits for its first rows)
       wait for block j's rows
       per KV head g:  s = scale * sum_p q_p[g] k_p[g]^T      [G, block_k] fp32 on the MXU
                       online softmax (m, l, acc in VMEM scratch); acc += p @ v[g]
@@ -29,10 +34,9 @@ re-tiles each pool into that view on every call (a copy of the cache), which pre
 and decode does not -- ``jaxattn.ops.sparse`` and ``jaxattn.ops.decode`` take the XLA gather by
 default for decode-sized calls on TPU.
 
-What is left for a hardware run: the first block of each token is not overlapped with the previous
-token's compute (the next token's addresses live in the next grid step's SMEM block), and there is
-no split-KV over the selected slots (decode with batch 1 runs on one core).  Validated in interpret
-mode (race detection on) against the gather references of ``jaxattn.ops.sparse`` and
+What is left for a hardware run: there is no split-KV over the selected slots (decode with batch 1
+and one new token runs on one core).  Validated in interpret mode (race detection on, two
+simulated cores) against the gather references of ``jaxattn.ops.sparse`` and
 ``jaxattn.ops.decode``; not yet run on a TPU.
 """
 
@@ -52,6 +56,9 @@ from pallas_kernels.flash_attention.common import reset_online_softmax
 from pallas_kernels.sparse_attention import common
 
 _F32 = jnp.float32
+# The token axis is split in this many contiguous halves, a "parallel" grid axis (the two
+# TensorCores of a megacore chip; one core runs both halves in turn).
+_CORES = 2
 
 
 def default_block_k(k: int) -> int:
@@ -59,8 +66,8 @@ def default_block_k(k: int) -> int:
   return min(128, -(-k // 8) * 8)
 
 
-def _kernel(meta_ref, rows_ref, *refs, dims, value_part, value_width, kv_heads, groups, block_k,
-            scale):
+def _kernel(meta_ref, next_meta_ref, rows_ref, *refs, dims, value_part, value_width, kv_heads,
+            groups, block_k, scale):
   n_parts = len(dims)
   q_refs, refs = refs[:n_parts], refs[n_parts:]
   pool_refs, refs = refs[:n_parts], refs[n_parts:]
@@ -68,16 +75,17 @@ def _kernel(meta_ref, rows_ref, *refs, dims, value_part, value_width, kv_heads, 
   o_ref, refs = refs[0], refs[1:]
   bufs, refs = refs[:n_parts], refs[n_parts:]
   vbuf, refs = (refs[0], refs[1:]) if value_part is None else (None, refs)
-  sem, m_ref, l_ref, acc_ref = refs
+  sem, first_slot, m_ref, l_ref, acc_ref = refs
   copies = list(zip(pool_refs, bufs))             # (HBM pool, VMEM buffer) pairs a row fills
   if value_part is None:
     copies.append((vpool_ref, vbuf))
+  i, steps = pl.program_id(1), pl.num_programs(1)
 
-  def each_row(blk, slot, fetched, missing=None):
-    """``fetched(copy)`` for every row DMA of block ``blk`` (into ``slot``) that has an address;
-    ``missing(r)`` for the slots without one."""
+  def each_row(meta, blk, slot, fetched, missing=None):
+    """``fetched(copy)`` for every row DMA of block ``blk`` of the token whose addresses are
+    ``meta`` (into ``slot``) that has an address; ``missing(r)`` for the slots without one."""
     def one(r, carry):
-      addr = meta_ref[0, 1 + blk * block_k + r]
+      addr = meta[0, 1 + blk * block_k + r]
 
       @pl.when(addr >= 0)
       def _():
@@ -96,11 +104,11 @@ def _kernel(meta_ref, rows_ref, *refs, dims, value_part, value_width, kv_heads, 
         buf[slot, r] = jnp.zeros((1, buf.shape[-1]), buf.dtype)
     return fill
 
-  def start(blk, slot):
-    each_row(blk, slot, lambda copy: copy.start(), zero_row(slot))
+  def start(meta, blk, slot):
+    each_row(meta, blk, slot, lambda copy: copy.start(), zero_row(slot))
 
   def wait(blk, slot):
-    each_row(blk, slot, lambda copy: copy.wait())
+    each_row(meta_ref, blk, slot, lambda copy: copy.wait())
 
   def compute(blk, slot):
     first = pl.multiple_of(blk * block_k, block_k)
@@ -117,23 +125,45 @@ def _kernel(meta_ref, rows_ref, *refs, dims, value_part, value_width, kv_heads, 
 
   reset_online_softmax(True, m_ref, l_ref, acc_ref)
   num_blocks = meta_ref[0, 0]
+  # The next token's first block is fetched while this token's last block is multiplied (it is
+  # the next grid step on this core: axis 1 runs in order).  Its slot is the one this token's
+  # last block does not use; a token's first block was fetched by the step before, except on a
+  # core's first step.
+  has_next = (i + 1 < steps) & (next_meta_ref[0, 0] > 0)
 
-  @pl.when(num_blocks > 0)
+  @pl.when(i == 0)
   def _():
-    start(0, 0)
+    first_slot[0] = 0
+
+    @pl.when(num_blocks > 0)
+    def _():
+      start(meta_ref, 0, 0)
+
+  base = first_slot[0]
 
   def body(blk, carry):
-    slot = lax.rem(blk, 2)
+    slot = lax.rem(base + blk, 2)
 
     @pl.when(blk + 1 < num_blocks)
     def _():
-      start(blk + 1, 1 - slot)
+      start(meta_ref, blk + 1, 1 - slot)
+
+    @pl.when((blk + 1 == num_blocks) & has_next)
+    def _():
+      start(next_meta_ref, 0, 1 - slot)
+      first_slot[0] = 1 - slot
 
     wait(blk, slot)
     compute(blk, slot)
     return carry
 
   lax.fori_loop(0, num_blocks, body, 0)
+
+  @pl.when((num_blocks == 0) & has_next)
+  def _():
+    start(next_meta_ref, 0, 0)
+    first_slot[0] = 0
+
   out, _ = finalize(m_ref[...], l_ref[...], acc_ref[...])
   o_ref[...] = out.astype(o_ref.dtype)
 
@@ -181,33 +211,46 @@ def gather_attention(
     raise ValueError(f"`block_k` must be a positive multiple of 8, got {block_k!r}.")
   rows, num_blocks = common.pad_rows(rows, block_k)
   k_pad = rows.shape[1]
-  meta = jnp.concatenate([num_blocks[:, None], rows], axis=1)              # [M, 1 + k_pad]
+  # Two halves of the tokens, one per TensorCore on megacore chips ("parallel"); each runs its
+  # tokens in order ("arbitrary") so that a step can prefetch the next token's first block.
+  half = -(-m // _CORES)
+  pad = _CORES * half - m
+  if pad:
+    rows = jnp.pad(rows, ((0, pad), (0, 0)), constant_values=-1)
+    num_blocks = jnp.pad(num_blocks, (0, pad))
+    q_parts = tuple(jnp.pad(q, ((0, pad), (0, 0), (0, 0))) for q in q_parts)
+  meta = jnp.concatenate([num_blocks[:, None], rows], axis=1)              # [M', 1 + k_pad]
 
   kernel = functools.partial(_kernel, dims=dims, value_part=value_part, value_width=value_width,
                              kv_heads=kv_heads, groups=n // kv_heads, block_k=block_k,
                              scale=float(scale))
   all_pools = list(pools) + ([] if value_pool is None else [value_pool])
+  token = lambda c, i: (c * half + i, 0, 0)                                 # noqa: E731
+  next_token = lambda c, i: (c * half + jnp.minimum(i + 1, half - 1), 0, 0)  # noqa: E731
   in_specs = (
-      [pl.BlockSpec((None, 1, 1 + k_pad), lambda i: (i, 0, 0), memory_space=pltpu.SMEM),
-       pl.BlockSpec((None, 1, k_pad), lambda i: (i, 0, 0))]
-      + [pl.BlockSpec((None, n, d), lambda i: (i, 0, 0)) for d in dims]
+      [pl.BlockSpec((None, 1, 1 + k_pad), token, memory_space=pltpu.SMEM),
+       pl.BlockSpec((None, 1, 1 + k_pad), next_token, memory_space=pltpu.SMEM),
+       pl.BlockSpec((None, 1, k_pad), token)]
+      + [pl.BlockSpec((None, n, d), token) for d in dims]
       + [pl.BlockSpec(memory_space=pl.ANY) for _ in all_pools])
   scratch = ([pltpu.VMEM((2, block_k, 1, p.shape[1]), p.dtype) for p in all_pools]
-             + [pltpu.SemaphoreType.DMA((2,)),
+             + [pltpu.SemaphoreType.DMA((2,)), pltpu.SMEM((1,), jnp.int32),
                 pltpu.VMEM((n, 1), _F32), pltpu.VMEM((n, 1), _F32),
                 pltpu.VMEM((n, value_width), _F32)])
   if interpret is None:
     interpret = jax.default_backend() != "tpu"
-  return pl.pallas_call(
+  out = pl.pallas_call(
       kernel,
-      grid=(m,),
+      grid=(_CORES, half),
       in_specs=in_specs,
-      out_specs=pl.BlockSpec((None, n, value_width), lambda i: (i, 0, 0)),
-      out_shape=jax.ShapeDtypeStruct((m, n, value_width), q_parts[0].dtype),
+      out_specs=pl.BlockSpec((None, n, value_width), token),
+      out_shape=jax.ShapeDtypeStruct((m + pad, n, value_width), q_parts[0].dtype),
       scratch_shapes=scratch,
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
       interpret=interpret, name="jaxattn_sparse_attention_tpu",
-  )(meta[:, None, :], rows[:, None, :], *q_parts, *(p[:, None, :] for p in all_pools))
+  )(meta[:, None, :], meta[:, None, :], rows[:, None, :], *q_parts,
+    *(p[:, None, :] for p in all_pools))
+  return out[:m] if pad else out
 
 
 def sparse_attention_tpu(

@@ -63,13 +63,16 @@ def _poison_unselected(key, v, idx):
   return jnp.where(nan, jnp.nan, key), jnp.where(nan, jnp.nan, v)
 
 
-# Race detection (slow: it tracks every DMA) on the GQA case; plain interpret mode on the MQA one.
-@pytest.mark.parametrize("n,kh,k,block_k,interpret", [(4, 2, 21, 8, RACES),
-                                                      (3, 1, 9, 16, True)])
-def test_tpu_kernel_blocks_holes_and_races(n, kh, k, block_k, interpret, race_states):
-  """Several double-buffered blocks of row DMAs (k = 21 in blocks of 8), holes, an empty token,
-  trailing unused slots (blocks skipped), an out-of-range position; unselected rows are NaN."""
-  b, t, s = 2, 5, 30
+# Race detection (slow: it tracks every DMA) on the GQA cases; plain interpret mode on the MQA one.
+# Two simulated cores: each takes half of the tokens (an odd count: the last half is padded).
+@pytest.mark.parametrize("b,t,n,kh,k,block_k,interpret", [(2, 5, 4, 2, 21, 8, RACES),
+                                                          (1, 5, 2, 1, 13, 8, RACES),
+                                                          (2, 5, 3, 1, 9, 16, True)])
+def test_tpu_kernel_blocks_holes_and_races(b, t, n, kh, k, block_k, interpret, race_states):
+  """Several double-buffered blocks of row DMAs (k = 21 in blocks of 8), each token's first block
+  fetched during the previous token's last one, holes, an empty token, trailing unused slots
+  (blocks skipped), an out-of-range position; unselected rows are NaN."""
+  s = 30
   q, key, v = _gqa(b, t, s, n, kh, 16, 8, jnp.float32)
   idx = _scattered(b, t, s, k, 1)
   key, v = _poison_unselected(key, v, idx)
