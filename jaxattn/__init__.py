@@ -19,11 +19,11 @@ from jaxattn import cache, ops, sharding  # noqa: F401
 from jaxattn.cache import KVCache, kv_cache_bytes_per_token
 from jaxattn.kv_efficiency import format_kv_cache_table, kv_cache_per_token, kv_cache_table
 from jaxattn.mla_cache import LatentCache
-from jaxattn.ops.attention import dot_product_attention
+from jaxattn.ops.attention import dot_product_attention, explain_dispatch
 from jaxattn.paged_cache import PagedKVCache, PagedLatentCache, PageTable
 
 __version__ = "0.1.0"
 
-__all__ = ["KVCache", "LatentCache", "PagedKVCache", "PagedLatentCache", "PageTable", "dot_product_attention", "format_kv_cache_table",
+__all__ = ["KVCache", "LatentCache", "PagedKVCache", "PagedLatentCache", "PageTable", "dot_product_attention", "explain_dispatch", "format_kv_cache_table",
            "kv_cache_bytes_per_token", "kv_cache_per_token", "kv_cache_table", "cache", "ops",
            "sharding"]

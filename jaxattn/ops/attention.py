@@ -225,6 +225,38 @@ def dot_product_attention(
   raise ValueError("no attention implementation can compute this call: " + "; ".join(reasons))
 
 
+def explain_dispatch(query, key, value, bias=None, mask=None, **kwargs) -> tuple[str, dict]:
+  """Which backend ``dot_product_attention(query, key, value, ...)`` takes with
+  ``implementation=None`` on this platform, and why each one before it declined.
+
+  Traces (``jax.eval_shape``: nothing is computed) each backend of the automatic order until one
+  accepts the call, with the same arguments as ``dot_product_attention`` (``implementation``
+  excluded).  Returns ``(chosen, reasons)``: ``reasons`` maps every backend tried before the
+  chosen one to its refusal (``UnsupportedError`` text, or why it is not available).  Raises
+  ``ValueError`` as ``dot_product_attention`` does when none accepts the call.
+
+      >>> explain_dispatch(q, k, v, segment_ids=ids, is_causal=True)    # on an H200
+      ('pallas_gpu', {'cudnn': 'cuDNN (through jax.nn) takes causal and left-window masks, ...'})
+  """
+  if "implementation" in kwargs:
+    raise ValueError("`implementation` is what explain_dispatch finds; do not pass it.")
+  reasons: dict[str, str] = {}
+  for name in _auto_order():
+    _load_builtin(name)
+    if name not in _REGISTRY:
+      reasons[name] = _UNAVAILABLE.get(name, "not registered")
+      continue
+    try:
+      jax.eval_shape(lambda q, k, v: dot_product_attention(  # noqa: B023 (called at once)
+          q, k, v, bias, mask, implementation=name, **kwargs), query, key, value)
+    except UnsupportedError as e:
+      reasons[name] = str(e)
+      continue
+    return name, reasons
+  raise ValueError("no attention implementation can compute this call: "
+                   + "; ".join(f"{k}: {v}" for k, v in reasons.items()))
+
+
 def _attention_xla(query, key, value, *, bias, mask, mask_array, scale, alibi_slopes,
                    logits_soft_cap, q_offset, return_residuals):
   """Reference path: materializes the full ``[B, K, G, T, S]`` logits."""

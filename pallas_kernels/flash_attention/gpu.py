@@ -33,7 +33,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
 from jaxattn.ops.attention import UnsupportedError
-from jaxattn.ops.attention_cudnn import nvidia_reason
+from jaxattn.ops import attention_cudnn
 from jaxattn.ops.masks import Mask
 from pallas_kernels.flash_attention import common as C
 from pallas_kernels.flash_attention import hopper
@@ -177,7 +177,7 @@ def flash_attention(
   if interpret is None:
     interpret = not on_gpu
   # (Lowering for CUDA on a machine without a GPU, as the lowering tests do, checks nothing.)
-  if not interpret and on_gpu and (why := nvidia_reason()):
+  if not interpret and on_gpu and (why := attention_cudnn.nvidia_reason()):
     raise UnsupportedError(f"implementation='pallas_gpu' cannot run here: {why}. Use "
                            "implementation='xla_chunked' (automatic dispatch does).")
   block_sizes = block_sizes or C.BlockSizes.gpu()

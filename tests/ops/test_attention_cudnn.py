@@ -214,3 +214,33 @@ def test_under_a_mesh_runs_sharded(as_if_on_gpu):
   np.testing.assert_allclose(f32(out), f32(want), atol=2e-2)
   for g, w in zip(grads, want_grads):   # bf16 gradients: a few ulps of their magnitude
     np.testing.assert_allclose(f32(g), f32(w), atol=2e-2 * max(1.0, np.abs(f32(w)).max()))
+
+
+def test_explain_dispatch_on_a_gpu(as_if_on_gpu):
+  """Which backend automatic dispatch takes on an sm_90 GPU, and why the ones before declined."""
+  q, k, v = _qkv()
+  assert A.explain_dispatch(q, k, v, is_causal=True) == ("cudnn", {})
+  ids = jnp.zeros((2, 37), jnp.int32)
+  chosen, why = A.explain_dispatch(q, k, v, is_causal=True, segment_ids=ids)
+  assert chosen == "pallas_gpu" and list(why) == ["cudnn"] and "AndMask" in why["cudnn"]
+  chosen, why = A.explain_dispatch(q, k, v, bias=jnp.zeros((1, 4, 37, 37), q.dtype))
+  assert chosen == "xla_chunked" and list(why) == ["cudnn", "pallas_gpu"]
+  assert all("bias" in r for r in why.values())
+  with pytest.raises(ValueError, match="explain_dispatch finds"):
+    A.explain_dispatch(q, k, v, implementation="xla")
+
+
+def test_explain_dispatch_on_this_cpu():
+  """On CPU: the native kernel where it computes the call (else why not), then xla_chunked."""
+  import jaxattn  # noqa: PLC0415
+  from jaxattn import native  # noqa: PLC0415
+  q, k, v = _qkv(dtype=jnp.float32)
+  if jax.default_backend() != "cpu":
+    pytest.skip("the CPU order; the GPU order is checked above")
+  chosen, why = jaxattn.explain_dispatch(q, k, v, is_causal=True)
+  if native.available():
+    assert (chosen, why) == ("cpu", {})
+  else:
+    assert chosen == "xla_chunked" and list(why) == ["cpu"]
+  chosen, why = jaxattn.explain_dispatch(q, k, v, bias=jnp.zeros((1, 4, 37, 37)))
+  assert chosen == "xla_chunked" and list(why) == ["cpu"]
