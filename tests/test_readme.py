@@ -17,5 +17,6 @@ def test_readme_quick_start_runs():
 def test_readme_test_command_matches_ci():
   root = pathlib.Path(__file__).parents[1]
   readme, ci = (root / "README.md").read_text(), (root / ".ci" / "run").read_text()
-  assert "-m pytest -n 2 -q" in readme and "-m pytest -n 2 -q" in ci
+  command = "-m pytest -n 2 --dist worksteal -q"
+  assert command in readme and command in ci
   assert 'install -e ".[test,tpu-compile]"' in readme and '-e ".[test,tpu-compile]"' in ci
