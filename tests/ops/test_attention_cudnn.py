@@ -195,7 +195,7 @@ def test_under_a_mesh_runs_sharded(as_if_on_gpu):
   from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
 
   from jaxattn import sharding  # noqa: PLC0415
-  mesh = sharding.make_mesh({"data": 2, "tensor": 4})
+  mesh = sharding.make_mesh({"data": 2, "tensor": 4}, devices=jax.devices("cpu"))  # also on a GPU
   q, k, v = _qkv(b=2, t=24, s=24, n=8, k=4)
 
   def loss(impl):
