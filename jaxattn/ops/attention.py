@@ -199,6 +199,20 @@ def dot_product_attention(
   Returns:
     ``[B, T, N, h]`` in the query dtype; with ``return_residuals``, ``(out, lse)``.
   """
+  kwargs = _backend_kwargs(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+                           local_window_size=local_window_size, segment_ids=segment_ids,
+                           kv_lengths=kv_lengths, q_offset=q_offset, alibi_slopes=alibi_slopes,
+                           logits_soft_cap=logits_soft_cap, return_residuals=return_residuals)
+  if implementation is not None:
+    return _resolve(implementation)(query, key, value, **kwargs)
+  return _first_accepting(lambda backend: backend(query, key, value, **kwargs))[1]
+
+
+def _backend_kwargs(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+                    local_window_size=None, segment_ids=None, kv_lengths=None, q_offset=0,
+                    alibi_slopes=None, logits_soft_cap=None, return_residuals=False) -> dict:
+  """Validates ``dot_product_attention``'s arguments and returns the backends' normalized keyword
+  arguments: one ``Mask`` (or None), a boolean mask array apart, a concrete default scale."""
   _validate(query, key, value, bias, mask, scale, alibi_slopes, logits_soft_cap)
   mask_obj = mask if isinstance(mask, Mask) else None
   mask_array = None if (mask is None or isinstance(mask, Mask)) else jnp.asarray(mask, bool)
@@ -206,23 +220,27 @@ def dot_product_attention(
                        segment_ids=segment_ids, kv_lengths=kv_lengths, mask=mask_obj)
   if scale is None:
     scale = 1.0 / math.sqrt(query.shape[-1])
-  kwargs = dict(bias=bias, mask=mask_obj, mask_array=mask_array, scale=scale,
-                alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap, q_offset=q_offset,
-                return_residuals=return_residuals)
-  if implementation is not None:
-    return _resolve(implementation)(query, key, value, **kwargs)
-  # Auto: the first available backend that accepts this call.
-  reasons = []
+  return dict(bias=bias, mask=mask_obj, mask_array=mask_array, scale=scale,
+              alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap, q_offset=q_offset,
+              return_residuals=return_residuals)
+
+
+def _first_accepting(attempt: Callable) -> tuple[str, object, dict[str, str]]:
+  """Automatic dispatch: ``attempt(backend)`` for each backend of ``_auto_order()`` until one does
+  not raise ``UnsupportedError``.  Returns ``(name, its result, {earlier name: why not})``; raises
+  ``ValueError`` with every reason when none accepts."""
+  reasons: dict[str, str] = {}
   for name in _auto_order():
     _load_builtin(name)
     if name not in _REGISTRY:
-      reasons.append(f"{name}: {_UNAVAILABLE.get(name, 'not registered')}")
+      reasons[name] = _UNAVAILABLE.get(name, "not registered")
       continue
     try:
-      return _REGISTRY[name](query, key, value, **kwargs)
+      return name, attempt(_REGISTRY[name]), reasons
     except UnsupportedError as e:
-      reasons.append(f"{name}: {e}")
-  raise ValueError("no attention implementation can compute this call: " + "; ".join(reasons))
+      reasons[name] = str(e)
+  raise ValueError("no attention implementation can compute this call: "
+                   + "; ".join(f"{k}: {v}" for k, v in reasons.items()))
 
 
 def explain_dispatch(query, key, value, bias=None, mask=None, **kwargs) -> tuple[str, dict]:
@@ -240,21 +258,10 @@ def explain_dispatch(query, key, value, bias=None, mask=None, **kwargs) -> tuple
   """
   if "implementation" in kwargs:
     raise ValueError("`implementation` is what explain_dispatch finds; do not pass it.")
-  reasons: dict[str, str] = {}
-  for name in _auto_order():
-    _load_builtin(name)
-    if name not in _REGISTRY:
-      reasons[name] = _UNAVAILABLE.get(name, "not registered")
-      continue
-    try:
-      jax.eval_shape(lambda q, k, v: dot_product_attention(  # noqa: B023 (called at once)
-          q, k, v, bias, mask, implementation=name, **kwargs), query, key, value)
-    except UnsupportedError as e:
-      reasons[name] = str(e)
-      continue
-    return name, reasons
-  raise ValueError("no attention implementation can compute this call: "
-                   + "; ".join(f"{k}: {v}" for k, v in reasons.items()))
+  normalized = _backend_kwargs(query, key, value, bias, mask, **kwargs)
+  name, _, reasons = _first_accepting(lambda backend: jax.eval_shape(
+      lambda q, k, v: backend(q, k, v, **normalized), query, key, value))
+  return name, reasons
 
 
 def _attention_xla(query, key, value, *, bias, mask, mask_array, scale, alibi_slopes,
