@@ -51,7 +51,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.decode_attention.tpu import dot_t, finalize, online_softmax_update
+from pallas_kernels.decode_attention.tpu import (default_interpret, dot_t, finalize,
+                                                 online_softmax_update)
 from pallas_kernels.flash_attention.common import reset_online_softmax
 from pallas_kernels.sparse_attention import common
 
@@ -237,8 +238,6 @@ def gather_attention(
              + [pltpu.SemaphoreType.DMA((2,)), pltpu.SMEM((1,), jnp.int32),
                 pltpu.VMEM((n, 1), _F32), pltpu.VMEM((n, 1), _F32),
                 pltpu.VMEM((n, value_width), _F32)])
-  if interpret is None:
-    interpret = jax.default_backend() != "tpu"
   out = pl.pallas_call(
       kernel,
       grid=(_CORES, half),
@@ -247,7 +246,7 @@ def gather_attention(
       out_shape=jax.ShapeDtypeStruct((m + pad, n, value_width), q_parts[0].dtype),
       scratch_shapes=scratch,
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-      interpret=interpret, name="jaxattn_sparse_attention_tpu",
+      interpret=default_interpret(interpret), name="jaxattn_sparse_attention_tpu",
   )(meta[:, None, :], meta[:, None, :], rows[:, None, :], *q_parts,
     *(p[:, None, :] for p in all_pools))
   return out[:m] if pad else out
