@@ -233,25 +233,3 @@ def test_affine_tables_detected():
   with pytest.raises(ValueError, match="unknown option"):
     gpu_kernel.set_options(fast=True)
 
-
-class _Device:
-  def __init__(self, cc, kind="GPU"):
-    self.compute_capability, self.device_kind = cc, kind
-
-
-def test_old_gpu_falls_back_to_xla(monkeypatch):
-  """On a GPU older than sm_80 (a Colab T4) cuDNN's flash attention and the Triton kernels
-  decline with UnsupportedError, so an explicit request says why and automatic dispatch computes
-  with the XLA path instead."""
-  import jaxattn.ops.attention as A
-  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  monkeypatch.setattr(jax, "devices", lambda *a: [_Device("7.5", "Tesla T4")])
-  q, k, v = inputs(1, 24, 24, 4, 2, 16, 16)
-  with pytest.raises(A.UnsupportedError, match="compute capability 7.5"):
-    flash_attention_gpu(q, k, v)
-  with pytest.raises(ValueError, match="'Tesla T4' has compute capability 7.5"):
-    dot_product_attention(q, k, v, is_causal=True, implementation="pallas_gpu")
-  assert A._auto_order() == ["cudnn", "pallas_gpu", "xla_chunked"]
-  out = dot_product_attention(q, k, v, is_causal=True)   # cuDNN and Triton decline: XLA
-  want = dot_product_attention(q, k, v, is_causal=True, implementation="xla")
-  np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-5, atol=2e-5)

@@ -173,11 +173,24 @@ def test_on_this_machine():
 
 
 def test_old_gpus_decline(monkeypatch):
-  q, k, v = _qkv()
+  """On a GPU older than sm_80 (a Colab T4) cuDNN's flash attention and the Triton kernels
+  decline with UnsupportedError, so an explicit request says why and automatic dispatch computes
+  with the XLA path instead."""
+  from pallas_kernels.flash_attention import flash_attention_gpu  # noqa: PLC0415
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   monkeypatch.setattr(jax, "devices", lambda *a: [_Device("7.5", "Tesla T4")])
+  q, k, v = _qkv()
   with pytest.raises(ValueError, match="compute capability 7.5"):
     dpa(q, k, v, implementation="cudnn")
+  q, k, v = _qkv(dtype=jnp.float32)
+  with pytest.raises(A.UnsupportedError, match="compute capability 7.5"):
+    flash_attention_gpu(q, k, v)
+  with pytest.raises(ValueError, match="'Tesla T4' has compute capability 7.5"):
+    dpa(q, k, v, is_causal=True, implementation="pallas_gpu")
+  assert A._auto_order() == ["cudnn", "pallas_gpu", "xla_chunked"]
+  out = dpa(q, k, v, is_causal=True)   # cuDNN and Triton decline: XLA
+  want = dpa(q, k, v, is_causal=True, implementation="xla")
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
 def test_auto_order_per_platform(monkeypatch):
