@@ -94,7 +94,9 @@ def cases():
 
   idx = i32(1, 8, 2048)
   table, lens = i32(2, 512), i32(2)
-  latent = (bf16(2, 128, 512), bf16(2, 128, 64), bf16(1024, 64, 512), bf16(1024, 64, 64))
+  # The k^R pool as PagedLatentCache stores it on TPU: 64 columns zero-padded to 128, one lane
+  # tile per row (a 64-wide pool is laid out page-minor and relaid out on every call).
+  latent = (bf16(2, 128, 512), bf16(2, 128, 64), bf16(1024, 64, 512), bf16(1024, 64, 128))
   return {
       "flash forward": (flash_fwd, (bf16(1, 8192, 32, 128), bf16(1, 8192, 8, 128),
                                     bf16(1, 8192, 8, 128))),
@@ -169,8 +171,8 @@ def sharded_cases(mesh):
           lambda ql, qr, c, kr, t, n: paged_mla_decode_tpu(ql, qr, c, kr, t, n, scale=0.07,
                                                            num_splits=4, interpret=False,
                                                            mesh=mesh),
-          (bf16_h(2, 1, 128, 512), bf16_h(2, 1, 128, 64), whole(1024, 64, 512),
-           whole(1024, 64, 64), sds(jnp.int32, "data", None)(2, 512), sds(jnp.int32, "data")(2))),
+          (bf16_h(2, 1, 128, 512), bf16_h(2, 1, 128, 128), whole(1024, 64, 512),
+           whole(1024, 64, 128), sds(jnp.int32, "data", None)(2, 512), sds(jnp.int32, "data")(2))),
   }
 
 

@@ -6,7 +6,8 @@ to sequences as they grow, so memory follows the tokens actually held and sequen
 lengths share one batch:
 
     pool          [P, page, ...]      KV: key [P, page, K, H] and value [P, page, K, h];
-                                      MLA: c_kv [P, page, C] and k_rope [P, page, R];
+                                      MLA: c_kv [P, page, C] and k_rope [P, page, R_p]
+                                      (R_p: R rounded up to 128 lanes on TPU, see below);
                                       DSA indexer: keys [P, page, d_I] (int8/fp8/fp32) + scales
     page_table    [B, max_pages]      int32: logical page j of sequence b lives in pool page
                                       page_table[b, j]; -1 = not allocated
@@ -21,6 +22,14 @@ back) are pure array updates that run inside ``jax.jit`` and return a new cache.
 pages cannot raise inside jit: with concrete values (eager calls) ``append`` raises ``ValueError``;
 under jit, check ``cache.table.pages_needed(t) <= cache.table.num_free`` on the host between
 steps (tokens that found no page are dropped and the sequence's length does not count them).
+
+TPU layout of the rotated-key pool: XLA lays out a ``[P, page, 64]`` array with its page axis
+minor (a 64-wide minor axis would fill half of each 128-lane tile), so a kernel reading pages of
+it pays a relayout copy of the whole pool on every decode step (``experiments/tpu_compile_check``).
+``PagedLatentCache`` therefore stores ``k^R`` zero-padded to ``R_p = ceil(R / 128) * 128`` columns
+on TPU (``rope_align``; exact ``R`` elsewhere): the pool is row-major, the kernels read it in place
+(their queries are zero-padded to match), and the cache holds ``C + R_p`` instead of ``C + R``
+values per token (640 instead of 576 for DeepSeek-V3).
 
 One cache holds one layer.  A model with many layers appends the same token counts to each layer's
 cache, so their page tables stay identical; sharing one table across layers is an optimization
@@ -38,6 +47,12 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 _I32 = jnp.int32
+_LANES = 128
+
+
+def default_rope_align() -> int:
+  """Column multiple of the stored ``k^R`` pool: 128 (the TPU lane width) on TPU, else 1."""
+  return _LANES if jax.default_backend() == "tpu" else 1
 
 
 def _check_positive(where, **values):
@@ -290,25 +305,32 @@ class PagedKVCache(_TableViews):
 @dataclasses.dataclass(frozen=True)
 class PagedLatentCache(_TableViews):
   """The MLA latent cache in pages: ``c_kv_pool [P, page, C]`` (normalized latents),
-  ``k_rope_pool [P, page, R]`` (the rotated key shared by all heads) and, for DeepSeek Sparse
+  ``k_rope_pool [P, page, R_p]`` (the rotated key shared by all heads, its ``R`` columns followed
+  by ``R_p - R`` zero columns: see the module note on the TPU layout) and, for DeepSeek Sparse
   Attention, optional indexer keys ``index_keys_pool [P, page, d_I]`` (int8 / fp8 / fp32) with
-  ``index_scales_pool [P, page, nb]`` (fp32), stored as the scorer reads them."""
+  ``index_scales_pool [P, page, nb]`` (fp32), stored as the scorer reads them.  ``rope_dim``
+  (static) is ``R``; None means ``R_p`` (no padding)."""
 
   c_kv_pool: Float[Array, "P page C"]
-  k_rope_pool: Float[Array, "P page R"]
+  k_rope_pool: Float[Array, "P page R_p"]
   table: PageTable
   index_keys_pool: Array | None = None
   index_scales_pool: Float[Array, "P page nb"] | None = None
+  rope_dim: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   @classmethod
   def init(cls, batch: int, num_pages: int, page_size: int, kv_lora_rank: int,
            qk_rope_head_dim: int, *, max_pages_per_seq: int | None = None,
            index_head_dim: int | None = None, index_dtype=jnp.float32,
-           index_num_scales: int = 1, dtype=jnp.float32) -> "PagedLatentCache":
+           index_num_scales: int = 1, rope_align: int | None = None,
+           dtype=jnp.float32) -> "PagedLatentCache":
     """``index_head_dim`` set: also hold indexer keys of that width in ``index_dtype`` with
-    ``index_num_scales`` fp32 scales per token."""
+    ``index_num_scales`` fp32 scales per token.  ``rope_align``: store ``k^R`` with its columns
+    zero-padded to a multiple of this (None: ``default_rope_align()``, 128 on TPU, else 1)."""
+    rope_align = default_rope_align() if rope_align is None else rope_align
     _check_positive("PagedLatentCache.init", kv_lora_rank=kv_lora_rank,
-                    qk_rope_head_dim=qk_rope_head_dim)
+                    qk_rope_head_dim=qk_rope_head_dim, rope_align=rope_align)
+    rope_width = -(-qk_rope_head_dim // rope_align) * rope_align
     table = PageTable.init(batch, num_pages, page_size, max_pages_per_seq)
     keys = scales = None
     if index_head_dim is not None:
@@ -317,8 +339,9 @@ class PagedLatentCache(_TableViews):
       keys = jnp.zeros((num_pages, page_size, index_head_dim), index_dtype)
       scales = jnp.ones((num_pages, page_size, index_num_scales), jnp.float32)
     return cls(c_kv_pool=jnp.zeros((num_pages, page_size, kv_lora_rank), dtype),
-               k_rope_pool=jnp.zeros((num_pages, page_size, qk_rope_head_dim), dtype),
-               table=table, index_keys_pool=keys, index_scales_pool=scales)
+               k_rope_pool=jnp.zeros((num_pages, page_size, rope_width), dtype),
+               table=table, index_keys_pool=keys, index_scales_pool=scales,
+               rope_dim=int(qk_rope_head_dim))
 
   @property
   def kv_lora_rank(self) -> int:
@@ -326,10 +349,12 @@ class PagedLatentCache(_TableViews):
 
   @property
   def qk_rope_head_dim(self) -> int:
-    return self.k_rope_pool.shape[2]
+    """``R``, the rotated key's width (the pool may hold zero columns past it)."""
+    return self.k_rope_pool.shape[2] if self.rope_dim is None else self.rope_dim
 
   @property
   def nbytes(self) -> int:
+    """Bytes of every pool as allocated (padding columns of ``k^R`` included)."""
     arrays = [self.c_kv_pool, self.k_rope_pool, self.index_keys_pool, self.index_scales_pool]
     return int(sum(a.size * a.dtype.itemsize for a in arrays if a is not None))
 
@@ -366,7 +391,8 @@ class PagedLatentCache(_TableViews):
 
   def gather(self) -> tuple[Float[Array, "B S C"], Float[Array, "B S R"]]:
     """Contiguous ``(c_kv, k_rope)`` ``[B, max_pages * page_size, C|R]`` (reference path)."""
-    return gather_pages(self.c_kv_pool, self.table), gather_pages(self.k_rope_pool, self.table)
+    return (gather_pages(self.c_kv_pool, self.table),
+            gather_pages(self.k_rope_pool, self.table)[..., :self.qk_rope_head_dim])
 
   def gather_index_keys(self) -> tuple[Array, Float[Array, "B S nb"]]:
     """Contiguous indexer ``(keys, scales)`` ``[B, S, d_I]``, ``[B, S, nb]``."""
@@ -391,5 +417,8 @@ def _append_latent(cache: PagedLatentCache, c_kv, k_rope, index_keys, index_scal
   keys, scales = cache.index_keys_pool, cache.index_scales_pool
   if keys is not None:
     keys, scales = _write(keys, page, off, index_keys), _write(scales, page, off, index_scales)
+  pad = cache.k_rope_pool.shape[2] - k_rope.shape[2]                 # zero columns to R_p
+  k_rope = jnp.pad(k_rope, ((0, 0), (0, 0), (0, pad))) if pad else k_rope
   return PagedLatentCache(_write(cache.c_kv_pool, page, off, c_kv),
-                          _write(cache.k_rope_pool, page, off, k_rope), table, keys, scales)
+                          _write(cache.k_rope_pool, page, off, k_rope), table, keys, scales,
+                          cache.rope_dim)

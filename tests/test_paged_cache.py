@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxattn.paged_cache import PagedKVCache, PagedLatentCache, PageTable, gather_pages
+from jaxattn.paged_cache import (PagedKVCache, PagedLatentCache, PageTable, default_rope_align,
+                                 gather_pages)
 
 
 def _owned(table: PageTable) -> list[list[int]]:
@@ -132,6 +133,35 @@ def test_latent_cache_with_indexer_keys():
     cache.append(c_kv, k_rope)
   with pytest.raises(ValueError, match="index_keys"):
     cache.append(c_kv, k_rope, keys.astype(jnp.float32), scales)
+
+
+def test_latent_cache_pads_the_rotated_key_on_tpu(monkeypatch):
+  """On TPU the k^R pool is stored in whole 128-lane rows (zero columns past R); elsewhere
+  unpadded.  The padding is invisible through the cache's interface."""
+  assert PagedLatentCache.init(1, 2, 2, 8, 64).k_rope_pool.shape == (2, 2, 64)   # CPU: exact
+  with monkeypatch.context() as m:
+    m.setattr(jax, "default_backend", lambda: "tpu")
+    assert default_rope_align() == 128
+    assert PagedLatentCache.init(1, 2, 2, 8, 64).k_rope_pool.shape == (2, 2, 128)
+    assert PagedLatentCache.init(1, 2, 2, 8, 130).k_rope_pool.shape == (2, 2, 256)
+  padded = PagedLatentCache.init(2, 4, 3, 5, 2, rope_align=8)
+  plain = PagedLatentCache.init(2, 4, 3, 5, 2)
+  assert padded.qk_rope_head_dim == 2 and padded.k_rope_pool.shape == (4, 3, 8)
+  c_kv = jnp.arange(2 * 4 * 5, dtype=jnp.float32).reshape(2, 4, 5)
+  k_rope = 1.0 + jnp.arange(2 * 4 * 2, dtype=jnp.float32).reshape(2, 4, 2)
+  padded = jax.jit(lambda c, a, b: c.append(a, b, num_tokens=jnp.array([4, 2])))(
+      padded, c_kv, k_rope)
+  plain = plain.append(c_kv, k_rope, num_tokens=jnp.array([4, 2]))
+  assert padded.rope_dim == 2                                   # static: survives jit
+  for got, want in zip(padded.gather(), plain.gather()):
+    np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(padded.k_rope_pool[..., 2:], 0.0)
+  np.testing.assert_array_equal(padded.k_rope_pool[..., :2], plain.k_rope_pool)
+  assert padded.nbytes == 4 * 3 * (5 + 8) * 4                   # as allocated
+  with pytest.raises(ValueError, match="k_rope"):
+    padded.append(c_kv, jnp.ones((2, 4, 8)))                   # R, not the stored width
+  with pytest.raises(ValueError, match="rope_align"):
+    PagedLatentCache.init(1, 2, 2, 8, 64, rope_align=0)
 
 
 def test_errors():

@@ -237,6 +237,7 @@ def paged_mla_decode_xla(q_latent, q_rope, c_kv_pool, k_rope_pool, page_table, l
   latent rows, fp32 softmax over ``q~ . c + q^R . k^R``, weighted sum of ``c``."""
   b, t, n, c = q_latent.shape
   ql, qr = q_latent.astype(_F32), q_rope.astype(_F32)
+  k_rope_pool = k_rope_pool[..., :q_rope.shape[3]]                  # a padded pool: R columns
   if indices is None:
     table = _table(page_table, lengths, c_kv_pool.shape[1])
     ckv = gather_pages(c_kv_pool, table).astype(_F32)               # [B, S, C]
@@ -277,7 +278,10 @@ def paged_mla_decode(
     q_latent: ``[B, T, N, C]`` or ``[B, N, C]``: ``q^C_i (W_up^K_i)^T``, the content query mapped
       into latent space.
     q_rope: ``[B, T, N, R]`` / ``[B, N, R]``: the rotated position query.
-    c_kv_pool: ``[P, page, C]``; k_rope_pool: ``[P, page, R]`` (a ``PagedLatentCache``'s pools).
+    c_kv_pool: ``[P, page, C]``; k_rope_pool: ``[P, page, R_p]`` with ``R_p >= R`` (a
+      ``PagedLatentCache``'s pools; on TPU its ``k^R`` pool is zero-padded to 128 columns so that
+      the kernels read it in place).  Columns past ``R`` must be zero, as the cache keeps them:
+      the kernels multiply them by a zero-padded ``q_rope``; the ``"xla"`` path drops them.
     page_table, lengths: as in ``paged_attention``.
     scale: the softmax scale (MLA's is ``1 / sqrt(P + R)``, not derivable from these shapes).
     indices: sparse (DSA) mode: ``[B, k]`` (or ``[B, T, k]``) selected positions per query,
@@ -301,9 +305,10 @@ def paged_mla_decode(
   r = qr.shape[3]
   if c_kv_pool.ndim != 3 or c_kv_pool.shape[2] != c:
     raise ValueError(f"`c_kv_pool` must be [P, page, C={c}], got {c_kv_pool.shape}.")
-  if k_rope_pool.shape != c_kv_pool.shape[:2] + (r,):
-    raise ValueError(f"`k_rope_pool` must be {c_kv_pool.shape[:2] + (r,)} ([P, page, R]), got "
-                     f"{k_rope_pool.shape}.")
+  if (k_rope_pool.ndim != 3 or k_rope_pool.shape[:2] != c_kv_pool.shape[:2]
+      or k_rope_pool.shape[2] < r):
+    raise ValueError(f"`k_rope_pool` must be [P, page, R_p] = {c_kv_pool.shape[:2]} + (R_p,) "
+                     f"with R_p >= R={r}, got {k_rope_pool.shape}.")
   check_table(page_table, lengths, b, page_size=c_kv_pool.shape[1])
   if scale is None:
     raise ValueError("`scale` is required for MLA (1 / sqrt(P + R), times the YaRN mscale^2).")
@@ -320,6 +325,8 @@ def paged_mla_decode(
     indices = indices.astype(jnp.int32)
   page_table, lengths = page_table.astype(jnp.int32), lengths.astype(jnp.int32)
   impl = resolve_implementation(implementation, sparse=indices is not None)
+  if impl != "xla" and k_rope_pool.shape[2] > r:  # kernels read the padded pool as it is stored
+    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, 0), (0, k_rope_pool.shape[2] - r)))
   if impl == "xla":
     out = paged_mla_decode_xla(ql, qr, c_kv_pool, k_rope_pool, page_table, lengths, scale=scale,
                                indices=indices)

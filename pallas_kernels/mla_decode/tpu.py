@@ -8,7 +8,10 @@ Dense mode, split-KV (flash-decoding), page table and lengths by scalar prefetch
 
     grid (B, S, J)                 b: sequence; s: split-KV partition; j: page in the partition
     q blocks  [T*N, C], [T*N, R]   all heads (rows (t, n)) of sequence b
-    kv blocks [page, C], [page, R] one pool page of c_KV and of k^R
+    kv blocks [page, C], [page, R] one pool page of c_KV and of k^R (R: the pool's width; a
+                                   ``PagedLatentCache`` on TPU stores k^R zero-padded to 128
+                                   columns, and ``paged_mla_decode`` pads q^R to match, so the
+                                   pool is read in place, without a relayout)
     out block [T*N, C] fp32 + lse [T*N, 1]: the partition's partial, merged by ``combine``
 
     logits = scale * (q~ c^T + q^R k^R^T)      [T*N, page]   (fp32)

@@ -66,12 +66,12 @@ def kv_cache(lengths, kh, h=16, hv=32, page=16, dtype=jnp.float32, max_pages=4, 
   return cache.append(key, value, np.asarray(lengths))
 
 
-def latent_cache(lengths, c, r, page=16, dtype=jnp.float32, max_pages=4, seed=0):
+def latent_cache(lengths, c, r, page=16, dtype=jnp.float32, max_pages=4, seed=0, rope_align=1):
   b, s = len(lengths), max(max(lengths), 1)
   num_pages = b * max_pages + 3
   rng = np.random.default_rng(seed)
   cache = PagedLatentCache.init(b, num_pages, page, c, r, max_pages_per_seq=max_pages,
-                                dtype=dtype)
+                                rope_align=rope_align, dtype=dtype)
   pools, order = _scatter(dict(c_kv_pool=cache.c_kv_pool, k_rope_pool=cache.k_rope_pool), rng,
                           num_pages)
   cache = dataclasses.replace(cache, **pools,
@@ -158,12 +158,15 @@ def test_mla_matches_formula_single_and_split(n, t, c, r, dtype):
   np.testing.assert_array_equal(np.asarray(single[1], np.float32), 0.0)
 
 
-def test_mla_dispatch_three_dim_queries():
-  cache = latent_cache(LENGTHS, 32, 16)
+def test_mla_dispatch_three_dim_queries_padded_rope_pool():
+  """Through the dispatch point, with the k^R pool stored in 32 columns for R = 16 (as a TPU
+  cache stores 64 in 128): the kernel reads the padded pool, the reference an unpadded one."""
+  cache = latent_cache(LENGTHS, 32, 16, rope_align=32)
+  assert cache.k_rope_pool.shape[2] == 32
   q = (normal((len(LENGTHS), 4, 32), jnp.float32, 3), normal((len(LENGTHS), 4, 16), jnp.float32, 4))
   got = _mla(q, cache, implementation="pallas_gpu", num_splits=2)
   assert got.shape == (len(LENGTHS), 4, 32)
-  assert_close(got, _mla(q, cache, implementation="xla"), F32_TOL)
+  assert_close(got, _mla(q, latent_cache(LENGTHS, 32, 16), implementation="xla"), F32_TOL)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

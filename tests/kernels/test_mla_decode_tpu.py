@@ -21,12 +21,13 @@ RACES = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
 PAGE, C, R, SCALE = 4, 16, 4, 0.25
 
 
-def cache_for(lengths, dtype=jnp.float32, num_pages=12, max_pages=4, seed=0):
-  """``lengths`` random latent rows in randomly placed pages; empty slots are NaN."""
+def cache_for(lengths, dtype=jnp.float32, num_pages=12, max_pages=4, seed=0, rope_align=1):
+  """``lengths`` random latent rows in randomly placed pages; empty slots are NaN.  ``rope_align``:
+  the ``k^R`` pool's column multiple (8: ``R = 4`` stored in 8 columns, as TPU stores 64 in 128)."""
   b, s = len(lengths), max(max(lengths), 1)
   rng = np.random.default_rng(seed)
   cache = PagedLatentCache.init(b, num_pages, PAGE, C, R, max_pages_per_seq=max_pages,
-                                dtype=dtype)
+                                rope_align=rope_align, dtype=dtype)
   order = jnp.asarray(rng.permutation(num_pages).astype(np.int32))
   cache = dataclasses.replace(
       cache, c_kv_pool=jnp.full_like(cache.c_kv_pool, jnp.nan),
@@ -59,12 +60,14 @@ def test_dense_matches_reference_with_race_detection(race_states):
   assert race_states and not any(st.races_found for st in race_states)
 
 
-@pytest.mark.parametrize("t,dtype", [(1, jnp.bfloat16), (3, jnp.float32)])
-def test_dense_split_kv_ragged(t, dtype):
+@pytest.mark.parametrize("t,dtype,rope_align", [(1, jnp.bfloat16, 1), (3, jnp.float32, 8)])
+def test_dense_split_kv_ragged(t, dtype, rope_align):
   lengths = (9, 0, 2, 16)
-  cache = cache_for(lengths, dtype=dtype, num_pages=16)
+  cache = cache_for(lengths, dtype=dtype, num_pages=16, rope_align=rope_align)
   q = queries(len(lengths), t, 3, dtype=dtype)
-  ref = _call(q, cache, implementation="xla")
+  # The reference on an unpadded cache of the same rows (a padded k^R pool changes nothing).
+  ref = _call(q, cache_for(lengths, dtype=dtype, num_pages=16), implementation="xla")
+  assert cache.k_rope_pool.shape[2] == max(R, rope_align)
   single = _call(q, cache, implementation="pallas_tpu", num_splits=1, interpret=True)
   split = _call(q, cache, implementation="pallas_tpu", num_splits=4, interpret=True)
   assert single.dtype == split.dtype == dtype
@@ -100,12 +103,12 @@ def test_sparse_matches_gather_reference_with_race_detection(race_states):
   assert race_states and not any(st.races_found for st in race_states)
 
 
-def test_sparse_several_queries_bf16():
+def test_sparse_several_queries_bf16_padded_rope_pool():
   lengths = (10, 5)
-  cache = cache_for(lengths, dtype=jnp.bfloat16)
+  cache = cache_for(lengths, dtype=jnp.bfloat16, rope_align=8)
   q = queries(2, 2, 2, dtype=jnp.bfloat16)
   idx = _indices(lengths, 2, 6)                           # [B, T, k]
-  ref = _call(q, cache, indices=idx, implementation="xla")
+  ref = _call(q, cache_for(lengths, dtype=jnp.bfloat16), indices=idx, implementation="xla")
   got = _call(q, cache, indices=idx, implementation="pallas_tpu", interpret=True)
   np.testing.assert_allclose(got.astype(np.float32), ref.astype(np.float32), rtol=2e-2, atol=2e-2)
 

@@ -2,6 +2,7 @@
 contiguous-cache decode and the full pass, ragged batches (a finished sequence freed and a new one
 started beside a running one), the Pallas kernel through the module, errors."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -86,6 +87,24 @@ def test_pallas_kernel_through_the_module(make):
   y_xla, _ = _step(module, cache, x[:, 5:], implementation="xla")
   y_kernel, _ = _step(module, cache, x[:, 5:], implementation="pallas_tpu")  # interpreted on CPU
   np.testing.assert_allclose(y_kernel, y_xla, rtol=2e-5, atol=2e-5)
+
+
+def test_mla_tpu_cache_layout_through_the_module(monkeypatch):
+  """A cache made on TPU stores k^R zero-padded to 128 columns (R = 4 here); prefill and a decode
+  step through the XLA path and the kernel equal those from an unpadded cache."""
+  module, x = mla(), _x(6, seed=4)
+  with monkeypatch.context() as m:
+    m.setattr(jax, "default_backend", lambda: "tpu")
+    padded = module.init_paged_cache(2, num_pages=8, page_size=2)
+  assert padded.k_rope_pool.shape[2] == 128 and padded.qk_rope_head_dim == 4
+  plain = module.init_paged_cache(2, num_pages=8, page_size=2)
+  y_plain, plain = _step(module, plain, x[:, :5])
+  y_padded, padded = _step(module, padded, x[:, :5])
+  np.testing.assert_allclose(y_padded, y_plain, rtol=2e-5, atol=2e-5)
+  ref, _ = _step(module, plain, x[:, 5:], implementation="xla")
+  for impl in ("xla", "pallas_tpu"):
+    got, _ = _step(module, padded, x[:, 5:], implementation=impl)
+    np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5, err_msg=impl)
 
 
 def test_errors():

@@ -115,12 +115,12 @@ def test_soft_cap_scale_and_bf16():
   assert float(jnp.max(jnp.abs(uncapped.astype(jnp.float32) - got.astype(jnp.float32)))) > 0.05
 
 
-def latent_cache(c=12, r=4, seed=1):
+def latent_cache(c=12, r=4, seed=1, rope_align=1):
   b, s = len(LENGTHS), max(LENGTHS)
   rng = np.random.default_rng(seed)
   c_kv = jnp.asarray(rng.standard_normal((b, s, c)), jnp.float32)
   k_rope = jnp.asarray(rng.standard_normal((b, s, r)), jnp.float32)
-  cache = PagedLatentCache.init(b, 12, PAGE, c, r, max_pages_per_seq=4)
+  cache = PagedLatentCache.init(b, 12, PAGE, c, r, max_pages_per_seq=4, rope_align=rope_align)
   cache = dataclasses.replace(cache, table=_shuffled(cache.table, seed))
   cache = cache.append(c_kv, k_rope, num_tokens=np.array(LENGTHS))
   return cache, c_kv, k_rope
@@ -131,12 +131,14 @@ def _normal(seed, *shapes, scale=1.0):
   return [jnp.asarray(scale * rng.standard_normal(sh), jnp.float32) for sh in shapes]
 
 
-@pytest.mark.parametrize("t", [1, 2])
-def test_mla_paged_equals_mla_attention(t):
+@pytest.mark.parametrize("t,rope_align", [(1, 1), (2, 1), (2, 16)])
+def test_mla_paged_equals_mla_attention(t, rope_align):
   """Latent output, up-projected by W_up^V, equals the module formula (naive mode: independent of
-  the absorbed algebra) on each sequence's contiguous latents."""
+  the absorbed algebra) on each sequence's contiguous latents; also with the k^R pool stored
+  zero-padded to 16 columns (the TPU layout's 128 for R = 64, scaled down)."""
   n, p, r, c, hv = 3, 5, 4, 12, 6
-  cache, c_kv, k_rope = latent_cache(c, r)
+  cache, c_kv, k_rope = latent_cache(c, r, rope_align=rope_align)
+  assert cache.k_rope_pool.shape[2] == max(r, rope_align)
   q_nope, q_rope = _normal(7, (len(LENGTHS), t, n, p), (len(LENGTHS), t, n, r))
   w_uk, w_uv = _normal(8, (c, n, p), (c, n, hv), scale=0.4)
   scale = 0.3
@@ -150,9 +152,10 @@ def test_mla_paged_equals_mla_attention(t):
   np.testing.assert_array_equal(got[1], 0.0)
 
 
-def test_sparse_mla_equals_gather_reference():
+@pytest.mark.parametrize("rope_align", [1, 16])
+def test_sparse_mla_equals_gather_reference(rope_align):
   n, p, r, c, hv, k = 3, 5, 4, 12, 6, 5
-  cache, c_kv, k_rope = latent_cache(c, r)
+  cache, c_kv, k_rope = latent_cache(c, r, rope_align=rope_align)
   b = len(LENGTHS)
   q_nope, q_rope = _normal(9, (b, 1, n, p), (b, 1, n, r))
   w_uk, w_uv = _normal(10, (c, n, p), (c, n, hv), scale=0.4)
@@ -217,8 +220,10 @@ def test_dispatch_and_errors():
     paged_mla_decode(ql, qr[:, :2], *largs, scale=0.1)
   with pytest.raises(ValueError, match="c_kv_pool"):
     paged_mla_decode(jnp.ones((len(LENGTHS), 3, 10)), qr, *largs, scale=0.1)
+  with pytest.raises(ValueError, match="k_rope_pool"):        # wider than the pool (R_p = 4)
+    paged_mla_decode(ql, jnp.ones((len(LENGTHS), 3, 6)), *largs, scale=0.1)
   with pytest.raises(ValueError, match="k_rope_pool"):
-    paged_mla_decode(ql, jnp.ones((len(LENGTHS), 3, 2)), *largs, scale=0.1)
+    paged_mla_decode(ql, qr, largs[0], largs[1][:-1], *largs[2:], scale=0.1)
   with pytest.raises(ValueError, match="indices"):
     paged_mla_decode(ql, qr, *largs, scale=0.1, indices=jnp.ones((2, 3), jnp.int32))
   with pytest.raises(ValueError, match="indices"):
