@@ -63,6 +63,7 @@ from tqdm import tqdm
 from experiments.timing import best_time, compile_timed, peak_bytes
 from jaxattn.ops.attention import dot_product_attention
 from jaxattn.ops.decode import paged_attention, paged_mla_decode
+from jaxattn.paged_cache import default_rope_align
 from pallas_kernels.decode_attention import paged_attention_gpu
 from pallas_kernels.mla_decode import paged_mla_decode_gpu
 
@@ -110,7 +111,10 @@ def build_case(kind, b, s, args, dtype, rng):
   itemsize = jnp.dtype(dtype).itemsize
   if kind == "gqa":
     n, kh, h = args.heads, args.kv_heads, args.head_dim
-    (kp, vp), (kc, vc), table = _pools(rng, b, s, args.page_size, [(kh, h), (kh, h)], dtype)
+    # Merged rows [P, page, K * H], as PagedKVCache stores them (the TPU kernel reads them in
+    # place; a [P, page, K, H] pool with heads of 64 would be re-tiled on every step).
+    (kp, vp), (kc, vc), table = _pools(rng, b, s, args.page_size, [(kh * h,), (kh * h,)], dtype)
+    kc, vc = kc.reshape(b, -1, kh, h), vc.reshape(b, -1, kh, h)
     q = jnp.asarray(rng.standard_normal((b, 1, n, h)), dtype)
     nbytes = b * s * kh * 2 * h * itemsize
     fns = {
@@ -126,7 +130,12 @@ def build_case(kind, b, s, args, dtype, rng):
     }
     return fns, nbytes
   n, c, r = args.mla_heads, args.latent, args.rope
-  (cp, rp), (cc, rc), table = _pools(rng, b, s, args.page_size, [(c,), (r,)], dtype)
+  # The k^R pool as PagedLatentCache stores it: zero columns up to a multiple of 128 on TPU (the
+  # bandwidth figures count the C + R useful columns only).
+  align = default_rope_align()
+  (cp, rp), (cc, rc), table = _pools(rng, b, s, args.page_size, [(c,), (-(-r // align) * align,)],
+                                     dtype)
+  rp, rc = rp.at[..., r:].set(0), rc[..., :r]
   ql = jnp.asarray(rng.standard_normal((b, 1, n, c)), dtype)
   qr = jnp.asarray(rng.standard_normal((b, 1, n, r)), dtype)
   scale = 1.0 / math.sqrt(args.mla_qk_dim)

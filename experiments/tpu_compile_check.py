@@ -15,7 +15,8 @@ compiled program's scratch and argument bytes (``memory_analysis()``), and every
 Cases (bf16): flash attention forward at T = 8192 (causal GQA 32/8 x 128, default blocks) and
 forward + backward at T = 4096 with segments, ALiBi and a soft-cap; top-K sparse attention for
 DeepSeek-V3.2 prefill (MLA: 128 heads, 512 + 64 latents; GQA 32/8), 8 tokens selecting 2048 of
-32k; paged decode (GQA with split-KV; absorbed MLA dense and sparse, 2 sequences x 32k); the gated
+32k; paged decode (GQA with split-KV, also heads of 64 and MQA; absorbed MLA dense and sparse,
+2 sequences x 32k); the gated
 delta-rule state pass (fp32, heads of 128, chunks of 64).  And on a 4-chip slice (``data`` 2 x
 ``tensor`` 2), the kernels in ``jax.shard_map`` as a sharded step calls them: flash forward +
 backward, sparse MLA prefill, paged MLA decode.  Exit status 1 if any case failed.
@@ -92,6 +93,10 @@ def cases():
       return jnp.sum(out.astype(jnp.float32))
     return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
+  def gqa_decode(q, k, v, t, n):
+    return paged_attention(q, k, v, t, n, implementation="pallas_tpu", logits_soft_cap=30.0,
+                           num_splits=4, interpret=False)
+
   idx = i32(1, 8, 2048)
   table, lens = i32(2, 512), i32(2)
   # The k^R pool as PagedLatentCache stores it on TPU: 64 columns zero-padded to 128, one lane
@@ -110,11 +115,14 @@ def cases():
       "sparse GQA prefill": (
           lambda q, k, v, i: sparse_attention_tpu(q, k, v, i, interpret=False),
           (bf16(1, 8, 32, 128), bf16(1, 32768, 8, 128), bf16(1, 32768, 8, 128), idx)),
-      "paged GQA decode": (
-          lambda q, k, v, t, n: paged_attention(q, k, v, t, n, implementation="pallas_tpu",
-                                                logits_soft_cap=30.0, num_splits=4,
-                                                interpret=False),
-          (bf16(2, 2, 32, 128), bf16(1024, 64, 8, 128), bf16(1024, 64, 8, 128), table, lens)),
+      # KV pools as PagedKVCache stores them, [P, page, K * H]; heads of 64 (Llama-3.2-1B) and
+      # MQA (Gemma-2B) too, whose [P, page, K, H] pools XLA would re-tile on every step.
+      "paged GQA decode": (gqa_decode, (bf16(2, 2, 32, 128), bf16(1024, 64, 8 * 128),
+                                        bf16(1024, 64, 8 * 128), table, lens)),
+      "paged GQA decode, heads of 64": (gqa_decode, (bf16(2, 1, 32, 64), bf16(1024, 64, 8 * 64),
+                                                      bf16(1024, 64, 8 * 64), table, lens)),
+      "paged MQA decode, heads of 256": (gqa_decode, (bf16(2, 1, 8, 256), bf16(1024, 64, 256),
+                                                       bf16(1024, 64, 256), table, lens)),
       "paged MLA decode": (
           lambda ql, qr, c, kr, t, n: paged_mla_decode(ql, qr, c, kr, t, n, scale=0.07,
                                                        implementation="pallas_tpu", num_splits=4,

@@ -5,7 +5,7 @@ A paged cache keeps one pool of ``P`` pages of ``page_size`` tokens per cache ki
 to sequences as they grow, so memory follows the tokens actually held and sequences of different
 lengths share one batch:
 
-    pool          [P, page, ...]      KV: key [P, page, K, H] and value [P, page, K, h];
+    pool          [P, page, ...]      KV: key [P, page, K * H] and value [P, page, K * h];
                                       MLA: c_kv [P, page, C] and k_rope [P, page, R_p]
                                       (R_p: R rounded up to 128 lanes on TPU, see below);
                                       DSA indexer: keys [P, page, d_I] (int8/fp8/fp32) + scales
@@ -254,12 +254,21 @@ class _TableViews:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache(_TableViews):
-  """Keys and values in pages: ``key_pool [P, page, K, H]``, ``value_pool [P, page, K, h]``, and
-  the ``PageTable`` that maps sequences to pages.  Decode is ``y, cache = attn(x, cache=cache)``."""
+  """Keys and values in pages, the KV heads of a token side by side in one row:
+  ``key_pool [P, page, K * H]``, ``value_pool [P, page, K * h]`` (row ``[k_0 | k_1 | ...]``, the
+  element order of ``[P, page, K, H]``), and the ``PageTable`` that maps sequences to pages.
+  Decode is ``y, cache = attn(x, cache=cache)``.
 
-  key_pool: Float[Array, "P page K H"]
-  value_pool: Float[Array, "P page K h"]
+  Why rows of ``K * H``: on TPU, XLA's default layout for a ``[P, page, K, H]`` array whose minor
+  dimensions are not whole ``(8|16, 128)`` tiles (head size 64, or ``K = 1``: MQA) puts another
+  dimension minor, so a kernel reading its pages re-tiles the whole pool on every decode step
+  (``experiments/tpu_compile_check``).  ``K * H`` is a multiple of 128 for nearly every model
+  (not for MQA with heads of 64)."""
+
+  key_pool: Float[Array, "P page KH"]
+  value_pool: Float[Array, "P page Kh"]
   table: PageTable
+  num_kv_heads: int = dataclasses.field(default=1, metadata=dict(static=True))
 
   @classmethod
   def init(cls, batch: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
@@ -269,9 +278,17 @@ class PagedKVCache(_TableViews):
     _check_positive("PagedKVCache.init", num_kv_heads=num_kv_heads, head_dim=head_dim,
                     v_head_dim=v_head_dim)
     table = PageTable.init(batch, num_pages, page_size, max_pages_per_seq)
-    return cls(key_pool=jnp.zeros((num_pages, page_size, num_kv_heads, head_dim), dtype),
-               value_pool=jnp.zeros((num_pages, page_size, num_kv_heads, v_head_dim), dtype),
-               table=table)
+    return cls(key_pool=jnp.zeros((num_pages, page_size, num_kv_heads * head_dim), dtype),
+               value_pool=jnp.zeros((num_pages, page_size, num_kv_heads * v_head_dim), dtype),
+               table=table, num_kv_heads=int(num_kv_heads))
+
+  @property
+  def head_dim(self) -> int:
+    return self.key_pool.shape[2] // self.num_kv_heads
+
+  @property
+  def v_head_dim(self) -> int:
+    return self.value_pool.shape[2] // self.num_kv_heads
 
   @property
   def nbytes(self) -> int:
@@ -283,13 +300,13 @@ class PagedKVCache(_TableViews):
              num_tokens: Int[Array, "B"] | None = None) -> "PagedKVCache":
     """Writes ``T`` new tokens of every sequence at its length (only the first ``num_tokens[b]``
     of sequence ``b`` when given: ragged prefill), allocating pages as needed."""
-    kp, vp = self.key_pool, self.value_pool
-    if key.ndim != 4 or key.shape[0] != self.table.batch or key.shape[2:] != kp.shape[2:]:
+    kh, h, hv = self.num_kv_heads, self.head_dim, self.v_head_dim
+    if key.ndim != 4 or key.shape[0] != self.table.batch or key.shape[2:] != (kh, h):
       raise ValueError(f"`key` {key.shape} must be [B={self.table.batch}, T, K, H] with "
-                       f"[K, H]={kp.shape[2:]}.")
-    if value.shape[:2] != key.shape[:2] or value.shape[2:] != vp.shape[2:]:
+                       f"[K, H]={(kh, h)}.")
+    if value.shape[:2] != key.shape[:2] or value.shape[2:] != (kh, hv):
       raise ValueError(f"`value` {value.shape} must be [B, T]={key.shape[:2]} + [K, h]="
-                       f"{vp.shape[2:]}.")
+                       f"{(kh, hv)}.")
     return _append_kv(self, key, value, self.table.check_reserve(key.shape[1], num_tokens))
 
   def free(self, done) -> "PagedKVCache":
@@ -298,7 +315,9 @@ class PagedKVCache(_TableViews):
 
   def gather(self) -> tuple[Float[Array, "B S K H"], Float[Array, "B S K h"]]:
     """Contiguous ``(key, value)`` ``[B, max_pages * page_size, K, H|h]`` for the reference path."""
-    return gather_pages(self.key_pool, self.table), gather_pages(self.value_pool, self.table)
+    kh = self.num_kv_heads
+    key, value = gather_pages(self.key_pool, self.table), gather_pages(self.value_pool, self.table)
+    return (key.reshape(key.shape[:2] + (kh, -1)), value.reshape(value.shape[:2] + (kh, -1)))
 
 
 @jax.tree_util.register_dataclass
@@ -406,8 +425,9 @@ class PagedLatentCache(_TableViews):
 @jax.jit
 def _append_kv(cache: PagedKVCache, key, value, counts) -> PagedKVCache:
   table, page, off = _reserve(cache.table, key.shape[1], counts)
-  return PagedKVCache(_write(cache.key_pool, page, off, key),
-                      _write(cache.value_pool, page, off, value), table)
+  merge = lambda x: x.reshape(x.shape[:2] + (-1,))                    # noqa: E731 [B, T, K*H]
+  return PagedKVCache(_write(cache.key_pool, page, off, merge(key)),
+                      _write(cache.value_pool, page, off, merge(value)), table, cache.num_kv_heads)
 
 
 @jax.jit

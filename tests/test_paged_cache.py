@@ -52,6 +52,11 @@ def test_append_gather_round_trip_ragged_against_lists():
   np.testing.assert_array_equal(lens, [len(x) for x in ref_k])
   key, value = cache.gather()
   assert key.shape == (b, 5 * ps, kh, h) and value.shape == (b, 5 * ps, kh, hv)
+  # Stored with a token's KV heads side by side: row [k_0 | k_1 | ...] of the pool.
+  assert cache.key_pool.shape[2:] == (kh * h,) and cache.value_pool.shape[2:] == (kh * hv,)
+  assert (cache.num_kv_heads, cache.head_dim, cache.v_head_dim) == (kh, h, hv)
+  first = cache.key_pool[cache.page_table[0, 0], 0]                  # sequence 0, token 0
+  np.testing.assert_array_equal(first.reshape(kh, h), ref_k[0][0])
   for i in range(b):
     np.testing.assert_array_equal(key[i, :lens[i]], np.stack(ref_k[i]))
     np.testing.assert_array_equal(value[i, :lens[i]], np.stack(ref_v[i]))

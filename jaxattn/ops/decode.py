@@ -3,8 +3,8 @@
 Serving decodes a few new tokens per sequence against a long cache held in pages.  Two ops:
 
 * ``paged_attention``: MHA / GQA / MQA.  ``q [B, T, N, H]`` (or ``[B, N, H]``: ``T = 1``) against
-  ``key_pool [P, page, K, H]`` / ``value_pool [P, page, K, h]`` through ``page_table [B, M]`` and
-  ``lengths [B]``.
+  ``key_pool [P, page, K * H]`` / ``value_pool [P, page, K * h]`` (or the split ``[P, page, K, H]``
+  form) through ``page_table [B, M]`` and ``lengths [B]``.
 * ``paged_mla_decode``: MLA in absorbed form.  The query is already in latent space
   (``q_latent = q^C W_up^K^T [.., N, C]`` plus the rotated ``q_rope [.., N, R]``); every head
   attends to the shared cached rows ``[c_KV, k^R]`` (one MQA key of width ``C + R`` whose first
@@ -139,6 +139,7 @@ def paged_attention_xla(query, key_pool, value_pool, page_table, lengths, *, sca
   b, t, n, h = query.shape
   kh = key_pool.shape[2]
   table = _table(page_table, lengths, key_pool.shape[1])
+  # (4-D pools here: ``paged_attention`` splits merged ``[P, page, K * H]`` rows by head.)
   key = gather_pages(key_pool, table).astype(_F32)                  # [B, S, K, H]
   value = gather_pages(value_pool, table).astype(_F32)              # [B, S, K, h]
   q = query.astype(_F32).reshape(b, t, kh, n // kh, h)              # head n reads KV head n // G
@@ -148,10 +149,30 @@ def paged_attention_xla(query, key_pool, value_pool, page_table, lengths, *, sca
   return out.reshape(b, t, n, value.shape[-1]).astype(query.dtype)
 
 
+def merged_kv_heads(key_pool, value_pool, head_dim: int) -> int:
+  """Checks paged KV pools -- merged ``[P, page, K * H]`` / ``[P, page, K * h]`` or split
+  ``[P, page, K, H]`` / ``[P, page, K, h]`` -- against the query's head size; returns ``K``."""
+  if key_pool.ndim == value_pool.ndim == 4:
+    if key_pool.shape[3] != head_dim or value_pool.shape[:3] != key_pool.shape[:3]:
+      raise ValueError(f"`key_pool` {key_pool.shape} must be [P, page, K, H={head_dim}] and "
+                       f"`value_pool` {value_pool.shape} share its [P, page, K].")
+    return key_pool.shape[2]
+  if key_pool.ndim == value_pool.ndim == 3:
+    kh = key_pool.shape[2] // head_dim
+    if (kh < 1 or key_pool.shape[2] % head_dim or value_pool.shape[:2] != key_pool.shape[:2]
+        or value_pool.shape[2] % kh):
+      raise ValueError(f"`key_pool` {key_pool.shape} must be [P, page, K * H] with H={head_dim} "
+                       f"and `value_pool` {value_pool.shape} [P, page, K * h] on the same pages.")
+    return kh
+  raise ValueError(f"`key_pool` / `value_pool` must be [P, page, K * H] / [P, page, K * h] (or "
+                   f"[P, page, K, H] / [P, page, K, h]), got {key_pool.shape}, "
+                   f"{value_pool.shape}.")
+
+
 def paged_attention(
     query: Float[Array, "B T N H"] | Float[Array, "B N H"],
-    key_pool: Float[Array, "P page K H"],
-    value_pool: Float[Array, "P page K h"],
+    key_pool: Float[Array, "P page KH"] | Float[Array, "P page K H"],
+    value_pool: Float[Array, "P page Kh"] | Float[Array, "P page K h"],
     page_table: Int[Array, "B M"],
     lengths: Int[Array, "B"],
     *,
@@ -166,7 +187,10 @@ def paged_attention(
   Args:
     query: ``[B, T, N, H]`` or ``[B, N, H]`` (one token), ``N % K == 0`` (GQA: head ``n`` reads
       KV head ``n // (N / K)``).
-    key_pool: ``[P, page, K, H]``; value_pool: ``[P, page, K, h]`` (a ``PagedKVCache``'s pools).
+    key_pool: ``[P, page, K * H]`` and value_pool ``[P, page, K * h]`` (a ``PagedKVCache``'s
+      pools: the KV heads of a token side by side in one row, which the TPU kernel reads in
+      place), or ``[P, page, K, H]`` / ``[P, page, K, h]`` (on TPU the kernel then reshapes them,
+      which XLA may do with a copy of the pool when the 4-D layout is not row-major).
     page_table: ``[B, M]`` int32, pool page of each logical page (``-1`` = none).
     lengths: ``[B]`` int32 tokens held per sequence, the new ones included; 0 gives zeros.
     scale: logits scale, default ``1 / sqrt(H)``.
@@ -187,13 +211,7 @@ def paged_attention(
   """
   q, squeeze = _as_4d(query, "query")
   b, t, n, h = q.shape
-  if key_pool.ndim != 4 or value_pool.ndim != 4:
-    raise ValueError(f"`key_pool` / `value_pool` must be [P, page, K, H] / [P, page, K, h], got "
-                     f"{key_pool.shape}, {value_pool.shape}.")
-  if key_pool.shape[3] != h or value_pool.shape[:3] != key_pool.shape[:3]:
-    raise ValueError(f"`key_pool` {key_pool.shape} must be [P, page, K, H={h}] and `value_pool` "
-                     f"{value_pool.shape} share its [P, page, K].")
-  kh = key_pool.shape[2]
+  kh = merged_kv_heads(key_pool, value_pool, h)
   if n % kh:
     raise ValueError(f"query heads N={n} must be a multiple of the KV heads K={kh}.")
   check_table(page_table, lengths, b, page_size=key_pool.shape[1])
@@ -203,6 +221,9 @@ def paged_attention(
   scale = 1.0 / math.sqrt(h) if scale is None else scale
   page_table, lengths = page_table.astype(jnp.int32), lengths.astype(jnp.int32)
   impl = resolve_implementation(implementation)
+  if impl != "pallas_tpu":  # the XLA reference and the GPU kernel index [P, page, K, H]
+    key_pool = key_pool.reshape(key_pool.shape[:2] + (kh, h))
+    value_pool = value_pool.reshape(value_pool.shape[:2] + (kh, -1))
   if impl == "xla":
     out = paged_attention_xla(q, key_pool, value_pool, page_table, lengths, scale=scale,
                               logits_soft_cap=logits_soft_cap)
@@ -341,5 +362,5 @@ def paged_mla_decode(
   return out[:, 0] if squeeze else out
 
 
-__all__ = ["DECODE_IMPLEMENTATIONS", "paged_attention", "paged_attention_xla", "paged_mla_decode",
-           "paged_mla_decode_xla", "resolve_implementation", "sparse_rows"]
+__all__ = ["DECODE_IMPLEMENTATIONS", "merged_kv_heads", "paged_attention", "paged_attention_xla",
+           "paged_mla_decode", "paged_mla_decode_xla", "resolve_implementation", "sparse_rows"]

@@ -244,8 +244,8 @@ def _call(q, key_pool, value_pool, page_table, lengths, *, scale, soft_cap, num_
 
 def paged_attention_gpu(
     query: Float[Array, "B T N H"],
-    key_pool: Float[Array, "P page K H"],
-    value_pool: Float[Array, "P page K h"],
+    key_pool: Float[Array, "P page KH"] | Float[Array, "P page K H"],
+    value_pool: Float[Array, "P page Kh"] | Float[Array, "P page K h"],
     page_table: Int[Array, "B M"],
     lengths: Int[Array, "B"],
     *,
@@ -281,9 +281,15 @@ def paged_attention_gpu(
     ``[B, T, N, h]`` in the query dtype.
   """
   check_splits(num_splits)
+  if query.ndim == 4 and key_pool.ndim == value_pool.ndim == 3:  # merged [P, page, K * H|h]
+    kh = key_pool.shape[2] // query.shape[3]                       # (a free reshape on GPU)
+    if kh >= 1 and key_pool.shape[2] % query.shape[3] == 0 and value_pool.shape[2] % kh == 0:
+      key_pool = key_pool.reshape(key_pool.shape[:2] + (kh, -1))
+      value_pool = value_pool.reshape(value_pool.shape[:2] + (kh, -1))
   if query.ndim != 4 or key_pool.ndim != 4 or value_pool.shape[:3] != key_pool.shape[:3]:
-    raise ValueError(f"`query` must be [B, T, N, H] and the pools [P, page, K, H|h], got "
-                     f"{query.shape}, {key_pool.shape}, {value_pool.shape}.")
+    raise ValueError(f"`query` must be [B, T, N, H] and the pools [P, page, K * H|h] or "
+                     f"[P, page, K, H|h], got {query.shape}, {key_pool.shape}, "
+                     f"{value_pool.shape}.")
   if query.shape[2] % key_pool.shape[2]:
     raise ValueError(f"query heads N={query.shape[2]} must be a multiple of the KV heads "
                      f"K={key_pool.shape[2]}.")

@@ -9,7 +9,9 @@ pool -- pages are never gathered into a contiguous copy.
                                    (J = ceil(M / S)); b, s parallel, j sequential ("arbitrary")
     q block    [K, T*G, H]         the sequence's queries, rows (t, g) per KV head: every query head
                                    of a KV group shares each fetched page
-    k/v block  [page, K, H|h]      one pool page, all KV heads (one contiguous DMA)
+    k/v block  [page, K*H|K*h]     one page of the merged pools [P, page, K*H] (a PagedKVCache's),
+                                   all KV heads (one contiguous DMA); KV head g is the lane
+                                   slice [g*H, (g+1)*H)
     out block  [K, T*G, h]  fp32   the partition's normalized partial output
     lse block  [K, T*G, 1]  fp32   its log-sum-exp (-inf when the partition saw no key)
     scratch    m, l [K, T*G, 1], acc [K, T*G, h]  fp32 online-softmax state
@@ -102,7 +104,8 @@ def default_interpret(interpret):
 def _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref, *,
             scale, soft_cap, num_t, groups, pages_per_split):
   b, s, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  page_size, num_kv = k_ref.shape[0], k_ref.shape[1]
+  page_size, num_kv = k_ref.shape[0], q_ref.shape[0]
+  h, hv = q_ref.shape[2], acc_ref.shape[2]
   length = lens_ref[b]
   start = (s * pages_per_split + j) * page_size       # first position of this page
 
@@ -119,12 +122,12 @@ def _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_ref, l_r
     live = (start + jax.lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)) < length  # [page, 1]
     for kv in range(num_kv):                                               # static: K is small
       q = q_ref[kv].astype(_F32)                                           # [T*G, H]
-      k = k_ref[:, kv, :].astype(_F32)                                     # [page, H]
+      k = k_ref[:, kv * h:(kv + 1) * h].astype(_F32)                       # [page, H]
       logits = dot_t(q, k) * scale                                         # [T*G, page]
       if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
       online_softmax_update(m_ref.at[kv], l_ref.at[kv], acc_ref.at[kv], logits, valid,
-                            jnp.where(live, v_ref[:, kv, :].astype(_F32), 0.0))  # v [page, h]
+                            jnp.where(live, v_ref[:, kv * hv:(kv + 1) * hv].astype(_F32), 0.0))
 
   @pl.when(j == pages_per_split - 1)
   def store():
@@ -136,9 +139,11 @@ def _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_ref, l_r
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "num_splits", "interpret"))
 def _local(q, key_pool, value_pool, page_table, lengths, *, scale, soft_cap, num_splits,
            interpret):
-  """One device's call: ``q [B, T, N, H]`` -> ``[B, T, N, h]``."""
+  """One device's call: ``q [B, T, N, H]`` over merged pools ``[P, page, K * H|h]`` ->
+  ``[B, T, N, h]``."""
   b, t, n, h = q.shape
-  page_size, kh, hv = key_pool.shape[1], key_pool.shape[2], value_pool.shape[3]
+  page_size, kh = key_pool.shape[1], key_pool.shape[2] // h
+  hv = value_pool.shape[2] // kh
   g = n // kh
   m = page_table.shape[1]
   splits = min(num_splits, m)
@@ -148,7 +153,7 @@ def _local(q, key_pool, value_pool, page_table, lengths, *, scale, soft_cap, num
 
   def kv_map(bi, si, ji, lens_ref, table_ref):
     page = page_index(lens_ref, table_ref, bi, si * pps + ji, max_pages=m, page_size=page_size)
-    return (page, 0, 0, 0)
+    return (page, 0, 0)
 
   kernel = functools.partial(_kernel, scale=float(scale), soft_cap=soft_cap, num_t=t, groups=g,
                              pages_per_split=pps)
@@ -158,8 +163,8 @@ def _local(q, key_pool, value_pool, page_table, lengths, *, scale, soft_cap, num
       grid=(b, splits, pps),
       in_specs=[
           pl.BlockSpec((None, kh, rows, h), lambda bi, si, ji, *_: (bi, 0, 0, 0)),  # q
-          pl.BlockSpec((None, page_size, kh, h), kv_map),                          # key page
-          pl.BlockSpec((None, page_size, kh, hv), kv_map),                         # value page
+          pl.BlockSpec((None, page_size, kh * h), kv_map),                         # key page
+          pl.BlockSpec((None, page_size, kh * hv), kv_map),                        # value page
       ],
       out_specs=[
           pl.BlockSpec((None, None, kh, rows, hv), lambda bi, si, ji, *_: (bi, si, 0, 0, 0)),
@@ -184,21 +189,24 @@ def _local(q, key_pool, value_pool, page_table, lengths, *, scale, soft_cap, num
 def run_sharded_gqa(local, args, mesh):
   """``local(query, key_pool, value_pool, page_table, lengths)`` under ``mesh`` (None: the context
   mesh; no mesh or no free axis: called directly): queries, page table and lengths split over the
-  ``"batch"`` axes, queries and pools over ``"kv_heads"`` when both ``N`` and ``K`` divide.  Shared
-  by the TPU and GPU decode kernels."""
+  ``"batch"`` axes, queries and pools over ``"kv_heads"`` when both ``N`` and ``K`` divide.  The
+  pools are ``[P, page, K, H]`` or merged ``[P, page, K * H]`` (K-major rows, so a split of the
+  last axis is a split of the KV heads).  Shared by the TPU and GPU decode kernels."""
   query, key_pool = args[0], args[1]
+  kv_heads = key_pool.shape[2] if key_pool.ndim == 4 else key_pool.shape[2] // query.shape[3]
 
   def specs(mesh):
-    bax, hax = sharded.plan_specs(mesh, query.shape[0], query.shape[2], key_pool.shape[2])
-    return ((P(bax, None, hax, None), P(None, None, hax, None), P(None, None, hax, None),
-             P(bax, None), P(bax)), P(bax, None, hax, None))
+    bax, hax = sharded.plan_specs(mesh, query.shape[0], query.shape[2], kv_heads)
+    pool = P(None, None, hax, None) if key_pool.ndim == 4 else P(None, None, hax)
+    return ((P(bax, None, hax, None), pool, pool, P(bax, None), P(bax)),
+            P(bax, None, hax, None))
 
   return sharded.run_sharded(local, args, mesh, specs)
 
 def paged_attention_tpu(
     query: Float[Array, "B T N H"],
-    key_pool: Float[Array, "P page K H"],
-    value_pool: Float[Array, "P page K h"],
+    key_pool: Float[Array, "P page KH"] | Float[Array, "P page K H"],
+    value_pool: Float[Array, "P page Kh"] | Float[Array, "P page K h"],
     page_table: Int[Array, "B M"],
     lengths: Int[Array, "B"],
     *,
@@ -210,6 +218,10 @@ def paged_attention_tpu(
 ) -> Float[Array, "B T N h"]:
   """``jaxattn.ops.decode.paged_attention`` as a Pallas kernel (arguments checked there).
 
+  The kernel reads merged pools ``[P, page, K * H]`` (a ``PagedKVCache``'s) in place; 4-D pools
+  ``[P, page, K, H]`` are reshaped to that first (on TPU a copy when their layout is not
+  row-major: head size 64, or one KV head).
+
   Under a mesh (``mesh`` or the one set by ``jax.set_mesh``) the call runs in ``jax.shard_map``:
   queries, page table and lengths split over the ``"batch"`` mesh axes, queries and pools over
   the ``"kv_heads"`` axes when both ``N`` and ``K`` divide (whole GQA groups per device).  The
@@ -220,4 +232,7 @@ def paged_attention_tpu(
     raise ValueError(f"`num_splits` must be >= 1, got {num_splits!r}.")
   local = functools.partial(_local, scale=scale, soft_cap=logits_soft_cap, num_splits=num_splits,
                             interpret=interpret)
+  if key_pool.ndim == 4:
+    key_pool = key_pool.reshape(key_pool.shape[:2] + (-1,))
+    value_pool = value_pool.reshape(value_pool.shape[:2] + (-1,))
   return run_sharded_gqa(local, (query, key_pool, value_pool, page_table, lengths), mesh)

@@ -109,6 +109,25 @@ def test_sharded_under_mesh_equals_unsharded():
   np.testing.assert_allclose(got1, _call(q, cache1, implementation="xla"), rtol=1e-5, atol=1e-6)
 
 
+def test_split_pools_and_a_wider_value():
+  """The kernel reads a ``PagedKVCache``'s merged rows ``[P, page, K * H]``, KV head g as the lane
+  slice ``[g*H, (g+1)*H)``; 4-D pools ``[P, page, K, H]`` are reshaped to them first.  Both, with
+  a value head (16) wider than the key head (8), equal the reference."""
+  lengths = (5, 10)
+  cache = cache_for(lengths, kh=2, hv=16)
+  assert cache.key_pool.shape[2:] == (16,) and cache.value_pool.shape[2:] == (32,)
+  q = queries(2, 2, 4)
+  ref = _call(q, cache, implementation="xla")
+  merged = _call(q, cache, implementation="pallas_tpu", interpret=True)
+  split = paged_attention(q, cache.key_pool.reshape(cache.key_pool.shape[:2] + (2, 8)),
+                          cache.value_pool.reshape(cache.value_pool.shape[:2] + (2, 16)),
+                          cache.page_table, cache.lengths, implementation="pallas_tpu",
+                          interpret=True)
+  assert merged.shape == (2, 2, 4, 16)
+  np.testing.assert_allclose(merged, ref, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(split, ref, rtol=1e-5, atol=1e-6)
+
+
 def test_errors():
   cache = cache_for((3,), 1)
   with pytest.raises(ValueError, match="num_splits"):

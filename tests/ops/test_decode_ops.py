@@ -97,6 +97,13 @@ def test_paged_equals_contiguous(n, kh, t):
     got3 = paged_attention(q[:, 0], cache.key_pool, cache.value_pool, cache.page_table,
                            cache.lengths, implementation="xla")
     np.testing.assert_array_equal(got3, got[:, 0])
+  # The cache keeps a token's KV heads side by side ([P, page, K * H]); the split form
+  # [P, page, K, H] of the same pools is accepted too.
+  assert cache.key_pool.shape[2:] == (kh * 8,) and cache.value_pool.shape[2:] == (kh * 6,)
+  split = paged_attention(q, cache.key_pool.reshape(12, PAGE, kh, 8),
+                          cache.value_pool.reshape(12, PAGE, kh, 6), cache.page_table,
+                          cache.lengths, implementation="xla")
+  np.testing.assert_array_equal(split, got)
 
 
 def test_soft_cap_scale_and_bf16():
@@ -197,8 +204,15 @@ def test_dispatch_and_errors():
     paged_attention(jnp.ones((len(LENGTHS), 3, 8)), *args)
   with pytest.raises(ValueError, match="query"):
     paged_attention(jnp.ones((4, 8)), *args)
-  with pytest.raises(ValueError, match="key_pool"):
+  with pytest.raises(ValueError, match="key_pool"):              # K * H = 16: H = 6 divides not
     paged_attention(jnp.ones((len(LENGTHS), 4, 6)), *args)
+  with pytest.raises(ValueError, match="key_pool"):              # K = 2, value width 13
+    paged_attention(q, args[0], jnp.ones((12, PAGE, 13)), *args[2:])
+  with pytest.raises(ValueError, match="key_pool"):              # merged key, split value
+    paged_attention(q, args[0], args[1].reshape(12, PAGE, 2, -1), *args[2:])
+  with pytest.raises(ValueError, match="key_pool"):              # split, with another H
+    paged_attention(q, args[0].reshape(12, PAGE, 4, 4), args[1].reshape(12, PAGE, 4, -1),
+                    *args[2:])
   with pytest.raises(ValueError, match="page_table"):
     paged_attention(q, *args[:2], cache.page_table[:2], cache.lengths)
   with pytest.raises(ValueError, match="lengths"):
