@@ -71,7 +71,8 @@ def big_copies(hlo_text: str, min_bytes: int = 1 << 20) -> list[str]:
 def cases():
   """``name -> (function, argument shapes)``: every kernel called with ``interpret=False``."""
   from jaxattn.ops import masks as M  # noqa: PLC0415
-  from jaxattn.ops.decode import paged_attention, paged_mla_decode  # noqa: PLC0415
+  from jaxattn.ops.decode import (cache_attention, paged_attention,  # noqa: PLC0415
+                                  paged_mla_decode)
   from pallas_kernels.delta_rule.tpu import chunked_delta_rule_tpu  # noqa: PLC0415
   from pallas_kernels.flash_attention import flash_attention_tpu  # noqa: PLC0415
   from pallas_kernels.sparse_attention import (sparse_attention_tpu,  # noqa: PLC0415
@@ -123,6 +124,12 @@ def cases():
                                                       bf16(1024, 64, 8 * 64), table, lens)),
       "paged MQA decode, heads of 256": (gqa_decode, (bf16(2, 1, 8, 256), bf16(1024, 64, 256),
                                                        bf16(1024, 64, 256), table, lens)),
+      # A contiguous KVCache [B, S, K, H] read as pages of itself (what Attention runs on TPU
+      # for a cached step); flash attention would transpose the whole cache every step.
+      "contiguous-cache GQA decode": (
+          lambda q, k, v, n: cache_attention(q, k, v, n, implementation="pallas_tpu",
+                                             num_splits=4, interpret=False),
+          (bf16(8, 1, 32, 128), bf16(8, 8192, 8, 128), bf16(8, 8192, 8, 128), i32(8))),
       "paged MLA decode": (
           lambda ql, qr, c, kr, t, n: paged_mla_decode(ql, qr, c, kr, t, n, scale=0.07,
                                                        implementation="pallas_tpu", num_splits=4,

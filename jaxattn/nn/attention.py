@@ -17,12 +17,16 @@ from jaxattn.nn.norms import RMSNorm
 from jaxattn.nn.positional import T5RelativePositionBias
 from jaxattn.ops.alibi import alibi_slopes
 from jaxattn.ops.attention import dot_product_attention
-from jaxattn.ops.decode import paged_attention
+from jaxattn.ops.decode import cache_attention, paged_attention
 from jaxattn.ops.rope import RopeScaling, apply_rope
 from jaxattn.sharding import shard
 
 PositionKind = Literal["rope", "alibi", "t5", "none"]
 POSITION_KINDS = ("rope", "alibi", "t5", "none")
+
+
+# New tokens per step up to which a contiguous-cache call runs the decode kernel on TPU.
+DECODE_MAX_T = 16
 
 
 class Attention(nnx.Module):
@@ -182,6 +186,20 @@ class Attention(nnx.Module):
     y = shard(self.o_proj(self._gate(x, out.astype(q.dtype))), ("batch", "length", "act_embed"))
     return y, cache
 
+  def _decode_kernel(self, t, cache: KVCache, mask, implementation) -> bool:
+    """Whether a step with a contiguous cache runs the paged decode kernel over it
+    (``jaxattn.ops.decode.cache_attention``): on TPU (or with ``implementation="pallas_tpu"``),
+    for up to ``DECODE_MAX_T`` new tokens of a causal layer without a window, ALiBi, relative
+    bias or extra mask, over a cache whose length is a multiple of 16.  The flash kernel would
+    get the cache in its head-major layout, which XLA makes by transposing the whole cache on
+    every step; the decode kernel reads each valid block once, in place."""
+    impl = implementation or self.implementation
+    if impl is None:
+      impl = "pallas_tpu" if jax.default_backend() == "tpu" else None
+    return (impl == "pallas_tpu" and t <= DECODE_MAX_T and self.causal and mask is None
+            and self.sliding_window is None and self.position != "alibi"
+            and self.rel_bias is None and cache.max_len % 16 == 0)
+
   def cache_bytes(self, seq_len: int, batch: int = 1, dtype=jnp.bfloat16) -> int:
     """KV cache bytes of this layer for ``seq_len`` tokens: the seed's ``2 x n x h_kv x d x bytes``."""
     return batch * seq_len * kv_cache_bytes_per_token(self.num_kv_heads, self.head_dim, dtype,
@@ -236,8 +254,15 @@ class Attention(nnx.Module):
         k, v = k.astype(q.dtype), v.astype(q.dtype)
       else:
         cache = cache.update(k, v)
-        k, v = cache.key.astype(q.dtype), cache.value.astype(q.dtype)
         kv_lengths = jnp.full((b,), cache.index, jnp.int32)
+        if self._decode_kernel(t, cache, mask, implementation):
+          q = shard(q, ("batch", "length", "act_heads", "head_dim"))
+          out = cache_attention(q, cache.key, cache.value, kv_lengths,
+                                scale=self.attention_scale, logits_soft_cap=self.logits_soft_cap,
+                                implementation="pallas_tpu")
+          y = shard(self.o_proj(self._gate(x, out)), ("batch", "length", "act_embed"))
+          return y, cache
+        k, v = cache.key.astype(q.dtype), cache.value.astype(q.dtype)
     q = shard(q, ("batch", "length", "act_heads", "head_dim"))
     bias = None
     if self.rel_bias is not None:

@@ -189,8 +189,9 @@ def paged_attention(
       KV head ``n // (N / K)``).
     key_pool: ``[P, page, K * H]`` and value_pool ``[P, page, K * h]`` (a ``PagedKVCache``'s
       pools: the KV heads of a token side by side in one row, which the TPU kernel reads in
-      place), or ``[P, page, K, H]`` / ``[P, page, K, h]`` (on TPU the kernel then reshapes them,
-      which XLA may do with a copy of the pool when the 4-D layout is not row-major).
+      place), or ``[P, page, K, H]`` / ``[P, page, K, h]`` (read in place too; but on TPU, XLA's
+      default layout for such a pool with heads of 64 or one KV head is not row-major, and XLA
+      then re-tiles the pool before the kernel on every call).
     page_table: ``[B, M]`` int32, pool page of each logical page (``-1`` = none).
     lengths: ``[B]`` int32 tokens held per sequence, the new ones included; 0 gives zeros.
     scale: logits scale, default ``1 / sqrt(H)``.
@@ -238,6 +239,73 @@ def paged_attention(
                               logits_soft_cap=logits_soft_cap, num_splits=num_splits or 1,
                               interpret=interpret)
   return out[:, 0] if squeeze else out
+
+
+def cache_attention(
+    query: Float[Array, "B T N H"] | Float[Array, "B N H"],
+    key: Float[Array, "B S K H"],
+    value: Float[Array, "B S K h"],
+    lengths: Int[Array, "B"],
+    *,
+    scale: float | None = None,
+    logits_soft_cap: float | None = None,
+    num_splits: int | None = None,
+    implementation: DecodeImplementation | None = None,
+    interpret=None,
+) -> Float[Array, "B T N h"] | Float[Array, "B N h"]:
+  """``paged_attention`` over a contiguous cache (a ``KVCache``'s ``key`` / ``value``).
+
+  ``key [B, S, K, H]`` / ``value [B, S, K, h]`` hold ``lengths[b]`` tokens of sequence ``b`` (the
+  new ones included); the ``T`` queries are its last ``T`` tokens, exactly as in
+  ``paged_attention``.  The cache is read as pages of itself (``[B * S / page, page, K, H]``, a
+  reshape that only splits ``S``, and an identity page table), so the decode kernels serve it:
+  ``"pallas_tpu"`` (the default on TPU; ``S`` a multiple of 16) reads each valid page once, in
+  place, where flash attention's head-major layout costs a transpose of the whole cache per step;
+  ``"pallas_gpu"`` likewise; ``"xla"`` (the default elsewhere) is ``paged_attention_xla`` with one
+  page per sequence.  Arguments as in ``paged_attention``.
+  """
+  q, squeeze = _as_4d(query, "query")
+  b, t, n, h = q.shape
+  if key.ndim != 4 or key.shape[0] != b or key.shape[3] != h:
+    raise ValueError(f"`key` must be [B={b}, S, K, H={h}], got shape {key.shape}.")
+  if value.ndim != 4 or value.shape[:3] != key.shape[:3]:
+    raise ValueError(f"`value` must be [B, S, K]={key.shape[:3]} + [h], got shape {value.shape}.")
+  impl = resolve_implementation(implementation)
+  s = key.shape[1]
+  page = s if impl == "xla" else view_page_size(s)
+  if page is None:
+    raise ValueError(f"implementation={impl!r} reads the cache as pages of 16 or more tokens: "
+                     f"its length S={s} must be a multiple of 16 (or use implementation='xla').")
+  m = s // page
+  table = jnp.arange(b * m, dtype=jnp.int32).reshape(b, m)
+  key_pages = key.reshape((b * m, page) + key.shape[2:])
+  value_pages = value.reshape((b * m, page) + value.shape[2:])
+  if impl != "pallas_tpu":
+    out = paged_attention(q, key_pages, value_pages, table, lengths, scale=scale,
+                          logits_soft_cap=logits_soft_cap, num_splits=num_splits,
+                          implementation=impl, interpret=interpret)
+    return out[:, 0] if squeeze else out
+  # The same checks as paged_attention, then the kernel on the 4-D cache (its shard_map splits
+  # the cache over batch; the page view is taken on each device).
+  kh = merged_kv_heads(key_pages, value_pages, h)
+  if n % kh:
+    raise ValueError(f"query heads N={n} must be a multiple of the KV heads K={kh}.")
+  check_table(table, lengths, b, page_size=page)
+  _check_scale("scale", scale)
+  _check_scale("logits_soft_cap", logits_soft_cap)
+  _check_splits(num_splits)
+  from pallas_kernels.decode_attention.tpu import contiguous_attention_tpu  # noqa: PLC0415
+  out = contiguous_attention_tpu(q, key, value, lengths.astype(jnp.int32),
+                                 scale=1.0 / math.sqrt(h) if scale is None else scale,
+                                 logits_soft_cap=logits_soft_cap, num_splits=num_splits or 1,
+                                 interpret=interpret)
+  return out[:, 0] if squeeze else out
+
+
+def view_page_size(length: int) -> int | None:
+  """Tokens per page when a contiguous cache of ``length`` slots is read as pages of itself: the
+  largest of 512, 256, ..., 16 that divides it (None: none does)."""
+  return next((p for p in (512, 256, 128, 64, 32, 16) if length % p == 0), None)
 
 
 def sparse_rows(indices, page_table, lengths, page_size):
@@ -362,5 +430,6 @@ def paged_mla_decode(
   return out[:, 0] if squeeze else out
 
 
-__all__ = ["DECODE_IMPLEMENTATIONS", "merged_kv_heads", "paged_attention", "paged_attention_xla",
-           "paged_mla_decode", "paged_mla_decode_xla", "resolve_implementation", "sparse_rows"]
+__all__ = ["DECODE_IMPLEMENTATIONS", "cache_attention", "merged_kv_heads", "paged_attention",
+           "paged_attention_xla", "paged_mla_decode", "paged_mla_decode_xla",
+           "resolve_implementation", "sparse_rows", "view_page_size"]

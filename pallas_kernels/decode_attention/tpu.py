@@ -11,7 +11,8 @@ pool -- pages are never gathered into a contiguous copy.
                                    of a KV group shares each fetched page
     k/v block  [page, K*H|K*h]     one page of the merged pools [P, page, K*H] (a PagedKVCache's),
                                    all KV heads (one contiguous DMA); KV head g is the lane
-                                   slice [g*H, (g+1)*H)
+                                   slice [g*H, (g+1)*H).  Split pools [P, page, K, H] are read
+                                   in blocks [page, K, H] (a contiguous cache's page view)
     out block  [K, T*G, h]  fp32   the partition's normalized partial output
     lse block  [K, T*G, 1]  fp32   its log-sum-exp (-inf when the partition saw no key)
     scratch    m, l [K, T*G, 1], acc [K, T*G, h]  fp32 online-softmax state
@@ -38,6 +39,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
+from jaxattn.ops.decode import view_page_size
 from pallas_kernels.flash_attention import sharded
 from pallas_kernels.flash_attention.common import reset_online_softmax
 
@@ -106,6 +108,7 @@ def _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_ref, l_r
   b, s, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   page_size, num_kv = k_ref.shape[0], q_ref.shape[0]
   h, hv = q_ref.shape[2], acc_ref.shape[2]
+  merged = len(k_ref.shape) == 2                      # [page, K*H] rows, else [page, K, H]
   length = lens_ref[b]
   start = (s * pages_per_split + j) * page_size       # first position of this page
 
@@ -122,12 +125,16 @@ def _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_ref, l_r
     live = (start + jax.lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)) < length  # [page, 1]
     for kv in range(num_kv):                                               # static: K is small
       q = q_ref[kv].astype(_F32)                                           # [T*G, H]
-      k = k_ref[:, kv * h:(kv + 1) * h].astype(_F32)                       # [page, H]
+      if merged:
+        k, v = k_ref[:, kv * h:(kv + 1) * h], v_ref[:, kv * hv:(kv + 1) * hv]  # [page, H|h]
+      else:
+        k, v = k_ref[:, kv, :], v_ref[:, kv, :]
+      k = k.astype(_F32)
       logits = dot_t(q, k) * scale                                         # [T*G, page]
       if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
       online_softmax_update(m_ref.at[kv], l_ref.at[kv], acc_ref.at[kv], logits, valid,
-                            jnp.where(live, v_ref[:, kv * hv:(kv + 1) * hv].astype(_F32), 0.0))
+                            jnp.where(live, v.astype(_F32), 0.0))
 
   @pl.when(j == pages_per_split - 1)
   def store():
@@ -139,11 +146,12 @@ def _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_ref, l_r
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "num_splits", "interpret"))
 def _local(q, key_pool, value_pool, page_table, lengths, *, scale, soft_cap, num_splits,
            interpret):
-  """One device's call: ``q [B, T, N, H]`` over merged pools ``[P, page, K * H|h]`` ->
-  ``[B, T, N, h]``."""
+  """One device's call: ``q [B, T, N, H]`` over merged pools ``[P, page, K * H|h]`` or split
+  ones ``[P, page, K, H|h]``, each read in place in its own layout -> ``[B, T, N, h]``."""
   b, t, n, h = q.shape
-  page_size, kh = key_pool.shape[1], key_pool.shape[2] // h
-  hv = value_pool.shape[2] // kh
+  page_size = key_pool.shape[1]
+  kh = key_pool.shape[2] if key_pool.ndim == 4 else key_pool.shape[2] // h
+  hv = value_pool.shape[-1] if value_pool.ndim == 4 else value_pool.shape[2] // kh
   g = n // kh
   m = page_table.shape[1]
   splits = min(num_splits, m)
@@ -153,7 +161,7 @@ def _local(q, key_pool, value_pool, page_table, lengths, *, scale, soft_cap, num
 
   def kv_map(bi, si, ji, lens_ref, table_ref):
     page = page_index(lens_ref, table_ref, bi, si * pps + ji, max_pages=m, page_size=page_size)
-    return (page, 0, 0)
+    return (page,) + (0,) * (key_pool.ndim - 1)
 
   kernel = functools.partial(_kernel, scale=float(scale), soft_cap=soft_cap, num_t=t, groups=g,
                              pages_per_split=pps)
@@ -163,8 +171,8 @@ def _local(q, key_pool, value_pool, page_table, lengths, *, scale, soft_cap, num
       grid=(b, splits, pps),
       in_specs=[
           pl.BlockSpec((None, kh, rows, h), lambda bi, si, ji, *_: (bi, 0, 0, 0)),  # q
-          pl.BlockSpec((None, page_size, kh * h), kv_map),                         # key page
-          pl.BlockSpec((None, page_size, kh * hv), kv_map),                        # value page
+          pl.BlockSpec((None,) + key_pool.shape[1:], kv_map),                      # key page
+          pl.BlockSpec((None,) + value_pool.shape[1:], kv_map),                    # value page
       ],
       out_specs=[
           pl.BlockSpec((None, None, kh, rows, hv), lambda bi, si, ji, *_: (bi, si, 0, 0, 0)),
@@ -218,9 +226,11 @@ def paged_attention_tpu(
 ) -> Float[Array, "B T N h"]:
   """``jaxattn.ops.decode.paged_attention`` as a Pallas kernel (arguments checked there).
 
-  The kernel reads merged pools ``[P, page, K * H]`` (a ``PagedKVCache``'s) in place; 4-D pools
-  ``[P, page, K, H]`` are reshaped to that first (on TPU a copy when their layout is not
-  row-major: head size 64, or one KV head).
+  The kernel reads merged pools ``[P, page, K * H]`` (a ``PagedKVCache``'s) in blocks
+  ``[page, K * H]``, KV head ``g`` as a lane slice, and split pools ``[P, page, K, H]`` in blocks
+  ``[page, K, H]``; both in place.  (XLA's default TPU layout of a split pool with heads of 64 or
+  one KV head is not row-major, and then XLA re-tiles the pool before the kernel on every call:
+  keep those merged.)
 
   Under a mesh (``mesh`` or the one set by ``jax.set_mesh``) the call runs in ``jax.shard_map``:
   queries, page table and lengths split over the ``"batch"`` mesh axes, queries and pools over
@@ -232,7 +242,47 @@ def paged_attention_tpu(
     raise ValueError(f"`num_splits` must be >= 1, got {num_splits!r}.")
   local = functools.partial(_local, scale=scale, soft_cap=logits_soft_cap, num_splits=num_splits,
                             interpret=interpret)
-  if key_pool.ndim == 4:
-    key_pool = key_pool.reshape(key_pool.shape[:2] + (-1,))
-    value_pool = value_pool.reshape(value_pool.shape[:2] + (-1,))
   return run_sharded_gqa(local, (query, key_pool, value_pool, page_table, lengths), mesh)
+
+
+def contiguous_attention_tpu(
+    query: Float[Array, "B T N H"],
+    key: Float[Array, "B S K H"],
+    value: Float[Array, "B S K h"],
+    lengths: Int[Array, "B"],
+    *,
+    scale: float,
+    logits_soft_cap: float | None = None,
+    num_splits: int = 1,
+    interpret=None,
+    mesh=None,
+) -> Float[Array, "B T N h"]:
+  """``jaxattn.ops.decode.cache_attention`` as the paged kernel over a contiguous cache.
+
+  The cache ``[B, S, K, H]`` is read as ``S / page`` pages per sequence (``view_page_size(S)``
+  keys each): a reshape to ``[B * S / page, page, K, H]`` that only splits ``S``, so XLA moves no
+  byte, and an identity page table.  The kernel reads each valid page once, in place -- unlike
+  flash attention, whose head-major layout makes XLA transpose the whole cache on every decode
+  step.  Under a mesh: ``jax.shard_map`` with queries, cache and lengths split over the
+  ``"batch"`` axes and the heads over ``"kv_heads"`` when ``N`` and ``K`` divide.
+  """
+  if num_splits < 1:
+    raise ValueError(f"`num_splits` must be >= 1, got {num_splits!r}.")
+  page = view_page_size(key.shape[1])
+  if page is None:
+    raise ValueError(f"the cache length S={key.shape[1]} must be a multiple of 16 to be read "
+                     "as pages in place.")
+
+  def local(q, k, v, lens):
+    b, m = q.shape[0], k.shape[1] // page
+    table = jnp.arange(b * m, dtype=jnp.int32).reshape(b, m)
+    return _local(q, k.reshape((b * m, page) + k.shape[2:]),
+                  v.reshape((b * m, page) + v.shape[2:]), table, lens, scale=scale,
+                  soft_cap=logits_soft_cap, num_splits=num_splits, interpret=interpret)
+
+  def specs(mesh):
+    bax, hax = sharded.plan_specs(mesh, query.shape[0], query.shape[2], key.shape[2])
+    heads = P(bax, None, hax, None)
+    return (heads, heads, heads, P(bax)), heads
+
+  return sharded.run_sharded(local, [query, key, value, lengths.astype(jnp.int32)], mesh, specs)

@@ -111,8 +111,8 @@ def test_sharded_under_mesh_equals_unsharded():
 
 def test_split_pools_and_a_wider_value():
   """The kernel reads a ``PagedKVCache``'s merged rows ``[P, page, K * H]``, KV head g as the lane
-  slice ``[g*H, (g+1)*H)``; 4-D pools ``[P, page, K, H]`` are reshaped to them first.  Both, with
-  a value head (16) wider than the key head (8), equal the reference."""
+  slice ``[g*H, (g+1)*H)``, and 4-D pools ``[P, page, K, H]`` in ``[page, K, H]`` blocks.  Both,
+  with a value head (16) wider than the key head (8), equal the reference."""
   lengths = (5, 10)
   cache = cache_for(lengths, kh=2, hv=16)
   assert cache.key_pool.shape[2:] == (16,) and cache.value_pool.shape[2:] == (32,)
