@@ -16,7 +16,7 @@ Cases (bf16): flash attention forward at T = 8192 (causal GQA 32/8 x 128, defaul
 forward + backward at T = 4096 with segments, ALiBi and a soft-cap; top-K sparse attention for
 DeepSeek-V3.2 prefill (MLA: 128 heads, 512 + 64 latents; GQA 32/8), 8 tokens selecting 2048 of
 32k; paged decode (GQA with split-KV, also heads of 64 and MQA; absorbed MLA dense and sparse,
-2 sequences x 32k); the gated
+2 sequences x 32k); decode over contiguous GQA and MLA caches (8 x 8k); the gated
 delta-rule state pass (fp32, heads of 128, chunks of 64).  And on a 4-chip slice (``data`` 2 x
 ``tensor`` 2), the kernels in ``jax.shard_map`` as a sharded step calls them: flash forward +
 backward, sparse MLA prefill, paged MLA decode.  Exit status 1 if any case failed.
@@ -71,8 +71,8 @@ def big_copies(hlo_text: str, min_bytes: int = 1 << 20) -> list[str]:
 def cases():
   """``name -> (function, argument shapes)``: every kernel called with ``interpret=False``."""
   from jaxattn.ops import masks as M  # noqa: PLC0415
-  from jaxattn.ops.decode import (cache_attention, paged_attention,  # noqa: PLC0415
-                                  paged_mla_decode)
+  from jaxattn.ops.decode import (cache_attention, cache_mla_decode,  # noqa: PLC0415
+                                  paged_attention, paged_mla_decode)
   from pallas_kernels.delta_rule.tpu import chunked_delta_rule_tpu  # noqa: PLC0415
   from pallas_kernels.flash_attention import flash_attention_tpu  # noqa: PLC0415
   from pallas_kernels.sparse_attention import (sparse_attention_tpu,  # noqa: PLC0415
@@ -130,6 +130,11 @@ def cases():
           lambda q, k, v, n: cache_attention(q, k, v, n, implementation="pallas_tpu",
                                              num_splits=4, interpret=False),
           (bf16(8, 1, 32, 128), bf16(8, 8192, 8, 128), bf16(8, 8192, 8, 128), i32(8))),
+      # A contiguous LatentCache as allocated on TPU: rows [c_KV 512 | k^R 64 | 64 zeros].
+      "contiguous-cache MLA decode": (
+          lambda ql, qr, kv, n: cache_mla_decode(ql, qr, kv, n, scale=0.07, num_splits=4,
+                                                 implementation="pallas_tpu", interpret=False),
+          (bf16(8, 1, 16, 512), bf16(8, 1, 16, 64), bf16(8, 8192, 640), i32(8))),
       "paged MLA decode": (
           lambda ql, qr, c, kr, t, n: paged_mla_decode(ql, qr, c, kr, t, n, scale=0.07,
                                                        implementation="pallas_tpu", num_splits=4,

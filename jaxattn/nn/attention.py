@@ -17,16 +17,12 @@ from jaxattn.nn.norms import RMSNorm
 from jaxattn.nn.positional import T5RelativePositionBias
 from jaxattn.ops.alibi import alibi_slopes
 from jaxattn.ops.attention import dot_product_attention
-from jaxattn.ops.decode import cache_attention, paged_attention
+from jaxattn.ops.decode import DECODE_MAX_T, cache_attention, paged_attention
 from jaxattn.ops.rope import RopeScaling, apply_rope
 from jaxattn.sharding import shard
 
 PositionKind = Literal["rope", "alibi", "t5", "none"]
 POSITION_KINDS = ("rope", "alibi", "t5", "none")
-
-
-# New tokens per step up to which a contiguous-cache call runs the decode kernel on TPU.
-DECODE_MAX_T = 16
 
 
 class Attention(nnx.Module):

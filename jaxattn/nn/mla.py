@@ -17,6 +17,7 @@ training, absorbed for decode.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -27,7 +28,7 @@ from jaxattn.mla_cache import LatentCache
 from jaxattn.paged_cache import PagedLatentCache
 from jaxattn.nn.linear import Einsum, effective_kernel
 from jaxattn.nn.norms import RMSNorm
-from jaxattn.ops.decode import paged_mla_decode
+from jaxattn.ops.decode import DECODE_MAX_T, cache_mla_decode, paged_mla_decode
 from jaxattn.ops.mla import MODES, Mode, mla_attention, mla_score_terms, mla_softmax_scale
 from jaxattn.ops.rope import RopeScaling, apply_rope
 from jaxattn.sharding import shard
@@ -181,18 +182,36 @@ class MLA(nnx.Module):
     """``o_proj`` of absorbed attention over a paged latent cache (``indices``: DSA's selected
     positions, or None for dense): the query goes to latent space, ``paged_mla_decode`` attends,
     ``W_up^V`` maps back."""
+    impl = implementation or self.implementation
+    impl = "xla" if impl == "xla_chunked" else impl  # the dense backends' XLA name
+    return self._absorbed(q_nope, lambda q_latent: paged_mla_decode(
+        q_latent, q_rope, cache.c_kv_pool, cache.k_rope_pool, cache.page_table, lengths,
+        scale=self.scale, indices=indices, implementation=impl))
+
+  def _absorbed(self, q_nope, attend):
+    """``o_proj`` of absorbed attention: the query goes to latent space, ``attend(q_latent)``
+    returns the latent output ``[B, T, N, C]``, ``W_up^V`` maps it back."""
     dt = q_nope.dtype
     w_uk, w_uv = effective_kernel(self.k_up).astype(dt), effective_kernel(self.v_up).astype(dt)
     # q^C_i . (c W_up^K_i) = (q^C_i W_up^K_i^T) . c: the query goes to latent space once.
     q_latent = jnp.einsum("btnp,cnp->btnc", q_nope, w_uk, preferred_element_type=jnp.float32)
-    impl = implementation or self.implementation
-    impl = "xla" if impl == "xla_chunked" else impl  # the dense backends' XLA name
-    o_latent = paged_mla_decode(q_latent.astype(dt), q_rope, cache.c_kv_pool, cache.k_rope_pool,
-                                cache.page_table, lengths, scale=self.scale, indices=indices,
-                                implementation=impl)                        # [B, T, N, C]
+    o_latent = attend(q_latent.astype(dt))                                # [B, T, N, C]
     out = jnp.einsum("btnc,cnh->btnh", o_latent.astype(dt), w_uv,
                      preferred_element_type=jnp.float32).astype(dt)
     return shard(self.o_proj(out), ("batch", "length", "act_embed"))
+
+  def _decode_kernel(self, t, mode, mask, implementation, cache: LatentCache) -> bool:
+    """Whether a step with a contiguous ``LatentCache`` runs the dense MLA decode kernel over its
+    buffer (``jaxattn.ops.decode.cache_mla_decode``): on TPU (or with
+    ``implementation="pallas_tpu"``), absorbed mode, up to ``DECODE_MAX_T`` new tokens of a
+    causal layer without an extra mask, a cache length that is a multiple of 16.  The other path
+    concatenates ``[c_KV, k^R]`` and hands it to flash attention in its head-major layout:
+    copies of the whole cache on every step."""
+    impl = implementation or self.implementation
+    if impl is None:
+      impl = "pallas_tpu" if jax.default_backend() == "tpu" else None
+    return (impl == "pallas_tpu" and mode == "absorbed" and t <= DECODE_MAX_T and self.causal
+            and mask is None and cache.max_len % 16 == 0)
 
   def cache_bytes(self, seq_len: int, batch: int = 1, dtype=jnp.bfloat16) -> int:
     """Latent cache bytes of this layer for ``seq_len`` tokens: ``(C + R) x bytes`` per token."""
@@ -265,8 +284,12 @@ class MLA(nnx.Module):
     kv_lengths = None
     if cache is not None:
       cache = cache.update(c_kv, k_rope)
-      c_kv, k_rope = cache.c_kv.astype(q_nope.dtype), cache.k_rope.astype(q_nope.dtype)
       kv_lengths = jnp.full((b,), cache.index, jnp.int32)
+      if self._decode_kernel(t, mode, mask, implementation, cache):
+        return self._absorbed(q_nope, lambda q_latent: cache_mla_decode(
+            q_latent, q_rope, cache.kv, kv_lengths, scale=self.scale,
+            implementation="pallas_tpu")), cache
+      c_kv, k_rope = cache.c_kv.astype(q_nope.dtype), cache.k_rope.astype(q_nope.dtype)
     w_uk, w_uv = effective_kernel(self.k_up), effective_kernel(self.v_up)
     out = mla_attention(
         q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, mask,

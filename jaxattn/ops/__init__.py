@@ -5,7 +5,8 @@ from jaxattn.ops.attention import (IMPLEMENTATIONS, attention_weights, dot_produ
                                    explain_dispatch)
 from jaxattn.ops.masks import (CausalMask, FullMask, GlobalTokensMask, Mask, PaddingMask,
                                SegmentMask, SlidingWindowMask, make_mask, sliding_window)
-from jaxattn.ops.decode import cache_attention, paged_attention, paged_mla_decode
+from jaxattn.ops.decode import (cache_attention, cache_mla_decode, paged_attention,
+                                paged_mla_decode)
 from jaxattn.ops.delta_rule import gated_delta_rule, gated_delta_rule_step
 from jaxattn.ops.hadamard import hadamard_transform
 from jaxattn.ops.hyper import sinkhorn
@@ -28,5 +29,5 @@ __all__ = [
     "t5_relative_position_bucket", "yarn_mscale", "absorb_output_weights", "absorb_query_weights",
     "mla_attention", "mla_score_terms", "mla_softmax_scale", "sinkhorn", "quantize_nf4",
     "dequantize_nf4", "hadamard_transform", "dequantize", "quantize_fp8", "quantize_int8",
-    "gated_delta_rule", "gated_delta_rule_step", "cache_attention", "paged_attention", "paged_mla_decode", "indexer_kl_loss", "indexer_scores", "sparse_attention", "sparse_mla_attention", "topk_indices",
+    "gated_delta_rule", "gated_delta_rule_step", "cache_attention", "cache_mla_decode", "paged_attention", "paged_mla_decode", "indexer_kl_loss", "indexer_scores", "sparse_attention", "sparse_mla_attention", "topk_indices",
 ]

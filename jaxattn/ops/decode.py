@@ -48,6 +48,9 @@ DecodeImplementation = Literal["xla", "pallas_tpu", "pallas_gpu"]
 DECODE_IMPLEMENTATIONS: tuple[str, ...] = ("xla", "pallas_tpu", "pallas_gpu")
 
 _F32 = jnp.float32
+# New tokens per step up to which ``Attention`` / ``MLA`` send a step with a contiguous cache to
+# ``cache_attention`` / ``cache_mla_decode`` on TPU (more: prefill, which flash attention serves).
+DECODE_MAX_T = 16
 
 
 def resolve_implementation(implementation, *, sparse: bool = False) -> str:
@@ -302,6 +305,66 @@ def cache_attention(
   return out[:, 0] if squeeze else out
 
 
+def cache_mla_decode(
+    q_latent: Float[Array, "B T N C"] | Float[Array, "B N C"],
+    q_rope: Float[Array, "B T N R"] | Float[Array, "B N R"],
+    kv: Float[Array, "B S W"],
+    lengths: Int[Array, "B"],
+    *,
+    scale: float,
+    num_splits: int | None = None,
+    implementation: DecodeImplementation | None = None,
+    interpret=None,
+) -> Float[Array, "B T N C"] | Float[Array, "B N C"]:
+  """``paged_mla_decode`` over a contiguous latent cache (a ``LatentCache``'s ``kv`` buffer).
+
+  ``kv [B, S, C + R_p]`` holds rows ``[c_KV | k^R | zeros]`` (``R_p >= R``; the ``LatentCache``
+  layout) of ``lengths[b]`` tokens; the ``T`` queries are each sequence's last ``T`` tokens, as in
+  ``paged_mla_decode``.  ``"pallas_tpu"`` (the default on TPU; ``S`` a multiple of 16) runs the
+  dense MLA decode kernel over the buffer read as pages of itself, in place when ``R_p`` is a
+  multiple of 128 and ``C`` of ``R_p`` (what a ``LatentCache`` allocates on TPU); ``"pallas_gpu"``
+  and ``"xla"`` (the default elsewhere) run ``paged_mla_decode`` on the two column ranges.  The
+  columns past ``R`` must be zero, as the cache keeps them.  Other arguments as in
+  ``paged_mla_decode``.
+  """
+  ql, squeeze = _as_4d(q_latent, "q_latent")
+  qr, _ = _as_4d(q_rope, "q_rope")
+  b, t, n, c = ql.shape
+  r = qr.shape[3]
+  if kv.ndim != 3 or kv.shape[0] != b or kv.shape[2] < c + r:
+    raise ValueError(f"`kv` must be [B={b}, S, C + R_p] with C={c} and R_p >= R={r}, got shape "
+                     f"{kv.shape}.")
+  impl = resolve_implementation(implementation)
+  s = kv.shape[1]
+  page = s if impl == "xla" else view_page_size(s)
+  if page is None:
+    raise ValueError(f"implementation={impl!r} reads the cache as pages of 16 or more tokens: "
+                     f"its length S={s} must be a multiple of 16 (or use implementation='xla').")
+  m = s // page
+  table = jnp.arange(b * m, dtype=jnp.int32).reshape(b, m)
+  pages = kv.reshape(b * m, page, kv.shape[2])
+  if impl != "pallas_tpu":
+    out = paged_mla_decode(ql, qr, pages[..., :c], pages[..., c:], table, lengths, scale=scale,
+                           num_splits=num_splits, implementation=impl, interpret=interpret)
+    return out[:, 0] if squeeze else out
+  # paged_mla_decode's checks on the page view, then the kernel on the 3-D buffer (its shard_map
+  # splits the cache over batch; the page view is taken on each device).
+  if qr.shape[:3] != (b, t, n) or q_rope.ndim != q_latent.ndim:
+    raise ValueError(f"`q_rope` {q_rope.shape} must share [B, (T,) N] with `q_latent` "
+                     f"{q_latent.shape}.")
+  check_table(table, lengths, b, page_size=page)
+  if scale is None:
+    raise ValueError("`scale` is required for MLA (1 / sqrt(P + R), times the YaRN mscale^2).")
+  _check_scale("scale", scale)
+  _check_splits(num_splits)
+  if kv.shape[2] > c + r:                                          # zero q^R columns to match
+    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, 0), (0, kv.shape[2] - c - r)))
+  from pallas_kernels.mla_decode.tpu import contiguous_mla_decode_tpu  # noqa: PLC0415
+  out = contiguous_mla_decode_tpu(ql, qr, kv, lengths.astype(jnp.int32), scale=scale,
+                                  num_splits=num_splits or 1, interpret=interpret)
+  return out[:, 0] if squeeze else out
+
+
 def view_page_size(length: int) -> int | None:
   """Tokens per page when a contiguous cache of ``length`` slots is read as pages of itself: the
   largest of 512, 256, ..., 16 that divides it (None: none does)."""
@@ -430,6 +493,6 @@ def paged_mla_decode(
   return out[:, 0] if squeeze else out
 
 
-__all__ = ["DECODE_IMPLEMENTATIONS", "cache_attention", "merged_kv_heads", "paged_attention",
-           "paged_attention_xla", "paged_mla_decode", "paged_mla_decode_xla",
-           "resolve_implementation", "sparse_rows", "view_page_size"]
+__all__ = ["DECODE_IMPLEMENTATIONS", "DECODE_MAX_T", "cache_attention", "cache_mla_decode",
+           "merged_kv_heads", "paged_attention", "paged_attention_xla", "paged_mla_decode",
+           "paged_mla_decode_xla", "resolve_implementation", "sparse_rows", "view_page_size"]

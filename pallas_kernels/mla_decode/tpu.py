@@ -82,8 +82,14 @@ def _dense_kernel(lens_ref, table_ref, ql_ref, qr_ref, c_ref, kr_ref, o_ref, lse
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "interpret"))
 def _dense_local(q_latent, q_rope, c_pool, kr_pool, page_table, lengths, *, scale, num_splits,
                  interpret):
+  """``kr_pool=None``: ``c_pool`` is a fused pool ``[P, page, C + R]`` (``C`` a multiple of ``R``),
+  whose ``k^R`` columns the kernel reads as block ``C / R`` of the last axis: two DMAs from one
+  array, no copy."""
   b, t, n, c = q_latent.shape
   r = q_rope.shape[3]
+  rope_block = 0
+  if kr_pool is None:
+    kr_pool, rope_block = c_pool, c // r
   page_size, m = c_pool.shape[1], page_table.shape[1]
   splits = min(num_splits, m)
   pps = -(-m // splits)
@@ -95,6 +101,9 @@ def _dense_local(q_latent, q_rope, c_pool, kr_pool, page_table, lengths, *, scal
     return (page_index(lens_ref, table_ref, bi, si * pps + ji, max_pages=m, page_size=page_size),
             0, 0)
 
+  def kr_map(bi, si, ji, lens_ref, table_ref):
+    return kv_map(bi, si, ji, lens_ref, table_ref)[:2] + (rope_block,)
+
   q_map = lambda bi, si, ji, *_: (bi, 0, 0)  # noqa: E731
   o_map = lambda bi, si, ji, *_: (bi, si, 0, 0)  # noqa: E731
   kernel = functools.partial(_dense_kernel, scale=float(scale), num_t=t, num_heads=n,
@@ -105,7 +114,7 @@ def _dense_local(q_latent, q_rope, c_pool, kr_pool, page_table, lengths, *, scal
       in_specs=[pl.BlockSpec((None, rows, c), q_map),                # q~ [T*N, C]
                 pl.BlockSpec((None, rows, r), q_map),                # q^R [T*N, R]
                 pl.BlockSpec((None, page_size, c), kv_map),          # c_KV page
-                pl.BlockSpec((None, page_size, r), kv_map)],         # k^R page
+                pl.BlockSpec((None, page_size, r), kr_map)],         # k^R page
       out_specs=[pl.BlockSpec((None, None, rows, c), o_map),
                  pl.BlockSpec((None, None, rows, 1), o_map)],
       scratch_shapes=[pltpu.VMEM((rows, 1), _F32), pltpu.VMEM((rows, 1), _F32),
@@ -194,3 +203,53 @@ def paged_mla_decode_tpu(
   if indices is not None:
     args.append(indices)
   return run_sharded_mla(local, args, mesh)
+
+
+def contiguous_mla_decode_tpu(
+    q_latent: Float[Array, "B T N C"],
+    q_rope: Float[Array, "B T N R"],
+    kv: Float[Array, "B S W"],
+    lengths: Int[Array, "B"],
+    *,
+    scale: float,
+    num_splits: int = 1,
+    interpret=None,
+    mesh=None,
+) -> Float[Array, "B T N C"]:
+  """``jaxattn.ops.decode.cache_mla_decode`` as the dense kernel over a contiguous ``LatentCache``
+  buffer ``kv [B, S, C + R]`` (``R`` = ``q_rope``'s width; on TPU a ``LatentCache`` pads ``k^R``
+  to 128 columns, so its rows are ``512 + 128``).
+
+  The buffer is read as pages of itself (``[B * S / page, page, C + R]``, a reshape that splits
+  only ``S``; identity page table), each page's ``c_KV`` and ``k^R`` columns as two blocks of the
+  same array -- in place, where the concatenation and the flash kernel's layout cost copies of
+  the cache on every step.  That needs ``R`` a multiple of 128 and ``C`` a multiple of ``R`` (the
+  blocks' lane tiling); other widths are sliced into two arrays first (copies).  Under a mesh:
+  batch over ``"batch"``, query heads over ``"heads"``.
+  """
+  from jaxattn.ops.decode import view_page_size  # noqa: PLC0415 (jaxattn.ops loads this lazily)
+  if num_splits < 1:
+    raise ValueError(f"`num_splits` must be >= 1, got {num_splits!r}.")
+  c, r = q_latent.shape[3], q_rope.shape[3]
+  page = view_page_size(kv.shape[1])
+  if page is None or kv.shape[2] != c + r:
+    raise ValueError(f"`kv` {kv.shape} must be [B, S, C + R] = [B, S, {c} + {r}] with S a "
+                     "multiple of 16.")
+  fused = c % r == 0 and r % 128 == 0
+
+  def local(ql, qr, kv, lens):
+    b, m = ql.shape[0], kv.shape[1] // page
+    table = jnp.arange(b * m, dtype=jnp.int32).reshape(b, m)
+    pages = kv.reshape(b * m, page, kv.shape[2])
+    c_pool, kr_pool = (pages, None) if fused else (pages[..., :c], pages[..., c:])
+    return _dense_local(ql, qr, c_pool, kr_pool, table, lens, scale=scale,
+                        num_splits=num_splits, interpret=interpret)
+
+  def specs(mesh):
+    free = sharded._free_axes(mesh)
+    bax = sharded._spec_axes("batch", q_latent.shape[0], mesh, free)
+    hax = sharded._spec_axes("heads", q_latent.shape[2], mesh, free)
+    q_spec = P(bax, None, hax, None)
+    return (q_spec, q_spec, P(bax, None, None), P(bax)), q_spec
+
+  return sharded.run_sharded(local, [q_latent, q_rope, kv, lengths.astype(jnp.int32)], mesh, specs)

@@ -2,7 +2,9 @@
 TPU kernel (interpret mode, race detection) and the GPU kernel (interpreted) against the
 XLA formula and a float64 NumPy reference; ragged lengths incl. zero, several new tokens,
 soft-cap, bf16, NaN in the unused slots, the simulated 8-device mesh; ``Attention`` routing its
-cached steps to the kernel (equal to the flash / XLA path), and what it leaves alone."""
+cached steps to the kernel (equal to the flash / XLA path), and what it leaves alone.  The same
+for MLA's contiguous latent cache (``cache_mla_decode``): in-place fused rows, the sliced
+fallback, ``LatentCache``'s TPU layout (k^R padded to 128 columns), ``MLA`` routing."""
 
 import jax
 import jax.numpy as jnp
@@ -13,9 +15,12 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxattn import sharding
+from jaxattn.mla_cache import LatentCache
 from jaxattn.nn import attention as attention_module
+from jaxattn.nn import mla as mla_module
 from jaxattn.nn.attention import Attention
-from jaxattn.ops.decode import cache_attention, view_page_size
+from jaxattn.nn.mla import MLA
+from jaxattn.ops.decode import cache_attention, cache_mla_decode, view_page_size
 from jaxattn.testing import prefill_then_decode, random_module
 
 RACES = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
@@ -179,3 +184,157 @@ def test_module_leaves_other_layers_to_flash_attention(monkeypatch, kw):
   long = jnp.asarray(np.random.default_rng(4).standard_normal((2, 17, D)), jnp.float32)
   _step(_module(), _module().init_cache(2, 32), long, implementation="pallas_tpu")  # T > 16
   assert calls == []
+
+
+# -- MLA: the contiguous latent cache --------------------------------------------------------------
+
+def latent_buffer(lengths, s, c, r, width=None, dtype=jnp.float32, seed=5):
+  """``[B, S, width]`` rows ``[c_KV | k^R | zeros]`` holding ``lengths`` tokens; NaN past them."""
+  rng = np.random.default_rng(seed)
+  width = c + r if width is None else width
+  kv = np.zeros((len(lengths), s, width))
+  kv[..., :c + r] = rng.standard_normal((len(lengths), s, c + r))
+  kv[np.arange(s)[None, :] >= np.asarray(lengths)[:, None]] = np.nan
+  return jnp.asarray(kv, dtype)
+
+
+def mla_numpy(ql, qr, kv, lengths, scale):
+  """float64 absorbed MLA: logits ``scale * (q~ . c + q^R . k^R)`` over each sequence's prefix."""
+  ql, qr, kv = (np.asarray(x, np.float64) for x in (ql, qr, kv))
+  b, t, n, c = ql.shape
+  r = qr.shape[3]
+  out = np.zeros((b, t, n, c))
+  for i, length in enumerate(lengths):
+    for j in range(t):
+      pos = length - t + j
+      if pos < 0:
+        continue
+      rows = kv[i, :pos + 1]
+      for head in range(n):
+        logits = (rows[:, :c] @ ql[i, j, head] + rows[:, c:c + r] @ qr[i, j, head]) * scale
+        p = np.exp(logits - logits.max())
+        out[i, j, head] = (p / p.sum()) @ rows[:, :c]
+  return out
+
+
+# (C, R, stored width, implementation): the fused in-place path (R a multiple of 128, the TPU
+# cache's padded k^R), the sliced fallback (R = 8, and a padded 8 -> 16), the GPU kernel, XLA.
+@pytest.mark.parametrize("c,r,width,impl", [
+    (256, 128, 384, "pallas_tpu"),
+    (12, 8, 20, "pallas_tpu"),
+    (12, 8, 28, "pallas_tpu"),
+    (16, 8, 32, "pallas_gpu"),
+    (12, 8, 28, "xla"),
+])
+def test_mla_matches_numpy_reference(c, r, width, impl):
+  lengths = (19, 0, 32)
+  kv = latent_buffer(lengths, 32, c, r, width)
+  rng = np.random.default_rng(6)
+  ql = jnp.asarray(rng.standard_normal((3, 2, 4, c)), jnp.float32)
+  qr = jnp.asarray(rng.standard_normal((3, 2, 4, r)), jnp.float32)
+  got = cache_mla_decode(ql, qr, kv, jnp.asarray(lengths), scale=0.2, num_splits=2,
+                         implementation=impl)
+  assert got.shape == (3, 2, 4, c) and np.isfinite(np.asarray(got)).all()
+  np.testing.assert_allclose(got, mla_numpy(ql, qr, kv, lengths, 0.2), rtol=2e-5, atol=2e-5)
+  np.testing.assert_array_equal(got[1], 0.0)
+
+
+def test_mla_tpu_kernel_race_free_bf16_and_sharded(race_states):
+  lengths = (7, 32)
+  kv = latent_buffer(lengths, 32, 256, 128, dtype=jnp.bfloat16)
+  rng = np.random.default_rng(7)
+  ql = jnp.asarray(rng.standard_normal((2, 8, 256)), jnp.bfloat16)      # [B, N, C]: one token
+  qr = jnp.asarray(rng.standard_normal((2, 8, 128)), jnp.bfloat16)
+  lens = jnp.asarray(lengths)
+  want = cache_mla_decode(ql, qr, kv, lens, scale=0.1, implementation="xla")
+  got = cache_mla_decode(ql, qr, kv, lens, scale=0.1, implementation="pallas_tpu", num_splits=2,
+                         interpret=RACES)
+  assert got.shape == (2, 8, 256) and got.dtype == jnp.bfloat16
+  np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=2e-2,
+                             atol=2e-2)
+  assert race_states and not any(st.races_found for st in race_states)
+  mesh = sharding.make_mesh({"data": 2, "tensor": 4})
+  with jax.set_mesh(mesh):
+    heads = NamedSharding(mesh, P("data", "tensor", None))
+    sharded = jax.jit(lambda ql, qr, kv, n: cache_mla_decode(
+        ql, qr, kv, n, scale=0.1, implementation="pallas_tpu"))(
+        jax.device_put(ql, heads), jax.device_put(qr, heads),
+        jax.device_put(kv, NamedSharding(mesh, P("data", None, None))), lens)
+  np.testing.assert_allclose(sharded.astype(np.float32), want.astype(np.float32), rtol=2e-2,
+                             atol=2e-2)
+
+
+def test_mla_errors():
+  kv = latent_buffer((3,), 40, 12, 8)
+  ql, qr = jnp.ones((1, 1, 2, 12)), jnp.ones((1, 1, 2, 8))
+  with pytest.raises(ValueError, match="multiple of 16"):
+    cache_mla_decode(ql, qr, kv, jnp.asarray([3]), scale=0.1, implementation="pallas_tpu")
+  with pytest.raises(ValueError, match="`kv`"):
+    cache_mla_decode(ql, jnp.ones((1, 1, 2, 9)), kv, jnp.asarray([3]), scale=0.1)
+  kv = latent_buffer((3,), 32, 12, 8)
+  with pytest.raises(ValueError, match="scale"):
+    cache_mla_decode(ql, qr, kv, jnp.asarray([3]), scale=None, implementation="pallas_tpu")
+  with pytest.raises(ValueError, match="lengths"):
+    cache_mla_decode(ql, qr, kv, jnp.asarray([40]), scale=0.1, implementation="pallas_tpu")
+  with pytest.raises(ValueError, match="q_rope"):
+    cache_mla_decode(ql, qr[:, :, :1], kv, jnp.asarray([3]), scale=0.1,
+                     implementation="pallas_tpu")
+
+
+def test_latent_cache_pads_the_rotated_key_on_tpu(monkeypatch):
+  assert LatentCache.init(1, 4, 8, 64).kv.shape == (1, 4, 72)                   # CPU: exact
+  with monkeypatch.context() as m:
+    m.setattr(jax, "default_backend", lambda: "tpu")
+    assert LatentCache.init(1, 4, 512, 64).kv.shape == (1, 4, 640)
+  cache = LatentCache.init(2, 4, 5, 2, rope_align=8)
+  assert cache.kv.shape == (2, 4, 13) and cache.qk_rope_head_dim == 2
+  c_kv, k_rope = jnp.ones((2, 3, 5)), 2 * jnp.ones((2, 3, 2))
+  cache = jax.jit(lambda cc, a, b: cc.update(a, b))(cache, c_kv, k_rope)
+  np.testing.assert_array_equal(cache.c_kv[:, :3], 1.0)
+  np.testing.assert_array_equal(cache.k_rope[:, :3], 2.0)
+  assert cache.k_rope.shape == (2, 4, 2)
+  np.testing.assert_array_equal(cache.kv[..., 7:], 0.0)                       # the padding
+  assert cache.nbytes == 2 * 4 * 13 * 4
+  with pytest.raises(ValueError, match="k_rope"):
+    cache.update(c_kv[:, :1], jnp.ones((2, 1, 8)))
+  with pytest.raises(ValueError, match="rope_align"):
+    LatentCache.init(1, 4, 8, 64, rope_align=0)
+
+
+MLA_DIMS = dict(kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
+
+
+def _mla(**kw):
+  return random_module(lambda: MLA(D, 4, mode="absorbed", rngs=nnx.Rngs(0), **MLA_DIMS, **kw), 0)
+
+
+@nnx.jit(static_argnames=("implementation", "mode"))
+def _mla_step(m, c, xt, implementation=None, mode=None):
+  return m(xt, cache=c, implementation=implementation, mode=mode)
+
+
+def test_mla_module_steps_run_the_decode_kernel(monkeypatch):
+  """Absorbed MLA with a contiguous latent cache: prefill (5) and four steps go to the kernel
+  with ``implementation="pallas_tpu"``, over a cache made on TPU (k^R padded to 128) too; the
+  outputs equal the XLA path's and the full pass.  Naive mode keeps its own path."""
+  module = _mla()
+  x = jnp.asarray(np.random.default_rng(8).standard_normal((2, 9, D)), jnp.float32)
+  calls = []
+
+  def counted(*args, **kw):
+    calls.append(kw["implementation"])
+    return cache_mla_decode(*args, **kw)
+  monkeypatch.setattr(mla_module, "cache_mla_decode", counted)
+  want = nnx.jit(lambda m, x: m(x))(module, x)
+  with monkeypatch.context() as m:
+    m.setattr(jax, "default_backend", lambda: "tpu")
+    tpu_cache = module.init_cache(2, 16)
+  assert tpu_cache.kv.shape[2] == 12 + 128
+  for cache in (module.init_cache(2, 16), tpu_cache):
+    step = lambda m, c, xt: _mla_step(m, c, xt, implementation="pallas_tpu")  # noqa: E731
+    got, _ = prefill_then_decode(step, module, cache, x, 5)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+  assert calls == ["pallas_tpu"] * 4                     # two caches x two step shapes
+  _mla_step(module, module.init_cache(2, 16), x[:, :3], implementation="pallas_tpu",
+            mode="naive")
+  assert len(calls) == 4
