@@ -7,6 +7,7 @@ token; greedy, temperature and nucleus (top-p) sampling; tokens streamed to a ca
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -59,6 +60,33 @@ def _check(model, prompt, max_new_tokens, max_len):
                      f"(max_seq_len={model.config.max_seq_len}).")
 
 
+def decode_functions(graphdef, batch: int, max_len: int, *, temperature: float = 0.0,
+                     top_p: float = 1.0):
+  """The two jitted programs of ``generate`` for a split model (``nnx.split(model)``):
+
+  * ``prefill(state, tokens [B, T], key) -> (next [B], cache)`` with a fresh cache of ``max_len``;
+  * ``step(state, token [B], cache, key) -> (next [B], cache)``, one token per sequence.
+
+  ``step`` donates its cache: the new token's keys are written into the same buffers (without
+  donation XLA allocates a new cache and copies all of it, every layer, on every token).  The
+  cache passed to ``step`` is therefore consumed; use the returned one.
+  """
+
+  @jax.jit
+  def prefill(state, tokens, key):
+    m = nnx.merge(graphdef, state)
+    logits, cache = m(tokens, cache=m.init_cache(batch, max_len))
+    return sample_logits(logits[:, -1], key, temperature=temperature, top_p=top_p), cache
+
+  @functools.partial(jax.jit, donate_argnums=2)
+  def step(state, token, cache, key):
+    m = nnx.merge(graphdef, state)
+    logits, cache = m(token[:, None], cache=cache)
+    return sample_logits(logits[:, -1], key, temperature=temperature, top_p=top_p), cache
+
+  return prefill, step
+
+
 def generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_tokens: int, *,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
              max_len: int | None = None, eos_id: int | None = None,
@@ -75,19 +103,7 @@ def generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_tokens: int, *
   b, t = prompt.shape
   max_len = max_len or t + max_new_tokens
   graphdef, state = nnx.split(model)
-
-  @jax.jit
-  def prefill(state, tokens, key):
-    m = nnx.merge(graphdef, state)
-    logits, cache = m(tokens, cache=m.init_cache(b, max_len))
-    return sample_logits(logits[:, -1], key, temperature=temperature, top_p=top_p), cache
-
-  @jax.jit
-  def step(state, token, cache, key):
-    m = nnx.merge(graphdef, state)
-    logits, cache = m(token[:, None], cache=cache)
-    return sample_logits(logits[:, -1], key, temperature=temperature, top_p=top_p), cache
-
+  prefill, step = decode_functions(graphdef, b, max_len, temperature=temperature, top_p=top_p)
   key = jax.random.key(seed)
   out = [np.asarray(prompt)]
   if max_new_tokens == 0:

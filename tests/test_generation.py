@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from jaxattn.configs import get_config
-from jaxattn.generation import generate, sample_logits
+from jaxattn.generation import decode_functions, generate, sample_logits
 from jaxattn.nn.model import DecoderLM
 
 
@@ -25,6 +25,23 @@ def test_greedy_generation_equals_argmax_of_the_uncached_forward():
     nxt = np.asarray(jnp.argmax(forward(model, jnp.asarray(seq))[:, -1], -1))[:, None]
     seq = np.concatenate([seq, nxt.astype(np.int32)], 1)
   np.testing.assert_array_equal(out, seq)
+
+
+def test_decode_step_updates_the_cache_in_place():
+  """The decode step donates its cache: the compiled step aliases every cache buffer to its
+  output (no copy of the whole cache per token), and the cache passed in is consumed."""
+  cfg = get_config("llama", embed_dim=32, mlp_dim=64, num_layers=2)
+  graphdef, state = nnx.split(DecoderLM(cfg, rngs=nnx.Rngs(0)))
+  prefill, step = decode_functions(graphdef, 2, 16)
+  token, cache = prefill(state, jnp.ones((2, 3), jnp.int32), jax.random.key(0))
+  cache_bytes = sum(x.nbytes for x in jax.tree.leaves(cache))
+  compiled = step.lower(state, token, cache, jax.random.key(1)).compile()
+  assert compiled.memory_analysis().alias_size_in_bytes >= cache_bytes
+  before = jax.tree.leaves(cache)
+  token2, cache2 = step(state, token, cache, jax.random.key(1))
+  assert all(x.is_deleted() for x in before if x.nbytes > 64)        # the K/V buffers
+  assert not any(x.is_deleted() for x in jax.tree.leaves(cache2))
+  step(state, token2, cache2, jax.random.key(2))                      # the returned cache lives on
 
 
 def test_generation_stops_at_eos_and_checks_arguments():
