@@ -28,6 +28,10 @@ Implementations (``--impls``):
 * ``pallas_paged``: the same with ``implementation="pallas_tpu"`` (``--splits`` split-KV
   partitions).  Compiled only on a TPU; elsewhere it runs interpreted, so only tiny sizes make
   sense (``--allow-interpret``).
+* ``pallas_contiguous``: the contiguous cache read in place by the TPU decode kernels
+  (``jaxattn.ops.decode.cache_attention`` / ``cache_mla_decode``, what ``Attention`` / ``MLA``
+  run for a cached step on TPU; MLA over the TPU ``LatentCache`` layout, ``k^R`` padded to a
+  multiple of 128 columns).  TPU only, like ``pallas_paged``.
 * ``pallas_gpu_paged``: the Pallas Triton kernels (``paged_attention_gpu`` /
   ``paged_mla_decode_gpu``, what ``implementation="pallas_gpu"`` runs); ``--splits`` split-KV
   partitions, 0 or unset = the kernels' automatic rule (about two programs per SM);
@@ -62,12 +66,13 @@ from tqdm import tqdm
 
 from experiments.timing import best_time, compile_timed, peak_bytes
 from jaxattn.ops.attention import dot_product_attention
-from jaxattn.ops.decode import paged_attention, paged_mla_decode
+from jaxattn.ops.decode import (cache_attention, cache_mla_decode, paged_attention,
+                                paged_mla_decode)
 from jaxattn.paged_cache import default_rope_align
 from pallas_kernels.decode_attention import paged_attention_gpu
 from pallas_kernels.mla_decode import paged_mla_decode_gpu
 
-IMPLS = ("contiguous", "xla_paged", "pallas_paged", "pallas_gpu_paged")
+IMPLS = ("contiguous", "xla_paged", "pallas_paged", "pallas_contiguous", "pallas_gpu_paged")
 
 
 _L2_MB = 60  # an H100/H200's L2 is 50-60 MB
@@ -127,6 +132,9 @@ def build_case(kind, b, s, args, dtype, rng):
                          (q, kp, vp, table, lengths)),
         "pallas_gpu_paged": (lambda q, k, v, t, lens: paged_attention_gpu(
             q, k, v, t, lens, scale=h ** -0.5, **_gpu_kw(args)), (q, kp, vp, table, lengths)),
+        "pallas_contiguous": (lambda q, k, v, lens: cache_attention(
+            q, k, v, lens, implementation="pallas_tpu", num_splits=args.splits or 4),
+                              (q, kc, vc, lengths)),
     }
     return fns, nbytes
   n, c, r = args.mla_heads, args.latent, args.rope
@@ -136,6 +144,9 @@ def build_case(kind, b, s, args, dtype, rng):
   (cp, rp), (cc, rc), table = _pools(rng, b, s, args.page_size, [(c,), (-(-r // align) * align,)],
                                      dtype)
   rp, rc = rp.at[..., r:].set(0), rc[..., :r]
+  # The LatentCache buffer [B, S, C + R_p] (rows [c_KV | k^R | zeros]) for pallas_contiguous.
+  latent_rows = jnp.concatenate([cc, rc, jnp.zeros(rc.shape[:2] + (rp.shape[2] - r,), dtype)],
+                                -1)
   ql = jnp.asarray(rng.standard_normal((b, 1, n, c)), dtype)
   qr = jnp.asarray(rng.standard_normal((b, 1, n, r)), dtype)
   scale = 1.0 / math.sqrt(args.mla_qk_dim)
@@ -159,6 +170,9 @@ def build_case(kind, b, s, args, dtype, rng):
       "pallas_gpu_paged": (lambda ql, qr, cp, rp, t, lens: paged_mla_decode_gpu(
           ql, qr, cp, rp, t, lens, scale=scale, **_gpu_kw(args)),
                            (ql, qr, cp, rp, table, lengths)),
+      "pallas_contiguous": (lambda ql, qr, kv, lens: cache_mla_decode(
+          ql, qr, kv, lens, scale=scale, implementation="pallas_tpu",
+          num_splits=args.splits or 4), (ql, qr, latent_rows, lengths)),
   }
   return fns, nbytes
 
@@ -290,9 +304,10 @@ def main(argv=None):
     bad = [v for v in values if v not in allowed]
     if bad:
       ap.error(f"{name}: unknown {bad}; allowed: {allowed}")
-  if ("pallas_paged" in impls and jax.default_backend() != "tpu"
-      and not args.allow_interpret):
-    ap.error("pallas_paged compiles only on TPU; pass --allow-interpret to run it interpreted")
+  tpu_only = [i for i in ("pallas_paged", "pallas_contiguous") if i in impls]
+  if tpu_only and jax.default_backend() != "tpu" and not args.allow_interpret:
+    ap.error(f"{', '.join(tpu_only)} compile only on TPU; pass --allow-interpret to run "
+             "interpreted")
   if "pallas_gpu_paged" in impls and not _on_gpu() and not args.allow_interpret:
     ap.error(f"pallas_gpu_paged compiles only on an NVIDIA GPU (backend here: "
              f"{jax.default_backend()!r}); pass --allow-interpret to run it interpreted")
