@@ -172,6 +172,29 @@ def merged_kv_heads(key_pool, value_pool, head_dim: int) -> int:
                    f"{value_pool.shape}.")
 
 
+def _check_gqa(q, key_pool, value_pool, page_table, lengths, scale, logits_soft_cap,
+               num_splits) -> int:
+  """``paged_attention``'s argument checks (``q`` 4-D); returns the KV heads ``K``."""
+  b, _, n, h = q.shape
+  kh = merged_kv_heads(key_pool, value_pool, h)
+  if n % kh:
+    raise ValueError(f"query heads N={n} must be a multiple of the KV heads K={kh}.")
+  check_table(page_table, lengths, b, page_size=key_pool.shape[1])
+  _check_scale("scale", scale)
+  _check_scale("logits_soft_cap", logits_soft_cap)
+  _check_splits(num_splits)
+  return kh
+
+
+def page_view(cache: Array, page: int) -> tuple[Array, Int[Array, "B M"]]:
+  """A contiguous cache ``[B, S, ...]`` as a pool of its own pages ``[B * S / page, page, ...]``
+  (a reshape that splits ``S`` only: no data moves) and the identity page table ``[B, S / page]``
+  that maps sequence ``b``'s logical page ``j`` to pool page ``b * S / page + j``."""
+  b, m = cache.shape[0], cache.shape[1] // page
+  return (cache.reshape((b * m, page) + cache.shape[2:]),
+          jnp.arange(b * m, dtype=jnp.int32).reshape(b, m))
+
+
 def paged_attention(
     query: Float[Array, "B T N H"] | Float[Array, "B N H"],
     key_pool: Float[Array, "P page KH"] | Float[Array, "P page K H"],
@@ -215,13 +238,8 @@ def paged_attention(
   """
   q, squeeze = _as_4d(query, "query")
   b, t, n, h = q.shape
-  kh = merged_kv_heads(key_pool, value_pool, h)
-  if n % kh:
-    raise ValueError(f"query heads N={n} must be a multiple of the KV heads K={kh}.")
-  check_table(page_table, lengths, b, page_size=key_pool.shape[1])
-  _check_scale("scale", scale)
-  _check_scale("logits_soft_cap", logits_soft_cap)
-  _check_splits(num_splits)
+  kh = _check_gqa(q, key_pool, value_pool, page_table, lengths, scale, logits_soft_cap,
+                  num_splits)
   scale = 1.0 / math.sqrt(h) if scale is None else scale
   page_table, lengths = page_table.astype(jnp.int32), lengths.astype(jnp.int32)
   impl = resolve_implementation(implementation)
@@ -279,10 +297,8 @@ def cache_attention(
   if page is None:
     raise ValueError(f"implementation={impl!r} reads the cache as pages of 16 or more tokens: "
                      f"its length S={s} must be a multiple of 16 (or use implementation='xla').")
-  m = s // page
-  table = jnp.arange(b * m, dtype=jnp.int32).reshape(b, m)
-  key_pages = key.reshape((b * m, page) + key.shape[2:])
-  value_pages = value.reshape((b * m, page) + value.shape[2:])
+  key_pages, table = page_view(key, page)
+  value_pages, _ = page_view(value, page)
   if impl != "pallas_tpu":
     out = paged_attention(q, key_pages, value_pages, table, lengths, scale=scale,
                           logits_soft_cap=logits_soft_cap, num_splits=num_splits,
@@ -290,13 +306,7 @@ def cache_attention(
     return out[:, 0] if squeeze else out
   # The same checks as paged_attention, then the kernel on the 4-D cache (its shard_map splits
   # the cache over batch; the page view is taken on each device).
-  kh = merged_kv_heads(key_pages, value_pages, h)
-  if n % kh:
-    raise ValueError(f"query heads N={n} must be a multiple of the KV heads K={kh}.")
-  check_table(table, lengths, b, page_size=page)
-  _check_scale("scale", scale)
-  _check_scale("logits_soft_cap", logits_soft_cap)
-  _check_splits(num_splits)
+  _check_gqa(q, key_pages, value_pages, table, lengths, scale, logits_soft_cap, num_splits)
   from pallas_kernels.decode_attention.tpu import contiguous_attention_tpu  # noqa: PLC0415
   out = contiguous_attention_tpu(q, key, value, lengths.astype(jnp.int32),
                                  scale=1.0 / math.sqrt(h) if scale is None else scale,
@@ -340,9 +350,7 @@ def cache_mla_decode(
   if page is None:
     raise ValueError(f"implementation={impl!r} reads the cache as pages of 16 or more tokens: "
                      f"its length S={s} must be a multiple of 16 (or use implementation='xla').")
-  m = s // page
-  table = jnp.arange(b * m, dtype=jnp.int32).reshape(b, m)
-  pages = kv.reshape(b * m, page, kv.shape[2])
+  pages, table = page_view(kv, page)
   if impl != "pallas_tpu":
     out = paged_mla_decode(ql, qr, pages[..., :c], pages[..., c:], table, lengths, scale=scale,
                            num_splits=num_splits, implementation=impl, interpret=interpret)
@@ -495,4 +503,5 @@ def paged_mla_decode(
 
 __all__ = ["DECODE_IMPLEMENTATIONS", "DECODE_MAX_T", "cache_attention", "cache_mla_decode",
            "merged_kv_heads", "paged_attention", "paged_attention_xla", "paged_mla_decode",
-           "paged_mla_decode_xla", "resolve_implementation", "sparse_rows", "view_page_size"]
+           "paged_mla_decode_xla", "page_view", "resolve_implementation", "sparse_rows",
+           "view_page_size"]

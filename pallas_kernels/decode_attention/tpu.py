@@ -39,7 +39,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from jaxattn.ops.decode import view_page_size
+from jaxattn.ops.decode import page_view, view_page_size
 from pallas_kernels.flash_attention import sharded
 from pallas_kernels.flash_attention.common import reset_online_softmax
 
@@ -274,11 +274,9 @@ def contiguous_attention_tpu(
                      "as pages in place.")
 
   def local(q, k, v, lens):
-    b, m = q.shape[0], k.shape[1] // page
-    table = jnp.arange(b * m, dtype=jnp.int32).reshape(b, m)
-    return _local(q, k.reshape((b * m, page) + k.shape[2:]),
-                  v.reshape((b * m, page) + v.shape[2:]), table, lens, scale=scale,
-                  soft_cap=logits_soft_cap, num_splits=num_splits, interpret=interpret)
+    (key_pages, table), (value_pages, _) = page_view(k, page), page_view(v, page)
+    return _local(q, key_pages, value_pages, table, lens, scale=scale, soft_cap=logits_soft_cap,
+                  num_splits=num_splits, interpret=interpret)
 
   def specs(mesh):
     bax, hax = sharded.plan_specs(mesh, query.shape[0], query.shape[2], key.shape[2])

@@ -41,6 +41,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
+from jaxattn.ops.decode import page_view, view_page_size
 from pallas_kernels.decode_attention.tpu import (combine, default_interpret, dot_t, finalize,
                                                  online_softmax_update, page_index)
 from pallas_kernels.flash_attention import sharded
@@ -227,7 +228,6 @@ def contiguous_mla_decode_tpu(
   blocks' lane tiling); other widths are sliced into two arrays first (copies).  Under a mesh:
   batch over ``"batch"``, query heads over ``"heads"``.
   """
-  from jaxattn.ops.decode import view_page_size  # noqa: PLC0415 (jaxattn.ops loads this lazily)
   if num_splits < 1:
     raise ValueError(f"`num_splits` must be >= 1, got {num_splits!r}.")
   c, r = q_latent.shape[3], q_rope.shape[3]
@@ -238,9 +238,7 @@ def contiguous_mla_decode_tpu(
   fused = c % r == 0 and r % 128 == 0
 
   def local(ql, qr, kv, lens):
-    b, m = ql.shape[0], kv.shape[1] // page
-    table = jnp.arange(b * m, dtype=jnp.int32).reshape(b, m)
-    pages = kv.reshape(b * m, page, kv.shape[2])
+    pages, table = page_view(kv, page)
     c_pool, kr_pool = (pages, None) if fused else (pages[..., :c], pages[..., c:])
     return _dense_local(ql, qr, c_pool, kr_pool, table, lens, scale=scale,
                         num_splits=num_splits, interpret=interpret)
