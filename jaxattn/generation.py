@@ -93,15 +93,18 @@ def generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_tokens: int, *
              on_token: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
   """``prompt [B, T]`` (equal lengths) -> ``[B, T + n]`` token ids, ``n <= max_new_tokens``.
 
-  Prefill runs the prompt through ``model`` with a fresh cache of ``max_len`` (default: exactly
-  what is needed) slots, then each step decodes one token per sequence.  ``on_token`` receives each
+  Prefill runs the prompt through ``model`` with a fresh cache of ``max_len`` slots (default:
+  ``T + max_new_tokens`` rounded up to a multiple of 128; slots past the tokens are masked), then
+  each step decodes one token per sequence.  ``on_token`` receives each
   new ``[B]`` array as soon as it is sampled (streaming).  Generation stops early when every
   sequence has produced ``eos_id``.
   """
   prompt = jnp.asarray(prompt, jnp.int32)
   _check(model, prompt, max_new_tokens, max_len)
   b, t = prompt.shape
-  max_len = max_len or t + max_new_tokens
+  # Default capacity: what is needed, rounded up to whole 128-token blocks, so that on TPU the
+  # decode kernel reads the cache as pages of itself (lengths a multiple of 16; 128+ per page).
+  max_len = max_len or -(-(t + max_new_tokens) // 128) * 128
   graphdef, state = nnx.split(model)
   prefill, step = decode_functions(graphdef, b, max_len, temperature=temperature, top_p=top_p)
   key = jax.random.key(seed)

@@ -44,6 +44,23 @@ def test_decode_step_updates_the_cache_in_place():
   step(state, token2, cache2, jax.random.key(2))                      # the returned cache lives on
 
 
+def test_default_capacity_is_whole_blocks(monkeypatch):
+  """The default cache holds prompt + new tokens rounded up to 128 (the TPU decode kernel reads a
+  contiguous cache whose length is a multiple of 16 in place); an explicit max_len is kept."""
+  import jaxattn.generation as generation  # noqa: PLC0415
+  seen = []
+
+  def recording(graphdef, batch, max_len, **kw):
+    seen.append(max_len)
+    return decode_functions(graphdef, batch, max_len, **kw)
+  monkeypatch.setattr(generation, "decode_functions", recording)
+  model = DecoderLM(get_config("llama", embed_dim=32, mlp_dim=64, num_layers=1), rngs=nnx.Rngs(0))
+  prompt = np.array([[1, 2, 3]], np.int32)
+  generation.generate(model, prompt, 2)
+  generation.generate(model, prompt, 2, max_len=7)
+  assert seen == [128, 7]
+
+
 def test_generation_stops_at_eos_and_checks_arguments():
   cfg = get_config("llama", embed_dim=32, mlp_dim=64, num_layers=1)
   model = DecoderLM(cfg, rngs=nnx.Rngs(0))
