@@ -98,6 +98,10 @@ def cases():
     return paged_attention(q, k, v, t, n, implementation="pallas_tpu", logits_soft_cap=30.0,
                            num_splits=4, interpret=False)
 
+  def contiguous_decode(q, k, v, n):
+    return cache_attention(q, k, v, n, implementation="pallas_tpu", num_splits=4,
+                           interpret=False)
+
   idx = i32(1, 8, 2048)
   table, lens = i32(2, 512), i32(2)
   # The k^R pool as PagedLatentCache stores it on TPU: 64 columns zero-padded to 128, one lane
@@ -124,12 +128,12 @@ def cases():
                                                       bf16(1024, 64, 8 * 64), table, lens)),
       "paged MQA decode, heads of 256": (gqa_decode, (bf16(2, 1, 8, 256), bf16(1024, 64, 256),
                                                        bf16(1024, 64, 256), table, lens)),
-      # A contiguous KVCache [B, S, K, H] read as pages of itself (what Attention runs on TPU
-      # for a cached step); flash attention would transpose the whole cache every step.
-      "contiguous-cache GQA decode": (
-          lambda q, k, v, n: cache_attention(q, k, v, n, implementation="pallas_tpu",
-                                             num_splits=4, interpret=False),
-          (bf16(8, 1, 32, 128), bf16(8, 8192, 8, 128), bf16(8, 8192, 8, 128), i32(8))),
+      # A contiguous KVCache (rows [B, S, K * H]) read as pages of itself (what Attention runs
+      # on TPU for a cached step); flash attention would transpose the whole cache every step.
+      "contiguous-cache GQA decode": (contiguous_decode, (
+          bf16(8, 1, 32, 128), bf16(8, 8192, 8 * 128), bf16(8, 8192, 8 * 128), i32(8))),
+      "contiguous-cache GQA decode, heads of 64": (contiguous_decode, (
+          bf16(8, 1, 32, 64), bf16(8, 8192, 8 * 64), bf16(8, 8192, 8 * 64), i32(8))),
       # A contiguous LatentCache as allocated on TPU: rows [c_KV 512 | k^R 64 | 64 zeros].
       "contiguous-cache MLA decode": (
           lambda ql, qr, kv, n: cache_mla_decode(ql, qr, kv, n, scale=0.07, num_splits=4,

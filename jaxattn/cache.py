@@ -15,53 +15,78 @@ from jaxtyping import Array, Float, Int
 class KVCache:
   """Keys and values of the tokens seen so far, in a fixed-size buffer.
 
-  ``key [B, L, K, H]``, ``value [B, L, K, h]`` where ``L`` is the capacity; ``index`` (int32 scalar)
-  is how many positions are filled, the same for every batch row.  Slots ``>= index`` are masked out
-  by the attention call (``kv_lengths``), so their contents never matter.
+  ``key [B, L, K * H]``, ``value [B, L, K * h]``: a token's ``K`` KV heads side by side in one row
+  (the element order of ``[B, L, K, H]``; ``split_heads()`` gives that view), ``L`` the capacity;
+  ``index`` (int32 scalar) is how many positions are filled, the same for every batch row.  Slots
+  ``>= index`` are masked out by the attention call (``kv_lengths``), so their contents never
+  matter.  ``num_kv_heads`` (``K``) is static pytree metadata.
+
+  Why rows of ``K * H``: on TPU, XLA's default layout for a ``[B, L, K, H]`` array whose minor
+  dimensions are not whole ``(8|16, 128)`` tiles (heads of 64, or one KV head) puts another
+  dimension minor, so the decode kernel reading the cache in place
+  (``jaxattn.ops.decode.cache_attention``) would find it re-tiled by XLA on every step;
+  ``[B, L, K * H]`` is row-major whenever ``K * H`` is a multiple of 128.
   """
 
-  key: Float[Array, "B L K H"]
-  value: Float[Array, "B L K h"]
+  key: Float[Array, "B L KH"]
+  value: Float[Array, "B L Kh"]
   index: Int[Array, ""]
+  num_kv_heads: int = dataclasses.field(default=1, metadata=dict(static=True))
 
   @classmethod
   def init(cls, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
            v_head_dim: int | None = None, dtype=jnp.float32) -> "KVCache":
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
     for name, v in (("batch", batch), ("max_len", max_len), ("num_kv_heads", num_kv_heads),
-                    ("head_dim", head_dim)):
+                    ("head_dim", head_dim), ("v_head_dim", v_head_dim)):
       if int(v) < 1:
         raise ValueError(f"KVCache.init: `{name}` must be >= 1, got {v!r}.")
-    v_head_dim = head_dim if v_head_dim is None else v_head_dim
-    return cls(key=jnp.zeros((batch, max_len, num_kv_heads, head_dim), dtype),
-               value=jnp.zeros((batch, max_len, num_kv_heads, v_head_dim), dtype),
-               index=jnp.zeros((), jnp.int32))
+    return cls(key=jnp.zeros((batch, max_len, num_kv_heads * head_dim), dtype),
+               value=jnp.zeros((batch, max_len, num_kv_heads * v_head_dim), dtype),
+               index=jnp.zeros((), jnp.int32), num_kv_heads=int(num_kv_heads))
 
   @property
   def max_len(self) -> int:
     return self.key.shape[1]
 
   @property
+  def head_dim(self) -> int:
+    return self.key.shape[2] // self.num_kv_heads
+
+  @property
+  def v_head_dim(self) -> int:
+    return self.value.shape[2] // self.num_kv_heads
+
+  @property
   def nbytes(self) -> int:
     """Bytes held by the buffers at full capacity (the seed's ``2 x n x h x d x bytes`` per layer)."""
     return int(self.key.size * self.key.dtype.itemsize + self.value.size * self.value.dtype.itemsize)
 
+  def split_heads(self) -> tuple[Float[Array, "B L K H"], Float[Array, "B L K h"]]:
+    """``(key [B, L, K, H], value [B, L, K, h])``: the buffers with the heads split out."""
+    b, length, kh = self.key.shape[0], self.key.shape[1], self.num_kv_heads
+    return (self.key.reshape(b, length, kh, -1), self.value.reshape(b, length, kh, -1))
+
   def update(self, key: Float[Array, "B T K H"], value: Float[Array, "B T K h"]) -> "KVCache":
     """Writes ``T`` new positions at ``index`` and advances it."""
-    t = key.shape[1]
-    if key.shape[0] != self.key.shape[0] or key.shape[2:] != self.key.shape[2:]:
-      raise ValueError(f"`key` {key.shape} does not fit the cache buffer {self.key.shape}.")
-    if value.shape[:2] != key.shape[:2] or value.shape[2:] != self.value.shape[2:]:
-      raise ValueError(f"`value` {value.shape} does not fit the cache buffer {self.value.shape}.")
+    t, b, kh = key.shape[1], self.key.shape[0], self.num_kv_heads
+    if key.ndim != 4 or key.shape[0] != b or key.shape[2:] != (kh, self.head_dim):
+      raise ValueError(f"`key` {key.shape} does not fit the cache: expected [B={b}, T, K={kh}, "
+                       f"H={self.head_dim}].")
+    if value.shape != key.shape[:3] + (self.v_head_dim,):
+      raise ValueError(f"`value` {value.shape} does not fit the cache: expected "
+                       f"{key.shape[:3] + (self.v_head_dim,)} ([B, T, K, h]).")
     if t > self.max_len:
       raise ValueError(f"{t} new tokens exceed the cache capacity max_len={self.max_len}.")
     if not isinstance(self.index, jax.core.Tracer) and int(self.index) + t > self.max_len:
       raise ValueError(f"cache overflow: index {int(self.index)} + {t} new tokens > max_len "
                        f"{self.max_len}.")
-    start = (0, self.index, 0, 0)
+    start = (0, self.index, 0)
+    rows = lambda x, like: x.reshape(b, t, -1).astype(like.dtype)  # noqa: E731
     return KVCache(
-        key=jax.lax.dynamic_update_slice(self.key, key.astype(self.key.dtype), start),
-        value=jax.lax.dynamic_update_slice(self.value, value.astype(self.value.dtype), start),
-        index=self.index + t)
+        key=jax.lax.dynamic_update_slice(self.key, rows(key, self.key), start),
+        value=jax.lax.dynamic_update_slice(self.value, rows(value, self.value), start),
+        index=self.index + t, num_kv_heads=kh)
 
 
 def kv_cache_bytes_per_token(num_kv_heads: int, head_dim: int, dtype=jnp.bfloat16,

@@ -258,7 +258,7 @@ class Attention(nnx.Module):
                                 implementation="pallas_tpu")
           y = shard(self.o_proj(self._gate(x, out)), ("batch", "length", "act_embed"))
           return y, cache
-        k, v = cache.key.astype(q.dtype), cache.value.astype(q.dtype)
+        k, v = (x.astype(q.dtype) for x in cache.split_heads())
     q = shard(q, ("batch", "length", "act_heads", "head_dim"))
     bias = None
     if self.rel_bias is not None:

@@ -276,10 +276,11 @@ def cache_attention(
 ) -> Float[Array, "B T N h"] | Float[Array, "B N h"]:
   """``paged_attention`` over a contiguous cache (a ``KVCache``'s ``key`` / ``value``).
 
-  ``key [B, S, K, H]`` / ``value [B, S, K, h]`` hold ``lengths[b]`` tokens of sequence ``b`` (the
-  new ones included); the ``T`` queries are its last ``T`` tokens, exactly as in
-  ``paged_attention``.  The cache is read as pages of itself (``[B * S / page, page, K, H]``, a
-  reshape that only splits ``S``, and an identity page table), so the decode kernels serve it:
+  ``key [B, S, K * H]`` / ``value [B, S, K * h]`` (a ``KVCache``'s rows; or split,
+  ``[B, S, K, H]`` / ``[B, S, K, h]``) hold ``lengths[b]`` tokens of sequence ``b`` (the new ones
+  included); the ``T`` queries are its last ``T`` tokens, exactly as in ``paged_attention``.  The
+  cache is read as pages of itself (``page_view``: a reshape that only splits ``S``, and an
+  identity page table), so the decode kernels serve it:
   ``"pallas_tpu"`` (the default on TPU; ``S`` a multiple of 16) reads each valid page once, in
   place, where flash attention's head-major layout costs a transpose of the whole cache per step;
   ``"pallas_gpu"`` likewise; ``"xla"`` (the default elsewhere) is ``paged_attention_xla`` with one
@@ -287,10 +288,15 @@ def cache_attention(
   """
   q, squeeze = _as_4d(query, "query")
   b, t, n, h = q.shape
-  if key.ndim != 4 or key.shape[0] != b or key.shape[3] != h:
-    raise ValueError(f"`key` must be [B={b}, S, K, H={h}], got shape {key.shape}.")
-  if value.ndim != 4 or value.shape[:3] != key.shape[:3]:
-    raise ValueError(f"`value` must be [B, S, K]={key.shape[:3]} + [h], got shape {value.shape}.")
+  split = key.ndim == value.ndim == 4
+  heads = key.shape[2] if split else key.shape[-1] // h
+  if (key.ndim not in (3, 4) or key.ndim != value.ndim or key.shape[0] != b
+      or value.shape[:2] != key.shape[:2] or heads < 1
+      or (key.shape[2:] != (heads, h) if split else key.shape[2] % h or value.shape[2] % heads)
+      or (split and value.shape[2] != heads)):
+    raise ValueError(f"`key` / `value` must be [B={b}, S, K * H] / [B, S, K * h] with H={h} (or "
+                     f"[B, S, K, H] / [B, S, K, h]) on the same slots, got shapes {key.shape}, "
+                     f"{value.shape}.")
   impl = resolve_implementation(implementation)
   s = key.shape[1]
   page = s if impl == "xla" else view_page_size(s)

@@ -247,8 +247,8 @@ def paged_attention_tpu(
 
 def contiguous_attention_tpu(
     query: Float[Array, "B T N H"],
-    key: Float[Array, "B S K H"],
-    value: Float[Array, "B S K h"],
+    key: Float[Array, "B S KH"] | Float[Array, "B S K H"],
+    value: Float[Array, "B S Kh"] | Float[Array, "B S K h"],
     lengths: Int[Array, "B"],
     *,
     scale: float,
@@ -259,9 +259,9 @@ def contiguous_attention_tpu(
 ) -> Float[Array, "B T N h"]:
   """``jaxattn.ops.decode.cache_attention`` as the paged kernel over a contiguous cache.
 
-  The cache ``[B, S, K, H]`` is read as ``S / page`` pages per sequence (``view_page_size(S)``
-  keys each): a reshape to ``[B * S / page, page, K, H]`` that only splits ``S``, so XLA moves no
-  byte, and an identity page table.  The kernel reads each valid page once, in place -- unlike
+  The cache -- a ``KVCache``'s rows ``[B, S, K * H]``, or ``[B, S, K, H]`` -- is read as ``S /
+  page`` pages per sequence (``view_page_size(S)`` keys each): a reshape that only splits ``S``,
+  so XLA moves no byte, and an identity page table.  The kernel reads each valid page once, in place -- unlike
   flash attention, whose head-major layout makes XLA transpose the whole cache on every decode
   step.  Under a mesh: ``jax.shard_map`` with queries, cache and lengths split over the
   ``"batch"`` axes and the heads over ``"kv_heads"`` when ``N`` and ``K`` divide.
@@ -278,9 +278,12 @@ def contiguous_attention_tpu(
     return _local(q, key_pages, value_pages, table, lens, scale=scale, soft_cap=logits_soft_cap,
                   num_splits=num_splits, interpret=interpret)
 
+  kv_heads = key.shape[2] if key.ndim == 4 else key.shape[2] // query.shape[3]
+
   def specs(mesh):
-    bax, hax = sharded.plan_specs(mesh, query.shape[0], query.shape[2], key.shape[2])
+    bax, hax = sharded.plan_specs(mesh, query.shape[0], query.shape[2], kv_heads)
     heads = P(bax, None, hax, None)
-    return (heads, heads, heads, P(bax)), heads
+    cache = heads if key.ndim == 4 else P(bax, None, hax)    # merged rows: K-major, split by K
+    return (heads, cache, cache, P(bax)), heads
 
   return sharded.run_sharded(local, [query, key, value, lengths.astype(jnp.int32)], mesh, specs)

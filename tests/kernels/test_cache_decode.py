@@ -15,6 +15,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxattn import sharding
+from jaxattn.cache import KVCache
 from jaxattn.mla_cache import LatentCache
 from jaxattn.nn import attention as attention_module
 from jaxattn.nn import mla as mla_module
@@ -65,15 +66,20 @@ def test_view_page_size():
   assert [view_page_size(s) for s in (8192, 48, 96, 16, 40)] == [512, 16, 32, 16, None]
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas_tpu", "pallas_gpu"])
-def test_matches_numpy_reference(impl):
-  """Ragged lengths (0, a partial block, a full cache), GQA, three new tokens, a soft-cap."""
+@pytest.mark.parametrize("impl,merged", [("xla", False), ("pallas_tpu", False),
+                                         ("pallas_tpu", True), ("pallas_gpu", True)])
+def test_matches_numpy_reference(impl, merged):
+  """Ragged lengths (0, a partial block, a full cache), GQA, three new tokens, a soft-cap; the
+  cache split ``[B, S, K, H]`` or in a ``KVCache``'s rows ``[B, S, K * H]``."""
   lengths = (21, 0, 48, 5)
   key, value = cache(lengths, 48, kh=2)
   q = queries(4, 3, 4)
+  if merged:
+    key, value = key.reshape(4, 48, 16), value.reshape(4, 48, 16)
   got = cache_attention(q, key, value, jnp.asarray(lengths), scale=0.4, logits_soft_cap=2.0,
                         implementation=impl, num_splits=2)
-  want = numpy_reference(q, key, value, lengths, 0.4, cap=2.0)
+  want = numpy_reference(q, key.reshape(4, 48, 2, 8), value.reshape(4, 48, 2, 8), lengths, 0.4,
+                         cap=2.0)
   assert got.shape == (4, 3, 4, 8) and np.isfinite(np.asarray(got)).all()
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
   np.testing.assert_array_equal(got[1], 0.0)
@@ -103,11 +109,13 @@ def test_sharded_under_mesh_equals_unsharded():
   lens = jnp.asarray(lengths)
   want = cache_attention(q, key, value, lens, implementation="xla")
   spec = NamedSharding(mesh, P("data", None, "tensor", None))
-  with jax.set_mesh(mesh):
-    args = [jax.device_put(x, spec) for x in (q, key, value)]
-    got = jax.jit(lambda q, k, v, n: cache_attention(q, k, v, n, implementation="pallas_tpu"))(
-        *args, jax.device_put(lens, NamedSharding(mesh, P("data"))))
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  rows = NamedSharding(mesh, P("data", None, "tensor"))               # KVCache rows, K-major
+  for k, v, sp in ((key, value, spec), (key.reshape(2, 32, 32), value.reshape(2, 32, 32), rows)):
+    with jax.set_mesh(mesh):
+      args = [jax.device_put(q, spec), jax.device_put(k, sp), jax.device_put(v, sp)]
+      got = jax.jit(lambda q, k, v, n: cache_attention(q, k, v, n, implementation="pallas_tpu"))(
+          *args, jax.device_put(lens, NamedSharding(mesh, P("data"))))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_errors():
@@ -122,12 +130,42 @@ def test_errors():
     cache_attention(queries(1, 1, 2, h=4), key, value, lens)
   with pytest.raises(ValueError, match="`value`"):
     cache_attention(q, key, value[:, :16], lens)
+  rows = (key.reshape(1, 32, 16), value.reshape(1, 32, 16))           # KVCache rows [B, S, K*H]
+  with pytest.raises(ValueError, match="`key`"):
+    cache_attention(queries(1, 1, 2, h=5), *rows, lens)             # 16 % 5
+  with pytest.raises(ValueError, match="`value`"):
+    cache_attention(q, rows[0], value.reshape(1, 32, 2, 8)[..., :7].reshape(1, 32, 14)[..., :13],
+                    lens)                                            # 13 % K=2
   with pytest.raises(ValueError, match="multiple"):
     cache_attention(queries(1, 1, 3), key, value, lens, implementation="pallas_tpu")
   with pytest.raises(ValueError, match="lengths"):
     cache_attention(q, key, value, jnp.asarray([33]), implementation="pallas_tpu")
   with pytest.raises(ValueError, match="num_splits"):
     cache_attention(q, key, value, lens, implementation="pallas_tpu", num_splits=0)
+
+
+def test_kv_cache_rows_and_split_heads():
+  """``KVCache`` keeps a token's KV heads side by side (``[B, L, K * H]``); ``split_heads`` is
+  the ``[B, L, K, H]`` view; updates land at ``index``; wrong shapes are refused."""
+  kv = KVCache.init(2, 8, 2, 4, 3)
+  assert kv.key.shape == (2, 8, 8) and kv.value.shape == (2, 8, 6)
+  assert (kv.num_kv_heads, kv.head_dim, kv.v_head_dim, kv.nbytes) == (2, 4, 3, 2 * 8 * 14 * 4)
+  rng = np.random.default_rng(9)
+  k, v = rng.standard_normal((2, 3, 2, 4)), rng.standard_normal((2, 3, 2, 3))
+  kv = jax.jit(lambda c, k, v: c.update(k, v))(kv, jnp.asarray(k), jnp.asarray(v))
+  kv = kv.update(jnp.asarray(k[:, :1]), jnp.asarray(v[:, :1]))
+  key, value = kv.split_heads()
+  assert int(kv.index) == 4 and key.shape == (2, 8, 2, 4) and value.shape == (2, 8, 2, 3)
+  np.testing.assert_allclose(key[:, :3], k, rtol=1e-6)
+  np.testing.assert_allclose(value[:, 3], v[:, 0], rtol=1e-6)
+  np.testing.assert_array_equal(kv.key[:, 4:], 0.0)
+  np.testing.assert_allclose(kv.key[0, 1], k[0, 1].reshape(-1), rtol=1e-6)  # row [k_0 | k_1]
+  with pytest.raises(ValueError, match="`key`"):
+    kv.update(jnp.ones((2, 1, 1, 4)), jnp.ones((2, 1, 1, 3)))
+  with pytest.raises(ValueError, match="`value`"):
+    kv.update(jnp.ones((2, 1, 2, 4)), jnp.ones((2, 1, 2, 4)))
+  with pytest.raises(ValueError, match="overflow"):
+    kv.update(jnp.ones((2, 5, 2, 4)), jnp.ones((2, 5, 2, 3)))
 
 
 # -- through the Attention module ------------------------------------------------------------------
