@@ -259,11 +259,11 @@ def contiguous_attention_tpu(
 ) -> Float[Array, "B T N h"]:
   """``jaxattn.ops.decode.cache_attention`` as the paged kernel over a contiguous cache.
 
-  The cache -- a ``KVCache``'s rows ``[B, S, K * H]``, or ``[B, S, K, H]`` -- is read as ``S /
-  page`` pages per sequence (``view_page_size(S)`` keys each): a reshape that only splits ``S``,
-  so XLA moves no byte, and an identity page table.  The kernel reads each valid page once, in place -- unlike
-  flash attention, whose head-major layout makes XLA transpose the whole cache on every decode
-  step.  Under a mesh: ``jax.shard_map`` with queries, cache and lengths split over the
+  The cache -- a ``KVCache``'s rows ``[B, S, K * H]``, or ``[B, S, K, H]`` -- is read as
+  ``S / page`` pages per sequence (``view_page_size(S)`` keys each): a reshape that only splits
+  ``S``, so XLA moves no byte, and an identity page table.  The kernel reads each valid page
+  once, in place -- unlike flash attention, whose head-major layout makes XLA transpose the whole
+  cache on every decode step.  Under a mesh: ``jax.shard_map`` with queries, cache and lengths split over the
   ``"batch"`` axes and the heads over ``"kv_heads"`` when ``N`` and ``K`` divide.
   """
   if num_splits < 1:
