@@ -41,7 +41,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxattn.ops.decode import page_view, view_page_size
 from pallas_kernels.flash_attention import sharded
-from pallas_kernels.flash_attention.common import reset_online_softmax
+from pallas_kernels.flash_attention.common import default_interpret, reset_online_softmax
 
 _F32 = jnp.float32
 
@@ -95,10 +95,6 @@ def page_index(lens_ref, table_ref, b, logical, *, max_pages, page_size):
   last = jnp.maximum((lens_ref[b] + page_size - 1) // page_size - 1, 0)
   logical = jnp.minimum(logical, last)
   return jnp.maximum(table_ref[b * max_pages + logical], 0)
-
-
-def default_interpret(interpret):
-  return jax.default_backend() != "tpu" if interpret is None else interpret
 
 
 # -- the kernel --------------------------------------------------------------------------------

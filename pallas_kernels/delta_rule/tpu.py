@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
 from jaxattn.ops import delta_rule as dr
+from pallas_kernels.flash_attention.common import default_interpret
 
 NN_DIMS = (((1,), (0,)), ((), ()))  # a @ b
 TN_DIMS = (((0,), (0,)), ((), ()))  # a.T @ b
@@ -57,8 +58,7 @@ def chunked_delta_rule_tpu(q, k, v, g, beta, state, resets, *, chunk_size, inter
   ``state [B, K, G, H, h]``, ``resets [B, T]``; fp32, ``T`` a multiple of ``chunk_size``.
   Returns ``(out [B, T, K, G, h], final state)``.  ``interpret=None`` interprets unless on a TPU.
   """
-  if interpret is None:
-    interpret = jax.default_backend() != "tpu"
+  interpret = default_interpret(interpret)
   b, t, kh, hk = k.shape
   grp, hv = v.shape[3], v.shape[4]
   c = chunk_size

@@ -57,6 +57,12 @@ MIN_BLOCK = 8
 KIND_BITS = 2
 
 
+def default_interpret(interpret):
+  """A TPU kernel's ``interpret`` argument: None -> compiled on a TPU backend, interpreted
+  elsewhere; an explicit bool or ``pltpu.InterpretParams`` is kept."""
+  return jax.default_backend() != "tpu" if interpret is None else interpret
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
   """Tile sizes of the flash-attention kernels (they change speed, not results).

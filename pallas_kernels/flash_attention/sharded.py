@@ -61,6 +61,13 @@ def plan_specs(mesh, batch: int, num_heads: int, num_kv_heads: int):
   return batch_axes, head_axes
 
 
+def latent_specs(mesh, batch: int, num_heads: int):
+  """``(batch_axes, head_axes)`` for MLA-style calls, where every query head reads the same latent
+  rows: the heads split over the ``"heads"`` axes alone (there are no KV heads to keep whole)."""
+  free = _free_axes(mesh)
+  return _spec_axes("batch", batch, mesh, free), _spec_axes("heads", num_heads, mesh, free)
+
+
 def run_sharded(local: Callable, args, mesh, specs: Callable):
   """``local(*args)`` under ``shard_map`` over ``mesh`` (None: the context mesh set by
   ``jax.set_mesh``), or directly when there is no mesh or no free axis to split over.
@@ -146,4 +153,4 @@ def _place(x, spec, mesh):
   return x
 
 
-__all__ = ["shard_attention", "plan_specs", "run_flash", "run_sharded"]
+__all__ = ["latent_specs", "shard_attention", "plan_specs", "run_flash", "run_sharded"]

@@ -100,8 +100,7 @@ def flash_attention(
   Returns:
     ``[B, T, N, h]`` in the query dtype; with ``return_residuals``, ``(out, lse)``.
   """
-  if interpret is None:
-    interpret = jax.default_backend() != "tpu"
+  interpret = C.default_interpret(interpret)
   out, lse = run_flash(query, key, value, mask, scale=scale, alibi_slopes=alibi_slopes,
                        logits_soft_cap=logits_soft_cap, q_offset=q_offset,
                        block_sizes=block_sizes or C.BlockSizes.tpu(), interpret=interpret,

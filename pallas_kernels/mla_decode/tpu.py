@@ -165,9 +165,7 @@ def run_sharded_mla(local, args, mesh):
   b, _, n, _ = args[0].shape
 
   def specs(mesh):
-    free = sharded._free_axes(mesh)
-    bax = sharded._spec_axes("batch", b, mesh, free)
-    hax = sharded._spec_axes("heads", n, mesh, free)
+    bax, hax = sharded.latent_specs(mesh, b, n)
     q_spec = P(bax, None, hax, None)
     return (q_spec, q_spec, P(), P(), P(bax, None), P(bax), P(bax, None, None))[:len(args)], q_spec
 
@@ -244,9 +242,7 @@ def contiguous_mla_decode_tpu(
                         num_splits=num_splits, interpret=interpret)
 
   def specs(mesh):
-    free = sharded._free_axes(mesh)
-    bax = sharded._spec_axes("batch", q_latent.shape[0], mesh, free)
-    hax = sharded._spec_axes("heads", q_latent.shape[2], mesh, free)
+    bax, hax = sharded.latent_specs(mesh, q_latent.shape[0], q_latent.shape[2])
     q_spec = P(bax, None, hax, None)
     return (q_spec, q_spec, P(bax, None, None), P(bax)), q_spec
 

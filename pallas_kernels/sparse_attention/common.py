@@ -84,9 +84,7 @@ def run_latent_sharded(local, q_latent, q_rope, c_kv, k_rope, indices, mesh):
   b, _, n, _ = q_latent.shape
 
   def specs(mesh):
-    free = sharded._free_axes(mesh)
-    batch = sharded._spec_axes("batch", b, mesh, free)
-    heads = sharded._spec_axes("heads", n, mesh, free)
+    batch, heads = sharded.latent_specs(mesh, b, n)
     q, rows = P(batch, None, heads, None), P(batch, None, None)
     return (q, q, rows, rows, rows), q
 
