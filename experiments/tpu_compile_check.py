@@ -134,6 +134,9 @@ def cases():
           bf16(8, 1, 32, 128), bf16(8, 8192, 8 * 128), bf16(8, 8192, 8 * 128), i32(8))),
       "contiguous-cache GQA decode, heads of 64": (contiguous_decode, (
           bf16(8, 1, 32, 64), bf16(8, 8192, 8 * 64), bf16(8, 8192, 8 * 64), i32(8))),
+      # MHA, 32 KV heads of 128 (Llama-2-7B): pages sized to VMEM (128 tokens, not 512).
+      "contiguous-cache MHA decode": (contiguous_decode, (
+          bf16(4, 1, 32, 128), bf16(4, 8192, 32 * 128), bf16(4, 8192, 32 * 128), i32(4))),
       # A contiguous LatentCache as allocated on TPU: rows [c_KV 512 | k^R 64 | 64 zeros].
       "contiguous-cache MLA decode": (
           lambda ql, qr, kv, n: cache_mla_decode(ql, qr, kv, n, scale=0.07, num_splits=4,

@@ -51,6 +51,9 @@ _F32 = jnp.float32
 # New tokens per step up to which ``Attention`` / ``MLA`` send a step with a contiguous cache to
 # ``cache_attention`` / ``cache_mla_decode`` on TPU (more: prefill, which flash attention serves).
 DECODE_MAX_T = 16
+# ... and, for MLA, up to this many query rows (new tokens x heads): the MLA decode kernel holds
+# all of a sequence's rows in VMEM at once (queries, fp32 accumulator and output, 512 wide).
+MLA_DECODE_MAX_ROWS = 512
 
 
 def resolve_implementation(implementation, *, sparse: bool = False) -> str:
@@ -299,7 +302,7 @@ def cache_attention(
                      f"{value.shape}.")
   impl = resolve_implementation(implementation)
   s = key.shape[1]
-  page = s if impl == "xla" else view_page_size(s)
+  page = s if impl == "xla" else view_page_size(s, cache_row_bytes(key, value))
   if page is None:
     raise ValueError(f"implementation={impl!r} reads the cache as pages of 16 or more tokens: "
                      f"its length S={s} must be a multiple of 16 (or use implementation='xla').")
@@ -352,7 +355,7 @@ def cache_mla_decode(
                      f"{kv.shape}.")
   impl = resolve_implementation(implementation)
   s = kv.shape[1]
-  page = s if impl == "xla" else view_page_size(s)
+  page = s if impl == "xla" else view_page_size(s, cache_row_bytes(kv))
   if page is None:
     raise ValueError(f"implementation={impl!r} reads the cache as pages of 16 or more tokens: "
                      f"its length S={s} must be a multiple of 16 (or use implementation='xla').")
@@ -379,10 +382,22 @@ def cache_mla_decode(
   return out[:, 0] if squeeze else out
 
 
-def view_page_size(length: int) -> int | None:
+def view_page_size(length: int, row_bytes: int = 0) -> int | None:
   """Tokens per page when a contiguous cache of ``length`` slots is read as pages of itself: the
-  largest of 512, 256, ..., 16 that divides it (None: none does)."""
-  return next((p for p in (512, 256, 128, 64, 32, 16) if length % p == 0), None)
+  largest of 512, 256, ..., 16 that divides it and keeps one page of ``row_bytes`` per token
+  (keys + values) within 2 MiB -- the kernels double-buffer it, and TPU v5e's default scoped
+  VMEM is 16 MiB (32 KV heads of 128 in bf16: 128 tokens).  None: no size divides ``length``."""
+  pages = [p for p in (512, 256, 128, 64, 32, 16) if length % p == 0]
+  fitting = [p for p in pages if p * row_bytes <= _PAGE_BUDGET]
+  return (fitting or pages[-1:] or [None])[0]
+
+
+_PAGE_BUDGET = 2 << 20
+
+
+def cache_row_bytes(*caches) -> int:
+  """Bytes of one token's row across ``caches`` ``[B, S, ...]``."""
+  return sum(math.prod(c.shape[2:]) * c.dtype.itemsize for c in caches)
 
 
 def sparse_rows(indices, page_table, lengths, page_size):
@@ -507,7 +522,7 @@ def paged_mla_decode(
   return out[:, 0] if squeeze else out
 
 
-__all__ = ["DECODE_IMPLEMENTATIONS", "DECODE_MAX_T", "cache_attention", "cache_mla_decode",
-           "merged_kv_heads", "paged_attention", "paged_attention_xla", "paged_mla_decode",
-           "paged_mla_decode_xla", "page_view", "resolve_implementation", "sparse_rows",
-           "view_page_size"]
+__all__ = ["DECODE_IMPLEMENTATIONS", "DECODE_MAX_T", "MLA_DECODE_MAX_ROWS", "cache_attention",
+           "cache_mla_decode", "cache_row_bytes", "merged_kv_heads", "paged_attention",
+           "paged_attention_xla", "paged_mla_decode", "paged_mla_decode_xla", "page_view",
+           "resolve_implementation", "sparse_rows", "view_page_size"]

@@ -39,7 +39,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from jaxattn.ops.decode import page_view, view_page_size
+from jaxattn.ops.decode import cache_row_bytes, page_view, view_page_size
 from pallas_kernels.flash_attention import sharded
 from pallas_kernels.flash_attention.common import default_interpret, reset_online_softmax
 
@@ -264,7 +264,7 @@ def contiguous_attention_tpu(
   """
   if num_splits < 1:
     raise ValueError(f"`num_splits` must be >= 1, got {num_splits!r}.")
-  page = view_page_size(key.shape[1])
+  page = view_page_size(key.shape[1], cache_row_bytes(key, value))
   if page is None:
     raise ValueError(f"the cache length S={key.shape[1]} must be a multiple of 16 to be read "
                      "as pages in place.")

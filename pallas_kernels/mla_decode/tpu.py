@@ -41,7 +41,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from jaxattn.ops.decode import page_view, view_page_size
+from jaxattn.ops.decode import cache_row_bytes, page_view, view_page_size
 from pallas_kernels.decode_attention.tpu import (combine, default_interpret, dot_t, finalize,
                                                  online_softmax_update, page_index)
 from pallas_kernels.flash_attention import sharded
@@ -229,7 +229,7 @@ def contiguous_mla_decode_tpu(
   if num_splits < 1:
     raise ValueError(f"`num_splits` must be >= 1, got {num_splits!r}.")
   c, r = q_latent.shape[3], q_rope.shape[3]
-  page = view_page_size(kv.shape[1])
+  page = view_page_size(kv.shape[1], cache_row_bytes(kv))
   if page is None or kv.shape[2] != c + r:
     raise ValueError(f"`kv` {kv.shape} must be [B, S, C + R] = [B, S, {c} + {r}] with S a "
                      "multiple of 16.")

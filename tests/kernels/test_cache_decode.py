@@ -64,6 +64,11 @@ def queries(b, t, n, h=8, dtype=jnp.float32, seed=1):
 
 def test_view_page_size():
   assert [view_page_size(s) for s in (8192, 48, 96, 16, 40)] == [512, 16, 32, 16, None]
+  # One page of keys + values within 2 MiB (double-buffered in VMEM): 8 KV heads of 128 in bf16
+  # take 512 tokens, 32 heads 128, and a row too large for any page still gets the smallest.
+  assert view_page_size(8192, 8 * 128 * 2 * 2) == 512
+  assert view_page_size(8192, 32 * 128 * 2 * 2) == 128
+  assert view_page_size(8192, 1 << 20) == 16
 
 
 @pytest.mark.parametrize("impl,merged", [("xla", False), ("pallas_tpu", False),
@@ -373,6 +378,11 @@ def test_mla_module_steps_run_the_decode_kernel(monkeypatch):
     got, _ = prefill_then_decode(step, module, cache, x, 5)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
   assert calls == ["pallas_tpu"] * 4                     # two caches x two step shapes
+  # The kernel holds a sequence's T x N query rows in VMEM: at most MLA_DECODE_MAX_ROWS of them.
+  wide = nnx.eval_shape(lambda: MLA(D, 64, mode="absorbed", rngs=nnx.Rngs(0), **MLA_DIMS))
+  cache = wide.init_cache(1, 16)
+  assert wide._decode_kernel(8, "absorbed", None, "pallas_tpu", cache)          # 512 rows
+  assert not wide._decode_kernel(9, "absorbed", None, "pallas_tpu", cache)      # 576
   _mla_step(module, module.init_cache(2, 16), x[:, :3], implementation="pallas_tpu",
             mode="naive")
   assert len(calls) == 4
