@@ -56,16 +56,20 @@ DECODE_MAX_T = 16
 MLA_DECODE_MAX_ROWS = 512
 
 
-def resolve_implementation(implementation, *, sparse: bool = False) -> str:
+def resolve_implementation(implementation, *, sparse: bool = False, fits: bool = True) -> str:
   """``None`` -> ``"pallas_tpu"`` on TPU, else ``"xla"``; an explicit name is checked, never
   replaced.  The GPU kernels (``"pallas_gpu"``) are opt-in until they have been validated on
   GPU hardware (``experiments/device_check.sh``); they are tested in interpret mode only.
 
   ``sparse`` (DSA decode): ``None`` -> ``"xla"`` on TPU too.  The TPU kernel gathers single rows,
   which Mosaic allows only from a ``[rows, 1, C]`` view of the pool, and XLA re-tiles the whole
-  pool into it on every step (docs/performance.md): more bytes than the XLA gather reads."""
+  pool into it on every step (docs/performance.md): more bytes than the XLA gather reads.
+
+  ``fits=False`` (a call whose query rows the TPU kernels cannot hold in VMEM at once: a long
+  prefill through a paged cache): ``None`` -> ``"xla"`` on TPU too."""
   if implementation is None:
-    return "pallas_tpu" if jax.default_backend() == "tpu" and not sparse else "xla"
+    tpu = jax.default_backend() == "tpu" and not sparse and fits
+    return "pallas_tpu" if tpu else "xla"
   if implementation not in DECODE_IMPLEMENTATIONS:
     raise ValueError(f"`implementation` must be None or one of {DECODE_IMPLEMENTATIONS}, got "
                      f"{implementation!r}.")
@@ -175,6 +179,13 @@ def merged_kv_heads(key_pool, value_pool, head_dim: int) -> int:
                    f"{value_pool.shape}.")
 
 
+def gqa_rows_fit(rows: int, head_dim: int, v_head_dim: int, dtype) -> bool:
+  """Whether the TPU GQA decode kernel can hold ``rows = T * N`` query rows in VMEM at once: its
+  query block (double-buffered), fp32 accumulator and output (double-buffered) within 4 MiB."""
+  per_row = 2 * head_dim * jnp.dtype(dtype).itemsize + 3 * v_head_dim * 4
+  return rows * per_row <= 4 << 20
+
+
 def _check_gqa(q, key_pool, value_pool, page_table, lengths, scale, logits_soft_cap,
                num_splits) -> int:
   """``paged_attention``'s argument checks (``q`` 4-D); returns the KV heads ``K``."""
@@ -245,7 +256,8 @@ def paged_attention(
                   num_splits)
   scale = 1.0 / math.sqrt(h) if scale is None else scale
   page_table, lengths = page_table.astype(jnp.int32), lengths.astype(jnp.int32)
-  impl = resolve_implementation(implementation)
+  hv = value_pool.shape[-1] if value_pool.ndim == 4 else value_pool.shape[2] // kh
+  impl = resolve_implementation(implementation, fits=gqa_rows_fit(t * n, h, hv, q.dtype))
   if impl != "pallas_tpu":  # the XLA reference and the GPU kernel index [P, page, K, H]
     key_pool = key_pool.reshape(key_pool.shape[:2] + (kh, h))
     value_pool = value_pool.reshape(value_pool.shape[:2] + (kh, -1))
@@ -505,7 +517,8 @@ def paged_mla_decode(
       raise ValueError(f"`indices` must be an integer array, got dtype {indices.dtype}.")
     indices = indices.astype(jnp.int32)
   page_table, lengths = page_table.astype(jnp.int32), lengths.astype(jnp.int32)
-  impl = resolve_implementation(implementation, sparse=indices is not None)
+  impl = resolve_implementation(implementation, sparse=indices is not None,
+                                fits=t * n <= MLA_DECODE_MAX_ROWS)
   if impl != "xla" and k_rope_pool.shape[2] > r:  # kernels read the padded pool as it is stored
     qr = jnp.pad(qr, ((0, 0), (0, 0), (0, 0), (0, k_rope_pool.shape[2] - r)))
   if impl == "xla":
@@ -523,6 +536,6 @@ def paged_mla_decode(
 
 
 __all__ = ["DECODE_IMPLEMENTATIONS", "DECODE_MAX_T", "MLA_DECODE_MAX_ROWS", "cache_attention",
-           "cache_mla_decode", "cache_row_bytes", "merged_kv_heads", "paged_attention",
-           "paged_attention_xla", "paged_mla_decode", "paged_mla_decode_xla", "page_view",
-           "resolve_implementation", "sparse_rows", "view_page_size"]
+           "cache_mla_decode", "cache_row_bytes", "gqa_rows_fit", "merged_kv_heads",
+           "paged_attention", "paged_attention_xla", "paged_mla_decode", "paged_mla_decode_xla",
+           "page_view", "resolve_implementation", "sparse_rows", "view_page_size"]

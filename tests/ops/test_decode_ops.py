@@ -10,7 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxattn.ops.decode import paged_attention, paged_mla_decode, resolve_implementation
+from jaxattn.ops import decode as decode_ops
+from jaxattn.ops.decode import (gqa_rows_fit, paged_attention, paged_mla_decode,
+                                resolve_implementation)
 from jaxattn.ops.sparse import sparse_mla_attention
 from jaxattn.paged_cache import PagedKVCache, PagedLatentCache
 
@@ -190,6 +192,25 @@ def test_sparse_mla_equals_gather_reference(rope_align):
                              cache.lengths, scale=0.3, indices=far.at[2, 0, 0].set(-1),
                              implementation="xla")
   np.testing.assert_array_equal(got_far, ref_far)
+
+
+def test_tpu_default_leaves_long_prefills_to_xla(monkeypatch):
+  """On TPU the default is the decode kernel, which holds all T x N query rows in VMEM; a call
+  with more rows than fit (a long prefill through a paged cache) takes the XLA path instead."""
+  assert gqa_rows_fit(32, 128, 128, jnp.bfloat16)                   # decode: 32 rows
+  assert not gqa_rows_fit(512 * 32, 128, 128, jnp.bfloat16)         # a 512-token prefill
+  cache, key, value = kv_cache(2)
+  q = _normal(12, (len(LENGTHS), 2, 4, 8))[0]
+  want = paged_attention(q, cache.key_pool, cache.value_pool, cache.page_table, cache.lengths)
+  with monkeypatch.context() as m:
+    m.setattr(jax, "default_backend", lambda: "tpu")
+    assert resolve_implementation(None) == "pallas_tpu"
+    assert resolve_implementation(None, fits=False) == "xla"
+    assert resolve_implementation("pallas_tpu", fits=False) == "pallas_tpu"  # explicit: kept
+    m.setattr(decode_ops, "gqa_rows_fit", lambda *a: False)
+    # On this CPU the TPU kernel would have to compile (interpret=False on "TPU") and fail.
+    got = paged_attention(q, cache.key_pool, cache.value_pool, cache.page_table, cache.lengths)
+  np.testing.assert_array_equal(got, want)
 
 
 def test_dispatch_and_errors():
