@@ -159,23 +159,26 @@ def paged_attention_xla(query, key_pool, value_pool, page_table, lengths, *, sca
   return out.reshape(b, t, n, value.shape[-1]).astype(query.dtype)
 
 
-def merged_kv_heads(key_pool, value_pool, head_dim: int) -> int:
+def merged_kv_heads(key_pool, value_pool, head_dim: int, *, names=("key_pool", "value_pool"),
+                    lead: str = "P, page") -> int:
   """Checks paged KV pools -- merged ``[P, page, K * H]`` / ``[P, page, K * h]`` or split
-  ``[P, page, K, H]`` / ``[P, page, K, h]`` -- against the query's head size; returns ``K``."""
+  ``[P, page, K, H]`` / ``[P, page, K, h]`` -- against the query's head size; returns ``K``.
+  ``names`` / ``lead`` word the errors for other callers (a contiguous cache: ``B, S``)."""
+  kn, vn = names
   if key_pool.ndim == value_pool.ndim == 4:
     if key_pool.shape[3] != head_dim or value_pool.shape[:3] != key_pool.shape[:3]:
-      raise ValueError(f"`key_pool` {key_pool.shape} must be [P, page, K, H={head_dim}] and "
-                       f"`value_pool` {value_pool.shape} share its [P, page, K].")
+      raise ValueError(f"`{kn}` {key_pool.shape} must be [{lead}, K, H={head_dim}] and "
+                       f"`{vn}` {value_pool.shape} share its [{lead}, K].")
     return key_pool.shape[2]
   if key_pool.ndim == value_pool.ndim == 3:
     kh = key_pool.shape[2] // head_dim
     if (kh < 1 or key_pool.shape[2] % head_dim or value_pool.shape[:2] != key_pool.shape[:2]
         or value_pool.shape[2] % kh):
-      raise ValueError(f"`key_pool` {key_pool.shape} must be [P, page, K * H] with H={head_dim} "
-                       f"and `value_pool` {value_pool.shape} [P, page, K * h] on the same pages.")
+      raise ValueError(f"`{kn}` {key_pool.shape} must be [{lead}, K * H] with H={head_dim} and "
+                       f"`{vn}` {value_pool.shape} [{lead}, K * h] on the same slots.")
     return kh
-  raise ValueError(f"`key_pool` / `value_pool` must be [P, page, K * H] / [P, page, K * h] (or "
-                   f"[P, page, K, H] / [P, page, K, h]), got {key_pool.shape}, "
+  raise ValueError(f"`{kn}` / `{vn}` must be [{lead}, K * H] / [{lead}, K * h] (or "
+                   f"[{lead}, K, H] / [{lead}, K, h]), got {key_pool.shape}, "
                    f"{value_pool.shape}.")
 
 
@@ -303,15 +306,9 @@ def cache_attention(
   """
   q, squeeze = _as_4d(query, "query")
   b, t, n, h = q.shape
-  split = key.ndim == value.ndim == 4
-  heads = key.shape[2] if split else key.shape[-1] // h
-  if (key.ndim not in (3, 4) or key.ndim != value.ndim or key.shape[0] != b
-      or value.shape[:2] != key.shape[:2] or heads < 1
-      or (key.shape[2:] != (heads, h) if split else key.shape[2] % h or value.shape[2] % heads)
-      or (split and value.shape[2] != heads)):
-    raise ValueError(f"`key` / `value` must be [B={b}, S, K * H] / [B, S, K * h] with H={h} (or "
-                     f"[B, S, K, H] / [B, S, K, h]) on the same slots, got shapes {key.shape}, "
-                     f"{value.shape}.")
+  merged_kv_heads(key, value, h, names=("key", "value"), lead="B, S")
+  if key.shape[0] != b:
+    raise ValueError(f"`key` {key.shape} must hold the query's B={b} sequences.")
   impl = resolve_implementation(implementation)
   s = key.shape[1]
   page = s if impl == "xla" else view_page_size(s, cache_row_bytes(key, value))

@@ -46,6 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
+from jaxattn.ops.decode import merged_kv_heads
 from pallas_kernels.decode_attention.tpu import combine, run_sharded_gqa
 
 _F32 = jnp.float32
@@ -281,15 +282,12 @@ def paged_attention_gpu(
     ``[B, T, N, h]`` in the query dtype.
   """
   check_splits(num_splits)
-  if query.ndim == 4 and key_pool.ndim == value_pool.ndim == 3:  # merged [P, page, K * H|h]
-    kh = key_pool.shape[2] // query.shape[3]                       # (a free reshape on GPU)
-    if kh >= 1 and key_pool.shape[2] % query.shape[3] == 0 and value_pool.shape[2] % kh == 0:
-      key_pool = key_pool.reshape(key_pool.shape[:2] + (kh, -1))
-      value_pool = value_pool.reshape(value_pool.shape[:2] + (kh, -1))
-  if query.ndim != 4 or key_pool.ndim != 4 or value_pool.shape[:3] != key_pool.shape[:3]:
-    raise ValueError(f"`query` must be [B, T, N, H] and the pools [P, page, K * H|h] or "
-                     f"[P, page, K, H|h], got {query.shape}, {key_pool.shape}, "
-                     f"{value_pool.shape}.")
+  if query.ndim != 4:
+    raise ValueError(f"`query` must be [B, T, N, H], got {query.shape}.")
+  # Merged [P, page, K * H|h] pools are split by head (a free reshape on GPU).
+  kh = merged_kv_heads(key_pool, value_pool, query.shape[3])
+  key_pool = key_pool.reshape(key_pool.shape[:2] + (kh, -1))
+  value_pool = value_pool.reshape(value_pool.shape[:2] + (kh, -1))
   if query.shape[2] % key_pool.shape[2]:
     raise ValueError(f"query heads N={query.shape[2]} must be a multiple of the KV heads "
                      f"K={key_pool.shape[2]}.")
