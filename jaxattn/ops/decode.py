@@ -333,6 +333,33 @@ def cache_attention(
   return out[:, 0] if squeeze else out
 
 
+def _mla_queries(q_latent, q_rope):
+  """``(q_latent, q_rope)`` as 4-D ``[B, T, N, .]`` arrays, checked against each other, and
+  whether they came 3-D (one token)."""
+  ql, squeeze = _as_4d(q_latent, "q_latent")
+  qr, _ = _as_4d(q_rope, "q_rope")
+  if qr.shape[:3] != ql.shape[:3] or q_rope.ndim != q_latent.ndim:
+    raise ValueError(f"`q_rope` {q_rope.shape} must share [B, (T,) N] with `q_latent` "
+                     f"{q_latent.shape}.")
+  return ql, qr, squeeze
+
+
+def _check_mla_call(page_table, lengths, batch, page_size, scale, num_splits):
+  """The table, scale and split checks of the MLA decode ops."""
+  check_table(page_table, lengths, batch, page_size=page_size)
+  if scale is None:
+    raise ValueError("`scale` is required for MLA (1 / sqrt(P + R), times the YaRN mscale^2).")
+  _check_scale("scale", scale)
+  _check_splits(num_splits)
+
+
+def _zero_pad_columns(x, width: int):
+  """``x`` with zero columns appended on its last axis up to ``width`` (the stored ``k^R``
+  width, which the kernels read as it is)."""
+  pad = width - x.shape[-1]
+  return jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, pad),)) if pad > 0 else x
+
+
 def cache_mla_decode(
     q_latent: Float[Array, "B T N C"] | Float[Array, "B N C"],
     q_rope: Float[Array, "B T N R"] | Float[Array, "B N R"],
@@ -355,8 +382,7 @@ def cache_mla_decode(
   columns past ``R`` must be zero, as the cache keeps them.  Other arguments as in
   ``paged_mla_decode``.
   """
-  ql, squeeze = _as_4d(q_latent, "q_latent")
-  qr, _ = _as_4d(q_rope, "q_rope")
+  ql, qr, squeeze = _mla_queries(q_latent, q_rope)
   b, t, n, c = ql.shape
   r = qr.shape[3]
   if kv.ndim != 3 or kv.shape[0] != b or kv.shape[2] < c + r:
@@ -375,16 +401,8 @@ def cache_mla_decode(
     return out[:, 0] if squeeze else out
   # paged_mla_decode's checks on the page view, then the kernel on the 3-D buffer (its shard_map
   # splits the cache over batch; the page view is taken on each device).
-  if qr.shape[:3] != (b, t, n) or q_rope.ndim != q_latent.ndim:
-    raise ValueError(f"`q_rope` {q_rope.shape} must share [B, (T,) N] with `q_latent` "
-                     f"{q_latent.shape}.")
-  check_table(table, lengths, b, page_size=page)
-  if scale is None:
-    raise ValueError("`scale` is required for MLA (1 / sqrt(P + R), times the YaRN mscale^2).")
-  _check_scale("scale", scale)
-  _check_splits(num_splits)
-  if kv.shape[2] > c + r:                                          # zero q^R columns to match
-    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, 0), (0, kv.shape[2] - c - r)))
+  _check_mla_call(table, lengths, b, page, scale, num_splits)
+  qr = _zero_pad_columns(qr, kv.shape[2] - c)                      # to the stored k^R width
   from pallas_kernels.mla_decode.tpu import contiguous_mla_decode_tpu  # noqa: PLC0415
   out = contiguous_mla_decode_tpu(ql, qr, kv, lengths.astype(jnp.int32), scale=scale,
                                   num_splits=num_splits or 1, interpret=interpret)
@@ -486,12 +504,8 @@ def paged_mla_decode(
   Returns:
     ``[B, T, N, C]`` (``[B, N, C]`` for 3-D queries): ``sum_s p_s c_s`` per head, query dtype.
   """
-  ql, squeeze = _as_4d(q_latent, "q_latent")
-  qr, _ = _as_4d(q_rope, "q_rope")
+  ql, qr, squeeze = _mla_queries(q_latent, q_rope)
   b, t, n, c = ql.shape
-  if qr.shape[:3] != (b, t, n) or q_rope.ndim != q_latent.ndim:
-    raise ValueError(f"`q_rope` {q_rope.shape} must share [B, (T,) N] with `q_latent` "
-                     f"{q_latent.shape}.")
   r = qr.shape[3]
   if c_kv_pool.ndim != 3 or c_kv_pool.shape[2] != c:
     raise ValueError(f"`c_kv_pool` must be [P, page, C={c}], got {c_kv_pool.shape}.")
@@ -499,11 +513,7 @@ def paged_mla_decode(
       or k_rope_pool.shape[2] < r):
     raise ValueError(f"`k_rope_pool` must be [P, page, R_p] = {c_kv_pool.shape[:2]} + (R_p,) "
                      f"with R_p >= R={r}, got {k_rope_pool.shape}.")
-  check_table(page_table, lengths, b, page_size=c_kv_pool.shape[1])
-  if scale is None:
-    raise ValueError("`scale` is required for MLA (1 / sqrt(P + R), times the YaRN mscale^2).")
-  _check_scale("scale", scale)
-  _check_splits(num_splits)
+  _check_mla_call(page_table, lengths, b, c_kv_pool.shape[1], scale, num_splits)
   if indices is not None:
     if squeeze and indices.ndim == 2:
       indices = indices[:, None]
@@ -516,8 +526,8 @@ def paged_mla_decode(
   page_table, lengths = page_table.astype(jnp.int32), lengths.astype(jnp.int32)
   impl = resolve_implementation(implementation, sparse=indices is not None,
                                 fits=t * n <= MLA_DECODE_MAX_ROWS)
-  if impl != "xla" and k_rope_pool.shape[2] > r:  # kernels read the padded pool as it is stored
-    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, 0), (0, k_rope_pool.shape[2] - r)))
+  if impl != "xla":  # the kernels read the padded pool as it is stored
+    qr = _zero_pad_columns(qr, k_rope_pool.shape[2])
   if impl == "xla":
     out = paged_mla_decode_xla(ql, qr, c_kv_pool, k_rope_pool, page_table, lengths, scale=scale,
                                indices=indices)
