@@ -17,7 +17,8 @@ from jaxattn.nn.norms import RMSNorm
 from jaxattn.nn.positional import T5RelativePositionBias
 from jaxattn.ops.alibi import alibi_slopes
 from jaxattn.ops.attention import dot_product_attention
-from jaxattn.ops.decode import DECODE_MAX_T, cache_attention, gqa_rows_fit, paged_attention
+from jaxattn.ops.decode import (DECODE_MAX_T, cache_attention, gqa_rows_fit, paged_attention,
+                                tpu_kernel_requested)
 from jaxattn.ops.rope import RopeScaling, apply_rope
 from jaxattn.sharding import shard
 
@@ -189,12 +190,9 @@ class Attention(nnx.Module):
     bias or extra mask, over a cache whose length is a multiple of 16.  The flash kernel would
     get the cache in its head-major layout, which XLA makes by transposing the whole cache on
     every step; the decode kernel reads each valid block once, in place."""
-    impl = implementation or self.implementation
-    if impl is None:
-      impl = "pallas_tpu" if jax.default_backend() == "tpu" else None
-    return (impl == "pallas_tpu" and t <= DECODE_MAX_T and self.causal and mask is None
-            and self.sliding_window is None and self.position != "alibi"
-            and self.rel_bias is None and cache.max_len % 16 == 0
+    return (tpu_kernel_requested(implementation or self.implementation) and t <= DECODE_MAX_T
+            and self.causal and mask is None and self.sliding_window is None
+            and self.position != "alibi" and self.rel_bias is None and cache.max_len % 16 == 0
             and gqa_rows_fit(t * self.num_heads, self.head_dim, self.v_head_dim, jnp.float32))
 
   def cache_bytes(self, seq_len: int, batch: int = 1, dtype=jnp.bfloat16) -> int:

@@ -17,7 +17,6 @@ training, absorbed for decode.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -29,7 +28,7 @@ from jaxattn.paged_cache import PagedLatentCache
 from jaxattn.nn.linear import Einsum, effective_kernel
 from jaxattn.nn.norms import RMSNorm
 from jaxattn.ops.decode import (DECODE_MAX_T, MLA_DECODE_MAX_ROWS, cache_mla_decode,
-                                paged_mla_decode)
+                                paged_mla_decode, tpu_kernel_requested)
 from jaxattn.ops.mla import MODES, Mode, mla_attention, mla_score_terms, mla_softmax_scale
 from jaxattn.ops.rope import RopeScaling, apply_rope
 from jaxattn.sharding import shard
@@ -209,12 +208,9 @@ class MLA(nnx.Module):
     cache length that is a multiple of 16.  The other path
     concatenates ``[c_KV, k^R]`` and hands it to flash attention in its head-major layout:
     copies of the whole cache on every step."""
-    impl = implementation or self.implementation
-    if impl is None:
-      impl = "pallas_tpu" if jax.default_backend() == "tpu" else None
-    return (impl == "pallas_tpu" and mode == "absorbed" and t <= DECODE_MAX_T
-            and t * self.num_heads <= MLA_DECODE_MAX_ROWS and self.causal and mask is None
-            and cache.max_len % 16 == 0)
+    return (tpu_kernel_requested(implementation or self.implementation) and mode == "absorbed"
+            and t <= DECODE_MAX_T and t * self.num_heads <= MLA_DECODE_MAX_ROWS and self.causal
+            and mask is None and cache.max_len % 16 == 0)
 
   def cache_bytes(self, seq_len: int, batch: int = 1, dtype=jnp.bfloat16) -> int:
     """Latent cache bytes of this layer for ``seq_len`` tokens: ``(C + R) x bytes`` per token."""

@@ -76,6 +76,13 @@ def resolve_implementation(implementation, *, sparse: bool = False, fits: bool =
   return implementation
 
 
+def tpu_kernel_requested(implementation) -> bool:
+  """Whether a module call with this ``implementation`` (a dense-attention name or None) should
+  run the TPU decode kernels: ``"pallas_tpu"`` explicitly, or None on a TPU backend."""
+  return implementation == "pallas_tpu" or (implementation is None
+                                            and jax.default_backend() == "tpu")
+
+
 def _table(page_table, lengths, page_size) -> PageTable:
   """A ``PageTable`` view for ``gather_pages`` (the free stack is not needed to read)."""
   empty = jnp.zeros((0,), jnp.int32)
@@ -545,4 +552,5 @@ def paged_mla_decode(
 __all__ = ["DECODE_IMPLEMENTATIONS", "DECODE_MAX_T", "MLA_DECODE_MAX_ROWS", "cache_attention",
            "cache_mla_decode", "cache_row_bytes", "gqa_rows_fit", "merged_kv_heads",
            "paged_attention", "paged_attention_xla", "paged_mla_decode", "paged_mla_decode_xla",
-           "page_view", "resolve_implementation", "sparse_rows", "view_page_size"]
+           "page_view", "resolve_implementation", "sparse_rows", "tpu_kernel_requested",
+           "view_page_size"]
