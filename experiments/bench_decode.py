@@ -68,7 +68,7 @@ from experiments.timing import best_time, compile_timed, peak_bytes
 from jaxattn.ops.attention import dot_product_attention
 from jaxattn.ops.decode import (cache_attention, cache_mla_decode, paged_attention,
                                 paged_mla_decode)
-from jaxattn.paged_cache import default_rope_align
+from jaxattn.paged_cache import default_rope_align, stored_rope_width
 from pallas_kernels.decode_attention import paged_attention_gpu
 from pallas_kernels.mla_decode import paged_mla_decode_gpu
 
@@ -140,9 +140,8 @@ def build_case(kind, b, s, args, dtype, rng):
   n, c, r = args.mla_heads, args.latent, args.rope
   # The k^R pool as PagedLatentCache stores it: zero columns up to a multiple of 128 on TPU (the
   # bandwidth figures count the C + R useful columns only).
-  align = default_rope_align()
-  (cp, rp), (cc, rc), table = _pools(rng, b, s, args.page_size, [(c,), (-(-r // align) * align,)],
-                                     dtype)
+  width = stored_rope_width(r, default_rope_align())
+  (cp, rp), (cc, rc), table = _pools(rng, b, s, args.page_size, [(c,), (width,)], dtype)
   rp, rc = rp.at[..., r:].set(0), rc[..., :r]
   # The LatentCache buffer [B, S, C + R_p] (rows [c_KV | k^R | zeros]) for pallas_contiguous.
   latent_rows = jnp.concatenate([cc, rc, jnp.zeros(rc.shape[:2] + (rp.shape[2] - r,), dtype)],

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jaxattn.paged_cache import default_rope_align
+from jaxattn.paged_cache import default_rope_align, stored_rope_width
 
 
 @jax.tree_util.register_dataclass
@@ -52,7 +52,7 @@ class LatentCache:
                     ("qk_rope_head_dim", qk_rope_head_dim), ("rope_align", rope_align)):
       if isinstance(v, bool) or int(v) < 1:
         raise ValueError(f"LatentCache.init: `{name}` must be >= 1, got {v!r}.")
-    width = kv_lora_rank + -(-qk_rope_head_dim // rope_align) * rope_align
+    width = kv_lora_rank + stored_rope_width(qk_rope_head_dim, rope_align)
     return cls(kv=jnp.zeros((batch, max_len, width), dtype), index=jnp.zeros((), jnp.int32),
                kv_lora_rank=int(kv_lora_rank), rope_dim=int(qk_rope_head_dim))
 

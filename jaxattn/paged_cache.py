@@ -55,6 +55,12 @@ def default_rope_align() -> int:
   return _LANES if jax.default_backend() == "tpu" else 1
 
 
+def stored_rope_width(qk_rope_head_dim: int, rope_align: int) -> int:
+  """Columns a latent cache stores ``k^R`` in: ``R`` rounded up to a multiple of ``rope_align``
+  (the extra columns are zeros)."""
+  return -(-qk_rope_head_dim // rope_align) * rope_align
+
+
 def _check_positive(where, **values):
   for name, v in values.items():
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
@@ -349,7 +355,7 @@ class PagedLatentCache(_TableViews):
     rope_align = default_rope_align() if rope_align is None else rope_align
     _check_positive("PagedLatentCache.init", kv_lora_rank=kv_lora_rank,
                     qk_rope_head_dim=qk_rope_head_dim, rope_align=rope_align)
-    rope_width = -(-qk_rope_head_dim // rope_align) * rope_align
+    rope_width = stored_rope_width(qk_rope_head_dim, rope_align)
     table = PageTable.init(batch, num_pages, page_size, max_pages_per_seq)
     keys = scales = None
     if index_head_dim is not None:
