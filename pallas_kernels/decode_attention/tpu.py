@@ -97,6 +97,11 @@ def page_index(lens_ref, table_ref, b, logical, *, max_pages, page_size):
   return jnp.maximum(table_ref[b * max_pages + logical], 0)
 
 
+def kv_heads_of(pool, head_dim: int) -> int:
+  """KV heads of a pool or cache: split ``[..., K, H]``, or merged rows ``[..., K * H]``."""
+  return pool.shape[2] if pool.ndim == 4 else pool.shape[2] // head_dim
+
+
 # -- the kernel --------------------------------------------------------------------------------
 
 def _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref, *,
@@ -146,7 +151,7 @@ def _local(q, key_pool, value_pool, page_table, lengths, *, scale, soft_cap, num
   ones ``[P, page, K, H|h]``, each read in place in its own layout -> ``[B, T, N, h]``."""
   b, t, n, h = q.shape
   page_size = key_pool.shape[1]
-  kh = key_pool.shape[2] if key_pool.ndim == 4 else key_pool.shape[2] // h
+  kh = kv_heads_of(key_pool, h)
   hv = value_pool.shape[-1] if value_pool.ndim == 4 else value_pool.shape[2] // kh
   g = n // kh
   m = page_table.shape[1]
@@ -197,7 +202,7 @@ def run_sharded_gqa(local, args, mesh):
   pools are ``[P, page, K, H]`` or merged ``[P, page, K * H]`` (K-major rows, so a split of the
   last axis is a split of the KV heads).  Shared by the TPU and GPU decode kernels."""
   query, key_pool = args[0], args[1]
-  kv_heads = key_pool.shape[2] if key_pool.ndim == 4 else key_pool.shape[2] // query.shape[3]
+  kv_heads = kv_heads_of(key_pool, query.shape[3])
 
   def specs(mesh):
     bax, hax = sharded.plan_specs(mesh, query.shape[0], query.shape[2], kv_heads)
@@ -259,8 +264,8 @@ def contiguous_attention_tpu(
   ``S / page`` pages per sequence (``view_page_size(S)`` keys each): a reshape that only splits
   ``S``, so XLA moves no byte, and an identity page table.  The kernel reads each valid page
   once, in place -- unlike flash attention, whose head-major layout makes XLA transpose the whole
-  cache on every decode step.  Under a mesh: ``jax.shard_map`` with queries, cache and lengths split over the
-  ``"batch"`` axes and the heads over ``"kv_heads"`` when ``N`` and ``K`` divide.
+  cache on every decode step.  Under a mesh: ``jax.shard_map`` with queries, cache and lengths
+  split over the ``"batch"`` axes and the heads over ``"kv_heads"`` when ``N`` and ``K`` divide.
   """
   if num_splits < 1:
     raise ValueError(f"`num_splits` must be >= 1, got {num_splits!r}.")
@@ -274,7 +279,7 @@ def contiguous_attention_tpu(
     return _local(q, key_pages, value_pages, table, lens, scale=scale, soft_cap=logits_soft_cap,
                   num_splits=num_splits, interpret=interpret)
 
-  kv_heads = key.shape[2] if key.ndim == 4 else key.shape[2] // query.shape[3]
+  kv_heads = kv_heads_of(key, query.shape[3])
 
   def specs(mesh):
     bax, hax = sharded.plan_specs(mesh, query.shape[0], query.shape[2], kv_heads)

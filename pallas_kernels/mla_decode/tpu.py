@@ -42,10 +42,10 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from jaxattn.ops.decode import cache_row_bytes, page_view, view_page_size
-from pallas_kernels.decode_attention.tpu import (combine, default_interpret, dot_t, finalize,
-                                                 online_softmax_update, page_index)
+from pallas_kernels.decode_attention.tpu import (combine, dot_t, finalize, online_softmax_update,
+                                                 page_index)
 from pallas_kernels.flash_attention import sharded
-from pallas_kernels.flash_attention.common import reset_online_softmax
+from pallas_kernels.flash_attention.common import default_interpret, reset_online_softmax
 from pallas_kernels.sparse_attention.tpu import gather_attention
 
 _F32 = jnp.float32

@@ -51,9 +51,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.decode_attention.tpu import (default_interpret, dot_t, finalize,
-                                                 online_softmax_update)
-from pallas_kernels.flash_attention.common import reset_online_softmax
+from pallas_kernels.decode_attention.tpu import dot_t, finalize, online_softmax_update
+from pallas_kernels.flash_attention.common import default_interpret, reset_online_softmax
 from pallas_kernels.sparse_attention import common
 
 _F32 = jnp.float32
