@@ -16,7 +16,8 @@ Cases (bf16): flash attention forward at T = 8192 (causal GQA 32/8 x 128, defaul
 forward + backward at T = 4096 with segments, ALiBi and a soft-cap; top-K sparse attention for
 DeepSeek-V3.2 prefill (MLA: 128 heads, 512 + 64 latents; GQA 32/8), 8 tokens selecting 2048 of
 32k; paged decode (GQA with split-KV, also heads of 64 and MQA; absorbed MLA dense and sparse,
-2 sequences x 32k); decode over contiguous GQA and MLA caches (8 x 8k); the gated
+2 sequences x 32k) and a 512-token prefill through the same paged caches (GQA 32/8; MLA, 128
+heads); decode over contiguous GQA and MLA caches (8 x 8k); the gated
 delta-rule state pass (fp32, heads of 128, chunks of 64).  And on a 4-chip slice (``data`` 2 x
 ``tensor`` 2), the kernels in ``jax.shard_map`` as a sharded step calls them: flash forward +
 backward, sparse MLA prefill, paged MLA decode.  Exit status 1 if any case failed.
@@ -147,6 +148,18 @@ def cases():
                                                        implementation="pallas_tpu", num_splits=4,
                                                        interpret=False),
           (*latent, table, lens)),
+      # Prefill through the caches: 512 new tokens, their query rows in blocks that fit VMEM
+      # (GQA: 256 rows of a KV head's 2048; MLA: 512 of 512 x 128 heads), each block reading
+      # only the pages its tokens can see.
+      "paged GQA prefill (512 tokens)": (
+          lambda q, k, v, t, n: paged_attention(q, k, v, t, n, implementation="pallas_tpu",
+                                                interpret=False),
+          (bf16(2, 512, 32, 128), bf16(1024, 64, 8 * 128), bf16(1024, 64, 8 * 128), table, lens)),
+      "paged MLA prefill (512 tokens x 128 heads)": (
+          lambda ql, qr, c, kr, t, n: paged_mla_decode(ql, qr, c, kr, t, n, scale=0.07,
+                                                       implementation="pallas_tpu",
+                                                       interpret=False),
+          (bf16(2, 512, 128, 512), bf16(2, 512, 128, 64), *latent[2:], table, lens)),
       "paged sparse MLA decode": (
           lambda ql, qr, c, kr, t, n, i: paged_mla_decode(ql, qr, c, kr, t, n, scale=0.07,
                                                           indices=i, implementation="pallas_tpu",

@@ -17,7 +17,7 @@ from jaxattn.nn.norms import RMSNorm
 from jaxattn.nn.positional import T5RelativePositionBias
 from jaxattn.ops.alibi import alibi_slopes
 from jaxattn.ops.attention import dot_product_attention
-from jaxattn.ops.decode import (DECODE_MAX_T, cache_attention, gqa_rows_fit, paged_attention,
+from jaxattn.ops.decode import (DECODE_MAX_T, cache_attention, paged_attention,
                                 tpu_kernel_requested)
 from jaxattn.ops.rope import RopeScaling, apply_rope
 from jaxattn.sharding import shard
@@ -192,8 +192,7 @@ class Attention(nnx.Module):
     every step; the decode kernel reads each valid block once, in place."""
     return (tpu_kernel_requested(implementation or self.implementation) and t <= DECODE_MAX_T
             and self.causal and mask is None and self.sliding_window is None
-            and self.position != "alibi" and self.rel_bias is None and cache.max_len % 16 == 0
-            and gqa_rows_fit(t * self.num_heads, self.head_dim, self.v_head_dim, jnp.float32))
+            and self.position != "alibi" and self.rel_bias is None and cache.max_len % 16 == 0)
 
   def cache_bytes(self, seq_len: int, batch: int = 1, dtype=jnp.bfloat16) -> int:
     """KV cache bytes of this layer for ``seq_len`` tokens: the seed's ``2 x n x h_kv x d x bytes``."""

@@ -27,7 +27,7 @@ from jaxattn.mla_cache import LatentCache
 from jaxattn.paged_cache import PagedLatentCache
 from jaxattn.nn.linear import Einsum, effective_kernel
 from jaxattn.nn.norms import RMSNorm
-from jaxattn.ops.decode import (DECODE_MAX_T, MLA_DECODE_MAX_ROWS, cache_mla_decode,
+from jaxattn.ops.decode import (DECODE_MAX_T, cache_mla_decode,
                                 paged_mla_decode, tpu_kernel_requested)
 from jaxattn.ops.mla import MODES, Mode, mla_attention, mla_score_terms, mla_softmax_scale
 from jaxattn.ops.rope import RopeScaling, apply_rope
@@ -203,13 +203,12 @@ class MLA(nnx.Module):
   def _decode_kernel(self, t, mode, mask, implementation, cache: LatentCache) -> bool:
     """Whether a step with a contiguous ``LatentCache`` runs the dense MLA decode kernel over its
     buffer (``jaxattn.ops.decode.cache_mla_decode``): on TPU (or with
-    ``implementation="pallas_tpu"``), absorbed mode, up to ``DECODE_MAX_T`` new tokens and
-    ``MLA_DECODE_MAX_ROWS`` query rows (tokens x heads) of a causal layer without an extra mask, a
-    cache length that is a multiple of 16.  The other path
+    ``implementation="pallas_tpu"``), absorbed mode, up to ``DECODE_MAX_T`` new tokens of a
+    causal layer without an extra mask, a cache length that is a multiple of 16.  The other path
     concatenates ``[c_KV, k^R]`` and hands it to flash attention in its head-major layout:
     copies of the whole cache on every step."""
     return (tpu_kernel_requested(implementation or self.implementation) and mode == "absorbed"
-            and t <= DECODE_MAX_T and t * self.num_heads <= MLA_DECODE_MAX_ROWS and self.causal
+            and t <= DECODE_MAX_T and self.causal
             and mask is None and cache.max_len % 16 == 0)
 
   def cache_bytes(self, seq_len: int, batch: int = 1, dtype=jnp.bfloat16) -> int:

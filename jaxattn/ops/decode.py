@@ -51,24 +51,18 @@ _F32 = jnp.float32
 # New tokens per step up to which ``Attention`` / ``MLA`` send a step with a contiguous cache to
 # ``cache_attention`` / ``cache_mla_decode`` on TPU (more: prefill, which flash attention serves).
 DECODE_MAX_T = 16
-# ... and, for MLA, up to this many query rows (new tokens x heads): the MLA decode kernel holds
-# all of a sequence's rows in VMEM at once (queries, fp32 accumulator and output, 512 wide).
-MLA_DECODE_MAX_ROWS = 512
 
 
-def resolve_implementation(implementation, *, sparse: bool = False, fits: bool = True) -> str:
+def resolve_implementation(implementation, *, sparse: bool = False) -> str:
   """``None`` -> ``"pallas_tpu"`` on TPU, else ``"xla"``; an explicit name is checked, never
   replaced.  The GPU kernels (``"pallas_gpu"``) are opt-in until they have been validated on
   GPU hardware (``experiments/device_check.sh``); they are tested in interpret mode only.
 
   ``sparse`` (DSA decode): ``None`` -> ``"xla"`` on TPU too.  The TPU kernel gathers single rows,
   which Mosaic allows only from a ``[rows, 1, C]`` view of the pool, and XLA re-tiles the whole
-  pool into it on every step (docs/performance.md): more bytes than the XLA gather reads.
-
-  ``fits=False`` (a call whose query rows the TPU kernels cannot hold in VMEM at once: a long
-  prefill through a paged cache): ``None`` -> ``"xla"`` on TPU too."""
+  pool into it on every step (docs/performance.md): more bytes than the XLA gather reads."""
   if implementation is None:
-    tpu = jax.default_backend() == "tpu" and not sparse and fits
+    tpu = jax.default_backend() == "tpu" and not sparse
     return "pallas_tpu" if tpu else "xla"
   if implementation not in DECODE_IMPLEMENTATIONS:
     raise ValueError(f"`implementation` must be None or one of {DECODE_IMPLEMENTATIONS}, got "
@@ -189,13 +183,6 @@ def merged_kv_heads(key_pool, value_pool, head_dim: int, *, names=("key_pool", "
                    f"{value_pool.shape}.")
 
 
-def gqa_rows_fit(rows: int, head_dim: int, v_head_dim: int, dtype) -> bool:
-  """Whether the TPU GQA decode kernel can hold ``rows = T * N`` query rows in VMEM at once: its
-  query block (double-buffered), fp32 accumulator and output (double-buffered) within 4 MiB."""
-  per_row = 2 * head_dim * jnp.dtype(dtype).itemsize + 3 * v_head_dim * 4
-  return rows * per_row <= 4 << 20
-
-
 def _check_gqa(q, key_pool, value_pool, page_table, lengths, scale, logits_soft_cap,
                num_splits) -> int:
   """``paged_attention``'s argument checks (``q`` 4-D); returns the KV heads ``K``."""
@@ -261,13 +248,12 @@ def paged_attention(
     ``[B, T, N, h]`` (``[B, N, h]`` for a 3-D query) in the query dtype.
   """
   q, squeeze = _as_4d(query, "query")
-  b, t, n, h = q.shape
+  h = q.shape[3]
   kh = _check_gqa(q, key_pool, value_pool, page_table, lengths, scale, logits_soft_cap,
                   num_splits)
   scale = 1.0 / math.sqrt(h) if scale is None else scale
   page_table, lengths = page_table.astype(jnp.int32), lengths.astype(jnp.int32)
-  hv = value_pool.shape[-1] if value_pool.ndim == 4 else value_pool.shape[2] // kh
-  impl = resolve_implementation(implementation, fits=gqa_rows_fit(t * n, h, hv, q.dtype))
+  impl = resolve_implementation(implementation)
   if impl != "pallas_tpu":  # the XLA reference and the GPU kernel index [P, page, K, H]
     key_pool = key_pool.reshape(key_pool.shape[:2] + (kh, h))
     value_pool = value_pool.reshape(value_pool.shape[:2] + (kh, -1))
@@ -531,8 +517,7 @@ def paged_mla_decode(
       raise ValueError(f"`indices` must be an integer array, got dtype {indices.dtype}.")
     indices = indices.astype(jnp.int32)
   page_table, lengths = page_table.astype(jnp.int32), lengths.astype(jnp.int32)
-  impl = resolve_implementation(implementation, sparse=indices is not None,
-                                fits=t * n <= MLA_DECODE_MAX_ROWS)
+  impl = resolve_implementation(implementation, sparse=indices is not None)
   if impl != "xla":  # the kernels read the padded pool as it is stored
     qr = _zero_pad_columns(qr, k_rope_pool.shape[2])
   if impl == "xla":
@@ -549,8 +534,8 @@ def paged_mla_decode(
   return out[:, 0] if squeeze else out
 
 
-__all__ = ["DECODE_IMPLEMENTATIONS", "DECODE_MAX_T", "MLA_DECODE_MAX_ROWS", "cache_attention",
-           "cache_mla_decode", "cache_row_bytes", "gqa_rows_fit", "merged_kv_heads",
+__all__ = ["DECODE_IMPLEMENTATIONS", "DECODE_MAX_T", "cache_attention",
+           "cache_mla_decode", "cache_row_bytes", "merged_kv_heads",
            "paged_attention", "paged_attention_xla", "paged_mla_decode", "paged_mla_decode_xla",
            "page_view", "resolve_implementation", "sparse_rows", "tpu_kernel_requested",
            "view_page_size"]

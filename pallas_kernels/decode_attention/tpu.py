@@ -5,21 +5,26 @@ The page table and the sequence lengths travel by scalar prefetch
 ``index_map`` reads them and the pipeline DMAs pool page ``page_table[b, j]`` straight from the
 pool -- pages are never gathered into a contiguous copy.
 
-    grid (B, S, J)                 b: sequence; s: split-KV partition; j: page within the partition
-                                   (J = ceil(M / S)); b, s parallel, j sequential ("arbitrary")
-    q block    [K, T*G, H]         the sequence's queries, rows (t, g) per KV head: every query head
-                                   of a KV group shares each fetched page
+    grid (B, I, S, J)              b: sequence; i: block of query rows; s: split-KV partition;
+                                   j: page within the partition (J = ceil(M / S)); b, i, s
+                                   parallel, j sequential ("arbitrary")
+    q block    [K, Tb*G, H]        a block of the sequence's queries, rows (t, g) per KV head:
+                                   every query head of a KV group shares each fetched page.  A
+                                   decode step is one block (I = 1); a long prefill is cut into
+                                   blocks of consecutive tokens that fit VMEM
     k/v block  [page, K*H|K*h]     one page of the merged pools [P, page, K*H] (a PagedKVCache's),
                                    all KV heads (one contiguous DMA); KV head g is the lane
                                    slice [g*H, (g+1)*H).  Split pools [P, page, K, H] are read
                                    in blocks [page, K, H] (a contiguous cache's page view)
-    out block  [K, T*G, h]  fp32   the partition's normalized partial output
-    lse block  [K, T*G, 1]  fp32   its log-sum-exp (-inf when the partition saw no key)
-    scratch    m, l [K, T*G, 1], acc [K, T*G, h]  fp32 online-softmax state
+    out block  [K, Tb*G, h] fp32   the partition's normalized partial output (S = 1: the output,
+                                   in the query dtype)
+    lse block  [K, Tb*G, 1] fp32   its log-sum-exp (-inf when the partition saw no key)
+    scratch    m, l [K, Tb*G, 1], acc [K, Tb*G, h]  fp32 online-softmax state
 
-Pages at or past a sequence's length do no compute (``pl.when``), and their ``index_map`` clamps
-to the sequence's last valid page: the block index then equals the previous step's, so the
-pipeline does not fetch it again.  ``combine`` merges the ``S`` partials (flash-decoding): with
+Pages that a row block cannot see -- at or past the sequence's length, or (causal) past its last
+token's position -- do no compute (``pl.when``), and their ``index_map`` clamps to the block's
+last visible page: the block index then equals the previous step's, so the pipeline does not
+fetch it again.  ``combine`` merges the ``S`` partials (flash-decoding): with
 ``lse* = logsumexp_s lse_s``, ``out = sum_s exp(lse_s - lse*) out_s``.
 
 One page per grid step keeps the kernel simple; pick ``page_size`` large enough (128+ tokens) to
@@ -89,12 +94,54 @@ def combine(out: Float[Array, "B S ... h"], lse: Float[Array, "B S ... 1"]):
   return jnp.where(total > 0, merged / jnp.where(total > 0, total, 1.0), 0.0)
 
 
-def page_index(lens_ref, table_ref, b, logical, *, max_pages, page_size):
-  """Pool page holding logical page ``logical`` of sequence ``b``, clamped to its last valid page
-  (so steps past the length re-use the block already in VMEM) and to a real page id."""
-  last = jnp.maximum((lens_ref[b] + page_size - 1) // page_size - 1, 0)
+def visible_keys(length, block, block_rows: int, num_t: int, groups: int):
+  """Keys that query-row block ``block`` may see: those up to its last row's position (causal;
+  rows ``(t, g)`` flattened, ``groups`` per token, ``block_rows`` per block, the ``num_t`` queries
+  being the sequence's last tokens), at most ``length``.  Pages from this count on do no compute
+  and are not fetched: a prefill's early row blocks skip the pages of its later tokens."""
+  last_t = ((block + 1) * block_rows - 1) // groups          # past T in a padded last block
+  return jnp.minimum(jnp.maximum(length - num_t + last_t + 1, 0), length)
+
+
+def page_index(visible, table_ref, b, logical, *, max_pages, page_size):
+  """Pool page holding logical page ``logical`` of sequence ``b``, clamped to the last page that
+  holds one of its ``visible`` keys (so later steps re-use the block already in VMEM: no DMA) and
+  to a real page id."""
+  last = jnp.maximum((visible + page_size - 1) // page_size - 1, 0)
   logical = jnp.minimum(logical, last)
   return jnp.maximum(table_ref[b * max_pages + logical], 0)
+
+
+def check_block_rows(block_rows) -> None:
+  if block_rows is not None and (isinstance(block_rows, bool) or not isinstance(block_rows, int)
+                                 or block_rows < 8 or block_rows % 8):
+    raise ValueError(f"`block_rows` must be None or a positive multiple of 8, got "
+                     f"{block_rows!r}.")
+
+
+def block_rows_for(rows: int, row_bytes: int, block_rows: int | None) -> int:
+  """Query rows per kernel block: ``block_rows`` when given, else all ``rows`` when their VMEM
+  (``row_bytes`` each: query block double-buffered, fp32 accumulator, output double-buffered)
+  fits ``ROW_BUDGET``, else the largest multiple of 16 that does.  Never more than ``rows``."""
+  if block_rows is None:
+    block_rows = rows if rows * row_bytes <= ROW_BUDGET else max(16, ROW_BUDGET // row_bytes
+                                                                 // 16 * 16)
+  return min(block_rows, rows)
+
+
+# VMEM for one block of query rows and their state: with a page of keys and values (2 MiB,
+# double-buffered) it stays well within TPU v5e's 16 MiB default scoped VMEM.
+ROW_BUDGET = 4 << 20
+
+
+def pad_rows(x, axis: int, block: int):
+  """``x`` zero-padded along ``axis`` to a multiple of ``block``."""
+  pad = -x.shape[axis] % block
+  if not pad:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, pad)
+  return jnp.pad(x, widths)
 
 
 def kv_heads_of(pool, head_dim: int) -> int:
@@ -106,32 +153,32 @@ def kv_heads_of(pool, head_dim: int) -> int:
 
 def _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref, *,
             scale, soft_cap, num_t, groups, pages_per_split):
-  b, s, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  b, i, s, j = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
   page_size, num_kv = k_ref.shape[0], q_ref.shape[0]
-  h, hv = q_ref.shape[2], acc_ref.shape[2]
+  rows, h, hv = q_ref.shape[1], q_ref.shape[2], acc_ref.shape[2]          # rows: a block of T*G
   merged = len(k_ref.shape) == 2                      # [page, K*H] rows, else [page, K, H]
   length = lens_ref[b]
   start = (s * pages_per_split + j) * page_size       # first position of this page
 
   reset_online_softmax(j == 0, m_ref, l_ref, acc_ref)
 
-  @pl.when(start < length)
+  @pl.when(start < visible_keys(length, i, rows, num_t, groups))
   def compute():
-    rows = q_ref.shape[1]                                                  # T * G
     kv_pos = start + jax.lax.broadcasted_iota(jnp.int32, (rows, page_size), 1)
-    q_pos = length - num_t + jax.lax.broadcasted_iota(jnp.int32, (rows, page_size), 0) // groups
-    valid = (kv_pos < length) & (kv_pos <= q_pos)                          # [T*G, page]
+    row = i * rows + jax.lax.broadcasted_iota(jnp.int32, (rows, page_size), 0)
+    q_pos = length - num_t + row // groups
+    valid = (kv_pos < length) & (kv_pos <= q_pos)                          # [rows, page]
     # Slots past the length hold stale data (a freed sequence's, or anything): zero their values
     # so that 0 * NaN cannot reach the accumulator.
     live = (start + jax.lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)) < length  # [page, 1]
     for kv in range(num_kv):                                               # static: K is small
-      q = q_ref[kv].astype(_F32)                                           # [T*G, H]
+      q = q_ref[kv].astype(_F32)                                           # [rows, H]
       if merged:
         k, v = k_ref[:, kv * h:(kv + 1) * h], v_ref[:, kv * hv:(kv + 1) * hv]  # [page, H|h]
       else:
         k, v = k_ref[:, kv, :], v_ref[:, kv, :]
       k = k.astype(_F32)
-      logits = dot_t(q, k) * scale                                         # [T*G, page]
+      logits = dot_t(q, k) * scale                                         # [rows, page]
       if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
       online_softmax_update(m_ref.at[kv], l_ref.at[kv], acc_ref.at[kv], logits, valid,
@@ -140,13 +187,14 @@ def _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_ref, l_r
   @pl.when(j == pages_per_split - 1)
   def store():
     out, lse = finalize(m_ref[...], l_ref[...], acc_ref[...])
-    o_ref[...] = out
+    o_ref[...] = out.astype(o_ref.dtype)
     lse_ref[...] = lse
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "num_splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "num_splits", "block_rows",
+                                             "interpret"))
 def _local(q, key_pool, value_pool, page_table, lengths, *, scale, soft_cap, num_splits,
-           interpret):
+           block_rows=None, interpret=None):
   """One device's call: ``q [B, T, N, H]`` over merged pools ``[P, page, K * H|h]`` or split
   ones ``[P, page, K, H|h]``, each read in place in its own layout -> ``[B, T, N, h]``."""
   b, t, n, h = q.shape
@@ -157,40 +205,45 @@ def _local(q, key_pool, value_pool, page_table, lengths, *, scale, soft_cap, num
   m = page_table.shape[1]
   splits = min(num_splits, m)
   pps = -(-m // splits)                                                    # pages per split
-  # [B, T, K, G, H] -> [B, K, T*G, H]: rows (t, g) of one KV head are contiguous.
+  # [B, T, K, G, H] -> [B, K, T*G, H]: rows (t, g) of one KV head are contiguous, and blocks of
+  # them (a prefill's) are consecutive tokens.
   qk = q.reshape(b, t, kh, g, h).transpose(0, 2, 1, 3, 4).reshape(b, kh, t * g, h)
+  rb = block_rows_for(t * g, kh * (2 * h * q.dtype.itemsize + 3 * hv * 4), block_rows)
+  qk = pad_rows(qk, 2, rb)
+  padded = qk.shape[2]
 
-  def kv_map(bi, si, ji, lens_ref, table_ref):
-    page = page_index(lens_ref, table_ref, bi, si * pps + ji, max_pages=m, page_size=page_size)
+  def kv_map(bi, ii, si, ji, lens_ref, table_ref):
+    visible = visible_keys(lens_ref[bi], ii, rb, t, g)
+    page = page_index(visible, table_ref, bi, si * pps + ji, max_pages=m, page_size=page_size)
     return (page,) + (0,) * (key_pool.ndim - 1)
 
   kernel = functools.partial(_kernel, scale=float(scale), soft_cap=soft_cap, num_t=t, groups=g,
                              pages_per_split=pps)
-  rows = t * g
+  o_map = lambda bi, ii, si, ji, *_: (bi, si, 0, ii, 0)  # noqa: E731
+  # One partition: the kernel's output is final (query dtype); else fp32 partials to combine.
+  out_dtype = q.dtype if splits == 1 else _F32
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=2,
-      grid=(b, splits, pps),
+      grid=(b, padded // rb, splits, pps),
       in_specs=[
-          pl.BlockSpec((None, kh, rows, h), lambda bi, si, ji, *_: (bi, 0, 0, 0)),  # q
-          pl.BlockSpec((None,) + key_pool.shape[1:], kv_map),                      # key page
-          pl.BlockSpec((None,) + value_pool.shape[1:], kv_map),                    # value page
+          pl.BlockSpec((None, kh, rb, h), lambda bi, ii, si, ji, *_: (bi, 0, ii, 0)),  # q
+          pl.BlockSpec((None,) + key_pool.shape[1:], kv_map),                         # key page
+          pl.BlockSpec((None,) + value_pool.shape[1:], kv_map),                       # value page
       ],
-      out_specs=[
-          pl.BlockSpec((None, None, kh, rows, hv), lambda bi, si, ji, *_: (bi, si, 0, 0, 0)),
-          pl.BlockSpec((None, None, kh, rows, 1), lambda bi, si, ji, *_: (bi, si, 0, 0, 0)),
-      ],
-      scratch_shapes=[pltpu.VMEM((kh, rows, 1), _F32),      # running max m
-                      pltpu.VMEM((kh, rows, 1), _F32),      # running sum l
-                      pltpu.VMEM((kh, rows, hv), _F32)])    # accumulator
+      out_specs=[pl.BlockSpec((None, None, kh, rb, hv), o_map),
+                 pl.BlockSpec((None, None, kh, rb, 1), o_map)],
+      scratch_shapes=[pltpu.VMEM((kh, rb, 1), _F32),      # running max m
+                      pltpu.VMEM((kh, rb, 1), _F32),      # running sum l
+                      pltpu.VMEM((kh, rb, hv), _F32)])    # accumulator
   out, lse = pl.pallas_call(
       kernel, grid_spec=grid_spec,
-      out_shape=[jax.ShapeDtypeStruct((b, splits, kh, rows, hv), _F32),
-                 jax.ShapeDtypeStruct((b, splits, kh, rows, 1), _F32)],
+      out_shape=[jax.ShapeDtypeStruct((b, splits, kh, padded, hv), out_dtype),
+                 jax.ShapeDtypeStruct((b, splits, kh, padded, 1), _F32)],
       compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel", "arbitrary")),
+          dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
       interpret=default_interpret(interpret),
   )(lengths, page_table.reshape(-1), qk, key_pool, value_pool)
-  out = combine(out, lse)                                                  # [B, K, T*G, h]
+  out = (out[:, 0] if splits == 1 else combine(out, lse))[:, :, :t * g]    # [B, K, T*G, h]
   out = out.reshape(b, kh, t, g, hv).transpose(0, 2, 1, 3, 4).reshape(b, t, n, hv)
   return out.astype(q.dtype)
 
@@ -222,6 +275,7 @@ def paged_attention_tpu(
     scale: float,
     logits_soft_cap: float | None = None,
     num_splits: int = 1,
+    block_rows: int | None = None,
     interpret=None,
     mesh=None,
 ) -> Float[Array, "B T N h"]:
@@ -238,11 +292,17 @@ def paged_attention_tpu(
   the ``"kv_heads"`` axes when both ``N`` and ``K`` divide (whole GQA groups per device).  The
   pools are not split over batch: any sequence may own any page, so every batch shard needs the
   whole pool (a serving system that pins sequences to devices would give each its own pool).
+
+  Query rows ``(t, g)`` of a KV head are processed ``block_rows`` at a time (a grid axis; None:
+  all of them when they fit ``ROW_BUDGET`` of VMEM -- every decode step -- else the largest
+  multiple of 16 that fits), so a long prefill through the cache runs here too; a block reads
+  only the pages its own tokens can see (causal).
   """
   if num_splits < 1:
     raise ValueError(f"`num_splits` must be >= 1, got {num_splits!r}.")
+  check_block_rows(block_rows)
   local = functools.partial(_local, scale=scale, soft_cap=logits_soft_cap, num_splits=num_splits,
-                            interpret=interpret)
+                            block_rows=block_rows, interpret=interpret)
   return run_sharded_gqa(local, (query, key_pool, value_pool, page_table, lengths), mesh)
 
 
@@ -255,6 +315,7 @@ def contiguous_attention_tpu(
     scale: float,
     logits_soft_cap: float | None = None,
     num_splits: int = 1,
+    block_rows: int | None = None,
     interpret=None,
     mesh=None,
 ) -> Float[Array, "B T N h"]:
@@ -266,9 +327,11 @@ def contiguous_attention_tpu(
   once, in place -- unlike flash attention, whose head-major layout makes XLA transpose the whole
   cache on every decode step.  Under a mesh: ``jax.shard_map`` with queries, cache and lengths
   split over the ``"batch"`` axes and the heads over ``"kv_heads"`` when ``N`` and ``K`` divide.
+  ``block_rows`` as in ``paged_attention_tpu``.
   """
   if num_splits < 1:
     raise ValueError(f"`num_splits` must be >= 1, got {num_splits!r}.")
+  check_block_rows(block_rows)
   page = view_page_size(key.shape[1], cache_row_bytes(key, value))
   if page is None:
     raise ValueError(f"the cache length S={key.shape[1]} must be a multiple of 16 to be read "
@@ -277,7 +340,7 @@ def contiguous_attention_tpu(
   def local(q, k, v, lens):
     (key_pages, table), (value_pages, _) = page_view(k, page), page_view(v, page)
     return _local(q, key_pages, value_pages, table, lens, scale=scale, soft_cap=logits_soft_cap,
-                  num_splits=num_splits, interpret=interpret)
+                  num_splits=num_splits, block_rows=block_rows, interpret=interpret)
 
   kv_heads = kv_heads_of(key, query.shape[3])
 

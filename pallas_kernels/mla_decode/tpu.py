@@ -6,19 +6,24 @@ heads (MQA over latents) and the output stays in latent space for the module to 
 
 Dense mode, split-KV (flash-decoding), page table and lengths by scalar prefetch:
 
-    grid (B, S, J)                 b: sequence; s: split-KV partition; j: page in the partition
-    q blocks  [T*N, C], [T*N, R]   all heads (rows (t, n)) of sequence b
+    grid (B, I, S, J)              b: sequence; i: block of query rows; s: split-KV partition;
+                                   j: page in the partition
+    q blocks  [Tb*N, C], [Tb*N, R] a block of the rows (t, n) of sequence b: all heads of a
+                                   decode step (I = 1), or ``MLA_BLOCK_ROWS`` consecutive rows of
+                                   a prefill at a time (VMEM)
     kv blocks [page, C], [page, R] one pool page of c_KV and of k^R (R: the pool's width; a
                                    ``PagedLatentCache`` on TPU stores k^R zero-padded to 128
                                    columns, and ``paged_mla_decode`` pads q^R to match, so the
                                    pool is read in place, without a relayout)
-    out block [T*N, C] fp32 + lse [T*N, 1]: the partition's partial, merged by ``combine``
+    out block [Tb*N, C] fp32 + lse [Tb*N, 1]: the partition's partial, merged by ``combine``
+                                   (one partition: the output, in the query dtype)
 
-    logits = scale * (q~ c^T + q^R k^R^T)      [T*N, page]   (fp32)
-    acc   += softmax-weights @ c               [T*N, C]
+    logits = scale * (q~ c^T + q^R k^R^T)      [Tb*N, page]   (fp32)
+    acc   += softmax-weights @ c               [Tb*N, C]
 
-Pages past a sequence's length do no compute and their DMA index is clamped to its last valid page
-(no refetch), exactly as in ``pallas_kernels.decode_attention``.
+Pages a row block cannot see (past the sequence's length, or past its last token's position) do
+no compute and their DMA index is clamped to its last visible page (no refetch), exactly as in
+``pallas_kernels.decode_attention``.
 
 Sparse mode (DeepSeek Sparse Attention): ``indices [B, T, k]`` selected positions become row
 addresses of the pools viewed flat (through the page table; ``-1`` past the length, unused or on
@@ -42,8 +47,9 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from jaxattn.ops.decode import cache_row_bytes, page_view, view_page_size
-from pallas_kernels.decode_attention.tpu import (combine, dot_t, finalize, online_softmax_update,
-                                                 page_index)
+from pallas_kernels.decode_attention.tpu import (check_block_rows, combine, dot_t, finalize,
+                                                 online_softmax_update, pad_rows, page_index,
+                                                 visible_keys)
 from pallas_kernels.flash_attention import sharded
 from pallas_kernels.flash_attention.common import default_interpret, reset_online_softmax
 from pallas_kernels.sparse_attention.tpu import gather_attention
@@ -53,16 +59,15 @@ _F32 = jnp.float32
 
 def _dense_kernel(lens_ref, table_ref, ql_ref, qr_ref, c_ref, kr_ref, o_ref, lse_ref, m_ref,
                   l_ref, acc_ref, *, scale, num_t, num_heads, pages_per_split):
-  b, s, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  page_size = c_ref.shape[0]
+  b, i, s, j = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+  page_size, rows = c_ref.shape[0], ql_ref.shape[0]                # rows: a block of T*N
   length = lens_ref[b]
   start = (s * pages_per_split + j) * page_size
 
   reset_online_softmax(j == 0, m_ref, l_ref, acc_ref)
 
-  @pl.when(start < length)
+  @pl.when(start < visible_keys(length, i, rows, num_t, num_heads))
   def compute():
-    rows = ql_ref.shape[0]                                                  # T * N
     c = c_ref[...].astype(_F32)                                             # [page, C]
     # Rows past the length hold stale data: zero them so 0 * NaN cannot reach the accumulator.
     live = (start + jax.lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)) < length
@@ -70,19 +75,25 @@ def _dense_kernel(lens_ref, table_ref, ql_ref, qr_ref, c_ref, kr_ref, o_ref, lse
     logits = (dot_t(ql_ref[...].astype(_F32), c)
               + dot_t(qr_ref[...].astype(_F32), kr_ref[...].astype(_F32))) * scale
     kv_pos = start + jax.lax.broadcasted_iota(jnp.int32, (rows, page_size), 1)
-    q_pos = length - num_t + jax.lax.broadcasted_iota(jnp.int32, (rows, page_size), 0) // num_heads
+    row = i * rows + jax.lax.broadcasted_iota(jnp.int32, (rows, page_size), 0)
+    q_pos = length - num_t + row // num_heads
     online_softmax_update(m_ref, l_ref, acc_ref, logits, (kv_pos < length) & (kv_pos <= q_pos), c)
 
   @pl.when(j == pages_per_split - 1)
   def store():
     out, lse = finalize(m_ref[...], l_ref[...], acc_ref[...])
-    o_ref[...] = out
+    o_ref[...] = out.astype(o_ref.dtype)
     lse_ref[...] = lse
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "interpret"))
+# Query rows (tokens x heads) per block of the dense kernel when the caller gives none: queries,
+# fp32 accumulator and output of 512 rows of C = 512 take ~4.5 MiB of VMEM (double-buffered).
+MLA_BLOCK_ROWS = 512
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "block_rows", "interpret"))
 def _dense_local(q_latent, q_rope, c_pool, kr_pool, page_table, lengths, *, scale, num_splits,
-                 interpret):
+                 block_rows=None, interpret=None):
   """``kr_pool=None``: ``c_pool`` is a fused pool ``[P, page, C + R]`` (``C`` a multiple of ``R``),
   whose ``k^R`` columns the kernel reads as block ``C / R`` of the last axis: two DMAs from one
   array, no copy."""
@@ -95,40 +106,46 @@ def _dense_local(q_latent, q_rope, c_pool, kr_pool, page_table, lengths, *, scal
   splits = min(num_splits, m)
   pps = -(-m // splits)
   rows = t * n
-  ql = q_latent.reshape(b, rows, c)                                          # rows (t, n)
-  qr = q_rope.reshape(b, rows, r)
+  rb = min(block_rows or MLA_BLOCK_ROWS, rows)
+  ql = pad_rows(q_latent.reshape(b, rows, c), 1, rb)                          # rows (t, n)
+  qr = pad_rows(q_rope.reshape(b, rows, r), 1, rb)
+  padded = ql.shape[1]
 
-  def kv_map(bi, si, ji, lens_ref, table_ref):
-    return (page_index(lens_ref, table_ref, bi, si * pps + ji, max_pages=m, page_size=page_size),
+  def kv_map(bi, ii, si, ji, lens_ref, table_ref):
+    visible = visible_keys(lens_ref[bi], ii, rb, t, n)
+    return (page_index(visible, table_ref, bi, si * pps + ji, max_pages=m, page_size=page_size),
             0, 0)
 
-  def kr_map(bi, si, ji, lens_ref, table_ref):
-    return kv_map(bi, si, ji, lens_ref, table_ref)[:2] + (rope_block,)
+  def kr_map(*idx):
+    return kv_map(*idx)[:2] + (rope_block,)
 
-  q_map = lambda bi, si, ji, *_: (bi, 0, 0)  # noqa: E731
-  o_map = lambda bi, si, ji, *_: (bi, si, 0, 0)  # noqa: E731
+  q_map = lambda bi, ii, si, ji, *_: (bi, ii, 0)  # noqa: E731
+  o_map = lambda bi, ii, si, ji, *_: (bi, si, ii, 0)  # noqa: E731
+  # One partition: the kernel's output is final (query dtype); else fp32 partials to combine.
+  out_dtype = q_latent.dtype if splits == 1 else _F32
   kernel = functools.partial(_dense_kernel, scale=float(scale), num_t=t, num_heads=n,
                              pages_per_split=pps)
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=2,
-      grid=(b, splits, pps),
-      in_specs=[pl.BlockSpec((None, rows, c), q_map),                # q~ [T*N, C]
-                pl.BlockSpec((None, rows, r), q_map),                # q^R [T*N, R]
+      grid=(b, padded // rb, splits, pps),
+      in_specs=[pl.BlockSpec((None, rb, c), q_map),                  # q~ [rows, C]
+                pl.BlockSpec((None, rb, r), q_map),                  # q^R [rows, R]
                 pl.BlockSpec((None, page_size, c), kv_map),          # c_KV page
                 pl.BlockSpec((None, page_size, r), kr_map)],         # k^R page
-      out_specs=[pl.BlockSpec((None, None, rows, c), o_map),
-                 pl.BlockSpec((None, None, rows, 1), o_map)],
-      scratch_shapes=[pltpu.VMEM((rows, 1), _F32), pltpu.VMEM((rows, 1), _F32),
-                      pltpu.VMEM((rows, c), _F32)])
+      out_specs=[pl.BlockSpec((None, None, rb, c), o_map),
+                 pl.BlockSpec((None, None, rb, 1), o_map)],
+      scratch_shapes=[pltpu.VMEM((rb, 1), _F32), pltpu.VMEM((rb, 1), _F32),
+                      pltpu.VMEM((rb, c), _F32)])
   out, lse = pl.pallas_call(
       kernel, grid_spec=grid_spec,
-      out_shape=[jax.ShapeDtypeStruct((b, splits, rows, c), _F32),
-                 jax.ShapeDtypeStruct((b, splits, rows, 1), _F32)],
+      out_shape=[jax.ShapeDtypeStruct((b, splits, padded, c), out_dtype),
+                 jax.ShapeDtypeStruct((b, splits, padded, 1), _F32)],
       compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel", "arbitrary")),
+          dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
       interpret=default_interpret(interpret),
   )(lengths, page_table.reshape(-1), ql, qr, c_pool, kr_pool)
-  return combine(out, lse).reshape(b, t, n, c).astype(q_latent.dtype)
+  out = out[:, 0] if splits == 1 else combine(out, lse)
+  return out[:, :rows].reshape(b, t, n, c).astype(q_latent.dtype)
 
 
 # -- sparse (DSA): selected rows only ----------------------------------------------------------
@@ -182,6 +199,7 @@ def paged_mla_decode_tpu(
     scale: float,
     indices: Int[Array, "B T k"] | None = None,
     num_splits: int = 1,
+    block_rows: int | None = None,
     interpret=None,
     mesh=None,
 ) -> Float[Array, "B T N C"]:
@@ -190,12 +208,15 @@ def paged_mla_decode_tpu(
   Under a mesh the call runs in ``jax.shard_map``: queries, page table, lengths (and indices) split
   over the ``"batch"`` mesh axes, query heads over the ``"heads"`` axes (all heads share the
   latent, so any split of the heads is valid); the latent pools stay whole on every device.
+  Dense mode takes the query rows ``(t, n)`` ``block_rows`` at a time (None: all of them up to
+  ``MLA_BLOCK_ROWS``, else blocks of that many), so a long prefill runs here too.
   """
   if num_splits < 1:
     raise ValueError(f"`num_splits` must be >= 1, got {num_splits!r}.")
+  check_block_rows(block_rows)
   if indices is None:
     local = functools.partial(_dense_local, scale=scale, num_splits=num_splits,
-                              interpret=interpret)
+                              block_rows=block_rows, interpret=interpret)
   else:
     local = functools.partial(_sparse_local, scale=scale, interpret=interpret)
   args = [q_latent, q_rope, c_kv_pool, k_rope_pool, page_table, lengths]
@@ -212,6 +233,7 @@ def contiguous_mla_decode_tpu(
     *,
     scale: float,
     num_splits: int = 1,
+    block_rows: int | None = None,
     interpret=None,
     mesh=None,
 ) -> Float[Array, "B T N C"]:
@@ -224,10 +246,12 @@ def contiguous_mla_decode_tpu(
   same array -- in place, where the concatenation and the flash kernel's layout cost copies of
   the cache on every step.  That needs ``R`` a multiple of 128 and ``C`` a multiple of ``R`` (the
   blocks' lane tiling); other widths are sliced into two arrays first (copies).  Under a mesh:
-  batch over ``"batch"``, query heads over ``"heads"``.
+  batch over ``"batch"``, query heads over ``"heads"``.  ``block_rows`` as in
+  ``paged_mla_decode_tpu``.
   """
   if num_splits < 1:
     raise ValueError(f"`num_splits` must be >= 1, got {num_splits!r}.")
+  check_block_rows(block_rows)
   c, r = q_latent.shape[3], q_rope.shape[3]
   page = view_page_size(kv.shape[1], cache_row_bytes(kv))
   if page is None or kv.shape[2] != c + r:
@@ -239,7 +263,7 @@ def contiguous_mla_decode_tpu(
     pages, table = page_view(kv, page)
     c_pool, kr_pool = (pages, None) if fused else (pages[..., :c], pages[..., c:])
     return _dense_local(ql, qr, c_pool, kr_pool, table, lens, scale=scale,
-                        num_splits=num_splits, interpret=interpret)
+                        num_splits=num_splits, block_rows=block_rows, interpret=interpret)
 
   def specs(mesh):
     bax, hax = sharded.latent_specs(mesh, q_latent.shape[0], q_latent.shape[2])

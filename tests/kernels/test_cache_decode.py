@@ -23,6 +23,8 @@ from jaxattn.nn.attention import Attention
 from jaxattn.nn.mla import MLA
 from jaxattn.ops.decode import cache_attention, cache_mla_decode, view_page_size
 from jaxattn.testing import prefill_then_decode, random_module
+from pallas_kernels.decode_attention.tpu import contiguous_attention_tpu
+from pallas_kernels.mla_decode.tpu import contiguous_mla_decode_tpu
 
 RACES = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
 
@@ -88,6 +90,21 @@ def test_matches_numpy_reference(impl, merged):
   assert got.shape == (4, 3, 4, 8) and np.isfinite(np.asarray(got)).all()
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
   np.testing.assert_array_equal(got[1], 0.0)
+
+
+def test_tpu_kernel_row_blocks():
+  """Six new tokens x two heads per KV head = 12 query rows, in blocks of 8 (merged cache) and
+  of 8 with a split cache and split-KV: equal to the NumPy reference."""
+  lengths = (21, 0, 48, 3)
+  key, value = cache(lengths, 48, kh=2)
+  q = queries(4, 6, 4)
+  want = numpy_reference(q, key, value, lengths, 0.4)
+  lens = jnp.asarray(lengths)
+  for k, v, splits in ((key.reshape(4, 48, 16), value.reshape(4, 48, 16), 1), (key, value, 3)):
+    got = contiguous_attention_tpu(q, k, v, lens, scale=0.4, block_rows=8, num_splits=splits,
+                                   interpret=True)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(got[1], 0.0)
 
 
 def test_tpu_kernel_race_free_bf16_mqa(race_states):
@@ -307,6 +324,21 @@ def test_mla_tpu_kernel_race_free_bf16_and_sharded(race_states):
                              atol=2e-2)
 
 
+def test_mla_tpu_kernel_row_blocks():
+  """Five new tokens x four heads = 20 query rows in blocks of 8, fused in-place blocks (R = 128)
+  and the sliced fallback: equal to the NumPy reference."""
+  lengths = (19, 0, 32)
+  rng = np.random.default_rng(9)
+  for c, r, width in ((256, 128, 384), (12, 8, 20)):
+    kv = latent_buffer(lengths, 32, c, r, width)
+    ql = jnp.asarray(rng.standard_normal((3, 5, 4, c)), jnp.float32)
+    qr = jnp.asarray(rng.standard_normal((3, 5, 4, width - c)), jnp.float32)
+    got = contiguous_mla_decode_tpu(ql, qr, kv, jnp.asarray(lengths), scale=0.2, block_rows=8,
+                                    num_splits=2, interpret=True)
+    np.testing.assert_allclose(got, mla_numpy(ql, qr, kv, lengths, 0.2), rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(got[1], 0.0)
+
+
 def test_mla_errors():
   kv = latent_buffer((3,), 40, 12, 8)
   ql, qr = jnp.ones((1, 1, 2, 12)), jnp.ones((1, 1, 2, 8))
@@ -378,11 +410,12 @@ def test_mla_module_steps_run_the_decode_kernel(monkeypatch):
     got, _ = prefill_then_decode(step, module, cache, x, 5)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
   assert calls == ["pallas_tpu"] * 4                     # two caches x two step shapes
-  # The kernel holds a sequence's T x N query rows in VMEM: at most MLA_DECODE_MAX_ROWS of them.
+  # The kernel takes T x N query rows in blocks that fit VMEM (576 rows: two blocks); more than
+  # DECODE_MAX_T new tokens are a prefill, which flash attention serves.
   wide = nnx.eval_shape(lambda: MLA(D, 64, mode="absorbed", rngs=nnx.Rngs(0), **MLA_DIMS))
-  cache = wide.init_cache(1, 16)
-  assert wide._decode_kernel(8, "absorbed", None, "pallas_tpu", cache)          # 512 rows
-  assert not wide._decode_kernel(9, "absorbed", None, "pallas_tpu", cache)      # 576
+  cache = wide.init_cache(1, 32)
+  assert wide._decode_kernel(9, "absorbed", None, "pallas_tpu", cache)
+  assert not wide._decode_kernel(17, "absorbed", None, "pallas_tpu", cache)
   _mla_step(module, module.init_cache(2, 16), x[:, :3], implementation="pallas_tpu",
             mode="naive")
   assert len(calls) == 4

@@ -16,7 +16,8 @@ from jaxattn import sharding
 from jaxattn.ops.decode import paged_attention
 from jaxattn.paged_cache import PagedKVCache
 from pallas_kernels.decode_attention import paged_attention_tpu
-from pallas_kernels.decode_attention.tpu import page_index
+from pallas_kernels.decode_attention.tpu import (ROW_BUDGET, block_rows_for, page_index,
+                                                 visible_keys)
 
 RACES = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
 PAGE = 4
@@ -82,13 +83,64 @@ def test_ragged_batches_and_split_kv(n, kh, t, dtype, cap):
 
 
 def test_page_index_clamps_to_the_last_valid_page():
-  """Steps past a sequence's length re-point at its last page, so no new DMA is issued; an empty
-  sequence points at a real page id (0 here) rather than -1."""
-  lens = jnp.array([5, 0], jnp.int32)
+  """Steps past a sequence's visible keys re-point at its last visible page, so no new DMA is
+  issued; an empty sequence points at a real page id (0 here) rather than -1."""
   table = jnp.array([7, 3, -1, -1, -1, -1, -1, -1], jnp.int32)  # [B=2, M=4] flattened
-  got = [int(page_index(lens, table, 0, j, max_pages=4, page_size=4)) for j in range(4)]
+  got = [int(page_index(5, table, 0, j, max_pages=4, page_size=4)) for j in range(4)]
   assert got == [7, 3, 3, 3]
-  assert int(page_index(lens, table, 1, 2, max_pages=4, page_size=4)) == 0
+  assert [int(page_index(4, table, 0, j, max_pages=4, page_size=4)) for j in range(3)] == [7] * 3
+  assert int(page_index(0, table, 1, 2, max_pages=4, page_size=4)) == 0
+
+
+def test_visible_keys_of_a_row_block():
+  """Row block i of a prefill sees keys up to its last token's position (causal), never more
+  than the length, never fewer than 0.  Here 10 tokens held, the last T = 6 are queries with
+  G = 2 rows each (12 rows), blocks of 4 rows = 2 tokens: positions 4-5, 6-7, 8-9."""
+  assert [int(visible_keys(10, i, 4, 6, 2)) for i in range(3)] == [6, 8, 10]
+  assert int(visible_keys(10, 3, 4, 6, 2)) == 10            # a padded block: capped at the length
+  assert int(visible_keys(3, 0, 4, 6, 2)) == 0              # rows before position 0 see nothing
+  assert int(visible_keys(10, 0, 12, 6, 2)) == 10           # one block: all keys (decode)
+
+
+def test_block_rows_default():
+  """A decode step is one block; rows that do not fit ``ROW_BUDGET`` are cut into blocks of a
+  multiple of 16 rows that do (a 512-token prefill of 32 heads of 128 in bf16: 64 tokens)."""
+  per_row = 2 * 128 * 2 + 3 * 128 * 4
+  assert block_rows_for(32, per_row * 8, None) == 32
+  rows = block_rows_for(512 * 4, per_row * 8, None)
+  assert rows % 16 == 0 and rows * per_row * 8 <= ROW_BUDGET and rows == 256
+  assert block_rows_for(10, per_row, 64) == 10 and block_rows_for(100, per_row, 64) == 64
+
+
+# A prefill through the cache in blocks of query rows: 7 new tokens x 2 query heads per KV head
+# = 14 rows in blocks of 8 (the last one padded), ragged (the 6-token sequence's first query
+# row sits at position -1; an empty sequence), single pass and split-KV, fp32 and bf16.
+@pytest.mark.parametrize("dtype,cap", [(jnp.float32, None), (jnp.bfloat16, 2.0)])
+def test_row_blocks_of_a_prefill(dtype, cap):
+  lengths = (13, 0, 6, 16)
+  cache = cache_for(lengths, kh=2, dtype=dtype, num_pages=16)
+  q = queries(len(lengths), 7, 4, dtype=dtype)
+  kw = dict(scale=0.4, logits_soft_cap=cap)
+  ref = _call(q, cache, implementation="xla", **kw).astype(np.float32)
+  tol = dict(rtol=1e-5, atol=1e-6) if dtype == jnp.float32 else dict(rtol=2e-2, atol=2e-2)
+  for splits, rows in ((1, 8), (3, 8), (2, 16)):
+    got = paged_attention_tpu(q, cache.key_pool, cache.value_pool, cache.page_table,
+                              cache.lengths, block_rows=rows, num_splits=splits, interpret=True,
+                              **kw)
+    assert got.dtype == dtype
+    np.testing.assert_allclose(got.astype(np.float32), ref, **tol)
+    np.testing.assert_array_equal(got[1], 0.0)
+    np.testing.assert_array_equal(got[2, 0], 0.0)
+
+
+def test_row_blocks_race_free(race_states):
+  cache = cache_for((11, 5), kh=1, num_pages=8)            # MQA: 5 tokens x 4 heads = 20 rows
+  q = queries(2, 5, 4)
+  got = paged_attention_tpu(q, cache.key_pool, cache.value_pool, cache.page_table, cache.lengths,
+                            scale=0.5, block_rows=8, num_splits=2, interpret=RACES)
+  np.testing.assert_allclose(got, _call(q, cache, scale=0.5, implementation="xla"), rtol=1e-5,
+                             atol=1e-6)
+  assert race_states and not any(st.races_found for st in race_states)
 
 
 def test_sharded_under_mesh_equals_unsharded():
@@ -135,3 +187,7 @@ def test_errors():
                         cache.lengths, scale=1.0, num_splits=0, interpret=True)
   with pytest.raises(ValueError, match="num_splits"):
     _call(queries(1, 1, 2), cache, implementation="pallas_tpu", num_splits=1.5)
+  for bad in (0, 12, 8.0, True):
+    with pytest.raises(ValueError, match="block_rows"):
+      paged_attention_tpu(queries(1, 1, 2), cache.key_pool, cache.value_pool, cache.page_table,
+                          cache.lengths, scale=1.0, block_rows=bad, interpret=True)

@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxattn.ops import decode as decode_ops
 from jaxattn.ops.decode import paged_attention, paged_mla_decode, resolve_implementation
 from jaxattn.paged_cache import PagedKVCache, PagedLatentCache
 from pallas_kernels.decode_attention import gpu as gqa_gpu

@@ -129,8 +129,42 @@ def test_sharded_under_mesh_equals_unsharded():
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
 
 
+# A prefill through the latent cache in blocks of query rows: 7 new tokens x 3 heads = 21 rows in
+# blocks of 8 (the last padded), ragged (the 2-token sequence's first 5 query rows sit before
+# position 0; an empty sequence), single pass and split-KV, fp32 and bf16 with a padded k^R pool.
+@pytest.mark.parametrize("dtype,rope_align", [(jnp.float32, 1), (jnp.bfloat16, 8)])
+def test_dense_row_blocks_of_a_prefill(dtype, rope_align):
+  lengths = (13, 0, 2, 16)
+  cache = cache_for(lengths, dtype=dtype, num_pages=16, rope_align=rope_align)
+  q = queries(len(lengths), 7, 3, dtype=dtype)
+  ref = _call(q, cache, implementation="xla").astype(np.float32)
+  tol = dict(rtol=1e-5, atol=1e-6) if dtype == jnp.float32 else dict(rtol=2e-2, atol=2e-2)
+  qr = jnp.pad(q[1], ((0, 0),) * 3 + ((0, cache.k_rope_pool.shape[2] - R),))
+  for splits, rows in ((1, 8), (3, 16)):
+    got = paged_mla_decode_tpu(q[0], qr, cache.c_kv_pool, cache.k_rope_pool, cache.page_table,
+                               cache.lengths, scale=SCALE, block_rows=rows, num_splits=splits,
+                               interpret=True)
+    assert got.dtype == dtype
+    np.testing.assert_allclose(got.astype(np.float32), ref, **tol)
+    np.testing.assert_array_equal(got[1], 0.0)
+    np.testing.assert_array_equal(got[2, :5], 0.0)
+
+
+def test_dense_row_blocks_race_free(race_states):
+  cache = cache_for((11, 6), num_pages=8)
+  q = queries(2, 5, 2)                                      # 10 rows in blocks of 8
+  got = paged_mla_decode_tpu(*q, cache.c_kv_pool, cache.k_rope_pool, cache.page_table,
+                             cache.lengths, scale=SCALE, block_rows=8, num_splits=2,
+                             interpret=RACES)
+  np.testing.assert_allclose(got, _call(q, cache, implementation="xla"), rtol=1e-5, atol=1e-6)
+  assert race_states and not any(st.races_found for st in race_states)
+
+
 def test_errors():
   cache = cache_for((3,))
+  with pytest.raises(ValueError, match="block_rows"):
+    paged_mla_decode_tpu(*queries(1, 1, 2), cache.c_kv_pool, cache.k_rope_pool, cache.page_table,
+                         cache.lengths, scale=1.0, block_rows=20, interpret=True)
   with pytest.raises(ValueError, match="num_splits"):
     paged_mla_decode_tpu(*queries(1, 1, 2), cache.c_kv_pool, cache.k_rope_pool, cache.page_table,
                          cache.lengths, scale=1.0, num_splits=0, interpret=True)

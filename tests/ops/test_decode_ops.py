@@ -10,9 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxattn.ops import decode as decode_ops
-from jaxattn.ops.decode import (gqa_rows_fit, paged_attention, paged_mla_decode,
-                                resolve_implementation)
+from jaxattn.ops.decode import paged_attention, paged_mla_decode, resolve_implementation
 from jaxattn.ops.sparse import sparse_mla_attention
 from jaxattn.paged_cache import PagedKVCache, PagedLatentCache
 
@@ -194,23 +192,15 @@ def test_sparse_mla_equals_gather_reference(rope_align):
   np.testing.assert_array_equal(got_far, ref_far)
 
 
-def test_tpu_default_leaves_long_prefills_to_xla(monkeypatch):
-  """On TPU the default is the decode kernel, which holds all T x N query rows in VMEM; a call
-  with more rows than fit (a long prefill through a paged cache) takes the XLA path instead."""
-  assert gqa_rows_fit(32, 128, 128, jnp.bfloat16)                   # decode: 32 rows
-  assert not gqa_rows_fit(512 * 32, 128, 128, jnp.bfloat16)         # a 512-token prefill
-  cache, key, value = kv_cache(2)
-  q = _normal(12, (len(LENGTHS), 2, 4, 8))[0]
-  want = paged_attention(q, cache.key_pool, cache.value_pool, cache.page_table, cache.lengths)
+def test_tpu_default_runs_long_prefills_in_the_kernel(monkeypatch):
+  """On TPU the default is the decode kernel for every dense call, a long prefill through a paged
+  cache included (the kernel takes its query rows in blocks that fit VMEM); sparse (DSA) calls
+  default to the XLA gather."""
   with monkeypatch.context() as m:
     m.setattr(jax, "default_backend", lambda: "tpu")
     assert resolve_implementation(None) == "pallas_tpu"
-    assert resolve_implementation(None, fits=False) == "xla"
-    assert resolve_implementation("pallas_tpu", fits=False) == "pallas_tpu"  # explicit: kept
-    m.setattr(decode_ops, "gqa_rows_fit", lambda *a: False)
-    # On this CPU the TPU kernel would have to compile (interpret=False on "TPU") and fail.
-    got = paged_attention(q, cache.key_pool, cache.value_pool, cache.page_table, cache.lengths)
-  np.testing.assert_array_equal(got, want)
+    assert resolve_implementation(None, sparse=True) == "xla"
+    assert resolve_implementation("pallas_tpu", sparse=True) == "pallas_tpu"  # explicit: kept
 
 
 def test_dispatch_and_errors():
