@@ -237,8 +237,9 @@ def paged_attention(
       pages and yields a partial (output, log-sum-exp), merged in a combine step.  None: 1 for
       ``"pallas_tpu"``; for ``"pallas_gpu"``
       ``clamp(ceil(2 * SMs / programs_per_split), 1, max(1, M * page // 256))`` (about two
-      programs per multiprocessor, partitions of 256+ tokens; ``programs_per_split = B * K``
-      here).  Ignored by ``"xla"``.
+      programs per multiprocessor, partitions of 256+ tokens; ``programs_per_split = B * K *
+      ceil(T * G / 64)`` here).  Ignored by ``"xla"``.  Both kernels take the query rows in
+      blocks (VMEM / a Triton tile), so a long prefill through the cache runs in them too.
     implementation: ``None`` (``"pallas_tpu"`` on TPU, else ``"xla"``), ``"xla"``,
       ``"pallas_tpu"`` or ``"pallas_gpu"``.
     interpret: for the Pallas kernels: None (interpret unless on their hardware), a bool, or (TPU)

@@ -1,13 +1,17 @@
 """Paged GQA / MQA / MHA decode for NVIDIA GPUs (Pallas Triton), split-KV with a combine step.
 
 The GPU shape of ``tpu.py``'s algorithm (flash-decoding): one program per
-``(sequence b, KV head k, split-KV partition s)`` holds every query head of KV group ``k`` in one
-tile and loops over its partition's key blocks *inside* the kernel::
+``(sequence b, KV head k and row block r, split-KV partition s)`` holds a tile of the query rows
+of KV group ``k`` and loops over its partition's key blocks *inside* the kernel::
 
-    grid (B, K, S)
-    q tile   [rows, H]        rows = T * G query rows (t, g) of KV head k, zero-padded to a power
-                              of two >= 16 (a Triton dot tile): each fetched key serves all G heads
-    loop     i < ceil((min(end, length) - start) / block_k)     -- past the length: no iteration
+    grid (B, K * R, S)
+    q tile   [rows, H]        rows = a block of the T * G query rows (t, g) of KV head k, a power
+                              of two >= 16 (a Triton dot tile): each fetched key serves all G
+                              heads.  A decode step is one block (R = 1); a prefill's rows come
+                              in blocks of ``block_rows`` (64)
+    loop     i < ceil((min(end, visible) - start) / block_k)    -- visible: the keys up to the
+                                                                   block's last row (causal),
+                                                                   at most the length
              pos = start + i * block_k;  page = page_table[b, pos // page]  (a scalar load)
              k, v = pool[page, pos % page : + block_k, k, :]    [block_k, H], [block_k, h]
              logits = scale * q k^T (fp32) -> soft-cap -> causal mask -> online softmax
@@ -47,7 +51,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
 from jaxattn.ops.decode import merged_kv_heads
-from pallas_kernels.decode_attention.tpu import combine, run_sharded_gqa
+from pallas_kernels.decode_attention.tpu import combine, run_sharded_gqa, visible_keys
 
 _F32 = jnp.float32
 DEFAULT_SMS = 132  # H100 / H200 SXM
@@ -122,7 +126,8 @@ def pad_lengths(lengths):
 
 
 def partition_blocks(length, s, pages_per_split: int, page_size: int, block_k: int):
-  """``(first position, number of key blocks)`` of partition ``s``, clipped to ``length``."""
+  """``(first position, number of key blocks)`` of partition ``s``, clipped to ``length`` (the
+  keys a block of query rows can see: ``tpu.visible_keys``)."""
   start = s * (pages_per_split * page_size)
   end = jnp.minimum(start + pages_per_split * page_size, length)
   return start, lax.div(jnp.maximum(end - start, 0) + (block_k - 1), block_k)
@@ -169,15 +174,19 @@ def finish(carry):
 # -- the kernel --------------------------------------------------------------------------------
 
 def _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, soft_cap, num_t,
-            groups, pages_per_split, block_k):
-  b, s = pl.program_id(0), pl.program_id(2)
+            groups, pages_per_split, block_k, row_blocks):
+  b, kr, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   page_size = k_ref.shape[1]
   rows = q_ref.shape[0]
   length = lens_ref[b]
-  start, n_blocks = partition_blocks(length, s, pages_per_split, page_size, block_k)
+  ri = lax.rem(kr, row_blocks)                                       # this program's row block
+  # Keys after the block's last query row are not visible to it: not loaded (causal prefill).
+  start, n_blocks = partition_blocks(visible_keys(length, ri, rows, num_t, groups), s,
+                                     pages_per_split, page_size, block_k)
   q = q_ref[...]                                                     # [rows, Hp]
   # Query row (t, g) sits at position length - T + t and sees keys up to it (the contract).
-  q_pos = length - num_t + lax.div(jnp.arange(rows, dtype=jnp.int32), groups)[:, None]
+  row = ri * rows + jnp.arange(rows, dtype=jnp.int32)
+  q_pos = (length - num_t + lax.div(row, groups))[:, None]
 
   def body(i, carry):
     pos = start + i * block_k
@@ -199,10 +208,27 @@ def _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, 
   lse_ref[...] = lse
 
 
+# Query rows (t, g) per program when the caller gives none: a decode step's GQA group in one
+# tile; a prefill's rows in tiles of 64 (the fp32 accumulator lives in registers).
+GPU_BLOCK_ROWS = 64
+
+
+def gpu_block_rows(rows: int, block_rows: int | None) -> int:
+  """Rows per Triton tile: ``block_rows`` (a power of two >= 16) or ``min(pow2(rows), 64)``."""
+  if block_rows is None:
+    return min(pow2(rows), GPU_BLOCK_ROWS)
+  if isinstance(block_rows, bool) or not isinstance(block_rows, int) or block_rows < 16 or (
+      block_rows & (block_rows - 1)):
+    raise ValueError(f"`block_rows` must be None or a power of two >= 16 (a Triton tile), got "
+                     f"{block_rows!r}.")
+  return min(block_rows, pow2(rows))
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "num_splits", "block_k",
-                                             "num_warps", "num_stages", "interpret"))
+                                             "block_rows", "num_warps", "num_stages",
+                                             "interpret"))
 def _call(q, key_pool, value_pool, page_table, lengths, *, scale, soft_cap, num_splits, block_k,
-          num_warps, num_stages, interpret):
+          block_rows, num_warps, num_stages, interpret):
   b, t, n, h = q.shape
   num_pages, page_size, kh, hv = value_pool.shape
   g = n // kh
@@ -210,28 +236,34 @@ def _call(q, key_pool, value_pool, page_table, lengths, *, scale, soft_cap, num_
   splits = min(num_splits, m)
   pps = -(-m // splits)                                              # pages per partition
   splits = -(-m // pps)                                              # no empty trailing ones
-  hp, vp, rows = pow2(h), pow2(hv), pow2(t * g)
-  # [B, T, K, G, H] -> [B, K, T*G, H], rows (t, g) of one KV head contiguous, padded to a tile.
+  hp, vp = pow2(h), pow2(hv)
+  rb = gpu_block_rows(t * g, block_rows)
+  nrb = -(-(t * g) // rb)                                            # row blocks per KV head
+  rows = nrb * rb
+  # [B, T, K, G, H] -> [B, K, T*G, H], rows (t, g) of one KV head contiguous, padded to tiles.
   qk = q.reshape(b, t, kh, g, h).transpose(0, 2, 1, 3, 4).reshape(b, kh, t * g, h)
   qk = jnp.pad(qk, ((0, 0), (0, 0), (0, rows - t * g), (0, hp - h)))
   key_pool, value_pool = pad_last(key_pool, hp), pad_last(value_pool, vp)  # copies unless pow2
   kernel = functools.partial(_kernel, scale=float(scale), soft_cap=soft_cap, num_t=t, groups=g,
-                             pages_per_split=pps, block_k=block_k)
+                             pages_per_split=pps, block_k=block_k, row_blocks=nrb)
   lens = pad_lengths(lengths)
-  pool_map = lambda bi, ki, si: (0, 0, ki, 0)  # noqa: E731
+  # Grid axis 1 enumerates (KV head, row block): program kr serves head kr // nrb.
+  pool_map = lambda bi, kr, si: (0, 0, kr // nrb, 0)  # noqa: E731
   out, lse = pl.pallas_call(
       kernel,
-      grid=(b, kh, splits),
+      grid=(b, kh * nrb, splits),
       in_specs=[
-          pl.BlockSpec(lens.shape, lambda bi, ki, si: (0,)),                      # lengths
-          pl.BlockSpec((None, m), lambda bi, ki, si: (bi, 0)),                    # page table row
-          pl.BlockSpec((None, None, rows, hp), lambda bi, ki, si: (bi, ki, 0, 0)),  # q tile
+          pl.BlockSpec(lens.shape, lambda bi, kr, si: (0,)),                      # lengths
+          pl.BlockSpec((None, m), lambda bi, kr, si: (bi, 0)),                    # page table row
+          pl.BlockSpec((None, None, rb, hp),
+                       lambda bi, kr, si: (bi, kr // nrb, kr % nrb, 0)),          # q tile
           pl.BlockSpec((num_pages, page_size, None, hp), pool_map),               # key pool
           pl.BlockSpec((num_pages, page_size, None, vp), pool_map),               # value pool
       ],
       out_specs=[
-          pl.BlockSpec((None, None, None, rows, vp), lambda bi, ki, si: (bi, si, ki, 0, 0)),
-          pl.BlockSpec((None, None, None, rows), lambda bi, ki, si: (bi, si, ki, 0)),
+          pl.BlockSpec((None, None, None, rb, vp),
+                       lambda bi, kr, si: (bi, si, kr // nrb, kr % nrb, 0)),
+          pl.BlockSpec((None, None, None, rb), lambda bi, kr, si: (bi, si, kr // nrb, kr % nrb)),
       ],
       out_shape=[jax.ShapeDtypeStruct((b, splits, kh, rows, vp), _F32),
                  jax.ShapeDtypeStruct((b, splits, kh, rows), _F32)],
@@ -254,6 +286,7 @@ def paged_attention_gpu(
     logits_soft_cap: float | None = None,
     num_splits: int | None = None,
     block_k: int | None = None,
+    block_rows: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool | None = None,
@@ -268,6 +301,9 @@ def paged_attention_gpu(
       (module docstring).
     block_k: keys per loop step, a power of two >= 16 dividing the page size; default the largest
       of 64, 32, 16 that divides it.
+    block_rows: query rows ``(t, g)`` of a KV head per program, a power of two >= 16; default
+      all of them up to 64 (a decode step: one program per KV head), so a long prefill runs as
+      programs of 64 rows, each loading only the keys its tokens can see.
     num_warps, num_stages: Triton launch parameters.
     interpret: None runs the kernel interpreted unless the default backend is a GPU.
     mesh: a ``jax.sharding.Mesh`` to run under; None uses the one set by ``jax.set_mesh`` (if
@@ -292,17 +328,21 @@ def paged_attention_gpu(
     raise ValueError(f"query heads N={query.shape[2]} must be a multiple of the KV heads "
                      f"K={key_pool.shape[2]}.")
   block_k = check_block_k(block_k, key_pool.shape[1], 64)
+  gpu_block_rows(1, block_rows)                                      # checked here, once
   interpret = default_interpret(interpret)
 
   def local(q, k_pool, v_pool, table, lens):
     # Shapes here are the device's own (inside shard_map): the automatic split count must fill
-    # this device's multiprocessors with its local B * K programs, not the global ones.
+    # this device's multiprocessors with its local B * K * row-block programs, not the global
+    # ones.
     splits = num_splits
     if splits is None:
-      splits = auto_splits(q.shape[0] * k_pool.shape[2], table.shape[1], k_pool.shape[1])
+      rows = q.shape[1] * (q.shape[2] // k_pool.shape[2])
+      programs = q.shape[0] * k_pool.shape[2] * -(-rows // gpu_block_rows(rows, block_rows))
+      splits = auto_splits(programs, table.shape[1], k_pool.shape[1])
     return _call(q, k_pool, v_pool, table, lens, scale=float(scale), soft_cap=logits_soft_cap,
-                 num_splits=splits, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-                 interpret=interpret)
+                 num_splits=splits, block_k=block_k, block_rows=block_rows, num_warps=num_warps,
+                 num_stages=num_stages, interpret=interpret)
 
   args = (query, key_pool, value_pool, page_table.astype(jnp.int32), lengths.astype(jnp.int32))
   return run_sharded_gqa(local, args, mesh)

@@ -8,7 +8,9 @@ space.  One program per ``(sequence b, split-KV partition s, head block h)``::
     grid (B, S, ceil(T*N / block_h))
     q tiles  [block_h, C], [block_h, R]   query rows (t, n) folded together, zero-padded to whole
                                           blocks (C, R zero-padded to powers of two if needed)
-    loop     i < ceil((min(end, length) - start) / block_k)      -- past the length: no iteration
+    loop     i < ceil((min(end, visible) - start) / block_k)     -- visible: keys up to the block's
+                                                                   last row (causal), at most
+                                                                   the length
              page = page_table[b, pos // page]                  (a scalar load)
              c  = c_pool[page, pos % page : + block_k, :]        [block_k, C]
              kr = kr_pool[page, ...]                             [block_k, R]
@@ -62,7 +64,7 @@ from pallas_kernels.decode_attention.gpu import (auto_splits, block_location, ch
                                                  check_splits, default_interpret, finish,
                                                  load_rows, online_step, pad_last, pad_lengths,
                                                  partition_blocks, pow2)
-from pallas_kernels.decode_attention.tpu import combine
+from pallas_kernels.decode_attention.tpu import combine, visible_keys
 from pallas_kernels.mla_decode.tpu import run_sharded_mla
 
 _F32 = jnp.float32
@@ -74,7 +76,9 @@ def _kernel(lens_ref, table_ref, ql_ref, qr_ref, c_ref, kr_ref, o_ref, lse_ref, 
   page_size = c_ref.shape[1]
   block_h = ql_ref.shape[0]
   length = lens_ref[b]
-  start, n_blocks = partition_blocks(length, s, pages_per_split, page_size, block_k)
+  # Keys after the block's last query row are not visible to it: not loaded (causal prefill).
+  start, n_blocks = partition_blocks(visible_keys(length, hb, block_h, num_t, num_heads), s,
+                                     pages_per_split, page_size, block_k)
   ql, qr = ql_ref[...], qr_ref[...]                                  # [bh, Cp], [bh, Rp]
   row = hb * block_h + jnp.arange(block_h, dtype=jnp.int32)          # folded (t, n)
   q_pos = (length - num_t + lax.div(row, num_heads))[:, None]        # [bh, 1]

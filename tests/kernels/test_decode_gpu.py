@@ -113,6 +113,24 @@ def test_gqa_matches_formula_single_and_split(n, kh, t, dtype, cap, page, block_
   np.testing.assert_array_equal(np.asarray(single[1], np.float32), 0.0)  # empty sequence
 
 
+# A prefill through the cache: 9 new tokens x 4 query heads per KV head = 36 rows in programs of
+# 16 (three row blocks, the last padded), each loading only the keys its tokens can see; the
+# 5-token sequence's first 4 query rows sit before position 0.
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gqa_row_blocks_of_a_prefill(dtype):
+  cache = kv_cache(LENGTHS, 2, dtype=dtype)
+  q = normal((len(LENGTHS), 9, 8, 16), dtype, seed=3)
+  ref = _gqa(q, cache, scale=0.4, implementation="xla")
+  args = (q, cache.key_pool, cache.value_pool, cache.page_table, cache.lengths)
+  for splits in (1, 3):
+    got = paged_attention_gpu(*args, scale=0.4, num_splits=splits, block_rows=16)
+    assert got.dtype == dtype
+    assert_close(got, ref, tol(dtype), f"row blocks, {splits} partition(s)")
+    np.testing.assert_array_equal(np.asarray(got[3, :4], np.float32), 0.0)
+  assert gqa_gpu.gpu_block_rows(4, None) == 16 and gqa_gpu.gpu_block_rows(2048, None) == 64
+  assert gqa_gpu.gpu_block_rows(36, 128) == 64
+
+
 def test_gqa_dispatch_with_automatic_splits():
   """``implementation="pallas_gpu"`` through the op, a 3-D query, ``num_splits=None``."""
   cache = kv_cache(LENGTHS, 2)
@@ -143,6 +161,7 @@ def _mla(q, cache, **kw):
     (20, 2, 32, 16, jnp.float32),
     (6, 1, 24, 8, jnp.float32),
     (16, 1, 32, 16, jnp.bfloat16),
+    (4, 9, 32, 16, jnp.float32),               # a prefill: 36 rows, blocks of 16 skip late keys
 ])
 def test_mla_matches_formula_single_and_split(n, t, c, r, dtype):
   cache = latent_cache(LENGTHS, c, r, dtype=dtype)
@@ -201,6 +220,8 @@ def test_errors():
     paged_attention_gpu(*args, scale=1.0, block_k=24)
   with pytest.raises(ValueError, match="block_k"):
     paged_attention_gpu(*args, scale=1.0, block_k=32)        # a 16-token page
+  with pytest.raises(ValueError, match="block_rows"):
+    paged_attention_gpu(*args, scale=1.0, block_rows=24)
   small = kv_cache((3,), 1, page=8, max_pages=2)
   with pytest.raises(ValueError, match="page size"):
     _gqa(q, small, implementation="pallas_gpu")
@@ -217,7 +238,7 @@ def test_errors():
 
 def test_kernels_lower_to_triton(cuda_target):
   """The kernels lower to Triton IR for CUDA at production sizes (bf16 Llama-3-8B GQA with a
-  soft-cap and two new tokens; DeepSeek-V3 MLA with 128 heads, 512 + 64 latents, dense and sparse
+  soft-cap and two new tokens, and a 256-token prefill in row blocks; DeepSeek-V3 MLA with 128 heads, 512 + 64 latents, dense and sparse
   with top-2048); compiling that IR needs a GPU."""
   b, m, page = 2, 64, 64
   pages = b * m
@@ -240,6 +261,9 @@ def test_kernels_lower_to_triton(cuda_target):
   cases = [
       ("jaxattn_paged_decode_gpu", gqa,
        (bf16(b, 2, 32, 128), bf16(pages, page, 8, 128), bf16(pages, page, 8, 128), table, lens)),
+      ("jaxattn_paged_decode_gpu", gqa,
+       (bf16(b, 256, 32, 128), bf16(pages, page, 8, 128), bf16(pages, page, 8, 128), table,
+        lens)),
       ("jaxattn_paged_mla_decode_gpu", mla,
        (bf16(b, 128, 512), bf16(b, 128, 64), bf16(pages, page, 512), bf16(pages, page, 64), table,
         lens)),
