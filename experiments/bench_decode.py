@@ -40,7 +40,7 @@ Implementations (``--impls``):
 
 ``--check`` first compares ``pallas_gpu`` with the XLA formulas on the device at a realistic size
 (bf16, 32k context, B = 4 with ragged lengths incl. 0, GQA, MLA with 16 and 128 heads, sparse
-MLA with top-2048) and prints PASS / FAIL with the max errors; the exit status is 1 on FAIL.
+MLA with top-2048, and chunked prefills of 100-200 tokens in row blocks) and prints PASS / FAIL with the max errors; the exit status is 1 on FAIL.
 ``--check-only`` stops there.
 
 The named baseline is the device's copy bandwidth, measured in the same run: ``y = x + 1`` on a
@@ -219,7 +219,7 @@ def run_check(page_size: int = 64, context: int = 32768) -> bool:
 
   n, kh, h = 32, 8, 128
   (kp, vp), _, table = _pools(rng, b, s, page_size, [(kh, h), (kh, h)], dtype)
-  for t in (1, 2):
+  for t in (1, 2, 200):          # 200: a chunked prefill, 800 rows per KV head in 13 programs
     q = jax.random.normal(jax.random.key(t), (b, t, n, h), jnp.float32).astype(dtype)
     got = jax.jit(lambda q, k, v, tb, ln: paged_attention(
         q, k, v, tb, ln, implementation="pallas_gpu"))(q, kp, vp, table, lengths)
@@ -229,7 +229,7 @@ def run_check(page_size: int = 64, context: int = 32768) -> bool:
   del kp, vp
   c, r = 512, 64
   (cp, rp), _, table = _pools(rng, b, s, page_size, [(c,), (r,)], dtype)
-  for n, t in ((16, 1), (128, 1), (16, 2)):
+  for n, t in ((16, 1), (128, 1), (16, 2), (16, 100)):     # (16, 100): 1,600 rows, 100 blocks
     kq = jax.random.split(jax.random.key(100 + n + t), 2)
     ql = jax.random.normal(kq[0], (b, t, n, c), jnp.float32).astype(dtype)
     qr = jax.random.normal(kq[1], (b, t, n, r), jnp.float32).astype(dtype)
