@@ -85,7 +85,11 @@ def finalize(m, l, acc):
 
 
 def combine(out: Float[Array, "B S ... h"], lse: Float[Array, "B S ... 1"]):
-  """Merges split-KV partials over axis 1: ``[B, S, ..., h]`` -> ``[B, ..., h]`` fp32."""
+  """Merges split-KV partials over axis 1: ``[B, S, ..., h]`` -> ``[B, ..., h]`` fp32.  A single
+  partition is already the result (normalized, zeros where it saw no key): returned as it is, in
+  its dtype, with no merge pass."""
+  if out.shape[1] == 1:
+    return out[:, 0]
   top = jnp.max(lse, axis=1, keepdims=True)
   top = jnp.where(jnp.isfinite(top), top, 0.0)
   w = jnp.exp(lse - top)                                # 0 for empty partitions
@@ -243,7 +247,7 @@ def _local(q, key_pool, value_pool, page_table, lengths, *, scale, soft_cap, num
           dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
       interpret=default_interpret(interpret),
   )(lengths, page_table.reshape(-1), qk, key_pool, value_pool)
-  out = (out[:, 0] if splits == 1 else combine(out, lse))[:, :, :t * g]    # [B, K, T*G, h]
+  out = combine(out, lse)[:, :, :t * g]                                    # [B, K, T*G, h]
   out = out.reshape(b, kh, t, g, hv).transpose(0, 2, 1, 3, 4).reshape(b, t, n, hv)
   return out.astype(q.dtype)
 

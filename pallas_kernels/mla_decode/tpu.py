@@ -144,8 +144,7 @@ def _dense_local(q_latent, q_rope, c_pool, kr_pool, page_table, lengths, *, scal
           dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
       interpret=default_interpret(interpret),
   )(lengths, page_table.reshape(-1), ql, qr, c_pool, kr_pool)
-  out = out[:, 0] if splits == 1 else combine(out, lse)
-  return out[:, :rows].reshape(b, t, n, c).astype(q_latent.dtype)
+  return combine(out, lse)[:, :rows].reshape(b, t, n, c).astype(q_latent.dtype)
 
 
 # -- sparse (DSA): selected rows only ----------------------------------------------------------
