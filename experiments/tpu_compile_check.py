@@ -16,8 +16,9 @@ Cases (bf16): flash attention forward at T = 8192 (causal GQA 32/8 x 128, defaul
 forward + backward at T = 4096 with segments, ALiBi and a soft-cap; top-K sparse attention for
 DeepSeek-V3.2 prefill (MLA: 128 heads, 512 + 64 latents; GQA 32/8), 8 tokens selecting 2048 of
 32k; paged decode (GQA with split-KV, also heads of 64 and MQA; absorbed MLA dense and sparse,
-2 sequences x 32k) and a 512-token prefill through the same paged caches (GQA 32/8; MLA, 128
-heads); decode over contiguous GQA and MLA caches (8 x 8k); the gated
+2 sequences x 32k; MLA at batch 1 too, whose default split count follows the chip's TensorCores:
+v4 and v5p are compiled as megacore) and a 512-token prefill through the same paged caches
+(GQA 32/8; MLA, 128 heads); decode over contiguous GQA and MLA caches (8 x 8k); the gated
 delta-rule state pass (fp32, heads of 128, chunks of 64).  And on a 4-chip slice (``data`` 2 x
 ``tensor`` 2), the kernels in ``jax.shard_map`` as a sharded step calls them: flash forward +
 backward, sparse MLA prefill, paged MLA decode.  Exit status 1 if any case failed.
@@ -51,6 +52,7 @@ import numpy as np  # noqa: E402
 # chip -> (one-chip topology, 4-chip topology, tpu_info.ChipVersion name)
 CHIPS = {"v4": ("v4:1x1x1", "v4:2x2x1", "TPU_V4"), "v5e": ("v5e:1x1", "v5e:2x2", "TPU_V5E"),
          "v5p": ("v5p:1x1x1", "v5p:2x2x1", "TPU_V5P"), "v6e": ("v6e:1x1", "v6e:2x2", "TPU_V6E")}
+MEGACORE = ("v4", "v5p")
 _COPY = re.compile(r"= (\w+)\[([\d,]*)\][^ ]* (?:copy|copy-start|transpose)\(")
 
 
@@ -160,6 +162,13 @@ def cases():
                                                        implementation="pallas_tpu",
                                                        interpret=False),
           (bf16(2, 512, 128, 512), bf16(2, 512, 128, 64), *latent[2:], table, lens)),
+      # Batch 1 with the default split count: one partition on a v5e / v6e; on a megacore
+      # chip (v4, v5p) one per TensorCore, on the leading grid axis.
+      "paged MLA decode (batch 1)": (
+          lambda ql, qr, c, kr, t, n: paged_mla_decode(ql, qr, c, kr, t, n, scale=0.07,
+                                                       implementation="pallas_tpu",
+                                                       interpret=False),
+          (bf16(1, 1, 128, 512), bf16(1, 1, 128, 64), *latent[2:], i32(1, 512), i32(1))),
       "paged sparse MLA decode": (
           lambda ql, qr, c, kr, t, n, i: paged_mla_decode(ql, qr, c, kr, t, n, scale=0.07,
                                                           indices=i, implementation="pallas_tpu",
@@ -229,7 +238,9 @@ def compile_for(chip: str, only=None):
                                         chips_per_host_bounds=bounds, num_slices=1).devices
 
   # Some Mosaic lowering rules read the local device's chip description: stand in the target.
-  info = tpu_info.get_tpu_info_for_chip(getattr(tpu_info.ChipVersion, version), 1)
+  # v4 and v5p run as megacore: two TensorCores behind each JAX device.
+  info = tpu_info.get_tpu_info_for_chip(getattr(tpu_info.ChipVersion, version),
+                                        2 if chip in MEGACORE else 1)
   local = jax.devices()[0].device_kind
   tpu_info.registry[local] = lambda: info
   mesh = jax.sharding.Mesh(devices(one_chip, (1, 1, 1))[:1], ("x",))

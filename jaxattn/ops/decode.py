@@ -234,8 +234,10 @@ def paged_attention(
     scale: logits scale, default ``1 / sqrt(H)``.
     logits_soft_cap: ``c`` in ``c * tanh(logits / c)`` (Gemma 2), applied after the scale.
     num_splits: split-KV partitions (flash-decoding) for the kernel: each covers ``M / num_splits``
-      pages and yields a partial (output, log-sum-exp), merged in a combine step.  None: 1 for
-      ``"pallas_tpu"``; for ``"pallas_gpu"``
+      pages and yields a partial (output, log-sum-exp), merged in a combine step.  None: for
+      ``"pallas_tpu"`` 1 (no combine pass), but 2 at batch 1 (per device) on a megacore chip
+      (TPU v4, v5p) -- one partition per TensorCore, which the kernel's leading grid axis then
+      is; for ``"pallas_gpu"``
       ``clamp(ceil(2 * SMs / programs_per_split), 1, max(1, M * page // 256))`` (about two
       programs per multiprocessor, partitions of 256+ tokens; ``programs_per_split = B * K *
       ceil(T * G / 64)`` here).  Ignored by ``"xla"``.  Both kernels take the query rows in
@@ -269,7 +271,7 @@ def paged_attention(
   else:
     from pallas_kernels.decode_attention import paged_attention_tpu  # noqa: PLC0415 (optional)
     out = paged_attention_tpu(q, key_pool, value_pool, page_table, lengths, scale=scale,
-                              logits_soft_cap=logits_soft_cap, num_splits=num_splits or 1,
+                              logits_soft_cap=logits_soft_cap, num_splits=num_splits,
                               interpret=interpret)
   return out[:, 0] if squeeze else out
 
@@ -322,7 +324,7 @@ def cache_attention(
   from pallas_kernels.decode_attention.tpu import contiguous_attention_tpu  # noqa: PLC0415
   out = contiguous_attention_tpu(q, key, value, lengths.astype(jnp.int32),
                                  scale=1.0 / math.sqrt(h) if scale is None else scale,
-                                 logits_soft_cap=logits_soft_cap, num_splits=num_splits or 1,
+                                 logits_soft_cap=logits_soft_cap, num_splits=num_splits,
                                  interpret=interpret)
   return out[:, 0] if squeeze else out
 
@@ -399,7 +401,7 @@ def cache_mla_decode(
   qr = _zero_pad_columns(qr, kv.shape[2] - c)                      # to the stored k^R width
   from pallas_kernels.mla_decode.tpu import contiguous_mla_decode_tpu  # noqa: PLC0415
   out = contiguous_mla_decode_tpu(ql, qr, kv, lengths.astype(jnp.int32), scale=scale,
-                                  num_splits=num_splits or 1, interpret=interpret)
+                                  num_splits=num_splits, interpret=interpret)
   return out[:, 0] if squeeze else out
 
 
@@ -531,7 +533,7 @@ def paged_mla_decode(
   else:
     from pallas_kernels.mla_decode import paged_mla_decode_tpu  # noqa: PLC0415 (optional)
     out = paged_mla_decode_tpu(ql, qr, c_kv_pool, k_rope_pool, page_table, lengths, scale=scale,
-                               indices=indices, num_splits=num_splits or 1, interpret=interpret)
+                               indices=indices, num_splits=num_splits, interpret=interpret)
   return out[:, 0] if squeeze else out
 
 

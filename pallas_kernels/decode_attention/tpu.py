@@ -7,7 +7,9 @@ pool -- pages are never gathered into a contiguous copy.
 
     grid (B, I, S, J)              b: sequence; i: block of query rows; s: split-KV partition;
                                    j: page within the partition (J = ceil(M / S)); b, i, s
-                                   parallel, j sequential ("arbitrary")
+                                   parallel, j sequential ("arbitrary").  At batch 1 the
+                                   order is (S, B, I, J): a megacore chip splits the leading
+                                   axis between its TensorCores (``split_plan``)
     q block    [K, Tb*G, H]        a block of the sequence's queries, rows (t, g) per KV head:
                                    every query head of a KV group shares each fetched page.  A
                                    decode step is one block (I = 1); a long prefill is cut into
@@ -123,6 +125,12 @@ def check_block_rows(block_rows) -> None:
                      f"{block_rows!r}.")
 
 
+def check_num_splits(num_splits) -> None:
+  if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                 or num_splits < 1):
+    raise ValueError(f"`num_splits` must be None or a positive int, got {num_splits!r}.")
+
+
 def block_rows_for(rows: int, row_bytes: int, block_rows: int | None) -> int:
   """Query rows per kernel block: ``block_rows`` when given, else all ``rows`` when their VMEM
   (``row_bytes`` each: query block double-buffered, fp32 accumulator, output double-buffered)
@@ -153,11 +161,51 @@ def kv_heads_of(pool, head_dim: int) -> int:
   return pool.shape[2] if pool.ndim == 4 else pool.shape[2] // head_dim
 
 
+def tensorcores() -> int:
+  """TensorCores behind one JAX device: 2 on a megacore chip (TPU v4, v5p), else 1 (other TPUs,
+  and anything that is not a TPU)."""
+  try:
+    return max(1, int(pltpu.get_tpu_info().num_cores))
+  except Exception:  # noqa: BLE001 - not a TPU (or an unknown one): one core
+    return 1
+
+
+def split_plan(num_splits: int | None, batch: int, max_pages: int,
+               cores: int = 1) -> tuple[int, bool]:
+  """``(partitions, split_first)`` of a decode kernel's split-KV axis on one device.
+
+  Mosaic gives the two TensorCores of a megacore chip halves of the *leading* "parallel" grid
+  axis.  That is the batch axis, which cannot feed both cores at batch 1: then the split axis
+  leads the grid (``split_first``; with one sequence the order of the steps is the same), and
+  ``num_splits=None`` gives one partition per TensorCore (``cores``: ``tensorcores()``, read by
+  the kernels' wrappers outside ``jit``).  Otherwise None gives one partition (no combine pass).
+  Never more partitions than pages."""
+  split_first = batch == 1
+  if num_splits is None:
+    num_splits = cores if split_first else 1
+  return max(1, min(num_splits, max_pages)), split_first
+
+
+def grid_order(split_first: bool, grid, index_map):
+  """``grid`` ``(B, I, S, J)`` and an index map written for it, reordered to ``(S, B, I, J)``
+  when ``split_first``."""
+  if not split_first:
+    return grid, index_map
+  b, i, s, j = grid
+  return (s, b, i, j), lambda si, bi, ii, ji, *rest: index_map(bi, ii, si, ji, *rest)
+
+
+def grid_ids(split_first: bool):
+  """The kernel's ``(b, i, s, j)`` program ids under ``grid_order``."""
+  ids = [pl.program_id(a) for a in range(4)]
+  return (ids[1], ids[2], ids[0], ids[3]) if split_first else tuple(ids)
+
+
 # -- the kernel --------------------------------------------------------------------------------
 
 def _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref, *,
-            scale, soft_cap, num_t, groups, pages_per_split):
-  b, i, s, j = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+            scale, soft_cap, num_t, groups, pages_per_split, split_first):
+  b, i, s, j = grid_ids(split_first)
   page_size, num_kv = k_ref.shape[0], q_ref.shape[0]
   rows, h, hv = q_ref.shape[1], q_ref.shape[2], acc_ref.shape[2]          # rows: a block of T*G
   merged = len(k_ref.shape) == 2                      # [page, K*H] rows, else [page, K, H]
@@ -196,9 +244,9 @@ def _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_ref, l_r
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "num_splits", "block_rows",
-                                             "interpret"))
+                                             "interpret", "cores"))
 def _local(q, key_pool, value_pool, page_table, lengths, *, scale, soft_cap, num_splits,
-           block_rows=None, interpret=None):
+           block_rows=None, interpret=None, cores=1):
   """One device's call: ``q [B, T, N, H]`` over merged pools ``[P, page, K * H|h]`` or split
   ones ``[P, page, K, H|h]``, each read in place in its own layout -> ``[B, T, N, h]``."""
   b, t, n, h = q.shape
@@ -207,7 +255,7 @@ def _local(q, key_pool, value_pool, page_table, lengths, *, scale, soft_cap, num
   hv = value_pool.shape[-1] if value_pool.ndim == 4 else value_pool.shape[2] // kh
   g = n // kh
   m = page_table.shape[1]
-  splits = min(num_splits, m)
+  splits, split_first = split_plan(num_splits, b, m, cores)
   pps = -(-m // splits)                                                    # pages per split
   # [B, T, K, G, H] -> [B, K, T*G, H]: rows (t, g) of one KV head are contiguous, and blocks of
   # them (a prefill's) are consecutive tokens.
@@ -222,17 +270,20 @@ def _local(q, key_pool, value_pool, page_table, lengths, *, scale, soft_cap, num
     return (page,) + (0,) * (key_pool.ndim - 1)
 
   kernel = functools.partial(_kernel, scale=float(scale), soft_cap=soft_cap, num_t=t, groups=g,
-                             pages_per_split=pps)
-  o_map = lambda bi, ii, si, ji, *_: (bi, si, 0, ii, 0)  # noqa: E731
+                             pages_per_split=pps, split_first=split_first)
+  order = functools.partial(grid_order, split_first, (b, padded // rb, splits, pps))
+  grid, q_map = order(lambda bi, ii, si, ji, *_: (bi, 0, ii, 0))
+  page_map = order(kv_map)[1]
+  o_map = order(lambda bi, ii, si, ji, *_: (bi, si, 0, ii, 0))[1]
   # One partition: the kernel's output is final (query dtype); else fp32 partials to combine.
   out_dtype = q.dtype if splits == 1 else _F32
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=2,
-      grid=(b, padded // rb, splits, pps),
+      grid=grid,
       in_specs=[
-          pl.BlockSpec((None, kh, rb, h), lambda bi, ii, si, ji, *_: (bi, 0, ii, 0)),  # q
-          pl.BlockSpec((None,) + key_pool.shape[1:], kv_map),                         # key page
-          pl.BlockSpec((None,) + value_pool.shape[1:], kv_map),                       # value page
+          pl.BlockSpec((None, kh, rb, h), q_map),                                     # q
+          pl.BlockSpec((None,) + key_pool.shape[1:], page_map),                       # key page
+          pl.BlockSpec((None,) + value_pool.shape[1:], page_map),                     # value page
       ],
       out_specs=[pl.BlockSpec((None, None, kh, rb, hv), o_map),
                  pl.BlockSpec((None, None, kh, rb, 1), o_map)],
@@ -278,7 +329,7 @@ def paged_attention_tpu(
     *,
     scale: float,
     logits_soft_cap: float | None = None,
-    num_splits: int = 1,
+    num_splits: int | None = None,
     block_rows: int | None = None,
     interpret=None,
     mesh=None,
@@ -302,11 +353,10 @@ def paged_attention_tpu(
   multiple of 16 that fits), so a long prefill through the cache runs here too; a block reads
   only the pages its own tokens can see (causal).
   """
-  if num_splits < 1:
-    raise ValueError(f"`num_splits` must be >= 1, got {num_splits!r}.")
+  check_num_splits(num_splits)
   check_block_rows(block_rows)
   local = functools.partial(_local, scale=scale, soft_cap=logits_soft_cap, num_splits=num_splits,
-                            block_rows=block_rows, interpret=interpret)
+                            block_rows=block_rows, interpret=interpret, cores=tensorcores())
   return run_sharded_gqa(local, (query, key_pool, value_pool, page_table, lengths), mesh)
 
 
@@ -318,7 +368,7 @@ def contiguous_attention_tpu(
     *,
     scale: float,
     logits_soft_cap: float | None = None,
-    num_splits: int = 1,
+    num_splits: int | None = None,
     block_rows: int | None = None,
     interpret=None,
     mesh=None,
@@ -333,18 +383,19 @@ def contiguous_attention_tpu(
   split over the ``"batch"`` axes and the heads over ``"kv_heads"`` when ``N`` and ``K`` divide.
   ``block_rows`` as in ``paged_attention_tpu``.
   """
-  if num_splits < 1:
-    raise ValueError(f"`num_splits` must be >= 1, got {num_splits!r}.")
+  check_num_splits(num_splits)
   check_block_rows(block_rows)
   page = view_page_size(key.shape[1], cache_row_bytes(key, value))
   if page is None:
     raise ValueError(f"the cache length S={key.shape[1]} must be a multiple of 16 to be read "
                      "as pages in place.")
+  cores = tensorcores()
 
   def local(q, k, v, lens):
     (key_pages, table), (value_pages, _) = page_view(k, page), page_view(v, page)
     return _local(q, key_pages, value_pages, table, lens, scale=scale, soft_cap=logits_soft_cap,
-                  num_splits=num_splits, block_rows=block_rows, interpret=interpret)
+                  num_splits=num_splits, block_rows=block_rows, interpret=interpret,
+                  cores=cores)
 
   kv_heads = kv_heads_of(key, query.shape[3])
 

@@ -7,7 +7,8 @@ heads (MQA over latents) and the output stays in latent space for the module to 
 Dense mode, split-KV (flash-decoding), page table and lengths by scalar prefetch:
 
     grid (B, I, S, J)              b: sequence; i: block of query rows; s: split-KV partition;
-                                   j: page in the partition
+                                   j: page in the partition ((S, B, I, J) at batch 1, so that
+                                   a megacore chip gives each TensorCore a partition)
     q blocks  [Tb*N, C], [Tb*N, R] a block of the rows (t, n) of sequence b: all heads of a
                                    decode step (I = 1), or ``MLA_BLOCK_ROWS`` consecutive rows of
                                    a prefill at a time (VMEM)
@@ -47,9 +48,10 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from jaxattn.ops.decode import cache_row_bytes, page_view, view_page_size
-from pallas_kernels.decode_attention.tpu import (check_block_rows, combine, dot_t, finalize,
+from pallas_kernels.decode_attention.tpu import (check_block_rows, check_num_splits, combine,
+                                                 dot_t, finalize, grid_ids, grid_order,
                                                  online_softmax_update, pad_rows, page_index,
-                                                 visible_keys)
+                                                 split_plan, tensorcores, visible_keys)
 from pallas_kernels.flash_attention import sharded
 from pallas_kernels.flash_attention.common import default_interpret, reset_online_softmax
 from pallas_kernels.sparse_attention.tpu import gather_attention
@@ -58,8 +60,8 @@ _F32 = jnp.float32
 
 
 def _dense_kernel(lens_ref, table_ref, ql_ref, qr_ref, c_ref, kr_ref, o_ref, lse_ref, m_ref,
-                  l_ref, acc_ref, *, scale, num_t, num_heads, pages_per_split):
-  b, i, s, j = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+                  l_ref, acc_ref, *, scale, num_t, num_heads, pages_per_split, split_first):
+  b, i, s, j = grid_ids(split_first)
   page_size, rows = c_ref.shape[0], ql_ref.shape[0]                # rows: a block of T*N
   length = lens_ref[b]
   start = (s * pages_per_split + j) * page_size
@@ -91,9 +93,10 @@ def _dense_kernel(lens_ref, table_ref, ql_ref, qr_ref, c_ref, kr_ref, o_ref, lse
 MLA_BLOCK_ROWS = 512
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "block_rows", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "block_rows", "interpret",
+                                             "cores"))
 def _dense_local(q_latent, q_rope, c_pool, kr_pool, page_table, lengths, *, scale, num_splits,
-                 block_rows=None, interpret=None):
+                 block_rows=None, interpret=None, cores=1):
   """``kr_pool=None``: ``c_pool`` is a fused pool ``[P, page, C + R]`` (``C`` a multiple of ``R``),
   whose ``k^R`` columns the kernel reads as block ``C / R`` of the last axis: two DMAs from one
   array, no copy."""
@@ -103,7 +106,7 @@ def _dense_local(q_latent, q_rope, c_pool, kr_pool, page_table, lengths, *, scal
   if kr_pool is None:
     kr_pool, rope_block = c_pool, c // r
   page_size, m = c_pool.shape[1], page_table.shape[1]
-  splits = min(num_splits, m)
+  splits, split_first = split_plan(num_splits, b, m, cores)
   pps = -(-m // splits)
   rows = t * n
   rb = min(block_rows or MLA_BLOCK_ROWS, rows)
@@ -119,19 +122,21 @@ def _dense_local(q_latent, q_rope, c_pool, kr_pool, page_table, lengths, *, scal
   def kr_map(*idx):
     return kv_map(*idx)[:2] + (rope_block,)
 
-  q_map = lambda bi, ii, si, ji, *_: (bi, ii, 0)  # noqa: E731
-  o_map = lambda bi, ii, si, ji, *_: (bi, si, ii, 0)  # noqa: E731
+  order = functools.partial(grid_order, split_first, (b, padded // rb, splits, pps))
+  grid, q_map = order(lambda bi, ii, si, ji, *_: (bi, ii, 0))
+  c_map, r_map = order(kv_map)[1], order(kr_map)[1]
+  o_map = order(lambda bi, ii, si, ji, *_: (bi, si, ii, 0))[1]
   # One partition: the kernel's output is final (query dtype); else fp32 partials to combine.
   out_dtype = q_latent.dtype if splits == 1 else _F32
   kernel = functools.partial(_dense_kernel, scale=float(scale), num_t=t, num_heads=n,
-                             pages_per_split=pps)
+                             pages_per_split=pps, split_first=split_first)
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=2,
-      grid=(b, padded // rb, splits, pps),
+      grid=grid,
       in_specs=[pl.BlockSpec((None, rb, c), q_map),                  # q~ [rows, C]
                 pl.BlockSpec((None, rb, r), q_map),                  # q^R [rows, R]
-                pl.BlockSpec((None, page_size, c), kv_map),          # c_KV page
-                pl.BlockSpec((None, page_size, r), kr_map)],         # k^R page
+                pl.BlockSpec((None, page_size, c), c_map),           # c_KV page
+                pl.BlockSpec((None, page_size, r), r_map)],          # k^R page
       out_specs=[pl.BlockSpec((None, None, rb, c), o_map),
                  pl.BlockSpec((None, None, rb, 1), o_map)],
       scratch_shapes=[pltpu.VMEM((rb, 1), _F32), pltpu.VMEM((rb, 1), _F32),
@@ -197,7 +202,7 @@ def paged_mla_decode_tpu(
     *,
     scale: float,
     indices: Int[Array, "B T k"] | None = None,
-    num_splits: int = 1,
+    num_splits: int | None = None,
     block_rows: int | None = None,
     interpret=None,
     mesh=None,
@@ -210,12 +215,11 @@ def paged_mla_decode_tpu(
   Dense mode takes the query rows ``(t, n)`` ``block_rows`` at a time (None: all of them up to
   ``MLA_BLOCK_ROWS``, else blocks of that many), so a long prefill runs here too.
   """
-  if num_splits < 1:
-    raise ValueError(f"`num_splits` must be >= 1, got {num_splits!r}.")
+  check_num_splits(num_splits)
   check_block_rows(block_rows)
   if indices is None:
     local = functools.partial(_dense_local, scale=scale, num_splits=num_splits,
-                              block_rows=block_rows, interpret=interpret)
+                              block_rows=block_rows, interpret=interpret, cores=tensorcores())
   else:
     local = functools.partial(_sparse_local, scale=scale, interpret=interpret)
   args = [q_latent, q_rope, c_kv_pool, k_rope_pool, page_table, lengths]
@@ -231,7 +235,7 @@ def contiguous_mla_decode_tpu(
     lengths: Int[Array, "B"],
     *,
     scale: float,
-    num_splits: int = 1,
+    num_splits: int | None = None,
     block_rows: int | None = None,
     interpret=None,
     mesh=None,
@@ -248,8 +252,7 @@ def contiguous_mla_decode_tpu(
   batch over ``"batch"``, query heads over ``"heads"``.  ``block_rows`` as in
   ``paged_mla_decode_tpu``.
   """
-  if num_splits < 1:
-    raise ValueError(f"`num_splits` must be >= 1, got {num_splits!r}.")
+  check_num_splits(num_splits)
   check_block_rows(block_rows)
   c, r = q_latent.shape[3], q_rope.shape[3]
   page = view_page_size(kv.shape[1], cache_row_bytes(kv))
@@ -257,12 +260,14 @@ def contiguous_mla_decode_tpu(
     raise ValueError(f"`kv` {kv.shape} must be [B, S, C + R] = [B, S, {c} + {r}] with S a "
                      "multiple of 16.")
   fused = c % r == 0 and r % 128 == 0
+  cores = tensorcores()
 
   def local(ql, qr, kv, lens):
     pages, table = page_view(kv, page)
     c_pool, kr_pool = (pages, None) if fused else (pages[..., :c], pages[..., c:])
     return _dense_local(ql, qr, c_pool, kr_pool, table, lens, scale=scale,
-                        num_splits=num_splits, block_rows=block_rows, interpret=interpret)
+                        num_splits=num_splits, block_rows=block_rows, interpret=interpret,
+                        cores=cores)
 
   def specs(mesh):
     bax, hax = sharded.latent_specs(mesh, q_latent.shape[0], q_latent.shape[2])

@@ -16,8 +16,9 @@ from jaxattn import sharding
 from jaxattn.ops.decode import paged_attention
 from jaxattn.paged_cache import PagedKVCache
 from pallas_kernels.decode_attention import paged_attention_tpu
+from pallas_kernels.decode_attention import tpu as decode_tpu
 from pallas_kernels.decode_attention.tpu import (ROW_BUDGET, block_rows_for, page_index,
-                                                 visible_keys)
+                                                 split_plan, visible_keys)
 
 RACES = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
 PAGE = 4
@@ -178,6 +179,38 @@ def test_split_pools_and_a_wider_value():
   assert merged.shape == (2, 2, 4, 16)
   np.testing.assert_allclose(merged, ref, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(split, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_split_plan_feeds_both_cores_of_a_megacore_chip():
+  """Megacore (TPU v4, v5p) splits the leading parallel grid axis between its two TensorCores.
+  At batch 1 the split axis leads and ``num_splits=None`` makes one partition per core; with
+  more sequences (or one core) the default stays one partition, batch leading."""
+  assert decode_tpu.tensorcores() == 1                              # not a TPU here
+  assert split_plan(None, 1, 8, cores=2) == (2, True)
+  assert split_plan(None, 3, 8, cores=2) == (1, False)
+  assert split_plan(None, 1, 1, cores=2) == (1, True)               # never more than the pages
+  assert split_plan(5, 2, 3, cores=2) == (3, False) and split_plan(4, 1, 8) == (4, True)
+  assert split_plan(None, 1, 8, cores=1) == (1, True)
+
+
+@pytest.mark.parametrize("t", [1, 6])
+def test_megacore_default_at_batch_one(monkeypatch, t):
+  """On a (pretend) megacore chip a batch-1 call splits the cache in two partitions on the
+  leading grid axis: the same result as the reference, for a decode step and a prefill in row
+  blocks; the kernel reads its program ids in that order (a swap would read sequence 1)."""
+  monkeypatch.setattr(decode_tpu, "tensorcores", lambda: 2)
+  cache = cache_for((14,), kh=2, num_pages=6)
+  q = queries(1, t, 4)
+  ref = _call(q, cache, scale=0.5, implementation="xla")
+  got = paged_attention_tpu(q, cache.key_pool, cache.value_pool, cache.page_table, cache.lengths,
+                            scale=0.5, block_rows=8, interpret=RACES)
+  np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+  calls = []
+  real = decode_tpu.combine
+  monkeypatch.setattr(decode_tpu, "combine", lambda o, l: calls.append(o.shape) or real(o, l))
+  paged_attention_tpu(q, cache.key_pool, cache.value_pool, cache.page_table, cache.lengths,
+                      scale=0.25, interpret=True)
+  assert calls and calls[0][:2] == (1, 2)                           # two partitions
 
 
 def test_errors():

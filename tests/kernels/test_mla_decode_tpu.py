@@ -78,6 +78,24 @@ def test_dense_split_kv_ragged(t, dtype, rope_align):
   np.testing.assert_array_equal(split[1], 0.0)
 
 
+@pytest.mark.parametrize("t", [1, 5])
+def test_dense_megacore_default_at_batch_one(monkeypatch, t):
+  """A batch-1 call on a (pretend) megacore chip: two partitions on the leading grid axis, one
+  per TensorCore, equal to the reference (decode, and a prefill in row blocks)."""
+  from pallas_kernels.mla_decode import tpu as mla_tpu  # noqa: PLC0415
+  monkeypatch.setattr(mla_tpu, "tensorcores", lambda: 2)
+  calls = []
+  real = mla_tpu.combine
+  monkeypatch.setattr(mla_tpu, "combine", lambda o, l: calls.append(o.shape) or real(o, l))
+  cache = cache_for((13,), num_pages=6)
+  q = queries(1, t, 3)
+  ref = _call(q, cache, implementation="xla")
+  got = paged_mla_decode_tpu(*q, cache.c_kv_pool, cache.k_rope_pool, cache.page_table,
+                             cache.lengths, scale=SCALE, block_rows=8, interpret=RACES)
+  np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+  assert calls and calls[0][:2] == (1, 2)                           # two partitions
+
+
 def _indices(lengths, t, k, seed=3):
   """Distinct random positions per query among the sequence's tokens, -1 padded, with one
   out-of-range position (which must be ignored)."""
