@@ -52,8 +52,7 @@ from jaxattn.configs import get_config
 from jaxattn.nn.model import DecoderLM, ModelConfig
 from jaxattn.train.data import (BOS, EOS, PackedDataset, load_text, split_documents,
                                 tokenize_documents)
-from jaxattn.train.step import (cross_entropy, init_train_state, make_optimizer,
-                                make_train_step)
+from jaxattn.train.step import init_train_state, make_optimizer, make_train_step
 
 try:
   from tqdm import tqdm

@@ -36,7 +36,6 @@ import json
 import pathlib
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax

@@ -13,7 +13,6 @@ Weights are drawn wider than transformers' init (std 0.1 instead of 0.02) so tha
 patterns, gates and routing are far from uniform and a wrong layout shows in the logits.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
