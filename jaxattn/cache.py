@@ -10,6 +10,19 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 
+def cache_length(max_len: int, length_align: int | None = None) -> int:
+  """Slots a contiguous cache allocates for ``max_len`` tokens: ``max_len`` rounded up to a
+  multiple of ``length_align``.  None: on TPU 16 (128 past 512 slots), else 1 (exact).  The TPU
+  decode kernels read a contiguous cache in place as pages of 16 to 512 slots that divide its
+  length (``jaxattn.ops.decode.view_page_size``); a cache of another length goes to flash
+  attention, which re-lays out the whole cache on every decode step."""
+  if length_align is None:
+    length_align = (128 if max_len > 512 else 16) if jax.default_backend() == "tpu" else 1
+  if isinstance(length_align, bool) or not isinstance(length_align, int) or length_align < 1:
+    raise ValueError(f"`length_align` must be None or a positive int, got {length_align!r}.")
+  return -(-max_len // length_align) * length_align
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
@@ -35,14 +48,18 @@ class KVCache:
 
   @classmethod
   def init(cls, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
-           v_head_dim: int | None = None, dtype=jnp.float32) -> "KVCache":
+           v_head_dim: int | None = None, dtype=jnp.float32, *,
+           length_align: int | None = None) -> "KVCache":
+    """``max_len`` slots, rounded up to a multiple of ``length_align`` (``cache_length``; None:
+    16 on TPU, 128 past 512 slots, so the decode kernel reads the cache in place; else exact)."""
     v_head_dim = head_dim if v_head_dim is None else v_head_dim
     for name, v in (("batch", batch), ("max_len", max_len), ("num_kv_heads", num_kv_heads),
                     ("head_dim", head_dim), ("v_head_dim", v_head_dim)):
       if int(v) < 1:
         raise ValueError(f"KVCache.init: `{name}` must be >= 1, got {v!r}.")
-    return cls(key=jnp.zeros((batch, max_len, num_kv_heads * head_dim), dtype),
-               value=jnp.zeros((batch, max_len, num_kv_heads * v_head_dim), dtype),
+    length = cache_length(int(max_len), length_align)
+    return cls(key=jnp.zeros((batch, length, num_kv_heads * head_dim), dtype),
+               value=jnp.zeros((batch, length, num_kv_heads * v_head_dim), dtype),
                index=jnp.zeros((), jnp.int32), num_kv_heads=int(num_kv_heads))
 
   @property

@@ -44,7 +44,7 @@ class DSACache:
            index_head_dim: int, quant=None, quant_block_size: int | None = None,
            dtype=jnp.float32) -> "DSACache":
     latent = LatentCache.init(batch, max_len, kv_lora_rank, qk_rope_head_dim, dtype)
-    keys, scales = quantize_index_keys(jnp.zeros((batch, max_len, index_head_dim)), quant,
+    keys, scales = quantize_index_keys(jnp.zeros((batch, latent.max_len, index_head_dim)), quant,
                                        quant_block_size)
     return cls(latent=latent, index_keys=keys, index_scales=scales)
 

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from jaxattn.cache import cache_length
 from jaxattn.paged_cache import default_rope_align, stored_rope_width
 
 
@@ -44,16 +45,20 @@ class LatentCache:
 
   @classmethod
   def init(cls, batch: int, max_len: int, kv_lora_rank: int, qk_rope_head_dim: int,
-           dtype=jnp.float32, *, rope_align: int | None = None) -> "LatentCache":
+           dtype=jnp.float32, *, rope_align: int | None = None,
+           length_align: int | None = None) -> "LatentCache":
     """``rope_align``: store ``k^R`` zero-padded to a multiple of this many columns (None:
-    ``jaxattn.paged_cache.default_rope_align()``, 128 on TPU, else 1)."""
+    ``jaxattn.paged_cache.default_rope_align()``, 128 on TPU, else 1).  ``max_len`` slots,
+    rounded up to a multiple of ``length_align`` (``jaxattn.cache.cache_length``; None: 16 on
+    TPU, 128 past 512 slots; else exact)."""
     rope_align = default_rope_align() if rope_align is None else rope_align
     for name, v in (("batch", batch), ("max_len", max_len), ("kv_lora_rank", kv_lora_rank),
                     ("qk_rope_head_dim", qk_rope_head_dim), ("rope_align", rope_align)):
       if isinstance(v, bool) or int(v) < 1:
         raise ValueError(f"LatentCache.init: `{name}` must be >= 1, got {v!r}.")
     width = kv_lora_rank + stored_rope_width(qk_rope_head_dim, rope_align)
-    return cls(kv=jnp.zeros((batch, max_len, width), dtype), index=jnp.zeros((), jnp.int32),
+    length = cache_length(int(max_len), length_align)
+    return cls(kv=jnp.zeros((batch, length, width), dtype), index=jnp.zeros((), jnp.int32),
                kv_lora_rank=int(kv_lora_rank), rope_dim=int(qk_rope_head_dim))
 
   @property

@@ -187,7 +187,8 @@ class Attention(nnx.Module):
     """Whether a step with a contiguous cache runs the paged decode kernel over it
     (``jaxattn.ops.decode.cache_attention``): on TPU (or with ``implementation="pallas_tpu"``),
     for up to ``DECODE_MAX_T`` new tokens of a causal layer without a window, ALiBi, relative
-    bias or extra mask, over a cache whose length is a multiple of 16.  The flash kernel would
+    bias or extra mask, over a cache whose length is a multiple of 16 (``init_cache`` on TPU
+    rounds the length up to one: ``jaxattn.cache.cache_length``).  The flash kernel would
     get the cache in its head-major layout, which XLA makes by transposing the whole cache on
     every step; the decode kernel reads each valid block once, in place."""
     return (tpu_kernel_requested(implementation or self.implementation) and t <= DECODE_MAX_T

@@ -204,7 +204,8 @@ class MLA(nnx.Module):
     """Whether a step with a contiguous ``LatentCache`` runs the dense MLA decode kernel over its
     buffer (``jaxattn.ops.decode.cache_mla_decode``): on TPU (or with
     ``implementation="pallas_tpu"``), absorbed mode, up to ``DECODE_MAX_T`` new tokens of a
-    causal layer without an extra mask, a cache length that is a multiple of 16.  The other path
+    causal layer without an extra mask, a cache length that is a multiple of 16 (``init_cache``
+    on TPU rounds it up to one).  The other path
     concatenates ``[c_KV, k^R]`` and hands it to flash attention in its head-major layout:
     copies of the whole cache on every step."""
     return (tpu_kernel_requested(implementation or self.implementation) and mode == "absorbed"

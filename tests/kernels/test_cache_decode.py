@@ -15,7 +15,8 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxattn import sharding
-from jaxattn.cache import KVCache
+from jaxattn.cache import KVCache, cache_length
+from jaxattn.dsa_cache import DSACache
 from jaxattn.mla_cache import LatentCache
 from jaxattn.nn import attention as attention_module
 from jaxattn.nn import mla as mla_module
@@ -234,6 +235,37 @@ def test_module_steps_run_the_decode_kernel_and_equal_the_xla_path(monkeypatch):
   np.testing.assert_allclose(got, nnx.jit(lambda m, x: m(x))(module, x), rtol=2e-5, atol=2e-5)
 
 
+def test_caches_round_their_length_up_on_tpu(monkeypatch):
+  """On TPU a contiguous cache's length is rounded up (to 16; to 128 past 512 slots), so that the
+  decode kernels can read it as pages of itself: a module's ``init_cache(2, 10)`` then decodes in
+  the kernel, where 10 slots would have sent every step to flash attention.  Elsewhere the
+  length is exact; an explicit ``length_align`` wins; a bad one is refused."""
+  assert KVCache.init(1, 1000, 2, 8).max_len == 1000 and LatentCache.init(1, 9, 8, 4).max_len == 9
+  assert cache_length(1000, 1) == 1000 and cache_length(17, 16) == 32
+  module = _module()
+  with monkeypatch.context() as m:
+    m.setattr(jax, "default_backend", lambda: "tpu")
+    assert KVCache.init(1, 1000, 2, 8).max_len == 1024
+    assert KVCache.init(1, 100, 2, 8).max_len == 112
+    assert KVCache.init(1, 100, 2, 8, length_align=1).max_len == 100
+    assert LatentCache.init(1, 513, 8, 4).max_len == 640
+    assert LatentCache.init(1, 512, 8, 4).max_len == 512
+    dsa = DSACache.init(2, 20, kv_lora_rank=8, qk_rope_head_dim=4, index_head_dim=16)
+    assert dsa.max_len == 32 and dsa.index_keys.shape[1] == 32
+    cache = module.init_cache(2, 10)
+  assert cache.max_len == 16
+  calls = _counting(monkeypatch)
+  x = jnp.asarray(np.random.default_rng(6).standard_normal((2, 3, D)), jnp.float32)
+  y, cache = _step(module, cache, x, implementation="pallas_tpu")
+  assert calls == ["pallas_tpu"] and int(cache.index) == 3
+  np.testing.assert_allclose(y, nnx.jit(lambda m, x: m(x))(module, x), rtol=2e-5, atol=2e-5)
+  for bad in (0, True, 2.0):
+    with pytest.raises(ValueError, match="length_align"):
+      KVCache.init(1, 8, 1, 8, length_align=bad)
+    with pytest.raises(ValueError, match="length_align"):
+      LatentCache.init(1, 8, 8, 4, length_align=bad)
+
+
 @pytest.mark.parametrize("kw", [dict(sliding_window=4), dict(position="alibi")])
 def test_module_leaves_other_layers_to_flash_attention(monkeypatch, kw):
   module = _module(**kw)
@@ -360,7 +392,7 @@ def test_latent_cache_pads_the_rotated_key_on_tpu(monkeypatch):
   assert LatentCache.init(1, 4, 8, 64).kv.shape == (1, 4, 72)                   # CPU: exact
   with monkeypatch.context() as m:
     m.setattr(jax, "default_backend", lambda: "tpu")
-    assert LatentCache.init(1, 4, 512, 64).kv.shape == (1, 4, 640)
+    assert LatentCache.init(1, 4, 512, 64).kv.shape == (1, 16, 640)         # length: 16 slots
   cache = LatentCache.init(2, 4, 5, 2, rope_align=8)
   assert cache.kv.shape == (2, 4, 13) and cache.qk_rope_head_dim == 2
   c_kv, k_rope = jnp.ones((2, 3, 5)), 2 * jnp.ones((2, 3, 2))
