@@ -10,6 +10,18 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 
+def nan_past_capacity(y, cache):
+  """``y``, a layer's output from a step that wrote ``cache`` (``KVCache``, ``LatentCache`` or
+  ``DSACache``), NaN when that step went past the cache's capacity.
+
+  With a concrete index the caches raise on overflow; under ``jit`` (or ``nnx.scan``) the index
+  is traced and cannot raise, and ``dynamic_update_slice`` clamps the write onto the last slots:
+  silently wrong outputs.  A NaN output shows it instead (one select over ``y``)."""
+  if not isinstance(cache.index, jax.core.Tracer):
+    return y
+  return jnp.where(cache.index > cache.max_len, jnp.asarray(jnp.nan, y.dtype), y)
+
+
 def cache_length(max_len: int, length_align: int | None = None) -> int:
   """Slots a contiguous cache allocates for ``max_len`` tokens: ``max_len`` rounded up to a
   multiple of ``length_align``.  None: on TPU 16 (128 past 512 slots), else 1 (exact).  The TPU
@@ -32,7 +44,9 @@ class KVCache:
   (the element order of ``[B, L, K, H]``; ``split_heads()`` gives that view), ``L`` the capacity;
   ``index`` (int32 scalar) is how many positions are filled, the same for every batch row.  Slots
   ``>= index`` are masked out by the attention call (``kv_lengths``), so their contents never
-  matter.  ``num_kv_heads`` (``K``) is static pytree metadata.
+  matter.  ``num_kv_heads`` (``K``) is static pytree metadata.  Writing past ``L`` raises with a
+  concrete ``index``; under ``jit`` the attention layers' outputs of such a step are NaN
+  instead (``nan_past_capacity``).
 
   Why rows of ``K * H``: on TPU, XLA's default layout for a ``[B, L, K, H]`` array whose minor
   dimensions are not whole ``(8|16, 128)`` tiles (heads of 64, or one KV head) puts another

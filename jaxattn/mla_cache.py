@@ -35,7 +35,9 @@ class LatentCache:
   the rotated shared key ``k_rope``, then ``R_p - R`` zero columns (TPU; none elsewhere); ``L`` is
   the capacity.  ``index`` (int32 scalar) is how many positions are filled, the same for every
   batch row; slots ``>= index`` are masked out by the attention call.  ``kv_lora_rank`` (``C``)
-  and ``rope_dim`` (``R``; None: all the columns after ``C``) are static pytree metadata.
+  and ``rope_dim`` (``R``; None: all the columns after ``C``) are static pytree metadata.  Writing
+  past ``L`` raises with a concrete ``index``; under ``jit`` the layer's output is NaN instead
+  (``jaxattn.cache.nan_past_capacity``).
   """
 
   kv: Float[Array, "B L C+R_p"]

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxattn.cache import KVCache, kv_cache_bytes_per_token
+from jaxattn.cache import KVCache, kv_cache_bytes_per_token, nan_past_capacity
 from jaxattn.paged_cache import PagedKVCache
 from jaxattn.rolling_cache import RollingKVCache
 from jaxattn.nn.linear import Einsum
@@ -256,7 +256,7 @@ class Attention(nnx.Module):
                                 scale=self.attention_scale, logits_soft_cap=self.logits_soft_cap,
                                 implementation="pallas_tpu")
           y = shard(self.o_proj(self._gate(x, out)), ("batch", "length", "act_embed"))
-          return y, cache
+          return nan_past_capacity(y, cache), cache
         k, v = (x.astype(q.dtype) for x in cache.split_heads())
     q = shard(q, ("batch", "length", "act_heads", "head_dim"))
     bias = None
@@ -272,4 +272,6 @@ class Attention(nnx.Module):
         implementation=implementation or self.implementation)
     y = self.o_proj(self._gate(x, out))
     y = shard(y, ("batch", "length", "act_embed"))
-    return y if cache is None else (y, cache)
+    if cache is None:
+      return y
+    return (y if rolling else nan_past_capacity(y, cache)), cache

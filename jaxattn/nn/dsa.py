@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from jaxattn.cache import nan_past_capacity
 from jaxattn.dsa_cache import DSACache, quantize_index_keys
 from jaxattn.nn.linear import Einsum, effective_kernel
 from jaxattn.nn.mla import MLA, _check_positive
@@ -347,7 +348,7 @@ class DSA(MLA):
                           segment_ids=segment_ids,
                           implementation=implementation or self.implementation)
     y = shard(self.o_proj(out), ("batch", "length", "act_embed"))
-    result = (y,) if cache is None else (y, cache)
+    result = (y,) if cache is None else (nan_past_capacity(y, cache), cache)
     if return_aux:
       result = result + (self._aux(q_nope, q_rope, c_kv, k_rope, scores, indices),)
     return result[0] if len(result) == 1 else result

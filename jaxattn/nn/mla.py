@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from jaxattn.cache import nan_past_capacity
 from jaxattn.kv_efficiency import kv_cache_per_token
 from jaxattn.mla_cache import LatentCache
 from jaxattn.paged_cache import PagedLatentCache
@@ -285,9 +286,9 @@ class MLA(nnx.Module):
       cache = cache.update(c_kv, k_rope)
       kv_lengths = jnp.full((b,), cache.index, jnp.int32)
       if self._decode_kernel(t, mode, mask, implementation, cache):
-        return self._absorbed(q_nope, lambda q_latent: cache_mla_decode(
+        return nan_past_capacity(self._absorbed(q_nope, lambda q_latent: cache_mla_decode(
             q_latent, q_rope, cache.kv, kv_lengths, scale=self.scale,
-            implementation="pallas_tpu")), cache
+            implementation="pallas_tpu")), cache), cache
       c_kv, k_rope = cache.c_kv.astype(q_nope.dtype), cache.k_rope.astype(q_nope.dtype)
     w_uk, w_uv = effective_kernel(self.k_up), effective_kernel(self.v_up)
     out = mla_attention(
@@ -297,7 +298,7 @@ class MLA(nnx.Module):
         implementation=implementation or self.implementation)
     y = self.o_proj(out)
     y = shard(y, ("batch", "length", "act_embed"))
-    return y if cache is None else (y, cache)
+    return y if cache is None else (nan_past_capacity(y, cache), cache)
 
   def score_terms(self, x: Float[Array, "B T D"], *, positions: Int[Array, "#B T"] | None = None
                   ) -> tuple[Float[Array, "B N T T"], Float[Array, "B N T T"]]:

@@ -36,6 +36,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Int
 
+from jaxattn.cache import KVCache
+from jaxattn.mla_cache import LatentCache
 from jaxattn.nn.attention import Attention
 from jaxattn.nn.dsa import DSA
 from jaxattn.nn.gated_deltanet import GatedDeltaNet
@@ -489,6 +491,24 @@ class ModelCache:
   index: Int[Array, ""]
 
 
+def cache_capacity(cache: ModelCache) -> int | None:
+  """Slots of the smallest bounded layer cache in ``cache`` (``KVCache``, ``LatentCache``; a
+  scanned group's caches are stacked on a leading layer axis), None when no layer has a bound
+  (recurrent states, rolling windows, paged caches)."""
+  caps = []
+
+  def visit(x):
+    if isinstance(x, KVCache):
+      caps.append(x.key.shape[-2])
+    elif isinstance(x, LatentCache):
+      caps.append(x.kv.shape[-2])
+    return x
+
+  jax.tree_util.tree_map(visit, cache.groups,
+                         is_leaf=lambda x: isinstance(x, (KVCache, LatentCache)))
+  return min(caps) if caps else None
+
+
 class DecoderLM(nnx.Module):
   """A decoder-only language model from a ``ModelConfig`` (see the module docstring)."""
 
@@ -562,6 +582,13 @@ class DecoderLM(nnx.Module):
     b, t = tokens.shape
     if cache is not None and segment_ids is not None:
       raise ValueError("`segment_ids` (packed rows) cannot be combined with a decode `cache`.")
+    if cache is not None and not isinstance(cache.index, jax.core.Tracer):
+      # Checked here, where the index is concrete: a scanned stack traces each layer's cache,
+      # whose own check could then not raise.
+      cap = cache_capacity(cache)
+      if cap is not None and int(cache.index) + t > cap:
+        raise ValueError(f"cache overflow: index {int(cache.index)} + {t} new tokens > the "
+                         f"cache's {cap} slots (init_cache(batch, max_len) sets them).")
     offset = 0 if cache is None else cache.index
     if positions is None:
       positions = jnp.broadcast_to(offset + jnp.arange(t, dtype=jnp.int32), (b, t))

@@ -101,9 +101,22 @@ def check_table(page_table, lengths, batch: int, num_pages: int | None = None, p
 
 
 def _check_scale(name, v):
-  if v is not None and not isinstance(v, (jax.Array, jax.core.Tracer)):
-    if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-      raise ValueError(f"`{name}` must be a positive finite float or None, got {v!r}.")
+  """``v`` (a softmax scale or soft-cap) as a Python float, None kept.  The kernels compile it in,
+  so it must be concrete: a Python or NumPy number, or a concrete one-element array; a traced
+  value is refused rather than failing deep inside a ``jit``."""
+  if v is None:
+    return None
+  if isinstance(v, jax.core.Tracer):
+    raise ValueError(f"`{name}` must be a concrete number (it is compiled into the kernels), got "
+                     f"a traced value {v!r}; pass a Python float.")
+  f = None
+  arr = np.asarray(v) if isinstance(v, (int, float, np.generic, np.ndarray, jax.Array)) else None
+  if (arr is not None and arr.size == 1 and not isinstance(v, bool)
+      and (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating))):
+    f = float(arr.reshape(()))
+  if f is None or not (math.isfinite(f) and f > 0):
+    raise ValueError(f"`{name}` must be a positive finite float or None, got {v!r}.")
+  return f
 
 
 def _check_splits(num_splits):
@@ -252,11 +265,13 @@ def paged_attention(
   """
   q, squeeze = _as_4d(query, "query")
   h = q.shape[3]
+  scale, logits_soft_cap = (_check_scale("scale", scale),
+                            _check_scale("logits_soft_cap", logits_soft_cap))
   kh = _check_gqa(q, key_pool, value_pool, page_table, lengths, scale, logits_soft_cap,
                   num_splits)
   scale = 1.0 / math.sqrt(h) if scale is None else scale
   page_table, lengths = page_table.astype(jnp.int32), lengths.astype(jnp.int32)
-  impl = resolve_implementation(implementation)
+  impl = resolve_implementation(implementation) if q.shape[1] else "xla"   # T = 0: empty
   if impl != "pallas_tpu":  # the XLA reference and the GPU kernel index [P, page, K, H]
     key_pool = key_pool.reshape(key_pool.shape[:2] + (kh, h))
     value_pool = value_pool.reshape(value_pool.shape[:2] + (kh, -1))
@@ -302,10 +317,12 @@ def cache_attention(
   """
   q, squeeze = _as_4d(query, "query")
   b, t, n, h = q.shape
+  scale, logits_soft_cap = (_check_scale("scale", scale),
+                            _check_scale("logits_soft_cap", logits_soft_cap))
   merged_kv_heads(key, value, h, names=("key", "value"), lead="B, S")
   if key.shape[0] != b:
     raise ValueError(f"`key` {key.shape} must hold the query's B={b} sequences.")
-  impl = resolve_implementation(implementation)
+  impl = resolve_implementation(implementation) if t else "xla"           # T = 0: empty
   s = key.shape[1]
   page = s if impl == "xla" else view_page_size(s, cache_row_bytes(key, value))
   if page is None:
@@ -384,7 +401,8 @@ def cache_mla_decode(
   if kv.ndim != 3 or kv.shape[0] != b or kv.shape[2] < c + r:
     raise ValueError(f"`kv` must be [B={b}, S, C + R_p] with C={c} and R_p >= R={r}, got shape "
                      f"{kv.shape}.")
-  impl = resolve_implementation(implementation)
+  scale = _check_scale("scale", scale)
+  impl = resolve_implementation(implementation) if t else "xla"           # T = 0: empty
   s = kv.shape[1]
   page = s if impl == "xla" else view_page_size(s, cache_row_bytes(kv))
   if page is None:
@@ -509,6 +527,7 @@ def paged_mla_decode(
       or k_rope_pool.shape[2] < r):
     raise ValueError(f"`k_rope_pool` must be [P, page, R_p] = {c_kv_pool.shape[:2]} + (R_p,) "
                      f"with R_p >= R={r}, got {k_rope_pool.shape}.")
+  scale = _check_scale("scale", scale)
   _check_mla_call(page_table, lengths, b, c_kv_pool.shape[1], scale, num_splits)
   if indices is not None:
     if squeeze and indices.ndim == 2:
@@ -520,7 +539,8 @@ def paged_mla_decode(
       raise ValueError(f"`indices` must be an integer array, got dtype {indices.dtype}.")
     indices = indices.astype(jnp.int32)
   page_table, lengths = page_table.astype(jnp.int32), lengths.astype(jnp.int32)
-  impl = resolve_implementation(implementation, sparse=indices is not None)
+  impl = (resolve_implementation(implementation, sparse=indices is not None) if t
+          else "xla")                                                     # T = 0: empty
   if impl != "xla":  # the kernels read the padded pool as it is stored
     qr = _zero_pad_columns(qr, k_rope_pool.shape[2])
   if impl == "xla":

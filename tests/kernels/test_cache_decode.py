@@ -170,7 +170,7 @@ def test_errors():
 def test_kv_cache_rows_and_split_heads():
   """``KVCache`` keeps a token's KV heads side by side (``[B, L, K * H]``); ``split_heads`` is
   the ``[B, L, K, H]`` view; updates land at ``index``; wrong shapes are refused."""
-  kv = KVCache.init(2, 8, 2, 4, 3)
+  kv = KVCache.init(2, 8, 2, 4, 3, length_align=1)
   assert kv.key.shape == (2, 8, 8) and kv.value.shape == (2, 8, 6)
   assert (kv.num_kv_heads, kv.head_dim, kv.v_head_dim, kv.nbytes) == (2, 4, 3, 2 * 8 * 14 * 4)
   rng = np.random.default_rng(9)
@@ -240,9 +240,11 @@ def test_caches_round_their_length_up_on_tpu(monkeypatch):
   decode kernels can read it as pages of itself: a module's ``init_cache(2, 10)`` then decodes in
   the kernel, where 10 slots would have sent every step to flash attention.  Elsewhere the
   length is exact; an explicit ``length_align`` wins; a bad one is refused."""
-  assert KVCache.init(1, 1000, 2, 8).max_len == 1000 and LatentCache.init(1, 9, 8, 4).max_len == 9
   assert cache_length(1000, 1) == 1000 and cache_length(17, 16) == 32
   module = _module()
+  with monkeypatch.context() as m:
+    m.setattr(jax, "default_backend", lambda: "cpu")
+    assert KVCache.init(1, 1000, 2, 8).max_len == 1000 and LatentCache.init(1, 9, 8, 4).max_len == 9
   with monkeypatch.context() as m:
     m.setattr(jax, "default_backend", lambda: "tpu")
     assert KVCache.init(1, 1000, 2, 8).max_len == 1024

@@ -52,7 +52,7 @@ def test_cache_bytes_is_the_seed_formula():
   # 2 x n x h_kv x d x bytes
   assert attn.cache_bytes(1000, dtype=jnp.bfloat16) == 2 * 1000 * 8 * 128 * 2
   cache = Attention(D, num_heads=4, num_kv_heads=2, rngs=nnx.Rngs(0)).init_cache(3, 10, jnp.bfloat16)
-  assert cache.nbytes == 2 * 3 * 10 * 2 * 8 * 2
+  assert cache.max_len >= 10 and cache.nbytes == 2 * 3 * cache.max_len * 2 * 8 * 2
 
 
 def test_cache_overflow_and_packed_with_cache_raise():
@@ -65,6 +65,29 @@ def test_cache_overflow_and_packed_with_cache_raise():
     attn(_x(t=3), cache=filled)
   with pytest.raises(ValueError, match="segment_ids"):
     attn(_x(t=2), cache=cache, segment_ids=jnp.zeros((2, 2), jnp.int32))
+
+
+def test_cache_overflow_under_jit_turns_the_outputs_nan():
+  """Under jit the cache index is traced and cannot raise: a step past the capacity returns NaN
+  (``nan_past_capacity``) rather than silently wrong outputs; steps that fit are unchanged.  The
+  same for the MLA latent cache (both modes) and the DSA cache."""
+  from jaxattn.nn.dsa import DSA  # noqa: PLC0415
+  from jaxattn.nn.mla import MLA  # noqa: PLC0415
+  step = nnx.jit(lambda m, c, x: m(x, cache=c))
+  mla_dims = dict(kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4,
+                  rngs=nnx.Rngs(0))
+  for module in (Attention(D, num_heads=4, num_kv_heads=2, rngs=nnx.Rngs(0)),
+                 MLA(D, 4, **mla_dims), MLA(D, 4, mode="absorbed", **mla_dims),
+                 DSA(D, 4, index_num_heads=2, index_head_dim=8, index_rope_dim=4, index_topk=2,
+                     **mla_dims)):
+    x = _x(t=6)
+    y, cache = step(module, module.init_cache(2, 4), x[:, :4])
+    np.testing.assert_allclose(y, module(x[:, :4]), rtol=2e-5, atol=2e-5)
+    assert np.isfinite(np.asarray(y)).all()
+    y5, cache = step(module, cache, x[:, 4:5])
+    assert np.isnan(np.asarray(y5)).all() and int(cache.index) == 5
+    y6, _ = step(module, cache, x[:, 5:6])
+    assert np.isnan(np.asarray(y6)).all()
 
 
 def test_gqa_module_shapes_and_packed_sequences():

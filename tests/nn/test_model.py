@@ -122,6 +122,22 @@ def test_scanned_and_rematerialized_stacks_equal_the_unrolled_stack(pattern):
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-6)
 
 
+def test_cache_overflow_raises_for_scanned_stacks_too():
+  """``nnx.scan`` traces each layer's cache index, so the layer's own overflow check cannot raise;
+  the model checks its concrete index against its smallest bounded layer cache instead."""
+  from jaxattn.nn.model import cache_capacity  # noqa: PLC0415
+  cfg = small_config("mistral", layer_pattern="SA", num_layers=4, scan_layers=True)
+  model = DecoderLM(cfg, rngs=nnx.Rngs(0))
+  tokens = jax.random.randint(jax.random.key(2), (1, 6), 0, cfg.vocab_size)
+  cache = model.init_cache(1, 4, rolling=True)
+  assert cache_capacity(cache) == 4                      # the full layers; rolling ones unbounded
+  _, cache = model(tokens[:, :4], cache=cache)
+  with pytest.raises(ValueError, match="overflow"):
+    model(tokens[:, 4:6], cache=cache)
+  assert cache_capacity(DecoderLM(small_config("qwen3-next"), rngs=nnx.Rngs(0))
+                        .init_cache(1, 8)) == 8
+
+
 def test_dense_prefix_then_scanned_moe_units_and_an_unrolled_remainder():
   cfg = small_config("deepseek-v3", num_layers=4, first_k_dense=1, layer_pattern="MM",
                      scan_layers=True)

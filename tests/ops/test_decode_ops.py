@@ -203,6 +203,42 @@ def test_tpu_default_runs_long_prefills_in_the_kernel(monkeypatch):
     assert resolve_implementation("pallas_tpu", sparse=True) == "pallas_tpu"  # explicit: kept
 
 
+def test_scales_given_as_arrays_and_empty_queries():
+  """``scale`` / ``logits_soft_cap`` are compiled into the kernels: NumPy scalars and concrete
+  one-element arrays are taken as Python floats (every implementation gives the float's result),
+  a traced value is refused with a clear error.  A call with no new token (T = 0) returns an
+  empty result on every implementation."""
+  from jaxattn.ops.decode import cache_attention, cache_mla_decode  # noqa: PLC0415
+  cache, _, _ = kv_cache(2)
+  args = (cache.key_pool, cache.value_pool, cache.page_table, cache.lengths)
+  q = _normal(3, (len(LENGTHS), 2, 4, 8))[0]
+  for impl in ("xla", "pallas_tpu", "pallas_gpu"):
+    kw = dict(implementation=impl, interpret=True)
+    if impl != "pallas_gpu":                       # (the GPU kernel wants pages of 16+ tokens)
+      want = paged_attention(q, *args, scale=0.5, logits_soft_cap=2.0, **kw)
+      for scale, cap in ((np.float32(0.5), jnp.float32(2.0)),
+                         (jnp.asarray([0.5]), np.float64(2))):
+        got = paged_attention(q, *args, scale=scale, logits_soft_cap=cap, **kw)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    empty = paged_attention(q[:, :0], *args, **kw)
+    assert empty.shape == (len(LENGTHS), 0, 4, 6)
+    assert cache_attention(q[:, :0], jnp.ones((4, 16, 16)), jnp.ones((4, 16, 12)), cache.lengths,
+                           **kw).shape == (4, 0, 4, 6)
+    ql, qr = jnp.ones((4, 0, 3, 16)), jnp.ones((4, 0, 3, 4))
+    assert cache_mla_decode(ql, qr, jnp.ones((4, 16, 20)), cache.lengths, scale=0.1,
+                            **kw).shape == (4, 0, 3, 16)
+  lat, _, _ = latent_cache()
+  got = paged_mla_decode(jnp.ones((len(LENGTHS), 0, 3, 12)), jnp.ones((len(LENGTHS), 0, 3, 4)),
+                         lat.c_kv_pool, lat.k_rope_pool, lat.page_table, lat.lengths,
+                         scale=np.float32(0.1), implementation="pallas_tpu", interpret=True)
+  assert got.shape == (len(LENGTHS), 0, 3, 12)
+  with pytest.raises(ValueError, match="concrete"):
+    jax.jit(lambda s: paged_attention(q, *args, scale=s))(0.5)
+  for bad in (True, jnp.ones(2), "0.5", np.nan):
+    with pytest.raises(ValueError, match="scale"):
+      paged_attention(q, *args, scale=bad)
+
+
 def test_dispatch_and_errors():
   assert resolve_implementation(None) == ("pallas_tpu" if jax.default_backend() == "tpu"
                                           else "xla")
