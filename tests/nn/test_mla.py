@@ -14,6 +14,7 @@ from jaxattn.mla_cache import LatentCache
 from jaxattn.nn.attention import Attention
 from jaxattn.nn.mla import MLA
 from jaxattn.ops.rope import apply_rope
+from jaxattn.paged_cache import default_rope_align, stored_rope_width
 from jaxattn.testing import random_module
 
 D, N = 32, 4
@@ -85,15 +86,17 @@ def test_cache_stores_only_latent_and_shared_rotated_key():
   mla = random_mla(q_lora_rank=16)
   x = _x(t=5)
   cache = mla.init_cache(batch=2, max_len=8)
-  assert isinstance(cache, LatentCache) and cache.kv.shape == (2, 8, C + R)
+  # On TPU the buffer is longer (a page multiple) and k^R is zero-padded to 128 columns.
+  length, width = cache.max_len, C + stored_rope_width(R, default_rope_align())
+  assert isinstance(cache, LatentCache) and cache.kv.shape == (2, length, width) and length >= 8
   _, cache = _decode_step(mla, cache, x, "absorbed")
   latent = mla.kv_norm(mla.kv_down(x))
   k_rope = apply_rope(mla.k_rope_proj(x)[:, :, None, :], jnp.arange(5), interleaved=True)[:, :, 0]
   np.testing.assert_allclose(cache.c_kv[:, :5], latent, atol=1e-6, rtol=1e-6)
   np.testing.assert_allclose(cache.k_rope[:, :5], k_rope, atol=1e-6, rtol=1e-6)
   np.testing.assert_array_equal(cache.kv[:, 5:], 0)  # nothing written past the index
-  # Bytes: B x L x (C + R) x 4 for the fp32 buffer; (C + R) x 2 per token in bf16.
-  assert cache.nbytes == 2 * 8 * (C + R) * 4
+  # Bytes: B x L x (C + R) x 4 for the fp32 buffer (as stored); (C + R) x 2 per token in bf16.
+  assert cache.nbytes == 2 * length * width * 4
   assert mla.cache_bytes(1000) == 1000 * (C + R) * 2
   assert mla.init_cache(1, 4, jnp.bfloat16).kv.dtype == jnp.bfloat16
 
