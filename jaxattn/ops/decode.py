@@ -119,10 +119,12 @@ def _check_scale(name, v):
   return f
 
 
-def _check_splits(num_splits):
+def check_num_splits(num_splits) -> None:
+  """``num_splits``: None or a positive int (shared with the decode kernels' wrappers)."""
   if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
                                  or num_splits < 1):
-    raise ValueError(f"`num_splits` must be a positive int or None, got {num_splits!r}.")
+    raise ValueError(f"`num_splits` must be a positive int or None (automatic), got "
+                     f"{num_splits!r}.")
 
 
 def _as_4d(q, name):
@@ -197,17 +199,16 @@ def merged_kv_heads(key_pool, value_pool, head_dim: int, *, names=("key_pool", "
 
 
 def _check_gqa(q, key_pool, value_pool, page_table, lengths, scale, logits_soft_cap,
-               num_splits) -> int:
-  """``paged_attention``'s argument checks (``q`` 4-D); returns the KV heads ``K``."""
+               num_splits):
+  """``paged_attention``'s argument checks (``q`` 4-D); returns the KV heads ``K`` and the scale
+  and soft-cap as floats (``_check_scale``)."""
   b, _, n, h = q.shape
   kh = merged_kv_heads(key_pool, value_pool, h)
   if n % kh:
     raise ValueError(f"query heads N={n} must be a multiple of the KV heads K={kh}.")
   check_table(page_table, lengths, b, page_size=key_pool.shape[1])
-  _check_scale("scale", scale)
-  _check_scale("logits_soft_cap", logits_soft_cap)
-  _check_splits(num_splits)
-  return kh
+  check_num_splits(num_splits)
+  return kh, _check_scale("scale", scale), _check_scale("logits_soft_cap", logits_soft_cap)
 
 
 def page_view(cache: Array, page: int) -> tuple[Array, Int[Array, "B M"]]:
@@ -265,10 +266,8 @@ def paged_attention(
   """
   q, squeeze = _as_4d(query, "query")
   h = q.shape[3]
-  scale, logits_soft_cap = (_check_scale("scale", scale),
-                            _check_scale("logits_soft_cap", logits_soft_cap))
-  kh = _check_gqa(q, key_pool, value_pool, page_table, lengths, scale, logits_soft_cap,
-                  num_splits)
+  kh, scale, logits_soft_cap = _check_gqa(q, key_pool, value_pool, page_table, lengths, scale,
+                                          logits_soft_cap, num_splits)
   scale = 1.0 / math.sqrt(h) if scale is None else scale
   page_table, lengths = page_table.astype(jnp.int32), lengths.astype(jnp.int32)
   impl = resolve_implementation(implementation) if q.shape[1] else "xla"   # T = 0: empty
@@ -317,8 +316,6 @@ def cache_attention(
   """
   q, squeeze = _as_4d(query, "query")
   b, t, n, h = q.shape
-  scale, logits_soft_cap = (_check_scale("scale", scale),
-                            _check_scale("logits_soft_cap", logits_soft_cap))
   merged_kv_heads(key, value, h, names=("key", "value"), lead="B, S")
   if key.shape[0] != b:
     raise ValueError(f"`key` {key.shape} must hold the query's B={b} sequences.")
@@ -337,7 +334,8 @@ def cache_attention(
     return out[:, 0] if squeeze else out
   # The same checks as paged_attention, then the kernel on the 4-D cache (its shard_map splits
   # the cache over batch; the page view is taken on each device).
-  _check_gqa(q, key_pages, value_pages, table, lengths, scale, logits_soft_cap, num_splits)
+  _, scale, logits_soft_cap = _check_gqa(q, key_pages, value_pages, table, lengths, scale,
+                                         logits_soft_cap, num_splits)
   from pallas_kernels.decode_attention.tpu import contiguous_attention_tpu  # noqa: PLC0415
   out = contiguous_attention_tpu(q, key, value, lengths.astype(jnp.int32),
                                  scale=1.0 / math.sqrt(h) if scale is None else scale,
@@ -357,13 +355,13 @@ def _mla_queries(q_latent, q_rope):
   return ql, qr, squeeze
 
 
-def _check_mla_call(page_table, lengths, batch, page_size, scale, num_splits):
-  """The table, scale and split checks of the MLA decode ops."""
+def _check_mla_call(page_table, lengths, batch, page_size, scale, num_splits) -> float:
+  """The table, scale and split checks of the MLA decode ops; returns the scale as a float."""
   check_table(page_table, lengths, batch, page_size=page_size)
   if scale is None:
     raise ValueError("`scale` is required for MLA (1 / sqrt(P + R), times the YaRN mscale^2).")
-  _check_scale("scale", scale)
-  _check_splits(num_splits)
+  check_num_splits(num_splits)
+  return _check_scale("scale", scale)
 
 
 def _zero_pad_columns(x, width: int):
@@ -401,7 +399,6 @@ def cache_mla_decode(
   if kv.ndim != 3 or kv.shape[0] != b or kv.shape[2] < c + r:
     raise ValueError(f"`kv` must be [B={b}, S, C + R_p] with C={c} and R_p >= R={r}, got shape "
                      f"{kv.shape}.")
-  scale = _check_scale("scale", scale)
   impl = resolve_implementation(implementation) if t else "xla"           # T = 0: empty
   s = kv.shape[1]
   page = s if impl == "xla" else view_page_size(s, cache_row_bytes(kv))
@@ -415,7 +412,7 @@ def cache_mla_decode(
     return out[:, 0] if squeeze else out
   # paged_mla_decode's checks on the page view, then the kernel on the 3-D buffer (its shard_map
   # splits the cache over batch; the page view is taken on each device).
-  _check_mla_call(table, lengths, b, page, scale, num_splits)
+  scale = _check_mla_call(table, lengths, b, page, scale, num_splits)
   qr = _zero_pad_columns(qr, kv.shape[2] - c)                      # to the stored k^R width
   from pallas_kernels.mla_decode.tpu import contiguous_mla_decode_tpu  # noqa: PLC0415
   out = contiguous_mla_decode_tpu(ql, qr, kv, lengths.astype(jnp.int32), scale=scale,
@@ -527,8 +524,7 @@ def paged_mla_decode(
       or k_rope_pool.shape[2] < r):
     raise ValueError(f"`k_rope_pool` must be [P, page, R_p] = {c_kv_pool.shape[:2]} + (R_p,) "
                      f"with R_p >= R={r}, got {k_rope_pool.shape}.")
-  scale = _check_scale("scale", scale)
-  _check_mla_call(page_table, lengths, b, c_kv_pool.shape[1], scale, num_splits)
+  scale = _check_mla_call(page_table, lengths, b, c_kv_pool.shape[1], scale, num_splits)
   if indices is not None:
     if squeeze and indices.ndim == 2:
       indices = indices[:, None]

@@ -50,7 +50,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
-from jaxattn.ops.decode import merged_kv_heads
+from jaxattn.ops.decode import check_num_splits, merged_kv_heads
 from pallas_kernels.decode_attention.tpu import combine, run_sharded_gqa, visible_keys
 
 _F32 = jnp.float32
@@ -103,13 +103,6 @@ def check_block_k(block_k, page_size: int, default: int) -> int:
                      f"({block_k}) on GPU: a key block may not straddle two pages; use pages of "
                      f"16, 32, 64, ... tokens.")
   return block_k
-
-
-def check_splits(num_splits):
-  if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
-                                 or num_splits < 1):
-    raise ValueError(f"`num_splits` must be a positive int or None (automatic), got "
-                     f"{num_splits!r}.")
 
 
 def pad_last(x, size: int):
@@ -317,7 +310,7 @@ def paged_attention_gpu(
   Returns:
     ``[B, T, N, h]`` in the query dtype.
   """
-  check_splits(num_splits)
+  check_num_splits(num_splits)
   if query.ndim != 4:
     raise ValueError(f"`query` must be [B, T, N, H], got {query.shape}.")
   # Merged [P, page, K * H|h] pools are split by head (a free reshape on GPU).

@@ -46,7 +46,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from jaxattn.ops.decode import cache_row_bytes, page_view, view_page_size
+from jaxattn.ops.decode import cache_row_bytes, check_num_splits, page_view, view_page_size
 from pallas_kernels.flash_attention import sharded
 from pallas_kernels.flash_attention.common import default_interpret, reset_online_softmax
 
@@ -123,12 +123,6 @@ def check_block_rows(block_rows) -> None:
                                  or block_rows < 8 or block_rows % 8):
     raise ValueError(f"`block_rows` must be None or a positive multiple of 8, got "
                      f"{block_rows!r}.")
-
-
-def check_num_splits(num_splits) -> None:
-  if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
-                                 or num_splits < 1):
-    raise ValueError(f"`num_splits` must be None or a positive int, got {num_splits!r}.")
 
 
 def block_rows_for(rows: int, row_bytes: int, block_rows: int | None) -> int:

@@ -60,9 +60,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
+from jaxattn.ops.decode import check_num_splits
 from pallas_kernels.decode_attention.gpu import (auto_splits, block_location, check_block_k,
-                                                 check_splits, default_interpret, finish,
-                                                 load_rows, online_step, pad_last, pad_lengths,
+                                                 default_interpret, finish, load_rows,
+                                                 online_step, pad_last, pad_lengths,
                                                  partition_blocks, pow2)
 from pallas_kernels.decode_attention.tpu import combine, visible_keys
 from pallas_kernels.mla_decode.tpu import run_sharded_mla
@@ -316,7 +317,7 @@ def paged_mla_decode_gpu(
   Returns:
     ``[B, T, N, C]`` in the query dtype.
   """
-  check_splits(num_splits)
+  check_num_splits(num_splits)
   if isinstance(block_h, bool) or not isinstance(block_h, int) or block_h < 16 or (
       block_h & (block_h - 1)):
     raise ValueError(f"`block_h` must be a power of two >= 16 (a Triton tile), got {block_h!r}.")

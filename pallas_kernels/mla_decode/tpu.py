@@ -47,9 +47,9 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from jaxattn.ops.decode import cache_row_bytes, page_view, view_page_size
-from pallas_kernels.decode_attention.tpu import (check_block_rows, check_num_splits, combine,
-                                                 dot_t, finalize, grid_ids, grid_order,
+from jaxattn.ops.decode import cache_row_bytes, check_num_splits, page_view, view_page_size
+from pallas_kernels.decode_attention.tpu import (check_block_rows, combine, dot_t, finalize,
+                                                 grid_ids, grid_order,
                                                  online_softmax_update, pad_rows, page_index,
                                                  split_plan, tensorcores, visible_keys)
 from pallas_kernels.flash_attention import sharded
