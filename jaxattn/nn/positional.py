@@ -56,6 +56,9 @@ class LearnedPositionalEmbedding(nnx.Module):
       raise ValueError(f"`positions` range over [{values.min()}, {values.max()}], but the learned "
                        f"table has rows for [0, {self.max_len - 1}] only (max_len={self.max_len}); "
                        "a learned table cannot extrapolate.")
+    # `take` wraps negative indices NumPy-style (-1 is the last row), so they are sent past the
+    # table first: every position outside [0, max_len) then comes back as NaN.
+    positions = jnp.where(positions < 0, self.max_len, positions)
     out = jnp.take(self.embedding[...], positions, axis=0, mode="fill", fill_value=jnp.nan)
     return out if self.dtype is None else out.astype(self.dtype)
 

@@ -37,6 +37,15 @@ def test_learned_under_jit_fills_nan_past_table():
   assert np.isnan(np.asarray(emb(jnp.array([8]), check=False))).all()
 
 
+def test_learned_under_jit_fills_nan_before_table():
+  # Negative positions (pads are often cumsum(mask) - 1 = -1) are outside the table too: NaN, not
+  # the NumPy-style wrap onto the last rows.
+  emb = LearnedPositionalEmbedding(8, 4, rngs=nnx.Rngs(0))
+  out = np.asarray(nnx.jit(lambda m, p: m(p))(emb, jnp.array([-1, -8, -9, 0])))
+  assert np.isnan(out[:3]).all() and np.isfinite(out[3]).all()
+  assert np.isnan(np.asarray(emb(jnp.array([-1]), check=False))).all()
+
+
 def test_learned_errors():
   emb = LearnedPositionalEmbedding(8, 4, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="positions.*integers"):
