@@ -29,6 +29,7 @@ class TransformerBlock(nnx.Module):
   """Attention + MLP with residuals; ``norm`` is ``"rms"`` or ``"layer"``, placed ``"pre"``/``"post"``.
 
   Extra keyword arguments go to ``Attention`` (``num_kv_heads``, ``position``, ``sliding_window``...).
+  ``norm_eps`` is the epsilon of every norm in the block, the attention's own (``qk_norm``) included.
 
   ``residual``: ``"plain"`` (one stream, ``x [B, T, D]``), ``"mhc"`` (manifold-constrained
   hyper-connections) or ``"hc"`` (the unconstrained original) with ``num_streams`` streams: the block
@@ -53,8 +54,8 @@ class TransformerBlock(nnx.Module):
                        f"of streams and writes back unnormalized), got {norm_position!r}.")
     self.norm_position, self.residual = norm_position, residual
     self.attn_norm = make_norm(norm, embed_dim, eps=norm_eps, rngs=rngs, param_dtype=param_dtype)
-    self.attn = Attention(embed_dim, num_heads, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
-                          **attention_kwargs)
+    self.attn = Attention(embed_dim, num_heads, norm_eps=norm_eps, rngs=rngs, dtype=dtype,
+                          param_dtype=param_dtype, **attention_kwargs)
     self.mlp_norm = make_norm(norm, embed_dim, eps=norm_eps, rngs=rngs, param_dtype=param_dtype)
     self.mlp = MLP(embed_dim, mlp_dim, activation=mlp_activation, gated=gated_mlp, rngs=rngs,
                    dtype=dtype, param_dtype=param_dtype)

@@ -33,6 +33,7 @@ class DeltaNetBlock(nnx.Module):
   """Pre-norm residual block with Gated DeltaNet as the token mixer, then an MLP.
 
   Extra keyword arguments go to ``GatedDeltaNet`` (``num_key_heads``, ``head_dim``, ...).
+  ``norm_eps`` is the epsilon of every norm in the block, the Gated DeltaNet's gated norm included.
   """
 
   def __init__(self, embed_dim: int, num_heads: int, mlp_dim: int, *,
@@ -40,7 +41,7 @@ class DeltaNetBlock(nnx.Module):
                mlp_activation: str = "silu", gated_mlp: bool = True, rngs: nnx.Rngs, dtype=None,
                param_dtype=jnp.float32, **deltanet_kwargs):
     self.mixer_norm = make_norm(norm, embed_dim, eps=norm_eps, rngs=rngs, param_dtype=param_dtype)
-    self.mixer = GatedDeltaNet(embed_dim, num_heads, rngs=rngs, dtype=dtype,
+    self.mixer = GatedDeltaNet(embed_dim, num_heads, norm_eps=norm_eps, rngs=rngs, dtype=dtype,
                                param_dtype=param_dtype, **deltanet_kwargs)
     self.mlp_norm = make_norm(norm, embed_dim, eps=norm_eps, rngs=rngs, param_dtype=param_dtype)
     self.mlp = MLP(embed_dim, mlp_dim, activation=mlp_activation, gated=gated_mlp, rngs=rngs,
@@ -80,6 +81,7 @@ class HybridStack(nnx.Module):
       ``rope_base``, ...).
     deltanet: extra keyword arguments for every ``GatedDeltaNet`` (``num_heads``,
       ``num_key_heads``, ``head_dim``, ``v_head_dim``, ``chunk_size``, ...).
+    norm_eps: epsilon of every norm: the blocks' and the mixers' own (QK norm, gated norm).
   """
 
   def __init__(
@@ -104,6 +106,10 @@ class HybridStack(nnx.Module):
     if "S" in pattern and (sliding_window is None or int(sliding_window) < 0):
       raise ValueError(f"`pattern` {pattern!r} has sliding-window layers: `sliding_window` must be "
                        f"a non-negative int, got {sliding_window!r}.")
+    for name, extra in (("attention", attention), ("deltanet", deltanet)):
+      if extra and "norm_eps" in extra:
+        raise ValueError(f"`{name}` sets norm_eps={extra['norm_eps']!r}: set `norm_eps` on the "
+                         "HybridStack instead, it is the epsilon of every norm in the stack.")
     self.pattern = pattern
     common = dict(norm=norm, norm_eps=norm_eps, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
     deltanet = dict(deltanet or {})

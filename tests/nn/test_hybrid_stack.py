@@ -74,3 +74,16 @@ def test_errors():
     stack(_x(), cache=(stack.layers[0].init_cache(2),))
   with pytest.raises(ValueError, match="`mask` is not supported"):
     stack.layers[0](_x(), mask=jnp.ones((1, 1, 10, 10), bool))
+
+
+def test_norm_eps_reaches_every_norm():
+  # One epsilon for the whole stack: the block norms, the QK norm and the gated norm.
+  stack = HybridStack(D, "DA", num_heads=4, mlp_dim=64, norm_eps=1e-5,
+                      attention=dict(num_kv_heads=2, qk_norm=True),
+                      deltanet=dict(num_key_heads=2, head_dim=8), rngs=nnx.Rngs(0))
+  dn, attn = stack.layers
+  assert dn.mixer_norm.eps == dn.mlp_norm.eps == dn.mixer.norm_eps == 1e-5
+  assert attn.attn_norm.eps == attn.attn.q_norm.eps == attn.attn.k_norm.eps == 1e-5
+  for name in ("attention", "deltanet"):
+    with pytest.raises(ValueError, match=f"`{name}` sets norm_eps=0.001: set `norm_eps` on the"):
+      HybridStack(D, "DA", num_heads=4, mlp_dim=64, rngs=nnx.Rngs(0), **{name: dict(norm_eps=1e-3)})
