@@ -24,7 +24,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from jaxattn.nn.linear import Einsum, param
-from jaxattn.ops.delta_rule import gated_delta_rule, l2_normalize
+from jaxattn.ops.delta_rule import gated_delta_rule, l2_normalize, segment_resets
 from jaxattn.ops.norms import rms_norm
 from jaxattn.sharding import shard
 
@@ -76,8 +76,10 @@ def causal_depthwise_conv(
   ``groups=channels`` and left padding ``W - 1``), in fp32; returns ``(out, new prefix)``.
 
   ``prefix [B, W-1, *C]`` supplies the inputs before ``x`` (zeros when None); the new prefix is
-  the last ``W - 1`` inputs, for the next call.  ``segment_ids`` zeroes taps that reach into an
-  earlier packed sequence.
+  the last ``W - 1`` inputs, for the next call.  ``segment_ids [B, T]`` zeroes taps that reach
+  into an earlier packed sequence.  A sequence is a contiguous run of one id (as in
+  ``gated_delta_rule``, whose memory is cleared where the id changes), so a reused id starts a new
+  sequence; ``prefix`` belongs to the first run.
   """
   taps = weight.shape[0]
   b, t = x.shape[:2]
@@ -87,6 +89,14 @@ def causal_depthwise_conv(
     prefix = jnp.zeros((b, taps - 1) + x.shape[2:], x.dtype)
   elif prefix.shape != (b, taps - 1) + x.shape[2:]:
     raise ValueError(f"`prefix` must have shape {(b, taps - 1) + x.shape[2:]}, got {prefix.shape}.")
+  if segment_ids is not None:
+    if tuple(segment_ids.shape) != (b, t):
+      raise ValueError(f"`segment_ids` must have shape [B, T] = {(b, t)}, got "
+                       f"{tuple(segment_ids.shape)}.")
+    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+      raise ValueError(f"`segment_ids` must be integers, got {segment_ids.dtype}.")
+    # Run index per token: 0 for the first run (and the prefix), +1 wherever the id changes.
+    run = jnp.cumsum(segment_resets(segment_ids, b, t), axis=1)
   full = jnp.concatenate([prefix.astype(x.dtype), x], axis=1)          # [B, W-1+T, *C]
   xf = full.astype(jnp.float32)
   wf = weight.astype(jnp.float32)
@@ -96,8 +106,8 @@ def causal_depthwise_conv(
     tap = xf[:, w:w + t] * wf[w]
     lag = taps - 1 - w
     if segment_ids is not None and lag:
-      src = jnp.pad(segment_ids, ((0, 0), (lag, 0)), constant_values=-1)[:, :t]
-      tap = tap * (src == segment_ids).reshape((b, t) + extra)
+      src = jnp.pad(run, ((0, 0), (lag, 0)))[:, :t]          # the tapped input's run
+      tap = tap * (src == run).reshape((b, t) + extra)
     out = out + tap
   return out.astype(x.dtype), full[:, t:]
 
@@ -179,6 +189,9 @@ class GatedDeltaNet(nnx.Module):
         raise ValueError(f"`embed_dim` ({embed_dim}) is not divisible by `num_heads` ({num_heads}); "
                          "pass `head_dim` explicitly.")
       head_dim = embed_dim // num_heads
+    for name, size in (("head_dim", head_dim), ("v_head_dim", v_head_dim)):
+      if size is not None and (not isinstance(size, (int, np.integer)) or size < 1):
+        raise ValueError(f"`{name}` must be an int >= 1, got {size!r}.")
     if conv_kernel_size < 1:
       raise ValueError(f"`conv_kernel_size` must be >= 1, got {conv_kernel_size!r}.")
     lo, hi = a_init_range
@@ -246,7 +259,7 @@ class GatedDeltaNet(nnx.Module):
     """``x [B, T, D]`` -> ``[B, T, D]``, and the updated cache when one is given.
 
     ``segment_ids [B, T]`` (packed sequences) stops both the convolutions and the memory at
-    segment boundaries.  ``positions`` is accepted for interface parity with attention and unused:
+    segment boundaries: wherever the id changes (a reused id starts a new sequence).  ``positions`` is accepted for interface parity with attention and unused:
     the layer has no positional encoding (order enters through the convolution and the recurrence).
     """
     del positions

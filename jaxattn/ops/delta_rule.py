@@ -118,7 +118,7 @@ def _validate(q, k, v, g, beta, initial_state, segment_ids, chunk_size, scale):
       raise ValueError(f"`scale` must be a positive finite float or None, got {scale!r}.")
 
 
-def _resets(segment_ids, b, t):
+def segment_resets(segment_ids, b, t):
   """``[B, T]`` bool: the memory is cleared before token t (its segment differs from t-1's)."""
   if segment_ids is None:
     return jnp.zeros((b, t), bool)
@@ -357,7 +357,7 @@ def _gated_delta_rule_jit(query, key, value, g, beta, scale, initial_state, segm
   bb = beta.astype(f32).reshape(b, t, kh, grp)
   state = (jnp.zeros((b, kh, grp, hk, hv), f32) if initial_state is None
            else initial_state.astype(f32).reshape(b, kh, grp, hk, hv))
-  resets = _resets(segment_ids, b, t)
+  resets = segment_resets(segment_ids, b, t)
 
   if impl == "recurrent":
     out, state = _recurrent(q, k, v, gg, bb, state, resets)

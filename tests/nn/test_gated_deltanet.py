@@ -81,6 +81,12 @@ def test_packed_sequences_equal_separate_runs():
   np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
   # Without the ids the later segments see the earlier ones (the test can fail).
   assert not np.allclose(_fwd(layer, x)[:, n:], got[:, n:], atol=1e-3)
+  # A reused id starts a new sequence too, in the convolutions as in the memory: ids 0, 1, 0
+  # give the same split as 0, 1, 2 (an equality test in the convolution would let the third
+  # segment's first taps read the first segment).
+  reused = jnp.asarray([0, 1, 0]).repeat(n)[None]
+  got_reused = nnx.jit(lambda m, x, s: m(x, segment_ids=s))(layer, x, reused)
+  np.testing.assert_allclose(got_reused, want, atol=2e-5, rtol=2e-5)
 
 
 def test_recurrent_and_chunked_layer_agree():
@@ -133,6 +139,14 @@ def test_causal_depthwise_conv_matches_numpy():
   # A prefix continues the sequence.
   y2, _ = causal_depthwise_conv(jnp.asarray(x[:, 5:]), jnp.asarray(w), prefix=jnp.asarray(x[:, 2:5]))
   np.testing.assert_allclose(y2, want[:, 5:], atol=1e-5)
+  # With segment ids the prefix still continues the first segment; taps stop at each id change.
+  seg = jnp.asarray([[0, 0, 3, 3], [5, 5, 5, 5]])
+  y3, _ = causal_depthwise_conv(jnp.asarray(x[:, 5:]), jnp.asarray(w), prefix=jnp.asarray(x[:, 2:5]),
+                                segment_ids=seg)
+  np.testing.assert_allclose(y3[1], want[1, 5:], atol=1e-5)
+  np.testing.assert_allclose(y3[0, :2], want[0, 5:7], atol=1e-5)
+  fresh, _ = causal_depthwise_conv(jnp.asarray(x[:1, 7:]), jnp.asarray(w))
+  np.testing.assert_allclose(y3[0, 2:], fresh[0], atol=1e-5)
 
 
 def test_gradients_reach_every_parameter():
@@ -200,3 +214,12 @@ def test_errors():
     causal_depthwise_conv(jnp.zeros((1, 3, 2)), jnp.zeros((4, 3)))
   with pytest.raises(ValueError, match="`prefix` must have shape"):
     causal_depthwise_conv(jnp.zeros((1, 3, 2)), jnp.zeros((4, 2)), prefix=jnp.zeros((1, 2, 2)))
+  # Segment ids are checked before the convolution uses them (not a broadcasting error).
+  with pytest.raises(ValueError, match=r"`segment_ids` must have shape \[B, T\] = \(2, 3\)"):
+    layer(_x(t=3), segment_ids=jnp.zeros((2, 4), jnp.int32))
+  with pytest.raises(ValueError, match="`segment_ids` must be integers"):
+    causal_depthwise_conv(jnp.zeros((1, 3, 2)), jnp.zeros((4, 2)),
+                          segment_ids=jnp.zeros((1, 3), jnp.float32))
+  for name in ("head_dim", "v_head_dim"):
+    with pytest.raises(ValueError, match=f"`{name}` must be an int >= 1, got 0"):
+      GatedDeltaNet(D, 4, **{name: 0}, rngs=nnx.Rngs(0))
