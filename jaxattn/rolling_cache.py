@@ -15,6 +15,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 
@@ -34,8 +35,9 @@ class RollingKVCache:
   @classmethod
   def init(cls, batch: int, window: int, num_kv_heads: int, head_dim: int,
            v_head_dim: int | None = None, dtype=jnp.float32) -> "RollingKVCache":
-    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+    if not isinstance(window, (int, np.integer)) or isinstance(window, bool) or window < 0:
       raise ValueError(f"RollingKVCache.init: `window` must be a non-negative int, got {window!r}.")
+    window = int(window)
     for name, v in (("batch", batch), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
       if int(v) < 1:
         raise ValueError(f"RollingKVCache.init: `{name}` must be >= 1, got {v!r}.")

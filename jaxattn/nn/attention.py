@@ -39,7 +39,10 @@ class Attention(nnx.Module):
   W_gate)`` before ``o_proj`` (both as Qwen3-Next's full-attention layers).
 
   Call ``attn(x)`` for a full pass; with ``cache=attn.init_cache(...)`` it returns ``(y, cache)``
-  and a prefill followed by token-by-token decode equals the full pass on the same tokens.
+  and a prefill followed by token-by-token decode equals the full pass on the same tokens.  (Not
+  with ``rope_scaling`` of type ``"dynamic"``: its base depends on the sequence length, so a full
+  pass rotates every token with the base of its final length while decode rotates each new token
+  with the base of the length so far and keeps the cached keys as they were, as transformers does.)
   """
 
   def __init__(

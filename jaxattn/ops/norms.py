@@ -14,7 +14,7 @@ from jaxtyping import Array, Float
 
 
 def _check_eps(eps):
-  if not (eps >= 0):
+  if isinstance(eps, (bool, str)) or eps is None or not (eps >= 0):
     raise ValueError(f"`eps` must be >= 0, got {eps!r}.")
 
 

@@ -73,8 +73,9 @@ class RopeScaling:
   def __post_init__(self):
     if self.type not in SCALING_TYPES:
       raise ValueError(f"RopeScaling `type`={self.type!r} is not supported; allowed: {SCALING_TYPES}.")
-    if self.factor is None or not self.factor > 0:
-      raise ValueError(f"RopeScaling `factor`={self.factor} must be > 0.")
+    if (isinstance(self.factor, (bool, str)) or self.factor is None
+        or not self.factor > 0):
+      raise ValueError(f"RopeScaling `factor`={self.factor!r} must be a number > 0.")
     if self.type != "linear":
       length = self.original_max_position_embeddings
       if length is None or length < 1:

@@ -13,6 +13,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 
@@ -30,7 +31,7 @@ def sinusoidal_positions(
   ``interleaved=False`` the concatenated ``[sin_0..sin_{D/2-1}, cos_0..cos_{D/2-1}]`` layout that
   several codebases use (the same numbers, permuted).
   """
-  if not isinstance(dim, int) or dim <= 0 or dim % 2:
+  if not isinstance(dim, (int, np.integer)) or isinstance(dim, bool) or dim <= 0 or dim % 2:
     raise ValueError(f"`dim`={dim!r} must be a positive even integer (dimensions come in sin/cos "
                      "pairs).")
   positions = jnp.asarray(positions)

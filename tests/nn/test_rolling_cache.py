@@ -47,6 +47,7 @@ def test_errors():
     Attention(D, 4, rngs=nnx.Rngs(0)).init_rolling_cache(1)
   with pytest.raises(ValueError, match="window"):
     RollingKVCache.init(1, -1, 2, 4)
+  assert RollingKVCache.init(1, np.int64(3), 2, 4).window == 3     # NumPy ints are ints
   m = _attn(position="alibi")
   with pytest.raises(ValueError, match="position"):
     m(jnp.ones((1, 2, D)), cache=m.init_rolling_cache(1))

@@ -57,3 +57,6 @@ def test_errors():
     layer_norm(_x(), jnp.ones(16), jnp.ones(3))
   with pytest.raises(ValueError, match="eps"):
     rms_norm(_x(), eps=-1.0)
+  for bad in (None, "1e-6", float("nan")):
+    with pytest.raises(ValueError, match="`eps` must be >= 0"):
+      rms_norm(_x(), eps=bad)

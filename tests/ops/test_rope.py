@@ -333,6 +333,7 @@ def test_rope_frequencies_errors():
     (dict(type="ntk", factor=2.0), "type.*'ntk'.*allowed"),
     (dict(type="longrope", factor=2.0, original_max_position_embeddings=16), "type"),
     (dict(type="linear", factor=0.0), "factor"),
+    (dict(type="linear", factor="2"), "`factor`='2' must be a number > 0"),
     (dict(type="yarn", factor=2.0), "original_max_position_embeddings"),
     (dict(type="dynamic", factor=2.0, original_max_position_embeddings=0),
      "original_max_position_embeddings"),

@@ -49,7 +49,12 @@ def test_batched_positions_and_base():
   np.testing.assert_allclose(pe[0, 1, 2], math.sin(100.0 ** (-2 / 6)), rtol=1e-6)
 
 
-@pytest.mark.parametrize("dim", [3, 0, -2])
+def test_numpy_integer_dim():
+  np.testing.assert_array_equal(sinusoidal_positions(jnp.arange(3), np.int64(6)),
+                                sinusoidal_positions(jnp.arange(3), 6))
+
+
+@pytest.mark.parametrize("dim", [3, 0, -2, 6.0, True])
 def test_bad_dim(dim):
   with pytest.raises(ValueError, match="dim"):
     sinusoidal_positions(jnp.arange(3), dim)
