@@ -29,7 +29,7 @@ class TransformerBlock(nnx.Module):
   """Attention + MLP with residuals; ``norm`` is ``"rms"`` or ``"layer"``, placed ``"pre"``/``"post"``.
 
   Extra keyword arguments go to ``Attention`` (``num_kv_heads``, ``position``, ``sliding_window``...).
-  ``norm_eps`` is the epsilon of every norm in the block, the attention's own (``qk_norm``) included.
+  ``norm_eps`` is the epsilon of every norm in the block, the attention's ``qk_norm`` included.
 
   ``residual``: ``"plain"`` (one stream, ``x [B, T, D]``), ``"mhc"`` (manifold-constrained
   hyper-connections) or ``"hc"`` (the unconstrained original) with ``num_streams`` streams: the block

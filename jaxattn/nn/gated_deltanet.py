@@ -259,8 +259,9 @@ class GatedDeltaNet(nnx.Module):
     """``x [B, T, D]`` -> ``[B, T, D]``, and the updated cache when one is given.
 
     ``segment_ids [B, T]`` (packed sequences) stops both the convolutions and the memory at
-    segment boundaries: wherever the id changes (a reused id starts a new sequence).  ``positions`` is accepted for interface parity with attention and unused:
-    the layer has no positional encoding (order enters through the convolution and the recurrence).
+    segment boundaries: wherever the id changes (a reused id starts a new sequence).
+    ``positions`` is accepted for interface parity with attention and unused: the layer has no
+    positional encoding (order enters through the convolution and the recurrence).
     """
     del positions
     if segment_ids is not None and cache is not None:

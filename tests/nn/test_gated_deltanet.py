@@ -141,8 +141,8 @@ def test_causal_depthwise_conv_matches_numpy():
   np.testing.assert_allclose(y2, want[:, 5:], atol=1e-5)
   # With segment ids the prefix still continues the first segment; taps stop at each id change.
   seg = jnp.asarray([[0, 0, 3, 3], [5, 5, 5, 5]])
-  y3, _ = causal_depthwise_conv(jnp.asarray(x[:, 5:]), jnp.asarray(w), prefix=jnp.asarray(x[:, 2:5]),
-                                segment_ids=seg)
+  y3, _ = causal_depthwise_conv(jnp.asarray(x[:, 5:]), jnp.asarray(w),
+                                prefix=jnp.asarray(x[:, 2:5]), segment_ids=seg)
   np.testing.assert_allclose(y3[1], want[1, 5:], atol=1e-5)
   np.testing.assert_allclose(y3[0, :2], want[0, 5:7], atol=1e-5)
   fresh, _ = causal_depthwise_conv(jnp.asarray(x[:1, 7:]), jnp.asarray(w))
