@@ -234,21 +234,53 @@ def read_safetensors(file: str) -> dict[str, np.ndarray]:
   return out
 
 
+def _index_files(path: str, index: str) -> list[str] | None:
+  """The shard files a ``*.index.json`` names in its ``weight_map`` (None: no such index)."""
+  index_path = os.path.join(path, index)
+  if not os.path.isfile(index_path):
+    return None
+  with open(index_path) as f:
+    weight_map = json.load(f).get("weight_map")
+  if not isinstance(weight_map, dict) or not weight_map:
+    raise ValueError(f"{index_path}: no `weight_map` (a sharded checkpoint's index names the file "
+                     "of each tensor).")
+  files = sorted(set(weight_map.values()))
+  absent = [f for f in files if not os.path.isfile(os.path.join(path, f))]
+  if absent:
+    raise ValueError(f"{index_path} names shard(s) {absent[:4]} that are not in {path!r}.")
+  return files
+
+
+def _torch_load(file: str) -> dict[str, np.ndarray]:
+  import torch
+  return {k: _to_numpy(v) for k, v in
+          torch.load(file, map_location="cpu", weights_only=True).items()}
+
+
 def read_hf_weights(path: str) -> dict[str, np.ndarray]:
-  """The tensors of a ``save_pretrained`` directory: ``*.safetensors`` (one file or shards) or
-  ``pytorch_model.bin``."""
-  files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-  sd: dict[str, np.ndarray] = {}
-  if files:
-    for name in files:
+  """The tensors of a ``save_pretrained`` directory, as transformers finds them: the shards that
+  ``model.safetensors.index.json`` names, else ``model.safetensors``, else every
+  ``*.safetensors``; then the same for ``pytorch_model.bin``.  (Hub repositories may hold other
+  weight files beside these, such as Mistral's ``consolidated.safetensors`` in its own naming;
+  an index or ``model.safetensors`` keeps them out.)"""
+  names = _index_files(path, "model.safetensors.index.json")
+  if names is None and os.path.isfile(os.path.join(path, "model.safetensors")):
+    names = ["model.safetensors"]
+  if names is None:
+    names = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+  if names:
+    sd: dict[str, np.ndarray] = {}
+    for name in names:
       sd.update(read_safetensors(os.path.join(path, name)))
-  elif os.path.isfile(os.path.join(path, "pytorch_model.bin")):
-    import torch
-    sd = {k: _to_numpy(v) for k, v in
-          torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu",
-                     weights_only=True).items()}
-  else:
+    return sd
+  names = _index_files(path, "pytorch_model.bin.index.json")
+  if names is None and os.path.isfile(os.path.join(path, "pytorch_model.bin")):
+    names = ["pytorch_model.bin"]
+  if not names:
     raise ValueError(f"`path`={path!r} has no *.safetensors or pytorch_model.bin weights.")
+  sd = {}
+  for name in names:
+    sd.update(_torch_load(os.path.join(path, name)))
   return sd
 
 

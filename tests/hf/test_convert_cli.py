@@ -1,6 +1,7 @@
 """``python -m jaxattn.convert --from-hf PATH --out CHECKPOINT`` on a tiny transformers Llama."""
 
 import json
+import pathlib
 
 import numpy as np
 import pytest
@@ -67,3 +68,51 @@ def test_bf16_safetensors_load_exactly(tmp_path):
   up = theirs.model.layers[0].mlp.up_proj.weight.detach().float().numpy()
   np.testing.assert_array_equal(np.asarray(ours.groups[0].unit.layers[0].ffn.up.kernel.get_value()),
                                 up.T)
+
+
+def _logits(model, tokens):
+  return np.asarray(model(np.asarray(tokens, np.int32)), np.float32)
+
+
+def test_sharded_checkpoints_read_what_their_index_names(llama_dir, tmp_path):
+  """Shards are read as the index names them; other weight files in the directory (Mistral's
+  repositories ship a `consolidated.safetensors` in their own naming) are left alone."""
+  from safetensors.numpy import save_file
+  from jaxattn.convert.hf import read_hf_weights
+  want = read_hf_weights(llama_dir)
+  names = sorted(want)
+  halves = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+            "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+  sharded = tmp_path / "sharded"
+  sharded.mkdir()
+  (sharded / "config.json").write_text((pathlib.Path(llama_dir) / "config.json").read_text())
+  for file, keys in halves.items():
+    save_file({k: np.ascontiguousarray(want[k]) for k in keys}, str(sharded / file))
+  index = {"metadata": {}, "weight_map": {k: f for f, keys in halves.items() for k in keys}}
+  (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+  save_file({"tok_embeddings.weight": np.zeros((2, 2), np.float32)},
+            str(sharded / "consolidated.safetensors"))
+  got = read_hf_weights(str(sharded))
+  assert sorted(got) == names
+  tokens = [[1, 5, 9, 3]]
+  np.testing.assert_array_equal(_logits(load_hf(str(sharded)), tokens),
+                                _logits(load_hf(llama_dir), tokens))
+  # The same shards as pytorch_model-*.bin with their index.
+  bins = tmp_path / "bins"
+  bins.mkdir()
+  (bins / "config.json").write_text((sharded / "config.json").read_text())
+  for i, keys in enumerate(halves.values()):
+    torch.save({k: torch.from_numpy(np.array(want[k])) for k in keys},
+               bins / f"pytorch_model-0000{i + 1}-of-00002.bin")
+  (bins / "pytorch_model.bin.index.json").write_text(json.dumps(
+      {"weight_map": {k: f"pytorch_model-0000{i + 1}-of-00002.bin"
+                      for i, keys in enumerate(halves.values()) for k in keys}}))
+  got = read_hf_weights(str(bins))
+  assert sorted(got) == names
+  for k in names:
+    np.testing.assert_array_equal(got[k], want[k])
+  # An index naming a shard that is not there is an error that names it.
+  index["weight_map"][names[0]] = "model-00003-of-00002.safetensors"
+  (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+  with pytest.raises(ValueError, match="model-00003-of-00002.safetensors"):
+    read_hf_weights(str(sharded))
