@@ -120,6 +120,31 @@ def rope_to_hf(cfg) -> dict[str, Any]:
   return rp
 
 
+def check_exportable(cfg, architecture: str, **family) -> None:
+  """Raises unless ``architecture`` can express ``cfg``: what no family here can (other
+  positions, norms or residuals, an ungated MLP, a logit soft-cap, a capacity-limited MoE) and
+  ``family``'s own limits (name -> the offending value, None where the config is fine)."""
+  common = dict(
+      position=None if cfg.position == "rope" else cfg.position,
+      norm=None if cfg.norm == "rms" and cfg.norm_position == "pre" else
+      f"{cfg.norm}, {cfg.norm_position}-LN",
+      residual=None if cfg.residual == "plain" else cfg.residual,
+      gated_mlp=None if cfg.gated_mlp else False, logits_soft_cap=cfg.logits_soft_cap,
+      moe_capacity_factor=cfg.moe_capacity_factor if cfg.num_experts else None)
+  problems = {k: v for k, v in {**common, **family}.items() if v is not None}
+  if problems:
+    raise ValueError(f"this ModelConfig has no {architecture} equivalent: {problems}.")
+
+
+def max_position_embeddings(cfg) -> int:
+  """``max_position_embeddings`` for a transformers config: our ``max_seq_len``, except under
+  dynamic-NTK RoPE, where transformers reads it as the trained length the base rescales from."""
+  s = cfg.rope_scaling
+  if s is not None and s.get("type") == "dynamic" and s.get("original_max_position_embeddings"):
+    return int(s["original_max_position_embeddings"])
+  return cfg.max_seq_len
+
+
 def layer(i: int) -> tuple:
   """Path of layer ``i`` in an unscanned ``DecoderLM``'s state."""
   return ("groups", 0, "unit", "layers", i)

@@ -114,17 +114,21 @@ def config_from_hf(d: dict[str, Any], architecture: str) -> dict[str, Any]:
 
 def config_to_hf(cfg, architecture: str) -> dict[str, Any]:
   v32 = architecture == "DeepseekV32ForCausalLM"
-  problems = {k: v for k, v in dict(
+  C.check_exportable(
+      cfg, architecture,
       layer_pattern=None if set(cfg.layer_pattern) == {"I" if v32 else "M"} else cfg.layer_pattern,
-      norm=None if cfg.norm == "rms" and cfg.norm_position == "pre" else cfg.norm,
-      residual=None if cfg.residual == "plain" else cfg.residual,
       moe_score_func=None if not cfg.num_experts or cfg.moe_score_func == "sigmoid" else
       cfg.moe_score_func, moe_shared_gate=cfg.moe_shared_gate or None,
       moe_shared_dim=cfg.moe_shared_dim, mlp_bias=cfg.mlp_bias or None,
-      rope_interleaved=None if not v32 or cfg.mla_rope_interleaved else False).items()
-      if v is not None}
-  if problems:
-    raise ValueError(f"this ModelConfig has no {architecture} equivalent: {problems}.")
+      rope_interleaved=None if not v32 or cfg.mla_rope_interleaved else False,
+      # What config_from_hf refuses for V3.2, and the indexer transformers builds: RoPE over the
+      # attention's rope dims, and sparse attention.
+      rope_scaling=cfg.rope_scaling if v32 else None,
+      norm_eps=None if not v32 or cfg.norm_eps == 1e-6 else cfg.norm_eps,
+      index_rope_dim=None if not v32 or cfg.index_rope_dim == cfg.qk_rope_head_dim else
+      cfg.index_rope_dim,
+      dsa_attention_mode=None if not v32 or cfg.dsa_attention_mode == "sparse" else
+      cfg.dsa_attention_mode)
   d = dict(
       architectures=[architecture], model_type=MODEL_TYPES[architecture],
       vocab_size=cfg.vocab_size, hidden_size=cfg.embed_dim, intermediate_size=cfg.mlp_dim,
@@ -132,7 +136,7 @@ def config_to_hf(cfg, architecture: str) -> dict[str, Any]:
       num_key_value_heads=cfg.num_heads, kv_lora_rank=cfg.kv_lora_rank,
       q_lora_rank=cfg.q_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
       qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim or cfg.qk_nope_head_dim,
-      hidden_act=C.ACTIVATIONS_TO_HF[cfg.mlp_activation], max_position_embeddings=cfg.max_seq_len,
+      hidden_act=C.ACTIVATIONS_TO_HF[cfg.mlp_activation], max_position_embeddings=C.max_position_embeddings(cfg),
       rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
       rope_parameters=C.rope_to_hf(cfg), attention_bias=False, dtype="float32",
       n_routed_experts=cfg.num_experts or None,

@@ -15,6 +15,7 @@ and shape against an abstract model so that a mismatch names the tensor and the 
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any, Mapping
 
@@ -165,7 +166,10 @@ def state_from_hf(state_dict: Mapping[str, Any], config: ModelConfig, *, mesh=No
       used.add(k)
     for p, v in zip(rule.ours, rule.to_ours(*arrays, shapes=shapes)):
       values[p] = place(p, np.asarray(v).astype(_np_dtype(flat[p], dtype)))
-  extra = sorted(k for k in sd if k not in used and not _ignored(k, config))
+  # A tensor with no elements carries nothing: transformers saves zero-width shared experts
+  # (n_shared_experts=0, shared_expert_intermediate_size=0) that the model built here omits.
+  extra = sorted(k for k in sd if k not in used and not _ignored(k, config)
+                 and math.prod(sd[k].shape))
   if extra:
     raise ValueError(f"{arch}: checkpoint tensor(s) {extra[:8]}{' ...' if len(extra) > 8 else ''} "
                      "have no place in the model built from its config.")

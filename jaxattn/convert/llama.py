@@ -55,18 +55,13 @@ def config_from_hf(d: dict[str, Any], architecture: str) -> dict[str, Any]:
 def check_exportable(cfg, architecture: str) -> None:
   mistral = architecture == "MistralForCausalLM"
   want = "S" if mistral and cfg.sliding_window is not None else "A"
-  problems = {k: v for k, v in dict(
+  C.check_exportable(
+      cfg, architecture,
       layer_pattern=cfg.layer_pattern if set(cfg.layer_pattern) != {want} else None,
-      position=None if cfg.position == "rope" else cfg.position,
       rope_interleaved=cfg.rope_interleaved or None, rotary_dim=cfg.rotary_dim,
-      norm=None if cfg.norm == "rms" and cfg.norm_position == "pre" else cfg.norm,
-      gated_mlp=None if cfg.gated_mlp else False, residual=None if cfg.residual == "plain" else
-      cfg.residual, num_experts=cfg.num_experts or None, logits_soft_cap=cfg.logits_soft_cap,
-      attention_qk_norm=cfg.attention_qk_norm or None,
+      num_experts=cfg.num_experts or None, attention_qk_norm=cfg.attention_qk_norm or None,
       attention_output_gate=cfg.attention_output_gate or None,
-      mlp_bias=cfg.mlp_bias if mistral and cfg.mlp_bias else None).items() if v is not None}
-  if problems:
-    raise ValueError(f"this ModelConfig has no {architecture} equivalent: {problems}.")
+      mlp_bias=cfg.mlp_bias if mistral and cfg.mlp_bias else None)
 
 
 def config_to_hf(cfg, architecture: str) -> dict[str, Any]:
@@ -77,7 +72,7 @@ def config_to_hf(cfg, architecture: str) -> dict[str, Any]:
       num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
       num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
       head_dim=cfg.head_dim or cfg.embed_dim // cfg.num_heads,
-      hidden_act=C.ACTIVATIONS_TO_HF[cfg.mlp_activation], max_position_embeddings=cfg.max_seq_len,
+      hidden_act=C.ACTIVATIONS_TO_HF[cfg.mlp_activation], max_position_embeddings=C.max_position_embeddings(cfg),
       rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
       rope_parameters=C.rope_to_hf(cfg), attention_bias=cfg.attention_bias, dtype="float32")
   if architecture == "MistralForCausalLM":

@@ -96,20 +96,20 @@ def config_from_hf(d: dict[str, Any], architecture: str) -> dict[str, Any]:
 
 
 def config_to_hf(cfg, architecture: str) -> dict[str, Any]:
-  problems = {k: v for k, v in dict(
+  moe = cfg.num_experts > 0
+  C.check_exportable(
+      cfg, architecture,
       layer_pattern=None if set(cfg.layer_pattern) <= set("AD") else cfg.layer_pattern,
       attention_qk_norm=None if cfg.attention_qk_norm else False,
       attention_output_gate=None if cfg.attention_output_gate else False,
-      norm=None if cfg.norm == "rms" and cfg.norm_position == "pre" else cfg.norm,
-      residual=None if cfg.residual == "plain" else cfg.residual,
       rope_interleaved=cfg.rope_interleaved or None, mlp_bias=cfg.mlp_bias or None,
-      moe_score_func=None if not cfg.num_experts or cfg.moe_score_func == "softmax" else
-      cfg.moe_score_func,
-      moe_shared=None if not cfg.num_experts or cfg.num_shared_experts == int(
-          cfg.moe_shared_gate) else (cfg.num_shared_experts, cfg.moe_shared_gate)).items()
-      if v is not None}
-  if problems:
-    raise ValueError(f"this ModelConfig has no {architecture} equivalent: {problems}.")
+      moe_score_func=None if not moe or cfg.moe_score_func == "softmax" else cfg.moe_score_func,
+      moe_shared=None if not moe or cfg.num_shared_experts == int(cfg.moe_shared_gate) else
+      (cfg.num_shared_experts, cfg.moe_shared_gate),
+      # Qwen3-Next routes over all experts, unscaled: no group limit, no routed scaling factor.
+      moe_n_group=None if not moe or cfg.moe_n_group == 1 else cfg.moe_n_group,
+      moe_routed_scaling_factor=None if not moe or cfg.moe_routed_scaling_factor == 1.0 else
+      cfg.moe_routed_scaling_factor)
   head_dim = cfg.head_dim or cfg.embed_dim // cfg.num_heads
   rp = C.rope_to_hf(cfg)
   rp["partial_rotary_factor"] = (cfg.rotary_dim or head_dim) / head_dim
@@ -120,7 +120,7 @@ def config_to_hf(cfg, architecture: str) -> dict[str, Any]:
       hidden_size=cfg.embed_dim, intermediate_size=cfg.mlp_dim, num_hidden_layers=cfg.num_layers,
       num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
       head_dim=head_dim, hidden_act=C.ACTIVATIONS_TO_HF[cfg.mlp_activation],
-      max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
+      max_position_embeddings=C.max_position_embeddings(cfg), rms_norm_eps=cfg.norm_eps,
       tie_word_embeddings=cfg.tie_embeddings, rope_parameters=rp,
       attention_bias=cfg.attention_bias, linear_conv_kernel_dim=4,
       linear_num_value_heads=cfg.deltanet_num_heads or cfg.num_heads,
@@ -206,7 +206,11 @@ def _shared_gate(hf: str, path: tuple) -> Rule:
 
 
 def normalize(sd: dict, cfg) -> None:
-  """Fused in-memory expert tensors -> the per-expert names of checkpoints on disk."""
+  """Drops the multi-token-prediction module the published checkpoints hold (``mtp.*``;
+  transformers skips it too), and rewrites fused in-memory expert tensors to the per-expert names
+  of checkpoints on disk."""
+  for key in [k for k in sd if k.startswith("mtp.")]:
+    del sd[key]
   for i in range(cfg.num_layers):
     split_fused_experts(sd, f"model.layers.{i}.mlp.experts")
 

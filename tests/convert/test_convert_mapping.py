@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxattn.convert.hf import abstract_state
+from jaxattn.convert.hf import _FAMILIES, abstract_state
 from jaxattn.convert import (config_from_hf, load_checkpoint, model_from_state, save_checkpoint,
                              state_from_hf, to_hf)
 from jaxattn.sharding import make_mesh, param_shardings
@@ -189,6 +189,24 @@ def test_deepseek_multi_token_prediction_layers_are_skipped():
                                 np.asarray(ours.embed.get_value()))
 
 
+def test_qwen3_next_multi_token_prediction_and_empty_tensors_are_skipped():
+  """Published Qwen3-Next checkpoints hold an ``mtp.*`` module, and transformers saves zero-width
+  shared experts; transformers skips both, and so does the import."""
+  ours = _model("qwen3_next")
+  for moe in ours.moe_sites():
+    moe.router_bias[...] = np.zeros(moe.router_bias.shape, np.float32)
+  _, sd = to_hf(ours)
+  sd["mtp.fc.weight"] = np.zeros((16, 32), np.float32)
+  sd["mtp.layers.0.input_layernorm.weight"] = np.zeros(16, np.float32)
+  sd["model.layers.1.mlp.shared_expert.extra.weight"] = np.zeros((0, 16), np.float32)
+  back = model_from_state(ours.config, state_from_hf(sd, ours.config))
+  for p, v in _leaves(back).items():  # exact up to the (1 + w) norm storage's rounding
+    np.testing.assert_allclose(v, _leaves(ours)[p], rtol=0, atol=1e-6, err_msg=str(p))
+  sd["model.layers.1.mlp.shared_expert.extra.weight"] = np.zeros((1, 16), np.float32)
+  with pytest.raises(ValueError, match=r"shared_expert\.extra\.weight.*have no place"):
+    state_from_hf(sd, ours.config)
+
+
 def test_export_refuses_what_the_family_cannot_express():
   ours = _model("qwen3_next")  # random, so its router biases are not zero
   with pytest.raises(ValueError, match="router_bias.*not zero"):
@@ -196,6 +214,46 @@ def test_export_refuses_what_the_family_cannot_express():
   mhc = _random_model(config_from_hf(CONFIGS["llama"]).replace(residual="mhc"))
   with pytest.raises(ValueError, match="residual"):
     to_hf(mhc)
+
+
+def _hf_config(cfg, architecture):
+  """The transformers config export writes for ``cfg`` (no model needed)."""
+  return _FAMILIES[architecture].config_to_hf(cfg, architecture)
+
+
+@pytest.mark.parametrize("name, changes", [
+    ("qwen3_next", dict(moe_routed_scaling_factor=2.5)),
+    ("qwen3_next", dict(moe_n_group=2, moe_topk_group=1)),
+    ("qwen3_next", dict(logits_soft_cap=2.0)),
+    ("qwen3_next", dict(position="none")),
+    ("qwen3_next", dict(moe_capacity_factor=0.5)),
+    ("deepseek_v3", dict(moe_capacity_factor=0.5)),
+    ("deepseek_v3", dict(gated_mlp=False)),
+    ("deepseek_v3", dict(norm="layer")),
+    ("deepseek_v32", dict(rope_scaling=dict(type="linear", factor=2.0))),
+    ("deepseek_v32", dict(norm_eps=1e-2)),
+    ("deepseek_v32", dict(index_rope_dim=1)),
+    ("deepseek_v32", dict(dsa_attention_mode="dense")),
+    ("llama", dict(logits_soft_cap=2.0)),
+    ("llama", dict(gated_mlp=False)),
+])
+def test_export_refuses_configs_the_family_would_load_differently(name, changes):
+  """Each of these exported silently, as a checkpoint transformers loads as another model."""
+  cfg = config_from_hf(CONFIGS[name]).replace(**changes)
+  field = next(iter(changes))
+  with pytest.raises(ValueError, match=f"has no .* equivalent: .*'{field}'"):
+    _hf_config(cfg, CONFIGS[name]["architectures"][0])
+
+
+def test_dynamic_rope_exports_its_trained_length():
+  """transformers reads ``max_position_embeddings`` as dynamic NTK's trained length, so that is
+  what export writes, whatever cache length ``max_seq_len`` asks for."""
+  d = _with("llama", rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=2.0))
+  cfg = config_from_hf(d, max_seq_len=4096)
+  assert cfg.rope_scaling["original_max_position_embeddings"] == 64
+  back = _hf_config(cfg, "LlamaForCausalLM")
+  assert back["max_position_embeddings"] == 64
+  assert config_from_hf(back).rope_scaling == cfg.rope_scaling
 
 
 @pytest.mark.parametrize("name", ["deepseek_v3", "qwen3_next"])
