@@ -1,5 +1,5 @@
 """Autoregressive generation with the KV cache: one jitted prefill, then one jitted decode step per
-token; greedy, temperature and nucleus (top-p) sampling; tokens streamed to a callback.
+token; greedy, temperature, top-k and nucleus (top-p) sampling; tokens streamed to a callback.
 
     out = generate(model, prompt, max_new_tokens=64, temperature=0.8, top_p=0.95, seed=0,
                    on_token=lambda ids: print(tok.decode(ids), end=""))
@@ -19,22 +19,35 @@ from jaxtyping import Array, Float, Int
 from jaxattn.nn.model import DecoderLM
 
 
+def check_sampling(temperature, top_p, top_k=0) -> None:
+  """Raises ``ValueError`` unless ``temperature >= 0``, ``0 < top_p <= 1`` and ``top_k >= 0``."""
+  def number(v):
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+  if not number(temperature) or not temperature >= 0:        # `not >=` also refuses NaN
+    raise ValueError(f"`temperature` must be a number >= 0 (0: greedy), got {temperature!r}.")
+  if not number(top_p) or not 0.0 < top_p <= 1.0:
+    raise ValueError(f"`top_p` must be in (0, 1], got {top_p!r}.")
+  if not isinstance(top_k, (int, np.integer)) or isinstance(top_k, bool) or top_k < 0:
+    raise ValueError(f"`top_k` must be an int >= 0 (0: no limit), got {top_k!r}.")
+
+
 def sample_logits(logits: Float[Array, "B V"], key, *, temperature: float = 0.0,
-                  top_p: float = 1.0) -> Int[Array, "B"]:
+                  top_p: float = 1.0, top_k: int = 0) -> Int[Array, "B"]:
   """Next tokens from the last position's logits.
 
   ``temperature == 0``: greedy (argmax).  Otherwise sample from ``softmax(logits / temperature)``
-  restricted to the smallest set of tokens whose probability reaches ``top_p`` (the most likely
-  token is always kept).
+  restricted to the ``top_k`` most likely tokens (0: all of them; ties at the k-th logit are
+  kept), then to the smallest set of those whose probability reaches ``top_p`` (the most likely
+  token is always kept), renormalized: the order transformers applies them in.
   """
-  if temperature < 0:
-    raise ValueError(f"`temperature` must be >= 0, got {temperature!r}.")
-  if not 0.0 < top_p <= 1.0:
-    raise ValueError(f"`top_p` must be in (0, 1], got {top_p!r}.")
+  check_sampling(temperature, top_p, top_k)
   logits = logits.astype(jnp.float32)
   if temperature == 0.0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
   logits = logits / temperature
+  if 0 < top_k < logits.shape[-1]:
+    kth = jax.lax.top_k(logits, int(top_k))[0][..., -1:]
+    logits = jnp.where(logits >= kth, logits, -jnp.inf)
   if top_p < 1.0:
     order = jnp.argsort(-logits, axis=-1)
     sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
@@ -48,20 +61,31 @@ def sample_logits(logits: Float[Array, "B V"], key, *, temperature: float = 0.0,
 
 
 def _check(model, prompt, max_new_tokens, max_len):
+  prompt = np.asarray(prompt)
   if prompt.ndim != 2 or prompt.shape[1] < 1:
     raise ValueError(f"`prompt` must be [B, T] token ids with T >= 1, got shape {prompt.shape}.")
-  if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+  if not np.issubdtype(prompt.dtype, np.integer):
+    raise ValueError(f"`prompt` must hold integer token ids, got dtype {prompt.dtype}.")
+  vocab = model.config.vocab_size
+  if prompt.min() < 0 or prompt.max() >= vocab:
+    bad = prompt[(prompt < 0) | (prompt >= vocab)]
+    raise ValueError(f"`prompt` token ids must be in [0, {vocab}) (vocab_size), got "
+                     f"{sorted(set(bad.tolist()))[:8]}.")
+  if (not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool)
+      or max_new_tokens < 0):
     raise ValueError(f"`max_new_tokens` must be an int >= 0, got {max_new_tokens!r}.")
-  need = prompt.shape[1] + max_new_tokens
+  # The last sampled token is returned, never fed back: T + n - 1 positions are attended.
+  need = prompt.shape[1] + max(int(max_new_tokens) - 1, 0)
   if max_len is not None and max_len < need:
-    raise ValueError(f"`max_len` ({max_len}) is below prompt length + max_new_tokens ({need}).")
+    raise ValueError(f"`max_len` ({max_len}) is below prompt length + max_new_tokens - 1 "
+                     f"({need}), the positions the cache must hold.")
   if model.config.position == "learned" and need > model.config.max_seq_len:
-    raise ValueError(f"prompt length + max_new_tokens = {need} exceeds the learned position table "
-                     f"(max_seq_len={model.config.max_seq_len}).")
+    raise ValueError(f"prompt length + max_new_tokens - 1 = {need} exceeds the learned position "
+                     f"table (max_seq_len={model.config.max_seq_len}).")
 
 
 def decode_functions(graphdef, batch: int, max_len: int, *, temperature: float = 0.0,
-                     top_p: float = 1.0):
+                     top_p: float = 1.0, top_k: int = 0):
   """The two jitted programs of ``generate`` for a split model (``nnx.split(model)``):
 
   * ``prefill(state, tokens [B, T], key) -> (next [B], cache)`` with a fresh cache of ``max_len``;
@@ -76,37 +100,43 @@ def decode_functions(graphdef, batch: int, max_len: int, *, temperature: float =
   def prefill(state, tokens, key):
     m = nnx.merge(graphdef, state)
     logits, cache = m(tokens, cache=m.init_cache(batch, max_len))
-    return sample_logits(logits[:, -1], key, temperature=temperature, top_p=top_p), cache
+    return sample_logits(logits[:, -1], key, temperature=temperature, top_p=top_p,
+                         top_k=top_k), cache
 
   @functools.partial(jax.jit, donate_argnums=2)
   def step(state, token, cache, key):
     m = nnx.merge(graphdef, state)
     logits, cache = m(token[:, None], cache=cache)
-    return sample_logits(logits[:, -1], key, temperature=temperature, top_p=top_p), cache
+    return sample_logits(logits[:, -1], key, temperature=temperature, top_p=top_p,
+                         top_k=top_k), cache
 
   return prefill, step
 
 
 def generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_tokens: int, *,
-             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
              max_len: int | None = None, eos_id: int | None = None,
              on_token: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
   """``prompt [B, T]`` (equal lengths) -> ``[B, T + n]`` token ids, ``n <= max_new_tokens``.
 
   Prefill runs the prompt through ``model`` with a fresh cache of ``max_len`` slots (default:
   ``T + max_new_tokens`` rounded up to a multiple of 128; slots past the tokens are masked), then
-  each step decodes one token per sequence.  ``on_token`` receives each
-  new ``[B]`` array as soon as it is sampled (streaming).  Generation stops early when every
-  sequence has produced ``eos_id``.
+  each step decodes one token per sequence (``sample_logits``: greedy at temperature 0, else
+  top-k, then top-p).  ``on_token`` receives each new ``[B]`` array as soon as it is sampled
+  (streaming).  With ``eos_id``, a sequence that has produced it is finished: its later positions
+  hold ``eos_id`` (as padding), and generation stops when every sequence has finished.
   """
-  prompt = jnp.asarray(prompt, jnp.int32)
+  check_sampling(temperature, top_p, top_k)
   _check(model, prompt, max_new_tokens, max_len)
+  prompt = jnp.asarray(prompt, jnp.int32)
   b, t = prompt.shape
+  max_new_tokens = int(max_new_tokens)
   # Default capacity: what is needed, rounded up to whole 128-token blocks, so that on TPU the
   # decode kernel reads the cache as pages of itself (lengths a multiple of 16; 128+ per page).
   max_len = max_len or -(-(t + max_new_tokens) // 128) * 128
   graphdef, state = nnx.split(model)
-  prefill, step = decode_functions(graphdef, b, max_len, temperature=temperature, top_p=top_p)
+  prefill, step = decode_functions(graphdef, b, max_len, temperature=temperature, top_p=top_p,
+                                   top_k=int(top_k))
   key = jax.random.key(seed)
   out = [np.asarray(prompt)]
   if max_new_tokens == 0:
@@ -116,6 +146,8 @@ def generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_tokens: int, *
   done = np.zeros((b,), bool)
   for i in range(max_new_tokens):
     host = np.asarray(token)
+    if eos_id is not None:
+      host = np.where(done, eos_id, host).astype(host.dtype)  # finished rows: padding
     out.append(host[:, None])
     if on_token is not None:
       on_token(host)
@@ -123,6 +155,7 @@ def generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_tokens: int, *
       done |= host == eos_id
       if done.all():
         break
+      token = jnp.asarray(host)
     if i + 1 < max_new_tokens:
       key, sub = jax.random.split(key)
       token, cache = step(state, token, cache, sub)

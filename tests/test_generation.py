@@ -92,3 +92,69 @@ def test_nucleus_sampling_draws_only_from_the_top_p_set():
     sample_logits(logits, jax.random.key(0), temperature=1.0, top_p=0.0)
   with pytest.raises(ValueError, match="temperature"):
     sample_logits(logits, jax.random.key(0), temperature=-1.0)
+
+
+def test_top_k_keeps_the_k_most_likely_then_top_p():
+  probs = jnp.array([0.4, 0.3, 0.2, 0.1])
+  logits = jnp.tile(jnp.log(probs), (4000, 1))
+  draws = np.asarray(sample_logits(logits, jax.random.key(0), temperature=1.0, top_k=2))
+  counts = np.bincount(draws, minlength=4) / draws.size
+  assert counts[2] == 0 and counts[3] == 0
+  np.testing.assert_allclose(counts[:2], [0.4 / 0.7, 0.3 / 0.7], atol=0.03)  # renormalized
+  # top_p then acts on the top-k distribution (transformers' order): 0.4/0.7 = 0.57 >= 0.5.
+  both = np.asarray(sample_logits(logits, jax.random.key(1), temperature=1.0, top_k=2, top_p=0.5))
+  assert (both == 0).all()
+  # k at or above the vocabulary is no limit.
+  wide = np.asarray(sample_logits(logits, jax.random.key(2), temperature=1.0, top_k=10))
+  np.testing.assert_allclose(np.bincount(wide, minlength=4) / wide.size, probs, atol=0.03)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(temperature=float("nan")), "`temperature` must be a number >= 0"),
+    (dict(temperature="0.5"), "`temperature` must be a number >= 0"),
+    (dict(top_p=float("nan")), "`top_p` must be in"),
+    (dict(top_k=-1), "`top_k` must be an int >= 0"),
+    (dict(top_k=2.5), "`top_k` must be an int >= 0"),
+])
+def test_sampling_arguments_are_checked(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    sample_logits(jnp.zeros((1, 4)), jax.random.key(0), **kwargs)
+  model = DecoderLM(get_config("llama", embed_dim=32, mlp_dim=64, num_layers=1), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=match):  # even with nothing to sample
+    generate(model, np.array([[1, 2]], np.int32), 0, **kwargs)
+
+
+def test_finished_sequences_are_padded_with_eos():
+  cfg = get_config("llama", embed_dim=32, mlp_dim=64, num_layers=1)
+  model = DecoderLM(cfg, rngs=nnx.Rngs(0))
+  prompt = np.array([[1, 2, 3], [4, 5, 6]], np.int32)
+  free = generate(model, prompt, 6)
+  eos = int(free[0, 3])                      # row 0 emits it first
+  rows = [np.flatnonzero(free[r, 3:] == eos) for r in range(2)]
+  stream = []
+  out = generate(model, prompt, 6, eos_id=eos, on_token=lambda ids: stream.append(ids.copy()))
+  np.testing.assert_array_equal(np.stack(stream, 1), out[:, 3:])
+  for r in range(2):
+    first = rows[r][0] if rows[r].size else None
+    if first is None:                         # never finished: the free continuation
+      np.testing.assert_array_equal(out[r, 3:], free[r, 3:out.shape[1]])
+    else:                                     # up to its EOS as without, then EOS only
+      np.testing.assert_array_equal(out[r, 3:3 + first + 1], free[r, 3:3 + first + 1])
+      assert (out[r, 3 + first:] == eos).all()
+  assert rows[0].size and (out[0, 4:] == eos).all()
+
+
+def test_prompt_and_capacity_checks():
+  cfg = get_config("llama", embed_dim=32, mlp_dim=64, num_layers=1)
+  model = DecoderLM(cfg, rngs=nnx.Rngs(0))
+  prompt = np.array([[1, 2, 3]], np.int32)
+  for bad in (np.array([[1, cfg.vocab_size]]), np.array([[-1, 2]])):
+    with pytest.raises(ValueError, match=r"`prompt` token ids must be in \[0, 259\)"):
+      generate(model, bad, 2)
+  with pytest.raises(ValueError, match="`prompt` must hold integer token ids"):
+    generate(model, prompt.astype(np.float32), 2)
+  # The last new token is never fed back: T + n - 1 slots (and learned positions) suffice.
+  want = generate(model, prompt, np.int64(4))
+  np.testing.assert_array_equal(generate(model, prompt, 4, max_len=6), want)
+  learned = DecoderLM(cfg.replace(position="learned", max_seq_len=6), rngs=nnx.Rngs(0))
+  assert generate(learned, prompt, 4).shape == (1, 7)
