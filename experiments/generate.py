@@ -1,13 +1,16 @@
 """Generate text from a trained (or converted) checkpoint with the KV cache, streaming tokens.
 
     python -m experiments.generate --run runs/train [--prompt "The "] [--max-new-tokens 200]
-        [--temperature 0.8] [--top-p 0.95] [--seed 0] [--step N]
+        [--temperature 0.8] [--top-k 50] [--top-p 0.95] [--seed 0] [--step N]
+    python -m experiments.generate --checkpoint converted/ --tokenizer hf_dir/ --prompt "The "
 
 ``--run`` is a directory written by ``experiments.train`` (``config.json`` + ``checkpoints/``); the
 newest readable step is loaded unless ``--step``.  ``--checkpoint`` instead loads a checkpoint
 written by ``python -m jaxattn.convert`` (converted Hugging Face weights).  Prefill runs the prompt
 once, then one jitted decode step per token; greedy when ``--temperature 0``.  Text is byte-level
-(``jaxattn.train.data.ByteTokenizer``) for trained runs; ``--prompt-ids`` takes raw token ids.
+(``jaxattn.train.data.ByteTokenizer``) for trained runs.  A converted model has its own vocabulary:
+``--tokenizer`` names the Hugging Face directory its tokenizer files are in (needs
+``transformers``), or ``--prompt-ids`` takes raw token ids (and raw ids are printed).
 """
 
 from __future__ import annotations
@@ -52,6 +55,29 @@ def load_run(run: str | pathlib.Path, step: int | None = None) -> tuple[DecoderL
   return nnx.merge(graphdef, state.params, state.rest), int(state.step)
 
 
+def _text_codec(args, vocab_size: int):
+  """``(encode, decode)`` for the model's vocabulary: a Hugging Face tokenizer (``--tokenizer``),
+  the byte-level one when the vocabulary is its, else ``decode=None`` (raw ids are printed) and an
+  ``encode`` that asks for ``--prompt-ids``."""
+  if args.tokenizer:
+    try:
+      from transformers import AutoTokenizer
+    except ImportError as e:
+      raise SystemExit(f"--tokenizer needs transformers ({e}); or pass --prompt-ids.") from e
+    tok = AutoTokenizer.from_pretrained(args.tokenizer)
+    return (lambda text: np.asarray(tok(text)["input_ids"], np.int32),
+            lambda ids: tok.decode([int(i) for i in ids]))
+  if vocab_size == ByteTokenizer.vocab_size:
+    tokenizer = ByteTokenizer()
+    return lambda text: tokenizer.encode(text, add_bos=True), tokenizer.decode
+
+  def refuse(text):
+    raise SystemExit(f"the model's vocabulary has {vocab_size} tokens, not the byte-level "
+                     f"{ByteTokenizer.vocab_size}: pass --tokenizer DIR (its Hugging Face "
+                     "tokenizer) or --prompt-ids to give the prompt.")
+  return refuse, None
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   src = p.add_mutually_exclusive_group(required=True)
@@ -62,27 +88,32 @@ def main(argv=None) -> int:
   p.add_argument("--prompt-ids", default=None, help="comma-separated token ids instead of text")
   p.add_argument("--max-new-tokens", type=int, default=200)
   p.add_argument("--temperature", type=float, default=0.0)
+  p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely (0: all)")
   p.add_argument("--top-p", type=float, default=1.0)
+  p.add_argument("--tokenizer", default=None,
+                 help="a Hugging Face tokenizer directory (a converted model's vocabulary)")
   p.add_argument("--seed", type=int, default=0)
   args = p.parse_args(argv)
 
-  tokenizer = ByteTokenizer()
   if args.run:
     model, step = load_run(args.run, args.step)
     print(f"loaded {args.run} at step {step}", file=sys.stderr)
   else:
     from jaxattn.convert import load_checkpoint
     model = load_checkpoint(args.checkpoint)
+  encode, decode = _text_codec(args, model.config.vocab_size)
   if args.prompt_ids:
     prompt = np.array([[int(t) for t in args.prompt_ids.split(",")]], np.int32)
+  else:
+    prompt = encode(args.prompt)[None, :]
+    print(args.prompt, end="", flush=True)
+  if decode is None:
     show = lambda ids: print(f" {int(ids[0])}", end="", flush=True)
   else:
-    prompt = tokenizer.encode(args.prompt, add_bos=True)[None, :]
-    show = lambda ids: print(tokenizer.decode(ids[:1]), end="", flush=True)
-    print(args.prompt, end="", flush=True)
+    show = lambda ids: print(decode(ids[:1]), end="", flush=True)
   t0 = time.perf_counter()
   out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature,
-                 top_p=args.top_p, seed=args.seed, on_token=show)
+                 top_k=args.top_k, top_p=args.top_p, seed=args.seed, on_token=show)
   dt = time.perf_counter() - t0
   n = out.shape[1] - prompt.shape[1]
   print(f"\n[{n} tokens in {dt:.2f} s incl. compile]", file=sys.stderr)

@@ -116,3 +116,27 @@ def test_sharded_checkpoints_read_what_their_index_names(llama_dir, tmp_path):
   (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
   with pytest.raises(ValueError, match="model-00003-of-00002.safetensors"):
     read_hf_weights(str(sharded))
+
+
+def test_generate_cli_on_a_converted_checkpoint(llama_dir, tmp_path, capsys):
+  """A converted model has its own vocabulary: text needs its tokenizer (``--tokenizer``), or
+  raw ids; the byte-level tokenizer is not used for it."""
+  from tokenizers import Tokenizer, models, pre_tokenizers
+  from experiments import generate as generate_cli
+  ckpt = tmp_path / "ckpt"
+  assert main(["--from-hf", llama_dir, "--out", str(ckpt)]) == 0
+  words = ["<unk>", "the", "cat", "sat", "on", "mat"]
+  tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(
+      tmp_path / "tok")
+  capsys.readouterr()
+  assert generate_cli.main(["--checkpoint", str(ckpt), "--tokenizer", str(tmp_path / "tok"),
+                            "--prompt", "the cat", "--max-new-tokens", "3"]) == 0
+  assert capsys.readouterr().out.startswith("the cat")
+  assert generate_cli.main(["--checkpoint", str(ckpt), "--prompt-ids", "1,2,60",
+                            "--max-new-tokens", "3"]) == 0
+  printed = capsys.readouterr().out.split()
+  assert len(printed) == 3 and all(0 <= int(t) < 64 for t in printed)   # raw ids
+  with pytest.raises(SystemExit, match="64 tokens, not the byte-level 259: pass --tokenizer"):
+    generate_cli.main(["--checkpoint", str(ckpt), "--prompt", "The "])
