@@ -1,6 +1,6 @@
 """Model presets named after the families they imitate, each at a tiny CPU size and a real size.
 
-    llama          GQA + RoPE + RMSNorm + SwiGLU                         (Llama-3-8B)
+    llama          GQA + RoPE + RMSNorm + SwiGLU                         (Llama-3.1-8B)
     mistral        llama + sliding-window attention                        (Mistral-7B)
     deepseek-v3    MLA + MoE (sigmoid routing, shared expert, dense prefix) (DeepSeek-V3, 671B)
     deepseek-v3.2  deepseek-v3 + DeepSeek Sparse Attention                 (DeepSeek-V3.2)
@@ -11,9 +11,9 @@
 ``get_config("llama")`` is the tiny size (byte vocabulary, trains on a CPU in minutes);
 ``get_config("deepseek-v3", size="full")`` the published shape (build it with ``nnx.eval_shape``
 to count parameters and plan shardings without allocating).  Keyword overrides replace fields.
-The full sizes follow the published configs; details that jaxattn does not model (e.g. Qwen3-Next's
-attention output gate before issue-10 conversions add it) are left out, and the docstring of each
-builder says what.
+The full sizes follow the published configs (``jaxattn.convert.to_hf`` of a full preset writes the
+published architecture); ``max_seq_len`` is the default cache length, and the docstring of each
+builder says where it differs from the published context.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ def _tiny(**kw) -> ModelConfig:
 
 
 def llama(size: str) -> ModelConfig:
-  """GQA + RoPE (half-split pairs) + RMSNorm + SwiGLU; full = Llama-3-8B (RoPE base 5e5 with the
-  Llama-3 frequency scaling)."""
+  """GQA + RoPE (half-split pairs) + RMSNorm + SwiGLU; full = Llama-3.1-8B (RoPE base 5e5 with the
+  Llama-3.1 frequency scaling; ``max_seq_len`` 8192 of its 131072 positions)."""
   if size == "tiny":
     return _tiny()
   return ModelConfig(vocab_size=128256, embed_dim=4096, num_layers=32, num_heads=32,
@@ -49,12 +49,13 @@ def llama(size: str) -> ModelConfig:
 
 
 def mistral(size: str) -> ModelConfig:
-  """llama + sliding-window attention in every layer; full = Mistral-7B-v0.1 (window 4096)."""
+  """llama + sliding-window attention in every layer; full = Mistral-7B-v0.1 (window 4096: a query
+  sees itself and the 4095 keys before it, ``sliding_window=4095`` here)."""
   if size == "tiny":
     return _tiny(layer_pattern="S", sliding_window=128)
   return ModelConfig(vocab_size=32000, embed_dim=4096, num_layers=32, num_heads=32,
                      num_kv_heads=8, head_dim=128, mlp_dim=14336, layer_pattern="S",
-                     sliding_window=4096, max_seq_len=32768, norm_eps=1e-5, tie_embeddings=False,
+                     sliding_window=4095, max_seq_len=32768, norm_eps=1e-5, tie_embeddings=False,
                      dtype="bfloat16", scan_layers=True, remat="dots_no_batch")
 
 
@@ -91,14 +92,18 @@ def deepseek_v32(size: str) -> ModelConfig:
   return _deepseek(size, dsa=True)
 
 
+_QWEN3_NEXT = dict(attention_qk_norm=True, attention_output_gate=True, moe_shared_gate=True)
+
+
 def qwen3_next(size: str) -> ModelConfig:
-  """Three Gated DeltaNet layers per full-attention layer ("DDDA"), partial RoPE, MoE with a
-  shared expert; full = Qwen3-Next-80B-A3B (512 experts, top-10)."""
+  """Three Gated DeltaNet layers per full-attention layer ("DDDA"); the attention layers with
+  partial RoPE, QK norm and a sigmoid output gate; MoE with a gated shared expert; full =
+  Qwen3-Next-80B-A3B (512 experts, top-10)."""
   if size == "tiny":
     return _tiny(layer_pattern="DDDA", rotary_dim=16, deltanet_num_heads=4,
                  deltanet_num_key_heads=2, deltanet_head_dim=32, deltanet_v_head_dim=32,
                  num_experts=8, num_experts_per_tok=2, moe_expert_dim=96, num_shared_experts=1,
-                 moe_score_func="softmax")
+                 moe_score_func="softmax", **_QWEN3_NEXT)
   return ModelConfig(vocab_size=151936, embed_dim=2048, num_layers=48, num_heads=16,
                      num_kv_heads=2, head_dim=256, rotary_dim=64, mlp_dim=5120,
                      layer_pattern="DDDA", deltanet_num_heads=32, deltanet_num_key_heads=16,
@@ -106,7 +111,7 @@ def qwen3_next(size: str) -> ModelConfig:
                      num_experts_per_tok=10, moe_expert_dim=512, num_shared_experts=1,
                      moe_score_func="softmax", rope_base=10000000.0, max_seq_len=262144,
                      tie_embeddings=False, dtype="bfloat16", scan_layers=True,
-                     remat="dots_no_batch")
+                     remat="dots_no_batch", **_QWEN3_NEXT)
 
 
 def _positional(position: str) -> Callable[[str], ModelConfig]:

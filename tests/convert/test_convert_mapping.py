@@ -279,3 +279,23 @@ def test_fused_expert_tensors_load_like_per_expert_ones(name):
   got = _leaves(model_from_state(cfg, state_from_hf(fused, cfg)))
   for p in want:
     np.testing.assert_array_equal(got[p], want[p], err_msg=str(p))
+
+
+@pytest.mark.parametrize("preset, architecture, published", [
+    ("mistral", "MistralForCausalLM", dict(sliding_window=4096, num_key_value_heads=8,
+                                           intermediate_size=14336)),
+    ("qwen3-next", "Qwen3NextForCausalLM", dict(
+        num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+        shared_expert_intermediate_size=512, linear_num_key_heads=16, linear_num_value_heads=32,
+        head_dim=256, num_key_value_heads=2, layer_types=["linear_attention"] * 3
+        + ["full_attention"], partial_rotary_factor=0.25)),
+    ("deepseek-v3", "DeepseekV3ForCausalLM", dict(
+        n_routed_experts=256, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+        first_k_dense_replace=3, kv_lora_rank=512, q_lora_rank=1536)),
+])
+def test_full_presets_export_the_published_architecture(preset, architecture, published):
+  from jaxattn.configs import get_config
+  d = _hf_config(get_config(preset, size="full"), architecture)
+  d["partial_rotary_factor"] = d.get("rope_parameters", {}).get("partial_rotary_factor")
+  d["layer_types"] = (d.get("layer_types") or [])[:4]
+  assert {k: d[k] for k in published} == published
