@@ -24,7 +24,8 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from jaxattn.nn.linear import Einsum, param
-from jaxattn.ops.delta_rule import gated_delta_rule, l2_normalize, segment_resets
+from jaxattn.ops.delta_rule import (IMPLEMENTATIONS, gated_delta_rule, l2_normalize,
+                                    segment_resets)
 from jaxattn.ops.norms import rms_norm
 from jaxattn.sharding import shard
 
@@ -194,6 +195,15 @@ class GatedDeltaNet(nnx.Module):
         raise ValueError(f"`{name}` must be an int >= 1, got {size!r}.")
     if conv_kernel_size < 1:
       raise ValueError(f"`conv_kernel_size` must be >= 1, got {conv_kernel_size!r}.")
+    # Checked here as well as per call, so that a bad setting fails where it is written.
+    if (not isinstance(chunk_size, (int, np.integer)) or isinstance(chunk_size, bool)
+        or chunk_size < 1 or chunk_size & (chunk_size - 1)):
+      raise ValueError(f"`chunk_size` must be a power of two >= 1, got {chunk_size!r}.")
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+      raise ValueError(f"`implementation` must be None or one of {IMPLEMENTATIONS}, got "
+                       f"{implementation!r}.")
+    if isinstance(norm_eps, (bool, str)) or not norm_eps >= 0:
+      raise ValueError(f"`norm_eps` must be a number >= 0, got {norm_eps!r}.")
     lo, hi = a_init_range
     if not 0 < lo < hi:
       raise ValueError(f"`a_init_range` must satisfy 0 < low < high, got {a_init_range!r}.")

@@ -223,3 +223,8 @@ def test_errors():
   for name in ("head_dim", "v_head_dim"):
     with pytest.raises(ValueError, match=f"`{name}` must be an int >= 1, got 0"):
       GatedDeltaNet(D, 4, **{name: 0}, rngs=nnx.Rngs(0))
+  for kwargs, match in ((dict(chunk_size=48), "`chunk_size` must be a power of two"),
+                        (dict(implementation="foo"), "`implementation` must be None or one of"),
+                        (dict(norm_eps=-1.0), "`norm_eps` must be a number >= 0")):
+    with pytest.raises(ValueError, match=match):   # at construction, not at the first call
+      GatedDeltaNet(D, 4, **kwargs, rngs=nnx.Rngs(0))
