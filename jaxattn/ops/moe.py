@@ -37,7 +37,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxattn.sharding import shard
+from jaxattn.sharding import place_if_concrete, shard
 
 ScoreFunc = Literal["sigmoid", "softmax"]
 SCORE_FUNCS: tuple[str, ...] = ("sigmoid", "softmax")
@@ -67,7 +67,8 @@ def check_routing_config(num_experts: int, top_k: int, n_group: int = 1,
                          topk_group: int | None = None) -> None:
   """Raises ``ValueError`` unless ``top_k`` experts fit in ``topk_group`` of ``n_group`` groups."""
   for name, v in (("num_experts", num_experts), ("top_k", top_k), ("n_group", n_group)):
-    if not isinstance(v, (int, np.integer)) or v < 1:
+    # bool is an int subclass: True would silently mean 1.
+    if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
       raise ValueError(f"`{name}` must be a positive int, got {v!r}.")
   if top_k > num_experts:
     raise ValueError(f"`top_k` ({top_k}) must be <= `num_experts` ({num_experts}).")
@@ -75,7 +76,8 @@ def check_routing_config(num_experts: int, top_k: int, n_group: int = 1,
     raise ValueError(f"`num_experts` ({num_experts}) must be divisible by `n_group` ({n_group}): "
                      "experts are split into equal groups.")
   topk_group = n_group if topk_group is None else topk_group
-  if not isinstance(topk_group, (int, np.integer)) or not 1 <= topk_group <= n_group:
+  if (not isinstance(topk_group, (int, np.integer)) or isinstance(topk_group, bool)
+      or not 1 <= topk_group <= n_group):
     raise ValueError(f"`topk_group` must be an int in [1, n_group={n_group}], got {topk_group!r}.")
   if top_k > topk_group * (num_experts // n_group):
     raise ValueError(f"`top_k` ({top_k}) exceeds the {topk_group * (num_experts // n_group)} experts "
@@ -568,12 +570,27 @@ def _mesh_or_context(mesh):
   return abstract
 
 
+def _is_explicit(mesh):
+  return any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+
 def _place(a, mesh, spec):
   """Puts ``a`` on ``spec`` before shard_map: Explicit mesh axes never reshard implicitly."""
-  explicit = any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
-  if explicit:
+  placed = place_if_concrete(a, mesh, spec)
+  if placed is not None:
+    return placed
+  if _is_explicit(mesh):
     return jax.sharding.reshard(a, NamedSharding(mesh, spec))
   return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec))
+
+
+def _whole_rows(a, mesh):
+  """``a`` with its row axis unsplit, so that it can be padded or sliced to a size the shards do
+  not divide: Explicit axes refuse that on a split axis (Auto axes leave it to XLA)."""
+  if not _is_explicit(mesh):
+    return a
+  placed = place_if_concrete(a, mesh, P())
+  return jax.sharding.reshard(a, NamedSharding(mesh, P())) if placed is None else placed
 
 
 def routed_experts_sharded(
@@ -601,6 +618,11 @@ def routed_experts_sharded(
   one device: dropless by construction, at ``P`` times the average traffic.  (XLA:CPU does not
   implement ``jax.lax.ragged_all_to_all``, which would send only the real rows.)  ``mesh=None``
   uses the mesh set with ``jax.set_mesh``.
+
+  Any ``M`` works: when it does not divide over the token shards (a decode step, an odd prompt),
+  zero rows of weight 0 are appended up to the next multiple and cut from the output.  They add
+  nothing to any output or gradient; they are not routing decisions, so no load statistic sees
+  them.
   """
   _check_dispatch(x, indices, weights, w_gate)
   mesh = _mesh_or_context(mesh)
@@ -616,9 +638,14 @@ def routed_experts_sharded(
   if expert_axis not in tok_axes and n_dev > 1:
     tok_axes = tok_axes + (expert_axis,)
   n_tok_shards = int(np.prod([sizes[a] for a in tok_axes])) if tok_axes else 1
-  if x.shape[0] % n_tok_shards:
-    raise ValueError(f"the {x.shape[0]} tokens must divide over the mesh axes {tok_axes} "
-                     f"({n_tok_shards} shards).")
+  num_tokens = x.shape[0]
+  pad = -num_tokens % n_tok_shards
+  if pad:
+    # shard_map needs equal shards.  A padding row has input 0 and weight 0 (expert 0, any valid
+    # index): its expert output is multiplied by 0 and its input gives the expert weights a zero
+    # gradient, so real rows' values and all gradients are those of the unpadded call.
+    rows = ((0, pad), (0, 0))
+    x, indices, weights = (jnp.pad(_whole_rows(a, mesh), rows) for a in (x, indices, weights))
   local_experts = num_experts // n_dev
   k = indices.shape[1]
   tok_spec = P(tok_axes if tok_axes else None, None)
@@ -655,4 +682,5 @@ def routed_experts_sharded(
   # check_vma=False: the fori_loop carries of the blocked matmul start as (unvarying) zeros.
   fn = jax.shard_map(local, mesh=mesh, in_specs=(tok_spec,) * 3 + (exp_spec,) * 3,
                      out_specs=tok_spec, check_vma=False)
-  return fn(*args)
+  y = fn(*args)
+  return _whole_rows(y, mesh)[:num_tokens] if pad else y

@@ -360,10 +360,24 @@ def test_expert_parallel_equals_single_device():
   np.testing.assert_allclose(got_cap[0], want_cap[0], atol=2e-5)
   assert int(got_cap[1]) == int(want_cap[1]) > 0
   wg = args[3]
-  # Experts that do not divide over the axis, tokens that do not divide over the devices.
+  # Experts that do not divide over the axis.
   with pytest.raises(ValueError, match="divisible"):
     moe.routed_experts_sharded(x, idx, w, wg[:6], wg[:6], args[5][:6], mesh=mesh)
-  with pytest.raises(ValueError, match="tokens must divide"):
-    moe.routed_experts_sharded(x[:60], idx[:60], w[:60], *args[3:], mesh=mesh)
   with pytest.raises(ValueError, match="no mesh"):
     moe.routed_experts_sharded(*args)
+
+
+@pytest.mark.parametrize("m", [1, 3, 13])
+@pytest.mark.parametrize("axis_type", ["auto", "explicit"])
+def test_expert_parallel_pads_tokens_that_do_not_divide_over_the_shards(m, axis_type):
+  # 8 token shards (data x expert) and M = 1 (a decode step), 3, 13: weight-0 padding rows fill the
+  # shards; values and gradients (x, routing weights, expert matrices) stay the dense reference's.
+  t = getattr(jax.sharding.AxisType, axis_type.capitalize())
+  mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(t, t))
+  x, idx, w = _routing(m=m, skew=0.5)
+  args = (x, idx, w) + _experts()
+  want = _value_and_grads(moe.dense_experts, *args)
+  with jax.set_mesh(mesh):
+    got = _value_and_grads(moe.routed_experts_sharded, *args)
+  assert got[0].shape == (m, D) and got[1][0].shape == (m, D) and got[1][1].shape == idx.shape
+  _assert_same(got, want)
