@@ -90,7 +90,31 @@ def shard(x, logical_axes: Sequence[str | None], *, rules=DEFAULT_RULES):
   if len(logical_axes) != x.ndim:
     raise ValueError(f"`logical_axes` {tuple(logical_axes)} must name each of x's {x.ndim} dims.")
   spec = logical_to_spec(logical_axes, rules=rules, mesh=mesh, shape=x.shape)
+  placed = place_if_concrete(x, mesh, spec)
+  if placed is not None:
+    return placed
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def place_if_concrete(x, mesh, spec: P):
+  """``x`` put on ``NamedSharding(mesh, spec)`` when it is a concrete array (a layer called
+  eagerly, outside ``jit``), else None (traced: constrain it instead).
+
+  A sharding constraint or reshard of a concrete array needs the array on the mesh already, so an
+  eager call under ``jax.set_mesh`` with a single-device input would raise; placing it is what the
+  constraint means there.  An abstract ``mesh`` is replaced by the concrete one ``jax.set_mesh``
+  holds."""
+  if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+    return None
+  try:  # A concrete array inside jit (a closed-over constant) is constrained like a tracer.
+    concrete = getattr(jax.sharding, "get_mesh", lambda: None)()
+  except ValueError:    # "get_mesh can only be used outside of jax.jit"
+    return None
+  if not isinstance(mesh, Mesh):
+    mesh = concrete
+    if mesh is None or mesh.empty:
+      return None
+  return jax.device_put(x, NamedSharding(mesh, spec))
 
 
 def _is_var(x):

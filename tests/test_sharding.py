@@ -40,6 +40,24 @@ def test_shard_is_a_noop_without_mesh():
   assert sharding.shard(x, ("batch", "length", "act_embed")) is x
 
 
+def test_shard_places_a_concrete_array_when_called_eagerly():
+  """Outside jit a sharding constraint needs its input on the mesh already; a layer called eagerly
+  under `jax.set_mesh` with a single-device input (a MoE layer, say) used to raise a TypeError."""
+  from jaxattn.nn.moe import MoE
+  mesh = sharding.make_mesh({"data": 2, "expert": 4})
+  x = jnp.arange(4 * 3 * 8, dtype=jnp.float32).reshape(4, 3, 8)
+  with jax.set_mesh(mesh):
+    y = sharding.shard(x, ("batch", "length", "act_embed"))
+  assert y.sharding.spec == P("data", None, None) and y.sharding.mesh.shape == mesh.shape
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+  layer = MoE(8, 8, 2, 12, rngs=nnx.Rngs(0))
+  xm = jax.random.normal(jax.random.key(0), (2, 4, 8))
+  want, _ = layer(xm)
+  with jax.set_mesh(mesh):
+    got, _ = layer(xm)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+
+
 def test_sharded_forward_equals_single_device_and_params_are_sharded():
   x = jax.random.normal(jax.random.key(1), (4, 16, 64))
   ref_block = _block()
