@@ -154,8 +154,54 @@ def _quantize_nf4(w, block_size, double_quant, scale_block_size):
   return NF4Tensor(packed, codes, absmax2, offset)
 
 
+def _implied(name, n, count):
+  """The ``name`` values that cut ``n`` values into ``count`` blocks, for error messages."""
+  if count < 1:
+    return f"no {name} gives them"
+  lo = -(-n // count)
+  if -(-n // lo) != count:
+    return f"no {name} gives them"
+  if count == 1:
+    return f"the tensor's shapes imply {name} >= {lo}"
+  hi = -(-n // (count - 1)) - 1
+  return (f"the tensor's shapes imply {name}={lo}" if lo == hi else
+          f"the tensor's shapes imply {name} in [{lo}, {hi}]")
+
+
+def _check_scale_layout(q, scale_block_size):
+  _check_block_size("scale_block_size", scale_block_size)
+  if (q.absmax_scale is None) != (q.absmax_offset is None):
+    raise ValueError("`q.absmax_scale` and `q.absmax_offset` must both be set (double "
+                     "quantized) or both be None.")
+  if q.absmax_scale is None:
+    return
+  nb = q.absmax.shape[0] if q.absmax.ndim == 1 else 0
+  want = (-(-nb // scale_block_size),)
+  if q.absmax.ndim != 1 or q.absmax_scale.shape != want:
+    raise ValueError(f"`scale_block_size`={scale_block_size} needs `q.absmax_scale` of shape "
+                     f"{want} for the {q.absmax.shape} block codes, got {q.absmax_scale.shape}: "
+                     f"{_implied('scale_block_size', nb, q.absmax_scale.size)}.")
+
+
+def _check_layout(q, shape, block_size, scale_block_size):
+  """Raises ``ValueError`` unless ``q`` holds ``shape`` quantized with these block sizes (they are
+  not stored in ``q``, and a mismatch would scale values by another block's absmax)."""
+  _check_block_size("block_size", block_size)
+  n = int(np.prod(shape))
+  if q.packed.shape != ((n + 1) // 2,):
+    raise ValueError(f"`shape` {shape} needs {(n + 1) // 2} packed bytes, got {q.packed.shape}.")
+  nb = -(-n // block_size)
+  if q.absmax.shape != (nb,):
+    count = q.absmax.shape[0] if q.absmax.ndim == 1 else 0
+    raise ValueError(f"`block_size`={block_size} cuts the {n} values into {nb} blocks, but "
+                     f"`q.absmax` has shape {q.absmax.shape}: "
+                     f"{_implied('block_size', n, count)}.")
+  _check_scale_layout(q, scale_block_size)
+
+
 def nf4_block_scales(q: NF4Tensor, *, scale_block_size: int = 256) -> Float[Array, "nb"]:
   """The per-block scales ``absmax`` (fp32), undoing the double quantization when present."""
+  _check_scale_layout(q, scale_block_size)
   if q.absmax_scale is None:
     return q.absmax.astype(jnp.float32)
   return dequantize_blockwise_8bit(q.absmax, q.absmax_scale,
@@ -170,12 +216,13 @@ def dequantize_nf4(
     scale_block_size: int = 256,
     dtype=jnp.float32,
 ) -> Float[Array, "..."]:
-  """Rebuilds the ``shape`` tensor from ``q`` in ``dtype`` (fp32 math)."""
-  _check_block_size("block_size", block_size)
+  """Rebuilds the ``shape`` tensor from ``q`` in ``dtype`` (fp32 math).
+
+  ``block_size`` and ``scale_block_size`` must be those ``q`` was quantized with; ``ValueError``
+  when ``q``'s shapes contradict them.
+  """
   shape = tuple(int(s) for s in shape)
-  n = int(np.prod(shape))
-  if q.packed.shape != ((n + 1) // 2,):
-    raise ValueError(f"`shape` {shape} needs {(n + 1) // 2} packed bytes, got {q.packed.shape}.")
+  _check_layout(q, shape, block_size, scale_block_size)
   return _dequantize_nf4(q, shape, block_size, scale_block_size, jnp.dtype(dtype))
 
 
@@ -208,6 +255,7 @@ def nf4_einsum(
   dtype (default ``x.dtype``).
   """
   shape = tuple(int(s) for s in shape)
+  _check_layout(q, shape, block_size, scale_block_size)
   dtype = jnp.dtype(dtype or x.dtype)
   return _nf4_einsum(spec, shape, block_size, scale_block_size, dtype,
                      jax.ShapeDtypeStruct(x.shape, x.dtype), x, q)

@@ -156,3 +156,35 @@ def test_errors():
   q = quantize_nf4(jnp.ones(128))
   with pytest.raises(ValueError, match="shape"):
     dequantize_nf4(q, (64,))
+
+
+def test_dequantize_checks_block_sizes_against_the_tensor():
+  # The block sizes are not stored in the tensor: sizes its shapes contradict are refused (they
+  # would scale values by another block's absmax), naming the size the shapes imply.
+  w = jnp.asarray(_randn(5, (10, 64)))
+  q = quantize_nf4(w, scale_block_size=4)  # 10 blocks of 64, 3 scales of 4 blocks
+  assert q.absmax.shape == (10,) and q.absmax_scale.shape == (3,)
+  good = dequantize_nf4(q, w.shape, scale_block_size=4)
+  assert float(jnp.abs(good - w).max()) < 0.5 * float(jnp.abs(w).max())
+  # 640 values in 10 blocks: any block size in [64, 71] gives that many.
+  with pytest.raises(ValueError, match=r"`block_size`=128 .* imply block_size in \[64, 71\]"):
+    dequantize_nf4(q, w.shape, block_size=128, scale_block_size=4)
+  with pytest.raises(ValueError, match=r"`block_size`=32 .* imply block_size in \[64, 71\]"):
+    dequantize_nf4(q, w.shape, block_size=32, scale_block_size=4)
+  with pytest.raises(ValueError, match=r"`scale_block_size`=256 .* imply scale_block_size=4\."):
+    dequantize_nf4(q, w.shape)  # the default 256 wants 1 scale
+  with pytest.raises(ValueError, match="scale_block_size"):
+    dequantize_nf4(q, w.shape, scale_block_size=0)
+  with pytest.raises(ValueError, match="absmax_offset"):
+    dequantize_nf4(q._replace(absmax_offset=None), w.shape, scale_block_size=4)
+  with pytest.raises(ValueError, match="scale_block_size"):
+    nf4_block_scales(q)
+  # nf4_einsum dequantizes the same way and checks the same.
+  with pytest.raises(ValueError, match="block_size"):
+    nf4_einsum("bi,io->bo", jnp.ones((1, 10)), q, w.shape, block_size=128, scale_block_size=4)
+  # Without double quantization only `absmax` is checked against block_size.
+  q1 = quantize_nf4(w, double_quant=False)
+  np.testing.assert_array_equal(dequantize_nf4(q1, w.shape, scale_block_size=2),
+                                dequantize_nf4(q1, w.shape))
+  with pytest.raises(ValueError, match=r"imply block_size in \[64, 71\]"):
+    dequantize_nf4(q1, w.shape, block_size=128)
