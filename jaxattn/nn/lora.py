@@ -449,9 +449,13 @@ def apply_lora(
   ``double_quant``); expert weights take neither NF4 nor ``dropout``.  Returns the adapted paths;
   raises ``ValueError`` when nothing matches.
   """
-  patterns = [targets] if isinstance(targets, str) else list(targets)
-  if not patterns:
-    raise ValueError("`targets` must name at least one pattern.")
+  try:
+    patterns = [targets] if isinstance(targets, str) else list(targets)
+  except TypeError:  # not iterable: None, a number, a compiled pattern
+    patterns = []
+  if not patterns or not all(isinstance(p, str) for p in patterns):
+    raise ValueError(f"`targets` must be a regular expression (str) or a non-empty sequence of "
+                     f"them, got {targets!r}.")
   try:
     regexes = [re.compile(p) for p in patterns]
   except re.error as e:

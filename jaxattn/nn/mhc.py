@@ -66,8 +66,14 @@ class HyperConnection(nnx.Module):
     _check_dims(embed_dim, num_streams)
     if kind not in ("mhc", "hc"):
       raise ValueError(f"`kind` must be 'mhc' or 'hc', got {kind!r}.")
-    if not isinstance(sinkhorn_iters, int) or sinkhorn_iters < 1:
+    # bool is an int subclass; sinkhorn() refuses it, so refuse it here, not at the first call.
+    if (not isinstance(sinkhorn_iters, int) or isinstance(sinkhorn_iters, bool)
+        or sinkhorn_iters < 1):
       raise ValueError(f"`sinkhorn_iters` must be an int >= 1, got {sinkhorn_iters!r}.")
+    # eps is added to the read weights h_pre (and to the plain Sinkhorn's sums): negative, it can
+    # make them negative.
+    if not eps >= 0:
+      raise ValueError(f"`eps` must be >= 0, got {eps!r}.")
     if not isinstance(layer_index, int) or layer_index < 0:
       raise ValueError(f"`layer_index` must be an int >= 0, got {layer_index!r}.")
     n, d = num_streams, embed_dim

@@ -96,8 +96,14 @@ class MoE(nnx.Module):
     M.check_routing_config(num_experts, top_k, n_group, topk_group)
     if score_func not in M.SCORE_FUNCS:
       raise ValueError(f"`score_func` must be one of {M.SCORE_FUNCS}, got {score_func!r}.")
-    if not isinstance(num_shared_experts, int) or num_shared_experts < 0:
+    if (not isinstance(num_shared_experts, int) or isinstance(num_shared_experts, bool)
+        or num_shared_experts < 0):
       raise ValueError(f"`num_shared_experts` must be an int >= 0, got {num_shared_experts!r}.")
+    # None picks the default size (shared: num_shared_experts * expert_dim; blocks: from the
+    # token count); 0 is no size, and must not pass for "default".
+    for name, v in (("shared_dim", shared_dim), ("block_size", block_size)):
+      if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+        raise ValueError(f"`{name}` must be None or an int >= 1, got {v!r}.")
     if capacity_factor is not None and not capacity_factor > 0:
       raise ValueError(f"`capacity_factor` must be positive or None, got {capacity_factor!r}.")
     if implementation is not None and implementation not in M.IMPLEMENTATIONS:
@@ -106,9 +112,11 @@ class MoE(nnx.Module):
     if expert_parallel and capacity_factor is not None:
       raise ValueError("`expert_parallel=True` is the dropless path; with `capacity_factor` the "
                        "[E, C, D] buffer is split over the `expert` axis by XLA instead.")
+    # A negative bias_update_rate would raise the bias of overloaded experts: more imbalance.
     for name, v in (("seq_balance_alpha", seq_balance_alpha),
-                    ("switch_loss_alpha", switch_loss_alpha), ("z_loss_coef", z_loss_coef)):
-      if v < 0:
+                    ("switch_loss_alpha", switch_loss_alpha), ("z_loss_coef", z_loss_coef),
+                    ("bias_update_rate", bias_update_rate)):
+      if not v >= 0:
         raise ValueError(f"`{name}` must be >= 0, got {v!r}.")
     self.embed_dim, self.num_experts, self.top_k, self.expert_dim = (embed_dim, num_experts, top_k,
                                                                      expert_dim)
@@ -129,7 +137,7 @@ class MoE(nnx.Module):
     self.w_up = param(rngs, expert_init, (e, d, f), ("expert", "embed", "mlp"), param_dtype)
     self.w_down = param(rngs, expert_init, (e, f, d), ("expert", "mlp", "embed"), param_dtype)
     self.router_bias = RouterBias(jnp.zeros((e,), jnp.float32), logical_axes=(None,))
-    shared_dim = shared_dim or num_shared_experts * expert_dim
+    shared_dim = num_shared_experts * expert_dim if shared_dim is None else shared_dim
     self.shared = (MLP(d, shared_dim, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
                    if num_shared_experts > 0 else None)
     # Qwen3-Next scales the shared expert per token by sigmoid(x . w_gate).

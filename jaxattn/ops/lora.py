@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,9 @@ def lora_scaling(rank: int, alpha: float, *, use_rslora: bool = False) -> float:
   """``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA (stable update size as ``r`` grows)."""
   if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
     raise ValueError(f"`rank` must be an int >= 1, got {rank!r}.")
+  # bool is a numbers.Real too, and True / False as a scale is a mistake, not a number.
+  if not isinstance(alpha, numbers.Real) or isinstance(alpha, bool):
+    raise ValueError(f"`alpha` must be a real number, got {alpha!r}.")
   return alpha / math.sqrt(rank) if use_rslora else alpha / rank
 
 

@@ -241,6 +241,13 @@ def test_errors():
     apply_lora(model, "(", rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="rank"):
     apply_lora(model, "head", rank=0, rngs=nnx.Rngs(0))
+  for targets in (None, [], ["head", None], 3):
+    with pytest.raises(ValueError, match="targets"):
+      apply_lora(model, targets, rngs=nnx.Rngs(0))
+  for alpha in ("x", None, True):
+    with pytest.raises(ValueError, match="alpha"):
+      apply_lora(model, "head", alpha=alpha, rngs=nnx.Rngs(0))
+  assert not lora_layers(model)  # the refused calls changed nothing
   with pytest.raises(ValueError, match="dropout"):
     LoRA(model.head, dropout=1.0, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="supports"):

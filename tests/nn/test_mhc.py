@@ -208,6 +208,10 @@ def test_errors():
     HyperConnection(D, 0, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="sinkhorn_iters"):
     HyperConnection(D, N, sinkhorn_iters=0, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="sinkhorn_iters"):
+    HyperConnection(D, N, sinkhorn_iters=True, rngs=nnx.Rngs(0))  # at construction, not first call
+  with pytest.raises(ValueError, match="eps"):
+    HyperConnection(D, N, eps=-1.0, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="streams"):
     HyperConnection(D, N, rngs=nnx.Rngs(0)).coefficients(_streams(n=3))
   with pytest.raises(ValueError, match="rngs"):

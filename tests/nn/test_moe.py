@@ -155,6 +155,32 @@ def test_expert_parallel_equals_single_device():
   np.testing.assert_allclose(stats.load, want_stats.load)
 
 
+@pytest.mark.parametrize("shape", [(2, 1), (1, 3)])
+def test_expert_parallel_with_tokens_that_do_not_divide_over_the_shards(shape):
+  # {"expert": 4, "data": 2} splits tokens 8 ways; a decode step [2, 1, D] and an odd prompt
+  # [1, 3, D] have fewer: the expert-parallel path pads them, and the padding is no token, so
+  # values, gradients (parameters and input) and the load equal the no-mesh call.
+  def loss(layer, x):
+    y, stats = layer(x)
+    return jnp.sum(jnp.sin(y)), (y, stats.load)
+
+  step = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+  x = _x(*shape)
+  (_, (want, want_load)), (want_gp, want_gx) = step(_moe(), x)
+  mesh = sharding.make_mesh({"expert": 4, "data": 2})
+  layer = _moe()
+  with jax.set_mesh(mesh):
+    sharding.shard_module(layer, mesh)
+    assert layer._use_expert_parallel()
+    (_, (got, load)), (gp, gx) = step(layer, x)
+  np.testing.assert_allclose(got, want, atol=2e-5)
+  np.testing.assert_allclose(gx, want_gx, atol=5e-5, rtol=1e-4)
+  for (path, g), (_, r) in zip(nnx.to_flat_state(gp), nnx.to_flat_state(want_gp)):
+    np.testing.assert_allclose(g[...], r[...], atol=5e-5, rtol=1e-4, err_msg=str(path))
+  assert float(load.sum()) == shape[0] * shape[1] * 2  # top-2 of the real tokens only
+  np.testing.assert_array_equal(load, want_load)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(top_k=9), "top_k"),
     (dict(num_experts=6, n_group=4), "n_group"),
@@ -166,6 +192,10 @@ def test_expert_parallel_equals_single_device():
     (dict(num_shared_experts=-1), "num_shared_experts"),
     (dict(z_loss_coef=-1.0), "z_loss_coef"),
     (dict(expert_parallel=True, capacity_factor=1.0), "expert_parallel"),
+    (dict(shared_dim=0), "shared_dim"),  # 0 must not pass for "the default"
+    (dict(bias_update_rate=-1e-3), "bias_update_rate"),
+    (dict(block_size=0), "block_size"),
+    (dict(top_k=True), "top_k"),  # bool, not the int 1
 ])
 def test_config_errors(kwargs, match):
   with pytest.raises(ValueError, match=match):
