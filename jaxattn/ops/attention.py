@@ -103,7 +103,17 @@ def _load_builtin(name):
       pass
 
 
-def _validate(query, key, value, bias, mask, scale, alibi_slopes, logits_soft_cap):
+def check_scale(scale) -> None:
+  """Raises unless ``scale`` is None, an array (traced values cannot be checked) or a positive
+  finite number: the one check of a logits scale for every attention formula."""
+  if scale is None or isinstance(scale, (jax.Array, jax.core.Tracer)):
+    return
+  if isinstance(scale, (bool, str)) or not (math.isfinite(scale) and scale > 0):
+    raise ValueError(f"`scale` must be a positive finite float or None, got {scale!r}.")
+
+
+def _validate(query, key, value, bias, mask, scale, alibi_slopes, logits_soft_cap,
+              segment_ids=None, kv_lengths=None):
   for name, x in (("query", query), ("key", key), ("value", value)):
     if x.ndim != 4:
       raise ValueError(f"`{name}` must have rank 4 ([B, T|S, heads, head_dim]), got shape {x.shape}.")
@@ -137,13 +147,29 @@ def _validate(query, key, value, bias, mask, scale, alibi_slopes, logits_soft_ca
       np.broadcast_shapes(mshape, (b, n, t, s))
     except ValueError:
       raise ValueError(f"`mask` shape {mshape} must broadcast to [B, N, T, S] = {(b, n, t, s)}.")
-  if scale is not None and not isinstance(scale, (jax.Array, jax.core.Tracer)):
-    if not (math.isfinite(scale) and scale > 0):
-      raise ValueError(f"`scale` must be a positive finite float, got {scale!r}.")
+  check_scale(scale)
   if alibi_slopes is not None and tuple(np.shape(alibi_slopes)) != (n,):
     raise ValueError(f"`alibi_slopes` must have shape [N] = ({n},), got {np.shape(alibi_slopes)}.")
   if logits_soft_cap is not None and not (logits_soft_cap > 0):
     raise ValueError(f"`logits_soft_cap` must be a positive float or None, got {logits_soft_cap!r}.")
+  if segment_ids is not None:
+    # Out-of-range ids are not an error inside the mask (a gather fills them), so the shapes are
+    # checked here: a short array would otherwise pass as a segment of its own.
+    pair = isinstance(segment_ids, (tuple, list))
+    if pair and len(segment_ids) != 2:
+      raise ValueError(f"`segment_ids` must be [B, T] or a (q_ids [B, T], kv_ids [B, S]) pair, got "
+                       f"{len(segment_ids)} arrays.")
+    ids = tuple(segment_ids) if pair else (segment_ids, segment_ids)
+    for name, a, want in (("q_ids", ids[0], (b, t)), ("kv_ids", ids[1], (b, s))):
+      if tuple(np.shape(a)) != want or not jnp.issubdtype(jnp.asarray(a).dtype, jnp.integer):
+        form = (f"{name} {want} of the (q_ids [B, T], kv_ids [B, S]) pair" if pair else
+                f"[B, T] = {(b, t)} integers (T == S; a (q_ids, kv_ids) pair when T != S)")
+        raise ValueError(f"`segment_ids` must be {form}, got shape {tuple(np.shape(a))} of "
+                         f"{jnp.asarray(a).dtype}.")
+  if kv_lengths is not None and (tuple(np.shape(kv_lengths)) != (b,) or not jnp.issubdtype(
+      jnp.asarray(kv_lengths).dtype, jnp.integer)):
+    raise ValueError(f"`kv_lengths` must be [B] = ({b},) integers, got shape "
+                     f"{tuple(np.shape(kv_lengths))} of {jnp.asarray(kv_lengths).dtype}.")
 
 
 def dot_product_attention(
@@ -203,6 +229,14 @@ def dot_product_attention(
                            local_window_size=local_window_size, segment_ids=segment_ids,
                            kv_lengths=kv_lengths, q_offset=q_offset, alibi_slopes=alibi_slopes,
                            logits_soft_cap=logits_soft_cap, return_residuals=return_residuals)
+  if query.shape[1] == 0 or key.shape[1] == 0:
+    # Nothing to attend (S = 0) or nobody asking (T = 0): the no-visible-key result, zeros and a
+    # -inf log-sum-exp, the same from every backend (some cannot tile an empty axis).
+    if implementation is not None:
+      _resolve(implementation)  # an unavailable explicit choice still raises
+    b, t, n, _ = query.shape
+    out = jnp.zeros((b, t, n, value.shape[-1]), query.dtype)
+    return (out, jnp.full((b, n, t), -jnp.inf, jnp.float32)) if return_residuals else out
   if implementation is not None:
     return _resolve(implementation)(query, key, value, **kwargs)
   return _first_accepting(lambda backend: backend(query, key, value, **kwargs))[1]
@@ -213,7 +247,8 @@ def _backend_kwargs(query, key, value, bias=None, mask=None, *, scale=None, is_c
                     alibi_slopes=None, logits_soft_cap=None, return_residuals=False) -> dict:
   """Validates ``dot_product_attention``'s arguments and returns the backends' normalized keyword
   arguments: one ``Mask`` (or None), a boolean mask array apart, a concrete default scale."""
-  _validate(query, key, value, bias, mask, scale, alibi_slopes, logits_soft_cap)
+  _validate(query, key, value, bias, mask, scale, alibi_slopes, logits_soft_cap, segment_ids,
+            kv_lengths)
   mask_obj = mask if isinstance(mask, Mask) else None
   mask_array = None if (mask is None or isinstance(mask, Mask)) else jnp.asarray(mask, bool)
   mask_obj = make_mask(is_causal=is_causal, local_window_size=local_window_size,

@@ -46,13 +46,14 @@ chunked form a same-segment mask on every decay factor.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Callable, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
+
+from jaxattn.ops.attention import check_scale
 
 Implementation = Literal["recurrent", "chunked", "pallas_tpu", "pallas_gpu"]
 IMPLEMENTATIONS: tuple[str, ...] = ("recurrent", "chunked", "pallas_tpu", "pallas_gpu")
@@ -113,9 +114,7 @@ def _validate(q, k, v, g, beta, initial_state, segment_ids, chunk_size, scale):
       raise ValueError(f"`segment_ids` must be integers, got {segment_ids.dtype}.")
   if not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1 or chunk_size & (chunk_size - 1):
     raise ValueError(f"`chunk_size` must be a power of two >= 1, got {chunk_size!r}.")
-  if scale is not None and not isinstance(scale, (jax.Array, jax.core.Tracer)):
-    if not (math.isfinite(scale) and scale > 0):
-      raise ValueError(f"`scale` must be a positive finite float or None, got {scale!r}.")
+  check_scale(scale)
 
 
 def segment_resets(segment_ids, b, t):

@@ -39,7 +39,7 @@ from typing import Literal, Sequence
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxattn.ops.attention import Implementation, dot_product_attention
+from jaxattn.ops.attention import Implementation, check_scale, dot_product_attention
 from jaxattn.ops.masks import Mask
 from jaxattn.ops.rope import RopeScaling, yarn_mscale
 
@@ -91,8 +91,7 @@ def _validate(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, mode, scale):
   if len(dtypes) != 1:
     raise ValueError(f"`q_nope`, `q_rope`, `c_kv`, `k_rope` dtypes must match, got {q_nope.dtype}, "
                      f"{q_rope.dtype}, {c_kv.dtype}, {k_rope.dtype}.")
-  if isinstance(scale, (int, float)) and not (math.isfinite(scale) and scale > 0):
-    raise ValueError(f"`scale` must be a positive finite float, got {scale!r}.")
+  check_scale(scale)
 
 
 def _mm(spec, x, w):

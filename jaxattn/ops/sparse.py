@@ -33,6 +33,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jaxattn import native
 from jaxattn.ops import sparse_cpu
+from jaxattn.ops.attention import check_scale
 from jaxattn.ops.quantization import (QUANT_FORMATS, QuantFormat, fake_quantize, quantize_fp8,
                                       quantize_int8)
 
@@ -257,6 +258,7 @@ def sparse_attention(
   if n % kh:
     raise ValueError(f"query heads N={n} must be a multiple of key heads K={kh}.")
   _check_indices(indices, b, t)
+  check_scale(scale)
   if scale is None:
     scale = 1.0 / math.sqrt(h)
   impl = _resolve_implementation(implementation, t * indices.shape[2], key.shape[1])
@@ -403,6 +405,7 @@ def sparse_mla_attention(
     raise ValueError(f"`k_rope` {k_rope.shape} / `q_rope` {q_rope.shape} do not match `c_kv` "
                      f"{c_kv.shape} / `q_nope` {q_nope.shape}.")
   _check_indices(indices, b, t)
+  check_scale(scale)
   if scale is None:
     scale = 1.0 / math.sqrt(p + r)
   dt = q_nope.dtype

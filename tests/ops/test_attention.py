@@ -265,3 +265,30 @@ def test_errors():
     dpa(q, kk, v, alibi_slopes=jnp.ones(3))
   with pytest.raises(ValueError, match="scale"):
     dpa(q, kk, v, scale=-1.0)
+  # Segment ids and lengths of the wrong shape: a short id array used to pass as a segment of its
+  # own on the XLA paths (the mask's gather fills out-of-range rows), or fail in the CPU kernel.
+  ids = jnp.zeros((2, 7), jnp.int32)
+  for impl in (None, "xla", "xla_chunked"):
+    with pytest.raises(ValueError, match=r"`segment_ids` must be \[B, T\] = \(2, 7\)"):
+      dpa(q, kk, v, segment_ids=ids[:, :5], implementation=impl)
+    with pytest.raises(ValueError, match=r"`segment_ids` must be kv_ids \(2, 7\) of the"):
+      dpa(q, kk, v, segment_ids=(ids, ids[:, :5]), implementation=impl)
+    with pytest.raises(ValueError, match="`segment_ids` must be"):
+      dpa(q, kk, v, segment_ids=ids.astype(jnp.float32), implementation=impl)
+    for lengths in (jnp.int32(3), jnp.ones((3,), jnp.int32), jnp.ones((2,), jnp.float32)):
+      with pytest.raises(ValueError, match=r"`kv_lengths` must be \[B\] = \(2,\) integers"):
+        dpa(q, kk, v, kv_lengths=lengths, implementation=impl)
+
+
+@pytest.mark.parametrize("impl", [None, "xla", "xla_chunked", "cpu"])
+@pytest.mark.parametrize("t, s", [(0, 5), (4, 0), (0, 0)])
+def test_empty_axes_give_the_no_visible_key_result(impl, t, s):
+  """No queries, or no keys: zeros and a -inf log-sum-exp from every backend (xla_chunked could
+  not tile T = 0, xla reduced an empty max), and zero gradients."""
+  q, kk, v = _qkv(t=t, s=s, hv=6)
+  out, lse = dpa(q, kk, v, is_causal=False, return_residuals=True, implementation=impl)
+  assert out.shape == (2, t, 4, 6) and lse.shape == (2, 4, t)
+  assert not np.asarray(out).any() and np.all(np.asarray(lse) == -np.inf)
+  grads = jax.grad(lambda q, k, v: dpa(q, k, v, implementation=impl).sum(), (0, 1, 2))(q, kk, v)
+  assert [g.shape for g in grads] == [q.shape, kk.shape, v.shape]
+  assert not any(np.asarray(g).any() for g in grads)

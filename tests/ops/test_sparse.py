@@ -186,6 +186,9 @@ def test_errors():
     indexer_kl_loss(jnp.ones((B, N, T, T)), jnp.ones((B, T, T + 1)))
   with pytest.raises(ValueError, match="quant"):
     indexer_scores(qi, ki, w, quant="int4")
+  for bad in (0.0, -1.0, float("inf")):   # as dot_product_attention refuses them
+    with pytest.raises(ValueError, match="`scale` must be a positive finite float"):
+      sparse_attention(q, kk, v, jnp.zeros((B, T, 2), jnp.int32), scale=bad)
 
 
 def _sparse_case(b, t, s, n, kh, h, hv, k, dtype, seed):
