@@ -43,7 +43,8 @@ def make_optimizer(*, learning_rate: float = 3e-3, warmup_steps: int = 100,
                    ) -> optax.GradientTransformation:
   """AdamW on a linear-warmup + cosine schedule, after global-norm gradient clipping.
 
-  Weight decay applies to matrices only (``ndim >= 2``): norms' scales and biases are not decayed.
+  Weight decay applies to matrices only (``decay_mask``): norms' scales and biases are not decayed,
+  scanned (stacked) or not.
   """
   for name, v in (("learning_rate", learning_rate), ("total_steps", total_steps)):
     if not v > 0:
@@ -51,12 +52,28 @@ def make_optimizer(*, learning_rate: float = 3e-3, warmup_steps: int = 100,
   if not 0 <= warmup_steps <= total_steps:
     raise ValueError(f"`warmup_steps` must be in [0, total_steps={total_steps}], got {warmup_steps}.")
   schedule = optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=learning_rate, warmup_steps=max(warmup_steps, 1),
+      init_value=0.0, peak_value=learning_rate, warmup_steps=warmup_steps,
       decay_steps=max(total_steps, warmup_steps + 1), end_value=learning_rate * min_lr_ratio)
-  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
   return optax.chain(
       optax.clip_by_global_norm(clip_norm),
       optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay, mask=decay_mask))
+
+
+def decay_mask(params):
+  """True for the matrices weight decay applies to: ``ndim >= 2`` not counting a scanned stack's
+  ``layers`` axis, so that the stacked ``[L, D]`` norm scales and biases of ``scan_layers`` are
+  left alone as their unrolled ``[D]`` twins are (read from each Variable's logical axes)."""
+  def decays(v) -> bool:
+    if not isinstance(v, nnx.Variable):
+      return np.ndim(v) >= 2
+    ndim = np.ndim(v.get_value())
+    axes = v.get_metadata().get("logical_axes") or ()
+    return ndim - sum(a == "layers" for a in axes) >= 2
+  variables = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  treedef = jax.tree.structure(params)
+  if len(variables) != treedef.num_leaves:   # a plain pytree of arrays: no stacks to know of
+    return jax.tree.map(lambda p: np.ndim(p) >= 2, params)
+  return jax.tree.unflatten(treedef, [decays(v) for v in variables])
 
 
 def cross_entropy(logits, targets, mask=None):
@@ -143,7 +160,9 @@ def shard_batch(batch: dict, mesh: Mesh | None):
 
 def _train_step(graphdef, tx, state: TrainState, batch: Batch):
   def loss(params):
-    model = nnx.merge(graphdef, params, state.rest)
+    # copy: fresh Variables in this trace.  The router biases in `rest` belong to the outer jit
+    # trace, and nnx.scan / nnx.remat refuse Variables from another trace level.
+    model = nnx.merge(graphdef, params, state.rest, copy=True)
     return loss_fn(model, batch)
 
   (_, (metrics, loads)), grads = jax.value_and_grad(loss, has_aux=True)(state.params)

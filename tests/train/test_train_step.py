@@ -57,13 +57,59 @@ def test_sharded_step_matches_one_device(preset, mesh_shape):
   assert any(("tensor" in s) or ("expert" in s) for s in specs), specs
   for k in ("loss", "grad_norm", "moe_aux_loss"):
     np.testing.assert_allclose(m_got[k], m_ref[k], rtol=2e-5, atol=1e-7)
+  # Adam's first step is about lr * sign(g) (lr = 1e-2): on a near-zero gradient the sharded sum's
+  # rounding can move it by a fraction of lr, so updated parameters agree to 10% of one step.
   for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(ref.params)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=1e-3)
   for a, b in zip(jax.tree.leaves(got.rest), jax.tree.leaves(ref.rest)):  # MoE router biases
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-7)
   if cfg.num_experts:
     bias = jax.tree.leaves(got.rest)[0]
     assert np.abs(np.asarray(bias)).max() > 0  # the bias moved against the load
+  # warmup_steps=0: the first step already moves the parameters (it used to run at LR 0).
+  assert any(not np.array_equal(np.asarray(a), np.asarray(b))
+             for a, b in zip(jax.tree.leaves(ref.params), jax.tree.leaves(state0.params)))
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v3", "qwen3-next"])
+def test_moe_step_with_scanned_layers_and_remat(preset):
+  """MoE models train with scan_layers and remat, as the full-size presets are configured: the
+  router biases (non-parameter state) used to be refused by nnx.scan / nnx.remat as Variables of
+  another trace level.  Remat changes no value."""
+  cfg = get_config(preset, embed_dim=32, mlp_dim=64, num_layers=4, max_seq_len=64, num_heads=4,
+                   moe_expert_dim=16, scan_layers=True)
+  if preset == "deepseek-v3":
+    cfg = cfg.replace(kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                      v_head_dim=8)
+  else:
+    cfg = cfg.replace(rotary_dim=4, deltanet_head_dim=8, deltanet_v_head_dim=8)
+  _, plain, m_plain = _one_step(cfg, None)
+  _, remat, m_remat = _one_step(cfg.replace(remat="dots"), None)
+  np.testing.assert_allclose(m_remat["loss"], m_plain["loss"], rtol=1e-6)
+  np.testing.assert_allclose(m_remat["grad_norm"], m_plain["grad_norm"], rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(remat.rest), jax.tree.leaves(plain.rest)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-7)
+  assert max(np.abs(np.asarray(x)).max() for x in jax.tree.leaves(remat.rest)) > 0
+
+
+def test_weight_decay_skips_norms_and_biases_scanned_or_not():
+  """A scanned stack holds its norm scales as [L, D]: still vectors, not decayed."""
+  from jaxattn.train.step import decay_mask, split_model
+  masks = {}
+  for scan in (False, True):
+    cfg = get_config("llama", embed_dim=16, mlp_dim=32, num_layers=2, num_heads=2,
+                     num_kv_heads=1, scan_layers=scan, attention_bias=True)
+    _, params, _ = split_model(DecoderLM(cfg, rngs=nnx.Rngs(0)))
+    flat = jax.tree_util.tree_leaves_with_path(decay_mask(params))
+    masks[scan] = {jax.tree_util.keystr(p).split("'")[-2]: m for p, m in flat}
+    tx = make_optimizer(learning_rate=1.0, warmup_steps=0, total_steps=10, weight_decay=0.5,
+                        clip_norm=1e9)
+    upd, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+    for p, u in jax.tree_util.tree_leaves_with_path(upd):   # zero gradients: decay alone moves
+      moved = bool(np.abs(np.asarray(u)).max() > 0)
+      name = jax.tree_util.keystr(p)
+      assert moved == ("kernel" in name or "embed" in name), (scan, name)
+  assert masks[True] == masks[False] and not masks[True]["scale"] and masks[True]["kernel"]
 
 
 def test_cross_entropy_matches_a_direct_formula():
