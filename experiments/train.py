@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import json
 import math
 import os
@@ -65,18 +66,47 @@ def parse_mesh(text: str | None) -> dict[str, int]:
   return out
 
 
+_WORDS = {"true": True, "false": False, "none": None, "null": None}
+
+
 def parse_overrides(items: list[str]) -> dict:
-  """``["num_layers=8", "sliding_window=None"]`` -> a dict of Python literals (strings as is)."""
+  """``["num_layers=8", "sliding_window=none", "scan_layers=true"]`` -> a dict of Python literals
+  (``true`` / ``false`` / ``none`` / ``null`` in any case too; other strings as is).  Keys must be
+  ``ModelConfig`` fields."""
+  fields = {f.name for f in dataclasses.fields(ModelConfig)}
   out = {}
   for item in items or []:
     key, eq, value = item.partition("=")
     if not eq:
       raise ValueError(f"`--set` takes key=value, got {item!r}.")
+    if key not in fields:
+      raise ValueError(f"`--set`: {key!r} is not a ModelConfig field; fields: {sorted(fields)}.")
+    if value.strip().lower() in _WORDS:
+      out[key] = _WORDS[value.strip().lower()]
+      continue
     try:
       out[key] = ast.literal_eval(value)
     except (ValueError, SyntaxError):
       out[key] = value
   return out
+
+
+def _at_least(low: int):
+  """An argparse type: an int >= ``low`` (argparse names the flag in its error)."""
+  def parse(text: str) -> int:
+    v = int(text)
+    if v < low:
+      raise argparse.ArgumentTypeError(f"must be an int >= {low}, got {v}")
+    return v
+  parse.__name__ = f"int >= {low}"
+  return parse
+
+
+def _positive_float(text: str) -> float:
+  v = float(text)
+  if not (math.isfinite(v) and v > 0):
+    raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+  return v
 
 
 def build_config(args) -> ModelConfig:
@@ -188,6 +218,11 @@ def train(args) -> dict:
 
     # -- resume ----------------------------------------------------------------------------------
     ckpt = Checkpointer(out / "checkpoints", max_to_keep=args.keep, save_every=args.save_every)
+    if args.no_resume and ckpt.all_steps():
+      # Their step numbers would block every save of the new run (or fail it partway), leaving the
+      # old weights under the new run's config and metrics.
+      raise ValueError(f"--no-resume: `--out` {str(out)!r} already holds checkpoints "
+                       f"{ckpt.all_steps()}; use another --out or remove {ckpt.directory}.")
     start = 0
     rng = np.random.default_rng(args.seed)
     if not args.no_resume and ckpt.latest_step() is not None:
@@ -239,7 +274,9 @@ def train(args) -> dict:
           bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tps:,.0f}")
         bar.update(1)
         if args.eval_every and n % args.eval_every == 0 and n < args.steps:
+          t_eval = time.perf_counter()
           ev = evaluate(eval_fn, state, evals, mesh=mesh)
+          t_window += time.perf_counter() - t_eval   # evaluation is not training throughput
           metrics_log.write(dict(step=n, **ev))
           bar.write(f"step {n}: eval loss {ev['eval_loss']:.4f}, ppl {ev['eval_ppl']:.2f}")
         ckpt.save(n, state, meta())
@@ -304,29 +341,31 @@ def make_parser() -> argparse.ArgumentParser:
   p.add_argument("--size", default="tiny", choices=("tiny", "full"))
   p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                  help="ModelConfig overrides, e.g. --set num_layers=6 sliding_window=64")
-  p.add_argument("--steps", type=int, default=300)
-  p.add_argument("--batch-size", type=int, default=16, help="global rows per step")
-  p.add_argument("--seq-len", type=int, default=256)
-  p.add_argument("--lr", type=float, default=3e-3)
-  p.add_argument("--warmup", type=int, default=30)
+  p.add_argument("--steps", type=_at_least(1), default=300)
+  p.add_argument("--batch-size", type=_at_least(1), default=16, help="global rows per step")
+  p.add_argument("--seq-len", type=_at_least(1), default=256)
+  p.add_argument("--lr", type=_positive_float, default=3e-3)
+  p.add_argument("--warmup", type=_at_least(0), default=30)
   p.add_argument("--weight-decay", type=float, default=0.1)
-  p.add_argument("--clip", type=float, default=1.0)
+  p.add_argument("--clip", type=_positive_float, default=1.0,
+                 help="global gradient-norm clip (a negative one would reverse the updates)")
   p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
   p.add_argument("--scan-layers", action="store_true")
   p.add_argument("--remat", choices=("none", "full", "dots", "dots_no_batch"), default=None)
   p.add_argument("--mesh", default=None, help="axis sizes, e.g. data=2,tensor=4 (data: the rest)")
   p.add_argument("--data", default=None, help="text file, or hf:NAME[:CONFIG][:SPLIT]; default: "
                  "Python's documentation topics")
-  p.add_argument("--eval-split-every", type=int, default=20, help="every n-th document is held out")
-  p.add_argument("--eval-every", type=int, default=100)
-  p.add_argument("--eval-batches", type=int, default=8)
-  p.add_argument("--log-every", type=int, default=1)
+  p.add_argument("--eval-split-every", type=_at_least(2), default=20,
+                 help="every n-th document is held out")
+  p.add_argument("--eval-every", type=_at_least(0), default=100, help="0: no periodic eval")
+  p.add_argument("--eval-batches", type=_at_least(1), default=8)
+  p.add_argument("--log-every", type=_at_least(1), default=1)
   p.add_argument("--out", default="runs/train")
-  p.add_argument("--save-every", type=int, default=100)
-  p.add_argument("--keep", type=int, default=3)
+  p.add_argument("--save-every", type=_at_least(1), default=100)
+  p.add_argument("--keep", type=_at_least(1), default=3)
   p.add_argument("--no-resume", action="store_true")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--sample-tokens", type=int, default=200)
+  p.add_argument("--sample-tokens", type=_at_least(0), default=200)
   p.add_argument("--prompt", default="The ")
   p.add_argument("--sample-temperature", type=float, default=0.7)
   p.add_argument("--sample-top-p", type=float, default=0.9)

@@ -33,6 +33,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jaxtyping import Array, Int
 
@@ -160,6 +161,10 @@ class ModelConfig:
       positive(name)
     for name in ("num_kv_heads", "head_dim", "moe_expert_dim", "moe_shared_dim"):
       positive(name, allow_none=True)
+    for f in dataclasses.fields(self):
+      # A string such as "false" is truthy: it would silently mean True.
+      if f.type == "bool" and not isinstance(getattr(self, f.name), (bool, np.bool_)):
+        raise ValueError(f"`{f.name}` must be a bool, got {getattr(self, f.name)!r}.")
     pat = self.layer_pattern
     if not isinstance(pat, str) or not pat or set(pat) - set(LAYER_KINDS):
       raise ValueError(f"`layer_pattern` must be a non-empty string of {sorted(LAYER_KINDS)} "

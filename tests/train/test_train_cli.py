@@ -47,9 +47,14 @@ def test_resume_refuses_another_config(tmp_path):
     train_cli.train(train_cli.make_parser().parse_args(
         COMMON + ["--steps", "4", "--out", str(out), "--set", "embed_dim=64", "mlp_dim=64",
                   "num_layers=2"]))
+  # --no-resume over old checkpoints: refused before training (their step numbers would block
+  # every save of the new run, leaving the old weights under its config and metrics).
+  with pytest.raises(ValueError, match=r"--no-resume: `--out` .* already holds checkpoints \[2\]"):
+    train_cli.train(train_cli.make_parser().parse_args(
+        COMMON + ["--steps", "2", "--out", str(out), "--no-resume"]))
 
 
-def test_cli_argument_errors(tmp_path):
+def test_cli_argument_errors(tmp_path, capsys):
   with pytest.raises(ValueError, match="batch-size"):
     train_cli.train(train_cli.make_parser().parse_args(
         COMMON + ["--batch-size", "6", "--mesh", "data=4,tensor=2", "--out", str(tmp_path)]))
@@ -59,3 +64,19 @@ def test_cli_argument_errors(tmp_path):
     train_cli.parse_overrides(["num_layers"])
   assert train_cli.parse_overrides(["num_layers=3", "norm=layer", "rope_scaling=None"]) == {
       "num_layers": 3, "norm": "layer", "rope_scaling": None}
+  # Lowercase spellings too: "false" used to stay a (truthy) string.
+  assert train_cli.parse_overrides(["scan_layers=false", "tie_embeddings=TRUE",
+                                    "sliding_window=none", "logits_soft_cap=null"]) == {
+      "scan_layers": False, "tie_embeddings": True, "sliding_window": None,
+      "logits_soft_cap": None}
+  with pytest.raises(ValueError, match="`--set`: 'nonsense' is not a ModelConfig field"):
+    train_cli.parse_overrides(["nonsense=1"])
+  with pytest.raises(ValueError, match="`gated_mlp` must be a bool, got 'no'"):
+    train_cli.build_config(train_cli.make_parser().parse_args(["--set", "gated_mlp=no"]))
+  # Bad numbers are refused by the parser, naming the flag, before any work.
+  for flag, value in (("--clip", "-1"), ("--clip", "0"), ("--log-every", "0"), ("--keep", "0"),
+                      ("--steps", "0"), ("--eval-batches", "0"), ("--eval-split-every", "1"),
+                      ("--lr", "nan"), ("--warmup", "-1")):
+    with pytest.raises(SystemExit):
+      train_cli.make_parser().parse_args([flag, value])
+    assert f"argument {flag}: must be" in capsys.readouterr().err
