@@ -73,7 +73,8 @@ def parse_overrides(items: list[str]) -> dict:
   """``["num_layers=8", "sliding_window=none", "scan_layers=true"]`` -> a dict of Python literals
   (``true`` / ``false`` / ``none`` / ``null`` in any case too; other strings as is).  Keys must be
   ``ModelConfig`` fields."""
-  fields = {f.name for f in dataclasses.fields(ModelConfig)}
+  types = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
+  fields = set(types)
   out = {}
   for item in items or []:
     key, eq, value = item.partition("=")
@@ -81,8 +82,13 @@ def parse_overrides(items: list[str]) -> dict:
       raise ValueError(f"`--set` takes key=value, got {item!r}.")
     if key not in fields:
       raise ValueError(f"`--set`: {key!r} is not a ModelConfig field; fields: {sorted(fields)}.")
-    if value.strip().lower() in _WORDS:
-      out[key] = _WORDS[value.strip().lower()]
+    word = value.strip().lower()
+    ftype = str(types[key])
+    # true/false for bool fields, none/null for optional ones; "none" stays a string elsewhere
+    # (position="none", remat="none").
+    if word in _WORDS and (("bool" in ftype and word in ("true", "false"))
+                           or ("None" in ftype and word in ("none", "null"))):
+      out[key] = _WORDS[word]
       continue
     try:
       out[key] = ast.literal_eval(value)

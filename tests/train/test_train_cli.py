@@ -69,6 +69,8 @@ def test_cli_argument_errors(tmp_path, capsys):
                                     "sliding_window=none", "logits_soft_cap=null"]) == {
       "scan_layers": False, "tie_embeddings": True, "sliding_window": None,
       "logits_soft_cap": None}
+  assert train_cli.parse_overrides(["position=none", "remat=none"]) == {
+      "position": "none", "remat": "none"}                   # string values named "none"
   with pytest.raises(ValueError, match="`--set`: 'nonsense' is not a ModelConfig field"):
     train_cli.parse_overrides(["nonsense=1"])
   with pytest.raises(ValueError, match="`gated_mlp` must be a bool, got 'no'"):
