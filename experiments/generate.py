@@ -67,7 +67,8 @@ def _text_codec(args, vocab_size: int):
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     return (lambda text: np.asarray(tok(text)["input_ids"], np.int32),
             lambda ids: tok.decode([int(i) for i in ids]))
-  if vocab_size == ByteTokenizer.vocab_size:
+  if vocab_size == ByteTokenizer.vocab_size or (args.run and vocab_size > ByteTokenizer.vocab_size):
+    # experiments.train feeds byte ids to any vocabulary of at least the byte tokenizer's size.
     tokenizer = ByteTokenizer()
     return lambda text: tokenizer.encode(text, add_bos=True), tokenizer.decode
 
