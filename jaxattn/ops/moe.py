@@ -587,10 +587,7 @@ def _place(a, mesh, spec):
 def _whole_rows(a, mesh):
   """``a`` with its row axis unsplit, so that it can be padded or sliced to a size the shards do
   not divide: Explicit axes refuse that on a split axis (Auto axes leave it to XLA)."""
-  if not _is_explicit(mesh):
-    return a
-  placed = place_if_concrete(a, mesh, P())
-  return jax.sharding.reshard(a, NamedSharding(mesh, P())) if placed is None else placed
+  return _place(a, mesh, P()) if _is_explicit(mesh) else a
 
 
 def routed_experts_sharded(
