@@ -16,18 +16,18 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from jaxattn.checks import is_int, is_number
 from jaxattn.nn.model import DecoderLM
 
 
 def check_sampling(temperature, top_p, top_k=0) -> None:
   """Raises ``ValueError`` unless ``temperature >= 0``, ``0 < top_p <= 1`` and ``top_k >= 0``."""
-  def number(v):
-    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+  number = is_number
   if not number(temperature) or not temperature >= 0:        # `not >=` also refuses NaN
     raise ValueError(f"`temperature` must be a number >= 0 (0: greedy), got {temperature!r}.")
   if not number(top_p) or not 0.0 < top_p <= 1.0:
     raise ValueError(f"`top_p` must be in (0, 1], got {top_p!r}.")
-  if not isinstance(top_k, (int, np.integer)) or isinstance(top_k, bool) or top_k < 0:
+  if not is_int(top_k) or top_k < 0:
     raise ValueError(f"`top_k` must be an int >= 0 (0: no limit), got {top_k!r}.")
 
 
@@ -99,6 +99,7 @@ def decode_functions(graphdef, batch: int, max_len: int, *, temperature: float =
   @jax.jit
   def prefill(state, tokens, key):
     m = nnx.merge(graphdef, state)
+    m.eval()  # no dropout while decoding (a LoRA adapter trained with dropout, say)
     logits, cache = m(tokens, cache=m.init_cache(batch, max_len))
     return sample_logits(logits[:, -1], key, temperature=temperature, top_p=top_p,
                          top_k=top_k), cache
@@ -106,6 +107,7 @@ def decode_functions(graphdef, batch: int, max_len: int, *, temperature: float =
   @functools.partial(jax.jit, donate_argnums=2)
   def step(state, token, cache, key):
     m = nnx.merge(graphdef, state)
+    m.eval()
     logits, cache = m(token[:, None], cache=cache)
     return sample_logits(logits[:, -1], key, temperature=temperature, top_p=top_p,
                          top_k=top_k), cache

@@ -27,6 +27,33 @@ def test_greedy_generation_equals_argmax_of_the_uncached_forward():
   np.testing.assert_array_equal(out, seq)
 
 
+def test_generation_runs_without_dropout():
+  """A model holding LoRA dropout decodes as in eval mode (dropout used to be applied to every
+  prefill and step, with the same masks each call)."""
+  from jaxattn.nn.lora import LoRA, apply_lora
+  cfg = get_config("llama", embed_dim=32, mlp_dim=64, num_layers=2)
+  model = DecoderLM(cfg, rngs=nnx.Rngs(0))
+  apply_lora(model, r"mixer/(q|v)_proj$", rank=4, dropout=0.9, rngs=nnx.Rngs(1))
+  for i, (_, m) in enumerate(nnx.iter_graph(model)):
+    if isinstance(m, LoRA):  # non-zero adapters, so that dropout changes the output
+      b = m.lora_b.get_value()
+      m.lora_b.set_value(jax.random.normal(jax.random.key(i), b.shape, b.dtype))
+  prompt = np.array([[1, 40, 50, 60], [1, 70, 80, 90]], np.int32)
+  out = generate(model, prompt, 5)
+  model.eval()
+  forward = nnx.jit(lambda m, t: m(t))
+  seq = prompt
+  for _ in range(5):
+    nxt = np.asarray(jnp.argmax(forward(model, jnp.asarray(seq))[:, -1], -1))[:, None]
+    seq = np.concatenate([seq, nxt.astype(np.int32)], 1)
+  np.testing.assert_array_equal(out, seq)
+  model.train()
+  train_logits = np.asarray(nnx.jit(lambda m, t: m(t))(model, jnp.asarray(seq)))
+  model.eval()
+  eval_logits = np.asarray(forward(model, jnp.asarray(seq)))
+  assert not np.allclose(train_logits, eval_logits)   # dropout does matter for this model
+
+
 def test_decode_step_updates_the_cache_in_place():
   """The decode step donates its cache: the compiled step aliases every cache buffer to its
   output (no copy of the whole cache per token), and the cache passed in is consumed."""

@@ -163,12 +163,14 @@ def _train_step(graphdef, tx, state: TrainState, batch: Batch):
     # copy: fresh Variables in this trace.  The router biases in `rest` belong to the outer jit
     # trace, and nnx.scan / nnx.remat refuse Variables from another trace level.
     model = nnx.merge(graphdef, params, state.rest, copy=True)
-    return loss_fn(model, batch)
+    total, (metrics, loads) = loss_fn(model, batch)
+    # The forward's non-parameter state after the call: dropout's RNG counters have moved on
+    # (the copy above is discarded, so without this every step would draw the same masks).
+    return total, (metrics, loads, split_model(model)[2])
 
-  (_, (metrics, loads)), grads = jax.value_and_grad(loss, has_aux=True)(state.params)
+  (_, (metrics, loads, rest)), grads = jax.value_and_grad(loss, has_aux=True)(state.params)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  rest = state.rest
   if loads:  # auxiliary-loss-free balancing: router biases move against their load
     model = nnx.merge(graphdef, params, rest)
     model.update_router_biases(loads)
@@ -192,9 +194,10 @@ def make_train_step(graphdef, tx, state: TrainState, *, mesh: Mesh | None = None
 
 
 def make_eval_step(graphdef, *, mesh: Mesh | None = None):
-  """``jax.jit`` of ``(params, rest, batch) -> (summed nll, token count)``."""
+  """``jax.jit`` of ``(params, rest, batch) -> (summed nll, token count)``, in eval mode."""
   def fn(params, rest, batch):
     model = nnx.merge(graphdef, params, rest)
+    model.eval()   # dropout off: evaluation is deterministic (the state passed in is not changed)
     logits = model(batch["tokens"], **model_inputs(model.config, batch))
     return cross_entropy(logits, batch["targets"], batch.get("loss_mask"))
   return jax.jit(fn)

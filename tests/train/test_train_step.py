@@ -172,3 +172,35 @@ def test_mixed_precision_step_tracks_fp32():
   assert m_got["loss"].dtype == jnp.float32
   np.testing.assert_allclose(m_got["loss"], m_ref["loss"], rtol=2e-2)
   np.testing.assert_allclose(m_got["grad_norm"], m_ref["grad_norm"], rtol=5e-2)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_dropout_draws_new_masks_each_step_and_eval_is_deterministic(scan):
+  """A LoRA adapter with dropout: each train step advances the dropout RNG carried in ``rest``
+  (the step used to return the old ``rest``, so every step drew the same masks), and the eval
+  step runs without dropout."""
+  import dataclasses
+  from jaxattn.nn.lora import apply_lora
+  from jaxattn.train.step import make_eval_step
+  cfg = get_config("llama", embed_dim=16, mlp_dim=32, num_layers=2, num_heads=2,
+                   max_seq_len=32, scan_layers=scan)
+  model = DecoderLM(cfg, rngs=nnx.Rngs(0))
+  apply_lora(model, r"mixer/(q|v)_proj$", rank=2, dropout=0.5, rngs=nnx.Rngs(1))
+  tx = make_optimizer(learning_rate=3e-2, warmup_steps=0, total_steps=10)
+  graphdef, s0 = init_train_state(model, tx)
+  step = make_train_step(graphdef, tx, s0, donate=False)
+  batch = shard_batch(_batch(cfg.vocab_size), None)
+  s1, _ = step(s0, batch)        # the adapters' B move off zero: dropout now changes the output
+  s2, m2 = step(s1, batch)
+  assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(s0.rest),
+                                                      jax.tree.leaves(s1.rest)))
+  # the same parameters under the next step's RNG state draw other masks: another loss
+  _, m_next = step(dataclasses.replace(s1, rest=s2.rest), batch)
+  assert float(m_next["loss"]) != float(m2["loss"])
+  # the step itself is a function of its state
+  _, m_again = step(s1, batch)
+  assert float(m_again["loss"]) == float(m2["loss"])
+  evaluate = make_eval_step(graphdef)
+  e1 = evaluate(s2.params, s1.rest, batch)
+  e2 = evaluate(s2.params, s2.rest, batch)
+  np.testing.assert_array_equal(np.asarray(e1[0]), np.asarray(e2[0]))
