@@ -263,28 +263,28 @@ def _torch_load(file: str) -> dict[str, np.ndarray]:
 
 def read_hf_weights(path: str) -> dict[str, np.ndarray]:
   """The tensors of a ``save_pretrained`` directory, as transformers finds them: the shards that
-  ``model.safetensors.index.json`` names, else ``model.safetensors``, else every
-  ``*.safetensors``; then the same for ``pytorch_model.bin``.  (Hub repositories may hold other
-  weight files beside these, such as Mistral's ``consolidated.safetensors`` in its own naming;
-  an index or ``model.safetensors`` keeps them out.)"""
+  ``model.safetensors.index.json`` names, else ``model.safetensors``, else the same for
+  ``pytorch_model.bin``; only when none of these is there, every ``*.safetensors``.  (Hub
+  repositories may hold other weight files beside these, such as Mistral's
+  ``consolidated.safetensors`` in its own naming: the standard names keep them out.)"""
   names = _index_files(path, "model.safetensors.index.json")
   if names is None and os.path.isfile(os.path.join(path, "model.safetensors")):
     names = ["model.safetensors"]
   if names is None:
+    bins = _index_files(path, "pytorch_model.bin.index.json")
+    if bins is None and os.path.isfile(os.path.join(path, "pytorch_model.bin")):
+      bins = ["pytorch_model.bin"]
+    if bins:
+      sd: dict[str, np.ndarray] = {}
+      for name in bins:
+        sd.update(_torch_load(os.path.join(path, name)))
+      return sd
     names = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-  if names:
-    sd: dict[str, np.ndarray] = {}
-    for name in names:
-      sd.update(read_safetensors(os.path.join(path, name)))
-    return sd
-  names = _index_files(path, "pytorch_model.bin.index.json")
-  if names is None and os.path.isfile(os.path.join(path, "pytorch_model.bin")):
-    names = ["pytorch_model.bin"]
   if not names:
     raise ValueError(f"`path`={path!r} has no *.safetensors or pytorch_model.bin weights.")
   sd = {}
   for name in names:
-    sd.update(_torch_load(os.path.join(path, name)))
+    sd.update(read_safetensors(os.path.join(path, name)))
   return sd
 
 

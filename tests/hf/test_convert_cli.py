@@ -107,6 +107,9 @@ def test_sharded_checkpoints_read_what_their_index_names(llama_dir, tmp_path):
   (bins / "pytorch_model.bin.index.json").write_text(json.dumps(
       {"weight_map": {k: f"pytorch_model-0000{i + 1}-of-00002.bin"
                       for i, keys in enumerate(halves.values()) for k in keys}}))
+  # a stray safetensors file (another naming) beside them is not what transformers would load
+  save_file({"tok_embeddings.weight": np.zeros((2, 2), np.float32)},
+            str(bins / "consolidated.safetensors"))
   got = read_hf_weights(str(bins))
   assert sorted(got) == names
   for k in names:
