@@ -18,8 +18,8 @@ MoE: ``gate.weight [E, D]`` -> ``router [D, E]``; ``gate.e_score_correction_bias
 
 The V3.2 indexer: ``wq_b [H_I d_I, Cq]`` -> ``indexer.wq [Cq, H_I, d_I]``; ``wk``; ``k_norm``
 (LayerNorm, weight and bias); ``weights_proj``.  Its RoPE is the half split over the first
-``qk_rope_head_dim`` coordinates, with the main rotary embedding (ours has no context scaling in the
-indexer, so V3.2 configs with a ``rope_scaling`` are refused).
+``qk_rope_head_dim`` coordinates, with the main rotary embedding (its YaRN scaling included, as
+our indexer applies the attention's ``rope_scaling``).
 """
 
 from __future__ import annotations
@@ -99,10 +99,6 @@ def config_from_hf(d: dict[str, Any], architecture: str) -> dict[str, Any]:
     if d.get("layer_types") not in (None, ["indexed_attention"] * layers):
       raise ValueError(f"{architecture}: `layer_types`={d['layer_types']!r} is not supported "
                        "(every layer must be 'indexed_attention').")
-    if scaling is not None:
-      raise ValueError(f"{architecture}: a RoPE scaling ({scaling['type']}) is not supported: "
-                       "our indexer rotates with unscaled RoPE while transformers' uses the "
-                       "scaled one.")
     if d.get("rms_norm_eps", 1e-6) != 1e-6:
       raise ValueError(f"{architecture}: `rms_norm_eps`={d['rms_norm_eps']} is not supported: the "
                        "indexer's LayerNorm uses it, transformers' a fixed 1e-6.")
@@ -123,7 +119,6 @@ def config_to_hf(cfg, architecture: str) -> dict[str, Any]:
       rope_interleaved=None if not v32 or cfg.mla_rope_interleaved else False,
       # What config_from_hf refuses for V3.2, and the indexer transformers builds: RoPE over the
       # attention's rope dims, and sparse attention.
-      rope_scaling=cfg.rope_scaling if v32 else None,
       norm_eps=None if not v32 or cfg.norm_eps == 1e-6 else cfg.norm_eps,
       index_rope_dim=None if not v32 or cfg.index_rope_dim == cfg.qk_rope_head_dim else
       cfg.index_rope_dim,

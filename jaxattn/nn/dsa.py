@@ -37,7 +37,7 @@ from jaxattn.nn.norms import LayerNorm
 from jaxattn.ops.hadamard import hadamard_transform
 from jaxattn.ops.mla import mla_attention, mla_score_terms
 from jaxattn.ops.quantization import QUANT_FORMATS, dequantize, fake_quantize
-from jaxattn.ops.rope import apply_rope
+from jaxattn.ops.rope import RopeScaling, apply_rope
 from jaxattn.ops.sparse import IMPLEMENTATIONS as SPARSE_IMPLEMENTATIONS
 from jaxattn.ops.sparse import (DOT_DTYPES, indexer_kl_loss, indexer_scores, indexer_topk,
                                 indices_to_mask, sparse_mla_attention, topk_indices)
@@ -58,6 +58,8 @@ class LightningIndexer(nnx.Module):
     head_dim: ``d_I``, a power of two when ``rotate`` (128).
     rope_dim: rotated leading coordinates of ``q^I`` and ``k^I`` (64), even, ``<= head_dim``.
     rope_base: RoPE base.
+    rope_scaling: the attention's ``RopeScaling`` (YaRN for DeepSeek-V3.2), applied to the
+      indexer's RoPE as well: transformers rotates the indexer with the same (scaled) cos and sin.
     rotate: Hadamard-rotate queries and keys before (optional) quantization.
     quant: None, "int8" or "fp8" scoring; ``quant_block_size`` None = one scale per vector (fp8
       default: 128-entry blocks, or the whole vector when shorter).
@@ -67,7 +69,8 @@ class LightningIndexer(nnx.Module):
   """
 
   def __init__(self, embed_dim: int, query_dim: int, *, num_heads: int, head_dim: int,
-               rope_dim: int, rope_base: float = 10000.0, rotate: bool = True, quant=None,
+               rope_dim: int, rope_base: float = 10000.0,
+               rope_scaling: RopeScaling | None = None, rotate: bool = True, quant=None,
                quant_block_size: int | None = None, norm_eps: float = 1e-6, rngs: nnx.Rngs,
                dtype=None, param_dtype=jnp.float32, dot_dtype: str | None = None):
     for name, v in (("embed_dim", embed_dim), ("query_dim", query_dim), ("num_heads", num_heads),
@@ -89,7 +92,10 @@ class LightningIndexer(nnx.Module):
       raise ValueError(f"`dot_dtype` must be one of {DOT_DTYPES}, got {dot_dtype!r}.")
     self.dot_dtype = dot_dtype
     self.num_heads, self.head_dim, self.rope_dim = num_heads, head_dim, rope_dim
-    self.rope_base, self.rotate, self.quant = rope_base, rotate, quant
+    if rope_scaling is not None and not isinstance(rope_scaling, RopeScaling):
+      raise ValueError(f"`rope_scaling` must be None or a RopeScaling, got {rope_scaling!r}.")
+    self.rope_base, self.rope_scaling = rope_base, rope_scaling
+    self.rotate, self.quant = rotate, quant
     self.quant_block_size = quant_block_size
     kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
     self.wq = Einsum("BTC,CJE->BTJE", (query_dim, num_heads, head_dim),
@@ -102,7 +108,7 @@ class LightningIndexer(nnx.Module):
     if self.rope_dim == 0:
       return x
     return apply_rope(x, positions, base=self.rope_base, rotary_dim=self.rope_dim,
-                      interleaved=False)
+                      interleaved=False, scaling=self.rope_scaling)
 
   def _prepare(self, x):
     """Rotation then 8-bit rounding, fp32."""
@@ -164,7 +170,8 @@ class DSA(MLA):
     q_dim = embed_dim if self.q_lora_rank is None else self.q_lora_rank
     self.indexer = LightningIndexer(
         embed_dim, q_dim, num_heads=index_num_heads, head_dim=index_head_dim,
-        rope_dim=index_rope_dim, rope_base=self.rope_base, rotate=index_rotate, quant=index_quant,
+        rope_dim=index_rope_dim, rope_base=self.rope_base, rope_scaling=self.rope_scaling,
+        rotate=index_rotate, quant=index_quant,
         quant_block_size=index_quant_block_size, norm_eps=mla_kwargs.get("norm_eps", 1e-6),
         rngs=rngs, dtype=mla_kwargs.get("dtype"), param_dtype=mla_kwargs.get("param_dtype",
                                                                            jnp.float32),

@@ -142,9 +142,6 @@ def _with(name, **changes):
      "partial_rotary_factor"),
     (_with("deepseek_v3", attention_bias=True), "attention_bias"),
     (_with("deepseek_v3", scoring_func="softmax"), "scoring_func"),
-    (_with("deepseek_v32", rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0,
-                                                original_max_position_embeddings=16)),
-     "RoPE scaling"),
     (_with("qwen3_next", mlp_only_layers=[1]), "dense prefix"),
     (_with("qwen3_next", linear_conv_kernel_dim=3), "linear_conv_kernel_dim"),
     (_with("qwen3_next", layer_types=["linear_attention", "sliding_attention"]), "layer_types"),
@@ -230,7 +227,6 @@ def _hf_config(cfg, architecture):
     ("deepseek_v3", dict(moe_capacity_factor=0.5)),
     ("deepseek_v3", dict(gated_mlp=False)),
     ("deepseek_v3", dict(norm="layer")),
-    ("deepseek_v32", dict(rope_scaling=dict(type="linear", factor=2.0))),
     ("deepseek_v32", dict(norm_eps=1e-2)),
     ("deepseek_v32", dict(index_rope_dim=1)),
     ("deepseek_v32", dict(dsa_attention_mode="dense")),
@@ -292,6 +288,15 @@ def test_fused_expert_tensors_load_like_per_expert_ones(name):
     ("deepseek-v3", "DeepseekV3ForCausalLM", dict(
         n_routed_experts=256, n_group=8, topk_group=4, routed_scaling_factor=2.5,
         first_k_dense_replace=3, kv_lora_rank=512, q_lora_rank=1536)),
+    # YaRN x40 over 4096 positions, as published (the indexer rotates with it too)
+    ("deepseek-v3.2", "DeepseekV32ForCausalLM", dict(
+        n_routed_experts=256, index_n_heads=64, index_head_dim=128, index_topk=2048,
+        first_k_dense_replace=3, kv_lora_rank=512, max_position_embeddings=163840)),
+    ("llama", "LlamaForCausalLM", dict(
+        num_hidden_layers=32, num_key_value_heads=8, intermediate_size=14336,
+        rope_parameters=dict(rope_theta=500000.0, rope_type="llama3", factor=8.0,
+                             original_max_position_embeddings=8192, low_freq_factor=1.0,
+                             high_freq_factor=4.0))),
 ])
 def test_full_presets_export_the_published_architecture(preset, architecture, published):
   from jaxattn.configs import get_config

@@ -62,12 +62,15 @@ def _deepseek_v3():
 def _deepseek_v32():
   # DSA: the indexer keeps 8 of up to 32 keys, so prefill and decode both attend sparsely.  16
   # indexer heads make exact score ties (all heads' ReLU at 0) too rare to reorder the top-k.
+  # YaRN (as the published model): the indexer rotates with the scaled cos / sin too.
   return transformers.DeepseekV32Config(
       **COMMON, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
       num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
       first_k_dense_replace=1, n_group=4, topk_group=2, kv_lora_rank=16, q_lora_rank=24,
       qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, index_topk=8, index_head_dim=16,
-      index_n_heads=16)
+      index_n_heads=16, rope_parameters=dict(
+          rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=8,
+          mscale=0.707, mscale_all_dim=1.0, beta_fast=32, beta_slow=1))
 
 
 def _qwen3_next():
