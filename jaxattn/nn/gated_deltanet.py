@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from jaxattn.checks import check_nonnegative
 from jaxattn.nn.linear import Einsum, param
 from jaxattn.ops.delta_rule import (IMPLEMENTATIONS, gated_delta_rule, l2_normalize,
                                     segment_resets)
@@ -202,8 +203,7 @@ class GatedDeltaNet(nnx.Module):
     if implementation is not None and implementation not in IMPLEMENTATIONS:
       raise ValueError(f"`implementation` must be None or one of {IMPLEMENTATIONS}, got "
                        f"{implementation!r}.")
-    if isinstance(norm_eps, (bool, str)) or not norm_eps >= 0:
-      raise ValueError(f"`norm_eps` must be a number >= 0, got {norm_eps!r}.")
+    check_nonnegative("norm_eps", norm_eps)
     lo, hi = a_init_range
     if not 0 < lo < hi:
       raise ValueError(f"`a_init_range` must satisfy 0 < low < high, got {a_init_range!r}.")

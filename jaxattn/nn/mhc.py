@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
+from jaxattn.checks import check_int, check_nonnegative
 from jaxattn.nn.linear import param
 from jaxattn.ops import hyper
 
@@ -67,15 +68,11 @@ class HyperConnection(nnx.Module):
     if kind not in ("mhc", "hc"):
       raise ValueError(f"`kind` must be 'mhc' or 'hc', got {kind!r}.")
     # bool is an int subclass; sinkhorn() refuses it, so refuse it here, not at the first call.
-    if (not isinstance(sinkhorn_iters, int) or isinstance(sinkhorn_iters, bool)
-        or sinkhorn_iters < 1):
-      raise ValueError(f"`sinkhorn_iters` must be an int >= 1, got {sinkhorn_iters!r}.")
+    check_int("sinkhorn_iters", sinkhorn_iters)
     # eps is added to the read weights h_pre (and to the plain Sinkhorn's sums): negative, it can
     # make them negative.
-    if not eps >= 0:
-      raise ValueError(f"`eps` must be >= 0, got {eps!r}.")
-    if not isinstance(layer_index, int) or layer_index < 0:
-      raise ValueError(f"`layer_index` must be an int >= 0, got {layer_index!r}.")
+    check_nonnegative("eps", eps)
+    check_int("layer_index", layer_index, minimum=0)
     n, d = num_streams, embed_dim
     self.kind, self.num_streams, self.embed_dim = kind, n, d
     self.sinkhorn_iters, self.log_domain = sinkhorn_iters, log_domain

@@ -151,6 +151,10 @@ class ModelConfig:
   remat: str = "none"
 
   def __post_init__(self):
+    for f in dataclasses.fields(self):
+      v = getattr(self, f.name)
+      if isinstance(v, np.generic):  # np.int64 from a sweep, np.bool_ from a comparison: the
+        object.__setattr__(self, f.name, v.item())  # Python value (JSON, hashing, equality)
     def positive(name, allow_none=False):
       v = getattr(self, name)
       if v is None and allow_none:
@@ -163,7 +167,7 @@ class ModelConfig:
       positive(name, allow_none=True)
     for f in dataclasses.fields(self):
       # A string such as "false" is truthy: it would silently mean True.
-      if f.type == "bool" and not isinstance(getattr(self, f.name), (bool, np.bool_)):
+      if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
         raise ValueError(f"`{f.name}` must be a bool, got {getattr(self, f.name)!r}.")
     pat = self.layer_pattern
     if not isinstance(pat, str) or not pat or set(pat) - set(LAYER_KINDS):

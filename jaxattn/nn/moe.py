@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
+from jaxattn.checks import check_int, check_nonnegative
 from jaxattn.nn.linear import param
 from jaxattn.nn.mlp import MLP
 from jaxattn.ops import moe as M
@@ -91,19 +92,15 @@ class MoE(nnx.Module):
       param_dtype=jnp.float32,
   ):
     for name, v in (("embed_dim", embed_dim), ("expert_dim", expert_dim)):
-      if not isinstance(v, int) or v < 1:
-        raise ValueError(f"`{name}` must be a positive int, got {v!r}.")
+      check_int(name, v)
     M.check_routing_config(num_experts, top_k, n_group, topk_group)
     if score_func not in M.SCORE_FUNCS:
       raise ValueError(f"`score_func` must be one of {M.SCORE_FUNCS}, got {score_func!r}.")
-    if (not isinstance(num_shared_experts, int) or isinstance(num_shared_experts, bool)
-        or num_shared_experts < 0):
-      raise ValueError(f"`num_shared_experts` must be an int >= 0, got {num_shared_experts!r}.")
+    check_int("num_shared_experts", num_shared_experts, minimum=0)
     # None picks the default size (shared: num_shared_experts * expert_dim; blocks: from the
     # token count); 0 is no size, and must not pass for "default".
     for name, v in (("shared_dim", shared_dim), ("block_size", block_size)):
-      if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-        raise ValueError(f"`{name}` must be None or an int >= 1, got {v!r}.")
+      check_int(name, v, allow_none=True)
     if capacity_factor is not None and not capacity_factor > 0:
       raise ValueError(f"`capacity_factor` must be positive or None, got {capacity_factor!r}.")
     if implementation is not None and implementation not in M.IMPLEMENTATIONS:
@@ -116,8 +113,7 @@ class MoE(nnx.Module):
     for name, v in (("seq_balance_alpha", seq_balance_alpha),
                     ("switch_loss_alpha", switch_loss_alpha), ("z_loss_coef", z_loss_coef),
                     ("bias_update_rate", bias_update_rate)):
-      if not v >= 0:
-        raise ValueError(f"`{name}` must be >= 0, got {v!r}.")
+      check_nonnegative(name, v)
     self.embed_dim, self.num_experts, self.top_k, self.expert_dim = (embed_dim, num_experts, top_k,
                                                                      expert_dim)
     self.score_func, self.n_group, self.topk_group = score_func, n_group, topk_group
@@ -125,6 +121,7 @@ class MoE(nnx.Module):
     self.seq_balance_alpha, self.switch_loss_alpha = seq_balance_alpha, switch_loss_alpha
     self.z_loss_coef, self.bias_update_rate = z_loss_coef, bias_update_rate
     self.capacity_factor, self.expert_parallel = capacity_factor, expert_parallel
+    block_size = None if block_size is None else int(block_size)   # static: a Python int
     self.implementation, self.block_size, self.dtype = implementation, block_size, dtype
 
     d, e, f = embed_dim, num_experts, expert_dim

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from jaxattn.checks import is_number
 from jaxattn.ops import scores as S
 from jaxattn.ops.masks import Mask, make_mask
 
@@ -108,7 +109,7 @@ def check_scale(scale) -> None:
   finite number: the one check of a logits scale for every attention formula."""
   if scale is None or isinstance(scale, (jax.Array, jax.core.Tracer)):
     return
-  if isinstance(scale, (bool, str)) or not (math.isfinite(scale) and scale > 0):
+  if not is_number(scale) or not (math.isfinite(scale) and scale > 0):
     raise ValueError(f"`scale` must be a positive finite float or None, got {scale!r}.")
 
 

@@ -36,10 +36,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from jaxattn.checks import check_int, check_nonnegative
+
 
 def _check_num_iters(num_iters):
-  if not isinstance(num_iters, int) or isinstance(num_iters, bool) or num_iters < 1:
-    raise ValueError(f"`num_iters` must be an int >= 1, got {num_iters!r}.")
+  check_int("num_iters", num_iters)
 
 
 def _check_square(name, m):
@@ -68,8 +69,7 @@ def sinkhorn(
   """
   _check_square("logits", logits)
   _check_num_iters(num_iters)
-  if not eps >= 0:
-    raise ValueError(f"`eps` must be >= 0, got {eps!r}.")
+  check_nonnegative("eps", eps)
   if log_domain and eps != 0:
     raise ValueError(f"`eps` ({eps!r}) is only used by the plain form; pass log_domain=False or eps=0.")
   return _sinkhorn(logits, num_iters, log_domain, float(eps))

@@ -18,21 +18,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
+
+from jaxattn.checks import check_int, is_number
 
 _ELLIPSIS = "."  # stands for "..." while we work letter by letter
 
 
 def lora_scaling(rank: int, alpha: float, *, use_rslora: bool = False) -> float:
   """``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA (stable update size as ``r`` grows)."""
-  if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-    raise ValueError(f"`rank` must be an int >= 1, got {rank!r}.")
+  check_int("rank", rank)
   # bool is a numbers.Real too, and True / False as a scale is a mistake, not a number.
-  if not isinstance(alpha, numbers.Real) or isinstance(alpha, bool):
+  if not is_number(alpha):
     raise ValueError(f"`alpha` must be a real number, got {alpha!r}.")
   return alpha / math.sqrt(rank) if use_rslora else alpha / rank
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from jaxattn.checks import check_nonnegative
+
 
 def _check_eps(eps):
-  if isinstance(eps, (bool, str)) or eps is None or not (eps >= 0):
-    raise ValueError(f"`eps` must be >= 0, got {eps!r}.")
+  check_nonnegative("eps", eps)
 
 
 def _check_param(name, p, d):

@@ -32,6 +32,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxattn import native
+from jaxattn.checks import is_int
 from jaxattn.ops import sparse_cpu
 from jaxattn.ops.attention import check_scale
 from jaxattn.ops.quantization import (QUANT_FORMATS, QuantFormat, fake_quantize, quantize_fp8,
@@ -186,7 +187,7 @@ def indexer_scores(
 
 
 def _check_k(k):
-  if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+  if not is_int(k) or k < 1:
     raise ValueError(f"`k` (top-k) must be a positive int, got {k!r}.")
 
 

@@ -194,3 +194,17 @@ def test_config_round_trip_and_errors():
     ModelConfig(remat="sometimes")
   with pytest.raises(ValueError, match="tokens"):
     DecoderLM(small_config("llama"), rngs=nnx.Rngs(0))(jnp.zeros((4,), jnp.int32))
+
+
+def test_config_takes_numpy_scalars_as_python_values():
+  """np.int64 from a sweep, np.bool_ from a comparison: stored as Python values (a np.bool_ used
+  to pass and then break to_json and hashing; a np.int64 was refused as not an int)."""
+  dims = np.arange(16, 80, 16)
+  cfg = ModelConfig(embed_dim=dims[1], num_heads=np.int32(4), tie_embeddings=np.bool_(False),
+                    norm_eps=np.float32(1e-5), layer_pattern="A")
+  ref = ModelConfig(embed_dim=32, num_heads=4, tie_embeddings=False,
+                    norm_eps=float(np.float32(1e-5)), layer_pattern="A")
+  assert cfg == ref and hash(cfg) == hash(ref) and cfg.to_json() == ref.to_json()
+  assert type(cfg.embed_dim) is int and type(cfg.tie_embeddings) is bool
+  with pytest.raises(ValueError, match="`embed_dim` must be a positive int"):
+    ModelConfig(embed_dim=np.float64(32.0))

@@ -58,5 +58,5 @@ def test_errors():
   with pytest.raises(ValueError, match="eps"):
     rms_norm(_x(), eps=-1.0)
   for bad in (None, "1e-6", float("nan")):
-    with pytest.raises(ValueError, match="`eps` must be >= 0"):
+    with pytest.raises(ValueError, match="`eps` must be a number >= 0"):
       rms_norm(_x(), eps=bad)
