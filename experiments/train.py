@@ -115,6 +115,20 @@ def _positive_float(text: str) -> float:
   return v
 
 
+def _nonnegative_float(text: str) -> float:
+  v = float(text)
+  if not (math.isfinite(v) and v >= 0):
+    raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+  return v
+
+
+def _probability(text: str) -> float:
+  v = float(text)
+  if not 0 < v <= 1:   # also refuses NaN
+    raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+  return v
+
+
 def build_config(args) -> ModelConfig:
   over = parse_overrides(args.set)
   if args.dtype:
@@ -352,7 +366,7 @@ def make_parser() -> argparse.ArgumentParser:
   p.add_argument("--seq-len", type=_at_least(1), default=256)
   p.add_argument("--lr", type=_positive_float, default=3e-3)
   p.add_argument("--warmup", type=_at_least(0), default=30)
-  p.add_argument("--weight-decay", type=float, default=0.1)
+  p.add_argument("--weight-decay", type=_nonnegative_float, default=0.1)
   p.add_argument("--clip", type=_positive_float, default=1.0,
                  help="global gradient-norm clip (a negative one would reverse the updates)")
   p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
@@ -373,8 +387,9 @@ def make_parser() -> argparse.ArgumentParser:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--sample-tokens", type=_at_least(0), default=200)
   p.add_argument("--prompt", default="The ")
-  p.add_argument("--sample-temperature", type=float, default=0.7)
-  p.add_argument("--sample-top-p", type=float, default=0.9)
+  p.add_argument("--sample-temperature", type=_nonnegative_float, default=0.7,
+                 help="0: greedy")
+  p.add_argument("--sample-top-p", type=_probability, default=0.9)
   p.add_argument("--report", action="store_true", help="run `experiments.report --quick` after")
   p.add_argument("--stop-at-step", type=int, default=None, help=argparse.SUPPRESS)
   p.add_argument("--coordinator", default=None, help="multi-host: coordinator address host:port")

@@ -78,7 +78,9 @@ def test_cli_argument_errors(tmp_path, capsys):
   # Bad numbers are refused by the parser, naming the flag, before any work.
   for flag, value in (("--clip", "-1"), ("--clip", "0"), ("--log-every", "0"), ("--keep", "0"),
                       ("--steps", "0"), ("--eval-batches", "0"), ("--eval-split-every", "1"),
-                      ("--lr", "nan"), ("--warmup", "-1")):
+                      ("--lr", "nan"), ("--warmup", "-1"), ("--weight-decay", "-0.1"),
+                      ("--sample-temperature", "-1"), ("--sample-temperature", "nan"),
+                      ("--sample-top-p", "0"), ("--sample-top-p", "1.5")):
     with pytest.raises(SystemExit):
       train_cli.make_parser().parse_args([flag, value])
     assert f"argument {flag}: must be" in capsys.readouterr().err
