@@ -143,6 +143,13 @@ def load_rows(ref, page, off, block_k: int, live):
                     other=0.0)
 
 
+def dot_nt(a, b):
+  """``a @ b.T`` in fp32, ``a [rows, H]``, ``b [bk, H]``.  Triton's dot takes operands of one
+  dtype: the narrower is widened (an fp32 query over a bf16 cache, or the reverse)."""
+  dt = jnp.promote_types(a.dtype, b.dtype)
+  return plgpu.dot(a.astype(dt), b.astype(dt), trans_b=True)
+
+
 def online_step(carry, logits, value):
   """One online-softmax step: ``logits [rows, bk]`` fp32 (masked entries ``-inf``), ``value
   [bk, h]``; carry ``(acc [rows, h], m [rows], l [rows])`` fp32."""
@@ -188,7 +195,7 @@ def _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, 
     live = (kv_pos < length)[:, None]
     k = load_rows(k_ref, page, off, block_k, live)                   # [bk, Hp]
     v = load_rows(v_ref, page, off, block_k, live)                   # [bk, hp]
-    logits = plgpu.dot(q, k, trans_b=True) * scale                   # [rows, bk] fp32
+    logits = dot_nt(q, k) * scale                                    # [rows, bk] fp32
     if soft_cap is not None:
       logits = soft_cap * jnp.tanh(logits / soft_cap)
     valid = (kv_pos[None, :] < length) & (kv_pos[None, :] <= q_pos)

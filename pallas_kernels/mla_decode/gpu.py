@@ -61,7 +61,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
 from jaxattn.ops.decode import check_num_splits
-from pallas_kernels.decode_attention.gpu import (auto_splits, block_location, check_block_k,
+from pallas_kernels.decode_attention.gpu import (auto_splits, block_location, check_block_k, dot_nt,
                                                  default_interpret, finish, load_rows,
                                                  online_step, pad_last, pad_lengths,
                                                  partition_blocks, pow2)
@@ -91,7 +91,7 @@ def _kernel(lens_ref, table_ref, ql_ref, qr_ref, c_ref, kr_ref, o_ref, lse_ref, 
     live = (kv_pos < length)[:, None]              # rows past the length: zeros, not fetched
     c = load_rows(c_ref, page, off, block_k, live)                   # [bk, Cp]
     kr = load_rows(kr_ref, page, off, block_k, live)                 # [bk, Rp]
-    logits = (plgpu.dot(ql, c, trans_b=True) + plgpu.dot(qr, kr, trans_b=True)) * scale
+    logits = (dot_nt(ql, c) + dot_nt(qr, kr)) * scale
     valid = (kv_pos[None, :] < length) & (kv_pos[None, :] <= q_pos)
     return online_step(carry, jnp.where(valid, logits, -jnp.inf), c)
 
@@ -165,13 +165,13 @@ def _sparse_kernel(lens_ref, table_ref, idx_ref, ql_ref, qr_ref, c_ref, kr_ref, 
     pos = jnp.where(valid, idx, 0)
     logical = lax.div(pos, page_size)
     page = table_ref[logical]                                        # [bk] gathered page ids
-    valid = valid & (page >= 0)
+    valid = valid & (page >= 0) & (page < c_ref.shape[0] // page_size)   # a corrupt id: absent
     row = jnp.maximum(page, 0) * page_size + (pos - logical * page_size)  # rows of the flat pool
     # Gathered rows (a vector of row offsets); unselected slots may point at anything (NaN):
     # zero them so that 0 * NaN cannot reach the accumulator.
     c = jnp.where(valid[:, None], c_ref[row, :], 0.0).astype(c_ref.dtype)    # [bk, Cp]
     kr = jnp.where(valid[:, None], kr_ref[row, :], 0.0).astype(kr_ref.dtype)  # [bk, Rp]
-    logits = (plgpu.dot(ql, c, trans_b=True) + plgpu.dot(qr, kr, trans_b=True)) * scale
+    logits = (dot_nt(ql, c) + dot_nt(qr, kr)) * scale
     return online_step(carry, jnp.where(valid[None, :], logits, -jnp.inf), c)
 
   init = (jnp.zeros((block_h, o_ref.shape[-1]), _F32), jnp.full((block_h,), -jnp.inf, _F32),

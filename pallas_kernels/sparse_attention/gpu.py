@@ -33,8 +33,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.decode_attention.gpu import (default_interpret, finish, online_step, pad_last,
-                                                 pad_lengths, pow2)
+from pallas_kernels.decode_attention.gpu import (default_interpret, dot_nt, finish, online_step,
+                                                 pad_last, pad_lengths, pow2)
 from pallas_kernels.sparse_attention import common
 
 _F32 = jnp.float32
@@ -50,7 +50,7 @@ def _kernel(count_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, *, scale, kv_heads,
     row = jnp.maximum(addr, 0) * kv_heads + g
     k = jnp.where(valid[:, None], k_ref[row, :], 0.0).astype(k_ref.dtype)    # [bk, Hp]
     v = jnp.where(valid[:, None], v_ref[row, :], 0.0).astype(v_ref.dtype)    # [bk, hp]
-    logits = plgpu.dot(q, k, trans_b=True) * scale
+    logits = dot_nt(q, k) * scale
     return online_step(carry, jnp.where(valid[None, :], logits, -jnp.inf), v)
 
   init = (jnp.zeros(o_ref.shape, _F32), jnp.full((q.shape[0],), -jnp.inf, _F32),

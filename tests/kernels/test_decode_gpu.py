@@ -271,6 +271,21 @@ def test_kernels_lower_to_triton(cuda_target):
        (bf16(b, 128, 512), bf16(b, 128, 64), bf16(pages, page, 512), bf16(pages, page, 64), table,
         lens, jax.ShapeDtypeStruct((b, 2048), jnp.int32))),
   ]
+  # Query and cache in different dtypes (fp32 compute over a bf16 cache, and the reverse): Triton's
+  # dot refused operands of two dtypes.
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+  cases += [
+      ("jaxattn_paged_decode_gpu", gqa,
+       (f32(b, 1, 32, 128), bf16(pages, page, 8, 128), bf16(pages, page, 8, 128), table, lens)),
+      ("jaxattn_paged_decode_gpu", gqa,
+       (bf16(b, 1, 32, 128), f32(pages, page, 8, 128), f32(pages, page, 8, 128), table, lens)),
+      ("jaxattn_paged_mla_decode_gpu", mla,
+       (f32(b, 16, 512), f32(b, 16, 64), bf16(pages, page, 512), bf16(pages, page, 64), table,
+        lens)),
+      ("jaxattn_sparse_mla_decode_gpu", sparse,
+       (bf16(b, 16, 512), bf16(b, 16, 64), f32(pages, page, 512), f32(pages, page, 64), table,
+        lens, jax.ShapeDtypeStruct((b, 256), jnp.int32))),
+  ]
   for name, f, args in cases:
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert name in text
