@@ -71,6 +71,20 @@ def _concrete(*xs) -> bool:
   return not any(isinstance(x, jax.core.Tracer) for x in xs)
 
 
+def nan_where_dropped(y, old_lengths: Int[Array, "B"], new_lengths: Int[Array, "B"], t: int):
+  """``y [B, ...]``, a layer's output from a step that appended ``t`` tokens per sequence, NaN in
+  the rows whose tokens did not all find a page.
+
+  Eager ``append`` raises when pages run out; under ``jit`` it cannot, drops the tokens and leaves
+  the length short, so the step's queries attend a shifted prefix: finite, silently wrong
+  outputs.  NaN rows show it instead, as ``jaxattn.cache.nan_past_capacity`` does for the
+  contiguous caches."""
+  if not isinstance(new_lengths, jax.core.Tracer):
+    return y
+  short = (new_lengths - old_lengths) < t
+  return jnp.where(short.reshape((-1,) + (1,) * (y.ndim - 1)), jnp.asarray(jnp.nan, y.dtype), y)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PageTable:

@@ -10,15 +10,15 @@ import numpy as np
 from flax import nnx
 
 from jaxattn.cache import KVCache, kv_cache_bytes_per_token, nan_past_capacity
-from jaxattn.paged_cache import PagedKVCache
+from jaxattn.paged_cache import PagedKVCache, nan_where_dropped
 from jaxattn.rolling_cache import RollingKVCache
 from jaxattn.nn.linear import Einsum
 from jaxattn.nn.norms import RMSNorm
 from jaxattn.nn.positional import T5RelativePositionBias
 from jaxattn.ops.alibi import alibi_slopes
 from jaxattn.ops.attention import dot_product_attention
-from jaxattn.ops.decode import (DECODE_MAX_T, cache_attention, paged_attention,
-                                tpu_kernel_requested)
+from jaxattn.ops.decode import (DECODE_MAX_T, cache_attention, module_decode_implementation,
+                                paged_attention, tpu_kernel_requested)
 from jaxattn.ops.rope import RopeScaling, apply_rope
 from jaxattn.sharding import shard
 
@@ -176,15 +176,14 @@ class Attention(nnx.Module):
       rope = dict(base=self.rope_base, rotary_dim=self.rotary_dim,
                   interleaved=self.rope_interleaved, scaling=self.rope_scaling)
       q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)
-    cache = cache.append(k, v)
+    old_lengths, cache = cache.lengths, cache.append(k, v)
     q = shard(q, ("batch", "length", "act_heads", "head_dim"))
-    impl = implementation or self.implementation
-    impl = "xla" if impl == "xla_chunked" else impl  # the dense backends' XLA name
+    impl = module_decode_implementation(implementation or self.implementation)
     out = paged_attention(q, cache.key_pool, cache.value_pool, cache.page_table, cache.lengths,
                           scale=self.attention_scale, logits_soft_cap=self.logits_soft_cap,
                           implementation=impl)
     y = shard(self.o_proj(self._gate(x, out.astype(q.dtype))), ("batch", "length", "act_embed"))
-    return y, cache
+    return nan_where_dropped(y, old_lengths, cache.lengths, t), cache
 
   def _decode_kernel(self, t, cache: KVCache, mask, implementation) -> bool:
     """Whether a step with a contiguous cache runs the paged decode kernel over it
@@ -230,6 +229,9 @@ class Attention(nnx.Module):
     """
     if isinstance(cache, PagedKVCache):
       return self._paged_call(x, positions, segment_ids, mask, cache, implementation)
+    if cache is not None and not isinstance(cache, (KVCache, RollingKVCache)):
+      raise ValueError(f"`cache` must be a KVCache / RollingKVCache (init_cache) or a PagedKVCache "
+                       f"(init_paged_cache), got {type(cache).__name__}.")
     b, t, _ = x.shape
     x = shard(x, ("batch", "length", "act_embed"))
     offset = 0 if cache is None else cache.index

@@ -25,10 +25,10 @@ from jaxtyping import Array, Float, Int
 from jaxattn.cache import nan_past_capacity
 from jaxattn.kv_efficiency import kv_cache_per_token
 from jaxattn.mla_cache import LatentCache
-from jaxattn.paged_cache import PagedLatentCache
+from jaxattn.paged_cache import PagedLatentCache, nan_where_dropped
 from jaxattn.nn.linear import Einsum, effective_kernel
 from jaxattn.nn.norms import RMSNorm
-from jaxattn.ops.decode import (DECODE_MAX_T, cache_mla_decode,
+from jaxattn.ops.decode import (DECODE_MAX_T, cache_mla_decode, module_decode_implementation,
                                 paged_mla_decode, tpu_kernel_requested)
 from jaxattn.ops.mla import MODES, Mode, mla_attention, mla_score_terms, mla_softmax_scale
 from jaxattn.ops.rope import RopeScaling, apply_rope
@@ -175,16 +175,16 @@ class MLA(nnx.Module):
     if positions is None:  # per-sequence positions: the batch is ragged
       positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     q_nope, q_rope, c_kv, k_rope = self._project(x, positions)
-    cache = cache.append(c_kv, k_rope)
-    return self._absorbed_paged(q_nope, q_rope, cache, cache.lengths, None, implementation), cache
+    old_lengths, cache = cache.lengths, cache.append(c_kv, k_rope)
+    y = self._absorbed_paged(q_nope, q_rope, cache, cache.lengths, None, implementation)
+    return nan_where_dropped(y, old_lengths, cache.lengths, t), cache
 
   def _absorbed_paged(self, q_nope, q_rope, cache: PagedLatentCache, lengths, indices,
                       implementation):
     """``o_proj`` of absorbed attention over a paged latent cache (``indices``: DSA's selected
     positions, or None for dense): the query goes to latent space, ``paged_mla_decode`` attends,
     ``W_up^V`` maps back."""
-    impl = implementation or self.implementation
-    impl = "xla" if impl == "xla_chunked" else impl  # the dense backends' XLA name
+    impl = module_decode_implementation(implementation or self.implementation)
     return self._absorbed(q_nope, lambda q_latent: paged_mla_decode(
         q_latent, q_rope, cache.c_kv_pool, cache.k_rope_pool, cache.page_table, lengths,
         scale=self.scale, indices=indices, implementation=impl))
@@ -270,6 +270,9 @@ class MLA(nnx.Module):
         raise ValueError(f"`cache` holds C={cache.kv_lora_rank}, R={cache.qk_rope_head_dim}; this "
                          f"layer needs C={self.kv_lora_rank}, R={self.qk_rope_head_dim}.")
       return self._paged_call(x, positions, segment_ids, mask, cache, implementation)
+    if cache is not None and not isinstance(cache, LatentCache):
+      raise ValueError(f"`cache` must be a LatentCache (init_cache) or a PagedLatentCache "
+                       f"(init_paged_cache), got {type(cache).__name__}.")
     if cache is not None:
       if segment_ids is not None:
         raise ValueError("`segment_ids` (packed sequences) cannot be combined with a latent `cache`.")

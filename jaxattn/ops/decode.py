@@ -70,6 +70,25 @@ def resolve_implementation(implementation, *, sparse: bool = False) -> str:
   return implementation
 
 
+# The dense dispatch's names that have no paged-decode backend of their own: a module built for
+# them decodes from a paged cache with the default decode backend.
+_DENSE_ONLY = ("xla_chunked", "cpu", "cudnn")
+
+
+def module_decode_implementation(implementation):
+  """The paged-decode backend for a module's (dense-attention) ``implementation``: a decode name
+  (``DECODE_IMPLEMENTATIONS``) is kept; ``"xla_chunked"`` is ``"xla"``; a dense-only name
+  (``"cpu"``, ``"cudnn"``) is None, the default; a sequence of preferences takes its first decode
+  name (None when it has none).  Anything else is returned as given, for
+  ``resolve_implementation`` to refuse."""
+  if isinstance(implementation, (list, tuple)):
+    names = ["xla" if n == "xla_chunked" else n for n in implementation]
+    return next((n for n in names if n in DECODE_IMPLEMENTATIONS), None)
+  if implementation == "xla_chunked":
+    return "xla"
+  return None if implementation in _DENSE_ONLY else implementation
+
+
 def tpu_kernel_requested(implementation) -> bool:
   """Whether a module call with this ``implementation`` (a dense-attention name or None) should
   run the TPU decode kernels: ``"pallas_tpu"`` explicitly, or None on a TPU backend."""
@@ -85,7 +104,12 @@ def _table(page_table, lengths, page_size) -> PageTable:
 
 
 def check_table(page_table, lengths, batch: int, num_pages: int | None = None, page_size=None):
-  """Validates ``page_table [B, M]`` and ``lengths [B]`` (int32-convertible integer arrays)."""
+  """Validates ``page_table [B, M]`` and ``lengths [B]`` (int32-convertible integer arrays).
+
+  Concrete (not traced) values are checked too: each length fits the table, and every page a
+  sequence reads (its first ``ceil(length / page_size)`` entries) is a page of the pool, in
+  ``[0, num_pages)``.  (The dense paths would clamp a ``-1`` there to page 0, another sequence's;
+  ``PagedKVCache`` never writes such a table, a hand-built one can.)"""
   if page_table.ndim != 2 or page_table.shape[0] != batch:
     raise ValueError(f"`page_table` must be [B={batch}, max_pages], got shape {page_table.shape}.")
   if lengths.shape != (batch,):
@@ -98,6 +122,16 @@ def check_table(page_table, lengths, batch: int, num_pages: int | None = None, p
     lens = np.asarray(lengths)
     if ((lens < 0) | (lens > cap)).any():
       raise ValueError(f"`lengths` must lie in [0, max_pages * page_size = {cap}], got {lens}.")
+    if not isinstance(page_table, jax.core.Tracer):
+      tab = np.asarray(page_table)
+      used = np.arange(tab.shape[1])[None, :] < -(-lens // page_size)[:, None]
+      bad = used & ((tab < 0) | (tab >= (num_pages if num_pages is not None else np.inf)))
+      if bad.any():
+        b, j = (int(i) for i in np.argwhere(bad)[0])
+        pool = f"[0, {num_pages})" if num_pages is not None else ">= 0"
+        raise ValueError(f"`page_table`[{b}, {j}] = {tab[b, j]} is not a page of the pool "
+                         f"({pool}), but sequence {b} (length {lens[b]}) reads its logical page "
+                         f"{j}.")
 
 
 def _check_scale(name, v):
@@ -206,7 +240,7 @@ def _check_gqa(q, key_pool, value_pool, page_table, lengths, scale, logits_soft_
   kh = merged_kv_heads(key_pool, value_pool, h)
   if n % kh:
     raise ValueError(f"query heads N={n} must be a multiple of the KV heads K={kh}.")
-  check_table(page_table, lengths, b, page_size=key_pool.shape[1])
+  check_table(page_table, lengths, b, num_pages=key_pool.shape[0], page_size=key_pool.shape[1])
   check_num_splits(num_splits)
   return kh, _check_scale("scale", scale), _check_scale("logits_soft_cap", logits_soft_cap)
 
@@ -355,9 +389,10 @@ def _mla_queries(q_latent, q_rope):
   return ql, qr, squeeze
 
 
-def _check_mla_call(page_table, lengths, batch, page_size, scale, num_splits) -> float:
+def _check_mla_call(page_table, lengths, batch, page_size, scale, num_splits,
+                    num_pages=None) -> float:
   """The table, scale and split checks of the MLA decode ops; returns the scale as a float."""
-  check_table(page_table, lengths, batch, page_size=page_size)
+  check_table(page_table, lengths, batch, num_pages=num_pages, page_size=page_size)
   if scale is None:
     raise ValueError("`scale` is required for MLA (1 / sqrt(P + R), times the YaRN mscale^2).")
   check_num_splits(num_splits)
@@ -524,7 +559,8 @@ def paged_mla_decode(
       or k_rope_pool.shape[2] < r):
     raise ValueError(f"`k_rope_pool` must be [P, page, R_p] = {c_kv_pool.shape[:2]} + (R_p,) "
                      f"with R_p >= R={r}, got {k_rope_pool.shape}.")
-  scale = _check_mla_call(page_table, lengths, b, c_kv_pool.shape[1], scale, num_splits)
+  scale = _check_mla_call(page_table, lengths, b, c_kv_pool.shape[1], scale, num_splits,
+                          num_pages=c_kv_pool.shape[0])
   if indices is not None:
     if squeeze and indices.ndim == 2:
       indices = indices[:, None]
@@ -555,6 +591,7 @@ def paged_mla_decode(
 
 __all__ = ["DECODE_IMPLEMENTATIONS", "DECODE_MAX_T", "cache_attention",
            "cache_mla_decode", "cache_row_bytes", "merged_kv_heads",
-           "paged_attention", "paged_attention_xla", "paged_mla_decode", "paged_mla_decode_xla",
+           "module_decode_implementation", "paged_attention", "paged_attention_xla",
+           "paged_mla_decode", "paged_mla_decode_xla",
            "page_view", "resolve_implementation", "sparse_rows", "tpu_kernel_requested",
            "view_page_size"]

@@ -124,3 +124,55 @@ def test_errors():
     m(x, cache=PagedLatentCache.init(2, 4, 2, 5, 4))
   with pytest.raises(ValueError, match="PagedLatentCache"):
     m(x, cache=m.init_paged_cache(2, 4, 2), segment_ids=jnp.zeros((2, 2), jnp.int32))
+  # the other family's cache: a clear error, not an AttributeError deep inside
+  with pytest.raises(ValueError, match="`cache` must be a KVCache .* got PagedLatentCache"):
+    attn(x, cache=m.init_paged_cache(2, 4, 2))
+  with pytest.raises(ValueError, match="`cache` must be a LatentCache .* got PagedKVCache"):
+    m(x, cache=attn.init_paged_cache(2, 4, 2))
+
+
+@pytest.mark.parametrize("make", [gqa, mla], ids=["gqa", "mla"])
+def test_dense_backend_names_decode_from_a_paged_cache(make):
+  """A layer built for a dense-only backend ("cpu", "cudnn", "xla_chunked", or a preference
+  sequence) decodes from a paged cache with the default decode backend; these were refused."""
+  module, x = make(), _x(5, seed=2)
+  cache = module.init_paged_cache(2, num_pages=8, page_size=2)
+  ref, _ = _step(module, cache, x)
+  for impl in ("cpu", "cudnn", "xla_chunked", ("cpu", "xla"), ("cudnn", "pallas_tpu")):
+    got, _ = _step(module, cache, x, implementation=impl)
+    np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5, err_msg=str(impl))
+  with pytest.raises(ValueError, match="`implementation` must be None or one of"):
+    _step(module, cache, x, implementation="flash")
+
+
+def test_a_table_entry_outside_the_pool_is_refused():
+  """A hand-built table with -1 (or a page past the pool) where a sequence's length reaches: the
+  dense paths clamped it to page 0 and read another sequence's keys."""
+  from jaxattn.ops.decode import paged_attention, paged_mla_decode
+  rng = np.random.default_rng(0)
+  pool = jnp.asarray(rng.standard_normal((4, 4, 8)), jnp.float32)
+  q = jnp.ones((2, 2, 8))
+  lengths = jnp.array([4, 8], jnp.int32)
+  paged_attention(q, pool, pool, jnp.array([[0, -1], [2, 3]], jnp.int32), lengths)  # unused -1
+  for table, bad in (([[0, -1], [2, -1]], r"\[1, 1\] = -1"), ([[0, 1], [2, 4]], r"\[1, 1\] = 4")):
+    with pytest.raises(ValueError, match=r"`page_table`" + bad + r" is not a page of the pool"):
+      paged_attention(q, pool, pool, jnp.array(table, jnp.int32), lengths)
+    with pytest.raises(ValueError, match=r"`page_table`" + bad):
+      paged_mla_decode(q, q[..., :4], pool, pool[..., :4], jnp.array(table, jnp.int32), lengths,
+                       scale=0.3)
+
+
+@pytest.mark.parametrize("make", [gqa, mla], ids=["gqa", "mla"])
+def test_running_out_of_pages_under_jit_gives_nan_rows(make):
+  """Under jit append cannot raise: the tokens that found no page are dropped.  The rows that lost
+  tokens are NaN (they were finite and wrong); the others are unaffected."""
+  module, x = make(), _x(4, seed=3)
+  # 3 pages of 2 tokens for 2 sequences: after 2 tokens each (2 pages), one page is left.
+  cache = module.init_paged_cache(2, num_pages=3, page_size=2)
+  _, cache = _step(module, cache, x[:, :2])
+  ref, _ = _step(module, module.init_paged_cache(2, num_pages=8, page_size=2), x[:, :3])
+  y, cache = _step(module, cache, x[:, 2:3])   # both need a new page; only one is free
+  np.testing.assert_array_equal(np.sort(np.asarray(cache.lengths)), [2, 3])
+  short = int(np.argmin(np.asarray(cache.lengths)))
+  assert np.isnan(np.asarray(y[short])).all()
+  np.testing.assert_allclose(y[1 - short], ref[1 - short, 2:3], rtol=2e-5, atol=2e-5)
