@@ -41,7 +41,7 @@ from jaxattn.ops.rope import RopeScaling, apply_rope
 from jaxattn.ops.sparse import IMPLEMENTATIONS as SPARSE_IMPLEMENTATIONS
 from jaxattn.ops.sparse import (DOT_DTYPES, indexer_kl_loss, indexer_scores, indexer_topk,
                                 indices_to_mask, sparse_mla_attention, topk_indices)
-from jaxattn.paged_cache import PagedLatentCache
+from jaxattn.paged_cache import PagedLatentCache, nan_where_dropped
 from jaxattn.sharding import shard
 
 AttentionMode = Literal["dense", "sparse"]
@@ -243,7 +243,7 @@ class DSA(MLA):
     # The indexer learns only from its own loss: detach its inputs from the main model.
     q_idx, keys, scales, w = self.indexer.project(jax.lax.stop_gradient(x),
                                                   jax.lax.stop_gradient(q_in), positions)
-    cache = cache.append(c_kv, k_rope, keys, scales)
+    old_lengths, cache = cache.lengths, cache.append(c_kv, k_rope, keys, scales)
     lengths = cache.lengths
     indices = scores = None
     if mode == "sparse" or return_aux:
@@ -258,7 +258,8 @@ class DSA(MLA):
       scores = jnp.where(visible, scores, -jnp.inf)
       if mode == "sparse":
         indices = topk_indices(scores, self.index_topk)            # [B, T, k], -1 = none
-    y = self._absorbed_paged(q_nope, q_rope, cache, lengths, indices, implementation)
+    y = nan_where_dropped(self._absorbed_paged(q_nope, q_rope, cache, lengths, indices,
+                                               implementation), old_lengths, lengths, t)
     if not return_aux:
       return y, cache
     dt = q_nope.dtype
@@ -293,7 +294,8 @@ class DSA(MLA):
       implementation=None,
       segment_ids: Int[Array, "B T"] | None = None,
   ):
-    """``segment_ids [B, T]`` (packed rows, 0 = padding): the indexer selects, and attention
+    """``segment_ids [B, T]`` (packed rows; equal ids = one document, 0 included, as in
+    ``dot_product_attention`` and the dense mode): the indexer selects, and attention
     reads, only earlier tokens of the query's own segment (full scores are formed for the mask)."""
     mode = self.attention_mode if attention_mode is None else attention_mode
     if mode not in ATTENTION_MODES:
@@ -331,8 +333,7 @@ class DSA(MLA):
       scores = indexer_scores(q_idx, k_idx, w, q_offset=offset, kv_lengths=kv_lengths,
                               dot_dtype=self.indexer.dot_dtype)
       if segment_ids is not None:
-        same = ((segment_ids[:, :, None] == segment_ids[:, None, :])
-                & (segment_ids[:, :, None] > 0))
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]
         scores = jnp.where(same, scores, -jnp.inf)
     if mode == "sparse":
       if scores is None:

@@ -127,6 +127,15 @@ def _index_operands(q_index, k_index, weights, quant, quant_block_size, dot_dtyp
   return q, keys, w, None
 
 
+def _check_q_offset(q_offset):
+  """``q_offset`` is one position for the whole batch (a ``[B]`` array would broadcast against
+  the query rows instead: a wrong causal mask when ``B == T``)."""
+  if jnp.ndim(q_offset) != 0:
+    raise ValueError(f"`q_offset` must be a scalar (one offset for every sequence), got shape "
+                     f"{jnp.shape(q_offset)}; for per-sequence offsets mask the scores "
+                     "yourself (as the paged DSA path does).")
+
+
 def _valid_keys(t, s, *, causal, q_offset, kv_lengths, batch):
   """Boolean ``[B, T, S]``: key ``s`` exists (``< kv_lengths``) and is visible from query ``t``."""
   kv = jnp.arange(s, dtype=jnp.int32)
@@ -175,6 +184,7 @@ def indexer_scores(
   if quant not in QUANT_FORMATS:
     raise ValueError(f"`quant` must be one of {QUANT_FORMATS}, got {quant!r}.")
   _check_dot_dtype(dot_dtype)
+  _check_q_offset(q_offset)
   q, k, w, k_scale = _index_operands(q_index, k_index, weights, quant, quant_block_size,
                                      dot_dtype)
   logits = jnp.einsum("btjd,bsd->btjs", q, k, preferred_element_type=_F32)
@@ -217,8 +227,8 @@ def indices_to_mask(indices: Int[Array, "B T k"], num_keys: int) -> Bool[Array, 
 
 
 def _check_indices(indices, b, t, name="indices"):
-  if indices.ndim != 3 or indices.shape[:2] != (b, t):
-    raise ValueError(f"`{name}` must be [B={b}, T={t}, k], got shape {indices.shape}.")
+  if indices.ndim != 3 or indices.shape[:2] != (b, t) or indices.shape[2] < 1:
+    raise ValueError(f"`{name}` must be [B={b}, T={t}, k>=1], got shape {indices.shape}.")
   if not jnp.issubdtype(indices.dtype, jnp.integer):
     raise ValueError(f"`{name}` must be an integer array, got dtype {indices.dtype}.")
 
@@ -307,12 +317,19 @@ def _sparse_attention_xla(query, key, value, indices, scale):
   """The gather reference of ``sparse_attention`` (arguments already checked)."""
   valid = indices >= 0                                            # [B, T, k]
   safe = jnp.where(valid, indices, 0).astype(jnp.int32)
-  k_sel = _gather(key, safe).astype(_F32)                         # [B, T, k, K, H]
-  v_sel = _gather(value, safe).astype(_F32)                       # [B, T, k, K, h]
+  k_sel, v_sel = _gather_rows(key, value, safe, valid)            # [B, T, k, K, H|h]
   return _attend(query.astype(_F32), k_sel, v_sel, valid, scale).astype(query.dtype)
 
 
 _gather = jax.vmap(lambda x, i: x[i])                             # per batch row: [S, ...][T, k]
+
+
+def _gather_rows(key, value, safe, valid):
+  """The selected key / value rows in fp32, zero in the slots that select nothing: they gather
+  row 0, whose inf or NaN would otherwise reach the output as ``0 * inf`` (and the gradients)."""
+  keep = valid[..., None, None]
+  return (jnp.where(keep, _gather(key, safe).astype(_F32), 0.0),
+          jnp.where(keep, _gather(value, safe).astype(_F32), 0.0))
 _scatter_add = jax.vmap(lambda acc, i, x: acc.at[i].add(x))       # its transpose
 
 
@@ -360,8 +377,7 @@ def sparse_attention_vjp(query, key, value, indices, scale, d_out):
     q, idx, d = xs
     valid = idx >= 0
     safe = jnp.where(valid, idx, 0)
-    k_sel = _gather(key, safe).astype(_F32)
-    v_sel = _gather(value, safe).astype(_F32)
+    k_sel, v_sel = _gather_rows(key, value, safe, valid)
     _, vjp = jax.vjp(lambda q_, k_, v_: _attend(q_, k_, v_, valid, scale), q.astype(_F32),
                      k_sel, v_sel)
     dq, dk_sel, dv_sel = vjp(d.astype(_F32))                       # masked slots: exact zeros
@@ -793,6 +809,7 @@ def indexer_topk(
   if order not in ("score", "position"):
     raise ValueError(f"`order` must be 'score' or 'position', got {order!r}.")
   _check_dot_dtype(dot_dtype)
+  _check_q_offset(q_offset)
   if implementation not in (None, "xla", "cpu"):
     raise ValueError(f"`implementation` must be None, 'xla' or 'cpu' for the indexer, got "
                      f"{implementation!r}.")

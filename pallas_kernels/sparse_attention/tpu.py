@@ -142,7 +142,7 @@ def _kernel(meta_ref, next_meta_ref, rows_ref, *refs, dims, value_part, value_wi
   base = first_slot[0]
 
   def body(blk, carry):
-    slot = lax.rem(base + blk, 2)
+    slot = lax.rem(base + blk.astype(jnp.int32), jnp.int32(2))   # int32 under jax_enable_x64 too
 
     @pl.when(blk + 1 < num_blocks)
     def _():

@@ -139,14 +139,16 @@ def test_streaming_selection_equals_full_scores_path():
   assert float(jnp.abs(g_stream["kv_down"]["kernel"][...]).max()) > 0
 
 
+@pytest.mark.parametrize("first_id", [1, 0])
 @pytest.mark.parametrize("mode", ["sparse", "dense"])
-def test_dsa_packed_segments_equal_separate_sequences(mode):
-  """Two documents packed in one row (segment ids) give each document's own output."""
+def test_dsa_packed_segments_equal_separate_sequences(mode, first_id):
+  """Two documents packed in one row (segment ids) give each document's own output; id 0 is a
+  document like any other in both modes (sparse mode used to zero it as padding)."""
   dsa = DSA(32, 2, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, index_num_heads=2,
             index_head_dim=8, index_rope_dim=4, index_topk=3, attention_mode=mode,
             rngs=nnx.Rngs(0))
   x = jax.random.normal(jax.random.key(1), (1, 9, 32))
-  seg = jnp.array([[1, 1, 1, 1, 1, 2, 2, 2, 2]])
+  seg = jnp.array([[0, 0, 0, 0, 0, 1, 1, 1, 1]]) + first_id
   pos = jnp.array([[0, 1, 2, 3, 4, 0, 1, 2, 3]])
   packed, aux = dsa(x, positions=pos, segment_ids=seg, return_aux=True)
   first = dsa(x[:, :5])

@@ -243,3 +243,51 @@ def test_chunked_backward_scratch_does_not_grow_with_queries():
   ref_small, ref_large = scratch(reference, 64), scratch(reference, 1024)
   assert ref_large > 8 * ref_small                                   # grows with T
   assert large < 2 * small + (1 << 20), (small, large)               # does not
+
+
+@pytest.mark.parametrize("impl", ["xla", "cpu", "pallas_tpu"])
+def test_unselected_rows_cannot_poison_outputs_or_gradients(impl):
+  """A slot with -1 gathered row 0 and only masked its logit: an inf in that (unselected) row gave
+  NaN outputs on the XLA path and NaN dq / dk on every path (their backward is shared)."""
+  rng = np.random.default_rng(0)
+  q = jnp.asarray(rng.standard_normal((1, 4, 2, 8)), jnp.float32)
+  k = jnp.asarray(rng.standard_normal((1, 6, 1, 8)), jnp.float32)
+  v = jnp.asarray(rng.standard_normal((1, 6, 1, 8)), jnp.float32)
+  idx = jnp.array([[[1, -1], [2, 3], [-1, -1], [4, 5]]], jnp.int32)   # row 0 never selected
+  k_bad, v_bad = k.at[0, 0].set(jnp.inf), v.at[0, 0].set(jnp.nan)
+
+  def loss(q, k, v):
+    return jnp.sum(sparse_attention(q, k, v, idx, implementation=impl) ** 2)
+
+  out = sparse_attention(q, k_bad, v_bad, idx, implementation=impl)
+  np.testing.assert_allclose(out, sparse_attention(q, k, v, idx, implementation=impl), atol=1e-6)
+  np.testing.assert_array_equal(out[0, 2], 0.0)                  # nothing selected: zeros
+  got = jax.grad(loss, argnums=(0, 1, 2))(q, k_bad, v_bad)
+  want = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+  for g, w in zip(got, want):   # the unselected row gets no gradient either way
+    np.testing.assert_allclose(g, w, atol=1e-5)
+
+
+def test_bad_offsets_and_empty_selections_are_refused():
+  q = jnp.ones((2, 2, 2, 8))
+  k = jnp.ones((2, 5, 8))
+  w = jnp.ones((2, 2, 2))
+  for fn in (indexer_scores, lambda *a, **kw: sparse_mod.indexer_topk(*a, 2, **kw)):
+    with pytest.raises(ValueError, match="`q_offset` must be a scalar"):
+      fn(q, k, w, q_offset=jnp.array([0, 3]))
+  for impl in ("xla", "cpu", "pallas_tpu"):
+    with pytest.raises(ValueError, match=r"k>=1"):
+      sparse_attention(jnp.ones((1, 4, 2, 8)), jnp.ones((1, 4, 1, 8)), jnp.ones((1, 4, 1, 8)),
+                       jnp.zeros((1, 4, 0), jnp.int32), implementation=impl)
+
+
+def test_tpu_kernel_under_x64():
+  """With jax_enable_x64 the kernel's loop index is int64: it crashed in lax.rem."""
+  rng = np.random.default_rng(0)
+  q = jnp.asarray(rng.standard_normal((1, 3, 2, 8)), jnp.float32)
+  k = jnp.asarray(rng.standard_normal((1, 5, 1, 8)), jnp.float32)
+  idx = jnp.array([[[0, 1], [2, -1], [3, 4]]], jnp.int32)
+  want = sparse_attention(q, k, k, idx, implementation="xla")
+  with jax.enable_x64(True):
+    got = sparse_attention(q, k, k, idx, implementation="pallas_tpu")
+  np.testing.assert_allclose(got, want, atol=1e-5)
