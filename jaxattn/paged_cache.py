@@ -144,10 +144,12 @@ class PageTable:
     return num_tokens
 
   def pages_needed(self, t: int, num_tokens: Int[Array, "B"] | None = None) -> Int[Array, ""]:
-    """Pages ``reserve(t, num_tokens)`` would pop from the free stack."""
+    """Pages ``reserve(t, num_tokens)`` would pop from the free stack (a sequence holds at most
+    ``max_pages``: tokens past ``max_len`` take none)."""
     counts = self._counts(t, num_tokens)
     ps = self.page_size
-    return jnp.sum(-(-(self.lengths + counts) // ps) - (-(-self.lengths // ps)))
+    end = jnp.minimum(self.lengths + counts, self.max_len)
+    return jnp.sum(-(-end // ps) - (-(-self.lengths // ps)))
 
   def reserve(self, t: int, num_tokens: Int[Array, "B"] | None = None
               ) -> tuple["PageTable", Int[Array, "B T"], Int[Array, "B T"]]:

@@ -77,6 +77,10 @@ def test_decode_append_under_jit_equals_eager_and_pages_needed():
     np.testing.assert_array_equal(a, b)
   np.testing.assert_array_equal(eager.lengths, [3, 2])
   assert int(cache.table.num_free) - int(eager.table.num_free) == 1
+  # at most max_pages per sequence: a full sequence needs no more pages (it reported one more)
+  full = PagedKVCache.init(2, 8, 2, 1, 4, max_pages_per_seq=2)
+  full = full.append(jnp.ones((2, 4, 1, 4)), jnp.ones((2, 4, 1, 4)), jnp.array([4, 3]))
+  assert int(full.table.pages_needed(2)) == 0
 
 
 def test_free_returns_pages_and_they_are_reused():
