@@ -59,3 +59,20 @@ def test_modules_take_numpy_ints():
   assert moe(x)[0].shape == (2, 5, 16) and type(moe.block_size) is int
   with pytest.raises(ValueError, match="`shared_dim` must be None or an int >= 1, got 0"):
     MoE(16, 4, 2, 8, num_shared_experts=1, shared_dim=0, rngs=nnx.Rngs(0))
+
+
+def test_moe_and_nf4_argument_checks():
+  """Each of these passed construction and failed (or went wrong) at the first call."""
+  for kw, match in ((dict(capacity_factor=float("inf")), "`capacity_factor` must be a finite"),
+                    (dict(capacity_factor=True), "`capacity_factor` must be a finite"),
+                    (dict(routed_scaling_factor=None), "`routed_scaling_factor` must be a finite"),
+                    (dict(routed_scaling_factor=float("nan")), "`routed_scaling_factor`"),
+                    (dict(norm_topk_prob="no"), "`norm_topk_prob` must be a bool")):
+    with pytest.raises(ValueError, match=match):
+      MoE(16, 4, 2, 8, rngs=nnx.Rngs(0), **kw)
+  moe = MoE(16, 4, 2, 8, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="`rate` must be a number >= 0, got -1.0"):
+    moe.update_bias(np.array([4.0, 1.0, 1.0, 1.0]), rate=-1.0)
+  from jaxattn.ops.nf4 import quantize_nf4
+  w = np.random.default_rng(0).normal(size=(64, 8)).astype(np.float32)
+  assert quantize_nf4(w, block_size=np.int64(64)) is not None   # NumPy ints are ints

@@ -285,7 +285,9 @@ class LoRA(nnx.Module):
     self.merged = True
 
   def unmerge(self) -> None:
-    """Undoes ``merge`` (``W0 <- W0 - scaling * A B``, exact up to one fp32 rounding)."""
+    """Undoes ``merge`` (``W0 <- W0 - scaling * A B``): exact up to one rounding to the kernel's
+    dtype each way (fp32 kernels: a last-bit difference; bf16 kernels can move by one bf16 ulp,
+    as with peft; keep a copy of ``W0`` where the round trip must be exact)."""
     if not self.merged:
       return
     k = self.base.kernel

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxattn.checks import check_int, check_nonnegative
+from jaxattn.checks import check_int, check_nonnegative, check_positive
 from jaxattn.nn.linear import param
 from jaxattn.nn.mlp import MLP
 from jaxattn.ops import moe as M
@@ -101,8 +101,11 @@ class MoE(nnx.Module):
     # token count); 0 is no size, and must not pass for "default".
     for name, v in (("shared_dim", shared_dim), ("block_size", block_size)):
       check_int(name, v, allow_none=True)
-    if capacity_factor is not None and not capacity_factor > 0:
-      raise ValueError(f"`capacity_factor` must be positive or None, got {capacity_factor!r}.")
+    if capacity_factor is not None:
+      check_positive("capacity_factor", capacity_factor)
+    check_positive("routed_scaling_factor", routed_scaling_factor)
+    if not isinstance(norm_topk_prob, bool):
+      raise ValueError(f"`norm_topk_prob` must be a bool, got {norm_topk_prob!r}.")
     if implementation is not None and implementation not in M.IMPLEMENTATIONS:
       raise ValueError(f"`implementation` must be None or one of {M.IMPLEMENTATIONS}, got "
                        f"{implementation!r}.")
@@ -155,6 +158,7 @@ class MoE(nnx.Module):
   def update_bias(self, load: Float[Array, "E"], rate: float | None = None) -> None:
     """``router_bias += rate * sign(mean(load) - load)`` (default ``rate``: ``bias_update_rate``)."""
     rate = self.bias_update_rate if rate is None else rate
+    check_nonnegative("rate", rate)   # negative: overloaded experts would gain
     self.router_bias[...] = M.bias_update(self.router_bias[...], load, rate=rate)
 
   def _use_expert_parallel(self) -> bool:

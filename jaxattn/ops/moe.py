@@ -189,6 +189,8 @@ def bias_update(bias: Float[Array, "E"], load: Float[Array, "E"], *, rate: float
   An overloaded expert's bias falls, an underloaded one's rises (DeepSeek-V3: ``rate`` = 0.001 for
   most of training).  Apply it in the training step after each batch, outside the gradient.
   """
+  if load.shape != bias.shape:
+    raise ValueError(f"`load` {load.shape} must have the shape of `bias` {bias.shape} ([E]).")
   load = load.astype(jnp.float32)
   return (bias.astype(jnp.float32) + rate * jnp.sign(jnp.mean(load) - load)).astype(bias.dtype)
 
@@ -248,11 +250,18 @@ def sort_by_expert(indices: Int[Array, "M k"], num_experts: int
   """``order [A]`` (assignment ids ``m * k + j`` sorted by expert, stable) and ``group_sizes [E]``.
 
   Row ``i`` of the sorted buffer is token ``order[i] // k``; expert ``e`` owns rows
-  ``sum(group_sizes[:e]) .. sum(group_sizes[:e + 1])``.
+  ``sum(group_sizes[:e]) .. sum(group_sizes[:e + 1])``.  An index outside ``[0, E)`` (a ``-1``
+  "no expert" mark) sorts last and belongs to no group: its assignment is dropped, as in
+  ``dense_experts`` (``bincount`` would have counted a negative one for expert 0).
   """
-  flat = indices.reshape(-1)
+  flat = _no_expert_last(indices.reshape(-1), num_experts)
   order = jnp.argsort(flat, stable=True).astype(jnp.int32)
   return order, jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+
+
+def _no_expert_last(flat, num_experts: int):
+  """Indices outside ``[0, E)`` become ``E``: past every expert's group (dropped)."""
+  return jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)
 
 
 def _auto_implementation() -> str:
@@ -333,6 +342,8 @@ def block_matmul(xb: Float[Array, "NB bm D"], w: Float[Array, "E D F"], block_gr
 
   A ``custom_vjp`` because the loop has a data-dependent trip count: the backward pass is the same
   loop with ``w`` transposed for ``dxb`` and a per-block ``xb^T dy`` accumulated into ``dw``.
+  Reverse mode only: ``jax.jvp`` / ``jax.jacfwd`` through it raise (use
+  ``implementation="dense"`` for forward-mode derivatives).
   """
   return _block_matmul_loop(xb, w, block_group, num_used)
 
@@ -502,6 +513,9 @@ def routed_experts(
   choice rank earlier tokens first; assignments that find their expert full are dropped (they add
   nothing: the token keeps only its other experts and the residual).  The buffer carries the
   ``expert`` logical axis, so under a mesh XLA splits it over experts and inserts the all-to-all.
+
+  An index outside ``[0, E)`` (e.g. ``-1`` for "no expert") adds nothing, on every path (as in
+  ``dense_experts``); it is not counted as dropped.
   """
   _check_dispatch(x, indices, weights, w_gate)
   m, k = indices.shape
@@ -511,11 +525,12 @@ def routed_experts(
     ys = grouped_swiglu(x[order // k], group_sizes, w_gate, w_up, w_down,
                         implementation=implementation, block_size=block_size)
     y_assign = jnp.zeros_like(ys).at[order].set(ys)
-    return _combine(y_assign.reshape(m, k, -1), weights, x.dtype), jnp.zeros((), jnp.int32)
+    return (_combine(y_assign.reshape(m, k, ys.shape[-1]), weights, x.dtype),
+            jnp.zeros((), jnp.int32))
 
   cap = expert_capacity(m, num_experts, k, capacity_factor)
   # Choice-major flattening (all first choices, then all second ...) gives first choices priority.
-  flat = indices.T.reshape(-1)                                                 # [k * M]
+  flat = _no_expert_last(indices.T.reshape(-1), num_experts)                  # [k * M]
   order = jnp.argsort(flat, stable=True)
   expert = flat[order]
   group_sizes = jnp.bincount(flat, length=num_experts)
@@ -530,7 +545,8 @@ def routed_experts(
   out = mm(h, w_down).astype(x.dtype)
   out = shard(out, ("expert", None, "act_embed"))
   ys = out.at[expert, slot].get(mode="fill", fill_value=0)                     # [k * M, D]
-  y_assign = jnp.zeros_like(ys).at[order].set(ys).reshape(k, m, -1).transpose(1, 0, 2)
+  y_assign = (jnp.zeros_like(ys).at[order].set(ys).reshape(k, m, ys.shape[-1])
+              .transpose(1, 0, 2))
   dropped = jnp.sum(jnp.maximum(group_sizes - cap, 0)).astype(jnp.int32)
   return _combine(y_assign, weights, x.dtype), dropped
 
@@ -622,6 +638,10 @@ def routed_experts_sharded(
   them.
   """
   _check_dispatch(x, indices, weights, w_gate)
+  # An index outside [0, E) is dropped, as in routed_experts: here it becomes a zero-weight
+  # assignment to expert 0 (no value, and no gradient to its weight).
+  valid = (indices >= 0) & (indices < w_gate.shape[0])
+  indices, weights = jnp.where(valid, indices, 0), jnp.where(valid, weights, 0)
   mesh = _mesh_or_context(mesh)
   sizes = dict(mesh.shape)
   if expert_axis not in sizes:
@@ -671,7 +691,7 @@ def routed_experts_sharded(
     out = jnp.zeros_like(out).at[order2].set(out).reshape(n_dev, a_loc, -1)
     back = jax.lax.all_to_all(out, expert_axis, 0, 0, tiled=True)             # [P(dest), A_loc, D]
     ys = back[dest, slot]                                                       # sorted order
-    y_assign = jnp.zeros_like(ys).at[order].set(ys).reshape(m_loc, k, -1)
+    y_assign = jnp.zeros_like(ys).at[order].set(ys).reshape(m_loc, k, ys.shape[-1])
     return _combine(y_assign, weights, x.dtype)
 
   args = [_place(a, mesh, tok_spec) for a in (x, indices, weights)]

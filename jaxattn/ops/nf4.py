@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, UInt8
 
+from jaxattn.checks import is_int
+
 # The 16 NF4 levels: quantiles of N(0, 1) normalized to [-1, 1], with an exact zero (QLoRA, Dettmers
 # et al. 2023), as listed in bitsandbytes (``get_4bit_type("nf4")``).
 NF4_CODEBOOK = np.array([
@@ -71,7 +73,7 @@ class NF4Tensor(NamedTuple):
 
 
 def _check_block_size(name, block_size):
-  if not isinstance(block_size, int) or block_size < 2 or block_size % 2:
+  if not is_int(block_size) or block_size < 2 or block_size % 2:
     raise ValueError(f"`{name}` must be an even int >= 2, got {block_size!r}.")
 
 

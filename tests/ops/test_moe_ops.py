@@ -381,3 +381,32 @@ def test_expert_parallel_pads_tokens_that_do_not_divide_over_the_shards(m, axis_
     got = _value_and_grads(moe.routed_experts_sharded, *args)
   assert got[0].shape == (m, D) and got[1][0].shape == (m, D) and got[1][1].shape == idx.shape
   _assert_same(got, want)
+
+
+def test_no_expert_marks_are_dropped_on_every_path():
+  """``-1`` (or E) in ``indices`` adds nothing, as in ``dense_experts``: the dropless paths used to
+  run it through expert 0 (``bincount`` counted it there) and capacity mode through the last
+  expert; gradients match the dense reference too.  Zero tokens give an empty output (every
+  path crashed in a reshape)."""
+  x, idx, w = _routing(m=12)
+  idx = idx.at[1, 1].set(-1).at[4, 0].set(E).at[7, 1].set(-5)
+  args = (x, idx, w) + _experts()
+  want = _value_and_grads(moe.dense_experts, *args)
+  for impl in moe.IMPLEMENTATIONS:
+    _assert_same(_value_and_grads(functools.partial(moe.routed_experts, implementation=impl,
+                                                    block_size=8), *args), want)
+  _assert_same(_value_and_grads(functools.partial(moe.routed_experts, capacity_factor=8.0),
+                                *args), want)
+  mesh = sharding.make_mesh({"expert": 4, "data": 2})
+  with jax.set_mesh(mesh):
+    _assert_same(_value_and_grads(moe.routed_experts_sharded, *args), want)
+  np.testing.assert_array_equal(moe.sort_by_expert(idx, E)[1].sum(), 12 * 2 - 3)
+  empty = (jnp.zeros((0, D)), jnp.zeros((0, 2), jnp.int32), jnp.zeros((0, 2))) + _experts()
+  for impl in moe.IMPLEMENTATIONS:
+    assert moe.routed_experts(*empty, implementation=impl)[0].shape == (0, D)
+  assert moe.routed_experts(*empty, capacity_factor=1.0)[0].shape == (0, D)
+
+
+def test_bias_update_checks_its_load():
+  with pytest.raises(ValueError, match=r"`load` \(2, 8\) must have the shape of `bias`"):
+    moe.bias_update(jnp.zeros(E), jnp.ones((2, E)), rate=1e-3)
