@@ -10,6 +10,7 @@ import numpy as np
 from flax import nnx
 
 from jaxattn.cache import KVCache, kv_cache_bytes_per_token, nan_past_capacity
+from jaxattn.checks import check_positive
 from jaxattn.paged_cache import PagedKVCache, nan_where_dropped
 from jaxattn.rolling_cache import RollingKVCache
 from jaxattn.nn.linear import Einsum
@@ -39,7 +40,8 @@ class Attention(nnx.Module):
   W_gate)`` before ``o_proj`` (both as Qwen3-Next's full-attention layers).
 
   Call ``attn(x)`` for a full pass; with ``cache=attn.init_cache(...)`` it returns ``(y, cache)``
-  and a prefill followed by token-by-token decode equals the full pass on the same tokens.  (Not
+  and, for a causal layer, a prefill followed by token-by-token decode equals the full pass on the
+  same tokens (a non-causal full pass lets earlier tokens see later ones; decode cannot).  (Not
   with ``rope_scaling`` of type ``"dynamic"``: its base depends on the sequence length, so a full
   pass rotates every token with the base of its final length while decode rotates each new token
   with the base of the length so far and keeps the cached keys as they were, as transformers does.)
@@ -89,8 +91,8 @@ class Attention(nnx.Module):
     if sliding_window is not None and (not isinstance(sliding_window, (int, np.integer))
                                        or sliding_window < 0):
       raise ValueError(f"`sliding_window` must be a non-negative int or None, got {sliding_window!r}.")
-    if logits_soft_cap is not None and not logits_soft_cap > 0:
-      raise ValueError(f"`logits_soft_cap` must be positive or None, got {logits_soft_cap!r}.")
+    if logits_soft_cap is not None:
+      check_positive("logits_soft_cap", logits_soft_cap)
     if position == "rope":
       rd = head_dim if rotary_dim is None else rotary_dim
       if rd % 2 or not 0 < rd <= head_dim:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxattn.checks import is_number
+from jaxattn.checks import check_positive, is_number
 from jaxattn.ops import scores as S
 from jaxattn.ops.masks import Mask, make_mask
 
@@ -114,7 +114,7 @@ def check_scale(scale) -> None:
 
 
 def _validate(query, key, value, bias, mask, scale, alibi_slopes, logits_soft_cap,
-              segment_ids=None, kv_lengths=None):
+              segment_ids=None, kv_lengths=None, q_offset=0):
   for name, x in (("query", query), ("key", key), ("value", value)):
     if x.ndim != 4:
       raise ValueError(f"`{name}` must have rank 4 ([B, T|S, heads, head_dim]), got shape {x.shape}.")
@@ -151,8 +151,12 @@ def _validate(query, key, value, bias, mask, scale, alibi_slopes, logits_soft_ca
   check_scale(scale)
   if alibi_slopes is not None and tuple(np.shape(alibi_slopes)) != (n,):
     raise ValueError(f"`alibi_slopes` must have shape [N] = ({n},), got {np.shape(alibi_slopes)}.")
-  if logits_soft_cap is not None and not (logits_soft_cap > 0):
-    raise ValueError(f"`logits_soft_cap` must be a positive float or None, got {logits_soft_cap!r}.")
+  if logits_soft_cap is not None:   # inf would make cap * tanh(x / cap) = inf * 0 = NaN
+    check_positive("logits_soft_cap", logits_soft_cap)
+  if jnp.ndim(q_offset) != 0 or not jnp.issubdtype(jnp.asarray(q_offset).dtype, jnp.integer):
+    raise ValueError(f"`q_offset` must be one integer (a scalar, Python or traced), got "
+                     f"{q_offset!r}; per-sequence offsets are not supported (use kv_lengths, or a "
+                     "mask).")
   if segment_ids is not None:
     # Out-of-range ids are not an error inside the mask (a gather fills them), so the shapes are
     # checked here: a short array would otherwise pass as a segment of its own.
@@ -220,8 +224,14 @@ def dot_product_attention(
       ``jax.nn.dot_product_attention``: bf16 / fp16, causal and left-window masks, no bias,
       ALiBi, soft-cap or residuals; ``jaxattn.ops.attention_cudnn``), ``"pallas_tpu"``,
       ``"pallas_gpu"``,
-      or a sequence tried in order.  An unavailable explicit choice raises ``ValueError``; nothing
-      falls back silently.
+      or a sequence of preferences, tried in order as the automatic order is (a backend that
+      is unavailable or cannot compute the call passes to the next).  A single explicit choice
+      that is unavailable or cannot compute the call raises; it never falls back silently.
+
+  Gradients: every backend differentiates ``query``, ``key``, ``value`` and ``bias``.
+  ``alibi_slopes`` and a traced ``scale`` are constants to all but ``"xla"`` (their gradient is
+  zero on the chunked, CPU and Pallas paths): learn slopes or a temperature with
+  ``implementation="xla"``, or fold the temperature into ``query``.
 
   Returns:
     ``[B, T, N, h]`` in the query dtype; with ``return_residuals``, ``(out, lse)``.
@@ -238,9 +248,12 @@ def dot_product_attention(
     b, t, n, _ = query.shape
     out = jnp.zeros((b, t, n, value.shape[-1]), query.dtype)
     return (out, jnp.full((b, n, t), -jnp.inf, jnp.float32)) if return_residuals else out
-  if implementation is not None:
+  attempt = lambda backend: backend(query, key, value, **kwargs)  # noqa: E731
+  if implementation is None:
+    return _first_accepting(attempt)[1]
+  if isinstance(implementation, str):
     return _resolve(implementation)(query, key, value, **kwargs)
-  return _first_accepting(lambda backend: backend(query, key, value, **kwargs))[1]
+  return _first_accepting(attempt, _sequence(implementation))[1]
 
 
 def _backend_kwargs(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
@@ -249,7 +262,7 @@ def _backend_kwargs(query, key, value, bias=None, mask=None, *, scale=None, is_c
   """Validates ``dot_product_attention``'s arguments and returns the backends' normalized keyword
   arguments: one ``Mask`` (or None), a boolean mask array apart, a concrete default scale."""
   _validate(query, key, value, bias, mask, scale, alibi_slopes, logits_soft_cap, segment_ids,
-            kv_lengths)
+            kv_lengths, q_offset)
   mask_obj = mask if isinstance(mask, Mask) else None
   mask_array = None if (mask is None or isinstance(mask, Mask)) else jnp.asarray(mask, bool)
   mask_obj = make_mask(is_causal=is_causal, local_window_size=local_window_size,
@@ -261,12 +274,23 @@ def _backend_kwargs(query, key, value, bias=None, mask=None, *, scale=None, is_c
               return_residuals=return_residuals)
 
 
-def _first_accepting(attempt: Callable) -> tuple[str, object, dict[str, str]]:
-  """Automatic dispatch: ``attempt(backend)`` for each backend of ``_auto_order()`` until one does
-  not raise ``UnsupportedError``.  Returns ``(name, its result, {earlier name: why not})``; raises
+def _sequence(implementation) -> list[str]:
+  """A sequence of backend names, checked (a typo raises instead of being skipped)."""
+  order = list(implementation)
+  if not order or any(name not in IMPLEMENTATIONS for name in order):
+    raise ValueError(f"`implementation` must be None, one of {IMPLEMENTATIONS} or a sequence of "
+                     f"them, got {implementation!r}.")
+  return order
+
+
+def _first_accepting(attempt: Callable, order: list[str] | None = None
+                     ) -> tuple[str, object, dict[str, str]]:
+  """Automatic dispatch: ``attempt(backend)`` for each backend of ``order`` (default
+  ``_auto_order()``; a user's sequence of preferences) until one does not raise
+  ``UnsupportedError``.  Returns ``(name, its result, {earlier name: why not})``; raises
   ``ValueError`` with every reason when none accepts."""
   reasons: dict[str, str] = {}
-  for name in _auto_order():
+  for name in (_auto_order() if order is None else order):
     _load_builtin(name)
     if name not in _REGISTRY:
       reasons[name] = _UNAVAILABLE.get(name, "not registered")

@@ -120,6 +120,17 @@ def cpu_attention(
                block_q=int(bq), block_k=int(bk),
                soft_cap=0.0 if logits_soft_cap is None else float(logits_soft_cap))
   q_ids, kv_ids = (None, None) if segments is None else segments
+  # Mask objects may hold batch-1 arrays that broadcast over B (the XLA paths broadcast them);
+  # the kernel reads one row per batch entry.
+  b, t, s = query.shape[0], query.shape[1], key.shape[1]
+  try:
+    if q_ids is not None:
+      q_ids, kv_ids = jnp.broadcast_to(q_ids, (b, t)), jnp.broadcast_to(kv_ids, (b, s))
+    if lengths is not None:
+      lengths = jnp.broadcast_to(lengths, (b,))
+  except ValueError as e:
+    raise ValueError(f"the mask's segment ids / lengths do not broadcast to [B, T] / [B, S] / [B] "
+                     f"= {(b, t)} / {(b, s)} / {(b,)}: {e}") from None
   slopes = None if alibi_slopes is None else jnp.asarray(alibi_slopes, jnp.float32)
 
   def local(q, k, v, q_ids, kv_ids, lengths, slopes, *_):

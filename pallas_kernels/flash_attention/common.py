@@ -329,8 +329,8 @@ def validate(query, key, value, *, q_offset, scale, alibi_slopes, logits_soft_ca
     raise ValueError(f"`scale` must be a positive finite float, got {scale!r}.")
   if alibi_slopes is not None and tuple(np.shape(alibi_slopes)) != (n,):
     raise ValueError(f"`alibi_slopes` must have shape [N] = ({n},), got {np.shape(alibi_slopes)}.")
-  if logits_soft_cap is not None and not logits_soft_cap > 0:
-    raise ValueError(f"`logits_soft_cap` must be a positive float or None, got "
+  if logits_soft_cap is not None and not (logits_soft_cap > 0 and math.isfinite(logits_soft_cap)):
+    raise ValueError(f"`logits_soft_cap` must be a positive finite float or None, got "
                      f"{logits_soft_cap!r}.")
   if segment_ids is not None:
     q_ids, kv_ids = segment_ids

@@ -292,3 +292,52 @@ def test_empty_axes_give_the_no_visible_key_result(impl, t, s):
   grads = jax.grad(lambda q, k, v: dpa(q, k, v, implementation=impl).sum(), (0, 1, 2))(q, kk, v)
   assert [g.shape for g in grads] == [q.shape, kk.shape, v.shape]
   assert not any(np.asarray(g).any() for g in grads)
+
+
+def _rand_qkv(b=2, t=8, s=8, n=2, k=2, h=8, seed=0):
+  r = np.random.default_rng(seed)
+  return tuple(jnp.asarray(r.standard_normal(shape), jnp.float32)
+               for shape in ((b, t, n, h), (b, s, k, h), (b, s, k, h)))
+
+
+def test_infinite_soft_cap_and_per_sequence_offsets_are_refused():
+  """cap = inf made every logit inf * tanh(0) = NaN: all rows 'fully masked', zeros out.  A [B]
+  q_offset broadcast against the query rows (a wrong mask when B == T, a TypeError elsewhere)."""
+  q, k, v = _rand_qkv()
+  for impl in ("xla", "xla_chunked", "cpu"):
+    with pytest.raises(ValueError, match="`logits_soft_cap` must be a finite number > 0"):
+      dpa(q, k, v, logits_soft_cap=float("inf"), implementation=impl)
+    with pytest.raises(ValueError, match="`q_offset` must be one integer"):
+      dpa(q, k, v, is_causal=True, q_offset=jnp.array([0, 3]), implementation=impl)
+  with pytest.raises(ValueError, match="`q_offset` must be one integer"):
+    dpa(q, k, v, is_causal=True, q_offset=1.5)
+  # a traced scalar offset is fine
+  f = jax.jit(lambda off: dpa(q[:, :2], k, v, is_causal=True, q_offset=off))
+  np.testing.assert_allclose(f(jnp.int32(6)), dpa(q[:, :2], k, v, is_causal=True, q_offset=6),
+                             atol=1e-6)
+
+
+def test_a_sequence_of_implementations_falls_back_in_order():
+  """("cpu", "xla_chunked") with a dense bias: the CPU kernel declines, the chunked path computes
+  it (the first registered backend was used and its UnsupportedError raised)."""
+  q, k, v = _rand_qkv()
+  bias = jnp.asarray(np.random.default_rng(1).standard_normal((1, 2, 8, 8)), jnp.float32)
+  want = dpa(q, k, v, bias=bias, implementation="xla")
+  np.testing.assert_allclose(dpa(q, k, v, bias=bias, implementation=("cpu", "xla_chunked")),
+                             want, atol=1e-5)
+  with pytest.raises(ValueError, match="the native CPU kernel does not support bias"):
+    dpa(q, k, v, bias=bias, implementation="cpu")
+  with pytest.raises(ValueError, match="or a sequence of them"):
+    dpa(q, k, v, implementation=("cpu", "flash"))
+
+
+def test_batch_one_mask_objects_broadcast_on_the_cpu_kernel():
+  """SegmentMask / PaddingMask holding [1, T] / [1] arrays: the XLA paths broadcast them over B,
+  and auto dispatch picked the CPU kernel, which failed at run time."""
+  from jaxattn.ops.masks import PaddingMask, SegmentMask
+  q, k, v = _rand_qkv()
+  ids = jnp.array([[0, 0, 0, 1, 1, 1, 1, 1]], jnp.int32)
+  for m in (SegmentMask(ids, ids) & CausalMask(), PaddingMask(jnp.array([5], jnp.int32))):
+    want = dpa(q, k, v, mask=m, implementation="xla")
+    for impl in ("cpu", None):
+      np.testing.assert_allclose(dpa(q, k, v, mask=m, implementation=impl), want, atol=1e-5)
