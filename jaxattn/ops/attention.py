@@ -141,6 +141,10 @@ def _validate(query, key, value, bias, mask, scale, alibi_slopes, logits_soft_ca
     if bias.ndim != 4 or bias.shape[1] not in (1, n):
       raise ValueError(f"`bias` must be 4-D [B|1, N|1, T|1, S|1], got shape {bias.shape}.")
   if mask is not None and not isinstance(mask, Mask):
+    if jnp.issubdtype(jnp.asarray(mask).dtype, jnp.inexact):
+      # an additive 0 / -inf mask cast to bool would be inverted (-inf -> True)
+      raise ValueError(f"`mask` must be boolean (True = attend), got dtype "
+                       f"{jnp.asarray(mask).dtype}; pass an additive mask as `bias`.")
     mshape = np.shape(mask)
     if len(mshape) != 4 or mshape[1] not in (1, n):
       raise ValueError(f"`mask` array must be 4-D [B|1, N|1, T|1, S|1], got shape {mshape}.")

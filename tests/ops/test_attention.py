@@ -341,3 +341,12 @@ def test_batch_one_mask_objects_broadcast_on_the_cpu_kernel():
     want = dpa(q, k, v, mask=m, implementation="xla")
     for impl in ("cpu", None):
       np.testing.assert_allclose(dpa(q, k, v, mask=m, implementation=impl), want, atol=1e-5)
+
+
+def test_a_float_mask_is_refused():
+  """An additive 0 / -inf mask passed as `mask` was cast to bool: inverted (-inf -> attend)."""
+  q, k, v = _rand_qkv()
+  additive = jnp.where(jnp.tril(jnp.ones((8, 8), bool)), 0.0, -jnp.inf)[None, None]
+  with pytest.raises(ValueError, match="`mask` must be boolean .* pass an additive mask as `bias`"):
+    dpa(q, k, v, mask=additive)
+  np.testing.assert_allclose(dpa(q, k, v, bias=additive), dpa(q, k, v, is_causal=True), atol=1e-6)
