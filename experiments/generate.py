@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxattn.generation import generate
+from jaxattn.generation import TextStream, generate
 from jaxattn.nn.model import DecoderLM, ModelConfig
 from jaxattn.train.checkpoint import Checkpointer
 from jaxattn.train.data import ByteTokenizer
@@ -111,11 +111,14 @@ def main(argv=None) -> int:
   if decode is None:
     show = lambda ids: print(f" {int(ids[0])}", end="", flush=True)
   else:
-    show = lambda ids: print(decode(ids[:1]), end="", flush=True)
+    text = TextStream(decode)   # whole characters, and the tokenizer's spacing
+    show = lambda ids: print(text.feed(ids[:1]), end="", flush=True)
   t0 = time.perf_counter()
   out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature,
                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, on_token=show)
   dt = time.perf_counter() - t0
+  if decode is not None:
+    print(text.flush(), end="")
   n = out.shape[1] - prompt.shape[1]
   print(f"\n[{n} tokens in {dt:.2f} s incl. compile]", file=sys.stderr)
   return 0

@@ -42,7 +42,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from jaxattn.configs import PRESETS, get_config
-from jaxattn.generation import generate
+from jaxattn.generation import TextStream, generate
 from jaxattn.nn.model import DecoderLM, ModelConfig
 from jaxattn.sharding import make_mesh, param_shardings
 from jaxattn.train.checkpoint import Checkpointer, install_interrupt_handler
@@ -60,8 +60,8 @@ def parse_mesh(text: str | None) -> dict[str, int]:
   out = {}
   for part in text.split(","):
     name, _, size = part.partition("=")
-    if not size.isdigit():
-      raise ValueError(f"`--mesh` entries must look like axis=size, got {part!r}.")
+    if not size.isdigit() or int(size) < 1:
+      raise ValueError(f"`--mesh` entries must look like axis=size with size >= 1, got {part!r}.")
     out[name.strip()] = int(size)
   return out
 
@@ -203,6 +203,12 @@ def train(args) -> dict:
     raise ValueError(f"`--batch-size` ({args.batch_size}) must be divisible by the batch shards "
                      f"data x fsdp = {shards} of mesh {dict(mesh.shape)}.")
   pi, pc = jax.process_index(), jax.process_count()
+  if shards % pc:
+    # Each process feeds batch_size / process_count rows: they must be whole batch shards, or the
+    # global batch would be assembled from fewer rows than asked (and differ per process).
+    raise ValueError(f"the batch shards data x fsdp = {shards} of mesh {dict(mesh.shape)} must be "
+                     f"a multiple of the {pc} processes (each feeds its own rows); put the "
+                     "processes on the data or fsdp axis.")
   log = (lambda *a: print(*a, flush=True)) if pi == 0 else (lambda *a: None)
   log(f"preset {args.preset} ({args.size}); mesh {dict(mesh.shape)} over {jax.device_count()} "
       f"{jax.devices()[0].platform} device(s), {pc} process(es)")
@@ -221,8 +227,6 @@ def train(args) -> dict:
     raise ValueError(f"the model's vocab_size ({cfg.vocab_size}) is below the tokenizer's "
                      f"({tokenizer.vocab_size}).")
 
-  if pi == 0:  # what experiments.generate needs to rebuild the model around a checkpoint
-    (out / "config.json").write_text(cfg.to_json())
   with jax.set_mesh(mesh):
     # -- model, optimizer, state ---------------------------------------------------------------
     model = create_sharded_model(cfg, mesh, args.seed)
@@ -254,6 +258,9 @@ def train(args) -> dict:
       rng.bit_generator.state = meta["rng"]
       start = int(state.step)
       log(f"resumed from step {start} ({ckpt.directory})")
+    if pi == 0:  # what experiments.generate needs to rebuild the model around a checkpoint
+      (out / "config.json").write_text(cfg.to_json())   # (after the checks: a refused run
+                                                          # must not relabel the old weights)
 
     def meta():
       return {"config": cfg.to_dict(), "data": data.state(), "rng": rng.bit_generator.state,
@@ -294,6 +301,7 @@ def train(args) -> dict:
           bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tps:,.0f}")
         bar.update(1)
         if args.eval_every and n % args.eval_every == 0 and n < args.steps:
+          jax.block_until_ready(state)   # queued train steps are training time, not eval time
           t_eval = time.perf_counter()
           ev = evaluate(eval_fn, state, evals, mesh=mesh)
           t_window += time.perf_counter() - t_eval   # evaluation is not training throughput
@@ -329,21 +337,24 @@ def train(args) -> dict:
       log(f"sample ({args.sample_tokens} bytes, temperature {args.sample_temperature}, top-p "
           f"{args.sample_top_p}) after {args.prompt!r}:")
       pieces = []
+      text = TextStream(tokenizer.decode)
 
       def stream(ids):
-        s = tokenizer.decode(ids[:1])
+        s = text.feed(ids[:1])
         pieces.append(s)
         if pi == 0:
           print(s, end="", flush=True)
 
       generate(model, prompt, args.sample_tokens, temperature=args.sample_temperature,
                top_p=args.sample_top_p, seed=args.seed, on_token=stream)
-      log("")
+      pieces.append(text.flush())
+      log(pieces[-1])
       sample = args.prompt + "".join(pieces)
 
   first = history[0]["loss"] if history else float("nan")
   last = history[-1]["loss"] if history else float("nan")
-  tps = [h["tokens_per_s"] for h in history[1:] if math.isfinite(h["tokens_per_s"])]
+  # (the compile step's record, if logged, has no window: NaN, left out here)
+  tps = [h["tokens_per_s"] for h in history if math.isfinite(h["tokens_per_s"])]
   summary = dict(preset=args.preset, size=args.size, steps=final_step, parameters=n_params,
                  first_loss=first, last_loss=last, **ev, compile_s=t_compile,
                  tokens_per_s=float(np.median(tps)) if tps else None, sample=sample,

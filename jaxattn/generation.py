@@ -20,6 +20,34 @@ from jaxattn.checks import is_int, is_number
 from jaxattn.nn.model import DecoderLM
 
 
+class TextStream:
+  """Text of token ids that arrive a few at a time (streamed generation).
+
+  ``feed(ids)`` returns the text the new ids add; ``flush()`` what is left at the end.  Each call
+  decodes every id so far and returns what was not returned yet, so a multi-byte UTF-8 character
+  split over byte tokens, or a tokenizer's leading-space rule, comes out as ``decode`` of the
+  whole sequence would give it (decoding each token alone shows a U+FFFD per byte of a cut
+  character).  A trailing U+FFFD (a character still incomplete) is held back until it resolves.
+  """
+
+  def __init__(self, decode: Callable[[list[int]], str]):
+    self.decode, self.ids, self.done = decode, [], 0
+
+  def feed(self, ids) -> str:
+    self.ids.extend(int(i) for i in np.asarray(ids).reshape(-1))
+    text = self.decode(self.ids)
+    end = len(text)
+    while end > self.done and text[end - 1] == "\ufffd":
+      end -= 1
+    new, self.done = text[self.done:end], max(self.done, end)
+    return new
+
+  def flush(self) -> str:
+    text = self.decode(self.ids)
+    new, self.done = text[self.done:], max(self.done, len(text))
+    return new
+
+
 def check_sampling(temperature, top_p, top_k=0) -> None:
   """Raises ``ValueError`` unless ``temperature >= 0``, ``0 < top_p <= 1`` and ``top_k >= 0``."""
   number = is_number

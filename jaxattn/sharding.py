@@ -160,6 +160,10 @@ def make_mesh(shape: Mapping[str, int] | None = None, *, devices=None) -> Mesh:
   bad = [a for a in shape if a not in MESH_AXES]
   if bad:
     raise ValueError(f"mesh `shape` names unknown axes {bad}; allowed: {MESH_AXES}.")
+  small = {a: v for a, v in shape.items()
+           if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1}
+  if small:
+    raise ValueError(f"mesh `shape` sizes must be ints >= 1, got {small}.")
   fixed = int(np.prod([shape.get(a, 1) for a in MESH_AXES if a != "data"]))
   if "data" not in shape:
     if devices.size % fixed:

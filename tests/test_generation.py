@@ -185,3 +185,18 @@ def test_prompt_and_capacity_checks():
   np.testing.assert_array_equal(generate(model, prompt, 4, max_len=6), want)
   learned = DecoderLM(cfg.replace(position="learned", max_seq_len=6), rngs=nnx.Rngs(0))
   assert generate(learned, prompt, 4).shape == (1, 7)
+
+
+def test_text_stream_keeps_multibyte_characters_whole():
+  """Streamed byte tokens decoded one at a time showed every non-ASCII character as U+FFFD."""
+  from jaxattn.generation import TextStream
+  from jaxattn.train.data import ByteTokenizer
+  tok = ByteTokenizer()
+  text = "café – naïve 👍"
+  stream = TextStream(tok.decode)
+  pieces = [stream.feed([i]) for i in tok.encode(text)] + [stream.flush()]
+  assert "".join(pieces) == text and "\ufffd" not in "".join(pieces)
+  assert pieces[3] == "" and pieces[4] == "é"       # held until the character completes
+  cut = TextStream(tok.decode)                        # a truly invalid byte shows at the end
+  assert cut.feed(tok.encode("a")) == "a" and cut.feed([0xE2 + 3]) == ""
+  assert cut.flush() == "\ufffd"

@@ -116,6 +116,21 @@ def test_restore_reshards_onto_another_layout(tmp_path):
     assert leaf.sharding == sharding_of(leaf)
 
 
+def test_a_target_without_shardings_restores_onto_one_device(tmp_path):
+  """A target from jax.eval_shape (generate's): arrays land on one local device, whatever layout
+  they were saved in (orbax kept the saved 8-device layout, which fails on a machine with
+  another device count, and the failure was taken for corruption)."""
+  _, state = _train_state(sharded=True)
+  with Checkpointer(tmp_path) as ckpt:
+    ckpt.save(1, state, {})
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+  with Checkpointer(tmp_path) as ckpt:
+    restored, _ = ckpt.restore(1, target=target)
+  _assert_tree_equal(restored, state)
+  for leaf in jax.tree.leaves(restored):
+    assert leaf.sharding == jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+
 def test_keep_last_k_save_every_and_no_overwrite(tmp_path):
   _, state = _train_state()
   with Checkpointer(tmp_path, max_to_keep=2, save_every=2) as ckpt:

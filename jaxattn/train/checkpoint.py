@@ -59,6 +59,11 @@ def _to_abstract(x: Any) -> Any:
   the same way); abstract leaves and NumPy arrays pass through."""
   if isinstance(x, jax.Array):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+  if isinstance(x, jax.ShapeDtypeStruct) and getattr(x, "sharding", None) is None:
+    # A target from jax.eval_shape carries no sharding, and orbax would then lay the arrays out
+    # as they were saved: a checkpoint written on another device count fails to restore.
+    return jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                sharding=jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
   return x
 
 
@@ -269,6 +274,10 @@ class Checkpointer:
       if meta is None:
         raise ValueError("the `meta` item is missing")
     except Exception as e:  # noqa: BLE001 -- the tree matched, so a read failure is corruption
+      if "opology mismatch" in str(e):  # a layout the target asks for, not a damaged checkpoint
+        raise ValueError(f"Checkpointer.restore: step {step} in {self.directory} cannot be laid "
+                         f"out as the target asks ({_cause(e)}); give the target shardings for "
+                         "this machine's devices.") from e
       raise CorruptCheckpointError(self.directory, step, f"reading it failed ({_cause(e)})") from e
     return state, meta
 

@@ -231,10 +231,14 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
   model = nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0)))
   params = nnx.state(model, nnx.Param)
   active = 0.0
-  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+  is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+  for path, var in jax.tree_util.tree_leaves_with_path(params, is_leaf=is_var):
+    leaf = var.get_value() if is_var(var) else var
+    axes = (var.get_metadata().get("logical_axes") or ()) if is_var(var) else ()
     n = int(np.prod(leaf.shape))
     names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-    if leaf.ndim < 2 or "embed" in names[:1]:
+    # a scanned stack's [L, D] norm scales are vectors too (as in decay_mask)
+    if leaf.ndim - sum(a == "layers" for a in axes) < 2 or "embed" in names[:1]:
       continue  # norms/biases; the input embedding is a lookup (the tied head is counted below)
     if any(n_ in ("w_gate", "w_up", "w_down") for n_ in names):
       n = n * cfg.num_experts_per_tok / max(cfg.num_experts, 1)  # only top-k experts run

@@ -41,17 +41,33 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path):
 
 def test_resume_refuses_another_config(tmp_path):
   out = tmp_path / "c"
-  train_cli.train(train_cli.make_parser().parse_args(
-      COMMON + ["--steps", "2", "--out", str(out), "--sample-tokens", "0"]))
-  with pytest.raises(ValueError, match="another model config|is shape"):
-    train_cli.train(train_cli.make_parser().parse_args(
-        COMMON + ["--steps", "4", "--out", str(out), "--set", "embed_dim=64", "mlp_dim=64",
-                  "num_layers=2"]))
+  summary = train_cli.train(train_cli.make_parser().parse_args(
+      COMMON + ["--steps", "2", "--out", str(out), "--sample-tokens", "0", "--log-every", "2"]))
+  # with --log-every 2 the one logged window is a real measurement (it was dropped)
+  assert summary["tokens_per_s"] is not None and summary["tokens_per_s"] > 0
+  config = (out / "config.json").read_text()
+  for change in (["--set", "embed_dim=64", "mlp_dim=64", "num_layers=2"],
+                 ["--preset", "llama-alibi"]):   # same parameter shapes, another model
+    with pytest.raises(ValueError, match="another model config|is shape"):
+      train_cli.train(train_cli.make_parser().parse_args(
+          COMMON + ["--steps", "4", "--out", str(out)] + change))
+    # the refused run left the config that generate rebuilds the checkpoint with alone
+    assert (out / "config.json").read_text() == config
   # --no-resume over old checkpoints: refused before training (their step numbers would block
   # every save of the new run, leaving the old weights under its config and metrics).
   with pytest.raises(ValueError, match=r"--no-resume: `--out` .* already holds checkpoints \[2\]"):
     train_cli.train(train_cli.make_parser().parse_args(
         COMMON + ["--steps", "2", "--out", str(out), "--no-resume"]))
+
+
+def test_mesh_and_process_layout_errors(tmp_path, monkeypatch):
+  with pytest.raises(ValueError, match="size >= 1, got 'tensor=0'"):
+    train_cli.parse_mesh("data=2,tensor=0")
+  # two processes whose batch is not split over them would each feed rows of a half batch
+  monkeypatch.setattr(train_cli.jax, "process_count", lambda: 2)
+  with pytest.raises(ValueError, match=r"batch shards data x fsdp = 1 .* multiple of the 2 "):
+    train_cli.train(train_cli.make_parser().parse_args(
+        COMMON + ["--steps", "2", "--out", str(tmp_path / "mp"), "--mesh", "data=1,tensor=8"]))
 
 
 def test_cli_argument_errors(tmp_path, capsys):

@@ -204,3 +204,10 @@ def test_dropout_draws_new_masks_each_step_and_eval_is_deterministic(scan):
   e1 = evaluate(s2.params, s1.rest, batch)
   e2 = evaluate(s2.params, s2.rest, batch)
   np.testing.assert_array_equal(np.asarray(e1[0]), np.asarray(e2[0]))
+
+
+@pytest.mark.parametrize("preset", ["llama", "deepseek-v3", "qwen3-next"])
+def test_model_flops_do_not_depend_on_scanning(preset):
+  """Scanned [L, D] norm scales were counted as matmul weights (FLOPs grew with scan_layers)."""
+  a = model_flops_per_token(get_config(preset), 128)
+  assert model_flops_per_token(get_config(preset, scan_layers=True), 128) == a
