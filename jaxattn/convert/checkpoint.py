@@ -34,6 +34,10 @@ def save_checkpoint(model: DecoderLM, path: str) -> None:
   """Writes ``path/config.json`` and ``path/state`` (every variable of the model: parameters and
   router biases).  ``path`` must not hold a previous checkpoint's state."""
   path = os.path.abspath(path)
+  if os.path.exists(os.path.join(path, STATE_DIR)):
+    # checked before config.json is written: a refused save must not relabel the old state
+    raise ValueError(f"`path` {path!r} already holds a checkpoint ({STATE_DIR}/); use a new "
+                     "directory or remove it.")
   os.makedirs(path, exist_ok=True)
   with open(os.path.join(path, CONFIG_FILE), "w") as f:
     f.write(model.config.to_json())

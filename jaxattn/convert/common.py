@@ -30,11 +30,13 @@ ROPE_FIELDS = frozenset({
     "high_freq_factor", "partial_rotary_factor",
 })
 
-# transformers' hidden_act -> our MLP activation.  Plain "gelu" is the exact erf form in PyTorch;
-# our "gelu" is the tanh approximation, so it is not mapped (it would be a slightly wrong model).
+# transformers' hidden_act -> our MLP activation.  Plain "gelu" is the exact erf form in PyTorch
+# and is not read (we have no erf form); our "gelu" is jax.nn.gelu's default, the tanh
+# approximation, so it exports as gelu_pytorch_tanh like "gelu_tanh".
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh",
                "gelu_new": "gelu_tanh", "relu": "relu"}
-ACTIVATIONS_TO_HF = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
+ACTIVATIONS_TO_HF = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu_pytorch_tanh",
+                     "relu": "relu"}
 
 
 def as_dict(hf_config) -> dict[str, Any]:

@@ -68,6 +68,10 @@ def config_from_hf(d: dict[str, Any], architecture: str) -> dict[str, Any]:
   rp = C.rope_parameters(d, architecture)
   C.require(rp, "partial_rotary_factor", (None, 1.0), architecture)
   scaling = C.rope_scaling(rp, d.get("max_position_embeddings"), architecture)
+  if d.get("rms_norm_eps", 1e-6) != 1e-6:
+    raise ValueError(f"{architecture}: `rms_norm_eps`={d['rms_norm_eps']} is not supported: our "
+                     "MLA latent norms (and the V3.2 indexer's LayerNorm) use it, transformers' "
+                     "q_a / kv_a norms (and indexer) a fixed 1e-6.")
   experts_n = d.get("n_routed_experts") or 0
   first_dense = min(d.get("first_k_dense_replace", 0), layers) if experts_n else layers
   kwargs = dict(
@@ -99,9 +103,6 @@ def config_from_hf(d: dict[str, Any], architecture: str) -> dict[str, Any]:
     if d.get("layer_types") not in (None, ["indexed_attention"] * layers):
       raise ValueError(f"{architecture}: `layer_types`={d['layer_types']!r} is not supported "
                        "(every layer must be 'indexed_attention').")
-    if d.get("rms_norm_eps", 1e-6) != 1e-6:
-      raise ValueError(f"{architecture}: `rms_norm_eps`={d['rms_norm_eps']} is not supported: the "
-                       "indexer's LayerNorm uses it, transformers' a fixed 1e-6.")
     kwargs.update(index_num_heads=d.get("index_n_heads", 64),
                   index_head_dim=d.get("index_head_dim", 128), index_rope_dim=r,
                   index_topk=d.get("index_topk", 2048), dsa_attention_mode="sparse")
@@ -119,7 +120,7 @@ def config_to_hf(cfg, architecture: str) -> dict[str, Any]:
       rope_interleaved=None if not v32 or cfg.mla_rope_interleaved else False,
       # What config_from_hf refuses for V3.2, and the indexer transformers builds: RoPE over the
       # attention's rope dims, and sparse attention.
-      norm_eps=None if not v32 or cfg.norm_eps == 1e-6 else cfg.norm_eps,
+      norm_eps=None if cfg.norm_eps == 1e-6 else cfg.norm_eps,
       index_rope_dim=None if not v32 or cfg.index_rope_dim == cfg.qk_rope_head_dim else
       cfg.index_rope_dim,
       dsa_attention_mode=None if not v32 or cfg.dsa_attention_mode == "sparse" else

@@ -58,8 +58,9 @@ def config_from_hf(hf_config, *, dtype: str = "float32", param_dtype: str | None
   """The ``ModelConfig`` of a transformers config (object or ``config.json`` dict).
 
   ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype (default: ``dtype``);
-  ``overrides`` set other ``ModelConfig`` fields that do not change the weights (e.g.
-  ``attention_implementation``, ``max_seq_len``, ``mla_mode``).  Raises ``ValueError`` for an
+  ``overrides`` set other ``ModelConfig`` fields that do not change the weights or the function
+  (``RUNTIME_FIELDS``: e.g. ``attention_implementation``, ``max_seq_len``, ``mla_mode``); any
+  other override that differs from the checkpoint's value raises.  Raises ``ValueError`` for an
   unsupported architecture and for any config field the converter does not understand or does not
   support with the value given.
   """
@@ -67,8 +68,22 @@ def config_from_hf(hf_config, *, dtype: str = "float32", param_dtype: str | None
   arch = architecture_of(d)
   kwargs = _FAMILIES[arch].config_from_hf(d, arch)
   kwargs.update(dtype=dtype, param_dtype=param_dtype or dtype)
+  changed = sorted(k for k, v in overrides.items()
+                   if k not in RUNTIME_FIELDS and (k not in kwargs or kwargs[k] != v))
+  if changed:
+    # e.g. tie_embeddings=True on an untied checkpoint would drop its lm_head silently
+    raise ValueError(f"overrides {changed} would change the checkpoint's model; only "
+                     f"{sorted(RUNTIME_FIELDS)} (how it runs, not what it computes) can be set.")
   kwargs.update(overrides)
   return ModelConfig(**kwargs)
+
+
+# ModelConfig fields a converted checkpoint may be given: how the model runs (cache length,
+# kernels, compilation, training-time options), not its weights or its function.
+RUNTIME_FIELDS = frozenset({
+    "max_seq_len", "attention_implementation", "mla_mode", "deltanet_chunk_size", "scan_layers",
+    "remat", "indexer_loss_weight", "moe_seq_balance_alpha", "moe_bias_update_rate",
+    "moe_capacity_factor"})
 
 
 def architecture_for(config: ModelConfig) -> str:
@@ -111,9 +126,13 @@ def _to_numpy(x) -> np.ndarray:
 
 
 def _ignored(key: str, config: ModelConfig) -> bool:
-  """Tensors a checkpoint may hold that are not part of the model: cached RoPE frequencies, and a
-  copy of the embedding as ``lm_head.weight`` when the two are tied (transformers ties them too)."""
-  return key.endswith("rotary_emb.inv_freq") or (key == "lm_head.weight" and config.tie_embeddings)
+  """Tensors a checkpoint may hold that are not part of the model: cached RoPE frequencies, a
+  copy of the embedding as ``lm_head.weight`` when the two are tied (transformers ties them too),
+  and Qwen3-Next's shared-expert gate when there is no shared expert (transformers keeps a
+  ``[1, D]`` gate over a zero-width expert: it multiplies zeros)."""
+  return (key.endswith("rotary_emb.inv_freq") or (key == "lm_head.weight" and config.tie_embeddings)
+          or (key.endswith("mlp.shared_expert_gate.weight") and config.num_experts > 0
+              and config.num_shared_experts == 0))
 
 
 def state_from_hf(state_dict: Mapping[str, Any], config: ModelConfig, *, mesh=None,

@@ -125,7 +125,11 @@ def config_to_hf(cfg, architecture: str) -> dict[str, Any]:
       attention_bias=cfg.attention_bias, linear_conv_kernel_dim=4,
       linear_num_value_heads=cfg.deltanet_num_heads or cfg.num_heads,
       linear_num_key_heads=cfg.deltanet_num_key_heads or cfg.deltanet_num_heads or cfg.num_heads,
-      linear_key_head_dim=cfg.deltanet_head_dim, linear_value_head_dim=cfg.deltanet_v_head_dim,
+      # the sizes the layers use (rules() derives the same defaults); None is not a size
+      linear_key_head_dim=cfg.deltanet_head_dim or cfg.embed_dim // (cfg.deltanet_num_heads
+                                                                     or cfg.num_heads),
+      linear_value_head_dim=cfg.deltanet_v_head_dim or cfg.deltanet_head_dim
+      or cfg.embed_dim // (cfg.deltanet_num_heads or cfg.num_heads),
       layer_types=types, num_experts=cfg.num_experts,
       num_experts_per_tok=cfg.num_experts_per_tok,
       moe_intermediate_size=cfg.moe_expert_dim or cfg.mlp_dim,

@@ -185,6 +185,15 @@ class DSA(MLA):
                          qk_rope_head_dim=self.qk_rope_head_dim, index_head_dim=ix.head_dim,
                          quant=ix.quant, quant_block_size=ix.quant_block_size, dtype=dtype)
 
+  def cache_bytes(self, seq_len: int, batch: int = 1, dtype=jnp.bfloat16) -> int:
+    """Cache bytes of this layer for ``seq_len`` tokens: the latent rows ``(C + R) x bytes`` (as
+    MLA) plus each token's indexer key in its scoring format and its scales."""
+    ix = self.indexer
+    keys, scales = jax.eval_shape(lambda: quantize_index_keys(
+        jnp.zeros((1, 1, ix.head_dim), jnp.float32), ix.quant, ix.quant_block_size))
+    index = keys.size * keys.dtype.itemsize + scales.size * scales.dtype.itemsize
+    return super().cache_bytes(seq_len, batch, dtype) + batch * seq_len * index
+
   def _index_key_format(self):
     """``(dtype, number of scales)`` of one stored indexer key: whatever ``quantize_index_keys``
     produces for this indexer (the contiguous cache's format, so the two never drift apart)."""

@@ -192,6 +192,10 @@ class ModelConfig:
                        f"one of {sorted(DTYPES)}.")
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"`remat` must be one of {REMAT_POLICIES}, got {self.remat!r}.")
+    if self.num_experts and self.first_k_dense < self.num_layers and self.mlp_activation != "silu":
+      # the routed experts are SwiGLU (jaxattn.ops.moe); another activation would be ignored
+      raise ValueError(f"MoE layers (num_experts={self.num_experts}) compute SwiGLU experts: "
+                       f"`mlp_activation` must be 'silu', got {self.mlp_activation!r}.")
     if self.num_experts < 0 or not 0 <= self.first_k_dense <= self.num_layers:
       raise ValueError(f"`num_experts` ({self.num_experts}) must be >= 0 and `first_k_dense` "
                        f"({self.first_k_dense}) in [0, num_layers={self.num_layers}].")
@@ -424,6 +428,14 @@ class ScannedUnits(nnx.Module):
 
     self.units = make(rngs)
     _add_leading_axis_name(self.units, "layers")
+    if cfg.residual == "hc":
+      # Every vmapped copy was built with `first_index`; HC's static read vector depends on the
+      # layer index (stream layer_index mod n), so copy c gets its own, as unrolled layers do.
+      size, n = len(unit.kinds), cfg.num_streams
+      for j, layer in enumerate(self.units.layers):
+        pre = jax.nn.one_hot((first_index + size * np.arange(count) + j) % n, n)
+        for hc in (layer.mixer_hc, layer.ffn_hc):
+          hc.static_pre[...] = pre.astype(hc.static_pre[...].dtype)
 
   def init_cache(self, batch, max_len, dtype=None, *, rolling=False):
     # Cache shapes depend only on static attributes, identical across the stack.

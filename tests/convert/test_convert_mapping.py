@@ -142,6 +142,7 @@ def _with(name, **changes):
      "partial_rotary_factor"),
     (_with("deepseek_v3", attention_bias=True), "attention_bias"),
     (_with("deepseek_v3", scoring_func="softmax"), "scoring_func"),
+    (_with("deepseek_v3", rms_norm_eps=1e-3), "rms_norm_eps"),
     (_with("qwen3_next", mlp_only_layers=[1]), "dense prefix"),
     (_with("qwen3_next", linear_conv_kernel_dim=3), "linear_conv_kernel_dim"),
     (_with("qwen3_next", layer_types=["linear_attention", "sliding_attention"]), "layer_types"),
@@ -228,6 +229,7 @@ def _hf_config(cfg, architecture):
     ("deepseek_v3", dict(gated_mlp=False)),
     ("deepseek_v3", dict(norm="layer")),
     ("deepseek_v32", dict(norm_eps=1e-2)),
+    ("deepseek_v3", dict(norm_eps=1e-2)),   # transformers' latent norms use a fixed 1e-6
     ("deepseek_v32", dict(index_rope_dim=1)),
     ("deepseek_v32", dict(dsa_attention_mode="dense")),
     ("llama", dict(logits_soft_cap=2.0)),
@@ -304,3 +306,50 @@ def test_full_presets_export_the_published_architecture(preset, architecture, pu
   d["partial_rotary_factor"] = d.get("rope_parameters", {}).get("partial_rotary_factor")
   d["layer_types"] = (d.get("layer_types") or [])[:4]
   assert {k: d[k] for k in published} == published
+
+
+def test_overrides_that_change_the_model_are_refused():
+  """tie_embeddings=True over an untied checkpoint dropped its lm_head silently."""
+  with pytest.raises(ValueError, match=r"overrides \['tie_embeddings'\] would change"):
+    config_from_hf(CONFIGS["llama"], tie_embeddings=True)
+  with pytest.raises(ValueError, match=r"overrides \['norm_eps', 'num_layers'\]"):
+    config_from_hf(CONFIGS["llama"], num_layers=1, norm_eps=1e-3)
+  cfg = config_from_hf(CONFIGS["llama"], max_seq_len=32, scan_layers=True, remat="dots",
+                       tie_embeddings=False)   # runtime fields, and a value equal to the file's
+  assert cfg.max_seq_len == 32 and cfg.scan_layers and not cfg.tie_embeddings
+
+
+def test_export_fills_in_default_sizes_and_tanh_gelu():
+  """Default DeltaNet head sizes were written as null (transformers refused the config); our
+  "gelu" (jax.nn.gelu's tanh form) raised a KeyError."""
+  cfg = config_from_hf(CONFIGS["qwen3_next"]).replace(deltanet_head_dim=None,
+                                                      deltanet_v_head_dim=None)
+  d = _hf_config(cfg, "Qwen3NextForCausalLM")
+  assert d["linear_key_head_dim"] == d["linear_value_head_dim"] == 16 // 4
+  d = _hf_config(config_from_hf(CONFIGS["llama"]).replace(mlp_activation="gelu"),
+                 "LlamaForCausalLM")
+  assert d["hidden_act"] == "gelu_pytorch_tanh"
+
+
+def test_moe_experts_refuse_another_activation_and_a_gate_without_expert_is_skipped():
+  """The routed experts are SwiGLU: a relu MoE checkpoint loaded with silently wrong logits.
+  Qwen3-Next without a shared expert still saves a [1, D] shared_expert_gate (it gates zeros)."""
+  with pytest.raises(ValueError, match="compute SwiGLU experts: `mlp_activation` must be 'silu'"):
+    config_from_hf(dict(CONFIGS["deepseek_v3"], hidden_act="relu"))
+  from jaxattn.convert.hf import _ignored
+  no_shared = config_from_hf(dict(CONFIGS["qwen3_next"], shared_expert_intermediate_size=0))
+  assert no_shared.num_shared_experts == 0
+  assert _ignored("model.layers.1.mlp.shared_expert_gate.weight", no_shared)
+  assert not _ignored("model.layers.1.mlp.shared_expert_gate.weight",
+                      config_from_hf(CONFIGS["qwen3_next"]))
+
+
+def test_save_checkpoint_refuses_an_existing_checkpoint_before_writing(tmp_path):
+  model = _random_model(config_from_hf(CONFIGS["llama"]))
+  save_checkpoint(model, str(tmp_path / "c"))
+  before = (tmp_path / "c" / "config.json").read_text()
+  other = _random_model(config_from_hf(dict(CONFIGS["llama"], num_hidden_layers=1)))
+  with pytest.raises(ValueError, match="already holds a checkpoint"):
+    save_checkpoint(other, str(tmp_path / "c"))
+  assert (tmp_path / "c" / "config.json").read_text() == before
+  assert load_checkpoint(str(tmp_path / "c")).config == model.config

@@ -181,3 +181,14 @@ def test_sparse_kernels_through_the_module(impl):
   for a, b in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
   assert "pallas_call" in str(jax.make_jaxpr(lambda p: loss(p, impl))(params))
+
+
+@pytest.mark.parametrize("quant", [None, "int8", "fp8"])
+def test_cache_bytes_count_the_indexer_keys(quant):
+  """cache_bytes counted only the latent rows (MLA's); the cache also holds each token's indexer
+  key and scales: it now equals the bytes init_cache allocates."""
+  dsa = DSA(32, 2, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, index_num_heads=2,
+            index_head_dim=16, index_rope_dim=4, index_topk=3, index_quant=quant,
+            rngs=nnx.Rngs(0))
+  cache = dsa.init_cache(3, 40, dtype=jnp.bfloat16)
+  assert dsa.cache_bytes(40, batch=3, dtype=jnp.bfloat16) == cache.nbytes
