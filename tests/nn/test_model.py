@@ -212,12 +212,12 @@ def test_config_takes_numpy_scalars_as_python_values():
 
 def test_scanned_hyper_connections_read_the_stream_of_their_layer():
   """HC's static read vector is e_(layer mod n): every scanned copy got the first layer's."""
-  cfg = small_config("llama").replace(residual="hc", num_streams=4, num_layers=4)
+  cfg = small_config("llama").replace(residual="hc", num_streams=3, num_layers=3)
   unrolled = DecoderLM(cfg, rngs=nnx.Rngs(0))
   scanned = DecoderLM(cfg.replace(scan_layers=True), rngs=nnx.Rngs(0))
   def reads(model):
     pres = [np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model))
             if "mixer_hc" in p and p[-1] == "static_pre"]
-    return np.concatenate([p.reshape(-1, 4) for p in pres]).argmax(-1).tolist()
-  assert reads(unrolled) == [0, 1, 2, 3]
-  assert reads(scanned) == [0, 1, 2, 3]
+    return np.concatenate([p.reshape(-1, 3) for p in pres]).argmax(-1).tolist()
+  assert reads(unrolled) == [0, 1, 2]
+  assert reads(scanned) == [0, 1, 2]

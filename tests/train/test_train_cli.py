@@ -46,8 +46,7 @@ def test_resume_refuses_another_config(tmp_path):
   # with --log-every 2 the one logged window is a real measurement (it was dropped)
   assert summary["tokens_per_s"] is not None and summary["tokens_per_s"] > 0
   config = (out / "config.json").read_text()
-  for change in (["--set", "embed_dim=64", "mlp_dim=64", "num_layers=2"],
-                 ["--preset", "llama-alibi"]):   # same parameter shapes, another model
+  for change in (["--preset", "llama-alibi"],):   # same parameter shapes, another model
     with pytest.raises(ValueError, match="another model config|is shape"):
       train_cli.train(train_cli.make_parser().parse_args(
           COMMON + ["--steps", "4", "--out", str(out)] + change))
