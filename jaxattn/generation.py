@@ -50,10 +50,9 @@ class TextStream:
 
 def check_sampling(temperature, top_p, top_k=0) -> None:
   """Raises ``ValueError`` unless ``temperature >= 0``, ``0 < top_p <= 1`` and ``top_k >= 0``."""
-  number = is_number
-  if not number(temperature) or not temperature >= 0:        # `not >=` also refuses NaN
+  if not is_number(temperature) or not temperature >= 0:        # `not >=` also refuses NaN
     raise ValueError(f"`temperature` must be a number >= 0 (0: greedy), got {temperature!r}.")
-  if not number(top_p) or not 0.0 < top_p <= 1.0:
+  if not is_number(top_p) or not 0.0 < top_p <= 1.0:
     raise ValueError(f"`top_p` must be in (0, 1], got {top_p!r}.")
   if not is_int(top_k) or top_k < 0:
     raise ValueError(f"`top_k` must be an int >= 0 (0: no limit), got {top_k!r}.")

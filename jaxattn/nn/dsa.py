@@ -187,11 +187,9 @@ class DSA(MLA):
 
   def cache_bytes(self, seq_len: int, batch: int = 1, dtype=jnp.bfloat16) -> int:
     """Cache bytes of this layer for ``seq_len`` tokens: the latent rows ``(C + R) x bytes`` (as
-    MLA) plus each token's indexer key in its scoring format and its scales."""
-    ix = self.indexer
-    keys, scales = jax.eval_shape(lambda: quantize_index_keys(
-        jnp.zeros((1, 1, ix.head_dim), jnp.float32), ix.quant, ix.quant_block_size))
-    index = keys.size * keys.dtype.itemsize + scales.size * scales.dtype.itemsize
+    MLA) plus each token's indexer key in its scoring format and its fp32 scales."""
+    key_dtype, num_scales = self._index_key_format()
+    index = self.indexer.head_dim * jnp.dtype(key_dtype).itemsize + num_scales * 4
     return super().cache_bytes(seq_len, batch, dtype) + batch * seq_len * index
 
   def _index_key_format(self):
