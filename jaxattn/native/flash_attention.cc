@@ -225,8 +225,14 @@ ffi::Error FlashForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
       }
       for (int64_t r = 0; r < bq; ++r) {
         float* row = sb.get() + r * bk;
-        const float m_new = std::max(m[r], mx[r]);
-        if (r >= rows || m_new == neg_inf) {  // padding row, or nothing visible yet
+        float m_new = std::max(m[r], mx[r]);
+        // A NaN logit (a NaN query or key) must reach the output, as in the formula, but the
+        // vector max drops NaNs: a row that looks empty is checked for one before it is skipped.
+        bool row_nan = false;
+        if (r < rows && m_new == neg_inf)
+          for (int64_t c = 0; c < cols; ++c) row_nan |= std::isnan(row[c]);
+        if (row_nan) m_new = std::numeric_limits<float>::quiet_NaN();
+        if (r >= rows || (m_new == neg_inf && !row_nan)) {  // padding row, or nothing visible yet
           alpha[r] = 1.f;
           std::fill(row, row + cols, 0.f);
           continue;
@@ -248,9 +254,9 @@ ffi::Error FlashForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
     for (int64_t r = 0; r < rows; ++r) {
       float* dst = op + ((bi * t + t0 + r) * n + ni) * hv;
       const float* src = ob.get() + r * hv_pad;
-      const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+      const float inv = l[r] != 0.f ? 1.f / l[r] : 0.f;
       for (int64_t c = 0; c < hv; ++c) dst[c] = src[c] * inv;
-      lp[(bi * n + ni) * t + t0 + r] = l[r] > 0.f ? (m[r] + std::log2(l[r])) * ln2 : neg_inf;
+      lp[(bi * n + ni) * t + t0 + r] = l[r] != 0.f ? (m[r] + std::log2(l[r])) * ln2 : neg_inf;
     }
   });
   return ffi::Error::Success();

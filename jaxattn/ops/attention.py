@@ -232,10 +232,10 @@ def dot_product_attention(
       is unavailable or cannot compute the call passes to the next).  A single explicit choice
       that is unavailable or cannot compute the call raises; it never falls back silently.
 
-  Gradients: every backend differentiates ``query``, ``key``, ``value`` and ``bias``.
-  ``alibi_slopes`` and a traced ``scale`` are constants to all but ``"xla"`` (their gradient is
-  zero on the chunked, CPU and Pallas paths): learn slopes or a temperature with
-  ``implementation="xla"``, or fold the temperature into ``query``.
+  Gradients: every backend differentiates ``query``, ``key``, ``value``, ``bias``,
+  ``alibi_slopes`` and a traced ``scale``.  The kernels (CPU, cuDNN, Pallas) leave the last two to
+  the chunked formula's backward pass, run only when they are being differentiated (learned slopes
+  or a temperature cost one more chunked forward and backward pass; constant slopes cost nothing).
 
   Returns:
     ``[B, T, N, h]`` in the query dtype; with ``return_residuals``, ``(out, lse)``.
@@ -252,12 +252,68 @@ def dot_product_attention(
     b, t, n, _ = query.shape
     out = jnp.zeros((b, t, n, value.shape[-1]), query.dtype)
     return (out, jnp.full((b, n, t), -jnp.inf, jnp.float32)) if return_residuals else out
-  attempt = lambda backend: backend(query, key, value, **kwargs)  # noqa: E731
+  attempt = lambda backend: _with_scalar_grads(backend)(query, key, value, **kwargs)  # noqa: E731
   if implementation is None:
     return _first_accepting(attempt)[1]
   if isinstance(implementation, str):
-    return _resolve(implementation)(query, key, value, **kwargs)
+    return attempt(_resolve(implementation))
   return _first_accepting(attempt, _sequence(implementation))[1]
+
+
+def _with_scalar_grads(backend: Callable) -> Callable:
+  """``backend`` with gradients for ``alibi_slopes`` and a traced ``scale``.
+
+  The formula backends (``"xla"``, ``"xla_chunked"``) differentiate both themselves; the kernels
+  (CPU, cuDNN, Pallas) treat them as constants.  For a kernel given slopes or a traced scale, the
+  call becomes a custom VJP whose backward pass takes ``query``/``key``/``value``/``bias``
+  gradients from the kernel's own backward and, only when the slopes or the scale are being
+  differentiated (``symbolic_zeros``' ``perturbed``), theirs from the chunked formula's backward
+  (one more forward and backward pass over the blocks, in XLA).  Constant slopes cost nothing.
+  """
+  _load_builtin("xla")
+  _load_builtin("xla_chunked")
+  if backend in (_REGISTRY["xla"], _REGISTRY["xla_chunked"]):
+    return backend
+
+  def call(query, key, value, *, alibi_slopes, scale, bias, **rest):
+    traced_scale = isinstance(scale, jax.core.Tracer)
+    if alibi_slopes is None and not traced_scale:
+      return backend(query, key, value, alibi_slopes=alibi_slopes, scale=scale, bias=bias, **rest)
+    scalars = {"alibi_slopes": None if alibi_slopes is None else jnp.asarray(alibi_slopes),
+               "scale": jnp.asarray(scale) if traced_scale else None}
+
+    def run(fn, q, k, v, b, sc):
+      sc_scale = scale if sc["scale"] is None else sc["scale"]
+      return fn(q, k, v, alibi_slopes=sc["alibi_slopes"], scale=sc_scale, bias=b, **rest)
+
+    @jax.custom_vjp
+    def f(q, k, v, b, sc):
+      return run(backend, q, k, v, b, sc)
+
+    def fwd(q, k, v, b, sc):  # leaves are CustomVJPPrimal(value, perturbed)
+      q, k, v, b, sc_val = jax.tree.map(lambda x: x.value, (q, k, v, b, sc))
+      wanted = any(x.perturbed for x in jax.tree.leaves(sc))
+      out, kernel_vjp = jax.vjp(lambda q, k, v, b: run(backend, q, k, v, b, sc_val), q, k, v, b)
+      return out, (kernel_vjp, (q, k, v, b, sc_val) if wanted else None, sc_val)
+
+    def bwd(res, ct):
+      kernel_vjp, inputs, sc_val = res
+      ct = jax.tree.map(lambda c: jnp.zeros(c.shape, c.dtype) if isinstance(
+          c, jax.custom_derivatives.SymbolicZero) else c, ct,
+          is_leaf=lambda c: isinstance(c, jax.custom_derivatives.SymbolicZero))
+      grads = kernel_vjp(ct)
+      if inputs is None:
+        d_sc = jax.tree.map(jnp.zeros_like, sc_val)
+      else:
+        q, k, v, b, sc_val = inputs
+        _, sc_vjp = jax.vjp(lambda sc: run(_REGISTRY["xla_chunked"], q, k, v, b, sc), sc_val)
+        (d_sc,) = sc_vjp(ct)
+      return (*grads, d_sc)
+
+    f.defvjp(fwd, bwd, symbolic_zeros=True)
+    return f(query, key, value, bias, scalars)
+
+  return call
 
 
 def _backend_kwargs(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,

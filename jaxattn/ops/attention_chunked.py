@@ -140,8 +140,8 @@ def chunked_attention(
     mask: a ``jaxattn.ops.masks.Mask`` or None.  Its position-only part decides which blocks are
       skipped; the whole mask is evaluated on partially masked blocks.
     mask_array: optional boolean array broadcastable to ``[B, N|1, T, S]`` (True = attend).
-    scale: logits scale (python float or a scalar array; not differentiated).
-    alibi_slopes: optional ``[N]`` ALiBi slopes (not differentiated).
+    scale: logits scale (python float or a scalar array; a traced scale is differentiated).
+    alibi_slopes: optional ``[N]`` ALiBi slopes (differentiated).
     logits_soft_cap: optional soft-cap ``cap * tanh(logits / cap)``.
     q_offset: position of query row 0 in key coordinates, a python int (static block skipping) or a
       traced int scalar (every block is computed).
@@ -176,11 +176,15 @@ def chunked_attention(
   aux = {
       "mask": mask_leaves,
       "mask_array": None if mask_array is None else jnp.asarray(mask_array, bool),
-      "alibi_slopes": None if alibi_slopes is None else jnp.asarray(alibi_slopes, jnp.float32),
       "q_offset": None if static_offset is not None else jnp.asarray(q_offset, jnp.int32),
+  }
+  # The differentiable scalars: ALiBi slopes and a traced scale (their cotangents are reductions
+  # of the logits' cotangent that the backward pass takes on the fly).
+  params = {
+      "alibi_slopes": None if alibi_slopes is None else jnp.asarray(alibi_slopes, jnp.float32),
       "scale": None if static_scale is not None else jnp.asarray(scale, jnp.float32),
   }
-  out, lse = _build(cfg)(query, key, value, bias, aux)
+  out, lse = _build(cfg)(query, key, value, bias, params, aux)
   return (out, lse) if return_residuals else out
 
 
@@ -315,18 +319,18 @@ def _build(cfg: _Config):
   """The jitted ``(q, k, v, bias, aux) -> (out, lse)`` with its flash backward, for ``cfg``."""
 
   @jax.custom_vjp
-  def attention(query, key, value, bias, aux):
-    return _forward(cfg, query, key, value, bias, aux)[0]
+  def attention(query, key, value, bias, params, aux):
+    return _forward(cfg, query, key, value, bias, params, aux)[0]
 
-  def fwd(query, key, value, bias, aux):
-    (out, lse), res = _forward(cfg, query, key, value, bias, aux)
-    return (out, lse), (query, key, value, bias, aux, out, res)
+  def fwd(query, key, value, bias, params, aux):
+    (out, lse), res = _forward(cfg, query, key, value, bias, params, aux)
+    return (out, lse), (query, key, value, bias, params, aux, out, res)
 
   def bwd(residuals, cotangents):
-    query, key, value, bias, aux, out, res = residuals
+    query, key, value, bias, params, aux, out, res = residuals
     d_out, d_lse = cotangents
-    dq, dk, dv, dbias = _backward(cfg, query, key, value, bias, aux, out, res, d_out, d_lse)
-    return dq, dk, dv, dbias, None
+    grads = _backward(cfg, query, key, value, bias, params, aux, out, res, d_out, d_lse)
+    return (*grads, None)
 
   attention.defvjp(fwd, bwd)
   return jax.jit(attention)
@@ -335,7 +339,7 @@ def _build(cfg: _Config):
 class _Prepared:
   """Grouped, padded, block-addressable views of the inputs shared by forward and backward."""
 
-  def __init__(self, cfg: _Config, query, key, value, bias, aux):
+  def __init__(self, cfg: _Config, query, key, value, bias, params, aux):
     b, t, n, hd, s, kh, hv = cfg.shape
     self.cfg = cfg
     bq, bk = cfg.block_q, cfg.block_k
@@ -344,7 +348,7 @@ class _Prepared:
     # fp32 queries are pre-multiplied by the scale (exact up to one rounding; saves one pass over
     # every block of logits); lower precisions keep their dtype for the matmul and scale the fp32
     # logits instead, so bf16 inputs are not rounded twice.
-    scale = cfg.static_scale if cfg.static_scale is not None else aux["scale"]
+    scale = cfg.static_scale if cfg.static_scale is not None else params["scale"]
     self.scale = scale
     self.prescaled = jnp.finfo(query.dtype).bits >= 32
     q = jnp.swapaxes(query, 1, 2)  # [B, N, T, H]
@@ -357,7 +361,7 @@ class _Prepared:
     self.bias = None if bias is None else self._pad_tb(S.group_heads(bias, kh))
     marr = aux["mask_array"]
     self.mask_array = None if marr is None else self._pad_tb(S.group_heads(marr, kh))
-    slopes = aux["alibi_slopes"]
+    slopes = params["alibi_slopes"]
     self.slopes = None if slopes is None else slopes.reshape(kh, g)
     self.q_offset = cfg.static_q_offset if cfg.static_q_offset is not None else aux["q_offset"]
     self.mask = jax.tree.unflatten(cfg.mask_treedef, aux["mask"])
@@ -433,12 +437,12 @@ def _visit(tables, outer, carry, step):
 # ----------------------------------------------------------------------------------------------
 
 
-def _forward(cfg: _Config, query, key, value, bias, aux):
+def _forward(cfg: _Config, query, key, value, bias, params, aux):
   """Returns ``((out [B, T, N, h], lse [B, N, T]), residuals)``."""
   b, t, n, hd, s, kh, hv = cfg.shape
   g = n // kh
   bq = cfg.block_q
-  pr = _Prepared(cfg, query, key, value, bias, aux)
+  pr = _Prepared(cfg, query, key, value, bias, params, aux)
   tables = (_tables(pr.kinds, FULL, 1), _tables(pr.kinds, PARTIAL, 1))
   # Keys stored transposed: the per-block slice (a copy anyway) then yields the [H, bk] operand the
   # CPU matmul wants, instead of a second, transposing copy in every iteration.
@@ -490,11 +494,11 @@ def _pv_dtype(v):
 # ----------------------------------------------------------------------------------------------
 
 
-def _backward(cfg: _Config, query, key, value, bias, aux, out, lse_g, d_out, d_lse):
+def _backward(cfg: _Config, query, key, value, bias, params, aux, out, lse_g, d_out, d_lse):
   b, t, n, hd, s, kh, hv = cfg.shape
   g = n // kh
   bq, bk = cfg.block_q, cfg.block_k
-  pr = _Prepared(cfg, query, key, value, bias, aux)
+  pr = _Prepared(cfg, query, key, value, bias, params, aux)
   tables = (_tables(pr.kinds, FULL, 0), _tables(pr.kinds, PARTIAL, 0))
   cap = cfg.logits_soft_cap
 
@@ -520,13 +524,13 @@ def _backward(cfg: _Config, query, key, value, bias, aux, out, lse_g, d_out, d_l
   k_t, v_t = jnp.swapaxes(pr.k, 2, 3), jnp.swapaxes(pr.v, 2, 3)  # [B, K, H|h, Sp]
 
   def k_col(j, bufs):
-    dq_buf, dk_buf, dv_buf, dbias_buf = bufs
+    dq_buf, dk_buf, dv_buf, dbias_buf, dslope_buf = bufs
     k_blk = pr.k_block(pr.k, j)  # [B, K, bk, H]
     k_blk_t = pr.k_block(k_t, j, axis=3)  # [B, K, H, bk]
     v_blk_t = pr.k_block(v_t, j, axis=3)  # [B, K, h, bk]
 
     def q_step(i, carry, partial):
-      dq_buf, dbias_buf, dk_acc, dv_acc = carry
+      dq_buf, dbias_buf, dslope_buf, dk_acc, dv_acc = carry
       q_blk = pr.q_block(pr.q, i)  # [B, K, G, bq, H]
       q_blk_t = lax.dynamic_index_in_dim(q_t, i, 2, keepdims=False)  # [B, K, H, G, bq]
       do_blk = pr.q_block(do, i)  # [B, K, G, bq, h]
@@ -552,26 +556,32 @@ def _backward(cfg: _Config, query, key, value, bias, aux, out, lse_g, d_out, d_l
         idx = (0,) * (dbias_buf.ndim - 2) + (start_t, start_s)
         old = lax.dynamic_slice(dbias_buf, idx, contrib.shape)
         dbias_buf = lax.dynamic_update_slice(dbias_buf, old + contrib, idx)
+      if dslope_buf is not None:  # logits += slope * (j - i - q_offset): d slope = sum ds * rel
+        rel = ((j * bk + jnp.arange(bk, dtype=jnp.int32))[None, :]
+               - (i * bq + jnp.arange(bq, dtype=jnp.int32) + pr.q_offset)[:, None])
+        dslope_buf = dslope_buf + jnp.sum(ds * rel.astype(jnp.float32), axis=(0, 3, 4))
       ds_mm = ds.astype(_pv_dtype(q_blk))
       dk_acc = dk_acc + jnp.einsum("bkhgt,bkgts->bkhs", q_blk_t, ds_mm,
                                    preferred_element_type=jnp.float32)
       dq_blk = jnp.einsum("bkgts,bksh->bkgth", ds_mm, k_blk, preferred_element_type=jnp.float32)
       dq_buf = lax.dynamic_update_slice_in_dim(dq_buf, pr.q_block(dq_buf, i) + dq_blk, i * bq, 3)
-      return dq_buf, dbias_buf, dk_acc, dv_acc
+      return dq_buf, dbias_buf, dslope_buf, dk_acc, dv_acc
 
-    init = (dq_buf, dbias_buf, jnp.zeros((b, kh, hd, bk), jnp.float32),
+    init = (dq_buf, dbias_buf, dslope_buf, jnp.zeros((b, kh, hd, bk), jnp.float32),
             jnp.zeros((b, kh, hv, bk), jnp.float32))
-    dq_buf, dbias_buf, dk_acc, dv_acc = _visit(tables, j, init, q_step)  # dk, dv: [B, K, H|h, bk]
+    # dk, dv: [B, K, H|h, bk]
+    dq_buf, dbias_buf, dslope_buf, dk_acc, dv_acc = _visit(tables, j, init, q_step)
     dk_buf = lax.dynamic_update_slice_in_dim(dk_buf, jnp.swapaxes(dk_acc, 2, 3), j * bk, 2)
     dv_buf = lax.dynamic_update_slice_in_dim(dv_buf, jnp.swapaxes(dv_acc, 2, 3), j * bk, 2)
-    return dq_buf, dk_buf, dv_buf, dbias_buf
+    return dq_buf, dk_buf, dv_buf, dbias_buf, dslope_buf
 
   dbias_buf = None
   if bias is not None:
     dbias_buf = jnp.zeros(pr.bias.shape, jnp.float32)
   bufs = (jnp.zeros((b, kh, g, pr.tp, hd), jnp.float32), jnp.zeros((b, kh, pr.sp, hd), jnp.float32),
-          jnp.zeros((b, kh, pr.sp, hv), jnp.float32), dbias_buf)
-  dq_g, dk_g, dv_g, dbias_g = lax.fori_loop(0, cfg.num_k_blocks, k_col, bufs)
+          jnp.zeros((b, kh, pr.sp, hv), jnp.float32), dbias_buf,
+          None if pr.slopes is None else jnp.zeros((kh, g), jnp.float32))
+  dq_g, dk_g, dv_g, dbias_g, dslope_g = lax.fori_loop(0, cfg.num_k_blocks, k_col, bufs)
 
   # logits = scale * q.k: dq = scale * ds @ k always; dk = ds^T @ (scale * q) is exact already when
   # the queries were pre-scaled, else it takes the scale here.
@@ -585,7 +595,12 @@ def _backward(cfg: _Config, query, key, value, bias, aux, out, lse_g, d_out, d_l
     dbias_g = dbias_g[..., :dbias_g.shape[-2] if bias.shape[2] == 1 else t,
                       :dbias_g.shape[-1] if bias.shape[3] == 1 else s]
     dbias = dbias_g.reshape(bias.shape).astype(bias.dtype)
-  return dq, dk, dv, dbias
+  dparams = {"alibi_slopes": None if dslope_g is None else dslope_g.reshape(n),
+             "scale": None}
+  if params["scale"] is not None:  # d scale = sum_ij ds_ij q_i.k_j = sum_i q_i . (ds @ k)_i
+    dparams["scale"] = jnp.sum(
+        S.ungroup(dq_g[:, :, :, :t]) * query.astype(jnp.float32)).reshape(params["scale"].shape)
+  return dq, dk, dv, dbias, dparams
 
 
 __all__ = ["chunked_attention", "block_schedule", "block_kinds", "split_static",

@@ -244,7 +244,7 @@ def _build(st: _Static):
     q, k, v, q_ids, kv_ids, lengths, slopes, out, lse = res
     d_out, d_lse = cotangents
     dq, dk, dv = _backward(st, q, k, v, q_ids, kv_ids, lengths, slopes, out, lse, d_out, d_lse)
-    return dq, dk, dv, None, None, None, None  # ALiBi slopes are not differentiated
+    return dq, dk, dv, None, None, None, None  # slopes: see dot_product_attention
 
   attention.defvjp(fwd, bwd)
   return attention

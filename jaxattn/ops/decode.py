@@ -182,7 +182,7 @@ def _softmax_rows(logits, valid):
   m = jnp.max(logits, axis=-1, keepdims=True)
   p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
   l = jnp.sum(p, axis=-1, keepdims=True)
-  return p / jnp.where(l > 0, l, 1.0)
+  return p / jnp.where(l != 0, l, 1.0)
 
 
 def _cap(logits, logits_soft_cap):

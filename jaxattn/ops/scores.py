@@ -80,12 +80,12 @@ def safe_softmax_stats(logits, axis=-1):
 
 def lse_from_stats(m, l):
   """log-sum-exp of a row from its max and sum; ``-inf`` for a fully masked row."""
-  return jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), NEG_INF)
+  return jnp.where(l != 0, m + jnp.log(jnp.where(l != 0, l, 1.0)), NEG_INF)
 
 
 def finalize(acc, l, out_dtype):
-  """acc / l with fully masked rows (l == 0) giving zeros."""
-  return jnp.where(l > 0, acc / jnp.where(l > 0, l, 1.0), 0.0).astype(out_dtype)
+  """acc / l with fully masked rows (l == 0) giving zeros; a NaN row stays NaN."""
+  return jnp.where(l != 0, acc / jnp.where(l != 0, l, 1.0), 0.0).astype(out_dtype)
 
 
 def ungroup(x):

@@ -345,7 +345,7 @@ def _attend(q, k_sel, v_sel, valid, scale):
   m = jnp.where(jnp.isfinite(m), m, 0.0)
   p = jnp.exp(logits - m)
   l = jnp.sum(p, axis=-1, keepdims=True)
-  p = p / jnp.where(l > 0, l, 1.0)
+  p = p / jnp.where(l != 0, l, 1.0)
   out = jnp.einsum("btkgj,btjkh->btkgh", p, v_sel)
   return out.reshape(b, t, n, v_sel.shape[-1])
 
@@ -499,7 +499,7 @@ def indexer_kl_loss(
     allowed = allowed & mask
   target = jnp.where(allowed, jnp.sum(jax.lax.stop_gradient(attn_weights).astype(_F32), axis=1), 0.)
   total = jnp.sum(target, axis=-1, keepdims=True)
-  target = target / jnp.where(total > 0, total, 1.0)
+  target = target / jnp.where(total != 0, total, 1.0)
   logits = jnp.where(allowed, index_scores.astype(_F32), NEG_INF)
   m = jnp.max(logits, axis=-1, keepdims=True)
   m = jnp.where(jnp.isfinite(m), m, 0.0)

@@ -166,7 +166,7 @@ def online_step(carry, logits, value):
 def finish(carry):
   """``(out [rows, h], lse [rows])``: zeros and ``-inf`` where the partition saw no key."""
   acc, m, l = carry
-  ok = l > 0.0
+  ok = l != 0.0  # NaN rows stay NaN (a fully masked row has l == 0)
   out = acc * jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)[:, None]
   return out, jnp.where(ok, m + jnp.log(jnp.where(ok, l, 1.0)), -jnp.inf)
 

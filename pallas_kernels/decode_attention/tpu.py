@@ -80,7 +80,7 @@ def online_softmax_update(m_ref, l_ref, acc_ref, logits, valid, value):
 
 def finalize(m, l, acc):
   """``(out, lse)`` of a finished partition; zero output and ``-inf`` lse where it saw no key."""
-  seen = l > 0
+  seen = l != 0  # NaN rows stay NaN
   out = jnp.where(seen, acc / jnp.where(seen, l, 1.0), 0.0)
   lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
   return out, lse
@@ -97,7 +97,7 @@ def combine(out: Float[Array, "B S ... h"], lse: Float[Array, "B S ... 1"]):
   w = jnp.exp(lse - top)                                # 0 for empty partitions
   total = jnp.sum(w, axis=1)
   merged = jnp.sum(w * out, axis=1)
-  return jnp.where(total > 0, merged / jnp.where(total > 0, total, 1.0), 0.0)
+  return jnp.where(total != 0, merged / jnp.where(total != 0, total, 1.0), 0.0)
 
 
 def visible_keys(length, block, block_rows: int, num_t: int, groups: int):

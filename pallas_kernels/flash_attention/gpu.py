@@ -411,7 +411,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, entries_ref, counts_ref, iscal_ref, fscal_r
   init = (jnp.zeros((bq, o_ref.shape[-1]), jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32),
           jnp.zeros((bq,), jnp.float32))
   acc, m, l = _visit(counts_ref, entries_ref, init, step, affine=_affine(plan, False))
-  ok = l > 0.0
+  ok = l != 0.0  # NaN rows stay NaN (a fully masked row has l == 0)
   inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)  # a row with no allowed key gives 0
   o_ref[...] = (acc * inv[:, None]).astype(o_ref.dtype)
   if base2:

@@ -727,7 +727,7 @@ def _call(st: _Static):
       if cfg.pingpong:
         pl.when(wg == 0)(lambda: ctx.take_turn(turn))  # balance consumer 1's first turn
 
-      ok = l > 0.0
+      ok = l != 0.0  # NaN rows stay NaN (a fully masked row has l == 0)
       inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
       my_q[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
       lse_smem = scratch["lse"].at[wg]

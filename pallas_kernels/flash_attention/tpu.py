@@ -87,7 +87,7 @@ def flash_attention(
     mask: a ``jaxattn.ops.masks.Mask``: any position mask (causal, window, global tokens, their
       ``&``/``|``), ``&`` at most one ``SegmentMask`` and any ``PaddingMask``.
     scale: logits scale, default ``1 / sqrt(H)``.
-    alibi_slopes: ``[N]`` ALiBi slopes (not differentiated).
+    alibi_slopes: ``[N]`` ALiBi slopes (constant here; `dot_product_attention` differentiates them).
     logits_soft_cap: ``cap * tanh(logits / cap)`` when set.
     q_offset: position of query row 0 in key coordinates; a traced value disables static block
       skipping (every block is visited, still exact).
@@ -337,7 +337,7 @@ def _fwd_kernel(entries_ref, iscal_ref, fscal_ref, q_ref, k_ref, v_ref, *refs, p
   @pl.when(w == width - 1)
   def store():
     l, m = l_ref[:, :1], m_ref[:, :1]
-    ok = l > 0.0
+    ok = l != 0.0  # NaN rows stay NaN (a fully masked row has l == 0)
     inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)  # a row with no allowed key gives 0
     o_ref[...] = (acc_ref[...] * inv).astype(o_ref.dtype)
     lse = jnp.where(ok, m + jnp.log(jnp.where(ok, l, 1.0)), -jnp.inf)

@@ -350,3 +350,48 @@ def test_a_float_mask_is_refused():
   with pytest.raises(ValueError, match="`mask` must be boolean .* pass an additive mask as `bias`"):
     dpa(q, k, v, mask=additive)
   np.testing.assert_allclose(dpa(q, k, v, bias=additive), dpa(q, k, v, is_causal=True), atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["xla_chunked", "cpu", "pallas_tpu"])
+def test_alibi_slopes_and_traced_scale_get_gradients_on_every_path(impl):
+  """Learned ALiBi slopes and a learned temperature: their gradients on the chunked formula and
+  the kernels (through the dispatcher's chunked backward) equal the reference's, with a window,
+  a soft-cap, a causal offset and lengths that are not block multiples; q / k / v too."""
+  if impl == "pallas_tpu":
+    pytest.importorskip("pallas_kernels.flash_attention")
+  q, kk, v = _qkv(b=1, t=13, s=19, n=4, k=2, h=8)
+  w = jax.random.normal(jax.random.key(5), q.shape)
+  slopes = jnp.array([0.5, 0.25, 0.125, 0.0625])
+  kw = dict(is_causal=True, q_offset=6, local_window_size=9, logits_soft_cap=3.0)
+  traced_scale = impl != "cpu"  # the native kernel takes a static scale only
+
+  def loss(q, k, v, slopes, scale, impl):
+    return jnp.sum(w * dpa(q, k, v, alibi_slopes=slopes, scale=scale if traced_scale else 0.3,
+                           implementation=impl, **kw))
+
+  args = (q, kk, v, slopes, 0.3)
+  want = jax.grad(loss, (0, 1, 2, 3, 4))(*args, "xla")
+  got = jax.jit(jax.grad(loss, (0, 1, 2, 3, 4)), static_argnums=5)(*args, impl)
+  for name, a, b in zip(("dq", "dk", "dv", "dslopes", "dscale"), got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5, err_msg=name)
+  assert float(jnp.abs(want[3]).min()) > 1e-3 and (not traced_scale or abs(float(want[4])) > 1e-3)
+  if impl == "cpu":  # constant slopes: the kernel's backward alone, no chunked pass added
+    hlo = jax.jit(jax.grad(loss), static_argnums=5).lower(*args, impl).as_text()
+    assert "while" not in hlo
+
+
+@pytest.mark.parametrize("impl", ["xla", "xla_chunked", "cpu", "pallas_tpu", "pallas_gpu"])
+def test_a_nan_query_row_stays_nan(impl):
+  """A NaN in a query row makes that row's output and log-sum-exp NaN, as in jax.nn (divergence
+  must show), while the other rows and a fully masked row (zeros, -inf) are unaffected."""
+  if impl.startswith("pallas"):
+    pytest.importorskip("pallas_kernels.flash_attention")
+  q, kk, v = _qkv(b=1, t=11, n=2, k=2, h=8)
+  q = q.at[0, 3, 0, 0].set(jnp.nan)
+  out, lse = dpa(q, kk, v, is_causal=True, q_offset=-1, return_residuals=True, implementation=impl)
+  nan_rows = np.isnan(np.asarray(out)).any(axis=-1)[0]  # [T, N]
+  want = np.zeros((11, 2), bool)
+  want[3, 0] = True
+  np.testing.assert_array_equal(nan_rows, want)
+  assert np.isnan(np.asarray(lse)[0, 0, 3]) and np.isneginf(np.asarray(lse)[0, :, 0]).all()
+  np.testing.assert_array_equal(np.asarray(out)[0, 0], 0.0)  # row 0 sees no key (offset -1)
