@@ -20,7 +20,7 @@ from jaxattn.ops.alibi import alibi_slopes
 from jaxattn.ops.attention import dot_product_attention
 from jaxattn.ops.decode import (DECODE_MAX_T, cache_attention, module_decode_implementation,
                                 paged_attention, tpu_kernel_requested)
-from jaxattn.ops.rope import RopeScaling, apply_rope
+from jaxattn.ops.rope import RopeScaling, apply_rope, check_rope_base
 from jaxattn.sharding import shard
 
 PositionKind = Literal["rope", "alibi", "t5", "none"]
@@ -33,11 +33,12 @@ class Attention(nnx.Module):
   ``num_kv_heads == num_heads`` is MHA, ``1`` is MQA, a divisor in between is GQA.  ``position``
   picks where position enters: ``"rope"`` rotates q and k (``rotary_dim`` < ``head_dim`` is partial
   RoPE; ``rope_interleaved`` picks consecutive pairs instead of Llama's half split), ``"alibi"`` adds
-  ``slope * (j - i)``, ``"t5"`` adds a learned bucketed bias per head, ``"none"`` leaves positions to
-  the embeddings (sinusoidal or learned absolute).  ``sliding_window=w`` lets a query at ``p`` see
-  keys ``p - w .. p`` (causal) or ``p - w .. p + w``.  ``qk_norm`` RMS-normalizes each q and k head
-  (``norm_eps``) before RoPE, and ``output_gate`` multiplies each output head by ``sigmoid(x
-  W_gate)`` before ``o_proj`` (both as Qwen3-Next's full-attention layers).
+  ``slope * (j - i)`` (causal layers only: the paper's causal form), ``"t5"`` adds a learned
+  bucketed bias per head, ``"none"`` leaves positions to the embeddings (sinusoidal or learned
+  absolute).  ``sliding_window=w`` lets a query at ``p`` see keys ``p - w .. p`` (causal) or
+  ``p - w .. p + w``.  ``qk_norm`` RMS-normalizes each q and k head (``norm_eps``) before RoPE, and
+  ``output_gate`` multiplies each output head by ``sigmoid(x W_gate)`` before ``o_proj`` (both as
+  Qwen3-Next's full-attention layers).
 
   Call ``attn(x)`` for a full pass; with ``cache=attn.init_cache(...)`` it returns ``(y, cache)``
   and, for a causal layer, a prefill followed by token-by-token decode equals the full pass on the
@@ -93,10 +94,18 @@ class Attention(nnx.Module):
       raise ValueError(f"`sliding_window` must be a non-negative int or None, got {sliding_window!r}.")
     if logits_soft_cap is not None:
       check_positive("logits_soft_cap", logits_soft_cap)
+    if position == "alibi" and not causal:
+      raise ValueError(f"`position`={position!r} needs `causal`=True, got causal={causal!r}: the "
+                       "ALiBi bias here is the paper's causal form slope * (j - i), which gives "
+                       "keys after the query a positive bias instead of a distance penalty.")
+    if rope_scaling is not None and not isinstance(rope_scaling, RopeScaling):
+      raise ValueError(f"`rope_scaling` must be None or a RopeScaling, got {rope_scaling!r} (a "
+                       "transformers dict converts with RopeScaling.from_hf).")
     if position == "rope":
       rd = head_dim if rotary_dim is None else rotary_dim
       if rd % 2 or not 0 < rd <= head_dim:
         raise ValueError(f"`rotary_dim` must be even and in (0, head_dim={head_dim}], got {rd}.")
+      check_rope_base(rope_base, rope_scaling, name="rope_base")
     self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
     self.head_dim = head_dim
     self.v_head_dim = head_dim if v_head_dim is None else v_head_dim

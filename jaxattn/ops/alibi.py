@@ -2,10 +2,11 @@
 
 ``score(m, n) = q_m . k_n * scale + slope_h * (n - m)``: a fixed, per-head penalty proportional to
 the distance back to the key (negative for past keys, ``n < m``).  No parameters, and the penalty
-extends to any length.  The slopes form a geometric sequence ``2 ** (-8k / N)``, ``k = 1..N``, for a
-power-of-two head count ``N``; other counts take the ``P`` slopes of the largest power of two
-``P < N`` and then every other slope of the ``2P`` sequence (the paper's interpolation, also
-transformers' Bloom).
+extends to any length.  This is the paper's causal ALiBi: with a non-causal mask, keys after the
+query (``n > m``) get a positive bias, not a distance penalty.  The slopes form a geometric
+sequence ``2 ** (-8k / N)``, ``k = 1..N``, for a power-of-two head count ``N``; other counts take
+the ``P`` slopes of the largest power of two ``P < N`` and then every other slope of the ``2P``
+sequence (the paper's interpolation, also transformers' Bloom).
 
 Shape letters: ``B`` batch (any number of leading dims), ``T`` queries, ``S`` keys, ``N`` heads.
 """
@@ -19,10 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from jaxattn.checks import is_int
+
 
 def alibi_slopes(num_heads: int) -> Float[Array, "N"]:
   """The fp32 ALiBi slopes ``[N]`` (positive; the bias is ``slope * (n - m)``)."""
-  if not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
+  if not is_int(num_heads) or num_heads < 1:
     raise ValueError(f"`num_heads`={num_heads!r} must be an integer >= 1.")
   p = 2 ** int(math.floor(math.log2(num_heads)))
   exponents = [8.0 * k / p for k in range(1, p + 1)]
@@ -52,6 +55,10 @@ def alibi_bias(
   if q_positions.ndim < 1 or kv_positions.ndim < 1:
     raise ValueError(f"`q_positions` {q_positions.shape} and `kv_positions` {kv_positions.shape} "
                      "must be [*B, T] and [*B, S].")
+  for name, pos in (("q_positions", q_positions), ("kv_positions", kv_positions)):
+    if not jnp.issubdtype(pos.dtype, jnp.integer):
+      raise ValueError(f"`{name}` must be an integer array, got dtype {pos.dtype} (float positions "
+                       "would be truncated).")
   # Integer difference first: exact, then one rounding to fp32.
   relative = (kv_positions[..., None, :] - q_positions[..., :, None]).astype(jnp.float32)  # [*B,T,S]
   return slopes[:, None, None] * relative[..., None, :, :]                                # [*B,N,T,S]

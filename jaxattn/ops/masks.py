@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxattn.checks import is_int
+
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
@@ -178,7 +180,7 @@ class SlidingWindowMask(Mask):
   def __post_init__(self):
     for name in ("left", "right"):
       v = getattr(self, name)
-      if v is not None and (not isinstance(v, (int, np.integer)) or v < 0):
+      if v is not None and (not is_int(v) or v < 0):
         raise ValueError(f"SlidingWindowMask: `{name}` must be a non-negative int or None, got {v!r}.")
 
   def __call__(self, q_idx, kv_idx, q_offset=0):
@@ -210,9 +212,14 @@ class GlobalTokensMask(Mask):
   indices: tuple[int, ...]
 
   def __post_init__(self):
-    idx = tuple(int(i) for i in self.indices)
-    if any(i < 0 for i in idx):
-      raise ValueError(f"GlobalTokensMask: `indices` must be non-negative, got {self.indices!r}.")
+    try:
+      raw = tuple(self.indices)
+    except TypeError:
+      raw = None
+    if raw is None or not all(is_int(i) and i >= 0 for i in raw):
+      raise ValueError(f"GlobalTokensMask: `indices` must be a sequence of non-negative ints, got "
+                       f"{self.indices!r}.")
+    idx = tuple(int(i) for i in raw)
     object.__setattr__(self, "indices", tuple(sorted(set(idx))))
 
   @classmethod

@@ -20,8 +20,9 @@ def _check_eps(eps):
 
 
 def _check_param(name, p, d):
-  if p is not None and p.shape != (d,):
-    raise ValueError(f"`{name}` must have shape ({d},) to match the feature axis, got {p.shape}.")
+  if p is not None and jnp.shape(p) != (d,):
+    raise ValueError(f"`{name}` must have shape ({d},) to match the feature axis, got "
+                     f"{jnp.shape(p)}.")
 
 
 def layer_norm(
@@ -41,10 +42,10 @@ def layer_norm(
   var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
   y = (xf - mean) * jnp.reciprocal(jnp.sqrt(var + eps))
   if scale is not None:
-    s = scale.astype(jnp.float32)
+    s = jnp.asarray(scale, jnp.float32)
     y = y * (1.0 + s if zero_centered_scale else s)
   if bias is not None:
-    y = y + bias.astype(jnp.float32)
+    y = y + jnp.asarray(bias, jnp.float32)
   return y.astype(x.dtype)
 
 
@@ -62,6 +63,6 @@ def rms_norm(
   ms = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
   y = xf * jnp.reciprocal(jnp.sqrt(ms + eps))
   if scale is not None:
-    s = scale.astype(jnp.float32)
+    s = jnp.asarray(scale, jnp.float32)
     y = y * (1.0 + s if zero_centered_scale else s)
   return y.astype(x.dtype)

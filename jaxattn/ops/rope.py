@@ -34,6 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from jaxattn.checks import is_int, is_number
+
 ScalingType = Literal["linear", "dynamic", "yarn", "llama3"]
 SCALING_TYPES: tuple[str, ...] = ("linear", "dynamic", "yarn", "llama3")
 
@@ -125,13 +127,34 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
   return 0.1 * mscale * math.log(scale) + 1.0
 
 
-def _check_rotary_dim(rotary_dim, head_dim=None):
-  if not isinstance(rotary_dim, (int, np.integer)) or rotary_dim <= 0 or rotary_dim % 2:
+def _check_rotary_dim(rotary_dim, head_dim=None, *, given=True):
+  """``given=False``: ``rotary_dim`` defaulted to the head size, so the message names ``H``."""
+  if not is_int(rotary_dim) or rotary_dim <= 0 or rotary_dim % 2:
+    if not given:
+      raise ValueError(f"the head size H={rotary_dim!r} (x.shape[-1]) must be even to rotate "
+                       "all of it (coordinates rotate in pairs); pass an even `rotary_dim` < H "
+                       "for partial RoPE.")
     raise ValueError(f"`rotary_dim`={rotary_dim!r} must be a positive even integer (coordinates are "
                      "rotated in pairs).")
   if head_dim is not None and rotary_dim > head_dim:
     raise ValueError(f"`rotary_dim`={rotary_dim} exceeds the head size H={head_dim}; allowed: "
                      f"an even number in [2, {head_dim}].")
+
+
+def check_rope_base(base, scaling: RopeScaling | None = None, *, name: str = "base") -> None:
+  """``base`` is a finite number > 0 (and != 1 for yarn, whose ramp divides by ``log(base)``).
+
+  ``name`` is the argument named in the error (``"rope_base"`` for the modules).
+  """
+  if isinstance(base, (jax.Array, np.ndarray)) and base.ndim == 0 and not isinstance(
+      base, jax.core.Tracer):
+    base = base.item()  # a concrete scalar array (a traced base is not supported: float(base))
+  if not is_number(base) or not (0 < base) or not math.isfinite(base):
+    raise ValueError(f"`{name}`={base!r} must be a finite number > 0 (the RoPE base, rope_theta; "
+                     "the frequencies are base ** (-2i / R)).")
+  if isinstance(scaling, RopeScaling) and scaling.type == "yarn" and base == 1:
+    raise ValueError(f"`{name}`={base!r} must not be 1 with yarn RoPE scaling (its correction "
+                     "range divides by log(base)); allowed: a finite number > 0 other than 1.")
 
 
 def _check_scaling(scaling):
@@ -233,6 +256,7 @@ def rope_frequencies(
   """
   _check_rotary_dim(rotary_dim)
   _check_scaling(scaling)
+  check_rope_base(base, scaling)
   base = float(base)
   kind = None if scaling is None else scaling.type
   if kind is None:
@@ -286,6 +310,7 @@ def apply_rope(
   if x.ndim < 3:
     raise ValueError(f"`x` must be [*B, T, N, H] (at least 3 dims), got shape {x.shape}.")
   head_dim = x.shape[-1]
+  given = rotary_dim is not None or inv_freq is not None
   if inv_freq is not None:
     inv_freq = jnp.asarray(inv_freq, jnp.float32)
     if rotary_dim is None:
@@ -294,8 +319,9 @@ def apply_rope(
       raise ValueError(f"`inv_freq` has shape {inv_freq.shape}; for rotary_dim={rotary_dim} it must "
                        f"be ({rotary_dim // 2},).")
   rotary_dim = head_dim if rotary_dim is None else rotary_dim
-  _check_rotary_dim(rotary_dim, head_dim)
+  _check_rotary_dim(rotary_dim, head_dim, given=given)
   _check_scaling(scaling)
+  check_rope_base(base, scaling)
   if not jnp.issubdtype(positions.dtype, jnp.integer):
     raise ValueError(f"`positions` must be an integer array, got dtype {positions.dtype}.")
   batch_shape = x.shape[:-2]

@@ -18,18 +18,29 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from jaxattn.checks import is_int, is_number
+
 
 def check_bucket_args(num_buckets: int, max_distance: int, bidirectional: bool) -> None:
   """Raises ValueError unless the bucketing is well defined (at least one exact and one log bucket)."""
-  valid_type = isinstance(num_buckets, (int, np.integer))
-  half = (num_buckets // 2 if bidirectional else num_buckets) if valid_type else 0
+  if not is_int(num_buckets):
+    raise ValueError(f"`num_buckets`={num_buckets!r} must be an int >= "
+                     f"{4 if bidirectional else 2} (bidirectional={bidirectional}).")
+  half = num_buckets // 2 if bidirectional else num_buckets
   if half < 2:
     raise ValueError(f"`num_buckets`={num_buckets!r} is too small: need >= {4 if bidirectional else 2} "
                      f"(bidirectional={bidirectional}).")
   max_exact = half // 2
-  if not max_distance > max_exact:
-    raise ValueError(f"`max_distance`={max_distance!r} must exceed the exact-bucket range "
-                     f"{max_exact} (num_buckets={num_buckets}, bidirectional={bidirectional}).")
+  if not is_number(max_distance) or not math.isfinite(max_distance) or not max_distance > max_exact:
+    raise ValueError(f"`max_distance`={max_distance!r} must be a finite number exceeding the "
+                     f"exact-bucket range {max_exact} (num_buckets={num_buckets}, "
+                     f"bidirectional={bidirectional}).")
+
+
+def _check_int_positions(name: str, x) -> None:
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise ValueError(f"`{name}` must be an integer array, got dtype {x.dtype} (float positions "
+                     "would be truncated).")
 
 
 # jit: one compiled computation per shape and setting instead of a dozen eager ops.
@@ -47,7 +58,9 @@ def t5_relative_position_bucket(
   TensorFlow), including its fp32 logarithm and truncation toward zero.
   """
   check_bucket_args(num_buckets, max_distance, bidirectional)
-  rel = jnp.asarray(relative_position).astype(jnp.int32)
+  rel = jnp.asarray(relative_position)
+  _check_int_positions("relative_position", rel)
+  rel = rel.astype(jnp.int32)
   bucket = jnp.zeros_like(rel)
   if bidirectional:
     num_buckets //= 2
@@ -89,6 +102,8 @@ def t5_position_bias(
   if q_positions.ndim < 1 or kv_positions.ndim < 1:
     raise ValueError(f"`q_positions` {q_positions.shape} and `kv_positions` {kv_positions.shape} "
                      "must be [*B, T] and [*B, S].")
+  _check_int_positions("q_positions", q_positions)
+  _check_int_positions("kv_positions", kv_positions)
   relative = kv_positions[..., None, :] - q_positions[..., :, None]  # [*B, T, S]: memory - query
   buckets = t5_relative_position_bucket(relative, bidirectional=bidirectional,
                                         num_buckets=num_buckets, max_distance=max_distance)

@@ -119,6 +119,17 @@ def test_bad_configs_raise():
     Attention(D, num_heads=4, position="sinusoidal-ish", rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="embed_dim"):
     Attention(30, num_heads=4, rngs=nnx.Rngs(0))
+  for base in (0.0, -1.0, float("nan")):
+    with pytest.raises(ValueError, match="`rope_base`"):
+      Attention(D, num_heads=4, rope_base=base, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="`rope_base`=1.0 must not be 1 with yarn"):
+    Attention(D, num_heads=4, rope_base=1.0, rngs=nnx.Rngs(0), rope_scaling=RopeScaling(
+        "yarn", 4.0, original_max_position_embeddings=8))
+  with pytest.raises(ValueError, match="`rope_scaling` must be None or a RopeScaling"):
+    Attention(D, num_heads=4, rope_scaling={"type": "linear", "factor": 2.0}, rngs=nnx.Rngs(0))
+  alibi_msg = r"`position`='alibi' needs `causal`=True.*slope \* \(j - i\)"
+  with pytest.raises(ValueError, match=alibi_msg):
+    Attention(D, num_heads=4, causal=False, position="alibi", rngs=nnx.Rngs(0))
 
 
 def test_bf16_compute_with_fp32_params():

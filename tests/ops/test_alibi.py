@@ -65,7 +65,7 @@ def test_batched_positions():
   np.testing.assert_array_equal(np.asarray(bias[0]), np.asarray(bias[1]))
 
 
-@pytest.mark.parametrize("num_heads", [0, -1, 2.0])
+@pytest.mark.parametrize("num_heads", [0, -1, 2.0, True])
 def test_bad_num_heads(num_heads):
   with pytest.raises(ValueError, match="num_heads"):
     alibi_slopes(num_heads)
@@ -76,3 +76,10 @@ def test_bad_bias_inputs():
     alibi_bias(jnp.ones((2, 2)), jnp.arange(2), jnp.arange(2))
   with pytest.raises(ValueError, match="q_positions"):
     alibi_bias(jnp.ones(2), jnp.int32(0), jnp.arange(2))
+
+
+def test_float_positions_refused():
+  with pytest.raises(ValueError, match="`q_positions` must be an integer array"):
+    alibi_bias(alibi_slopes(2), jnp.array([0.5]), jnp.arange(2))
+  with pytest.raises(ValueError, match="`kv_positions` must be an integer array"):
+    alibi_bias(alibi_slopes(2), jnp.arange(1), jnp.array([0.0, 1.0]))

@@ -93,6 +93,14 @@ def test_mask_errors():
     M.make_mask(local_window_size=(1, 2, 3))
   with pytest.raises(ValueError, match="indices"):
     M.GlobalTokensMask((-1,))
+  for bad in ((1.7,), (True,), 3):
+    with pytest.raises(ValueError, match="`indices` must be a sequence of non-negative ints"):
+      M.GlobalTokensMask(bad)
+  assert M.GlobalTokensMask(np.array([3, 1])).indices == (1, 3)
+  with pytest.raises(ValueError, match="`left`"):
+    M.SlidingWindowMask(True)
+  with pytest.raises(ValueError, match="`right`"):
+    M.SlidingWindowMask(2, 1.0)
 
 
 def test_band_block_view_is_cheap_at_long_lengths():

@@ -57,6 +57,18 @@ def test_errors():
     layer_norm(_x(), jnp.ones(16), jnp.ones(3))
   with pytest.raises(ValueError, match="eps"):
     rms_norm(_x(), eps=-1.0)
+  with pytest.raises(ValueError, match=r"`scale` must have shape \(16,\).*got \(2,\)"):
+    rms_norm(_x(), [1.0, 1.0])
+
+
+def test_list_params():
+  x, g, b = _x(), np.linspace(0.5, 1.5, 16), np.linspace(-1, 1, 16)
+  np.testing.assert_array_equal(layer_norm(x, list(g), list(b)),
+                                layer_norm(x, jnp.asarray(g), jnp.asarray(b)))
+  np.testing.assert_array_equal(rms_norm(x, list(g)), rms_norm(x, jnp.asarray(g)))
+
+
+def test_eps_errors():
   for bad in (None, "1e-6", float("nan")):
     with pytest.raises(ValueError, match="`eps` must be a number >= 0"):
       rms_norm(_x(), eps=bad)

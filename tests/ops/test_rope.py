@@ -343,3 +343,22 @@ def test_rope_frequencies_errors():
 def test_rope_scaling_errors(kwargs, match):
   with pytest.raises(ValueError, match=match):
     RopeScaling(**kwargs)
+
+
+@pytest.mark.parametrize("base", [0.0, -10000.0, float("inf"), float("nan"), True, None])
+def test_bad_base(base):
+  with pytest.raises(ValueError, match="`base`.*finite number > 0"):
+    rope_frequencies(8, base=base)
+  with pytest.raises(ValueError, match="`base`"):
+    apply_rope(np.ones((1, 2, 1, 8), np.float32), np.arange(2), base=base)
+
+
+def test_yarn_base_one():
+  yarn = RopeScaling("yarn", 4.0, original_max_position_embeddings=16)
+  with pytest.raises(ValueError, match="`base`=1.0 must not be 1 with yarn"):
+    rope_frequencies(8, base=1.0, scaling=yarn)
+
+
+def test_odd_head_size_without_rotary_dim_names_h():
+  with pytest.raises(ValueError, match="head size H=5"):
+    apply_rope(np.ones((1, 2, 1, 5), np.float32), np.arange(2))

@@ -58,3 +58,15 @@ def test_numpy_integer_dim():
 def test_bad_dim(dim):
   with pytest.raises(ValueError, match="dim"):
     sinusoidal_positions(jnp.arange(3), dim)
+
+
+@pytest.mark.parametrize("base", [0.0, -1.0, float("inf"), True])
+def test_bad_base(base):
+  with pytest.raises(ValueError, match="`base`"):
+    sinusoidal_positions(jnp.arange(3), 4, base=base)
+
+
+@pytest.mark.parametrize("positions", [jnp.array([0.5, 1.7]), jnp.array([True, False])])
+def test_non_integer_positions(positions):
+  with pytest.raises(ValueError, match="`positions` must be an integer array"):
+    sinusoidal_positions(positions, 4)

@@ -51,6 +51,10 @@ def test_bias_gathers_table_per_head():
     (dict(num_buckets=1, bidirectional=False), "num_buckets"),
     (dict(num_buckets=32, max_distance=8), "max_distance"),
     (dict(num_buckets=8.0), "num_buckets"),
+    (dict(num_buckets=32.0), "`num_buckets`=32.0 must be an int"),
+    (dict(num_buckets=True), "`num_buckets`=True must be an int"),
+    (dict(max_distance=None), "`max_distance`=None"),
+    (dict(max_distance=float("inf")), "max_distance"),
 ])
 def test_bucket_errors(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -62,3 +66,10 @@ def test_bias_errors():
     t5_position_bias(jnp.zeros((16, 2)), jnp.arange(2), jnp.arange(2), num_buckets=32)
   with pytest.raises(ValueError, match="q_positions"):
     t5_position_bias(jnp.zeros((32, 2)), jnp.int32(1), jnp.arange(2))
+
+
+def test_float_positions_refused():
+  with pytest.raises(ValueError, match="`relative_position` must be an integer array"):
+    t5_relative_position_bucket(jnp.array([-0.5, 2.9]))
+  with pytest.raises(ValueError, match="`kv_positions` must be an integer array"):
+    t5_position_bias(jnp.zeros((32, 2)), jnp.arange(2), jnp.arange(2.0))
