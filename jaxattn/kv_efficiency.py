@@ -29,6 +29,8 @@ from typing import Literal, Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from jaxattn.checks import is_int
+
 CacheKind = Literal["mha", "gqa", "mqa", "mla"]
 CACHE_KINDS: tuple[str, ...] = ("mha", "gqa", "mqa", "mla")
 
@@ -60,7 +62,7 @@ class KVCacheCost:
 
 
 def _positive(name, v):
-  if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+  if not is_int(v) or v < 1:
     raise ValueError(f"`{name}` must be a positive int, got {v!r}.")
 
 
@@ -112,7 +114,7 @@ def kv_cache_per_token(
     if kv_lora_rank is None:
       raise ValueError("kind='mla' needs `kv_lora_rank` (the latent size d_c).")
     _positive("kv_lora_rank", kv_lora_rank)
-    if not isinstance(qk_rope_head_dim, (int, np.integer)) or qk_rope_head_dim < 0:
+    if not is_int(qk_rope_head_dim) or qk_rope_head_dim < 0:   # bools refused
       raise ValueError(f"`qk_rope_head_dim` must be a non-negative int, got {qk_rope_head_dim!r}.")
     name, numbers = "MLA", kv_lora_rank + qk_rope_head_dim
   itemsize = np.dtype(dtype).itemsize
@@ -120,18 +122,39 @@ def kv_cache_per_token(
                      bytes_per_token=int(numbers * itemsize), ratio_to_mha=numbers / mha)
 
 
+def _default_gqa_kv_heads(num_heads: int) -> tuple[int, ...]:
+  """The default GQA rows of ``kv_cache_table`` (see there)."""
+  if num_heads % 8 == 0:
+    return (8,)
+  divisors = [k for k in range(2, min(num_heads, 8)) if num_heads % k == 0]
+  return (divisors[-1],) if divisors else ()
+
+
 def kv_cache_table(
     *,
     num_heads: int,
     head_dim: int,
-    gqa_kv_heads: Sequence[int] = (8,),
+    gqa_kv_heads: Sequence[int] | None = None,
     v_head_dim: int | None = None,
     kv_lora_rank: int | None = None,
     qk_rope_head_dim: int = 0,
     dtype=jnp.bfloat16,
 ) -> list[KVCacheCost]:
   """The seed's table for one model size: MHA, one GQA row per entry of ``gqa_kv_heads``, MQA, and
-  MLA when ``kv_lora_rank`` is given.  Arguments as in ``kv_cache_per_token``."""
+  MLA when ``kv_lora_rank`` is given.  Arguments as in ``kv_cache_per_token``.
+
+  ``gqa_kv_heads`` (each entry a ``K`` that divides ``num_heads``) defaults to one row, adapted to
+  ``num_heads``: ``K = 8`` where 8 divides ``N`` (the usual choice, e.g. ``N = 128``), else the
+  largest divisor ``1 < K < min(N, 8)`` of ``N`` (``K = 2`` for ``N = 4``), else no GQA row.
+  """
+  _positive("num_heads", num_heads)
+  if gqa_kv_heads is None:
+    gqa_kv_heads = _default_gqa_kv_heads(num_heads)
+  else:
+    for k in gqa_kv_heads:
+      if not is_int(k) or not 1 <= k <= num_heads or num_heads % k:
+        raise ValueError(f"`gqa_kv_heads` entries must be ints that divide `num_heads`={num_heads}"
+                         f" (GQA: N % K == 0), got {k!r} in {tuple(gqa_kv_heads)!r}.")
   common = dict(num_heads=num_heads, head_dim=head_dim, v_head_dim=v_head_dim, dtype=dtype)
   rows = [kv_cache_per_token("mha", **common)]
   rows += [kv_cache_per_token("gqa", num_kv_heads=k, **common) for k in gqa_kv_heads]

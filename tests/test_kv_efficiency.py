@@ -48,6 +48,8 @@ def test_value_head_size_totals_and_table_text():
     (dict(kind="mla", num_heads=8, head_dim=64, kv_lora_rank=0), "kv_lora_rank"),
     (dict(kind="mla", num_heads=8, head_dim=64, kv_lora_rank=16, qk_rope_head_dim=-2),
      "qk_rope_head_dim"),
+    (dict(kind="mla", num_heads=8, head_dim=64, kv_lora_rank=16, qk_rope_head_dim=True),
+     "qk_rope_head_dim"),
     (dict(kind="mha", num_heads=0, head_dim=64), "num_heads"),
     (dict(kind="mha", num_heads=8, head_dim=64.0), "head_dim"),
     (dict(kind="mqa", num_heads=8, head_dim=64, v_head_dim=0), "v_head_dim"),
@@ -56,3 +58,16 @@ def test_value_head_size_totals_and_table_text():
 def test_errors(kwargs, match):
   with pytest.raises(ValueError, match=match):
     kv_cache_per_token(**kwargs)
+
+
+def test_table_default_gqa_rows_adapt_to_num_heads():
+  # Before: num_heads=4 failed on the default gqa_kv_heads=(8,), which the caller never passed.
+  names = {n: [r.name for r in kv_cache_table(num_heads=n, head_dim=8)] for n in (4, 8, 12, 3, 128)}
+  assert names[4] == ["MHA", "GQA(K=2)", "MQA"]
+  assert names[8] == ["MHA", "GQA(K=8)", "MQA"]
+  assert names[12] == ["MHA", "GQA(K=6)", "MQA"]
+  assert names[3] == ["MHA", "MQA"]
+  assert names[128] == ["MHA", "GQA(K=8)", "MQA"]
+  with pytest.raises(ValueError, match=r"`gqa_kv_heads` entries must be ints that divide "
+                                       r"`num_heads`=4 .*got 8 in \(8,\)"):
+    kv_cache_table(num_heads=4, head_dim=8, gqa_kv_heads=(8,))

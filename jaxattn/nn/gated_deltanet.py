@@ -274,6 +274,8 @@ class GatedDeltaNet(nnx.Module):
     positional encoding (order enters through the convolution and the recurrence).
     """
     del positions
+    if x.ndim != 3 or x.shape[-1] != self.embed_dim:
+      raise ValueError(f"`x` must be [B, T, D={self.embed_dim}], got shape {x.shape}.")
     if segment_ids is not None and cache is not None:
       raise ValueError("`segment_ids` (packed sequences) cannot be combined with a decode `cache`.")
     x = shard(x, ("batch", "length", "act_embed"))

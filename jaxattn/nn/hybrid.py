@@ -78,9 +78,11 @@ class HybridStack(nnx.Module):
     mlp_dim: hidden size of every block's gated MLP.
     sliding_window: ``w`` for ``S`` layers (required when the pattern has one).
     attention: extra keyword arguments for every ``Attention`` (``num_kv_heads``, ``head_dim``,
-      ``rope_base``, ...).
+      ``rope_base``, ...); not the arguments the stack sets itself (``num_heads``,
+      ``sliding_window``, ``norm``, ``norm_eps``, ``dtype``, ``param_dtype``, ``rngs``, ...).
     deltanet: extra keyword arguments for every ``GatedDeltaNet`` (``num_heads``,
-      ``num_key_heads``, ``head_dim``, ``v_head_dim``, ``chunk_size``, ...).
+      ``num_key_heads``, ``head_dim``, ``v_head_dim``, ``chunk_size``, ...); not the arguments the
+      stack sets itself (``norm``, ``norm_eps``, ``dtype``, ``param_dtype``, ``rngs``, ...).
     norm_eps: epsilon of every norm: the blocks' and the mixers' own (QK norm, gated norm).
   """
 
@@ -106,10 +108,18 @@ class HybridStack(nnx.Module):
     if "S" in pattern and (sliding_window is None or int(sliding_window) < 0):
       raise ValueError(f"`pattern` {pattern!r} has sliding-window layers: `sliding_window` must be "
                        f"a non-negative int, got {sliding_window!r}.")
-    for name, extra in (("attention", attention), ("deltanet", deltanet)):
-      if extra and "norm_eps" in extra:
-        raise ValueError(f"`{name}` sets norm_eps={extra['norm_eps']!r}: set `norm_eps` on the "
-                         "HybridStack instead, it is the epsilon of every norm in the stack.")
+    # The arguments the stack passes to every layer itself: the same key in `attention` or
+    # `deltanet` would be a second value for it (a TypeError deep in the constructor).  The Gated
+    # DeltaNet's `num_heads` is the one override allowed (it defaults to the stack's).
+    own = ("embed_dim", "mlp_dim", "norm", "norm_eps", "rngs", "dtype", "param_dtype")
+    for name, extra, reserved in (("attention", attention, own + ("num_heads", "sliding_window")),
+                                  ("deltanet", deltanet, own)):
+      for key in reserved:
+        if extra and key in extra:
+          why = ("it is the epsilon of every norm in the stack" if key == "norm_eps"
+                 else "the stack sets it for every layer")
+          raise ValueError(f"`{name}` sets {key}={extra[key]!r}: set `{key}` on the HybridStack "
+                           f"instead, {why}.")
     self.pattern = pattern
     common = dict(norm=norm, norm_eps=norm_eps, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
     deltanet = dict(deltanet or {})

@@ -27,9 +27,16 @@ HyperKind = Literal["mhc", "hc"]
 
 
 def _check_dims(embed_dim, num_streams):
-  for name, v in (("embed_dim", embed_dim), ("num_streams", num_streams)):
-    if not isinstance(v, int) or v < 1:
-      raise ValueError(f"`{name}` must be an int >= 1, got {v!r}.")
+  # check_int: NumPy ints are accepted, bools refused.
+  check_int("embed_dim", embed_dim)
+  check_int("num_streams", num_streams)
+
+
+def _check_eps(eps, norm_eps):
+  # eps is added to the read / collapse weights: negative, it can make them negative.  norm_eps is
+  # added to the mean square under the RMS norm's rsqrt: negative, it can give NaN.
+  check_nonnegative("eps", eps)
+  check_nonnegative("norm_eps", norm_eps)
 
 
 def _const(value):
@@ -69,11 +76,10 @@ class HyperConnection(nnx.Module):
       raise ValueError(f"`kind` must be 'mhc' or 'hc', got {kind!r}.")
     # bool is an int subclass; sinkhorn() refuses it, so refuse it here, not at the first call.
     check_int("sinkhorn_iters", sinkhorn_iters)
-    # eps is added to the read weights h_pre (and to the plain Sinkhorn's sums): negative, it can
-    # make them negative.
-    check_nonnegative("eps", eps)
+    # eps is added to the read weights h_pre (and to the plain Sinkhorn's sums).
+    _check_eps(eps, norm_eps)
     check_int("layer_index", layer_index, minimum=0)
-    n, d = num_streams, embed_dim
+    n, d = int(num_streams), int(embed_dim)
     self.kind, self.num_streams, self.embed_dim = kind, n, d
     self.sinkhorn_iters, self.log_domain = sinkhorn_iters, log_domain
     self.eps, self.norm_eps = eps, norm_eps
@@ -132,7 +138,8 @@ class StreamCollapse(nnx.Module):
     _check_dims(embed_dim, num_streams)
     if kind not in ("mhc", "sum"):
       raise ValueError(f"`kind` must be 'mhc' or 'sum', got {kind!r}.")
-    self.kind, self.num_streams, self.embed_dim = kind, num_streams, embed_dim
+    _check_eps(eps, norm_eps)
+    self.kind, self.num_streams, self.embed_dim = kind, int(num_streams), int(embed_dim)
     self.eps, self.norm_eps = eps, norm_eps
     if kind == "mhc":
       if rngs is None:

@@ -70,9 +70,14 @@ class MLA(nnx.Module):
     implementation: attention backend, as in ``dot_product_attention``.
     rngs, dtype, param_dtype: as every jaxattn module (compute dtype default: the input's).
 
-  Call ``mla(x)`` for a full pass; with ``cache=mla.init_cache(...)`` it returns ``(y, cache)``, and
-  prefill followed by token-by-token decode equals the full pass in either mode.  A paged cache
-  (``init_paged_cache``) decodes ragged batches, always in absorbed form.
+  Call ``mla(x)`` for a full pass; with ``cache=mla.init_cache(...)`` it returns ``(y, cache)``,
+  and, for a causal layer, prefill followed by token-by-token decode equals the full pass on the
+  same tokens in either mode (a non-causal full pass lets earlier tokens see later ones; decode
+  cannot).  (Not with ``rope_scaling`` of type ``"dynamic"``: its base depends on the sequence
+  length, so a full pass rotates every token with the base of its final length while decode rotates
+  each new token with the base of the length so far and keeps the cached rotated keys as they were,
+  as transformers does.)  A paged cache (``init_paged_cache``) decodes ragged batches, always in
+  absorbed form.
   """
 
   def __init__(

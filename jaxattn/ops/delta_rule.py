@@ -53,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from jaxattn.checks import is_int
 from jaxattn.ops.attention import check_scale
 
 Implementation = Literal["recurrent", "chunked", "pallas_tpu", "pallas_gpu"]
@@ -112,7 +113,7 @@ def _validate(q, k, v, g, beta, initial_state, segment_ids, chunk_size, scale):
       raise ValueError(f"`segment_ids` must have shape [B, T] = {(b, t)}, got {segment_ids.shape}.")
     if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
       raise ValueError(f"`segment_ids` must be integers, got {segment_ids.dtype}.")
-  if not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1 or chunk_size & (chunk_size - 1):
+  if not is_int(chunk_size) or chunk_size < 1 or chunk_size & (chunk_size - 1):  # bools refused
     raise ValueError(f"`chunk_size` must be a power of two >= 1, got {chunk_size!r}.")
   check_scale(scale)
 
@@ -156,6 +157,15 @@ def _recurrent(q, k, v, g, beta, state, resets):
 
 
 _BASE_BLOCK = 8  # diagonal blocks inverted by forward substitution before the doubling steps
+
+# The chunked form floors every log-decay at this before its cumulative sums.  A gate of -inf (a
+# hard reset, ``a_t = exp(g_t) = 0``) would otherwise give (-inf) - (-inf) = NaN in the differences
+# ``log gamma_i - log gamma_j``, where the recurrence is finite; and a huge finite g (-1e30) would
+# swamp the other terms of the sums (fp32 keeps ~7 digits), rounding the decays after it to 1.
+# Nothing else changes: exp underflows to 0 in fp32 below -103.3 (the smallest subnormal), so any
+# product of decays with a factor at or below the floor is 0 whether g was the floor or -inf, as in
+# the recurrence.  The floor is small enough that the sums after it keep ~1e-5 absolute precision.
+_G_FLOOR = -110.0
 
 
 def _unit_lower_inverse(a: Float[Array, "*B C C"]) -> Float[Array, "*B C C"]:
@@ -211,7 +221,7 @@ def _chunk_local(q, k, v, g, beta, resets):
   keep = jnp.tril(jnp.ones((c, c), bool)) & same                        # causal, same segment
   keep_strict = keep & ~jnp.eye(c, dtype=bool)
 
-  cum = jnp.cumsum(g, axis=-1)                                          # log gamma_i
+  cum = jnp.cumsum(jnp.maximum(g, _G_FLOOR), axis=-1)                   # log gamma_i (_G_FLOOR)
   diff = cum[..., :, None] - cum[..., None, :]                          # log gamma_i / gamma_j
   # where() before exp: the masked (upper) entries are positive and could overflow.
   decay = jnp.where(keep, jnp.exp(jnp.where(keep, diff, 0.0)), 0.0)     # [*Z, K, G, C, C]
@@ -319,7 +329,7 @@ def gated_delta_rule(
     initial_state: ``[B, N, H, h]`` memory before the first token (zeros when None).
     output_final_state: also return the memory after the last token (fp32).
     chunk_size: ``C`` of the chunked form, a power of two; ``T`` is zero-padded to a multiple
-      (a sequence shorter than ``C`` uses the next power of two above ``T`` instead).
+      (a sequence shorter than ``C`` uses the smallest power of two at or above ``T`` instead).
     segment_ids: ``[B, T]`` ints for packed sequences: the memory is cleared where the id changes.
     implementation: ``None`` (auto: ``"recurrent"`` for one token, else ``"chunked"``),
       ``"recurrent"``, ``"chunked"``, or a registered Pallas kernel ``"pallas_tpu"``/``"pallas_gpu"``.
@@ -394,6 +404,9 @@ def gated_delta_rule_step(
   if query.ndim != 3 or key.ndim != 3 or value.ndim != 3:
     raise ValueError(f"decode step takes one token: `query`/`key` [B, K, H], `value` [B, N, h]; got "
                      f"{query.shape}, {key.shape}, {value.shape}.")
+  for name, x in (("g", g), ("beta", beta)):   # checked here to quote the step's shapes
+    if x.shape != value.shape[:2]:
+      raise ValueError(f"`{name}` must have shape [B, N] = {value.shape[:2]}, got {x.shape}.")
   out, new_state = gated_delta_rule(
       query[:, None], key[:, None], value[:, None], g[:, None], beta[:, None], scale=scale,
       initial_state=state, output_final_state=True, use_qk_l2norm=use_qk_l2norm,

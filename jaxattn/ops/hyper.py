@@ -102,8 +102,7 @@ def _sinkhorn(logits, num_iters, log_domain, eps):
 
 def expand_streams(x: Float[Array, "*B D"], num_streams: int) -> Float[Array, "*B n D"]:
   """Copies the embedding to every stream: ``[*B, D] -> [*B, n, D]``."""
-  if not isinstance(num_streams, int) or num_streams < 1:
-    raise ValueError(f"`num_streams` must be an int >= 1, got {num_streams!r}.")
+  check_int("num_streams", num_streams)
   return jnp.broadcast_to(x[..., None, :], (*x.shape[:-1], num_streams, x.shape[-1]))
 
 
@@ -188,6 +187,10 @@ def mhc_coefficients(
     raise ValueError(f"`bias` must have shape ({k},), got {bias.shape}.")
   if scale.shape != (3,):
     raise ValueError(f"`scale` must have shape (3,) (pre, post, res gates), got {scale.shape}.")
+  # eps is added to h_pre (negative, the read weights can be negative); norm_eps to the mean square
+  # under the rsqrt (negative, NaN).
+  check_nonnegative("eps", eps)
+  check_nonnegative("norm_eps", norm_eps)
   f32 = jnp.float32
   x = streams.astype(f32)
   z = jnp.einsum("...nd,ndk->...k", x, proj.astype(f32)) * _inv_rms(x, (-2, -1), norm_eps)[..., 0]
@@ -229,6 +232,7 @@ def hc_coefficients(
                          ("static_res", static_res, (n, n)), ("scale", scale, (2,))):
     if v.shape != shape:
       raise ValueError(f"`{name}` must have shape {shape}, got {v.shape}.")
+  check_nonnegative("norm_eps", norm_eps)
   f32 = jnp.float32
   x = streams.astype(f32)
   t = jnp.tanh(jnp.einsum("...nd,dk->...nk", x * _inv_rms(x, -1, norm_eps), proj.astype(f32)))

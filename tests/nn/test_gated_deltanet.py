@@ -214,6 +214,9 @@ def test_errors():
     causal_depthwise_conv(jnp.zeros((1, 3, 2)), jnp.zeros((4, 3)))
   with pytest.raises(ValueError, match="`prefix` must have shape"):
     causal_depthwise_conv(jnp.zeros((1, 3, 2)), jnp.zeros((4, 2)), prefix=jnp.zeros((1, 2, 2)))
+  for bad in (jnp.zeros((2, 3, D - 4)), jnp.zeros((3, D)), jnp.zeros((1, 3, 2, D))):
+    with pytest.raises(ValueError, match=rf"`x` must be \[B, T, D={D}\], got shape"):
+      layer(bad)
   # Segment ids are checked before the convolution uses them (not a broadcasting error).
   with pytest.raises(ValueError, match=r"`segment_ids` must have shape \[B, T\] = \(2, 3\)"):
     layer(_x(t=3), segment_ids=jnp.zeros((2, 4), jnp.int32))

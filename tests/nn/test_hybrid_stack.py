@@ -87,3 +87,16 @@ def test_norm_eps_reaches_every_norm():
   for name in ("attention", "deltanet"):
     with pytest.raises(ValueError, match=f"`{name}` sets norm_eps=0.001: set `norm_eps` on the"):
       HybridStack(D, "DA", num_heads=4, mlp_dim=64, rngs=nnx.Rngs(0), **{name: dict(norm_eps=1e-3)})
+
+
+def test_extra_kwargs_that_the_stack_sets_itself_are_a_value_error():
+  # Before: TypeError "got multiple values for keyword argument".
+  for name, key, value in (("attention", "sliding_window", 4), ("attention", "num_heads", 2),
+                           ("deltanet", "dtype", jnp.bfloat16), ("attention", "param_dtype", None),
+                           ("deltanet", "norm", "layer"), ("deltanet", "rngs", None)):
+    with pytest.raises(ValueError, match=f"`{name}` sets {key}=.*: set `{key}` on the HybridStack"):
+      HybridStack(D, "DA", num_heads=4, mlp_dim=64, rngs=nnx.Rngs(0), **{name: {key: value}})
+  # The Gated DeltaNet's head count is the one override the stack allows.
+  stack = HybridStack(D, "DA", num_heads=4, mlp_dim=64, deltanet=dict(num_heads=2),
+                      rngs=nnx.Rngs(0))
+  assert stack.layers[0].mixer.num_heads == 2

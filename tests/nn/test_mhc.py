@@ -216,3 +216,14 @@ def test_errors():
     HyperConnection(D, N, rngs=nnx.Rngs(0)).coefficients(_streams(n=3))
   with pytest.raises(ValueError, match="rngs"):
     StreamCollapse(D, N)
+
+
+def test_eps_and_dims_are_checked_alike_by_both_modules():
+  for cls in (HyperConnection, StreamCollapse):
+    for kw in (dict(eps=-1.0), dict(norm_eps=-1.0)):
+      with pytest.raises(ValueError, match=f"`{next(iter(kw))}`"):
+        cls(D, N, rngs=nnx.Rngs(0), **kw)
+    with pytest.raises(ValueError, match="num_streams"):
+      cls(D, True, rngs=nnx.Rngs(0))
+    m = cls(np.int64(D), np.int64(N), rngs=nnx.Rngs(0))   # a NumPy int is an int
+    assert (m.embed_dim, m.num_streams) == (D, N) and type(m.num_streams) is int

@@ -306,3 +306,11 @@ def test_attention_partial_rope_leaves_untouched_dims_exactly(monkeypatch):
     proj.kernel[...] = proj.kernel[...].at[..., :4].set(0.0)
   np.testing.assert_array_equal(attn(x, positions=positions), attn(x, positions=3 * positions))
   assert y.shape == (2, 5, D)
+
+
+def test_docstring_limits_decode_equals_full_pass_as_attention_does():
+  # Decode == full pass holds only for causal layers and not with dynamic RoPE scaling (whose base
+  # depends on the length so far); the docstring says so, as Attention's does.
+  for cls in (MLA, Attention):
+    doc = " ".join(cls.__doc__.split())
+    assert "for a causal layer" in doc and 'rope_scaling`` of type ``"dynamic"``' in doc, cls

@@ -102,6 +102,21 @@ def test_strong_decay_and_repeated_keys_stay_finite_and_exact():
   np.testing.assert_allclose(got_s, want_s, atol=5e-5, rtol=5e-5)
 
 
+@pytest.mark.parametrize("reset", [-np.inf, -1e30])
+def test_hard_reset_gate_chunked_equals_recurrent(reset):
+  # g = -inf (a_t = 0) gave NaN in the chunked form's cumsum differences; a huge finite g rounded
+  # the decays after it to 1.  Resets mid-chunk, at a chunk start and in one head only.
+  q, k, v, g, beta, s0 = _inputs(t=12, seed=7)
+  g = g.at[:, 3].set(reset).at[:, 8, 1].set(reset)
+  want, want_s = gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                  implementation="recurrent")
+  got, got_s = gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                chunk_size=4, implementation="chunked")
+  assert np.isfinite(np.asarray(want)).all()
+  np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+  np.testing.assert_allclose(got_s, want_s, atol=2e-5, rtol=2e-5)
+
+
 def test_unit_lower_inverse_is_exact_on_repeated_keys():
   c = 64
   a = jnp.tril(jnp.ones((3, c, c)), -1)
@@ -268,8 +283,9 @@ def test_errors_name_the_argument():
     gated_delta_rule(q, k, v, g, beta, segment_ids=jnp.zeros((2, 5), jnp.int32))
   with pytest.raises(ValueError, match="`segment_ids` must be integers"):
     gated_delta_rule(q, k, v, g, beta, segment_ids=jnp.zeros((2, 6)))
-  with pytest.raises(ValueError, match="`chunk_size` must be a power of two"):
-    gated_delta_rule(q, k, v, g, beta, chunk_size=48)
+  for bad in (48, True):
+    with pytest.raises(ValueError, match="`chunk_size` must be a power of two"):
+      gated_delta_rule(q, k, v, g, beta, chunk_size=bad)
   with pytest.raises(ValueError, match="`scale` must be a positive"):
     gated_delta_rule(q, k, v, g, beta, scale=-1.0)
   with pytest.raises(ValueError, match="`implementation` must be None or one of"):
@@ -278,5 +294,11 @@ def test_errors_name_the_argument():
     gated_delta_rule(q.astype(jnp.int32), k, v, g, beta)
   with pytest.raises(ValueError, match="one token"):
     gated_delta_rule_step(q, k, v, g, beta, s0)
+  step = (q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s0)
+  for i, name in ((3, "g"), (4, "beta")):   # the step's [B, N], not the sequence's [B, T, N]
+    bad = list(step)
+    bad[i] = bad[i][:, :2]
+    with pytest.raises(ValueError, match=rf"`{name}` must have shape \[B, N\] = \(2, 4\), got"):
+      gated_delta_rule_step(*bad)
   with pytest.raises(ValueError, match="`name` must be"):
     dr.register_implementation("xla", lambda *a: a)

@@ -144,6 +144,9 @@ def test_expand_and_errors():
   np.testing.assert_array_equal(s[:, 2], x)
   with pytest.raises(ValueError, match="num_streams"):
     expand_streams(x, 0)
+  with pytest.raises(ValueError, match="num_streams"):
+    expand_streams(x, True)
+  assert expand_streams(x, np.int64(2)).shape == (2, 2, 3)
   with pytest.raises(ValueError, match="h_pre"):
     hc_read(s, jnp.ones(3))
   with pytest.raises(ValueError, match="h_res"):
@@ -177,6 +180,10 @@ def test_mhc_coefficients_against_the_paper_formulas():
     mhc_coefficients(x, proj[:, :, :-1], bias, scale)
   with pytest.raises(ValueError, match="scale"):
     mhc_coefficients(x, proj, bias, scale[:2])
+  with pytest.raises(ValueError, match="`eps`"):
+    mhc_coefficients(x, proj, bias, scale, eps=-1.0)
+  with pytest.raises(ValueError, match="`norm_eps`"):
+    mhc_coefficients(x, proj, bias, scale, norm_eps=-1.0)
 
 
 def test_hc_coefficients_against_the_formulas():
@@ -194,6 +201,8 @@ def test_hc_coefficients_against_the_formulas():
       np.testing.assert_allclose(res[:, o, i], sr[o, i] + 0.1 * t[:, i, 2 + o], atol=1e-5)
   with pytest.raises(ValueError, match="static_res"):
     hc_coefficients(x, proj, sp, spo, sr[:2], scale)
+  with pytest.raises(ValueError, match="`norm_eps`"):
+    hc_coefficients(x, proj, sp, spo, sr, scale, norm_eps=-1.0)
 
 
 # ---------------------------------------------------------------------------------------------
