@@ -124,14 +124,15 @@ def memory(contexts, batch):
     print(f"T={r['T']:8d}  DeltaNet cache {r['deltanet_cache_bytes'] / 2**20:8.2f} MiB   full-attention "
           f"KV cache {r['kv_cache_bytes'] / 2**20:9.2f} MiB   ratio KV/DeltaNet "
           f"{r['kv_cache_bytes'] / r['deltanet_cache_bytes']:7.2f}")
+  # Per sequence: the DeltaNet cache holds `batch` sequences; kv_per_token is one sequence's.
   kv_per_token = 2 * attn["num_kv_heads"] * attn["head_dim"] * 2        # K and V, bf16
-  crossover = _nbytes(dn_cache) / kv_per_token
+  crossover = _nbytes(dn_cache) / batch / kv_per_token
   print(f"decode step scratch (compiled, batch {batch}): {step_scratch} bytes at every context; "
         f"the KV cache outgrows the DeltaNet cache after ~{crossover:.0f} tokens")
   return rows, step_scratch, crossover
 
 
-def _plot(out, speed_rows, mem_rows):
+def _plot(out, speed_rows, mem_rows, batch=1):
   try:
     import matplotlib
     matplotlib.use("Agg")
@@ -160,7 +161,7 @@ def _plot(out, speed_rows, mem_rows):
   a.loglog(ts, [r["kv_cache_bytes"] / 2**20 for r in mem_rows], "o-", label="full attention KV cache")
   a.loglog(ts, [r["deltanet_cache_bytes"] / 2**20 for r in mem_rows], "s-", label="Gated DeltaNet cache")
   a.set_xlabel("tokens in context")
-  a.set_ylabel("decode cache per layer (MiB, batch 1)")
+  a.set_ylabel(f"decode cache per layer (MiB, batch {batch})")
   a.set_title("Qwen3-Next-80B layer sizes, bf16 (DeltaNet memory fp32)")
   a.legend()
   fig.tight_layout()
@@ -194,7 +195,7 @@ def main(argv=None):
   results = {"config": vars(args), "speed": speed_rows, "memory": mem_rows,
              "decode_step_scratch_bytes": step_scratch, "kv_outgrows_deltanet_after_tokens": crossover}
   (out / "results.json").write_text(json.dumps(results, indent=2))
-  _plot(out, speed_rows, mem_rows)
+  _plot(out, speed_rows, mem_rows, args.batch)
   print(f"wrote {out}/results.json and plots")
 
 

@@ -7,9 +7,11 @@ What it measures depends on the default JAX backend:
   sequence length; TFLOP/s of useful work and its share of a bf16 matmul's rate measured in the
   same run.
 * TPU: the Pallas TPU kernel against ``jax.nn.dot_product_attention`` (XLA), the same columns.
-* CPU: the memory-efficient XLA path (``implementation="xla_chunked"``, the default on CPU) against
+* CPU: the memory-efficient XLA path (``implementation="xla_chunked"``) against
   ``jax.nn.dot_product_attention``, fp32, with peak memory; the Pallas kernels only run
-  interpreted on CPU, which says nothing about speed.
+  interpreted on CPU, which says nothing about speed.  Automatic dispatch on CPU picks the native
+  ``implementation="cpu"`` kernel instead (``xla_chunked`` only where it cannot be built): that
+  one is timed by ``experiments.bench_attention``.
 
 Columns: best-of-``--repeats`` wall time of the compiled call; useful TFLOP/s (forward: ``2 B N
 (H + h) * pairs``, where ``pairs`` is ``T S`` or, causal, ``T (T + 1) / 2``; forward + backward:

@@ -114,7 +114,7 @@ def main(argv=None):
   for name in paths:
     row, outs[name] = measure(name, args, inputs)
     rows.append(row)
-  base = rows[0]
+  base = next(row for row in rows if row["name"] == "dense")
   for row in rows:
     row["speedup_vs_dense"] = base["seconds"] / row["seconds"]
     row["memory_ratio_vs_dense"] = row["scratch_bytes"] / max(base["scratch_bytes"], 1)

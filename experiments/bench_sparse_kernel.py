@@ -53,6 +53,9 @@ def random_indices(t: int, s: int, k: int, seed: int) -> jax.Array:
   return jax.vmap(lambda key: jax.random.permutation(key, s)[:k])(keys)[None].astype(jnp.int32)
 
 
+KINDS = ("mla", "gqa")
+
+
 def case_inputs(kind: str, t: int, s: int, k: int, heads: int, dtype):
   """``(fn(impl) -> callable, args, row bytes, flops per call)`` for one case."""
   ks = jax.random.split(jax.random.key(0), 6)
@@ -67,6 +70,8 @@ def case_inputs(kind: str, t: int, s: int, k: int, heads: int, dtype):
     def fn(impl):
       return lambda *a: sparse_mla_attention(*a, implementation=impl)
     return fn, args, (c + r) * bytes_, 2 * t * heads * k * (c + r + c)
+  if kind != "gqa":
+    raise ValueError(f"unknown kind {kind!r}; allowed: {', '.join(KINDS)}")
   n, kh, h = 32, 8, 128
   args = (rnd(0, (1, t, n, h)), rnd(1, (1, s, kh, h)), rnd(2, (1, s, kh, h)), idx)
 
@@ -93,7 +98,7 @@ def with_backward(fn, inputs):
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  ap.add_argument("--kind", default="mla,gqa")
+  ap.add_argument("--kind", default="mla,gqa", help=f"comma list of {', '.join(KINDS)}")
   ap.add_argument("--contexts", default="8192,32768")
   ap.add_argument("--queries", type=int, default=512)
   ap.add_argument("--topk", type=int, default=2048)
@@ -105,9 +110,13 @@ def main(argv=None):
   ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--out", default="runs/bench_sparse_kernel")
   args = ap.parse_args(argv)
+  kinds = [k.strip() for k in args.kind.split(",") if k.strip()]
+  bad = [k for k in kinds if k not in KINDS]
+  if bad or not kinds:
+    ap.error(f"--kind: {f'unknown {bad}' if bad else 'none given'}; allowed: {', '.join(KINDS)}")
   impl = default_impl() if args.impl == "auto" else args.impl
   dtype = jnp.dtype(args.dtype)
-  cases = [(kind, int(s)) for kind in args.kind.split(",") for s in args.contexts.split(",")]
+  cases = [(kind, int(s)) for kind in kinds for s in args.contexts.split(",")]
   print(f"device {jax.devices()[0].device_kind}  backend {jax.default_backend()}  kernel {impl}  "
         f"vs xla  T={args.queries}  top-{args.topk}  {args.dtype}"
         + ("  forward + backward" if args.backward else ""))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
 import sys
 import time
@@ -95,6 +96,20 @@ def main(argv=None) -> int:
                  help="a Hugging Face tokenizer directory (a converted model's vocabulary)")
   p.add_argument("--seed", type=int, default=0)
   args = p.parse_args(argv)
+  # Checked before loading anything, as argparse errors naming the flag (not a traceback).
+  if not (math.isfinite(args.temperature) and args.temperature >= 0):
+    p.error(f"argument --temperature: must be a number >= 0 (0: greedy), got {args.temperature}")
+  if args.top_k < 0:
+    p.error(f"argument --top-k: must be an int >= 0 (0: all), got {args.top_k}")
+  if not 0 < args.top_p <= 1:   # also refuses NaN
+    p.error(f"argument --top-p: must be in (0, 1], got {args.top_p}")
+  if args.max_new_tokens < 0:
+    p.error(f"argument --max-new-tokens: must be an int >= 0, got {args.max_new_tokens}")
+  if args.prompt_ids:
+    try:
+      prompt_ids = [int(t) for t in args.prompt_ids.split(",")]
+    except ValueError:
+      p.error(f"argument --prompt-ids: must be comma-separated ints, got {args.prompt_ids!r}")
 
   if args.run:
     model, step = load_run(args.run, args.step)
@@ -104,7 +119,7 @@ def main(argv=None) -> int:
     model = load_checkpoint(args.checkpoint)
   encode, decode = _text_codec(args, model.config.vocab_size)
   if args.prompt_ids:
-    prompt = np.array([[int(t) for t in args.prompt_ids.split(",")]], np.int32)
+    prompt = np.array([prompt_ids], np.int32)
   else:
     prompt = encode(args.prompt)[None, :]
     print(args.prompt, end="", flush=True)

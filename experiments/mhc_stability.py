@@ -223,6 +223,8 @@ def main(argv=None):
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--out", default="runs/mhc_stability")
   args = ap.parse_args(argv)
+  if args.layers < 1:
+    ap.error(f"argument --layers: must be an int >= 1, got {args.layers}")
   args.drift = [float(s) for s in args.drift.split(",")]
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
@@ -235,13 +237,18 @@ def main(argv=None):
   print(f"\n== 1. composite mixing over {args.layers} blocks ({depth} residual sites), static maps "
         f"drifted by sigma [{time.time() - t0:.0f} s]")
   print("  gain = token mean (the paper's statistic); max = the largest over tokens")
-  print(f"  {'kind@sigma':12s} {'fwd gain @L/4':>13s} {'@L/2':>10s} {'@L':>10s} {'bwd gain @L':>12s} "
-        f"{'max fwd/bwd @L':>16s} {'stream RMS @L':>13s}")
+  # Sites L/4 and L/2 of the L = depth sites, rounded down but at least the first (L = 2 at
+  # --layers 1): the header names the sites shown.
+  quarter, half = max(depth // 4, 1), max(depth // 2, 1)
+  print(f"  @n: after n of the L = {depth} residual sites (L/4, L/2, L)")
+  print(f"  {'kind@sigma':12s} {f'fwd gain @{quarter}':>13s} {f'@{half}':>10s} {f'@{depth}':>10s} "
+        f"{f'bwd gain @{depth}':>12s} {f'max fwd/bwd @{depth}':>16s} "
+        f"{f'stream RMS @{depth}':>15s}")
   for name, r in drift.items():
     f, b = r["forward_gain"], r["backward_gain"]
     mx = f"{r['forward_gain_max'][-1]:.4g}/{r['backward_gain_max'][-1]:.4g}"
-    print(f"  {name:12s} {f[depth // 4 - 1]:13.4g} {f[depth // 2 - 1]:10.4g} {f[-1]:10.4g} "
-          f"{b[-1]:12.4g} {mx:>16s} {r['stream_rms'][-1]:13.4g}")
+    print(f"  {name:12s} {f[quarter - 1]:13.4g} {f[half - 1]:10.4g} {f[-1]:10.4g} "
+          f"{b[-1]:12.4g} {mx:>16s} {r['stream_rms'][-1]:15.4g}")
 
   t1 = time.time()
   trained = train_experiment(args) if args.train_steps > 0 else {}

@@ -96,6 +96,9 @@ def sample_batch(key, log_trans, log_start, batch: int, length: int):
   return jnp.concatenate([first[:, None], rest.T], axis=1)
 
 
+MODES = ("none", "bias", "bias+seq")
+
+
 def train(mode: str, args, corpus):
   seq_alpha = args.alpha if mode == "bias+seq" else 0.0
   model = TinyMoELM(args.vocab, args.dim, args.layers, experts=args.experts, top_k=args.top_k,
@@ -133,7 +136,7 @@ def main(argv=None):
   p.add_argument("--steps", type=int, default=400)
   p.add_argument("--rate", type=float, default=0.01, help="bias update rate (gamma)")
   p.add_argument("--alpha", type=float, default=1e-3, help="sequence-wise balance loss weight")
-  p.add_argument("--modes", default="none,bias,bias+seq")
+  p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
   p.add_argument("--vocab", type=int, default=256)
   p.add_argument("--dim", type=int, default=64)
   p.add_argument("--layers", type=int, default=2)
@@ -148,10 +151,14 @@ def main(argv=None):
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="runs/moe_balance")
   args = p.parse_args(argv)
+  modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+  bad = [m for m in modes if m not in MODES]
+  if bad or not modes:
+    p.error(f"--modes: {f'unknown {bad}' if bad else 'none given'}; allowed: {', '.join(MODES)}")
 
   corpus = make_corpus(args.seed, args.vocab, args.chains, args.branching)
   runs, t0 = {}, time.time()
-  for mode in args.modes.split(","):
+  for mode in modes:
     runs[mode] = train(mode, args, corpus)
   tail = max(1, args.steps // 10)
   summary = {m: dict(first_max_over_mean=r["max_over_mean"][0],

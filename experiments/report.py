@@ -273,16 +273,42 @@ def section_lora_finetune(sec, size, folder, out, args):
   sec.summary = {m: dict(trainable=r["trainable"], shifted_loss_before=r["shifted_loss_before"],
                          shifted_loss_after=r["shifted_loss_after"],
                          copy_loss_after=r["copy_loss_after"],
-                         ms_per_step=1e3 * r["seconds_per_step"]) for m, r in res.items()}
+                         ms_per_step=1e3 * r["seconds_per_step"],
+                         peak_mib=_lora_peak_mib(r)) for m, r in res.items()}
   a = data["args"]
   sec.markdown = (
       f"Pretrained {a['pretrain_steps']} steps on a copy task, then fine-tuned "
       f"{a['finetune_steps']} steps on the shifted task (+{a['shift']}); loss on the copied "
-      "half.\n\n" +
+      "half; peak MiB: the compiled fine-tuning step's memory (parameters, optimizer state, "
+      "gradients, activations).\n\n" +
       _md_table(["method", "trainable params", "shifted loss before", "after", "copy loss after",
-                 "ms / step"],
+                 "ms / step", "peak MiB", "peak / full"],
                 [(m, s["trainable"], s["shifted_loss_before"], s["shifted_loss_after"],
-                  s["copy_loss_after"], s["ms_per_step"]) for m, s in sec.summary.items()]))
+                  s["copy_loss_after"], s["ms_per_step"], s["peak_mib"],
+                  _ratio(s["peak_mib"], sec.summary.get("full", {}).get("peak_mib")))
+                 for m, s in sec.summary.items()]))
+  # Compile-only memory of larger models (``--mem-sizes``), when the run measured any.
+  mem_only = data.get("memory_only") or {}
+  if mem_only:
+    sec.data["memory_only"] = mem_only
+  for size, rows in mem_only.items():
+    full = _lora_peak_mib(rows.get("full", {}))
+    sec.markdown += (
+        f"\n\nCompiled train-step memory of a {size} (dim x layers x vocab) model, batch "
+        f"{a.get('mem_batch')} x {a.get('mem_seq')} (compile only):\n\n" +
+        _md_table(["method", "trainable params", "frozen params", "peak MiB", "peak / full"],
+                  [(m, r.get("trainable"), r.get("frozen"), _lora_peak_mib(r),
+                    _ratio(_lora_peak_mib(r), full)) for m, r in rows.items()]))
+
+
+def _lora_peak_mib(run: dict) -> float | None:
+  """Peak MiB of a lora_finetune run's compiled step (``memory.peak_bytes``), None if absent."""
+  peak = (run.get("memory") or {}).get("peak_bytes")
+  return None if peak is None else peak / 2**20
+
+
+def _ratio(a, b):
+  return None if a is None or not b else a / b
 
 
 def section_bench_train(sec, size, folder, out, args):

@@ -169,20 +169,27 @@ def maybe_initialize_distributed(args) -> None:
 
 
 class MetricsLog:
-  """Append-only JSONL; on resume, lines from steps after the restored one are dropped."""
+  """Append-only JSONL; on resume, lines from steps after the restored one are dropped.
+
+  ``earlier`` holds the kept records (those of the run segments before a resume), read on
+  process 0 only (the one writer): the summary's loss and throughput cover the whole run.
+  """
 
   def __init__(self, path: pathlib.Path, resume_step: int):
     self.path = path
+    self.earlier: list[dict] = []
     if jax.process_index() != 0:  # one writer
       return
     lines = []
     if resume_step > 0 and path.exists():
       for line in path.read_text().splitlines():
         try:
-          if json.loads(line).get("step", 0) <= resume_step:
-            lines.append(line)
+          rec = json.loads(line)
         except json.JSONDecodeError:
-          pass
+          continue
+        if isinstance(rec, dict) and rec.get("step", 0) <= resume_step:
+          lines.append(line)
+          self.earlier.append(rec)
     path.write_text("".join(l + "\n" for l in lines))
 
   def write(self, record: dict) -> None:
@@ -307,7 +314,11 @@ def train(args) -> dict:
           t_window += time.perf_counter() - t_eval   # evaluation is not training throughput
           metrics_log.write(dict(step=n, **ev))
           bar.write(f"step {n}: eval loss {ev['eval_loss']:.4f}, ppl {ev['eval_ppl']:.2f}")
+        if ckpt.should_save(n):
+          jax.block_until_ready(state)   # queued train steps are training time, not save time
+        t_save = time.perf_counter()
         ckpt.save(n, state, meta())
+        t_window += time.perf_counter() - t_save   # nor is the checkpoint save (as evaluation)
         if args.stop_at_step is not None and n == args.stop_at_step:
           interrupt.requested = True  # behaves exactly like SIGINT at this step (for tests)
         if interrupt:
@@ -351,10 +362,14 @@ def train(args) -> dict:
       log(pieces[-1])
       sample = args.prompt + "".join(pieces)
 
+  # The whole run, resumed segments included: the earlier training records (not the evals)
+  # from metrics.jsonl, then this segment's.
+  history = [r for r in metrics_log.earlier if "loss" in r] + history
   first = history[0]["loss"] if history else float("nan")
   last = history[-1]["loss"] if history else float("nan")
-  # (the compile step's record, if logged, has no window: NaN, left out here)
-  tps = [h["tokens_per_s"] for h in history if math.isfinite(h["tokens_per_s"])]
+  # (a segment's compile step record, if logged, has no window: NaN / null, left out here)
+  tps = [h["tokens_per_s"] for h in history
+         if h.get("tokens_per_s") is not None and math.isfinite(h["tokens_per_s"])]
   summary = dict(preset=args.preset, size=args.size, steps=final_step, parameters=n_params,
                  first_loss=first, last_loss=last, **ev, compile_s=t_compile,
                  tokens_per_s=float(np.median(tps)) if tps else None, sample=sample,

@@ -71,3 +71,28 @@ def test_unknown_section_and_bad_metrics(tmp_path):
   bad.write_text('{"step": 1, "loss": 2.0}\nnot json\n')
   with pytest.raises(ValueError, match="line 2"):
     report.read_metrics(bad)
+
+
+def test_lora_section_reports_memory(tmp_path, monkeypatch):
+  def run(name, peak, with_memory=True):
+    r = dict(trainable=10, frozen=0, shifted_loss_before=3.0, shifted_loss_after=2.0,
+             copy_loss_after=1.0, seconds_per_step=0.01)
+    if with_memory:
+      r["memory"] = dict(peak_bytes=peak * 2**20)
+    return r
+
+  data = dict(args=dict(pretrain_steps=1, finetune_steps=1, shift=5, mem_batch=2, mem_seq=16),
+              results={"full": run("full", 4.0), "lora": run("lora", 2.0),
+                       "qlora": run("qlora", 0, with_memory=False)},
+              memory_only={"64x1x128": {"full": dict(trainable=5, frozen=0,
+                                                     memory=dict(peak_bytes=8 * 2**20)),
+                                        "lora": dict(trainable=1, frozen=5,
+                                                     memory=dict(peak_bytes=2 * 2**20))}})
+  monkeypatch.setattr(report, "_run_experiment", lambda *a: (None, data))
+  sec = report.Section("lora_finetune")
+  report.section_lora_finetune(sec, "smoke", tmp_path, tmp_path, None)
+  assert sec.summary["lora"]["peak_mib"] == 2.0 and sec.summary["qlora"]["peak_mib"] is None
+  assert "peak MiB | peak / full |" in sec.markdown
+  assert "| lora | 10 | 3 | 2 | 1 | 10 | 2 | 0.5 |" in sec.markdown
+  assert "| qlora | 10 | 3 | 2 | 1 | 10 | n/a | n/a |" in sec.markdown
+  assert "64x1x128" in sec.markdown and "| lora | 1 | 5 | 2 | 0.25 |" in sec.markdown

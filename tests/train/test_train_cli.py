@@ -31,12 +31,15 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path):
       COMMON + ["--steps", "8", "--save-every", "3", "--out", str(b), "--stop-at-step", "5",
                 "--sample-tokens", "0"]))
   assert first == {"interrupted": True, "step": 5}
-  train_cli.train(train_cli.make_parser().parse_args(
+  resumed = train_cli.train(train_cli.make_parser().parse_args(
       COMMON + ["--steps", "8", "--save-every", "3", "--out", str(b), "--sample-tokens", "0"]))
   la, lb = _losses(a), _losses(b)
   assert sorted(lb) == list(range(1, 9))
   for s in range(1, 9):
     assert lb[s] == la[s], (s, lb[s], la[s])  # bit-identical, before and after the resume
+  # The resumed run's summary covers the whole run (metrics.jsonl), not only steps 6..8.
+  assert resumed["first_loss"] == summary["first_loss"] == la[1]
+  assert resumed["last_loss"] == la[8]
 
 
 def test_resume_refuses_another_config(tmp_path):
@@ -98,4 +101,10 @@ def test_cli_argument_errors(tmp_path, capsys):
                       ("--sample-top-p", "0"), ("--sample-top-p", "1.5")):
     with pytest.raises(SystemExit):
       train_cli.make_parser().parse_args([flag, value])
+    assert f"argument {flag}: must be" in capsys.readouterr().err
+  # experiments.generate refuses bad sampling flags the same way, before loading the run.
+  from experiments import generate as generate_cli
+  for flag, value in (("--top-p", "0"), ("--top-k", "-1"), ("--temperature", "-1")):
+    with pytest.raises(SystemExit):
+      generate_cli.main(["--run", str(tmp_path / "absent"), flag, value])
     assert f"argument {flag}: must be" in capsys.readouterr().err
