@@ -197,7 +197,7 @@ class SlidingWindowMask(Mask):
 
 def sliding_window(radius: int, *, causal: bool = True) -> Mask:
   """The seed's banded window of radius ``w``: causal (``[p - w, p]``) or two-sided (``[p-w, p+w]``)."""
-  if not isinstance(radius, (int, np.integer)) or radius < 0:
+  if not is_int(radius) or radius < 0:
     raise ValueError(f"sliding_window: `radius` must be a non-negative int, got {radius!r}.")
   return SlidingWindowMask(int(radius), 0 if causal else int(radius))
 
@@ -330,7 +330,7 @@ def make_mask(*, is_causal: bool = False, local_window_size=None, segment_ids=No
     else:
       left, right = local_window_size, (0 if is_causal else local_window_size)
     for name, v in (("local_window_size", left), ("local_window_size", right)):
-      if v is not None and (not isinstance(v, (int, np.integer)) or v < 0):
+      if v is not None and (not is_int(v) or v < 0):
         raise ValueError(f"`{name}` must be a non-negative int (or None for unbounded), got "
                          f"{local_window_size!r}.")
     parts.append(SlidingWindowMask(left, right))

@@ -112,6 +112,9 @@ def test_errors():
     _dsa()(_x(), attention_mode="block")
   with pytest.raises(ValueError, match="quant"):
     _dsa(quant="int4")
+  with pytest.raises(ValueError, match="rope_base"):  # the indexer's own RoPE, at construction
+    DSA(D, N, index_num_heads=2, index_head_dim=16, index_rope_dim=4, index_topk=2,
+        rope_base=-1.0, rngs=nnx.Rngs(0), **MLA_KW)
   with pytest.raises(ValueError, match="cache"):
     _dsa()(_x(), cache=object())
   assert isinstance(_dsa().init_cache(1, 8), DSACache)

@@ -248,6 +248,7 @@ def test_sharded_on_simulated_mesh_equals_single_device():
     (dict(mode="fast"), "mode"),
     (dict(attention_scale=-1.0), "attention_scale"),
     (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling"),
+    (dict(rope_base=0.0), "rope_base"),
 ])
 def test_bad_configuration_raises(change, match):
   with pytest.raises(ValueError, match=match):

@@ -110,3 +110,10 @@ def test_band_block_view_is_cheap_at_long_lengths():
   assert (view == M.EMPTY).sum() == sum(512 - 2 * (i + 1) for i in range(256))
   assert M._band(M.CausalMask() & M.sliding_window(4, causal=False)) == (4.0, 0.0)
   assert M._band(M.CausalMask() | M.GlobalTokensMask((0,))) is None
+
+
+def test_bool_window_sizes_are_refused():
+  with pytest.raises(ValueError, match="radius"):
+    M.sliding_window(True)
+  with pytest.raises(ValueError, match="local_window_size"):
+    M.make_mask(local_window_size=True)
