@@ -253,6 +253,28 @@ def test_corrupted_latest_errors_and_falls_back(tmp_path, how):
   _assert_tree_equal(restored, _scaled(state, 5))
 
 
+@pytest.mark.parametrize("error", [MemoryError("host"), TimeoutError("gcs"),
+                                   RuntimeError("RESOURCE_EXHAUSTED: Out of memory")])
+def test_a_machine_failure_during_restore_is_not_corruption(tmp_path, monkeypatch, error):
+  """Out of memory or a network timeout while reading is re-raised as is: with fallback, calling
+  it corruption would restore an older step and move the good newest one aside."""
+  _, state = _train_state()
+  with Checkpointer(tmp_path, max_to_keep=3) as ckpt:
+    ckpt.save(1, _scaled(state, 1), {"step": 1})
+    ckpt.save(2, _scaled(state, 2), {"step": 2})
+  import orbax.checkpoint as ocp
+
+  def failing_restore(self, *a, **k):
+    raise error
+
+  monkeypatch.setattr(ocp.CheckpointManager, "restore", failing_restore)
+  with Checkpointer(tmp_path) as ckpt:
+    with pytest.raises(type(error)):
+      ckpt.restore(target=_abstract(state), fallback=True)
+    assert ckpt.all_steps() == [1, 2]
+  assert not [p for p in os.listdir(tmp_path) if ".corrupted-" in p]
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_saving_after_a_corrupted_latest_keeps_the_older_good_step(tmp_path):
   _, state = _train_state()

@@ -73,6 +73,17 @@ def _cause(e: BaseException) -> str:
   return f"{type(e).__name__}: {message}"
 
 
+def _not_corruption(e: BaseException) -> bool:
+  """A failure of this machine, not of the checkpoint: out of host or device memory, or a file
+  system / network error that names no damaged file (a timeout, a refused connection, a permission
+  denied).  Re-raised as is: calling such a step corrupted would move good checkpoints aside."""
+  if isinstance(e, (MemoryError, PermissionError, TimeoutError, ConnectionError)):
+    return True
+  text = str(e)
+  return any(s in text for s in ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory",
+                                 "DEADLINE_EXCEEDED", "UNAVAILABLE:", "PERMISSION_DENIED"))
+
+
 def _key_name(k: Any) -> str:
   """A jax key-path entry as orbax names it in its flat paths."""
   for attr in ("key", "name", "idx"):  # DictKey / FlattenedIndexKey, GetAttrKey, SequenceKey
@@ -223,6 +234,8 @@ class Checkpointer:
       FileNotFoundError: the directory does not exist, holds no checkpoint, or lacks ``step``.
       ValueError: the saved tree does not match ``target`` (names the parameter path).
       CorruptCheckpointError: the step cannot be read (and no older one can, with ``fallback``).
+        Running out of memory or a network / permission failure while reading is not corruption:
+        that error propagates as is, and no step is skipped or moved aside.
     """
     mngr = self._manager(create=False)
     if mngr is None:
@@ -263,7 +276,9 @@ class Checkpointer:
         raise ValueError("the `state` item has no metadata")
       # orbax >= 0.12 wraps the tree in a TreeMetadata; older releases return the tree itself.
       saved_flat = ocp.tree.to_flat_dict(getattr(saved, "tree", saved))
-    except Exception as e:  # noqa: BLE001 -- any failure to read metadata means corruption
+    except Exception as e:  # noqa: BLE001 -- any other failure to read metadata is corruption
+      if _not_corruption(e):
+        raise
       raise CorruptCheckpointError(self.directory, step,
                                    f"cannot read the state metadata ({_cause(e)})") from e
     self._check_structure(step, saved_flat, abstract)
@@ -274,6 +289,8 @@ class Checkpointer:
       if meta is None:
         raise ValueError("the `meta` item is missing")
     except Exception as e:  # noqa: BLE001 -- the tree matched, so a read failure is corruption
+      if _not_corruption(e):
+        raise
       if "opology mismatch" in str(e):  # a layout the target asks for, not a damaged checkpoint
         raise ValueError(f"Checkpointer.restore: step {step} in {self.directory} cannot be laid "
                          f"out as the target asks ({_cause(e)}); give the target shardings for "
