@@ -8,6 +8,7 @@ token; greedy, temperature, top-k and nucleus (top-p) sampling; tokens streamed 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable
 
 import jax
@@ -50,8 +51,10 @@ class TextStream:
 
 def check_sampling(temperature, top_p, top_k=0) -> None:
   """Raises ``ValueError`` unless ``temperature >= 0``, ``0 < top_p <= 1`` and ``top_k >= 0``."""
-  if not is_number(temperature) or not temperature >= 0:        # `not >=` also refuses NaN
-    raise ValueError(f"`temperature` must be a number >= 0 (0: greedy), got {temperature!r}.")
+  # `not >=` also refuses NaN; inf would divide every logit to 0 (uniform over the vocabulary).
+  if not is_number(temperature) or not temperature >= 0 or not math.isfinite(temperature):
+    raise ValueError(f"`temperature` must be a finite number >= 0 (0: greedy), got "
+                     f"{temperature!r}.")
   if not is_number(top_p) or not 0.0 < top_p <= 1.0:
     raise ValueError(f"`top_p` must be in (0, 1], got {top_p!r}.")
   if not is_int(top_k) or top_k < 0:
@@ -87,7 +90,7 @@ def sample_logits(logits: Float[Array, "B V"], key, *, temperature: float = 0.0,
   return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-def _check(model, prompt, max_new_tokens, max_len):
+def _check(model, prompt, max_new_tokens, max_len, eos_id=None):
   prompt = np.asarray(prompt)
   if prompt.ndim != 2 or prompt.shape[1] < 1:
     raise ValueError(f"`prompt` must be [B, T] token ids with T >= 1, got shape {prompt.shape}.")
@@ -101,6 +104,11 @@ def _check(model, prompt, max_new_tokens, max_len):
   if (not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool)
       or max_new_tokens < 0):
     raise ValueError(f"`max_new_tokens` must be an int >= 0, got {max_new_tokens!r}.")
+  if max_len is not None and (not is_int(max_len) or max_len < 1):
+    raise ValueError(f"`max_len` must be an int >= 1 or None (default capacity), got {max_len!r}.")
+  if eos_id is not None and (not is_int(eos_id) or not 0 <= eos_id < vocab):
+    raise ValueError(f"`eos_id` must be None or one token id, an int in [0, {vocab}) "
+                     f"(vocab_size), got {eos_id!r}.")
   # The last sampled token is returned, never fed back: T + n - 1 positions are attended.
   need = prompt.shape[1] + max(int(max_new_tokens) - 1, 0)
   if max_len is not None and max_len < need:
@@ -156,13 +164,16 @@ def generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_tokens: int, *
   hold ``eos_id`` (as padding), and generation stops when every sequence has finished.
   """
   check_sampling(temperature, top_p, top_k)
-  _check(model, prompt, max_new_tokens, max_len)
+  _check(model, prompt, max_new_tokens, max_len, eos_id)
+  if not is_int(seed):
+    raise ValueError(f"`seed` must be an int, got {seed!r}.")
   prompt = jnp.asarray(prompt, jnp.int32)
   b, t = prompt.shape
   max_new_tokens = int(max_new_tokens)
   # Default capacity: what is needed, rounded up to whole 128-token blocks, so that on TPU the
   # decode kernel reads the cache as pages of itself (lengths a multiple of 16; 128+ per page).
-  max_len = max_len or -(-(t + max_new_tokens) // 128) * 128
+  if max_len is None:
+    max_len = -(-(t + max_new_tokens) // 128) * 128
   graphdef, state = nnx.split(model)
   prefill, step = decode_functions(graphdef, b, max_len, temperature=temperature, top_p=top_p,
                                    top_k=int(top_k))

@@ -137,8 +137,9 @@ def test_top_k_keeps_the_k_most_likely_then_top_p():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(temperature=float("nan")), "`temperature` must be a number >= 0"),
-    (dict(temperature="0.5"), "`temperature` must be a number >= 0"),
+    (dict(temperature=float("nan")), "`temperature` must be a finite number >= 0"),
+    (dict(temperature=float("inf")), "`temperature` must be a finite number >= 0"),
+    (dict(temperature="0.5"), "`temperature` must be a finite number >= 0"),
     (dict(top_p=float("nan")), "`top_p` must be in"),
     (dict(top_k=-1), "`top_k` must be an int >= 0"),
     (dict(top_k=2.5), "`top_k` must be an int >= 0"),
@@ -180,6 +181,13 @@ def test_prompt_and_capacity_checks():
       generate(model, bad, 2)
   with pytest.raises(ValueError, match="`prompt` must hold integer token ids"):
     generate(model, prompt.astype(np.float32), 2)
+  # eos_id: one token id in the vocabulary (a list would silently mean one id per row).
+  for bad in (cfg.vocab_size, -3, [1, 2], True):
+    with pytest.raises(ValueError, match="`eos_id` must be None or one token id"):
+      generate(model, prompt, 2, eos_id=bad)
+  for name, bad in (("max_len", 0), ("max_len", 9.5), ("seed", 1.5)):
+    with pytest.raises(ValueError, match=f"`{name}` must be an int"):
+      generate(model, prompt, 2, **{name: bad})
   # The last new token is never fed back: T + n - 1 slots (and learned positions) suffice.
   want = generate(model, prompt, np.int64(4))
   np.testing.assert_array_equal(generate(model, prompt, 4, max_len=6), want)
