@@ -95,8 +95,9 @@ step "sparse (DSA) kernels: forward + backward" 120 \
 fi
 if [ "$PART" != decode ]; then
 step "flash kernel tests" 150 \
-  "$PY" -m pytest -q -rf --maxfail=3 -p no:cacheprovider tests/kernels/test_flash_gpu.py \
-  tests/kernels/test_flash_hopper.py tests/ops/test_attention_cudnn.py
+  "$PY" -m pytest -q -rf --maxfail=3 -p no:cacheprovider -m "slow or not slow" \
+  tests/kernels/test_flash_gpu.py tests/kernels/test_flash_hopper.py \
+  tests/ops/test_attention_cudnn.py
 step "hopper kernels: check + forward benchmark" 120 \
   "$PY" -m experiments.bench_flash --gpu-forward hopper --gpu-backward hopper --check \
   --seq-lens 2048 8192 16384 --repeats 5 --plot "$DEST/bench_flash_gpu_hopper.png"

@@ -51,6 +51,24 @@ def formula(q, k, v, mask, q_offset, cap, slopes=None):
                                return_residuals=True)
 
 
+# Interpreted, these kernels are the suite's most expensive tests.  Each case in SLOW repeats
+# features a cheaper case of the same test already covers (named beside it): marked `slow`, it
+# is out of the default run (`pytest -m slow` runs it) and runs compiled in device_check.sh.
+SLOW = {
+    "causal ragged offset fp16",      # offsets / ragged: "window softcap ragged"; fp16: data cases
+    "causal gqa ragged",              # GQA + ragged backward: "window softcap offset"
+    "packed causal gqa",              # segments + GQA: "scattered ids ..."; packed: "packed lengths"
+    "lengths window alibi softcap",   # lengths / ALiBi: "scattered ids ..."; window + cap: CASES
+    "lengths",                        # backward lengths / ALiBi: "packed" (all three features)
+}
+
+
+def params(cases, ids=None):
+  ids = ids or [c[0] for c in cases]
+  return [pytest.param(c, id=i, marks=[pytest.mark.slow] if i in SLOW else [])
+          for c, i in zip(cases, ids)]
+
+
 def assert_close(got, want, tol, name):
   got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
   scale = max(1.0, float(np.max(np.abs(want[np.isfinite(want)]), initial=0.0)))
@@ -72,7 +90,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("case", params(CASES))
 def test_forward_matches_formula(case):
   name, (b, t, s, n, k, h), mask, q_offset, cap, dtype, config = case
   q, key, v = inputs(b, t, s, n, k, h, dtype)
@@ -96,7 +114,7 @@ BWD_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", BWD_CASES, ids=[c[0] for c in BWD_CASES])
+@pytest.mark.parametrize("case", params(BWD_CASES))
 def test_backward_matches_formula(case):
   """dQ, dK, dV (GQA groups summed in the kernel) from the kernel's own forward, with a cotangent
   on the log-sum-exp too, against the formula's VJP."""
@@ -166,7 +184,7 @@ DATA_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", DATA_CASES, ids=[c[0] for c in DATA_CASES])
+@pytest.mark.parametrize("case", params(DATA_CASES))
 def test_forward_data_features_match_formula(case):
   """Segment ids (packed, and scattered so that every block is evaluated masked), key lengths (a
   zero-length row: output 0, lse -inf) and ALiBi, against the formula with the same mask."""
@@ -197,7 +215,7 @@ BWD_DATA_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", BWD_DATA_CASES, ids=["packed", "lengths"])
+@pytest.mark.parametrize("case", params(BWD_DATA_CASES, ["packed", "lengths"]))
 def test_backward_data_features_match_formula(case):
   """dQ, dK, dV with segment ids / key lengths / ALiBi against the formula's VJP: keys past a
   row's length and keys of other segments get no gradient."""
@@ -255,7 +273,10 @@ def test_rows_without_keys_and_races():
   assert_close(lse[:, :, 70:], want_lse[:, :, 70:], 1e-2, "lse")
 
 
-@pytest.mark.parametrize("forward,backward", [("hopper", "triton"), ("hopper", "hopper")])
+@pytest.mark.parametrize("forward,backward", [
+    ("hopper", "triton"),
+    # the Hopper backward through the entry point (its own tests cover it directly):
+    pytest.param("hopper", "hopper", marks=pytest.mark.slow)])
 def test_through_gpu_entry_point_with_gradients(forward, backward):
   """``gpu.set_options(forward=..., backward=...)``: ``flash_attention_gpu`` runs the Hopper
   forward (counted) with the Triton backward on its log-sum-exp (so the two forwards' residuals
