@@ -62,6 +62,8 @@ def parse_mesh(text: str | None) -> dict[str, int]:
     name, _, size = part.partition("=")
     if not size.isdigit() or int(size) < 1:
       raise ValueError(f"`--mesh` entries must look like axis=size with size >= 1, got {part!r}.")
+    if name.strip() in out:
+      raise ValueError(f"`--mesh` names axis {name.strip()!r} twice, got {text!r}.")
     out[name.strip()] = int(size)
   return out
 

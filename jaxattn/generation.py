@@ -71,6 +71,9 @@ def sample_logits(logits: Float[Array, "B V"], key, *, temperature: float = 0.0,
   token is always kept), renormalized: the order transformers applies them in.
   """
   check_sampling(temperature, top_p, top_k)
+  if jnp.ndim(logits) != 2:
+    raise ValueError(f"`logits` must be [B, V] (the last position of each sequence), got shape "
+                     f"{jnp.shape(logits)}.")
   logits = logits.astype(jnp.float32)
   if temperature == 0.0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)

@@ -119,6 +119,9 @@ def test_nucleus_sampling_draws_only_from_the_top_p_set():
     sample_logits(logits, jax.random.key(0), temperature=1.0, top_p=0.0)
   with pytest.raises(ValueError, match="temperature"):
     sample_logits(logits, jax.random.key(0), temperature=-1.0)
+  for bad in (logits[0], logits[None]):  # [V] or [B, T, V]: not the last position's [B, V]
+    with pytest.raises(ValueError, match=r"`logits` must be \[B, V\]"):
+      sample_logits(bad, jax.random.key(0), temperature=1.0, top_p=0.7)
 
 
 def test_top_k_keeps_the_k_most_likely_then_top_p():

@@ -37,6 +37,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Int
 
+from jaxattn.checks import is_int
 from jaxattn.cache import KVCache
 from jaxattn.mla_cache import LatentCache
 from jaxattn.nn.attention import Attention
@@ -175,6 +176,18 @@ class ModelConfig:
                        f"({'; '.join(f'{k}: {v}' for k, v in LAYER_KINDS.items())}), got {pat!r}.")
     if self.position not in POSITIONS:
       raise ValueError(f"`position` must be one of {POSITIONS}, got {self.position!r}.")
+    if self.sliding_window is not None and (not is_int(self.sliding_window)
+                                            or self.sliding_window < 0):
+      raise ValueError(f"`sliding_window` must be None or a non-negative int, got "
+                       f"{self.sliding_window!r}.")
+    positive("num_streams")
+    if not is_int(self.num_experts) or not is_int(self.first_k_dense):
+      raise ValueError(f"`num_experts` ({self.num_experts!r}) and `first_k_dense` "
+                       f"({self.first_k_dense!r}) must be ints.")
+    if self.num_experts > 0 and (not is_int(self.num_experts_per_tok)
+                                 or not 1 <= self.num_experts_per_tok <= self.num_experts):
+      raise ValueError(f"`num_experts_per_tok` must be an int in [1, num_experts="
+                       f"{self.num_experts}], got {self.num_experts_per_tok!r}.")
     if "S" in self.kinds() and (self.sliding_window is None or self.sliding_window < 0):
       raise ValueError(f"`layer_pattern` {pat!r} has sliding-window layers (S): `sliding_window` "
                        f"must be a non-negative int, got {self.sliding_window!r}.")
@@ -224,6 +237,9 @@ class ModelConfig:
     return DTYPES[self.param_dtype]
 
   def replace(self, **changes) -> "ModelConfig":
+    unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+    if unknown:  # (dataclasses.replace raises a TypeError that names no allowed field)
+      raise ValueError(f"unknown ModelConfig field(s) {unknown}.")
     return dataclasses.replace(self, **changes)
 
   def to_dict(self) -> dict[str, Any]:

@@ -192,6 +192,16 @@ def test_config_round_trip_and_errors():
     get_config("gpt-5")
   with pytest.raises(ValueError, match="remat"):
     ModelConfig(remat="sometimes")
+  # Refused where the config is made, naming its field (not at build time as a module argument).
+  with pytest.raises(ValueError, match="unknown ModelConfig field"):
+    get_config("llama", bogus=1)
+  for bad in (2.5, True, -1):
+    with pytest.raises(ValueError, match="`sliding_window` must be None or a non-negative int"):
+      ModelConfig(sliding_window=bad)
+  with pytest.raises(ValueError, match="`num_experts_per_tok` must be an int in"):
+    ModelConfig(num_experts=4, num_experts_per_tok=0)
+  with pytest.raises(ValueError, match="`num_streams` must be a positive int"):
+    ModelConfig(num_streams=0)
   with pytest.raises(ValueError, match="tokens"):
     DecoderLM(small_config("llama"), rngs=nnx.Rngs(0))(jnp.zeros((4,), jnp.int32))
 

@@ -78,6 +78,8 @@ def test_cli_argument_errors(tmp_path, capsys):
         COMMON + ["--batch-size", "6", "--mesh", "data=4,tensor=2", "--out", str(tmp_path)]))
   with pytest.raises(ValueError, match="--mesh"):
     train_cli.parse_mesh("data:2")
+  with pytest.raises(ValueError, match="names axis 'data' twice"):
+    train_cli.parse_mesh("data=2,data=4")
   with pytest.raises(ValueError, match="--set"):
     train_cli.parse_overrides(["num_layers"])
   assert train_cli.parse_overrides(["num_layers=3", "norm=layer", "rope_scaling=None"]) == {
