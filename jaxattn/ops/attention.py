@@ -104,6 +104,15 @@ def _load_builtin(name):
       pass
 
 
+def check_q_offset(q_offset, per_sequence: str = "use kv_lengths, or a mask") -> None:
+  """Raises unless ``q_offset`` is one integer (Python, NumPy or a traced 0-d array): a ``[B]``
+  array would broadcast against the query rows instead (a wrong causal mask when ``B == T``).
+  ``per_sequence`` says what to do instead, in the caller's terms."""
+  if jnp.ndim(q_offset) != 0 or not jnp.issubdtype(jnp.asarray(q_offset).dtype, jnp.integer):
+    raise ValueError(f"`q_offset` must be one integer (a scalar, Python or traced), got "
+                     f"{q_offset!r}; per-sequence offsets are not supported ({per_sequence}).")
+
+
 def check_scale(scale) -> None:
   """Raises unless ``scale`` is None, an array (traced values cannot be checked) or a positive
   finite number: the one check of a logits scale for every attention formula."""
@@ -157,10 +166,7 @@ def _validate(query, key, value, bias, mask, scale, alibi_slopes, logits_soft_ca
     raise ValueError(f"`alibi_slopes` must have shape [N] = ({n},), got {np.shape(alibi_slopes)}.")
   if logits_soft_cap is not None:   # inf would make cap * tanh(x / cap) = inf * 0 = NaN
     check_positive("logits_soft_cap", logits_soft_cap)
-  if jnp.ndim(q_offset) != 0 or not jnp.issubdtype(jnp.asarray(q_offset).dtype, jnp.integer):
-    raise ValueError(f"`q_offset` must be one integer (a scalar, Python or traced), got "
-                     f"{q_offset!r}; per-sequence offsets are not supported (use kv_lengths, or a "
-                     "mask).")
+  check_q_offset(q_offset)
   if segment_ids is not None:
     # Out-of-range ids are not an error inside the mask (a gather fills them), so the shapes are
     # checked here: a short array would otherwise pass as a segment of its own.

@@ -34,7 +34,7 @@ from jaxtyping import Array, Bool, Float, Int
 from jaxattn import native
 from jaxattn.checks import is_int
 from jaxattn.ops import sparse_cpu
-from jaxattn.ops.attention import check_scale
+from jaxattn.ops.attention import check_q_offset, check_scale
 from jaxattn.ops.quantization import (QUANT_FORMATS, QuantFormat, fake_quantize, quantize_fp8,
                                       quantize_int8)
 
@@ -128,12 +128,7 @@ def _index_operands(q_index, k_index, weights, quant, quant_block_size, dot_dtyp
 
 
 def _check_q_offset(q_offset):
-  """``q_offset`` is one position for the whole batch (a ``[B]`` array would broadcast against
-  the query rows instead: a wrong causal mask when ``B == T``)."""
-  if jnp.ndim(q_offset) != 0:
-    raise ValueError(f"`q_offset` must be a scalar (one offset for every sequence), got shape "
-                     f"{jnp.shape(q_offset)}; for per-sequence offsets mask the scores "
-                     "yourself (as the paged DSA path does).")
+  check_q_offset(q_offset, "mask the scores yourself, as the paged DSA path does")
 
 
 def _valid_keys(t, s, *, causal, q_offset, kv_lengths, batch):

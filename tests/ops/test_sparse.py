@@ -273,8 +273,10 @@ def test_bad_offsets_and_empty_selections_are_refused():
   k = jnp.ones((2, 5, 8))
   w = jnp.ones((2, 2, 2))
   for fn in (indexer_scores, lambda *a, **kw: sparse_mod.indexer_topk(*a, 2, **kw)):
-    with pytest.raises(ValueError, match="`q_offset` must be a scalar"):
+    with pytest.raises(ValueError, match="`q_offset` must be one integer"):
       fn(q, k, w, q_offset=jnp.array([0, 3]))
+    with pytest.raises(ValueError, match="`q_offset` must be one integer"):
+      fn(q, k, w, q_offset=1.5)   # one check with dot_product_attention's: integers only
   for impl in ("xla", "cpu", "pallas_tpu"):
     with pytest.raises(ValueError, match=r"k>=1"):
       sparse_attention(jnp.ones((1, 4, 2, 8)), jnp.ones((1, 4, 1, 8)), jnp.ones((1, 4, 1, 8)),
