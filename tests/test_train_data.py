@@ -218,6 +218,8 @@ def test_restore_refuses_other_data_and_bad_state():
   other[0][0] += 1  # same lengths, one token differs
   with pytest.raises(ValueError, match="fingerprint"):
     PackedDataset(other, batch_size=2, seq_len=4, seed=0).restore(state)
+  with pytest.raises(ValueError, match="fingerprint"):  # other special tokens, other stream
+    PackedDataset(docs, batch_size=2, seq_len=4, seed=0, bos_id=7, eos_id=8).restore(state)
   with pytest.raises(ValueError, match="lacks"):
     ds.restore({"epoch": 0})
   with pytest.raises(ValueError, match="out of range"):
@@ -257,6 +259,10 @@ def test_layout_errors():
     PackedDataset([np.array([5], np.int32)], batch_size=1, seq_len=4, bos_id=None, eos_id=None)
   with pytest.raises(ValueError, match="max_batches"):
     eval_batches(docs, batch_size=2, seq_len=4, max_batches=0)
+  with pytest.raises(ValueError, match="`batch_size` must be an int"):  # was truncated to 2
+    PackedDataset(docs, batch_size=2.7, seq_len=4)
+  with pytest.raises(ValueError, match="above the int32 range"):   # the cast wrapped it
+    PackedDataset([np.array([5, 2**31 + 5], np.int64)], batch_size=1, seq_len=4)
 
 
 def test_eval_batches_cover_the_documents_once():

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from jaxattn.checks import is_int
+
 
 def _check_size(n: int, axis: int) -> None:
   if n < 1 or n & (n - 1):
@@ -34,6 +36,9 @@ def hadamard_transform(x: Float[Array, "..."], *, axis: int = -1) -> Float[Array
   """
   if x.ndim == 0:
     raise ValueError(f"hadamard_transform: `x` must have at least one axis, got shape {x.shape}.")
+  if not jnp.issubdtype(x.dtype, jnp.floating):  # the result would be cut back to integers
+    raise ValueError(f"hadamard_transform: `x` must be a floating-point array, got dtype "
+                     f"{x.dtype}.")
   if not -x.ndim <= axis < x.ndim:
     raise ValueError(f"hadamard_transform: `axis`={axis} out of range for shape {x.shape}.")
   axis = axis % x.ndim
@@ -54,6 +59,8 @@ def hadamard_transform(x: Float[Array, "..."], *, axis: int = -1) -> Float[Array
 
 def hadamard_matrix(n: int) -> Float[Array, "n n"]:
   """The orthonormal Sylvester Hadamard matrix ``H_n / sqrt(n)`` (fp32), for tests and reference."""
+  if not is_int(n):
+    raise ValueError(f"hadamard_matrix: `n` must be an int (a power of two), got {n!r}.")
   _check_size(n, 0)
   h = jnp.ones((1, 1), jnp.float32)
   while h.shape[0] < n:

@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int8
 
+from jaxattn.checks import is_int
+
 INT8_MAX = 127.0
 FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 DEFAULT_AMAX_FLOOR = 1e-4
@@ -35,7 +37,7 @@ def _blocks(x, block_size, fn_name):
     raise ValueError(f"{fn_name}: `x` must have at least one axis, got shape {x.shape}.")
   d = x.shape[-1]
   bs = d if block_size is None else block_size
-  if not isinstance(bs, int) or bs < 1 or d % bs:
+  if not is_int(bs) or bs < 1 or d % bs:
     raise ValueError(f"{fn_name}: `block_size`={block_size!r} must be None or a positive int "
                      f"dividing the last axis ({d}).")
   return x.astype(jnp.float32).reshape(x.shape[:-1] + (d // bs, bs)), bs

@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 from jaxtyping import Int
 
+from jaxattn.checks import is_int
+
 # Special ids of the byte tokenizer.  PAD is 0 so that zero-filled buffers read as padding.
 PAD = 0
 BOS = 1
@@ -192,12 +194,19 @@ def _check_docs(token_docs: Sequence[np.ndarray], who: str) -> list[np.ndarray]:
                        f"{a.shape} dtype {a.dtype}.")
     if a.size and a.min() < 0:
       raise ValueError(f"{who}: `token_docs[{i}]` holds a negative id {int(a.min())}.")
+    if a.size and a.max() > np.iinfo(np.int32).max:  # the int32 cast below would wrap it
+      raise ValueError(f"{who}: `token_docs[{i}]` holds id {int(a.max())}, above the int32 "
+                       "range of token ids.")
     out.append(a.astype(np.int32, copy=False))
   return out
 
 
 def _check_layout(who: str, batch_size: int, seq_len: int, process_index: int,
                   process_count: int) -> None:
+  for name, v in (("seq_len", seq_len), ("batch_size", batch_size),
+                  ("process_index", process_index), ("process_count", process_count)):
+    if not is_int(v):  # a float would be truncated (batch_size=2.7 ran as 2)
+      raise ValueError(f"{who}: `{name}` must be an int, got {v!r}.")
   if int(seq_len) < 1:
     raise ValueError(f"{who}: `seq_len` must be >= 1, got {seq_len!r}.")
   if int(batch_size) < 1:
@@ -280,7 +289,7 @@ class PackedDataset:
       raise ValueError(f"{who}: the documents hold {self.tokens_per_epoch} token(s) per epoch; at "
                        "least 2 are needed to form one (input, target) pair.")
     # Identifies the stream, so that a state from other data or another seed is refused.
-    crc = 0
+    crc = zlib.crc32(repr((bos_id, eos_id)).encode())  # the special tokens are part of it
     for d in self._docs:
       crc = zlib.crc32(d.tobytes(), zlib.crc32(np.int64(len(d)).tobytes(), crc))
     self._fingerprint = f"{crc:08x}"

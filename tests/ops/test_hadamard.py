@@ -72,3 +72,11 @@ def test_non_power_of_two_raises(n):
 def test_bad_axis_raises():
   with pytest.raises(ValueError, match="axis"):
     hadamard_transform(jnp.ones((2, 4)), axis=2)
+
+
+def test_integer_inputs_and_sizes_are_refused():
+  with pytest.raises(ValueError, match="floating-point"):  # fp32 math cut back to ints was 0
+    hadamard_transform(jnp.array([1, 0, 0, 0]))
+  for bad in (True, 4.0):
+    with pytest.raises(ValueError, match="`n` must be an int"):
+      hadamard_matrix(bad)

@@ -71,6 +71,8 @@ def test_seed_dynamic_range_crushes_small_entries():
 def test_errors():
   with pytest.raises(ValueError, match="block_size"):
     quantize_int8(jnp.ones((2, 6)), block_size=4)
+  q, scale = quantize_int8(jnp.ones((2, 8)), block_size=np.int64(4))  # a NumPy int is an int
+  assert scale.shape == (2, 2)
   with pytest.raises(ValueError, match="amax_floor"):
     quantize_fp8(jnp.ones((2, 128)), amax_floor=0.0)
   with pytest.raises(ValueError, match="scale_format"):
