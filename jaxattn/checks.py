@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import numbers
 
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -40,6 +41,13 @@ def check_nonnegative(name: str, v, *, what: str = "a number >= 0") -> None:
   """``v`` is a finite number >= 0 (an epsilon, a loss coefficient, a rate)."""
   if not is_number(v) or not (0 <= v) or not math.isfinite(v):
     raise ValueError(f"`{name}` must be {what}, got {v!r}.")
+
+
+def check_int_array(name: str, x) -> None:
+  """``x`` is an array of an integer dtype (positions, token ids, indices: a float array would be
+  truncated where it is cast, a bool one read as 0 / 1)."""
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise ValueError(f"`{name}` must be an integer array, got dtype {x.dtype}.")
 
 
 def check_positive(name: str, v) -> None:

@@ -20,7 +20,7 @@ from jaxattn.ops.alibi import alibi_slopes
 from jaxattn.ops.attention import dot_product_attention
 from jaxattn.ops.decode import (DECODE_MAX_T, cache_attention, module_decode_implementation,
                                 paged_attention, tpu_kernel_requested)
-from jaxattn.ops.rope import RopeScaling, apply_rope, check_rope_base
+from jaxattn.ops.rope import RopeScaling, apply_rope, check_rope_base, check_rope_scaling
 from jaxattn.sharding import shard
 
 PositionKind = Literal["rope", "alibi", "t5", "none"]
@@ -98,9 +98,7 @@ class Attention(nnx.Module):
       raise ValueError(f"`position`={position!r} needs `causal`=True, got causal={causal!r}: the "
                        "ALiBi bias here is the paper's causal form slope * (j - i), which gives "
                        "keys after the query a positive bias instead of a distance penalty.")
-    if rope_scaling is not None and not isinstance(rope_scaling, RopeScaling):
-      raise ValueError(f"`rope_scaling` must be None or a RopeScaling, got {rope_scaling!r} (a "
-                       "transformers dict converts with RopeScaling.from_hf).")
+    check_rope_scaling(rope_scaling, name="rope_scaling")
     if position == "rope":
       rd = head_dim if rotary_dim is None else rotary_dim
       if rd % 2 or not 0 < rd <= head_dim:

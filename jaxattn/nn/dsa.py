@@ -37,7 +37,7 @@ from jaxattn.nn.norms import LayerNorm
 from jaxattn.ops.hadamard import hadamard_transform
 from jaxattn.ops.mla import mla_attention, mla_score_terms
 from jaxattn.ops.quantization import QUANT_FORMATS, dequantize, fake_quantize
-from jaxattn.ops.rope import RopeScaling, apply_rope, check_rope_base
+from jaxattn.ops.rope import RopeScaling, apply_rope, check_rope_base, check_rope_scaling
 from jaxattn.ops.sparse import IMPLEMENTATIONS as SPARSE_IMPLEMENTATIONS
 from jaxattn.ops.sparse import (DOT_DTYPES, indexer_kl_loss, indexer_scores, indexer_topk,
                                 indices_to_mask, sparse_mla_attention, topk_indices)
@@ -92,8 +92,7 @@ class LightningIndexer(nnx.Module):
       raise ValueError(f"`dot_dtype` must be one of {DOT_DTYPES}, got {dot_dtype!r}.")
     self.dot_dtype = dot_dtype
     self.num_heads, self.head_dim, self.rope_dim = num_heads, head_dim, rope_dim
-    if rope_scaling is not None and not isinstance(rope_scaling, RopeScaling):
-      raise ValueError(f"`rope_scaling` must be None or a RopeScaling, got {rope_scaling!r}.")
+    check_rope_scaling(rope_scaling, name="rope_scaling")
     check_rope_base(rope_base, rope_scaling, name="rope_base")
     self.rope_base, self.rope_scaling = rope_base, rope_scaling
     self.rotate, self.quant = rotate, quant

@@ -31,7 +31,7 @@ from jaxattn.nn.norms import RMSNorm
 from jaxattn.ops.decode import (DECODE_MAX_T, cache_mla_decode, module_decode_implementation,
                                 paged_mla_decode, tpu_kernel_requested)
 from jaxattn.ops.mla import MODES, Mode, mla_attention, mla_score_terms, mla_softmax_scale
-from jaxattn.ops.rope import RopeScaling, apply_rope, check_rope_base
+from jaxattn.ops.rope import RopeScaling, apply_rope, check_rope_base, check_rope_scaling
 from jaxattn.sharding import shard
 
 
@@ -114,9 +114,7 @@ class MLA(nnx.Module):
                        "coordinates).")
     if mode not in MODES:
       raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}.")
-    if rope_scaling is not None and not isinstance(rope_scaling, RopeScaling):
-      raise ValueError(f"`rope_scaling` must be None or a RopeScaling, got {rope_scaling!r} (a "
-                       "transformers dict converts with RopeScaling.from_hf).")
+    check_rope_scaling(rope_scaling, name="rope_scaling")
     check_rope_base(rope_base, rope_scaling, name="rope_base")
     if attention_scale is not None and not attention_scale > 0:
       raise ValueError(f"`attention_scale` must be positive or None, got {attention_scale!r}.")

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jaxattn.checks import is_int
+from jaxattn.checks import check_int_array, is_int
 
 
 def alibi_slopes(num_heads: int) -> Float[Array, "N"]:
@@ -55,10 +55,8 @@ def alibi_bias(
   if q_positions.ndim < 1 or kv_positions.ndim < 1:
     raise ValueError(f"`q_positions` {q_positions.shape} and `kv_positions` {kv_positions.shape} "
                      "must be [*B, T] and [*B, S].")
-  for name, pos in (("q_positions", q_positions), ("kv_positions", kv_positions)):
-    if not jnp.issubdtype(pos.dtype, jnp.integer):
-      raise ValueError(f"`{name}` must be an integer array, got dtype {pos.dtype} (float positions "
-                       "would be truncated).")
+  check_int_array("q_positions", q_positions)
+  check_int_array("kv_positions", kv_positions)
   # Integer difference first: exact, then one rounding to fp32.
   relative = (kv_positions[..., None, :] - q_positions[..., :, None]).astype(jnp.float32)  # [*B,T,S]
   return slopes[:, None, None] * relative[..., None, :, :]                                # [*B,N,T,S]

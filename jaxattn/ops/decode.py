@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from jaxattn.checks import check_int_array
 from jaxattn.paged_cache import PageTable, gather_pages
 
 DecodeImplementation = Literal["xla", "pallas_tpu", "pallas_gpu"]
@@ -114,9 +115,8 @@ def check_table(page_table, lengths, batch: int, num_pages: int | None = None, p
     raise ValueError(f"`page_table` must be [B={batch}, max_pages], got shape {page_table.shape}.")
   if lengths.shape != (batch,):
     raise ValueError(f"`lengths` must be [B={batch}], got shape {lengths.shape}.")
-  for name, x in (("page_table", page_table), ("lengths", lengths)):
-    if not jnp.issubdtype(x.dtype, jnp.integer):
-      raise ValueError(f"`{name}` must be an integer array, got dtype {x.dtype}.")
+  check_int_array("page_table", page_table)
+  check_int_array("lengths", lengths)
   if page_size is not None and not isinstance(lengths, jax.core.Tracer):
     cap = page_table.shape[1] * page_size
     lens = np.asarray(lengths)
@@ -567,8 +567,7 @@ def paged_mla_decode(
     if indices.ndim != 3 or indices.shape[:2] != (b, t) or indices.shape[2] < 1:
       want = f"[B={b}, k]" if squeeze else f"[B={b}, T={t}, k]"
       raise ValueError(f"`indices` must be {want} with k >= 1, got shape {indices.shape}.")
-    if not jnp.issubdtype(indices.dtype, jnp.integer):
-      raise ValueError(f"`indices` must be an integer array, got dtype {indices.dtype}.")
+    check_int_array("indices", indices)
     indices = indices.astype(jnp.int32)
   page_table, lengths = page_table.astype(jnp.int32), lengths.astype(jnp.int32)
   impl = (resolve_implementation(implementation, sparse=indices is not None) if t

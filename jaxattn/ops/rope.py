@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jaxattn.checks import is_int, is_number
+from jaxattn.checks import check_int_array, check_positive, is_int
 
 ScalingType = Literal["linear", "dynamic", "yarn", "llama3"]
 SCALING_TYPES: tuple[str, ...] = ("linear", "dynamic", "yarn", "llama3")
@@ -149,17 +149,17 @@ def check_rope_base(base, scaling: RopeScaling | None = None, *, name: str = "ba
   if isinstance(base, (jax.Array, np.ndarray)) and base.ndim == 0 and not isinstance(
       base, jax.core.Tracer):
     base = base.item()  # a concrete scalar array (a traced base is not supported: float(base))
-  if not is_number(base) or not (0 < base) or not math.isfinite(base):
-    raise ValueError(f"`{name}`={base!r} must be a finite number > 0 (the RoPE base, rope_theta; "
-                     "the frequencies are base ** (-2i / R)).")
+  check_positive(name, base)  # the RoPE base (rope_theta): frequencies base ** (-2i / R)
   if isinstance(scaling, RopeScaling) and scaling.type == "yarn" and base == 1:
     raise ValueError(f"`{name}`={base!r} must not be 1 with yarn RoPE scaling (its correction "
                      "range divides by log(base)); allowed: a finite number > 0 other than 1.")
 
 
-def _check_scaling(scaling):
+def check_rope_scaling(scaling, *, name: str = "scaling") -> None:
+  """``scaling`` is None or a ``RopeScaling``; ``name`` is the argument named in the error
+  (``"rope_scaling"`` for the modules)."""
   if scaling is not None and not isinstance(scaling, RopeScaling):
-    raise ValueError(f"`scaling` must be None or a RopeScaling (types {SCALING_TYPES}), got "
+    raise ValueError(f"`{name}` must be None or a RopeScaling (types {SCALING_TYPES}), got "
                      f"{scaling!r}; a transformers dict converts with RopeScaling.from_hf.")
 
 
@@ -255,7 +255,7 @@ def rope_frequencies(
   Python float (transformers multiplies cos and sin by it).
   """
   _check_rotary_dim(rotary_dim)
-  _check_scaling(scaling)
+  check_rope_scaling(scaling)
   check_rope_base(base, scaling)
   base = float(base)
   kind = None if scaling is None else scaling.type
@@ -320,10 +320,9 @@ def apply_rope(
                        f"be ({rotary_dim // 2},).")
   rotary_dim = head_dim if rotary_dim is None else rotary_dim
   _check_rotary_dim(rotary_dim, head_dim, given=given)
-  _check_scaling(scaling)
+  check_rope_scaling(scaling)
   check_rope_base(base, scaling)
-  if not jnp.issubdtype(positions.dtype, jnp.integer):
-    raise ValueError(f"`positions` must be an integer array, got dtype {positions.dtype}.")
+  check_int_array("positions", positions)
   batch_shape = x.shape[:-2]
   try:
     ok = positions.ndim >= 1 and jnp.broadcast_shapes(positions.shape, batch_shape) == batch_shape

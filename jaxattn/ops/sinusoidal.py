@@ -10,13 +10,12 @@ Shape letters: ``B`` batch (any number of leading dims), ``T`` sequence, ``D`` e
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jaxattn.checks import is_int, is_number
+from jaxattn.checks import check_int_array, check_positive, is_int
 
 
 @functools.partial(jax.jit, static_argnames=("dim", "base", "interleaved"))
@@ -36,13 +35,9 @@ def sinusoidal_positions(
   if not is_int(dim) or dim <= 0 or dim % 2:
     raise ValueError(f"`dim`={dim!r} must be a positive even integer (dimensions come in sin/cos "
                      "pairs).")
-  if not is_number(base) or not (0 < base) or not math.isfinite(base):
-    raise ValueError(f"`base`={base!r} must be a finite number > 0 (the frequencies are "
-                     "base ** (-2i / D)).")
+  check_positive("base", base)  # the frequencies are base ** (-2i / D)
   positions = jnp.asarray(positions)
-  if not jnp.issubdtype(positions.dtype, jnp.integer):
-    raise ValueError(f"`positions` must be an integer array, got dtype {positions.dtype} (float "
-                     "positions would be truncated).")
+  check_int_array("positions", positions)
   freqs = 1.0 / (base ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))  # w_i, [D/2]
   # fp32 angles: a low-precision position would be off by whole radians at large m.
   angles = positions.astype(jnp.float32)[..., None] * freqs                 # [*B, T, D/2]

@@ -32,7 +32,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxattn import native
-from jaxattn.checks import is_int
+from jaxattn.checks import check_int_array, is_int
 from jaxattn.ops import sparse_cpu
 from jaxattn.ops.attention import check_q_offset, check_scale
 from jaxattn.ops.quantization import (QUANT_FORMATS, QuantFormat, fake_quantize, quantize_fp8,
@@ -224,8 +224,7 @@ def indices_to_mask(indices: Int[Array, "B T k"], num_keys: int) -> Bool[Array, 
 def _check_indices(indices, b, t, name="indices"):
   if indices.ndim != 3 or indices.shape[:2] != (b, t) or indices.shape[2] < 1:
     raise ValueError(f"`{name}` must be [B={b}, T={t}, k>=1], got shape {indices.shape}.")
-  if not jnp.issubdtype(indices.dtype, jnp.integer):
-    raise ValueError(f"`{name}` must be an integer array, got dtype {indices.dtype}.")
+  check_int_array(name, indices)
 
 
 @functools.partial(jax.jit, static_argnames=('scale', 'implementation'))

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jaxattn.checks import is_int, is_number
+from jaxattn.checks import check_int_array, is_int, is_number
 
 
 def check_bucket_args(num_buckets: int, max_distance: int, bidirectional: bool) -> None:
@@ -37,12 +37,6 @@ def check_bucket_args(num_buckets: int, max_distance: int, bidirectional: bool) 
                      f"bidirectional={bidirectional}).")
 
 
-def _check_int_positions(name: str, x) -> None:
-  if not jnp.issubdtype(x.dtype, jnp.integer):
-    raise ValueError(f"`{name}` must be an integer array, got dtype {x.dtype} (float positions "
-                     "would be truncated).")
-
-
 # jit: one compiled computation per shape and setting instead of a dozen eager ops.
 @functools.partial(jax.jit, static_argnames=("bidirectional", "num_buckets", "max_distance"))
 def t5_relative_position_bucket(
@@ -59,7 +53,7 @@ def t5_relative_position_bucket(
   """
   check_bucket_args(num_buckets, max_distance, bidirectional)
   rel = jnp.asarray(relative_position)
-  _check_int_positions("relative_position", rel)
+  check_int_array("relative_position", rel)
   rel = rel.astype(jnp.int32)
   bucket = jnp.zeros_like(rel)
   if bidirectional:
@@ -102,8 +96,8 @@ def t5_position_bias(
   if q_positions.ndim < 1 or kv_positions.ndim < 1:
     raise ValueError(f"`q_positions` {q_positions.shape} and `kv_positions` {kv_positions.shape} "
                      "must be [*B, T] and [*B, S].")
-  _check_int_positions("q_positions", q_positions)
-  _check_int_positions("kv_positions", kv_positions)
+  check_int_array("q_positions", q_positions)
+  check_int_array("kv_positions", kv_positions)
   relative = kv_positions[..., None, :] - q_positions[..., :, None]  # [*B, T, S]: memory - query
   buckets = t5_relative_position_bucket(relative, bidirectional=bidirectional,
                                         num_buckets=num_buckets, max_distance=max_distance)
