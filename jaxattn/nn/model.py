@@ -188,7 +188,7 @@ class ModelConfig:
                                  or not 1 <= self.num_experts_per_tok <= self.num_experts):
       raise ValueError(f"`num_experts_per_tok` must be an int in [1, num_experts="
                        f"{self.num_experts}], got {self.num_experts_per_tok!r}.")
-    if "S" in self.kinds() and (self.sliding_window is None or self.sliding_window < 0):
+    if "S" in self.kinds() and self.sliding_window is None:  # (a negative one is refused above)
       raise ValueError(f"`layer_pattern` {pat!r} has sliding-window layers (S): `sliding_window` "
                        f"must be a non-negative int, got {self.sliding_window!r}.")
     if self.norm not in ("rms", "layer"):

@@ -300,7 +300,7 @@ def _with_scalar_grads(backend: Callable) -> Callable:
       q, k, v, b, sc_val = jax.tree.map(lambda x: x.value, (q, k, v, b, sc))
       wanted = any(x.perturbed for x in jax.tree.leaves(sc))
       out, kernel_vjp = jax.vjp(lambda q, k, v, b: run(backend, q, k, v, b, sc_val), q, k, v, b)
-      return out, (kernel_vjp, (q, k, v, b, sc_val) if wanted else None, sc_val)
+      return out, (kernel_vjp, (q, k, v, b) if wanted else None, sc_val)
 
     def bwd(res, ct):
       kernel_vjp, inputs, sc_val = res
@@ -311,7 +311,7 @@ def _with_scalar_grads(backend: Callable) -> Callable:
       if inputs is None:
         d_sc = jax.tree.map(jnp.zeros_like, sc_val)
       else:
-        q, k, v, b, sc_val = inputs
+        q, k, v, b = inputs
         _, sc_vjp = jax.vjp(lambda sc: run(_REGISTRY["xla_chunked"], q, k, v, b, sc), sc_val)
         (d_sc,) = sc_vjp(ct)
       return (*grads, d_sc)

@@ -586,7 +586,8 @@ def _backward(cfg: _Config, query, key, value, bias, params, aux, out, lse_g, d_
   # logits = scale * q.k: dq = scale * ds @ k always; dk = ds^T @ (scale * q) is exact already when
   # the queries were pre-scaled, else it takes the scale here.
   scale = jnp.asarray(pr.scale, jnp.float32)
-  dq = S.ungroup(dq_g[:, :, :, :t] * scale).astype(query.dtype)
+  ds_k = S.ungroup(dq_g[:, :, :, :t])  # ds @ k, [B, T, N, H]
+  dq = (ds_k * scale).astype(query.dtype)
   dk = dk_g[:, :, :s] if pr.prescaled else dk_g[:, :, :s] * scale
   dk = jnp.swapaxes(dk, 1, 2).astype(key.dtype)
   dv = jnp.swapaxes(dv_g[:, :, :s], 1, 2).astype(value.dtype)
@@ -598,8 +599,7 @@ def _backward(cfg: _Config, query, key, value, bias, params, aux, out, lse_g, d_
   dparams = {"alibi_slopes": None if dslope_g is None else dslope_g.reshape(n),
              "scale": None}
   if params["scale"] is not None:  # d scale = sum_ij ds_ij q_i.k_j = sum_i q_i . (ds @ k)_i
-    dparams["scale"] = jnp.sum(
-        S.ungroup(dq_g[:, :, :, :t]) * query.astype(jnp.float32)).reshape(params["scale"].shape)
+    dparams["scale"] = jnp.sum(ds_k * query.astype(jnp.float32)).reshape(params["scale"].shape)
   return dq, dk, dv, dbias, dparams
 
 
