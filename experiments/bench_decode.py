@@ -64,6 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from experiments.cli import choice_list, int_list
 from experiments.timing import best_time, compile_timed, peak_bytes
 from jaxattn.ops.attention import dot_product_attention
 from jaxattn.ops.decode import (cache_attention, cache_mla_decode, paged_attention,
@@ -257,17 +258,16 @@ def run_check(page_size: int = 64, context: int = 32768) -> bool:
   return bool(ok)
 
 
-def _ints(text):
-  return [int(v) for v in text.split(",") if v]
-
-
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  ap.add_argument("--kind", type=str, default="gqa,mla", help="gqa, mla or both")
-  ap.add_argument("--contexts", type=str, default="1024,4096",
+  ap.add_argument("--kind", type=choice_list(("gqa", "mla")), default="gqa,mla",
+                  help="gqa, mla or both")
+  ap.add_argument("--contexts", type=int_list(minimum=1), default="1024,4096",
                   help="tokens per sequence (target on an accelerator: 4096,...,65536)")
-  ap.add_argument("--batches", type=str, default="1,4", help="target on an accelerator: 1,...,64")
-  ap.add_argument("--impls", type=str, default="contiguous,xla_paged")
+  ap.add_argument("--batches", type=int_list(minimum=1), default="1,4",
+                  help="target on an accelerator: 1,...,64")
+  ap.add_argument("--impls", type=choice_list(IMPLS), default="contiguous,xla_paged",
+                  help=f"comma list of {', '.join(IMPLS)}")
   ap.add_argument("--dtype", type=str, default="bfloat16")
   ap.add_argument("--heads", type=int, default=32)
   ap.add_argument("--kv-heads", type=int, default=8)
@@ -304,12 +304,7 @@ def main(argv=None):
   if args.splits is not None and args.splits < 0:
     ap.error(f"--splits must be >= 0 (0 = automatic), got {args.splits}")
 
-  kinds = [k for k in args.kind.split(",") if k]
-  impls = [i for i in args.impls.split(",") if i]
-  for name, values, allowed in (("--kind", kinds, ("gqa", "mla")), ("--impls", impls, IMPLS)):
-    bad = [v for v in values if v not in allowed]
-    if bad:
-      ap.error(f"{name}: unknown {bad}; allowed: {allowed}")
+  kinds, impls = args.kind, args.impls
   tpu_only = [i for i in ("pallas_paged", "pallas_contiguous") if i in impls]
   if tpu_only and jax.default_backend() != "tpu" and not args.allow_interpret:
     ap.error(f"{', '.join(tpu_only)} compile only on TPU; pass --allow-interpret to run "
@@ -322,7 +317,7 @@ def main(argv=None):
     ok = run_check(args.page_size)
     if args.check_only:
       return 0 if ok else 1
-  contexts, batches = _ints(args.contexts), _ints(args.batches)
+  contexts, batches = args.contexts, args.batches
   dtype = jnp.dtype(args.dtype)
   rng = np.random.default_rng(args.seed)
 

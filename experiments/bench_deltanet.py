@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.cli import int_list
 from jaxattn.cache import KVCache
 from jaxattn.nn.gated_deltanet import DeltaNetCache
 from jaxattn.ops.delta_rule import gated_delta_rule, gated_delta_rule_step, l2_normalize
@@ -171,8 +172,8 @@ def _plot(out, speed_rows, mem_rows, batch=1):
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--lengths", default="1024,2048,4096,8192,16384")
-  p.add_argument("--contexts", default="1024,4096,16384,65536,262144")
+  p.add_argument("--lengths", type=int_list(minimum=1), default="1024,2048,4096,8192,16384")
+  p.add_argument("--contexts", type=int_list(minimum=1), default="1024,4096,16384,65536,262144")
   p.add_argument("--batch", type=int, default=1)
   p.add_argument("--heads", type=int, default=8)
   p.add_argument("--key-heads", type=int, default=4)
@@ -189,9 +190,9 @@ def main(argv=None):
   print(f"backend {jax.default_backend()}, {jax.device_count()} device(s); B={args.batch} "
         f"N={args.heads} K={args.key_heads} H=h={args.head_dim} C={args.chunk_size}, fp32")
   speed_rows = [] if args.skip_speed else speed(
-      [int(x) for x in args.lengths.split(",")], args.batch, args.heads, args.key_heads,
-      args.head_dim, args.chunk_size, args.iters, args.kernel)
-  mem_rows, step_scratch, crossover = memory([int(x) for x in args.contexts.split(",")], args.batch)
+      args.lengths, args.batch, args.heads, args.key_heads, args.head_dim, args.chunk_size,
+      args.iters, args.kernel)
+  mem_rows, step_scratch, crossover = memory(args.contexts, args.batch)
   results = {"config": vars(args), "speed": speed_rows, "memory": mem_rows,
              "decode_step_scratch_bytes": step_scratch, "kv_outgrows_deltanet_after_tokens": crossover}
   (out / "results.json").write_text(json.dumps(results, indent=2))

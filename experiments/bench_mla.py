@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from experiments.cli import int_list
 from jaxattn.cache import KVCache
 from jaxattn.kv_efficiency import format_kv_cache_table, kv_cache_table
 from jaxattn.mla_cache import LatentCache
@@ -88,13 +89,14 @@ def measure(name, module, cache, x, iters, call_kwargs):
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--contexts", default="1024,4096,16384,32768")
+  ap.add_argument("--contexts", type=int_list(minimum=1), default="1024,4096,16384,32768")
   ap.add_argument("--iters", type=int, default=5, help="timed steps per variant (median reported)")
   ap.add_argument("--batch", type=int, default=1)
   ap.add_argument("--embed-dim", type=int, default=2048)
   ap.add_argument("--heads", type=int, default=16)
   ap.add_argument("--head-dim", type=int, default=128, help="baseline head size")
-  ap.add_argument("--kv-heads", default="16,4", help="baseline KV heads; the first is the baseline")
+  ap.add_argument("--kv-heads", type=int_list(minimum=1), default="16,4",
+                  help="baseline KV heads; the first is the baseline")
   ap.add_argument("--kv-lora-rank", type=int, default=512)
   ap.add_argument("--qk-nope-head-dim", type=int, default=128)
   ap.add_argument("--qk-rope-head-dim", type=int, default=64)
@@ -103,8 +105,7 @@ def main(argv=None):
   ap.add_argument("--implementation", default=None, help="attention backend (default: auto)")
   ap.add_argument("--out", default="runs/bench_mla")
   args = ap.parse_args(argv)
-  contexts = [int(c) for c in args.contexts.split(",")]
-  kv_heads = [int(k) for k in args.kv_heads.split(",")]
+  contexts, kv_heads = args.contexts, args.kv_heads
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   b, d, n = args.batch, args.embed_dim, args.heads

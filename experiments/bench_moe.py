@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.cli import choice_list
 from jaxattn.ops import moe
 
 try:
@@ -34,6 +35,8 @@ try:
 except ImportError:  # pragma: no cover
   def tqdm(it, **_):
     return it
+
+PATHS = ("dense", "blocked", "ragged_dot", "capacity")
 
 
 def _inputs(args):
@@ -91,8 +94,8 @@ def main(argv=None):
   p.add_argument("--dtype", default="float32")
   p.add_argument("--capacity-factor", type=float, default=1.25)
   p.add_argument("--block-size", type=int, default=None)
-  p.add_argument("--paths", default=None,
-                 help="comma list of dense,blocked,ragged_dot,capacity (default: all but ragged_dot "
+  p.add_argument("--paths", type=choice_list(PATHS, allow_empty=True), default=None,
+                 help=f"comma list of {','.join(PATHS)} (default, or empty: all but ragged_dot "
                       "on CPU, where it is ~6x slower than dense and takes minutes at 4k tokens)")
   p.add_argument("--backward", action="store_true", help="time forward + gradients")
   p.add_argument("--reps", type=int, default=3)
@@ -105,9 +108,8 @@ def main(argv=None):
   print(f"backend={jax.default_backend()} tokens={args.tokens} experts={args.experts} "
         f"top_k={args.top_k} D={args.embed} F={args.expert_dim} dtype={args.dtype} "
         f"{'fwd+bwd' if args.backward else 'fwd'}; load max/mean={float(moe.load_imbalance(load)):.2f}")
-  paths = args.paths or ("dense,blocked,capacity" if jax.default_backend() == "cpu"
-                         else "dense,blocked,ragged_dot,capacity")
-  paths = [s.strip() for s in paths.split(",") if s.strip()]
+  default = [s for s in PATHS if s != "ragged_dot" or jax.default_backend() != "cpu"]
+  paths = list(args.paths or default)
   if "dense" not in paths:
     paths.insert(0, "dense")
   rows, outs = [], {}

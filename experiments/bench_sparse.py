@@ -61,6 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from experiments.cli import int_list
 from jaxattn import native
 from jaxattn.ops.attention import dot_product_attention
 from jaxattn.ops.attention_cpu import workspace_bytes
@@ -150,7 +151,7 @@ def time_round_robin(cases, iters, bar=None):
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  ap.add_argument("--lengths", type=str, default="4096,8192,16384,32768")
+  ap.add_argument("--lengths", type=int_list(minimum=1), default="4096,8192,16384,32768")
   ap.add_argument("--heads", type=int, default=8)
   ap.add_argument("--head-dim", type=int, default=64)
   ap.add_argument("--window", type=int, default=256)
@@ -177,7 +178,7 @@ def main(argv=None):
   args = ap.parse_args(argv)
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  lengths = [int(x) for x in args.lengths.split(",")]
+  lengths = args.lengths
   n, h, hi, di = args.heads, args.head_dim, args.index_heads, args.index_dim
   quant = None if args.index_quant == "none" else args.index_quant
   sel = dict(topk=args.topk, index_block=args.index_block, query_block=args.query_block,

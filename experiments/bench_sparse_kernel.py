@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from experiments.cli import choice_list, int_list
 from experiments.timing import best_time, compile_timed, peak_bytes
 from jaxattn.ops.sparse import sparse_attention, sparse_mla_attention
 
@@ -98,8 +99,9 @@ def with_backward(fn, inputs):
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  ap.add_argument("--kind", default="mla,gqa", help=f"comma list of {', '.join(KINDS)}")
-  ap.add_argument("--contexts", default="8192,32768")
+  ap.add_argument("--kind", type=choice_list(KINDS), default="mla,gqa",
+                  help=f"comma list of {', '.join(KINDS)}")
+  ap.add_argument("--contexts", type=int_list(minimum=1), default="8192,32768")
   ap.add_argument("--queries", type=int, default=512)
   ap.add_argument("--topk", type=int, default=2048)
   ap.add_argument("--mla-heads", type=int, default=128)
@@ -110,13 +112,9 @@ def main(argv=None):
   ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--out", default="runs/bench_sparse_kernel")
   args = ap.parse_args(argv)
-  kinds = [k.strip() for k in args.kind.split(",") if k.strip()]
-  bad = [k for k in kinds if k not in KINDS]
-  if bad or not kinds:
-    ap.error(f"--kind: {f'unknown {bad}' if bad else 'none given'}; allowed: {', '.join(KINDS)}")
   impl = default_impl() if args.impl == "auto" else args.impl
   dtype = jnp.dtype(args.dtype)
-  cases = [(kind, int(s)) for kind in kinds for s in args.contexts.split(",")]
+  cases = [(kind, s) for kind in args.kind for s in args.contexts]
   print(f"device {jax.devices()[0].device_kind}  backend {jax.default_backend()}  kernel {impl}  "
         f"vs xla  T={args.queries}  top-{args.topk}  {args.dtype}"
         + ("  forward + backward" if args.backward else ""))

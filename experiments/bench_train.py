@@ -44,6 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from experiments.cli import choice_list
+from jaxattn.configs import PRESETS as ALL_PRESETS
 from jaxattn.configs import get_config
 from jaxattn.nn.model import DecoderLM
 from jaxattn.train.data import PackedDataset, load_text, tokenize_documents
@@ -209,7 +211,8 @@ def plot(results: dict, path: pathlib.Path) -> pathlib.Path:
 def main(argv=None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--presets", default=",".join(PRESETS))
+  ap.add_argument("--presets", type=choice_list(ALL_PRESETS), default=",".join(PRESETS),
+                  help=f"comma list of {', '.join(ALL_PRESETS)}")
   ap.add_argument("--batch-size", type=int, default=8)
   ap.add_argument("--seq-len", type=int, default=256)
   ap.add_argument("--steps", type=int, default=5, help="timed steps per preset (median)")
@@ -222,7 +225,7 @@ def main(argv=None) -> dict:
   out.mkdir(parents=True, exist_ok=True)
   print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {jax.device_count()} device(s); "
         "timings on a shared machine are noisy")
-  results = run(presets=[p for p in args.presets.split(",") if p], batch_size=args.batch_size,
+  results = run(presets=args.presets, batch_size=args.batch_size,
                 seq_len=args.seq_len, steps=args.steps, warmup=args.warmup,
                 matmul_size=args.matmul_size, seed=args.seed)
   print(format_table(results))

@@ -26,6 +26,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from experiments.cli import choice_list
 from jaxattn.kv_efficiency import kv_cache_per_token
 from jaxattn.nn.block import TransformerBlock
 from jaxattn.nn.positional import LearnedPositionalEmbedding
@@ -174,7 +175,8 @@ def kv_table(num_layers=32, num_heads=32, head_dim=128, context=131072):
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--steps", type=int, default=150)
-  ap.add_argument("--schemes", default=",".join(SCHEMES))
+  ap.add_argument("--schemes", type=choice_list(SCHEMES), default=",".join(SCHEMES),
+                  help=f"comma list of {', '.join(SCHEMES)}")
   ap.add_argument("--out", default="runs/demo")
   args = ap.parse_args(argv)
   out = pathlib.Path(args.out)
@@ -189,7 +191,7 @@ def main(argv=None):
   print(f"\n== 2. copy task, {args.steps} AdamW steps per positional scheme (loss on the copied half; "
         f"chance = ln(31) = {np.log(31):.2f})")
   curves, t0 = {}, time.time()
-  for scheme in args.schemes.split(","):
+  for scheme in args.schemes:
     curves[scheme] = train(scheme, args.steps)
     tail = np.mean(curves[scheme][-10:])
     print(f"  {scheme:>12}: first {curves[scheme][0]:.3f}  final {tail:.3f}")

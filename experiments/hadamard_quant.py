@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.cli import float_list
 from jaxattn.ops.hadamard import hadamard_transform
 from jaxattn.ops.quantization import dequantize, quantize_int8
 from jaxattn.ops.sparse import indexer_scores, topk_indices
@@ -59,7 +60,9 @@ def main(argv=None):
   ap.add_argument("--queries", type=int, default=64)
   ap.add_argument("--heads", type=int, default=4)
   ap.add_argument("--topk", type=int, default=256)
-  ap.add_argument("--outliers", type=str, default="1,10,30,100,300,1000")
+  ap.add_argument("--outliers", type=float_list(minimum=0, min_exclusive=True),
+                  default="1,10,30,100,300,1000",
+                  help="gains of the outlier channels in queries and keys (1: none), each > 0")
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--out", type=str, default="runs/hadamard_quant")
   args = ap.parse_args(argv)
@@ -93,7 +96,7 @@ def main(argv=None):
   q = jax.random.normal(k3, (1, args.queries, args.heads, args.dim))
   k = jax.random.normal(k4, (1, args.keys, args.dim))
   w = jax.random.uniform(k5, (1, args.queries, args.heads))
-  for factor in [float(f) for f in args.outliers.split(",")]:
+  for factor in args.outliers:
     gain = jnp.ones((args.dim,)).at[chan].set(factor)
     qs, ks = q * gain, k * gain  # the same channels are large in queries and keys
     row = dict(outlier=factor,

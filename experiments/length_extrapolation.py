@@ -48,6 +48,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from experiments.cli import choice_list, int_list
 from jaxattn.configs import get_config
 from jaxattn.nn.model import DecoderLM, ModelConfig
 from jaxattn.train.data import (BOS, EOS, PackedDataset, load_text, split_documents,
@@ -341,17 +342,14 @@ def plot(results: dict, path: pathlib.Path) -> pathlib.Path:
   return path
 
 
-def _ints(s: str) -> list[int]:
-  return [int(x) for x in s.split(",") if x.strip()]
-
-
 def main(argv=None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--steps", type=int, default=100, help="AdamW steps per model")
   ap.add_argument("--train-len", type=int, default=256)
-  ap.add_argument("--eval-lens", default="256,512,1024,2048")
-  ap.add_argument("--schemes", default=",".join(SCHEMES))
+  ap.add_argument("--eval-lens", type=int_list(minimum=1), default="256,512,1024,2048")
+  ap.add_argument("--schemes", type=choice_list(SCHEMES), default=",".join(SCHEMES),
+                  help=f"comma list of {', '.join(SCHEMES)}")
   ap.add_argument("--batch-size", type=int, default=8)
   ap.add_argument("--embed-dim", type=int, default=64)
   ap.add_argument("--layers", type=int, default=2)
@@ -368,12 +366,12 @@ def main(argv=None) -> dict:
   args = ap.parse_args(argv)
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  schemes = [s for s in args.schemes.split(",") if s]
+  schemes = args.schemes
   print(f"jax {jax.__version__} on {jax.devices()[0].platform}; schemes {schemes}, "
         f"{args.steps} steps x {args.batch_size} x {args.train_len} bytes")
   t0 = time.perf_counter()
   results = run(schemes=schemes, steps=args.steps, train_len=args.train_len,
-                eval_lens=_ints(args.eval_lens), batch_size=args.batch_size,
+                eval_lens=args.eval_lens, batch_size=args.batch_size,
                 embed_dim=args.embed_dim, num_layers=args.layers, num_heads=args.heads,
                 num_kv_heads=args.kv_heads, mlp_dim=args.mlp_dim, learning_rate=args.lr,
                 seed=args.seed, eval_every=args.eval_every, eval_tokens=args.eval_tokens)

@@ -34,6 +34,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from experiments.cli import CommaList
 from jaxattn.nn.block import TransformerBlock
 from jaxattn.nn.lora import LoRAParam, apply_lora, count_parameters, lora_optimizer
 from jaxattn.ops.norms import rms_norm
@@ -225,6 +226,18 @@ def print_table(results: dict, title: str):
     print(line)
 
 
+def _model_size(text: str) -> str:
+  """``text`` if it is ``DIMxLAYERSxVOCAB`` of positive ints (``ValueError`` otherwise)."""
+  parts = text.split("x")
+  if len(parts) != 3 or min(int(v) for v in parts) < 1:
+    raise ValueError(text)
+  return text
+
+
+MODEL_SIZES = CommaList(_model_size, "DIMxLAYERSxVOCAB sizes of positive integers (1024x8x8192)",
+                        name="model_size_list", allow_empty=True)
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--vocab", type=int, default=64)
@@ -240,7 +253,7 @@ def main(argv=None):
   ap.add_argument("--lr-pretrain", type=float, default=3e-3)
   ap.add_argument("--lr-full", type=float, default=1e-3)
   ap.add_argument("--lr-lora", type=float, default=3e-3)
-  ap.add_argument("--mem-sizes", default="1024x8x8192",
+  ap.add_argument("--mem-sizes", type=MODEL_SIZES, default="1024x8x8192",
                   help="comma-separated DIMxLAYERSxVOCAB for compile-only memory ('' to skip)")
   ap.add_argument("--mem-batch", type=int, default=8)
   ap.add_argument("--mem-seq", type=int, default=256)
@@ -277,7 +290,7 @@ def main(argv=None):
                        f"layers, batch {args.batch}x{args.seq}):")
 
   mem_results = {}
-  for size in filter(None, args.mem_sizes.split(",")):
+  for size in args.mem_sizes:
     dim, layers, vocab = (int(v) for v in size.split("x"))
     t1 = time.time()
     mem_results[size] = abstract_memory(dim, layers, vocab, args)

@@ -35,6 +35,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from experiments.cli import float_list
 from jaxattn.nn.block import TransformerBlock
 from jaxattn.nn.mhc import StreamCollapse
 from jaxattn.ops.hyper import composite_mixing, expand_streams, hc_read, hc_write, mixing_gain
@@ -215,7 +216,8 @@ def main(argv=None):
   ap.add_argument("--streams", type=int, default=4)
   ap.add_argument("--batch", type=int, default=8)
   ap.add_argument("--seq", type=int, default=32)
-  ap.add_argument("--drift", default="0,0.1,0.2,0.4")
+  ap.add_argument("--drift", type=float_list(minimum=0), default="0,0.1,0.2,0.4",
+                  help="standard deviations of the static maps' drift, each >= 0")
   ap.add_argument("--train-layers", type=int, default=12)
   ap.add_argument("--train-steps", type=int, default=300)
   ap.add_argument("--train-lr", type=float, default=3e-3)
@@ -225,7 +227,6 @@ def main(argv=None):
   args = ap.parse_args(argv)
   if args.layers < 1:
     ap.error(f"argument --layers: must be an int >= 1, got {args.layers}")
-  args.drift = [float(s) for s in args.drift.split(",")]
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   print(f"jax {jax.__version__} on {jax.devices()[0].platform}; dim {args.dim}, {args.streams} "

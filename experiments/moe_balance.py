@@ -31,6 +31,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from experiments.cli import choice_list
 from jaxattn.nn.attention import Attention
 from jaxattn.nn.linear import param
 from jaxattn.nn.moe import MoE
@@ -136,7 +137,8 @@ def main(argv=None):
   p.add_argument("--steps", type=int, default=400)
   p.add_argument("--rate", type=float, default=0.01, help="bias update rate (gamma)")
   p.add_argument("--alpha", type=float, default=1e-3, help="sequence-wise balance loss weight")
-  p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
+  p.add_argument("--modes", type=choice_list(MODES), default=",".join(MODES),
+                 help=f"comma list of {', '.join(MODES)}")
   p.add_argument("--vocab", type=int, default=256)
   p.add_argument("--dim", type=int, default=64)
   p.add_argument("--layers", type=int, default=2)
@@ -151,10 +153,7 @@ def main(argv=None):
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="runs/moe_balance")
   args = p.parse_args(argv)
-  modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-  bad = [m for m in modes if m not in MODES]
-  if bad or not modes:
-    p.error(f"--modes: {f'unknown {bad}' if bad else 'none given'}; allowed: {', '.join(MODES)}")
+  modes = args.modes
 
   corpus = make_corpus(args.seed, args.vocab, args.chains, args.branching)
   runs, t0 = {}, time.time()

@@ -41,6 +41,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from experiments.cli import choice_list, int_list
 from jaxattn.nn.hybrid import HybridStack
 from jaxattn.ops.norms import rms_norm
 
@@ -150,8 +151,11 @@ def _plot(out, results, lengths):
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--lengths", default="32,64,128,256")
-  p.add_argument("--models", default=",".join(MODELS))
+  # T // 8 pairs of distinct keys: at least 1, at most NUM_KEYS.
+  p.add_argument("--lengths", type=int_list(minimum=8, maximum=8 * NUM_KEYS + 7),
+                 default="32,64,128,256")
+  p.add_argument("--models", type=choice_list(MODELS), default=",".join(MODELS),
+                 help=f"comma list of {', '.join(MODELS)}")
   p.add_argument("--steps", type=int, default=1000)
   p.add_argument("--batch", type=int, default=32)
   p.add_argument("--dim", type=int, default=64)
@@ -160,11 +164,7 @@ def main(argv=None):
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="runs/recall")
   args = p.parse_args(argv)
-  lengths = [int(x) for x in args.lengths.split(",")]
-  names = args.models.split(",")
-  bad = [n for n in names if n not in MODELS]
-  if bad:
-    raise ValueError(f"`--models` must name some of {sorted(MODELS)}, got {bad}.")
+  lengths, names = args.lengths, args.models
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   results = {}

@@ -233,7 +233,9 @@ def section_recall(sec, size, folder, out, args):
   _, data = _run_experiment("recall", size, folder)
   sec.data = data
   res = data["results"]
-  lengths = [int(x) for x in data["config"]["lengths"].split(",")]
+  lengths = data["config"]["lengths"]  # a list (a "32,64" string before experiments/cli.py)
+  if isinstance(lengths, str):
+    lengths = [int(x) for x in lengths.split(",")]
   sec.summary = {m: {str(t): r[str(t)]["accuracy"] for t in lengths} for m, r in res.items()}
   sec.markdown = (
       f"{data['config']['steps']} training steps per model; accuracy on held-out sequences.\n\n" +

@@ -1,0 +1,202 @@
+"""experiments/cli.py's comma-list argparse types, and the experiment scripts that use them: valid
+lists parse to the lists the scripts used before, bad ones stop at parse time with an argparse
+error naming the flag (exit status 2), before any JAX work."""
+
+import argparse
+import importlib
+
+import pytest
+
+from experiments import bench_train, demo, length_extrapolation, moe_balance, recall, report
+from experiments.cli import CommaList, choice_list, float_list, int_list
+
+
+def _refused(parse, text, *fragments):
+  with pytest.raises(argparse.ArgumentTypeError) as e:
+    parse(text)
+  for f in fragments:
+    assert f in str(e.value), (f, str(e.value))
+
+
+# ---------------------------------------------------------------------------------------------
+# The factories.
+# ---------------------------------------------------------------------------------------------
+
+def test_int_list():
+  parse = int_list(minimum=1)
+  assert parse("4096,8192") == [4096, 8192]
+  assert parse(" 1 , 2,,3, ") == [1, 2, 3]           # spaces stripped, empty items dropped
+  assert parse("7") == [7] and parse("2,2") == [2, 2]
+  _refused(parse, "", "empty", "integers >= 1")
+  _refused(parse, " , ,", "empty")
+  _refused(parse, "4k,8192,1.5", "'4k', '1.5'", "integers >= 1")
+  _refused(parse, "8,0,-3", "'0', '-3'", ">= 1")
+  _refused(int_list(maximum=8), "9", "'9'", "integers <= 8")
+  _refused(int_list(minimum=8, maximum=519), "7,520", "'7', '520'", "integers >= 8 and <= 519")
+  assert int_list()("-1,0") == [-1, 0]
+  assert int_list(allow_empty=True)(" ") == []
+
+
+def test_float_list():
+  assert float_list()("1, 2.5,1e3") == [1.0, 2.5, 1000.0]
+  for bad in ("nan", "inf", "-inf", "x"):
+    _refused(float_list(), f"1,{bad}", repr(bad), "finite numbers")
+  nonneg = float_list(minimum=0)
+  assert nonneg("0,0.1") == [0.0, 0.1]
+  _refused(nonneg, "0,-0.1", "'-0.1'", ">= 0")
+  positive = float_list(minimum=0, min_exclusive=True)
+  assert positive("1,0.5") == [1.0, 0.5]
+  _refused(positive, "0,1", "'0'", "> 0")
+  _refused(float_list(maximum=1.0), "0.5,2", "'2'", "<= 1.0")
+  _refused(positive, "", "empty")
+
+
+def test_choice_list():
+  parse = choice_list(("none", "bias", "bias+seq"))
+  assert parse("bias, none") == ["bias", "none"]        # the order given
+  assert parse("bias+seq") == ["bias+seq"]
+  _refused(parse, "none,nope,Bias", "unknown 'nope', 'Bias'", "none, bias, bias+seq")
+  _refused(parse, ",", "empty", "none, bias, bias+seq")
+  assert choice_list({"a": 1, "b": 2})("b,a") == ["b", "a"]     # a dict's keys
+  assert choice_list("ab", allow_empty=True)("") == []
+
+
+def test_names_and_argparse_message(capsys):
+  assert repr(int_list(minimum=1)) == int_list(minimum=1).__name__ == "int_list(minimum=1)"
+  assert repr(int_list(minimum=0)) == "int_list(minimum=0)"
+  assert repr(float_list(minimum=0, min_exclusive=True)) == (
+      "float_list(minimum=0, min_exclusive=True)")
+  assert repr(choice_list(("gqa", "mla"))) == "choice_list(gqa, mla)"
+  ap = argparse.ArgumentParser(prog="prog")
+  ap.add_argument("--contexts", type=int_list(minimum=1), default="1024, 4096")
+  assert ap.parse_args([]).contexts == [1024, 4096]      # a string default goes through the type
+  with pytest.raises(SystemExit) as e:
+    ap.parse_args(["--contexts", "4k"])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert ("argument --contexts: invalid '4k'; expected a comma-separated list of integers >= 1"
+          in err)
+
+
+def test_comma_list_custom_item():
+  def pair(s):
+    a, b = s.split(":")
+    return int(a), int(b)
+
+  parse = CommaList(pair, "A:B pairs of integers", name="pair_list")
+  assert parse("1:2, 3:4") == [(1, 2), (3, 4)]
+  _refused(parse, "1:2,3,x:1", "invalid '3', 'x:1'", "A:B pairs")
+  assert repr(parse) == "pair_list"
+
+
+# ---------------------------------------------------------------------------------------------
+# The scripts.
+# ---------------------------------------------------------------------------------------------
+
+class _Parsed(Exception):
+  """Raised in place of returning from ``parse_args``: carries the namespace, stops ``main``."""
+
+
+def _parse_only(monkeypatch, name, argv):
+  """The namespace ``experiments.<name>.main(argv)`` parses; nothing after the parsing runs."""
+  module = importlib.import_module(f"experiments.{name}")
+  original = argparse.ArgumentParser.parse_args
+
+  def parse_args(self, args=None, namespace=None):
+    raise _Parsed(original(self, args, namespace))
+
+  monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_args)
+  with pytest.raises(_Parsed) as e:
+    module.main(argv)
+  return e.value.args[0]
+
+
+def _defaults():
+  return {
+      "bench_decode": dict(kind=["gqa", "mla"], contexts=[1024, 4096], batches=[1, 4],
+                           impls=["contiguous", "xla_paged"]),
+      "bench_deltanet": dict(lengths=[1024, 2048, 4096, 8192, 16384],
+                             contexts=[1024, 4096, 16384, 65536, 262144]),
+      "bench_mla": dict(contexts=[1024, 4096, 16384, 32768], kv_heads=[16, 4]),
+      "bench_moe": dict(paths=None),
+      "bench_sparse": dict(lengths=[4096, 8192, 16384, 32768]),
+      "bench_sparse_kernel": dict(kind=["mla", "gqa"], contexts=[8192, 32768]),
+      "bench_train": dict(presets=list(bench_train.PRESETS)),
+      "demo": dict(schemes=list(demo.SCHEMES)),
+      "hadamard_quant": dict(outliers=[1.0, 10.0, 30.0, 100.0, 300.0, 1000.0]),
+      "length_extrapolation": dict(eval_lens=[256, 512, 1024, 2048],
+                                   schemes=list(length_extrapolation.SCHEMES)),
+      "lora_finetune": dict(mem_sizes=["1024x8x8192"]),
+      "mhc_stability": dict(drift=[0.0, 0.1, 0.2, 0.4]),
+      "moe_balance": dict(modes=list(moe_balance.MODES)),
+      "recall": dict(lengths=[32, 64, 128, 256], models=list(recall.MODELS)),
+  }
+
+
+def test_defaults_parse_to_the_lists_used_before(monkeypatch):
+  for name, want in _defaults().items():
+    args = _parse_only(monkeypatch, name, [])
+    assert {k: getattr(args, k) for k in want} == want, name
+    monkeypatch.undo()
+
+
+def test_valid_values_and_the_report_flags_parse(monkeypatch, tmp_path):
+  args = _parse_only(monkeypatch, "bench_decode", ["--kind", "mla", "--contexts", "32768",
+                                                   "--batches", "8, 32"])
+  assert (args.kind, args.contexts, args.batches) == (["mla"], [32768], [8, 32])
+  monkeypatch.undo()
+  args = _parse_only(monkeypatch, "bench_moe", ["--paths", "blocked,capacity"])
+  assert args.paths == ["blocked", "capacity"]
+  monkeypatch.undo()
+  assert _parse_only(monkeypatch, "bench_moe", ["--paths", ""]).paths == []   # -> the default
+  monkeypatch.undo()
+  assert _parse_only(monkeypatch, "lora_finetune", ["--mem-sizes", ""]).mem_sizes == []
+  monkeypatch.undo()
+  # Every flag set the report passes (experiments/report.py) still parses.
+  for name, sizes in report.FLAGS.items():
+    for flags in sizes.values():
+      _parse_only(monkeypatch, name, list(flags) + ["--out", str(tmp_path)])
+      monkeypatch.undo()
+
+
+BAD = [
+    ("bench_decode", ["--contexts", "4k"], "--contexts", "'4k'"),
+    ("bench_decode", ["--kind", "gqa,mha"], "--kind", "unknown 'mha'"),
+    ("bench_decode", ["--impls", "xla_paged,paged"], "--impls", "unknown 'paged'"),
+    ("bench_decode", ["--batches", "0"], "--batches", ">= 1"),
+    ("bench_deltanet", ["--contexts", "1024,x"], "--contexts", "'x'"),
+    ("bench_mla", ["--kv-heads", "16,0"], "--kv-heads", "'0'"),
+    ("bench_mla", ["--contexts", "1024,4096.5"], "--contexts", "'4096.5'"),
+    ("bench_moe", ["--paths", "dense,sparse"], "--paths", "unknown 'sparse'"),
+    ("bench_sparse", ["--lengths", "4096,8k"], "--lengths", "'8k'"),
+    ("bench_sparse_kernel", ["--kind", "mla,mha"], "--kind", "unknown 'mha'"),
+    ("bench_sparse_kernel", ["--kind", " , "], "--kind", "empty"),
+    ("bench_sparse_kernel", ["--contexts", "8192,-1"], "--contexts", "'-1'"),
+    ("bench_train", ["--presets", "llama,gpt2"], "--presets", "unknown 'gpt2'"),
+    ("demo", ["--schemes", "rope,xpos"], "--schemes", "unknown 'xpos'"),
+    ("hadamard_quant", ["--outliers", "1,inf"], "--outliers", "'inf'"),
+    ("hadamard_quant", ["--outliers", "0,10"], "--outliers", "> 0"),
+    ("length_extrapolation", ["--eval-lens", "256,-512"], "--eval-lens", "'-512'"),
+    ("length_extrapolation", ["--schemes", "rope,kerple"], "--schemes", "unknown 'kerple'"),
+    ("lora_finetune", ["--mem-sizes", "64x1"], "--mem-sizes", "'64x1'"),
+    ("mhc_stability", ["--drift", "0,-0.1"], "--drift", ">= 0"),
+    ("mhc_stability", ["--drift", "0,nan"], "--drift", "'nan'"),
+    ("moe_balance", ["--modes", "none,aux"], "--modes", "unknown 'aux'"),
+    ("moe_balance", ["--modes", ""], "--modes", "empty"),
+    ("recall", ["--lengths", "4,64"], "--lengths", "'4'"),
+    ("recall", ["--models", "dn,rnn"], "--models", "unknown 'rnn'"),
+]
+
+
+@pytest.mark.parametrize("name,argv,flag,fragment", BAD,
+                         ids=[f"{b[0]}{b[1][0]}={b[1][1]}" for b in BAD])
+def test_bad_list_is_an_argparse_error(name, argv, flag, fragment, capsys, tmp_path):
+  """The real ``main`` (no patching): a bad value exits 2 at parse time, nothing written."""
+  module = importlib.import_module(f"experiments.{name}")
+  out = tmp_path / "out"
+  with pytest.raises(SystemExit) as e:
+    module.main(argv + ["--out", str(out)])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert f"argument {flag}: " in err and fragment in err, err
+  assert not out.exists()   # refused before the script created its output folder
