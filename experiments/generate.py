@@ -1,7 +1,7 @@
 """Generate text from a trained (or converted) checkpoint with the KV cache, streaming tokens.
 
     python -m experiments.generate --run runs/train [--prompt "The "] [--max-new-tokens 200]
-        [--temperature 0.8] [--top-k 50] [--top-p 0.95] [--seed 0] [--step N]
+        [--temperature 0.8] [--top-k 50] [--top-p 0.95] [--seed 0] [--step N] [--eos-id ID]
     python -m experiments.generate --checkpoint converted/ --tokenizer hf_dir/ --prompt "The "
 
 ``--run`` is a directory written by ``experiments.train`` (``config.json`` + ``checkpoints/``); the
@@ -11,6 +11,10 @@ once, then one jitted decode step per token; greedy when ``--temperature 0``.  T
 (``jaxattn.train.data.ByteTokenizer``) for trained runs.  A converted model has its own vocabulary:
 ``--tokenizer`` names the Hugging Face directory its tokenizer files are in (needs
 ``transformers``), or ``--prompt-ids`` takes raw token ids (and raw ids are printed).
+
+Generation stops early at the end-of-sequence token: by default the tokenizer's (the byte-level
+EOS that ``experiments.train`` appends to every document, or the Hugging Face tokenizer's
+``eos_token_id``); ``--eos-id N`` names another, ``--eos-id -1`` never stops early.
 """
 
 from __future__ import annotations
@@ -57,9 +61,9 @@ def load_run(run: str | pathlib.Path, step: int | None = None) -> tuple[DecoderL
 
 
 def _text_codec(args, vocab_size: int):
-  """``(encode, decode)`` for the model's vocabulary: a Hugging Face tokenizer (``--tokenizer``),
-  the byte-level one when the vocabulary is its, else ``decode=None`` (raw ids are printed) and an
-  ``encode`` that asks for ``--prompt-ids``."""
+  """``(encode, decode, eos_id)`` for the model's vocabulary: a Hugging Face tokenizer
+  (``--tokenizer``), the byte-level one when the vocabulary is its, else ``decode=None`` (raw ids
+  are printed), an ``encode`` that asks for ``--prompt-ids`` and no end-of-sequence id."""
   if args.tokenizer:
     try:
       from transformers import AutoTokenizer
@@ -67,17 +71,17 @@ def _text_codec(args, vocab_size: int):
       raise SystemExit(f"--tokenizer needs transformers ({e}); or pass --prompt-ids.") from e
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     return (lambda text: np.asarray(tok(text)["input_ids"], np.int32),
-            lambda ids: tok.decode([int(i) for i in ids]))
+            lambda ids: tok.decode([int(i) for i in ids]), tok.eos_token_id)
   if vocab_size == ByteTokenizer.vocab_size or (args.run and vocab_size > ByteTokenizer.vocab_size):
     # experiments.train feeds byte ids to any vocabulary of at least the byte tokenizer's size.
     tokenizer = ByteTokenizer()
-    return lambda text: tokenizer.encode(text, add_bos=True), tokenizer.decode
+    return lambda text: tokenizer.encode(text, add_bos=True), tokenizer.decode, tokenizer.eos_id
 
   def refuse(text):
     raise SystemExit(f"the model's vocabulary has {vocab_size} tokens, not the byte-level "
                      f"{ByteTokenizer.vocab_size}: pass --tokenizer DIR (its Hugging Face "
                      "tokenizer) or --prompt-ids to give the prompt.")
-  return refuse, None
+  return refuse, None, None
 
 
 def main(argv=None) -> int:
@@ -95,6 +99,9 @@ def main(argv=None) -> int:
   p.add_argument("--tokenizer", default=None,
                  help="a Hugging Face tokenizer directory (a converted model's vocabulary)")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--eos-id", type=int, default=None,
+                 help="stop a sequence at this token id (default: the tokenizer's end-of-sequence "
+                      "id; -1: never stop early)")
   args = p.parse_args(argv)
   # Checked before loading anything, as argparse errors naming the flag (not a traceback).
   if not (math.isfinite(args.temperature) and args.temperature >= 0):
@@ -105,6 +112,9 @@ def main(argv=None) -> int:
     p.error(f"argument --top-p: must be in (0, 1], got {args.top_p}")
   if args.max_new_tokens < 0:
     p.error(f"argument --max-new-tokens: must be an int >= 0, got {args.max_new_tokens}")
+  if args.eos_id is not None and args.eos_id < -1:
+    p.error(f"argument --eos-id: must be a token id >= 0, or -1 (never stop early), "
+            f"got {args.eos_id}")
   if args.prompt_ids:
     try:
       prompt_ids = [int(t) for t in args.prompt_ids.split(",")]
@@ -117,7 +127,12 @@ def main(argv=None) -> int:
   else:
     from jaxattn.convert import load_checkpoint
     model = load_checkpoint(args.checkpoint)
-  encode, decode = _text_codec(args, model.config.vocab_size)
+  encode, decode, eos_id = _text_codec(args, model.config.vocab_size)
+  if args.eos_id is not None:
+    eos_id = None if args.eos_id == -1 else args.eos_id
+  if eos_id is not None and eos_id >= model.config.vocab_size:
+    p.error(f"argument --eos-id: {eos_id} is not in the model's vocabulary of "
+            f"{model.config.vocab_size} tokens")
   if args.prompt_ids:
     prompt = np.array([prompt_ids], np.int32)
   else:
@@ -130,7 +145,8 @@ def main(argv=None) -> int:
     show = lambda ids: print(text.feed(ids[:1]), end="", flush=True)
   t0 = time.perf_counter()
   out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature,
-                 top_k=args.top_k, top_p=args.top_p, seed=args.seed, on_token=show)
+                 top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=eos_id,
+                 on_token=show)
   dt = time.perf_counter() - t0
   if decode is not None:
     print(text.flush(), end="")

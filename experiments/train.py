@@ -16,7 +16,9 @@
   with Python (no download).  Deterministic and resumable.
 * Checkpoints (orbax, ``--out/checkpoints``): every ``--save-every`` steps, on SIGINT/SIGTERM and
   at the end; the last ``--keep`` are kept; a rerun with the same ``--out`` resumes exactly
-  (parameters, optimizer, step, data position, RNG) unless ``--no-resume``.
+  (parameters, optimizer, step, data position, RNG) unless ``--no-resume``.  A resume refuses
+  another model config or other optimizer flags (``--lr --warmup --weight-decay --clip``);
+  another ``--steps`` re-stretches the cosine schedule (and says so).
 * Logs: a progress bar (loss, tokens/s, ETA), ``--out/metrics.jsonl`` (one JSON object per step and
   per evaluation), evaluation perplexity every ``--eval-every`` steps and at the end, then a
   sample streamed from the trained model, and with ``--report`` the experiment report.
@@ -155,6 +157,12 @@ def create_sharded_model(cfg: ModelConfig, mesh, seed: int) -> DecoderLM:
   return nnx.merge(graphdef, state)
 
 
+def optimizer_args(args) -> dict:
+  """The flags the optimizer state depends on (kept with every checkpoint, compared on resume)."""
+  return {"lr": args.lr, "warmup": args.warmup, "weight_decay": args.weight_decay,
+          "clip": args.clip}
+
+
 def abstract_like(tree):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
@@ -263,6 +271,18 @@ def train(args) -> dict:
       if meta.get("config") != cfg.to_dict():
         raise ValueError(f"the checkpoint in {ckpt.directory} was written for another model "
                          "config; use another --out or --no-resume.")
+      # The optimizer's hyperparameters shape the restored state's schedule: another --lr,
+      # --warmup, --weight-decay or --clip would silently continue a different run.
+      changed = {k: (v, meta["optimizer"][k]) for k, v in optimizer_args(args).items()
+                 if k in meta.get("optimizer", {}) and meta["optimizer"][k] != v}
+      if changed:
+        raise ValueError("the checkpoint in {} was trained with other optimizer settings: {}; "
+                         "use the same flags, another --out or --no-resume.".format(
+                             ckpt.directory, ", ".join(f"--{k.replace('_', '-')} {v} (checkpoint: "
+                                                       f"{w})" for k, (v, w) in changed.items())))
+      if meta.get("steps", args.steps) != args.steps:
+        log(f"--steps {args.steps} (the checkpoint's run had {meta['steps']}): the learning-rate "
+            "schedule now decays over the new total")
       data.restore(meta["data"])
       rng.bit_generator.state = meta["rng"]
       start = int(state.step)
@@ -273,7 +293,8 @@ def train(args) -> dict:
 
     def meta():
       return {"config": cfg.to_dict(), "data": data.state(), "rng": rng.bit_generator.state,
-              "preset": args.preset, "size": args.size}
+              "preset": args.preset, "size": args.size, "optimizer": optimizer_args(args),
+              "steps": args.steps}
 
     step_fn = make_train_step(graphdef, tx, state, mesh=mesh)
     eval_fn = make_eval_step(graphdef, mesh=mesh)

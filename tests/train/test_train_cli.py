@@ -17,7 +17,7 @@ def _losses(out):
   return {r["step"]: r["loss"] for r in recs if "loss" in r}
 
 
-def test_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path):
+def test_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path, monkeypatch):
   a, b = tmp_path / "a", tmp_path / "b"
   summary = train_cli.train(train_cli.make_parser().parse_args(
       COMMON + ["--steps", "8", "--save-every", "100", "--out", str(a)]))
@@ -25,7 +25,12 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path):
   assert np.isfinite(summary["eval_ppl"]) and len(summary["sample"]) > 0
   assert (a / "summary.json").exists()
   from experiments import generate as generate_cli
+  calls = []
+  real = generate_cli.generate
+  monkeypatch.setattr(generate_cli, "generate", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
   assert generate_cli.main(["--run", str(a), "--max-new-tokens", "4"]) == 0
+  # stops at the EOS the training data ends every document with
+  assert calls[-1]["eos_id"] == train_cli.ByteTokenizer.eos_id == 2
   # interrupted at step 5 (as by SIGINT): saves and stops; the rerun resumes and finishes
   first = train_cli.train(train_cli.make_parser().parse_args(
       COMMON + ["--steps", "8", "--save-every", "3", "--out", str(b), "--stop-at-step", "5",
@@ -55,6 +60,10 @@ def test_resume_refuses_another_config(tmp_path):
           COMMON + ["--steps", "4", "--out", str(out)] + change))
     # the refused run left the config that generate rebuilds the checkpoint with alone
     assert (out / "config.json").read_text() == config
+  # another optimizer setting would silently continue a different run
+  with pytest.raises(ValueError, match=r"optimizer settings: --lr 0.005 \(checkpoint: 0.01\)"):
+    train_cli.train(train_cli.make_parser().parse_args(
+        COMMON + ["--steps", "4", "--out", str(out), "--lr", "5e-3"]))
   # --no-resume over old checkpoints: refused before training (their step numbers would block
   # every save of the new run, leaving the old weights under its config and metrics).
   with pytest.raises(ValueError, match=r"--no-resume: `--out` .* already holds checkpoints \[2\]"):
@@ -106,7 +115,8 @@ def test_cli_argument_errors(tmp_path, capsys):
     assert f"argument {flag}: must be" in capsys.readouterr().err
   # experiments.generate refuses bad sampling flags the same way, before loading the run.
   from experiments import generate as generate_cli
-  for flag, value in (("--top-p", "0"), ("--top-k", "-1"), ("--temperature", "-1")):
+  for flag, value in (("--top-p", "0"), ("--top-k", "-1"), ("--temperature", "-1"),
+                      ("--eos-id", "-2")):
     with pytest.raises(SystemExit):
       generate_cli.main(["--run", str(tmp_path / "absent"), flag, value])
     assert f"argument {flag}: must be" in capsys.readouterr().err
