@@ -209,6 +209,13 @@ class ModelConfig:
       # the routed experts are SwiGLU (jaxattn.ops.moe); another activation would be ignored
       raise ValueError(f"MoE layers (num_experts={self.num_experts}) compute SwiGLU experts: "
                        f"`mlp_activation` must be 'silu', got {self.mlp_activation!r}.")
+    if self.num_experts and self.first_k_dense < self.num_layers and not self.gated_mlp:
+      raise ValueError(f"MoE layers (num_experts={self.num_experts}) compute gated (SwiGLU) "
+                       "experts: `gated_mlp` must be True (it would apply to the dense layers "
+                       "only).")
+    if self.rope_scaling is not None:
+      # Built here, so that a bad dict is refused with the config, not when the model is built.
+      _rope_scaling(self)
     if self.num_experts < 0 or not 0 <= self.first_k_dense <= self.num_layers:
       raise ValueError(f"`num_experts` ({self.num_experts}) must be >= 0 and `first_k_dense` "
                        f"({self.first_k_dense}) in [0, num_layers={self.num_layers}].")
@@ -258,7 +265,14 @@ class ModelConfig:
 
 
 def _rope_scaling(cfg: ModelConfig) -> RopeScaling | None:
-  return None if cfg.rope_scaling is None else RopeScaling(**cfg.rope_scaling)
+  d = cfg.rope_scaling
+  if d is None:
+    return None
+  fields = [f.name for f in dataclasses.fields(RopeScaling)]
+  if not isinstance(d, dict) or set(d) - set(fields) or "type" not in d or "factor" not in d:
+    raise ValueError(f"`rope_scaling` must be None or a dict of RopeScaling fields {fields} "
+                     f"(with 'type' and 'factor'), got {d!r}.")
+  return RopeScaling(**d)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -566,7 +580,10 @@ class DecoderLM(nnx.Module):
     self.groups = nnx.List(groups)
     self.collapse = (StreamCollapse(d, cfg.num_streams, kind="mhc", rngs=rngs, param_dtype=pdt)
                      if cfg.residual != "plain" else None)
-    self.final_norm = make_norm(cfg.norm, d, eps=cfg.norm_eps, rngs=rngs, param_dtype=pdt)
+    # Pre-LN leaves the residual stream unnormalized: one norm before the head.  Post-LN layers
+    # end with their own norm (the original Transformer has no final one).
+    self.final_norm = (make_norm(cfg.norm, d, eps=cfg.norm_eps, rngs=rngs, param_dtype=pdt)
+                       if cfg.norm_position == "pre" else None)
     self.lm_head = (None if cfg.tie_embeddings else
                     Einsum("BTD,DV->BTV", (d, v), ("embed", "vocab"), rngs=rngs,
                            dtype=cfg.compute_dtype, param_dtype=pdt))
@@ -640,7 +657,7 @@ class DecoderLM(nnx.Module):
       auxes.append(aux)
     if self.collapse is not None:
       x = self.collapse(x).astype(cfg.compute_dtype)
-    h = self.final_norm(x)
+    h = x if self.final_norm is None else self.final_norm(x)
     if return_hidden:
       logits = h
     elif self.lm_head is None:

@@ -226,7 +226,7 @@ def _hf_config(cfg, architecture):
     ("qwen3_next", dict(position="none")),
     ("qwen3_next", dict(moe_capacity_factor=0.5)),
     ("deepseek_v3", dict(moe_capacity_factor=0.5)),
-    ("deepseek_v3", dict(gated_mlp=False)),
+    ("deepseek_v3", dict(gated_mlp=False, num_experts=0)),  # (MoE layers refuse it themselves)
     ("deepseek_v3", dict(norm="layer")),
     ("deepseek_v32", dict(norm_eps=1e-2)),
     ("deepseek_v3", dict(norm_eps=1e-2)),   # transformers' latent norms use a fixed 1e-6

@@ -202,6 +202,16 @@ def test_config_round_trip_and_errors():
     ModelConfig(num_experts=4, num_experts_per_tok=0)
   with pytest.raises(ValueError, match="`num_streams` must be a positive int"):
     ModelConfig(num_streams=0)
+  # rope_scaling dicts are checked with the config (an unknown key was a TypeError at build time)
+  for bad in ({"type": "linear", "factor": 2.0, "scale": 2}, {"factor": 2.0}, "yarn"):
+    with pytest.raises(ValueError, match="`rope_scaling` must be None or a dict of RopeScaling"):
+      ModelConfig(rope_scaling=bad)
+  with pytest.raises(ValueError, match="RopeScaling `factor`"):
+    ModelConfig(rope_scaling={"type": "linear", "factor": -1.0})
+  with pytest.raises(ValueError, match="`gated_mlp` must be True"):
+    ModelConfig(num_experts=4, num_experts_per_tok=2, gated_mlp=False)
+  ModelConfig(num_experts=4, num_experts_per_tok=2, first_k_dense=2, num_layers=2,
+              gated_mlp=False)   # no MoE layer: the dense MLPs may be ungated
   with pytest.raises(ValueError, match="tokens"):
     DecoderLM(small_config("llama"), rngs=nnx.Rngs(0))(jnp.zeros((4,), jnp.int32))
 
@@ -231,3 +241,19 @@ def test_scanned_hyper_connections_read_the_stream_of_their_layer():
     return np.concatenate([p.reshape(-1, 3) for p in pres]).argmax(-1).tolist()
   assert reads(unrolled) == [0, 1, 2]
   assert reads(scanned) == [0, 1, 2]
+
+
+def test_post_ln_model_has_no_final_norm():
+  """Post-LN layers end with their own norm: the head reads the last layer's output directly (a
+  final norm on top normalized twice; pre-LN keeps its one final norm)."""
+  cfg = small_config("llama").replace(norm_position="post", num_layers=2, norm="layer")
+  model = DecoderLM(cfg, rngs=nnx.Rngs(0))
+  assert model.final_norm is None
+  assert not [p for p, _ in nnx.to_flat_state(nnx.state(model)) if "final_norm" in p]
+  assert DecoderLM(cfg.replace(norm_position="pre"), rngs=nnx.Rngs(0)).final_norm is not None
+  tokens = jnp.arange(10, dtype=jnp.int32)[None] % cfg.vocab_size
+  hidden = model(tokens, return_hidden=True)[0]
+  # the last layer's ffn_norm (LayerNorm, unit scale, zero bias at init) output: zero-mean,
+  # unit-variance rows, left as they are
+  np.testing.assert_allclose(np.asarray(hidden.mean(-1)), 0, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(hidden.var(-1)), 1, atol=1e-2)
