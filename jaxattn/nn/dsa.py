@@ -30,9 +30,10 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from jaxattn.cache import nan_past_capacity
+from jaxattn.checks import check_int
 from jaxattn.dsa_cache import DSACache, quantize_index_keys
 from jaxattn.nn.linear import Einsum, effective_kernel
-from jaxattn.nn.mla import MLA, _check_positive
+from jaxattn.nn.mla import MLA
 from jaxattn.nn.norms import LayerNorm
 from jaxattn.ops.hadamard import hadamard_transform
 from jaxattn.ops.mla import mla_attention, mla_score_terms
@@ -75,7 +76,7 @@ class LightningIndexer(nnx.Module):
                dtype=None, param_dtype=jnp.float32, dot_dtype: str | None = None):
     for name, v in (("embed_dim", embed_dim), ("query_dim", query_dim), ("num_heads", num_heads),
                     ("head_dim", head_dim)):
-      _check_positive(name, v)
+      check_int(name, v)
     if not isinstance(rope_dim, int) or rope_dim < 0 or rope_dim % 2 or rope_dim > head_dim:
       raise ValueError(f"`rope_dim` must be an even int in [0, head_dim={head_dim}], got "
                        f"{rope_dim!r}.")
@@ -162,7 +163,7 @@ class DSA(MLA):
     super().__init__(embed_dim, num_heads, rngs=rngs, **mla_kwargs)
     if not self.causal:
       raise ValueError("DSA needs `causal=True`: the indexer selects among earlier tokens.")
-    _check_positive("index_topk", index_topk)
+    check_int("index_topk", index_topk)
     if attention_mode not in ATTENTION_MODES:
       raise ValueError(f"`attention_mode` must be one of {ATTENTION_MODES}, got "
                        f"{attention_mode!r}.")

@@ -18,11 +18,11 @@ training, absorbed for decode.
 from __future__ import annotations
 
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from jaxattn.cache import nan_past_capacity
+from jaxattn.checks import check_int
 from jaxattn.kv_efficiency import kv_cache_per_token
 from jaxattn.mla_cache import LatentCache
 from jaxattn.paged_cache import PagedLatentCache, nan_where_dropped
@@ -33,14 +33,6 @@ from jaxattn.ops.decode import (DECODE_MAX_T, cache_mla_decode, module_decode_im
 from jaxattn.ops.mla import MODES, Mode, mla_attention, mla_score_terms, mla_softmax_scale
 from jaxattn.ops.rope import RopeScaling, apply_rope, check_rope_base, check_rope_scaling
 from jaxattn.sharding import shard
-
-
-def _check_positive(name, v, allow_none=False):
-  if allow_none and v is None:
-    return
-  if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-    allowed = "a positive int or None" if allow_none else "a positive int"
-    raise ValueError(f"`{name}` must be {allowed}, got {v!r}.")
 
 
 class MLA(nnx.Module):
@@ -107,8 +99,8 @@ class MLA(nnx.Module):
     for name, v in (("embed_dim", embed_dim), ("num_heads", num_heads),
                     ("kv_lora_rank", kv_lora_rank), ("qk_nope_head_dim", qk_nope_head_dim),
                     ("qk_rope_head_dim", qk_rope_head_dim), ("v_head_dim", v_head_dim)):
-      _check_positive(name, v)
-    _check_positive("q_lora_rank", q_lora_rank, allow_none=True)
+      check_int(name, v)
+    check_int("q_lora_rank", q_lora_rank, allow_none=True)
     if qk_rope_head_dim % 2:
       raise ValueError(f"`qk_rope_head_dim`={qk_rope_head_dim} must be even (RoPE rotates pairs of "
                        "coordinates).")

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jaxattn.checks import check_int_array
+from jaxattn.checks import check_int_array, is_int
 from jaxattn.paged_cache import PageTable, gather_pages
 
 DecodeImplementation = Literal["xla", "pallas_tpu", "pallas_gpu"]
@@ -155,8 +155,7 @@ def _check_scale(name, v):
 
 def check_num_splits(num_splits) -> None:
   """``num_splits``: None or a positive int (shared with the decode kernels' wrappers)."""
-  if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
-                                 or num_splits < 1):
+  if num_splits is not None and (not is_int(num_splits) or num_splits < 1):
     raise ValueError(f"`num_splits` must be a positive int or None (automatic), got "
                      f"{num_splits!r}.")
 

@@ -270,8 +270,11 @@ def test_dispatch_and_errors():
     paged_attention(q, *args, scale=-1.0)
   with pytest.raises(ValueError, match="logits_soft_cap"):
     paged_attention(q, *args, logits_soft_cap=0.0)
-  with pytest.raises(ValueError, match="num_splits"):
-    paged_attention(q, *args, num_splits=0)
+  for bad in (0, True, 2.0):
+    with pytest.raises(ValueError, match="`num_splits` must be a positive int or None"):
+      paged_attention(q, *args, num_splits=bad)
+  np.testing.assert_array_equal(paged_attention(q, *args, num_splits=np.int64(2)),
+                                paged_attention(q, *args, num_splits=2))   # a NumPy int is an int
   lat, _, _ = latent_cache()
   largs = (lat.c_kv_pool, lat.k_rope_pool, lat.page_table, lat.lengths)
   ql, qr = jnp.ones((len(LENGTHS), 3, 12)), jnp.ones((len(LENGTHS), 3, 4))
