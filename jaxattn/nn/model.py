@@ -374,9 +374,9 @@ class DecoderLayer(nnx.Module):
       out, cache = out
     return out, cache, aux
 
-  def _ffn(self, h, token_mask):
+  def _ffn(self, h, token_mask, segment_ids=None):
     if self.is_moe:
-      y, stats = self.ffn(h, token_mask=token_mask)
+      y, stats = self.ffn(h, token_mask=token_mask, segment_ids=segment_ids)
       return y, stats.aux_loss, stats.load
     return self.ffn(h), _zero(), None
 
@@ -387,12 +387,12 @@ class DecoderLayer(nnx.Module):
       if self.norm_position == "pre":
         a, cache, ix = self._mix(self.mixer_norm(x), positions, segment_ids, cache, want_aux)
         h = x + a
-        f, moe_aux, load = self._ffn(self.ffn_norm(h), token_mask)
+        f, moe_aux, load = self._ffn(self.ffn_norm(h), token_mask, segment_ids)
         y = h + f
       else:
         a, cache, ix = self._mix(x, positions, segment_ids, cache, want_aux)
         h = self.mixer_norm(x + a)
-        f, moe_aux, load = self._ffn(h, token_mask)
+        f, moe_aux, load = self._ffn(h, token_mask, segment_ids)
         y = self.ffn_norm(h + f)
       y = shard(y, ("batch", "length", "act_embed"))
     else:
@@ -402,7 +402,7 @@ class DecoderLayer(nnx.Module):
                                want_aux)
       x = hc_write(x, a, post, res)
       pre, post, res = self.ffn_hc.coefficients(x)
-      f, moe_aux, load = self._ffn(self.ffn_norm(hc_read(x, pre)), token_mask)
+      f, moe_aux, load = self._ffn(self.ffn_norm(hc_read(x, pre)), token_mask, segment_ids)
       y = shard(hc_write(x, f, post, res), ("batch", "length", None, "act_embed"))
     aux = {"moe_aux_loss": moe_aux, "indexer_loss": ix}
     if load is not None:

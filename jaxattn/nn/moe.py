@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxattn.checks import check_int, check_nonnegative, check_positive
+from jaxattn.checks import check_int, check_int_array, check_nonnegative, check_positive
 from jaxattn.nn.linear import param
 from jaxattn.nn.mlp import MLP
 from jaxattn.ops import moe as M
@@ -180,22 +180,35 @@ class MoE(nnx.Module):
 
   # -- forward ---------------------------------------------------------------------------------
 
-  def __call__(self, x: Float[Array, "B T D"], *, token_mask: Bool[Array, "B T"] | None = None
+  def __call__(self, x: Float[Array, "B T D"], *, token_mask: Bool[Array, "B T"] | None = None,
+               segment_ids: Int[Array, "B T"] | None = None
                ) -> tuple[Float[Array, "B T D"], MoEStats]:
     """``x [B, T, D]`` -> ``(y [B, T, D], stats)``.
 
-    ``token_mask [B, T]`` (False for padding) keeps tokens out of the load, the losses and the
-    statistics; they are still routed (their outputs are meaningless, as for any padding).
+    ``token_mask [B, T]`` (False for padding) keeps tokens out of the experts (their routed output
+    is zero: no expert slot or compute spent on them), the load, the losses and the statistics.
+    ``segment_ids [B, T]`` (packed rows, 0 = padding) implies that mask, and makes each segment a
+    sequence of its own for the sequence-wise balance loss.
     """
     if x.ndim != 3 or x.shape[-1] != self.embed_dim:
       raise ValueError(f"`x` must be [B, T, D={self.embed_dim}], got shape {x.shape}.")
     b, t, d = x.shape
+    if segment_ids is not None:
+      if segment_ids.shape != (b, t):
+        raise ValueError(f"`segment_ids` must be [B, T] = {(b, t)}, got {segment_ids.shape}.")
+      check_int_array("segment_ids", segment_ids)
+      if token_mask is None:
+        token_mask = segment_ids > 0
     dtype = self.dtype or x.dtype
     x = shard(x.astype(dtype), ("batch", "length", "act_embed"))
     r = self.route(x)
+    indices = r.indices
+    if token_mask is not None:
+      M.expert_load(indices, self.num_experts, token_mask)   # (checks the mask's shape / dtype)
+      indices = jnp.where(token_mask[..., None], indices, -1)  # -1: no expert
     wg, wu, wd = (self.expert_kernel(name).astype(dtype)
                   for name in ("w_gate", "w_up", "w_down"))
-    flat = (x.reshape(b * t, d), r.indices.reshape(b * t, -1), r.weights.reshape(b * t, -1),
+    flat = (x.reshape(b * t, d), indices.reshape(b * t, -1), r.weights.reshape(b * t, -1),
             wg, wu, wd)
     if self._use_expert_parallel():
       y = M.routed_experts_sharded(*flat, implementation=self.implementation,
@@ -213,12 +226,12 @@ class MoE(nnx.Module):
         s = (s.astype(jnp.float32) * g[..., None]).astype(s.dtype)
       y = y + s
     y = shard(y, ("batch", "length", "act_embed"))
-    return y, self._stats(r, dropped, token_mask)
+    return y, self._stats(r, dropped, token_mask, segment_ids)
 
-  def _stats(self, r: M.Routing, dropped, token_mask) -> MoEStats:
+  def _stats(self, r: M.Routing, dropped, token_mask, segment_ids) -> MoEStats:
     load = jax.lax.stop_gradient(M.expert_load(r.indices, self.num_experts, token_mask))
     zero = jnp.zeros((), jnp.float32)
-    seq = (M.sequence_balance_loss(r.scores, r.indices, token_mask)
+    seq = (M.sequence_balance_loss(r.scores, r.indices, token_mask, segment_ids)
            if self.seq_balance_alpha else zero)
     # Switch's P_i are probabilities: softmax scores as they are, sigmoid scores normalized per
     # token (DeepSeek-V3's s'_i).

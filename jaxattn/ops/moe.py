@@ -37,6 +37,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
+from jaxattn.checks import check_int_array, check_nonnegative, check_positive
 from jaxattn.sharding import place_if_concrete, shard
 
 ScoreFunc = Literal["sigmoid", "softmax"]
@@ -114,6 +115,9 @@ def select_experts(
   """
   num_experts = scores.shape[-1]
   check_routing_config(num_experts, top_k, n_group, topk_group)
+  check_positive("routed_scaling_factor", routed_scaling_factor)
+  if not isinstance(norm_topk_prob, (bool, np.bool_)):
+    raise ValueError(f"`norm_topk_prob` must be a bool, got {norm_topk_prob!r}.")
   topk_group = n_group if topk_group is None else topk_group
   if bias is not None and bias.shape != (num_experts,):
     raise ValueError(f"`bias` must have shape ({num_experts},), got {bias.shape}.")
@@ -166,6 +170,9 @@ def _token_weights(shape, token_mask):
   if token_mask.shape != tuple(shape):
     raise ValueError(f"`token_mask` must have the tokens' shape {tuple(shape)}, got "
                      f"{token_mask.shape}.")
+  if token_mask.dtype != jnp.bool_:   # segment ids as a mask would weight tokens by their id
+    raise ValueError(f"`token_mask` must be a bool array (False: padding), got dtype "
+                     f"{token_mask.dtype}; for segment ids pass `segment_ids > 0`.")
   return token_mask.astype(jnp.float32)
 
 
@@ -191,29 +198,57 @@ def bias_update(bias: Float[Array, "E"], load: Float[Array, "E"], *, rate: float
   """
   if load.shape != bias.shape:
     raise ValueError(f"`load` {load.shape} must have the shape of `bias` {bias.shape} ([E]).")
+  check_nonnegative("rate", rate)   # negative: overloaded experts would gain
   load = load.astype(jnp.float32)
   return (bias.astype(jnp.float32) + rate * jnp.sign(jnp.mean(load) - load)).astype(bias.dtype)
 
 
+def _segment_ranks(segment_ids: Int[Array, "B T"]) -> Int[Array, "B T"]:
+  """Each token's segment as a rank in ``[0, T)`` among its row's distinct ids (any int ids)."""
+  srt = jnp.sort(segment_ids, axis=-1)
+  first = jax.vmap(jnp.searchsorted)(srt, segment_ids)              # first index of the id
+  new = jnp.concatenate([jnp.zeros_like(srt[:, :1]), (srt[:, 1:] != srt[:, :-1]).astype(srt.dtype)],
+                        axis=-1)
+  return jnp.take_along_axis(jnp.cumsum(new, axis=-1), first, axis=-1)
+
+
 def sequence_balance_loss(scores: Float[Array, "B T E"], indices: Int[Array, "B T k"],
-                          token_mask: Bool[Array, "B T"] | None = None) -> Float[Array, ""]:
-  """DeepSeek-V3's sequence-wise balance loss without its ``alpha`` (eqs. 17-20), batch mean.
+                          token_mask: Bool[Array, "B T"] | None = None,
+                          segment_ids: Int[Array, "B T"] | None = None) -> Float[Array, ""]:
+  """DeepSeek-V3's sequence-wise balance loss without its ``alpha`` (eqs. 17-20), mean over the
+  sequences of the batch.
 
   Per sequence of ``T`` tokens: ``f_i = E / (k T) * #{t : i selected for t}``, ``P_i = (1/T)
   sum_t s_it / sum_j s_jt`` and the loss is ``sum_i f_i P_i`` (1 when balanced, up to ``E / k``).
+  A sequence is a row, or with ``segment_ids [B, T]`` (packed rows; 0 = padding, left out) each
+  segment of a row: a row packing two sequences that each use one expert is balanced as a row,
+  not as two sequences.
   """
   if scores.ndim != 3 or indices.ndim != 3 or indices.shape[:2] != scores.shape[:2]:
     raise ValueError(f"`scores` [B, T, E] and `indices` [B, T, k] must agree, got {scores.shape} "
                      f"and {indices.shape}.")
   num_experts, k = scores.shape[-1], indices.shape[-1]
+  b, t = scores.shape[:2]
   w = _token_weights(scores.shape[:2], token_mask)                             # [B, T]
-  n_tok = jnp.maximum(w.sum(-1), 1.0)                                          # [B]
   hot = jax.nn.one_hot(indices, num_experts, dtype=jnp.float32).sum(-2)       # [B, T, E]
-  f = num_experts / k * jnp.einsum("bte,bt->be", hot, w) / n_tok[:, None]
   s = scores.astype(jnp.float32)
   s = s / jnp.maximum(s.sum(-1, keepdims=True), 1e-20)
-  p = jnp.einsum("bte,bt->be", s, w) / n_tok[:, None]
-  return jnp.mean(jnp.sum(f * p, -1))
+  if segment_ids is None:
+    n_tok = jnp.maximum(w.sum(-1), 1.0)                                        # [B]
+    f = num_experts / k * jnp.einsum("bte,bt->be", hot, w) / n_tok[:, None]
+    p = jnp.einsum("bte,bt->be", s, w) / n_tok[:, None]
+    return jnp.mean(jnp.sum(f * p, -1))
+  if segment_ids.shape != (b, t):
+    raise ValueError(f"`segment_ids` must be [B, T] = {(b, t)}, got {segment_ids.shape}.")
+  check_int_array("segment_ids", segment_ids)
+  w = w * (segment_ids > 0)
+  seq = (jnp.arange(b)[:, None] * t + _segment_ranks(segment_ids)).reshape(-1)  # [B*T] ids
+  sums = lambda v: jax.ops.segment_sum(v.reshape(b * t, -1), seq, num_segments=b * t)  # noqa: E731
+  n_tok = sums(w)[:, 0]                                                        # [B*T]
+  f = num_experts / k * sums(hot * w[..., None]) / jnp.maximum(n_tok, 1.0)[:, None]
+  p = sums(s * w[..., None]) / jnp.maximum(n_tok, 1.0)[:, None]
+  real = n_tok > 0
+  return jnp.sum(jnp.where(real, jnp.sum(f * p, -1), 0.0)) / jnp.maximum(real.sum(), 1)
 
 
 def switch_aux_loss(probs: Float[Array, "*B E"], indices: Int[Array, "*B k"],
@@ -476,6 +511,7 @@ def _check_dispatch(x, indices, weights, w_gate):
                      f"{indices.shape}, {weights.shape}.")
   if w_gate.ndim != 3 or w_gate.shape[1] != x.shape[1]:
     raise ValueError(f"`w_gate` must be [E, D={x.shape[1]}, F], got {w_gate.shape}.")
+  check_int_array("indices", indices)
 
 
 def _combine(y_assign, weights, dtype):
@@ -486,8 +522,7 @@ def _combine(y_assign, weights, dtype):
 
 def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
   """Slots per expert: ``ceil(capacity_factor * num_tokens * top_k / num_experts)``."""
-  if not capacity_factor > 0:
-    raise ValueError(f"`capacity_factor` must be positive, got {capacity_factor!r}.")
+  check_positive("capacity_factor", capacity_factor)
   return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
 
 

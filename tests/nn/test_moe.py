@@ -127,6 +127,29 @@ def test_capacity_mode_reports_dropped_tokens():
   assert int(tight.dropped) == int(np.maximum(np.asarray(s_ref.load) - cap, 0).sum()) > 0
 
 
+def test_padding_takes_no_expert_slot():
+  """Masked (padding) tokens are not dispatched: in capacity mode they took slots before real
+  tokens (every real token dropped) and were counted as drops."""
+  layer = _moe(num_experts=4, top_k=1, n_group=1, topk_group=1, num_shared_experts=0,
+               capacity_factor=1.0)
+  x = _x(b=1, t=8)
+  real = x[:, 4:]
+  mask = jnp.arange(8)[None] >= 4                              # left padding: tokens 0..3
+  y, st = _call(layer, x, mask)
+  y_ref, st_ref = nnx.jit(lambda m, x: m(x))(_moe(num_experts=4, top_k=1, n_group=1,
+                                                 topk_group=1, num_shared_experts=0,
+                                                 capacity_factor=2.0), real)
+  # (capacity: 1.0 * 8 tokens / 4 experts = 2 slots here, 2.0 * 4 / 4 = 2 slots unpadded)
+  np.testing.assert_allclose(y[:, 4:], y_ref, atol=1e-6)
+  np.testing.assert_array_equal(y[:, :4], 0)                    # no shared expert: nothing
+  assert int(st.dropped) == int(st_ref.dropped)
+  np.testing.assert_array_equal(st.load, st_ref.load)
+  # segment ids imply the mask
+  y_seg, st_seg = nnx.jit(lambda m, x, s: m(x, segment_ids=s))(layer, x, mask.astype(jnp.int32))
+  np.testing.assert_array_equal(y_seg, y)
+  assert int(st_seg.dropped) == int(st.dropped)
+
+
 def test_bf16_compute_with_fp32_routing():
   x = _x()
   want, _ = _call(_moe(), x)

@@ -203,6 +203,50 @@ def test_sequence_balance_loss_matches_definition():
     moe.sequence_balance_loss(scores[0], idx[0])
 
 
+def test_sequence_balance_loss_per_packed_sequence():
+  """With segment ids, each sequence of a packed row is balanced on its own (DeepSeek-V3's loss
+  is per sequence): equal to the loss over the sequences laid out as rows of their own."""
+  e, k = 4, 1
+  # row 0: two sequences, each routed to a single expert (balanced only as a whole row);
+  # row 1: sequences with arbitrary, non-contiguous ids (9, 3, 9) and two padding tokens
+  idx = jnp.array([[0, 0, 0, 0, 1, 1, 1, 1], [2, 3, 2, 0, 1, 2, 0, 0]])[..., None]
+  scores = jax.nn.sigmoid(_rand(7, (2, 8, e))) + 3 * jax.nn.one_hot(idx[..., 0], e)
+  seg = jnp.array([[1, 1, 1, 1, 2, 2, 2, 2], [9, 9, 3, 3, 9, 3, 0, 0]])
+  got = moe.sequence_balance_loss(scores, idx, seg > 0, seg)
+  rows = []
+  for r, sid in ((0, 1), (0, 2), (1, 9), (1, 3)):
+    keep = np.asarray(seg[r] == sid)
+    rows.append(moe.sequence_balance_loss(scores[r][keep][None], idx[r][keep][None]))
+  np.testing.assert_allclose(got, np.mean(rows), rtol=1e-6)
+  # row 0 is imbalanced per sequence (each uses one expert), far less so as one row
+  per_seq, per_row = (float(moe.sequence_balance_loss(scores[:1], idx[:1], None, s))
+                      for s in (seg[:1], None))
+  assert per_seq > 1.5 * per_row
+  # one segment per row is the row loss
+  np.testing.assert_allclose(moe.sequence_balance_loss(scores, idx, None, jnp.ones((2, 8), int)),
+                             moe.sequence_balance_loss(scores, idx), rtol=1e-6)
+  with pytest.raises(ValueError, match="`segment_ids` must be an integer array"):
+    moe.sequence_balance_loss(scores, idx, None, seg.astype(jnp.float32))
+  with pytest.raises(ValueError, match=r"`token_mask` must be a bool array .* got dtype int"):
+    moe.sequence_balance_loss(scores, idx, seg)   # segment ids are not a mask
+
+
+def test_routing_argument_errors():
+  s = jnp.full((2, 4), 0.5)
+  for bad in (-1.0, float("nan"), 0.0, None):
+    with pytest.raises(ValueError, match="`routed_scaling_factor` must be a finite number > 0"):
+      moe.select_experts(s, top_k=1, routed_scaling_factor=bad)
+  with pytest.raises(ValueError, match="`norm_topk_prob` must be a bool, got 'no'"):
+    moe.select_experts(s, top_k=1, norm_topk_prob="no")
+  for bad in (float("inf"), "1.0"):
+    with pytest.raises(ValueError, match="`capacity_factor` must be a finite number > 0"):
+      moe.expert_capacity(8, 4, 1, bad)
+  with pytest.raises(ValueError, match="`rate` must be"):
+    moe.bias_update(jnp.zeros(4), jnp.ones(4), rate=-1.0)
+  with pytest.raises(ValueError, match="`token_mask` must be a bool array"):
+    moe.expert_load(jnp.zeros((2, 1), jnp.int32), 4, jnp.ones((2,), jnp.int32))
+
+
 def test_switch_loss_and_z_loss_match_numpy():
   logits = _rand(7, (40, 8))
   probs = jax.nn.softmax(logits)
@@ -336,6 +380,8 @@ def test_dispatch_errors():
     moe.routed_experts(x, idx[:, :1], w, wg, wu, wd)
   with pytest.raises(ValueError, match="w_gate"):
     moe.routed_experts(x[:, :4], idx, w, wg, wu, wd)
+  with pytest.raises(ValueError, match="`indices` must be an integer array"):
+    moe.routed_experts(x, idx.astype(jnp.float32), w, wg, wu, wd)
   with pytest.raises(ValueError, match="expert weights"):
     moe.grouped_swiglu(x, jnp.zeros((E,), jnp.int32), wg, wu, wu)
   with pytest.raises(ValueError, match="group_sizes"):
