@@ -43,6 +43,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxattn.checks import check_int, is_number
 from jaxattn.nn.linear import Einsum, effective_kernel
 from jaxattn.ops import lora as lora_ops
 from jaxattn.ops import nf4 as nf4_ops
@@ -230,8 +231,8 @@ class LoRA(nnx.Module):
   def __init__(self, base, *, rank: int = 8, alpha: float = 8.0, use_rslora: bool = False,
                dropout: float = 0.0, rngs: nnx.Rngs, param_dtype=jnp.float32):
     spec = _base_spec(base)
-    if not 0.0 <= dropout < 1.0:
-      raise ValueError(f"`dropout` must be in [0, 1), got {dropout!r}.")
+    if not is_number(dropout) or not 0.0 <= dropout < 1.0:
+      raise ValueError(f"`dropout` must be a number in [0, 1), got {dropout!r}.")
     self.scaling = lora_ops.lora_scaling(rank, alpha, use_rslora=use_rslora)
     self.rank, self.alpha, self.use_rslora = rank, alpha, use_rslora
     self.specs = lora_ops.lora_einsum_specs(spec)
@@ -470,19 +471,37 @@ def apply_lora(
                   + [p for p, _, _ in _expert_targets(model)])
     raise ValueError(f"`targets` {patterns!r} match no Einsum / nnx.Linear layer or expert "
                      f"weight; layers: {candidates[:20]}{' ...' if len(candidates) > 20 else ''}.")
+  # Every argument is checked before the model changes (a refusal must not leave it half adapted).
+  lora_ops.lora_scaling(rank, alpha, use_rslora=use_rslora)   # rank, alpha, use_rslora
+  if not is_number(dropout) or not 0 <= dropout < 1:
+    raise ValueError(f"`dropout` must be a number in [0, 1), got {dropout!r}.")
+  for name, v in (("quantize_base", quantize_base), ("double_quant", double_quant)):
+    if not isinstance(v, (bool, np.bool_)):      # "no" would mean True
+      raise ValueError(f"`{name}` must be a bool, got {v!r}.")
+  if quantize_base:
+    check_int("block_size", block_size)
+  if not isinstance(rngs, nnx.Rngs):
+    raise ValueError(f"`rngs` must be an nnx.Rngs (the adapters' A is drawn from it), got "
+                     f"{type(rngs).__name__}.")
   if experts and (quantize_base or dropout > 0):
     raise ValueError(f"`targets` {patterns!r} select routed-expert weights "
                      f"({experts[0][0]}, ...), which take no NF4 base (`quantize_base`) and no "
                      "`dropout`; target them in a separate apply_lora call without those.")
-  for _, moe, name in experts:
-    setattr(moe, f"{name}_lora", ExpertLoRA(getattr(moe, name), rank=rank, alpha=alpha,
+  # Built first, attached after: a failure while building leaves the model as it was.
+  expert_adapters = [(moe, name, ExpertLoRA(getattr(moe, name), rank=rank, alpha=alpha,
                                             use_rslora=use_rslora, rngs=rngs,
                                             param_dtype=param_dtype))
+                     for _, moe, name in experts]
+  layers = []
   for path, layer in found:
     base = (NF4Einsum.from_module(layer, block_size=block_size, double_quant=double_quant)
             if quantize_base else layer)
-    _replace(model, path, LoRA(base, rank=rank, alpha=alpha, use_rslora=use_rslora, dropout=dropout,
-                               rngs=rngs, param_dtype=param_dtype))
+    layers.append((path, LoRA(base, rank=rank, alpha=alpha, use_rslora=use_rslora,
+                              dropout=dropout, rngs=rngs, param_dtype=param_dtype)))
+  for moe, name, adapter in expert_adapters:
+    setattr(moe, f"{name}_lora", adapter)
+  for path, adapter in layers:
+    _replace(model, path, adapter)
   return [_path_str(p) for p, _ in found] + [p for p, _, _ in experts]
 
 
@@ -492,8 +511,15 @@ def lora_layers(model: nnx.Module) -> list[tuple[str, LoRA]]:
 
 
 def merge_lora(model: nnx.Module) -> None:
-  """Merges every adapter into its base kernel (in place), expert adapters included."""
-  for _, m in lora_layers(model):
+  """Merges every adapter into its base kernel (in place), expert adapters included.  Refused
+  (before anything is merged) when an unmerged adapter sits on an NF4 base."""
+  layers = lora_layers(model)
+  nf4 = [p for p, m in layers if isinstance(m.base, NF4Einsum) and not m.merged]
+  if nf4:
+    raise ValueError(f"cannot merge into an NF4 kernel exactly ({nf4[0]}"
+                     f"{' ...' if len(nf4) > 1 else ''}; re-quantizing would change it): use "
+                     "unload_lora(model, merge=True) for dense merged layers.")
+  for _, m in layers:
     m.merge()
   _merge_experts(model, 1.0, True)
 

@@ -21,6 +21,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float
 
 from jaxattn.checks import check_int, is_number
@@ -32,8 +33,10 @@ def lora_scaling(rank: int, alpha: float, *, use_rslora: bool = False) -> float:
   """``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA (stable update size as ``r`` grows)."""
   check_int("rank", rank)
   # bool is a numbers.Real too, and True / False as a scale is a mistake, not a number.
-  if not is_number(alpha):
-    raise ValueError(f"`alpha` must be a real number, got {alpha!r}.")
+  if not is_number(alpha) or not math.isfinite(alpha):   # inf * (B = 0) is NaN from step 0
+    raise ValueError(f"`alpha` must be a finite real number, got {alpha!r}.")
+  if not isinstance(use_rslora, (bool, np.bool_)):       # "no" would mean True
+    raise ValueError(f"`use_rslora` must be a bool, got {use_rslora!r}.")
   return alpha / math.sqrt(rank) if use_rslora else alpha / rank
 
 

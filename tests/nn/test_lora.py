@@ -233,6 +233,16 @@ def test_dropout_on_the_adapter_input():
   np.testing.assert_allclose(layer(x), want, atol=1e-5)
 
 
+def test_merge_refuses_an_nf4_base_before_merging_anything():
+  """A model with dense and QLoRA adapters: merge_lora merged the dense ones, then raised."""
+  model = Tiny(nnx.Rngs(0))
+  apply_lora(model, "head", rngs=nnx.Rngs(1))
+  apply_lora(model, "q_proj", quantize_base=True, rngs=nnx.Rngs(2))
+  with pytest.raises(ValueError, match="cannot merge into an NF4 kernel exactly"):
+    merge_lora(model)
+  assert not any(m.merged for _, m in lora_layers(model))
+
+
 def test_errors():
   model = Tiny(nnx.Rngs(0))
   with pytest.raises(ValueError, match="match no"):
@@ -244,9 +254,19 @@ def test_errors():
   for targets in (None, [], ["head", None], 3):
     with pytest.raises(ValueError, match="targets"):
       apply_lora(model, targets, rngs=nnx.Rngs(0))
-  for alpha in ("x", None, True):
+  for alpha in ("x", None, True, float("inf"), float("nan")):
     with pytest.raises(ValueError, match="alpha"):
       apply_lora(model, "head", alpha=alpha, rngs=nnx.Rngs(0))
+  # truthy strings were taken as True; a string dropout or no Rngs failed as a Type/AttributeError
+  for kw, match in ((dict(use_rslora="no"), "`use_rslora` must be a bool, got 'no'"),
+                    (dict(quantize_base="no"), "`quantize_base` must be a bool"),
+                    (dict(double_quant="no", quantize_base=True), "`double_quant` must be a bool"),
+                    (dict(dropout="0.1"), r"`dropout` must be a number in \[0, 1\)"),
+                    (dict(dropout=-0.1), r"`dropout` must be a number in \[0, 1\)"),
+                    (dict(quantize_base=True, block_size=0), "`block_size` must be an int >= 1"),
+                    (dict(rngs=None), "`rngs` must be an nnx.Rngs")):
+    with pytest.raises(ValueError, match=match):
+      apply_lora(model, ".*", **{"rngs": nnx.Rngs(0), **kw})
   assert not lora_layers(model)  # the refused calls changed nothing
   with pytest.raises(ValueError, match="dropout"):
     LoRA(model.head, dropout=1.0, rngs=nnx.Rngs(0))
