@@ -77,7 +77,8 @@ class DSACache:
     if index_scales.shape != index_keys.shape[:2] + self.index_scales.shape[2:]:
       raise ValueError(f"`index_scales` {index_scales.shape} must be "
                        f"{index_keys.shape[:2] + self.index_scales.shape[2:]}.")
+    latent = self.latent.update(c_kv, k_rope)   # first: its capacity check names the overflow
     at = (0, self.latent.index, 0)
     keys = jax.lax.dynamic_update_slice(self.index_keys, index_keys, at)
     scales = jax.lax.dynamic_update_slice(self.index_scales, index_scales.astype(jnp.float32), at)
-    return DSACache(latent=self.latent.update(c_kv, k_rope), index_keys=keys, index_scales=scales)
+    return DSACache(latent=latent, index_keys=keys, index_scales=scales)

@@ -113,6 +113,14 @@ def check_q_offset(q_offset, per_sequence: str = "use kv_lengths, or a mask") ->
                      f"{q_offset!r}; per-sequence offsets are not supported ({per_sequence}).")
 
 
+def check_kv_lengths(kv_lengths, b: int) -> None:
+  """``kv_lengths``: None or ``[B]`` integers (valid keys per sequence)."""
+  if kv_lengths is not None and (tuple(np.shape(kv_lengths)) != (b,) or not jnp.issubdtype(
+      jnp.asarray(kv_lengths).dtype, jnp.integer)):
+    raise ValueError(f"`kv_lengths` must be [B] = ({b},) integers, got shape "
+                     f"{tuple(np.shape(kv_lengths))} of {jnp.asarray(kv_lengths).dtype}.")
+
+
 def check_scale(scale) -> None:
   """Raises unless ``scale`` is None, an array (traced values cannot be checked) or a positive
   finite number: the one check of a logits scale for every attention formula."""
@@ -181,10 +189,7 @@ def _validate(query, key, value, bias, mask, scale, alibi_slopes, logits_soft_ca
                 f"[B, T] = {(b, t)} integers (T == S; a (q_ids, kv_ids) pair when T != S)")
         raise ValueError(f"`segment_ids` must be {form}, got shape {tuple(np.shape(a))} of "
                          f"{jnp.asarray(a).dtype}.")
-  if kv_lengths is not None and (tuple(np.shape(kv_lengths)) != (b,) or not jnp.issubdtype(
-      jnp.asarray(kv_lengths).dtype, jnp.integer)):
-    raise ValueError(f"`kv_lengths` must be [B] = ({b},) integers, got shape "
-                     f"{tuple(np.shape(kv_lengths))} of {jnp.asarray(kv_lengths).dtype}.")
+  check_kv_lengths(kv_lengths, b)
 
 
 def dot_product_attention(

@@ -34,7 +34,7 @@ from jaxtyping import Array, Bool, Float, Int
 from jaxattn import native
 from jaxattn.checks import check_int_array, is_int
 from jaxattn.ops import sparse_cpu
-from jaxattn.ops.attention import check_q_offset, check_scale
+from jaxattn.ops.attention import check_kv_lengths, check_q_offset, check_scale
 from jaxattn.ops.quantization import (QUANT_FORMATS, QuantFormat, fake_quantize, quantize_fp8,
                                       quantize_int8)
 
@@ -176,6 +176,7 @@ def indexer_scores(
       quantized scoring up to fp32 rounding, at the bf16 speed.
   """
   b, t, _, _ = _check_index_operands(q_index, k_index, weights)
+  check_kv_lengths(kv_lengths, b)
   if quant not in QUANT_FORMATS:
     raise ValueError(f"`quant` must be one of {QUANT_FORMATS}, got {quant!r}.")
   _check_dot_dtype(dot_dtype)
@@ -788,18 +789,21 @@ def indexer_topk(
   """
   b, t, hi, d = _check_index_operands(q_index, k_index, weights)
   _check_k(k)
+  check_kv_lengths(kv_lengths, b)
   if quant not in QUANT_FORMATS:
     raise ValueError(f"`quant` must be one of {QUANT_FORMATS}, got {quant!r}.")
-  if not isinstance(block_size, int) or block_size < 8 or block_size % 8:
+  if not is_int(block_size) or block_size < 8 or block_size % 8:
     raise ValueError(f"`block_size` must be a positive multiple of 8, got {block_size!r}.")
-  if not isinstance(query_block, int) or query_block < 1:
+  if not is_int(query_block) or query_block < 1:
     raise ValueError(f"`query_block` must be a positive int, got {query_block!r}.")
   if candidates is None:
     candidates = _round_up(3 * k // 2, 8)
-  if not isinstance(candidates, int) or candidates < k:
+  if not is_int(candidates) or candidates < k:
     raise ValueError(f"`candidates` must be an int >= k={k}, got {candidates!r}.")
-  if not isinstance(bisect_steps, int) or not 1 <= bisect_steps <= 32:
+  if not is_int(bisect_steps) or not 1 <= bisect_steps <= 32:
     raise ValueError(f"`bisect_steps` must be an int in [1, 32], got {bisect_steps!r}.")
+  k, block_size, query_block, candidates, bisect_steps = (
+      int(v) for v in (k, block_size, query_block, candidates, bisect_steps))  # NumPy ints
   if order not in ("score", "position"):
     raise ValueError(f"`order` must be 'score' or 'position', got {order!r}.")
   _check_dot_dtype(dot_dtype)

@@ -110,6 +110,11 @@ def test_errors():
         rngs=nnx.Rngs(0), **MLA_KW)
   with pytest.raises(ValueError, match="attention_mode"):
     _dsa()(_x(), attention_mode="block")
+  # a prefill past the cache: the cache's own error (the indexer keys were written first, a
+  # TypeError from dynamic_update_slice)
+  m = _dsa()
+  with pytest.raises(ValueError, match="exceed the cache capacity max_len=4"):
+    m(_x(t=6), cache=m.init_cache(2, 4))
   with pytest.raises(ValueError, match="quant"):
     _dsa(quant="int4")
   with pytest.raises(ValueError, match="rope_base"):  # the indexer's own RoPE, at construction

@@ -275,6 +275,17 @@ def test_bad_offsets_and_empty_selections_are_refused():
   for fn in (indexer_scores, lambda *a, **kw: sparse_mod.indexer_topk(*a, 2, **kw)):
     with pytest.raises(ValueError, match="`q_offset` must be one integer"):
       fn(q, k, w, q_offset=jnp.array([0, 3]))
+    # kv_lengths get dot_product_attention's check (a wrong shape failed deep inside; floats
+    # were truncated)
+    for bad in (jnp.array([1, 2, 3]), 3, jnp.array([2.9, 3.9])):
+      with pytest.raises(ValueError, match=r"`kv_lengths` must be \[B\] = \(2,\) integers"):
+        fn(q, k, w, kv_lengths=bad)
+  # NumPy ints are ints (the default `candidates` computed from one was refused)
+  for impl in ("xla", "cpu"):
+    np.testing.assert_array_equal(
+        sparse_mod.indexer_topk(q, k, w, np.int64(2), block_size=np.int64(8),
+                                implementation=impl),
+        sparse_mod.indexer_topk(q, k, w, 2, block_size=8, implementation=impl))
     with pytest.raises(ValueError, match="`q_offset` must be one integer"):
       fn(q, k, w, q_offset=1.5)   # one check with dot_product_attention's: integers only
   for impl in ("xla", "cpu", "pallas_tpu"):
