@@ -36,6 +36,18 @@ NF4_CODEBOOK = np.array([
 NF4_ZERO = 7  # index of 0.0
 
 
+def _torch_linspace(start: float, end: float, n: int) -> np.ndarray:
+  """fp32 ``torch.linspace`` as bitsandbytes builds the table with it: a fp32 step, the first half
+  counted up from ``start`` and the rest down from ``end``, each value ``start + step * i`` rounded
+  once (a fused multiply-add).  ``np.linspace`` rounds 22 of the table's entries differently."""
+  s, e = np.float32(start), np.float32(end)
+  step = np.float64(np.float32((e - s) / np.float32(n - 1)))
+  i = np.arange(n)
+  up = np.float64(s) + step * i
+  down = np.float64(e) - step * (n - 1 - i)
+  return np.where(i < n // 2, up, down).astype(np.float32)
+
+
 def dynamic_map(max_exponent_bits: int = 7, total_bits: int = 8) -> np.ndarray:
   """bitsandbytes' signed 8-bit "dynamic" code (``create_dynamic_map(signed=True)``), 256 sorted values.
 
@@ -46,7 +58,7 @@ def dynamic_map(max_exponent_bits: int = 7, total_bits: int = 8) -> np.ndarray:
   non_sign_bits = total_bits - 1
   for i in range(max_exponent_bits):
     n_edges = 2 ** (i + non_sign_bits - max_exponent_bits) + 1
-    edges = np.linspace(0.1, 1, n_edges, dtype=np.float32)
+    edges = _torch_linspace(0.1, 1.0, n_edges)
     means = (edges[:-1] + edges[1:]) / 2.0
     mag = np.float32(10.0 ** (-(max_exponent_bits - 1) + i)) * means   # fp32 products, as the original
     data += mag.tolist() + (-mag).tolist()

@@ -119,3 +119,17 @@ def test_initialization_matches_peft():
     np.testing.assert_allclose(sample.std(), bound / np.sqrt(3), rtol=0.03)
     assert np.abs(sample).max() > 0.99 * bound
   assert a.shape == a_t.T.shape
+
+
+def test_dynamic_map_is_bitsandbytes_table_bit_for_bit():
+  """bitsandbytes' create_dynamic_map(signed=True), written out with torch as it does: equal to
+  our table in every bit (np.linspace left 22 entries one fp32 ulp off)."""
+  from jaxattn.ops.nf4 import DYNAMIC_MAP
+  data = []
+  for i in range(7):
+    edges = torch.linspace(0.1, 1, 2 ** i + 1, dtype=torch.float32)
+    means = (edges[:-1] + edges[1:]) / 2.0
+    data += ((10 ** (-6 + i)) * means).tolist() + (-(10 ** (-6 + i)) * means).tolist()
+  data += [0.0, 1.0] + [0.0] * (256 - len(data) - 2)
+  want = torch.sort(torch.tensor(data, dtype=torch.float32)).values.numpy()
+  np.testing.assert_array_equal(DYNAMIC_MAP, want)
