@@ -336,6 +336,9 @@ def make_mask(*, is_causal: bool = False, local_window_size=None, segment_ids=No
     parts.append(SlidingWindowMask(left, right))
   if segment_ids is not None:
     if isinstance(segment_ids, (tuple, list)):
+      if len(segment_ids) != 2:
+        raise ValueError(f"`segment_ids` must be one [B, T] array or a (q_ids, kv_ids) pair, got "
+                         f"a {type(segment_ids).__name__} of {len(segment_ids)}.")
       q_ids, kv_ids = segment_ids
     else:
       q_ids = kv_ids = segment_ids

@@ -91,6 +91,10 @@ def test_mask_errors():
     M.make_mask(local_window_size=-3)
   with pytest.raises(ValueError, match="local_window_size"):
     M.make_mask(local_window_size=(1, 2, 3))
+  ids = jnp.zeros((1, 4), jnp.int32)
+  with pytest.raises(ValueError, match=r"`segment_ids` must be one \[B, T\] array or a \(q_ids, "
+                     r"kv_ids\) pair, got a tuple of 3"):
+    M.make_mask(segment_ids=(ids, ids, ids))
   with pytest.raises(ValueError, match="indices"):
     M.GlobalTokensMask((-1,))
   for bad in ((1.7,), (True,), 3):
