@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from jaxattn.checks import is_int
+
 
 def nan_past_capacity(y, cache):
   """``y``, a layer's output from a step that wrote ``cache`` (``KVCache``, ``LatentCache`` or
@@ -69,8 +71,8 @@ class KVCache:
     v_head_dim = head_dim if v_head_dim is None else v_head_dim
     for name, v in (("batch", batch), ("max_len", max_len), ("num_kv_heads", num_kv_heads),
                     ("head_dim", head_dim), ("v_head_dim", v_head_dim)):
-      if int(v) < 1:
-        raise ValueError(f"KVCache.init: `{name}` must be >= 1, got {v!r}.")
+      if not is_int(v) or v < 1:    # (a float max_len was truncated)
+        raise ValueError(f"KVCache.init: `{name}` must be an int >= 1, got {v!r}.")
     length = cache_length(int(max_len), length_align)
     return cls(key=jnp.zeros((batch, length, num_kv_heads * head_dim), dtype),
                value=jnp.zeros((batch, length, num_kv_heads * v_head_dim), dtype),
@@ -113,7 +115,7 @@ class KVCache:
       raise ValueError(f"cache overflow: index {int(self.index)} + {t} new tokens > max_len "
                        f"{self.max_len}.")
     start = (0, self.index, 0)
-    rows = lambda x, like: x.reshape(b, t, -1).astype(like.dtype)  # noqa: E731
+    rows = lambda x, like: x.reshape(b, t, like.shape[-1]).astype(like.dtype)  # noqa: E731
     return KVCache(
         key=jax.lax.dynamic_update_slice(self.key, rows(key, self.key), start),
         value=jax.lax.dynamic_update_slice(self.value, rows(value, self.value), start),

@@ -6,11 +6,10 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxattn.cache import KVCache, kv_cache_bytes_per_token, nan_past_capacity
-from jaxattn.checks import check_positive
+from jaxattn.checks import check_positive, is_int
 from jaxattn.paged_cache import PagedKVCache, nan_where_dropped
 from jaxattn.rolling_cache import RollingKVCache
 from jaxattn.nn.linear import Einsum
@@ -89,8 +88,7 @@ class Attention(nnx.Module):
       head_dim = embed_dim // num_heads
     if position not in POSITION_KINDS:
       raise ValueError(f"`position` must be one of {POSITION_KINDS}, got {position!r}.")
-    if sliding_window is not None and (not isinstance(sliding_window, (int, np.integer))
-                                       or sliding_window < 0):
+    if sliding_window is not None and (not is_int(sliding_window) or sliding_window < 0):
       raise ValueError(f"`sliding_window` must be a non-negative int or None, got {sliding_window!r}.")
     if logits_soft_cap is not None:
       check_positive("logits_soft_cap", logits_soft_cap)
@@ -236,6 +234,8 @@ class Attention(nnx.Module):
     extra boolean ``[B|1, N|1, T, S]`` array or ``Mask``.  A ``PagedKVCache`` (``init_paged_cache``)
     gives each sequence its own length; default positions then continue each sequence.
     """
+    if x.ndim != 3 or x.shape[-1] != self.embed_dim:
+      raise ValueError(f"`x` must be [B, T, D={self.embed_dim}], got shape {x.shape}.")
     if isinstance(cache, PagedKVCache):
       return self._paged_call(x, positions, segment_ids, mask, cache, implementation)
     if cache is not None and not isinstance(cache, (KVCache, RollingKVCache)):

@@ -65,6 +65,15 @@ def test_cache_overflow_and_packed_with_cache_raise():
     attn(_x(t=3), cache=filled)
   with pytest.raises(ValueError, match="segment_ids"):
     attn(_x(t=2), cache=cache, segment_ids=jnp.zeros((2, 2), jnp.int32))
+  # an empty chunk leaves the cache as it was (the row reshape divided by T = 0)
+  y, same = attn(_x(t=0), cache=filled)
+  assert y.shape == (2, 0, D) and int(same.index) == 2
+  np.testing.assert_array_equal(same.key, filled.key)
+  for bad in (jnp.ones((3, D)), jnp.ones((2, 3, D + 1))):
+    with pytest.raises(ValueError, match=r"`x` must be \[B, T, D=32\]"):
+      attn(bad)
+  with pytest.raises(ValueError, match="`max_len` must be an int >= 1, got 2.7"):
+    attn.init_cache(2, 2.7)           # (was truncated to 2)
 
 
 def test_cache_overflow_under_jit_turns_the_outputs_nan():
