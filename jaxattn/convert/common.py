@@ -79,12 +79,12 @@ def rope_parameters(d: Mapping[str, Any], architecture: str) -> dict[str, Any]:
   """The RoPE dict of a config: transformers 5's ``rope_parameters``, or the older top-level
   ``rope_theta`` + ``rope_scaling`` (+ ``partial_rotary_factor``)."""
   rp = d.get("rope_parameters")
-  if rp is None:
-    rp = dict(d.get("rope_scaling") or {})
-    rp.setdefault("rope_theta", d.get("rope_theta", 10000.0))
-    if d.get("partial_rotary_factor") is not None:
-      rp.setdefault("partial_rotary_factor", d["partial_rotary_factor"])
-  rp = dict(rp)
+  rp = dict(d.get("rope_scaling") or {}) if rp is None else dict(rp)
+  # The top-level fields fill what the dict leaves out, as transformers does (a rope_parameters
+  # of {"rope_type": "default"} beside rope_theta=5e5 is base 5e5, not 1e4).
+  rp.setdefault("rope_theta", d.get("rope_theta", 10000.0))
+  if d.get("partial_rotary_factor") is not None:
+    rp.setdefault("partial_rotary_factor", d["partial_rotary_factor"])
   unknown = sorted(set(rp) - ROPE_FIELDS)
   if unknown:
     raise ValueError(f"{architecture}: RoPE parameter(s) {unknown} are not understood.")

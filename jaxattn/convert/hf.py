@@ -66,7 +66,10 @@ def config_from_hf(hf_config, *, dtype: str = "float32", param_dtype: str | None
   """
   d = common.as_dict(hf_config)
   arch = architecture_of(d)
-  kwargs = _FAMILIES[arch].config_from_hf(d, arch)
+  try:
+    kwargs = _FAMILIES[arch].config_from_hf(d, arch)
+  except KeyError as e:   # a required field (vocab_size, num_hidden_layers, ...) is absent
+    raise ValueError(f"{arch}: the config has no field {e.args[0]!r}.") from None
   kwargs.update(dtype=dtype, param_dtype=param_dtype or dtype)
   changed = sorted(k for k, v in overrides.items()
                    if k not in RUNTIME_FIELDS and (k not in kwargs or kwargs[k] != v))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from jaxattn.checks import is_int
 from jaxattn.convert import common as C
 from jaxattn.convert.llama import attention_rules, mlp_rules
 from jaxattn.convert.rules import (Rule, copy, experts, linear, linear_out, plus_one,
@@ -38,7 +39,10 @@ _KINDS = {"linear_attention": "D", "full_attention": "A"}
 
 
 def _moe_layers(d) -> list[bool]:
-  n, step = d["num_hidden_layers"], d.get("decoder_sparse_step", 1) or 1
+  n, step = d["num_hidden_layers"], d.get("decoder_sparse_step")
+  step = 1 if step is None else step
+  if not is_int(step) or step < 1:   # (transformers takes (i + 1) % step)
+    raise ValueError(f"`decoder_sparse_step` must be an int >= 1, got {step!r}.")
   only = set(d.get("mlp_only_layers") or [])
   return [i not in only and d.get("num_experts", 0) > 0 and (i + 1) % step == 0 for i in range(n)]
 
@@ -50,6 +54,9 @@ def config_from_hf(d: dict[str, Any], architecture: str) -> dict[str, Any]:
   types = d.get("layer_types")
   if types is None:
     interval = d.get("full_attention_interval", 4)
+    if not is_int(interval) or interval < 1:
+      raise ValueError(f"{architecture}: `full_attention_interval` must be an int >= 1, got "
+                       f"{interval!r}.")
     types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
              for i in range(layers)]
   bad = sorted(set(types) - set(_KINDS))

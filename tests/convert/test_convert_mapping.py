@@ -146,10 +146,23 @@ def _with(name, **changes):
     (_with("qwen3_next", mlp_only_layers=[1]), "dense prefix"),
     (_with("qwen3_next", linear_conv_kernel_dim=3), "linear_conv_kernel_dim"),
     (_with("qwen3_next", layer_types=["linear_attention", "sliding_attention"]), "layer_types"),
+    (_with("qwen3_next", layer_types=None, full_attention_interval=0),   # (% 0)
+     "`full_attention_interval` must be an int >= 1, got 0"),
+    (_with("qwen3_next", decoder_sparse_step=0), "`decoder_sparse_step` must be an int >= 1"),
+    ({k: v for k, v in CONFIGS["llama"].items() if k != "vocab_size"},   # (a KeyError)
+     "LlamaForCausalLM: the config has no field 'vocab_size'"),
 ])
 def test_unsupported_configs_raise(config, match):
   with pytest.raises(ValueError, match=match):
     config_from_hf(config)
+
+
+def test_top_level_rope_theta_fills_a_rope_parameters_dict_without_one():
+  """transformers reads {"rope_type": "default"} beside rope_theta=5e5 as base 5e5 (it was 1e4)."""
+  d = _with("llama", rope_theta=5e5, rope_parameters=dict(rope_type="default"))
+  assert config_from_hf(d).rope_base == 5e5
+  d["rope_parameters"]["rope_theta"] = 300.0          # the dict's own value wins
+  assert config_from_hf(d).rope_base == 300.0
 
 
 def test_state_dict_errors_name_the_tensor():
