@@ -122,8 +122,9 @@ def test_bad_configs_raise():
     Attention(D, num_heads=4, num_kv_heads=3, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="rotary_dim"):
     Attention(D, num_heads=4, rotary_dim=3, rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match="sliding_window"):
-    Attention(D, num_heads=4, sliding_window=-2, rngs=nnx.Rngs(0))
+  for bad in (-2, True, 2.0):   # (True was a window of 1)
+    with pytest.raises(ValueError, match="`sliding_window` must be a non-negative int or None"):
+      Attention(D, num_heads=4, sliding_window=bad, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="position"):
     Attention(D, num_heads=4, position="sinusoidal-ish", rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="embed_dim"):
