@@ -28,6 +28,12 @@ def is_number(v) -> bool:
       v, (bool, np.bool_))
 
 
+def check_bool(name: str, v) -> None:
+  """``v`` is a Python or NumPy bool (a string such as ``"no"`` is truthy: it would mean True)."""
+  if not isinstance(v, (bool, np.bool_)):
+    raise ValueError(f"`{name}` must be a bool, got {v!r}.")
+
+
 def check_int(name: str, v, *, minimum: int = 1, allow_none: bool = False) -> None:
   """``v`` is an int >= ``minimum`` (or None, when ``allow_none``)."""
   if v is None and allow_none:

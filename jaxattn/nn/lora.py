@@ -43,7 +43,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxattn.checks import check_int, is_number
+from jaxattn.checks import check_bool, check_int, is_number
 from jaxattn.nn.linear import Einsum, effective_kernel
 from jaxattn.ops import lora as lora_ops
 from jaxattn.ops import nf4 as nf4_ops
@@ -213,6 +213,11 @@ class NF4Einsum(nnx.Module):
     return y
 
 
+def _check_dropout(dropout) -> None:
+  if not is_number(dropout) or not 0 <= dropout < 1:
+    raise ValueError(f"`dropout` must be a number in [0, 1), got {dropout!r}.")
+
+
 class LoRA(nnx.Module):
   """``base(x) + scaling * B(A(dropout(x)))`` around a frozen ``Einsum``, ``nnx.Linear`` or ``NF4Einsum``.
 
@@ -231,8 +236,7 @@ class LoRA(nnx.Module):
   def __init__(self, base, *, rank: int = 8, alpha: float = 8.0, use_rslora: bool = False,
                dropout: float = 0.0, rngs: nnx.Rngs, param_dtype=jnp.float32):
     spec = _base_spec(base)
-    if not is_number(dropout) or not 0.0 <= dropout < 1.0:
-      raise ValueError(f"`dropout` must be a number in [0, 1), got {dropout!r}.")
+    _check_dropout(dropout)
     self.scaling = lora_ops.lora_scaling(rank, alpha, use_rslora=use_rslora)
     self.rank, self.alpha, self.use_rslora = rank, alpha, use_rslora
     self.specs = lora_ops.lora_einsum_specs(spec)
@@ -473,11 +477,9 @@ def apply_lora(
                      f"weight; layers: {candidates[:20]}{' ...' if len(candidates) > 20 else ''}.")
   # Every argument is checked before the model changes (a refusal must not leave it half adapted).
   lora_ops.lora_scaling(rank, alpha, use_rslora=use_rslora)   # rank, alpha, use_rslora
-  if not is_number(dropout) or not 0 <= dropout < 1:
-    raise ValueError(f"`dropout` must be a number in [0, 1), got {dropout!r}.")
-  for name, v in (("quantize_base", quantize_base), ("double_quant", double_quant)):
-    if not isinstance(v, (bool, np.bool_)):      # "no" would mean True
-      raise ValueError(f"`{name}` must be a bool, got {v!r}.")
+  _check_dropout(dropout)
+  check_bool("quantize_base", quantize_base)
+  check_bool("double_quant", double_quant)
   if quantize_base:
     check_int("block_size", block_size)
   if not isinstance(rngs, nnx.Rngs):

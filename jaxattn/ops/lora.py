@@ -21,10 +21,9 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Float
 
-from jaxattn.checks import check_int, is_number
+from jaxattn.checks import check_bool, check_int, is_number
 
 _ELLIPSIS = "."  # stands for "..." while we work letter by letter
 
@@ -35,8 +34,7 @@ def lora_scaling(rank: int, alpha: float, *, use_rslora: bool = False) -> float:
   # bool is a numbers.Real too, and True / False as a scale is a mistake, not a number.
   if not is_number(alpha) or not math.isfinite(alpha):   # inf * (B = 0) is NaN from step 0
     raise ValueError(f"`alpha` must be a finite real number, got {alpha!r}.")
-  if not isinstance(use_rslora, (bool, np.bool_)):       # "no" would mean True
-    raise ValueError(f"`use_rslora` must be a bool, got {use_rslora!r}.")
+  check_bool("use_rslora", use_rslora)
   return alpha / math.sqrt(rank) if use_rslora else alpha / rank
 
 
