@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxattn.checks import check_int, check_int_array, check_nonnegative, check_positive
+from jaxattn.checks import check_int, check_nonnegative, check_positive
 from jaxattn.nn.linear import param
 from jaxattn.nn.mlp import MLP
 from jaxattn.ops import moe as M
@@ -194,17 +194,16 @@ class MoE(nnx.Module):
       raise ValueError(f"`x` must be [B, T, D={self.embed_dim}], got shape {x.shape}.")
     b, t, d = x.shape
     if segment_ids is not None:
-      if segment_ids.shape != (b, t):
-        raise ValueError(f"`segment_ids` must be [B, T] = {(b, t)}, got {segment_ids.shape}.")
-      check_int_array("segment_ids", segment_ids)
+      M.check_segment_ids(segment_ids, b, t)
       if token_mask is None:
         token_mask = segment_ids > 0
     dtype = self.dtype or x.dtype
     x = shard(x.astype(dtype), ("batch", "length", "act_embed"))
     r = self.route(x)
+    # (first: it checks the mask's shape and dtype)
+    load = jax.lax.stop_gradient(M.expert_load(r.indices, self.num_experts, token_mask))
     indices = r.indices
     if token_mask is not None:
-      M.expert_load(indices, self.num_experts, token_mask)   # (checks the mask's shape / dtype)
       indices = jnp.where(token_mask[..., None], indices, -1)  # -1: no expert
     wg, wu, wd = (self.expert_kernel(name).astype(dtype)
                   for name in ("w_gate", "w_up", "w_down"))
@@ -226,10 +225,9 @@ class MoE(nnx.Module):
         s = (s.astype(jnp.float32) * g[..., None]).astype(s.dtype)
       y = y + s
     y = shard(y, ("batch", "length", "act_embed"))
-    return y, self._stats(r, dropped, token_mask, segment_ids)
+    return y, self._stats(r, load, dropped, token_mask, segment_ids)
 
-  def _stats(self, r: M.Routing, dropped, token_mask, segment_ids) -> MoEStats:
-    load = jax.lax.stop_gradient(M.expert_load(r.indices, self.num_experts, token_mask))
+  def _stats(self, r: M.Routing, load, dropped, token_mask, segment_ids) -> MoEStats:
     zero = jnp.zeros((), jnp.float32)
     seq = (M.sequence_balance_loss(r.scores, r.indices, token_mask, segment_ids)
            if self.seq_balance_alpha else zero)

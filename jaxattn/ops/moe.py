@@ -37,7 +37,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxattn.checks import check_int_array, check_nonnegative, check_positive
+from jaxattn.checks import check_bool, check_int_array, check_nonnegative, check_positive
 from jaxattn.sharding import place_if_concrete, shard
 
 ScoreFunc = Literal["sigmoid", "softmax"]
@@ -116,8 +116,7 @@ def select_experts(
   num_experts = scores.shape[-1]
   check_routing_config(num_experts, top_k, n_group, topk_group)
   check_positive("routed_scaling_factor", routed_scaling_factor)
-  if not isinstance(norm_topk_prob, (bool, np.bool_)):
-    raise ValueError(f"`norm_topk_prob` must be a bool, got {norm_topk_prob!r}.")
+  check_bool("norm_topk_prob", norm_topk_prob)
   topk_group = n_group if topk_group is None else topk_group
   if bias is not None and bias.shape != (num_experts,):
     raise ValueError(f"`bias` must have shape ({num_experts},), got {bias.shape}.")
@@ -203,6 +202,13 @@ def bias_update(bias: Float[Array, "E"], load: Float[Array, "E"], *, rate: float
   return (bias.astype(jnp.float32) + rate * jnp.sign(jnp.mean(load) - load)).astype(bias.dtype)
 
 
+def check_segment_ids(segment_ids, b: int, t: int) -> None:
+  """``segment_ids``: ``[B, T]`` integers (packed rows; 0 = padding)."""
+  if segment_ids.shape != (b, t):
+    raise ValueError(f"`segment_ids` must be [B, T] = {(b, t)}, got {segment_ids.shape}.")
+  check_int_array("segment_ids", segment_ids)
+
+
 def _segment_ranks(segment_ids: Int[Array, "B T"]) -> Int[Array, "B T"]:
   """Each token's segment as a rank in ``[0, T)`` among its row's distinct ids (any int ids)."""
   srt = jnp.sort(segment_ids, axis=-1)
@@ -238,9 +244,7 @@ def sequence_balance_loss(scores: Float[Array, "B T E"], indices: Int[Array, "B 
     f = num_experts / k * jnp.einsum("bte,bt->be", hot, w) / n_tok[:, None]
     p = jnp.einsum("bte,bt->be", s, w) / n_tok[:, None]
     return jnp.mean(jnp.sum(f * p, -1))
-  if segment_ids.shape != (b, t):
-    raise ValueError(f"`segment_ids` must be [B, T] = {(b, t)}, got {segment_ids.shape}.")
-  check_int_array("segment_ids", segment_ids)
+  check_segment_ids(segment_ids, b, t)
   w = w * (segment_ids > 0)
   seq = (jnp.arange(b)[:, None] * t + _segment_ranks(segment_ids)).reshape(-1)  # [B*T] ids
   sums = lambda v: jax.ops.segment_sum(v.reshape(b * t, -1), seq, num_segments=b * t)  # noqa: E731

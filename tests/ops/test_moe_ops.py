@@ -206,7 +206,7 @@ def test_sequence_balance_loss_matches_definition():
 def test_sequence_balance_loss_per_packed_sequence():
   """With segment ids, each sequence of a packed row is balanced on its own (DeepSeek-V3's loss
   is per sequence): equal to the loss over the sequences laid out as rows of their own."""
-  e, k = 4, 1
+  e = 4   # (top-1 routing: idx below has one choice per token)
   # row 0: two sequences, each routed to a single expert (balanced only as a whole row);
   # row 1: sequences with arbitrary, non-contiguous ids (9, 3, 9) and two padding tokens
   idx = jnp.array([[0, 0, 0, 0, 1, 1, 1, 1], [2, 3, 2, 0, 1, 2, 0, 0]])[..., None]
