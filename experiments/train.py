@@ -276,10 +276,10 @@ def train(args) -> dict:
       changed = {k: (v, meta["optimizer"][k]) for k, v in optimizer_args(args).items()
                  if k in meta.get("optimizer", {}) and meta["optimizer"][k] != v}
       if changed:
-        raise ValueError("the checkpoint in {} was trained with other optimizer settings: {}; "
-                         "use the same flags, another --out or --no-resume.".format(
-                             ckpt.directory, ", ".join(f"--{k.replace('_', '-')} {v} (checkpoint: "
-                                                       f"{w})" for k, (v, w) in changed.items())))
+        flags = ", ".join(f"--{k.replace('_', '-')} {v} (checkpoint: {w})"
+                          for k, (v, w) in changed.items())
+        raise ValueError(f"the checkpoint in {ckpt.directory} was trained with other optimizer "
+                         f"settings: {flags}; use the same flags, another --out or --no-resume.")
       if meta.get("steps", args.steps) != args.steps:
         log(f"--steps {args.steps} (the checkpoint's run had {meta['steps']}): the learning-rate "
             "schedule now decays over the new total")
