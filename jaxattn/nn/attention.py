@@ -146,6 +146,18 @@ class Attention(nnx.Module):
     return RollingKVCache.init(batch, int(self.sliding_window), self.num_kv_heads, self.head_dim,
                                self.v_head_dim, dtype)
 
+  def _check_cache_fits(self, cache, batch):
+    """A cache built for another batch or another layer is refused as ``cache`` (it failed later
+    as a bad ``key``, the tensor the layer computed)."""
+    if isinstance(cache, RollingKVCache):    # [B, L, K, H]
+      got = (*cache.key.shape[:1], *cache.key.shape[2:], cache.value.shape[3])
+    else:
+      got = (cache.key.shape[0], cache.num_kv_heads, cache.head_dim, cache.v_head_dim)
+    want = (batch, self.num_kv_heads, self.head_dim, self.v_head_dim)
+    if got != want:
+      raise ValueError(f"`cache` holds [B, K, H, h] = {list(got)}; this layer and `x` need "
+                       f"{list(want)} (build it with init_cache / init_rolling_cache).")
+
   def _check_rolling(self, cache, mask):
     if self.sliding_window is None or not self.causal or cache.window != self.sliding_window:
       raise ValueError(f"a RollingKVCache(window={cache.window}) needs a causal layer with "
@@ -257,6 +269,7 @@ class Attention(nnx.Module):
     if cache is not None:
       if segment_ids is not None:
         raise ValueError("`segment_ids` (packed sequences) cannot be combined with a KV `cache`.")
+      self._check_cache_fits(cache, b)
       if rolling:  # ring buffer: the window and causality come from the slots' positions
         self._check_rolling(cache, mask)
         k, v, mask, cache = cache.extend(k, v)

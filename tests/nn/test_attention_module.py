@@ -74,6 +74,12 @@ def test_cache_overflow_and_packed_with_cache_raise():
       attn(bad)
   with pytest.raises(ValueError, match="`max_len` must be an int >= 1, got 2.7"):
     attn.init_cache(2, 2.7)           # (was truncated to 2)
+  # a cache of another batch or another layer is named as `cache` (was a bad `key`)
+  gqa = Attention(D, num_heads=4, num_kv_heads=2, sliding_window=3, rngs=nnx.Rngs(0))
+  for layer, other in ((attn, attn.init_cache(3, 4)), (attn, gqa.init_cache(2, 4)),
+                       (gqa, gqa.init_rolling_cache(3))):
+    with pytest.raises(ValueError, match=r"`cache` holds \[B, K, H, h\]"):
+      layer(_x(t=2), cache=other)
 
 
 def test_cache_overflow_under_jit_turns_the_outputs_nan():
