@@ -109,13 +109,14 @@ def visible_keys(length, block, block_rows: int, num_t: int, groups: int):
   return jnp.minimum(jnp.maximum(length - num_t + last_t + 1, 0), length)
 
 
-def page_index(visible, table_ref, b, logical, *, max_pages, page_size):
+def page_index(visible, table_ref, b, logical, *, max_pages, page_size, num_pages):
   """Pool page holding logical page ``logical`` of sequence ``b``, clamped to the last page that
   holds one of its ``visible`` keys (so later steps re-use the block already in VMEM: no DMA) and
-  to a real page id."""
+  to a real page id in ``[0, num_pages)``: a row with no visible key still fetches its first
+  entry, which nothing checked (an empty slot's stale or sentinel ids; any id under ``jit``)."""
   last = jnp.maximum((visible + page_size - 1) // page_size - 1, 0)
   logical = jnp.minimum(logical, last)
-  return jnp.maximum(table_ref[b * max_pages + logical], 0)
+  return jnp.clip(table_ref[b * max_pages + logical], 0, num_pages - 1)
 
 
 def check_block_rows(block_rows) -> None:
@@ -260,7 +261,8 @@ def _local(q, key_pool, value_pool, page_table, lengths, *, scale, soft_cap, num
 
   def kv_map(bi, ii, si, ji, lens_ref, table_ref):
     visible = visible_keys(lens_ref[bi], ii, rb, t, g)
-    page = page_index(visible, table_ref, bi, si * pps + ji, max_pages=m, page_size=page_size)
+    page = page_index(visible, table_ref, bi, si * pps + ji, max_pages=m, page_size=page_size,
+                      num_pages=key_pool.shape[0])
     return (page,) + (0,) * (key_pool.ndim - 1)
 
   kernel = functools.partial(_kernel, scale=float(scale), soft_cap=soft_cap, num_t=t, groups=g,

@@ -116,8 +116,8 @@ def _dense_local(q_latent, q_rope, c_pool, kr_pool, page_table, lengths, *, scal
 
   def kv_map(bi, ii, si, ji, lens_ref, table_ref):
     visible = visible_keys(lens_ref[bi], ii, rb, t, n)
-    return (page_index(visible, table_ref, bi, si * pps + ji, max_pages=m, page_size=page_size),
-            0, 0)
+    return (page_index(visible, table_ref, bi, si * pps + ji, max_pages=m, page_size=page_size,
+                       num_pages=c_pool.shape[0]), 0, 0)
 
   def kr_map(*idx):
     return kv_map(*idx)[:2] + (rope_block,)

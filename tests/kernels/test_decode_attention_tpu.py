@@ -87,10 +87,28 @@ def test_page_index_clamps_to_the_last_valid_page():
   """Steps past a sequence's visible keys re-point at its last visible page, so no new DMA is
   issued; an empty sequence points at a real page id (0 here) rather than -1."""
   table = jnp.array([7, 3, -1, -1, -1, -1, -1, -1], jnp.int32)  # [B=2, M=4] flattened
-  got = [int(page_index(5, table, 0, j, max_pages=4, page_size=4)) for j in range(4)]
+  kw = dict(max_pages=4, page_size=4, num_pages=8)
+  got = [int(page_index(5, table, 0, j, **kw)) for j in range(4)]
   assert got == [7, 3, 3, 3]
-  assert [int(page_index(4, table, 0, j, max_pages=4, page_size=4)) for j in range(3)] == [7] * 3
-  assert int(page_index(0, table, 1, 2, max_pages=4, page_size=4)) == 0
+  assert [int(page_index(4, table, 0, j, **kw)) for j in range(3)] == [7] * 3
+  assert int(page_index(0, table, 1, 2, **kw)) == 0
+  # an empty row's unchecked entries may hold any id: the fetch stays inside the pool
+  stale = jnp.array([7, 3, -1, -1, 999, 999, 999, 999], jnp.int32)
+  assert int(page_index(0, stale, 1, 0, **kw)) == 7
+
+
+def test_an_empty_row_with_stale_page_ids_reads_inside_the_pool():
+  """A length-0 row's table entries are not checked (a freed slot keeps stale ids, a server may
+  pad with a sentinel): its fetch is clamped into the pool (it was an out-of-bounds DMA) and the
+  row's output is 0, as the formula's."""
+  cache = cache_for((7, 0), kh=2, num_pages=6, max_pages=3)
+  table = cache.page_table.at[1].set(cache.key_pool.shape[0] + 7)
+  q = queries(2, 1, 4)
+  args = (q, cache.key_pool, cache.value_pool, table, cache.lengths)
+  ref = paged_attention(*args, implementation="xla")
+  got = paged_attention(*args, implementation="pallas_tpu", interpret=pltpu.InterpretParams())
+  np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(got[1], 0.0)
 
 
 def test_visible_keys_of_a_row_block():

@@ -60,6 +60,20 @@ def test_dense_matches_reference_with_race_detection(race_states):
   assert race_states and not any(st.races_found for st in race_states)
 
 
+def test_an_empty_row_with_stale_page_ids_reads_inside_the_pool():
+  """A length-0 row's unchecked table entries (stale ids, a sentinel past the pool) are clamped
+  into the pool for the fetch (it was an out-of-bounds DMA); the row's output is 0."""
+  cache = cache_for((6, 0), num_pages=6, max_pages=3)
+  table = cache.page_table.at[1].set(cache.c_kv_pool.shape[0] + 7)
+  q = tuple(x[:, 0] for x in queries(2, 1, 4))
+  args = (*q, cache.c_kv_pool, cache.k_rope_pool, table, cache.lengths)
+  ref = paged_mla_decode(*args, scale=SCALE, implementation="xla")
+  got = paged_mla_decode(*args, scale=SCALE, implementation="pallas_tpu",
+                         interpret=pltpu.InterpretParams())
+  np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(got[1], 0.0)
+
+
 @pytest.mark.parametrize("t,dtype,rope_align", [(1, jnp.bfloat16, 1), (3, jnp.float32, 8)])
 def test_dense_split_kv_ragged(t, dtype, rope_align):
   lengths = (9, 0, 2, 16)
