@@ -56,6 +56,13 @@ def check_int_array(name: str, x) -> None:
     raise ValueError(f"`{name}` must be an integer array, got dtype {x.dtype}.")
 
 
+def check_float_array(name: str, x) -> None:
+  """``x`` is an array of a floating dtype (queries, keys, cached values: an integer one would
+  give integer, truncated results; a bool or int8 pool would be read as raw numbers)."""
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"`{name}` must be a floating-point array, got dtype {x.dtype}.")
+
+
 def check_positive(name: str, v) -> None:
   """``v`` is a finite number > 0."""
   if not is_number(v) or not (0 < v) or not math.isfinite(v):

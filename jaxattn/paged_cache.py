@@ -46,6 +46,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from jaxattn.checks import check_int_array
+
 _I32 = jnp.int32
 _LANES = 128
 
@@ -134,7 +136,9 @@ class PageTable:
   def _counts(self, t: int, num_tokens) -> Int[Array, "B"]:
     if num_tokens is None:
       return jnp.full((self.batch,), t, _I32)
-    num_tokens = jnp.asarray(num_tokens, _I32)
+    num_tokens = jnp.asarray(num_tokens)
+    check_int_array("num_tokens", num_tokens)     # (a float count was truncated)
+    num_tokens = num_tokens.astype(_I32)
     if num_tokens.shape != (self.batch,):
       raise ValueError(f"`num_tokens` must be [B={self.batch}], got shape {num_tokens.shape}.")
     if _concrete(num_tokens):

@@ -194,6 +194,8 @@ def test_errors():
     cache.append(x, x, jnp.array([3, 0]))
   with pytest.raises(ValueError, match="num_tokens"):
     cache.append(x, x, jnp.array([1]))
+  with pytest.raises(ValueError, match="`num_tokens` must be an integer array"):
+    cache.append(x, x, np.array([1.9, 0.5]))          # (was truncated to [1, 0])
   with pytest.raises(ValueError, match="done"):
     cache.free(jnp.array([1, 0]))
   with pytest.raises(ValueError, match="page_size"):

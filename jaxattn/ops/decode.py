@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jaxattn.checks import check_int_array, is_int
+from jaxattn.checks import check_float_array, check_int_array, is_int
 from jaxattn.paged_cache import PageTable, gather_pages
 
 DecodeImplementation = Literal["xla", "pallas_tpu", "pallas_gpu"]
@@ -236,6 +236,8 @@ def _check_gqa(q, key_pool, value_pool, page_table, lengths, scale, logits_soft_
   """``paged_attention``'s argument checks (``q`` 4-D); returns the KV heads ``K`` and the scale
   and soft-cap as floats (``_check_scale``)."""
   b, _, n, h = q.shape
+  for name, x in (("q", q), ("key_pool", key_pool), ("value_pool", value_pool)):
+    check_float_array(name, x)
   kh = merged_kv_heads(key_pool, value_pool, h)
   if n % kh:
     raise ValueError(f"query heads N={n} must be a multiple of the KV heads K={kh}.")
@@ -552,6 +554,9 @@ def paged_mla_decode(
   ql, qr, squeeze = _mla_queries(q_latent, q_rope)
   b, t, n, c = ql.shape
   r = qr.shape[3]
+  for name, x in (("q_latent", ql), ("q_rope", qr), ("c_kv_pool", c_kv_pool),
+                  ("k_rope_pool", k_rope_pool)):
+    check_float_array(name, x)
   if c_kv_pool.ndim != 3 or c_kv_pool.shape[2] != c:
     raise ValueError(f"`c_kv_pool` must be [P, page, C={c}], got {c_kv_pool.shape}.")
   if (k_rope_pool.ndim != 3 or k_rope_pool.shape[:2] != c_kv_pool.shape[:2]

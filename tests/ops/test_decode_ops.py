@@ -275,6 +275,12 @@ def test_dispatch_and_errors():
       paged_attention(q, *args, num_splits=bad)
   np.testing.assert_array_equal(paged_attention(q, *args, num_splits=np.int64(2)),
                                 paged_attention(q, *args, num_splits=2))   # a NumPy int is an int
+  # integer queries gave truncated integer outputs; an int8 / bool pool was read as raw numbers
+  for i, name in ((0, "q"), (1, "key_pool"), (2, "value_pool")):
+    bad = [q, *args[:2]]
+    bad[i] = bad[i].astype(jnp.int8 if i else jnp.int32)
+    with pytest.raises(ValueError, match=f"`{name}` must be a floating-point array"):
+      paged_attention(*bad, *args[2:])
   lat, _, _ = latent_cache()
   largs = (lat.c_kv_pool, lat.k_rope_pool, lat.page_table, lat.lengths)
   ql, qr = jnp.ones((len(LENGTHS), 3, 12)), jnp.ones((len(LENGTHS), 3, 4))
@@ -290,5 +296,10 @@ def test_dispatch_and_errors():
     paged_mla_decode(ql, qr, largs[0], largs[1][:-1], *largs[2:], scale=0.1)
   with pytest.raises(ValueError, match="indices"):
     paged_mla_decode(ql, qr, *largs, scale=0.1, indices=jnp.ones((2, 3), jnp.int32))
+  for i, name in enumerate(("q_latent", "q_rope", "c_kv_pool", "k_rope_pool")):
+    bad = [ql, qr, *largs[:2]]
+    bad[i] = bad[i].astype(jnp.int8)
+    with pytest.raises(ValueError, match=f"`{name}` must be a floating-point array"):
+      paged_mla_decode(*bad, *largs[2:], scale=0.1)
   with pytest.raises(ValueError, match="indices"):
     paged_mla_decode(ql, qr, *largs, scale=0.1, indices=jnp.ones((len(LENGTHS), 3)))
