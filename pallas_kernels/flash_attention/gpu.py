@@ -435,7 +435,9 @@ def _backward(plan: C.Plan, q, k, v, aux, out, lse, d_out, d_lse):
   delta = jnp.swapaxes(delta, 1, 2) - d_lse.astype(jnp.float32)  # [B, N, T]
   lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)  # empty rows: p = exp(-inf - 0) = 0
   pad_t = ((0, 0), (0, 0), (0, plan.q_pad - plan.q_len))
-  delta, lse_safe = jnp.pad(delta, pad_t), jnp.pad(lse_safe, pad_t)
+  # Padded query rows are not masked: an lse of +inf makes their p = 0 (0 let a large ALiBi
+  # term overflow p to inf, and inf * 0 put NaN into dK / dV).
+  delta, lse_safe = jnp.pad(delta, pad_t), jnp.pad(lse_safe, pad_t, constant_values=jnp.inf)
 
   atomic = _OPTIONS["dq"] == "atomic"
   if not atomic:

@@ -95,6 +95,9 @@ def shard_attention(local: Callable, query, key, value, *, q_ids, kv_ids, kv_len
   named = {"query": query, "key": key, "value": value, "q_ids": q_ids, "kv_ids": kv_ids,
            "kv_lengths": kv_lengths, "alibi_slopes": alibi_slopes, "q_offset": q_offset,
            "scale": scale}
+  # NumPy arrays travel as arrays too: closed over, each shard saw the whole array (every head
+  # shard but the first read other heads' ALiBi slopes).
+  named = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in named.items()}
   names = [k for k, v in named.items() if isinstance(v, (jax.Array, jax.core.Tracer))]
 
   def body(*xs):
@@ -117,6 +120,8 @@ def run_flash(query, key, value, mask, *, scale, alibi_slopes, logits_soft_cap, 
   ``build(plan)(q, k, v, aux)`` on each shard (``build`` maps a ``Plan`` to the backend's custom-VJP
   function)."""
   static, segments, lengths = common.split_mask(mask)
+  if isinstance(alibi_slopes, (list, tuple, np.ndarray)):
+    alibi_slopes = jnp.asarray(alibi_slopes)     # (a list passed the checks, then failed)
   if scale is None:
     scale = 1.0 / float(query.shape[-1]) ** 0.5
   common.validate(query, key, value, q_offset=q_offset, scale=scale, alibi_slopes=alibi_slopes,

@@ -119,12 +119,12 @@ def _build(plan: C.Plan):
   return C.flash_custom_vjp(plan, _forward, _backward)
 
 
-def _pad_to(x, axis, size):
+def _pad_to(x, axis, size, value=0):
   if x.shape[axis] == size:
     return x
   pad = [(0, 0)] * x.ndim
   pad[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, pad)
+  return jnp.pad(x, pad, constant_values=value)
 
 
 def _heads_major(x, length):
@@ -358,7 +358,9 @@ def _backward(plan: C.Plan, q, k, v, aux, out, lse, d_out, d_lse):
   delta = jnp.swapaxes(delta, 1, 2) - d_lse.astype(jnp.float32)  # [B, N, T]
   lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)  # empty rows: p = exp(-inf - 0) = 0
   delta = _pad_to(delta, 2, plan.q_pad)
-  lse_safe = _pad_to(lse_safe, 2, plan.q_pad)
+  # Padded query rows (zeros) are not masked: +inf makes their p = exp(s - inf) = 0 (with 0, an
+  # ALiBi term past ~88 overflowed p to inf, and inf * 0 put NaN into dK / dV).
+  lse_safe = _pad_to(lse_safe, 2, plan.q_pad, jnp.inf)
 
   def cols(a):  # [B, N, Tp] -> [B, N, Tp, LANES]
     return jnp.broadcast_to(a[..., None], (b, n, plan.q_pad, C.NUM_LANES))

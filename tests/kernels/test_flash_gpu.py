@@ -72,6 +72,9 @@ CASES = {
     "padding_softcap_offset": ((2, 24, 40, 2, 2, 16, 16),
                                {"kv_lengths": (29, 0), "logits_soft_cap": 3.0, "is_causal": True,
                                 "q_offset": 16}),
+    # One query (the rest of its block padding) against 200 keys, ALiBi without causality: slope
+    # 0.5 x a distance past 176 exceeds 88, where the padded rows' p overflowed (NaN in dK / dV).
+    "alibi_one_query_far_keys": ((1, 1, 200, 2, 2, 16, 16), {"alibi": True}),
 }
 
 

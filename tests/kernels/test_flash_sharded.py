@@ -85,6 +85,19 @@ def test_explicit_mesh_argument_and_explicit_axes_with_mqa():
   assert_close(out, want, 2e-5)
 
 
+@pytest.mark.parametrize("kernel", [flash_attention_tpu, flash_attention_gpu])
+def test_numpy_and_list_slopes_are_split_with_the_heads(kernel):
+  """A NumPy array was closed over whole: every head shard but the first read the first shard's
+  ALiBi slopes (a list failed with an AttributeError)."""
+  mesh = sharding.make_mesh({"data": 2, "tensor": 4})
+  q, k, v = inputs(2, 16, 4, 4, seed=3)
+  slopes = 0.5 ** np.arange(1, 5, dtype=np.float32)
+  want = dot_product_attention(q, k, v, alibi_slopes=jnp.asarray(slopes), implementation="xla")
+  with jax.set_mesh(mesh):
+    for given in (slopes, slopes.tolist()):
+      assert_close(kernel(q, k, v, None, alibi_slopes=given, block_sizes=SMALL), want, 2e-5)
+
+
 def test_gpu_kernel_sharded():
   mesh = sharding.make_mesh({"data": 2, "tensor": 4})
   q, k, v = inputs(2, 32, 4, 4, seed=2)

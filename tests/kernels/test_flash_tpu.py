@@ -82,6 +82,9 @@ CASES = {
     # A decode-like chunk: 8 queries at positions 30..37 of a 40-key cache.
     "offset_causal": ((1, 8, 40, 4, 2, 16, 16), {"is_causal": True, "q_offset": 30}),
     "global_tokens_or_window": ((1, 40, 40, 2, 2, 16, 16), {"global_window": True}),
+    # One query (the rest of its block padding) against 200 keys, ALiBi without causality: slope
+    # 0.5 x a distance past 176 exceeds 88, where the padded rows' p overflowed (NaN in dK / dV).
+    "alibi_one_query_far_keys": ((1, 1, 200, 2, 2, 16, 16), {"alibi": True}),
 }
 
 
