@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from jaxattn.checks import check_nonnegative
+from jaxattn.checks import check_int, check_nonnegative
 from jaxattn.nn.linear import Einsum, param
 from jaxattn.ops.delta_rule import (IMPLEMENTATIONS, gated_delta_rule, l2_normalize,
                                     segment_resets)
@@ -179,9 +179,9 @@ class GatedDeltaNet(nnx.Module):
       param_dtype=jnp.float32,
   ):
     num_key_heads = num_heads if num_key_heads is None else num_key_heads
-    if num_heads < 1 or num_key_heads < 1:
-      raise ValueError(f"`num_heads` ({num_heads}) and `num_key_heads` ({num_key_heads}) must be "
-                       ">= 1.")
+    for name, v in (("embed_dim", embed_dim), ("num_heads", num_heads),
+                    ("num_key_heads", num_key_heads), ("conv_kernel_size", conv_kernel_size)):
+      check_int(name, v)        # (True passed as 1; a float kernel size was a TypeError)
     if num_heads % num_key_heads:
       raise ValueError(f"`num_heads` ({num_heads}) must be a multiple of `num_key_heads` "
                        f"({num_key_heads}): each key head serves num_heads / num_key_heads value "
@@ -191,11 +191,8 @@ class GatedDeltaNet(nnx.Module):
         raise ValueError(f"`embed_dim` ({embed_dim}) is not divisible by `num_heads` ({num_heads}); "
                          "pass `head_dim` explicitly.")
       head_dim = embed_dim // num_heads
-    for name, size in (("head_dim", head_dim), ("v_head_dim", v_head_dim)):
-      if size is not None and (not isinstance(size, (int, np.integer)) or size < 1):
-        raise ValueError(f"`{name}` must be an int >= 1, got {size!r}.")
-    if conv_kernel_size < 1:
-      raise ValueError(f"`conv_kernel_size` must be >= 1, got {conv_kernel_size!r}.")
+    check_int("head_dim", head_dim)
+    check_int("v_head_dim", v_head_dim, allow_none=True)
     # Checked here as well as per call, so that a bad setting fails where it is written.
     if (not isinstance(chunk_size, (int, np.integer)) or isinstance(chunk_size, bool)
         or chunk_size < 1 or chunk_size & (chunk_size - 1)):

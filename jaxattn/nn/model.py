@@ -164,8 +164,14 @@ class ModelConfig:
         raise ValueError(f"`{name}` must be a positive int, got {v!r}.")
     for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "mlp_dim", "max_seq_len"):
       positive(name)
-    for name in ("num_kv_heads", "head_dim", "moe_expert_dim", "moe_shared_dim"):
+    for name in ("num_kv_heads", "head_dim", "moe_expert_dim", "moe_shared_dim",
+                 "deltanet_num_heads", "deltanet_num_key_heads", "deltanet_head_dim",
+                 "deltanet_v_head_dim"):
       positive(name, allow_none=True)
+    positive("deltanet_chunk_size")
+    if self.deltanet_chunk_size & (self.deltanet_chunk_size - 1):
+      raise ValueError(f"`deltanet_chunk_size` must be a power of two, got "
+                       f"{self.deltanet_chunk_size!r}.")
     for f in dataclasses.fields(self):
       # A string such as "false" is truthy: it would silently mean True.
       if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
@@ -323,7 +329,8 @@ class DecoderLayer(nnx.Module):
                          index_topk=cfg.index_topk, attention_mode=cfg.dsa_attention_mode, **mla)
     else:
       self.mixer = GatedDeltaNet(
-          d, cfg.deltanet_num_heads or cfg.num_heads, num_key_heads=cfg.deltanet_num_key_heads,
+          d, cfg.num_heads if cfg.deltanet_num_heads is None else cfg.deltanet_num_heads,
+          num_key_heads=cfg.deltanet_num_key_heads,
           head_dim=cfg.deltanet_head_dim, v_head_dim=cfg.deltanet_v_head_dim,
           chunk_size=cfg.deltanet_chunk_size, norm_eps=cfg.norm_eps, **common)
     self.ffn_norm = make_norm(cfg.norm, d, eps=cfg.norm_eps, rngs=rngs, param_dtype=pdt)

@@ -205,8 +205,11 @@ def test_errors():
     GatedDeltaNet(D, 4, a_init_range=(0.0, 16.0), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="`dt_min`"):
     GatedDeltaNet(D, 4, dt_min=0.2, dt_max=0.1, rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match="`conv_kernel_size`"):
-    GatedDeltaNet(D, 4, conv_kernel_size=0, rngs=nnx.Rngs(0))
+  for kw in (dict(conv_kernel_size=0), dict(conv_kernel_size=True), dict(conv_kernel_size=2.5),
+             dict(num_heads=True), dict(num_key_heads=True), dict(embed_dim=0)):
+    name, bad = next(iter(kw.items()))           # (True passed as 1, 2.5 was a TypeError)
+    with pytest.raises(ValueError, match=f"`{name}` must be an int >= 1, got {bad!r}"):
+      GatedDeltaNet(**{"embed_dim": D, "num_heads": 4, **kw}, rngs=nnx.Rngs(0))
   layer = _layer()
   with pytest.raises(ValueError, match="`segment_ids`.*cannot be combined"):
     layer(_x(t=3), segment_ids=jnp.zeros((2, 3), jnp.int32), cache=layer.init_cache(2))
@@ -224,7 +227,7 @@ def test_errors():
     causal_depthwise_conv(jnp.zeros((1, 3, 2)), jnp.zeros((4, 2)),
                           segment_ids=jnp.zeros((1, 3), jnp.float32))
   for name in ("head_dim", "v_head_dim"):
-    with pytest.raises(ValueError, match=f"`{name}` must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match=f"`{name}` must be (None or )?an int >= 1, got 0"):
       GatedDeltaNet(D, 4, **{name: 0}, rngs=nnx.Rngs(0))
   for kwargs, match in ((dict(chunk_size=48), "`chunk_size` must be a power of two"),
                         (dict(implementation="foo"), "`implementation` must be None or one of"),

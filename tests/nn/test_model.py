@@ -202,6 +202,14 @@ def test_config_round_trip_and_errors():
     ModelConfig(num_experts=4, num_experts_per_tok=0)
   with pytest.raises(ValueError, match="`num_streams` must be a positive int"):
     ModelConfig(num_streams=0)
+  # DeltaNet sizes are checked with the config, naming its fields (0 heads meant num_heads)
+  for name in ("deltanet_num_heads", "deltanet_num_key_heads", "deltanet_head_dim",
+               "deltanet_v_head_dim", "deltanet_chunk_size"):
+    for bad in (0, True, 2.0):
+      with pytest.raises(ValueError, match=f"`{name}` must be a positive int, got {bad!r}"):
+        ModelConfig(layer_pattern="D", **{name: bad})
+  with pytest.raises(ValueError, match="`deltanet_chunk_size` must be a power of two, got 48"):
+    ModelConfig(layer_pattern="D", deltanet_chunk_size=48)
   # rope_scaling dicts are checked with the config (an unknown key was a TypeError at build time)
   for bad in ({"type": "linear", "factor": 2.0, "scale": 2}, {"factor": 2.0}, "yarn"):
     with pytest.raises(ValueError, match="`rope_scaling` must be None or a dict of RopeScaling"):
