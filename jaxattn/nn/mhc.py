@@ -79,6 +79,8 @@ class HyperConnection(nnx.Module):
     # eps is added to the read weights h_pre (and to the plain Sinkhorn's sums).
     _check_eps(eps, norm_eps)
     check_int("layer_index", layer_index, minimum=0)
+    for name, v in (("init_std", init_std), ("gate_init", gate_init)):
+      check_nonnegative(name, v, what="a finite number >= 0")   # (NaN gave NaN coefficients)
     n, d = int(num_streams), int(embed_dim)
     self.kind, self.num_streams, self.embed_dim = kind, n, d
     self.sinkhorn_iters, self.log_domain = sinkhorn_iters, log_domain

@@ -212,6 +212,9 @@ def test_errors():
     HyperConnection(D, N, sinkhorn_iters=True, rngs=nnx.Rngs(0))  # at construction, not first call
   with pytest.raises(ValueError, match="eps"):
     HyperConnection(D, N, eps=-1.0, rngs=nnx.Rngs(0))
+  for name, bad in (("gate_init", float("nan")), ("init_std", -1.0), ("gate_init", "0.1")):
+    with pytest.raises(ValueError, match=f"`{name}` must be a finite number >= 0"):
+      HyperConnection(D, N, rngs=nnx.Rngs(0), **{name: bad})   # (NaN gave NaN coefficients)
   with pytest.raises(ValueError, match="streams"):
     HyperConnection(D, N, rngs=nnx.Rngs(0)).coefficients(_streams(n=3))
   with pytest.raises(ValueError, match="rngs"):
