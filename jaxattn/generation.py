@@ -77,7 +77,12 @@ def sample_logits(logits: Float[Array, "B V"], key, *, temperature: float = 0.0,
   logits = logits.astype(jnp.float32)
   if temperature == 0.0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  logits = logits / temperature
+  # Shifted by the row maximum first (softmax is shift-invariant), the maximum kept at 0: a tiny
+  # temperature then sends the other tokens to -inf, not the logits to inf / NaN (a subnormal
+  # one flushes to 0: 0 / 0); that sampled token 0.
+  top = jnp.max(logits, axis=-1, keepdims=True)
+  shifted = logits - jnp.where(jnp.isfinite(top), top, 0.0)
+  logits = jnp.where(shifted == 0, 0.0, shifted / temperature)
   if 0 < top_k < logits.shape[-1]:
     kth = jax.lax.top_k(logits, int(top_k))[0][..., -1:]
     logits = jnp.where(logits >= kth, logits, -jnp.inf)

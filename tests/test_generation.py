@@ -124,6 +124,19 @@ def test_nucleus_sampling_draws_only_from_the_top_p_set():
       sample_logits(bad, jax.random.key(0), temperature=1.0, top_p=0.7)
 
 
+def test_a_tiny_temperature_samples_the_most_likely_token():
+  """``logits / 1e-39`` overflowed to inf (NaN after the softmax) and sampled token 0; the logits
+  are shifted by their maximum first, so a tiny temperature is the argmax (also with top-p)."""
+  logits = jnp.array([[1.0, 2.0, 5.0, 3.0], [4.0, -1.0, 0.5, 3.9]])
+  for kw in (dict(), dict(top_p=0.9), dict(top_k=2)):
+    got = sample_logits(logits, jax.random.key(0), temperature=1e-39, **kw)
+    np.testing.assert_array_equal(got, [2, 0])
+  # the shift leaves ordinary sampling unchanged: the same draws as from logits + 100
+  draws = sample_logits(jnp.tile(logits[:1], (64, 1)), jax.random.key(3), temperature=0.7)
+  same = sample_logits(jnp.tile(logits[:1] + 100.0, (64, 1)), jax.random.key(3), temperature=0.7)
+  np.testing.assert_array_equal(draws, same)
+
+
 def test_top_k_keeps_the_k_most_likely_then_top_p():
   probs = jnp.array([0.4, 0.3, 0.2, 0.1])
   logits = jnp.tile(jnp.log(probs), (4000, 1))
