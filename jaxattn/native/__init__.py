@@ -67,7 +67,9 @@ def _cache_dir() -> Path:
   return Path(root) / "native"
 
 
-def _build(cxx: str) -> Path:
+def _build(cxx: str, *, rebuild: bool = False) -> Path:
+  """The cached library for this source, compiler and CPU (compiled first when missing, or when
+  ``rebuild``: a cached copy that would not load)."""
   import jaxlib  # noqa: PLC0415
 
   here = Path(__file__).parent
@@ -80,7 +82,10 @@ def _build(cxx: str) -> Path:
     h.update(part)
   out_dir = _cache_dir()
   lib = out_dir / f"jaxattn_native-{h.hexdigest()[:16]}.so"
-  if lib.exists():
+  if lib.exists() and not rebuild:
+    st = lib.stat()
+    if st.st_mode & 0o755 != 0o755 and st.st_uid == os.getuid():
+      os.chmod(lib, 0o755)          # built by an older version, 0711: let other users read it
     return lib
   out_dir.mkdir(parents=True, exist_ok=True)
   logging.getLogger("jaxattn").info("compiling the native CPU kernels into %s (once, ~10 s)", lib)
@@ -92,6 +97,9 @@ def _build(cxx: str) -> Path:
   if proc.returncode != 0:
     os.unlink(tmp)
     raise RuntimeError(f"compiling the native kernels failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
+  # mkstemp made the file 0600 and the linker keeps that: other users sharing the cache
+  # directory found it, skipped the build and could not load it.
+  os.chmod(tmp, 0o755)
   os.replace(tmp, lib)
   return lib
 
@@ -106,7 +114,13 @@ def _load() -> None:
     return
   try:
     path = _build(cxx)
-    lib = ctypes.cdll.LoadLibrary(str(path))
+    try:
+      lib = ctypes.cdll.LoadLibrary(str(path))
+    except OSError as e:  # an unreadable or damaged cached copy: compile it again, once
+      logging.getLogger("jaxattn").warning("the cached native library %s did not load (%s); "
+                                           "compiling it again", path, e)
+      path = _build(cxx, rebuild=True)
+      lib = ctypes.cdll.LoadLibrary(str(path))
     for name in _TARGETS:
       jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
   except (OSError, RuntimeError, AttributeError) as e:

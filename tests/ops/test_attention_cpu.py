@@ -38,6 +38,25 @@ def test_kernel_is_built():
   assert native.available(), native.reason()
   assert native.reason() == ""
   assert native.library_path().exists()
+  # readable by every user sharing the cache directory (it was 0711: mkstemp's 0600 + x bits)
+  assert native.library_path().stat().st_mode & 0o755 == 0o755
+
+
+def test_a_cached_library_that_does_not_load_is_rebuilt(monkeypatch, tmp_path):
+  """A damaged or unreadable cached file is compiled again (it disabled the kernels for good)."""
+  assert native.available()
+  good, calls = native.library_path(), []
+  broken = tmp_path / "damaged.so"
+  broken.write_bytes(b"not a shared object")
+
+  def build(cxx, *, rebuild=False):
+    calls.append(rebuild)
+    return good if rebuild else broken        # (the real rebuild would compile for ~45 s)
+
+  monkeypatch.setattr(native, "_build", build)
+  monkeypatch.setattr(native, "_state", {})
+  assert native.available(), native.reason()
+  assert calls == [False, True] and native.library_path() == good
 
 
 # (B, T, S, N, K, H, h, kwargs, block_q, block_k)
