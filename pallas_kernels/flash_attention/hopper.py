@@ -133,8 +133,8 @@ def supports(*, dtype, head_dim: int, v_head_dim: int, static_mask, static_q_off
     return f"head sizes {head_dim} / {v_head_dim} (equal, one of 64 / 128 / 256)"
   if not band(static_mask)[0]:
     return f"mask {type(static_mask).__name__} (band masks only)"
-  if static_q_offset is None:
-    return "a traced q_offset"
+  if static_q_offset is None or isinstance(static_q_offset, jax.core.Tracer):
+    return "a traced q_offset"     # (forward / backward pass the offset itself: int() failed)
   config = config or default_config(head_dim)
   if smem_bytes(head_dim, config) > _SMEM_BYTES:
     return (f"{config} needs {smem_bytes(head_dim, config)} bytes of shared memory at head size "

@@ -393,6 +393,8 @@ def test_errors():
     hopper.forward(q, key, v, alibi_slopes=jnp.ones((3,)))
   with pytest.raises(ValueError, match=r"`segment_ids` must be"):
     hopper.forward(q, key, v, segment_ids=(ids, ids))  # kv ids must be [B, S] = (2, 80)
+  with pytest.raises(ValueError, match="unsupported call: a traced q_offset"):
+    jax.make_jaxpr(lambda o: hopper.forward(q, key, v, q_offset=o))(jnp.int32(3))
   with pytest.raises(ValueError, match=r"`kv_lengths` must have shape \[B\] = \(2,\)"):
     hopper.backward(q, key, v, q, jnp.zeros((2, 2, 64)), q, kv_lengths=jnp.ones((1,), jnp.int32))
   with pytest.raises(ValueError, match="allowed"):
