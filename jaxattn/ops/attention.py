@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxattn.checks import check_positive, is_number
+from jaxattn.checks import check_float_array, check_positive, is_number
 from jaxattn.ops import scores as S
 from jaxattn.ops.masks import Mask, make_mask
 
@@ -149,6 +149,7 @@ def _validate(query, key, value, bias, mask, scale, alibi_slopes, logits_soft_ca
   if not (query.dtype == key.dtype == value.dtype):
     raise ValueError(f"`query`, `key`, `value` dtypes must match, got {query.dtype}, {key.dtype}, "
                      f"{value.dtype}.")
+  check_float_array("query", query)    # (integer inputs gave an integer, truncated output)
   s = key.shape[1]
   if bias is not None:
     try:

@@ -244,6 +244,10 @@ def test_errors():
     dpa(*_qkv(n=4, k=3))
   with pytest.raises(ValueError, match="dtypes must match"):
     dpa(q, kk.astype(jnp.bfloat16), v)
+  ints = [x.astype(jnp.int32) for x in (q, kk, v)]
+  for impl in (None, "xla", "xla_chunked"):     # an integer, truncated output before
+    with pytest.raises(ValueError, match="`query` must be a floating-point array, got dtype int32"):
+      dpa(*ints, implementation=impl)
   with pytest.raises(ValueError, match="head_dim"):
     dpa(q, kk[..., :4], v)
   with pytest.raises(ValueError, match="must share"):
