@@ -228,7 +228,24 @@ def _check_indices(indices, b, t, name="indices"):
   check_int_array(name, indices)
 
 
-@functools.partial(jax.jit, static_argnames=('scale', 'implementation'))
+def _jit_static_scale(fn):
+  """``jax.jit(fn)`` with ``scale`` and ``implementation`` static (the kernels take the scale as
+  a constant): a concrete array scale is read as its float, a traced one refused by name (jit's
+  own error, about hashing a tracer, named no argument)."""
+  jitted = jax.jit(fn, static_argnames=("scale", "implementation"))
+
+  @functools.wraps(fn)
+  def call(*args, scale=None, implementation=None, **kwargs):
+    if isinstance(scale, jax.core.Tracer):
+      raise ValueError(f"`{fn.__name__}`: `scale` must be a Python number (a compile-time "
+                       f"constant here), got a traced value {scale}.")
+    if isinstance(scale, jax.Array):
+      scale = float(scale)
+    return jitted(*args, scale=scale, implementation=implementation, **kwargs)
+  return call
+
+
+@_jit_static_scale
 def sparse_attention(
     query: Float[Array, "B T N H"],
     key: Float[Array, "B S K H"],
@@ -384,7 +401,7 @@ def sparse_attention_vjp(query, key, value, indices, scale, d_out):
   return dq.astype(query.dtype), dk.astype(key.dtype), dv.astype(value.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=('scale', 'implementation'))
+@_jit_static_scale
 def sparse_mla_attention(
     q_nope: Float[Array, "B T N P"],
     q_rope: Float[Array, "B T N R"],

@@ -182,6 +182,11 @@ def test_errors():
     sparse_attention(q, kk, v, jnp.zeros((B, T + 1, 2), jnp.int32))
   with pytest.raises(ValueError, match="value"):
     sparse_attention(q, kk, v[:, :5], jnp.zeros((B, T, 2), jnp.int32))
+  idx = jnp.zeros((B, T, 2), jnp.int32)
+  with pytest.raises(ValueError, match="`scale` must be a Python number .* got a traced value"):
+    jax.jit(lambda s: sparse_attention(q, kk, v, idx, scale=s))(0.3)   # (an error about hashing)
+  np.testing.assert_array_equal(sparse_attention(q, kk, v, idx, scale=jnp.float32(0.5)),
+                                sparse_attention(q, kk, v, idx, scale=0.5))  # a concrete array
   with pytest.raises(ValueError, match="index_scores"):
     indexer_kl_loss(jnp.ones((B, N, T, T)), jnp.ones((B, T, T + 1)))
   with pytest.raises(ValueError, match="quant"):
