@@ -389,3 +389,74 @@ def test_data_position_and_rng_resume_through_a_checkpoint(tmp_path):
       np.testing.assert_array_equal(batch[k], want[k])
   restored_key = jax.random.wrap_key_data(jnp.asarray(got["rng"], jnp.uint32))
   np.testing.assert_array_equal(jax.random.key_data(restored_key), jax.random.key_data(key))
+
+
+def test_a_state_with_typed_prng_keys_round_trips(tmp_path):
+  """nnx RNG state (dropout's `rngs`: a `key<fry>` leaf and a uint32 count) is saved as raw key
+  data; the structure check compares a key leaf by that key data (it raised TypeError on the key
+  dtype, then reported a false shape mismatch), and the keys come back as typed keys."""
+
+  class Net(nnx.Module):
+    def __init__(self, seed):
+      self.lin = nnx.Linear(4, 4, rngs=nnx.Rngs(seed))
+      self.drop = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=seed + 7))
+
+  net = Net(0)
+  net.drop(jnp.ones((2, 4)))                                  # advance the count: a non-zero value
+  state = nnx.state(net)
+  keys = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key)]
+  assert keys                                                 # the test holds a typed key leaf
+  with Checkpointer(tmp_path) as ckpt:
+    ckpt.save(1, state, {})
+  for target in (_abstract(state), jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                                state)):
+    with Checkpointer(tmp_path) as ckpt:
+      restored, _ = ckpt.restore(1, target=target)
+    assert jax.tree.structure(restored) == jax.tree.structure(state)
+    for want, got in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
+      assert got.dtype == want.dtype and got.shape == want.shape
+      if jnp.issubdtype(want.dtype, jax.dtypes.prng_key):
+        want, got = jax.random.key_data(want), jax.random.key_data(got)
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  # The restored RNG state draws the same dropout masks as the saved one (another seed does not).
+  fresh, x = Net(1), jnp.ones((4, 64))
+  assert not np.array_equal(np.asarray(fresh.drop(x)), np.asarray(Net(0).drop(x)))
+  nnx.update(fresh, restored)
+  np.testing.assert_array_equal(np.asarray(fresh.drop(x)), np.asarray(net.drop(x)))
+  # A key of another implementation (other key data: uint32 (4,)) is a real mismatch.
+  rbg = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, jax.random.key(0, impl="rbg").dtype)
+      if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x, _abstract(state))
+  with Checkpointer(tmp_path) as ckpt, pytest.raises(
+      ValueError, match=r"is shape \(2,\) dtype uint32 .* shape \(4,\) dtype uint32"):
+    ckpt.restore(1, target=rbg)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_a_train_state_with_lora_dropout_rngs_resumes(tmp_path, scan):
+  """The case that failed: make_train_step's LoRA-with-dropout state carries the adapters' RNG
+  state in `rest`; it could be saved but never restored (TypeError on `key<fry>`)."""
+  from jaxattn.configs import get_config
+  from jaxattn.nn.lora import apply_lora
+  from jaxattn.nn.model import DecoderLM
+  from jaxattn.train.step import init_train_state, make_optimizer
+
+  cfg = get_config("llama", embed_dim=16, mlp_dim=32, num_layers=2, num_heads=2, max_seq_len=32,
+                   scan_layers=scan)
+  model = DecoderLM(cfg, rngs=nnx.Rngs(0))
+  apply_lora(model, r"mixer/(q|v)_proj$", rank=2, dropout=0.5, rngs=nnx.Rngs(1))
+  _, state = init_train_state(model, make_optimizer(learning_rate=1e-2, warmup_steps=0,
+                                                    total_steps=10))
+  keys = [x for x in jax.tree.leaves(state.rest) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key)]
+  # one key per adapter (q, v) and layer: 4 scalar keys, or 2 keys stacked over the 2 layers
+  assert [k.shape for k in keys] == ([(2,)] * 2 if scan else [()] * 4)
+  with Checkpointer(tmp_path) as ckpt:
+    ckpt.save(1, state, {})
+  with Checkpointer(tmp_path) as ckpt:
+    restored, _ = ckpt.restore(target=_abstract(state))
+  assert jax.tree.structure(restored) == jax.tree.structure(state)
+  for want, got in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if jnp.issubdtype(want.dtype, jax.dtypes.prng_key):
+      want, got = jax.random.key_data(want), jax.random.key_data(got)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -93,9 +93,16 @@ def _key_name(k: Any) -> str:
 
 
 def _describe(x: Any) -> tuple[tuple[int, ...], np.dtype] | None:
+  """``(shape, dtype)`` of a leaf as orbax stores it.  A typed PRNG key (``key<fry>``, e.g. the
+  nnx RNG state of dropout) is stored as its raw key data -- ``uint32 (*shape, 2)`` for threefry
+  -- and has no NumPy dtype, so it is described by that key data: the target's key leaf and the
+  saved array then compare equal, and a key of another implementation (other key data) does not."""
   shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
   if shape is None or dtype is None:
     return None
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    x = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(tuple(shape), dtype))
+    shape, dtype = x.shape, x.dtype
   return tuple(shape), np.dtype(dtype)
 
 
