@@ -221,6 +221,22 @@ def mean_keys_per_query(seq_len: int, limit: int | None = None) -> float:
   return float(np.mean(t if limit is None else np.minimum(t, limit)))
 
 
+# Leading logical axes of tables read by index (a gather, no FLOPs per token): the token
+# embedding [V, D], a learned position table [max_seq_len, D], T5's bucket bias [buckets, N].
+_LOOKUP_AXES = ("vocab", "position", "relpos_buckets")
+
+
+def _is_lookup_table(names: list[str], axes: tuple) -> bool:
+  """Whether a parameter is an embedding lookup table: the top-level ``embed``, any ``embedding``
+  (``pos_embed/embedding``, a layer's ``rel_bias/embedding``, an ``nnx.Embed``), or one whose
+  first logical axis past a scanned ``layers`` axis is a lookup axis.  The untied head
+  ``lm_head`` ([D, V]) is a matmul and is not one."""
+  if names[:1] == ["embed"] or (names and names[-1] == "embedding"):
+    return True
+  rest = [a for a in axes if a != "layers"]
+  return bool(rest) and rest[0] in _LOOKUP_AXES
+
+
 def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
   """Training FLOPs per token (forward + backward = 3x forward): 6 x active matmul parameters plus
   each attention layer's score and value products, ``6 N (d_qk + d_v)`` per attended key, over the
@@ -238,8 +254,8 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     n = int(np.prod(leaf.shape))
     names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
     # a scanned stack's [L, D] norm scales are vectors too (as in decay_mask)
-    if leaf.ndim - sum(a == "layers" for a in axes) < 2 or "embed" in names[:1]:
-      continue  # norms/biases; the input embedding is a lookup (the tied head is counted below)
+    if leaf.ndim - sum(a == "layers" for a in axes) < 2 or _is_lookup_table(names, axes):
+      continue  # norms/biases; lookup tables are gathers, not matmuls (tied head: counted below)
     if any(n_ in ("w_gate", "w_up", "w_down") for n_ in names):
       n = n * cfg.num_experts_per_tok / max(cfg.num_experts, 1)  # only top-k experts run
     active += n

@@ -213,3 +213,18 @@ def test_model_flops_do_not_depend_on_scanning(preset):
   """Scanned [L, D] norm scales were counted as matmul weights (FLOPs grew with scan_layers)."""
   a = model_flops_per_token(get_config(preset), 128)
   assert model_flops_per_token(get_config(preset, scan_layers=True), 128) == a
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_model_flops_skip_every_embedding_lookup_table(scan):
+  """Position tables are gathers, not matmuls: the learned table [max_seq_len, D] (and T5's
+  per-layer bucket bias) was counted as 6 * max_seq_len * D FLOPs per token (+14% MFU for
+  llama-learned, +110% at max_seq_len 8192).  Per-token compute does not depend on max_seq_len."""
+  rope = model_flops_per_token(get_config("llama", scan_layers=scan), 256)
+  for preset in ("llama-learned", "llama-t5", "llama-sinusoidal", "llama-alibi", "llama-nope"):
+    cfg = get_config(preset, scan_layers=scan)
+    assert model_flops_per_token(cfg, 256) == rope, preset
+    assert model_flops_per_token(cfg.replace(max_seq_len=8192), 256) == rope, preset
+  # the untied head [D, V] is a matmul and still counted, as the tied one is
+  untied = get_config("llama-learned", scan_layers=scan, tie_embeddings=False)
+  assert model_flops_per_token(untied, 256) == rope
