@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments.cli import choice_list
+from experiments.cli import at_least, choice_list
 from jaxattn.configs import PRESETS as ALL_PRESETS
 from jaxattn.configs import get_config
 from jaxattn.nn.model import DecoderLM
@@ -138,8 +138,13 @@ def run(*, presets: Sequence[str] = PRESETS, batch_size: int = 8, seq_len: int =
   bad = [p for p in presets if p not in ALL]
   if bad or not presets:
     raise ValueError(f"`presets` must be a non-empty subset of {sorted(ALL)}, got {list(presets)}.")
-  if batch_size < 1 or seq_len < 2:
-    raise ValueError(f"`batch_size` must be >= 1 and `seq_len` >= 2, got {batch_size}, {seq_len}.")
+  # Checked before any work: a bad count used to surface only after the first matmul timing (or
+  # as statistics' "no median for empty data" with steps=0, naming no argument).
+  for arg, value, low in (("batch_size", batch_size, 1), ("seq_len", seq_len, 2),
+                          ("steps", steps, 1), ("warmup", warmup, 0),
+                          ("matmul_size", matmul_size, 1)):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+      raise ValueError(f"`{arg}` must be an int >= {low}, got {value!r}.")
   docs = tokenize_documents(load_text(None))
   batch = next(PackedDataset(docs, batch_size=batch_size, seq_len=seq_len, seed=seed))
   gflops = matmul_gflops(matmul_size, steps=steps, warmup=warmup)
@@ -213,11 +218,13 @@ def main(argv=None) -> dict:
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--presets", type=choice_list(ALL_PRESETS), default=",".join(PRESETS),
                   help=f"comma list of {', '.join(ALL_PRESETS)}")
-  ap.add_argument("--batch-size", type=int, default=8)
-  ap.add_argument("--seq-len", type=int, default=256)
-  ap.add_argument("--steps", type=int, default=5, help="timed steps per preset (median)")
-  ap.add_argument("--warmup", type=int, default=1, help="untimed steps after compilation")
-  ap.add_argument("--matmul-size", type=int, default=2048)
+  ap.add_argument("--batch-size", type=at_least(1), default=8)
+  ap.add_argument("--seq-len", type=at_least(2), default=256)
+  ap.add_argument("--steps", type=at_least(1), default=5,
+                  help="timed steps per preset (median)")
+  ap.add_argument("--warmup", type=at_least(0), default=1,
+                  help="untimed steps after compilation")
+  ap.add_argument("--matmul-size", type=at_least(1), default=2048)
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--out", default="runs/bench_train")
   args = ap.parse_args(argv)

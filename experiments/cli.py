@@ -106,3 +106,18 @@ def choice_list(allowed: Iterable[str], *, allow_empty: bool = False) -> CommaLi
 
   return CommaList(parse, f"names out of: {', '.join(allowed)}", allow_empty=allow_empty,
                    bad_word="unknown", name=f"choice_list({', '.join(allowed)})")
+
+
+def at_least(low: int) -> Callable[[str], int]:
+  """A single int flag ``>= low``: ``--steps 0`` stops at parse time with ``argument --steps:
+  must be an int >= 1, got 0`` (exit status 2)."""
+  def parse(text: str) -> int:
+    try:
+      v = int(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"must be an int >= {low}, got {text!r}") from None
+    if v < low:
+      raise argparse.ArgumentTypeError(f"must be an int >= {low}, got {v}")
+    return v
+  parse.__name__ = f"int >= {low}"
+  return parse

@@ -19,9 +19,11 @@
   (parameters, optimizer, step, data position, RNG) unless ``--no-resume``.  A resume refuses
   another model config or other optimizer flags (``--lr --warmup --weight-decay --clip``);
   another ``--steps`` re-stretches the cosine schedule (and says so).
-* Logs: a progress bar (loss, tokens/s, ETA), ``--out/metrics.jsonl`` (one JSON object per step and
-  per evaluation), evaluation perplexity every ``--eval-every`` steps and at the end, then a
-  sample streamed from the trained model, and with ``--report`` the experiment report.
+* Logs: a progress bar (loss, tokens/s, ETA), ``--out/metrics.jsonl`` (one strict-JSON object per
+  step and per evaluation: a value not measured -- the tokens/s of a step with no timed window, as
+  the first, compiling one -- or not finite is ``null``, never ``NaN``), evaluation perplexity
+  every ``--eval-every`` steps and at the end, then a sample streamed from the trained model, and
+  with ``--report`` the experiment report.
 * Multi-host: launched as several processes (``JAX_COORDINATOR_ADDRESS`` / ``--coordinator`` set),
   it calls ``jax.distributed.initialize`` and each host feeds its slice of the global batch.
 """
@@ -43,6 +45,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from experiments.cli import at_least
 from jaxattn.configs import PRESETS, get_config
 from jaxattn.generation import TextStream, generate
 from jaxattn.nn.model import DecoderLM, ModelConfig
@@ -99,17 +102,6 @@ def parse_overrides(items: list[str]) -> dict:
     except (ValueError, SyntaxError):
       out[key] = value
   return out
-
-
-def _at_least(low: int):
-  """An argparse type: an int >= ``low`` (argparse names the flag in its error)."""
-  def parse(text: str) -> int:
-    v = int(text)
-    if v < low:
-      raise argparse.ArgumentTypeError(f"must be an int >= {low}, got {v}")
-    return v
-  parse.__name__ = f"int >= {low}"
-  return parse
 
 
 def _positive_float(text: str) -> float:
@@ -178,6 +170,30 @@ def maybe_initialize_distributed(args) -> None:
     jax.distributed.initialize(**kw)
 
 
+def _finite_or_none(x):
+  """``x`` with every non-finite float (NaN, +-inf; e.g. the tokens/s of a step with no timed
+  window) replaced by ``None``, in nested dicts / lists too: strict JSON has no ``NaN``."""
+  if isinstance(x, dict):
+    return {k: _finite_or_none(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_finite_or_none(v) for v in x]
+  if isinstance(x, (float, np.floating)) and not math.isfinite(x):
+    return None
+  return x
+
+
+def _strict_json(x, **kwargs) -> str:
+  """``json.dumps`` that writes a non-finite float as ``null`` (never the bare ``NaN`` /
+  ``Infinity`` that strict JSON readers refuse)."""
+  return json.dumps(_finite_or_none(x), allow_nan=False, **kwargs)
+
+
+def _loss_or_nan(record: dict) -> float:
+  """A record's loss as a float: a diverged step's loss is stored as ``null``."""
+  v = record.get("loss")
+  return float("nan") if v is None else v
+
+
 class MetricsLog:
   """Append-only JSONL; on resume, lines from steps after the restored one are dropped.
 
@@ -198,14 +214,14 @@ class MetricsLog:
         except json.JSONDecodeError:
           continue
         if isinstance(rec, dict) and rec.get("step", 0) <= resume_step:
-          lines.append(line)
+          lines.append(_strict_json(rec))   # (a line an older version wrote with NaN: null)
           self.earlier.append(rec)
     path.write_text("".join(l + "\n" for l in lines))
 
   def write(self, record: dict) -> None:
     if jax.process_index() == 0:
       with self.path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
+        f.write(_strict_json(record) + "\n")
 
 
 def train(args) -> dict:
@@ -388,8 +404,8 @@ def train(args) -> dict:
   # The whole run, resumed segments included: the earlier training records (not the evals)
   # from metrics.jsonl, then this segment's.
   history = [r for r in metrics_log.earlier if "loss" in r] + history
-  first = history[0]["loss"] if history else float("nan")
-  last = history[-1]["loss"] if history else float("nan")
+  first = _loss_or_nan(history[0]) if history else float("nan")
+  last = _loss_or_nan(history[-1]) if history else float("nan")
   # (a segment's compile step record, if logged, has no window: NaN / null, left out here)
   tps = [h["tokens_per_s"] for h in history
          if h.get("tokens_per_s") is not None and math.isfinite(h["tokens_per_s"])]
@@ -398,7 +414,7 @@ def train(args) -> dict:
                  tokens_per_s=float(np.median(tps)) if tps else None, sample=sample,
                  mesh=dict(mesh.shape), config=cfg.to_dict())
   if pi == 0:
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    (out / "summary.json").write_text(_strict_json(summary, indent=2))
     log(f"loss {first:.3f} -> {last:.3f}; summary, metrics and checkpoints in {out}/")
   return summary
 
@@ -410,11 +426,11 @@ def make_parser() -> argparse.ArgumentParser:
   p.add_argument("--size", default="tiny", choices=("tiny", "full"))
   p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                  help="ModelConfig overrides, e.g. --set num_layers=6 sliding_window=64")
-  p.add_argument("--steps", type=_at_least(1), default=300)
-  p.add_argument("--batch-size", type=_at_least(1), default=16, help="global rows per step")
-  p.add_argument("--seq-len", type=_at_least(1), default=256)
+  p.add_argument("--steps", type=at_least(1), default=300)
+  p.add_argument("--batch-size", type=at_least(1), default=16, help="global rows per step")
+  p.add_argument("--seq-len", type=at_least(1), default=256)
   p.add_argument("--lr", type=_positive_float, default=3e-3)
-  p.add_argument("--warmup", type=_at_least(0), default=30)
+  p.add_argument("--warmup", type=at_least(0), default=30)
   p.add_argument("--weight-decay", type=_nonnegative_float, default=0.1)
   p.add_argument("--clip", type=_positive_float, default=1.0,
                  help="global gradient-norm clip (a negative one would reverse the updates)")
@@ -424,17 +440,17 @@ def make_parser() -> argparse.ArgumentParser:
   p.add_argument("--mesh", default=None, help="axis sizes, e.g. data=2,tensor=4 (data: the rest)")
   p.add_argument("--data", default=None, help="text file, or hf:NAME[:CONFIG][:SPLIT]; default: "
                  "Python's documentation topics")
-  p.add_argument("--eval-split-every", type=_at_least(2), default=20,
+  p.add_argument("--eval-split-every", type=at_least(2), default=20,
                  help="every n-th document is held out")
-  p.add_argument("--eval-every", type=_at_least(0), default=100, help="0: no periodic eval")
-  p.add_argument("--eval-batches", type=_at_least(1), default=8)
-  p.add_argument("--log-every", type=_at_least(1), default=1)
+  p.add_argument("--eval-every", type=at_least(0), default=100, help="0: no periodic eval")
+  p.add_argument("--eval-batches", type=at_least(1), default=8)
+  p.add_argument("--log-every", type=at_least(1), default=1)
   p.add_argument("--out", default="runs/train")
-  p.add_argument("--save-every", type=_at_least(1), default=100)
-  p.add_argument("--keep", type=_at_least(1), default=3)
+  p.add_argument("--save-every", type=at_least(1), default=100)
+  p.add_argument("--keep", type=at_least(1), default=3)
   p.add_argument("--no-resume", action="store_true")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--sample-tokens", type=_at_least(0), default=200)
+  p.add_argument("--sample-tokens", type=at_least(0), default=200)
   p.add_argument("--prompt", default="The ")
   p.add_argument("--sample-temperature", type=_nonnegative_float, default=0.7,
                  help="0: greedy")

@@ -173,6 +173,12 @@ BAD = [
     ("bench_sparse_kernel", ["--kind", " , "], "--kind", "empty"),
     ("bench_sparse_kernel", ["--contexts", "8192,-1"], "--contexts", "'-1'"),
     ("bench_train", ["--presets", "llama,gpt2"], "--presets", "unknown 'gpt2'"),
+    ("bench_train", ["--steps", "0"], "--steps", "must be an int >= 1, got 0"),
+    ("bench_train", ["--warmup", "-1"], "--warmup", "must be an int >= 0, got -1"),
+    ("bench_train", ["--matmul-size", "0"], "--matmul-size", "must be an int >= 1, got 0"),
+    ("bench_train", ["--batch-size", "0"], "--batch-size", "must be an int >= 1, got 0"),
+    ("bench_train", ["--seq-len", "1"], "--seq-len", "must be an int >= 2, got 1"),
+    ("bench_train", ["--steps", "2.5"], "--steps", "must be an int >= 1, got '2.5'"),
     ("demo", ["--schemes", "rope,xpos"], "--schemes", "unknown 'xpos'"),
     ("hadamard_quant", ["--outliers", "1,inf"], "--outliers", "'inf'"),
     ("hadamard_quant", ["--outliers", "0,10"], "--outliers", "> 0"),
@@ -200,3 +206,25 @@ def test_bad_list_is_an_argparse_error(name, argv, flag, fragment, capsys, tmp_p
   err = capsys.readouterr().err
   assert f"argument {flag}: " in err and fragment in err, err
   assert not out.exists()   # refused before the script created its output folder
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    (dict(steps=0), "`steps` must be an int >= 1, got 0."),
+    (dict(warmup=-1), "`warmup` must be an int >= 0, got -1."),
+    (dict(matmul_size=0), "`matmul_size` must be an int >= 1, got 0."),
+    (dict(batch_size=0), "`batch_size` must be an int >= 1, got 0."),
+    (dict(seq_len=1), "`seq_len` must be an int >= 2, got 1."),
+    (dict(steps=2.0), "`steps` must be an int >= 1, got 2.0."),
+])
+def test_bench_train_run_checks_its_counts_before_any_work(monkeypatch, kwargs, fragment):
+  """``steps=0`` died in the matmul timing with statistics' "no median for empty data" (naming no
+  argument), ``warmup=-1`` only after a full matmul timing: both are refused before any work."""
+  def no_work(*a, **k):
+    raise AssertionError("ran work before checking the arguments")
+
+  for name in ("tokenize_documents", "matmul_gflops", "bench_preset"):
+    monkeypatch.setattr(bench_train, name, no_work)
+  with pytest.raises(ValueError) as e:
+    bench_train.run(**{**dict(presets=["llama"], batch_size=2, seq_len=8, matmul_size=8,
+                              steps=1, warmup=0), **kwargs})
+  assert fragment in str(e.value)
