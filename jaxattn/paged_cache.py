@@ -333,6 +333,9 @@ class PagedKVCache(_TableViews):
     if value.shape[:2] != key.shape[:2] or value.shape[2:] != (kh, hv):
       raise ValueError(f"`value` {value.shape} must be [B, T]={key.shape[:2]} + [K, h]="
                        f"{(kh, hv)}.")
+    if key.shape[1] == 0:   # an empty chunk: nothing to write (was "`t` must be positive")
+      self.table._counts(0, num_tokens)
+      return self
     return _append_kv(self, key, value, self.table.check_reserve(key.shape[1], num_tokens))
 
   def free(self, done) -> "PagedKVCache":
@@ -427,6 +430,9 @@ class PagedLatentCache(_TableViews):
       if index_scales.shape != c_kv.shape[:2] + scales.shape[2:]:
         raise ValueError(f"`index_scales` {index_scales.shape} must be "
                          f"{c_kv.shape[:2] + scales.shape[2:]}.")
+    if c_kv.shape[1] == 0:  # an empty chunk: nothing to write
+      self.table._counts(0, num_tokens)
+      return self
     return _append_latent(self, c_kv, k_rope, index_keys, index_scales,
                           self.table.check_reserve(c_kv.shape[1], num_tokens))
 

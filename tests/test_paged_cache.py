@@ -173,6 +173,18 @@ def test_latent_cache_pads_the_rotated_key_on_tpu(monkeypatch):
     PagedLatentCache.init(1, 2, 2, 8, 64, rope_align=0)
 
 
+def test_an_empty_chunk_leaves_the_caches_as_they_were():
+  """(It was refused, naming an internal `t`.)"""
+  cache = PagedKVCache.init(2, 4, 2, 1, 2).append(jnp.ones((2, 3, 1, 2)), jnp.ones((2, 3, 1, 2)))
+  same = cache.append(jnp.ones((2, 0, 1, 2)), jnp.ones((2, 0, 1, 2)))
+  np.testing.assert_array_equal(same.lengths, [3, 3])
+  np.testing.assert_array_equal(same.page_table, cache.page_table)
+  latent = PagedLatentCache.init(2, 3, 2, 4, 2)
+  assert latent.append(jnp.ones((2, 0, 4)), jnp.ones((2, 0, 2))) is latent
+  with pytest.raises(ValueError, match="num_tokens"):
+    cache.append(jnp.ones((2, 0, 1, 2)), jnp.ones((2, 0, 1, 2)), jnp.array([1, 0]))
+
+
 def test_errors():
   with pytest.raises(ValueError, match="page_size"):
     PagedKVCache.init(1, 4, 0, 1, 2)

@@ -111,8 +111,12 @@ def check_table(page_table, lengths, batch: int, num_pages: int | None = None, p
   sequence reads (its first ``ceil(length / page_size)`` entries) is a page of the pool, in
   ``[0, num_pages)``.  (The dense paths would clamp a ``-1`` there to page 0, another sequence's;
   ``PagedKVCache`` never writes such a table, a hand-built one can.)"""
-  if page_table.ndim != 2 or page_table.shape[0] != batch:
-    raise ValueError(f"`page_table` must be [B={batch}, max_pages], got shape {page_table.shape}.")
+  for name, x in (("page_table", page_table), ("lengths", lengths)):
+    if not hasattr(x, "shape"):       # (a list failed on `.shape`)
+      raise ValueError(f"`{name}` must be an integer array, got {type(x).__name__}.")
+  if page_table.ndim != 2 or page_table.shape[0] != batch or page_table.shape[1] < 1:
+    raise ValueError(f"`page_table` must be [B={batch}, max_pages >= 1], got shape "
+                     f"{page_table.shape}.")
   if lengths.shape != (batch,):
     raise ValueError(f"`lengths` must be [B={batch}], got shape {lengths.shape}.")
   check_int_array("page_table", page_table)

@@ -266,6 +266,10 @@ def test_dispatch_and_errors():
     paged_attention(q, *args[:3], jnp.array([1, 2, 3, 17]))
   with pytest.raises(ValueError, match="lengths"):
     paged_attention(q, *args[:3], cache.lengths.astype(jnp.float32))
+  with pytest.raises(ValueError, match="`lengths` must be an integer array, got list"):
+    paged_attention(q, *args[:3], [1, 2, 3, 4])          # (an AttributeError on `.shape`)
+  with pytest.raises(ValueError, match=r"`page_table` must be \[B=4, max_pages >= 1\]"):
+    paged_attention(q, *args[:2], cache.page_table[:, :0], jnp.zeros((4,), jnp.int32))
   with pytest.raises(ValueError, match="scale"):
     paged_attention(q, *args, scale=-1.0)
   with pytest.raises(ValueError, match="logits_soft_cap"):
