@@ -54,7 +54,8 @@ def load_run(run: str | pathlib.Path, step: int | None = None) -> tuple[DecoderL
 
   target = jax.eval_shape(init)
   ckpt = Checkpointer(run / "checkpoints")
-  state, _ = ckpt.restore(step, target=target, fallback=step is None)
+  # (a reader: a corrupted newest step is skipped, not moved aside under the training run)
+  state, _ = ckpt.restore(step, target=target, fallback=step is None, quarantine=False)
   ckpt.close()
   graphdef, _, _ = nnx.split(abstract_model, nnx.Param, ...)
   return nnx.merge(graphdef, state.params, state.rest), int(state.step)

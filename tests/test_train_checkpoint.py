@@ -241,6 +241,8 @@ def test_corrupted_latest_errors_and_falls_back(tmp_path, how):
     assert e.value.step == 2 and isinstance(e.value, ValueError)
     assert "tensorstore_spec" not in str(e.value)             # the cause, not a spec dump
     assert ckpt.all_steps() == [1, 2]                          # a failed restore changes nothing
+    restored, meta = ckpt.restore(target=_abstract(state), fallback=True, quarantine=False)
+    assert meta == {"step": 1} and ckpt.all_steps() == [1, 2]  # a reader moves nothing aside
     restored, meta = ckpt.restore(target=_abstract(state), fallback=True)
     assert meta == {"step": 1}
     _assert_tree_equal(restored, _scaled(state, 1))

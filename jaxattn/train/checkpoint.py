@@ -221,8 +221,8 @@ class Checkpointer:
 
   # -- restore ----------------------------------------------------------------------------------
 
-  def restore(self, step: int | None = None, *, target: Any, fallback: bool = False
-              ) -> tuple[Any, dict[str, Any]]:
+  def restore(self, step: int | None = None, *, target: Any, fallback: bool = False,
+              quarantine: bool = True) -> tuple[Any, dict[str, Any]]:
     """Restores ``(state, meta)`` of ``step`` (default: the newest) into the layout of ``target``.
 
     Args:
@@ -236,6 +236,8 @@ class Checkpointer:
         (a warning names each skipped step).  Corrupted steps newer than the restored one are then
         renamed to ``<step>.corrupted-<unix time>`` (kept for inspection, never deleted), so that
         training can save those step numbers again.
+      quarantine: with ``fallback``, whether to move those steps aside; a reader that does not
+        own the run (generation, evaluation) passes False and leaves the directory as it is.
 
     Raises:
       FileNotFoundError: the directory does not exist, holds no checkpoint, or lacks ``step``.
@@ -269,7 +271,7 @@ class Checkpointer:
         _log.warning("%s; falling back to an older step", e)
         skipped.append(s)
         continue
-      if skipped:
+      if skipped and quarantine:
         self._quarantine(mngr, skipped)
       return result
     raise CorruptCheckpointError(self.directory, candidates[-1],
