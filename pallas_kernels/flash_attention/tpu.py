@@ -86,7 +86,8 @@ def flash_attention(
     query, key, value: ``[B, T, N, H]``, ``[B, S, K, H]``, ``[B, S, K, h]``; float32 or bfloat16.
     mask: a ``jaxattn.ops.masks.Mask``: any position mask (causal, window, global tokens, their
       ``&``/``|``), ``&`` at most one ``SegmentMask`` and any ``PaddingMask``.
-    scale: logits scale, default ``1 / sqrt(H)``.
+    scale: logits scale, default ``1 / sqrt(H)``; a traced one is a constant to ``jax.grad``
+      here (its gradient is 0), as are the slopes: ``dot_product_attention`` differentiates both.
     alibi_slopes: ``[N]`` ALiBi slopes (constant here; `dot_product_attention` differentiates them).
     logits_soft_cap: ``cap * tanh(logits / cap)`` when set.
     q_offset: position of query row 0 in key coordinates; a traced value disables static block
