@@ -43,7 +43,8 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
 
 
 def _active_mesh():
-  """The mesh set by ``jax.set_mesh`` / ``with mesh:``, or None."""
+  """The mesh set by ``jax.set_mesh``, or None (the older ``with mesh:`` context is not seen:
+  under it every ``shard`` is a no-op)."""
   try:
     abstract = jax.sharding.get_abstract_mesh()
     if abstract is not None and not abstract.empty:
@@ -93,7 +94,28 @@ def shard(x, logical_axes: Sequence[str | None], *, rules=DEFAULT_RULES):
   placed = place_if_concrete(x, mesh, spec)
   if placed is not None:
     return placed
+  if is_explicit(mesh):  # a constraint only asserts on Explicit axes: move the array there
+    return jax.sharding.reshard(x, NamedSharding(mesh, spec))
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def is_explicit(mesh) -> bool:
+  """Whether any axis of ``mesh`` is Explicit (``jax.make_mesh``'s default): arrays there carry
+  their sharding in their type and are never resharded implicitly."""
+  explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+  return explicit is not None and any(t == explicit for t in getattr(mesh, "axis_types", ()))
+
+
+def check_auto_mesh(mesh, where: str) -> None:
+  """Refuses a mesh with Explicit axes for the modules: their einsums contract sharded
+  dimensions and leave the output sharding to XLA, which Explicit axes refuse (a
+  ``ShardingTypeError`` deep in a layer)."""
+  if mesh is not None and is_explicit(mesh):
+    raise ValueError(
+        f"{where}: the mesh has Explicit axes {tuple(mesh.axis_types)} (jax.make_mesh's "
+        "default); jaxattn's modules shard with Auto axes. Build it with "
+        "jaxattn.sharding.make_mesh, or jax.make_mesh(..., axis_types=(jax.sharding.AxisType."
+        "Auto,) * n). (The ops -- dot_product_attention, the decode and MoE ops -- take either.)")
 
 
 def place_if_concrete(x, mesh, spec: P):
@@ -143,7 +165,9 @@ def param_shardings(state, mesh: Mesh, *, rules=DEFAULT_RULES):
 
 
 def shard_module(module: nnx.Module, mesh: Mesh, *, rules=DEFAULT_RULES) -> nnx.Module:
-  """Places every variable of ``module`` on its shards (in place) and returns the module."""
+  """Places every variable of ``module`` on its shards (in place) and returns the module
+  (``mesh`` with Auto axes: ``make_mesh``)."""
+  check_auto_mesh(mesh, "shard_module")
   state = nnx.state(module)
   shardings = param_shardings(state, mesh, rules=rules)
   nnx.update(module, jax.device_put(state, shardings))

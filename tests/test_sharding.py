@@ -40,6 +40,27 @@ def test_shard_is_a_noop_without_mesh():
   assert sharding.shard(x, ("batch", "length", "act_embed")) is x
 
 
+def test_explicit_meshes_reshard_in_shard_and_are_refused_by_the_model():
+  """``jax.make_mesh`` gives Explicit axes, where a sharding constraint only asserts: ``shard``
+  reshards there (it failed whenever the sharding differed); the model, whose einsums need
+  Auto axes, refuses such a mesh by name (a ShardingTypeError deep in a layer before)."""
+  from jaxattn.configs import get_config
+  from jaxattn.nn.model import DecoderLM
+  mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
+  assert sharding.is_explicit(mesh) and not sharding.is_explicit(sharding.make_mesh())
+  x = jnp.arange(8 * 3 * 8, dtype=jnp.float32).reshape(8, 3, 8)
+  with jax.set_mesh(mesh):
+    y = jax.jit(lambda x: sharding.shard(x * 2, ("batch", "length", "act_embed")))(x)
+  assert y.sharding.spec == P(("data", "fsdp"), None, None)
+  np.testing.assert_array_equal(np.asarray(y), 2 * np.asarray(x))
+  model = DecoderLM(get_config("llama", embed_dim=32, mlp_dim=64, num_layers=1, vocab_size=64),
+                    rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="shard_module: the mesh has Explicit axes"):
+    sharding.shard_module(model, mesh)
+  with jax.set_mesh(mesh), pytest.raises(ValueError, match="DecoderLM: the mesh has Explicit"):
+    model(jnp.zeros((2, 4), jnp.int32))
+
+
 def test_shard_places_a_concrete_array_when_called_eagerly():
   """Outside jit a sharding constraint needs its input on the mesh already; a layer called eagerly
   under `jax.set_mesh` with a single-device input (a MoE layer, say) used to raise a TypeError."""

@@ -54,7 +54,7 @@ from jaxattn.ops.hyper import hc_read, hc_write
 from jaxattn.ops.moe import bias_update
 from jaxattn.ops.rope import RopeScaling
 from jaxattn.ops.sinusoidal import sinusoidal_positions
-from jaxattn.sharding import shard
+from jaxattn.sharding import _active_mesh, check_auto_mesh, shard
 
 LAYER_KINDS = {"A": "attention (MHA/GQA/MQA)", "S": "sliding-window attention",
                "M": "multi-head latent attention", "I": "DeepSeek sparse attention (MLA + indexer)",
@@ -640,6 +640,7 @@ class DecoderLM(nnx.Module):
     cfg = self.config
     if tokens.ndim != 2:
       raise ValueError(f"`tokens` must be [B, T] integers, got shape {tokens.shape}.")
+    check_auto_mesh(_active_mesh(), "DecoderLM")
     b, t = tokens.shape
     if cache is not None and segment_ids is not None:
       raise ValueError("`segment_ids` (packed rows) cannot be combined with a decode `cache`.")

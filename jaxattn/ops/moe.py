@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxattn.checks import check_bool, check_int_array, check_nonnegative, check_positive
-from jaxattn.sharding import place_if_concrete, shard
+from jaxattn.sharding import is_explicit, place_if_concrete, shard
 
 ScoreFunc = Literal["sigmoid", "softmax"]
 SCORE_FUNCS: tuple[str, ...] = ("sigmoid", "softmax")
@@ -625,16 +625,12 @@ def _mesh_or_context(mesh):
   return abstract
 
 
-def _is_explicit(mesh):
-  return any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
-
-
 def _place(a, mesh, spec):
   """Puts ``a`` on ``spec`` before shard_map: Explicit mesh axes never reshard implicitly."""
   placed = place_if_concrete(a, mesh, spec)
   if placed is not None:
     return placed
-  if _is_explicit(mesh):
+  if is_explicit(mesh):
     return jax.sharding.reshard(a, NamedSharding(mesh, spec))
   return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec))
 
@@ -642,7 +638,7 @@ def _place(a, mesh, spec):
 def _whole_rows(a, mesh):
   """``a`` with its row axis unsplit, so that it can be padded or sliced to a size the shards do
   not divide: Explicit axes refuse that on a split axis (Auto axes leave it to XLA)."""
-  return _place(a, mesh, P()) if _is_explicit(mesh) else a
+  return _place(a, mesh, P()) if is_explicit(mesh) else a
 
 
 def routed_experts_sharded(

@@ -149,9 +149,7 @@ def run_flash(query, key, value, mask, *, scale, alibi_slopes, logits_soft_cap, 
 def _place(x, spec, mesh):
   """With Explicit mesh axes, ``shard_map`` refuses inputs whose sharding differs from its
   ``in_specs`` rather than resharding them, so reshard explicitly; Auto axes need nothing."""
-  types = getattr(mesh, "axis_types", None)
-  explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
-  if types and explicit is not None and any(t == explicit for t in types):
+  if jsharding.is_explicit(mesh):
     if isinstance(mesh, jax.sharding.Mesh):
       return jax.sharding.reshard(x, NamedSharding(mesh, spec))
     return jax.sharding.reshard(x, spec)
