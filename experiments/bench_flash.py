@@ -13,12 +13,15 @@ What it measures depends on the default JAX backend:
   ``implementation="cpu"`` kernel instead (``xla_chunked`` only where it cannot be built): that
   one is timed by ``experiments.bench_attention``.
 
-Columns: best-of-``--repeats`` wall time of the compiled call; useful TFLOP/s (forward: ``2 B N
-(H + h) * pairs``, where ``pairs`` is ``T S`` or, causal, ``T (T + 1) / 2``; forward + backward:
-3.5x that, the FlashAttention-2 accounting); ``speedup`` = baseline time / our time (> 1: ours is
-faster); ``% peak`` = our TFLOP/s / the matmul's; peak memory (temp + arguments + outputs from
-``compiled.memory_analysis()``).  ``--check`` first compares outputs and gradients with the
-formula on the accelerator (a correctness smoke test that needs no pytest).
+Columns: best-of-``--repeats`` wall time per call of the compiled function (each round queues
+enough calls to last ~10 ms, up to 50: ``timing.best_time(inner="auto")``, so host dispatch and
+sync do not weigh on short calls); useful TFLOP/s (forward: ``2 B N (H + h) * pairs``, where
+``pairs`` is ``T S`` or, causal, ``T (T + 1) / 2``; forward + backward: 3.5x that, the
+FlashAttention-2 accounting); ``speedup`` = baseline time / our time (> 1: ours is faster);
+``% peak`` = our TFLOP/s / the matmul's (timed the same way); peak memory (temp + arguments +
+outputs from ``compiled.memory_analysis()``).  ``--check`` first compares outputs and gradients
+with the formula on the accelerator (a correctness smoke test that needs no pytest); a case that
+raises prints ``FAIL (<error>)`` and the others still run, then the benchmark (exit status 1).
 
     python -m experiments.bench_flash                                    # platform defaults
     python -m experiments.bench_flash --seq-lens 2048 4096 8192 16384 --backward
@@ -37,7 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.timing import best_time, compile_timed, matmul_rate, peak_bytes
+from experiments.timing import (AUTO, best_time, compile_timed, error_text, matmul_rate,
+                                peak_bytes)
 from jaxattn.ops.attention import dot_product_attention
 from pallas_kernels.flash_attention import BlockSizes
 
@@ -114,7 +118,7 @@ def run_benchmark(args) -> list[dict]:
     for kind in ("ours", "base"):
       try:
         compiled, _ = compile_timed(_make(kind, causal, args.backward), q, k, v)
-        sec = best_time(compiled, (q, k, v), args.repeats)
+        sec = best_time(compiled, (q, k, v), args.repeats, inner=AUTO)
         row[kind] = (sec, flops / sec / unit, peak_bytes(compiled) / 2**20)
       except Exception as e:  # a baseline may not support a shape (e.g. cuDNN limits): say why
         row[kind] = None
@@ -271,7 +275,8 @@ def run_check() -> bool:
     opts = gpu_kernel.get_options()
     print(f"check: GPU kernels forward={opts['forward']} backward={opts['backward']} (bf16 "
           "band-mask cases run the Hopper ones when set on an sm_90 GPU; the rest take Triton's)")
-  for name, dtype, (b, t, n, kh, h), kw, tol in cases:
+
+  def check_case(name, dtype, b, t, n, kh, h, kw, tol) -> bool:
     ks = jax.random.split(jax.random.key(7), 3)
     q = jax.random.normal(ks[0], (b, t, n, h), jnp.float32).astype(dtype)
     k = jax.random.normal(ks[1], (b, t, kh, h), jnp.float32).astype(dtype)
@@ -310,10 +315,20 @@ def run_check() -> bool:
       errs.append(float(np.max(np.abs(x - y))) / max(1.0, float(np.max(np.abs(y)))))
     passed = all(e <= tol for e in errs) and not any(np.isnan(np.asarray(x, np.float32)).any()
                                                       for x in got)
-    ok &= passed
     print(f"check {name}: max err out/dq/dk/dv = "
-          + " ".join(f"{e:.2e}" for e in errs) + f" (tol {tol:g}) {'PASS' if passed else 'FAIL'}")
-  return ok
+          + " ".join(f"{e:.2e}" for e in errs) + f" (tol {tol:g}) {'PASS' if passed else 'FAIL'}",
+          flush=True)
+    return passed
+
+  for name, dtype, (b, t, n, kh, h), kw, tol in cases:
+    try:
+      passed = check_case(name, dtype, b, t, n, kh, h, kw, tol)
+    except Exception as e:  # one case's compile or run error must not stop the others
+      passed = False
+      print(f"check {name}: FAIL ({error_text(e)})", flush=True)
+    ok &= passed
+  print(f"check: {'PASS' if ok else 'FAIL'}", flush=True)
+  return bool(ok)
 
 
 SWEEP_CONFIGS = (  # (block_q, block_k, num_warps, num_stages) of the GPU forward kernel
@@ -342,7 +357,7 @@ def _time_jax_mgpu(q, k, v, causal, flops, base, peak, repeats):
     config = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2,
                                          causal=causal)
     fn = lambda q, k, v: attention_mgpu.attention(q, k, v, config)  # noqa: E731
-    sec = best_time(compile_timed(fn, q, k, v)[0], (q, k, v), repeats)
+    sec = best_time(compile_timed(fn, q, k, v)[0], (q, k, v), repeats, inner=AUTO)
   except Exception as e:  # not in every JAX build, or the GPU is not a Hopper
     print(f"    jax attention_mgpu: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:100]}")
     return
@@ -406,7 +421,7 @@ def run_sweep(args) -> list[dict]:
 
   def timed(label, fn, flops, base):
     try:
-      sec = best_time(compile_timed(fn, q, k, v)[0], (q, k, v), args.repeats)
+      sec = best_time(compile_timed(fn, q, k, v)[0], (q, k, v), args.repeats, inner=AUTO)
     except Exception as e:  # a config may not fit (shared memory, registers): say why
       print(f"    {label}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:100]}",
             flush=True)
@@ -421,7 +436,7 @@ def run_sweep(args) -> list[dict]:
     for causal, backward in passes:
       flops = attention_flops(b, t, t, args.heads, args.head_dim, args.head_dim, causal, backward)
       base = best_time(compile_timed(_make("base", causal, backward), q, k, v)[0], (q, k, v),
-                       args.repeats)
+                       args.repeats, inner=AUTO)
       print(f"  causal={causal} {'fwd+bwd' if backward else 'fwd'}: cudnn {base * 1e3:.2f} ms "
             f"{flops / base / 1e12:.1f} TFLOP/s", flush=True)
       if not backward:
@@ -524,7 +539,11 @@ def main(argv=None):
     return 0
   ok = True
   if args.check or args.check_only:
-    ok = run_check()
+    try:
+      ok = run_check()
+    except Exception as e:  # outside any one case (imports, options): still run the benchmark
+      print(f"check: FAIL ({error_text(e)})", flush=True)
+      ok = False
   if not args.check_only:
     run_benchmark(args)
   return 0 if ok else 1

@@ -24,13 +24,15 @@ fails above 1e-3 in fp32, 2e-2 in bf16, 6e-2 for bf16 gradients).
 ``--backward`` times forward + backward instead (the gradient of ``sum(out * g)`` with respect to
 every floating input): the kernel paths' backward is ``sparse_attention_vjp`` (query chunks,
 scratch bounded in ``T``), the XLA path differentiates its gathers (all ``T * k`` rows at once),
-and the peak-memory columns show the difference.  Writes ``results.json`` under ``--out``.
+and the peak-memory columns show the difference.  Each timing round queues calls until it lasts
+~10 ms (at most 50; ``timing.best_time(inner="auto")``).  Writes ``results.json`` under ``--out``
+(strict JSON, NaN as ``null``) after every case; a case that raises gets a row with its error, the
+others still run, and the script then exits with an error.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 
 import jax
@@ -39,7 +41,8 @@ import numpy as np
 from tqdm import tqdm
 
 from experiments.cli import choice_list, int_list
-from experiments.timing import best_time, compile_timed, peak_bytes
+from experiments.timing import (AUTO, best_time, compile_timed, error_text, peak_bytes,
+                                write_json)
 from jaxattn.ops.sparse import sparse_attention, sparse_mla_attention
 
 
@@ -97,6 +100,28 @@ def with_backward(fn, inputs):
   return make
 
 
+def _measure(args, kind, s, k, impl, dtype) -> dict:
+  """Compile both paths for one case, compare them (``--check``), time them: the row's figures."""
+  fn, inputs, row_bytes, flops = case_inputs(kind, args.queries, s, k, args.mla_heads, dtype)
+  if args.backward:
+    fn = with_backward(fn, inputs)
+  kern, _ = compile_timed(fn(impl), *inputs)
+  ref, _ = compile_timed(fn("xla"), *inputs)
+  err = float("nan")
+  if args.check:
+    err = 0.0
+    for got, want in zip(jax.tree.leaves(kern(*inputs)), jax.tree.leaves(ref(*inputs))):
+      got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+      err = max(err, float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)))
+  t_k = best_time(kern, inputs, args.repeats, inner=AUTO)
+  t_x = best_time(ref, inputs, args.repeats, inner=AUTO)
+  if args.backward:
+    flops *= 3.5                                   # forward + backward (recomputed logits)
+  return dict(kernel_s=t_k, xla_s=t_x, speedup=t_x / t_k,
+              gbps=args.queries * k * row_bytes / t_k / 1e9, tflops=flops / t_k / 1e12,
+              kernel_bytes=peak_bytes(kern), xla_bytes=peak_bytes(ref), max_rel_err=err)
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   ap.add_argument("--kind", type=choice_list(KINDS), default="mla,gqa",
@@ -120,38 +145,34 @@ def main(argv=None):
         + ("  forward + backward" if args.backward else ""))
   print(f"{'case':>14} {'kernel ms':>10} {'xla ms':>9} {'speedup':>8} {'GB/s':>8} {'TFLOP/s':>8} "
         f"{'kernel MiB':>11} {'xla MiB':>9} {'max err':>9}")
-  results = []
-  for kind, s in tqdm(cases, desc="sparse kernels", leave=False):
-    k = min(args.topk, s)
-    fn, inputs, row_bytes, flops = case_inputs(kind, args.queries, s, k, args.mla_heads, dtype)
-    if args.backward:
-      fn = with_backward(fn, inputs)
-    kern, _ = compile_timed(fn(impl), *inputs)
-    ref, _ = compile_timed(fn("xla"), *inputs)
-    err = float("nan")
-    if args.check:
-      err = 0.0
-      for got, want in zip(jax.tree.leaves(kern(*inputs)), jax.tree.leaves(ref(*inputs))):
-        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-        err = max(err, float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)))
-    t_k = best_time(kern, inputs, args.repeats)
-    t_x = best_time(ref, inputs, args.repeats)
-    if args.backward:
-      flops *= 3.5                                   # forward + backward (recomputed logits)
-    row = dict(kind=kind, context=s, queries=args.queries, topk=k, impl=impl, dtype=args.dtype,
-               backward=args.backward,
-               kernel_s=t_k, xla_s=t_x, speedup=t_x / t_k,
-               gbps=args.queries * k * row_bytes / t_k / 1e9, tflops=flops / t_k / 1e12,
-               kernel_bytes=peak_bytes(kern), xla_bytes=peak_bytes(ref), max_rel_err=err)
-    results.append(row)
-    tqdm.write(f"{kind + ' ' + str(s):>14} {t_k * 1e3:10.3f} {t_x * 1e3:9.3f} "
-               f"{row['speedup']:7.2f}x {row['gbps']:8.1f} {row['tflops']:8.2f} "
-               f"{row['kernel_bytes'] / 2**20:11.1f} {row['xla_bytes'] / 2**20:9.1f} {err:9.2e}")
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  (out / "results.json").write_text(json.dumps(results, indent=1))
+  results = []
+  try:
+    for kind, s in tqdm(cases, desc="sparse kernels", leave=False):
+      k = min(args.topk, s)
+      row = dict(kind=kind, context=s, queries=args.queries, topk=k, impl=impl, dtype=args.dtype,
+                 backward=args.backward)
+      try:
+        row.update(_measure(args, kind, s, k, impl, dtype))
+      except Exception as e:  # one case's failure keeps the others' figures
+        row["error"] = error_text(e)
+        tqdm.write(f"{kind + ' ' + str(s):>14} error: {row['error']}")
+      else:
+        tqdm.write(f"{kind + ' ' + str(s):>14} {row['kernel_s'] * 1e3:10.3f} "
+                   f"{row['xla_s'] * 1e3:9.3f} {row['speedup']:7.2f}x {row['gbps']:8.1f} "
+                   f"{row['tflops']:8.2f} {row['kernel_bytes'] / 2**20:11.1f} "
+                   f"{row['xla_bytes'] / 2**20:9.1f} {row['max_rel_err']:9.2e}")
+      results.append(row)
+      write_json(out / "results.json", results)  # after every case: a killed run keeps them
+  finally:
+    write_json(out / "results.json", results)
   # bf16: the XLA path's gradients are scatter-added in bf16 (the kernels' backward in fp32).
   tol = 1e-3 if args.dtype == "float32" else (6e-2 if args.backward else 2e-2)
+  failed = [r for r in results if r.get("error")]
+  if failed:
+    raise SystemExit(f"{len(failed)} of {len(results)} cases failed: "
+                     + "; ".join(f"{r['kind']} {r['context']}: {r['error']}" for r in failed))
   if args.check and any(not (r["max_rel_err"] < tol) for r in results):
     raise SystemExit(f"kernel output differs from the reference (max_rel_err >= {tol})")
   return results

@@ -23,8 +23,14 @@
 #      backward benchmarks with --gpu-forward/--gpu-backward hopper, (TUNE=1) their tiles in the
 #      sweep.
 # Everything printed goes to $OUT/device_check.log (or runs/), with the plots beside it.
+# The whole run keeps within BUDGET_S seconds (default 560, under a 600 s limit on the call): each
+# step's limit is cut to the time left, a step is skipped (SKIPPED <name>: <n> s left) when fewer
+# than MIN_STEP_S (30) remain, and the closing "device_check: PASSED" / "device_check: FAILED ..."
+# line is always printed (a skipped step counts as failed).
 # Exit status: 0 when every step passed.
 set -uo pipefail
+DEADLINE=$((SECONDS + ${BUDGET_S:-560}))
+MIN_STEP_S="${MIN_STEP_S:-30}"
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -35,18 +41,52 @@ PY="${PYTHON:-python3}"
 DEST="${OUT:-runs}"
 mkdir -p "$DEST"
 WORK="$(mktemp -d)"
-trap 'rm -rf "$WORK"' EXIT
 exec > >(tee "$DEST/device_check.log") 2>&1
+TEE_PID=$!
 status=0
+SKIPPED=()
+
+finish() {  # finish [NOTE [WAIT_S]]: the summary line, the log flushed (tee drained), exit
+  local note="${1:-}"
+  local name
+  for name in ${SKIPPED[@]+"${SKIPPED[@]}"}; do
+    note="${note:+$note; }skipped: $name"
+  done
+  if [ "$status" -eq 0 ]; then
+    echo "device_check: PASSED"
+  else
+    echo "device_check: FAILED${note:+ ($note)}"
+  fi
+  trap - EXIT
+  rm -rf "$WORK"
+  # Close our end of the log pipe so tee reads end of input, and let it write the last lines
+  # before we exit (waiting at most ${2:-10} s, should a stray process still hold the pipe open).
+  exec >&- 2>&-
+  local i
+  for i in $(seq $((${2:-10} * 10))); do kill -0 "$TEE_PID" 2>/dev/null || break; sleep 0.1; done
+  exit "$status"
+}
+# An unexpected exit (an error, a signal) still prints the summary and flushes the log.
+trap 'status=1; finish "interrupted" 2' EXIT
 
 step() {  # step NAME SECONDS CMD...   (runs in this shell, so `status` sticks)
   local name="$1" limit="$2"
   shift 2
+  local left=$((DEADLINE - SECONDS))
+  if [ "$left" -lt "$MIN_STEP_S" ]; then
+    echo "=== SKIPPED $name: $left s left"
+    SKIPPED+=("$name")
+    status=1
+    return
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
   echo "=== $name (limit ${limit}s)"
   local t0=$SECONDS
-  timeout "$limit" "$@" 2>&1
+  timeout -k 5 "$limit" "$@" 2>&1
   local rc=$?
-  echo "=== $name: exit $rc after $((SECONDS - t0))s"
+  local why=""
+  [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && why=" (time limit)"
+  echo "=== $name: exit $rc$why after $((SECONDS - t0))s"
   [ "$rc" -eq 0 ] || status=1
 }
 
@@ -64,7 +104,7 @@ if jax.default_backend() not in ("gpu", "cuda"):
 PYEOF
 if [ "$status" -ne 0 ]; then
   echo "preflight failed; nothing else run"
-  exit 1
+  finish "preflight"
 fi
 
 PART="${PART:-all}"
@@ -115,5 +155,4 @@ if [ "${TUNE:-0}" = 1 ]; then
     "$PY" -m experiments.bench_flash --sweep 8192 --backward --sweep-switches --repeats 5
 fi
 fi
-echo "device_check: $([ "$status" -eq 0 ] && echo PASSED || echo FAILED)"
-exit $status
+finish

@@ -1,0 +1,334 @@
+"""Robustness of the GPU benchmark scripts run unattended by ``experiments/device_check.sh``: the
+adaptive timing rounds, strict JSON, one failing case not losing the others (``--check`` cases,
+benchmark rows), rows printed and saved as they are measured, and the device check's overall time
+budget with its closing summary line.  Tiny sizes on CPU; the GPU kernels themselves are faked."""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments import bench_decode, bench_flash, bench_sparse_kernel, timing
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _ones(key, shape, dtype=jnp.float32):
+  """In place of ``jax.random.normal``, which compiles once per shape (seconds for a check's
+  dozen shapes on CPU): these tests need no random values."""
+  return jnp.ones(shape, dtype)
+
+
+def _strict_load(path):
+  """``json.loads`` refusing NaN / Infinity, as strict parsers (JavaScript, jq) do."""
+  def refuse(name):
+    raise ValueError(f"non-strict JSON constant {name}")
+  return json.loads(pathlib.Path(path).read_text(), parse_constant=refuse)
+
+
+# ---------------------------------------------------------------------------------------------
+# timing.py
+# ---------------------------------------------------------------------------------------------
+
+def test_auto_inner_fills_a_round():
+  # A causal T=2048 forward on an H200 (~0.35 ms) + ~30 us of dispatch and sync: 27 calls.
+  assert timing.auto_inner(0.38e-3) == 27
+  assert timing.auto_inner(1e-6) == timing.MAX_INNER == 50      # capped
+  assert timing.auto_inner(0.5) == 1                            # long calls: one per round
+  assert timing.auto_inner(0.0) == 50
+  assert timing.auto_inner(0.5, min_inner=20) == 20             # bench_decode's floor
+  assert timing.auto_inner(1e-4, min_inner=20) == 50
+  # The queued outputs stay within queued_bytes (2 GiB outputs: 8 in 16 GiB) ...
+  assert timing.auto_inner(1e-4, out_bytes=2 << 30) == 8
+  assert timing.auto_inner(1e-4, out_bytes=64 << 30) == 1
+  # ... except below an explicit floor.
+  assert timing.auto_inner(1e-4, out_bytes=2 << 30, min_inner=20) == 20
+
+
+class _FakeClock:
+  """``time.perf_counter`` advanced only by the fake executable: ``step`` seconds per call."""
+
+  def __init__(self, step):
+    self.now, self.step, self.calls = 0.0, step, 0
+
+  def perf_counter(self):
+    return self.now
+
+  def call(self, *args):
+    self.calls += 1
+    self.now += self.step
+    return np.zeros(4, np.float32)
+
+
+def test_best_time_auto_queues_calls_per_round(monkeypatch):
+  clock = _FakeClock(0.4e-3)
+  monkeypatch.setattr(timing.time, "perf_counter", clock.perf_counter)
+  sec = timing.best_time(clock.call, (), repeats=3, inner="auto")
+  assert sec == pytest.approx(0.4e-3)                 # still the time of one call
+  assert clock.calls == 1 + 1 + 3 * 25                # warm-up, probe, 3 rounds of 10 ms / 0.4 ms
+  clock = _FakeClock(0.4e-3)
+  monkeypatch.setattr(timing.time, "perf_counter", clock.perf_counter)
+  timing.best_time(clock.call, (), repeats=2)         # the default stays one call per round
+  assert clock.calls == 1 + 2
+  with pytest.raises(ValueError, match="inner"):
+    timing.best_time(clock.call, (), repeats=1, inner=0)
+
+
+def test_write_json_is_strict(tmp_path):
+  path = tmp_path / "sub" / "results.json"
+  timing.write_json(path, {"a": float("nan"), "b": [1.5, float("inf"), (np.float32("nan"), 2)],
+                           "c": np.float64(3.0), "d": None, "e": "x"})
+  assert _strict_load(path) == {"a": None, "b": [1.5, None, [None, 2]], "c": 3.0, "d": None,
+                                "e": "x"}
+  assert not (tmp_path / "sub" / "results.json.tmp").exists()
+  assert timing.error_text(RuntimeError("boom\nmore")) == "RuntimeError: boom"
+
+
+# ---------------------------------------------------------------------------------------------
+# bench_sparse_kernel
+# ---------------------------------------------------------------------------------------------
+
+def _record_inner(monkeypatch, module):
+  seen = []
+  real = timing.best_time
+
+  def recording(compiled, args, repeats, inner=1, **kw):
+    seen.append((inner, kw))
+    return real(compiled, args, repeats, inner=inner, **kw)
+
+  monkeypatch.setattr(module, "best_time", recording)
+  return seen
+
+
+def test_sparse_kernel_results_are_strict_json_and_timed_in_rounds(monkeypatch, tmp_path):
+  seen = _record_inner(monkeypatch, bench_sparse_kernel)
+  rows = bench_sparse_kernel.main(["--kind", "gqa", "--contexts", "24", "--queries", "2",
+                                   "--topk", "8", "--impl", "xla", "--dtype", "float32",
+                                   "--repeats", "1", "--out", str(tmp_path)])
+  assert np.isnan(rows[0]["max_rel_err"])          # no --check: no error measured
+  saved = _strict_load(tmp_path / "results.json")  # was NaN: not JSON
+  assert saved[0]["max_rel_err"] is None and saved[0]["kernel_s"] > 0
+  assert [inner for inner, _ in seen] == ["auto", "auto"]
+
+
+def test_sparse_kernel_case_error_keeps_the_other_cases(monkeypatch, tmp_path, capsys):
+  real = bench_sparse_kernel.case_inputs
+
+  def case_inputs(kind, t, s, k, heads, dtype):
+    if s == 16:
+      raise RuntimeError("out of shared memory")
+    return real(kind, t, s, k, heads, dtype)
+
+  monkeypatch.setattr(bench_sparse_kernel, "case_inputs", case_inputs)
+  with pytest.raises(SystemExit, match="1 of 2 cases failed: gqa 16: RuntimeError: out of"):
+    bench_sparse_kernel.main(["--kind", "gqa", "--contexts", "16,24", "--queries", "2",
+                              "--topk", "8", "--impl", "xla", "--dtype", "float32",
+                              "--repeats", "1", "--out", str(tmp_path)])
+  saved = _strict_load(tmp_path / "results.json")
+  assert saved[0]["error"] == "RuntimeError: out of shared memory"
+  assert "error" not in saved[1] and saved[1]["kernel_s"] > 0
+  assert "gqa 16 error: RuntimeError: out of shared memory" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------
+# bench_decode
+# ---------------------------------------------------------------------------------------------
+
+def _squeeze(text):
+  """Runs of spaces as one (the table's column widths aside)."""
+  return "\n".join(" ".join(line.split()) for line in text.splitlines())
+
+
+TINY_DECODE = ["--kind", "gqa", "--contexts", "32", "--heads", "2", "--kv-heads", "1",
+               "--head-dim", "16", "--page-size", "16", "--copy-mb", "1", "--repeats", "1"]
+
+
+def test_decode_rows_printed_and_saved_as_measured_and_errors_kept(monkeypatch, tmp_path, capsys):
+  """A failing implementation gets an error row (the others keep their figures, exit status 1);
+  each row is printed and results.json rewritten before the next case starts."""
+  out = tmp_path / "out"
+  seen = _record_inner(monkeypatch, bench_decode)
+  real = bench_decode.build_case
+  at_build = []
+
+  def build_case(kind, b, s, args, dtype, rng):
+    at_build.append((capsys.readouterr().out,
+                     _strict_load(out / "results.json")["rows"] if b > 1 else None))
+    fns, nbytes = real(kind, b, s, args, dtype, rng)
+
+    def boom(*a):
+      raise RuntimeError("Triton compilation failed\nlong trace")
+    fns["xla_paged"] = (boom, fns["xla_paged"][1])
+    return fns, nbytes
+
+  monkeypatch.setattr(bench_decode, "build_case", build_case)
+  rc = bench_decode.main(TINY_DECODE + ["--batches", "1,2", "--impls", "xla_paged,contiguous",
+                                        "--out", str(out)])
+  assert rc == 1
+  # Before batch 2 was built, batch 1's rows were on screen and on disk.
+  printed, saved = at_build[1]
+  assert "gqa 32 1 contiguous " in _squeeze(printed)
+  assert "gqa 32 1 xla_paged error: RuntimeError: Triton compilation failed" in _squeeze(printed)
+  assert [(r["batch"], r["impl"]) for r in saved] == [(1, "contiguous"), (1, "xla_paged")]
+  rows = _strict_load(out / "results.json")["rows"]
+  assert [(r["batch"], r["impl"]) for r in rows] == [
+      (1, "contiguous"), (1, "xla_paged"), (2, "contiguous"), (2, "xla_paged")]
+  for r in rows:
+    if r["impl"] == "contiguous":
+      assert r["ms"] > 0 and r["vs_contiguous"] == 1.0 and "error" not in r
+    else:
+      assert r["ms"] is None and r["vs_contiguous"] is None
+      assert r["error"] == "RuntimeError: Triton compilation failed"
+  assert (out / "bench_decode.png").exists()
+  assert "2 of 4 rows failed" in capsys.readouterr().out
+  # The copy bandwidth and every case: rounds sized automatically (no floor on CPU).
+  assert seen and all(s == ("auto", {"min_inner": 1}) for s in seen)
+
+
+def test_decode_check_case_error_fails_that_case_only(monkeypatch, capsys):
+  """``run_check``: a case that raises prints FAIL (<error>), the later cases still run, and the
+  check fails.  The kernels are faked (the real ones need a GPU): GQA's raises, MLA's agrees."""
+  def paged_attention(q, k, v, table, lengths, implementation):
+    if implementation == "pallas_gpu":
+      raise RuntimeError("CUDA_ERROR_ILLEGAL_ADDRESS")
+    return jnp.zeros_like(q)
+
+  def paged_mla_decode(ql, qr, cp, rp, table, lengths, scale, implementation, indices=None):
+    return jnp.zeros_like(ql)
+
+  monkeypatch.setattr(bench_decode, "_on_gpu", lambda: True)
+  monkeypatch.setattr(jax.random, "normal", _ones)
+  monkeypatch.setattr(bench_decode, "paged_attention", paged_attention)
+  monkeypatch.setattr(bench_decode, "paged_mla_decode", paged_mla_decode)
+  assert bench_decode.run_check(page_size=16, context=64) is False
+  lines = capsys.readouterr().out.splitlines()
+  gqa = [x for x in lines if x.startswith("check gqa N=32")]
+  assert len(gqa) == 3
+  assert all(x.endswith(": FAIL (RuntimeError: CUDA_ERROR_ILLEGAL_ADDRESS)") for x in gqa)
+  mla = [x for x in lines if x.startswith("check mla")]
+  assert len(mla) == 5 and all(x.endswith(": PASS") for x in mla)
+  assert lines[-1] == "check: FAIL"
+
+
+def test_decode_check_error_still_runs_the_benchmark(monkeypatch, tmp_path, capsys):
+  def run_check(page_size):
+    raise ImportError("no Triton")
+
+  monkeypatch.setattr(bench_decode, "run_check", run_check)
+  rc = bench_decode.main(TINY_DECODE + ["--batches", "1", "--impls", "contiguous", "--check",
+                                        "--out", str(tmp_path)])
+  assert rc == 1
+  out = capsys.readouterr().out
+  assert "check: FAIL (ImportError: no Triton)" in out and "gqa 32 1 contiguous " in _squeeze(out)
+  assert _strict_load(tmp_path / "results.json")["rows"][0]["ms"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# bench_flash
+# ---------------------------------------------------------------------------------------------
+
+def test_flash_check_case_error_fails_that_case_only(monkeypatch, capsys):
+  """The first case's kernel raises: FAIL (<error>), then the other three cases still run.  The
+  kernel and the formula are faked as zeros (so the rest agree)."""
+  import pallas_kernels.flash_attention as fa  # noqa: PLC0415
+
+  def kernel(q, k, v, mask, **kw):
+    if q.shape[1] == 1000:
+      raise ValueError("block_q 128 does not fit in shared memory")
+    return q * 0
+
+  monkeypatch.setattr(bench_flash, "_platform", lambda: "gpu")
+  monkeypatch.setattr(jax.random, "normal", _ones)
+  monkeypatch.setattr(fa, "flash_attention_gpu", kernel)
+  monkeypatch.setattr(bench_flash, "dot_product_attention", lambda q, k, v, **kw: q * 0)
+  assert bench_flash.run_check() is False
+  lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("check")]
+  assert lines[1] == ("check bf16 causal GQA: FAIL (ValueError: block_q 128 does not fit in "
+                      "shared memory)")
+  assert len(lines) == 2 + 4 and all(x.endswith("PASS") for x in lines[2:-1])
+  assert lines[-1] == "check: FAIL"
+
+
+def test_flash_check_error_still_runs_the_benchmark_and_times_in_rounds(monkeypatch, capsys):
+  def run_check():
+    raise ImportError("no Mosaic GPU")
+
+  monkeypatch.setattr(bench_flash, "run_check", run_check)
+  seen = _record_inner(monkeypatch, bench_flash)
+  rc = bench_flash.main(["--check", "--seq-lens", "32", "--tokens", "32", "--heads", "2",
+                         "--head-dim", "16", "--repeats", "1", "--matmul-size", "32",
+                         "--no-plot"])
+  assert rc == 1
+  out = capsys.readouterr().out
+  assert "check: FAIL (ImportError: no Mosaic GPU)" in out
+  assert "    32  False   1 |" in out and "    32   True   1 |" in out
+  assert [inner for inner, _ in seen] == ["auto"] * 4      # (ours, base) x (full, causal)
+
+
+# ---------------------------------------------------------------------------------------------
+# device_check.sh
+# ---------------------------------------------------------------------------------------------
+
+FAKE_PY = """#!/bin/bash
+# Stands in for python3: the preflight passes; every other step prints its arguments and then
+# sleeps FAKE_SLEEP seconds.
+if [ "$1" = - ]; then cat >/dev/null; echo "FAKE preflight"; exit 0; fi
+echo "FAKE $*"
+exec sleep "${FAKE_SLEEP:-0}"
+"""
+
+
+def _device_check(tmp_path, **env):
+  fake = tmp_path / "fakepy"
+  fake.write_text(FAKE_PY)
+  fake.chmod(0o755)
+  out = tmp_path / "out"
+  env = {**os.environ, "PYTHON": str(fake), "OUT": str(out), **env}
+  t0 = time.monotonic()
+  proc = subprocess.run(["bash", str(ROOT / "experiments" / "device_check.sh")], env=env,
+                        capture_output=True, text=True, timeout=30)
+  return proc, (out / "device_check.log").read_text(), time.monotonic() - t0
+
+
+needs_bash = pytest.mark.skipif(not (shutil.which("bash") and shutil.which("timeout")),
+                                reason="needs bash and GNU timeout")
+
+
+@needs_bash
+def test_device_check_script_parses():
+  subprocess.run(["bash", "-n", str(ROOT / "experiments" / "device_check.sh")], check=True)
+
+
+@needs_bash
+def test_device_check_all_steps_pass(tmp_path):
+  proc, log, _ = _device_check(tmp_path)
+  assert proc.returncode == 0, proc.stdout
+  assert proc.stdout.splitlines()[-1] == "device_check: PASSED"
+  assert log == proc.stdout                           # the tee'd log is complete
+  assert proc.stdout.count("=== ") == 2 * 10 and "SKIPPED" not in proc.stdout
+
+
+@needs_bash
+def test_device_check_keeps_its_budget_and_prints_the_summary(tmp_path):
+  """Every step hangs: the first is cut to the budget (4 s) and killed, the rest are skipped,
+  and the summary is printed (and logged) well before the old limits' sum (650 s here; each fake
+  step would take 40 s)."""
+  proc, log, wall = _device_check(tmp_path, FAKE_SLEEP="40", BUDGET_S="4", MIN_STEP_S="2",
+                                  PART="decode")
+  lines = proc.stdout.splitlines()
+  assert proc.returncode == 1, proc.stdout
+  assert "=== decode kernel tests (limit 4s)" in lines
+  assert any(x.startswith("=== decode kernel tests: exit 124 (time limit)") for x in lines)
+  skipped = [x for x in lines if x.startswith("=== SKIPPED ")]
+  assert len(skipped) == 3 and skipped[0].startswith("=== SKIPPED decode check + benchmark: ")
+  assert skipped[0].endswith(" s left")
+  assert lines[-1].startswith("device_check: FAILED (skipped: decode check + benchmark; ")
+  assert log == proc.stdout
+  assert wall < 15
