@@ -60,7 +60,8 @@ def logical_to_spec(logical_axes: Sequence[str | None], *, rules=DEFAULT_RULES, 
 
   Mesh axes not present in ``mesh`` (or of size 1) are dropped; a mesh axis already used by an
   earlier dimension is not reused; when ``shape`` is given, a dimension not divisible by its mesh
-  axes is replicated instead (e.g. 2 KV heads on a 4-way tensor axis).
+  axes keeps the longest prefix of them that divides it (a batch of 4 on ``data=2, fsdp=4``: over
+  ``data``), or is replicated (e.g. 2 KV heads on a 4-way tensor axis).
   """
   table = dict(rules)
   unknown = [a for a in logical_axes if a is not None and a not in table]
@@ -75,9 +76,9 @@ def logical_to_spec(logical_axes: Sequence[str | None], *, rules=DEFAULT_RULES, 
     if sizes is not None:
       axes = tuple(a for a in axes if a in sizes and sizes[a] > 1)
     axes = tuple(a for a in axes if a not in used)
-    if axes and shape is not None and sizes is not None:
-      if shape[i] % int(np.prod([sizes[a] for a in axes])) != 0:
-        axes = ()
+    if shape is not None and sizes is not None:  # the longest prefix of the axes that divides
+      while axes and shape[i] % int(np.prod([sizes[a] for a in axes])) != 0:
+        axes = axes[:-1]
     used.update(axes)
     out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
   return P(*out)

@@ -27,6 +27,11 @@ def test_logical_to_spec_rules():
   assert sharding.logical_to_spec(("batch", "length", "act_embed"), mesh=mesh) == P("fsdp", None, None)
   # Two KV heads cannot split four ways: replicated rather than an error at device_put.
   assert sharding.logical_to_spec(("embed", "kv_heads"), mesh=mesh, shape=(64, 2)) == P("fsdp", None)
+  # A batch that (data, fsdp) does not divide keeps the axes that do (it was replicated whole).
+  wide = sharding.make_mesh({"data": 2, "fsdp": 4})
+  spec = lambda b: sharding.logical_to_spec(("batch", "length"), mesh=wide, shape=(b, 16))  # noqa
+  assert (spec(8), spec(4), spec(2), spec(3)) == (P(("data", "fsdp"), None), P("data", None),
+                                                  P("data", None), P(None, None))
   with pytest.raises(ValueError, match="unknown logical axis"):
     sharding.logical_to_spec(("embedding",))
   with pytest.raises(ValueError, match="needs 16 devices"):
