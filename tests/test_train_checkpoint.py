@@ -393,6 +393,16 @@ def test_data_position_and_rng_resume_through_a_checkpoint(tmp_path):
   np.testing.assert_array_equal(jax.random.key_data(restored_key), jax.random.key_data(key))
 
 
+def _assert_keys_and_arrays_equal(restored, state):
+  """Same tree, dtypes and shapes; typed PRNG keys compared by their key data."""
+  assert jax.tree.structure(restored) == jax.tree.structure(state)
+  for want, got in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if jnp.issubdtype(want.dtype, jax.dtypes.prng_key):
+      want, got = jax.random.key_data(want), jax.random.key_data(got)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_a_state_with_typed_prng_keys_round_trips(tmp_path):
   """nnx RNG state (dropout's `rngs`: a `key<fry>` leaf and a uint32 count) is saved as raw key
   data; the structure check compares a key leaf by that key data (it raised TypeError on the key
@@ -414,12 +424,7 @@ def test_a_state_with_typed_prng_keys_round_trips(tmp_path):
                                                 state)):
     with Checkpointer(tmp_path) as ckpt:
       restored, _ = ckpt.restore(1, target=target)
-    assert jax.tree.structure(restored) == jax.tree.structure(state)
-    for want, got in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
-      assert got.dtype == want.dtype and got.shape == want.shape
-      if jnp.issubdtype(want.dtype, jax.dtypes.prng_key):
-        want, got = jax.random.key_data(want), jax.random.key_data(got)
-      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    _assert_keys_and_arrays_equal(restored, state)
   # The restored RNG state draws the same dropout masks as the saved one (another seed does not).
   fresh, x = Net(1), jnp.ones((4, 64))
   assert not np.array_equal(np.asarray(fresh.drop(x)), np.asarray(Net(0).drop(x)))
@@ -456,9 +461,4 @@ def test_a_train_state_with_lora_dropout_rngs_resumes(tmp_path, scan):
     ckpt.save(1, state, {})
   with Checkpointer(tmp_path) as ckpt:
     restored, _ = ckpt.restore(target=_abstract(state))
-  assert jax.tree.structure(restored) == jax.tree.structure(state)
-  for want, got in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
-    assert got.dtype == want.dtype and got.shape == want.shape
-    if jnp.issubdtype(want.dtype, jax.dtypes.prng_key):
-      want, got = jax.random.key_data(want), jax.random.key_data(got)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  _assert_keys_and_arrays_equal(restored, state)
