@@ -84,10 +84,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float
 
 from jaxattn.ops import scores as S
 from jaxattn.ops.masks import EMPTY, FULL, PARTIAL, AndMask, Mask
+from jaxattn.sharding import is_explicit
 
 # Default block sizes, measured on a 2-core AVX-512 CPU for causal attention with 8 heads of 64
 # (fp32), forward time in ms for (block_q x block_k):
@@ -184,8 +186,20 @@ def chunked_attention(
       "alibi_slopes": None if alibi_slopes is None else jnp.asarray(alibi_slopes, jnp.float32),
       "scale": None if static_scale is not None else jnp.asarray(scale, jnp.float32),
   }
-  out, lse = _build(cfg)(query, key, value, bias, params, aux)
+  run = _build(cfg)
+  if is_explicit(jax.sharding.get_abstract_mesh()):
+    run = _with_auto_axes(run, query)
+  out, lse = run(query, key, value, bias, params, aux)
   return (out, lse) if return_residuals else out
+
+
+def _with_auto_axes(run, query):
+  """``run`` under Auto axes when the mesh has Explicit ones (``jax.make_mesh``'s default): its
+  block loops start from unsharded buffers that sharded inputs would change the type of (a
+  TypeError).  The outputs keep the query's batch / length / heads sharding."""
+  spec = tuple(jax.typeof(query).sharding.spec)
+  b, t, n = (spec + (None,) * 4)[:3]
+  return jax.sharding.auto_axes(run, out_sharding=(P(b, t, n, None), P(b, n, t)))
 
 
 def _concrete(x, kind):
