@@ -12,6 +12,8 @@ def test_readme_quick_start_runs():
   assert scope["logits"].shape == (2, 16, 1000)
   assert scope["next_logits"].shape == (2, 1, 1000)
   assert scope["out"].shape == (1, 1024, 8, 64)
+  assert scope["y_next"].shape == (2, 1, 256) and list(scope["paged"].lengths) == [13, 13]
+  assert scope["ids"].shape == (2, 12)
 
 
 def test_readme_test_command_matches_ci():
