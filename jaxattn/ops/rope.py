@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jaxattn.checks import check_int_array, check_positive, is_int
+from jaxattn.checks import check_int_array, check_positive, is_int, is_number
 
 ScalingType = Literal["linear", "dynamic", "yarn", "llama3"]
 SCALING_TYPES: tuple[str, ...] = ("linear", "dynamic", "yarn", "llama3")
@@ -75,17 +75,34 @@ class RopeScaling:
   def __post_init__(self):
     if self.type not in SCALING_TYPES:
       raise ValueError(f"RopeScaling `type`={self.type!r} is not supported; allowed: {SCALING_TYPES}.")
-    if (isinstance(self.factor, (bool, str)) or self.factor is None
-        or not self.factor > 0):
-      raise ValueError(f"RopeScaling `factor`={self.factor!r} must be a number > 0.")
-    if self.type != "linear":
-      length = self.original_max_position_embeddings
-      if length is None or length < 1:
-        raise ValueError(f"RopeScaling type {self.type!r} needs `original_max_position_embeddings` "
-                         f">= 1 (the trained context length), got {length}.")
-    if self.type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
-      raise ValueError(f"llama3 RopeScaling needs `high_freq_factor` > `low_freq_factor`, got "
-                       f"{self.high_freq_factor} and {self.low_freq_factor}.")
+    def finite(name, minimum=0.0, strict=True, allow_none=False):
+      v = getattr(self, name)
+      if v is None and allow_none:
+        return
+      if not is_number(v) or not math.isfinite(v) or (v <= minimum if strict else v < minimum):
+        what = f"a finite number {'>' if strict else '>='} {minimum:g}"
+        raise ValueError(f"RopeScaling `{name}`={v!r} must be {what}.")
+
+    finite("factor")            # (inf: yarn's attention factor inf, dynamic's frequencies NaN)
+    finite("attention_factor", allow_none=True)   # (NaN outputs, a negative one flipped signs)
+    for name in ("mscale", "mscale_all_dim"):
+      finite(name, strict=False, allow_none=True)
+    length = self.original_max_position_embeddings
+    if length is not None and (not is_int(length) or length < 1):
+      raise ValueError(f"RopeScaling `original_max_position_embeddings`={length!r} must be an "
+                       f"int >= 1 (the trained context length).")
+    if self.type != "linear" and length is None:
+      raise ValueError(f"RopeScaling type {self.type!r} needs `original_max_position_embeddings` "
+                       f">= 1 (the trained context length), got None.")
+    if self.type == "yarn":     # (0 was a ZeroDivisionError, a negative one a math domain error)
+      finite("beta_fast")
+      finite("beta_slow")
+    if self.type == "llama3":   # (a low factor of 0 was a ZeroDivisionError)
+      finite("low_freq_factor")
+      finite("high_freq_factor")
+      if not self.high_freq_factor > self.low_freq_factor:
+        raise ValueError(f"llama3 RopeScaling needs `high_freq_factor` > `low_freq_factor`, got "
+                         f"{self.high_freq_factor} and {self.low_freq_factor}.")
 
   @classmethod
   def from_hf(cls, rope_parameters: Mapping[str, Any], *,
