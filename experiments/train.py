@@ -46,6 +46,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from experiments.cli import at_least
+from experiments.timing import strict_json
 from jaxattn.configs import PRESETS, get_config
 from jaxattn.generation import TextStream, generate
 from jaxattn.nn.model import DecoderLM, ModelConfig
@@ -170,22 +171,10 @@ def maybe_initialize_distributed(args) -> None:
     jax.distributed.initialize(**kw)
 
 
-def _finite_or_none(x):
-  """``x`` with every non-finite float (NaN, +-inf; e.g. the tokens/s of a step with no timed
-  window) replaced by ``None``, in nested dicts / lists too: strict JSON has no ``NaN``."""
-  if isinstance(x, dict):
-    return {k: _finite_or_none(v) for k, v in x.items()}
-  if isinstance(x, (list, tuple)):
-    return [_finite_or_none(v) for v in x]
-  if isinstance(x, (float, np.floating)) and not math.isfinite(x):
-    return None
-  return x
-
-
 def _strict_json(x, **kwargs) -> str:
   """``json.dumps`` that writes a non-finite float as ``null`` (never the bare ``NaN`` /
   ``Infinity`` that strict JSON readers refuse)."""
-  return json.dumps(_finite_or_none(x), allow_nan=False, **kwargs)
+  return json.dumps(strict_json(x), allow_nan=False, **kwargs)
 
 
 def _loss_or_nan(record: dict) -> float:
