@@ -17,7 +17,8 @@ DSA prefill's main attention given the selected positions (the indexer excluded)
 native ``cpu`` kernel on a CPU) against ``implementation="xla"`` (gathers every selected row for
 every token, then dense math) in the same run.  Reports the best time per call, the selected rows'
 bytes read per second (``T * k * row bytes / time``: every token reads its rows once, heads
-share them), TFLOP/s (``2 * T * N * k * (key width + value width)``), the XLA path's time over the
+share them), TFLOP/s (``2 * T * N * k * (key width + value width)``; MLA adds the two absorbed
+projections the call runs, ``2 * T * N * C * (P + h)``), the XLA path's time over the
 kernel's, and peak memory from each compiled executable's memory analysis.  ``--check`` compares
 the kernel's output with the reference's first (max abs error, relative to the output's scale;
 fails above 1e-3 in fp32, 2e-2 in bf16, 6e-2 for bf16 gradients).
@@ -73,7 +74,9 @@ def case_inputs(kind: str, t: int, s: int, k: int, heads: int, dtype):
 
     def fn(impl):
       return lambda *a: sparse_mla_attention(*a, implementation=impl)
-    return fn, args, (c + r) * bytes_, 2 * t * heads * k * (c + r + c)
+    # the attention over k latent rows, plus q_nope -> latent (w_uk) and latent -> value (w_uv)
+    flops = 2 * t * heads * k * (c + r + c) + 2 * t * heads * c * (p + hv)
+    return fn, args, (c + r) * bytes_, flops
   if kind != "gqa":
     raise ValueError(f"unknown kind {kind!r}; allowed: {', '.join(KINDS)}")
   n, kh, h = 32, 8, 128

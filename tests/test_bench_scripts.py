@@ -332,3 +332,12 @@ def test_device_check_keeps_its_budget_and_prints_the_summary(tmp_path):
   assert lines[-1].startswith("device_check: FAILED (skipped: decode check + benchmark; ")
   assert log == proc.stdout
   assert wall < 15
+
+
+def test_sparse_mla_flops_count_the_absorbed_projections():
+  """The MLA call also runs q_nope -> latent and latent -> value (2 T N C (P + h)): left out,
+  TFLOP/s read ~5.5% low at k = 2048."""
+  t, s, k, n = 2, 16, 4, 2
+  _, _, row_bytes, flops = bench_sparse_kernel.case_inputs("mla", t, s, k, n, jnp.float32)
+  assert flops == 2 * t * n * k * (512 + 64 + 512) + 2 * t * n * 512 * (128 + 128)
+  assert row_bytes == (512 + 64) * 4
