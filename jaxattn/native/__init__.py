@@ -85,7 +85,10 @@ def _build(cxx: str, *, rebuild: bool = False) -> Path:
   if lib.exists() and not rebuild:
     st = lib.stat()
     if st.st_mode & 0o755 != 0o755 and st.st_uid == os.getuid():
-      os.chmod(lib, 0o755)          # built by an older version, 0711: let other users read it
+      try:                          # built by an older version, 0711: let other users read it
+        os.chmod(lib, 0o755)
+      except OSError:               # (a read-only cache: we can still load it ourselves)
+        pass
     return lib
   out_dir.mkdir(parents=True, exist_ok=True)
   logging.getLogger("jaxattn").info("compiling the native CPU kernels into %s (once, ~10 s)", lib)
