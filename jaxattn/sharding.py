@@ -91,11 +91,17 @@ def shard(x, logical_axes: Sequence[str | None], *, rules=DEFAULT_RULES):
     return x
   if len(logical_axes) != x.ndim:
     raise ValueError(f"`logical_axes` {tuple(logical_axes)} must name each of x's {x.ndim} dims.")
-  spec = logical_to_spec(logical_axes, rules=rules, mesh=mesh, shape=x.shape)
+  return constrain(x, mesh, logical_to_spec(logical_axes, rules=rules, mesh=mesh, shape=x.shape))
+
+
+def constrain(x, mesh, spec: P):
+  """``x`` laid out as ``NamedSharding(mesh, spec)``: placed when it is concrete (an eager
+  call), resharded on Explicit axes (where a sharding constraint only asserts), else
+  constrained."""
   placed = place_if_concrete(x, mesh, spec)
   if placed is not None:
     return placed
-  if is_explicit(mesh):  # a constraint only asserts on Explicit axes: move the array there
+  if is_explicit(mesh):
     return jax.sharding.reshard(x, NamedSharding(mesh, spec))
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 

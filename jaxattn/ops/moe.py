@@ -34,11 +34,11 @@ from typing import Literal, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxattn.checks import check_bool, check_int_array, check_nonnegative, check_positive
-from jaxattn.sharding import is_explicit, place_if_concrete, shard
+from jaxattn.sharding import constrain, is_explicit, shard
 
 ScoreFunc = Literal["sigmoid", "softmax"]
 SCORE_FUNCS: tuple[str, ...] = ("sigmoid", "softmax")
@@ -625,20 +625,10 @@ def _mesh_or_context(mesh):
   return abstract
 
 
-def _place(a, mesh, spec):
-  """Puts ``a`` on ``spec`` before shard_map: Explicit mesh axes never reshard implicitly."""
-  placed = place_if_concrete(a, mesh, spec)
-  if placed is not None:
-    return placed
-  if is_explicit(mesh):
-    return jax.sharding.reshard(a, NamedSharding(mesh, spec))
-  return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec))
-
-
 def _whole_rows(a, mesh):
   """``a`` with its row axis unsplit, so that it can be padded or sliced to a size the shards do
   not divide: Explicit axes refuse that on a split axis (Auto axes leave it to XLA)."""
-  return _place(a, mesh, P()) if is_explicit(mesh) else a
+  return constrain(a, mesh, P()) if is_explicit(mesh) else a
 
 
 def routed_experts_sharded(
@@ -729,8 +719,9 @@ def routed_experts_sharded(
     y_assign = jnp.zeros_like(ys).at[order].set(ys).reshape(m_loc, k, ys.shape[-1])
     return _combine(y_assign, weights, x.dtype)
 
-  args = [_place(a, mesh, tok_spec) for a in (x, indices, weights)]
-  args += [_place(a, mesh, exp_spec) for a in (w_gate, w_up, w_down)]
+  # on their specs before shard_map (Explicit axes never reshard implicitly)
+  args = [constrain(a, mesh, tok_spec) for a in (x, indices, weights)]
+  args += [constrain(a, mesh, exp_spec) for a in (w_gate, w_up, w_down)]
   # check_vma=False: the fori_loop carries of the blocked matmul start as (unvarying) zeros.
   fn = jax.shard_map(local, mesh=mesh, in_specs=(tok_spec,) * 3 + (exp_spec,) * 3,
                      out_specs=tok_spec, check_vma=False)
