@@ -120,8 +120,8 @@ def run_flash(query, key, value, mask, *, scale, alibi_slopes, logits_soft_cap, 
   ``build(plan)(q, k, v, aux)`` on each shard (``build`` maps a ``Plan`` to the backend's custom-VJP
   function)."""
   static, segments, lengths = common.split_mask(mask)
-  if isinstance(alibi_slopes, (list, tuple, np.ndarray)):
-    alibi_slopes = jnp.asarray(alibi_slopes)     # (a list passed the checks, then failed)
+  if isinstance(alibi_slopes, (list, tuple)):   # (passed the checks, then failed on .astype;
+    alibi_slopes = jnp.asarray(alibi_slopes)     # shard_attention takes NumPy arrays as arrays)
   if scale is None:
     scale = 1.0 / float(query.shape[-1]) ** 0.5
   common.validate(query, key, value, q_offset=q_offset, scale=scale, alibi_slopes=alibi_slopes,
