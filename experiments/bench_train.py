@@ -45,6 +45,7 @@ import numpy as np
 from flax import nnx
 
 from experiments.cli import at_least, choice_list
+from jaxattn.checks import check_int
 from jaxattn.configs import PRESETS as ALL_PRESETS
 from jaxattn.configs import get_config
 from jaxattn.nn.model import DecoderLM
@@ -143,8 +144,7 @@ def run(*, presets: Sequence[str] = PRESETS, batch_size: int = 8, seq_len: int =
   for arg, value, low in (("batch_size", batch_size, 1), ("seq_len", seq_len, 2),
                           ("steps", steps, 1), ("warmup", warmup, 0),
                           ("matmul_size", matmul_size, 1)):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-      raise ValueError(f"`{arg}` must be an int >= {low}, got {value!r}.")
+    check_int(arg, value, minimum=low)
   docs = tokenize_documents(load_text(None))
   batch = next(PackedDataset(docs, batch_size=batch_size, seq_len=seq_len, seed=seed))
   gflops = matmul_gflops(matmul_size, steps=steps, warmup=warmup)
