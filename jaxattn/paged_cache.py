@@ -73,14 +73,20 @@ def _concrete(*xs) -> bool:
   return not any(isinstance(x, jax.core.Tracer) for x in xs)
 
 
-def nan_where_dropped(y, old_lengths: Int[Array, "B"], new_lengths: Int[Array, "B"], t: int):
-  """``y [B, ...]``, a layer's output from a step that appended ``t`` tokens per sequence, NaN in
+def nan_where_dropped(y, old_lengths: Int[Array, "B"], new_lengths: Int[Array, "B"], t: int,
+                      num_tokens: Int[Array, "B"] | None = None):
+  """``y [B, ...]``, a layer's output from a step that appended ``t`` tokens per sequence
+  (``num_tokens[b]`` of them for a ragged chunk, ``y [B, T, ...]`` then zero past them), NaN in
   the rows whose tokens did not all find a page.
 
   Eager ``append`` raises when pages run out; under ``jit`` it cannot, drops the tokens and leaves
   the length short, so the step's queries attend a shifted prefix: finite, silently wrong
   outputs.  NaN rows show it instead, as ``jaxattn.cache.nan_past_capacity`` does for the
   contiguous caches."""
+  if num_tokens is not None:     # the padding queries of a ragged chunk: zeros (an o_proj bias)
+    real = jnp.arange(y.shape[1], dtype=_I32)[None, :] < num_tokens[:, None]
+    y = jnp.where(real.reshape(real.shape + (1,) * (y.ndim - 2)), y, jnp.zeros((), y.dtype))
+    t = num_tokens
   if not isinstance(new_lengths, jax.core.Tracer):
     return y
   short = (new_lengths - old_lengths) < t

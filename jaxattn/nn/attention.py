@@ -18,7 +18,8 @@ from jaxattn.nn.positional import T5RelativePositionBias
 from jaxattn.ops.alibi import alibi_slopes
 from jaxattn.ops.attention import dot_product_attention
 from jaxattn.ops.decode import (DECODE_MAX_T, cache_attention, module_decode_implementation,
-                                paged_attention, tpu_kernel_requested)
+                                check_num_tokens, check_ragged_needs_paged, paged_attention,
+                                tpu_kernel_requested)
 from jaxattn.ops.rope import RopeScaling, apply_rope, check_rope_base, check_rope_scaling
 from jaxattn.sharding import shard
 
@@ -176,9 +177,11 @@ class Attention(nnx.Module):
     return PagedKVCache.init(batch, num_pages, page_size, self.num_kv_heads, self.head_dim,
                              self.v_head_dim, max_pages_per_seq=max_pages_per_seq, dtype=dtype)
 
-  def _paged_call(self, x, positions, segment_ids, mask, cache: PagedKVCache, implementation):
-    """Prefill / decode against a paged cache: each sequence's ``T`` new tokens go at its own
-    length (ragged batch) and attend causally to everything it holds."""
+  def _paged_call(self, x, positions, segment_ids, mask, cache: PagedKVCache, implementation,
+                  num_tokens=None):
+    """Prefill / decode against a paged cache: each sequence's ``T`` new tokens (its first
+    ``num_tokens[b]``, a ragged chunk) go at its own length (ragged batch) and attend causally to
+    everything it holds."""
     if (not self.causal or self.sliding_window is not None or self.position in ("alibi", "t5")
         or segment_ids is not None or mask is not None):
       raise ValueError(f"a PagedKVCache supports causal layers with position 'rope' or 'none', no "
@@ -187,6 +190,7 @@ class Attention(nnx.Module):
                        f"{self.sliding_window}, mask given: {mask is not None}, segment_ids given: "
                        f"{segment_ids is not None}.")
     t = x.shape[1]
+    num_tokens = check_num_tokens(num_tokens, x.shape[0], t)
     x = shard(x, ("batch", "length", "act_embed"))
     if positions is None:  # per-sequence positions: the batch is ragged
       positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -195,14 +199,14 @@ class Attention(nnx.Module):
       rope = dict(base=self.rope_base, rotary_dim=self.rotary_dim,
                   interleaved=self.rope_interleaved, scaling=self.rope_scaling)
       q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)
-    old_lengths, cache = cache.lengths, cache.append(k, v)
+    old_lengths, cache = cache.lengths, cache.append(k, v, num_tokens)
     q = shard(q, ("batch", "length", "act_heads", "head_dim"))
     impl = module_decode_implementation(implementation or self.implementation)
     out = paged_attention(q, cache.key_pool, cache.value_pool, cache.page_table, cache.lengths,
                           scale=self.attention_scale, logits_soft_cap=self.logits_soft_cap,
-                          implementation=impl)
+                          implementation=impl, num_tokens=num_tokens)
     y = shard(self.o_proj(self._gate(x, out.astype(q.dtype))), ("batch", "length", "act_embed"))
-    return nan_where_dropped(y, old_lengths, cache.lengths, t), cache
+    return nan_where_dropped(y, old_lengths, cache.lengths, t, num_tokens), cache
 
   def _decode_kernel(self, t, cache: KVCache, mask, implementation) -> bool:
     """Whether a step with a contiguous cache runs the paged decode kernel over it
@@ -238,18 +242,22 @@ class Attention(nnx.Module):
     return (out.astype(jnp.float32) * g).astype(out.dtype)
 
   def __call__(self, x, *, positions=None, segment_ids=None, mask=None,
-               cache: KVCache | None = None, implementation=None):
+               cache: KVCache | None = None, implementation=None, num_tokens=None):
     """``x [B, T, D]`` -> ``[B, T, D]`` (and the updated cache when one is given).
 
     ``positions [B, T]`` (default ``cache.index + arange(T)``) feed RoPE; restart them per segment
     for packed sequences.  ``segment_ids [B, T]`` confines attention to a segment; ``mask`` is an
     extra boolean ``[B|1, N|1, T, S]`` array or ``Mask``.  A ``PagedKVCache`` (``init_paged_cache``)
-    gives each sequence its own length; default positions then continue each sequence.
+    gives each sequence its own length; default positions then continue each sequence.  With it,
+    ``num_tokens [B]`` makes the step a ragged chunk (continuous batching): sequence ``b``'s new
+    tokens are its first ``num_tokens[b]`` rows of ``x`` (only they are cached), the other rows
+    are padding and give zeros.
     """
     if x.ndim != 3 or x.shape[-1] != self.embed_dim:
       raise ValueError(f"`x` must be [B, T, D={self.embed_dim}], got shape {x.shape}.")
     if isinstance(cache, PagedKVCache):
-      return self._paged_call(x, positions, segment_ids, mask, cache, implementation)
+      return self._paged_call(x, positions, segment_ids, mask, cache, implementation, num_tokens)
+    check_ragged_needs_paged(num_tokens, "PagedKVCache (init_paged_cache)")
     if cache is not None and not isinstance(cache, (KVCache, RollingKVCache)):
       raise ValueError(f"`cache` must be a KVCache / RollingKVCache (init_cache) or a PagedKVCache "
                        f"(init_paged_cache), got {type(cache).__name__}.")

@@ -35,6 +35,7 @@ from jaxattn.dsa_cache import DSACache, quantize_index_keys
 from jaxattn.nn.linear import Einsum, effective_kernel
 from jaxattn.nn.mla import MLA
 from jaxattn.nn.norms import LayerNorm
+from jaxattn.ops.decode import check_num_tokens, check_ragged_needs_paged
 from jaxattn.ops.hadamard import hadamard_transform
 from jaxattn.ops.mla import mla_attention, mla_score_terms
 from jaxattn.ops.quantization import QUANT_FORMATS, dequantize, fake_quantize
@@ -230,7 +231,7 @@ class DSA(MLA):
                        f"(index_quant={self.indexer.quant!r}).")
 
   def _paged_call(self, x, positions, cache: PagedLatentCache, mode, return_aux, implementation,
-                  segment_ids):
+                  segment_ids, num_tokens=None):
     """Prefill / decode against a paged cache, always in absorbed form; batches may be ragged.
 
     Each sequence appends its ``T`` new rows (latents, rotated key, quantized indexer key) at its
@@ -238,12 +239,17 @@ class DSA(MLA):
     sequence's cached keys (gathered through the page table: the reference path) causally and
     within its length; ``paged_mla_decode`` attends to the top-K positions (sparse) or all of
     them (dense) in latent space; ``W_up^V`` and ``o_proj`` follow, as in the contiguous path.
+    ``num_tokens``: a ragged chunk, as in ``Attention``.
     """
     if segment_ids is not None:
       raise ValueError("`segment_ids` (packed sequences) cannot be combined with a "
                        "PagedLatentCache: each batch row is one sequence.")
     self._check_paged_cache(cache)
     t = x.shape[1]
+    num_tokens = check_num_tokens(num_tokens, x.shape[0], t)
+    if num_tokens is not None and return_aux:
+      raise ValueError("`return_aux` (the indexer's training loss) is not available for a ragged "
+                       "chunk (`num_tokens`): its padding rows have no attention distribution.")
     x = shard(x, ("batch", "length", "act_embed"))
     if positions is None:  # per-sequence positions: the batch is ragged
       positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -251,23 +257,27 @@ class DSA(MLA):
     # The indexer learns only from its own loss: detach its inputs from the main model.
     q_idx, keys, scales, w = self.indexer.project(jax.lax.stop_gradient(x),
                                                   jax.lax.stop_gradient(q_in), positions)
-    old_lengths, cache = cache.lengths, cache.append(c_kv, k_rope, keys, scales)
+    old_lengths, cache = cache.lengths, cache.append(c_kv, k_rope, keys, scales,
+                                                     num_tokens=num_tokens)
     lengths = cache.lengths
     indices = scores = None
     if mode == "sparse" or return_aux:
       k_idx = dequantize(*cache.gather_index_keys())                # [B, S, d_I]
       scores = indexer_scores(q_idx, k_idx, w, causal=False, kv_lengths=lengths,
                               dot_dtype=self.indexer.dot_dtype)
-      # The T queries are each sequence's last T tokens (paged_mla_decode's contract): query t of
-      # sequence b sits at lengths[b] - T + t, a per-sequence offset that indexer_scores' scalar
-      # q_offset cannot express, so causality is applied here.
-      q_pos = lengths[:, None] - t + jnp.arange(t, dtype=jnp.int32)[None, :]       # [B, T]
+      # The T queries are each sequence's last T tokens (paged_mla_decode's contract; its first
+      # num_tokens[b] for a ragged chunk): query t of sequence b sits at lengths[b] - T + t, a
+      # per-sequence offset that indexer_scores' scalar q_offset cannot express, so causality is
+      # applied here.  (A padding query's selection is ignored by paged_mla_decode.)
+      n = t if num_tokens is None else num_tokens[:, None]
+      q_pos = lengths[:, None] - n + jnp.arange(t, dtype=jnp.int32)[None, :]       # [B, T]
       visible = jnp.arange(k_idx.shape[1], dtype=jnp.int32)[None, None, :] <= q_pos[:, :, None]
       scores = jnp.where(visible, scores, -jnp.inf)
       if mode == "sparse":
         indices = topk_indices(scores, self.index_topk)            # [B, T, k], -1 = none
     y = nan_where_dropped(self._absorbed_paged(q_nope, q_rope, cache, lengths, indices,
-                                               implementation), old_lengths, lengths, t)
+                                               implementation, num_tokens),
+                          old_lengths, lengths, t, num_tokens)
     if not return_aux:
       return y, cache
     dt = q_nope.dtype
@@ -301,17 +311,21 @@ class DSA(MLA):
       return_aux: bool = False,
       implementation=None,
       segment_ids: Int[Array, "B T"] | None = None,
+      num_tokens: Int[Array, "B"] | None = None,
   ):
     """``segment_ids [B, T]`` (packed rows; equal ids = one document, 0 included, as in
     ``dot_product_attention`` and the dense mode): the indexer selects, and attention
-    reads, only earlier tokens of the query's own segment (full scores are formed for the mask)."""
+    reads, only earlier tokens of the query's own segment (full scores are formed for the mask).
+    ``num_tokens [B]`` (a ``PagedLatentCache`` only): a ragged chunk, as in ``Attention``."""
     mode = self.attention_mode if attention_mode is None else attention_mode
     if mode not in ATTENTION_MODES:
       raise ValueError(f"`attention_mode` must be one of {ATTENTION_MODES}, got {mode!r}.")
     if x.ndim != 3 or x.shape[-1] != self.embed_dim:
       raise ValueError(f"`x` must be [B, T, D={self.embed_dim}], got shape {x.shape}.")
     if isinstance(cache, PagedLatentCache):
-      return self._paged_call(x, positions, cache, mode, return_aux, implementation, segment_ids)
+      return self._paged_call(x, positions, cache, mode, return_aux, implementation, segment_ids,
+                              num_tokens)
+    check_ragged_needs_paged(num_tokens, "PagedLatentCache (DSA.init_paged_cache)")
     if cache is not None and not isinstance(cache, DSACache):
       raise ValueError(f"`cache` must be a DSACache (DSA.init_cache) or a PagedLatentCache "
                        f"(DSA.init_paged_cache), got {type(cache)}.")

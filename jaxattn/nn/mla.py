@@ -28,7 +28,8 @@ from jaxattn.mla_cache import LatentCache
 from jaxattn.paged_cache import PagedLatentCache, nan_where_dropped
 from jaxattn.nn.linear import Einsum, effective_kernel
 from jaxattn.nn.norms import RMSNorm
-from jaxattn.ops.decode import (DECODE_MAX_T, cache_mla_decode, module_decode_implementation,
+from jaxattn.ops.decode import (DECODE_MAX_T, cache_mla_decode, check_num_tokens,
+                                check_ragged_needs_paged, module_decode_implementation,
                                 paged_mla_decode, tpu_kernel_requested)
 from jaxattn.ops.mla import MODES, Mode, mla_attention, mla_score_terms, mla_softmax_scale
 from jaxattn.ops.rope import RopeScaling, apply_rope, check_rope_base, check_rope_scaling
@@ -159,31 +160,34 @@ class MLA(nnx.Module):
                                  dtype=dtype)
 
   def _paged_call(self, x, positions, segment_ids, mask, cache: PagedLatentCache,
-                  implementation):
+                  implementation, num_tokens=None):
     """Prefill / decode against a paged latent cache, always in absorbed form (the decode path:
-    ``paged_mla_decode`` returns latent outputs, ``W_up^V`` and ``o_proj`` follow)."""
+    ``paged_mla_decode`` returns latent outputs, ``W_up^V`` and ``o_proj`` follow); a ragged
+    chunk with ``num_tokens``, as in ``Attention``."""
     if not self.causal or segment_ids is not None or mask is not None:
       raise ValueError(f"a PagedLatentCache supports causal layers without `mask` or "
                        f"`segment_ids`; this layer has causal={self.causal}, mask given: "
                        f"{mask is not None}, segment_ids given: {segment_ids is not None}.")
     t = x.shape[1]
+    num_tokens = check_num_tokens(num_tokens, x.shape[0], t)
     x = shard(x, ("batch", "length", "act_embed"))
     if positions is None:  # per-sequence positions: the batch is ragged
       positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     q_nope, q_rope, c_kv, k_rope = self._project(x, positions)
-    old_lengths, cache = cache.lengths, cache.append(c_kv, k_rope)
-    y = self._absorbed_paged(q_nope, q_rope, cache, cache.lengths, None, implementation)
-    return nan_where_dropped(y, old_lengths, cache.lengths, t), cache
+    old_lengths, cache = cache.lengths, cache.append(c_kv, k_rope, num_tokens=num_tokens)
+    y = self._absorbed_paged(q_nope, q_rope, cache, cache.lengths, None, implementation,
+                             num_tokens)
+    return nan_where_dropped(y, old_lengths, cache.lengths, t, num_tokens), cache
 
   def _absorbed_paged(self, q_nope, q_rope, cache: PagedLatentCache, lengths, indices,
-                      implementation):
+                      implementation, num_tokens=None):
     """``o_proj`` of absorbed attention over a paged latent cache (``indices``: DSA's selected
     positions, or None for dense): the query goes to latent space, ``paged_mla_decode`` attends,
     ``W_up^V`` maps back."""
     impl = module_decode_implementation(implementation or self.implementation)
     return self._absorbed(q_nope, lambda q_latent: paged_mla_decode(
         q_latent, q_rope, cache.c_kv_pool, cache.k_rope_pool, cache.page_table, lengths,
-        scale=self.scale, indices=indices, implementation=impl))
+        scale=self.scale, indices=indices, implementation=impl, num_tokens=num_tokens))
 
   def _absorbed(self, q_nope, attend):
     """``o_proj`` of absorbed attention: the query goes to latent space, ``attend(q_latent)``
@@ -249,12 +253,15 @@ class MLA(nnx.Module):
       segment_ids: Int[Array, "B T"] | None = None,
       mask=None,
       implementation=None,
+      num_tokens: Int[Array, "B"] | None = None,
   ) -> Float[Array, "B T D"] | tuple[Float[Array, "B T D"], LatentCache]:
     """``x [B, T, D]`` -> ``[B, T, D]`` (and the updated cache when one is given).
 
     ``positions [B, T]`` (default ``cache.index + arange(T)``) feed RoPE.  ``mode`` overrides the
     module's default path.  ``segment_ids [B, T]`` confines attention to a segment (not with a
-    cache); ``mask`` is an extra boolean ``[B|1, N|1, T, S]`` array or ``Mask``.
+    cache); ``mask`` is an extra boolean ``[B|1, N|1, T, S]`` array or ``Mask``.  With a
+    ``PagedLatentCache``, ``num_tokens [B]`` makes the step a ragged chunk (continuous batching):
+    sequence ``b``'s new tokens are its first ``num_tokens[b]`` rows, the others padding (zeros).
     """
     mode = self.mode if mode is None else mode
     if mode not in MODES:
@@ -265,7 +272,8 @@ class MLA(nnx.Module):
       if cache.kv_lora_rank != self.kv_lora_rank or cache.qk_rope_head_dim != self.qk_rope_head_dim:
         raise ValueError(f"`cache` holds C={cache.kv_lora_rank}, R={cache.qk_rope_head_dim}; this "
                          f"layer needs C={self.kv_lora_rank}, R={self.qk_rope_head_dim}.")
-      return self._paged_call(x, positions, segment_ids, mask, cache, implementation)
+      return self._paged_call(x, positions, segment_ids, mask, cache, implementation, num_tokens)
+    check_ragged_needs_paged(num_tokens, "PagedLatentCache (init_paged_cache)")
     if cache is not None and not isinstance(cache, LatentCache):
       raise ValueError(f"`cache` must be a LatentCache (init_cache) or a PagedLatentCache "
                        f"(init_paged_cache), got {type(cache).__name__}.")

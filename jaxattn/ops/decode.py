@@ -17,6 +17,12 @@ Semantics shared by both (the contract the kernels are tested against):
 * The ``T`` queries of sequence ``b`` are its LAST ``T`` tokens, already appended: query ``t`` sits
   at position ``lengths[b] - T + t`` and sees keys ``s <= lengths[b] - T + t`` (causal); ``T = 1``
   is plain decode (all ``lengths[b]`` keys).  Rows whose position is negative see nothing.
+* Ragged chunks (continuous batching: one sequence prefills a chunk while others decode one token)
+  pass ``num_tokens [B]``: sequence ``b``'s queries are its first ``num_tokens[b]`` of ``T``, its
+  last ``num_tokens[b]`` tokens (query ``t`` at ``lengths[b] - num_tokens[b] + t``); the others
+  are padding and return zeros.  None means ``T`` for every sequence.  The kernels take the
+  queries aligned to the end of ``T`` (``align_queries``: each row shifted right by
+  ``T - num_tokens[b]``), where their own contract places them, and the output shifted back.
 * Logits in fp32: ``scale * q.k`` -> soft-cap ``c * tanh(x / c)`` (when ``logits_soft_cap``) ->
   mask -> softmax in fp32.  A query with no visible key (``lengths[b] = 0``) returns zeros.
 * Output in the query dtype.
@@ -172,11 +178,63 @@ def _as_4d(q, name):
   raise ValueError(f"`{name}` must be [B, N, ...] or [B, T, N, ...], got shape {q.shape}.")
 
 
-def _visible(t, s, lengths):
-  """``[B, T, S]``: key ``s`` exists and is not after query ``t`` (the last ``T`` tokens)."""
+def _visible(t, s, lengths, num_tokens=None):
+  """``[B, T, S]``: key ``s`` exists and is not after query ``t`` (the last ``T`` tokens; with
+  ``num_tokens``, the first ``num_tokens[b]`` queries are the last tokens, the rest see
+  nothing)."""
   kv = jnp.arange(s, dtype=jnp.int32)[None, None, :]
-  q_pos = lengths[:, None, None] - t + jnp.arange(t, dtype=jnp.int32)[None, :, None]
-  return (kv < lengths[:, None, None]) & (kv <= q_pos)
+  rows = jnp.arange(t, dtype=jnp.int32)[None, :, None]
+  n = t if num_tokens is None else num_tokens[:, None, None]
+  q_pos = lengths[:, None, None] - n + rows
+  return (kv < lengths[:, None, None]) & (kv <= q_pos) & (rows < n)
+
+
+def check_num_tokens(num_tokens, batch: int, t: int):
+  """``num_tokens``: None, or ``[B]`` integers in ``[0, T]`` (checked when concrete) -> int32."""
+  if num_tokens is None:
+    return None
+  if not hasattr(num_tokens, "shape"):       # a list
+    raise ValueError(f"`num_tokens` must be an integer array [B={batch}] or None, got "
+                     f"{type(num_tokens).__name__}.")
+  if num_tokens.shape != (batch,):
+    raise ValueError(f"`num_tokens` must be [B={batch}], got shape {num_tokens.shape}.")
+  check_int_array("num_tokens", num_tokens)
+  if not isinstance(num_tokens, jax.core.Tracer):
+    n = np.asarray(num_tokens)
+    if ((n < 0) | (n > t)).any():
+      raise ValueError(f"`num_tokens` must lie in [0, T={t}], got {n}.")
+  return jnp.asarray(num_tokens).astype(jnp.int32)
+
+
+def check_ragged_needs_paged(num_tokens, cache_kind: str) -> None:
+  """A module's ``num_tokens`` (a ragged chunk) needs a paged cache, which keeps a length per
+  sequence: any other call refuses it rather than ignoring it."""
+  if num_tokens is not None:
+    raise ValueError(f"`num_tokens` (a ragged chunk) needs a {cache_kind}, which keeps a length "
+                     f"per sequence; got num_tokens={num_tokens!r} with another cache or none.")
+
+
+def align_queries(x, num_tokens, fill=0):
+  """``x [B, T, ...]`` with row ``b``'s first ``num_tokens[b]`` entries moved to its end (shifted
+  right by ``T - num_tokens[b]``), ``fill`` before them: a ragged chunk laid out as the kernels'
+  contract wants it (the queries are the last tokens)."""
+  t = x.shape[1]
+  src = jnp.arange(t, dtype=jnp.int32)[None, :] - (t - num_tokens)[:, None]       # [B, T]
+  got = jnp.take_along_axis(x, jnp.maximum(src, 0).reshape(src.shape + (1,) * (x.ndim - 2)),
+                            axis=1)
+  return jnp.where((src >= 0).reshape(src.shape + (1,) * (x.ndim - 2)), got,
+                   jnp.asarray(fill, x.dtype))
+
+
+def unalign_queries(x, num_tokens):
+  """The inverse of ``align_queries``: row ``b``'s last ``num_tokens[b]`` entries moved back to
+  its start, zeros after them (the padding queries' outputs)."""
+  t = x.shape[1]
+  src = jnp.arange(t, dtype=jnp.int32)[None, :] + (t - num_tokens)[:, None]       # [B, T]
+  got = jnp.take_along_axis(x, jnp.minimum(src, t - 1).reshape(src.shape + (1,) * (x.ndim - 2)),
+                            axis=1)
+  return jnp.where((src < t).reshape(src.shape + (1,) * (x.ndim - 2)), got,
+                   jnp.zeros((), x.dtype))
 
 
 def _softmax_rows(logits, valid):
@@ -196,9 +254,9 @@ def _cap(logits, logits_soft_cap):
 
 @functools.partial(jax.jit, static_argnames=("logits_soft_cap",))
 def paged_attention_xla(query, key_pool, value_pool, page_table, lengths, *, scale,
-                        logits_soft_cap=None):
+                        logits_soft_cap=None, num_tokens=None):
   """The reference: gather pages to ``[B, S, K, H]``, then dense fp32 attention.  ``query`` is
-  ``[B, T, N, H]``; see ``paged_attention``."""
+  ``[B, T, N, H]``; see ``paged_attention`` (``num_tokens`` [B] or None)."""
   b, t, n, h = query.shape
   kh = key_pool.shape[2]
   table = _table(page_table, lengths, key_pool.shape[1])
@@ -207,7 +265,7 @@ def paged_attention_xla(query, key_pool, value_pool, page_table, lengths, *, sca
   value = gather_pages(value_pool, table).astype(_F32)              # [B, S, K, h]
   q = query.astype(_F32).reshape(b, t, kh, n // kh, h)              # head n reads KV head n // G
   logits = _cap(jnp.einsum("btkgh,bskh->bkgts", q, key) * scale, logits_soft_cap)
-  p = _softmax_rows(logits, _visible(t, key.shape[1], lengths)[:, None, None])
+  p = _softmax_rows(logits, _visible(t, key.shape[1], lengths, num_tokens)[:, None, None])
   out = jnp.einsum("bkgts,bskh->btkgh", p, value)
   return out.reshape(b, t, n, value.shape[-1]).astype(query.dtype)
 
@@ -271,6 +329,7 @@ def paged_attention(
     num_splits: int | None = None,
     implementation: DecodeImplementation | None = None,
     interpret=None,
+    num_tokens: Int[Array, "B"] | None = None,
 ) -> Float[Array, "B T N h"] | Float[Array, "B N h"]:
   """Attention of each sequence's newest ``T`` tokens over its paged keys and values.
 
@@ -299,6 +358,9 @@ def paged_attention(
       ``"pallas_tpu"`` or ``"pallas_gpu"``.
     interpret: for the Pallas kernels: None (interpret unless on their hardware), a bool, or (TPU)
       a ``pltpu.InterpretParams``.
+    num_tokens: ``[B]`` int, ragged chunks (continuous batching): sequence ``b``'s queries are
+      its first ``num_tokens[b]`` rows of ``T`` (its newest tokens, already counted in
+      ``lengths``); the rows after them return zeros.  None: all ``T``.
 
   Returns:
     ``[B, T, N, h]`` (``[B, N, h]`` for a 3-D query) in the query dtype.
@@ -307,6 +369,7 @@ def paged_attention(
   h = q.shape[3]
   kh, scale, logits_soft_cap = _check_gqa(q, key_pool, value_pool, page_table, lengths, scale,
                                           logits_soft_cap, num_splits)
+  num_tokens = check_num_tokens(num_tokens, q.shape[0], q.shape[1])
   scale = 1.0 / math.sqrt(h) if scale is None else scale
   page_table, lengths = page_table.astype(jnp.int32), lengths.astype(jnp.int32)
   impl = resolve_implementation(implementation) if q.shape[1] else "xla"   # T = 0: empty
@@ -315,8 +378,11 @@ def paged_attention(
     value_pool = value_pool.reshape(value_pool.shape[:2] + (kh, -1))
   if impl == "xla":
     out = paged_attention_xla(q, key_pool, value_pool, page_table, lengths, scale=scale,
-                              logits_soft_cap=logits_soft_cap)
-  elif impl == "pallas_gpu":
+                              logits_soft_cap=logits_soft_cap, num_tokens=num_tokens)
+    return out[:, 0] if squeeze else out
+  if num_tokens is not None:
+    q = align_queries(q, num_tokens)
+  if impl == "pallas_gpu":
     from pallas_kernels.decode_attention import paged_attention_gpu  # noqa: PLC0415 (optional)
     out = paged_attention_gpu(q, key_pool, value_pool, page_table, lengths, scale=scale,
                               logits_soft_cap=logits_soft_cap, num_splits=num_splits,
@@ -326,6 +392,8 @@ def paged_attention(
     out = paged_attention_tpu(q, key_pool, value_pool, page_table, lengths, scale=scale,
                               logits_soft_cap=logits_soft_cap, num_splits=num_splits,
                               interpret=interpret)
+  if num_tokens is not None:
+    out = unalign_queries(out, num_tokens)
   return out[:, 0] if squeeze else out
 
 
@@ -491,9 +559,10 @@ def sparse_rows(indices, page_table, lengths, page_size):
 
 @jax.jit
 def paged_mla_decode_xla(q_latent, q_rope, c_kv_pool, k_rope_pool, page_table, lengths, *, scale,
-                         indices=None):
-  """The reference (``q_*`` are ``[B, T, N, .]``, ``indices`` ``[B, T, k]`` or None): gather the
-  latent rows, fp32 softmax over ``q~ . c + q^R . k^R``, weighted sum of ``c``."""
+                         indices=None, num_tokens=None):
+  """The reference (``q_*`` are ``[B, T, N, .]``, ``indices`` ``[B, T, k]`` or None,
+  ``num_tokens`` ``[B]`` or None): gather the latent rows, fp32 softmax over
+  ``q~ . c + q^R . k^R``, weighted sum of ``c``."""
   b, t, n, c = q_latent.shape
   ql, qr = q_latent.astype(_F32), q_rope.astype(_F32)
   k_rope_pool = k_rope_pool[..., :q_rope.shape[3]]                  # a padded pool: R columns
@@ -503,10 +572,12 @@ def paged_mla_decode_xla(q_latent, q_rope, c_kv_pool, k_rope_pool, page_table, l
     kr = gather_pages(k_rope_pool, table).astype(_F32)              # [B, S, R]
     logits = (jnp.einsum("btnc,bsc->btns", ql, ckv)
               + jnp.einsum("btnr,bsr->btns", qr, kr)) * scale
-    p = _softmax_rows(logits, _visible(t, ckv.shape[1], lengths)[:, :, None])
+    p = _softmax_rows(logits, _visible(t, ckv.shape[1], lengths, num_tokens)[:, :, None])
     out = jnp.einsum("btns,bsc->btnc", p, ckv)
   else:
     valid, page, off = sparse_rows(indices, page_table, lengths, c_kv_pool.shape[1])
+    if num_tokens is not None:                                      # padding queries: nothing
+      valid &= jnp.arange(t, dtype=jnp.int32)[None, :, None] < num_tokens[:, None, None]
     keep = valid[..., None]                                         # unselected rows: zeros
     ckv = jnp.where(keep, c_kv_pool[page, off].astype(_F32), 0.0)  # [B, T, k, C]
     kr = jnp.where(keep, k_rope_pool[page, off].astype(_F32), 0.0)  # [B, T, k, R]
@@ -530,6 +601,7 @@ def paged_mla_decode(
     num_splits: int | None = None,
     implementation: DecodeImplementation | None = None,
     interpret=None,
+    num_tokens: Int[Array, "B"] | None = None,
 ) -> Float[Array, "B T N C"] | Float[Array, "B N C"]:
   """Absorbed MLA attention over a paged latent cache; the output stays in latent space.
 
@@ -551,6 +623,8 @@ def paged_mla_decode(
       the dense mode, and for ``"pallas_gpu"`` to the sparse mode too, over the ``k`` selected
       slots; there ``programs_per_split = B * ceil(T * N / 16)`` dense, ``B * T * ceil(N / 16)``
       sparse).
+    num_tokens: ragged chunks, as in ``paged_attention`` (sparse mode: the padding rows'
+      selections are ignored).
 
   Returns:
     ``[B, T, N, C]`` (``[B, N, C]`` for 3-D queries): ``sum_s p_s c_s`` per head, query dtype.
@@ -569,6 +643,7 @@ def paged_mla_decode(
                      f"with R_p >= R={r}, got {k_rope_pool.shape}.")
   scale = _check_mla_call(page_table, lengths, b, c_kv_pool.shape[1], scale, num_splits,
                           num_pages=c_kv_pool.shape[0])
+  num_tokens = check_num_tokens(num_tokens, b, t)
   if indices is not None:
     if squeeze and indices.ndim == 2:
       indices = indices[:, None]
@@ -584,8 +659,13 @@ def paged_mla_decode(
     qr = _zero_pad_columns(qr, k_rope_pool.shape[2])
   if impl == "xla":
     out = paged_mla_decode_xla(ql, qr, c_kv_pool, k_rope_pool, page_table, lengths, scale=scale,
-                               indices=indices)
-  elif impl == "pallas_gpu":
+                               indices=indices, num_tokens=num_tokens)
+    return out[:, 0] if squeeze else out
+  if num_tokens is not None:
+    ql, qr = align_queries(ql, num_tokens), align_queries(qr, num_tokens)
+    if indices is not None:
+      indices = align_queries(indices, num_tokens, fill=-1)
+  if impl == "pallas_gpu":
     from pallas_kernels.mla_decode import paged_mla_decode_gpu  # noqa: PLC0415 (optional)
     out = paged_mla_decode_gpu(ql, qr, c_kv_pool, k_rope_pool, page_table, lengths, scale=scale,
                                indices=indices, num_splits=num_splits, interpret=interpret)
@@ -593,12 +673,14 @@ def paged_mla_decode(
     from pallas_kernels.mla_decode import paged_mla_decode_tpu  # noqa: PLC0415 (optional)
     out = paged_mla_decode_tpu(ql, qr, c_kv_pool, k_rope_pool, page_table, lengths, scale=scale,
                                indices=indices, num_splits=num_splits, interpret=interpret)
+  if num_tokens is not None:
+    out = unalign_queries(out, num_tokens)
   return out[:, 0] if squeeze else out
 
 
-__all__ = ["DECODE_IMPLEMENTATIONS", "DECODE_MAX_T", "cache_attention",
-           "cache_mla_decode", "cache_row_bytes", "merged_kv_heads",
+__all__ = ["DECODE_IMPLEMENTATIONS", "DECODE_MAX_T", "align_queries", "cache_attention",
+           "cache_mla_decode", "cache_row_bytes", "check_num_tokens", "merged_kv_heads",
            "module_decode_implementation", "paged_attention", "paged_attention_xla",
            "paged_mla_decode", "paged_mla_decode_xla",
            "page_view", "resolve_implementation", "sparse_rows", "tpu_kernel_requested",
-           "view_page_size"]
+           "unalign_queries", "view_page_size"]
