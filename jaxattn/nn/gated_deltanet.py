@@ -10,6 +10,11 @@ The causal convolutions are depthwise with a short kernel (4 taps: the current a
 tokens).  Value heads ``N`` are a multiple of key heads ``K`` (value head ``n`` reads key head
 ``n // (N // K)``).  The decode cache is the last ``W - 1`` projected inputs of each convolution
 plus the ``[B, N, H, h]`` recurrent memory: its size does not depend on how many tokens were seen.
+
+Continuous batching: with a cache, ``num_tokens [B]`` marks row ``b``'s first ``num_tokens[b]``
+tokens as real and the rest as padding (one row prefills a chunk while others decode one token or
+sit idle).  Padding leaves the cache untouched and outputs zeros; ``DeltaNetCache.reset`` empties
+the rows of finished sequences so their slots take new requests.
 """
 
 from __future__ import annotations
@@ -21,10 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from jaxattn.checks import check_int, check_nonnegative
 from jaxattn.nn.linear import Einsum, param
+from jaxattn.ops.decode import check_num_tokens
 from jaxattn.ops.delta_rule import (IMPLEMENTATIONS, gated_delta_rule, l2_normalize,
                                     segment_resets)
 from jaxattn.ops.norms import rms_norm
@@ -60,6 +66,22 @@ class DeltaNetCache:
                conv_v=jnp.zeros((batch, w, num_heads, v_head_dim), dtype),
                state=jnp.zeros((batch, num_heads, head_dim, v_head_dim), jnp.float32))
 
+  def reset(self, done: Bool[Array, "B"]) -> "DeltaNetCache":
+    """This cache with the rows where ``done [B]`` (bool) emptied, as ``init`` makes them (state
+    and convolution tails zero), the others unchanged: a finished sequence's slot is reused by a
+    new request.  Works under ``jit`` (``done`` traced)."""
+    b = self.state.shape[0]
+    if not hasattr(done, "shape") or tuple(done.shape) != (b,):
+      raise ValueError(f"`done` must be a bool array of shape [B={b}], got "
+                       f"{getattr(done, 'shape', type(done).__name__)}.")
+    if done.dtype != jnp.bool_:     # an int mask would be read as 0 / 1 or fail to broadcast
+      raise ValueError(f"`done` must be a bool array, got dtype {done.dtype}.")
+
+    def clear(x):
+      return jnp.where(done.reshape((b,) + (1,) * (x.ndim - 1)), jnp.zeros((), x.dtype), x)
+    return DeltaNetCache(conv_q=clear(self.conv_q), conv_k=clear(self.conv_k),
+                         conv_v=clear(self.conv_v), state=clear(self.state))
+
   @property
   def nbytes(self) -> int:
     """Bytes held, the same after any number of tokens."""
@@ -73,13 +95,17 @@ def causal_depthwise_conv(
     *,
     prefix: Float[Array, "B W1 *C"] | None = None,
     segment_ids: Int[Array, "B T"] | None = None,
+    num_tokens: Int[Array, "B"] | None = None,
 ) -> tuple[Float[Array, "B T *C"], Float[Array, "B W1 *C"]]:
   """``out[t] = sum_w weight[w] * x[t - (W - 1) + w]`` per channel (PyTorch's ``Conv1d`` with
   ``groups=channels`` and left padding ``W - 1``), in fp32; returns ``(out, new prefix)``.
 
   ``prefix [B, W-1, *C]`` supplies the inputs before ``x`` (zeros when None); the new prefix is
-  the last ``W - 1`` inputs, for the next call.  ``segment_ids [B, T]`` zeroes taps that reach
-  into an earlier packed sequence.  A sequence is a contiguous run of one id (as in
+  the last ``W - 1`` inputs, for the next call; with ``num_tokens [B]`` (ragged chunks) only row
+  ``b``'s first ``num_tokens[b]`` inputs count, so its new prefix is the last ``W - 1`` of
+  ``prefix ++ x[b, :num_tokens[b]]`` (``prefix`` itself for 0).  Outputs are computed at every
+  position; those past ``num_tokens[b]`` are the caller's to drop.  ``segment_ids [B, T]`` zeroes
+  taps that reach into an earlier packed sequence.  A sequence is a contiguous run of one id (as in
   ``gated_delta_rule``, whose memory is cleared where the id changes), so a reused id starts a new
   sequence; ``prefix`` belongs to the first run.
   """
@@ -99,6 +125,7 @@ def causal_depthwise_conv(
       raise ValueError(f"`segment_ids` must be integers, got {segment_ids.dtype}.")
     # Run index per token: 0 for the first run (and the prefix), +1 wherever the id changes.
     run = jnp.cumsum(segment_resets(segment_ids, b, t), axis=1)
+  num_tokens = check_num_tokens(num_tokens, b, t)
   full = jnp.concatenate([prefix.astype(x.dtype), x], axis=1)          # [B, W-1+T, *C]
   xf = full.astype(jnp.float32)
   wf = weight.astype(jnp.float32)
@@ -111,7 +138,12 @@ def causal_depthwise_conv(
       src = jnp.pad(run, ((0, 0), (lag, 0)))[:, :t]          # the tapped input's run
       tap = tap * (src == run).reshape((b, t) + extra)
     out = out + tap
-  return out.astype(x.dtype), full[:, t:]
+  if num_tokens is None:
+    return out.astype(x.dtype), full[:, t:]
+  # x[b, j] sits at row W-1+j of `full`, so the last W-1 of prefix ++ x[b, :n] are rows n..n+W-2.
+  rows = num_tokens[:, None] + jnp.arange(taps - 1, dtype=jnp.int32)[None, :]        # [B, W-1]
+  tail = jnp.take_along_axis(full, rows.reshape(rows.shape + (1,) * (x.ndim - 2)), axis=1)
+  return out.astype(x.dtype), tail
 
 
 def _a_log_init(low: float, high: float):
@@ -262,32 +294,58 @@ class GatedDeltaNet(nnx.Module):
     return g, beta
 
   def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None,
-               cache: DeltaNetCache | None = None, positions=None, implementation=None):
+               cache: DeltaNetCache | None = None, positions=None, implementation=None,
+               num_tokens: Int[Array, "B"] | None = None):
     """``x [B, T, D]`` -> ``[B, T, D]``, and the updated cache when one is given.
 
     ``segment_ids [B, T]`` (packed sequences) stops both the convolutions and the memory at
     segment boundaries: wherever the id changes (a reused id starts a new sequence).
     ``positions`` is accepted for interface parity with attention and unused: the layer has no
     positional encoding (order enters through the convolution and the recurrence).
+
+    ``num_tokens [B]`` (ints in ``[0, T]``, only with a ``cache``; may be traced) makes the call
+    ragged, for continuous batching: row ``b``'s real tokens are its first ``num_tokens[b]``, the
+    rest is padding of any value.  Row ``b``'s outputs at ``t < num_tokens[b]`` are those of a call
+    on that row alone with only its real tokens, its outputs after them are zeros, and its new
+    cache is the one after its real tokens only (a row with 0 keeps its cache exactly).  None
+    means ``T`` everywhere.
     """
     del positions
     if x.ndim != 3 or x.shape[-1] != self.embed_dim:
       raise ValueError(f"`x` must be [B, T, D={self.embed_dim}], got shape {x.shape}.")
     if segment_ids is not None and cache is not None:
       raise ValueError("`segment_ids` (packed sequences) cannot be combined with a decode `cache`.")
+    valid = None
+    if num_tokens is not None:
+      if cache is None:
+        raise ValueError("`num_tokens` (ragged chunks) needs a decode `cache`: it says which of "
+                         "each row's T tokens extend that row's cached sequence.")
+      b, t = x.shape[:2]
+      num_tokens = check_num_tokens(num_tokens, b, t)
+      valid = jnp.arange(t, dtype=jnp.int32)[None, :] < num_tokens[:, None]        # [B, T]
+      # Padding may hold anything, NaN included.  Its q, k, v still enter the rule's arithmetic
+      # (times beta = 0 below, and 0 * NaN = NaN), so it is zeroed before the projections.
+      x = jnp.where(valid[..., None], x, jnp.zeros((), x.dtype))
     x = shard(x, ("batch", "length", "act_embed"))
     pre = {"q": self.q_proj(x), "k": self.k_proj(x), "v": self.v_proj(x)}  # before the conv
     conved, tails = {}, {}
     for name, weight in (("q", self.conv_q), ("k", self.conv_k), ("v", self.conv_v)):
       prefix = None if cache is None else getattr(cache, "conv_" + name)
       y, tails[name] = causal_depthwise_conv(pre[name], weight[...], prefix=prefix,
-                                             segment_ids=segment_ids)
+                                             segment_ids=segment_ids, num_tokens=num_tokens)
       conved[name] = jax.nn.silu(y)
     q = l2_normalize(conved["q"])
     k = l2_normalize(conved["k"])
     q = shard(q, ("batch", "length", "act_heads", "head_dim"))
     v = shard(conved["v"], ("batch", "length", "act_heads", "head_dim"))
     g, beta = self.gates(x)
+    if valid is not None:
+      # Padding becomes a no-op of the rule: a_t = exp(g_t) = 1 keeps the memory undecayed and
+      # beta_t = 0 writes nothing, so S passes through unchanged (the recurrent and chunked forms,
+      # and any kernel, see only these inputs).  Padding follows the real tokens of its row, so
+      # the real tokens' outputs never see it either.
+      g = jnp.where(valid[..., None], g, 0.0)
+      beta = jnp.where(valid[..., None], beta, 0.0)
     o, state = gated_delta_rule(
         q, k, v, g, beta, initial_state=None if cache is None else cache.state,
         output_final_state=cache is not None, chunk_size=self.chunk_size,
@@ -299,6 +357,18 @@ class GatedDeltaNet(nnx.Module):
     y = shard(self.o_proj(o), ("batch", "length", "act_embed"))
     if cache is None:
       return y
-    return y, DeltaNetCache(conv_q=tails["q"].astype(cache.conv_q.dtype),
-                            conv_k=tails["k"].astype(cache.conv_k.dtype),
-                            conv_v=tails["v"].astype(cache.conv_v.dtype), state=state)
+    new = DeltaNetCache(conv_q=tails["q"].astype(cache.conv_q.dtype),
+                        conv_k=tails["k"].astype(cache.conv_k.dtype),
+                        conv_v=tails["v"].astype(cache.conv_v.dtype), state=state)
+    if valid is None:
+      return y, new
+    # Zero already (a zeroed x gives SiLU(z) = 0: the projections have no bias); explicit so the
+    # contract does not rest on that.
+    y = jnp.where(valid[..., None], y, jnp.zeros((), y.dtype))
+    # Idle rows get their cache back as it was, bit for bit: the no-op above is exact in both XLA
+    # forms, but a tail cast through x's dtype (a bf16 x with an fp32 cache) or a kernel that
+    # rounds the memory would otherwise perturb a sequence that received no token.
+    idle = num_tokens == 0
+    return y, jax.tree.map(
+        lambda fresh, old: jnp.where(idle.reshape((-1,) + (1,) * (old.ndim - 1)), old, fresh),
+        new, cache)

@@ -23,6 +23,13 @@ that does not fill a unit runs unrolled.  ``remat`` wraps each layer (or unit) i
 The call convention follows the modules: ``logits = model(tokens)``; with a cache from
 ``model.init_cache(...)``, ``logits, cache = model(tokens, cache=cache)``; ``return_aux=True``
 appends a dict with the MoE auxiliary loss, the DSA indexer loss and the per-site expert loads.
+
+Serving: ``model.init_paged_cache(batch, num_pages, page_size)`` gives every attention layer a
+paged cache (a pool of pages, a page table and a length per sequence; Gated DeltaNet layers keep
+their fixed-size state per sequence), so the sequences of a batch have their own lengths; with
+``num_tokens [B]`` a call is a ragged chunk (continuous batching: one sequence prefills a chunk,
+another decodes a token, a third waits), and ``cache.free(done)`` empties finished sequences'
+slots for new ones (``jaxattn.generation.Engine`` runs that loop).
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from jaxattn.cache import KVCache
 from jaxattn.mla_cache import LatentCache
 from jaxattn.nn.attention import Attention
 from jaxattn.nn.dsa import DSA
-from jaxattn.nn.gated_deltanet import GatedDeltaNet
+from jaxattn.nn.gated_deltanet import DeltaNetCache, GatedDeltaNet
 from jaxattn.nn.linear import Einsum, param
 from jaxattn.nn.mhc import HyperConnection, StreamCollapse
 from jaxattn.nn.mla import MLA
@@ -50,6 +57,7 @@ from jaxattn.nn.mlp import MLP
 from jaxattn.nn.moe import MoE
 from jaxattn.nn.norms import make_norm
 from jaxattn.nn.positional import LearnedPositionalEmbedding
+from jaxattn.ops.decode import check_num_tokens, check_ragged_needs_paged
 from jaxattn.ops.hyper import hc_read, hc_write
 from jaxattn.ops.moe import bias_update
 from jaxattn.ops.rope import RopeScaling
@@ -361,22 +369,38 @@ class DecoderLayer(nnx.Module):
       return self.mixer.init_rolling_cache(batch, dtype)
     return self.mixer.init_cache(batch, max_len, dtype)
 
+  def init_paged_cache(self, batch: int, num_pages: int, page_size: int, max_pages_per_seq,
+                       dtype=None):
+    if self.kind == "D":    # a fixed-size recurrent state per sequence: nothing to page
+      return self.mixer.init_cache(batch, dtype=dtype)
+    if self.kind == "S" or self.mixer_position_bias:
+      raise ValueError(f"a paged cache serves causal attention without a sliding window, ALiBi "
+                       f"or T5 bias; this model has a layer of kind {self.kind!r} with position "
+                       f"{getattr(self.mixer, 'position', None)!r} (use init_cache).")
+    return self.mixer.init_paged_cache(batch, num_pages, page_size,
+                                       max_pages_per_seq=max_pages_per_seq, dtype=dtype)
+
+  @property
+  def mixer_position_bias(self) -> bool:
+    return self.kind == "A" and self.mixer.position in ("alibi", "t5")
+
   def cache_bytes(self, seq_len: int, batch: int = 1, dtype=jnp.bfloat16) -> int:
     return self.mixer.cache_bytes(seq_len, batch, dtype)
 
-  def _mix(self, h, positions, segment_ids, cache, want_aux):
+  def _mix(self, h, positions, segment_ids, cache, want_aux, num_tokens=None):
     aux = _zero()
+    ragged = {} if num_tokens is None else {"num_tokens": num_tokens}
     if self.kind in "ASM":
-      out = self.mixer(h, positions=positions, segment_ids=segment_ids, cache=cache)
+      out = self.mixer(h, positions=positions, segment_ids=segment_ids, cache=cache, **ragged)
     elif self.kind == "I":
       out = self.mixer(h, positions=positions, cache=cache, return_aux=want_aux,
-                       segment_ids=segment_ids)
+                       segment_ids=segment_ids, **ragged)
       if want_aux:
         *out, a = out if isinstance(out, tuple) else (out,)
         out = out[0] if len(out) == 1 else tuple(out)
         aux = a["indexer_loss"] * self.indexer_weight
     else:
-      out = self.mixer(h, segment_ids=segment_ids, cache=cache)
+      out = self.mixer(h, segment_ids=segment_ids, cache=cache, **ragged)
     if cache is not None:
       out, cache = out
     return out, cache, aux
@@ -387,17 +411,21 @@ class DecoderLayer(nnx.Module):
       return y, stats.aux_loss, stats.load
     return self.ffn(h), _zero(), None
 
-  def __call__(self, x, *, positions=None, segment_ids=None, cache=None, want_aux=False):
+  def __call__(self, x, *, positions=None, segment_ids=None, cache=None, want_aux=False,
+               num_tokens=None):
     token_mask = None if segment_ids is None else segment_ids > 0
+    if num_tokens is not None:    # a ragged chunk's padding rows take no expert capacity
+      token_mask = jnp.arange(x.shape[1], dtype=jnp.int32)[None, :] < num_tokens[:, None]
     if self.residual == "plain":
       x = shard(x, ("batch", "length", "act_embed"))
       if self.norm_position == "pre":
-        a, cache, ix = self._mix(self.mixer_norm(x), positions, segment_ids, cache, want_aux)
+        a, cache, ix = self._mix(self.mixer_norm(x), positions, segment_ids, cache, want_aux,
+                                 num_tokens)
         h = x + a
         f, moe_aux, load = self._ffn(self.ffn_norm(h), token_mask, segment_ids)
         y = h + f
       else:
-        a, cache, ix = self._mix(x, positions, segment_ids, cache, want_aux)
+        a, cache, ix = self._mix(x, positions, segment_ids, cache, want_aux, num_tokens)
         h = self.mixer_norm(x + a)
         f, moe_aux, load = self._ffn(h, token_mask, segment_ids)
         y = self.ffn_norm(h + f)
@@ -406,7 +434,7 @@ class DecoderLayer(nnx.Module):
       x = shard(x, ("batch", "length", None, "act_embed"))
       pre, post, res = self.mixer_hc.coefficients(x)
       a, cache, ix = self._mix(self.mixer_norm(hc_read(x, pre)), positions, segment_ids, cache,
-                               want_aux)
+                               want_aux, num_tokens)
       x = hc_write(x, a, post, res)
       pre, post, res = self.ffn_hc.coefficients(x)
       f, moe_aux, load = self._ffn(self.ffn_norm(hc_read(x, pre)), token_mask, segment_ids)
@@ -427,11 +455,15 @@ class LayerUnit(nnx.Module):
   def init_cache(self, batch, max_len, dtype=None, *, rolling=False):
     return tuple(l.init_cache(batch, max_len, dtype, rolling=rolling) for l in self.layers)
 
-  def __call__(self, x, positions, segment_ids, cache, want_aux):
+  def init_paged_cache(self, *args):
+    return tuple(l.init_paged_cache(*args) for l in self.layers)
+
+  def __call__(self, x, positions, segment_ids, cache, want_aux, num_tokens=None):
     new_cache, auxes = [], []
     for j, layer in enumerate(self.layers):
       x, c, aux = layer(x, positions=positions, segment_ids=segment_ids,
-                        cache=None if cache is None else cache[j], want_aux=want_aux)
+                        cache=None if cache is None else cache[j], want_aux=want_aux,
+                        num_tokens=num_tokens)
       new_cache.append(c)
       auxes.append(aux)
     return x, (None if cache is None else tuple(new_cache)), tuple(auxes)
@@ -479,9 +511,13 @@ class ScannedUnits(nnx.Module):
     one = self.units.init_cache(batch, max_len, dtype, rolling=rolling)
     return jax.tree.map(lambda a: jnp.broadcast_to(a, (self.count,) + a.shape), one)
 
-  def __call__(self, x, positions, segment_ids, cache, want_aux):
+  def init_paged_cache(self, *args):
+    one = self.units.init_paged_cache(*args)
+    return jax.tree.map(lambda a: jnp.broadcast_to(a, (self.count,) + a.shape), one)
+
+  def __call__(self, x, positions, segment_ids, cache, want_aux, num_tokens=None):
     def body(x, unit, cache):
-      y, c, aux = unit(x, positions, segment_ids, cache, want_aux)
+      y, c, aux = unit(x, positions, segment_ids, cache, want_aux, num_tokens)
       return y, (c, aux)
 
     if self.remat != "none" and cache is None:
@@ -506,7 +542,10 @@ class UnrolledUnit(nnx.Module):
   def init_cache(self, batch, max_len, dtype=None, *, rolling=False):
     return self.unit.init_cache(batch, max_len, dtype, rolling=rolling)
 
-  def __call__(self, x, positions, segment_ids, cache, want_aux):
+  def init_paged_cache(self, *args):
+    return self.unit.init_paged_cache(*args)
+
+  def __call__(self, x, positions, segment_ids, cache, want_aux, num_tokens=None):
     if self.remat != "none" and cache is None:
       new_aux = []
       for layer in self.unit.layers:
@@ -516,7 +555,7 @@ class UnrolledUnit(nnx.Module):
         x, _, aux = f(layer, x)
         new_aux.append(aux)
       return x, None, tuple(new_aux)
-    return self.unit(x, positions, segment_ids, cache, want_aux)
+    return self.unit(x, positions, segment_ids, cache, want_aux, num_tokens)
 
 
 def plan_groups(cfg: ModelConfig) -> list[tuple[str, Unit, int, int]]:
@@ -547,6 +586,38 @@ class ModelCache:
 
   groups: tuple
   index: Int[Array, ""]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedModelCache:
+  """The serving state of a ``DecoderLM`` (``init_paged_cache``): one entry per layer group (a
+  ``PagedKVCache`` / ``PagedLatentCache`` per attention layer, a ``DeltaNetCache`` per Gated
+  DeltaNet layer; a scanned group's stacked on a leading layer axis, ``stacked``) and the tokens
+  each sequence holds, ``lengths [B]``."""
+
+  groups: tuple
+  lengths: Int[Array, "B"]
+  stacked: tuple = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def batch(self) -> int:
+    return self.lengths.shape[0]
+
+  def free(self, done) -> "PagedModelCache":
+    """The sequences where ``done [B]`` (bool) emptied: their pages back to every layer's pool,
+    their recurrent states zero, their lengths 0, ready for new sequences."""
+    done = jnp.asarray(done)
+    if done.shape != (self.batch,) or done.dtype != jnp.bool_:
+      raise ValueError(f"`done` must be a bool array [B={self.batch}], got "
+                       f"{done.dtype}{list(done.shape)}.")
+
+    def one(c):
+      return c.reset(done) if isinstance(c, DeltaNetCache) else c.free(done)
+
+    groups = tuple(tuple(jax.vmap(one)(c) if stacked else one(c) for c in group)
+                   for group, stacked in zip(self.groups, self.stacked))
+    return PagedModelCache(groups, jnp.where(done, 0, self.lengths), self.stacked)
 
 
 def cache_capacity(cache: ModelCache) -> int | None:
@@ -606,6 +677,19 @@ class DecoderLM(nnx.Module):
     return ModelCache(tuple(g.init_cache(batch, max_len, dtype, rolling=rolling)
                             for g in self.groups), jnp.zeros((), jnp.int32))
 
+  def init_paged_cache(self, batch: int, num_pages: int, page_size: int, *,
+                       max_pages_per_seq: int | None = None, dtype=None) -> PagedModelCache:
+    """An empty serving cache for ``batch`` sequence slots: each attention layer gets a pool of
+    ``num_pages`` pages of ``page_size`` tokens (``jaxattn.paged_cache``; at most
+    ``max_pages_per_seq`` per sequence, default ``num_pages``), each Gated DeltaNet layer its
+    recurrent state per slot.  Sliding-window, ALiBi and T5-bias layers have no paged form
+    (``ValueError``)."""
+    dtype = dtype or self.config.compute_dtype
+    args = (batch, num_pages, page_size, max_pages_per_seq, dtype)
+    return PagedModelCache(tuple(g.init_paged_cache(*args) for g in self.groups),
+                           jnp.zeros((batch,), jnp.int32),
+                           tuple(isinstance(g, ScannedUnits) for g in self.groups))
+
   def cache_bytes(self, seq_len: int, batch: int = 1, dtype=jnp.bfloat16) -> int:
     """Decode-cache bytes after ``seq_len`` tokens, summed over layers (the seeds' formulas)."""
     total = 0
@@ -629,13 +713,19 @@ class DecoderLM(nnx.Module):
 
   def __call__(self, tokens: Int[Array, "B T"], *, positions: Int[Array, "B T"] | None = None,
                segment_ids: Int[Array, "B T"] | None = None, cache: ModelCache | None = None,
-               return_aux: bool = False, return_hidden: bool = False):
+               return_aux: bool = False, return_hidden: bool = False,
+               num_tokens: Int[Array, "B"] | None = None):
     """``tokens [B, T]`` -> fp32 logits ``[B, T, V]`` (+ cache) (+ aux).
 
     ``positions [B, T]`` default to ``cache.index + arange(T)``; for packed rows pass positions
     that restart per segment along with ``segment_ids`` (0 = padding).  ``return_aux`` adds
     ``{"moe_aux_loss", "indexer_loss", "moe_loads"}`` (``moe_loads``: one ``[E]`` or stacked
     ``[L, E]`` array per MoE site, in ``moe_sites()`` order).
+
+    With a ``PagedModelCache`` (``init_paged_cache``) each sequence continues at its own length
+    (default positions ``cache.lengths[b] + arange(T)``), and ``num_tokens [B]`` makes the call a
+    ragged chunk: sequence ``b``'s new tokens are its first ``num_tokens[b]`` of ``T`` (the
+    logits past them are meaningless; nothing of them is cached).
     """
     cfg = self.config
     if tokens.ndim != 2:
@@ -644,15 +734,26 @@ class DecoderLM(nnx.Module):
     b, t = tokens.shape
     if cache is not None and segment_ids is not None:
       raise ValueError("`segment_ids` (packed rows) cannot be combined with a decode `cache`.")
-    if cache is not None and not isinstance(cache.index, jax.core.Tracer):
+    paged = isinstance(cache, PagedModelCache)
+    if paged:
+      if cache.batch != b:
+        raise ValueError(f"`cache` holds {cache.batch} sequence slots, `tokens` has B={b} rows.")
+      if return_aux:
+        raise ValueError("`return_aux` (training losses) is not available with a paged cache.")
+      num_tokens = check_num_tokens(num_tokens, b, t)
+    else:
+      check_ragged_needs_paged(num_tokens, "PagedModelCache (init_paged_cache)")
+    if cache is not None and not paged and not isinstance(cache.index, jax.core.Tracer):
       # Checked here, where the index is concrete: a scanned stack traces each layer's cache,
       # whose own check could then not raise.
       cap = cache_capacity(cache)
       if cap is not None and int(cache.index) + t > cap:
         raise ValueError(f"cache overflow: index {int(cache.index)} + {t} new tokens > the "
                          f"cache's {cap} slots (init_cache(batch, max_len) sets them).")
-    offset = 0 if cache is None else cache.index
-    if positions is None:
+    if positions is None and paged:
+      positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    elif positions is None:
+      offset = 0 if cache is None else cache.index
       positions = jnp.broadcast_to(offset + jnp.arange(t, dtype=jnp.int32), (b, t))
     x = self.embed_tokens(tokens, positions)
     if cfg.residual != "plain":
@@ -660,7 +761,7 @@ class DecoderLM(nnx.Module):
     new_groups, auxes = [], []
     for i, group in enumerate(self.groups):
       x, c, aux = group(x, positions, segment_ids, None if cache is None else cache.groups[i],
-                        return_aux)
+                        return_aux, num_tokens)
       new_groups.append(c)
       auxes.append(aux)
     if self.collapse is not None:
@@ -675,7 +776,10 @@ class DecoderLM(nnx.Module):
       logits = self.lm_head(h.astype(cfg.compute_dtype))
     logits = shard(logits.astype(jnp.float32), ("batch", "length", None))
     out = (logits,)
-    if cache is not None:
+    if paged:
+      added = t if num_tokens is None else num_tokens
+      out += (PagedModelCache(tuple(new_groups), cache.lengths + added, cache.stacked),)
+    elif cache is not None:
       out += (ModelCache(tuple(new_groups), cache.index + t),)
     if return_aux:
       out += (_reduce_aux(auxes),)

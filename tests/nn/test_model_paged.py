@@ -1,0 +1,129 @@
+"""``DecoderLM`` serving from a paged cache (``init_paged_cache``): ragged chunks through the whole
+model (``num_tokens``: one sequence prefills a chunk while another decodes and a third waits) give
+each sequence the logits of the full forward over that sequence alone; a finished sequence's slot,
+freed (``cache.free``), serves a new sequence as a fresh cache would; scanned stacks, MLA, DSA,
+MoE, Gated DeltaNet layers (hybrid), learned positions, mHC streams; the errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxattn.configs import get_config
+from jaxattn.nn.model import DecoderLM, PagedModelCache
+from jaxattn.paged_cache import PagedKVCache
+
+SMALL = dict(embed_dim=32, mlp_dim=64, max_seq_len=64, vocab_size=97)
+MLA_DIMS = dict(kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                v_head_dim=8, index_head_dim=8, index_rope_dim=4, index_topk=3)
+DELTANET = dict(deltanet_head_dim=8, deltanet_v_head_dim=8, deltanet_chunk_size=4, rotary_dim=4)
+SCHEDULE = np.array([[3, 1, 0], [1, 3, 0], [0, 2, 3], [2, 0, 3]])      # [steps, B] chunks
+T = 3
+CASES = {
+    "llama-scanned": ("llama", dict(num_layers=2, scan_layers=True)),
+    "llama-learned-mhc": ("llama-learned", dict(num_layers=2, residual="mhc", num_streams=2)),
+    "deepseek-v3-moe": ("deepseek-v3", dict(num_layers=2, first_k_dense=1, moe_expert_dim=16,
+                                            **MLA_DIMS)),
+    "deepseek-v3.2-dsa": ("deepseek-v3.2", dict(num_layers=2, first_k_dense=1, moe_expert_dim=16,
+                                                **MLA_DIMS)),
+    "qwen3-next-hybrid": ("qwen3-next", dict(num_layers=4, first_k_dense=4, **DELTANET)),
+    "qwen3-next-scanned": ("qwen3-next", dict(num_layers=4, first_k_dense=0, scan_layers=True,
+                                              moe_expert_dim=16, **DELTANET)),
+}
+
+
+def model_for(case):
+  name, kw = CASES[case]
+  return DecoderLM(get_config(name, **SMALL).replace(**kw), rngs=nnx.Rngs(0))
+
+
+@nnx.jit
+def _step(model, tokens, num_tokens, cache):
+  return model(tokens, cache=cache, num_tokens=num_tokens)
+
+
+_full = nnx.jit(lambda model, tokens: model(tokens))
+
+
+def run_schedule(model, seqs, cache, schedule):
+  """Feeds ``schedule``'s chunks of ``seqs [B, S]``; returns each sequence's logits in order."""
+  rng = np.random.default_rng(3)
+  b = seqs.shape[0]
+  done = np.zeros(b, int)
+  outs = [[] for _ in range(b)]
+  for nt in schedule:
+    tokens = rng.integers(0, 97, size=(b, T)).astype(np.int32)      # padding: any tokens
+    for i, n in enumerate(nt):
+      tokens[i, :n] = seqs[i, done[i]:done[i] + n]
+    logits, cache = _step(model, jnp.asarray(tokens), jnp.asarray(nt, jnp.int32), cache)
+    for i, n in enumerate(nt):
+      outs[i].append(np.asarray(logits[i, :n]))
+    done += nt
+  return [np.concatenate(o) for o in outs], cache
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_ragged_chunks_equal_each_sequence_alone(case):
+  model = model_for(case)
+  seqs = np.random.default_rng(1).integers(1, 97, size=(3, SCHEDULE.sum(0).max()), dtype=np.int32)
+  cache = model.init_paged_cache(3, num_pages=12, page_size=2, max_pages_per_seq=4)
+  outs, cache = run_schedule(model, seqs, cache, SCHEDULE)
+  full = np.asarray(_full(model, jnp.asarray(seqs)))
+  for i in range(3):
+    np.testing.assert_allclose(outs[i], full[i], rtol=2e-4, atol=2e-4, err_msg=f"row {i}")
+  np.testing.assert_array_equal(cache.lengths, SCHEDULE.sum(0))
+
+
+@pytest.mark.parametrize("case", ["llama-scanned", "qwen3-next-scanned"])
+def test_a_freed_slot_serves_a_new_sequence(case):
+  """The freed row's pages go back to the pool (all 9 were in use) and its recurrent states
+  (Gated DeltaNet, stacked by the scan) are emptied: the new sequence there sees none of the
+  old one."""
+  model = model_for(case)
+  rng = np.random.default_rng(2)
+  seqs = rng.integers(1, 97, size=(3, 6), dtype=np.int32)
+  cache = model.init_paged_cache(3, num_pages=9, page_size=2, max_pages_per_seq=4)
+  _, cache = run_schedule(model, seqs, cache, SCHEDULE)          # 3 x 6 tokens: all 9 pages
+  paged = [c for c in jax.tree_util.tree_leaves(
+      cache.groups, is_leaf=lambda c: isinstance(c, PagedKVCache)) if isinstance(c, PagedKVCache)]
+  assert paged and all((np.asarray(c.table.num_free) == 0).all() for c in paged)
+  cache = cache.free(jnp.asarray([False, True, False]))
+  np.testing.assert_array_equal(cache.lengths, [6, 0, 6])
+  new = rng.integers(1, 97, size=(3, 5), dtype=np.int32)
+  outs, cache = run_schedule(model, new, cache, np.array([[0, 3, 0], [0, 2, 0]]))
+  np.testing.assert_allclose(outs[1], np.asarray(_full(model, jnp.asarray(new[1:2])))[0],
+                             rtol=2e-4, atol=2e-4)
+  np.testing.assert_array_equal(cache.lengths, [6, 5, 6])
+
+
+def test_paged_model_cache_is_a_pytree_with_static_layout():
+  model = model_for("llama-scanned")
+  cache = model.init_paged_cache(2, num_pages=4, page_size=2)
+  leaves, treedef = jax.tree_util.tree_flatten(cache)
+  again = jax.tree_util.tree_unflatten(treedef, leaves)
+  assert isinstance(again, PagedModelCache) and again.stacked == (True,)
+  assert cache.groups[0][0].key_pool.shape[0] == 2                  # stacked: [layers, P, ...]
+
+
+def test_errors():
+  model = model_for("llama-scanned")
+  tokens = jnp.ones((2, T), jnp.int32)
+  cache = model.init_paged_cache(2, num_pages=4, page_size=2)
+  with pytest.raises(ValueError, match=r"`num_tokens` \(a ragged chunk\) needs a PagedModelCache"):
+    model(tokens, num_tokens=jnp.asarray([1, 2]))
+  with pytest.raises(ValueError, match=r"`num_tokens` \(a ragged chunk\) needs a PagedModelCache"):
+    model(tokens, cache=model.init_cache(2, 8), num_tokens=jnp.asarray([1, 2]))
+  with pytest.raises(ValueError, match=r"`num_tokens` must lie in \[0, T=3\]"):
+    model(tokens, cache=cache, num_tokens=jnp.asarray([1, 5]))
+  with pytest.raises(ValueError, match="holds 2 sequence slots, `tokens` has B=3"):
+    model(jnp.ones((3, T), jnp.int32), cache=cache)
+  with pytest.raises(ValueError, match="`return_aux`"):
+    model(tokens, cache=cache, return_aux=True)
+  with pytest.raises(ValueError, match=r"`done` must be a bool array \[B=2\]"):
+    cache.free(jnp.asarray([1, 0]))
+  for name, kw in [("mistral", dict(num_layers=1, sliding_window=3)),
+                   ("llama-alibi", dict(num_layers=1)), ("llama-t5", dict(num_layers=1))]:
+    m = DecoderLM(get_config(name, **SMALL).replace(**kw), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="a paged cache serves causal attention without"):
+      m.init_paged_cache(2, num_pages=4, page_size=2)
