@@ -29,7 +29,7 @@ paged cache (a pool of pages, a page table and a length per sequence; Gated Delt
 their fixed-size state per sequence), so the sequences of a batch have their own lengths; with
 ``num_tokens [B]`` a call is a ragged chunk (continuous batching: one sequence prefills a chunk,
 another decodes a token, a third waits), and ``cache.free(done)`` empties finished sequences'
-slots for new ones (``jaxattn.generation.Engine`` runs that loop).
+slots for new ones (``jaxattn.serving.Engine`` runs that loop).
 """
 
 from __future__ import annotations

@@ -1,0 +1,277 @@
+"""Continuous batching: many requests decoded together from one paged cache.
+
+A static batch (``jaxattn.generation.generate``) starts its sequences together and holds every
+slot until the longest is done: short requests idle, long prompts are padded.  ``Engine`` keeps a
+fixed number of sequence slots busy instead.  Each step is one jitted model call over all slots
+with a ragged chunk (``DecoderLM(..., num_tokens=...)``): a slot whose request is still reading its
+prompt feeds up to ``chunk`` prompt tokens (chunked prefill), a decoding slot feeds its last
+sampled token, an empty slot feeds nothing.  A finished request's pages go back to the pool
+(``PagedModelCache.free``) and the next waiting request takes its slot on the next step.
+
+    engine = Engine(model, max_batch=8, page_size=16, chunk=64)
+    ids = [engine.submit(p, max_new_tokens=128, eos_id=tok.eos_id) for p in prompts]
+    results = engine.run(on_token=lambda rid, token: ...)       # {request id: prompt + generated}
+
+Admission is first come, first served, and reserves a request's whole page need up front (prompt
++ ``max_new_tokens - 1`` positions: the last sampled token is returned, never fed back), so a
+running request never finds the pool empty; a request waits while the pool cannot hold it.  Greedy
+decoding gives each request exactly what ``generate`` gives it alone.
+
+Step shapes: prefill steps take ``T`` = the smallest power of two (up to ``chunk``) covering the
+longest prompt remainder; steps where every slot decodes take ``T = 1``.  So at most
+``log2(chunk) + 2`` programs are compiled, each once.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxattn.checks import is_int
+from jaxattn.generation import check_sampling, sample_logits
+from jaxattn.nn.model import DecoderLM, PagedModelCache
+
+
+@dataclasses.dataclass
+class _Request:
+  rid: int
+  prompt: np.ndarray          # [L] int32
+  max_new_tokens: int
+  eos_id: int | None
+  pages: int                  # pages reserved for the request's whole life
+  fed: int = 0                # prompt tokens already in the cache
+  out: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class EngineStats:
+  """Counts since the engine was made: model calls, tokens fed to them (prompt + decode), slots
+  offered (``steps x max_batch``), tokens generated, requests finished."""
+
+  steps: int = 0
+  fed_tokens: int = 0
+  slot_steps: int = 0
+  busy_slot_steps: int = 0
+  generated: int = 0
+  finished: int = 0
+
+  @property
+  def occupancy(self) -> float:
+    """Fraction of slot-steps that served a request."""
+    return self.busy_slot_steps / self.slot_steps if self.slot_steps else 0.0
+
+
+def _positive_int(name, v):
+  if not is_int(v) or v < 1:
+    raise ValueError(f"`{name}` must be a positive int, got {v!r}.")
+  return int(v)
+
+
+def step_functions(graphdef, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0):
+  """The engine's two jitted programs for a split model (``nnx.split(model)``):
+
+  * ``step(state, tokens [B, T], num_tokens [B], cache, key) -> (next [B], cache)``: a ragged
+    chunk through the model; ``next[b]`` is sampled from the logits of row ``b``'s last real token
+    (meaningless for a row with ``num_tokens[b] = 0``);
+  * ``free(cache, done [B]) -> cache``.
+
+  Both donate the cache (it is updated in place; use the returned one)."""
+
+  @functools.partial(jax.jit, donate_argnums=3)
+  def step(state, tokens, num_tokens, cache, key):
+    m = nnx.merge(graphdef, state)
+    m.eval()
+    logits, cache = m(tokens, cache=cache, num_tokens=num_tokens)
+    last = jnp.maximum(num_tokens - 1, 0)[:, None, None]
+    logits = jnp.take_along_axis(logits, last, axis=1)[:, 0]                 # [B, V]
+    return sample_logits(logits, key, temperature=temperature, top_p=top_p, top_k=top_k), cache
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  def free(cache: PagedModelCache, done):
+    return cache.free(done)
+
+  return step, free
+
+
+class Engine:
+  """Continuous batching over a ``DecoderLM``'s paged cache (see the module docstring).
+
+  Args:
+    model: the ``DecoderLM`` (its layers must have a paged form: no sliding-window, ALiBi or T5
+      layers; its weights are read once, at construction).
+    max_batch: sequence slots decoded together.
+    page_size: tokens per cache page.
+    num_pages: pages in each layer's pool; default enough for every slot at ``max_seq_len``.
+    max_pages_per_seq: the page-table width (the longest request, in pages); default
+      ``ceil(max_seq_len / page_size)``.
+    chunk: the most prompt tokens a slot feeds per step (chunked prefill).
+    temperature, top_p, top_k: sampling, as in ``sample_logits`` (0: greedy).
+    seed: for sampling.
+    dtype: the cache's dtype (default the model's compute dtype).
+  """
+
+  def __init__(self, model: DecoderLM, *, max_batch: int = 8, page_size: int = 16,
+               num_pages: int | None = None, max_pages_per_seq: int | None = None,
+               chunk: int = 64, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+               seed: int = 0, dtype=None):
+    check_sampling(temperature, top_p, top_k)
+    self.max_batch = _positive_int("max_batch", max_batch)
+    self.page_size = _positive_int("page_size", page_size)
+    self.chunk = _positive_int("chunk", chunk)
+    if not is_int(seed):
+      raise ValueError(f"`seed` must be an int, got {seed!r}.")
+    self.config = model.config
+    per_seq = -(-self.config.max_seq_len // self.page_size)
+    self.max_pages_per_seq = (per_seq if max_pages_per_seq is None
+                              else _positive_int("max_pages_per_seq", max_pages_per_seq))
+    self.num_pages = (self.max_batch * self.max_pages_per_seq if num_pages is None
+                      else _positive_int("num_pages", num_pages))
+    self.cache = model.init_paged_cache(self.max_batch, self.num_pages, self.page_size,
+                                        max_pages_per_seq=self.max_pages_per_seq, dtype=dtype)
+    graphdef, self._state = nnx.split(model)
+    self._step, self._free = step_functions(graphdef, temperature=temperature, top_p=top_p,
+                                            top_k=int(top_k))
+    self._key = jax.random.key(int(seed))
+    self._free_pages = self.num_pages       # pages not reserved by an admitted request
+    self._slots: list[_Request | None] = [None] * self.max_batch
+    self._waiting: collections.deque[_Request] = collections.deque()
+    self._results: dict[int, np.ndarray] = {}
+    self._next_id = 0
+    self.stats = EngineStats()
+
+  # -- requests --------------------------------------------------------------------------------
+
+  def submit(self, prompt, max_new_tokens: int, *, eos_id: int | None = None) -> int:
+    """Queues a request: ``prompt`` (1-D token ids, at least one) and up to ``max_new_tokens``
+    new tokens (fewer when ``eos_id`` is sampled: it ends the request and is returned).  Returns
+    the request id, the key of its result in ``run`` / ``results``."""
+    prompt = np.asarray(prompt)
+    vocab = self.config.vocab_size
+    if prompt.ndim != 1 or prompt.size < 1 or not np.issubdtype(prompt.dtype, np.integer):
+      raise ValueError(f"`prompt` must be a non-empty 1-D array of token ids, got "
+                       f"{prompt.dtype}{list(prompt.shape)}.")
+    if prompt.min() < 0 or prompt.max() >= vocab:
+      raise ValueError(f"`prompt` token ids must be in [0, {vocab}) (vocab_size), got "
+                       f"{sorted(set(prompt[(prompt < 0) | (prompt >= vocab)].tolist()))[:8]}.")
+    if not is_int(max_new_tokens) or max_new_tokens < 0:
+      raise ValueError(f"`max_new_tokens` must be an int >= 0, got {max_new_tokens!r}.")
+    if eos_id is not None and (not is_int(eos_id) or not 0 <= eos_id < vocab):
+      raise ValueError(f"`eos_id` must be None or a token id in [0, {vocab}), got {eos_id!r}.")
+    positions = prompt.size + max(int(max_new_tokens) - 1, 0)
+    pages = -(-positions // self.page_size)
+    if pages > min(self.max_pages_per_seq, self.num_pages):
+      raise ValueError(f"a request of {prompt.size} prompt + {max_new_tokens} new tokens needs "
+                       f"{pages} pages of {self.page_size}, more than a sequence may hold "
+                       f"(max_pages_per_seq={self.max_pages_per_seq}, num_pages="
+                       f"{self.num_pages}).")
+    if self.config.position == "learned" and positions > self.config.max_seq_len:
+      raise ValueError(f"prompt + max_new_tokens - 1 = {positions} exceeds the learned position "
+                       f"table (max_seq_len={self.config.max_seq_len}).")
+    rid, self._next_id = self._next_id, self._next_id + 1
+    request = _Request(rid, prompt.astype(np.int32), int(max_new_tokens),
+                       None if eos_id is None else int(eos_id), pages)
+    if request.max_new_tokens == 0:
+      self._results[rid] = request.prompt.copy()
+      self.stats.finished += 1
+    else:
+      self._waiting.append(request)
+    return rid
+
+  @property
+  def pending(self) -> int:
+    """Requests not finished: waiting or in a slot."""
+    return len(self._waiting) + sum(r is not None for r in self._slots)
+
+  @property
+  def results(self) -> dict[int, np.ndarray]:
+    """Finished requests: id -> prompt followed by the generated tokens."""
+    return dict(self._results)
+
+  # -- the loop --------------------------------------------------------------------------------
+
+  def _admit(self) -> None:
+    """First come, first served: the head of the queue takes a free slot when the pool can hold
+    its whole page need (a later, smaller request does not overtake it: no starvation)."""
+    for slot, r in enumerate(self._slots):
+      if r is None and self._waiting and self._waiting[0].pages <= self._free_pages:
+        request = self._waiting.popleft()
+        self._free_pages -= request.pages
+        self._slots[slot] = request
+
+  def step(self) -> list[tuple[int, int]]:
+    """One model call over every slot; returns the ``(request id, token)`` pairs it generated."""
+    self._admit()
+    active = [(s, r) for s, r in enumerate(self._slots) if r is not None]
+    if not active:
+      return []
+    remaining = max(r.prompt.size - r.fed for _, r in active)
+    t = 1 if remaining <= 0 else min(self.chunk, 1 << (int(remaining) - 1).bit_length())
+    tokens = np.zeros((self.max_batch, t), np.int32)
+    counts = np.zeros((self.max_batch,), np.int32)
+    for s, r in active:
+      if r.fed < r.prompt.size:
+        n = min(t, r.prompt.size - r.fed)
+        tokens[s, :n] = r.prompt[r.fed:r.fed + n]
+      else:
+        n = 1
+        tokens[s, 0] = r.out[-1]
+      counts[s] = n
+    self._key, key = jax.random.split(self._key)
+    nxt, self.cache = self._step(self._state, jnp.asarray(tokens), jnp.asarray(counts),
+                                 self.cache, key)
+    nxt = np.asarray(nxt)
+    emitted, done = [], np.zeros((self.max_batch,), bool)
+    for s, r in active:
+      if r.fed < r.prompt.size:
+        r.fed += int(counts[s])
+        if r.fed < r.prompt.size:
+          continue                     # mid-prompt: the sample is not a token of the output
+      token = int(nxt[s])
+      r.out.append(token)
+      emitted.append((r.rid, token))
+      if len(r.out) == r.max_new_tokens or token == r.eos_id:
+        done[s] = True
+        self._results[r.rid] = np.concatenate([r.prompt, np.asarray(r.out, np.int32)])
+        self._slots[s] = None
+        self._free_pages += r.pages
+        self.stats.finished += 1
+    st = self.stats
+    st.steps += 1
+    st.fed_tokens += int(counts.sum())
+    st.slot_steps += self.max_batch
+    st.busy_slot_steps += len(active)
+    st.generated += len(emitted)
+    if done.any():
+      self.cache = self._free(self.cache, jnp.asarray(done))
+    return emitted
+
+  def run(self, on_token: Callable[[int, int], None] | None = None, *,
+          progress: bool = False) -> dict[int, np.ndarray]:
+    """Steps until every submitted request has finished; returns ``results``.  ``on_token(rid,
+    token)`` receives each token as it is generated (streaming); ``progress`` shows a bar of
+    finished requests (tqdm)."""
+    bar = None
+    if progress:
+      from tqdm.auto import tqdm  # noqa: PLC0415 (optional dependency)
+      bar = tqdm(total=self.stats.finished + self.pending, initial=self.stats.finished,
+                 unit="req")
+    while self.pending:
+      before = self.stats.finished
+      for rid, token in self.step():
+        if on_token is not None:
+          on_token(rid, token)
+      if bar is not None:
+        bar.update(self.stats.finished - before)
+    if bar is not None:
+      bar.close()
+    return self.results
+
+
+__all__ = ["Engine", "EngineStats", "step_functions"]
