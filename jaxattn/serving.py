@@ -39,6 +39,9 @@ from jaxattn.generation import check_sampling, sample_logits
 from jaxattn.nn.model import DecoderLM, PagedModelCache
 
 
+POLICIES = ("continuous", "static")
+
+
 @dataclasses.dataclass
 class _Request:
   rid: int
@@ -115,13 +118,19 @@ class Engine:
     temperature, top_p, top_k: sampling, as in ``sample_logits`` (0: greedy).
     seed: for sampling.
     dtype: the cache's dtype (default the model's compute dtype).
+    policy: ``"continuous"`` (a free slot takes the next request at once) or ``"static"`` (new
+      requests enter only when every slot is empty: classic static batching, kept as the
+      baseline ``experiments/bench_serve.py`` measures against).
   """
 
   def __init__(self, model: DecoderLM, *, max_batch: int = 8, page_size: int = 16,
                num_pages: int | None = None, max_pages_per_seq: int | None = None,
                chunk: int = 64, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-               seed: int = 0, dtype=None):
+               seed: int = 0, dtype=None, policy: str = "continuous"):
     check_sampling(temperature, top_p, top_k)
+    if policy not in POLICIES:
+      raise ValueError(f"`policy` must be one of {POLICIES}, got {policy!r}.")
+    self.policy = policy
     self.max_batch = _positive_int("max_batch", max_batch)
     self.page_size = _positive_int("page_size", page_size)
     self.chunk = _positive_int("chunk", chunk)
@@ -198,7 +207,10 @@ class Engine:
 
   def _admit(self) -> None:
     """First come, first served: the head of the queue takes a free slot when the pool can hold
-    its whole page need (a later, smaller request does not overtake it: no starvation)."""
+    its whole page need (a later, smaller request does not overtake it: no starvation).  The
+    static policy admits only into an empty batch."""
+    if self.policy == "static" and any(r is not None for r in self._slots):
+      return
     for slot, r in enumerate(self._slots):
       if r is None and self._waiting and self._waiting[0].pages <= self._free_pages:
         request = self._waiting.popleft()
@@ -274,4 +286,4 @@ class Engine:
     return self.results
 
 
-__all__ = ["Engine", "EngineStats", "step_functions"]
+__all__ = ["POLICIES", "Engine", "EngineStats", "step_functions"]

@@ -41,10 +41,11 @@ def alone(model, prompt, n, eos_id=None):
   return generate(model, prompt[None], n, eos_id=eos_id)[0]
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-def test_greedy_requests_equal_generate_alone(name):
+@pytest.mark.parametrize("name,policy", [(n, "continuous") for n in MODELS]
+                         + [("llama", "static")])
+def test_greedy_requests_equal_generate_alone(name, policy):
   model = model_for(name)
-  engine = Engine(model, max_batch=2, page_size=4, chunk=4)
+  engine = Engine(model, max_batch=2, page_size=4, chunk=4, policy=policy)
   ps = prompts()
   ids = [engine.submit(p, n) for p, (_, n) in zip(ps, REQUESTS)]
   streamed = {}
@@ -73,6 +74,21 @@ def test_eos_ends_a_request_and_frees_its_slot():
     want = want[:p.size + cut[0] + 1] if cut.size else want   # generate pads with eos after it
     np.testing.assert_array_equal(got, want, err_msg=f"request {rid}")
   assert results[ids[1]].size == ps[1].size + j + 1 and results[ids[1]][-1] == eos
+
+
+def test_static_policy_refills_only_an_empty_batch():
+  model = model_for("llama")
+  ps = prompts(4)
+  slots = {}
+  for policy in ("continuous", "static"):
+    engine = Engine(model, max_batch=2, page_size=4, chunk=4, policy=policy)
+    for p, (_, n) in zip(ps, REQUESTS):
+      engine.submit(p, n)
+    engine.run()
+    slots[policy] = engine.stats
+  # Static batching leaves a slot idle while its partner finishes: more steps, lower occupancy.
+  assert slots["static"].steps > slots["continuous"].steps
+  assert slots["static"].occupancy < slots["continuous"].occupancy
 
 
 def test_admission_waits_for_pages():
@@ -128,7 +144,8 @@ def test_errors():
   for kw, match in [(dict(max_batch=0), "`max_batch` must be a positive int"),
                     (dict(chunk=2.0), "`chunk` must be a positive int"),
                     (dict(temperature=-1.0), "`temperature`"),
-                    (dict(seed=0.5), "`seed` must be an int")]:
+                    (dict(seed=0.5), "`seed` must be an int"),
+                    (dict(policy="fifo"), "`policy` must be one of")]:
     with pytest.raises(ValueError, match=match):
       Engine(model, **kw)
   mistral = DecoderLM(get_config("mistral", **SMALL).replace(num_layers=1, sliding_window=3),
