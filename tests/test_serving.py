@@ -152,3 +152,14 @@ def test_errors():
                       rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="a paged cache serves causal attention without"):
     Engine(mistral)
+
+
+def test_bench_serve_runs_and_both_policies_agree(tmp_path):
+  from experiments import bench_serve  # noqa: PLC0415
+  results = bench_serve.main(["--requests", "5", "--max-batch", "2", "--prompt-lens", "2,9",
+                              "--new-tokens", "1,6", "--chunk", "4", "--page-size", "4",
+                              "--out", str(tmp_path)])
+  assert results["identical_outputs"]
+  static, continuous = results["rows"]
+  assert static["generated"] == continuous["generated"] and continuous["steps"] <= static["steps"]
+  assert (tmp_path / "results.json").exists() and (tmp_path / "bench_serve.png").exists()

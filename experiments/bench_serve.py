@@ -1,0 +1,188 @@
+"""Serving throughput: continuous batching against static batching on the same workload.
+
+    python -m experiments.bench_serve [--preset llama] [--requests 32] [--max-batch 8]
+        [--prompt-lens 8,96] [--new-tokens 4,64] [--chunk 32] [--page-size 16] [--seed 0]
+        [--out runs/bench_serve]
+
+A synthetic workload of ``--requests`` requests with prompt lengths and new-token counts drawn
+uniformly from the two ranges, all submitted at once, greedy decoding, a tiny preset
+(``jaxattn.configs``) with random weights.  Both runs use ``jaxattn.serving.Engine`` with the same
+slots, pages, chunk and compiled step programs; only the admission policy differs:
+
+    static       new requests enter only when the whole batch has finished (a batch waits for
+                 its longest request: the baseline, as a fixed-batch ``generate`` loop runs)
+    continuous   a finished request's slot takes the next request at the next step
+
+Each policy runs the workload twice; the second (warm: every step shape compiled) is timed.
+
+    steps        model calls;  fed: tokens fed (prompt chunks + decode tokens)
+    occupancy    slot-steps that served a request / (steps x max_batch)
+    tokens/s     generated tokens / wall seconds (host loop included)
+    TTFT         mean time from the run's start to a request's first token (all are queued at 0)
+    speedup      continuous tokens/s / static tokens/s, measured in the same run
+
+The two policies must produce identical tokens for every request (greedy): checked and printed.
+Timings on a shared CPU are noisy (read ratios, not the digits); the step counts are exact.
+Prints a table, writes ``results.json`` and a plot of busy slots per step under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+from experiments.cli import at_least, int_list
+from experiments.timing import write_json
+from jaxattn.configs import PRESETS, get_config
+from jaxattn.nn.model import DecoderLM
+from jaxattn.serving import Engine
+
+TINY = dict(embed_dim=64, mlp_dim=128, num_layers=2, max_seq_len=256, vocab_size=256)
+
+
+def workload(requests: int, prompt_lens, new_tokens, vocab: int, seed: int):
+  """``[(prompt, max_new_tokens)]`` drawn uniformly from the inclusive ranges."""
+  rng = np.random.default_rng(seed)
+  return [(rng.integers(1, vocab, size=int(rng.integers(prompt_lens[0], prompt_lens[1] + 1)))
+           .astype(np.int32), int(rng.integers(new_tokens[0], new_tokens[1] + 1)))
+          for _ in range(requests)]
+
+
+def serve(model, work, *, policy: str, max_batch: int, chunk: int, page_size: int) -> dict:
+  """Runs ``work`` twice on one engine (the first compiles every step shape); times the second."""
+  engine = Engine(model, max_batch=max_batch, page_size=page_size, chunk=chunk, policy=policy)
+  for prompt, n in work:                               # warm-up: the same workload
+    engine.submit(prompt, n)
+  engine.run()
+  before = dict(vars(engine.stats))
+  ids = [engine.submit(prompt, n) for prompt, n in work]
+  busy, first = [], {}
+  start = time.perf_counter()
+
+  def on_token(rid, _):
+    first.setdefault(rid, time.perf_counter() - start)
+
+  while engine.pending:
+    served = engine.stats.busy_slot_steps
+    for rid, token in engine.step():
+      on_token(rid, token)
+    busy.append(engine.stats.busy_slot_steps - served)
+  seconds = time.perf_counter() - start
+  stats = {k: v - before[k] for k, v in vars(engine.stats).items()}
+  results = engine.results
+  return dict(policy=policy, seconds=seconds, steps=stats["steps"], fed=stats["fed_tokens"],
+              generated=stats["generated"],
+              occupancy=stats["busy_slot_steps"] / max(stats["slot_steps"], 1),
+              tokens_per_second=stats["generated"] / seconds,
+              ttft_seconds=float(np.mean([first[i] for i in ids])),
+              outputs=[results[i].tolist() for i in ids], busy_per_step=busy)
+
+
+def run(*, preset: str = "llama", requests: int = 32, max_batch: int = 8,
+        prompt_lens=(8, 96), new_tokens=(4, 64), chunk: int = 32, page_size: int = 16,
+        seed: int = 0) -> dict:
+  cfg = get_config(preset, **TINY)
+  need = prompt_lens[1] + new_tokens[1]
+  if need > cfg.max_seq_len:
+    cfg = cfg.replace(max_seq_len=need)
+  model = DecoderLM(cfg, rngs=nnx.Rngs(seed))
+  work = workload(requests, prompt_lens, new_tokens, cfg.vocab_size, seed)
+  kw = dict(max_batch=max_batch, chunk=chunk, page_size=page_size)
+  rows = [serve(model, work, policy=p, **kw) for p in ("static", "continuous")]
+  same = rows[0]["outputs"] == rows[1]["outputs"]
+  for r in rows:
+    del r["outputs"]
+  return dict(config=dict(preset=preset, requests=requests, max_batch=max_batch,
+                          prompt_lens=list(prompt_lens), new_tokens=list(new_tokens), chunk=chunk,
+                          page_size=page_size, seed=seed, jax=jax.__version__,
+                          backend=jax.default_backend()),
+              rows=rows, identical_outputs=same,
+              speedup=rows[1]["tokens_per_second"] / rows[0]["tokens_per_second"],
+              step_ratio=rows[0]["steps"] / rows[1]["steps"])
+
+
+def format_table(results: dict) -> str:
+  c = results["config"]
+  lines = [f"{c['preset']} (tiny), {c['requests']} requests, prompts {c['prompt_lens']}, new "
+           f"tokens {c['new_tokens']}, {c['max_batch']} slots, chunk {c['chunk']}, pages of "
+           f"{c['page_size']}; {c['backend']}, jax {c['jax']}"]
+  head = (f"{'policy':>11} {'steps':>6} {'fed':>7} {'generated':>9} {'occupancy':>9} "
+          f"{'seconds':>8} {'tokens/s':>9} {'TTFT s':>7}")
+  lines += [head, "-" * len(head)]
+  for r in results["rows"]:
+    lines.append(f"{r['policy']:>11} {r['steps']:6d} {r['fed']:7d} {r['generated']:9d} "
+                 f"{100 * r['occupancy']:8.1f}% {r['seconds']:8.2f} "
+                 f"{r['tokens_per_second']:9.1f} {r['ttft_seconds']:7.2f}")
+  lines.append(f"continuous / static: {results['speedup']:.2f}x tokens/s, "
+               f"{results['step_ratio']:.2f}x fewer steps; identical greedy outputs: "
+               f"{results['identical_outputs']}")
+  return "\n".join(lines)
+
+
+def plot(results: dict, path: pathlib.Path) -> pathlib.Path:
+  """Busy slots per step for both policies."""
+  import matplotlib  # noqa: PLC0415
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+
+  fig, ax = plt.subplots(figsize=(8, 3.2))
+  for r, color in zip(results["rows"], ("tab:orange", "tab:blue")):
+    ax.step(range(len(r["busy_per_step"])), r["busy_per_step"], where="post", color=color,
+            label=f"{r['policy']}: {r['steps']} steps, {100 * r['occupancy']:.0f}% occupied")
+  ax.set(xlabel="step (one model call)", ylabel="busy slots",
+         ylim=(0, results["config"]["max_batch"] + 0.5),
+         title="continuous vs static batching: slots serving a request")
+  ax.legend(fontsize=8)
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
+
+def _range(flag):
+  parse = int_list(minimum=1)
+
+  def f(text):
+    lo_hi = parse(text)
+    if len(lo_hi) != 2 or lo_hi[0] > lo_hi[1]:
+      raise argparse.ArgumentTypeError(f"{flag} must be 'low,high' with 1 <= low <= high, got "
+                                       f"{text!r}")
+    return tuple(lo_hi)
+  f.__name__ = "range"
+  return f
+
+
+def main(argv=None) -> dict:
+  ap = argparse.ArgumentParser(description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--preset", choices=PRESETS, default="llama")
+  ap.add_argument("--requests", type=at_least(1), default=32)
+  ap.add_argument("--max-batch", type=at_least(1), default=8)
+  ap.add_argument("--prompt-lens", type=_range("--prompt-lens"), default=(8, 96))
+  ap.add_argument("--new-tokens", type=_range("--new-tokens"), default=(4, 64))
+  ap.add_argument("--chunk", type=at_least(1), default=32)
+  ap.add_argument("--page-size", type=at_least(1), default=16)
+  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--out", default="runs/bench_serve")
+  args = ap.parse_args(argv)
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  results = run(preset=args.preset, requests=args.requests, max_batch=args.max_batch,
+                prompt_lens=args.prompt_lens, new_tokens=args.new_tokens, chunk=args.chunk,
+                page_size=args.page_size, seed=args.seed)
+  print(format_table(results))
+  write_json(out / "results.json", results)
+  png = plot(results, out / "bench_serve.png")
+  print(f"\nwrote {out / 'results.json'} and {png}")
+  return results
+
+
+if __name__ == "__main__":
+  main()
