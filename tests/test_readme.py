@@ -12,8 +12,12 @@ def test_readme_quick_start_runs():
   assert scope["logits"].shape == (2, 16, 1000)
   assert scope["next_logits"].shape == (2, 1, 1000)
   assert scope["out"].shape == (1, 1024, 8, 64)
-  assert scope["y_next"].shape == (2, 1, 256) and list(scope["paged"].lengths) == [13, 13]
+  assert scope["y_next"].shape == (2, 1, 256) and list(scope["paged"].lengths) == [16, 14]
+  assert scope["y3"].shape == (2, 3, 256) and (scope["y3"][1, 1:] == 0).all()
   assert scope["ids"].shape == (2, 12)
+  results = scope["results"]
+  assert sorted(results) == scope["rids"]
+  assert [r.size for r in results.values()] == [n + 8 for n in (3, 20, 7, 5, 11)]
 
 
 def test_readme_test_command_matches_ci():
