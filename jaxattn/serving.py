@@ -91,9 +91,11 @@ def step_functions(graphdef, *, temperature: float = 0.0, top_p: float = 1.0, to
   def step(state, tokens, num_tokens, cache, key):
     m = nnx.merge(graphdef, state)
     m.eval()
-    logits, cache = m(tokens, cache=cache, num_tokens=num_tokens)
+    # The head on each row's last real position only: [B, T, V] fp32 logits of a prefill chunk
+    # would be T times the memory and head FLOPs (128 MiB at B = 8, T = 32, V = 128k).
+    h, cache = m(tokens, cache=cache, num_tokens=num_tokens, return_hidden=True)
     last = jnp.maximum(num_tokens - 1, 0)[:, None, None]
-    logits = jnp.take_along_axis(logits, last, axis=1)[:, 0]                 # [B, V]
+    logits = m.head(jnp.take_along_axis(h, last, axis=1))[:, 0]              # [B, V]
     return sample_logits(logits, key, temperature=temperature, top_p=top_p, top_k=top_k), cache
 
   @functools.partial(jax.jit, donate_argnums=0)

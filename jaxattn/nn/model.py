@@ -767,13 +767,7 @@ class DecoderLM(nnx.Module):
     if self.collapse is not None:
       x = self.collapse(x).astype(cfg.compute_dtype)
     h = x if self.final_norm is None else self.final_norm(x)
-    if return_hidden:
-      logits = h
-    elif self.lm_head is None:
-      logits = jnp.einsum("btd,vd->btv", h.astype(cfg.compute_dtype),
-                          self.embed[...].astype(cfg.compute_dtype))
-    else:
-      logits = self.lm_head(h.astype(cfg.compute_dtype))
+    logits = h if return_hidden else self.head(h)
     logits = shard(logits.astype(jnp.float32), ("batch", "length", None))
     out = (logits,)
     if paged:
@@ -784,6 +778,16 @@ class DecoderLM(nnx.Module):
     if return_aux:
       out += (_reduce_aux(auxes),)
     return out[0] if len(out) == 1 else out
+
+  def head(self, h: Array) -> Array:
+    """Logits ``[..., V]`` of final hidden states ``h [..., D]`` (``return_hidden=True``'s output):
+    the tied embedding or ``lm_head``.  A decoder that needs few positions' logits (the last of
+    each sequence) applies it to those alone."""
+    cfg = self.config
+    if self.lm_head is None:
+      return jnp.einsum("...d,vd->...v", h.astype(cfg.compute_dtype),
+                        self.embed[...].astype(cfg.compute_dtype))
+    return self.lm_head(h.astype(cfg.compute_dtype))
 
   # -- MoE router biases ---------------------------------------------------------------------
 
