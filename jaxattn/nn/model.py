@@ -751,7 +751,11 @@ class DecoderLM(nnx.Module):
         raise ValueError(f"cache overflow: index {int(cache.index)} + {t} new tokens > the "
                          f"cache's {cap} slots (init_cache(batch, max_len) sets them).")
     if positions is None and paged:
-      positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+      rows = jnp.arange(t, dtype=jnp.int32)[None, :]
+      positions = cache.lengths[:, None] + rows
+      if num_tokens is not None:   # padding rows: the last real position (a learned table's
+        last = jnp.maximum(cache.lengths + num_tokens - 1, 0)[:, None]   # end is no error)
+        positions = jnp.where(rows < num_tokens[:, None], positions, last)
     elif positions is None:
       offset = 0 if cache is None else cache.index
       positions = jnp.broadcast_to(offset + jnp.arange(t, dtype=jnp.int32), (b, t))

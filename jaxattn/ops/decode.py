@@ -189,8 +189,9 @@ def _visible(t, s, lengths, num_tokens=None):
   return (kv < lengths[:, None, None]) & (kv <= q_pos) & (rows < n)
 
 
-def check_num_tokens(num_tokens, batch: int, t: int):
-  """``num_tokens``: None, or ``[B]`` integers in ``[0, T]`` (checked when concrete) -> int32."""
+def check_num_tokens(num_tokens, batch: int, t: int, lengths=None):
+  """``num_tokens``: None, or ``[B]`` integers in ``[0, T]`` (checked when concrete), at most
+  ``lengths`` when given (the new tokens are counted in it) -> int32."""
   if num_tokens is None:
     return None
   if not hasattr(num_tokens, "shape"):       # a list
@@ -203,6 +204,12 @@ def check_num_tokens(num_tokens, batch: int, t: int):
     n = np.asarray(num_tokens)
     if ((n < 0) | (n > t)).any():
       raise ValueError(f"`num_tokens` must lie in [0, T={t}], got {n}.")
+    if lengths is not None and not isinstance(lengths, jax.core.Tracer):
+      short = n > np.asarray(lengths)
+      if short.any():
+        raise ValueError(f"`num_tokens` {n} exceeds `lengths` {np.asarray(lengths)} (rows "
+                         f"{np.flatnonzero(short).tolist()}): the new tokens are counted in the "
+                         f"lengths (append them to the cache first).")
   return jnp.asarray(num_tokens).astype(jnp.int32)
 
 
@@ -211,7 +218,7 @@ def check_ragged_needs_paged(num_tokens, cache_kind: str) -> None:
   sequence: any other call refuses it rather than ignoring it."""
   if num_tokens is not None:
     raise ValueError(f"`num_tokens` (a ragged chunk) needs a {cache_kind}, which keeps a length "
-                     f"per sequence; got num_tokens={num_tokens!r} with another cache or none.")
+                     f"per sequence; got num_tokens with another cache or none.")
 
 
 def align_queries(x, num_tokens, fill=0):
@@ -369,7 +376,7 @@ def paged_attention(
   h = q.shape[3]
   kh, scale, logits_soft_cap = _check_gqa(q, key_pool, value_pool, page_table, lengths, scale,
                                           logits_soft_cap, num_splits)
-  num_tokens = check_num_tokens(num_tokens, q.shape[0], q.shape[1])
+  num_tokens = check_num_tokens(num_tokens, q.shape[0], q.shape[1], lengths)
   scale = 1.0 / math.sqrt(h) if scale is None else scale
   page_table, lengths = page_table.astype(jnp.int32), lengths.astype(jnp.int32)
   impl = resolve_implementation(implementation) if q.shape[1] else "xla"   # T = 0: empty
@@ -643,7 +650,7 @@ def paged_mla_decode(
                      f"with R_p >= R={r}, got {k_rope_pool.shape}.")
   scale = _check_mla_call(page_table, lengths, b, c_kv_pool.shape[1], scale, num_splits,
                           num_pages=c_kv_pool.shape[0])
-  num_tokens = check_num_tokens(num_tokens, b, t)
+  num_tokens = check_num_tokens(num_tokens, b, t, lengths)
   if indices is not None:
     if squeeze and indices.ndim == 2:
       indices = indices[:, None]

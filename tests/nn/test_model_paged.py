@@ -97,6 +97,22 @@ def test_a_freed_slot_serves_a_new_sequence(case):
   np.testing.assert_array_equal(cache.lengths, [6, 5, 6])
 
 
+def test_padding_rows_stay_inside_a_learned_position_table():
+  """A ragged chunk near the end of a learned table: the padding rows' default positions would
+  run past it (the eager table check raised on a valid call); they reuse the last real one."""
+  name, kw = CASES["llama-learned-mhc"]
+  model = DecoderLM(get_config(name, **dict(SMALL, max_seq_len=8)).replace(**kw),
+                    rngs=nnx.Rngs(0))
+  seq = np.random.default_rng(4).integers(1, 97, size=(1, 7), dtype=np.int32)
+  cache = model.init_paged_cache(1, num_pages=4, page_size=2)
+  _, cache = model(jnp.asarray(seq[:, :6]), cache=cache)
+  tokens = jnp.asarray(np.concatenate([seq[:, 6:], np.zeros((1, 2), np.int32)], 1))
+  logits, cache = model(tokens, cache=cache, num_tokens=jnp.asarray([1]))      # eager
+  np.testing.assert_allclose(logits[0, 0], _full(model, jnp.asarray(seq))[0, 6], rtol=2e-4,
+                             atol=2e-4)
+  assert int(cache.lengths[0]) == 7
+
+
 def test_paged_model_cache_is_a_pytree_with_static_layout():
   model = model_for("llama-scanned")
   cache = model.init_paged_cache(2, num_pages=4, page_size=2)

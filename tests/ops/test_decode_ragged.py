@@ -100,7 +100,7 @@ def test_gqa_ragged_chunks(dtype):
 
 
 def test_full_num_tokens_is_the_plain_call():
-  cache = kv_cache(LENGTHS[:2], jnp.float32)
+  cache = kv_cache((37, 16), jnp.float32)
   q = normal((2, T, 4, 8), jnp.float32, 2)
   args = (q, cache.key_pool, cache.value_pool, cache.page_table, cache.lengths)
   for impl, kw in [("xla", {}), ("pallas_tpu", dict(interpret=True))]:
@@ -163,6 +163,17 @@ def test_align_and_unalign_are_inverse_shifts():
   back = unalign_queries(a, nt)
   np.testing.assert_array_equal(back[0], np.where(np.arange(4)[:, None] < 1, x[0], 0))
   np.testing.assert_array_equal(back[1], np.where(np.arange(4)[:, None] < 3, x[1], 0))
+
+
+def test_num_tokens_past_the_lengths_is_refused():
+  """The new tokens are counted in ``lengths``: more of them than a sequence holds would put its
+  queries at negative positions (silent zeros)."""
+  cache = kv_cache((2, 5), jnp.float32)
+  q = normal((2, T, 4, 8), jnp.float32, 2)
+  with pytest.raises(ValueError, match=r"`num_tokens` \[3 1\] exceeds `lengths` \[2 5\] "
+                                       r"\(rows \[0\]\)"):
+    paged_attention(q, cache.key_pool, cache.value_pool, cache.page_table, cache.lengths,
+                    num_tokens=np.array([3, 1]))
 
 
 @pytest.mark.parametrize("num_tokens,match", [
