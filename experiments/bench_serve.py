@@ -42,6 +42,9 @@ from jaxattn.configs import PRESETS, get_config
 from jaxattn.nn.model import DecoderLM
 from jaxattn.serving import Engine
 
+# The presets whose every layer has a paged form (no sliding-window, ALiBi or T5 layers).
+SERVABLE = tuple(p for p in PRESETS if "S" not in get_config(p).layer_pattern
+                 and get_config(p).position not in ("alibi", "t5"))
 TINY = dict(embed_dim=64, mlp_dim=128, num_layers=2, max_seq_len=256, vocab_size=256)
 
 
@@ -162,7 +165,7 @@ def _range(flag):
 def main(argv=None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--preset", choices=PRESETS, default="llama")
+  ap.add_argument("--preset", choices=SERVABLE, default="llama")
   ap.add_argument("--requests", type=at_least(1), default=32)
   ap.add_argument("--max-batch", type=at_least(1), default=8)
   ap.add_argument("--prompt-lens", type=_range("--prompt-lens"), default=(8, 96))

@@ -124,6 +124,7 @@ def test_sampling_is_reproducible_and_zero_new_tokens_returns_the_prompt():
   rid = engine.submit(ps[0], 0)
   assert engine.pending == 0
   np.testing.assert_array_equal(engine.results[rid], ps[0])
+  assert list(engine.pop_results()) == [rid] and engine.results == {}   # handed out, forgotten
 
 
 def test_errors():

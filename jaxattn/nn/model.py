@@ -414,7 +414,7 @@ class DecoderLayer(nnx.Module):
   def __call__(self, x, *, positions=None, segment_ids=None, cache=None, want_aux=False,
                num_tokens=None):
     token_mask = None if segment_ids is None else segment_ids > 0
-    if num_tokens is not None:    # a ragged chunk's padding rows take no expert capacity
+    if num_tokens is not None:    # a ragged chunk's padding rows are not routed to experts
       token_mask = jnp.arange(x.shape[1], dtype=jnp.int32)[None, :] < num_tokens[:, None]
     if self.residual == "plain":
       x = shard(x, ("batch", "length", "act_embed"))
