@@ -15,7 +15,11 @@ slots, pages, chunk and compiled step programs; only the admission policy differ
 
 Each policy runs the workload twice; the second (warm: every step shape compiled) is timed.
 
-    steps        model calls;  fed: tokens fed (prompt chunks + decode tokens)
+    steps        engine steps (each feeds every busy slot once); calls: model calls (a step
+                 makes one for the slots reading prompts, one for the decoding slots)
+    fed          tokens fed (prompt chunks + decode tokens)
+    rows         token rows computed (b x T per call, padding included): the compute the call
+                 shapes cost, where ``fed`` is the useful part
     occupancy    slot-steps that served a request / (steps x max_batch)
     tokens/s     generated tokens / wall seconds (host loop included)
     TTFT         mean time from the run's start to a request's first token (all are queued at 0)
@@ -78,7 +82,8 @@ def serve(model, work, *, policy: str, max_batch: int, chunk: int, page_size: in
   seconds = time.perf_counter() - start
   stats = {k: v - before[k] for k, v in vars(engine.stats).items()}
   results = engine.results
-  return dict(policy=policy, seconds=seconds, steps=stats["steps"], fed=stats["fed_tokens"],
+  return dict(policy=policy, seconds=seconds, steps=stats["steps"], calls=stats["calls"],
+              fed=stats["fed_tokens"], rows=stats["computed_rows"],
               generated=stats["generated"],
               occupancy=stats["busy_slot_steps"] / max(stats["slot_steps"], 1),
               tokens_per_second=stats["generated"] / seconds,
@@ -114,11 +119,13 @@ def format_table(results: dict) -> str:
   lines = [f"{c['preset']} (tiny), {c['requests']} requests, prompts {c['prompt_lens']}, new "
            f"tokens {c['new_tokens']}, {c['max_batch']} slots, chunk {c['chunk']}, pages of "
            f"{c['page_size']}; {c['backend']}, jax {c['jax']}"]
-  head = (f"{'policy':>11} {'steps':>6} {'fed':>7} {'generated':>9} {'occupancy':>9} "
+  head = (f"{'policy':>11} {'steps':>6} {'calls':>6} {'fed':>7} {'rows':>7} {'generated':>9} "
+          f"{'occupancy':>9} "
           f"{'seconds':>8} {'tokens/s':>9} {'TTFT s':>7}")
   lines += [head, "-" * len(head)]
   for r in results["rows"]:
-    lines.append(f"{r['policy']:>11} {r['steps']:6d} {r['fed']:7d} {r['generated']:9d} "
+    lines.append(f"{r['policy']:>11} {r['steps']:6d} {r['calls']:6d} {r['fed']:7d} {r['rows']:7d} "
+                 f"{r['generated']:9d} "
                  f"{100 * r['occupancy']:8.1f}% {r['seconds']:8.2f} "
                  f"{r['tokens_per_second']:9.1f} {r['ttft_seconds']:7.2f}")
   lines.append(f"continuous / static: {results['speedup']:.2f}x tokens/s, "

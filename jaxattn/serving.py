@@ -2,10 +2,12 @@
 
 A static batch (``jaxattn.generation.generate``) starts its sequences together and holds every
 slot until the longest is done: short requests idle, long prompts are padded.  ``Engine`` keeps a
-fixed number of sequence slots busy instead.  Each step is one jitted model call over all slots
-with a ragged chunk (``DecoderLM(..., num_tokens=...)``): a slot whose request is still reading its
-prompt feeds up to ``chunk`` prompt tokens (chunked prefill), a decoding slot feeds its last
-sampled token, an empty slot feeds nothing.  A finished request's pages go back to the pool
+fixed number of sequence slots busy instead.  Each step feeds every busy slot once: the slots
+still reading their prompt feed up to ``chunk`` prompt tokens each (chunked prefill) in one jitted
+model call with a ragged chunk (``DecoderLM(..., num_tokens=...)``), the decoding slots their last
+sampled token in another (``T = 1``).  Each call runs on its slots alone (``PagedModelCache.take``
+/ ``put``: their page-table rows and recurrent states; the page pools are shared), so a decoding
+slot never computes a prefill chunk's rows.  A finished request's pages go back to the pool
 (``PagedModelCache.free``) and the next waiting request takes its slot on the next step.
 
     engine = Engine(model, max_batch=8, page_size=16, chunk=64)
@@ -21,12 +23,11 @@ MLA, DSA, hybrid Gated DeltaNet and dropless MoE models).  Two cases where the b
 MoE with ``moe_capacity_factor`` (the tokens of one step compete for the experts' slots, as in any
 batched call: a request's routing then depends on its neighbours).
 
-Step shapes: prefill steps take ``T`` = the smallest power of two (up to ``chunk``) covering the
-longest prompt remainder; steps where every slot decodes take ``T = 1``.  So at most
-``ceil(log2(chunk)) + 2`` programs are compiled (the step shapes and ``free``), each once.  Every
-slot computes ``T`` rows in a step: while some prompt is being read, a decoding slot's step costs
-``T`` rows too (on accelerators decode is memory-bound and the extra rows are cheap; on a CPU a
-smaller ``chunk`` trades prefill speed for decode speed).
+Call shapes: ``[b, T]`` with ``b`` the number of slots served rounded up to a power of two (at most
+``max_batch``; the padding rows feed nothing) and ``T`` the smallest power of two (up to
+``chunk``) covering the longest prompt remainder, or 1 for decoding.  So at most
+``(ceil(log2(max_batch)) + 1) x (ceil(log2(chunk)) + 2) + 1`` programs are compiled (with
+``free``), each once.
 """
 
 from __future__ import annotations
@@ -62,11 +63,15 @@ class _Request:
 
 @dataclasses.dataclass
 class EngineStats:
-  """Counts since the engine was made: model calls, tokens fed to them (prompt + decode), slots
-  offered (``steps x max_batch``), tokens generated, requests finished."""
+  """Counts since the engine was made: steps (each feeds every busy slot once), model calls (one
+  or two a step), tokens fed to them (prompt + decode), token rows computed (``b x T`` per call,
+  padding included), slots offered (``steps x max_batch``) and busy, tokens generated, requests
+  finished."""
 
   steps: int = 0
+  calls: int = 0
   fed_tokens: int = 0
+  computed_rows: int = 0
   slot_steps: int = 0
   busy_slot_steps: int = 0
   generated: int = 0
@@ -87,23 +92,27 @@ def _positive_int(name, v):
 def step_functions(graphdef, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0):
   """The engine's two jitted programs for a split model (``nnx.split(model)``):
 
-  * ``step(state, tokens [B, T], num_tokens [B], cache, key) -> (next [B], cache)``: a ragged
-    chunk through the model; ``next[b]`` is sampled from the logits of row ``b``'s last real token
+  * ``step(state, tokens [b, T], num_tokens [b], rows [b], cache, key) -> (next [b], cache)``: a
+    ragged chunk through the model on the cache slots ``rows`` (``PagedModelCache.take`` /
+    ``put``; an entry ``>= B`` is padding and must have ``num_tokens`` 0); ``next[i]`` is sampled
+    from the logits of row ``i``'s last real token
     (meaningless for a row with ``num_tokens[b] = 0``);
   * ``free(cache, done [B]) -> cache``.
 
   Both donate the cache (it is updated in place; use the returned one)."""
 
-  @functools.partial(jax.jit, donate_argnums=3)
-  def step(state, tokens, num_tokens, cache, key):
+  @functools.partial(jax.jit, donate_argnums=4)
+  def step(state, tokens, num_tokens, rows, cache, key):
     m = nnx.merge(graphdef, state)
     m.eval()
+    full, cache = cache, cache.take(rows)
     # The head on each row's last real position only: [B, T, V] fp32 logits of a prefill chunk
     # would be T times the memory and head FLOPs (128 MiB at B = 8, T = 32, V = 128k).
     h, cache = m(tokens, cache=cache, num_tokens=num_tokens, return_hidden=True)
     last = jnp.maximum(num_tokens - 1, 0)[:, None, None]
-    logits = m.head(jnp.take_along_axis(h, last, axis=1))[:, 0]              # [B, V]
-    return sample_logits(logits, key, temperature=temperature, top_p=top_p, top_k=top_k), cache
+    logits = m.head(jnp.take_along_axis(h, last, axis=1))[:, 0]              # [b, V]
+    return (sample_logits(logits, key, temperature=temperature, top_p=top_p, top_k=top_k),
+            full.put(rows, cache))
 
   @functools.partial(jax.jit, donate_argnums=0)
   def free(cache: PagedModelCache, done):
@@ -233,35 +242,58 @@ class Engine:
         self._free_pages -= request.pages
         self._slots[slot] = request
 
+  def _sub_batch(self, n: int) -> int:
+    """Rows of a sub-batch call serving ``n`` slots: the next power of two, at most
+    ``max_batch`` (few compiled shapes)."""
+    return min(self.max_batch, 1 << (n - 1).bit_length())
+
+  def _call(self, group, t: int) -> np.ndarray:
+    """One model call on the slots of ``group`` (``[(slot, request, count)]``) with ``T = t``,
+    through ``take`` / ``put`` of their cache rows; returns each slot's sampled token."""
+    size = self._sub_batch(len(group))
+    rows = np.full((size,), self.max_batch, np.int32)          # padding entries: dropped
+    tokens = np.zeros((size, t), np.int32)
+    counts = np.zeros((size,), np.int32)
+    for i, (s, r, n) in enumerate(group):
+      rows[i], counts[i] = s, n
+      if r.fed < r.prompt.size:
+        tokens[i, :n] = r.prompt[r.fed:r.fed + n]
+      else:
+        tokens[i, 0] = r.out[-1]
+    self._key, key = jax.random.split(self._key)
+    nxt, self.cache = self._step(self._state, jnp.asarray(tokens), jnp.asarray(counts),
+                                 jnp.asarray(rows), self.cache, key)
+    self.stats.calls += 1
+    self.stats.computed_rows += size * t
+    return np.asarray(nxt)[:len(group)]
+
   def step(self) -> list[tuple[int, int]]:
-    """One model call over every slot; returns the ``(request id, token)`` pairs it generated."""
+    """Feeds every busy slot once -- the slots reading their prompt one chunk each (one model
+    call), the decoding slots one token each (another call); returns the ``(request id, token)``
+    pairs generated."""
     self._admit()
     active = [(s, r) for s, r in enumerate(self._slots) if r is not None]
     if not active:
       return []
-    remaining = max(r.prompt.size - r.fed for _, r in active)
-    t = 1 if remaining <= 0 else min(self.chunk, 1 << (int(remaining) - 1).bit_length())
-    tokens = np.zeros((self.max_batch, t), np.int32)
-    counts = np.zeros((self.max_batch,), np.int32)
-    for s, r in active:
-      if r.fed < r.prompt.size:
-        n = min(t, r.prompt.size - r.fed)
-        tokens[s, :n] = r.prompt[r.fed:r.fed + n]
-      else:
-        n = 1
-        tokens[s, 0] = r.out[-1]
-      counts[s] = n
-    self._key, key = jax.random.split(self._key)
-    nxt, self.cache = self._step(self._state, jnp.asarray(tokens), jnp.asarray(counts),
-                                 self.cache, key)
-    nxt = np.asarray(nxt)
+    reading = [(s, r) for s, r in active if r.fed < r.prompt.size]
+    decoding = [(s, r, 1) for s, r in active if r.fed >= r.prompt.size]
+    sampled = {}
+    if reading:
+      remaining = max(r.prompt.size - r.fed for _, r in reading)
+      t = min(self.chunk, 1 << (int(remaining) - 1).bit_length())
+      group = [(s, r, min(t, r.prompt.size - r.fed)) for s, r in reading]
+      sampled.update(zip([s for s, _, _ in group], self._call(group, t)))
+      for _, r, n in group:
+        r.fed += n
+      self.stats.fed_tokens += sum(n for _, _, n in group)
+    if decoding:
+      sampled.update(zip([s for s, _, _ in decoding], self._call(decoding, 1)))
+      self.stats.fed_tokens += len(decoding)
     emitted, done = [], np.zeros((self.max_batch,), bool)
     for s, r in active:
       if r.fed < r.prompt.size:
-        r.fed += int(counts[s])
-        if r.fed < r.prompt.size:
-          continue                     # mid-prompt: the sample is not a token of the output
-      token = int(nxt[s])
+        continue                         # mid-prompt: the sample is not a token of the output
+      token = int(sampled[s])
       r.out.append(token)
       emitted.append((r.rid, token))
       if len(r.out) == r.max_new_tokens or token == r.eos_id:
@@ -272,7 +304,6 @@ class Engine:
         self.stats.finished += 1
     st = self.stats
     st.steps += 1
-    st.fed_tokens += int(counts.sum())
     st.slot_steps += self.max_batch
     st.busy_slot_steps += len(active)
     st.generated += len(emitted)

@@ -619,6 +619,44 @@ class PagedModelCache:
                    for group, stacked in zip(self.groups, self.stacked))
     return PagedModelCache(groups, jnp.where(done, 0, self.lengths), self.stacked)
 
+  def take(self, rows: Int[Array, "b"]) -> "PagedModelCache":
+    """The sub-batch of sequence slots ``rows [b]``: every layer's page-table rows and lengths
+    and recurrent states of those slots, with the page pools and free-page stacks whole (shared:
+    a call on the sub-batch reads and allocates from them).  An entry ``>= B`` (padding of a
+    fixed-size sub-batch) reads the last slot; it must feed no token (``num_tokens`` 0), and
+    ``put`` drops it."""
+    return self._rows(lambda x, axis: jnp.take(x, rows, axis=axis, mode="clip"), None)
+
+  def put(self, rows: Int[Array, "b"], sub: "PagedModelCache") -> "PagedModelCache":
+    """This cache with ``sub`` (``take(rows)`` after a model call) written back: the slots'
+    rows, and the pools and free stacks whole.  Entries ``>= B`` are dropped."""
+    def write(x, axis, new):
+      index = (slice(None),) * axis + (rows,)
+      return x.at[index].set(new, mode="drop")
+    return self._rows(write, sub)
+
+  def _rows(self, fn, sub):
+    """Applies ``fn(x, axis[, new])`` to every per-slot array (the others from ``sub`` if given):
+    page-table rows and lengths of the paged caches, all of a ``DeltaNetCache``."""
+    def one(c, new, axis):
+      f = (lambda x, n: fn(x, axis)) if sub is None else (lambda x, n: fn(x, axis, n))
+      if isinstance(c, DeltaNetCache):
+        return jax.tree.map(f, c, c if new is None else new)
+      base = c if new is None else new                 # pools, free stack: shared, as they are
+      table = dataclasses.replace(
+          base.table, page_table=f(c.table.page_table, base.table.page_table),
+          lengths=f(c.table.lengths, base.table.lengths))
+      return dataclasses.replace(base, table=table)
+
+    groups = tuple(
+        tuple(one(c, None if sub is None else n, 1 if stacked else 0)
+              for c, n in zip(group, group if sub is None else new_group))
+        for group, new_group, stacked in zip(self.groups,
+                                             self.groups if sub is None else sub.groups,
+                                             self.stacked))
+    lengths = fn(self.lengths, 0) if sub is None else fn(self.lengths, 0, sub.lengths)
+    return PagedModelCache(groups, lengths, self.stacked)
+
 
 def cache_capacity(cache: ModelCache) -> int | None:
   """Slots of the smallest bounded layer cache in ``cache`` (``KVCache``, ``LatentCache``; a

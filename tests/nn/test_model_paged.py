@@ -143,3 +143,28 @@ def test_errors():
     m = DecoderLM(get_config(name, **SMALL).replace(**kw), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="a paged cache serves causal attention without"):
       m.init_paged_cache(2, num_pages=4, page_size=2)
+
+
+@pytest.mark.parametrize("case", ["llama-scanned", "qwen3-next-hybrid"])
+def test_a_sub_batch_of_slots_equals_the_full_batch_call(case):
+  """``take(rows)`` / ``put(rows, sub)``: a call on some slots (padded with an out-of-range
+  entry that feeds nothing) leaves the same cache and logits as the full-batch call with the
+  other slots idle; pools and free stacks are shared."""
+  model = model_for(case)
+  rng = np.random.default_rng(5)
+  cache = model.init_paged_cache(3, num_pages=12, page_size=2, max_pages_per_seq=4)
+  warm = jnp.asarray(rng.integers(1, 97, size=(3, T), dtype=np.int32))
+  _, cache = _step(model, warm, jnp.asarray([3, 1, 2], jnp.int32), cache)
+  tokens = rng.integers(1, 97, size=(3, T)).astype(np.int32)
+  full_logits, full = _step(model, jnp.asarray(tokens), jnp.asarray([0, 3, 2], jnp.int32), cache)
+  # Slots 1 and 2 in ascending order (pages are then allocated in the full call's order: equal
+  # pools), and two padding entries.
+  rows = jnp.asarray([1, 2, 3, 3], jnp.int32)
+  sub_tokens = jnp.asarray(np.stack([tokens[1], tokens[2], tokens[0], tokens[0]]))
+  logits, sub = _step(model, sub_tokens, jnp.asarray([3, 2, 0, 0], jnp.int32), cache.take(rows))
+  merged = cache.put(rows, sub)
+  np.testing.assert_allclose(logits[0], full_logits[1], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(logits[1, :2], full_logits[2, :2], rtol=1e-5, atol=1e-5)
+  for a, b in zip(jax.tree_util.tree_leaves(merged), jax.tree_util.tree_leaves(full)):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5,
+                               atol=1e-5)
