@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable
 
@@ -43,3 +44,16 @@ def prefill_then_decode(step: Callable, module, cache, x, prefill: int):
     y, cache = step(module, cache, x[:, t:t + 1])
     outs.append(y)
   return jnp.concatenate(outs, axis=1), cache
+
+
+def scrambled_paged_cache(cache, seed: int = 0):
+  """``cache``, an empty ``PagedKVCache`` / ``PagedLatentCache``, with every floating-point pool
+  NaN (a slot read that should not be shows in the result) and its free pages in a random order
+  (each sequence's pages land scattered over the pool, not in table order)."""
+  pools = {f.name: jnp.full_like(getattr(cache, f.name), jnp.nan)
+           for f in dataclasses.fields(cache)
+           if f.name.endswith("_pool") and getattr(cache, f.name) is not None
+           and jnp.issubdtype(getattr(cache, f.name).dtype, jnp.floating)}
+  order = np.random.default_rng(seed).permutation(cache.table.num_pages).astype(np.int32)
+  table = dataclasses.replace(cache.table, free_pages=jnp.asarray(order))
+  return dataclasses.replace(cache, **pools, table=table)

@@ -3,8 +3,6 @@ formula: ragged lengths incl. zero, several new tokens, split-KV == single pass,
 stale pages never read into the result, the DMA clamp, and the shard_map wrapper on the simulated
 8-device mesh."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxattn import sharding
 from jaxattn.ops.decode import paged_attention
 from jaxattn.paged_cache import PagedKVCache
+from jaxattn.testing import scrambled_paged_cache
 from pallas_kernels.decode_attention import paged_attention_tpu
 from pallas_kernels.decode_attention import tpu as decode_tpu
 from pallas_kernels.decode_attention.tpu import (ROW_BUDGET, block_rows_for, page_index,
@@ -29,13 +28,8 @@ def cache_for(lengths, kh, h=8, hv=8, dtype=jnp.float32, num_pages=12, max_pages
   holds no token is NaN, so reading one into the result would show."""
   b, s = len(lengths), max(max(lengths), 1)
   rng = np.random.default_rng(seed)
-  cache = PagedKVCache.init(b, num_pages, PAGE, kh, h, hv, max_pages_per_seq=max_pages,
-                            dtype=dtype)
-  order = jnp.asarray(rng.permutation(num_pages).astype(np.int32))
-  cache = dataclasses.replace(
-      cache, key_pool=jnp.full_like(cache.key_pool, jnp.nan),
-      value_pool=jnp.full_like(cache.value_pool, jnp.nan),
-      table=dataclasses.replace(cache.table, free_pages=order))
+  cache = scrambled_paged_cache(PagedKVCache.init(b, num_pages, PAGE, kh, h, hv,
+                                                  max_pages_per_seq=max_pages, dtype=dtype), seed)
   key = jnp.asarray(rng.standard_normal((b, s, kh, h)), dtype)
   value = jnp.asarray(rng.standard_normal((b, s, kh, hv)), dtype)
   return cache.append(key, value, np.asarray(lengths))

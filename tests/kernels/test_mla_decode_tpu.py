@@ -3,8 +3,6 @@ against the XLA paged formula: dense split-KV == single pass == reference on rag
 an empty sequence), several new tokens, bf16; sparse (DSA) mode == the gather reference; stale
 slots never reach the result; the shard_map wrapper on the simulated 8-device mesh."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxattn import sharding
 from jaxattn.ops.decode import paged_mla_decode
 from jaxattn.paged_cache import PagedLatentCache
+from jaxattn.testing import scrambled_paged_cache
 from pallas_kernels.mla_decode import paged_mla_decode_tpu
 
 RACES = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
@@ -26,13 +25,9 @@ def cache_for(lengths, dtype=jnp.float32, num_pages=12, max_pages=4, seed=0, rop
   the ``k^R`` pool's column multiple (8: ``R = 4`` stored in 8 columns, as TPU stores 64 in 128)."""
   b, s = len(lengths), max(max(lengths), 1)
   rng = np.random.default_rng(seed)
-  cache = PagedLatentCache.init(b, num_pages, PAGE, C, R, max_pages_per_seq=max_pages,
-                                rope_align=rope_align, dtype=dtype)
-  order = jnp.asarray(rng.permutation(num_pages).astype(np.int32))
-  cache = dataclasses.replace(
-      cache, c_kv_pool=jnp.full_like(cache.c_kv_pool, jnp.nan),
-      k_rope_pool=jnp.full_like(cache.k_rope_pool, jnp.nan),
-      table=dataclasses.replace(cache.table, free_pages=order))
+  cache = scrambled_paged_cache(PagedLatentCache.init(
+      b, num_pages, PAGE, C, R, max_pages_per_seq=max_pages, rope_align=rope_align, dtype=dtype),
+      seed)
   c_kv = jnp.asarray(rng.standard_normal((b, s, C)), dtype)
   k_rope = jnp.asarray(rng.standard_normal((b, s, R)), dtype)
   return cache.append(c_kv, k_rope, num_tokens=np.asarray(lengths))

@@ -7,9 +7,6 @@ queries sliced out, ``T = num_tokens[b]``); the XLA path, the TPU kernels (inter
 detection) and the GPU kernels (interpret mode) must all match it, dense and sparse (DSA), fp32
 and bf16."""
 
-import dataclasses
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,6 +14,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jaxattn.ops.decode import align_queries, paged_attention, paged_mla_decode, unalign_queries
 from jaxattn.paged_cache import PagedKVCache, PagedLatentCache
+from jaxattn.testing import scrambled_paged_cache
 
 PAGE, C, R, SCALE = 16, 16, 4, 0.25
 RACES = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
@@ -26,31 +24,21 @@ T = 4
 
 
 def kv_cache(lengths, dtype, kh=2, h=8, seed=0):
+  """``lengths`` random tokens per sequence in scattered pages; empty slots NaN."""
   b, s = len(lengths), max(lengths)
-  rng = np.random.default_rng(seed)
-  cache = PagedKVCache.init(b, 24, PAGE, kh, h, h, max_pages_per_seq=4, dtype=dtype)
-  order = jnp.asarray(rng.permutation(24).astype(np.int32))
-  cache = dataclasses.replace(
-      cache, key_pool=jnp.full_like(cache.key_pool, jnp.nan),
-      value_pool=jnp.full_like(cache.value_pool, jnp.nan),
-      table=dataclasses.replace(cache.table, free_pages=order))
-  key = jnp.asarray(rng.standard_normal((b, s, kh, h)), dtype)
-  value = jnp.asarray(rng.standard_normal((b, s, kh, h)), dtype)
-  return cache.append(key, value, np.asarray(lengths))
+  cache = scrambled_paged_cache(
+      PagedKVCache.init(b, 24, PAGE, kh, h, h, max_pages_per_seq=4, dtype=dtype), seed)
+  return cache.append(normal((b, s, kh, h), dtype, seed + 10), normal((b, s, kh, h), dtype,
+                                                                      seed + 11),
+                      np.asarray(lengths))
 
 
 def latent_cache(lengths, dtype, seed=0):
   b, s = len(lengths), max(lengths)
-  rng = np.random.default_rng(seed)
-  cache = PagedLatentCache.init(b, 24, PAGE, C, R, max_pages_per_seq=4, dtype=dtype)
-  order = jnp.asarray(rng.permutation(24).astype(np.int32))
-  cache = dataclasses.replace(
-      cache, c_kv_pool=jnp.full_like(cache.c_kv_pool, jnp.nan),
-      k_rope_pool=jnp.full_like(cache.k_rope_pool, jnp.nan),
-      table=dataclasses.replace(cache.table, free_pages=order))
-  c_kv = jnp.asarray(rng.standard_normal((b, s, C)), dtype)
-  k_rope = jnp.asarray(rng.standard_normal((b, s, R)), dtype)
-  return cache.append(c_kv, k_rope, num_tokens=np.asarray(lengths))
+  cache = scrambled_paged_cache(
+      PagedLatentCache.init(b, 24, PAGE, C, R, max_pages_per_seq=4, dtype=dtype), seed)
+  return cache.append(normal((b, s, C), dtype, seed + 10), normal((b, s, R), dtype, seed + 11),
+                      num_tokens=np.asarray(lengths))
 
 
 def normal(shape, dtype, seed):
