@@ -26,8 +26,8 @@ batched call: a request's routing then depends on its neighbours).
 Call shapes: ``[b, T]`` with ``b`` the number of slots served rounded up to a power of two (at most
 ``max_batch``; the padding rows feed nothing) and ``T`` the smallest power of two (up to
 ``chunk``) covering the longest prompt remainder, or 1 for decoding.  So at most
-``(ceil(log2(max_batch)) + 1) x (ceil(log2(chunk)) + 2) + 1`` programs are compiled (with
-``free``), each once.
+``(ceil(log2(max_batch)) + 1) x (ceil(log2(chunk)) + 1) + 1`` programs are compiled (with
+``free``; a decode call has a prefill call's shape at ``T = 1``), each once.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def step_functions(graphdef, *, temperature: float = 0.0, top_p: float = 1.0, to
     ragged chunk through the model on the cache slots ``rows`` (``PagedModelCache.take`` /
     ``put``; an entry ``>= B`` is padding and must have ``num_tokens`` 0); ``next[i]`` is sampled
     from the logits of row ``i``'s last real token
-    (meaningless for a row with ``num_tokens[b] = 0``);
+    (meaningless for a row with ``num_tokens[i] = 0``);
   * ``free(cache, done [B]) -> cache``.
 
   Both donate the cache (it is updated in place; use the returned one)."""

@@ -4,6 +4,7 @@ free), prompts longer than the chunk (chunked prefill beside decodes), an end-of
 pool too small for all requests at once (admission waits for pages) -- for attention, MLA and
 hybrid Gated DeltaNet models; sampling is reproducible from the seed; the errors."""
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -74,6 +75,25 @@ def test_eos_ends_a_request_and_frees_its_slot():
     want = want[:p.size + cut[0] + 1] if cut.size else want   # generate pads with eos after it
     np.testing.assert_array_equal(got, want, err_msg=f"request {rid}")
   assert results[ids[1]].size == ps[1].size + j + 1 and results[ids[1]][-1] == eos
+
+
+def test_padded_sub_batches_and_the_pool_comes_back_whole():
+  """5 slots: calls on 3 (or 5, 6, 7) busy slots are padded to a power of two (entries past the
+  batch that feed nothing and are dropped); every request still equals generate alone, and at
+  the end every page is back in every layer's pool."""
+  model = model_for("qwen3-next")
+  rng = np.random.default_rng(6)
+  work = [(rng.integers(1, 61, size=int(rng.integers(1, 12))).astype(np.int32),
+           int(rng.integers(1, 6))) for _ in range(9)]
+  engine = Engine(model, max_batch=5, page_size=4, num_pages=12, max_pages_per_seq=4, chunk=4)
+  ids = [engine.submit(p, n) for p, n in work]
+  results = engine.run()
+  for rid, (p, n) in zip(ids, work):
+    np.testing.assert_array_equal(results[rid], alone(model, p, n), err_msg=f"request {rid}")
+  tables = [c.table for c in jax.tree_util.tree_leaves(
+      engine.cache.groups, is_leaf=lambda c: hasattr(c, "table")) if hasattr(c, "table")]
+  assert tables and all(int(t.num_free) == 12 for t in tables)
+  assert (np.asarray(engine.cache.lengths) == 0).all()
 
 
 def test_static_policy_refills_only_an_empty_batch():

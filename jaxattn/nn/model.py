@@ -622,14 +622,23 @@ class PagedModelCache:
   def take(self, rows: Int[Array, "b"]) -> "PagedModelCache":
     """The sub-batch of sequence slots ``rows [b]``: every layer's page-table rows and lengths
     and recurrent states of those slots, with the page pools and free-page stacks whole (shared:
-    a call on the sub-batch reads and allocates from them).  An entry ``>= B`` (padding of a
-    fixed-size sub-batch) reads the last slot; it must feed no token (``num_tokens`` 0), and
-    ``put`` drops it."""
+    a call on the sub-batch reads and allocates from them).  An entry ``>= B`` or negative
+    (padding of a fixed-size sub-batch) reads the last slot; it must feed no token
+    (``num_tokens`` 0), and ``put`` drops it."""
+    rows = self._padding_past_end(rows)
     return self._rows(lambda x, axis: jnp.take(x, rows, axis=axis, mode="clip"), None)
+
+  def _padding_past_end(self, rows):
+    """Negative entries as ``B``: a -1 would otherwise be clipped to slot 0 by ``take`` and wrap
+    to slot ``B - 1`` in ``put`` (two slots sharing pages)."""
+    rows = jnp.asarray(rows)
+    return jnp.where(rows < 0, self.batch, rows)
 
   def put(self, rows: Int[Array, "b"], sub: "PagedModelCache") -> "PagedModelCache":
     """This cache with ``sub`` (``take(rows)`` after a model call) written back: the slots'
-    rows, and the pools and free stacks whole.  Entries ``>= B`` are dropped."""
+    rows, and the pools and free stacks whole.  Entries ``>= B`` or negative are dropped."""
+    rows = self._padding_past_end(rows)
+
     def write(x, axis, new):
       index = (slice(None),) * axis + (rows,)
       return x.at[index].set(new, mode="drop")

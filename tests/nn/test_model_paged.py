@@ -159,7 +159,7 @@ def test_a_sub_batch_of_slots_equals_the_full_batch_call(case):
   full_logits, full = _step(model, jnp.asarray(tokens), jnp.asarray([0, 3, 2], jnp.int32), cache)
   # Slots 1 and 2 in ascending order (pages are then allocated in the full call's order: equal
   # pools), and two padding entries.
-  rows = jnp.asarray([1, 2, 3, 3], jnp.int32)
+  rows = jnp.asarray([1, 2, 3, -1], jnp.int32)          # (a -1 is padding too)
   sub_tokens = jnp.asarray(np.stack([tokens[1], tokens[2], tokens[0], tokens[0]]))
   logits, sub = _step(model, sub_tokens, jnp.asarray([3, 2, 0, 0], jnp.int32), cache.take(rows))
   merged = cache.put(rows, sub)
