@@ -1,23 +1,28 @@
 """Serving throughput: continuous batching against static batching on the same workload.
 
     python -m experiments.bench_serve [--preset llama] [--requests 32] [--max-batch 8]
-        [--prompt-lens 8,96] [--new-tokens 4,64] [--chunk 32] [--page-size 16] [--seed 0]
-        [--out runs/bench_serve]
+        [--prompt-lens 8,96] [--new-tokens 4,64] [--shared-prefix 0] [--chunk 32]
+        [--page-size 16] [--seed 0] [--out runs/bench_serve]
 
 A synthetic workload of ``--requests`` requests with prompt lengths and new-token counts drawn
 uniformly from the two ranges, all submitted at once, greedy decoding, a tiny preset
-(``jaxattn.configs``) with random weights.  Both runs use ``jaxattn.serving.Engine`` with the same
-slots, pages, chunk and compiled step programs; only the admission policy differs:
+(``jaxattn.configs``) with random weights; ``--shared-prefix N`` starts every prompt with the same
+``N`` tokens (a system prompt) before its own.  The runs use ``jaxattn.serving.Engine`` with the
+same slots, pages, chunk and compiled step programs; only admission and caching differ:
 
     static       new requests enter only when the whole batch has finished (a batch waits for
                  its longest request: the baseline, as a fixed-batch ``generate`` loop runs)
     continuous   a finished request's slot takes the next request at the next step
+    +prefix      continuous, with the prefix cache (``prefix_cache=True``): a request starts
+                 from the cached pages of its prompt's longest computed prefix
 
-Each policy runs the workload twice; the second (warm: every step shape compiled) is timed.
+Each runs the workload twice; the second (warm: every step shape compiled; the prefix cache
+emptied first) is timed.
 
     steps        engine steps (each feeds every busy slot once); calls: model calls (a step
                  makes one for the slots reading prompts, one for the decoding slots)
     fed          tokens fed (prompt chunks + decode tokens)
+    hit          prompt tokens read from the prefix cache instead of fed
     rows         token rows computed (b x T per call, padding included): the compute the call
                  shapes cost, where ``fed`` is the useful part
     occupancy    slot-steps that served a request / (steps x max_batch)
@@ -25,7 +30,7 @@ Each policy runs the workload twice; the second (warm: every step shape compiled
     TTFT         mean time from the run's start to a request's first token (all are queued at 0)
     speedup      continuous tokens/s / static tokens/s, measured in the same run
 
-The two policies must produce identical tokens for every request (greedy): checked and printed.
+The runs must produce identical tokens for every request (greedy): checked and printed.
 Timings on a shared CPU are noisy (read ratios, not the digits); the step counts are exact.
 Prints a table, writes ``results.json`` and a plot of busy slots per step under ``--out``.
 """
@@ -52,20 +57,27 @@ SERVABLE = tuple(p for p in PRESETS if "S" not in get_config(p).layer_pattern
 TINY = dict(embed_dim=64, mlp_dim=128, num_layers=2, max_seq_len=256, vocab_size=256)
 
 
-def workload(requests: int, prompt_lens, new_tokens, vocab: int, seed: int):
-  """``[(prompt, max_new_tokens)]`` drawn uniformly from the inclusive ranges."""
+def workload(requests: int, prompt_lens, new_tokens, vocab: int, seed: int,
+             shared_prefix: int = 0):
+  """``[(prompt, max_new_tokens)]`` drawn uniformly from the inclusive ranges, every prompt
+  after the same ``shared_prefix`` tokens."""
   rng = np.random.default_rng(seed)
-  return [(rng.integers(1, vocab, size=int(rng.integers(prompt_lens[0], prompt_lens[1] + 1)))
+  system = rng.integers(1, vocab, size=shared_prefix)
+  return [(np.concatenate([system, rng.integers(
+               1, vocab, size=int(rng.integers(prompt_lens[0], prompt_lens[1] + 1)))])
            .astype(np.int32), int(rng.integers(new_tokens[0], new_tokens[1] + 1)))
           for _ in range(requests)]
 
 
-def serve(model, work, *, policy: str, max_batch: int, chunk: int, page_size: int) -> dict:
+def serve(model, work, *, policy: str, max_batch: int, chunk: int, page_size: int,
+          prefix_cache: bool = False) -> dict:
   """Runs ``work`` twice on one engine (the first compiles every step shape); times the second."""
-  engine = Engine(model, max_batch=max_batch, page_size=page_size, chunk=chunk, policy=policy)
+  engine = Engine(model, max_batch=max_batch, page_size=page_size, chunk=chunk, policy=policy,
+                  prefix_cache=prefix_cache)
   for prompt, n in work:                               # warm-up: the same workload
     engine.submit(prompt, n)
   engine.run()
+  engine.clear_prefix_cache()                          # the timed run starts cold
   before = dict(vars(engine.stats))
   ids = [engine.submit(prompt, n) for prompt, n in work]
   busy, first = [], {}
@@ -82,8 +94,9 @@ def serve(model, work, *, policy: str, max_batch: int, chunk: int, page_size: in
   seconds = time.perf_counter() - start
   stats = {k: v - before[k] for k, v in vars(engine.stats).items()}
   results = engine.results
-  return dict(policy=policy, seconds=seconds, steps=stats["steps"], calls=stats["calls"],
-              fed=stats["fed_tokens"], rows=stats["computed_rows"],
+  return dict(policy=policy + ("+prefix" if prefix_cache else ""), seconds=seconds,
+              steps=stats["steps"], calls=stats["calls"], fed=stats["fed_tokens"],
+              hit=stats["prefix_hit_tokens"], rows=stats["computed_rows"],
               generated=stats["generated"],
               occupancy=stats["busy_slot_steps"] / max(stats["slot_steps"], 1),
               tokens_per_second=stats["generated"] / seconds,
@@ -92,45 +105,49 @@ def serve(model, work, *, policy: str, max_batch: int, chunk: int, page_size: in
 
 
 def run(*, preset: str = "llama", requests: int = 32, max_batch: int = 8,
-        prompt_lens=(8, 96), new_tokens=(4, 64), chunk: int = 32, page_size: int = 16,
-        seed: int = 0) -> dict:
+        prompt_lens=(8, 96), new_tokens=(4, 64), shared_prefix: int = 0, chunk: int = 32,
+        page_size: int = 16, seed: int = 0) -> dict:
   cfg = get_config(preset, **TINY)
-  need = prompt_lens[1] + new_tokens[1]
+  need = shared_prefix + prompt_lens[1] + new_tokens[1]
   if need > cfg.max_seq_len:
     cfg = cfg.replace(max_seq_len=need)
   model = DecoderLM(cfg, rngs=nnx.Rngs(seed))
-  work = workload(requests, prompt_lens, new_tokens, cfg.vocab_size, seed)
+  work = workload(requests, prompt_lens, new_tokens, cfg.vocab_size, seed, shared_prefix)
   kw = dict(max_batch=max_batch, chunk=chunk, page_size=page_size)
   rows = [serve(model, work, policy=p, **kw) for p in ("static", "continuous")]
-  same = rows[0]["outputs"] == rows[1]["outputs"]
+  rows.append(serve(model, work, policy="continuous", prefix_cache=True, **kw))
+  same = all(r["outputs"] == rows[0]["outputs"] for r in rows)
   for r in rows:
     del r["outputs"]
   return dict(config=dict(preset=preset, requests=requests, max_batch=max_batch,
-                          prompt_lens=list(prompt_lens), new_tokens=list(new_tokens), chunk=chunk,
-                          page_size=page_size, seed=seed, jax=jax.__version__,
-                          backend=jax.default_backend()),
+                          prompt_lens=list(prompt_lens), new_tokens=list(new_tokens),
+                          shared_prefix=shared_prefix, chunk=chunk, page_size=page_size,
+                          seed=seed, jax=jax.__version__, backend=jax.default_backend()),
               rows=rows, identical_outputs=same,
               speedup=rows[1]["tokens_per_second"] / rows[0]["tokens_per_second"],
-              step_ratio=rows[0]["steps"] / rows[1]["steps"])
+              step_ratio=rows[0]["steps"] / rows[1]["steps"],
+              prefix_speedup=rows[2]["tokens_per_second"] / rows[1]["tokens_per_second"],
+              prefix_row_ratio=rows[1]["rows"] / rows[2]["rows"])
 
 
 def format_table(results: dict) -> str:
   c = results["config"]
-  lines = [f"{c['preset']} (tiny), {c['requests']} requests, prompts {c['prompt_lens']}, new "
-           f"tokens {c['new_tokens']}, {c['max_batch']} slots, chunk {c['chunk']}, pages of "
-           f"{c['page_size']}; {c['backend']}, jax {c['jax']}"]
-  head = (f"{'policy':>11} {'steps':>6} {'calls':>6} {'fed':>7} {'rows':>7} {'generated':>9} "
-          f"{'occupancy':>9} "
-          f"{'seconds':>8} {'tokens/s':>9} {'TTFT s':>7}")
+  lines = [f"{c['preset']} (tiny), {c['requests']} requests, prompts {c['prompt_lens']} after "
+           f"a shared prefix of {c['shared_prefix']}, new tokens {c['new_tokens']}, "
+           f"{c['max_batch']} slots, chunk {c['chunk']}, pages of {c['page_size']}; "
+           f"{c['backend']}, jax {c['jax']}"]
+  head = (f"{'policy':>17} {'steps':>6} {'calls':>6} {'fed':>7} {'hit':>6} {'rows':>7} "
+          f"{'generated':>9} {'occupancy':>9} {'seconds':>8} {'tokens/s':>9} {'TTFT s':>7}")
   lines += [head, "-" * len(head)]
   for r in results["rows"]:
-    lines.append(f"{r['policy']:>11} {r['steps']:6d} {r['calls']:6d} {r['fed']:7d} {r['rows']:7d} "
-                 f"{r['generated']:9d} "
+    lines.append(f"{r['policy']:>17} {r['steps']:6d} {r['calls']:6d} {r['fed']:7d} "
+                 f"{r['hit']:6d} {r['rows']:7d} {r['generated']:9d} "
                  f"{100 * r['occupancy']:8.1f}% {r['seconds']:8.2f} "
                  f"{r['tokens_per_second']:9.1f} {r['ttft_seconds']:7.2f}")
   lines.append(f"continuous / static: {results['speedup']:.2f}x tokens/s, "
-               f"{results['step_ratio']:.2f}x fewer steps; identical greedy outputs: "
-               f"{results['identical_outputs']}")
+               f"{results['step_ratio']:.2f}x fewer steps; prefix cache: "
+               f"{results['prefix_row_ratio']:.2f}x fewer rows, {results['prefix_speedup']:.2f}x "
+               f"tokens/s; identical greedy outputs: {results['identical_outputs']}")
   return "\n".join(lines)
 
 
@@ -141,12 +158,12 @@ def plot(results: dict, path: pathlib.Path) -> pathlib.Path:
   import matplotlib.pyplot as plt  # noqa: PLC0415
 
   fig, ax = plt.subplots(figsize=(8, 3.2))
-  for r, color in zip(results["rows"], ("tab:orange", "tab:blue")):
+  for r, color in zip(results["rows"], ("tab:orange", "tab:blue", "tab:green")):
     ax.step(range(len(r["busy_per_step"])), r["busy_per_step"], where="post", color=color,
             label=f"{r['policy']}: {r['steps']} steps, {100 * r['occupancy']:.0f}% occupied")
-  ax.set(xlabel="step (one model call)", ylabel="busy slots",
+  ax.set(xlabel="engine step", ylabel="busy slots",
          ylim=(0, results["config"]["max_batch"] + 0.5),
-         title="continuous vs static batching: slots serving a request")
+         title="static vs continuous batching (+ prefix cache): slots serving a request")
   ax.legend(fontsize=8)
   ax.grid(alpha=0.3)
   fig.tight_layout()
@@ -177,6 +194,7 @@ def main(argv=None) -> dict:
   ap.add_argument("--max-batch", type=at_least(1), default=8)
   ap.add_argument("--prompt-lens", type=_range("--prompt-lens"), default=(8, 96))
   ap.add_argument("--new-tokens", type=_range("--new-tokens"), default=(4, 64))
+  ap.add_argument("--shared-prefix", type=at_least(0), default=0)
   ap.add_argument("--chunk", type=at_least(1), default=32)
   ap.add_argument("--page-size", type=at_least(1), default=16)
   ap.add_argument("--seed", type=int, default=0)
@@ -185,7 +203,8 @@ def main(argv=None) -> dict:
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   results = run(preset=args.preset, requests=args.requests, max_batch=args.max_batch,
-                prompt_lens=args.prompt_lens, new_tokens=args.new_tokens, chunk=args.chunk,
+                prompt_lens=args.prompt_lens, new_tokens=args.new_tokens,
+                shared_prefix=args.shared_prefix, chunk=args.chunk,
                 page_size=args.page_size, seed=args.seed)
   print(format_table(results))
   write_json(out / "results.json", results)

@@ -189,14 +189,63 @@ class PageTable:
                          f"(pool of {self.num_pages} pages of {ps} tokens).")
     return counts
 
-  def free(self, done: Bool[Array, "B"]) -> "PageTable":
+  def free(self, done: Bool[Array, "B"], keep: Bool[Array, "P"] | None = None) -> "PageTable":
     """Returns the pages of the sequences where ``done [B]`` (bool) is True to the free stack and
-    empties those sequences (length 0, no pages)."""
+    empties those sequences (length 0, no pages).  Pages where ``keep [P]`` (bool) is True are
+    not returned: pages shared with other sequences or held by a prefix cache (see ``attach``)."""
     done = jnp.asarray(done)
     if done.shape != (self.batch,) or done.dtype != jnp.bool_:
       raise ValueError(f"`done` must be a bool array [B={self.batch}], got {done.dtype} "
                        f"{done.shape}.")
-    return _free(self, done)
+    if keep is None:
+      keep = jnp.zeros((self.num_pages,), jnp.bool_)
+    keep = jnp.asarray(keep)
+    if keep.shape != (self.num_pages,) or keep.dtype != jnp.bool_:
+      raise ValueError(f"`keep` must be a bool array [P={self.num_pages}], got {keep.dtype} "
+                       f"{keep.shape}.")
+    return _free(self, done, keep)
+
+  def attach(self, rows: Int[Array, "n"], page_table: Int[Array, "n M"],
+             lengths: Int[Array, "n"]) -> "PageTable":
+    """Sequences ``rows [n]`` start from pages they did not allocate: row ``rows[i]`` gets the
+    page-table row ``page_table[i]`` (-1 = unallocated) and length ``lengths[i]``, and nothing
+    is popped from the free stack.  This is prefix sharing: a new sequence whose first tokens
+    are another's reads that one's full pages instead of computing them again; its own tokens
+    go to pages it pops past them (give it whole pages only: a page written by two sequences is
+    corrupt).  The rows should be empty (their own pages would be lost).  Entries of ``rows``
+    that are negative or ``>= B`` are dropped (padding).  Free such rows with ``keep``."""
+    rows, page_table, lengths = (jnp.asarray(x) for x in (rows, page_table, lengths))
+    for name, x in (("rows", rows), ("page_table", page_table), ("lengths", lengths)):
+      check_int_array(name, x)
+    n = rows.shape[0] if rows.ndim == 1 else -1
+    if n < 0 or page_table.shape != (n, self.max_pages) or lengths.shape != (n,):
+      raise ValueError(f"`rows` [n], `page_table` [n, M={self.max_pages}] and `lengths` [n] "
+                       f"must agree, got {rows.shape}, {page_table.shape}, {lengths.shape}.")
+    if _concrete(page_table, lengths):
+      pt, ln = np.asarray(page_table), np.asarray(lengths)
+      if ((pt < -1) | (pt >= self.num_pages)).any():
+        raise ValueError(f"`page_table` entries must be page ids in [0, {self.num_pages}) or -1, "
+                         f"got {sorted(set(pt[(pt < -1) | (pt >= self.num_pages)].tolist()))}.")
+      held = -(-ln // self.page_size)
+      covered = (pt >= 0).cumprod(axis=1).sum(axis=1)
+      if (ln < 0).any() or (held > covered).any():
+        raise ValueError(f"`lengths` {ln.tolist()} must be >= 0 and within each row's leading "
+                         f"allocated pages ({covered.tolist()} of {self.page_size} tokens).")
+    return _attach(self, rows.astype(_I32), page_table.astype(_I32), lengths.astype(_I32))
+
+  def push(self, pages: Int[Array, "n"]) -> "PageTable":
+    """Returns ``pages [n]`` (ids; negative entries are padding) to the free stack: the pages a
+    prefix cache held and lets go.  No sequence may still hold them."""
+    pages = jnp.asarray(pages)
+    check_int_array("pages", pages)
+    if pages.ndim != 1:
+      raise ValueError(f"`pages` must be a 1-D array of page ids, got shape {pages.shape}.")
+    if _concrete(pages, self.num_free):
+      p = np.asarray(pages)
+      if (p >= self.num_pages).any() or int(self.num_free) + int((p >= 0).sum()) > self.num_pages:
+        raise ValueError(f"`pages` {p.tolist()} must be ids in [0, {self.num_pages}) not already "
+                         f"free ({int(self.num_free)} of {self.num_pages} are).")
+    return _push(self, pages.astype(_I32))
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -231,16 +280,37 @@ def _reserve(table: PageTable, t: int, counts):
 
 
 @jax.jit
-def _free(table: PageTable, done):
+def _free(table: PageTable, done, keep):
   ps = table.page_size
   owned = jnp.arange(table.max_pages)[None, :] < (-(-table.lengths // ps))[:, None]
-  release = (owned & done[:, None] & (table.page_table >= 0)).reshape(-1)  # [B * M]
-  slot = table.num_free + jnp.cumsum(release) - 1                     # stack slot of each page
-  slot = jnp.where(release, slot, table.num_pages)                    # the others: dropped
-  free_pages = table.free_pages.at[slot].set(table.page_table.reshape(-1), mode="drop")
+  kept = keep[jnp.clip(table.page_table, 0, table.num_pages - 1)]
+  release = (owned & done[:, None] & (table.page_table >= 0) & ~kept).reshape(-1)  # [B * M]
+  free_pages = _stack_push(table, table.page_table.reshape(-1), release)
   return PageTable(page_table=jnp.where(done[:, None], -1, table.page_table),
                    lengths=jnp.where(done, 0, table.lengths), free_pages=free_pages,
                    num_free=(table.num_free + jnp.sum(release)).astype(_I32), page_size=ps)
+
+
+def _stack_push(table: PageTable, pages, release):
+  """The free stack with ``pages[release]`` pushed on top, in order."""
+  slot = table.num_free + jnp.cumsum(release) - 1                     # stack slot of each page
+  slot = jnp.where(release, slot, table.num_pages)                    # the others: dropped
+  return table.free_pages.at[slot].set(pages, mode="drop")
+
+
+@jax.jit
+def _push(table: PageTable, pages):
+  release = pages >= 0
+  return dataclasses.replace(table, free_pages=_stack_push(table, pages, release),
+                             num_free=(table.num_free + jnp.sum(release)).astype(_I32))
+
+
+@jax.jit
+def _attach(table: PageTable, rows, page_table, lengths):
+  rows = jnp.where(rows < 0, table.batch, rows)                       # padding: dropped
+  return dataclasses.replace(
+      table, page_table=table.page_table.at[rows].set(page_table, mode="drop"),
+      lengths=table.lengths.at[rows].set(lengths, mode="drop"))
 
 
 def _write(pool, page, offset, new):
@@ -344,9 +414,10 @@ class PagedKVCache(_TableViews):
       return self
     return _append_kv(self, key, value, self.table.check_reserve(key.shape[1], num_tokens))
 
-  def free(self, done) -> "PagedKVCache":
-    """Releases the pages of the sequences where ``done [B]`` is True (see ``PageTable.free``)."""
-    return dataclasses.replace(self, table=self.table.free(done))
+  def free(self, done, keep=None) -> "PagedKVCache":
+    """Releases the pages of the sequences where ``done [B]`` is True, those where ``keep [P]``
+    is True aside (see ``PageTable.free``)."""
+    return dataclasses.replace(self, table=self.table.free(done, keep))
 
   def gather(self) -> tuple[Float[Array, "B S K H"], Float[Array, "B S K h"]]:
     """Contiguous ``(key, value)`` ``[B, max_pages * page_size, K, H|h]`` for the reference path."""
@@ -442,9 +513,10 @@ class PagedLatentCache(_TableViews):
     return _append_latent(self, c_kv, k_rope, index_keys, index_scales,
                           self.table.check_reserve(c_kv.shape[1], num_tokens))
 
-  def free(self, done) -> "PagedLatentCache":
-    """Releases the pages of the sequences where ``done [B]`` is True (see ``PageTable.free``)."""
-    return dataclasses.replace(self, table=self.table.free(done))
+  def free(self, done, keep=None) -> "PagedLatentCache":
+    """Releases the pages of the sequences where ``done [B]`` is True, those where ``keep [P]``
+    is True aside (see ``PageTable.free``)."""
+    return dataclasses.replace(self, table=self.table.free(done, keep))
 
   def gather(self) -> tuple[Float[Array, "B S C"], Float[Array, "B S R"]]:
     """Contiguous ``(c_kv, k_rope)`` ``[B, max_pages * page_size, C|R]`` (reference path)."""

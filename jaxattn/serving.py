@@ -35,6 +35,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import hashlib
 from typing import Callable
 
 import jax
@@ -56,9 +57,12 @@ class _Request:
   prompt: np.ndarray          # [L] int32
   max_new_tokens: int
   eos_id: int | None
-  pages: int                  # pages reserved for the request's whole life
+  pages: int                  # pages the request's whole life needs
   fed: int = 0                # prompt tokens already in the cache
   out: list = dataclasses.field(default_factory=list)
+  keys: list = dataclasses.field(default_factory=list)     # prefix-cache keys of its full pages
+  shared: list = dataclasses.field(default_factory=list)   # prefix-cache pages it reads
+  fresh: int = 0              # pages reserved from the free pool (pages - matched)
 
 
 @dataclasses.dataclass
@@ -66,7 +70,9 @@ class EngineStats:
   """Counts since the engine was made: steps (each feeds every busy slot once), model calls (one
   or two a step), tokens fed to them (prompt + decode), token rows computed (``b x T`` per call,
   padding included), slots offered (``steps x max_batch``) and busy, tokens generated, requests
-  finished."""
+  finished; with a prefix cache, prompt tokens read from cached pages instead of fed
+  (``prefix_hit_tokens``) and cached pages given back to the pool for new requests
+  (``evicted_pages``)."""
 
   steps: int = 0
   calls: int = 0
@@ -76,6 +82,8 @@ class EngineStats:
   busy_slot_steps: int = 0
   generated: int = 0
   finished: int = 0
+  prefix_hit_tokens: int = 0
+  evicted_pages: int = 0
 
   @property
   def occupancy(self) -> float:
@@ -89,8 +97,11 @@ def _positive_int(name, v):
   return int(v)
 
 
+@functools.lru_cache(maxsize=32)
 def step_functions(graphdef, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0):
-  """The engine's two jitted programs for a split model (``nnx.split(model)``):
+  """The engine's two jitted programs for a split model (``nnx.split(model)``), made once per
+  graph definition and sampling setting (engines over models of one structure share them, and
+  their compiled programs):
 
   * ``step(state, tokens [b, T], num_tokens [b], rows [b], cache, key) -> (next [b], cache)``: a
     ragged chunk through the model on the cache slots ``rows`` (``PagedModelCache.take`` /
@@ -115,10 +126,77 @@ def step_functions(graphdef, *, temperature: float = 0.0, top_p: float = 1.0, to
             full.put(rows, cache))
 
   @functools.partial(jax.jit, donate_argnums=0)
-  def free(cache: PagedModelCache, done):
-    return cache.free(done)
+  def free(cache: PagedModelCache, done, keep=None):
+    return cache.free(done, keep)
 
   return step, free
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _prefix_update(cache: PagedModelCache, evict, rows, tables, lengths):
+  """Evicted prefix-cache pages back to the pools, then cached prefixes attached to new slots."""
+  return cache.push_pages(evict).attach(rows, tables, lengths)
+
+
+def _page_key(parent: bytes, tokens: np.ndarray) -> bytes:
+  """The prefix cache's key of a full page: a digest of every token up to the page's end (the
+  parent page's key and this page's tokens), so equal keys mean equal prefixes."""
+  return hashlib.blake2b(parent + tokens.astype(np.int32).tobytes(), digest_size=16).digest()
+
+
+class _PrefixCache:
+  """The host side of prefix caching: full pages of computed tokens by the key of their prefix.
+  A page is *in use* while running requests read it (``refs``), *idle* otherwise: kept for
+  later requests with the same prefix, and evicted (least recently used first, the deepest page
+  of a prefix before its parents) when a new request needs its room."""
+
+  def __init__(self):
+    self.page_of: dict[bytes, int] = {}
+    self.key_of: dict[int, bytes] = {}
+    self.refs: dict[int, int] = {}
+    self.idle: collections.OrderedDict[int, None] = collections.OrderedDict()
+
+  def __len__(self):
+    return len(self.page_of)
+
+  def match(self, keys) -> list[int]:
+    """The cached pages of the longest run of ``keys`` from the start."""
+    pages = []
+    for k in keys:
+      if k not in self.page_of:
+        break
+      pages.append(self.page_of[k])
+    return pages
+
+  def acquire(self, pages) -> None:
+    for p in pages:
+      self.refs[p] += 1
+      self.idle.pop(p, None)
+
+  def release(self, pages) -> None:
+    for p in reversed(pages):              # the deepest first: evicted before its parents
+      self.refs[p] -= 1
+      if self.refs[p] == 0:
+        self.idle[p] = None
+
+  def add(self, key: bytes, page: int) -> bool:
+    """Caches ``page`` under ``key`` (in use by its writer); False if the key is cached (another
+    request computed the same prefix at the same time: this page stays private)."""
+    if key in self.page_of:
+      return False
+    self.page_of[key], self.key_of[page], self.refs[page] = page, key, 1
+    return True
+
+  def evictable(self, keep=()) -> list[int]:
+    return [p for p in self.idle if p not in keep]
+
+  def evict(self, page: int) -> None:
+    del self.page_of[self.key_of.pop(page)], self.refs[page], self.idle[page]
+
+  def mask(self, num_pages: int) -> np.ndarray:
+    keep = np.zeros((num_pages,), bool)
+    keep[list(self.key_of)] = True
+    return keep
 
 
 class Engine:
@@ -139,12 +217,21 @@ class Engine:
     policy: ``"continuous"`` (a free slot takes the next request at once) or ``"static"`` (new
       requests enter only when every slot is empty: classic static batching, kept as the
       baseline ``experiments/bench_serve.py`` measures against).
+    prefix_cache: keep the full pages of computed tokens (prompts and generated ones) after a
+      request finishes, keyed by the tokens up to their end, and start a request whose prompt
+      begins with a cached prefix from those pages (read in place, shared by every request
+      using them) instead of computing it again: a shared system prompt, the earlier turns of
+      a conversation, many samples of one prompt.  Idle cached pages are evicted (least
+      recently used) when a new request needs room.  Greedy fp32 results are unchanged (tested);
+      bf16 ones as the batch caveat above.  Not for models with recurrent (Gated DeltaNet)
+      layers: their state is not in pages (``ValueError``).
   """
 
   def __init__(self, model: DecoderLM, *, max_batch: int = 8, page_size: int = 16,
                num_pages: int | None = None, max_pages_per_seq: int | None = None,
                chunk: int = 64, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-               seed: int = 0, dtype=None, policy: str = "continuous"):
+               seed: int = 0, dtype=None, policy: str = "continuous",
+               prefix_cache: bool = False):
     check_sampling(temperature, top_p, top_k)
     if policy not in POLICIES:
       raise ValueError(f"`policy` must be one of {POLICIES}, got {policy!r}.")
@@ -162,11 +249,17 @@ class Engine:
                       else _positive_int("num_pages", num_pages))
     self.cache = model.init_paged_cache(self.max_batch, self.num_pages, self.page_size,
                                         max_pages_per_seq=self.max_pages_per_seq, dtype=dtype)
+    if not isinstance(prefix_cache, bool):
+      raise ValueError(f"`prefix_cache` must be a bool, got {prefix_cache!r}.")
+    if prefix_cache and self.cache.recurrent:
+      raise ValueError("`prefix_cache=True` needs every layer's history in pages; this model has "
+                       "recurrent (Gated DeltaNet) layers, whose state is not.")
+    self._prefix = _PrefixCache() if prefix_cache else None
     graphdef, self._state = nnx.split(model)
     self._step, self._free = step_functions(graphdef, temperature=temperature, top_p=top_p,
                                             top_k=int(top_k))
     self._key = jax.random.key(int(seed))
-    self._free_pages = self.num_pages       # pages not reserved by an admitted request
+    self._free_pages = self.num_pages       # pages neither reserved by a request nor cached
     self._slots: list[_Request | None] = [None] * self.max_batch
     self._waiting: collections.deque[_Request] = collections.deque()
     self._results: dict[int, np.ndarray] = {}
@@ -204,6 +297,8 @@ class Engine:
     rid, self._next_id = self._next_id, self._next_id + 1
     request = _Request(rid, prompt.astype(np.int32), int(max_new_tokens),
                        None if eos_id is None else int(eos_id), pages)
+    if self._prefix is not None:
+      self._extend_keys(request, request.prompt)
     if request.max_new_tokens == 0:
       self._results[rid] = request.prompt.copy()
       self.stats.finished += 1
@@ -233,14 +328,81 @@ class Engine:
   def _admit(self) -> None:
     """First come, first served: the head of the queue takes a free slot when the pool can hold
     its whole page need (a later, smaller request does not overtake it: no starvation).  The
-    static policy admits only into an empty batch."""
+    static policy admits only into an empty batch.  With a prefix cache, a request's cached
+    prefix pages are attached to its slot (at most its prompt's full pages but the last token:
+    the first output needs that token's logits), it reserves only the rest, and idle cached
+    pages are evicted when the free pages do not cover that."""
     if self.policy == "static" and any(r is not None for r in self._slots):
       return
+    evict, attach = [], []
     for slot, r in enumerate(self._slots):
-      if r is None and self._waiting and self._waiting[0].pages <= self._free_pages:
-        request = self._waiting.popleft()
-        self._free_pages -= request.pages
-        self._slots[slot] = request
+      if r is not None or not self._waiting:
+        continue
+      request = self._waiting[0]
+      matched = []
+      if self._prefix is not None:
+        matched = self._prefix.match(request.keys[:(request.prompt.size - 1) // self.page_size])
+      need = request.pages - len(matched)
+      if need > self._free_pages:
+        if self._prefix is None:
+          break
+        spare = self._prefix.evictable(keep=set(matched))
+        if need > self._free_pages + len(spare):
+          break
+        short = need - self._free_pages
+        for page in spare[:short]:
+          self._prefix.evict(page)
+          evict.append(page)
+        self._free_pages += short
+      self._waiting.popleft()
+      self._free_pages -= need
+      request.fresh = need
+      self._slots[slot] = request
+      if matched:
+        self._prefix.acquire(matched)
+        request.shared = matched
+        request.fed = len(matched) * self.page_size
+        self.stats.prefix_hit_tokens += request.fed
+        attach.append((slot, matched))
+    self.stats.evicted_pages += len(evict)
+    if evict or attach:
+      b, m = self.max_batch, self.max_pages_per_seq
+      pages = np.full((self.num_pages,), -1, np.int32)
+      pages[:len(evict)] = evict
+      rows, tables = np.full((b,), b, np.int32), np.full((b, m), -1, np.int32)
+      lengths = np.zeros((b,), np.int32)
+      for i, (slot, matched) in enumerate(attach):
+        rows[i], tables[i, :len(matched)] = slot, matched
+        lengths[i] = len(matched) * self.page_size
+      self.cache = _prefix_update(self.cache, *map(jnp.asarray, (pages, rows, tables, lengths)))
+
+  def _extend_keys(self, r: _Request, tokens: np.ndarray) -> None:
+    """``r.keys`` extended over the full pages of ``tokens`` (its token sequence so far)."""
+    ps = self.page_size
+    for j in range(len(r.keys), tokens.size // ps):
+      r.keys.append(_page_key(r.keys[-1] if r.keys else b"", tokens[j * ps:(j + 1) * ps]))
+
+  def _cache_pages(self) -> None:
+    """Puts the pages the busy slots have filled since the last step into the prefix cache."""
+    ps, table = self.page_size, None
+    for slot, r in enumerate(self._slots):
+      if r is None:
+        continue
+      held = r.fed + max(len(r.out) - 1, 0)       # tokens in the cache (the last sampled: not)
+      first = len(r.shared)
+      if held // ps <= first:
+        continue
+      if held > r.prompt.size:
+        self._extend_keys(r, np.concatenate([r.prompt, np.asarray(r.out[:-1], np.int32)]))
+      if table is None:
+        table = np.asarray(self.cache.page_table)
+      for j in range(first, held // ps):
+        page = int(table[slot, j])
+        if self._prefix.add(r.keys[j], page):
+          r.shared.append(page)
+          r.fresh -= 1                             # the cache owns it from now on
+        else:
+          break          # a page of its own past this one would hang off a private parent
 
   def _sub_batch(self, n: int) -> int:
     """Rows of a sub-batch call serving ``n`` slots: the next power of two, at most
@@ -296,11 +458,16 @@ class Engine:
       token = int(sampled[s])
       r.out.append(token)
       emitted.append((r.rid, token))
-      if len(r.out) == r.max_new_tokens or token == r.eos_id:
+    if self._prefix is not None:
+      self._cache_pages()
+    for s, r in active:
+      if r.out and (len(r.out) == r.max_new_tokens or r.out[-1] == r.eos_id):
         done[s] = True
         self._results[r.rid] = np.concatenate([r.prompt, np.asarray(r.out, np.int32)])
         self._slots[s] = None
-        self._free_pages += r.pages
+        self._free_pages += r.fresh
+        if self._prefix is not None:
+          self._prefix.release(r.shared)
         self.stats.finished += 1
     st = self.stats
     st.steps += 1
@@ -308,8 +475,32 @@ class Engine:
     st.busy_slot_steps += len(active)
     st.generated += len(emitted)
     if done.any():
-      self.cache = self._free(self.cache, jnp.asarray(done))
+      keep = None if self._prefix is None else jnp.asarray(self._prefix.mask(self.num_pages))
+      self.cache = self._free(self.cache, jnp.asarray(done), keep)
     return emitted
+
+  @property
+  def cached_pages(self) -> int:
+    """Pages the prefix cache holds (in use or idle); 0 without one."""
+    return 0 if self._prefix is None else len(self._prefix)
+
+  def clear_prefix_cache(self) -> int:
+    """Evicts every idle cached page (back to the free pool); returns how many."""
+    if self._prefix is None:
+      return 0
+    idle = self._prefix.evictable()
+    for page in idle:
+      self._prefix.evict(page)
+    if idle:
+      pages = np.full((self.num_pages,), -1, np.int32)
+      pages[:len(idle)] = idle
+      b = self.max_batch
+      self.cache = _prefix_update(self.cache, jnp.asarray(pages), jnp.full((b,), b, jnp.int32),
+                                  jnp.full((b, self.max_pages_per_seq), -1, jnp.int32),
+                                  jnp.zeros((b,), jnp.int32))
+      self._free_pages += len(idle)
+      self.stats.evicted_pages += len(idle)
+    return len(idle)
 
   def run(self, on_token: Callable[[int, int], None] | None = None, *,
           progress: bool = False) -> dict[int, np.ndarray]:

@@ -178,9 +178,13 @@ def test_errors():
 def test_bench_serve_runs_and_both_policies_agree(tmp_path):
   from experiments import bench_serve  # noqa: PLC0415
   results = bench_serve.main(["--requests", "5", "--max-batch", "2", "--prompt-lens", "2,9",
-                              "--new-tokens", "1,6", "--chunk", "4", "--page-size", "4",
-                              "--out", str(tmp_path)])
+                              "--new-tokens", "1,6", "--shared-prefix", "5", "--chunk", "4",
+                              "--page-size", "4", "--out", str(tmp_path)])
   assert results["identical_outputs"]
-  static, continuous = results["rows"]
-  assert static["generated"] == continuous["generated"] and continuous["steps"] <= static["steps"]
+  static, continuous, prefix = results["rows"]
+  assert static["generated"] == continuous["generated"] == prefix["generated"]
+  assert continuous["steps"] <= static["steps"]
+  # Requests 3-5 start after the first two registered the shared prefix's full page.
+  assert static["hit"] == continuous["hit"] == 0 and prefix["hit"] == 3 * 4
+  assert prefix["fed"] == continuous["fed"] - prefix["hit"]
   assert (tmp_path / "results.json").exists() and (tmp_path / "bench_serve.png").exists()

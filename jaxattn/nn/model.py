@@ -604,20 +604,63 @@ class PagedModelCache:
   def batch(self) -> int:
     return self.lengths.shape[0]
 
-  def free(self, done) -> "PagedModelCache":
-    """The sequences where ``done [B]`` (bool) emptied: their pages back to every layer's pool,
-    their recurrent states zero, their lengths 0, ready for new sequences."""
+  def free(self, done, keep=None) -> "PagedModelCache":
+    """The sequences where ``done [B]`` (bool) emptied: their pages back to every layer's pool
+    (except those where ``keep [P]`` (bool) is True: shared or prefix-cached pages, see
+    ``attach``), their recurrent states zero, their lengths 0, ready for new sequences."""
     done = jnp.asarray(done)
     if done.shape != (self.batch,) or done.dtype != jnp.bool_:
       raise ValueError(f"`done` must be a bool array [B={self.batch}], got "
                        f"{done.dtype}{list(done.shape)}.")
 
     def one(c):
-      return c.reset(done) if isinstance(c, DeltaNetCache) else c.free(done)
+      return c.reset(done) if isinstance(c, DeltaNetCache) else c.free(done, keep)
 
     groups = tuple(tuple(jax.vmap(one)(c) if stacked else one(c) for c in group)
                    for group, stacked in zip(self.groups, self.stacked))
     return PagedModelCache(groups, jnp.where(done, 0, self.lengths), self.stacked)
+
+  @property
+  def recurrent(self) -> bool:
+    """Whether some layer keeps a recurrent state (Gated DeltaNet): its history is not in pages,
+    so pages alone cannot be shared between sequences (``attach`` refuses)."""
+    return any(isinstance(c, DeltaNetCache) for group in self.groups for c in group)
+
+  @property
+  def page_table(self) -> Int[Array, "B M"]:
+    """The page table every paged layer holds (the layers append the same token counts, so
+    their tables are equal; the first is returned)."""
+    for group, stacked in zip(self.groups, self.stacked):
+      for c in group:
+        if not isinstance(c, DeltaNetCache):
+          return c.table.page_table[0] if stacked else c.table.page_table
+    raise ValueError("this cache has no paged layer (only recurrent states).")
+
+  def _tables(self, fn) -> tuple:
+    """The groups with ``fn`` applied to every paged layer's ``PageTable``."""
+    def one(c):
+      return c if isinstance(c, DeltaNetCache) else dataclasses.replace(c, table=fn(c.table))
+    return tuple(tuple(jax.vmap(one)(c) if stacked else one(c) for c in group)
+                 for group, stacked in zip(self.groups, self.stacked))
+
+  def attach(self, rows, page_table, lengths) -> "PagedModelCache":
+    """Prefix sharing: slots ``rows [n]`` (empty ones) start from the whole pages
+    ``page_table [n, M]`` (ids; -1 = none) holding their first ``lengths [n]`` tokens, which
+    another sequence computed; in every layer (``PageTable.attach``).  Their next tokens go at
+    ``lengths``.  Refused for models with recurrent layers.  Entries of ``rows`` that are
+    negative or ``>= B`` are dropped."""
+    if self.recurrent:
+      raise ValueError("`attach` (prefix sharing) needs every layer's history in pages; this "
+                       "model has recurrent (Gated DeltaNet) layers.")
+    rows = jnp.where(jnp.asarray(rows) < 0, self.batch, jnp.asarray(rows))
+    groups = self._tables(lambda t: t.attach(rows, page_table, lengths))
+    return PagedModelCache(groups, self.lengths.at[rows].set(jnp.asarray(lengths, jnp.int32),
+                                                             mode="drop"), self.stacked)
+
+  def push_pages(self, pages) -> "PagedModelCache":
+    """``pages [n]`` (ids; negative entries are padding) back to every layer's free stack: pages
+    a prefix cache held and no sequence holds any more (``PageTable.push``)."""
+    return PagedModelCache(self._tables(lambda t: t.push(pages)), self.lengths, self.stacked)
 
   def take(self, rows: Int[Array, "b"]) -> "PagedModelCache":
     """The sub-batch of sequence slots ``rows [b]``: every layer's page-table rows and lengths
