@@ -17,3 +17,31 @@ os.environ.setdefault("PJRT_NPROC", str(max(16, os.cpu_count() or 1)))
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+import gc  # noqa: E402
+
+import pytest  # noqa: E402
+
+# Each compiled CPU program keeps a few memory mappings (its JIT-compiled code) while JAX's caches
+# hold it.  A test worker compiles thousands of programs over the suite; past the kernel's limit
+# on mappings per process (vm.max_map_count, 65,530 by default) the next compilation cannot map
+# its code and the worker dies with a segmentation fault.  Drop the caches between test modules
+# once a worker holds many mappings (programs compiled again after that recompile, correctly).
+_MAPS = "/proc/self/maps"
+_MAX_MAPPINGS = 40_000
+
+
+def _mappings() -> int:
+  try:
+    with open(_MAPS) as f:
+      return sum(1 for _ in f)
+  except OSError:                      # not Linux: no such limit to watch
+    return 0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _bounded_compiled_programs():
+  yield
+  if _mappings() > _MAX_MAPPINGS:
+    jax.clear_caches()
+    gc.collect()

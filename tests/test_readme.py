@@ -18,6 +18,9 @@ def test_readme_quick_start_runs():
   results = scope["results"]
   assert sorted(results) == scope["rids"]
   assert [r.size for r in results.values()] == [n + 8 for n in (3, 20, 7, 5, 11)]
+  answers = scope["answers"]
+  assert sorted(answers) == scope["later"] and all(a.size == 41 + 8 for a in answers.values())
+  assert scope["engine"].stats.prefix_hit_tokens == 2 * 2 * 16
 
 
 def test_readme_test_command_matches_ci():

@@ -81,7 +81,7 @@ def test_padded_sub_batches_and_the_pool_comes_back_whole():
   """5 slots: calls on 3 (or 5, 6, 7) busy slots are padded to a power of two (entries past the
   batch that feed nothing and are dropped); every request still equals generate alone, and at
   the end every page is back in every layer's pool."""
-  model = model_for("qwen3-next")
+  model = model_for("llama")
   rng = np.random.default_rng(6)
   work = [(rng.integers(1, 61, size=int(rng.integers(1, 12))).astype(np.int32),
            int(rng.integers(1, 6))) for _ in range(9)]
