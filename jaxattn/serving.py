@@ -364,17 +364,23 @@ class Engine:
         request.fed = len(matched) * self.page_size
         self.stats.prefix_hit_tokens += request.fed
         attach.append((slot, matched))
+    self._update_pages(evict, attach)
+
+  def _update_pages(self, evict: list[int], attach: list[tuple[int, list[int]]]) -> None:
+    """One device call: the ``evict`` pages back to the pools, then each ``(slot, pages)`` of
+    ``attach`` started from those cached pages (fixed shapes: one compiled program)."""
     self.stats.evicted_pages += len(evict)
-    if evict or attach:
-      b, m = self.max_batch, self.max_pages_per_seq
-      pages = np.full((self.num_pages,), -1, np.int32)
-      pages[:len(evict)] = evict
-      rows, tables = np.full((b,), b, np.int32), np.full((b, m), -1, np.int32)
-      lengths = np.zeros((b,), np.int32)
-      for i, (slot, matched) in enumerate(attach):
-        rows[i], tables[i, :len(matched)] = slot, matched
-        lengths[i] = len(matched) * self.page_size
-      self.cache = _prefix_update(self.cache, *map(jnp.asarray, (pages, rows, tables, lengths)))
+    if not (evict or attach):
+      return
+    b, m = self.max_batch, self.max_pages_per_seq
+    pages = np.full((self.num_pages,), -1, np.int32)
+    pages[:len(evict)] = evict
+    rows, tables = np.full((b,), b, np.int32), np.full((b, m), -1, np.int32)
+    lengths = np.zeros((b,), np.int32)
+    for i, (slot, matched) in enumerate(attach):
+      rows[i], tables[i, :len(matched)] = slot, matched
+      lengths[i] = len(matched) * self.page_size
+    self.cache = _prefix_update(self.cache, *map(jnp.asarray, (pages, rows, tables, lengths)))
 
   def _extend_keys(self, r: _Request, tokens: np.ndarray) -> None:
     """``r.keys`` extended over the full pages of ``tokens`` (its token sequence so far)."""
@@ -491,15 +497,8 @@ class Engine:
     idle = self._prefix.evictable()
     for page in idle:
       self._prefix.evict(page)
-    if idle:
-      pages = np.full((self.num_pages,), -1, np.int32)
-      pages[:len(idle)] = idle
-      b = self.max_batch
-      self.cache = _prefix_update(self.cache, jnp.asarray(pages), jnp.full((b,), b, jnp.int32),
-                                  jnp.full((b, self.max_pages_per_seq), -1, jnp.int32),
-                                  jnp.zeros((b,), jnp.int32))
-      self._free_pages += len(idle)
-      self.stats.evicted_pages += len(idle)
+    self._update_pages(idle, [])
+    self._free_pages += len(idle)
     return len(idle)
 
   def run(self, on_token: Callable[[int, int], None] | None = None, *,
