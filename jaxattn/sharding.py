@@ -94,6 +94,27 @@ def shard(x, logical_axes: Sequence[str | None], *, rules=DEFAULT_RULES):
   return constrain(x, mesh, logical_to_spec(logical_axes, rules=rules, mesh=mesh, shape=x.shape))
 
 
+def split_axis(x, axis: int | None, name: str | None = None, count: int | None = None, *,
+               rules=DEFAULT_RULES):
+  """``x`` on the active mesh (a no-op without one) with dimension ``axis`` split over the mesh
+  axes of the logical ``name`` and every other dimension replicated (``axis=None``: all
+  replicated).  ``count`` is the number of units that dimension holds (default its size): a merged
+  ``[..., K * H]`` row split by its ``K`` heads (K-major) keeps every head whole when the mesh
+  axes divide ``K``, and stays replicated when they do not.  Eagerly it places ``x``; under jit it
+  constrains it (as ``shard``)."""
+  mesh = _active_mesh()
+  if mesh is None:
+    return x
+  dims = [None] * x.ndim
+  if axis is not None:
+    axis = axis % x.ndim
+    count = x.shape[axis] if count is None else int(count)
+    if x.shape[axis] % count:
+      raise ValueError(f"`count` {count} must divide dimension {axis} of x {tuple(x.shape)}.")
+    dims[axis] = logical_to_spec((name,), rules=rules, mesh=mesh, shape=(count,))[0]
+  return constrain(x, mesh, P(*dims))
+
+
 def constrain(x, mesh, spec: P):
   """``x`` laid out as ``NamedSharding(mesh, spec)``: placed when it is concrete (an eager
   call), resharded on Explicit axes (where a sharding constraint only asserts), else

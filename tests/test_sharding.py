@@ -143,3 +143,22 @@ def test_param_specs_tree_matches_state():
   flat = dict(nnx.to_flat_state(specs)) if hasattr(nnx, "to_flat_state") else None
   assert flat is not None
   assert flat[("attn", "o_proj", "kernel")] == P("tensor", None, "fsdp")
+
+
+def test_split_axis_keeps_merged_heads_whole():
+  """``split_axis`` splits one dimension by its units: a ``[..., K * H]`` row by its K heads."""
+  x = jnp.arange(3 * 4 * 6, dtype=jnp.float32).reshape(3, 4, 6)      # K = 2 heads of H = 3
+  assert sharding.split_axis(x, -1, "kv_heads", 2) is x               # no mesh: unchanged
+  with jax.set_mesh(sharding.make_mesh({"data": 4, "tensor": 2})):
+    heads = sharding.split_axis(x, -1, "kv_heads", 2)
+    odd = sharding.split_axis(x, -1, "kv_heads", 3)       # 3 units on tensor = 2: replicated
+    whole = sharding.split_axis(x, None)
+    with pytest.raises(ValueError, match="`count` 4 must divide dimension 2"):
+      sharding.split_axis(x, -1, "kv_heads", 4)
+  assert heads.sharding.spec == P(None, None, "tensor")
+  assert heads.addressable_shards[0].data.shape == (3, 4, 3)          # one whole head each
+  first = heads.addressable_shards[0].data
+  np.testing.assert_array_equal(np.asarray(first), np.asarray(x)[..., :3])
+  for y in (odd, whole):
+    assert all(s is None for s in y.sharding.spec) and len(y.sharding.device_set) == 8
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x))

@@ -47,6 +47,7 @@ from jaxtyping import Array, Int
 from jaxattn.checks import is_int
 from jaxattn.cache import KVCache
 from jaxattn.mla_cache import LatentCache
+from jaxattn.paged_cache import PagedKVCache
 from jaxattn.nn.attention import Attention
 from jaxattn.nn.dsa import DSA
 from jaxattn.nn.gated_deltanet import DeltaNetCache, GatedDeltaNet
@@ -62,7 +63,7 @@ from jaxattn.ops.hyper import hc_read, hc_write
 from jaxattn.ops.moe import bias_update
 from jaxattn.ops.rope import RopeScaling
 from jaxattn.ops.sinusoidal import sinusoidal_positions
-from jaxattn.sharding import _active_mesh, check_auto_mesh, shard
+from jaxattn.sharding import _active_mesh, check_auto_mesh, shard, split_axis
 
 LAYER_KINDS = {"A": "attention (MHA/GQA/MQA)", "S": "sliding-window attention",
                "M": "multi-head latent attention", "I": "DeepSeek sparse attention (MLA + indexer)",
@@ -619,6 +620,35 @@ class PagedModelCache:
     groups = tuple(tuple(jax.vmap(one)(c) if stacked else one(c) for c in group)
                    for group, stacked in zip(self.groups, self.stacked))
     return PagedModelCache(groups, jnp.where(done, 0, self.lengths), self.stacked)
+
+  def shard(self) -> "PagedModelCache":
+    """This cache laid out on the active mesh (``jax.set_mesh``; without one it is returned as
+    is): each attention layer's key / value pools split over the mesh axes of its KV heads (the
+    ``"kv_heads"`` rule, when they divide the head count: a device holds its heads' pages, the
+    ones its share of the attention reads), each Gated DeltaNet state over its heads; page
+    tables, lengths, free-page stacks and MLA latents (read by every head) replicated.  No pool
+    is split over the batch axes: any sequence may own any page.  Eagerly it places the arrays;
+    under jit it constrains them, so a step that returns ``cache.shard()`` keeps the layout from
+    one call to the next (``jaxattn.serving.Engine(mesh=...)``)."""
+    if _active_mesh() is None:
+      return self
+    every = lambda tree: jax.tree.map(lambda x: split_axis(x, None), tree)  # noqa: E731
+
+    def one(c):
+      if isinstance(c, DeltaNetCache):
+        return DeltaNetCache(conv_q=split_axis(c.conv_q, -2, "kv_heads"),
+                             conv_k=split_axis(c.conv_k, -2, "kv_heads"),
+                             conv_v=split_axis(c.conv_v, -2, "heads"),
+                             state=split_axis(c.state, -3, "heads"))
+      if isinstance(c, PagedKVCache):
+        k = c.num_kv_heads
+        return dataclasses.replace(c, key_pool=split_axis(c.key_pool, -1, "kv_heads", k),
+                                   value_pool=split_axis(c.value_pool, -1, "kv_heads", k),
+                                   table=every(c.table))
+      return every(c)                                   # latent pools: shared by the heads
+
+    groups = tuple(tuple(one(c) for c in group) for group in self.groups)
+    return PagedModelCache(groups, split_axis(self.lengths, None), self.stacked)
 
   @property
   def recurrent(self) -> bool:
