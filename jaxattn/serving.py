@@ -83,8 +83,9 @@ class EngineStats:
   or two a step), tokens fed to them (prompt + decode), token rows computed (``b x T`` per call,
   padding included), slots offered (``steps x max_batch``) and busy, tokens generated, requests
   finished; with a prefix cache, prompt tokens read from cached pages instead of fed
-  (``prefix_hit_tokens``) and cached pages given back to the pool for new requests
-  (``evicted_pages``)."""
+  (``prefix_hit_tokens``), cached pages given back to the pool for new requests
+  (``evicted_pages``) and admissions a request sat out waiting for a prefix page another request
+  was computing (``prefix_waits``)."""
 
   steps: int = 0
   calls: int = 0
@@ -96,6 +97,7 @@ class EngineStats:
   finished: int = 0
   prefix_hit_tokens: int = 0
   evicted_pages: int = 0
+  prefix_waits: int = 0
 
   @property
   def occupancy(self) -> float:
@@ -234,7 +236,8 @@ class Engine:
       request finishes, keyed by the tokens up to their end, and start a request whose prompt
       begins with a cached prefix from those pages (read in place, shared by every request
       using them) instead of computing it again: a shared system prompt, the earlier turns of
-      a conversation, many samples of one prompt.  Idle cached pages are evicted (least
+      a conversation, many samples of one prompt (a request whose prefix another running
+      request is computing waits for its pages rather than computing them too).  Idle cached pages are evicted (least
       recently used) when a new request needs room.  Greedy fp32 results are unchanged (tested);
       bf16 ones as the batch caveat above.  Not for models with recurrent (Gated DeltaNet)
       layers: their state is not in pages (``ValueError``).
@@ -280,6 +283,7 @@ class Engine:
       raise ValueError("`prefix_cache=True` needs every layer's history in pages; this model has "
                        "recurrent (Gated DeltaNet) layers, whose state is not.")
     self._prefix = _PrefixCache() if prefix_cache else None
+    self._wait_for_prefix = prefix_cache and policy == "continuous"
     graphdef, self._state = nnx.split(model)
     if mesh is not None:
       self._state = jax.device_put(self._state, param_shardings(self._state, mesh))
@@ -362,17 +366,34 @@ class Engine:
     static policy admits only into an empty batch.  With a prefix cache, a request's cached
     prefix pages are attached to its slot (at most its prompt's full pages but the last token:
     the first output needs that token's logits), it reserves only the rest, and idle cached
-    pages are evicted when the free pages do not cover that."""
+    pages are evicted when the free pages do not cover that.
+
+    A request whose next uncached prefix page is being computed right now by a running request
+    (the same prompt sampled many times, a system prompt shared by requests that arrive
+    together) waits for it instead of computing it again: it stays in the queue, later requests
+    may take the free slot meanwhile, and it is admitted, reading those pages, once they are
+    cached (continuous policy only)."""
     if self.policy == "static" and any(r is not None for r in self._slots):
       return
     evict, attach = [], []
+    coming = self._pages_in_flight() if self._wait_for_prefix else set()
+    at = 0                                       # the first request of the queue not waiting
     for slot, r in enumerate(self._slots):
-      if r is not None or not self._waiting:
+      if r is not None:
         continue
-      request = self._waiting[0]
       matched = []
-      if self._prefix is not None:
-        matched = self._prefix.match(request.keys[:(request.prompt.size - 1) // self.page_size])
+      while at < len(self._waiting):
+        request = self._waiting[at]
+        if self._prefix is not None:
+          usable = request.keys[:(request.prompt.size - 1) // self.page_size]
+          matched = self._prefix.match(usable)
+          if len(usable) > len(matched) and usable[len(matched)] in coming:
+            self.stats.prefix_waits += 1
+            at += 1
+            continue
+        break
+      if at == len(self._waiting):
+        break
       need = request.pages - len(matched)
       if need > self._free_pages:
         if self._prefix is None:
@@ -385,7 +406,9 @@ class Engine:
           self._prefix.evict(page)
           evict.append(page)
         self._free_pages += short
-      self._waiting.popleft()
+      del self._waiting[at]
+      if self._wait_for_prefix:
+        coming.update(self._uncached_prompt_keys(request))
       self._free_pages -= need
       request.fresh = need
       self._slots[slot] = request
@@ -396,6 +419,15 @@ class Engine:
         self.stats.prefix_hit_tokens += request.fed
         attach.append((slot, matched))
     self._update_pages(evict, attach)
+
+  def _uncached_prompt_keys(self, r: _Request) -> list[bytes]:
+    """Keys of ``r``'s full prompt pages not cached yet: ones its prefill will compute."""
+    return [k for k in r.keys[:r.prompt.size // self.page_size] if k not in self._prefix.page_of]
+
+  def _pages_in_flight(self) -> set[bytes]:
+    """Keys of the prompt pages the running requests are computing (cached once full)."""
+    return {k for r in self._slots if r is not None and r.fed < r.prompt.size
+            for k in self._uncached_prompt_keys(r)}
 
   def _update_pages(self, evict: list[int], attach: list[tuple[int, list[int]]]) -> None:
     """One device call: the ``evict`` pages back to the pools, then each ``(slot, pages)`` of

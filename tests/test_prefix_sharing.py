@@ -109,14 +109,41 @@ def test_prefix_cache_gives_the_same_tokens_without_computing_the_prefix(name):
   for i, (g, w) in enumerate(zip(got, want)):
     np.testing.assert_array_equal(g, w, err_msg=f"request {i}")
   np.testing.assert_array_equal(want[-1], alone(model, prompts[1], 3))
-  # The first two requests start together (nothing cached yet); the other three find the system
-  # prompt's 3 pages; the repeated prompts (16 and 14 tokens) their own (L - 1) // 4 pages.
+  # The first request computes the system prompt's 3 pages; the second, arriving with it, waits
+  # for them (a free slot sits out a few steps) and the other three find them; the repeated
+  # prompts (16 and 14 tokens) their own (L - 1) // 4 pages.
   plain, shared = plain.stats, shared.stats
-  assert plain.prefix_hit_tokens == 0
-  assert shared.prefix_hit_tokens == 3 * 12 + 12 + 12
+  assert plain.prefix_hit_tokens == 0 and plain.prefix_waits == 0
+  assert shared.prefix_hit_tokens == 4 * 12 + 12 + 12 and shared.prefix_waits > 0
   assert shared.fed_tokens == plain.fed_tokens - shared.prefix_hit_tokens
   assert shared.generated == plain.generated
   _check_pool(runs[True][0])
+
+
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+def test_samples_of_one_prompt_compute_it_once(policy):
+  """Many samples of one prompt submitted together (best-of-n, a group of RL rollouts): the first
+  computes the prompt, the others wait for its pages and read them.  (The static policy admits a
+  whole batch at once and does not wait: only the request after that batch reads them.)"""
+  model = model_for("llama")
+  prompt = _system_requests(2)[0][:13]                   # (13 - 1) // 4 = 3 pages to share
+  runs = {}
+  for cached in (False, True):
+    engine = Engine(model, max_batch=4, page_size=4, chunk=4, prefix_cache=cached, policy=policy)
+    ids = [engine.submit(prompt, 4) for _ in range(5)]
+    results = engine.run()
+    runs[cached] = engine, [results[i] for i in ids]
+  (plain, want), (shared, got) = runs[False], runs[True]
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g, w)
+  np.testing.assert_array_equal(want[0], alone(model, prompt, 4))
+  hits = shared.stats.prefix_hit_tokens
+  if policy == "continuous":
+    assert hits == 4 * 12 and shared.stats.prefix_waits > 0
+  else:
+    assert hits == 12 and shared.stats.prefix_waits == 0
+  assert shared.stats.fed_tokens == plain.stats.fed_tokens - hits
+  _check_pool(shared)
 
 
 def test_a_later_turn_reads_the_generated_tokens_from_the_cache():
