@@ -19,6 +19,9 @@ SMALL = dict(embed_dim=32, mlp_dim=64, max_seq_len=64, vocab_size=61)
 CASES = {
     # name: (preset, overrides, mesh shape, prefix cache)
     "llama-prefix": ("llama", dict(num_layers=2), {"data": 4, "tensor": 2}, True),
+    # The TPU decode kernel (interpreted here) in its shard_map, reading the split pools.
+    "llama-pallas_tpu": ("llama", dict(num_layers=2, attention_implementation="pallas_tpu"),
+                         {"data": 4, "tensor": 2}, False),
     "deepseek-v3": ("deepseek-v3", dict(num_layers=2, first_k_dense=1, moe_expert_dim=16,
                                         kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
                                         qk_rope_head_dim=4, v_head_dim=8),
