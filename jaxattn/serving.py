@@ -57,7 +57,7 @@ from flax import nnx
 from jaxattn.checks import is_int
 from jaxattn.generation import check_sampling, sample_logits
 from jaxattn.nn.model import DecoderLM, PagedModelCache
-from jaxattn.sharding import check_auto_mesh, param_shardings
+from jaxattn.sharding import check_auto_mesh, context_mesh, param_shardings
 
 
 POLICIES = ("continuous", "static")
@@ -237,10 +237,10 @@ class Engine:
       begins with a cached prefix from those pages (read in place, shared by every request
       using them) instead of computing it again: a shared system prompt, the earlier turns of
       a conversation, many samples of one prompt (a request whose prefix another running
-      request is computing waits for its pages rather than computing them too).  Idle cached pages are evicted (least
-      recently used) when a new request needs room.  Greedy fp32 results are unchanged (tested);
-      bf16 ones as the batch caveat above.  Not for models with recurrent (Gated DeltaNet)
-      layers: their state is not in pages (``ValueError``).
+      request is computing waits for its pages rather than computing them too).  Idle cached
+      pages are evicted (least recently used) when a new request needs room.  Greedy fp32
+      results are unchanged (tested); bf16 ones as the batch caveat above.  Not for models with
+      recurrent (Gated DeltaNet) layers: their state is not in pages (``ValueError``).
     mesh: a device mesh (Auto axes) to serve on: the weights placed by their logical axes, the
       cache's pools split over the KV heads' mesh axes, every call run under it (see the module
       docstring).  Default: the mesh set by ``jax.set_mesh`` when the engine is built, if any.
@@ -267,8 +267,7 @@ class Engine:
     self.num_pages = (self.max_batch * self.max_pages_per_seq if num_pages is None
                       else _positive_int("num_pages", num_pages))
     if mesh is None:
-      context = getattr(jax.sharding, "get_mesh", lambda: None)()
-      mesh = None if context is None or context.empty else context
+      mesh = context_mesh()
     elif not isinstance(mesh, jax.sharding.Mesh):
       raise ValueError(f"`mesh` must be a jax.sharding.Mesh or None, got {type(mesh).__name__}.")
     check_auto_mesh(mesh, "Engine")

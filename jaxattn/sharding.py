@@ -146,6 +146,13 @@ def check_auto_mesh(mesh, where: str) -> None:
         "Auto,) * n). (The ops -- dot_product_attention, the decode and MoE ops -- take either.)")
 
 
+def context_mesh():
+  """The concrete mesh ``jax.set_mesh`` holds, or None when none is set.  Raises ``ValueError``
+  inside ``jit`` (where only the abstract mesh can be read: ``_active_mesh``)."""
+  mesh = getattr(jax.sharding, "get_mesh", lambda: None)()
+  return None if mesh is None or mesh.empty else mesh
+
+
 def place_if_concrete(x, mesh, spec: P):
   """``x`` put on ``NamedSharding(mesh, spec)`` when it is a concrete array (a layer called
   eagerly, outside ``jit``), else None (traced: constrain it instead).
@@ -157,12 +164,12 @@ def place_if_concrete(x, mesh, spec: P):
   if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
     return None
   try:  # A concrete array inside jit (a closed-over constant) is constrained like a tracer.
-    concrete = getattr(jax.sharding, "get_mesh", lambda: None)()
+    concrete = context_mesh()
   except ValueError:    # "get_mesh can only be used outside of jax.jit"
     return None
   if not isinstance(mesh, Mesh):
     mesh = concrete
-    if mesh is None or mesh.empty:
+    if mesh is None:
       return None
   return jax.device_put(x, NamedSharding(mesh, spec))
 
