@@ -14,20 +14,17 @@ from jaxattn.nn.model import DecoderLM
 from jaxattn.paged_cache import PagedKVCache, PagedLatentCache
 from jaxattn.serving import Engine
 from jaxattn.sharding import make_mesh
+from tests.test_serving import MODELS, REQUESTS, SMALL
 
-SMALL = dict(embed_dim=32, mlp_dim=64, max_seq_len=64, vocab_size=61)
+LLAMA, DEEPSEEK = MODELS["llama"][1], MODELS["deepseek-v3"][1]
 CASES = {
     # name: (preset, overrides, mesh shape, prefix cache)
-    "llama-prefix": ("llama", dict(num_layers=2), {"data": 4, "tensor": 2}, True),
+    "llama-prefix": ("llama", LLAMA, {"data": 4, "tensor": 2}, True),
     # The TPU decode kernel (interpreted here) in its shard_map, reading the split pools.
-    "llama-pallas_tpu": ("llama", dict(num_layers=2, attention_implementation="pallas_tpu"),
+    "llama-pallas_tpu": ("llama", dict(LLAMA, attention_implementation="pallas_tpu"),
                          {"data": 4, "tensor": 2}, False),
-    "deepseek-v3": ("deepseek-v3", dict(num_layers=2, first_k_dense=1, moe_expert_dim=16,
-                                        kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
-                                        qk_rope_head_dim=4, v_head_dim=8),
-                    {"data": 2, "tensor": 2, "expert": 2}, False),
+    "deepseek-v3": ("deepseek-v3", DEEPSEEK, {"data": 2, "tensor": 2, "expert": 2}, False),
 }
-REQUESTS = [(7, 5), (2, 9), (11, 1), (3, 4), (5, 6)]
 
 
 def prompts():
