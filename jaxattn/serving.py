@@ -375,7 +375,8 @@ class Engine:
     if self.policy == "static" and any(r is not None for r in self._slots):
       return
     evict, attach = [], []
-    coming = self._pages_in_flight() if self._wait_for_prefix else set()
+    waiting = self._wait_for_prefix and self._waiting and None in self._slots
+    coming = self._pages_in_flight() if waiting else set()
     at = 0                                       # the first request of the queue not waiting
     for slot, r in enumerate(self._slots):
       if r is not None:
