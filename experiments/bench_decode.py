@@ -127,19 +127,25 @@ def build_case(kind, b, s, args, dtype, rng):
     (kp, vp), (kc, vc), table = _pools(rng, b, s, args.page_size, [(kh * h,), (kh * h,)], dtype)
     kc, vc = kc.reshape(b, -1, kh, h), vc.reshape(b, -1, kh, h)
     q = jnp.asarray(rng.standard_normal((b, 1, n, h)), dtype)
-    nbytes = b * s * kh * 2 * h * itemsize
+    w = args.window
+    # With a sliding window a step needs (and the bandwidth counts) the last w + 1 keys only.
+    nbytes = b * (s if w is None else min(s, w + 1)) * kh * 2 * h * itemsize
+    win = dict(local_window_size=w)
     fns = {
         "contiguous": (lambda q, k, v, lens: dot_product_attention(
-            q, k, v, kv_lengths=lens, implementation="xla"), (q, kc, vc, lengths)),
+            q, k, v, kv_lengths=lens, implementation="xla",
+            **({} if w is None else dict(is_causal=True, q_offset=s - 1, **win))),
+                       (q, kc, vc, lengths)),
         "xla_paged": (lambda q, k, v, t, lens: paged_attention(
-            q, k, v, t, lens, implementation="xla"), (q, kp, vp, table, lengths)),
+            q, k, v, t, lens, implementation="xla", **win), (q, kp, vp, table, lengths)),
         "pallas_paged": (lambda q, k, v, t, lens: paged_attention(
-            q, k, v, t, lens, implementation="pallas_tpu", num_splits=_tpu_splits(args)),
+            q, k, v, t, lens, implementation="pallas_tpu", num_splits=_tpu_splits(args), **win),
                          (q, kp, vp, table, lengths)),
         "pallas_gpu_paged": (lambda q, k, v, t, lens: paged_attention_gpu(
-            q, k, v, t, lens, scale=h ** -0.5, **_gpu_kw(args)), (q, kp, vp, table, lengths)),
+            q, k, v, t, lens, scale=h ** -0.5, **_gpu_kw(args), **win),
+                             (q, kp, vp, table, lengths)),
         "pallas_contiguous": (lambda q, k, v, lens: cache_attention(
-            q, k, v, lens, implementation="pallas_tpu", num_splits=_tpu_splits(args)),
+            q, k, v, lens, implementation="pallas_tpu", num_splits=_tpu_splits(args), **win),
                               (q, kc, vc, lengths)),
     }
     return fns, nbytes
@@ -321,6 +327,9 @@ def main(argv=None):
   ap.add_argument("--rope", type=int, default=64)
   ap.add_argument("--mla-qk-dim", type=int, default=192, help="P + R, for the softmax scale")
   ap.add_argument("--page-size", type=int, default=64)
+  ap.add_argument("--window", type=int, default=None,
+                  help="gqa: a sliding window (Mistral: 4095); the bandwidth then counts the "
+                  "window's bytes, the bytes a step needs")
   ap.add_argument("--splits", type=int, default=None,
                   help="split-KV partitions; unset: 4 for pallas_paged, automatic for "
                   "pallas_gpu_paged; 0 = automatic (1 on TPU)")

@@ -131,6 +131,14 @@ def cases():
                                                       bf16(1024, 64, 8 * 64), table, lens)),
       "paged MQA decode, heads of 256": (gqa_decode, (bf16(2, 1, 8, 256), bf16(1024, 64, 256),
                                                        bf16(1024, 64, 256), table, lens)),
+      # Mistral-7B's sliding window (4096 keys) with ALiBi slopes: the page axis spans the
+      # window's 65 pages of 64, not the table's 512.
+      "paged GQA decode, window + ALiBi": (
+          lambda q, k, v, t, n, s: paged_attention(q, k, v, t, n, implementation="pallas_tpu",
+                                                   local_window_size=4095, alibi_slopes=s,
+                                                   interpret=False),
+          (bf16(2, 1, 32, 128), bf16(1024, 64, 8 * 128), bf16(1024, 64, 8 * 128), table, lens,
+           f32(32))),
       # A contiguous KVCache (rows [B, S, K * H]) read as pages of itself (what Attention runs
       # on TPU for a cached step); flash attention would transpose the whole cache every step.
       "contiguous-cache GQA decode": (contiguous_decode, (

@@ -218,8 +218,8 @@ class Engine:
   """Continuous batching over a ``DecoderLM``'s paged cache (see the module docstring).
 
   Args:
-    model: the ``DecoderLM`` (its layers must have a paged form: no sliding-window, ALiBi or T5
-      layers; its weights are read once, at construction).
+    model: the ``DecoderLM`` (its layers must have a paged form: no T5-bias layers; its
+      weights are read once, at construction).
     max_batch: sequence slots decoded together.
     page_size: tokens per cache page.
     num_pages: pages in each layer's pool; default enough for every slot at ``max_seq_len``.

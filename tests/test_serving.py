@@ -2,7 +2,7 @@
 what ``generate`` gives it alone -- with more requests than slots (queued, slots reused after a
 free), prompts longer than the chunk (chunked prefill beside decodes), an end-of-sequence token, a
 pool too small for all requests at once (admission waits for pages) -- for attention, MLA and
-hybrid Gated DeltaNet models; sampling is reproducible from the seed; the errors."""
+hybrid Gated DeltaNet models, sliding-window and ALiBi models; sampling is reproducible from the seed; the errors."""
 
 import jax
 import numpy as np
@@ -23,6 +23,9 @@ MODELS = {
     "qwen3-next": ("qwen3-next", dict(num_layers=4, first_k_dense=4, deltanet_head_dim=8,
                                       deltanet_v_head_dim=8, deltanet_chunk_size=4,
                                       rotary_dim=4)),
+    # A window of 3 over pages of 4: every layer reads only its window's pages.
+    "mistral": ("mistral", dict(num_layers=2, sliding_window=3)),
+    "llama-alibi": ("llama-alibi", dict(num_layers=2)),
 }
 # (prompt length, max_new_tokens): longer and shorter than the chunk, one new token, many.
 REQUESTS = [(7, 5), (2, 9), (11, 1), (3, 4), (5, 6)]
@@ -169,10 +172,9 @@ def test_errors():
                     (dict(policy="fifo"), "`policy` must be one of")]:
     with pytest.raises(ValueError, match=match):
       Engine(model, **kw)
-  mistral = DecoderLM(get_config("mistral", **SMALL).replace(num_layers=1, sliding_window=3),
-                      rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match="a paged cache serves causal attention without"):
-    Engine(mistral)
+  t5 = DecoderLM(get_config("llama-t5", **SMALL).replace(num_layers=1), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="not T5 bias"):
+    Engine(t5)
 
 
 def test_bench_serve_runs_and_both_policies_agree(tmp_path):

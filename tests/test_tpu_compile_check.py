@@ -39,12 +39,12 @@ def test_kernels_compile_for_tpu_v5e(tmp_path):
        "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, env=env,
       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-  assert "20 of 20 compiled" in proc.stdout
+  assert "21 of 21 compiled" in proc.stdout
   # Decode is bandwidth-bound: the dense decode kernels must read the caches as stored, with no
   # relayout copy of a pool or cache around them (paged and contiguous, GQA / MQA / MLA).
   results = json.loads((tmp_path / "results.json").read_text())
   decode = [r for r in results if "decode" in r["case"] and "sparse" not in r["case"]]
-  assert len(decode) == 10 and all(r["copies"] == [] for r in decode), decode
+  assert len(decode) == 11 and all(r["copies"] == [] for r in decode), decode
   # A 512-token prefill through the paged caches runs in the kernels too (query rows in blocks
   # that fit VMEM); the only copies are of the queries ([2, 512, ...]), none of a pool.
   prefill = [r for r in results if "paged" in r["case"] and "prefill" in r["case"]]

@@ -181,14 +181,14 @@ class Attention(nnx.Module):
                   num_tokens=None):
     """Prefill / decode against a paged cache: each sequence's ``T`` new tokens (its first
     ``num_tokens[b]``, a ragged chunk) go at its own length (ragged batch) and attend causally to
-    everything it holds."""
-    if (not self.causal or self.sliding_window is not None or self.position in ("alibi", "t5")
-        or segment_ids is not None or mask is not None):
-      raise ValueError(f"a PagedKVCache supports causal layers with position 'rope' or 'none', no "
-                       f"sliding window, `mask` or `segment_ids`; this layer has causal="
-                       f"{self.causal}, position={self.position!r}, sliding_window="
-                       f"{self.sliding_window}, mask given: {mask is not None}, segment_ids given: "
-                       f"{segment_ids is not None}.")
+    everything it holds (the last ``sliding_window + 1`` tokens with a window; ALiBi from the
+    positions)."""
+    if (not self.causal or self.position == "t5" or segment_ids is not None
+        or mask is not None):
+      raise ValueError(f"a PagedKVCache supports causal layers with position 'rope', 'alibi' or "
+                       f"'none' (a sliding window too), no `mask` or `segment_ids`; this layer has "
+                       f"causal={self.causal}, position={self.position!r}, mask given: "
+                       f"{mask is not None}, segment_ids given: {segment_ids is not None}.")
     t = x.shape[1]
     num_tokens = check_num_tokens(num_tokens, x.shape[0], t)
     x = shard(x, ("batch", "length", "act_embed"))
@@ -204,21 +204,27 @@ class Attention(nnx.Module):
     impl = module_decode_implementation(implementation or self.implementation)
     out = paged_attention(q, cache.key_pool, cache.value_pool, cache.page_table, cache.lengths,
                           scale=self.attention_scale, logits_soft_cap=self.logits_soft_cap,
-                          implementation=impl, num_tokens=num_tokens)
+                          implementation=impl, num_tokens=num_tokens,
+                          local_window_size=self.sliding_window, alibi_slopes=self._slopes())
     y = shard(self.o_proj(self._gate(x, out.astype(q.dtype))), ("batch", "length", "act_embed"))
     return nan_where_dropped(y, old_lengths, cache.lengths, t, num_tokens), cache
 
   def _decode_kernel(self, t, cache: KVCache, mask, implementation) -> bool:
     """Whether a step with a contiguous cache runs the paged decode kernel over it
     (``jaxattn.ops.decode.cache_attention``): on TPU (or with ``implementation="pallas_tpu"``),
-    for up to ``DECODE_MAX_T`` new tokens of a causal layer without a window, ALiBi, relative
-    bias or extra mask, over a cache whose length is a multiple of 16 (``init_cache`` on TPU
-    rounds the length up to one: ``jaxattn.cache.cache_length``).  The flash kernel would
-    get the cache in its head-major layout, which XLA makes by transposing the whole cache on
-    every step; the decode kernel reads each valid block once, in place."""
+    for up to ``DECODE_MAX_T`` new tokens of a causal layer without relative bias or extra mask
+    (a sliding window and ALiBi are the kernel's own), over a cache whose length is a multiple
+    of 16 (``init_cache`` on TPU rounds the length up to one: ``jaxattn.cache.cache_length``).
+    The flash kernel would get the cache in its head-major layout, which XLA makes by
+    transposing the whole cache on every step; the decode kernel reads each valid block once, in
+    place (with a window: only the pages of the window)."""
     return (tpu_kernel_requested(implementation or self.implementation) and t <= DECODE_MAX_T
-            and self.causal and mask is None and self.sliding_window is None
-            and self.position != "alibi" and self.rel_bias is None and cache.max_len % 16 == 0)
+            and self.causal and mask is None and self.rel_bias is None
+            and cache.max_len % 16 == 0)
+
+  def _slopes(self):
+    """The layer's ALiBi slopes ``[N]`` (None unless ``position="alibi"``)."""
+    return alibi_slopes(self.num_heads) if self.position == "alibi" else None
 
   def cache_bytes(self, seq_len: int, batch: int = 1, dtype=jnp.bfloat16) -> int:
     """KV cache bytes of this layer for ``seq_len`` tokens: the seed's ``2 x n x h_kv x d x bytes``."""
@@ -289,7 +295,8 @@ class Attention(nnx.Module):
           q = shard(q, ("batch", "length", "act_heads", "head_dim"))
           out = cache_attention(q, cache.key, cache.value, kv_lengths,
                                 scale=self.attention_scale, logits_soft_cap=self.logits_soft_cap,
-                                implementation="pallas_tpu")
+                                implementation="pallas_tpu", alibi_slopes=self._slopes(),
+                                local_window_size=self.sliding_window)
           y = shard(self.o_proj(self._gate(x, out)), ("batch", "length", "act_embed"))
           return nan_past_capacity(y, cache), cache
         k, v = (x.astype(q.dtype) for x in cache.split_heads())
@@ -298,7 +305,7 @@ class Attention(nnx.Module):
     if self.rel_bias is not None:
       q_pos = offset + jnp.arange(t, dtype=jnp.int32)
       bias = self.rel_bias(q_pos, jnp.arange(k.shape[1], dtype=jnp.int32))
-    slopes = alibi_slopes(self.num_heads) if self.position == "alibi" else None
+    slopes = self._slopes()
     out = dot_product_attention(
         q, k, v, bias, mask, scale=self.attention_scale, is_causal=self.causal and not rolling,
         local_window_size=None if rolling else self.sliding_window, segment_ids=segment_ids,

@@ -23,8 +23,10 @@ Semantics shared by both (the contract the kernels are tested against):
   are padding and return zeros.  None means ``T`` for every sequence.  The kernels take the
   queries aligned to the end of ``T`` (``align_queries``: each row shifted right by
   ``T - num_tokens[b]``), where their own contract places them, and the output shifted back.
-* Logits in fp32: ``scale * q.k`` -> soft-cap ``c * tanh(x / c)`` (when ``logits_soft_cap``) ->
-  mask -> softmax in fp32.  A query with no visible key (``lengths[b] = 0``) returns zeros.
+* Logits in fp32: ``scale * q.k`` (+ ``slope * (j - i)`` with ALiBi slopes) -> soft-cap
+  ``c * tanh(x / c)`` (when ``logits_soft_cap``) -> mask (causal; with ``local_window_size=w``
+  also ``j >= i - w``) -> softmax in fp32.  A query with no visible key (``lengths[b] = 0``)
+  returns zeros.
 * Output in the query dtype.
 
 Implementations: ``"xla"`` (the reference below: gather every page to a contiguous ``[B, S, ...]``
@@ -97,10 +99,13 @@ def module_decode_implementation(implementation):
 
 
 def tpu_kernel_requested(implementation) -> bool:
-  """Whether a module call with this ``implementation`` (a dense-attention name or None) should
-  run the TPU decode kernels: ``"pallas_tpu"`` explicitly, or None on a TPU backend."""
-  return implementation == "pallas_tpu" or (implementation is None
-                                            and jax.default_backend() == "tpu")
+  """Whether a module call with this ``implementation`` (a dense-attention name, a sequence of
+  preferences or None) should run the TPU decode kernels: ``"pallas_tpu"`` explicitly (or as
+  the first decode name of a sequence: ``module_decode_implementation``), or None on a TPU
+  backend."""
+  if implementation is None:
+    return jax.default_backend() == "tpu"
+  return module_decode_implementation(implementation) == "pallas_tpu"
 
 
 def _table(page_table, lengths, page_size) -> PageTable:
@@ -178,15 +183,50 @@ def _as_4d(q, name):
   raise ValueError(f"`{name}` must be [B, N, ...] or [B, T, N, ...], got shape {q.shape}.")
 
 
-def _visible(t, s, lengths, num_tokens=None):
+def _query_positions(t, lengths, num_tokens=None):
+  """``[B, T]``: the position of each query row (the last ``T`` tokens; with ``num_tokens``, the
+  first ``num_tokens[b]`` rows are the last tokens)."""
+  rows = jnp.arange(t, dtype=jnp.int32)[None, :]
+  n = t if num_tokens is None else num_tokens[:, None]
+  return lengths[:, None] - n + rows
+
+
+def _visible(t, s, lengths, num_tokens=None, window=None, kv_start=None):
   """``[B, T, S]``: key ``s`` exists and is not after query ``t`` (the last ``T`` tokens; with
   ``num_tokens``, the first ``num_tokens[b]`` queries are the last tokens, the rest see
-  nothing)."""
+  nothing), nor more than ``window`` positions before it (a sliding window).  ``kv_start [B]``:
+  the position of each sequence's key 0 (default 0)."""
   kv = jnp.arange(s, dtype=jnp.int32)[None, None, :]
+  if kv_start is not None:
+    kv = kv + kv_start[:, None, None]
   rows = jnp.arange(t, dtype=jnp.int32)[None, :, None]
   n = t if num_tokens is None else num_tokens[:, None, None]
-  q_pos = lengths[:, None, None] - n + rows
-  return (kv < lengths[:, None, None]) & (kv <= q_pos) & (rows < n)
+  q_pos = _query_positions(t, lengths, num_tokens)[:, :, None]
+  ok = (kv < lengths[:, None, None]) & (kv <= q_pos) & (rows < n)
+  return ok if window is None else ok & (kv >= q_pos - window)
+
+
+def check_window(local_window_size):
+  """``local_window_size`` of a paged / cached call: None or an int ``w >= 0`` (a query at ``p``
+  sees keys ``p - w .. p``; the queries are causal, so there is no right-hand side)."""
+  if local_window_size is not None and (not is_int(local_window_size) or local_window_size < 0):
+    raise ValueError(f"`local_window_size` must be None or an int >= 0 (a query at p sees keys "
+                     f"p - w .. p), got {local_window_size!r}.")
+  return None if local_window_size is None else int(local_window_size)
+
+
+def check_slopes(alibi_slopes, num_heads: int):
+  """``alibi_slopes``: None or ``[N]`` real numbers -> a float32 array (traced values allowed:
+  the kernels read the slopes as data)."""
+  if alibi_slopes is None:
+    return None
+  if tuple(np.shape(alibi_slopes)) != (num_heads,):
+    raise ValueError(f"`alibi_slopes` must have shape [N] = ({num_heads},), got "
+                     f"{np.shape(alibi_slopes)}.")
+  slopes = jnp.asarray(alibi_slopes)
+  if not (jnp.issubdtype(slopes.dtype, jnp.floating) or jnp.issubdtype(slopes.dtype, jnp.integer)):
+    raise ValueError(f"`alibi_slopes` must be real numbers, got dtype {slopes.dtype}.")
+  return slopes.astype(_F32)
 
 
 def check_num_tokens(num_tokens, batch: int, t: int, lengths=None):
@@ -259,20 +299,48 @@ def _cap(logits, logits_soft_cap):
   return logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
 
 
-@functools.partial(jax.jit, static_argnames=("logits_soft_cap",))
+def _window_columns(page_table, lengths, num_tokens, t: int, page: int, window):
+  """The page-table columns a sliding window can reach, and the position of their first key:
+  ``(page_table [B, W], kv_start [B])``.  The ``T`` queries of a sequence see at most
+  ``window + T`` keys, over ``W = (window + T + page - 2) // page + 1`` pages from the one
+  holding the first query's first key (shifted back to end at the table's last column at the
+  latest); so the reference gathers the window, not the whole table.  No window (or one as wide
+  as the table): the whole table, ``kv_start = 0``."""
+  b, m = page_table.shape
+  span = m if window is None else min(m, (window + t + page - 2) // page + 1)
+  if span == m:
+    return page_table, jnp.zeros((b,), jnp.int32)
+  n = t if num_tokens is None else num_tokens
+  first = jnp.clip((lengths - n - window) // page, 0, m - span)                # [B]
+  cols = first[:, None] + jnp.arange(span, dtype=jnp.int32)[None, :]
+  return jnp.take_along_axis(page_table, cols, axis=1), first * page
+
+
+@functools.partial(jax.jit, static_argnames=("logits_soft_cap", "local_window_size"))
 def paged_attention_xla(query, key_pool, value_pool, page_table, lengths, *, scale,
-                        logits_soft_cap=None, num_tokens=None):
+                        logits_soft_cap=None, num_tokens=None, local_window_size=None,
+                        alibi_slopes=None):
   """The reference: gather pages to ``[B, S, K, H]``, then dense fp32 attention.  ``query`` is
   ``[B, T, N, H]``; see ``paged_attention`` (``num_tokens`` [B] or None)."""
   b, t, n, h = query.shape
-  kh = key_pool.shape[2]
-  table = _table(page_table, lengths, key_pool.shape[1])
+  kh, page = key_pool.shape[2], key_pool.shape[1]
+  page_table, kv_start = _window_columns(page_table, lengths, num_tokens, t, page,
+                                         local_window_size)
+  table = _table(page_table, lengths - kv_start, page)
   # (4-D pools here: ``paged_attention`` splits merged ``[P, page, K * H]`` rows by head.)
   key = gather_pages(key_pool, table).astype(_F32)                  # [B, S, K, H]
   value = gather_pages(value_pool, table).astype(_F32)              # [B, S, K, h]
   q = query.astype(_F32).reshape(b, t, kh, n // kh, h)              # head n reads KV head n // G
-  logits = _cap(jnp.einsum("btkgh,bskh->bkgts", q, key) * scale, logits_soft_cap)
-  p = _softmax_rows(logits, _visible(t, key.shape[1], lengths, num_tokens)[:, None, None])
+  s = key.shape[1]
+  logits = jnp.einsum("btkgh,bskh->bkgts", q, key) * scale
+  if alibi_slopes is not None:      # slope * (j - i), from the positions
+    kv_pos = kv_start[:, None, None] + jnp.arange(s, dtype=jnp.int32)[None, None, :]
+    rel = kv_pos - _query_positions(t, lengths, num_tokens)[:, :, None]
+    slopes = jnp.asarray(alibi_slopes, _F32).reshape(kh, n // kh)
+    logits = logits + slopes[None, :, :, None, None] * rel[:, None, None].astype(_F32)
+  logits = _cap(logits, logits_soft_cap)
+  visible = _visible(t, s, lengths, num_tokens, local_window_size, kv_start)
+  p = _softmax_rows(logits, visible[:, None, None])
   out = jnp.einsum("bkgts,bskh->btkgh", p, value)
   return out.reshape(b, t, n, value.shape[-1]).astype(query.dtype)
 
@@ -337,6 +405,8 @@ def paged_attention(
     implementation: DecodeImplementation | None = None,
     interpret=None,
     num_tokens: Int[Array, "B"] | None = None,
+    local_window_size: int | None = None,
+    alibi_slopes: Float[Array, "N"] | None = None,
 ) -> Float[Array, "B T N h"] | Float[Array, "B N h"]:
   """Attention of each sequence's newest ``T`` tokens over its paged keys and values.
 
@@ -368,6 +438,12 @@ def paged_attention(
     num_tokens: ``[B]`` int, ragged chunks (continuous batching): sequence ``b``'s queries are
       its first ``num_tokens[b]`` rows of ``T`` (its newest tokens, already counted in
       ``lengths``); the rows after them return zeros.  None: all ``T``.
+    local_window_size: a sliding window ``w`` (Mistral, Gemma's local layers): a query at
+      position ``p`` sees keys ``p - w .. p`` only.  The kernels neither compute nor fetch the
+      pages before a row block's window (their grids span the window's pages, not the
+      sequence's).  None: every earlier key.
+    alibi_slopes: ``[N]`` ALiBi slopes: ``slope * (j - i)`` added to the scaled logits (before
+      the soft-cap), from the key's and the query's positions, as ``dot_product_attention``.
 
   Returns:
     ``[B, T, N, h]`` (``[B, N, h]`` for a 3-D query) in the query dtype.
@@ -377,6 +453,8 @@ def paged_attention(
   kh, scale, logits_soft_cap = _check_gqa(q, key_pool, value_pool, page_table, lengths, scale,
                                           logits_soft_cap, num_splits)
   num_tokens = check_num_tokens(num_tokens, q.shape[0], q.shape[1], lengths)
+  extra = dict(local_window_size=check_window(local_window_size),
+               alibi_slopes=check_slopes(alibi_slopes, q.shape[2]))
   scale = 1.0 / math.sqrt(h) if scale is None else scale
   page_table, lengths = page_table.astype(jnp.int32), lengths.astype(jnp.int32)
   impl = resolve_implementation(implementation) if q.shape[1] else "xla"   # T = 0: empty
@@ -385,7 +463,7 @@ def paged_attention(
     value_pool = value_pool.reshape(value_pool.shape[:2] + (kh, -1))
   if impl == "xla":
     out = paged_attention_xla(q, key_pool, value_pool, page_table, lengths, scale=scale,
-                              logits_soft_cap=logits_soft_cap, num_tokens=num_tokens)
+                              logits_soft_cap=logits_soft_cap, num_tokens=num_tokens, **extra)
     return out[:, 0] if squeeze else out
   if num_tokens is not None:
     q = align_queries(q, num_tokens)
@@ -393,12 +471,12 @@ def paged_attention(
     from pallas_kernels.decode_attention import paged_attention_gpu  # noqa: PLC0415 (optional)
     out = paged_attention_gpu(q, key_pool, value_pool, page_table, lengths, scale=scale,
                               logits_soft_cap=logits_soft_cap, num_splits=num_splits,
-                              interpret=interpret)
+                              interpret=interpret, **extra)
   else:
     from pallas_kernels.decode_attention import paged_attention_tpu  # noqa: PLC0415 (optional)
     out = paged_attention_tpu(q, key_pool, value_pool, page_table, lengths, scale=scale,
                               logits_soft_cap=logits_soft_cap, num_splits=num_splits,
-                              interpret=interpret)
+                              interpret=interpret, **extra)
   if num_tokens is not None:
     out = unalign_queries(out, num_tokens)
   return out[:, 0] if squeeze else out
@@ -415,6 +493,8 @@ def cache_attention(
     num_splits: int | None = None,
     implementation: DecodeImplementation | None = None,
     interpret=None,
+    local_window_size: int | None = None,
+    alibi_slopes: Float[Array, "N"] | None = None,
 ) -> Float[Array, "B T N h"] | Float[Array, "B N h"]:
   """``paged_attention`` over a contiguous cache (a ``KVCache``'s ``key`` / ``value``).
 
@@ -441,20 +521,23 @@ def cache_attention(
                      f"its length S={s} must be a multiple of 16 (or use implementation='xla').")
   key_pages, table = page_view(key, page)
   value_pages, _ = page_view(value, page)
+  extra = dict(local_window_size=local_window_size, alibi_slopes=alibi_slopes)
   if impl != "pallas_tpu":
     out = paged_attention(q, key_pages, value_pages, table, lengths, scale=scale,
                           logits_soft_cap=logits_soft_cap, num_splits=num_splits,
-                          implementation=impl, interpret=interpret)
+                          implementation=impl, interpret=interpret, **extra)
     return out[:, 0] if squeeze else out
   # The same checks as paged_attention, then the kernel on the 4-D cache (its shard_map splits
   # the cache over batch; the page view is taken on each device).
   _, scale, logits_soft_cap = _check_gqa(q, key_pages, value_pages, table, lengths, scale,
                                          logits_soft_cap, num_splits)
+  extra = dict(local_window_size=check_window(local_window_size),
+               alibi_slopes=check_slopes(alibi_slopes, n))
   from pallas_kernels.decode_attention.tpu import contiguous_attention_tpu  # noqa: PLC0415
   out = contiguous_attention_tpu(q, key, value, lengths.astype(jnp.int32),
                                  scale=1.0 / math.sqrt(h) if scale is None else scale,
                                  logits_soft_cap=logits_soft_cap, num_splits=num_splits,
-                                 interpret=interpret)
+                                 interpret=interpret, **extra)
   return out[:, 0] if squeeze else out
 
 

@@ -20,6 +20,10 @@ of KV group ``k`` and loops over its partition's key blocks *inside* the kernel:
              S by ``tpu.combine``: with ``lse* = logsumexp_s lse_s``,
              ``out = sum_s exp(lse_s - lse*) out_s``
 
+With a sliding window a program's loop starts at its rows' first visible key block, and the
+split-KV partitions cover the pages a window can span (``tpu.window_pages``), not the whole
+table; ALiBi adds ``slope * (j - i)`` from the program's row slopes.
+
 Pages are read in place from the pool (no gathered copy).  A key block never straddles a page:
 ``page_size`` must be a multiple of ``block_k`` (a power of two >= 16).  Head sizes that are not a
 power of two are zero-padded, which copies the pools: fine for tests, slow for serving -- use
@@ -51,7 +55,8 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
 from jaxattn.ops.decode import check_num_splits, merged_kv_heads
-from pallas_kernels.decode_attention.tpu import combine, run_sharded_gqa, visible_keys
+from pallas_kernels.decode_attention.tpu import (slopes_arg, combine, run_sharded_gqa,
+                                                 visible_keys, window_pages, window_start)
 
 _F32 = jnp.float32
 DEFAULT_SMS = 132  # H100 / H200 SXM
@@ -118,11 +123,15 @@ def pad_lengths(lengths):
   return jnp.pad(lengths, (0, pow2(b) - b))
 
 
-def partition_blocks(length, s, pages_per_split: int, page_size: int, block_k: int):
+def partition_blocks(length, s, pages_per_split: int, page_size: int, block_k: int, lo=0):
   """``(first position, number of key blocks)`` of partition ``s``, clipped to ``length`` (the
-  keys a block of query rows can see: ``tpu.visible_keys``)."""
-  start = s * (pages_per_split * page_size)
+  keys a block of query rows can see: ``tpu.visible_keys``).  ``lo``: the first key it can see
+  (a sliding window's, ``tpu.window_start``): the partitions then cover the pages from the one
+  holding it, and the first starts at its key block."""
+  base = lax.div(lo, page_size) * page_size
+  start = base + s * (pages_per_split * page_size)
   end = jnp.minimum(start + pages_per_split * page_size, length)
+  start = jnp.maximum(start, lax.div(lo, block_k) * block_k)
   return start, lax.div(jnp.maximum(end - start, 0) + (block_k - 1), block_k)
 
 
@@ -173,20 +182,24 @@ def finish(carry):
 
 # -- the kernel --------------------------------------------------------------------------------
 
-def _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, soft_cap, num_t,
-            groups, pages_per_split, block_k, row_blocks):
+def _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale, soft_cap, num_t, groups,
+            pages_per_split, block_k, row_blocks, window, alibi):
+  slope_ref, (o_ref, lse_ref) = (refs[0], refs[1:]) if alibi else (None, refs)
   b, kr, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   page_size = k_ref.shape[1]
   rows = q_ref.shape[0]
   length = lens_ref[b]
   ri = lax.rem(kr, row_blocks)                                       # this program's row block
-  # Keys after the block's last query row are not visible to it: not loaded (causal prefill).
+  # Keys after the block's last query row are not visible to it: not loaded (causal prefill);
+  # nor, under a sliding window, those before its first row's window.
   start, n_blocks = partition_blocks(visible_keys(length, ri, rows, num_t, groups), s,
-                                     pages_per_split, page_size, block_k)
+                                     pages_per_split, page_size, block_k,
+                                     window_start(length, ri, rows, num_t, groups, window))
   q = q_ref[...]                                                     # [rows, Hp]
   # Query row (t, g) sits at position length - T + t and sees keys up to it (the contract).
   row = ri * rows + jnp.arange(rows, dtype=jnp.int32)
   q_pos = (length - num_t + lax.div(row, groups))[:, None]
+  slopes = slope_ref[...][:, None] if alibi else None                # [rows, 1]
 
   def body(i, carry):
     pos = start + i * block_k
@@ -196,9 +209,13 @@ def _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, 
     k = load_rows(k_ref, page, off, block_k, live)                   # [bk, Hp]
     v = load_rows(v_ref, page, off, block_k, live)                   # [bk, hp]
     logits = dot_nt(q, k) * scale                                    # [rows, bk] fp32
+    if alibi:                                                        # slope * (j - i)
+      logits += slopes * (kv_pos[None, :] - q_pos).astype(_F32)
     if soft_cap is not None:
       logits = soft_cap * jnp.tanh(logits / soft_cap)
     valid = (kv_pos[None, :] < length) & (kv_pos[None, :] <= q_pos)
+    if window is not None:
+      valid &= kv_pos[None, :] >= q_pos - window
     return online_step(carry, jnp.where(valid, logits, -jnp.inf), v)
 
   init = (jnp.zeros((rows, o_ref.shape[-1]), _F32), jnp.full((rows,), -jnp.inf, _F32),
@@ -226,29 +243,36 @@ def gpu_block_rows(rows: int, block_rows: int | None) -> int:
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "num_splits", "block_k",
                                              "block_rows", "num_warps", "num_stages",
-                                             "interpret"))
-def _call(q, key_pool, value_pool, page_table, lengths, *, scale, soft_cap, num_splits, block_k,
-          block_rows, num_warps, num_stages, interpret):
+                                             "interpret", "window"))
+def _call(q, key_pool, value_pool, page_table, lengths, slopes=None, *, scale, soft_cap,
+          num_splits, block_k, block_rows, num_warps, num_stages, interpret, window=None):
   b, t, n, h = q.shape
   num_pages, page_size, kh, hv = value_pool.shape
   g = n // kh
   m = page_table.shape[1]
-  splits = min(num_splits, m)
-  pps = -(-m // splits)                                              # pages per partition
-  splits = -(-m // pps)                                              # no empty trailing ones
   hp, vp = pow2(h), pow2(hv)
   rb = gpu_block_rows(t * g, block_rows)
   nrb = -(-(t * g) // rb)                                            # row blocks per KV head
   rows = nrb * rb
+  span = window_pages(m, page_size, rb, g, window)  # pages a row block can see (its window's)
+  splits = min(num_splits, span)
+  pps = -(-span // splits)                                           # pages per partition
+  splits = -(-span // pps)                                           # no empty trailing ones
   # [B, T, K, G, H] -> [B, K, T*G, H], rows (t, g) of one KV head contiguous, padded to tiles.
   qk = q.reshape(b, t, kh, g, h).transpose(0, 2, 1, 3, 4).reshape(b, kh, t * g, h)
   qk = jnp.pad(qk, ((0, 0), (0, 0), (0, rows - t * g), (0, hp - h)))
   key_pool, value_pool = pad_last(key_pool, hp), pad_last(value_pool, vp)  # copies unless pow2
   kernel = functools.partial(_kernel, scale=float(scale), soft_cap=soft_cap, num_t=t, groups=g,
-                             pages_per_split=pps, block_k=block_k, row_blocks=nrb)
+                             pages_per_split=pps, block_k=block_k, row_blocks=nrb, window=window,
+                             alibi=slopes is not None)
   lens = pad_lengths(lengths)
   # Grid axis 1 enumerates (KV head, row block): program kr serves head kr // nrb.
   pool_map = lambda bi, kr, si: (0, 0, kr // nrb, 0)  # noqa: E731
+  extra_specs, extra_args = [], []
+  if slopes is not None:     # ALiBi: each query row's slope, [K, rows] rows (t, g)
+    rows_slopes = jnp.tile(slopes.astype(_F32).reshape(kh, g), (1, t))
+    extra_args.append(jnp.pad(rows_slopes, ((0, 0), (0, rows - t * g))))
+    extra_specs.append(pl.BlockSpec((None, rb), lambda bi, kr, si: (kr // nrb, kr % nrb)))
   out, lse = pl.pallas_call(
       kernel,
       grid=(b, kh * nrb, splits),
@@ -259,7 +283,7 @@ def _call(q, key_pool, value_pool, page_table, lengths, *, scale, soft_cap, num_
                        lambda bi, kr, si: (bi, kr // nrb, kr % nrb, 0)),          # q tile
           pl.BlockSpec((num_pages, page_size, None, hp), pool_map),               # key pool
           pl.BlockSpec((num_pages, page_size, None, vp), pool_map),               # value pool
-      ],
+      ] + extra_specs,
       out_specs=[
           pl.BlockSpec((None, None, None, rb, vp),
                        lambda bi, kr, si: (bi, si, kr // nrb, kr % nrb, 0)),
@@ -269,7 +293,7 @@ def _call(q, key_pool, value_pool, page_table, lengths, *, scale, soft_cap, num_
                  jax.ShapeDtypeStruct((b, splits, kh, rows), _F32)],
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret, name="jaxattn_paged_decode_gpu",
-  )(lens, page_table, qk, key_pool, value_pool)
+  )(lens, page_table, qk, key_pool, value_pool, *extra_args)
   out = combine(out, lse[..., None])                                 # [B, K, rows, vp]
   out = out[:, :, :t * g, :hv].reshape(b, kh, t, g, hv).transpose(0, 2, 1, 3, 4)
   return out.reshape(b, t, n, hv).astype(q.dtype)
@@ -291,6 +315,8 @@ def paged_attention_gpu(
     num_stages: int = 2,
     interpret: bool | None = None,
     mesh=None,
+    local_window_size: int | None = None,
+    alibi_slopes: Float[Array, "N"] | None = None,
 ) -> Float[Array, "B T N h"]:
   """``jaxattn.ops.decode.paged_attention`` as a Pallas Triton kernel (shapes checked there).
 
@@ -313,6 +339,9 @@ def paged_attention_gpu(
       size that does not divide stays whole (replicated).  The pools are not split over batch:
       any sequence may own any page.  ``num_splits=None`` is then chosen per device, from the
       local batch and KV heads.
+    local_window_size, alibi_slopes: as ``paged_attention``.  With a window a program loads only
+      the key blocks from its rows' window on, and the split-KV partitions cover the window's
+      pages, not the sequence's.
 
   Returns:
     ``[B, T, N, h]`` in the query dtype.
@@ -331,21 +360,25 @@ def paged_attention_gpu(
   gpu_block_rows(1, block_rows)                                      # checked here, once
   interpret = default_interpret(interpret)
 
-  def local(q, k_pool, v_pool, table, lens):
+  def local(q, k_pool, v_pool, table, lens, *slopes):
     # Shapes here are the device's own (inside shard_map): the automatic split count must fill
     # this device's multiprocessors with its local B * K * row-block programs, not the global
     # ones.
     splits = num_splits
     if splits is None:
       rows = q.shape[1] * (q.shape[2] // k_pool.shape[2])
-      programs = q.shape[0] * k_pool.shape[2] * -(-rows // gpu_block_rows(rows, block_rows))
-      splits = auto_splits(programs, table.shape[1], k_pool.shape[1])
-    return _call(q, k_pool, v_pool, table, lens, scale=float(scale), soft_cap=logits_soft_cap,
-                 num_splits=splits, block_k=block_k, block_rows=block_rows, num_warps=num_warps,
-                 num_stages=num_stages, interpret=interpret)
+      rb = gpu_block_rows(rows, block_rows)
+      programs = q.shape[0] * k_pool.shape[2] * -(-rows // rb)
+      span = window_pages(table.shape[1], k_pool.shape[1], rb, q.shape[2] // k_pool.shape[2],
+                          local_window_size)
+      splits = auto_splits(programs, span, k_pool.shape[1])
+    return _call(q, k_pool, v_pool, table, lens, *slopes, scale=float(scale),
+                 soft_cap=logits_soft_cap, num_splits=splits, block_k=block_k,
+                 block_rows=block_rows, num_warps=num_warps, num_stages=num_stages,
+                 interpret=interpret, window=local_window_size)
 
   args = (query, key_pool, value_pool, page_table.astype(jnp.int32), lengths.astype(jnp.int32))
-  return run_sharded_gqa(local, args, mesh)
+  return run_sharded_gqa(local, args + slopes_arg(alibi_slopes), mesh)
 
 
 __all__ = ["auto_splits", "paged_attention_gpu"]

@@ -26,7 +26,11 @@ pool -- pages are never gathered into a contiguous copy.
 Pages that a row block cannot see -- at or past the sequence's length, or (causal) past its last
 token's position -- do no compute (``pl.when``), and their ``index_map`` clamps to the block's
 last visible page: the block index then equals the previous step's, so the pipeline does not
-fetch it again.  ``combine`` merges the ``S`` partials (flash-decoding): with
+fetch it again.  With a sliding window the page axis starts at the page holding the block's
+first visible key (``window_start``) and spans only the pages a window can cover
+(``window_pages``: 65 of 64 tokens for Mistral's 4,096 keys, whatever the context): a long
+sequence costs no grid steps for the pages behind the window.  ALiBi adds ``slope * (j - i)``
+from a ``[K, rows, 1]`` block of the rows' slopes.  ``combine`` merges the ``S`` partials (flash-decoding): with
 ``lse* = logsumexp_s lse_s``, ``out = sum_s exp(lse_s - lse*) out_s``.
 
 One page per grid step keeps the kernel simple; pick ``page_size`` large enough (128+ tokens) to
@@ -107,6 +111,28 @@ def visible_keys(length, block, block_rows: int, num_t: int, groups: int):
   and are not fetched: a prefill's early row blocks skip the pages of its later tokens."""
   last_t = ((block + 1) * block_rows - 1) // groups          # past T in a padded last block
   return jnp.minimum(jnp.maximum(length - num_t + last_t + 1, 0), length)
+
+
+def window_start(length, block, block_rows: int, num_t: int, groups: int, window):
+  """The first key that query-row block ``block``'s first row may see under a sliding window of
+  ``window`` (its position minus ``window``, at least 0); 0 without a window.  The block's pages
+  before the one holding it do no compute and are not fetched: the kernels' page axis starts at
+  that page."""
+  if window is None:
+    return jnp.int32(0)
+  first_t = (block * block_rows) // groups
+  return jnp.maximum(length - num_t + first_t - window, 0)
+
+
+def window_pages(max_pages: int, page_size: int, block_rows: int, groups: int, window) -> int:
+  """Pages a row block's keys can span: all ``max_pages`` without a window, else at most those
+  of its window: ``window`` keys before its first token and its own tokens (``(rows - 1) // G +
+  1``, one more when ``G`` does not divide the rows: a block may then start mid-token), over
+  one page more than they fill when they start mid-page."""
+  if window is None:
+    return max_pages
+  keys = window + (block_rows - 1) // groups + (1 if block_rows % groups == 0 else 2)
+  return min(max_pages, (keys + page_size - 2) // page_size + 1)
 
 
 def page_index(visible, table_ref, b, logical, *, max_pages, page_size, num_pages):
@@ -198,14 +224,18 @@ def grid_ids(split_first: bool):
 
 # -- the kernel --------------------------------------------------------------------------------
 
-def _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref, *,
-            scale, soft_cap, num_t, groups, pages_per_split, split_first):
+def _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale, soft_cap, num_t, groups,
+            pages_per_split, split_first, window, alibi):
+  slope_ref, (o_ref, lse_ref, m_ref, l_ref, acc_ref) = (refs[0], refs[1:]) if alibi else (None,
+                                                                                          refs)
   b, i, s, j = grid_ids(split_first)
   page_size, num_kv = k_ref.shape[0], q_ref.shape[0]
   rows, h, hv = q_ref.shape[1], q_ref.shape[2], acc_ref.shape[2]          # rows: a block of T*G
   merged = len(k_ref.shape) == 2                      # [page, K*H] rows, else [page, K, H]
   length = lens_ref[b]
-  start = (s * pages_per_split + j) * page_size       # first position of this page
+  # The page axis starts at the block's first page in its window (0 without a window).
+  base = window_start(length, i, rows, num_t, groups, window) // page_size
+  start = (base + s * pages_per_split + j) * page_size   # first position of this page
 
   reset_online_softmax(j == 0, m_ref, l_ref, acc_ref)
 
@@ -215,6 +245,8 @@ def _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_ref, l_r
     row = i * rows + jax.lax.broadcasted_iota(jnp.int32, (rows, page_size), 0)
     q_pos = length - num_t + row // groups
     valid = (kv_pos < length) & (kv_pos <= q_pos)                          # [rows, page]
+    if window is not None:
+      valid &= kv_pos >= q_pos - window
     # Slots past the length hold stale data (a freed sequence's, or anything): zero their values
     # so that 0 * NaN cannot reach the accumulator.
     live = (start + jax.lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)) < length  # [page, 1]
@@ -226,6 +258,8 @@ def _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_ref, l_r
         k, v = k_ref[:, kv, :], v_ref[:, kv, :]
       k = k.astype(_F32)
       logits = dot_t(q, k) * scale                                         # [rows, page]
+      if alibi:                                       # slope * (j - i), per query row's head
+        logits += slope_ref[kv] * (kv_pos - q_pos).astype(_F32)
       if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
       online_softmax_update(m_ref.at[kv], l_ref.at[kv], acc_ref.at[kv], logits, valid,
@@ -239,40 +273,51 @@ def _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_ref, l_r
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "num_splits", "block_rows",
-                                             "interpret", "cores"))
-def _local(q, key_pool, value_pool, page_table, lengths, *, scale, soft_cap, num_splits,
-           block_rows=None, interpret=None, cores=1):
+                                             "interpret", "cores", "window"))
+def _local(q, key_pool, value_pool, page_table, lengths, slopes=None, *, scale, soft_cap,
+           num_splits, block_rows=None, interpret=None, cores=1, window=None):
   """One device's call: ``q [B, T, N, H]`` over merged pools ``[P, page, K * H|h]`` or split
-  ones ``[P, page, K, H|h]``, each read in place in its own layout -> ``[B, T, N, h]``."""
+  ones ``[P, page, K, H|h]``, each read in place in its own layout -> ``[B, T, N, h]``.
+  ``slopes [N]`` (ALiBi) or None; ``window`` a sliding window or None."""
   b, t, n, h = q.shape
   page_size = key_pool.shape[1]
   kh = kv_heads_of(key_pool, h)
   hv = value_pool.shape[-1] if value_pool.ndim == 4 else value_pool.shape[2] // kh
   g = n // kh
   m = page_table.shape[1]
-  splits, split_first = split_plan(num_splits, b, m, cores)
-  pps = -(-m // splits)                                                    # pages per split
   # [B, T, K, G, H] -> [B, K, T*G, H]: rows (t, g) of one KV head are contiguous, and blocks of
   # them (a prefill's) are consecutive tokens.
   qk = q.reshape(b, t, kh, g, h).transpose(0, 2, 1, 3, 4).reshape(b, kh, t * g, h)
   rb = block_rows_for(t * g, kh * (2 * h * q.dtype.itemsize + 3 * hv * 4), block_rows)
   qk = pad_rows(qk, 2, rb)
   padded = qk.shape[2]
+  # The page axis of a row block: from its window's first page (every page without a window).
+  span = window_pages(m, page_size, rb, g, window)
+  splits, split_first = split_plan(num_splits, b, span, cores)
+  pps = -(-span // splits)                                                 # pages per split
 
   def kv_map(bi, ii, si, ji, lens_ref, table_ref):
-    visible = visible_keys(lens_ref[bi], ii, rb, t, g)
-    page = page_index(visible, table_ref, bi, si * pps + ji, max_pages=m, page_size=page_size,
-                      num_pages=key_pool.shape[0])
+    length = lens_ref[bi]
+    visible = visible_keys(length, ii, rb, t, g)
+    base = window_start(length, ii, rb, t, g, window) // page_size
+    page = page_index(visible, table_ref, bi, base + si * pps + ji, max_pages=m,
+                      page_size=page_size, num_pages=key_pool.shape[0])
     return (page,) + (0,) * (key_pool.ndim - 1)
 
   kernel = functools.partial(_kernel, scale=float(scale), soft_cap=soft_cap, num_t=t, groups=g,
-                             pages_per_split=pps, split_first=split_first)
+                             pages_per_split=pps, split_first=split_first, window=window,
+                             alibi=slopes is not None)
   order = functools.partial(grid_order, split_first, (b, padded // rb, splits, pps))
   grid, q_map = order(lambda bi, ii, si, ji, *_: (bi, 0, ii, 0))
   page_map = order(kv_map)[1]
   o_map = order(lambda bi, ii, si, ji, *_: (bi, si, 0, ii, 0))[1]
   # One partition: the kernel's output is final (query dtype); else fp32 partials to combine.
   out_dtype = q.dtype if splits == 1 else _F32
+  extra_specs, extra_args = [], []
+  if slopes is not None:     # ALiBi: each query row's slope, [K, T*G, 1] rows (t, g)
+    rows_slopes = jnp.tile(slopes.astype(_F32).reshape(kh, g), (1, t))[:, :, None]
+    extra_args.append(pad_rows(rows_slopes, 1, rb))
+    extra_specs.append(pl.BlockSpec((kh, rb, 1), order(lambda bi, ii, si, ji, *_: (0, ii, 0))[1]))
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=2,
       grid=grid,
@@ -280,7 +325,7 @@ def _local(q, key_pool, value_pool, page_table, lengths, *, scale, soft_cap, num
           pl.BlockSpec((None, kh, rb, h), q_map),                                     # q
           pl.BlockSpec((None,) + key_pool.shape[1:], page_map),                       # key page
           pl.BlockSpec((None,) + value_pool.shape[1:], page_map),                     # value page
-      ],
+      ] + extra_specs,
       out_specs=[pl.BlockSpec((None, None, kh, rb, hv), o_map),
                  pl.BlockSpec((None, None, kh, rb, 1), o_map)],
       scratch_shapes=[pltpu.VMEM((kh, rb, 1), _F32),      # running max m
@@ -293,26 +338,27 @@ def _local(q, key_pool, value_pool, page_table, lengths, *, scale, soft_cap, num
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
       interpret=default_interpret(interpret),
-  )(lengths, page_table.reshape(-1), qk, key_pool, value_pool)
+  )(lengths, page_table.reshape(-1), qk, key_pool, value_pool, *extra_args)
   out = combine(out, lse)[:, :, :t * g]                                    # [B, K, T*G, h]
   out = out.reshape(b, kh, t, g, hv).transpose(0, 2, 1, 3, 4).reshape(b, t, n, hv)
   return out.astype(q.dtype)
 
 
 def run_sharded_gqa(local, args, mesh):
-  """``local(query, key_pool, value_pool, page_table, lengths)`` under ``mesh`` (None: the context
-  mesh; no mesh or no free axis: called directly): queries, page table and lengths split over the
-  ``"batch"`` axes, queries and pools over ``"kv_heads"`` when both ``N`` and ``K`` divide.  The
-  pools are ``[P, page, K, H]`` or merged ``[P, page, K * H]`` (K-major rows, so a split of the
-  last axis is a split of the KV heads).  Shared by the TPU and GPU decode kernels."""
+  """``local(query, key_pool, value_pool, page_table, lengths[, slopes])`` under ``mesh`` (None:
+  the context mesh; no mesh or no free axis: called directly): queries, page table and lengths
+  split over the ``"batch"`` axes, queries, pools and ALiBi slopes over ``"kv_heads"`` when both
+  ``N`` and ``K`` divide.  The pools are ``[P, page, K, H]`` or merged ``[P, page, K * H]``
+  (K-major rows, so a split of the last axis is a split of the KV heads).  Shared by the TPU and
+  GPU decode kernels."""
   query, key_pool = args[0], args[1]
   kv_heads = kv_heads_of(key_pool, query.shape[3])
 
   def specs(mesh):
     bax, hax = sharded.plan_specs(mesh, query.shape[0], query.shape[2], kv_heads)
     pool = P(None, None, hax, None) if key_pool.ndim == 4 else P(None, None, hax)
-    return ((P(bax, None, hax, None), pool, pool, P(bax, None), P(bax)),
-            P(bax, None, hax, None))
+    ins = (P(bax, None, hax, None), pool, pool, P(bax, None), P(bax), P(hax))
+    return ins[:len(args)], P(bax, None, hax, None)
 
   return sharded.run_sharded(local, args, mesh, specs)
 
@@ -329,6 +375,8 @@ def paged_attention_tpu(
     block_rows: int | None = None,
     interpret=None,
     mesh=None,
+    local_window_size: int | None = None,
+    alibi_slopes: Float[Array, "N"] | None = None,
 ) -> Float[Array, "B T N h"]:
   """``jaxattn.ops.decode.paged_attention`` as a Pallas kernel (arguments checked there).
 
@@ -347,13 +395,23 @@ def paged_attention_tpu(
   Query rows ``(t, g)`` of a KV head are processed ``block_rows`` at a time (a grid axis; None:
   all of them when they fit ``ROW_BUDGET`` of VMEM -- every decode step -- else the largest
   multiple of 16 that fits), so a long prefill through the cache runs here too; a block reads
-  only the pages its own tokens can see (causal).
+  only the pages its own tokens can see (causal, and with ``local_window_size`` from the first
+  page of its window: the page grid axis then spans the window, not the sequence).
+  ``alibi_slopes [N]`` add ``slope * (j - i)`` in the kernel.
   """
   check_num_splits(num_splits)
   check_block_rows(block_rows)
   local = functools.partial(_local, scale=scale, soft_cap=logits_soft_cap, num_splits=num_splits,
-                            block_rows=block_rows, interpret=interpret, cores=tensorcores())
-  return run_sharded_gqa(local, (query, key_pool, value_pool, page_table, lengths), mesh)
+                            block_rows=block_rows, interpret=interpret, cores=tensorcores(),
+                            window=local_window_size)
+  args = (query, key_pool, value_pool, page_table, lengths)
+  return run_sharded_gqa(local, args + slopes_arg(alibi_slopes), mesh)
+
+
+def slopes_arg(alibi_slopes) -> tuple:
+  """``(slopes,)`` as a float32 array (it travels through ``shard_map`` split with the heads), or
+  ``()``."""
+  return () if alibi_slopes is None else (jnp.asarray(alibi_slopes, _F32),)
 
 
 def contiguous_attention_tpu(
@@ -368,6 +426,8 @@ def contiguous_attention_tpu(
     block_rows: int | None = None,
     interpret=None,
     mesh=None,
+    local_window_size: int | None = None,
+    alibi_slopes: Float[Array, "N"] | None = None,
 ) -> Float[Array, "B T N h"]:
   """``jaxattn.ops.decode.cache_attention`` as the paged kernel over a contiguous cache.
 
@@ -377,7 +437,7 @@ def contiguous_attention_tpu(
   once, in place -- unlike flash attention, whose head-major layout makes XLA transpose the whole
   cache on every decode step.  Under a mesh: ``jax.shard_map`` with queries, cache and lengths
   split over the ``"batch"`` axes and the heads over ``"kv_heads"`` when ``N`` and ``K`` divide.
-  ``block_rows`` as in ``paged_attention_tpu``.
+  ``block_rows``, ``local_window_size`` and ``alibi_slopes`` as in ``paged_attention_tpu``.
   """
   check_num_splits(num_splits)
   check_block_rows(block_rows)
@@ -387,11 +447,11 @@ def contiguous_attention_tpu(
                      "as pages in place.")
   cores = tensorcores()
 
-  def local(q, k, v, lens):
+  def local(q, k, v, lens, *slopes):
     (key_pages, table), (value_pages, _) = page_view(k, page), page_view(v, page)
-    return _local(q, key_pages, value_pages, table, lens, scale=scale, soft_cap=logits_soft_cap,
-                  num_splits=num_splits, block_rows=block_rows, interpret=interpret,
-                  cores=cores)
+    return _local(q, key_pages, value_pages, table, lens, *slopes, scale=scale,
+                  soft_cap=logits_soft_cap, num_splits=num_splits, block_rows=block_rows,
+                  interpret=interpret, cores=cores, window=local_window_size)
 
   kv_heads = kv_heads_of(key, query.shape[3])
 
@@ -399,6 +459,7 @@ def contiguous_attention_tpu(
     bax, hax = sharded.plan_specs(mesh, query.shape[0], query.shape[2], kv_heads)
     heads = P(bax, None, hax, None)
     cache = heads if key.ndim == 4 else P(bax, None, hax)    # merged rows: K-major, split by K
-    return (heads, cache, cache, P(bax)), heads
+    return (heads, cache, cache, P(bax), P(hax))[:len(args)], heads
 
-  return sharded.run_sharded(local, [query, key, value, lengths.astype(jnp.int32)], mesh, specs)
+  args = [query, key, value, lengths.astype(jnp.int32), *slopes_arg(alibi_slopes)]
+  return sharded.run_sharded(local, args, mesh, specs)

@@ -269,12 +269,33 @@ def test_caches_round_their_length_up_on_tpu(monkeypatch):
 
 
 @pytest.mark.parametrize("kw", [dict(sliding_window=4), dict(position="alibi")])
-def test_module_leaves_other_layers_to_flash_attention(monkeypatch, kw):
+def test_window_and_alibi_layers_decode_in_the_kernel(monkeypatch, kw):
+  """A sliding window (4 keys before each query: the 9-token prefix's early pages fall out of it)
+  and ALiBi are the decode kernel's own: every step goes to it and equals the XLA path and the
+  full forward."""
   module = _module(**kw)
+  x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 9, D)), jnp.float32)
+  calls = _counting(monkeypatch)
+  got = _decode(module, x, "pallas_tpu")
+  assert calls == ["pallas_tpu"] * 2
+  np.testing.assert_allclose(got, _decode(module, x, "xla"), rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(got, nnx.jit(lambda m, x: m(x))(module, x), rtol=2e-5, atol=2e-5)
+
+
+def test_module_leaves_other_layers_to_flash_attention(monkeypatch):
+  """A learned relative bias (T5) is not the decode kernel's: the step goes to the dense
+  dispatch, here a preference list whose first name is the TPU kernels' (the dense flash
+  kernel takes no dense bias and falls through to ``xla_chunked``)."""
+  module = _module(position="t5")
   x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 6, D)), jnp.float32)
   calls = _counting(monkeypatch)
-  y, _ = _step(module, module.init_cache(2, 16), x, implementation="pallas_tpu")
-  assert calls == [] and y.shape == (2, 6, D)
+  prefer = ("pallas_tpu", "xla_chunked")
+  y, _ = _step(module, module.init_cache(2, 16), x, implementation=prefer)
+  assert calls == []
+  np.testing.assert_allclose(y, nnx.jit(lambda m, x: m(x))(module, x), rtol=2e-5, atol=2e-5)
+  _step(_module(), _module().init_cache(2, 16), x, implementation=prefer)   # the kernel's
+  assert calls == ["pallas_tpu"]
+  calls.clear()
   long = jnp.asarray(np.random.default_rng(4).standard_normal((2, 17, D)), jnp.float32)
   _step(_module(), _module().init_cache(2, 32), long, implementation="pallas_tpu")  # T > 16
   assert calls == []

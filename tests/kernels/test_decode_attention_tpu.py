@@ -3,6 +3,8 @@ formula: ragged lengths incl. zero, several new tokens, split-KV == single pass,
 stale pages never read into the result, the DMA clamp, and the shard_map wrapper on the simulated
 8-device mesh."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +19,8 @@ from jaxattn.testing import scrambled_paged_cache
 from pallas_kernels.decode_attention import paged_attention_tpu
 from pallas_kernels.decode_attention import tpu as decode_tpu
 from pallas_kernels.decode_attention.tpu import (ROW_BUDGET, block_rows_for, page_index,
-                                                 split_plan, visible_keys)
+                                                 split_plan, visible_keys, window_pages,
+                                                 window_start)
 
 RACES = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
 PAGE = 4
@@ -156,6 +159,78 @@ def test_row_blocks_race_free(race_states):
   assert race_states and not any(st.races_found for st in race_states)
 
 
+def poisoned_before_window(cache, lengths, t, window):
+  """``cache`` with every pool page that lies wholly before all its sequence's windows (the first
+  query, at ``length - T``, sees keys from ``length - T - window`` on) set to NaN: a kernel that
+  read one into its result would show it."""
+  table = np.asarray(cache.page_table)
+  dead = [int(table[b, j]) for b, n in enumerate(lengths)
+          for j in range(max(n - t - window, 0) // PAGE)]
+  assert dead, "the case must put a page out of every window"
+  return dataclasses.replace(cache, key_pool=cache.key_pool.at[np.array(dead)].set(np.nan),
+                             value_pool=cache.value_pool.at[np.array(dead)].set(np.nan))
+
+
+# Sliding windows and ALiBi through the kernel: decode (GQA, window 5, ALiBi), three new tokens
+# with a window of 0 (each query sees itself only), a bf16 MQA prefill of 6 tokens in blocks of 8
+# rows; single pass and split-KV.  The pages before the windows hold NaN: not read.
+@pytest.mark.parametrize("n,kh,t,dtype,window,alibi,block_rows", [
+    (4, 2, 1, jnp.float32, 5, True, None),
+    (2, 2, 3, jnp.float32, 0, False, None),
+    (4, 1, 6, jnp.bfloat16, 3, True, 8),
+])
+def test_window_and_alibi(n, kh, t, dtype, window, alibi, block_rows):
+  lengths = (9, 0, 4, 2, 16, 15)
+  cache = cache_for(lengths, kh, dtype=dtype, num_pages=20)
+  q = queries(len(lengths), t, n, dtype=dtype)
+  slopes = jnp.asarray(np.linspace(0.1, 1.0, n), jnp.float32) if alibi else None
+  kw = dict(scale=0.5, local_window_size=window, alibi_slopes=slopes)
+  ref = _call(q, cache, implementation="xla", **kw).astype(np.float32)
+  poisoned = poisoned_before_window(cache, lengths, t, window)
+  tol = dict(rtol=1e-5, atol=1e-6) if dtype == jnp.float32 else dict(rtol=2e-2, atol=2e-2)
+  for splits in (1, 2):
+    got = paged_attention_tpu(q, poisoned.key_pool, poisoned.value_pool, poisoned.page_table,
+                              poisoned.lengths, num_splits=splits, block_rows=block_rows,
+                              interpret=True, **kw)
+    assert got.dtype == dtype
+    np.testing.assert_allclose(got.astype(np.float32), ref, **tol, err_msg=f"splits={splits}")
+    np.testing.assert_array_equal(got[1], 0.0)
+  unwindowed = _call(q, cache, implementation="xla", scale=0.5, alibi_slopes=slopes)
+  assert float(jnp.max(jnp.abs(unwindowed.astype(np.float32) - ref))) > 0.1
+
+
+def test_window_with_race_detection(race_states):
+  cache = cache_for((13, 6), kh=2, num_pages=8)
+  q = queries(2, 2, 4)
+  kw = dict(scale=0.5, local_window_size=4, alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625]))
+  got = paged_attention_tpu(q, cache.key_pool, cache.value_pool, cache.page_table, cache.lengths,
+                            num_splits=2, interpret=RACES, **kw)
+  np.testing.assert_allclose(got, _call(q, cache, implementation="xla", **kw), rtol=1e-5,
+                             atol=1e-6)
+  assert race_states and not any(st.races_found for st in race_states)
+
+
+@pytest.mark.parametrize("page,rows,groups,t,window", [
+    (4, 2, 2, 1, 5), (4, 8, 2, 6, 3), (4, 8, 3, 7, 0), (16, 16, 4, 9, 40), (8, 64, 8, 8, 1)])
+def test_window_pages_cover_every_row_block(page, rows, groups, t, window):
+  """The page axis of a windowed call spans ``window_pages`` pages from ``window_start``'s page:
+  for every length and row block, the pages holding keys some row of the block sees all lie in
+  that span (a brute-force count over the rows' positions)."""
+  span = window_pages(10 ** 6, page, rows, groups, window)
+  assert window_pages(3, page, rows, groups, window) == min(3, span)
+  assert window_pages(7, page, rows, groups, None) == 7
+  most = 0
+  for length in range(t, t + 3 * page + 1):
+    for block in range(-(-t * groups // rows)):
+      base = int(window_start(length, block, rows, t, groups, window)) // page
+      pos = [length - t + r // groups for r in range(block * rows, (block + 1) * rows)
+             if r < t * groups]
+      seen = {k // page for p in pos for k in range(max(p - window, 0), p + 1)}
+      assert seen and min(seen) >= base and max(seen) < base + span, (length, block)
+      most = max(most, max(seen) - min(seen) + 1)
+  assert span - most <= 1              # (one page of slack at most: lengths are not exhaustive)
+
+
 def test_sharded_under_mesh_equals_unsharded():
   mesh = sharding.make_mesh({"data": 2, "tensor": 4})
   b, n, kh = 2, 8, 4
@@ -172,6 +247,14 @@ def test_sharded_under_mesh_equals_unsharded():
   got1 = paged_attention_tpu(q, cache1.key_pool, cache1.value_pool, cache1.page_table,
                              cache1.lengths, scale=8 ** -0.5, interpret=True, mesh=mesh)
   np.testing.assert_allclose(got1, _call(q, cache1, implementation="xla"), rtol=1e-5, atol=1e-6)
+  # ALiBi slopes (NumPy: they must travel split with the heads, not closed over whole) and a
+  # window, under the context mesh.
+  kw = dict(alibi_slopes=np.linspace(0.1, 0.8, n), local_window_size=3)
+  with jax.set_mesh(mesh):
+    got2 = jax.jit(lambda q, c: _call(q, c, implementation="pallas_tpu", interpret=True,
+                                      **kw))(qs, cache)
+  np.testing.assert_allclose(got2, _call(q, cache, implementation="xla", **kw), rtol=1e-5,
+                             atol=1e-6)
 
 
 def test_split_pools_and_a_wider_value():

@@ -5,7 +5,8 @@ compiled kernels (``interpret=None`` picks the hardware when present).  Covered:
 ``paged_attention_xla`` / ``paged_mla_decode_xla``, split-KV == single pass, ragged lengths
 (including 0, lengths that are not multiples of the key block, a full cache), several new tokens
 (the causal rule), fp32 and bf16, GQA groups 1 / 4 / 8 and MQA, MLA with a head count that is not a
-multiple of the head block, sparse (DSA) MLA == the gather reference, stale (NaN) slots never
+multiple of the head block, sliding windows (the pages before a window not read) and ALiBi,
+sparse (DSA) MLA == the gather reference, stale (NaN) slots never
 reaching the result, lowering to Triton IR, and the errors.
 
 Tolerances: fp32 on CPU only the summation order differs (1e-5 of the output scale); on GPU
@@ -111,6 +112,34 @@ def test_gqa_matches_formula_single_and_split(n, kh, t, dtype, cap, page, block_
   assert_close(single, ref, tol(dtype), "single pass vs formula")
   assert_close(split, single, tol(dtype), "split-KV vs single pass")
   np.testing.assert_array_equal(np.asarray(single[1], np.float32), 0.0)  # empty sequence
+
+
+# Sliding windows and ALiBi: decode with a window of 20 over pages of 16 (the 64-token sequence's
+# first two pages lie before it), three new tokens seeing themselves only (window 0), a bf16
+# prefill of 9 tokens in programs of 16 rows; single pass and split-KV (partitions over the
+# window's pages).  The pages before every window are NaN: not read.
+@pytest.mark.parametrize("n,kh,t,dtype,window,alibi,block_rows", [
+    (8, 2, 1, jnp.float32, 20, True, None),
+    (4, 4, 3, jnp.float32, 0, False, None),
+    (4, 1, 9, jnp.bfloat16, 7, True, 16),
+])
+def test_gqa_window_and_alibi(n, kh, t, dtype, window, alibi, block_rows):
+  cache = kv_cache(LENGTHS, kh, dtype=dtype)
+  q = normal((len(LENGTHS), t, n, 16), dtype, seed=2)
+  slopes = jnp.asarray(np.linspace(0.05, 0.8, n), jnp.float32) if alibi else None
+  kw = dict(scale=0.4, local_window_size=window, alibi_slopes=slopes)
+  ref = _gqa(q, cache, implementation="xla", **kw)
+  table, page = np.asarray(cache.page_table), cache.key_pool.shape[1]
+  dead = np.array([table[b, j] for b, length in enumerate(LENGTHS)
+                   for j in range(max(length - t - window, 0) // page)])
+  assert dead.size
+  pools = (cache.key_pool.at[dead].set(np.nan), cache.value_pool.at[dead].set(np.nan))
+  for splits in (1, 3):
+    got = paged_attention_gpu(q, *pools, cache.page_table, cache.lengths, num_splits=splits,
+                              block_rows=block_rows, **kw)
+    assert got.dtype == dtype
+    assert_close(got, ref, tol(dtype), f"splits={splits}")
+    np.testing.assert_array_equal(np.asarray(got[1], np.float32), 0.0)
 
 
 # A prefill through the cache: 9 new tokens x 4 query heads per KV head = 36 rows in programs of

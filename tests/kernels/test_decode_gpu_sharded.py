@@ -145,6 +145,15 @@ def test_gqa_sharded_by_context_mesh_equals_formula(mesh):
   assert grid == (2, 1, 2)                                  # local batch 2, one KV head, 2 splits
   assert shapes[2][:2] == (2, 1) and shapes[3][2] == 1      # q tile [B, K, rows, H]; pool's K
   np.testing.assert_array_equal(np.asarray(got[1]), 0.0)
+  # ALiBi slopes split with the heads (each device reads its own) and a window of 20 over pages
+  # of 16: the page axis spans 3 pages of the 4, split in 2 partitions.
+  kw.update(alibi_slopes=np.linspace(0.05, 0.8, 8), local_window_size=20)
+  with jax.set_mesh(mesh):
+    f = jax.jit(lambda q, c: _gqa(q, c, implementation="pallas_gpu", num_splits=2, **kw))
+    got = f(qs, cache)
+    (grid, _), = pallas_calls(f, qs, cache)
+  assert_close(got, _gqa(q, cache, implementation="xla", **kw), F32_TOL, "ALiBi, window")
+  assert grid == (2, 1, 2)
 
 
 def test_gqa_explicit_mesh_mqa_and_ragged_batch(mesh):

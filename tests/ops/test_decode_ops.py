@@ -44,9 +44,11 @@ def _softmax_np(logits):
   return p / p.sum(-1, keepdims=True)
 
 
-def dense_reference(q, key, value, lengths, *, scale=None, logits_soft_cap=None):
+def dense_reference(q, key, value, lengths, *, scale=None, logits_soft_cap=None, window=None,
+                    slopes=None):
   """NumPy, float64, one sequence and head at a time: the last ``T`` tokens of each sequence
-  attend causally to its own prefix (head n reads KV head n // G); empty rows give zeros."""
+  attend causally to its own prefix (head n reads KV head n // G), the last ``window + 1`` of it
+  with a window, ALiBi ``slope * (j - i)`` with slopes; empty rows give zeros."""
   q, key, value = (np.asarray(x, np.float64) for x in (q, key, value))
   b, t, n, h = q.shape
   g = n // key.shape[2]
@@ -57,11 +59,14 @@ def dense_reference(q, key, value, lengths, *, scale=None, logits_soft_cap=None)
       pos = length - t + j                                # this query's position
       if pos < 0:
         continue
+      lo = 0 if window is None else max(pos - window, 0)
       for head in range(n):
-        logits = key[i, :pos + 1, head // g] @ q[i, j, head] * scale
+        logits = key[i, lo:pos + 1, head // g] @ q[i, j, head] * scale
+        if slopes is not None:
+          logits = logits + slopes[head] * (np.arange(lo, pos + 1) - pos)
         if logits_soft_cap is not None:
           logits = logits_soft_cap * np.tanh(logits / logits_soft_cap)
-        out[i, j, head] = _softmax_np(logits) @ value[i, :pos + 1, head // g]
+        out[i, j, head] = _softmax_np(logits) @ value[i, lo:pos + 1, head // g]
   return out
 
 
@@ -104,6 +109,33 @@ def test_paged_equals_contiguous(n, kh, t):
                           cache.value_pool.reshape(12, PAGE, kh, 6), cache.page_table,
                           cache.lengths, implementation="xla")
   np.testing.assert_array_equal(split, got)
+
+
+@pytest.mark.parametrize("window,alibi", [(0, False), (2, False), (5, True), (None, True)])
+def test_sliding_window_and_alibi(window, alibi):
+  """A window of 0 (each query sees itself), 2 (the 9-token sequence's first pages fall out of
+  it) and 5, ALiBi slopes alone and with a window, with a soft-cap on top; ragged chunks
+  (``num_tokens``) read their rows at their own positions."""
+  cache, key, value = kv_cache(2)
+  (q,) = _normal(7, (len(LENGTHS), 3, 4, 8))
+  slopes = np.array([0.5, 0.25, 0.125, 1.0]) if alibi else None
+  kw = dict(scale=0.6, logits_soft_cap=3.0)
+  args = (cache.key_pool, cache.value_pool, cache.page_table, cache.lengths)
+  got = paged_attention(q, *args, implementation="xla", local_window_size=window,
+                        alibi_slopes=slopes, **kw)
+  ref = dense_reference(q, key, value, LENGTHS, window=window, slopes=slopes, **kw)
+  np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+  # A ragged chunk: rows 2, 0, 1, 3 new tokens; row b's first num_tokens[b] queries are its last.
+  nt = np.array([2, 0, 1, 3])
+  ragged = paged_attention(q, *args, implementation="xla", local_window_size=window,
+                           alibi_slopes=slopes, num_tokens=jnp.asarray(nt), **kw)
+  for b, n in enumerate(nt):
+    want = dense_reference(q[b:b + 1, :n], key[b:b + 1], value[b:b + 1], LENGTHS[b:b + 1],
+                           window=window, slopes=slopes, **kw)
+    np.testing.assert_allclose(ragged[b, :n], want[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(ragged[b, n:], 0.0)
+  if window == 0:   # a query sees only its own token: its value
+    np.testing.assert_allclose(got[0, :, :2], value[0, 6:9, :1].repeat(2, 1), rtol=1e-6)
 
 
 def test_soft_cap_scale_and_bf16():
@@ -274,6 +306,13 @@ def test_dispatch_and_errors():
     paged_attention(q, *args, scale=-1.0)
   with pytest.raises(ValueError, match="logits_soft_cap"):
     paged_attention(q, *args, logits_soft_cap=0.0)
+  for bad in (-1, 2.0, (2, 0), True):
+    with pytest.raises(ValueError, match=r"`local_window_size` must be None or an int >= 0"):
+      paged_attention(q, *args, local_window_size=bad)
+  with pytest.raises(ValueError, match=r"`alibi_slopes` must have shape \[N\] = \(4,\)"):
+    paged_attention(q, *args, alibi_slopes=np.ones(2))
+  with pytest.raises(ValueError, match="`alibi_slopes` must be real numbers"):
+    paged_attention(q, *args, alibi_slopes=np.ones(4, bool))
   for bad in (0, True, 2.0):
     with pytest.raises(ValueError, match="`num_splits` must be a positive int or None"):
       paged_attention(q, *args, num_splits=bad)
