@@ -30,8 +30,8 @@ fetch it again.  With a sliding window the page axis starts at the page holding 
 first visible key (``window_start``) and spans only the pages a window can cover
 (``window_pages``: 65 of 64 tokens for Mistral's 4,096 keys, whatever the context): a long
 sequence costs no grid steps for the pages behind the window.  ALiBi adds ``slope * (j - i)``
-from a ``[K, rows, 1]`` block of the rows' slopes.  ``combine`` merges the ``S`` partials (flash-decoding): with
-``lse* = logsumexp_s lse_s``, ``out = sum_s exp(lse_s - lse*) out_s``.
+from a ``[K, rows, 1]`` block of the rows' slopes.  ``combine`` merges the ``S`` partials
+(flash-decoding): with ``lse* = logsumexp_s lse_s``, ``out = sum_s exp(lse_s - lse*) out_s``.
 
 One page per grid step keeps the kernel simple; pick ``page_size`` large enough (128+ tokens) to
 amortize the per-step overhead on TPU.  Validated in interpret mode (race detection on) against
