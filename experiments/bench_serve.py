@@ -107,6 +107,8 @@ def run(*, preset: str = "llama", requests: int = 32, max_batch: int = 8,
         prompt_lens=(8, 96), new_tokens=(4, 64), shared_prefix: int = 0, chunk: int = 32,
         page_size: int = 16, seed: int = 0) -> dict:
   cfg = get_config(preset, **TINY)
+  if cfg.num_layers < len(cfg.layer_pattern):   # qwen3-next: DDDA, an attention layer too
+    cfg = cfg.replace(num_layers=len(cfg.layer_pattern))
   need = shared_prefix + prompt_lens[1] + new_tokens[1]
   if need > cfg.max_seq_len:
     cfg = cfg.replace(max_seq_len=need)

@@ -84,8 +84,9 @@ class EngineStats:
   padding included), slots offered (``steps x max_batch``) and busy, tokens generated, requests
   finished; with a prefix cache, prompt tokens read from cached pages instead of fed
   (``prefix_hit_tokens``), cached pages given back to the pool for new requests
-  (``evicted_pages``) and admissions a request sat out waiting for a prefix page another request
-  was computing (``prefix_waits``)."""
+  (``evicted_pages``), admissions a request sat out waiting for a prefix page another request
+  was computing (``prefix_waits``) and, for models with recurrent layers, snapshots of their
+  states saved at cached page ends (``saved_states``)."""
 
   steps: int = 0
   calls: int = 0
@@ -98,6 +99,7 @@ class EngineStats:
   prefix_hit_tokens: int = 0
   evicted_pages: int = 0
   prefix_waits: int = 0
+  saved_states: int = 0
 
   @property
   def occupancy(self) -> float:
@@ -148,9 +150,16 @@ def step_functions(graphdef, *, temperature: float = 0.0, top_p: float = 1.0, to
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _prefix_update(cache: PagedModelCache, evict, rows, tables, lengths):
-  """Evicted prefix-cache pages back to the pools, then cached prefixes attached to new slots."""
-  return cache.push_pages(evict).attach(rows, tables, lengths).shard()
+def _prefix_update(cache: PagedModelCache, evict, rows, tables, lengths, store, state_ids):
+  """Evicted prefix-cache pages back to the pools, then cached prefixes attached to new slots
+  (with recurrent layers: their states restored from the snapshots ``state_ids`` of ``store``)."""
+  return cache.push_pages(evict).attach(rows, tables, lengths, store, state_ids).shard()
+
+
+@functools.partial(jax.jit, donate_argnums=1)
+def _save_states(cache: PagedModelCache, store, rows, ids):
+  """The recurrent states of slots ``rows`` copied into snapshots ``ids`` of ``store``."""
+  return cache.save_states(store, rows, ids)
 
 
 def _page_key(parent: bytes, tokens: np.ndarray) -> bytes:
@@ -214,6 +223,41 @@ class _PrefixCache:
     return keep
 
 
+class _StateSnapshots:
+  """The host side of a hybrid model's prefix cache: which prefix (a page key) each of ``count``
+  device snapshots of the recurrent states holds, least recently used first.  A snapshot is a
+  copy: overwriting one never breaks a running request (its state was restored at admission)."""
+
+  def __init__(self, count: int):
+    self.count = count
+    self.id_of: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+    self.unused = list(range(count - 1, -1, -1))
+
+  def __contains__(self, key) -> bool:
+    return key in self.id_of
+
+  def use(self, key: bytes) -> int:
+    self.id_of.move_to_end(key)
+    return self.id_of[key]
+
+  def take(self, key: bytes, busy: set[int]) -> int | None:
+    """A snapshot id for ``key``: an unused one, else the least recently used one's (not one of
+    ``busy``, the ids written by the same device call); None when there is none."""
+    if self.unused:
+      sid = self.unused.pop()
+    else:
+      old = next((k for k, i in self.id_of.items() if i not in busy), None)
+      if old is None:
+        return None
+      sid = self.id_of.pop(old)
+    self.id_of[key] = sid
+    return sid
+
+  def drop(self, key: bytes) -> None:
+    if key in self.id_of:
+      self.unused.append(self.id_of.pop(key))
+
+
 class Engine:
   """Continuous batching over a ``DecoderLM``'s paged cache (see the module docstring).
 
@@ -239,8 +283,17 @@ class Engine:
       a conversation, many samples of one prompt (a request whose prefix another running
       request is computing waits for its pages rather than computing them too).  Idle cached
       pages are evicted (least recently used) when a new request needs room.  Greedy fp32
-      results are unchanged (tested); bf16 ones as the batch caveat above.  Not for models with
-      recurrent (Gated DeltaNet) layers: their state is not in pages (``ValueError``).
+      results are unchanged (tested); bf16 ones as the batch caveat above.  For models with
+      recurrent (Gated DeltaNet) layers the pages are not enough: the cache also keeps
+      snapshots of those layers' states at cached page ends (``prefix_states``), taken where a
+      step ends on a page boundary (prefill chunks are a power of two tokens from a page
+      boundary: every ``chunk`` tokens, every page when ``chunk <= page_size``; a decode step
+      ends at every token), and a request starts from the longest cached prefix that has one.
+      A model with no paged layer at all is refused.
+    prefix_states: with a prefix cache on a model with recurrent layers, how many state
+      snapshots to keep (least recently used replaced first); default ``4 * max_batch``.  Each
+      holds every recurrent layer's state and convolution tails for one sequence (Qwen3-Next-80B:
+      36 layers x 32 heads x 128 x 128 fp32 = 75 MB).
     mesh: a device mesh (Auto axes) to serve on: the weights placed by their logical axes, the
       cache's pools split over the KV heads' mesh axes, every call run under it (see the module
       docstring).  Default: the mesh set by ``jax.set_mesh`` when the engine is built, if any.
@@ -250,7 +303,8 @@ class Engine:
                num_pages: int | None = None, max_pages_per_seq: int | None = None,
                chunk: int = 64, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                seed: int = 0, dtype=None, policy: str = "continuous",
-               prefix_cache: bool = False, mesh: jax.sharding.Mesh | None = None):
+               prefix_cache: bool = False, prefix_states: int | None = None,
+               mesh: jax.sharding.Mesh | None = None):
     check_sampling(temperature, top_p, top_k)
     if policy not in POLICIES:
       raise ValueError(f"`policy` must be one of {POLICIES}, got {policy!r}.")
@@ -278,10 +332,18 @@ class Engine:
                                           dtype=dtype).shard()
     if not isinstance(prefix_cache, bool):
       raise ValueError(f"`prefix_cache` must be a bool, got {prefix_cache!r}.")
-    if prefix_cache and self.cache.recurrent:
-      raise ValueError("`prefix_cache=True` needs every layer's history in pages; this model has "
-                       "recurrent (Gated DeltaNet) layers, whose state is not.")
+    if prefix_states is not None:
+      _positive_int("prefix_states", prefix_states)
+    if prefix_cache and not self.cache.paged:
+      raise ValueError("`prefix_cache=True` shares cached pages; this model has no paged layer "
+                       "(only recurrent ones): nothing to share.")
     self._prefix = _PrefixCache() if prefix_cache else None
+    self._snapshots, self._store = None, None
+    if prefix_cache and self.cache.recurrent:
+      count = 4 * self.max_batch if prefix_states is None else int(prefix_states)
+      self._snapshots = _StateSnapshots(count)
+      with self._on_mesh():
+        self._store = self.cache.state_store(count)
     self._wait_for_prefix = prefix_cache and policy == "continuous"
     graphdef, self._state = nnx.split(model)
     if mesh is not None:
@@ -381,7 +443,7 @@ class Engine:
     for slot, r in enumerate(self._slots):
       if r is not None:
         continue
-      matched = []
+      matched, state = [], -1
       while at < len(self._waiting):
         request = self._waiting[at]
         if self._prefix is not None:
@@ -391,6 +453,11 @@ class Engine:
             self.stats.prefix_waits += 1
             at += 1
             continue
+          if self._snapshots is not None:   # recurrent layers: up to a page with a snapshot
+            while matched and usable[len(matched) - 1] not in self._snapshots:
+              matched = matched[:-1]
+            if matched:
+              state = self._snapshots.use(usable[len(matched) - 1])
         break
       if at == len(self._waiting):
         break
@@ -403,7 +470,7 @@ class Engine:
           break
         short = need - self._free_pages
         for page in spare[:short]:
-          self._prefix.evict(page)
+          self._evict(page)
           evict.append(page)
         self._free_pages += short
       del self._waiting[at]
@@ -417,7 +484,7 @@ class Engine:
         request.shared = matched
         request.fed = len(matched) * self.page_size
         self.stats.prefix_hit_tokens += request.fed
-        attach.append((slot, matched))
+        attach.append((slot, matched, state))
     self._update_pages(evict, attach)
 
   def _uncached_prompt_keys(self, r: _Request) -> list[bytes]:
@@ -429,9 +496,16 @@ class Engine:
     return {k for r in self._slots if r is not None and r.fed < r.prompt.size
             for k in self._uncached_prompt_keys(r)}
 
-  def _update_pages(self, evict: list[int], attach: list[tuple[int, list[int]]]) -> None:
-    """One device call: the ``evict`` pages back to the pools, then each ``(slot, pages)`` of
-    ``attach`` started from those cached pages (fixed shapes: one compiled program)."""
+  def _evict(self, page: int) -> None:
+    """An idle cached page out of the prefix cache (and its state snapshot, if any)."""
+    if self._snapshots is not None:
+      self._snapshots.drop(self._prefix.key_of[page])
+    self._prefix.evict(page)
+
+  def _update_pages(self, evict: list[int], attach: list[tuple[int, list[int], int]]) -> None:
+    """One device call: the ``evict`` pages back to the pools, then each ``(slot, pages,
+    snapshot)`` of ``attach`` started from those cached pages (and, with recurrent layers, from
+    that state snapshot; fixed shapes: one compiled program)."""
     self.stats.evicted_pages += len(evict)
     if not (evict or attach):
       return
@@ -439,13 +513,41 @@ class Engine:
     pages = np.full((self.num_pages,), -1, np.int32)
     pages[:len(evict)] = evict
     rows, tables = np.full((b,), b, np.int32), np.full((b, m), -1, np.int32)
-    lengths = np.zeros((b,), np.int32)
-    for i, (slot, matched) in enumerate(attach):
-      rows[i], tables[i, :len(matched)] = slot, matched
+    lengths, states = np.zeros((b,), np.int32), np.zeros((b,), np.int32)
+    for i, (slot, matched, state) in enumerate(attach):
+      rows[i], tables[i, :len(matched)], states[i] = slot, matched, state
       lengths[i] = len(matched) * self.page_size
     with self._on_mesh():
-      self.cache = _prefix_update(self.cache,
-                                  *map(jnp.asarray, (pages, rows, tables, lengths)))
+      self.cache = _prefix_update(self.cache, *map(jnp.asarray, (pages, rows, tables, lengths)),
+                                  self._store, None if self._store is None else jnp.asarray(states))
+
+  def _save_states(self) -> None:
+    """Snapshots of the recurrent states of the slots whose tokens end on a cached page's end
+    (one device call); a later request sharing that prefix starts from them."""
+    ps, rows, ids = self.page_size, [], []
+    for slot, r in enumerate(self._slots):
+      if r is None:
+        continue
+      held = r.fed + max(len(r.out) - 1, 0)       # the tokens the states have read
+      if held == 0 or held % ps or held // ps > len(r.keys):
+        continue
+      key = r.keys[held // ps - 1]
+      if key not in self._prefix.page_of or key in self._snapshots:
+        continue
+      sid = self._snapshots.take(key, set(ids))
+      if sid is None:
+        break
+      rows.append(slot)
+      ids.append(sid)
+    if not rows:
+      return
+    b = self.max_batch
+    rows_a, ids_a = np.full((b,), b, np.int32), np.full((b,), -1, np.int32)
+    rows_a[:len(rows)], ids_a[:len(ids)] = rows, ids
+    with self._on_mesh():
+      self._store = _save_states(self.cache, self._store, jnp.asarray(rows_a),
+                                 jnp.asarray(ids_a))
+    self.stats.saved_states += len(rows)
 
   def _extend_keys(self, r: _Request, tokens: np.ndarray) -> None:
     """``r.keys`` extended over the full pages of ``tokens`` (its token sequence so far)."""
@@ -532,6 +634,8 @@ class Engine:
       emitted.append((r.rid, token))
     if self._prefix is not None:
       self._cache_pages()
+      if self._snapshots is not None:
+        self._save_states()
     for s, r in active:
       if r.out and (len(r.out) == r.max_new_tokens or r.out[-1] == r.eos_id):
         done[s] = True
@@ -563,7 +667,7 @@ class Engine:
       return 0
     idle = self._prefix.evictable()
     for page in idle:
-      self._prefix.evict(page)
+      self._evict(page)
     self._update_pages(idle, [])
     self._free_pages += len(idle)
     return len(idle)

@@ -85,13 +85,13 @@ def _system_requests(seed=0):
 
 def _check_pool(engine):
   """No request running: every page is free or cached, and the device agrees."""
-  table = engine.cache.groups[0][0].table
+  table = next(c.table for group in engine.cache.groups for c in group if hasattr(c, "table"))
   num_free = np.asarray(table.num_free).reshape(-1)
   assert (num_free == engine._free_pages).all()
   assert engine._free_pages + engine.cached_pages == engine.num_pages
 
 
-@pytest.mark.parametrize("name", ["llama", "deepseek-v3"])
+@pytest.mark.parametrize("name", ["llama", "deepseek-v3", "qwen3-next"])
 def test_prefix_cache_gives_the_same_tokens_without_computing_the_prefix(name):
   # The reference: the engine without a prefix cache, which gives each request what ``generate``
   # gives it alone (tests/test_serving.py), and shares the compiled step programs.
@@ -117,7 +117,38 @@ def test_prefix_cache_gives_the_same_tokens_without_computing_the_prefix(name):
   assert shared.prefix_hit_tokens == 4 * 12 + 12 + 12 and shared.prefix_waits > 0
   assert shared.fed_tokens == plain.fed_tokens - shared.prefix_hit_tokens
   assert shared.generated == plain.generated
+  # qwen3-next (Gated DeltaNet layers): chunks of one page, so its states are saved at every
+  # cached page's end and a request restores them with the pages.
+  assert (shared.saved_states > 0) == (name == "qwen3-next")
   _check_pool(runs[True][0])
+
+
+@pytest.mark.parametrize("chunk,states", [(8, None), (4, 1)])
+def test_hybrid_prefix_cache_restarts_from_saved_states(chunk, states):
+  """A model with recurrent layers can share a prefix only up to a point where their states
+  were saved: the end of a prefill chunk on a page boundary.  Chunks of 8 over pages of 4 save
+  them every 8 tokens, so the 13-token system prompt's 12 cacheable tokens are shared up to 8;
+  a store of one snapshot keeps only the latest (least recently used replaced).  Results are
+  those of the engine without a prefix cache either way."""
+  model = model_for("qwen3-next")
+  prompts = _system_requests()
+  runs = {}
+  for cached in (False, True):
+    engine = Engine(model, max_batch=2, page_size=4, chunk=chunk, prefix_cache=cached,
+                    prefix_states=states if cached else None)
+    ids = [engine.submit(p, 4) for p in prompts]
+    results = engine.run()
+    runs[cached] = engine, [results[i] for i in ids]
+  for i, (got, want) in enumerate(zip(runs[True][1], runs[False][1])):
+    np.testing.assert_array_equal(got, want, err_msg=f"request {i}")
+  st = runs[True][0].stats
+  assert st.prefix_hit_tokens > 0 and st.saved_states > 0
+  if chunk == 8:
+    assert st.prefix_hit_tokens == 4 * 8                  # every later request: 8 tokens
+  assert st.fed_tokens == runs[False][0].stats.fed_tokens - st.prefix_hit_tokens
+  engine = runs[True][0]
+  assert len(engine._snapshots.id_of) <= engine._snapshots.count
+  _check_pool(engine)
 
 
 @pytest.mark.parametrize("policy", ["continuous", "static"])
@@ -187,8 +218,15 @@ def test_idle_pages_are_evicted_when_the_pool_runs_short():
 
 
 def test_prefix_cache_errors():
-  with pytest.raises(ValueError, match="recurrent"):
-    Engine(model_for("qwen3-next"), max_batch=2, page_size=4, prefix_cache=True)
+  hybrid = model_for("qwen3-next")
+  with pytest.raises(ValueError, match="`prefix_states` must be a positive int"):
+    Engine(hybrid, max_batch=2, page_size=4, prefix_cache=True, prefix_states=0)
+  recurrent_only = model_for("qwen3-next", num_layers=3, first_k_dense=3)  # DDD: no paged layer
+  with pytest.raises(ValueError, match="no paged layer"):
+    Engine(recurrent_only, max_batch=2, page_size=4, prefix_cache=True)
+  cache = hybrid.init_paged_cache(2, num_pages=4, page_size=4)
+  with pytest.raises(ValueError, match="needs their states after the shared tokens"):
+    cache.attach(jnp.array([1]), jnp.array([[0, -1, -1, -1]]), jnp.array([4]))
   with pytest.raises(ValueError, match="prefix_cache"):
     Engine(model_for("llama"), max_batch=2, page_size=4, prefix_cache="yes")
   engine = Engine(model_for("llama"), max_batch=2, page_size=4)

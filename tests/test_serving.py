@@ -32,9 +32,9 @@ MODELS = {
 REQUESTS = [(7, 5), (2, 9), (11, 1), (3, 4), (5, 6)]
 
 
-def model_for(name):
+def model_for(name, **overrides):
   preset, kw = MODELS[name]
-  return DecoderLM(get_config(preset, **SMALL).replace(**kw), rngs=nnx.Rngs(0))
+  return DecoderLM(get_config(preset, **SMALL).replace(**{**kw, **overrides}), rngs=nnx.Rngs(0))
 
 
 def prompts(seed=0):

@@ -649,8 +649,45 @@ class PagedModelCache:
   @property
   def recurrent(self) -> bool:
     """Whether some layer keeps a recurrent state (Gated DeltaNet): its history is not in pages,
-    so pages alone cannot be shared between sequences (``attach`` refuses)."""
+    so pages alone cannot be shared between sequences (``attach`` then needs a snapshot of the
+    states after the shared tokens: ``save_states``)."""
     return any(isinstance(c, DeltaNetCache) for group in self.groups for c in group)
+
+  @property
+  def paged(self) -> bool:
+    """Whether some layer keeps its history in pages (attention, MLA, DSA)."""
+    return any(not isinstance(c, DeltaNetCache) for group in self.groups for c in group)
+
+  def state_store(self, count: int) -> tuple:
+    """An empty store of ``count`` snapshots of the recurrent states: per group a tuple with,
+    for each Gated DeltaNet layer, a ``DeltaNetCache`` of ``count`` rows (on axis 1 for a
+    scanned group), None for each paged layer.  ``save_states`` fills it, ``attach`` reads it."""
+    def one(c, stacked):
+      if not isinstance(c, DeltaNetCache):
+        return None
+      shape = lambda x: x.shape[:int(stacked)] + (count,) + x.shape[int(stacked) + 1:]  # noqa: E731
+      return jax.tree.map(lambda x: jnp.zeros(shape(x), x.dtype), c)
+    return tuple(tuple(one(c, stacked) for c in group)
+                 for group, stacked in zip(self.groups, self.stacked))
+
+  def save_states(self, store: tuple, rows, ids) -> tuple:
+    """``store`` (``state_store``) with the recurrent states of slots ``rows [n]`` copied into its
+    snapshots ``ids [n]``: the states after the tokens each slot holds (a prefix cache keeps
+    them for later requests that share those tokens).  Negative or out-of-range ids (padding)
+    are dropped."""
+    rows, ids = jnp.asarray(rows), jnp.asarray(ids)
+
+    def one(c, kept, stacked):
+      if kept is None:
+        return None
+      axis = int(stacked)
+      count = kept.state.shape[axis]
+      where = (slice(None),) * axis + (jnp.where(ids < 0, count, ids),)
+      return jax.tree.map(
+          lambda x, k: k.at[where].set(jnp.take(x, rows, axis=axis, mode="clip"), mode="drop"),
+          c, kept)
+    return tuple(tuple(one(c, k, stacked) for c, k in zip(group, kept))
+                 for group, kept, stacked in zip(self.groups, store, self.stacked))
 
   @property
   def page_table(self) -> Int[Array, "B M"]:
@@ -669,17 +706,33 @@ class PagedModelCache:
     return tuple(tuple(jax.vmap(one)(c) if stacked else one(c) for c in group)
                  for group, stacked in zip(self.groups, self.stacked))
 
-  def attach(self, rows, page_table, lengths) -> "PagedModelCache":
+  def attach(self, rows, page_table, lengths, store: tuple | None = None,
+             state_ids=None) -> "PagedModelCache":
     """Prefix sharing: slots ``rows [n]`` (empty ones) start from the whole pages
     ``page_table [n, M]`` (ids; -1 = none) holding their first ``lengths [n]`` tokens, which
     another sequence computed; in every layer (``PageTable.attach``).  Their next tokens go at
-    ``lengths``.  Refused for models with recurrent layers.  Entries of ``rows`` that are
+    ``lengths``.  A model with recurrent layers needs their states after those tokens too:
+    snapshots ``state_ids [n]`` of ``store`` (``save_states``).  Entries of ``rows`` that are
     negative or ``>= B`` are dropped."""
-    if self.recurrent:
-      raise ValueError("`attach` (prefix sharing) needs every layer's history in pages; this "
-                       "model has recurrent (Gated DeltaNet) layers.")
+    if self.recurrent and (store is None or state_ids is None):
+      raise ValueError("`attach` (prefix sharing) on a model with recurrent (Gated DeltaNet) "
+                       "layers needs their states after the shared tokens: pass `store` "
+                       "(state_store / save_states) and `state_ids`.")
     rows = jnp.where(jnp.asarray(rows) < 0, self.batch, jnp.asarray(rows))
     groups = self._tables(lambda t: t.attach(rows, page_table, lengths))
+    if self.recurrent:
+      ids = jnp.asarray(state_ids)
+
+      def restore(c, kept, stacked):
+        if kept is None:
+          return c
+        axis = int(stacked)
+        where = (slice(None),) * axis + (rows,)
+        return jax.tree.map(
+            lambda x, k: x.at[where].set(jnp.take(k, ids, axis=axis, mode="clip"), mode="drop"),
+            c, kept)
+      groups = tuple(tuple(restore(c, k, stacked) for c, k in zip(group, kept))
+                     for group, kept, stacked in zip(groups, store, self.stacked))
     return PagedModelCache(groups, self.lengths.at[rows].set(jnp.asarray(lengths, jnp.int32),
                                                              mode="drop"), self.stacked)
 

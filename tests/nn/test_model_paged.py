@@ -170,3 +170,30 @@ def test_a_sub_batch_of_slots_equals_the_full_batch_call(case):
   for a, b in zip(jax.tree_util.tree_leaves(merged), jax.tree_util.tree_leaves(full)):
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5,
                                atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["qwen3-next-hybrid", "qwen3-next-scanned"])
+def test_attach_with_saved_states_continues_a_hybrid_prefix(case):
+  """Prefix sharing on a model with Gated DeltaNet layers: slot 0 reads 6 tokens (3 pages of
+  2); its recurrent states are saved (``save_states``: a stacked group's on its layer axis) and
+  slot 1 starts from its pages and those states (``attach``), then reads 3 more tokens: its
+  logits are the full forward's over the 9 tokens.  A zero store (no state) does not give them."""
+  model = model_for(case)
+  seq = np.random.default_rng(7).integers(1, 97, size=(1, 9)).astype(np.int32)
+  cache = model.init_paged_cache(2, num_pages=12, page_size=2, max_pages_per_seq=6)
+  for lo in (0, 3):
+    tokens = np.zeros((2, T), np.int32)
+    tokens[0] = seq[0, lo:lo + 3]
+    _, cache = _step(model, jnp.asarray(tokens), jnp.asarray([3, 0], jnp.int32), cache)
+  empty = cache.state_store(3)
+  store = cache.save_states(empty, jnp.asarray([0, 2]), jnp.asarray([1, -1]))  # 2nd: padding
+  pages = jnp.where(jnp.arange(6) < 3, cache.page_table[0], -1)[None]
+  full = np.asarray(_full(model, jnp.asarray(seq)))[0, 6:]
+  tokens = np.zeros((2, T), np.int32)
+  tokens[1] = seq[0, 6:]
+  errors = []
+  for kept in (store, empty):
+    shared = cache.attach(jnp.asarray([1]), pages, jnp.asarray([6]), kept, jnp.asarray([1]))
+    logits, _ = _step(model, jnp.asarray(tokens), jnp.asarray([0, 3], jnp.int32), shared)
+    errors.append(float(np.max(np.abs(np.asarray(logits)[1] - full))))
+  assert errors[0] < 1e-4 and errors[1] > 1e-2, errors
