@@ -2,7 +2,7 @@
 
     python -m experiments.bench_serve [--preset llama] [--requests 32] [--max-batch 8]
         [--prompt-lens 8,96] [--new-tokens 4,64] [--shared-prefix 0] [--chunk 32]
-        [--page-size 16] [--seed 0] [--out runs/bench_serve]
+        [--page-size 16] [--num-pages N] [--seed 0] [--out runs/bench_serve]
 
 A synthetic workload of ``--requests`` requests with prompt lengths and new-token counts drawn
 uniformly from the two ranges, all submitted at once, greedy decoding, a tiny preset
@@ -15,6 +15,11 @@ same slots, pages, chunk and compiled step programs; only admission and caching 
     continuous   a finished request's slot takes the next request at the next step
     +prefix      continuous, with the prefix cache (``prefix_cache=True``): a request starts
                  from the cached pages of its prompt's longest computed prefix
+
+``--num-pages`` sizes each layer's page pool (default: every slot at the model's longest
+sequence); a smaller pool makes admission wait for pages.  A sliding-window preset (``mistral``)
+returns the pages behind each window to the pool after every step, except with the prefix cache
+(whose pages outlive the window): its ``+prefix`` run then holds every request's whole length.
 
 Each runs the workload twice; the second (warm: every step shape compiled; the prefix cache
 emptied first) is timed.
@@ -69,10 +74,10 @@ def workload(requests: int, prompt_lens, new_tokens, vocab: int, seed: int,
 
 
 def serve(model, work, *, policy: str, max_batch: int, chunk: int, page_size: int,
-          prefix_cache: bool = False) -> dict:
+          prefix_cache: bool = False, num_pages: int | None = None) -> dict:
   """Runs ``work`` twice on one engine (the first compiles every step shape); times the second."""
   engine = Engine(model, max_batch=max_batch, page_size=page_size, chunk=chunk, policy=policy,
-                  prefix_cache=prefix_cache)
+                  prefix_cache=prefix_cache, num_pages=num_pages)
   for prompt, n in work:                               # warm-up: the same workload
     engine.submit(prompt, n)
   engine.run()
@@ -105,7 +110,7 @@ def serve(model, work, *, policy: str, max_batch: int, chunk: int, page_size: in
 
 def run(*, preset: str = "llama", requests: int = 32, max_batch: int = 8,
         prompt_lens=(8, 96), new_tokens=(4, 64), shared_prefix: int = 0, chunk: int = 32,
-        page_size: int = 16, seed: int = 0) -> dict:
+        page_size: int = 16, seed: int = 0, num_pages: int | None = None) -> dict:
   cfg = get_config(preset, **TINY)
   if cfg.num_layers < len(cfg.layer_pattern):   # qwen3-next: DDDA, an attention layer too
     cfg = cfg.replace(num_layers=len(cfg.layer_pattern))
@@ -114,7 +119,7 @@ def run(*, preset: str = "llama", requests: int = 32, max_batch: int = 8,
     cfg = cfg.replace(max_seq_len=need)
   model = DecoderLM(cfg, rngs=nnx.Rngs(seed))
   work = workload(requests, prompt_lens, new_tokens, cfg.vocab_size, seed, shared_prefix)
-  kw = dict(max_batch=max_batch, chunk=chunk, page_size=page_size)
+  kw = dict(max_batch=max_batch, chunk=chunk, page_size=page_size, num_pages=num_pages)
   rows = [serve(model, work, policy=p, **kw) for p in ("static", "continuous")]
   rows.append(serve(model, work, policy="continuous", prefix_cache=True, **kw))
   same = all(r["outputs"] == rows[0]["outputs"] for r in rows)
@@ -123,6 +128,7 @@ def run(*, preset: str = "llama", requests: int = 32, max_batch: int = 8,
   return dict(config=dict(preset=preset, requests=requests, max_batch=max_batch,
                           prompt_lens=list(prompt_lens), new_tokens=list(new_tokens),
                           shared_prefix=shared_prefix, chunk=chunk, page_size=page_size,
+                          num_pages=num_pages,
                           seed=seed, jax=jax.__version__, backend=jax.default_backend()),
               rows=rows, identical_outputs=same,
               speedup=rows[1]["tokens_per_second"] / rows[0]["tokens_per_second"],
@@ -198,6 +204,8 @@ def main(argv=None) -> dict:
   ap.add_argument("--shared-prefix", type=at_least(0), default=0)
   ap.add_argument("--chunk", type=at_least(1), default=32)
   ap.add_argument("--page-size", type=at_least(1), default=16)
+  ap.add_argument("--num-pages", type=at_least(1), default=None,
+                  help="pages in each layer's pool (default: every slot at max_seq_len)")
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--out", default="runs/bench_serve")
   args = ap.parse_args(argv)
@@ -206,7 +214,7 @@ def main(argv=None) -> dict:
   results = run(preset=args.preset, requests=args.requests, max_batch=args.max_batch,
                 prompt_lens=args.prompt_lens, new_tokens=args.new_tokens,
                 shared_prefix=args.shared_prefix, chunk=args.chunk,
-                page_size=args.page_size, seed=args.seed)
+                page_size=args.page_size, seed=args.seed, num_pages=args.num_pages)
   print(format_table(results))
   write_json(out / "results.json", results)
   png = plot(results, out / "bench_serve.png")

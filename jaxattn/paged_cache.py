@@ -205,6 +205,18 @@ class PageTable:
                        f"{keep.shape}.")
     return _free(self, done, keep)
 
+  def release_behind(self, window: int) -> "PageTable":
+    """Returns to the free stack the pages wholly behind every sequence's sliding window: a
+    query at position ``p >= length`` (every future token) sees keys ``p - window .. p`` only,
+    so logical page ``j`` is dead once ``(j + 1) * page_size <= length - window``.  Their
+    table entries become -1 (the windowed decode paths never read them).  A sequence's live
+    pages are then at most ``ceil((window + T) / page_size) + 1`` during a step of ``T``
+    tokens, whatever its length.  (Pages a prefix cache shares must not be released: this is
+    for tables that share none.)"""
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 0:
+      raise ValueError(f"`window` must be an int >= 0, got {window!r}.")
+    return _release_behind(self, int(window))
+
   def attach(self, rows: Int[Array, "n"], page_table: Int[Array, "n M"],
              lengths: Int[Array, "n"]) -> "PageTable":
     """Sequences ``rows [n]`` start from pages they did not allocate: row ``rows[i]`` gets the
@@ -289,6 +301,17 @@ def _free(table: PageTable, done, keep):
   return PageTable(page_table=jnp.where(done[:, None], -1, table.page_table),
                    lengths=jnp.where(done, 0, table.lengths), free_pages=free_pages,
                    num_free=(table.num_free + jnp.sum(release)).astype(_I32), page_size=ps)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _release_behind(table: PageTable, window: int):
+  ps = table.page_size
+  dead = jnp.arange(table.max_pages)[None, :] < ((table.lengths - window) // ps)[:, None]
+  release = dead & (table.page_table >= 0)
+  free_pages = _stack_push(table, table.page_table.reshape(-1), release.reshape(-1))
+  return dataclasses.replace(table, page_table=jnp.where(release, -1, table.page_table),
+                             free_pages=free_pages,
+                             num_free=(table.num_free + jnp.sum(release)).astype(_I32))
 
 
 def _stack_push(table: PageTable, pages, release):

@@ -114,7 +114,8 @@ def _positive_int(name, v):
 
 
 @functools.lru_cache(maxsize=32)
-def step_functions(graphdef, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0):
+def step_functions(graphdef, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                   release_window: int | None = None):
   """The engine's two jitted programs for a split model (``nnx.split(model)``), made once per
   graph definition and sampling setting (engines over models of one structure share them, and
   their compiled programs):
@@ -125,6 +126,10 @@ def step_functions(graphdef, *, temperature: float = 0.0, top_p: float = 1.0, to
     from the logits of row ``i``'s last real token
     (meaningless for a row with ``num_tokens[i] = 0``);
   * ``free(cache, done [B]) -> cache``.
+
+  ``release_window``: a model whose every paged layer has this sliding window; ``step`` then
+  returns the pages behind each sequence's window to the pools
+  (``PagedModelCache.release_behind``).
 
   Both donate the cache (it is updated in place; use the returned one), and return it in the
   layout ``PagedModelCache.shard`` gives it on the active mesh (unchanged without one)."""
@@ -139,8 +144,11 @@ def step_functions(graphdef, *, temperature: float = 0.0, top_p: float = 1.0, to
     h, cache = m(tokens, cache=cache, num_tokens=num_tokens, return_hidden=True)
     last = jnp.maximum(num_tokens - 1, 0)[:, None, None]
     logits = m.head(jnp.take_along_axis(h, last, axis=1))[:, 0]              # [b, V]
+    cache = full.put(rows, cache)
+    if release_window is not None:
+      cache = cache.release_behind(release_window)
     return (sample_logits(logits, key, temperature=temperature, top_p=top_p, top_k=top_k),
-            full.put(rows, cache).shard())
+            cache.shard())
 
   @functools.partial(jax.jit, donate_argnums=0)
   def free(cache: PagedModelCache, done, keep=None):
@@ -263,7 +271,9 @@ class Engine:
 
   Args:
     model: the ``DecoderLM`` (its layers must have a paged form: no T5-bias layers; its
-      weights are read once, at construction).
+      weights are read once, at construction).  When every paged layer is a sliding-window
+      layer (``mistral``) and there is no prefix cache, the pages behind each sequence's window
+      go back to the pool after every step: a request holds at most ``window_pages`` pages.
     max_batch: sequence slots decoded together.
     page_size: tokens per cache page.
     num_pages: pages in each layer's pool; default enough for every slot at ``max_seq_len``.
@@ -315,6 +325,14 @@ class Engine:
     if not is_int(seed):
       raise ValueError(f"`seed` must be an int, got {seed!r}.")
     self.config = model.config
+    if not isinstance(prefix_cache, bool):
+      raise ValueError(f"`prefix_cache` must be a bool, got {prefix_cache!r}.")
+    # A model whose every paged layer has one sliding window (mistral) holds only the pages of
+    # each sequence's window: the others go back to the pool after each step (not with a prefix
+    # cache, whose pages outlive the window).
+    kinds = {self.config.layer_kind(i)[0] for i in range(self.config.num_layers)}
+    self.window = (self.config.sliding_window
+                   if "S" in kinds and kinds <= {"S", "D"} and not prefix_cache else None)
     per_seq = -(-self.config.max_seq_len // self.page_size)
     self.max_pages_per_seq = (per_seq if max_pages_per_seq is None
                               else _positive_int("max_pages_per_seq", max_pages_per_seq))
@@ -330,8 +348,6 @@ class Engine:
       self.cache = model.init_paged_cache(self.max_batch, self.num_pages, self.page_size,
                                           max_pages_per_seq=self.max_pages_per_seq,
                                           dtype=dtype).shard()
-    if not isinstance(prefix_cache, bool):
-      raise ValueError(f"`prefix_cache` must be a bool, got {prefix_cache!r}.")
     if prefix_states is not None:
       _positive_int("prefix_states", prefix_states)
     if prefix_cache and not self.cache.paged:
@@ -349,7 +365,7 @@ class Engine:
     if mesh is not None:
       self._state = jax.device_put(self._state, param_shardings(self._state, mesh))
     self._step, self._free = step_functions(graphdef, temperature=temperature, top_p=top_p,
-                                            top_k=int(top_k))
+                                            top_k=int(top_k), release_window=self.window)
     self._key = jax.random.key(int(seed))
     self._free_pages = self.num_pages       # pages neither reserved by a request nor cached
     self._slots: list[_Request | None] = [None] * self.max_batch
@@ -381,12 +397,13 @@ class Engine:
     if eos_id is not None and (not is_int(eos_id) or not 0 <= eos_id < vocab):
       raise ValueError(f"`eos_id` must be None or a token id in [0, {vocab}), got {eos_id!r}.")
     positions = prompt.size + max(int(max_new_tokens) - 1, 0)
-    pages = -(-positions // self.page_size)
-    if pages > min(self.max_pages_per_seq, self.num_pages):
+    logical = -(-positions // self.page_size)
+    pages = logical if self.window is None else min(logical, self.window_pages)
+    if logical > self.max_pages_per_seq or pages > self.num_pages:
       raise ValueError(f"a request of {prompt.size} prompt + {max_new_tokens} new tokens needs "
-                       f"{pages} pages of {self.page_size}, more than a sequence may hold "
-                       f"(max_pages_per_seq={self.max_pages_per_seq}, num_pages="
-                       f"{self.num_pages}).")
+                       f"{logical} pages of {self.page_size} ({pages} at once), more than a "
+                       f"sequence may hold (max_pages_per_seq={self.max_pages_per_seq}, "
+                       f"num_pages={self.num_pages}).")
     if self.config.position == "learned" and positions > self.config.max_seq_len:
       raise ValueError(f"prompt + max_new_tokens - 1 = {positions} exceeds the learned position "
                        f"table (max_seq_len={self.config.max_seq_len}).")
@@ -401,6 +418,15 @@ class Engine:
     else:
       self._waiting.append(request)
     return rid
+
+  @property
+  def window_pages(self) -> int | None:
+    """With a sliding-window model (``window``), the most pages a sequence holds at once: its
+    window's and one step's new tokens (up to ``chunk``), over one page more when they start
+    mid-page; None otherwise."""
+    if self.window is None:
+      return None
+    return -(-(self.window + self.chunk) // self.page_size) + 1
 
   @property
   def pending(self) -> int:

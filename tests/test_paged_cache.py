@@ -185,6 +185,42 @@ def test_an_empty_chunk_leaves_the_caches_as_they_were():
     cache.append(jnp.ones((2, 0, 1, 2)), jnp.ones((2, 0, 1, 2)), jnp.array([1, 0]))
 
 
+def test_release_behind_a_window_frees_dead_pages_and_decode_reads_the_rest():
+  """Pages wholly behind every sequence's window (``(j + 1) * page <= length - window``: no
+  later token's query reaches them) go back to the free stack and their entries become -1; the
+  next token's eager windowed decode checks and reads only the live ones (equal to the result
+  without the release), while an unwindowed read of the released table is refused (it would
+  read page -1)."""
+  from jaxattn.ops.decode import paged_attention  # noqa: PLC0415
+
+  rng = np.random.default_rng(5)
+  cache = PagedKVCache.init(3, 12, 2, 1, 4, max_pages_per_seq=6)
+  k, v = (jnp.asarray(rng.standard_normal((3, 12, 1, 4)), jnp.float32) for _ in range(2))
+  cache = cache.append(k[:, :11], v[:, :11], jnp.array([11, 4, 0]))
+  before = np.asarray(cache.page_table)
+  table = cache.table.release_behind(3)
+  # Sequence 0 (11 tokens): pages 0-3 dead ((j + 1) * 2 <= 8); sequence 1 (4): none.
+  pt = np.asarray(table.page_table)
+  assert (pt[0, :4] == -1).all() and (pt[0, 4:6] == before[0, 4:6]).all()
+  assert (pt[1] == before[1]).all() and int(table.num_free) == 12 - 8 + 4
+  assert sorted(np.asarray(table.free_pages)[:int(table.num_free)].tolist()) == sorted(
+      set(range(12)) - set(pt[pt >= 0].tolist()))
+  assert (np.asarray(table.release_behind(3).page_table) == pt).all()   # idempotent
+  released = PagedKVCache(cache.key_pool, cache.value_pool, table, cache.num_kv_heads)
+  q = jnp.asarray(rng.standard_normal((3, 1, 2, 4)), jnp.float32)
+  kw = dict(local_window_size=3, implementation="xla")
+  outs = []
+  for c in (cache, released):           # the next token of each sequence, then its query
+    c = c.append(k[:, 11:], v[:, 11:])
+    outs.append(paged_attention(q, c.key_pool, c.value_pool, c.page_table, c.lengths, **kw))
+  np.testing.assert_array_equal(outs[1], outs[0])
+  with pytest.raises(ValueError, match=r"`page_table`\[0, 0\] = -1 is not a page of the pool"):
+    paged_attention(q, c.key_pool, c.value_pool, c.page_table, c.lengths, implementation="xla")
+  for bad in (-1, 2.5, True):
+    with pytest.raises(ValueError, match="`window` must be an int >= 0"):
+      table.release_behind(bad)
+
+
 def test_errors():
   with pytest.raises(ValueError, match="page_size"):
     PagedKVCache.init(1, 4, 0, 1, 2)

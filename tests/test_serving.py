@@ -100,6 +100,33 @@ def test_padded_sub_batches_and_the_pool_comes_back_whole():
   assert (np.asarray(engine.cache.lengths) == 0).all()
 
 
+def test_a_sliding_window_model_holds_only_its_windows_pages():
+  """mistral (window 3): after each step the pages behind every sequence's window go back to
+  the pool, so a request holds at most ``window_pages`` = ceil((3 + 4) / 4) + 1 = 3 pages of 4
+  at once.  Requests of 8 logical pages each run two at a time on a pool of 6 pages (the same
+  requests to llama need 8 pages each: refused), with the results of ``generate`` alone, and
+  the pool comes back whole."""
+  model = model_for("mistral")
+  rng = np.random.default_rng(8)
+  work = [(rng.integers(1, 61, size=n).astype(np.int32), m) for n, m in ((21, 9), (17, 12),
+                                                                       (25, 6), (3, 20))]
+  engine = Engine(model, max_batch=2, page_size=4, num_pages=6, max_pages_per_seq=8, chunk=4)
+  assert engine.window == 3 and engine.window_pages == 3
+  ids = [engine.submit(p, n) for p, n in work]
+  results = engine.run()
+  for rid, (p, n) in zip(ids, work):
+    np.testing.assert_array_equal(results[rid], alone(model, p, n), err_msg=f"request {rid}")
+  st = engine.stats
+  assert st.busy_slot_steps > st.steps + 20              # mostly two at once: 3 + 3 pages fit
+  tables = [c.table for group in engine.cache.groups for c in group]
+  assert all(int(t.num_free) == 6 for t in tables) and engine._free_pages == 6
+  with pytest.raises(ValueError, match=r"needs 8 pages of 4 \(8 at once\)"):
+    Engine(model_for("llama"), max_batch=2, page_size=4, num_pages=6, max_pages_per_seq=8,
+           chunk=4).submit(work[0][0], 9)
+  # With a prefix cache the pages are kept (cached pages outlive the window): no release.
+  assert Engine(model, max_batch=2, page_size=4, prefix_cache=True).window is None
+
+
 def test_static_policy_refills_only_an_empty_batch():
   model = model_for("llama")
   ps = prompts(4)
@@ -164,7 +191,7 @@ def test_errors():
     engine.submit(ok, -1)
   with pytest.raises(ValueError, match="`eos_id` must be None or a token id"):
     engine.submit(ok, 2, eos_id=61)
-  with pytest.raises(ValueError, match="needs 4 pages of 4, more than a sequence may hold"):
+  with pytest.raises(ValueError, match=r"needs 4 pages of 4 \(4 at once\), more than a"):
     engine.submit(ok, 11)
   for kw, match in [(dict(max_batch=0), "`max_batch` must be a positive int"),
                     (dict(chunk=2.0), "`chunk` must be a positive int"),

@@ -736,6 +736,14 @@ class PagedModelCache:
     return PagedModelCache(groups, self.lengths.at[rows].set(jnp.asarray(lengths, jnp.int32),
                                                              mode="drop"), self.stacked)
 
+  def release_behind(self, window: int) -> "PagedModelCache":
+    """Every paged layer's pages wholly behind each sequence's sliding window of ``window`` back
+    to its pool (``PageTable.release_behind``): for a model whose every paged layer is a
+    sliding-window layer of that window (a layer with full attention still reads those pages),
+    so that a sequence holds about ``window / page_size + 1`` pages per layer, not its length's."""
+    return PagedModelCache(self._tables(lambda t: t.release_behind(window)), self.lengths,
+                           self.stacked)
+
   def push_pages(self, pages) -> "PagedModelCache":
     """``pages [n]`` (ids; negative entries are padding) back to every layer's free stack: pages
     a prefix cache held and no sequence holds any more (``PageTable.push``)."""

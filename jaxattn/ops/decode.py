@@ -115,12 +115,15 @@ def _table(page_table, lengths, page_size) -> PageTable:
                    num_free=jnp.zeros((), jnp.int32), page_size=page_size)
 
 
-def check_table(page_table, lengths, batch: int, num_pages: int | None = None, page_size=None):
+def check_table(page_table, lengths, batch: int, num_pages: int | None = None, page_size=None,
+                window: int | None = None, t=1):
   """Validates ``page_table [B, M]`` and ``lengths [B]`` (int32-convertible integer arrays).
 
   Concrete (not traced) values are checked too: each length fits the table, and every page a
-  sequence reads (its first ``ceil(length / page_size)`` entries) is a page of the pool, in
-  ``[0, num_pages)``.  (The dense paths would clamp a ``-1`` there to page 0, another sequence's;
+  sequence reads (its first ``ceil(length / page_size)`` entries; with a sliding ``window`` and
+  ``t`` queries (an int, or ``[B]`` per sequence), those from the page of key
+  ``length - t - window`` on: the pages behind it may have been released,
+  ``PageTable.release_behind``) is a page of the pool, in ``[0, num_pages)``.  (The dense paths would clamp a ``-1`` there to page 0, another sequence's;
   ``PagedKVCache`` never writes such a table, a hand-built one can.)"""
   for name, x in (("page_table", page_table), ("lengths", lengths)):
     if not hasattr(x, "shape"):       # (a list failed on `.shape`)
@@ -140,6 +143,11 @@ def check_table(page_table, lengths, batch: int, num_pages: int | None = None, p
     if not isinstance(page_table, jax.core.Tracer):
       tab = np.asarray(page_table)
       used = np.arange(tab.shape[1])[None, :] < -(-lens // page_size)[:, None]
+      if window is not None:
+        queries = (0 if isinstance(t, jax.core.Tracer) or np.shape(t) not in ((), lens.shape)
+                   else np.asarray(t))             # (a bad num_tokens is refused after this)
+        first = np.maximum(lens - queries - window, 0) // page_size
+        used &= np.arange(tab.shape[1])[None, :] >= first[:, None]
       bad = used & ((tab < 0) | (tab >= (num_pages if num_pages is not None else np.inf)))
       if bad.any():
         b, j = (int(i) for i in np.argwhere(bad)[0])
@@ -369,16 +377,17 @@ def merged_kv_heads(key_pool, value_pool, head_dim: int, *, names=("key_pool", "
 
 
 def _check_gqa(q, key_pool, value_pool, page_table, lengths, scale, logits_soft_cap,
-               num_splits):
-  """``paged_attention``'s argument checks (``q`` 4-D); returns the KV heads ``K`` and the scale
-  and soft-cap as floats (``_check_scale``)."""
+               num_splits, window=None, num_tokens=None):
+  """``paged_attention``'s argument checks (``q`` 4-D; ``window`` checked already); returns the
+  KV heads ``K`` and the scale and soft-cap as floats (``_check_scale``)."""
   b, _, n, h = q.shape
   for name, x in (("q", q), ("key_pool", key_pool), ("value_pool", value_pool)):
     check_float_array(name, x)
   kh = merged_kv_heads(key_pool, value_pool, h)
   if n % kh:
     raise ValueError(f"query heads N={n} must be a multiple of the KV heads K={kh}.")
-  check_table(page_table, lengths, b, num_pages=key_pool.shape[0], page_size=key_pool.shape[1])
+  check_table(page_table, lengths, b, num_pages=key_pool.shape[0], page_size=key_pool.shape[1],
+              window=window, t=q.shape[1] if num_tokens is None else num_tokens)
   check_num_splits(num_splits)
   return kh, _check_scale("scale", scale), _check_scale("logits_soft_cap", logits_soft_cap)
 
@@ -450,11 +459,11 @@ def paged_attention(
   """
   q, squeeze = _as_4d(query, "query")
   h = q.shape[3]
+  window = check_window(local_window_size)
   kh, scale, logits_soft_cap = _check_gqa(q, key_pool, value_pool, page_table, lengths, scale,
-                                          logits_soft_cap, num_splits)
+                                          logits_soft_cap, num_splits, window, num_tokens)
   num_tokens = check_num_tokens(num_tokens, q.shape[0], q.shape[1], lengths)
-  extra = dict(local_window_size=check_window(local_window_size),
-               alibi_slopes=check_slopes(alibi_slopes, q.shape[2]))
+  extra = dict(local_window_size=window, alibi_slopes=check_slopes(alibi_slopes, q.shape[2]))
   scale = 1.0 / math.sqrt(h) if scale is None else scale
   page_table, lengths = page_table.astype(jnp.int32), lengths.astype(jnp.int32)
   impl = resolve_implementation(implementation) if q.shape[1] else "xla"   # T = 0: empty

@@ -50,8 +50,9 @@ def _step(model, tokens, num_tokens, cache):
 _full = nnx.jit(lambda model, tokens: model(tokens))
 
 
-def run_schedule(model, seqs, cache, schedule):
-  """Feeds ``schedule``'s chunks of ``seqs [B, S]``; returns each sequence's logits in order."""
+def run_schedule(model, seqs, cache, schedule, release=None):
+  """Feeds ``schedule``'s chunks of ``seqs [B, S]``; returns each sequence's logits in order.
+  ``release``: a sliding window whose pages behind it go back to the pool after each step."""
   rng = np.random.default_rng(3)
   b = seqs.shape[0]
   done = np.zeros(b, int)
@@ -61,6 +62,8 @@ def run_schedule(model, seqs, cache, schedule):
     for i, n in enumerate(nt):
       tokens[i, :n] = seqs[i, done[i]:done[i] + n]
     logits, cache = _step(model, jnp.asarray(tokens), jnp.asarray(nt, jnp.int32), cache)
+    if release is not None:
+      cache = cache.release_behind(release)
     for i, n in enumerate(nt):
       outs[i].append(np.asarray(logits[i, :n]))
     done += nt
@@ -77,6 +80,26 @@ def test_ragged_chunks_equal_each_sequence_alone(case):
   for i in range(3):
     np.testing.assert_allclose(outs[i], full[i], rtol=2e-4, atol=2e-4, err_msg=f"row {i}")
   np.testing.assert_array_equal(cache.lengths, SCHEDULE.sum(0))
+
+
+def test_pages_behind_the_window_go_back_to_the_pool():
+  """mistral, window 3 over pages of 2: 12 tokens per sequence in ragged chunks of up to 3, the
+  pages behind each window released after every step.  Three sequences run on 12 pages (18
+  without the release) with the full forward's logits; at the end each holds only pages
+  ``(12 - 3) // 2 = 4`` and on, the rest back in the pool."""
+  model = model_for("mistral-window")
+  seqs = np.random.default_rng(4).integers(1, 97, size=(3, 12), dtype=np.int32)
+  cache = model.init_paged_cache(3, num_pages=12, page_size=2, max_pages_per_seq=6)
+  outs, cache = run_schedule(model, seqs, cache, np.concatenate([SCHEDULE, SCHEDULE]), release=3)
+  full = np.asarray(_full(model, jnp.asarray(seqs)))
+  for i in range(3):
+    np.testing.assert_allclose(outs[i], full[i], rtol=2e-4, atol=2e-4, err_msg=f"row {i}")
+  for layer in cache.groups[0]:
+    table = np.asarray(layer.table.page_table)
+    assert (table[:, :4] == -1).all() and (table[:, 4:] >= 0).all()
+    assert int(layer.table.num_free) == 12 - 3 * 2
+  cache = cache.free(jnp.ones((3,), bool))
+  assert all(int(layer.table.num_free) == 12 for layer in cache.groups[0])
 
 
 @pytest.mark.parametrize("case", ["llama-scanned", "qwen3-next-scanned"])
