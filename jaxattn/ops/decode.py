@@ -123,8 +123,9 @@ def check_table(page_table, lengths, batch: int, num_pages: int | None = None, p
   sequence reads (its first ``ceil(length / page_size)`` entries; with a sliding ``window`` and
   ``t`` queries (an int, or ``[B]`` per sequence), those from the page of key
   ``length - t - window`` on: the pages behind it may have been released,
-  ``PageTable.release_behind``) is a page of the pool, in ``[0, num_pages)``.  (The dense paths would clamp a ``-1`` there to page 0, another sequence's;
-  ``PagedKVCache`` never writes such a table, a hand-built one can.)"""
+  ``PageTable.release_behind``) is a page of the pool, in ``[0, num_pages)``.  (The dense paths
+  would clamp a ``-1`` there to page 0, another sequence's; ``PagedKVCache`` never writes such a
+  table, a hand-built one can.)"""
   for name, x in (("page_table", page_table), ("lengths", lengths)):
     if not hasattr(x, "shape"):       # (a list failed on `.shape`)
       raise ValueError(f"`{name}` must be an integer array, got {type(x).__name__}.")
