@@ -270,8 +270,7 @@ class Engine:
   """Continuous batching over a ``DecoderLM``'s paged cache (see the module docstring).
 
   Args:
-    model: the ``DecoderLM`` (its layers must have a paged form: no T5-bias layers; its
-      weights are read once, at construction).  When every paged layer is a sliding-window
+    model: the ``DecoderLM`` (any preset; its weights are read once, at construction).  When every paged layer is a sliding-window
       layer (``mistral``) and there is no prefix cache, the pages behind each sequence's window
       go back to the pool after every step: a request holds at most ``window_pages`` pages.
     max_batch: sequence slots decoded together.

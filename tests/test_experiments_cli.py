@@ -177,7 +177,7 @@ BAD = [
     ("bench_serve", ["--prompt-lens", "0,4"], "--prompt-lens", "'0'"),
     ("bench_serve", ["--max-batch", "0"], "--max-batch", "must be an int >= 1, got 0"),
     ("bench_serve", ["--shared-prefix", "-1"], "--shared-prefix", "must be an int >= 0, got -1"),
-    ("bench_serve", ["--preset", "mistral"], "--preset", "invalid choice: 'mistral'"),
+    ("bench_serve", ["--preset", "gpt-2"], "--preset", "invalid choice: 'gpt-2'"),
     ("bench_train", ["--presets", "llama,gpt2"], "--presets", "unknown 'gpt2'"),
     ("bench_train", ["--steps", "0"], "--steps", "must be an int >= 1, got 0"),
     ("bench_train", ["--warmup", "-1"], "--warmup", "must be an int >= 0, got -1"),

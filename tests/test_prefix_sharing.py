@@ -123,13 +123,24 @@ def test_prefix_cache_gives_the_same_tokens_without_computing_the_prefix(name):
   _check_pool(runs[True][0])
 
 
-@pytest.mark.parametrize("chunk,states", [(8, None), (4, 1)])
+def test_state_snapshots_are_replaced_least_recently_used_first():
+  from jaxattn.serving import _StateSnapshots  # noqa: PLC0415
+
+  snaps = _StateSnapshots(2)
+  assert snaps.take(b"a", set()) == 0 and snaps.take(b"b", set()) == 1
+  assert snaps.use(b"a") == 0                       # a: most recently used now
+  assert snaps.take(b"c", set()) == 1 and b"b" not in snaps and b"a" in snaps
+  assert snaps.take(b"d", {0, 1}) is None           # both ids written by this call: none free
+  snaps.drop(b"a")
+  assert b"a" not in snaps and snaps.take(b"e", set()) == 0
+
+
+@pytest.mark.parametrize("chunk,states", [(8, None)])
 def test_hybrid_prefix_cache_restarts_from_saved_states(chunk, states):
   """A model with recurrent layers can share a prefix only up to a point where their states
   were saved: the end of a prefill chunk on a page boundary.  Chunks of 8 over pages of 4 save
-  them every 8 tokens, so the 13-token system prompt's 12 cacheable tokens are shared up to 8;
-  a store of one snapshot keeps only the latest (least recently used replaced).  Results are
-  those of the engine without a prefix cache either way."""
+  them every 8 tokens, so the 13-token system prompt's 12 cacheable tokens are shared up to 8.
+  Results are those of the engine without a prefix cache."""
   model = model_for("qwen3-next")
   prompts = _system_requests()
   runs = {}

@@ -17,8 +17,9 @@ from jaxattn.nn.norms import RMSNorm
 from jaxattn.nn.positional import T5RelativePositionBias
 from jaxattn.ops.alibi import alibi_slopes
 from jaxattn.ops.attention import dot_product_attention
-from jaxattn.ops.decode import (DECODE_MAX_T, cache_attention, module_decode_implementation,
-                                check_num_tokens, check_ragged_needs_paged, paged_attention,
+from jaxattn.ops.decode import (DECODE_MAX_T, RelativeBias, cache_attention,
+                                check_num_tokens, check_ragged_needs_paged,
+                                module_decode_implementation, paged_attention,
                                 tpu_kernel_requested)
 from jaxattn.ops.rope import RopeScaling, apply_rope, check_rope_base, check_rope_scaling
 from jaxattn.sharding import shard
@@ -183,12 +184,11 @@ class Attention(nnx.Module):
     ``num_tokens[b]``, a ragged chunk) go at its own length (ragged batch) and attend causally to
     everything it holds (the last ``sliding_window + 1`` tokens with a window; ALiBi from the
     positions)."""
-    if (not self.causal or self.position == "t5" or segment_ids is not None
-        or mask is not None):
-      raise ValueError(f"a PagedKVCache supports causal layers with position 'rope', 'alibi' or "
-                       f"'none' (a sliding window too), no `mask` or `segment_ids`; this layer has "
-                       f"causal={self.causal}, position={self.position!r}, mask given: "
-                       f"{mask is not None}, segment_ids given: {segment_ids is not None}.")
+    if not self.causal or segment_ids is not None or mask is not None:
+      raise ValueError(f"a PagedKVCache supports causal layers (any position scheme, a sliding "
+                       f"window too), no `mask` or `segment_ids`; this layer has causal="
+                       f"{self.causal}, mask given: {mask is not None}, segment_ids given: "
+                       f"{segment_ids is not None}.")
     t = x.shape[1]
     num_tokens = check_num_tokens(num_tokens, x.shape[0], t)
     x = shard(x, ("batch", "length", "act_embed"))
@@ -202,10 +202,17 @@ class Attention(nnx.Module):
     old_lengths, cache = cache.lengths, cache.append(k, v, num_tokens)
     q = shard(q, ("batch", "length", "act_heads", "head_dim"))
     impl = module_decode_implementation(implementation or self.implementation)
+    rel = None
+    if self.rel_bias is not None:   # T5: the XLA path (the kernels take no learned bias)
+      rel = RelativeBias(self.rel_bias.embedding[...], bidirectional=self.rel_bias.bidirectional,
+                         num_buckets=self.rel_bias.num_buckets,
+                         max_distance=self.rel_bias.max_distance)
+      impl = "xla"
     out = paged_attention(q, cache.key_pool, cache.value_pool, cache.page_table, cache.lengths,
                           scale=self.attention_scale, logits_soft_cap=self.logits_soft_cap,
                           implementation=impl, num_tokens=num_tokens,
-                          local_window_size=self.sliding_window, alibi_slopes=self._slopes())
+                          local_window_size=self.sliding_window, alibi_slopes=self._slopes(),
+                          relative_bias=rel)
     y = shard(self.o_proj(self._gate(x, out.astype(q.dtype))), ("batch", "length", "act_embed"))
     return nan_where_dropped(y, old_lengths, cache.lengths, t, num_tokens), cache
 

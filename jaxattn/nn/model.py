@@ -374,10 +374,6 @@ class DecoderLayer(nnx.Module):
                        dtype=None):
     if self.kind == "D":    # a fixed-size recurrent state per sequence: nothing to page
       return self.mixer.init_cache(batch, dtype=dtype)
-    if self.kind in "AS" and self.mixer.position == "t5":
-      raise ValueError(f"a paged cache serves causal attention with RoPE, ALiBi or no position "
-                       f"(sliding windows too), not T5 bias; this model has a layer of kind "
-                       f"{self.kind!r} with position 't5' (use init_cache).")
     return self.mixer.init_paged_cache(batch, num_pages, page_size,
                                        max_pages_per_seq=max_pages_per_seq, dtype=dtype)
 
@@ -859,8 +855,9 @@ class DecoderLM(nnx.Module):
     """An empty serving cache for ``batch`` sequence slots: each attention layer gets a pool of
     ``num_pages`` pages of ``page_size`` tokens (``jaxattn.paged_cache``; at most
     ``max_pages_per_seq`` per sequence, default ``num_pages``), each Gated DeltaNet layer its
-    recurrent state per slot.  Sliding-window layers hold every page of their sequence (the
-    kernels read only the window's); T5-bias layers have no paged form (``ValueError``)."""
+    recurrent state per slot.  Sliding-window layers read only their window's pages (and can
+    release the others: ``PagedModelCache.release_behind``); T5-bias layers decode on the XLA
+    path (the kernels take no learned bias)."""
     dtype = dtype or self.config.compute_dtype
     args = (batch, num_pages, page_size, max_pages_per_seq, dtype)
     return PagedModelCache(tuple(g.init_paged_cache(*args) for g in self.groups),

@@ -23,7 +23,8 @@ Semantics shared by both (the contract the kernels are tested against):
   are padding and return zeros.  None means ``T`` for every sequence.  The kernels take the
   queries aligned to the end of ``T`` (``align_queries``: each row shifted right by
   ``T - num_tokens[b]``), where their own contract places them, and the output shifted back.
-* Logits in fp32: ``scale * q.k`` (+ ``slope * (j - i)`` with ALiBi slopes) -> soft-cap
+* Logits in fp32: ``scale * q.k`` (+ ``slope * (j - i)`` with ALiBi slopes, + a learned
+  ``RelativeBias`` of ``j - i``) -> soft-cap
   ``c * tanh(x / c)`` (when ``logits_soft_cap``) -> mask (causal; with ``local_window_size=w``
   also ``j >= i - w``) -> softmax in fp32.  A query with no visible key (``lengths[b] = 0``)
   returns zeros.
@@ -41,6 +42,7 @@ validated them.  An explicit choice never falls back.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Literal
@@ -51,6 +53,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jaxattn.checks import check_float_array, check_int_array, is_int
+from jaxattn.ops.t5_bias import check_bucket_args, t5_position_bias
 from jaxattn.paged_cache import PageTable, gather_pages
 
 DecodeImplementation = Literal["xla", "pallas_tpu", "pallas_gpu"]
@@ -215,6 +218,41 @@ def _visible(t, s, lengths, num_tokens=None, window=None, kv_start=None):
   return ok if window is None else ok & (kv >= q_pos - window)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RelativeBias:
+  """A learned relative-position bias (T5's) for ``paged_attention``: ``table [num_buckets, N]``
+  indexed by the bucket of ``key position - query position`` (``jaxattn.ops.t5_bias``).  Under
+  paging a sequence's keys sit wherever its pages are, so the op takes the bias as a function of
+  positions, not as a ``[T, S]`` array."""
+
+  table: Float[Array, "nb N"]
+  bidirectional: bool = dataclasses.field(default=False, metadata=dict(static=True))
+  num_buckets: int = dataclasses.field(default=32, metadata=dict(static=True))
+  max_distance: int = dataclasses.field(default=128, metadata=dict(static=True))
+
+  def __call__(self, q_positions: Int[Array, "B T"], kv_positions: Int[Array, "B S"]
+               ) -> Float[Array, "B N T S"]:
+    return t5_position_bias(self.table, q_positions, kv_positions,
+                            bidirectional=self.bidirectional, num_buckets=self.num_buckets,
+                            max_distance=self.max_distance)
+
+
+def check_relative_bias(relative_bias, num_heads: int):
+  """``relative_bias``: None or a ``RelativeBias`` whose table is ``[num_buckets, N]``."""
+  if relative_bias is None:
+    return None
+  if not isinstance(relative_bias, RelativeBias):
+    raise ValueError(f"`relative_bias` must be a RelativeBias or None, got "
+                     f"{type(relative_bias).__name__}.")
+  check_bucket_args(relative_bias.num_buckets, relative_bias.max_distance,
+                    relative_bias.bidirectional)
+  if tuple(relative_bias.table.shape) != (relative_bias.num_buckets, num_heads):
+    raise ValueError(f"`relative_bias.table` must be [num_buckets={relative_bias.num_buckets}, "
+                     f"N={num_heads}], got {tuple(relative_bias.table.shape)}.")
+  return relative_bias
+
+
 def check_window(local_window_size):
   """``local_window_size`` of a paged / cached call: None or an int ``w >= 0`` (a query at ``p``
   sees keys ``p - w .. p``; the queries are causal, so there is no right-hand side)."""
@@ -328,7 +366,7 @@ def _window_columns(page_table, lengths, num_tokens, t: int, page: int, window):
 @functools.partial(jax.jit, static_argnames=("logits_soft_cap", "local_window_size"))
 def paged_attention_xla(query, key_pool, value_pool, page_table, lengths, *, scale,
                         logits_soft_cap=None, num_tokens=None, local_window_size=None,
-                        alibi_slopes=None):
+                        alibi_slopes=None, relative_bias=None):
   """The reference: gather pages to ``[B, S, K, H]``, then dense fp32 attention.  ``query`` is
   ``[B, T, N, H]``; see ``paged_attention`` (``num_tokens`` [B] or None)."""
   b, t, n, h = query.shape
@@ -342,11 +380,15 @@ def paged_attention_xla(query, key_pool, value_pool, page_table, lengths, *, sca
   q = query.astype(_F32).reshape(b, t, kh, n // kh, h)              # head n reads KV head n // G
   s = key.shape[1]
   logits = jnp.einsum("btkgh,bskh->bkgts", q, key) * scale
+  kv_pos = kv_start[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]          # [B, S]
+  q_pos = _query_positions(t, lengths, num_tokens)                                 # [B, T]
   if alibi_slopes is not None:      # slope * (j - i), from the positions
-    kv_pos = kv_start[:, None, None] + jnp.arange(s, dtype=jnp.int32)[None, None, :]
-    rel = kv_pos - _query_positions(t, lengths, num_tokens)[:, :, None]
+    rel = kv_pos[:, None, :] - q_pos[:, :, None]
     slopes = jnp.asarray(alibi_slopes, _F32).reshape(kh, n // kh)
     logits = logits + slopes[None, :, :, None, None] * rel[:, None, None].astype(_F32)
+  if relative_bias is not None:     # table[bucket(j - i)], [B, N, T, S]
+    bias = relative_bias(q_pos, kv_pos).reshape(b, kh, n // kh, t, s)
+    logits = logits + bias
   logits = _cap(logits, logits_soft_cap)
   visible = _visible(t, s, lengths, num_tokens, local_window_size, kv_start)
   p = _softmax_rows(logits, visible[:, None, None])
@@ -417,6 +459,7 @@ def paged_attention(
     num_tokens: Int[Array, "B"] | None = None,
     local_window_size: int | None = None,
     alibi_slopes: Float[Array, "N"] | None = None,
+    relative_bias: RelativeBias | None = None,
 ) -> Float[Array, "B T N h"] | Float[Array, "B N h"]:
   """Attention of each sequence's newest ``T`` tokens over its paged keys and values.
 
@@ -454,6 +497,8 @@ def paged_attention(
       sequence's).  None: every earlier key.
     alibi_slopes: ``[N]`` ALiBi slopes: ``slope * (j - i)`` added to the scaled logits (before
       the soft-cap), from the key's and the query's positions, as ``dot_product_attention``.
+    relative_bias: a ``RelativeBias`` (T5's learned buckets), added like the slopes.  The
+      ``"xla"`` implementation only (None picks it; a kernel name is refused).
 
   Returns:
     ``[B, T, N, h]`` (``[B, N, h]`` for a 3-D query) in the query dtype.
@@ -465,6 +510,13 @@ def paged_attention(
                                           logits_soft_cap, num_splits, window, num_tokens)
   num_tokens = check_num_tokens(num_tokens, q.shape[0], q.shape[1], lengths)
   extra = dict(local_window_size=window, alibi_slopes=check_slopes(alibi_slopes, q.shape[2]))
+  relative_bias = check_relative_bias(relative_bias, q.shape[2])
+  if relative_bias is not None:
+    if implementation not in (None, "xla"):
+      raise ValueError(f"`relative_bias` (a learned relative-position bias) runs on "
+                       f"implementation='xla' only, got implementation={implementation!r}; the "
+                       f"decode kernels take ALiBi as `alibi_slopes`.")
+    implementation = "xla"
   scale = 1.0 / math.sqrt(h) if scale is None else scale
   page_table, lengths = page_table.astype(jnp.int32), lengths.astype(jnp.int32)
   impl = resolve_implementation(implementation) if q.shape[1] else "xla"   # T = 0: empty
@@ -473,7 +525,8 @@ def paged_attention(
     value_pool = value_pool.reshape(value_pool.shape[:2] + (kh, -1))
   if impl == "xla":
     out = paged_attention_xla(q, key_pool, value_pool, page_table, lengths, scale=scale,
-                              logits_soft_cap=logits_soft_cap, num_tokens=num_tokens, **extra)
+                              logits_soft_cap=logits_soft_cap, num_tokens=num_tokens,
+                              relative_bias=relative_bias, **extra)
     return out[:, 0] if squeeze else out
   if num_tokens is not None:
     q = align_queries(q, num_tokens)

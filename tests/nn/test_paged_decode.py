@@ -109,7 +109,7 @@ def test_mla_tpu_cache_layout_through_the_module(monkeypatch):
 
 def test_errors():
   x = _x(2)
-  for kw in (dict(position="t5"), dict(causal=False)):
+  for kw in (dict(causal=False),):
     # Abstract modules: the check comes before any parameter is read.
     attn = nnx.eval_shape(lambda kw=kw: Attention(D, num_heads=4, rngs=nnx.Rngs(0), **kw))
     with pytest.raises(ValueError, match="PagedKVCache"):

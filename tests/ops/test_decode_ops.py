@@ -138,6 +138,44 @@ def test_sliding_window_and_alibi(window, alibi):
     np.testing.assert_allclose(got[0, :, :2], value[0, 6:9, :1].repeat(2, 1), rtol=1e-6)
 
 
+def test_relative_bias_equals_the_dense_formula():
+  """A T5 bias (``RelativeBias``: learned buckets of ``j - i``) through the paged XLA path, with a
+  window and ragged chunks, equals ``dot_product_attention`` over each sequence's contiguous keys
+  with the bias of its positions; the kernels refuse it."""
+  from jaxattn import dot_product_attention  # noqa: PLC0415
+  from jaxattn.ops.decode import RelativeBias  # noqa: PLC0415
+  from jaxattn.ops.t5_bias import t5_position_bias  # noqa: PLC0415
+
+  cache, key, value = kv_cache(2)
+  (q, table) = _normal(8, (len(LENGTHS), 3, 4, 8), (8, 4))
+  rel = RelativeBias(table, num_buckets=8, max_distance=6)
+  args = (cache.key_pool, cache.value_pool, cache.page_table, cache.lengths)
+  nt = np.array([3, 0, 2, 1])
+  for window in (None, 4):
+    got = paged_attention(q, *args, relative_bias=rel, local_window_size=window, scale=0.5,
+                          num_tokens=jnp.asarray(nt))
+    for b, (length, n) in enumerate(zip(LENGTHS, nt)):
+      if n == 0:
+        np.testing.assert_array_equal(got[b], 0.0)
+        continue
+      qb, pos = q[b:b + 1, :n], jnp.arange(length - n, length)
+      bias = t5_position_bias(table, pos, jnp.arange(length), bidirectional=False, num_buckets=8,
+                              max_distance=6)
+      want = dot_product_attention(qb, key[b:b + 1, :length], value[b:b + 1, :length], bias,
+                                   scale=0.5, is_causal=True, q_offset=length - n,
+                                   local_window_size=window, implementation="xla")
+      np.testing.assert_allclose(got[b, :n], want[0], rtol=1e-5, atol=1e-6, err_msg=f"{b}")
+  plain = paged_attention(q, *args, scale=0.5)
+  assert float(jnp.max(jnp.abs(plain - paged_attention(q, *args, scale=0.5, relative_bias=rel)))
+               ) > 0.05
+  with pytest.raises(ValueError, match="runs on implementation='xla' only"):
+    paged_attention(q, *args, relative_bias=rel, implementation="pallas_tpu")
+  with pytest.raises(ValueError, match=r"`relative_bias.table` must be \[num_buckets=8, N=4\]"):
+    paged_attention(q, *args, relative_bias=RelativeBias(table[:, :2], num_buckets=8))
+  with pytest.raises(ValueError, match="`relative_bias` must be a RelativeBias or None"):
+    paged_attention(q, *args, relative_bias=table)
+
+
 def test_soft_cap_scale_and_bf16():
   cache, key, value = kv_cache(2, dtype=jnp.bfloat16)
   q = _normal(6, (len(LENGTHS), 2, 4, 8), scale=3.0)[0].astype(jnp.bfloat16)
