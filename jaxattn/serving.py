@@ -270,9 +270,10 @@ class Engine:
   """Continuous batching over a ``DecoderLM``'s paged cache (see the module docstring).
 
   Args:
-    model: the ``DecoderLM`` (any preset; its weights are read once, at construction).  When every paged layer is a sliding-window
-      layer (``mistral``) and there is no prefix cache, the pages behind each sequence's window
-      go back to the pool after every step: a request holds at most ``window_pages`` pages.
+    model: the ``DecoderLM`` (any preset; its weights are read once, at construction).  When
+      every paged layer is a sliding-window layer (``mistral``) and there is no prefix cache, the
+      pages behind each sequence's window go back to the pool after every step: a request holds
+      at most ``window_pages`` pages.
     max_batch: sequence slots decoded together.
     page_size: tokens per cache page.
     num_pages: pages in each layer's pool; default enough for every slot at ``max_seq_len``.

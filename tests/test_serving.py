@@ -1,9 +1,9 @@
 """Continuous batching (``jaxattn.serving.Engine``): with greedy decoding every request gets exactly
 what ``generate`` gives it alone -- with more requests than slots (queued, slots reused after a
 free), prompts longer than the chunk (chunked prefill beside decodes), an end-of-sequence token, a
-pool too small for all requests at once (admission waits for pages) -- for attention, MLA,
-hybrid Gated DeltaNet, sliding-window, ALiBi and T5-bias models; sampling is reproducible from the seed;
-the errors."""
+pool too small for all requests at once (admission waits for pages) -- for attention, MLA and
+hybrid Gated DeltaNet models, and a sliding-window model holding only its windows' pages;
+sampling is reproducible from the seed; the errors."""
 
 import jax
 import numpy as np

@@ -2,8 +2,8 @@
 model (``num_tokens``: one sequence prefills a chunk while another decodes and a third waits) give
 each sequence the logits of the full forward over that sequence alone; a finished sequence's slot,
 freed (``cache.free``), serves a new sequence as a fresh cache would; scanned stacks, MLA, DSA,
-MoE, Gated DeltaNet layers (hybrid), learned positions, mHC streams, sliding windows, ALiBi, T5 bias;
-the errors."""
+MoE, Gated DeltaNet layers (hybrid), learned positions, mHC streams, sliding windows (and their
+pages released), ALiBi, T5 bias, hybrid prefixes from saved states; the errors."""
 
 import jax
 import jax.numpy as jnp
