@@ -2,7 +2,7 @@
 
     python -m experiments.bench_serve [--preset llama] [--requests 32] [--max-batch 8]
         [--prompt-lens 8,96] [--new-tokens 4,64] [--shared-prefix 0] [--chunk 32]
-        [--page-size 16] [--num-pages N] [--seed 0] [--out runs/bench_serve]
+        [--page-size 16] [--num-pages N] [--max-seq-len N] [--seed 0] [--out runs/bench_serve]
 
 A synthetic workload of ``--requests`` requests with prompt lengths and new-token counts drawn
 uniformly from the two ranges, all submitted at once, greedy decoding, a tiny preset
@@ -16,7 +16,8 @@ same slots, pages, chunk and compiled step programs; only admission and caching 
     +prefix      continuous, with the prefix cache (``prefix_cache=True``): a request starts
                  from the cached pages of its prompt's longest computed prefix
 
-``--num-pages`` sizes each layer's page pool (default: every slot at the model's longest
+``--max-seq-len`` sets the model's longest sequence (default 256, or what the workload needs):
+the page tables' width.  ``--num-pages`` sizes each layer's page pool (default: every slot at the model's longest
 sequence); a smaller pool makes admission wait for pages.  A sliding-window preset (``mistral``)
 returns the pages behind each window to the pool after every step, except with the prefix cache
 (whose pages outlive the window): its ``+prefix`` run then holds every request's whole length.
@@ -74,10 +75,11 @@ def workload(requests: int, prompt_lens, new_tokens, vocab: int, seed: int,
 
 
 def serve(model, work, *, policy: str, max_batch: int, chunk: int, page_size: int,
-          prefix_cache: bool = False, num_pages: int | None = None) -> dict:
+          prefix_cache: bool = False, num_pages: int | None = None,
+          narrow_tables: bool = True) -> dict:
   """Runs ``work`` twice on one engine (the first compiles every step shape); times the second."""
   engine = Engine(model, max_batch=max_batch, page_size=page_size, chunk=chunk, policy=policy,
-                  prefix_cache=prefix_cache, num_pages=num_pages)
+                  prefix_cache=prefix_cache, num_pages=num_pages, narrow_tables=narrow_tables)
   for prompt, n in work:                               # warm-up: the same workload
     engine.submit(prompt, n)
   engine.run()
@@ -98,9 +100,11 @@ def serve(model, work, *, policy: str, max_batch: int, chunk: int, page_size: in
   seconds = time.perf_counter() - start
   stats = {k: v - before[k] for k, v in vars(engine.stats).items()}
   results = engine.results
-  return dict(policy=policy + ("+prefix" if prefix_cache else ""), seconds=seconds,
+  name = policy + ("+prefix" if prefix_cache else "") + ("" if narrow_tables else " (whole table)")
+  return dict(policy=name, seconds=seconds,
               steps=stats["steps"], calls=stats["calls"], fed=stats["fed_tokens"],
               hit=stats["prefix_hit_tokens"], rows=stats["computed_rows"],
+              table_columns=stats["table_columns"],
               generated=stats["generated"],
               occupancy=stats["busy_slot_steps"] / max(stats["slot_steps"], 1),
               tokens_per_second=stats["generated"] / seconds,
@@ -110,8 +114,11 @@ def serve(model, work, *, policy: str, max_batch: int, chunk: int, page_size: in
 
 def run(*, preset: str = "llama", requests: int = 32, max_batch: int = 8,
         prompt_lens=(8, 96), new_tokens=(4, 64), shared_prefix: int = 0, chunk: int = 32,
-        page_size: int = 16, seed: int = 0, num_pages: int | None = None) -> dict:
+        page_size: int = 16, seed: int = 0, num_pages: int | None = None,
+        max_seq_len: int | None = None, compare_whole_table: bool = False) -> dict:
   cfg = get_config(preset, **TINY)
+  if max_seq_len is not None:
+    cfg = cfg.replace(max_seq_len=max_seq_len)
   if cfg.num_layers < len(cfg.layer_pattern):   # qwen3-next: DDDA, an attention layer too
     cfg = cfg.replace(num_layers=len(cfg.layer_pattern))
   need = shared_prefix + prompt_lens[1] + new_tokens[1]
@@ -122,13 +129,15 @@ def run(*, preset: str = "llama", requests: int = 32, max_batch: int = 8,
   kw = dict(max_batch=max_batch, chunk=chunk, page_size=page_size, num_pages=num_pages)
   rows = [serve(model, work, policy=p, **kw) for p in ("static", "continuous")]
   rows.append(serve(model, work, policy="continuous", prefix_cache=True, **kw))
+  if compare_whole_table:
+    rows.append(serve(model, work, policy="continuous", narrow_tables=False, **kw))
   same = all(r["outputs"] == rows[0]["outputs"] for r in rows)
   for r in rows:
     del r["outputs"]
   return dict(config=dict(preset=preset, requests=requests, max_batch=max_batch,
                           prompt_lens=list(prompt_lens), new_tokens=list(new_tokens),
                           shared_prefix=shared_prefix, chunk=chunk, page_size=page_size,
-                          num_pages=num_pages,
+                          num_pages=num_pages, max_seq_len=cfg.max_seq_len,
                           seed=seed, jax=jax.__version__, backend=jax.default_backend()),
               rows=rows, identical_outputs=same,
               speedup=rows[1]["tokens_per_second"] / rows[0]["tokens_per_second"],
@@ -143,11 +152,11 @@ def format_table(results: dict) -> str:
            f"a shared prefix of {c['shared_prefix']}, new tokens {c['new_tokens']}, "
            f"{c['max_batch']} slots, chunk {c['chunk']}, pages of {c['page_size']}; "
            f"{c['backend']}, jax {c['jax']}"]
-  head = (f"{'policy':>17} {'steps':>6} {'calls':>6} {'fed':>7} {'hit':>6} {'rows':>7} "
+  head = (f"{'policy':>24} {'steps':>6} {'calls':>6} {'fed':>7} {'hit':>6} {'rows':>7} "
           f"{'generated':>9} {'occupancy':>9} {'seconds':>8} {'tokens/s':>9} {'TTFT s':>7}")
   lines += [head, "-" * len(head)]
   for r in results["rows"]:
-    lines.append(f"{r['policy']:>17} {r['steps']:6d} {r['calls']:6d} {r['fed']:7d} "
+    lines.append(f"{r['policy']:>24} {r['steps']:6d} {r['calls']:6d} {r['fed']:7d} "
                  f"{r['hit']:6d} {r['rows']:7d} {r['generated']:9d} "
                  f"{100 * r['occupancy']:8.1f}% {r['seconds']:8.2f} "
                  f"{r['tokens_per_second']:9.1f} {r['ttft_seconds']:7.2f}")
@@ -155,6 +164,12 @@ def format_table(results: dict) -> str:
                f"{results['step_ratio']:.2f}x fewer steps; prefix cache: "
                f"{results['prefix_row_ratio']:.2f}x fewer rows, {results['prefix_speedup']:.2f}x "
                f"tokens/s; identical greedy outputs: {results['identical_outputs']}")
+  if len(results["rows"]) == 4:
+    narrow, whole = results["rows"][1], results["rows"][3]
+    lines.append(f"continuous, page tables narrowed to the lengths served vs the whole table: "
+                 f"{narrow['tokens_per_second'] / whole['tokens_per_second']:.2f}x tokens/s, "
+                 f"{whole['table_columns'] / max(narrow['table_columns'], 1):.1f}x fewer "
+                 f"table columns read")
   return "\n".join(lines)
 
 
@@ -165,7 +180,7 @@ def plot(results: dict, path: pathlib.Path) -> pathlib.Path:
   import matplotlib.pyplot as plt  # noqa: PLC0415
 
   fig, ax = plt.subplots(figsize=(8, 3.2))
-  for r, color in zip(results["rows"], ("tab:orange", "tab:blue", "tab:green")):
+  for r, color in zip(results["rows"], ("tab:orange", "tab:blue", "tab:green", "tab:gray")):
     ax.step(range(len(r["busy_per_step"])), r["busy_per_step"], where="post", color=color,
             label=f"{r['policy']}: {r['steps']} steps, {100 * r['occupancy']:.0f}% occupied")
   ax.set(xlabel="engine step", ylabel="busy slots",
@@ -206,6 +221,11 @@ def main(argv=None) -> dict:
   ap.add_argument("--page-size", type=at_least(1), default=16)
   ap.add_argument("--num-pages", type=at_least(1), default=None,
                   help="pages in each layer's pool (default: every slot at max_seq_len)")
+  ap.add_argument("--max-seq-len", type=at_least(1), default=None,
+                  help="the model's longest sequence: the page tables' width (default 256)")
+  ap.add_argument("--compare-whole-table", action="store_true",
+                  help="add a continuous run whose calls read the whole page table "
+                  "(Engine(narrow_tables=False)): the baseline of the table narrowing")
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--out", default="runs/bench_serve")
   args = ap.parse_args(argv)
@@ -214,7 +234,8 @@ def main(argv=None) -> dict:
   results = run(preset=args.preset, requests=args.requests, max_batch=args.max_batch,
                 prompt_lens=args.prompt_lens, new_tokens=args.new_tokens,
                 shared_prefix=args.shared_prefix, chunk=args.chunk,
-                page_size=args.page_size, seed=args.seed, num_pages=args.num_pages)
+                page_size=args.page_size, seed=args.seed, num_pages=args.num_pages,
+                max_seq_len=args.max_seq_len, compare_whole_table=args.compare_whole_table)
   print(format_table(results))
   write_json(out / "results.json", results)
   png = plot(results, out / "bench_serve.png")

@@ -25,9 +25,12 @@ batched call: a request's routing then depends on its neighbours).
 
 Call shapes: ``[b, T]`` with ``b`` the number of slots served rounded up to a power of two (at most
 ``max_batch``; the padding rows feed nothing) and ``T`` the smallest power of two (up to
-``chunk``) covering the longest prompt remainder, or 1 for decoding.  So at most
-``(ceil(log2(max_batch)) + 1) x (ceil(log2(chunk)) + 1) + 1`` programs are compiled (with
-``free``; a decode call has a prefill call's shape at ``T = 1``), each once.
+``chunk``) covering the longest prompt remainder, or 1 for decoding; and the page-table width
+``W`` the call reads: the smallest power of two (at least ``MIN_TABLE_PAGES`` = 16, at most
+``max_pages_per_seq``) holding its sequences' pages, so a step's cost follows the lengths being
+served, not the longest one the engine admits (the XLA decode path gathers ``W`` pages per
+sequence; the kernels' grids span ``W``).  So at most ``(ceil(log2(max_batch)) + 1) x
+(ceil(log2(chunk)) + 1) x (widths)`` step programs are compiled, each once.
 
 Under a device mesh (``Engine(model, mesh=mesh)``, or the mesh set by ``jax.set_mesh`` when the
 engine is built; Auto axes, ``jaxattn.sharding.make_mesh``) the weights are placed by their
@@ -61,6 +64,9 @@ from jaxattn.sharding import check_auto_mesh, context_mesh, param_shardings
 
 
 POLICIES = ("continuous", "static")
+# The narrowest page table a model call reads (a call reads the first power-of-two columns that
+# hold its sequences, at least these, at most max_pages_per_seq).
+MIN_TABLE_PAGES = 16
 
 
 @dataclasses.dataclass
@@ -85,8 +91,10 @@ class EngineStats:
   finished; with a prefix cache, prompt tokens read from cached pages instead of fed
   (``prefix_hit_tokens``), cached pages given back to the pool for new requests
   (``evicted_pages``), admissions a request sat out waiting for a prefix page another request
-  was computing (``prefix_waits``) and, for models with recurrent layers, snapshots of their
-  states saved at cached page ends (``saved_states``)."""
+  was computing (``prefix_waits``), for models with recurrent layers, snapshots of their
+  states saved at cached page ends (``saved_states``), and the page-table entries the calls
+  read (``table_columns``: ``b x`` the call's table width, the pages per sequence the decode
+  paths visit)."""
 
   steps: int = 0
   calls: int = 0
@@ -100,6 +108,7 @@ class EngineStats:
   evicted_pages: int = 0
   prefix_waits: int = 0
   saved_states: int = 0
+  table_columns: int = 0
 
   @property
   def occupancy(self) -> float:
@@ -120,11 +129,12 @@ def step_functions(graphdef, *, temperature: float = 0.0, top_p: float = 1.0, to
   graph definition and sampling setting (engines over models of one structure share them, and
   their compiled programs):
 
-  * ``step(state, tokens [b, T], num_tokens [b], rows [b], cache, key) -> (next [b], cache)``: a
-    ragged chunk through the model on the cache slots ``rows`` (``PagedModelCache.take`` /
-    ``put``; an entry ``>= B`` is padding and must have ``num_tokens`` 0); ``next[i]`` is sampled
-    from the logits of row ``i``'s last real token
-    (meaningless for a row with ``num_tokens[i] = 0``);
+  * ``step(state, tokens [b, T], num_tokens [b], rows [b], cache, key, pages=None) -> (next [b],
+    cache)``: a ragged chunk through the model on the cache slots ``rows``
+    (``PagedModelCache.take`` / ``put``; an entry ``>= B`` is padding and must have
+    ``num_tokens`` 0) reading the first ``pages`` page-table columns (static; None: all);
+    ``next[i]`` is sampled from the logits of row ``i``'s last real token (meaningless for a row
+    with ``num_tokens[i] = 0``);
   * ``free(cache, done [B]) -> cache``.
 
   ``release_window``: a model whose every paged layer has this sliding window; ``step`` then
@@ -134,11 +144,11 @@ def step_functions(graphdef, *, temperature: float = 0.0, top_p: float = 1.0, to
   Both donate the cache (it is updated in place; use the returned one), and return it in the
   layout ``PagedModelCache.shard`` gives it on the active mesh (unchanged without one)."""
 
-  @functools.partial(jax.jit, donate_argnums=4)
-  def step(state, tokens, num_tokens, rows, cache, key):
+  @functools.partial(jax.jit, donate_argnums=4, static_argnames="pages")
+  def step(state, tokens, num_tokens, rows, cache, key, pages=None):
     m = nnx.merge(graphdef, state)
     m.eval()
-    full, cache = cache, cache.take(rows)
+    full, cache = cache, cache.take(rows, pages)
     # The head on each row's last real position only: [B, T, V] fp32 logits of a prefill chunk
     # would be T times the memory and head FLOPs (128 MiB at B = 8, T = 32, V = 128k).
     h, cache = m(tokens, cache=cache, num_tokens=num_tokens, return_hidden=True)
@@ -304,6 +314,10 @@ class Engine:
       snapshots to keep (least recently used replaced first); default ``4 * max_batch``.  Each
       holds every recurrent layer's state and convolution tails for one sequence (Qwen3-Next-80B:
       36 layers x 32 heads x 128 x 128 fp32 = 75 MB).
+    narrow_tables: each call reads only the page-table columns its sequences need (a power of
+      two, at least ``MIN_TABLE_PAGES``; see the module docstring), so a step costs what the
+      lengths served need, not ``max_seq_len``.  False: always the whole table (fewer compiled
+      programs; ``experiments/bench_serve.py --compare-whole-table`` measures the difference).
     mesh: a device mesh (Auto axes) to serve on: the weights placed by their logical axes, the
       cache's pools split over the KV heads' mesh axes, every call run under it (see the module
       docstring).  Default: the mesh set by ``jax.set_mesh`` when the engine is built, if any.
@@ -314,7 +328,7 @@ class Engine:
                chunk: int = 64, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                seed: int = 0, dtype=None, policy: str = "continuous",
                prefix_cache: bool = False, prefix_states: int | None = None,
-               mesh: jax.sharding.Mesh | None = None):
+               narrow_tables: bool = True, mesh: jax.sharding.Mesh | None = None):
     check_sampling(temperature, top_p, top_k)
     if policy not in POLICIES:
       raise ValueError(f"`policy` must be one of {POLICIES}, got {policy!r}.")
@@ -350,6 +364,9 @@ class Engine:
                                           dtype=dtype).shard()
     if prefix_states is not None:
       _positive_int("prefix_states", prefix_states)
+    if not isinstance(narrow_tables, bool):
+      raise ValueError(f"`narrow_tables` must be a bool, got {narrow_tables!r}.")
+    self.narrow_tables = narrow_tables
     if prefix_cache and not self.cache.paged:
       raise ValueError("`prefix_cache=True` shares cached pages; this model has no paged layer "
                        "(only recurrent ones): nothing to share.")
@@ -621,10 +638,20 @@ class Engine:
         tokens[i, :n] = r.prompt[r.fed:r.fed + n]
       else:
         tokens[i, 0] = r.out[-1]
+    # The page-table columns the call needs (its sequences' pages after it), rounded up to a
+    # power of two (few compiled shapes), at least MIN_TABLE_PAGES: the decode paths read that
+    # many pages per sequence, not the table's width (max_seq_len).
+    ps, m = self.page_size, self.max_pages_per_seq
+    need = max(-(-(r.fed + n if r.fed < r.prompt.size else r.prompt.size + len(r.out)) // ps)
+               for _, r, n in group)
+    pages = min(m, max(MIN_TABLE_PAGES, 1 << (max(need, 1) - 1).bit_length()))
+    pages = pages if self.narrow_tables else m
     self._key, key = jax.random.split(self._key)
     with self._on_mesh():
       nxt, self.cache = self._step(self._state, jnp.asarray(tokens), jnp.asarray(counts),
-                                   jnp.asarray(rows), self.cache, key)
+                                   jnp.asarray(rows), self.cache, key,
+                                   pages=None if pages == m else pages)
+    self.stats.table_columns += size * pages
     self.stats.calls += 1
     self.stats.computed_rows += size * t
     return np.asarray(nxt)[:len(group)]

@@ -188,6 +188,24 @@ def test_samples_of_one_prompt_compute_it_once(policy):
   _check_pool(shared)
 
 
+def test_calls_read_only_the_page_table_columns_they_need():
+  """Pages of one token: a table of 64 columns (max_seq_len).  Each call narrows the tables to
+  the power of two (>= 16) holding its sequences' pages -- here 16 or 32, never 64 -- with the
+  prefix cache attaching pages, and every request still gets what ``generate`` gives it alone."""
+  model = model_for("llama")
+  engine = Engine(model, max_batch=2, page_size=1, chunk=4, prefix_cache=True)
+  assert engine.max_pages_per_seq == 64
+  prompts = _system_requests(4)                              # 14 to 19 tokens
+  ids = [engine.submit(p, 6) for p in prompts]
+  results = engine.run()
+  for rid, p in zip(ids, prompts):
+    np.testing.assert_array_equal(results[rid], alone(model, p, 6), err_msg=f"request {rid}")
+  st = engine.stats
+  assert st.prefix_hit_tokens > 0
+  assert 16 * st.calls <= st.table_columns <= 2 * 32 * st.calls     # b <= 2 rows x W <= 32
+  _check_pool(engine)
+
+
 def test_a_later_turn_reads_the_generated_tokens_from_the_cache():
   model = model_for("llama")
   engine = Engine(model, max_batch=2, page_size=4, chunk=4, prefix_cache=True)

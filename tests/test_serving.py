@@ -202,7 +202,8 @@ def test_errors():
                     (dict(chunk=2.0), "`chunk` must be a positive int"),
                     (dict(temperature=-1.0), "`temperature`"),
                     (dict(seed=0.5), "`seed` must be an int"),
-                    (dict(policy="fifo"), "`policy` must be one of")]:
+                    (dict(policy="fifo"), "`policy` must be one of"),
+                    (dict(narrow_tables=1), "`narrow_tables` must be a bool")]:
     with pytest.raises(ValueError, match=match):
       Engine(model, **kw)
 

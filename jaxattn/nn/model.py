@@ -745,14 +745,20 @@ class PagedModelCache:
     a prefix cache held and no sequence holds any more (``PageTable.push``)."""
     return PagedModelCache(self._tables(lambda t: t.push(pages)), self.lengths, self.stacked)
 
-  def take(self, rows: Int[Array, "b"]) -> "PagedModelCache":
+  def take(self, rows: Int[Array, "b"], pages: int | None = None) -> "PagedModelCache":
     """The sub-batch of sequence slots ``rows [b]``: every layer's page-table rows and lengths
     and recurrent states of those slots, with the page pools and free-page stacks whole (shared:
     a call on the sub-batch reads and allocates from them).  An entry ``>= B`` or negative
     (padding of a fixed-size sub-batch) reads the last slot; it must feed no token
-    (``num_tokens`` 0), and ``put`` drops it."""
+    (``num_tokens`` 0), and ``put`` drops it.  ``pages``: keep only the first ``pages`` columns
+    of the page tables (the call's sequences, new tokens included, must fit in them): the decode
+    paths then read ``pages`` pages per sequence, not the table's width."""
     rows = self._padding_past_end(rows)
-    return self._rows(lambda x, axis: jnp.take(x, rows, axis=axis, mode="clip"), None)
+    sub = self._rows(lambda x, axis: jnp.take(x, rows, axis=axis, mode="clip"), None)
+    if pages is None or pages >= self.page_table.shape[-1]:
+      return sub
+    return PagedModelCache(sub._tables(lambda t: dataclasses.replace(
+        t, page_table=t.page_table[:, :pages])), sub.lengths, sub.stacked)
 
   def _padding_past_end(self, rows):
     """Negative entries as ``B``: a -1 would otherwise be clipped to slot 0 by ``take`` and wrap
@@ -761,12 +767,15 @@ class PagedModelCache:
     return jnp.where(rows < 0, self.batch, rows)
 
   def put(self, rows: Int[Array, "b"], sub: "PagedModelCache") -> "PagedModelCache":
-    """This cache with ``sub`` (``take(rows)`` after a model call) written back: the slots'
-    rows, and the pools and free stacks whole.  Entries ``>= B`` or negative are dropped."""
+    """This cache with ``sub`` (``take(rows[, pages])`` after a model call) written back: the
+    slots' rows (their first ``pages`` table columns), and the pools and free stacks whole.
+    Entries ``>= B`` or negative are dropped."""
     rows = self._padding_past_end(rows)
 
     def write(x, axis, new):
       index = (slice(None),) * axis + (rows,)
+      if x.ndim == new.ndim > axis + 1 and new.shape[-1] < x.shape[-1]:   # a narrowed table
+        index = index + (slice(None),) * (x.ndim - axis - 2) + (slice(0, new.shape[-1]),)
       return x.at[index].set(new, mode="drop")
     return self._rows(write, sub)
 
