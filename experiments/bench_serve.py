@@ -17,10 +17,12 @@ same slots, pages, chunk and compiled step programs; only admission and caching 
                  from the cached pages of its prompt's longest computed prefix
 
 ``--max-seq-len`` sets the model's longest sequence (default 256, or what the workload needs):
-the page tables' width.  ``--num-pages`` sizes each layer's page pool (default: every slot at the model's longest
-sequence); a smaller pool makes admission wait for pages.  A sliding-window preset (``mistral``)
-returns the pages behind each window to the pool after every step, except with the prefix cache
-(whose pages outlive the window): its ``+prefix`` run then holds every request's whole length.
+the page tables' width; ``--compare-whole-table`` adds a continuous run whose calls read the
+whole table (``Engine(narrow_tables=False)``).  ``--num-pages`` sizes each layer's page pool
+(default: every slot at the model's longest sequence); a smaller pool makes admission wait for
+pages.  A sliding-window preset (``mistral``) returns the pages behind each window to the pool
+after every step, except with the prefix cache (whose pages outlive the window): its
+``+prefix`` run then holds every request's whole length.
 
 Each runs the workload twice; the second (warm: every step shape compiled; the prefix cache
 emptied first) is timed.
