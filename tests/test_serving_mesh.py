@@ -5,6 +5,7 @@ test_serving.py), with and without the prefix cache, and every step hands the ca
 layout.  ``PagedModelCache.shard``'s layouts, Gated DeltaNet states included; the errors."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -107,6 +108,16 @@ def test_shard_splits_pools_and_recurrent_states_over_heads():
     assert spec(c.lengths) == (None,)
     for a, b in zip(jax.tree.leaves(c), jax.tree.leaves(cache)):     # values unchanged
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+  # A snapshot store for prefix caching (hybrid models): split as the slots' states, made and
+  # filled on the mesh.
+  with jax.set_mesh(make_mesh({"data": 4, "tensor": 2})):
+    store = placed.save_states(placed.state_store(3), jnp.asarray([1]), jnp.asarray([2]))
+  kept = [x for group in store for x in group if x is not None]
+  assert len(kept) == 3
+  for k, d in zip(kept, [x for x in layers(placed) if not isinstance(x, PagedKVCache)]):
+    assert spec(k.state) == (None, "tensor", None, None) and spec(k.conv_q)[2] == "tensor"
+    np.testing.assert_array_equal(np.asarray(k.state[2]), np.asarray(d.state[1]))
 
   # Heads that the mesh axis does not divide stay whole (2 KV heads on tensor = 4).
   with jax.set_mesh(make_mesh({"data": 2, "tensor": 4})):

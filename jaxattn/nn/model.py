@@ -581,6 +581,17 @@ class ModelCache:
   index: Int[Array, ""]
 
 
+def _split_heads(c: DeltaNetCache) -> DeltaNetCache:
+  """Gated DeltaNet states (a slot's, or a snapshot store's) split over the mesh axes of their
+  heads (a no-op without a mesh)."""
+  if _active_mesh() is None:
+    return c
+  return DeltaNetCache(conv_q=split_axis(c.conv_q, -2, "kv_heads"),
+                       conv_k=split_axis(c.conv_k, -2, "kv_heads"),
+                       conv_v=split_axis(c.conv_v, -2, "heads"),
+                       state=split_axis(c.state, -3, "heads"))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedModelCache:
@@ -628,10 +639,7 @@ class PagedModelCache:
 
     def one(c):
       if isinstance(c, DeltaNetCache):
-        return DeltaNetCache(conv_q=split_axis(c.conv_q, -2, "kv_heads"),
-                             conv_k=split_axis(c.conv_k, -2, "kv_heads"),
-                             conv_v=split_axis(c.conv_v, -2, "heads"),
-                             state=split_axis(c.state, -3, "heads"))
+        return _split_heads(c)
       if isinstance(c, PagedKVCache):
         k = c.num_kv_heads
         return dataclasses.replace(c, key_pool=split_axis(c.key_pool, -1, "kv_heads", k),
@@ -657,12 +665,13 @@ class PagedModelCache:
   def state_store(self, count: int) -> tuple:
     """An empty store of ``count`` snapshots of the recurrent states: per group a tuple with,
     for each Gated DeltaNet layer, a ``DeltaNetCache`` of ``count`` rows (on axis 1 for a
-    scanned group), None for each paged layer.  ``save_states`` fills it, ``attach`` reads it."""
+    scanned group), None for each paged layer; on a mesh split over the heads as the slots'
+    states are (``shard``).  ``save_states`` fills it, ``attach`` reads it."""
     def one(c, stacked):
       if not isinstance(c, DeltaNetCache):
         return None
       shape = lambda x: x.shape[:int(stacked)] + (count,) + x.shape[int(stacked) + 1:]  # noqa: E731
-      return jax.tree.map(lambda x: jnp.zeros(shape(x), x.dtype), c)
+      return _split_heads(jax.tree.map(lambda x: jnp.zeros(shape(x), x.dtype), c))
     return tuple(tuple(one(c, stacked) for c in group)
                  for group, stacked in zip(self.groups, self.stacked))
 
@@ -679,9 +688,9 @@ class PagedModelCache:
       axis = int(stacked)
       count = kept.state.shape[axis]
       where = (slice(None),) * axis + (jnp.where(ids < 0, count, ids),)
-      return jax.tree.map(
+      return _split_heads(jax.tree.map(
           lambda x, k: k.at[where].set(jnp.take(x, rows, axis=axis, mode="clip"), mode="drop"),
-          c, kept)
+          c, kept))
     return tuple(tuple(one(c, k, stacked) for c, k in zip(group, kept))
                  for group, kept, stacked in zip(self.groups, store, self.stacked))
 
