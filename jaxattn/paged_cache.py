@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxattn.checks import check_int_array
+from jaxattn.checks import check_int_array, is_int
 
 _I32 = jnp.int32
 _LANES = 128
@@ -213,7 +213,7 @@ class PageTable:
     pages are then at most ``ceil((window + T) / page_size) + 1`` during a step of ``T``
     tokens, whatever its length.  (Pages a prefix cache shares must not be released: this is
     for tables that share none.)"""
-    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 0:
+    if not is_int(window) or window < 0:
       raise ValueError(f"`window` must be an int >= 0, got {window!r}.")
     return _release_behind(self, int(window))
 
@@ -297,10 +297,9 @@ def _free(table: PageTable, done, keep):
   owned = jnp.arange(table.max_pages)[None, :] < (-(-table.lengths // ps))[:, None]
   kept = keep[jnp.clip(table.page_table, 0, table.num_pages - 1)]
   release = (owned & done[:, None] & (table.page_table >= 0) & ~kept).reshape(-1)  # [B * M]
-  free_pages = _stack_push(table, table.page_table.reshape(-1), release)
-  return PageTable(page_table=jnp.where(done[:, None], -1, table.page_table),
-                   lengths=jnp.where(done, 0, table.lengths), free_pages=free_pages,
-                   num_free=(table.num_free + jnp.sum(release)).astype(_I32), page_size=ps)
+  return dataclasses.replace(_stack_push(table, table.page_table.reshape(-1), release),
+                             page_table=jnp.where(done[:, None], -1, table.page_table),
+                             lengths=jnp.where(done, 0, table.lengths))
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -308,24 +307,22 @@ def _release_behind(table: PageTable, window: int):
   ps = table.page_size
   dead = jnp.arange(table.max_pages)[None, :] < ((table.lengths - window) // ps)[:, None]
   release = dead & (table.page_table >= 0)
-  free_pages = _stack_push(table, table.page_table.reshape(-1), release.reshape(-1))
-  return dataclasses.replace(table, page_table=jnp.where(release, -1, table.page_table),
-                             free_pages=free_pages,
-                             num_free=(table.num_free + jnp.sum(release)).astype(_I32))
+  return dataclasses.replace(_stack_push(table, table.page_table.reshape(-1), release.reshape(-1)),
+                             page_table=jnp.where(release, -1, table.page_table))
 
 
-def _stack_push(table: PageTable, pages, release):
-  """The free stack with ``pages[release]`` pushed on top, in order."""
+def _stack_push(table: PageTable, pages, release) -> PageTable:
+  """``table`` with ``pages[release]`` pushed on top of its free stack, in order (and counted in
+  ``num_free``)."""
   slot = table.num_free + jnp.cumsum(release) - 1                     # stack slot of each page
   slot = jnp.where(release, slot, table.num_pages)                    # the others: dropped
-  return table.free_pages.at[slot].set(pages, mode="drop")
+  return dataclasses.replace(table, free_pages=table.free_pages.at[slot].set(pages, mode="drop"),
+                             num_free=(table.num_free + jnp.sum(release)).astype(_I32))
 
 
 @jax.jit
 def _push(table: PageTable, pages):
-  release = pages >= 0
-  return dataclasses.replace(table, free_pages=_stack_push(table, pages, release),
-                             num_free=(table.num_free + jnp.sum(release)).astype(_I32))
+  return _stack_push(table, pages, pages >= 0)
 
 
 @jax.jit
