@@ -82,6 +82,12 @@ class _Request:
   shared: list = dataclasses.field(default_factory=list)   # prefix-cache pages it reads
   fresh: int = 0              # pages reserved from the free pool (pages - matched)
 
+  @property
+  def held(self) -> int:
+    """Tokens in the cache (and read by recurrent states): the prompt fed so far and the
+    generated tokens but the last (sampled, not fed yet)."""
+    return self.fed + max(len(self.out) - 1, 0)
+
 
 @dataclasses.dataclass
 class EngineStats:
@@ -344,7 +350,7 @@ class Engine:
     # A model whose every paged layer has one sliding window (mistral) holds only the pages of
     # each sequence's window: the others go back to the pool after each step (not with a prefix
     # cache, whose pages outlive the window).
-    kinds = {self.config.layer_kind(i)[0] for i in range(self.config.num_layers)}
+    kinds = self.config.kinds()
     self.window = (self.config.sliding_window
                    if "S" in kinds and kinds <= {"S", "D"} and not prefix_cache else None)
     per_seq = -(-self.config.max_seq_len // self.page_size)
@@ -571,7 +577,7 @@ class Engine:
     for slot, r in enumerate(self._slots):
       if r is None:
         continue
-      held = r.fed + max(len(r.out) - 1, 0)       # the tokens the states have read
+      held = r.held
       if held == 0 or held % ps or held // ps > len(r.keys):
         continue
       key = r.keys[held // ps - 1]
@@ -604,7 +610,7 @@ class Engine:
     for slot, r in enumerate(self._slots):
       if r is None:
         continue
-      held = r.fed + max(len(r.out) - 1, 0)       # tokens in the cache (the last sampled: not)
+      held = r.held
       first = len(r.shared)
       if held // ps <= first:
         continue
@@ -642,8 +648,7 @@ class Engine:
     # power of two (few compiled shapes), at least MIN_TABLE_PAGES: the decode paths read that
     # many pages per sequence, not the table's width (max_seq_len).
     ps, m = self.page_size, self.max_pages_per_seq
-    need = max(-(-(r.fed + n if r.fed < r.prompt.size else r.prompt.size + len(r.out)) // ps)
-               for _, r, n in group)
+    need = max(-(-(r.held + n) // ps) for _, r, n in group)
     pages = min(m, max(MIN_TABLE_PAGES, 1 << (max(need, 1) - 1).bit_length()))
     pages = pages if self.narrow_tables else m
     self._key, key = jax.random.split(self._key)
