@@ -203,19 +203,16 @@ def _query_positions(t, lengths, num_tokens=None):
   return lengths[:, None] - n + rows
 
 
-def _visible(t, s, lengths, num_tokens=None, window=None, kv_start=None):
-  """``[B, T, S]``: key ``s`` exists and is not after query ``t`` (the last ``T`` tokens; with
-  ``num_tokens``, the first ``num_tokens[b]`` queries are the last tokens, the rest see
-  nothing), nor more than ``window`` positions before it (a sliding window).  ``kv_start [B]``:
-  the position of each sequence's key 0 (default 0)."""
-  kv = jnp.arange(s, dtype=jnp.int32)[None, None, :]
-  if kv_start is not None:
-    kv = kv + kv_start[:, None, None]
-  rows = jnp.arange(t, dtype=jnp.int32)[None, :, None]
-  n = t if num_tokens is None else num_tokens[:, None, None]
-  q_pos = _query_positions(t, lengths, num_tokens)[:, :, None]
-  ok = (kv < lengths[:, None, None]) & (kv <= q_pos) & (rows < n)
-  return ok if window is None else ok & (kv >= q_pos - window)
+def _visible(q_pos, kv_pos, lengths, num_tokens=None, window=None):
+  """``[B, T, S]``: key ``s`` (at ``kv_pos [B|1, S]``) exists and is not after query ``t`` (at
+  ``q_pos [B, T]``: ``_query_positions``; with ``num_tokens``, only the first ``num_tokens[b]``
+  queries are real, the rest see nothing), nor more than ``window`` positions before it (a
+  sliding window)."""
+  kv, q = kv_pos[:, None, :], q_pos[:, :, None]
+  ok = (kv < lengths[:, None, None]) & (kv <= q)
+  if num_tokens is not None:
+    ok &= jnp.arange(q_pos.shape[1], dtype=jnp.int32)[None, :, None] < num_tokens[:, None, None]
+  return ok if window is None else ok & (kv >= q - window)
 
 
 @jax.tree_util.register_dataclass
@@ -390,7 +387,7 @@ def paged_attention_xla(query, key_pool, value_pool, page_table, lengths, *, sca
     bias = relative_bias(q_pos, kv_pos).reshape(b, kh, n // kh, t, s)
     logits = logits + bias
   logits = _cap(logits, logits_soft_cap)
-  visible = _visible(t, s, lengths, num_tokens, local_window_size, kv_start)
+  visible = _visible(q_pos, kv_pos, lengths, num_tokens, local_window_size)
   p = _softmax_rows(logits, visible[:, None, None])
   out = jnp.einsum("bkgts,bskh->btkgh", p, value)
   return out.reshape(b, t, n, value.shape[-1]).astype(query.dtype)
@@ -725,7 +722,9 @@ def paged_mla_decode_xla(q_latent, q_rope, c_kv_pool, k_rope_pool, page_table, l
     kr = gather_pages(k_rope_pool, table).astype(_F32)              # [B, S, R]
     logits = (jnp.einsum("btnc,bsc->btns", ql, ckv)
               + jnp.einsum("btnr,bsr->btns", qr, kr)) * scale
-    p = _softmax_rows(logits, _visible(t, ckv.shape[1], lengths, num_tokens)[:, :, None])
+    visible = _visible(_query_positions(t, lengths, num_tokens),
+                       jnp.arange(ckv.shape[1], dtype=jnp.int32)[None], lengths, num_tokens)
+    p = _softmax_rows(logits, visible[:, :, None])
     out = jnp.einsum("btns,bsc->btnc", p, ckv)
   else:
     valid, page, off = sparse_rows(indices, page_table, lengths, c_kv_pool.shape[1])
