@@ -55,8 +55,9 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
 from jaxattn.ops.decode import check_num_splits, merged_kv_heads
-from pallas_kernels.decode_attention.tpu import (slopes_arg, combine, run_sharded_gqa,
-                                                 visible_keys, window_pages, window_start)
+from pallas_kernels.decode_attention.tpu import (combine, row_slopes, run_sharded_gqa,
+                                                 slopes_arg, visible_keys, window_pages,
+                                                 window_start)
 
 _F32 = jnp.float32
 DEFAULT_SMS = 132  # H100 / H200 SXM
@@ -270,8 +271,7 @@ def _call(q, key_pool, value_pool, page_table, lengths, slopes=None, *, scale, s
   pool_map = lambda bi, kr, si: (0, 0, kr // nrb, 0)  # noqa: E731
   extra_specs, extra_args = [], []
   if slopes is not None:     # ALiBi: each query row's slope, [K, rows] rows (t, g)
-    rows_slopes = jnp.tile(slopes.astype(_F32).reshape(kh, g), (1, t))
-    extra_args.append(jnp.pad(rows_slopes, ((0, 0), (0, rows - t * g))))
+    extra_args.append(row_slopes(slopes, kh, g, t, rows))
     extra_specs.append(pl.BlockSpec((None, rb), lambda bi, kr, si: (kr // nrb, kr % nrb)))
   out, lse = pl.pallas_call(
       kernel,

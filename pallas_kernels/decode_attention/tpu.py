@@ -315,8 +315,7 @@ def _local(q, key_pool, value_pool, page_table, lengths, slopes=None, *, scale, 
   out_dtype = q.dtype if splits == 1 else _F32
   extra_specs, extra_args = [], []
   if slopes is not None:     # ALiBi: each query row's slope, [K, T*G, 1] rows (t, g)
-    rows_slopes = jnp.tile(slopes.astype(_F32).reshape(kh, g), (1, t))[:, :, None]
-    extra_args.append(pad_rows(rows_slopes, 1, rb))
+    extra_args.append(row_slopes(slopes, kh, g, t, padded)[:, :, None])
     extra_specs.append(pl.BlockSpec((kh, rb, 1), order(lambda bi, ii, si, ji, *_: (0, ii, 0))[1]))
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=2,
@@ -406,6 +405,13 @@ def paged_attention_tpu(
                             window=local_window_size)
   args = (query, key_pool, value_pool, page_table, lengths)
   return run_sharded_gqa(local, args + slopes_arg(alibi_slopes), mesh)
+
+
+def row_slopes(slopes, kv_heads: int, groups: int, num_t: int, rows: int):
+  """ALiBi slopes of the kernels' query rows: ``[K, rows]`` fp32, row ``(t, g)`` of KV head ``k``
+  (``t * G + g``) holding head ``k * G + g``'s slope, zero-padded from ``T * G`` to ``rows``."""
+  per_row = jnp.tile(slopes.astype(_F32).reshape(kv_heads, groups), (1, num_t))
+  return pad_rows(per_row, 1, rows)                   # rows >= T * G: padded to exactly rows
 
 
 def slopes_arg(alibi_slopes) -> tuple:
