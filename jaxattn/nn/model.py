@@ -592,6 +592,15 @@ def _split_heads(c: DeltaNetCache) -> DeltaNetCache:
                        state=split_axis(c.state, -3, "heads"))
 
 
+def _copy_slots(dst: DeltaNetCache, to, src: DeltaNetCache, frm, axis: int) -> DeltaNetCache:
+  """``dst`` with its slots ``to [n]`` (on ``axis``; out-of-range entries dropped) set to
+  ``src``'s slots ``frm [n]`` (clipped into range), in every array of the Gated DeltaNet state:
+  a snapshot saved from slots, or slots restored from snapshots."""
+  where = (slice(None),) * axis + (to,)
+  return jax.tree.map(lambda d, x: d.at[where].set(jnp.take(x, frm, axis=axis, mode="clip"),
+                                                   mode="drop"), dst, src)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedModelCache:
@@ -686,11 +695,8 @@ class PagedModelCache:
       if kept is None:
         return None
       axis = int(stacked)
-      count = kept.state.shape[axis]
-      where = (slice(None),) * axis + (jnp.where(ids < 0, count, ids),)
-      return _split_heads(jax.tree.map(
-          lambda x, k: k.at[where].set(jnp.take(x, rows, axis=axis, mode="clip"), mode="drop"),
-          c, kept))
+      to = jnp.where(ids < 0, kept.state.shape[axis], ids)           # padding: dropped
+      return _split_heads(_copy_slots(kept, to, c, rows, axis))
     return tuple(tuple(one(c, k, stacked) for c, k in zip(group, kept))
                  for group, kept, stacked in zip(self.groups, store, self.stacked))
 
@@ -729,13 +735,7 @@ class PagedModelCache:
       ids = jnp.asarray(state_ids)
 
       def restore(c, kept, stacked):
-        if kept is None:
-          return c
-        axis = int(stacked)
-        where = (slice(None),) * axis + (rows,)
-        return jax.tree.map(
-            lambda x, k: x.at[where].set(jnp.take(k, ids, axis=axis, mode="clip"), mode="drop"),
-            c, kept)
+        return c if kept is None else _copy_slots(c, rows, kept, ids, int(stacked))
       groups = tuple(tuple(restore(c, k, stacked) for c, k in zip(group, kept))
                      for group, kept, stacked in zip(groups, store, self.stacked))
     return PagedModelCache(groups, self.lengths.at[rows].set(jnp.asarray(lengths, jnp.int32),
