@@ -2,7 +2,8 @@
 
     python -m experiments.bench_serve [--preset llama] [--requests 32] [--max-batch 8]
         [--prompt-lens 8,96] [--new-tokens 4,64] [--shared-prefix 0] [--chunk 32]
-        [--page-size 16] [--num-pages N] [--max-seq-len N] [--seed 0] [--out runs/bench_serve]
+        [--page-size 16] [--num-pages N] [--max-seq-len N] [--layer-pattern P]
+        [--sliding-window W] [--window-num-pages N] [--seed 0] [--out runs/bench_serve]
 
 A synthetic workload of ``--requests`` requests with prompt lengths and new-token counts drawn
 uniformly from the two ranges, all submitted at once, greedy decoding, a tiny preset
@@ -20,9 +21,11 @@ same slots, pages, chunk and compiled step programs; only admission and caching 
 the page tables' width; ``--compare-whole-table`` adds a continuous run whose calls read the
 whole table (``Engine(narrow_tables=False)``).  ``--num-pages`` sizes each layer's page pool
 (default: every slot at the model's longest sequence); a smaller pool makes admission wait for
-pages.  A sliding-window preset (``mistral``) returns the pages behind each window to the pool
-after every step, except with the prefix cache (whose pages outlive the window): its
-``+prefix`` run then holds every request's whole length.
+pages.  Sliding-window layers (``mistral``; ``--layer-pattern SSSA --sliding-window 64``: local
+layers interleaved with global ones, as Gemma-2 / 3) return the pages behind each window to their
+pools after every step, and have pools of their own size (``--window-num-pages``, default every
+slot's window), except with the prefix cache (whose pages outlive the window): its ``+prefix``
+run then holds every request's whole length in every layer.
 
 Each runs the workload twice; the second (warm: every step shape compiled; the prefix cache
 emptied first) is timed.
@@ -36,6 +39,7 @@ emptied first) is timed.
     occupancy    slot-steps that served a request / (steps x max_batch)
     tokens/s     generated tokens / wall seconds (host loop included)
     TTFT         mean time from the run's start to a request's first token (all are queued at 0)
+    cache MB     device memory of the engine's cache (page pools, tables, states)
     speedup      continuous tokens/s / static tokens/s, measured in the same run
 
 The runs must produce identical tokens for every request (greedy): checked and printed.
@@ -78,10 +82,11 @@ def workload(requests: int, prompt_lens, new_tokens, vocab: int, seed: int,
 
 def serve(model, work, *, policy: str, max_batch: int, chunk: int, page_size: int,
           prefix_cache: bool = False, num_pages: int | None = None,
-          narrow_tables: bool = True) -> dict:
+          narrow_tables: bool = True, window_num_pages: int | None = None) -> dict:
   """Runs ``work`` twice on one engine (the first compiles every step shape); times the second."""
   engine = Engine(model, max_batch=max_batch, page_size=page_size, chunk=chunk, policy=policy,
-                  prefix_cache=prefix_cache, num_pages=num_pages, narrow_tables=narrow_tables)
+                  prefix_cache=prefix_cache, num_pages=num_pages, narrow_tables=narrow_tables,
+                  window_num_pages=None if prefix_cache else window_num_pages)
   for prompt, n in work:                               # warm-up: the same workload
     engine.submit(prompt, n)
   engine.run()
@@ -106,7 +111,7 @@ def serve(model, work, *, policy: str, max_batch: int, chunk: int, page_size: in
   return dict(policy=name, seconds=seconds,
               steps=stats["steps"], calls=stats["calls"], fed=stats["fed_tokens"],
               hit=stats["prefix_hit_tokens"], rows=stats["computed_rows"],
-              table_columns=stats["table_columns"],
+              table_columns=stats["table_columns"], cache_bytes=engine.cache.nbytes,
               generated=stats["generated"],
               occupancy=stats["busy_slot_steps"] / max(stats["slot_steps"], 1),
               tokens_per_second=stats["generated"] / seconds,
@@ -117,10 +122,15 @@ def serve(model, work, *, policy: str, max_batch: int, chunk: int, page_size: in
 def run(*, preset: str = "llama", requests: int = 32, max_batch: int = 8,
         prompt_lens=(8, 96), new_tokens=(4, 64), shared_prefix: int = 0, chunk: int = 32,
         page_size: int = 16, seed: int = 0, num_pages: int | None = None,
-        max_seq_len: int | None = None, compare_whole_table: bool = False) -> dict:
+        max_seq_len: int | None = None, compare_whole_table: bool = False,
+        layer_pattern: str | None = None, sliding_window: int | None = None,
+        window_num_pages: int | None = None) -> dict:
   cfg = get_config(preset, **TINY)
   if max_seq_len is not None:
     cfg = cfg.replace(max_seq_len=max_seq_len)
+  if layer_pattern is not None or sliding_window is not None:
+    cfg = cfg.replace(**{k: v for k, v in (("layer_pattern", layer_pattern),
+                                            ("sliding_window", sliding_window)) if v is not None})
   if cfg.num_layers < len(cfg.layer_pattern):   # qwen3-next: DDDA, an attention layer too
     cfg = cfg.replace(num_layers=len(cfg.layer_pattern))
   need = shared_prefix + prompt_lens[1] + new_tokens[1]
@@ -129,7 +139,8 @@ def run(*, preset: str = "llama", requests: int = 32, max_batch: int = 8,
   model = DecoderLM(cfg, rngs=nnx.Rngs(seed))
   work = workload(requests, prompt_lens, new_tokens, cfg.vocab_size, seed, shared_prefix)
   kw = dict(max_batch=max_batch, chunk=chunk, page_size=page_size, num_pages=num_pages)
-  rows = [serve(model, work, policy=p, **kw) for p in ("static", "continuous")]
+  rows = [serve(model, work, policy=p, window_num_pages=window_num_pages, **kw)
+          for p in ("static", "continuous")]
   rows.append(serve(model, work, policy="continuous", prefix_cache=True, **kw))
   if compare_whole_table:
     rows.append(serve(model, work, policy="continuous", narrow_tables=False, **kw))
@@ -140,6 +151,8 @@ def run(*, preset: str = "llama", requests: int = 32, max_batch: int = 8,
                           prompt_lens=list(prompt_lens), new_tokens=list(new_tokens),
                           shared_prefix=shared_prefix, chunk=chunk, page_size=page_size,
                           num_pages=num_pages, max_seq_len=cfg.max_seq_len,
+                          layer_pattern=cfg.layer_pattern, sliding_window=cfg.sliding_window,
+                          window_num_pages=window_num_pages,
                           seed=seed, jax=jax.__version__, backend=jax.default_backend()),
               rows=rows, identical_outputs=same,
               speedup=rows[1]["tokens_per_second"] / rows[0]["tokens_per_second"],
@@ -150,18 +163,21 @@ def run(*, preset: str = "llama", requests: int = 32, max_batch: int = 8,
 
 def format_table(results: dict) -> str:
   c = results["config"]
-  lines = [f"{c['preset']} (tiny), {c['requests']} requests, prompts {c['prompt_lens']} after "
+  window = (f" (window {c['sliding_window']})" if "S" in c["layer_pattern"] else "")
+  lines = [f"{c['preset']} (tiny, layers {c['layer_pattern']}{window}), {c['requests']} requests, prompts {c['prompt_lens']} after "
            f"a shared prefix of {c['shared_prefix']}, new tokens {c['new_tokens']}, "
            f"{c['max_batch']} slots, chunk {c['chunk']}, pages of {c['page_size']}; "
            f"{c['backend']}, jax {c['jax']}"]
   head = (f"{'policy':>24} {'steps':>6} {'calls':>6} {'fed':>7} {'hit':>6} {'rows':>7} "
-          f"{'generated':>9} {'occupancy':>9} {'seconds':>8} {'tokens/s':>9} {'TTFT s':>7}")
+          f"{'generated':>9} {'occupancy':>9} {'seconds':>8} {'tokens/s':>9} {'TTFT s':>7} "
+          f"{'cache MB':>8}")
   lines += [head, "-" * len(head)]
   for r in results["rows"]:
     lines.append(f"{r['policy']:>24} {r['steps']:6d} {r['calls']:6d} {r['fed']:7d} "
                  f"{r['hit']:6d} {r['rows']:7d} {r['generated']:9d} "
                  f"{100 * r['occupancy']:8.1f}% {r['seconds']:8.2f} "
-                 f"{r['tokens_per_second']:9.1f} {r['ttft_seconds']:7.2f}")
+                 f"{r['tokens_per_second']:9.1f} {r['ttft_seconds']:7.2f} "
+                 f"{r['cache_bytes'] / 2**20:8.2f}")
   lines.append(f"continuous / static: {results['speedup']:.2f}x tokens/s, "
                f"{results['step_ratio']:.2f}x fewer steps; prefix cache: "
                f"{results['prefix_row_ratio']:.2f}x fewer rows, {results['prefix_speedup']:.2f}x "
@@ -222,7 +238,16 @@ def main(argv=None) -> dict:
   ap.add_argument("--chunk", type=at_least(1), default=32)
   ap.add_argument("--page-size", type=at_least(1), default=16)
   ap.add_argument("--num-pages", type=at_least(1), default=None,
-                  help="pages in each layer's pool (default: every slot at max_seq_len)")
+                  help="pages in each pool of a layer holding whole sequences (default: every "
+                  "slot at max_seq_len); with sliding-window layers only, in theirs")
+  ap.add_argument("--layer-pattern", default=None,
+                  help="override the preset's layer pattern (e.g. SSSA: three sliding-window "
+                  "layers per global one)")
+  ap.add_argument("--sliding-window", type=at_least(0), default=None,
+                  help="the S layers' window (override)")
+  ap.add_argument("--window-num-pages", type=at_least(1), default=None,
+                  help="pages in each sliding-window layer's pool beside global layers "
+                  "(default: every slot's window)")
   ap.add_argument("--max-seq-len", type=at_least(1), default=None,
                   help="the model's longest sequence: the page tables' width (default 256)")
   ap.add_argument("--compare-whole-table", action="store_true",
@@ -237,7 +262,9 @@ def main(argv=None) -> dict:
                 prompt_lens=args.prompt_lens, new_tokens=args.new_tokens,
                 shared_prefix=args.shared_prefix, chunk=args.chunk,
                 page_size=args.page_size, seed=args.seed, num_pages=args.num_pages,
-                max_seq_len=args.max_seq_len, compare_whole_table=args.compare_whole_table)
+                max_seq_len=args.max_seq_len, compare_whole_table=args.compare_whole_table,
+                layer_pattern=args.layer_pattern, sliding_window=args.sliding_window,
+                window_num_pages=args.window_num_pages)
   print(format_table(results))
   write_json(out / "results.json", results)
   png = plot(results, out / "bench_serve.png")

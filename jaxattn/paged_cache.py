@@ -385,24 +385,32 @@ class PagedKVCache(_TableViews):
   dimensions are not whole ``(8|16, 128)`` tiles (head size 64, or ``K = 1``: MQA) puts another
   dimension minor, so a kernel reading its pages re-tiles the whole pool on every decode step
   (``experiments/tpu_compile_check``).  ``K * H`` is a multiple of 128 for nearly every model
-  (not for MQA with heads of 64)."""
+  (not for MQA with heads of 64).
+
+  ``window``: the sliding window of the layer that owns the cache (a query at ``p`` reads keys
+  ``p - window .. p``), None for full attention: the pages wholly behind it are dead and
+  ``jaxattn.nn.PagedModelCache.release_behind`` returns them to the pool."""
 
   key_pool: Float[Array, "P page KH"]
   value_pool: Float[Array, "P page Kh"]
   table: PageTable
   num_kv_heads: int = dataclasses.field(default=1, metadata=dict(static=True))
+  window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   @classmethod
   def init(cls, batch: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
            v_head_dim: int | None = None, *, max_pages_per_seq: int | None = None,
-           dtype=jnp.float32) -> "PagedKVCache":
+           dtype=jnp.float32, window: int | None = None) -> "PagedKVCache":
     v_head_dim = head_dim if v_head_dim is None else v_head_dim
     _check_positive("PagedKVCache.init", num_kv_heads=num_kv_heads, head_dim=head_dim,
                     v_head_dim=v_head_dim)
+    if window is not None and (not is_int(window) or window < 0):
+      raise ValueError(f"`window` must be None or an int >= 0, got {window!r}.")
     table = PageTable.init(batch, num_pages, page_size, max_pages_per_seq)
     return cls(key_pool=jnp.zeros((num_pages, page_size, num_kv_heads * head_dim), dtype),
                value_pool=jnp.zeros((num_pages, page_size, num_kv_heads * v_head_dim), dtype),
-               table=table, num_kv_heads=int(num_kv_heads))
+               table=table, num_kv_heads=int(num_kv_heads),
+               window=None if window is None else int(window))
 
   @property
   def head_dim(self) -> int:
@@ -556,8 +564,9 @@ class PagedLatentCache(_TableViews):
 def _append_kv(cache: PagedKVCache, key, value, counts) -> PagedKVCache:
   table, page, off = _reserve(cache.table, key.shape[1], counts)
   merge = lambda x: x.reshape(x.shape[:2] + (-1,))                    # noqa: E731 [B, T, K*H]
-  return PagedKVCache(_write(cache.key_pool, page, off, merge(key)),
-                      _write(cache.value_pool, page, off, merge(value)), table, cache.num_kv_heads)
+  return dataclasses.replace(cache, key_pool=_write(cache.key_pool, page, off, merge(key)),
+                             value_pool=_write(cache.value_pool, page, off, merge(value)),
+                             table=table)
 
 
 @jax.jit

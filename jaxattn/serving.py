@@ -75,12 +75,14 @@ class _Request:
   prompt: np.ndarray          # [L] int32
   max_new_tokens: int
   eos_id: int | None
-  pages: int                  # pages the request's whole life needs
+  pages: int                  # pages its whole life needs (only window layers: at once)
   fed: int = 0                # prompt tokens already in the cache
   out: list = dataclasses.field(default_factory=list)
   keys: list = dataclasses.field(default_factory=list)     # prefix-cache keys of its full pages
   shared: list = dataclasses.field(default_factory=list)   # prefix-cache pages it reads
   fresh: int = 0              # pages reserved from the free pool (pages - matched)
+  window_pages: int = 0       # in a model with layers of both kinds: its sliding-window layers'
+                              # reservation (``pages`` is then the other layers')
 
   @property
   def held(self) -> int:
@@ -130,7 +132,7 @@ def _positive_int(name, v):
 
 @functools.lru_cache(maxsize=32)
 def step_functions(graphdef, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                   release_window: int | None = None):
+                   release_windows: bool = False):
   """The engine's two jitted programs for a split model (``nnx.split(model)``), made once per
   graph definition and sampling setting (engines over models of one structure share them, and
   their compiled programs):
@@ -143,9 +145,8 @@ def step_functions(graphdef, *, temperature: float = 0.0, top_p: float = 1.0, to
     with ``num_tokens[i] = 0``);
   * ``free(cache, done [B]) -> cache``.
 
-  ``release_window``: a model whose every paged layer has this sliding window; ``step`` then
-  returns the pages behind each sequence's window to the pools
-  (``PagedModelCache.release_behind``).
+  ``release_windows``: ``step`` returns the pages behind each sequence's window to the pools
+  of the sliding-window layers (``PagedModelCache.release_behind``).
 
   Both donate the cache (it is updated in place; use the returned one), and return it in the
   layout ``PagedModelCache.shard`` gives it on the active mesh (unchanged without one)."""
@@ -161,8 +162,8 @@ def step_functions(graphdef, *, temperature: float = 0.0, top_p: float = 1.0, to
     last = jnp.maximum(num_tokens - 1, 0)[:, None, None]
     logits = m.head(jnp.take_along_axis(h, last, axis=1))[:, 0]              # [b, V]
     cache = full.put(rows, cache)
-    if release_window is not None:
-      cache = cache.release_behind(release_window)
+    if release_windows:
+      cache = cache.release_behind()
     return (sample_logits(logits, key, temperature=temperature, top_p=top_p, top_k=top_k),
             cache.shard())
 
@@ -286,13 +287,21 @@ class Engine:
   """Continuous batching over a ``DecoderLM``'s paged cache (see the module docstring).
 
   Args:
-    model: the ``DecoderLM`` (any preset; its weights are read once, at construction).  When
-      every paged layer is a sliding-window layer (``mistral``) and there is no prefix cache, the
-      pages behind each sequence's window go back to the pool after every step: a request holds
-      at most ``window_pages`` pages.
+    model: the ``DecoderLM`` (any preset; its weights are read once, at construction).  When it
+      has sliding-window layers and there is no prefix cache, the pages behind each sequence's
+      window go back to those layers' pools after every step: a request holds at most
+      ``window_pages`` pages in each of them, and their pools can be that much smaller
+      (``window_num_pages``; Mistral: every layer; Gemma-2 / 3, gpt-oss: local layers
+      interleaved with global ones, whose pools still hold whole sequences).
     max_batch: sequence slots decoded together.
     page_size: tokens per cache page.
-    num_pages: pages in each layer's pool; default enough for every slot at ``max_seq_len``.
+    num_pages: pages in each pool of a layer holding whole sequences (full attention, MLA,
+      DSA; with a prefix cache, every layer); default enough for every slot at
+      ``max_seq_len``.  For a model whose paged layers all have sliding windows, the pages of
+      their pools (default enough for every slot's ``window_pages``).
+    window_num_pages: pages in each sliding-window layer's pool when the model also has layers
+      holding whole sequences (and no prefix cache); default enough for every slot's
+      ``window_pages`` (at most ``num_pages``).
     max_pages_per_seq: the page-table width (the longest request, in pages); default
       ``ceil(max_seq_len / page_size)``.
     chunk: the most prompt tokens a slot feeds per step (chunked prefill).
@@ -331,7 +340,7 @@ class Engine:
 
   def __init__(self, model: DecoderLM, *, max_batch: int = 8, page_size: int = 16,
                num_pages: int | None = None, max_pages_per_seq: int | None = None,
-               chunk: int = 64, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+               window_num_pages: int | None = None, chunk: int = 64, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                seed: int = 0, dtype=None, policy: str = "continuous",
                prefix_cache: bool = False, prefix_states: int | None = None,
                narrow_tables: bool = True, mesh: jax.sharding.Mesh | None = None):
@@ -347,17 +356,36 @@ class Engine:
     self.config = model.config
     if not isinstance(prefix_cache, bool):
       raise ValueError(f"`prefix_cache` must be a bool, got {prefix_cache!r}.")
-    # A model whose every paged layer has one sliding window (mistral) holds only the pages of
-    # each sequence's window: the others go back to the pool after each step (not with a prefix
-    # cache, whose pages outlive the window).
+    # Sliding-window layers hold only the pages of each sequence's window: the others go back to
+    # their pools after each step (not with a prefix cache, whose pages outlive the window).
     kinds = self.config.kinds()
-    self.window = (self.config.sliding_window
-                   if "S" in kinds and kinds <= {"S", "D"} and not prefix_cache else None)
+    self.window = (self.config.sliding_window if "S" in kinds and not prefix_cache else None)
+    # Whether some paged layer holds whole sequences (then its pools are `num_pages`, and the
+    # window layers' `window_num_pages`); else the window layers' pools are `num_pages`.
+    self._whole = self.window is None or bool(kinds - {"S", "D"})
     per_seq = -(-self.config.max_seq_len // self.page_size)
     self.max_pages_per_seq = (per_seq if max_pages_per_seq is None
                               else _positive_int("max_pages_per_seq", max_pages_per_seq))
-    self.num_pages = (self.max_batch * self.max_pages_per_seq if num_pages is None
-                      else _positive_int("num_pages", num_pages))
+    if num_pages is not None:
+      _positive_int("num_pages", num_pages)
+    if window_num_pages is not None:
+      _positive_int("window_num_pages", window_num_pages)
+      if self.window is None or not self._whole:
+        raise ValueError(f"`window_num_pages` ({window_num_pages}) sizes the pools of "
+                         "sliding-window layers beside layers holding whole sequences; this "
+                         f"engine has none (layer kinds {sorted(kinds)}, prefix_cache="
+                         f"{prefix_cache}): use `num_pages`.")
+    window_fill = (None if self.window is None else
+                   self.max_batch * min(self.max_pages_per_seq, self.window_pages))
+    if self._whole:
+      self.num_pages = (self.max_batch * self.max_pages_per_seq if num_pages is None
+                        else int(num_pages))
+      self.window_num_pages = (None if self.window is None else
+                               min(self.num_pages, window_fill) if window_num_pages is None
+                               else int(window_num_pages))
+    else:
+      self.num_pages = window_fill if num_pages is None else int(num_pages)
+      self.window_num_pages = self.num_pages
     if mesh is None:
       mesh = context_mesh()
     elif not isinstance(mesh, jax.sharding.Mesh):
@@ -367,6 +395,7 @@ class Engine:
     with self._on_mesh():
       self.cache = model.init_paged_cache(self.max_batch, self.num_pages, self.page_size,
                                           max_pages_per_seq=self.max_pages_per_seq,
+                                          window_num_pages=self.window_num_pages,
                                           dtype=dtype).shard()
     if prefix_states is not None:
       _positive_int("prefix_states", prefix_states)
@@ -388,9 +417,13 @@ class Engine:
     if mesh is not None:
       self._state = jax.device_put(self._state, param_shardings(self._state, mesh))
     self._step, self._free = step_functions(graphdef, temperature=temperature, top_p=top_p,
-                                            top_k=int(top_k), release_window=self.window)
+                                            top_k=int(top_k),
+                                            release_windows=self.window is not None)
     self._key = jax.random.key(int(seed))
     self._free_pages = self.num_pages       # pages neither reserved by a request nor cached
+    # With layers of both kinds: the window layers' pools, counted apart.
+    self._free_window_pages = (self.window_num_pages if self.window is not None and self._whole
+                               else 0)
     self._slots: list[_Request | None] = [None] * self.max_batch
     self._waiting: collections.deque[_Request] = collections.deque()
     self._results: dict[int, np.ndarray] = {}
@@ -421,18 +454,23 @@ class Engine:
       raise ValueError(f"`eos_id` must be None or a token id in [0, {vocab}), got {eos_id!r}.")
     positions = prompt.size + max(int(max_new_tokens) - 1, 0)
     logical = -(-positions // self.page_size)
-    pages = logical if self.window is None else min(logical, self.window_pages)
-    if logical > self.max_pages_per_seq or pages > self.num_pages:
+    window = logical if self.window is None else min(logical, self.window_pages)
+    pages = logical if self._whole else window
+    if (logical > self.max_pages_per_seq or pages > self.num_pages
+        or (self.window is not None and window > self.window_num_pages)):
+      pools = (f"num_pages={self.num_pages}" if self.window is None or not self._whole else
+               f"num_pages={self.num_pages}, window_num_pages={self.window_num_pages}")
+      at_once = "" if self.window is None else f" ({window} at once in a sliding-window layer)"
       raise ValueError(f"a request of {prompt.size} prompt + {max_new_tokens} new tokens needs "
-                       f"{logical} pages of {self.page_size} ({pages} at once), more than a "
-                       f"sequence may hold (max_pages_per_seq={self.max_pages_per_seq}, "
-                       f"num_pages={self.num_pages}).")
+                       f"{logical} pages of {self.page_size}{at_once}, more than a sequence may "
+                       f"hold (max_pages_per_seq={self.max_pages_per_seq}, {pools}).")
     if self.config.position == "learned" and positions > self.config.max_seq_len:
       raise ValueError(f"prompt + max_new_tokens - 1 = {positions} exceeds the learned position "
                        f"table (max_seq_len={self.config.max_seq_len}).")
     rid, self._next_id = self._next_id, self._next_id + 1
     request = _Request(rid, prompt.astype(np.int32), int(max_new_tokens),
-                       None if eos_id is None else int(eos_id), pages)
+                       None if eos_id is None else int(eos_id), pages,
+                       window_pages=window if self.window is not None and self._whole else 0)
     if self._prefix is not None:
       self._extend_keys(request, request.prompt)
     if request.max_new_tokens == 0:
@@ -444,9 +482,9 @@ class Engine:
 
   @property
   def window_pages(self) -> int | None:
-    """With a sliding-window model (``window``), the most pages a sequence holds at once: its
-    window's and one step's new tokens (up to ``chunk``), over one page more when they start
-    mid-page; None otherwise."""
+    """With sliding-window layers whose pages are released (``window``), the most pages a
+    sequence holds at once in each of them: its window's and one step's new tokens (up to
+    ``chunk``), over one page more when they start mid-page; None otherwise."""
     if self.window is None:
       return None
     return -(-(self.window + self.chunk) // self.page_size) + 1
@@ -511,6 +549,8 @@ class Engine:
       if at == len(self._waiting):
         break
       need = request.pages - len(matched)
+      if request.window_pages > self._free_window_pages:
+        break                                  # (no prefix cache: nothing to evict)
       if need > self._free_pages:
         if self._prefix is None:
           break
@@ -526,6 +566,7 @@ class Engine:
       if self._wait_for_prefix:
         coming.update(self._uncached_prompt_keys(request))
       self._free_pages -= need
+      self._free_window_pages -= request.window_pages
       request.fresh = need
       self._slots[slot] = request
       if matched:
@@ -700,6 +741,7 @@ class Engine:
         self._results[r.rid] = np.concatenate([r.prompt, np.asarray(r.out, np.int32)])
         self._slots[s] = None
         self._free_pages += r.fresh
+        self._free_window_pages += r.window_pages
         if self._prefix is not None:
           self._prefix.release(r.shared)
         self.stats.finished += 1

@@ -125,11 +125,53 @@ def test_a_sliding_window_model_holds_only_its_windows_pages():
   assert st.busy_slot_steps > st.steps + 20              # mostly two at once: 3 + 3 pages fit
   tables = [c.table for group in engine.cache.groups for c in group]
   assert all(int(t.num_free) == 6 for t in tables) and engine._free_pages == 6
-  with pytest.raises(ValueError, match=r"needs 8 pages of 4 \(8 at once\)"):
+  with pytest.raises(ValueError, match=r"needs 8 pages of 4, more than"):
     Engine(model_for("llama"), max_batch=2, page_size=4, num_pages=6, max_pages_per_seq=8,
            chunk=4).submit(work[0][0], 9)
   # With a prefix cache the pages are kept (cached pages outlive the window): no release.
   assert Engine(model, max_batch=2, page_size=4, prefix_cache=True).window is None
+
+
+def test_local_global_layers_hold_whole_sequences_and_windows_apart():
+  """Window layers interleaved with full ones ("SA", window 3, pages of 4): the full layers'
+  pools hold whole sequences (``num_pages``), the window layers' only each slot's
+  ``window_pages`` = 3 (``window_num_pages``, default 2 x 3 = 6, not 16).  Results equal
+  ``generate`` alone; with a window pool of 3 the requests run one at a time although the full
+  pools hold two (admission counts both pools); the pools come back whole."""
+  model = model_for("llama", layer_pattern="SA", sliding_window=3)
+  rng = np.random.default_rng(9)
+  work = [(rng.integers(1, 61, size=n).astype(np.int32), m) for n, m in ((21, 9), (9, 20),
+                                                                       (14, 3))]
+  engine = Engine(model, max_batch=2, page_size=4, num_pages=16, max_pages_per_seq=8, chunk=4)
+  assert (engine.window, engine.window_pages, engine.window_num_pages) == (3, 3, 6)
+  layers = [c for group in engine.cache.groups for c in group]
+  assert [c.key_pool.shape[0] for c in layers] == [6, 16]
+  ids = [engine.submit(p, n) for p, n in work]
+  results = engine.run()
+  for rid, (p, n) in zip(ids, work):
+    np.testing.assert_array_equal(results[rid], alone(model, p, n), err_msg=f"request {rid}")
+  assert engine.stats.busy_slot_steps > engine.stats.steps      # two at once at times
+  layers = [c for group in engine.cache.groups for c in group]     # (the cache was donated)
+  assert [int(c.table.num_free) for c in layers] == [6, 16]
+  assert engine._free_pages == 16 and engine._free_window_pages == 6
+
+  one = Engine(model, max_batch=2, page_size=4, num_pages=16, max_pages_per_seq=8, chunk=4,
+               window_num_pages=3)
+  ids = [one.submit(p, n) for p, n in work]
+  results = one.run()
+  for rid, (p, n) in zip(ids, work):
+    np.testing.assert_array_equal(results[rid], alone(model, p, n), err_msg=f"request {rid}")
+  assert one.stats.busy_slot_steps == one.stats.steps            # one at a time
+  with pytest.raises(ValueError, match=r"3 at once in a sliding-window layer.*window_num_pages=2"):
+    Engine(model, max_batch=2, page_size=4, num_pages=16, max_pages_per_seq=8, chunk=4,
+           window_num_pages=2).submit(work[0][0], 9)
+  for name, kw in (("llama", {}), ("mistral", {}), ("llama", dict(layer_pattern="SA",
+                                                                  sliding_window=3))):
+    with pytest.raises(ValueError, match="`window_num_pages` \\(4\\) sizes the pools"):
+      Engine(model_for(name, **kw), max_batch=2, page_size=4, window_num_pages=4,
+             prefix_cache=bool(kw))
+  # With a prefix cache nothing is released: one pool size.
+  assert Engine(model, max_batch=2, page_size=4, prefix_cache=True).window_num_pages is None
 
 
 def test_static_policy_refills_only_an_empty_batch():
@@ -196,7 +238,7 @@ def test_errors():
     engine.submit(ok, -1)
   with pytest.raises(ValueError, match="`eos_id` must be None or a token id"):
     engine.submit(ok, 2, eos_id=61)
-  with pytest.raises(ValueError, match=r"needs 4 pages of 4 \(4 at once\), more than a"):
+  with pytest.raises(ValueError, match=r"needs 4 pages of 4, more than a"):
     engine.submit(ok, 11)
   for kw, match in [(dict(max_batch=0), "`max_batch` must be a positive int"),
                     (dict(chunk=2.0), "`chunk` must be a positive int"),
@@ -212,9 +254,13 @@ def test_bench_serve_runs_and_both_policies_agree(tmp_path):
   from experiments import bench_serve  # noqa: PLC0415
   results = bench_serve.main(["--requests", "5", "--max-batch", "2", "--prompt-lens", "2,9",
                               "--new-tokens", "1,6", "--shared-prefix", "5", "--chunk", "4",
-                              "--page-size", "4", "--out", str(tmp_path)])
+                              "--page-size", "4", "--layer-pattern", "SA", "--sliding-window",
+                              "3", "--out", str(tmp_path)])
   assert results["identical_outputs"]
   static, continuous, prefix = results["rows"]
+  # Local / global layers: the window layer's pool holds each slot's 3 window pages, not 64
+  # (max_seq_len 256 / 4); with the prefix cache nothing is released: one size for both.
+  assert continuous["cache_bytes"] < 0.6 * prefix["cache_bytes"]
   assert static["generated"] == continuous["generated"] == prefix["generated"]
   assert continuous["steps"] <= static["steps"]
   # Request 1 computes the shared prefix's full page; request 2, arriving with it, waits for the

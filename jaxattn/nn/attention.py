@@ -173,10 +173,12 @@ class Attention(nnx.Module):
   def init_paged_cache(self, batch: int, num_pages: int, page_size: int, *,
                        max_pages_per_seq: int | None = None, dtype=None) -> PagedKVCache:
     """An empty paged cache (``jaxattn.paged_cache``): a pool of ``num_pages`` pages of
-    ``page_size`` tokens shared by ``batch`` sequences of ragged lengths."""
+    ``page_size`` tokens shared by ``batch`` sequences of ragged lengths (a sliding-window layer
+    marks it with its window: the pages behind it can be released)."""
     dtype = dtype or self.dtype or jnp.float32
     return PagedKVCache.init(batch, num_pages, page_size, self.num_kv_heads, self.head_dim,
-                             self.v_head_dim, max_pages_per_seq=max_pages_per_seq, dtype=dtype)
+                             self.v_head_dim, max_pages_per_seq=max_pages_per_seq, dtype=dtype,
+                             window=self.sliding_window if self.causal else None)
 
   def _paged_call(self, x, positions, segment_ids, mask, cache: PagedKVCache, implementation,
                   num_tokens=None):

@@ -371,9 +371,11 @@ class DecoderLayer(nnx.Module):
     return self.mixer.init_cache(batch, max_len, dtype)
 
   def init_paged_cache(self, batch: int, num_pages: int, page_size: int, max_pages_per_seq,
-                       dtype=None):
+                       dtype=None, window_num_pages=None):
     if self.kind == "D":    # a fixed-size recurrent state per sequence: nothing to page
       return self.mixer.init_cache(batch, dtype=dtype)
+    if self.kind == "S" and window_num_pages is not None:
+      num_pages = window_num_pages
     return self.mixer.init_paged_cache(batch, num_pages, page_size,
                                        max_pages_per_seq=max_pages_per_seq, dtype=dtype)
 
@@ -660,6 +662,12 @@ class PagedModelCache:
     return PagedModelCache(groups, split_axis(self.lengths, None), self.stacked)
 
   @property
+  def nbytes(self) -> int:
+    """Device bytes the cache holds: every layer's page pools (all pages, used or not), page
+    tables and free stacks, recurrent states, and the lengths."""
+    return int(sum(x.nbytes for x in jax.tree.leaves((self.groups, self.lengths))))
+
+  @property
   def recurrent(self) -> bool:
     """Whether some layer keeps a recurrent state (Gated DeltaNet): its history is not in pages,
     so pages alone cannot be shared between sequences (``attach`` then needs a snapshot of the
@@ -702,13 +710,17 @@ class PagedModelCache:
 
   @property
   def page_table(self) -> Int[Array, "B M"]:
-    """The page table every paged layer holds (the layers append the same token counts, so
-    their tables are equal; the first is returned)."""
-    for group, stacked in zip(self.groups, self.stacked):
-      for c in group:
-        if not isinstance(c, DeltaNetCache):
-          return c.table.page_table[0] if stacked else c.table.page_table
-    raise ValueError("this cache has no paged layer (only recurrent states).")
+    """The page table of the first paged layer that holds whole sequences (the layers append
+    the same token counts into pools of one size, so their tables are equal; a sliding-window
+    layer's differs once ``release_behind`` released pages, or with a pool of its own size),
+    else of the first paged layer."""
+    tables = [c.table.page_table[0] if stacked else c.table.page_table
+              for group, stacked in zip(self.groups, self.stacked) for c in group
+              if not isinstance(c, DeltaNetCache)]
+    if not tables:
+      raise ValueError("this cache has no paged layer (only recurrent states).")
+    whole = [t for t, w in zip(tables, self.windows) if w is None]
+    return (whole or tables)[0]
 
   def _tables(self, fn) -> tuple:
     """The groups with ``fn`` applied to every paged layer's ``PageTable``."""
@@ -741,13 +753,25 @@ class PagedModelCache:
     return PagedModelCache(groups, self.lengths.at[rows].set(jnp.asarray(lengths, jnp.int32),
                                                              mode="drop"), self.stacked)
 
-  def release_behind(self, window: int) -> "PagedModelCache":
-    """Every paged layer's pages wholly behind each sequence's sliding window of ``window`` back
-    to its pool (``PageTable.release_behind``): for a model whose every paged layer is a
-    sliding-window layer of that window (a layer with full attention still reads those pages),
-    so that a sequence holds about ``window / page_size + 1`` pages per layer, not its length's."""
-    return PagedModelCache(self._tables(lambda t: t.release_behind(window)), self.lengths,
-                           self.stacked)
+  def release_behind(self) -> "PagedModelCache":
+    """Each sliding-window layer's pages wholly behind each sequence's window back to that
+    layer's pool (``PageTable.release_behind`` with the layer's ``PagedKVCache.window``), so that
+    a sequence holds about ``window / page_size + 1`` pages in such a layer, not its length's;
+    the other layers (full attention, MLA, DSA) keep every page.  Not with shared pages (a
+    prefix cache): they outlive the window."""
+    def one(c):
+      if getattr(c, "window", None) is None:
+        return c
+      return dataclasses.replace(c, table=c.table.release_behind(c.window))
+    groups = tuple(tuple(jax.vmap(one)(c) if stacked else one(c) for c in group)
+                   for group, stacked in zip(self.groups, self.stacked))
+    return PagedModelCache(groups, self.lengths, self.stacked)
+
+  @property
+  def windows(self) -> tuple:
+    """The sliding windows of the paged layers (None: full attention, MLA, DSA), in order."""
+    return tuple(getattr(c, "window", None) for group in self.groups for c in group
+                 if not isinstance(c, DeltaNetCache))
 
   def push_pages(self, pages) -> "PagedModelCache":
     """``pages [n]`` (ids; negative entries are padding) back to every layer's free stack: pages
@@ -869,15 +893,20 @@ class DecoderLM(nnx.Module):
                             for g in self.groups), jnp.zeros((), jnp.int32))
 
   def init_paged_cache(self, batch: int, num_pages: int, page_size: int, *,
-                       max_pages_per_seq: int | None = None, dtype=None) -> PagedModelCache:
+                       max_pages_per_seq: int | None = None, dtype=None,
+                       window_num_pages: int | None = None) -> PagedModelCache:
     """An empty serving cache for ``batch`` sequence slots: each attention layer gets a pool of
     ``num_pages`` pages of ``page_size`` tokens (``jaxattn.paged_cache``; at most
     ``max_pages_per_seq`` per sequence, default ``num_pages``), each Gated DeltaNet layer its
-    recurrent state per slot.  Sliding-window layers read only their window's pages (and can
-    release the others: ``PagedModelCache.release_behind``); T5-bias layers decode on the XLA
+    recurrent state per slot.  Sliding-window layers read only their window's pages and can
+    release the others (``PagedModelCache.release_behind``), so they may have a smaller pool:
+    ``window_num_pages`` pages each (default ``num_pages``).  T5-bias layers decode on the XLA
     path (the kernels take no learned bias)."""
+    if window_num_pages is not None and (not is_int(window_num_pages) or window_num_pages < 1):
+      raise ValueError(f"`window_num_pages` must be None or a positive int, got "
+                       f"{window_num_pages!r}.")
     dtype = dtype or self.config.compute_dtype
-    args = (batch, num_pages, page_size, max_pages_per_seq, dtype)
+    args = (batch, num_pages, page_size, max_pages_per_seq, dtype, window_num_pages)
     return PagedModelCache(tuple(g.init_paged_cache(*args) for g in self.groups),
                            jnp.zeros((batch,), jnp.int32),
                            tuple(isinstance(g, ScannedUnits) for g in self.groups))

@@ -51,9 +51,10 @@ def _step(model, tokens, num_tokens, cache):
 _full = nnx.jit(lambda model, tokens: model(tokens))
 
 
-def run_schedule(model, seqs, cache, schedule, release=None):
+def run_schedule(model, seqs, cache, schedule, release=False):
   """Feeds ``schedule``'s chunks of ``seqs [B, S]``; returns each sequence's logits in order.
-  ``release``: a sliding window whose pages behind it go back to the pool after each step."""
+  ``release``: the pages behind the sliding-window layers' windows go back to their pools after
+  each step."""
   rng = np.random.default_rng(3)
   b = seqs.shape[0]
   done = np.zeros(b, int)
@@ -63,8 +64,8 @@ def run_schedule(model, seqs, cache, schedule, release=None):
     for i, n in enumerate(nt):
       tokens[i, :n] = seqs[i, done[i]:done[i] + n]
     logits, cache = _step(model, jnp.asarray(tokens), jnp.asarray(nt, jnp.int32), cache)
-    if release is not None:
-      cache = cache.release_behind(release)
+    if release:
+      cache = cache.release_behind()
     for i, n in enumerate(nt):
       outs[i].append(np.asarray(logits[i, :n]))
     done += nt
@@ -91,7 +92,7 @@ def test_pages_behind_the_window_go_back_to_the_pool():
   model = model_for("mistral-window")
   seqs = np.random.default_rng(4).integers(1, 97, size=(3, 12), dtype=np.int32)
   cache = model.init_paged_cache(3, num_pages=12, page_size=2, max_pages_per_seq=6)
-  outs, cache = run_schedule(model, seqs, cache, np.concatenate([SCHEDULE, SCHEDULE]), release=3)
+  outs, cache = run_schedule(model, seqs, cache, np.concatenate([SCHEDULE, SCHEDULE]), release=True)
   full = np.asarray(_full(model, jnp.asarray(seqs)))
   for i in range(3):
     np.testing.assert_allclose(outs[i], full[i], rtol=2e-4, atol=2e-4, err_msg=f"row {i}")
@@ -101,6 +102,39 @@ def test_pages_behind_the_window_go_back_to_the_pool():
     assert int(layer.table.num_free) == 12 - 3 * 2
   cache = cache.free(jnp.ones((3,), bool))
   assert all(int(layer.table.num_free) == 12 for layer in cache.groups[0])
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_local_global_layers_release_only_the_window_layers_pages(scan):
+  """Sliding-window layers interleaved with full-attention ones (Gemma-2 / 3 style, "SA"; scanned:
+  the unit "SA" stacked twice) over pools of two sizes: the window layers' 12 pages
+  (``window_num_pages``), the full layers' 18.  ``release_behind`` frees only the window layers'
+  dead pages; the full layers keep every page; logits are the full forward's."""
+  model = DecoderLM(get_config("llama", **SMALL).replace(
+      num_layers=4, layer_pattern="SA", sliding_window=3, scan_layers=scan), rngs=nnx.Rngs(0))
+  seqs = np.random.default_rng(4).integers(1, 97, size=(3, 12), dtype=np.int32)
+  cache = model.init_paged_cache(3, num_pages=18, page_size=2, max_pages_per_seq=6,
+                                 window_num_pages=12)
+  assert cache.windows == ((3, None) if scan else (3, None, 3, None))
+  outs, cache = run_schedule(model, seqs, cache, np.concatenate([SCHEDULE, SCHEDULE]), release=True)
+  full = np.asarray(_full(model, jnp.asarray(seqs)))
+  for i in range(3):
+    np.testing.assert_allclose(outs[i], full[i], rtol=2e-4, atol=2e-4, err_msg=f"row {i}")
+  layers = [c for group in cache.groups for c in group]
+  assert len(layers) == (2 if scan else 4)
+  for layer in layers:
+    table, free = np.asarray(layer.table.page_table), np.asarray(layer.table.num_free)
+    if layer.window is None:
+      assert layer.key_pool.shape[-3] == 18 and (table >= 0).all() and (free == 0).all()
+    else:
+      assert layer.key_pool.shape[-3] == 12
+      assert (table[..., :4] == -1).all() and (table[..., 4:] >= 0).all() and (free == 6).all()
+  # The page table the engine reads for prefix caching is a full layer's.
+  np.testing.assert_array_equal(np.asarray(cache.page_table),
+                                np.asarray(layers[1].table.page_table[0] if scan
+                                           else layers[1].table.page_table))
+  with pytest.raises(ValueError, match="window_num_pages"):
+    model.init_paged_cache(3, num_pages=18, page_size=2, window_num_pages=0)
 
 
 @pytest.mark.parametrize("case", ["llama-scanned", "qwen3-next-scanned"])
