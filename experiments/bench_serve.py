@@ -164,7 +164,8 @@ def run(*, preset: str = "llama", requests: int = 32, max_batch: int = 8,
 def format_table(results: dict) -> str:
   c = results["config"]
   window = (f" (window {c['sliding_window']})" if "S" in c["layer_pattern"] else "")
-  lines = [f"{c['preset']} (tiny, layers {c['layer_pattern']}{window}), {c['requests']} requests, prompts {c['prompt_lens']} after "
+  lines = [f"{c['preset']} (tiny, layers {c['layer_pattern']}{window}), {c['requests']} "
+           f"requests, prompts {c['prompt_lens']} after "
            f"a shared prefix of {c['shared_prefix']}, new tokens {c['new_tokens']}, "
            f"{c['max_batch']} slots, chunk {c['chunk']}, pages of {c['page_size']}; "
            f"{c['backend']}, jax {c['jax']}"]

@@ -340,7 +340,8 @@ class Engine:
 
   def __init__(self, model: DecoderLM, *, max_batch: int = 8, page_size: int = 16,
                num_pages: int | None = None, max_pages_per_seq: int | None = None,
-               window_num_pages: int | None = None, chunk: int = 64, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+               window_num_pages: int | None = None, chunk: int = 64,
+               temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                seed: int = 0, dtype=None, policy: str = "continuous",
                prefix_cache: bool = False, prefix_states: int | None = None,
                narrow_tables: bool = True, mesh: jax.sharding.Mesh | None = None):
