@@ -3,7 +3,8 @@
     python -m experiments.bench_serve [--preset llama] [--requests 32] [--max-batch 8]
         [--prompt-lens 8,96] [--new-tokens 4,64] [--shared-prefix 0] [--chunk 32]
         [--page-size 16] [--num-pages N] [--max-seq-len N] [--layer-pattern P]
-        [--sliding-window W] [--window-num-pages N] [--seed 0] [--out runs/bench_serve]
+        [--sliding-window W] [--window-num-pages N] [--compare-whole-table]
+        [--compare-on-demand] [--seed 0] [--out runs/bench_serve]
 
 A synthetic workload of ``--requests`` requests with prompt lengths and new-token counts drawn
 uniformly from the two ranges, all submitted at once, greedy decoding, a tiny preset
@@ -19,7 +20,10 @@ same slots, pages, chunk and compiled step programs; only admission and caching 
 
 ``--max-seq-len`` sets the model's longest sequence (default 256, or what the workload needs):
 the page tables' width; ``--compare-whole-table`` adds a continuous run whose calls read the
-whole table (``Engine(narrow_tables=False)``).  ``--num-pages`` sizes each layer's page pool
+whole table (``Engine(narrow_tables=False)``); ``--compare-on-demand`` a continuous run that
+reserves pages as they are reached (``Engine(allocation="on_demand")``: more requests at once on
+a small pool, preempting and recomputing the latest when it runs short; ``preempted`` counts
+them).  ``--num-pages`` sizes each layer's page pool
 (default: every slot at the model's longest sequence); a smaller pool makes admission wait for
 pages.  Sliding-window layers (``mistral``; ``--layer-pattern SSSA --sliding-window 64``: local
 layers interleaved with global ones, as Gemma-2 / 3) return the pages behind each window to their
@@ -82,11 +86,13 @@ def workload(requests: int, prompt_lens, new_tokens, vocab: int, seed: int,
 
 def serve(model, work, *, policy: str, max_batch: int, chunk: int, page_size: int,
           prefix_cache: bool = False, num_pages: int | None = None,
-          narrow_tables: bool = True, window_num_pages: int | None = None) -> dict:
+          narrow_tables: bool = True, window_num_pages: int | None = None,
+          allocation: str = "reserve") -> dict:
   """Runs ``work`` twice on one engine (the first compiles every step shape); times the second."""
   engine = Engine(model, max_batch=max_batch, page_size=page_size, chunk=chunk, policy=policy,
                   prefix_cache=prefix_cache, num_pages=num_pages, narrow_tables=narrow_tables,
-                  window_num_pages=None if prefix_cache else window_num_pages)
+                  window_num_pages=None if prefix_cache else window_num_pages,
+                  allocation=allocation)
   for prompt, n in work:                               # warm-up: the same workload
     engine.submit(prompt, n)
   engine.run()
@@ -107,11 +113,13 @@ def serve(model, work, *, policy: str, max_batch: int, chunk: int, page_size: in
   seconds = time.perf_counter() - start
   stats = {k: v - before[k] for k, v in vars(engine.stats).items()}
   results = engine.results
-  name = policy + ("+prefix" if prefix_cache else "") + ("" if narrow_tables else " (whole table)")
+  name = (policy + ("+prefix" if prefix_cache else "") + ("" if narrow_tables else " (whole table)")
+          + (" (on demand)" if allocation == "on_demand" else ""))
   return dict(policy=name, seconds=seconds,
               steps=stats["steps"], calls=stats["calls"], fed=stats["fed_tokens"],
               hit=stats["prefix_hit_tokens"], rows=stats["computed_rows"],
               table_columns=stats["table_columns"], cache_bytes=engine.cache.nbytes,
+              preempted=stats["preempted"],
               generated=stats["generated"],
               occupancy=stats["busy_slot_steps"] / max(stats["slot_steps"], 1),
               tokens_per_second=stats["generated"] / seconds,
@@ -124,7 +132,7 @@ def run(*, preset: str = "llama", requests: int = 32, max_batch: int = 8,
         page_size: int = 16, seed: int = 0, num_pages: int | None = None,
         max_seq_len: int | None = None, compare_whole_table: bool = False,
         layer_pattern: str | None = None, sliding_window: int | None = None,
-        window_num_pages: int | None = None) -> dict:
+        window_num_pages: int | None = None, compare_on_demand: bool = False) -> dict:
   cfg = get_config(preset, **TINY)
   if max_seq_len is not None:
     cfg = cfg.replace(max_seq_len=max_seq_len)
@@ -144,6 +152,9 @@ def run(*, preset: str = "llama", requests: int = 32, max_batch: int = 8,
   rows.append(serve(model, work, policy="continuous", prefix_cache=True, **kw))
   if compare_whole_table:
     rows.append(serve(model, work, policy="continuous", narrow_tables=False, **kw))
+  if compare_on_demand:
+    rows.append(serve(model, work, policy="continuous", allocation="on_demand",
+                      window_num_pages=window_num_pages, **kw))
   same = all(r["outputs"] == rows[0]["outputs"] for r in rows)
   for r in rows:
     del r["outputs"]
@@ -171,20 +182,28 @@ def format_table(results: dict) -> str:
            f"{c['backend']}, jax {c['jax']}"]
   head = (f"{'policy':>24} {'steps':>6} {'calls':>6} {'fed':>7} {'hit':>6} {'rows':>7} "
           f"{'generated':>9} {'occupancy':>9} {'seconds':>8} {'tokens/s':>9} {'TTFT s':>7} "
-          f"{'cache MB':>8}")
+          f"{'cache MB':>8} {'preempted':>9}")
   lines += [head, "-" * len(head)]
   for r in results["rows"]:
     lines.append(f"{r['policy']:>24} {r['steps']:6d} {r['calls']:6d} {r['fed']:7d} "
                  f"{r['hit']:6d} {r['rows']:7d} {r['generated']:9d} "
                  f"{100 * r['occupancy']:8.1f}% {r['seconds']:8.2f} "
                  f"{r['tokens_per_second']:9.1f} {r['ttft_seconds']:7.2f} "
-                 f"{r['cache_bytes'] / 2**20:8.2f}")
+                 f"{r['cache_bytes'] / 2**20:8.2f} {r['preempted']:9d}")
   lines.append(f"continuous / static: {results['speedup']:.2f}x tokens/s, "
                f"{results['step_ratio']:.2f}x fewer steps; prefix cache: "
                f"{results['prefix_row_ratio']:.2f}x fewer rows, {results['prefix_speedup']:.2f}x "
                f"tokens/s; identical greedy outputs: {results['identical_outputs']}")
-  if len(results["rows"]) == 4:
-    narrow, whole = results["rows"][1], results["rows"][3]
+  by_name = {r["policy"]: r for r in results["rows"]}
+  if "continuous (on demand)" in by_name:
+    lazy, reserve = by_name["continuous (on demand)"], by_name["continuous"]
+    lines.append(f"continuous, pages on demand vs reserved whole: "
+                 f"{lazy['tokens_per_second'] / reserve['tokens_per_second']:.2f}x tokens/s, "
+                 f"{reserve['steps'] / lazy['steps']:.2f}x fewer steps, occupancy "
+                 f"{100 * lazy['occupancy']:.1f}% vs {100 * reserve['occupancy']:.1f}%, "
+                 f"{lazy['preempted']} preemptions")
+  if "continuous (whole table)" in by_name:
+    narrow, whole = by_name["continuous"], by_name["continuous (whole table)"]
     lines.append(f"continuous, page tables narrowed to the lengths served vs the whole table: "
                  f"{narrow['tokens_per_second'] / whole['tokens_per_second']:.2f}x tokens/s, "
                  f"{whole['table_columns'] / max(narrow['table_columns'], 1):.1f}x fewer "
@@ -254,6 +273,9 @@ def main(argv=None) -> dict:
   ap.add_argument("--compare-whole-table", action="store_true",
                   help="add a continuous run whose calls read the whole page table "
                   "(Engine(narrow_tables=False)): the baseline of the table narrowing")
+  ap.add_argument("--compare-on-demand", action="store_true",
+                  help="add a continuous run reserving pages as they are reached "
+                  "(Engine(allocation='on_demand'), preempting when the pool runs short)")
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--out", default="runs/bench_serve")
   args = ap.parse_args(argv)
@@ -265,7 +287,8 @@ def main(argv=None) -> dict:
                 page_size=args.page_size, seed=args.seed, num_pages=args.num_pages,
                 max_seq_len=args.max_seq_len, compare_whole_table=args.compare_whole_table,
                 layer_pattern=args.layer_pattern, sliding_window=args.sliding_window,
-                window_num_pages=args.window_num_pages)
+                window_num_pages=args.window_num_pages,
+                compare_on_demand=args.compare_on_demand)
   print(format_table(results))
   write_json(out / "results.json", results)
   png = plot(results, out / "bench_serve.png")

@@ -14,9 +14,14 @@ slot never computes a prefill chunk's rows.  A finished request's pages go back 
     ids = [engine.submit(p, max_new_tokens=128, eos_id=tok.eos_id) for p in prompts]
     results = engine.run(on_token=lambda rid, token: ...)       # {request id: prompt + generated}
 
-Admission is first come, first served, and reserves a request's whole page need up front (prompt
-+ ``max_new_tokens - 1`` positions: the last sampled token is returned, never fed back), so a
-running request never finds the pool empty; a request waits while the pool cannot hold it.  Greedy
+Admission is first come, first served, and by default reserves a request's whole page need up
+front (prompt + ``max_new_tokens - 1`` positions: the last sampled token is returned, never fed
+back), so a running request never finds the pool empty; a request waits while the pool cannot
+hold it.  ``allocation="on_demand"`` reserves only the prompt's pages and the rest a page at a
+time as the request decodes, so more requests run at once when ``max_new_tokens`` is a generous
+bound; when the pool runs short, the most recently admitted request is preempted (its pages
+freed, it goes back to the head of the queue and later reads its prompt and outputs so far
+again: recompute, from cached pages with a prefix cache) -- vLLM's policy.  Greedy
 decoding in fp32 gives each request exactly what ``generate`` gives it alone (tested for attention,
 MLA, DSA, hybrid Gated DeltaNet and dropless MoE models).  Two cases where the batch shows: bf16
 (XLA fuses a differently shaped step differently: roundings, and so a near-tie, may differ), and
@@ -64,6 +69,7 @@ from jaxattn.sharding import check_auto_mesh, context_mesh, param_shardings
 
 
 POLICIES = ("continuous", "static")
+ALLOCATIONS = ("reserve", "on_demand")
 # The narrowest page table a model call reads (a call reads the first power-of-two columns that
 # hold its sequences, at least these, at most max_pages_per_seq).
 MIN_TABLE_PAGES = 16
@@ -83,12 +89,23 @@ class _Request:
   fresh: int = 0              # pages reserved from the free pool (pages - matched)
   window_pages: int = 0       # in a model with layers of both kinds: its sliding-window layers'
                               # reservation (``pages`` is then the other layers')
+  feed: np.ndarray | None = None   # what the reading phase feeds: the prompt, and after a
+  refed: int = 0                   # preemption the first ``refed`` outputs too
+  admitted: int = -1          # admission order (the most recent is preempted first)
+
+  def __post_init__(self):
+    if self.feed is None:
+      self.feed = self.prompt
+
+  @property
+  def reading(self) -> bool:
+    return self.fed < self.feed.size
 
   @property
   def held(self) -> int:
-    """Tokens in the cache (and read by recurrent states): the prompt fed so far and the
-    generated tokens but the last (sampled, not fed yet)."""
-    return self.fed + max(len(self.out) - 1, 0)
+    """Tokens in the cache (and read by recurrent states): the feed read so far and the
+    generated tokens after it but the last (sampled, not fed yet)."""
+    return self.fed + max(len(self.out) - self.refed - 1, 0)
 
 
 @dataclasses.dataclass
@@ -102,7 +119,8 @@ class EngineStats:
   was computing (``prefix_waits``), for models with recurrent layers, snapshots of their
   states saved at cached page ends (``saved_states``), and the page-table entries the calls
   read (``table_columns``: ``b x`` the call's table width, the pages per sequence the decode
-  paths visit)."""
+  paths visit), and with ``allocation="on_demand"`` the preemptions (``preempted``) and the
+  cached tokens they dropped, to be computed again (``preempted_tokens``)."""
 
   steps: int = 0
   calls: int = 0
@@ -117,6 +135,8 @@ class EngineStats:
   prefix_waits: int = 0
   saved_states: int = 0
   table_columns: int = 0
+  preempted: int = 0
+  preempted_tokens: int = 0
 
   @property
   def occupancy(self) -> float:
@@ -329,6 +349,11 @@ class Engine:
       snapshots to keep (least recently used replaced first); default ``4 * max_batch``.  Each
       holds every recurrent layer's state and convolution tails for one sequence (Qwen3-Next-80B:
       36 layers x 32 heads x 128 x 128 fp32 = 75 MB).
+    allocation: ``"reserve"`` (a request's whole page need at admission: never preempted) or
+      ``"on_demand"`` (its prompt's pages at admission, then each page as it is reached; the
+      most recently admitted request is preempted and recomputed when the pool runs short; see
+      the module docstring).  Sliding-window pools are reserved whole either way (a window's
+      pages).
     narrow_tables: each call reads only the page-table columns its sequences need (a power of
       two, at least ``MIN_TABLE_PAGES``; see the module docstring), so a step costs what the
       lengths served need, not ``max_seq_len``.  False: always the whole table (fewer compiled
@@ -344,11 +369,14 @@ class Engine:
                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                seed: int = 0, dtype=None, policy: str = "continuous",
                prefix_cache: bool = False, prefix_states: int | None = None,
-               narrow_tables: bool = True, mesh: jax.sharding.Mesh | None = None):
+               narrow_tables: bool = True, allocation: str = "reserve",
+               mesh: jax.sharding.Mesh | None = None):
     check_sampling(temperature, top_p, top_k)
     if policy not in POLICIES:
       raise ValueError(f"`policy` must be one of {POLICIES}, got {policy!r}.")
-    self.policy = policy
+    if allocation not in ALLOCATIONS:
+      raise ValueError(f"`allocation` must be one of {ALLOCATIONS}, got {allocation!r}.")
+    self.policy, self.allocation = policy, allocation
     self.max_batch = _positive_int("max_batch", max_batch)
     self.page_size = _positive_int("page_size", page_size)
     self.chunk = _positive_int("chunk", chunk)
@@ -422,6 +450,7 @@ class Engine:
                                             release_windows=self.window is not None)
     self._key = jax.random.key(int(seed))
     self._free_pages = self.num_pages       # pages neither reserved by a request nor cached
+    self._admissions = 0
     # With layers of both kinds: the window layers' pools, counted apart.
     self._free_window_pages = (self.window_num_pages if self.window is not None and self._whole
                                else 0)
@@ -511,7 +540,8 @@ class Engine:
 
   def _admit(self) -> None:
     """First come, first served: the head of the queue takes a free slot when the pool can hold
-    its whole page need (a later, smaller request does not overtake it: no starvation).  The
+    its page need (``_first_need``: all of it, or on demand its prompt's; a later, smaller
+    request does not overtake it: no starvation).  The
     static policy admits only into an empty batch.  With a prefix cache, a request's cached
     prefix pages are attached to its slot (at most its prompt's full pages but the last token:
     the first output needs that token's logits), it reserves only the rest, and idle cached
@@ -535,7 +565,7 @@ class Engine:
       while at < len(self._waiting):
         request = self._waiting[at]
         if self._prefix is not None:
-          usable = request.keys[:(request.prompt.size - 1) // self.page_size]
+          usable = request.keys[:(request.feed.size - 1) // self.page_size]
           matched = self._prefix.match(usable)
           if len(usable) > len(matched) and usable[len(matched)] in coming:
             self.stats.prefix_waits += 1
@@ -549,7 +579,7 @@ class Engine:
         break
       if at == len(self._waiting):
         break
-      need = request.pages - len(matched)
+      need = self._first_need(request) - len(matched)
       if request.window_pages > self._free_window_pages:
         break                                  # (no prefix cache: nothing to evict)
       if need > self._free_pages:
@@ -569,6 +599,7 @@ class Engine:
       self._free_pages -= need
       self._free_window_pages -= request.window_pages
       request.fresh = need
+      request.admitted, self._admissions = self._admissions, self._admissions + 1
       self._slots[slot] = request
       if matched:
         self._prefix.acquire(matched)
@@ -578,13 +609,75 @@ class Engine:
         attach.append((slot, matched, state))
     self._update_pages(evict, attach)
 
+  def _first_need(self, r: _Request) -> int:
+    """Pages ``r`` reserves at admission (its prefix-cache hits included): its whole life's
+    (``allocation="reserve"``), or on demand those of its feed (the prompt; after a preemption
+    the outputs so far too), the rest as it decodes (``_grow``).  Sliding-window-only models
+    reserve their bounded need whole either way."""
+    if self.allocation == "reserve" or not self._whole:
+      return r.pages
+    return min(r.pages, -(-r.feed.size // self.page_size))
+
+  def _grow(self) -> list[int]:
+    """``allocation="on_demand"``: reserves the pages the running requests' next tokens need
+    (a decoding request's token that starts a page), evicting idle prefix-cache pages, then
+    preempting the most recently admitted requests while the free pages cannot cover it.
+    Returns the preempted slots (their device rows still to be freed)."""
+    if self.allocation == "reserve" or not self._whole:
+      return []
+    ps, preempted = self.page_size, []
+
+    def short(r):
+      n = min(self.chunk, r.feed.size - r.fed) if r.reading else 1
+      return max(0, -(-(r.held + n) // ps) - len(r.shared) - r.fresh)
+
+    while True:
+      active = [(s, r) for s, r in enumerate(self._slots) if r is not None]
+      want = sum(short(r) for _, r in active)
+      if want <= self._free_pages:
+        break
+      if self._prefix is not None:
+        spare = self._prefix.evictable()
+        if want <= self._free_pages + len(spare):
+          evict = spare[:want - self._free_pages]
+          for page in evict:
+            self._evict(page)
+          self._update_pages(evict, [])
+          self._free_pages += len(evict)
+          break
+      slot, r = max(active, key=lambda sr: sr[1].admitted)
+      self._preempt(slot, r)
+      preempted.append(slot)
+    for _, r in active:
+      n = short(r)
+      r.fresh += n
+      self._free_pages -= n
+    return preempted
+
+  def _preempt(self, slot: int, r: _Request) -> None:
+    """Takes ``r`` out of its slot and back to the head of the queue: its pages return to the
+    pool (its cached ones to the prefix cache), and it will read its prompt and its outputs so
+    far again (recompute, from cached pages where a prefix cache kept them)."""
+    self.stats.preempted += 1
+    self.stats.preempted_tokens += r.held
+    self._free_pages += r.fresh
+    self._free_window_pages += r.window_pages
+    if self._prefix is not None:
+      self._prefix.release(r.shared)
+    r.feed = np.concatenate([r.prompt, np.asarray(r.out, np.int32)])
+    r.refed, r.fed, r.shared, r.fresh = len(r.out), 0, [], 0
+    if self._prefix is not None:
+      self._extend_keys(r, r.feed)
+    self._slots[slot] = None
+    self._waiting.appendleft(r)
+
   def _uncached_prompt_keys(self, r: _Request) -> list[bytes]:
     """Keys of ``r``'s full prompt pages not cached yet: ones its prefill will compute."""
-    return [k for k in r.keys[:r.prompt.size // self.page_size] if k not in self._prefix.page_of]
+    return [k for k in r.keys[:r.feed.size // self.page_size] if k not in self._prefix.page_of]
 
   def _pages_in_flight(self) -> set[bytes]:
     """Keys of the prompt pages the running requests are computing (cached once full)."""
-    return {k for r in self._slots if r is not None and r.fed < r.prompt.size
+    return {k for r in self._slots if r is not None and r.reading
             for k in self._uncached_prompt_keys(r)}
 
   def _evict(self, page: int) -> None:
@@ -682,8 +775,8 @@ class Engine:
     counts = np.zeros((size,), np.int32)
     for i, (s, r, n) in enumerate(group):
       rows[i], counts[i] = s, n
-      if r.fed < r.prompt.size:
-        tokens[i, :n] = r.prompt[r.fed:r.fed + n]
+      if r.reading:
+        tokens[i, :n] = r.feed[r.fed:r.fed + n]
       else:
         tokens[i, 0] = r.out[-1]
     # The page-table columns the call needs (its sequences' pages after it), rounded up to a
@@ -707,17 +800,24 @@ class Engine:
     """Feeds every busy slot once -- the slots reading their prompt one chunk each (one model
     call), the decoding slots one token each (another call); returns the ``(request id, token)``
     pairs generated."""
+    preempted = self._grow()
+    if preempted:
+      done = np.zeros((self.max_batch,), bool)
+      done[preempted] = True
+      keep = None if self._prefix is None else jnp.asarray(self._prefix.mask(self.num_pages))
+      with self._on_mesh():
+        self.cache = self._free(self.cache, jnp.asarray(done), keep)
     self._admit()
     active = [(s, r) for s, r in enumerate(self._slots) if r is not None]
     if not active:
       return []
-    reading = [(s, r) for s, r in active if r.fed < r.prompt.size]
-    decoding = [(s, r, 1) for s, r in active if r.fed >= r.prompt.size]
+    reading = [(s, r) for s, r in active if r.reading]
+    decoding = [(s, r, 1) for s, r in active if not r.reading]
     sampled = {}
     if reading:
-      remaining = max(r.prompt.size - r.fed for _, r in reading)
+      remaining = max(r.feed.size - r.fed for _, r in reading)
       t = min(self.chunk, 1 << (int(remaining) - 1).bit_length())
-      group = [(s, r, min(t, r.prompt.size - r.fed)) for s, r in reading]
+      group = [(s, r, min(t, r.feed.size - r.fed)) for s, r in reading]
       sampled.update(zip([s for s, _, _ in group], self._call(group, t)))
       for _, r, n in group:
         r.fed += n
@@ -727,7 +827,7 @@ class Engine:
       self.stats.fed_tokens += len(decoding)
     emitted, done = [], np.zeros((self.max_batch,), bool)
     for s, r in active:
-      if r.fed < r.prompt.size:
+      if r.reading:
         continue                         # mid-prompt: the sample is not a token of the output
       token = int(sampled[s])
       r.out.append(token)
@@ -795,4 +895,4 @@ class Engine:
     return self.pop_results()
 
 
-__all__ = ["POLICIES", "Engine", "EngineStats", "step_functions"]
+__all__ = ["ALLOCATIONS", "POLICIES", "Engine", "EngineStats", "step_functions"]

@@ -174,6 +174,44 @@ def test_local_global_layers_hold_whole_sequences_and_windows_apart():
   assert Engine(model, max_batch=2, page_size=4, prefix_cache=True).window_num_pages is None
 
 
+@pytest.mark.parametrize("name,prefix", [("llama", False), ("llama", True),
+                                         ("qwen3-next", False)])
+def test_on_demand_allocation_preempts_and_recomputes(name, prefix):
+  """``allocation="on_demand"`` on a 10-page pool: requests of 6-7 pages each (prompts of 5-9
+  tokens, 16-19 new, pages of 4) run one at a time when admission reserves their whole need,
+  two or three at once on demand; when the pool runs short the latest admitted is preempted
+  and later reads its prompt and outputs again (with a prefix cache, from its own cached pages:
+  hits although no two prompts share a token).  Every result is ``generate``'s alone (hybrid
+  model: its recurrent states recomputed), and the pool comes back whole."""
+  model = model_for(name)
+  rng = np.random.default_rng(11)
+  work = [(rng.integers(1, 61, size=n).astype(np.int32), m)
+          for n, m in ((9, 16), (5, 19), (7, 17), (6, 18), (8, 16))]
+  kw = dict(max_batch=3, page_size=4, num_pages=10, max_pages_per_seq=8, chunk=4,
+            prefix_cache=prefix)
+  runs = {}
+  for allocation in ("reserve", "on_demand"):
+    engine = Engine(model, allocation=allocation, **kw)
+    ids = [engine.submit(p, n) for p, n in work]
+    results = engine.run()
+    for rid, (p, n) in zip(ids, work):
+      np.testing.assert_array_equal(results[rid], alone(model, p, n),
+                                    err_msg=f"{allocation}: request {rid}")
+    runs[allocation] = engine
+  reserve, lazy = runs["reserve"].stats, runs["on_demand"].stats
+  assert reserve.preempted == 0 and reserve.busy_slot_steps == reserve.steps   # one at a time
+  assert lazy.preempted >= 1 and lazy.preempted_tokens > 0
+  assert lazy.busy_slot_steps > lazy.steps and lazy.steps < reserve.steps
+  if prefix:
+    assert lazy.prefix_hit_tokens > 0 and reserve.prefix_hit_tokens == 0
+  engine = runs["on_demand"]
+  engine.clear_prefix_cache()
+  tables = [c.table for c in jax.tree_util.tree_leaves(
+      engine.cache.groups, is_leaf=lambda c: hasattr(c, "table")) if hasattr(c, "table")]
+  assert tables and all((np.asarray(t.num_free) == 10).all() for t in tables)
+  assert engine._free_pages == 10 and engine.pending == 0
+
+
 def test_static_policy_refills_only_an_empty_batch():
   model = model_for("llama")
   ps = prompts(4)
@@ -240,7 +278,8 @@ def test_errors():
     engine.submit(ok, 2, eos_id=61)
   with pytest.raises(ValueError, match=r"needs 4 pages of 4, more than a"):
     engine.submit(ok, 11)
-  for kw, match in [(dict(max_batch=0), "`max_batch` must be a positive int"),
+  for kw, match in [(dict(allocation="lazy"), "`allocation` must be one of"),
+                    (dict(max_batch=0), "`max_batch` must be a positive int"),
                     (dict(chunk=2.0), "`chunk` must be a positive int"),
                     (dict(temperature=-1.0), "`temperature`"),
                     (dict(seed=0.5), "`seed` must be an int"),
@@ -255,9 +294,10 @@ def test_bench_serve_runs_and_both_policies_agree(tmp_path):
   results = bench_serve.main(["--requests", "5", "--max-batch", "2", "--prompt-lens", "2,9",
                               "--new-tokens", "1,6", "--shared-prefix", "5", "--chunk", "4",
                               "--page-size", "4", "--layer-pattern", "SA", "--sliding-window",
-                              "3", "--out", str(tmp_path)])
+                              "3", "--compare-on-demand", "--out", str(tmp_path)])
   assert results["identical_outputs"]
-  static, continuous, prefix = results["rows"]
+  static, continuous, prefix, lazy = results["rows"]
+  assert lazy["policy"] == "continuous (on demand)" and lazy["generated"] == static["generated"]
   # Local / global layers: the window layer's pool holds each slot's 3 window pages, not 64
   # (max_seq_len 256 / 4); with the prefix cache nothing is released: one size for both.
   assert continuous["cache_bytes"] < 0.6 * prefix["cache_bytes"]
