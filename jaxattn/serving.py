@@ -618,14 +618,13 @@ class Engine:
       return r.pages
     return min(r.pages, -(-r.feed.size // self.page_size))
 
-  def _grow(self) -> list[int]:
+  def _grow(self) -> None:
     """``allocation="on_demand"``: reserves the pages the running requests' next tokens need
     (a decoding request's token that starts a page), evicting idle prefix-cache pages, then
-    preempting the most recently admitted requests while the free pages cannot cover it.
-    Returns the preempted slots (their device rows still to be freed)."""
+    preempting the most recently admitted requests while the free pages cannot cover it."""
     if self.allocation == "reserve" or not self._whole:
-      return []
-    ps, preempted = self.page_size, []
+      return
+    ps = self.page_size
 
     def short(r):
       n = min(self.chunk, r.feed.size - r.fed) if r.reading else 1
@@ -645,19 +644,23 @@ class Engine:
           self._update_pages(evict, [])
           self._free_pages += len(evict)
           break
-      slot, r = max(active, key=lambda sr: sr[1].admitted)
-      self._preempt(slot, r)
-      preempted.append(slot)
+      self._preempt(*max(active, key=lambda sr: sr[1].admitted))
     for _, r in active:
       n = short(r)
       r.fresh += n
       self._free_pages -= n
-    return preempted
 
   def _preempt(self, slot: int, r: _Request) -> None:
     """Takes ``r`` out of its slot and back to the head of the queue: its pages return to the
     pool (its cached ones to the prefix cache), and it will read its prompt and its outputs so
-    far again (recompute, from cached pages where a prefix cache kept them)."""
+    far again (recompute, from cached pages where a prefix cache kept them).  The slot is freed
+    on the device at once, while the prefix cache still holds its cached pages (``keep``): an
+    eviction right after must push them to the free stack once, not twice."""
+    done = np.zeros((self.max_batch,), bool)
+    done[slot] = True
+    keep = None if self._prefix is None else jnp.asarray(self._prefix.mask(self.num_pages))
+    with self._on_mesh():
+      self.cache = self._free(self.cache, jnp.asarray(done), keep)
     self.stats.preempted += 1
     self.stats.preempted_tokens += r.held
     self._free_pages += r.fresh
@@ -800,13 +803,7 @@ class Engine:
     """Feeds every busy slot once -- the slots reading their prompt one chunk each (one model
     call), the decoding slots one token each (another call); returns the ``(request id, token)``
     pairs generated."""
-    preempted = self._grow()
-    if preempted:
-      done = np.zeros((self.max_batch,), bool)
-      done[preempted] = True
-      keep = None if self._prefix is None else jnp.asarray(self._prefix.mask(self.num_pages))
-      with self._on_mesh():
-        self.cache = self._free(self.cache, jnp.asarray(done), keep)
+    self._grow()
     self._admit()
     active = [(s, r) for s, r in enumerate(self._slots) if r is not None]
     if not active:

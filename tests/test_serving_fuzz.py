@@ -1,0 +1,90 @@
+"""The engine's scheduling against its contract, on generated configurations: whatever the slots,
+page size, pool size (from just enough for the longest request up), chunk, table narrowing,
+page allocation (whole need or on demand with preemption), prefix cache and arrival order
+(some requests submitted while others run), and for a full-attention model and a local / global
+one (window layers releasing their pages into pools of their own size), every greedy request
+gets exactly the tokens ``generate`` gives it alone, and every page comes back to its pool."""
+
+import functools
+
+import jax
+import numpy as np
+from flax import nnx
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from jaxattn.configs import get_config
+from jaxattn.generation import generate
+from jaxattn.nn.model import DecoderLM
+from jaxattn.serving import Engine
+
+SMALL = dict(embed_dim=32, mlp_dim=64, max_seq_len=64, vocab_size=61, num_layers=2)
+MODELS = {"llama": {}, "local-global": dict(layer_pattern="SA", sliding_window=3)}
+_rng = np.random.default_rng(21)
+_SYSTEM = _rng.integers(1, 61, size=6)
+# (prompt, max_new_tokens): half of them after a shared 6-token "system prompt" (prefix hits),
+# one a repeat of another's prompt.
+REQUESTS = [(np.concatenate([_SYSTEM, _rng.integers(1, 61, size=k)]) if shared
+             else _rng.integers(1, 61, size=k), n)
+            for k, n, shared in ((3, 12, True), (7, 6, False), (2, 16, True), (5, 1, False),
+                                 (8, 10, True), (4, 14, False), (6, 9, True))]
+REQUESTS.append((REQUESTS[0][0], 11))
+REQUESTS = [(p.astype(np.int32), n) for p, n in REQUESTS]
+
+
+@functools.cache
+def model(name):
+  return DecoderLM(get_config("llama", **SMALL).replace(**MODELS[name]), rngs=nnx.Rngs(0))
+
+
+@functools.cache
+def alone(name, i):
+  prompt, n = REQUESTS[i]
+  return np.asarray(generate(model(name), prompt[None], n)[0])
+
+
+_ALL = list(range(len(REQUESTS)))
+
+
+# Tight pools with every slot busy: preemption beside a prefix cache and beside window pools.
+@example(name="llama", max_batch=3, page_size=2, chunk=4, extra_pages=1, allocation="on_demand",
+         prefix_cache=True, narrow_tables=True, order=_ALL, late=3, after_steps=2)
+@example(name="local-global", max_batch=3, page_size=2, chunk=4, extra_pages=0,
+         allocation="on_demand", prefix_cache=True, narrow_tables=False, order=_ALL[::-1],
+         late=0, after_steps=1)
+@example(name="local-global", max_batch=3, page_size=4, chunk=2, extra_pages=1,
+         allocation="on_demand", prefix_cache=False, narrow_tables=True, order=_ALL, late=4,
+         after_steps=3)
+@settings(max_examples=9, deadline=None, derandomize=True)
+@given(name=st.sampled_from(sorted(MODELS)), max_batch=st.sampled_from([1, 2, 3, 3]),
+       page_size=st.sampled_from([2, 4]), chunk=st.sampled_from([2, 4, 8]),
+       extra_pages=st.sampled_from([0, 1, 3, 12]), allocation=st.sampled_from(["reserve", "on_demand"]),
+       prefix_cache=st.booleans(), narrow_tables=st.booleans(),
+       order=st.permutations(range(len(REQUESTS))), late=st.integers(0, len(REQUESTS)),
+       after_steps=st.integers(1, 6))
+def test_any_schedule_gives_each_request_its_tokens_alone(name, max_batch, page_size, chunk,
+                                                          extra_pages, allocation,
+                                                          prefix_cache, narrow_tables, order,
+                                                          late, after_steps):
+  longest = max(-(-(p.size + n - 1) // page_size) for p, n in REQUESTS)
+  engine = Engine(model(name), max_batch=max_batch, page_size=page_size, chunk=chunk,
+                  num_pages=longest + extra_pages, max_pages_per_seq=longest,
+                  allocation=allocation, prefix_cache=prefix_cache,
+                  narrow_tables=narrow_tables)
+  first, rest = order[:len(order) - late], order[len(order) - late:]
+  ids = {engine.submit(*REQUESTS[i]): i for i in first}
+  for _ in range(after_steps):
+    engine.step()
+  ids.update({engine.submit(*REQUESTS[i]): i for i in rest})
+  results = engine.run()
+  assert sorted(results) == sorted(ids)
+  for rid, i in ids.items():
+    np.testing.assert_array_equal(results[rid], alone(name, i),
+                                  err_msg=f"request {i} (id {rid})")
+  engine.clear_prefix_cache()
+  pools = [(c.key_pool.shape[0], c.table) for c in jax.tree_util.tree_leaves(
+      engine.cache.groups, is_leaf=lambda c: hasattr(c, "table")) if hasattr(c, "table")]
+  assert pools and all(int(t.num_free) == size for size, t in pools)
+  assert engine._free_pages == engine.num_pages and engine.pending == 0
+  if engine.window is not None:
+    assert engine._free_window_pages == engine.window_num_pages
