@@ -58,7 +58,8 @@ _ALL = list(range(len(REQUESTS)))
 @settings(max_examples=9, deadline=None, derandomize=True)
 @given(name=st.sampled_from(sorted(MODELS)), max_batch=st.sampled_from([1, 2, 3, 3]),
        page_size=st.sampled_from([2, 4]), chunk=st.sampled_from([2, 4, 8]),
-       extra_pages=st.sampled_from([0, 1, 3, 12]), allocation=st.sampled_from(["reserve", "on_demand"]),
+       extra_pages=st.sampled_from([0, 1, 3, 12]),
+       allocation=st.sampled_from(["reserve", "on_demand"]),
        prefix_cache=st.booleans(), narrow_tables=st.booleans(),
        order=st.permutations(range(len(REQUESTS))), late=st.integers(0, len(REQUESTS)),
        after_steps=st.integers(1, 6))
