@@ -98,6 +98,50 @@ def sample_logits(logits: Float[Array, "B V"], key, *, temperature: float = 0.0,
   return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
+def token_key(seed, index):
+  """The key token ``index`` (0 = the first generated) of a sequence with ``seed`` samples with:
+  ``fold_in(key(seed), index)``.  ``generate`` and ``jaxattn.serving.Engine`` both use it, so a
+  request sampled by the engine gets the tokens ``generate`` gives it alone with that seed,
+  however it was batched, chunked or preempted."""
+  return jax.random.fold_in(jax.random.key(seed), index)
+
+
+def sample_rows(logits: Float[Array, "B V"], seeds: Int[Array, "B"], index: Int[Array, "B"],
+                temperature: Float[Array, "B"], top_p: Float[Array, "B"],
+                top_k: Int[Array, "B"]) -> Int[Array, "B"]:
+  """``sample_logits`` with settings of its own for each row: row ``i`` gets exactly what
+  ``sample_logits(logits[i:i + 1], token_key(seeds[i], index[i]), temperature=temperature[i],
+  top_p=top_p[i], top_k=top_k[i])`` gives (greedy where ``temperature[i] == 0``).  The settings
+  are arrays (traced, one compiled program for any mix); they are not validated here
+  (``check_sampling`` them first)."""
+  if jnp.ndim(logits) != 2:
+    raise ValueError(f"`logits` must be [B, V], got shape {jnp.shape(logits)}.")
+  b = logits.shape[0]
+  for name, x in (("seeds", seeds), ("index", index), ("temperature", temperature),
+                  ("top_p", top_p), ("top_k", top_k)):
+    if jnp.shape(x) != (b,):
+      raise ValueError(f"`{name}` must be [B={b}], got shape {jnp.shape(x)}.")
+  return jax.vmap(_sample_row)(logits.astype(jnp.float32), seeds, index, temperature, top_p,
+                               top_k)
+
+
+def _sample_row(logits, seed, index, temperature, top_p, top_k):
+  """One row of ``sample_rows``: ``sample_logits``'s steps with traced settings."""
+  v = logits.shape[-1]
+  greedy = jnp.argmax(logits).astype(jnp.int32)
+  top = jnp.max(logits)
+  shifted = logits - jnp.where(jnp.isfinite(top), top, 0.0)
+  x = jnp.where(shifted == 0, 0.0, shifted / jnp.where(temperature > 0, temperature, 1.0))
+  kth = jnp.sort(x)[::-1][jnp.clip(top_k - 1, 0, v - 1)]
+  x = jnp.where((top_k > 0) & (top_k < v) & (x < kth), -jnp.inf, x)
+  order = jnp.argsort(-x)
+  probs = jax.nn.softmax(x[order])
+  keep = jnp.zeros((v,), bool).at[order].set(jnp.cumsum(probs) - probs < top_p)
+  x = jnp.where((top_p < 1.0) & ~keep, -jnp.inf, x)
+  sampled = jax.random.categorical(token_key(seed, index), x).astype(jnp.int32)
+  return jnp.where(temperature > 0, sampled, greedy)
+
+
 def _check(model, prompt, max_new_tokens, max_len, eos_id=None):
   prompt = np.asarray(prompt)
   if prompt.ndim != 2 or prompt.shape[1] < 1:
@@ -167,9 +211,10 @@ def generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_tokens: int, *
   Prefill runs the prompt through ``model`` with a fresh cache of ``max_len`` slots (default:
   ``T + max_new_tokens`` rounded up to a multiple of 128; slots past the tokens are masked), then
   each step decodes one token per sequence (``sample_logits``: greedy at temperature 0, else
-  top-k, then top-p).  ``on_token`` receives each new ``[B]`` array as soon as it is sampled
-  (streaming).  With ``eos_id``, a sequence that has produced it is finished: its later positions
-  hold ``eos_id`` (as padding), and generation stops when every sequence has finished.
+  top-k, then top-p; generated token ``i`` draws with ``token_key(seed, i)``).  ``on_token``
+  receives each new ``[B]`` array as soon as it is sampled (streaming).  With ``eos_id``, a
+  sequence that has produced it is finished: its later positions hold ``eos_id`` (as padding),
+  and generation stops when every sequence has finished.
   """
   check_sampling(temperature, top_p, top_k)
   _check(model, prompt, max_new_tokens, max_len, eos_id)
@@ -185,12 +230,10 @@ def generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_tokens: int, *
   graphdef, state = nnx.split(model)
   prefill, step = decode_functions(graphdef, b, max_len, temperature=temperature, top_p=top_p,
                                    top_k=int(top_k))
-  key = jax.random.key(seed)
   out = [np.asarray(prompt)]
   if max_new_tokens == 0:
     return out[0]
-  key, sub = jax.random.split(key)
-  token, cache = prefill(state, prompt, sub)
+  token, cache = prefill(state, prompt, token_key(seed, 0))
   done = np.zeros((b,), bool)
   for i in range(max_new_tokens):
     host = np.asarray(token)
@@ -205,6 +248,5 @@ def generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_tokens: int, *
         break
       token = jnp.asarray(host)
     if i + 1 < max_new_tokens:
-      key, sub = jax.random.split(key)
-      token, cache = step(state, token, cache, sub)
+      token, cache = step(state, token, cache, token_key(seed, i + 1))
   return np.concatenate(out, axis=1)

@@ -23,10 +23,14 @@ bound; when the pool runs short, the most recently admitted request is preempted
 freed, it goes back to the head of the queue and later reads its prompt and outputs so far
 again: recompute, from cached pages with a prefix cache) -- vLLM's policy.  Greedy
 decoding in fp32 gives each request exactly what ``generate`` gives it alone (tested for attention,
-MLA, DSA, hybrid Gated DeltaNet and dropless MoE models).  Two cases where the batch shows: bf16
-(XLA fuses a differently shaped step differently: roundings, and so a near-tie, may differ), and
-MoE with ``moe_capacity_factor`` (the tokens of one step compete for the experts' slots, as in any
-batched call: a request's routing then depends on its neighbours).
+MLA, DSA, hybrid Gated DeltaNet and dropless MoE models).  So does sampling: each request has its
+own settings and seed (``submit(..., temperature=, top_p=, top_k=, seed=)``), and its output
+``i`` draws with ``token_key(seed, i)`` whatever the batch, chunking or preemptions around it;
+``Engine(logprobs=True)`` returns the generated tokens' log-probabilities too.  Two cases where
+the batch shows: bf16 (XLA fuses a differently shaped step differently: roundings, and so a
+near-tie, may differ), and MoE with ``moe_capacity_factor`` (the tokens of one step compete for
+the experts' slots, as in any batched call: a request's routing then depends on its
+neighbours).
 
 Call shapes: ``[b, T]`` with ``b`` the number of slots served rounded up to a power of two (at most
 ``max_batch``; the padding rows feed nothing) and ``T`` the smallest power of two (up to
@@ -63,12 +67,13 @@ import numpy as np
 from flax import nnx
 
 from jaxattn.checks import is_int
-from jaxattn.generation import check_sampling, sample_logits
+from jaxattn.generation import check_sampling, sample_rows
 from jaxattn.nn.model import DecoderLM, PagedModelCache
 from jaxattn.sharding import check_auto_mesh, context_mesh, param_shardings
 
 
 POLICIES = ("continuous", "static")
+_SEEDS = 2 ** 31            # request seeds are int32 on the device
 ALLOCATIONS = ("reserve", "on_demand")
 # The narrowest page table a model call reads (a call reads the first power-of-two columns that
 # hold its sequences, at least these, at most max_pages_per_seq).
@@ -92,6 +97,11 @@ class _Request:
   feed: np.ndarray | None = None   # what the reading phase feeds: the prompt, and after a
   refed: int = 0                   # preemption the first ``refed`` outputs too
   admitted: int = -1          # admission order (the most recent is preempted first)
+  seed: int = 0
+  temperature: float = 0.0
+  top_p: float = 1.0
+  top_k: int = 0
+  logprobs: list = dataclasses.field(default_factory=list)   # of the outputs
 
   def __post_init__(self):
     if self.feed is None:
@@ -151,18 +161,20 @@ def _positive_int(name, v):
 
 
 @functools.lru_cache(maxsize=32)
-def step_functions(graphdef, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                   release_windows: bool = False):
+def step_functions(graphdef, *, release_windows: bool = False):
   """The engine's two jitted programs for a split model (``nnx.split(model)``), made once per
-  graph definition and sampling setting (engines over models of one structure share them, and
-  their compiled programs):
+  graph definition (engines over models of one structure share them, and their compiled
+  programs):
 
-  * ``step(state, tokens [b, T], num_tokens [b], rows [b], cache, key, pages=None) -> (next [b],
-    cache)``: a ragged chunk through the model on the cache slots ``rows``
-    (``PagedModelCache.take`` / ``put``; an entry ``>= B`` is padding and must have
-    ``num_tokens`` 0) reading the first ``pages`` page-table columns (static; None: all);
-    ``next[i]`` is sampled from the logits of row ``i``'s last real token (meaningless for a row
-    with ``num_tokens[i] = 0``);
+  * ``step(state, tokens [b, T], num_tokens [b], rows [b], cache, sampling, pages=None,
+    greedy=False) -> (next [b], logprob [b], cache)``: a ragged chunk through the model on the
+    cache slots ``rows`` (``PagedModelCache.take`` / ``put``; an entry ``>= B`` is padding and
+    must have ``num_tokens`` 0) reading the first ``pages`` page-table columns (static; None:
+    all); ``next[i]`` is sampled from the logits of row ``i``'s last real token (meaningless for
+    a row with ``num_tokens[i] = 0``) with the row's settings ``sampling = (seeds, index,
+    temperature, top_p, top_k)`` (``jaxattn.generation.sample_rows``; ``greedy``, static: every
+    row's temperature is 0, argmax only), and ``logprob[i]`` is its log-probability under the
+    model (``log_softmax`` of those logits);
   * ``free(cache, done [B]) -> cache``.
 
   ``release_windows``: ``step`` returns the pages behind each sequence's window to the pools
@@ -171,8 +183,8 @@ def step_functions(graphdef, *, temperature: float = 0.0, top_p: float = 1.0, to
   Both donate the cache (it is updated in place; use the returned one), and return it in the
   layout ``PagedModelCache.shard`` gives it on the active mesh (unchanged without one)."""
 
-  @functools.partial(jax.jit, donate_argnums=4, static_argnames="pages")
-  def step(state, tokens, num_tokens, rows, cache, key, pages=None):
+  @functools.partial(jax.jit, donate_argnums=4, static_argnames=("pages", "greedy"))
+  def step(state, tokens, num_tokens, rows, cache, sampling, pages=None, greedy=False):
     m = nnx.merge(graphdef, state)
     m.eval()
     full, cache = cache, cache.take(rows, pages)
@@ -184,8 +196,11 @@ def step_functions(graphdef, *, temperature: float = 0.0, top_p: float = 1.0, to
     cache = full.put(rows, cache)
     if release_windows:
       cache = cache.release_behind()
-    return (sample_logits(logits, key, temperature=temperature, top_p=top_p, top_k=top_k),
-            cache.shard())
+    logits = logits.astype(jnp.float32)
+    nxt = (jnp.argmax(logits, axis=-1).astype(jnp.int32) if greedy
+           else sample_rows(logits, *sampling))
+    logprob = jnp.take_along_axis(jax.nn.log_softmax(logits), nxt[:, None], axis=-1)[:, 0]
+    return nxt, logprob, cache.shard()
 
   @functools.partial(jax.jit, donate_argnums=0)
   def free(cache: PagedModelCache, done, keep=None):
@@ -325,8 +340,16 @@ class Engine:
     max_pages_per_seq: the page-table width (the longest request, in pages); default
       ``ceil(max_seq_len / page_size)``.
     chunk: the most prompt tokens a slot feeds per step (chunked prefill).
-    temperature, top_p, top_k: sampling, as in ``sample_logits`` (0: greedy).
-    seed: for sampling.
+    temperature, top_p, top_k: the requests' default sampling, as in ``sample_logits`` (0:
+      greedy); ``submit`` may give a request its own.
+    seed: the requests' default seeds: request ``rid`` samples with ``seed + rid`` unless
+      ``submit`` gives it one.  Generated token ``i`` of a request with seed ``s`` draws with
+      ``jaxattn.generation.token_key(s, i)``, as ``generate`` does: a sampled request gets the
+      tokens ``generate`` gives it alone with that seed (fp32), however it was batched, chunked
+      or preempted.
+    logprobs: each result is ``(tokens, logprobs)``, ``logprobs [n]`` (fp32) the model's
+      log-probabilities of the ``n`` generated tokens (``log_softmax`` of the logits they were
+      sampled from, before temperature, top-k and top-p).
     dtype: the cache's dtype (default the model's compute dtype).
     policy: ``"continuous"`` (a free slot takes the next request at once) or ``"static"`` (new
       requests enter only when every slot is empty: classic static batching, kept as the
@@ -367,7 +390,7 @@ class Engine:
                num_pages: int | None = None, max_pages_per_seq: int | None = None,
                window_num_pages: int | None = None, chunk: int = 64,
                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-               seed: int = 0, dtype=None, policy: str = "continuous",
+               seed: int = 0, logprobs: bool = False, dtype=None, policy: str = "continuous",
                prefix_cache: bool = False, prefix_states: int | None = None,
                narrow_tables: bool = True, allocation: str = "reserve",
                mesh: jax.sharding.Mesh | None = None):
@@ -380,8 +403,12 @@ class Engine:
     self.max_batch = _positive_int("max_batch", max_batch)
     self.page_size = _positive_int("page_size", page_size)
     self.chunk = _positive_int("chunk", chunk)
-    if not is_int(seed):
-      raise ValueError(f"`seed` must be an int, got {seed!r}.")
+    if not is_int(seed) or not 0 <= seed < _SEEDS:
+      raise ValueError(f"`seed` must be an int in [0, 2**31), got {seed!r}.")
+    if not isinstance(logprobs, bool):
+      raise ValueError(f"`logprobs` must be a bool, got {logprobs!r}.")
+    self.seed, self.logprobs = int(seed), logprobs
+    self.sampling = dict(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k))
     self.config = model.config
     if not isinstance(prefix_cache, bool):
       raise ValueError(f"`prefix_cache` must be a bool, got {prefix_cache!r}.")
@@ -445,10 +472,7 @@ class Engine:
     graphdef, self._state = nnx.split(model)
     if mesh is not None:
       self._state = jax.device_put(self._state, param_shardings(self._state, mesh))
-    self._step, self._free = step_functions(graphdef, temperature=temperature, top_p=top_p,
-                                            top_k=int(top_k),
-                                            release_windows=self.window is not None)
-    self._key = jax.random.key(int(seed))
+    self._step, self._free = step_functions(graphdef, release_windows=self.window is not None)
     self._free_pages = self.num_pages       # pages neither reserved by a request nor cached
     self._admissions = 0
     # With layers of both kinds: the window layers' pools, counted apart.
@@ -466,10 +490,14 @@ class Engine:
 
   # -- requests --------------------------------------------------------------------------------
 
-  def submit(self, prompt, max_new_tokens: int, *, eos_id: int | None = None) -> int:
+  def submit(self, prompt, max_new_tokens: int, *, eos_id: int | None = None,
+             temperature: float | None = None, top_p: float | None = None,
+             top_k: int | None = None, seed: int | None = None) -> int:
     """Queues a request: ``prompt`` (1-D token ids, at least one) and up to ``max_new_tokens``
-    new tokens (fewer when ``eos_id`` is sampled: it ends the request and is returned).  Returns
-    the request id, the key of its result in ``run`` / ``results``."""
+    new tokens (fewer when ``eos_id`` is sampled: it ends the request and is returned).
+    ``temperature`` / ``top_p`` / ``top_k`` / ``seed``: this request's sampling (default: the
+    engine's, and seed ``engine.seed + id``); requests with different settings share the
+    engine's steps.  Returns the request id, the key of its result in ``run`` / ``results``."""
     prompt = np.asarray(prompt)
     vocab = self.config.vocab_size
     if prompt.ndim != 1 or prompt.size < 1 or not np.issubdtype(prompt.dtype, np.integer):
@@ -482,6 +510,11 @@ class Engine:
       raise ValueError(f"`max_new_tokens` must be an int >= 0, got {max_new_tokens!r}.")
     if eos_id is not None and (not is_int(eos_id) or not 0 <= eos_id < vocab):
       raise ValueError(f"`eos_id` must be None or a token id in [0, {vocab}), got {eos_id!r}.")
+    sampling = {k: d if v is None else v for (k, d), v in zip(
+        self.sampling.items(), (temperature, top_p, top_k))}
+    check_sampling(**sampling)
+    if seed is not None and (not is_int(seed) or not 0 <= seed < _SEEDS):
+      raise ValueError(f"`seed` must be None or an int in [0, 2**31), got {seed!r}.")
     positions = prompt.size + max(int(max_new_tokens) - 1, 0)
     logical = -(-positions // self.page_size)
     window = logical if self.window is None else min(logical, self.window_pages)
@@ -500,15 +533,22 @@ class Engine:
     rid, self._next_id = self._next_id, self._next_id + 1
     request = _Request(rid, prompt.astype(np.int32), int(max_new_tokens),
                        None if eos_id is None else int(eos_id), pages,
-                       window_pages=window if self.window is not None and self._whole else 0)
+                       window_pages=window if self.window is not None and self._whole else 0,
+                       seed=(self.seed + rid) % _SEEDS if seed is None else int(seed),
+                       temperature=float(sampling["temperature"]),
+                       top_p=float(sampling["top_p"]), top_k=int(sampling["top_k"]))
     if self._prefix is not None:
       self._extend_keys(request, request.prompt)
     if request.max_new_tokens == 0:
-      self._results[rid] = request.prompt.copy()
+      self._results[rid] = self._result(request)
       self.stats.finished += 1
     else:
       self._waiting.append(request)
     return rid
+
+  def _result(self, r: _Request):
+    tokens = np.concatenate([r.prompt, np.asarray(r.out, np.int32)])
+    return (tokens, np.asarray(r.logprobs, np.float32)) if self.logprobs else tokens
 
   @property
   def window_pages(self) -> int | None:
@@ -769,15 +809,22 @@ class Engine:
     ``max_batch`` (few compiled shapes)."""
     return min(self.max_batch, 1 << (n - 1).bit_length())
 
-  def _call(self, group, t: int) -> np.ndarray:
+  def _call(self, group, t: int) -> tuple[np.ndarray, np.ndarray]:
     """One model call on the slots of ``group`` (``[(slot, request, count)]``) with ``T = t``,
-    through ``take`` / ``put`` of their cache rows; returns each slot's sampled token."""
+    through ``take`` / ``put`` of their cache rows; returns each slot's sampled token and its
+    log-probability."""
     size = self._sub_batch(len(group))
     rows = np.full((size,), self.max_batch, np.int32)          # padding entries: dropped
     tokens = np.zeros((size, t), np.int32)
     counts = np.zeros((size,), np.int32)
+    seeds, index, top_k = (np.zeros((size,), np.int32) for _ in range(3))
+    temperature, top_p = np.zeros((size,), np.float32), np.ones((size,), np.float32)
     for i, (s, r, n) in enumerate(group):
       rows[i], counts[i] = s, n
+      # The token this call samples for r is its output number len(r.out) (a mid-prompt one is
+      # dropped): its key depends on that index alone, not on the step or the batch.
+      seeds[i], index[i] = r.seed, len(r.out)
+      temperature[i], top_p[i], top_k[i] = r.temperature, r.top_p, r.top_k
       if r.reading:
         tokens[i, :n] = r.feed[r.fed:r.fed + n]
       else:
@@ -789,15 +836,16 @@ class Engine:
     need = max(-(-(r.held + n) // ps) for _, r, n in group)
     pages = min(m, max(MIN_TABLE_PAGES, 1 << (max(need, 1) - 1).bit_length()))
     pages = pages if self.narrow_tables else m
-    self._key, key = jax.random.split(self._key)
+    sampling = tuple(map(jnp.asarray, (seeds, index, temperature, top_p, top_k)))
     with self._on_mesh():
-      nxt, self.cache = self._step(self._state, jnp.asarray(tokens), jnp.asarray(counts),
-                                   jnp.asarray(rows), self.cache, key,
-                                   pages=None if pages == m else pages)
+      nxt, logprob, self.cache = self._step(self._state, jnp.asarray(tokens), jnp.asarray(counts),
+                                            jnp.asarray(rows), self.cache, sampling,
+                                            pages=None if pages == m else pages,
+                                            greedy=not temperature.any())
     self.stats.table_columns += size * pages
     self.stats.calls += 1
     self.stats.computed_rows += size * t
-    return np.asarray(nxt)[:len(group)]
+    return np.asarray(nxt)[:len(group)], np.asarray(logprob)[:len(group)]
 
   def step(self) -> list[tuple[int, int]]:
     """Feeds every busy slot once -- the slots reading their prompt one chunk each (one model
@@ -815,19 +863,21 @@ class Engine:
       remaining = max(r.feed.size - r.fed for _, r in reading)
       t = min(self.chunk, 1 << (int(remaining) - 1).bit_length())
       group = [(s, r, min(t, r.feed.size - r.fed)) for s, r in reading]
-      sampled.update(zip([s for s, _, _ in group], self._call(group, t)))
+      sampled.update(zip([s for s, _, _ in group], zip(*self._call(group, t))))
       for _, r, n in group:
         r.fed += n
       self.stats.fed_tokens += sum(n for _, _, n in group)
     if decoding:
-      sampled.update(zip([s for s, _, _ in decoding], self._call(decoding, 1)))
+      sampled.update(zip([s for s, _, _ in decoding], zip(*self._call(decoding, 1))))
       self.stats.fed_tokens += len(decoding)
     emitted, done = [], np.zeros((self.max_batch,), bool)
     for s, r in active:
       if r.reading:
         continue                         # mid-prompt: the sample is not a token of the output
-      token = int(sampled[s])
+      token, logprob = sampled[s]
+      token = int(token)
       r.out.append(token)
+      r.logprobs.append(float(logprob))
       emitted.append((r.rid, token))
     if self._prefix is not None:
       self._cache_pages()
@@ -836,7 +886,7 @@ class Engine:
     for s, r in active:
       if r.out and (len(r.out) == r.max_new_tokens or r.out[-1] == r.eos_id):
         done[s] = True
-        self._results[r.rid] = np.concatenate([r.prompt, np.asarray(r.out, np.int32)])
+        self._results[r.rid] = self._result(r)
         self._slots[s] = None
         self._free_pages += r.fresh
         self._free_window_pages += r.window_pages

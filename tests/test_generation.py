@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from jaxattn.configs import get_config
-from jaxattn.generation import decode_functions, generate, sample_logits
+from jaxattn.generation import decode_functions, generate, sample_logits, sample_rows, token_key
 from jaxattn.nn.model import DecoderLM
 
 
@@ -224,3 +224,28 @@ def test_text_stream_keeps_multibyte_characters_whole():
   cut = TextStream(tok.decode)                        # a truly invalid byte shows at the end
   assert cut.feed(tok.encode("a")) == "a" and cut.feed([0xE2 + 3]) == ""
   assert cut.flush() == "\ufffd"
+
+
+def test_sample_rows_gives_each_row_what_sample_logits_gives_it_alone():
+  """Per-row settings (greedy, temperature, top-p, top-k, both, a k past the vocabulary) and
+  per-row keys ``token_key(seed, index)``: row ``i`` equals ``sample_logits`` on that row alone,
+  over many seeds; a row-count mismatch is refused by name."""
+  rng = np.random.default_rng(0)
+  logits = jnp.asarray(rng.normal(size=(6, 50)) * 3, jnp.float32)
+  settings = [(0.0, 1.0, 0), (1.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 1.0, 5), (0.5, 0.5, 3),
+              (2.0, 0.3, 50)]
+  t, p, k = (jnp.asarray(x) for x in zip(*settings))
+  rows = jax.jit(sample_rows)
+  draws = []
+  for _ in range(12):
+    seeds, index = rng.integers(0, 2**31 - 1, size=6), rng.integers(0, 100, size=6)
+    got = np.asarray(rows(logits, jnp.asarray(seeds, jnp.int32), jnp.asarray(index, jnp.int32),
+                          t.astype(jnp.float32), p.astype(jnp.float32), k.astype(jnp.int32)))
+    for i, (ti, pi, ki) in enumerate(settings):
+      want = sample_logits(logits[i:i + 1], token_key(int(seeds[i]), int(index[i])),
+                           temperature=ti, top_p=pi, top_k=ki)
+      assert got[i] == int(want[0]), (i, settings[i])
+    draws.append(got)
+  assert len({d[1] for d in draws}) > 2                  # the sampled rows do vary with the key
+  with pytest.raises(ValueError, match=r"`top_k` must be \[B=6\]"):
+    sample_rows(logits, jnp.zeros(6, jnp.int32), jnp.zeros(6, jnp.int32), t, p, k[:5])

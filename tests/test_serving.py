@@ -241,21 +241,40 @@ def test_admission_waits_for_pages():
     np.testing.assert_array_equal(results[rid], alone(model, p, n))
 
 
-def test_sampling_is_reproducible_and_zero_new_tokens_returns_the_prompt():
+def test_sampled_requests_equal_generate_alone_with_their_seeds():
+  """Sampling settings per request (the engine's defaults, greedy, top-p, top-k, own seeds) in
+  one batch: each request gets what ``generate`` gives it alone with its settings and seed
+  (request ``rid`` defaults to seed ``engine.seed + rid``), on two schedules (3 slots, chunk 8;
+  2 slots, chunk 2 and pages on demand on a tight pool: preemptions).  And with ``logprobs``,
+  each generated token's log-probability is ``log_softmax`` of the full forward's logits."""
   model = model_for("llama")
   ps = prompts(3)
-
-  def sample(seed):
-    engine = Engine(model, max_batch=3, page_size=4, chunk=8, temperature=0.8, top_k=10,
-                    seed=seed)
-    ids = [engine.submit(p, n) for p, (_, n) in zip(ps, REQUESTS)]
+  own = [dict(), dict(temperature=0.0), dict(top_p=0.6, temperature=1.3, seed=77),
+         dict(top_k=0, temperature=2.0), dict(top_k=3, seed=5)]
+  outs = []
+  for kw in (dict(max_batch=3, chunk=8), dict(max_batch=2, chunk=2, num_pages=4,
+                                              max_pages_per_seq=4, allocation="on_demand")):
+    engine = Engine(model, page_size=4, temperature=0.8, top_k=10, seed=40, logprobs=True, **kw)
+    ids = [engine.submit(p, n, **o) for p, (_, n), o in zip(ps, REQUESTS, own)]
     out = engine.run()
-    return [out[i] for i in ids]
+    outs.append([out[i] for i in ids])
+    if kw.get("allocation"):
+      assert engine.stats.preempted > 0
+  for i, (p, (_, n), o) in enumerate(zip(ps, REQUESTS, own)):
+    settings = dict(dict(temperature=0.8, top_k=10, top_p=1.0, seed=40 + i), **o)
+    want = generate(model, p[None], n, **settings)[0]
+    for tokens, logprobs in (outs[0][i], outs[1][i]):
+      np.testing.assert_array_equal(tokens, want, err_msg=f"request {i}")
+      logits = np.asarray(model(jax.numpy.asarray(tokens[None])))[0]
+      full = jax.nn.log_softmax(logits[p.size - 1:-1], axis=-1)
+      np.testing.assert_allclose(logprobs, np.take_along_axis(
+          np.asarray(full), tokens[p.size:, None], axis=-1)[:, 0], rtol=1e-4, atol=1e-4)
+  assert len({tuple(o[0]) for o in outs[0]}) == len(ps)
 
-  a, b = sample(0), sample(0)
-  for x, y, p, (_, n) in zip(a, b, ps, REQUESTS):
-    np.testing.assert_array_equal(x, y)
-    assert x.size == p.size + n and (x[:p.size] == p).all() and (x < 61).all()
+
+def test_zero_new_tokens_returns_the_prompt():
+  ps = prompts(3)
+  model = model_for("llama")
   engine = Engine(model, max_batch=1, page_size=4)
   rid = engine.submit(ps[0], 0)
   assert engine.pending == 0
