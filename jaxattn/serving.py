@@ -85,7 +85,7 @@ class _Request:
   rid: int
   prompt: np.ndarray          # [L] int32
   max_new_tokens: int
-  eos_id: int | None
+  eos_id: frozenset           # token ids that end the request (returned)
   pages: int                  # pages its whole life needs (only window layers: at once)
   fed: int = 0                # prompt tokens already in the cache
   out: list = dataclasses.field(default_factory=list)
@@ -102,6 +102,13 @@ class _Request:
   top_p: float = 1.0
   top_k: int = 0
   logprobs: list = dataclasses.field(default_factory=list)   # of the outputs
+  stop: tuple = ()            # token sequences that end the request when its output ends so
+
+  def finished(self) -> bool:
+    out = self.out
+    return bool(out) and (len(out) == self.max_new_tokens or out[-1] in self.eos_id
+                          or any(len(out) >= len(q) and tuple(out[-len(q):]) == q
+                                 for q in self.stop))
 
   def __post_init__(self):
     if self.feed is None:
@@ -490,11 +497,13 @@ class Engine:
 
   # -- requests --------------------------------------------------------------------------------
 
-  def submit(self, prompt, max_new_tokens: int, *, eos_id: int | None = None,
+  def submit(self, prompt, max_new_tokens: int, *, eos_id=None, stop=None,
              temperature: float | None = None, top_p: float | None = None,
              top_k: int | None = None, seed: int | None = None) -> int:
     """Queues a request: ``prompt`` (1-D token ids, at least one) and up to ``max_new_tokens``
-    new tokens (fewer when ``eos_id`` is sampled: it ends the request and is returned).
+    new tokens (fewer when ``eos_id`` is sampled: it ends the request and is returned; one id or
+    several, as Llama-3's two end tokens; or when the output ends with one of the token
+    sequences ``stop``, also returned).
     ``temperature`` / ``top_p`` / ``top_k`` / ``seed``: this request's sampling (default: the
     engine's, and seed ``engine.seed + id``); requests with different settings share the
     engine's steps.  Returns the request id, the key of its result in ``run`` / ``results``."""
@@ -508,8 +517,17 @@ class Engine:
                        f"{sorted(set(prompt[(prompt < 0) | (prompt >= vocab)].tolist()))[:8]}.")
     if not is_int(max_new_tokens) or max_new_tokens < 0:
       raise ValueError(f"`max_new_tokens` must be an int >= 0, got {max_new_tokens!r}.")
-    if eos_id is not None and (not is_int(eos_id) or not 0 <= eos_id < vocab):
-      raise ValueError(f"`eos_id` must be None or a token id in [0, {vocab}), got {eos_id!r}.")
+    eos = () if eos_id is None else (eos_id,) if is_int(eos_id) else eos_id
+    if (isinstance(eos, (str, bytes)) or not hasattr(eos, "__iter__")
+        or not all(is_int(e) and 0 <= e < vocab for e in eos)):
+      raise ValueError(f"`eos_id` must be None, a token id or a sequence of token ids in "
+                       f"[0, {vocab}), got {eos_id!r}.")
+    stops = () if stop is None else stop
+    if (isinstance(stops, (str, bytes)) or not hasattr(stops, "__iter__")
+        or not all(hasattr(q, "__iter__") and len(q) > 0
+                   and all(is_int(x) and 0 <= x < vocab for x in q) for q in stops)):
+      raise ValueError(f"`stop` must be None or a sequence of non-empty token-id sequences "
+                       f"(ids in [0, {vocab})), got {stop!r}.")
     sampling = {k: d if v is None else v for (k, d), v in zip(
         self.sampling.items(), (temperature, top_p, top_k))}
     check_sampling(**sampling)
@@ -532,11 +550,12 @@ class Engine:
                        f"table (max_seq_len={self.config.max_seq_len}).")
     rid, self._next_id = self._next_id, self._next_id + 1
     request = _Request(rid, prompt.astype(np.int32), int(max_new_tokens),
-                       None if eos_id is None else int(eos_id), pages,
+                       frozenset(int(e) for e in eos), pages,
                        window_pages=window if self.window is not None and self._whole else 0,
                        seed=(self.seed + rid) % _SEEDS if seed is None else int(seed),
                        temperature=float(sampling["temperature"]),
-                       top_p=float(sampling["top_p"]), top_k=int(sampling["top_k"]))
+                       top_p=float(sampling["top_p"]), top_k=int(sampling["top_k"]),
+                       stop=tuple(tuple(int(x) for x in q) for q in stops))
     if self._prefix is not None:
       self._extend_keys(request, request.prompt)
     if request.max_new_tokens == 0:
@@ -884,7 +903,7 @@ class Engine:
       if self._snapshots is not None:
         self._save_states()
     for s, r in active:
-      if r.out and (len(r.out) == r.max_new_tokens or r.out[-1] == r.eos_id):
+      if r.finished():
         done[s] = True
         self._results[r.rid] = self._result(r)
         self._slots[s] = None

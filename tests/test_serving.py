@@ -84,6 +84,18 @@ def test_eos_ends_a_request_and_frees_its_slot():
     want = want[:p.size + cut[0] + 1] if cut.size else want   # generate pads with eos after it
     np.testing.assert_array_equal(got, want, err_msg=f"request {rid}")
   assert results[ids[1]].size == ps[1].size + j + 1 and results[ids[1]][-1] == eos
+  # Several end ids (any one ends it), and stop sequences (the output's end matched, returned).
+  first = lambda q: next(i + len(q) for i in range(gen.size) if tuple(gen[i:i + len(q)]) == q)
+  pair = (int(gen[2]), int(gen[3]))
+  absent = next(t for t in range(61) if t not in gen)
+  for kw, end in [(dict(eos_id=[absent, eos]), j + 1), (dict(eos_id=(absent,)), 9),
+                  (dict(stop=[pair]), first(pair)), (dict(stop=[[absent, absent], pair],
+                                                         eos_id=eos), min(first(pair), j + 1)),
+                  (dict(stop=[tuple(gen) + (absent,)]), 9)]:
+    engine = Engine(model, max_batch=2, page_size=4, chunk=4)
+    rid = engine.submit(ps[1], 9, **kw)
+    np.testing.assert_array_equal(engine.run()[rid], alone(model, ps[1], 9)[:ps[1].size + end],
+                                  err_msg=str(kw))
 
 
 def test_padded_sub_batches_and_the_pool_comes_back_whole():
@@ -293,8 +305,12 @@ def test_errors():
       engine.submit(bad, 2)
   with pytest.raises(ValueError, match="`max_new_tokens` must be an int >= 0"):
     engine.submit(ok, -1)
-  with pytest.raises(ValueError, match="`eos_id` must be None or a token id"):
-    engine.submit(ok, 2, eos_id=61)
+  for bad in (61, [1, 61], "a", 1.0):
+    with pytest.raises(ValueError, match="`eos_id` must be None, a token id or a sequence"):
+      engine.submit(ok, 2, eos_id=bad)
+  for bad in ([[]], "ab", [1, 2], [[1, 61]]):
+    with pytest.raises(ValueError, match="`stop` must be None or a sequence of non-empty"):
+      engine.submit(ok, 2, stop=bad)
   with pytest.raises(ValueError, match=r"needs 4 pages of 4, more than a"):
     engine.submit(ok, 11)
   for kw, match in [(dict(allocation="lazy"), "`allocation` must be one of"),
