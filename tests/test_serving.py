@@ -194,7 +194,8 @@ def test_on_demand_allocation_preempts_and_recomputes(name, prefix):
   two or three at once on demand; when the pool runs short the latest admitted is preempted
   and later reads its prompt and outputs again (with a prefix cache, from its own cached pages:
   hits although no two prompts share a token).  Every result is ``generate``'s alone (hybrid
-  model: its recurrent states recomputed), and the pool comes back whole."""
+  model: its recurrent states recomputed), and the pool comes back whole.  (The whole-need run,
+  the baseline, is made once: llama without a prefix cache.)"""
   model = model_for(name)
   rng = np.random.default_rng(11)
   work = [(rng.integers(1, 61, size=n).astype(np.int32), m)
@@ -202,7 +203,8 @@ def test_on_demand_allocation_preempts_and_recomputes(name, prefix):
   kw = dict(max_batch=3, page_size=4, num_pages=10, max_pages_per_seq=8, chunk=4,
             prefix_cache=prefix)
   runs = {}
-  for allocation in ("reserve", "on_demand"):
+  for allocation in ("reserve", "on_demand") if (name, prefix) == ("llama", False) else (
+      "on_demand",):
     engine = Engine(model, allocation=allocation, **kw)
     ids = [engine.submit(p, n) for p, n in work]
     results = engine.run()
@@ -210,12 +212,15 @@ def test_on_demand_allocation_preempts_and_recomputes(name, prefix):
       np.testing.assert_array_equal(results[rid], alone(model, p, n),
                                     err_msg=f"{allocation}: request {rid}")
     runs[allocation] = engine
-  reserve, lazy = runs["reserve"].stats, runs["on_demand"].stats
-  assert reserve.preempted == 0 and reserve.busy_slot_steps == reserve.steps   # one at a time
+  lazy = runs["on_demand"].stats
   assert lazy.preempted >= 1 and lazy.preempted_tokens > 0
-  assert lazy.busy_slot_steps > lazy.steps and lazy.steps < reserve.steps
+  assert lazy.busy_slot_steps > lazy.steps                           # more than one at a time
+  if "reserve" in runs:
+    reserve = runs["reserve"].stats
+    assert reserve.preempted == 0 and reserve.busy_slot_steps == reserve.steps   # one at a time
+    assert lazy.steps < reserve.steps
   if prefix:
-    assert lazy.prefix_hit_tokens > 0 and reserve.prefix_hit_tokens == 0
+    assert lazy.prefix_hit_tokens > 0
   engine = runs["on_demand"]
   engine.clear_prefix_cache()
   tables = [c.table for c in jax.tree_util.tree_leaves(
