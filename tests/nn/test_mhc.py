@@ -125,7 +125,7 @@ def _stacked_h_res(kind, seed, perturb, layers=64):
   return jax.vmap(lambda s: nnx.merge(graphdef, s).coefficients(x)[2])(stacked)
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=6, deadline=None, derandomize=True)
 @given(seed=st.integers(0, 2**16), perturb=st.floats(0.0, 1.0))
 def test_mhc_composite_mixing_stays_bounded_over_64_layers(seed, perturb):
   prods = composite_mixing(_stacked_h_res("mhc", seed, perturb))
