@@ -717,9 +717,7 @@ class Engine:
     eviction right after must push them to the free stack once, not twice."""
     done = np.zeros((self.max_batch,), bool)
     done[slot] = True
-    keep = None if self._prefix is None else jnp.asarray(self._prefix.mask(self.num_pages))
-    with self._on_mesh():
-      self.cache = self._free(self.cache, jnp.asarray(done), keep)
+    self._free_slots(done)
     self.stats.preempted += 1
     self.stats.preempted_tokens += r.held
     self._free_pages += r.fresh
@@ -918,10 +916,15 @@ class Engine:
     st.busy_slot_steps += len(active)
     st.generated += len(emitted)
     if done.any():
-      keep = None if self._prefix is None else jnp.asarray(self._prefix.mask(self.num_pages))
-      with self._on_mesh():
-        self.cache = self._free(self.cache, jnp.asarray(done), keep)
+      self._free_slots(done)
     return emitted
+
+  def _free_slots(self, done: np.ndarray) -> None:
+    """The slots where ``done [B]`` emptied on the device (one call): their pages back to the
+    pools, except those the prefix cache holds now."""
+    keep = None if self._prefix is None else jnp.asarray(self._prefix.mask(self.num_pages))
+    with self._on_mesh():
+      self.cache = self._free(self.cache, jnp.asarray(done), keep)
 
   @property
   def cached_pages(self) -> int:
