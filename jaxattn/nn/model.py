@@ -723,9 +723,10 @@ class PagedModelCache:
     return (whole or tables)[0]
 
   def _tables(self, fn) -> tuple:
-    """The groups with ``fn`` applied to every paged layer's ``PageTable``."""
+    """The groups with every paged layer's ``PageTable`` replaced by ``fn(table, layer cache)``
+    (the layer's ``window`` read there, say)."""
     def one(c):
-      return c if isinstance(c, DeltaNetCache) else dataclasses.replace(c, table=fn(c.table))
+      return c if isinstance(c, DeltaNetCache) else dataclasses.replace(c, table=fn(c.table, c))
     return tuple(tuple(jax.vmap(one)(c) if stacked else one(c) for c in group)
                  for group, stacked in zip(self.groups, self.stacked))
 
@@ -742,7 +743,7 @@ class PagedModelCache:
                        "layers needs their states after the shared tokens: pass `store` "
                        "(state_store / save_states) and `state_ids`.")
     rows = jnp.where(jnp.asarray(rows) < 0, self.batch, jnp.asarray(rows))
-    groups = self._tables(lambda t: t.attach(rows, page_table, lengths))
+    groups = self._tables(lambda t, _: t.attach(rows, page_table, lengths))
     if self.recurrent:
       ids = jnp.asarray(state_ids)
 
@@ -759,13 +760,10 @@ class PagedModelCache:
     a sequence holds about ``window / page_size + 1`` pages in such a layer, not its length's;
     the other layers (full attention, MLA, DSA) keep every page.  Not with shared pages (a
     prefix cache): they outlive the window."""
-    def one(c):
-      if getattr(c, "window", None) is None:
-        return c
-      return dataclasses.replace(c, table=c.table.release_behind(c.window))
-    groups = tuple(tuple(jax.vmap(one)(c) if stacked else one(c) for c in group)
-                   for group, stacked in zip(self.groups, self.stacked))
-    return PagedModelCache(groups, self.lengths, self.stacked)
+    def one(table, c):
+      window = getattr(c, "window", None)
+      return table if window is None else table.release_behind(window)
+    return PagedModelCache(self._tables(one), self.lengths, self.stacked)
 
   @property
   def windows(self) -> tuple:
@@ -776,7 +774,7 @@ class PagedModelCache:
   def push_pages(self, pages) -> "PagedModelCache":
     """``pages [n]`` (ids; negative entries are padding) back to every layer's free stack: pages
     a prefix cache held and no sequence holds any more (``PageTable.push``)."""
-    return PagedModelCache(self._tables(lambda t: t.push(pages)), self.lengths, self.stacked)
+    return PagedModelCache(self._tables(lambda t, _: t.push(pages)), self.lengths, self.stacked)
 
   def take(self, rows: Int[Array, "b"], pages: int | None = None) -> "PagedModelCache":
     """The sub-batch of sequence slots ``rows [b]``: every layer's page-table rows and lengths
@@ -790,7 +788,7 @@ class PagedModelCache:
     sub = self._rows(lambda x, axis: jnp.take(x, rows, axis=axis, mode="clip"), None)
     if pages is None or pages >= self.page_table.shape[-1]:
       return sub
-    return PagedModelCache(sub._tables(lambda t: dataclasses.replace(
+    return PagedModelCache(sub._tables(lambda t, _: dataclasses.replace(
         t, page_table=t.page_table[:, :pages])), sub.lengths, sub.stacked)
 
   def _padding_past_end(self, rows):
