@@ -132,9 +132,11 @@ def _sample_row(logits, seed, index, temperature, top_p, top_k):
   top = jnp.max(logits)
   shifted = logits - jnp.where(jnp.isfinite(top), top, 0.0)
   x = jnp.where(shifted == 0, 0.0, shifted / jnp.where(temperature > 0, temperature, 1.0))
-  kth = jnp.sort(x)[::-1][jnp.clip(top_k - 1, 0, v - 1)]
-  x = jnp.where((top_k > 0) & (top_k < v) & (x < kth), -jnp.inf, x)
+  # One sort serves both filters: top-k sends only values below the k-th to -inf, already the
+  # tail of this order, so the kept tokens' order (and their cumulative mass) is unchanged.
   order = jnp.argsort(-x)
+  kth = x[order[jnp.clip(top_k - 1, 0, v - 1)]]
+  x = jnp.where((top_k > 0) & (top_k < v) & (x < kth), -jnp.inf, x)
   probs = jax.nn.softmax(x[order])
   keep = jnp.zeros((v,), bool).at[order].set(jnp.cumsum(probs) - probs < top_p)
   x = jnp.where((top_p < 1.0) & ~keep, -jnp.inf, x)
