@@ -426,6 +426,11 @@ class Engine:
     # Whether some paged layer holds whole sequences (then its pools are `num_pages`, and the
     # window layers' `window_num_pages`); else the window layers' pools are `num_pages`.
     self._whole = self.window is None or bool(kinds - {"S", "D"})
+    # Window layers with pools of their own (`window_num_pages`), counted apart at admission.
+    self._window_pools = self.window is not None and self._whole
+    # Pages reserved as requests reach them; sliding-window-only models reserve their bounded
+    # need whole either way.
+    self._on_demand = allocation == "on_demand" and self._whole
     per_seq = -(-self.config.max_seq_len // self.page_size)
     self.max_pages_per_seq = (per_seq if max_pages_per_seq is None
                               else _positive_int("max_pages_per_seq", max_pages_per_seq))
@@ -433,7 +438,7 @@ class Engine:
       _positive_int("num_pages", num_pages)
     if window_num_pages is not None:
       _positive_int("window_num_pages", window_num_pages)
-      if self.window is None or not self._whole:
+      if not self._window_pools:
         raise ValueError(f"`window_num_pages` ({window_num_pages}) sizes the pools of "
                          "sliding-window layers beside layers holding whole sequences; this "
                          f"engine has none (layer kinds {sorted(kinds)}, prefix_cache="
@@ -483,8 +488,7 @@ class Engine:
     self._free_pages = self.num_pages       # pages neither reserved by a request nor cached
     self._admissions = 0
     # With layers of both kinds: the window layers' pools, counted apart.
-    self._free_window_pages = (self.window_num_pages if self.window is not None and self._whole
-                               else 0)
+    self._free_window_pages = self.window_num_pages if self._window_pools else 0
     self._slots: list[_Request | None] = [None] * self.max_batch
     self._waiting: collections.deque[_Request] = collections.deque()
     self._results: dict[int, np.ndarray] = {}
@@ -539,8 +543,8 @@ class Engine:
     pages = logical if self._whole else window
     if (logical > self.max_pages_per_seq or pages > self.num_pages
         or (self.window is not None and window > self.window_num_pages)):
-      pools = (f"num_pages={self.num_pages}" if self.window is None or not self._whole else
-               f"num_pages={self.num_pages}, window_num_pages={self.window_num_pages}")
+      pools = (f"num_pages={self.num_pages}, window_num_pages={self.window_num_pages}"
+               if self._window_pools else f"num_pages={self.num_pages}")
       at_once = "" if self.window is None else f" ({window} at once in a sliding-window layer)"
       raise ValueError(f"a request of {prompt.size} prompt + {max_new_tokens} new tokens needs "
                        f"{logical} pages of {self.page_size}{at_once}, more than a sequence may "
@@ -551,7 +555,7 @@ class Engine:
     rid, self._next_id = self._next_id, self._next_id + 1
     request = _Request(rid, prompt.astype(np.int32), int(max_new_tokens),
                        frozenset(int(e) for e in eos), pages,
-                       window_pages=window if self.window is not None and self._whole else 0,
+                       window_pages=window if self._window_pools else 0,
                        seed=(self.seed + rid) % _SEEDS if seed is None else int(seed),
                        temperature=float(sampling["temperature"]),
                        top_p=float(sampling["top_p"]), top_k=int(sampling["top_k"]),
@@ -673,7 +677,7 @@ class Engine:
     (``allocation="reserve"``), or on demand those of its feed (the prompt; after a preemption
     the outputs so far too), the rest as it decodes (``_grow``).  Sliding-window-only models
     reserve their bounded need whole either way."""
-    if self.allocation == "reserve" or not self._whole:
+    if not self._on_demand:
       return r.pages
     return min(r.pages, -(-r.feed.size // self.page_size))
 
@@ -681,7 +685,7 @@ class Engine:
     """``allocation="on_demand"``: reserves the pages the running requests' next tokens need
     (a decoding request's token that starts a page), evicting idle prefix-cache pages, then
     preempting the most recently admitted requests while the free pages cannot cover it."""
-    if self.allocation == "reserve" or not self._whole:
+    if not self._on_demand:
       return
     ps = self.page_size
 
