@@ -173,9 +173,13 @@ def _check(model, prompt, max_new_tokens, max_len, eos_id=None):
                      f"table (max_seq_len={model.config.max_seq_len}).")
 
 
+@functools.lru_cache(maxsize=32)
 def decode_functions(graphdef, batch: int, max_len: int, *, temperature: float = 0.0,
                      top_p: float = 1.0, top_k: int = 0):
-  """The two jitted programs of ``generate`` for a split model (``nnx.split(model)``):
+  """The two jitted programs of ``generate`` for a split model (``nnx.split(model)``), made once
+  per graph definition, batch, capacity and sampling settings (so later ``generate`` calls on a
+  model of the same structure reuse them and their compiled programs; a new prompt length
+  compiles only its prefill):
 
   * ``prefill(state, tokens [B, T], key) -> (next [B], cache)`` with a fresh cache of ``max_len``;
   * ``step(state, token [B], cache, key) -> (next [B], cache)``, one token per sequence.
