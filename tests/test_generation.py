@@ -27,6 +27,29 @@ def test_greedy_generation_equals_argmax_of_the_uncached_forward():
   np.testing.assert_array_equal(out, seq)
 
 
+def test_later_calls_reuse_the_compiled_programs():
+  """``generate`` on a model of the same structure reuses its jitted prefill and step (it used to
+  make new ones, and compile both again, on every call): a new prompt length compiles a new
+  prefill only, a new model of the same structure nothing, and the outputs are its own."""
+  cfg = get_config("llama", embed_dim=32, mlp_dim=64, num_layers=2)
+  model, other = DecoderLM(cfg, rngs=nnx.Rngs(0)), DecoderLM(cfg, rngs=nnx.Rngs(1))
+  prompt = np.array([[1, 40, 50, 60]], np.int32)
+  first = generate(model, prompt, 3)
+  prefill, step = decode_functions(nnx.split(model)[0], 1, 128, temperature=0.0, top_p=1.0,
+                                   top_k=0)
+  sizes = prefill._cache_size(), step._cache_size()
+  assert sizes == (1, 1)
+  np.testing.assert_array_equal(generate(model, prompt, 3), first)
+  assert (prefill._cache_size(), step._cache_size()) == sizes
+  generate(model, prompt[:, :3], 3)
+  assert (prefill._cache_size(), step._cache_size()) == (2, 1)
+  theirs = generate(other, prompt, 3)
+  assert (prefill._cache_size(), step._cache_size()) == (2, 1)
+  forward = nnx.jit(lambda m, t: m(t))
+  np.testing.assert_array_equal(   # the other model's weights, not the first's
+      theirs[:, 4], np.argmax(np.asarray(forward(other, jnp.asarray(prompt)))[:, -1], -1))
+
+
 def test_generation_runs_without_dropout():
   """A model holding LoRA dropout decodes as in eval mode (dropout used to be applied to every
   prefill and step, with the same masks each call)."""
