@@ -250,7 +250,7 @@ def test_prefix_cache_errors():
   hybrid = model_for("qwen3-next")
   with pytest.raises(ValueError, match="`prefix_states` must be a positive int"):
     Engine(hybrid, max_batch=2, page_size=4, prefix_cache=True, prefix_states=0)
-  recurrent_only = model_for("qwen3-next", num_layers=3, first_k_dense=3)  # DDD: no paged layer
+  recurrent_only = model_for("qwen3-next", layer_pattern="D")  # no paged layer
   with pytest.raises(ValueError, match="no paged layer"):
     Engine(recurrent_only, max_batch=2, page_size=4, prefix_cache=True)
   cache = hybrid.init_paged_cache(2, num_pages=4, page_size=4)

@@ -21,9 +21,11 @@ MODELS = {
     "deepseek-v3": ("deepseek-v3", dict(num_layers=2, first_k_dense=1, moe_expert_dim=16,
                                         kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
                                         qk_rope_head_dim=4, v_head_dim=8)),
-    "qwen3-next": ("qwen3-next", dict(num_layers=4, first_k_dense=4, deltanet_head_dim=8,
-                                      deltanet_v_head_dim=8, deltanet_chunk_size=4,
-                                      rotary_dim=4)),
+    # Hybrid units of one Gated DeltaNet and one attention layer (the preset has three DeltaNet
+    # layers per attention layer: twice the compile for the same paths).
+    "qwen3-next": ("qwen3-next", dict(num_layers=2, layer_pattern="DA", first_k_dense=2,
+                                      deltanet_head_dim=8, deltanet_v_head_dim=8,
+                                      deltanet_chunk_size=4, rotary_dim=4)),
     # A window of 3 over pages of 4: every layer reads only its window's pages.
     "mistral": ("mistral", dict(num_layers=2, sliding_window=3)),
     "llama-alibi": ("llama-alibi", dict(num_layers=2)),

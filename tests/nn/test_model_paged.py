@@ -28,9 +28,12 @@ CASES = {
                                             **MLA_DIMS)),
     "deepseek-v3.2-dsa": ("deepseek-v3.2", dict(num_layers=2, first_k_dense=1, moe_expert_dim=16,
                                                 **MLA_DIMS)),
-    "qwen3-next-hybrid": ("qwen3-next", dict(num_layers=4, first_k_dense=4, **DELTANET)),
-    "qwen3-next-scanned": ("qwen3-next", dict(num_layers=4, first_k_dense=0, scan_layers=True,
-                                              moe_expert_dim=16, **DELTANET)),
+    # Units of one Gated DeltaNet and one attention layer (the preset's "DDDA" compiles three
+    # DeltaNet layers per unit for the same paths); scanned: two units.
+    "qwen3-next-hybrid": ("qwen3-next", dict(num_layers=2, layer_pattern="DA", first_k_dense=2,
+                                             **DELTANET)),
+    "qwen3-next-scanned": ("qwen3-next", dict(num_layers=4, layer_pattern="DA", first_k_dense=0,
+                                              scan_layers=True, moe_expert_dim=16, **DELTANET)),
     # A window of 3 over pages of 2: whole pages fall out of it.
     "mistral-window": ("mistral", dict(num_layers=2, sliding_window=3)),
     "llama-alibi": ("llama-alibi", dict(num_layers=2)),
