@@ -131,8 +131,9 @@ def test_streaming_selection_equals_full_scores_path():
   # the streaming path: test_decode_equals_prefill).
   m = _dsa(topk=3, quant="int8")
   x = _x(5, t=13)
-  y_stream = m(x)
-  y_full, _ = m(x, return_aux=True)
+  # (jitted: op by op, the two paths and their gradients compiled every small op: 19 s)
+  y_stream = nnx.jit(lambda m, x: m(x))(m, x)
+  y_full, _ = nnx.jit(lambda m, x: m(x, return_aux=True))(m, x)
   np.testing.assert_allclose(y_stream, y_full, rtol=1e-5, atol=1e-6)
   graphdef, params, rest = nnx.split(m, nnx.Param, ...)
 
@@ -140,8 +141,8 @@ def test_streaming_selection_equals_full_scores_path():
     out = nnx.merge(graphdef, p, rest)(x, return_aux=aux)
     return jnp.mean((out[0] if aux else out) ** 2)
 
-  g_stream = jax.grad(lambda p: lm_loss(p, False))(params)
-  g_full = jax.grad(lambda p: lm_loss(p, True))(params)
+  g_stream = jax.jit(jax.grad(lambda p: lm_loss(p, False)))(params)
+  g_full = jax.jit(jax.grad(lambda p: lm_loss(p, True)))(params)
   np.testing.assert_allclose(g_stream["kv_down"]["kernel"][...], g_full["kv_down"]["kernel"][...],
                              rtol=1e-4, atol=1e-6)
   assert float(jnp.abs(g_stream["kv_down"]["kernel"][...]).max()) > 0
