@@ -103,6 +103,7 @@ class _Request:
   top_k: int = 0
   logprobs: list = dataclasses.field(default_factory=list)   # of the outputs
   stop: tuple = ()            # token sequences that end the request when its output ends so
+  priority: int = 0           # lower first: queued ahead of, and preempts, larger values
 
   def finished(self) -> bool:
     out = self.out
@@ -503,14 +504,19 @@ class Engine:
 
   def submit(self, prompt, max_new_tokens: int, *, eos_id=None, stop=None,
              temperature: float | None = None, top_p: float | None = None,
-             top_k: int | None = None, seed: int | None = None) -> int:
+             top_k: int | None = None, seed: int | None = None, priority: int = 0) -> int:
     """Queues a request: ``prompt`` (1-D token ids, at least one) and up to ``max_new_tokens``
     new tokens (fewer when ``eos_id`` is sampled: it ends the request and is returned; one id or
     several, as Llama-3's two end tokens; or when the output ends with one of the token
     sequences ``stop``, also returned).
     ``temperature`` / ``top_p`` / ``top_k`` / ``seed``: this request's sampling (default: the
     engine's, and seed ``engine.seed + id``); requests with different settings share the
-    engine's steps.  Returns the request id, the key of its result in ``run`` / ``results``."""
+    engine's steps.  ``priority``: lower values are served first (vLLM's convention): a request
+    queues ahead of every waiting request with a larger value (first come, first served among
+    equals), and when it cannot be admitted for lack of a slot or pages, running requests with
+    larger values are preempted (the largest first, then the most recently admitted) to make
+    room, and recomputed later as on-demand preemptions are.  Returns the request id, the key of
+    its result in ``run`` / ``results``."""
     prompt = np.asarray(prompt)
     vocab = self.config.vocab_size
     if prompt.ndim != 1 or prompt.size < 1 or not np.issubdtype(prompt.dtype, np.integer):
@@ -537,6 +543,8 @@ class Engine:
     check_sampling(**sampling)
     if seed is not None and (not is_int(seed) or not 0 <= seed < _SEEDS):
       raise ValueError(f"`seed` must be None or an int in [0, 2**31), got {seed!r}.")
+    if not is_int(priority):
+      raise ValueError(f"`priority` must be an int (lower is served first), got {priority!r}.")
     positions = prompt.size + max(int(max_new_tokens) - 1, 0)
     logical = -(-positions // self.page_size)
     window = logical if self.window is None else min(logical, self.window_pages)
@@ -559,15 +567,26 @@ class Engine:
                        seed=(self.seed + rid) % _SEEDS if seed is None else int(seed),
                        temperature=float(sampling["temperature"]),
                        top_p=float(sampling["top_p"]), top_k=int(sampling["top_k"]),
-                       stop=tuple(tuple(int(x) for x in q) for q in stops))
+                       stop=tuple(tuple(int(x) for x in q) for q in stops),
+                       priority=int(priority))
     if self._prefix is not None:
       self._extend_keys(request, request.prompt)
     if request.max_new_tokens == 0:
       self._results[rid] = self._result(request)
       self.stats.finished += 1
     else:
-      self._waiting.append(request)
+      self._enqueue(request)
     return rid
+
+  def _enqueue(self, r: _Request, *, front: bool = False) -> None:
+    """``r`` into the queue, ordered by priority: behind the waiting requests of its priority or
+    a lower one (a new request), or ahead of those of its priority (``front``: a preempted one,
+    which came first)."""
+    at = len(self._waiting)
+    while at and (self._waiting[at - 1].priority >= r.priority if front
+                  else self._waiting[at - 1].priority > r.priority):
+      at -= 1
+    self._waiting.insert(at, r)
 
   def _result(self, r: _Request):
     tokens = np.concatenate([r.prompt, np.asarray(r.out, np.int32)])
@@ -628,17 +647,13 @@ class Engine:
       while at < len(self._waiting):
         request = self._waiting[at]
         if self._prefix is not None:
-          usable = request.keys[:(request.feed.size - 1) // self.page_size]
-          matched = self._prefix.match(usable)
-          if len(usable) > len(matched) and usable[len(matched)] in coming:
+          matched, key, waits = self._match(request, coming)
+          if waits:
             self.stats.prefix_waits += 1
             at += 1
             continue
-          if self._snapshots is not None:   # recurrent layers: up to a page with a snapshot
-            while matched and usable[len(matched) - 1] not in self._snapshots:
-              matched = matched[:-1]
-            if matched:
-              state = self._snapshots.use(usable[len(matched) - 1])
+          if key is not None:
+            state = self._snapshots.use(key)
         break
       if at == len(self._waiting):
         break
@@ -671,6 +686,67 @@ class Engine:
         self.stats.prefix_hit_tokens += request.fed
         attach.append((slot, matched, state))
     self._update_pages(evict, attach)
+
+  def _match(self, r: _Request, coming) -> tuple[list[int], bytes | None, bool]:
+    """``r``'s cached prefix pages (at most its feed's full pages but the last token; with
+    recurrent layers, up to the last page with a state snapshot), that snapshot's key (None
+    without one), and whether ``r`` waits for its next prefix page, in ``coming`` (computed by
+    a running request)."""
+    usable = r.keys[:(r.feed.size - 1) // self.page_size]
+    matched = self._prefix.match(usable)
+    if len(usable) > len(matched) and usable[len(matched)] in coming:
+      return matched, None, True
+    if self._snapshots is not None:   # recurrent layers: up to a page with a snapshot
+      while matched and usable[len(matched) - 1] not in self._snapshots:
+        matched = matched[:-1]
+      if matched:
+        return matched, usable[len(matched) - 1], False
+    return matched, None, False
+
+  def _victim(self, active: list[tuple[int, _Request]]) -> tuple[int, _Request]:
+    """The running request preempted first: the largest priority value, then the most recently
+    admitted."""
+    return max(active, key=lambda sr: (sr[1].priority, sr[1].admitted))
+
+  def _make_room(self) -> None:
+    """Priority preemption: while the head of the queue cannot be admitted (no free slot, or
+    too few free and evictable pages) and running requests with a larger priority value hold
+    enough to admit it, the largest of them (then the most recently admitted) is preempted.
+    A head waiting for a prefix page a running request computes, or one that preempting every
+    such request would not admit, preempts nothing."""
+    if self.policy == "static" or not self._waiting:
+      return
+    head = self._waiting[0]
+    matched = []
+    if self._prefix is not None:
+      coming = self._pages_in_flight() if self._wait_for_prefix else set()
+      matched, _, waits = self._match(head, coming)
+      if waits:
+        return
+    need = self._first_need(head) - len(matched)
+
+    def fits(freed_slot, pages, window_pages):
+      spare = 0 if self._prefix is None else len(self._prefix.evictable(keep=set(matched)))
+      return ((None in self._slots or freed_slot)
+              and need <= self._free_pages + spare + pages
+              and head.window_pages <= self._free_window_pages + window_pages)
+
+    lower = [(s, r) for s, r in enumerate(self._slots)
+             if r is not None and r.priority > head.priority]
+    if fits(False, 0, 0) or not lower:
+      return
+    # What preempting all of them frees: their own pages, and the cached pages only they read
+    # (idle then: evictable).
+    freed = sum(r.fresh for _, r in lower)
+    if self._prefix is not None:
+      readers = collections.Counter(p for _, r in lower for p in r.shared)
+      freed += sum(n == self._prefix.refs[p] and p not in matched for p, n in readers.items())
+    if not fits(True, freed, sum(r.window_pages for _, r in lower)):
+      return
+    while lower and not fits(False, 0, 0):
+      victim = self._victim(lower)
+      self._preempt(*victim)
+      lower.remove(victim)
 
   def _first_need(self, r: _Request) -> int:
     """Pages ``r`` reserves at admission (its prefix-cache hits included): its whole life's
@@ -707,7 +783,7 @@ class Engine:
           self._update_pages(evict, [])
           self._free_pages += len(evict)
           break
-      self._preempt(*max(active, key=lambda sr: sr[1].admitted))
+      self._preempt(*self._victim(active))
     for _, r in active:
       n = short(r)
       r.fresh += n
@@ -733,7 +809,7 @@ class Engine:
     if self._prefix is not None:
       self._extend_keys(r, r.feed)
     self._slots[slot] = None
-    self._waiting.appendleft(r)
+    self._enqueue(r, front=True)
 
   def _uncached_prompt_keys(self, r: _Request) -> list[bytes]:
     """Keys of ``r``'s full prompt pages not cached yet: ones its prefill will compute."""
@@ -873,6 +949,7 @@ class Engine:
     call), the decoding slots one token each (another call); returns the ``(request id, token)``
     pairs generated."""
     self._grow()
+    self._make_room()
     self._admit()
     active = [(s, r) for s, r in enumerate(self._slots) if r is not None]
     if not active:

@@ -260,6 +260,71 @@ def test_admission_waits_for_pages():
     np.testing.assert_array_equal(results[rid], alone(model, p, n))
 
 
+@pytest.mark.parametrize("allocation,prefix", [("reserve", False), ("on_demand", True)])
+def test_priorities_order_the_queue_and_preempt_larger_values(allocation, prefix):
+  """``submit(..., priority=)``: lower values first.  The queue is ordered by priority (first
+  come, first served among equals); a request that finds no slot, or too few pages, preempts
+  running requests of larger values (the largest first) -- never equal or smaller ones -- and
+  they resume later (recomputed).  Every result is still ``generate``'s alone."""
+  model = model_for("llama")
+  rng = np.random.default_rng(3)
+  ps = [rng.integers(1, 61, size=n).astype(np.int32) for n in (6, 5, 7, 4, 9)]
+  alone_of = lambda i, n: alone(model, ps[i], n)  # noqa: E731
+
+  def check(engine, ids, news):
+    results = engine.run()
+    for rid, i in ids.items():
+      np.testing.assert_array_equal(results[rid], alone_of(i, news[i]), err_msg=f"request {i}")
+    engine.clear_prefix_cache()
+    assert engine._free_pages == engine.num_pages and engine.pending == 0
+
+  kw = dict(page_size=4, chunk=4, allocation=allocation, prefix_cache=prefix)
+  # One slot, all submitted up front: admitted by (priority, arrival).
+  engine = Engine(model, max_batch=1, **kw)
+  news = [3, 3, 3, 3, 3]
+  order = []
+  ids = {engine.submit(ps[i], 3, priority=prio): i
+         for i, prio in enumerate((0, 0, -1, 5, -1))}
+  while engine.pending:
+    for rid, _ in engine.step():
+      if ids[rid] not in order:
+        order.append(ids[rid])
+  assert order == [2, 4, 0, 1, 3] and engine.stats.preempted == 0
+  check(engine, ids, news)
+
+  # A slot taken by a request of larger value: the urgent one preempts it at once; one of
+  # equal value waits.
+  engine = Engine(model, max_batch=1, **kw)
+  news = [12, 3, 3, 3, 3]
+  ids = {engine.submit(ps[0], 12, priority=1): 0}
+  for _ in range(4):
+    engine.step()
+  ids[engine.submit(ps[1], 3, priority=1)] = 1                 # equal: waits its turn
+  engine.step()
+  assert engine.stats.preempted == 0 and engine._slots[0].rid == 0
+  ids[engine.submit(ps[2], 3, priority=0)] = 2                 # smaller: preempts request 0
+  first = [ids[rid] for rid, _ in engine.step()]
+  assert engine.stats.preempted == 1 and first == [] and engine._slots[0].rid == 2
+  assert [r.rid for r in engine._waiting] == [0, 1]            # the preempted one ahead
+  check(engine, ids, news)
+
+  # Pages, not slots: two slots, and a running request of a larger value holding (nearly) the
+  # whole pool; the urgent request needs three pages.
+  engine = Engine(model, max_batch=2, num_pages=5, max_pages_per_seq=5, **kw)
+  news = [13, 3, 3, 3, 2]
+  ids = {engine.submit(ps[0], 13, priority=2): 0}              # 6 + 12 = 18 positions: 5 pages
+  while engine._free_pages > 1:                                # (on demand: as it decodes)
+    engine.step()
+  urgent = engine.submit(ps[4], 2, priority=1)                 # 9 + 1 positions: 3 pages
+  ids[urgent] = 4
+  engine.step()
+  assert engine.stats.preempted == 1 and [r.rid for r in engine._slots if r] == [urgent]
+  check(engine, ids, news)
+
+  with pytest.raises(ValueError, match="`priority` must be an int"):
+    engine.submit(ps[0], 2, priority=0.5)
+
+
 def test_sampled_requests_equal_generate_alone_with_their_seeds():
   """Sampling settings per request (the engine's defaults, greedy, top-p, top-k, own seeds) in
   one batch: each request gets what ``generate`` gives it alone with its settings and seed
