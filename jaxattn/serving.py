@@ -14,7 +14,9 @@ slot never computes a prefill chunk's rows.  A finished request's pages go back 
     ids = [engine.submit(p, max_new_tokens=128, eos_id=tok.eos_id) for p in prompts]
     results = engine.run(on_token=lambda rid, token: ...)       # {request id: prompt + generated}
 
-Admission is first come, first served, and by default reserves a request's whole page need up
+Admission is first come, first served (among requests of one ``submit(..., priority=)``: lower
+values go first, and preempt running requests of larger values when short of a slot or pages),
+and by default reserves a request's whole page need up
 front (prompt + ``max_new_tokens - 1`` positions: the last sampled token is returned, never fed
 back), so a running request never finds the pool empty; a request waits while the pool cannot
 hold it.  ``allocation="on_demand"`` reserves only the prompt's pages and the rest a page at a
