@@ -719,6 +719,11 @@ class Engine:
     if self.policy == "static" or not self._waiting:
       return
     head = self._waiting[0]
+    # (First, as it is cheap: with one priority, every step ends here.)
+    lower = [(s, r) for s, r in enumerate(self._slots)
+             if r is not None and r.priority > head.priority]
+    if not lower:
+      return
     matched = []
     if self._prefix is not None:
       coming = self._pages_in_flight() if self._wait_for_prefix else set()
@@ -733,9 +738,7 @@ class Engine:
               and need <= self._free_pages + spare + pages
               and head.window_pages <= self._free_window_pages + window_pages)
 
-    lower = [(s, r) for s, r in enumerate(self._slots)
-             if r is not None and r.priority > head.priority]
-    if fits(False, 0, 0) or not lower:
+    if fits(False, 0, 0):
       return
     # What preempting all of them frees: their own pages, and the cached pages only they read
     # (idle then: evictable).
