@@ -2,14 +2,17 @@
 
     python -m experiments.train [--preset llama] [--size tiny] [--steps 300] [--batch-size 16]
         [--seq-len 256] [--lr 3e-3] [--warmup 30] [--mesh data=2,tensor=4] [--dtype bfloat16]
-        [--scan-layers] [--remat dots] [--data PATH | --data hf:NAME] [--out runs/train]
-        [--save-every 100] [--keep 3] [--no-resume] [--eval-every 100] [--set key=value ...]
+        [--context-strategy ring] [--scan-layers] [--remat dots] [--data PATH | --data hf:NAME]
+        [--out runs/train] [--save-every 100] [--keep 3] [--no-resume] [--eval-every 100]
+        [--set key=value ...]
         [--sample-tokens 200] [--report]
 
-* Mesh: all devices, axes ``data / fsdp / tensor / expert`` (``--mesh`` gives some sizes, ``data``
-  takes the rest).  Parameters are created directly on their shards (``nnx.eval_shape`` -> logical
-  rules -> ``jax.jit(out_shardings=...)``), the optimizer moments follow them, and the train step is
-  a ``jax.jit`` with explicit in/out shardings (``jaxattn.train.step``).
+* Mesh: all devices, axes ``data / fsdp / context / tensor / expert`` (``--mesh`` gives some
+  sizes, ``data`` takes the rest; ``context`` splits the sequence: context parallelism, with
+  ``--context-strategy all_gather | ring``, ``jaxattn.ops.context_parallel``).  Parameters are
+  created directly on their shards (``nnx.eval_shape`` -> logical rules ->
+  ``jax.jit(out_shardings=...)``), the optimizer moments follow them, and the train step is a
+  ``jax.jit`` with explicit in/out shardings (``jaxattn.train.step``).
 * Optimizer: AdamW, linear warmup + cosine decay, global-norm clipping.  ``--dtype bfloat16`` is
   mixed precision (fp32 parameters and optimizer, bf16 matmuls, fp32 softmax/norms/loss).
 * Data: byte-level, packed rows with segment ids (``jaxattn.train.data``); the default text ships
@@ -50,6 +53,7 @@ from experiments.timing import strict_json
 from jaxattn.configs import PRESETS, get_config
 from jaxattn.generation import TextStream, generate
 from jaxattn.nn.model import DecoderLM, ModelConfig
+from jaxattn.ops import context_parallel
 from jaxattn.sharding import make_mesh, param_shardings
 from jaxattn.train.checkpoint import Checkpointer, install_interrupt_handler
 from jaxattn.train.data import (ByteTokenizer, PackedDataset, eval_batches, load_text,
@@ -224,6 +228,10 @@ def train(args) -> dict:
   if args.batch_size % shards:
     raise ValueError(f"`--batch-size` ({args.batch_size}) must be divisible by the batch shards "
                      f"data x fsdp = {shards} of mesh {dict(mesh.shape)}.")
+  if args.seq_len % mesh.shape["context"]:
+    raise ValueError(f"`--seq-len` ({args.seq_len}) must be divisible by the context axis "
+                     f"({mesh.shape['context']}) of mesh {dict(mesh.shape)}: each device holds "
+                     "an equal slice of the sequence.")
   pi, pc = jax.process_index(), jax.process_count()
   if shards % pc:
     # Each process feeds batch_size / process_count rows: they must be whole batch shards, or the
@@ -249,7 +257,7 @@ def train(args) -> dict:
     raise ValueError(f"the model's vocab_size ({cfg.vocab_size}) is below the tokenizer's "
                      f"({tokenizer.vocab_size}).")
 
-  with jax.set_mesh(mesh):
+  with jax.set_mesh(mesh), context_parallel.set_options(strategy=args.context_strategy):
     # -- model, optimizer, state ---------------------------------------------------------------
     model = create_sharded_model(cfg, mesh, args.seed)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
@@ -424,6 +432,9 @@ def make_parser() -> argparse.ArgumentParser:
   p.add_argument("--clip", type=_positive_float, default=1.0,
                  help="global gradient-norm clip (a negative one would reverse the updates)")
   p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
+  p.add_argument("--context-strategy", choices=("all_gather", "ring"), default="all_gather",
+                 help="context parallelism (a `context` axis in --mesh): gather the sequence's "
+                      "keys and values on every device, or pass them around a ring")
   p.add_argument("--scan-layers", action="store_true")
   p.add_argument("--remat", choices=("none", "full", "dots", "dots_no_batch"), default=None)
   p.add_argument("--mesh", default=None, help="axis sizes, e.g. data=2,tensor=4 (data: the rest)")

@@ -2,7 +2,8 @@
 
 Parameters carry logical axis names in their ``logical_axes`` metadata (``jaxattn.nn.param`` puts
 them there); activations are constrained at block edges with ``shard(x, ("batch", "length",
-"embed"))``.  The mesh axes are ``data``, ``fsdp``, ``tensor`` and ``expert``.  Everything here is a
+"embed"))``.  The mesh axes are ``data``, ``fsdp``, ``context`` (the sequence, for context
+parallelism: ``jaxattn.ops.context_parallel``), ``tensor`` and ``expert``.  Everything here is a
 no-op without a mesh, so the same model code runs on one CPU and on a TPU pod.
 
 We keep our own ``logical_axes`` metadata rather than Flax's eager ``sharding_names``: the eager
@@ -19,12 +20,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "tensor", "expert")
+MESH_AXES = ("data", "fsdp", "context", "tensor", "expert")
 
 # logical name -> mesh axis (or tuple of mesh axes, or None for replicated).
 DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("batch", ("data", "fsdp")),   # activations: data parallel over data and fsdp
-    ("length", None),
+    ("length", "context"),         # activations: sequence split over context (context parallelism)
     ("embed", "fsdp"),             # parameters: ZeRO-3 style over fsdp
     ("heads", "tensor"),           # Megatron: heads split over tensor
     ("kv_heads", "tensor"),
@@ -210,7 +211,7 @@ def shard_module(module: nnx.Module, mesh: Mesh, *, rules=DEFAULT_RULES) -> nnx.
 
 
 def make_mesh(shape: Mapping[str, int] | None = None, *, devices=None) -> Mesh:
-  """A mesh over all (or the given) devices with axes ``data, fsdp, tensor, expert``.
+  """A mesh over all (or the given) devices with axes ``data, fsdp, context, tensor, expert``.
 
   ``shape`` gives the size of some axes (e.g. ``{"fsdp": 2, "tensor": 4}``); ``data`` takes the rest.
   """

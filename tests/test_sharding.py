@@ -21,7 +21,7 @@ def test_eight_devices_are_simulated():
 
 def test_logical_to_spec_rules():
   mesh = sharding.make_mesh({"fsdp": 2, "tensor": 4})
-  assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "tensor": 4, "expert": 1}
+  assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "context": 1, "tensor": 4, "expert": 1}
   assert sharding.logical_to_spec(("embed", "heads", "head_dim"), mesh=mesh) == P("fsdp", "tensor", None)
   # Batch over (data, fsdp): data has size 1 here, so only fsdp remains.
   assert sharding.logical_to_spec(("batch", "length", "act_embed"), mesh=mesh) == P("fsdp", None, None)
@@ -38,6 +38,10 @@ def test_logical_to_spec_rules():
     sharding.make_mesh({"data": 2, "tensor": 8})
   with pytest.raises(ValueError, match="unknown axes"):
     sharding.make_mesh({"model": 2})
+  # The sequence splits over `context` (context parallelism), absent or of size 1 elsewhere.
+  cp = sharding.make_mesh({"data": 2, "context": 4})
+  assert (sharding.logical_to_spec(("batch", "length", "act_embed"), mesh=cp)
+          == P("data", "context", None))
 
 
 def test_shard_is_a_noop_without_mesh():

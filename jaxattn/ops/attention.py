@@ -21,6 +21,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jaxattn.checks import check_float_array, check_positive, is_number
 from jaxattn.ops import scores as S
+from jaxattn.ops import context_parallel
 from jaxattn.ops.masks import Mask, make_mask
 
 Implementation = Literal["xla", "xla_chunked", "cpu", "cudnn", "pallas_tpu", "pallas_gpu"]
@@ -264,12 +265,27 @@ def dot_product_attention(
     b, t, n, _ = query.shape
     out = jnp.zeros((b, t, n, value.shape[-1]), query.dtype)
     return (out, jnp.full((b, n, t), -jnp.inf, jnp.float32)) if return_residuals else out
+  cp_size = context_parallel.mesh_axis_size()
+  if cp_size > 1:  # the sequence is split over the mesh axis `context`
+    opts = context_parallel.get_options()
+    if context_parallel.unsupported(
+        query, key, bias=kwargs["bias"], mask_array=kwargs["mask_array"],
+        q_offset=kwargs["q_offset"], scale=kwargs["scale"], size=cp_size,
+        strategy=opts["strategy"]) is None:
+      return context_parallel.attention(
+          query, key, value, kwargs, size=cp_size, strategy=opts["strategy"],
+          load_balance=opts["load_balance"], mesh=None, implementation=implementation)
   attempt = lambda backend: _with_scalar_grads(backend)(query, key, value, **kwargs)  # noqa: E731
   if implementation is None:
     return _first_accepting(attempt)[1]
   if isinstance(implementation, str):
     return attempt(_resolve(implementation))
   return _first_accepting(attempt, _sequence(implementation))[1]
+
+
+def _zero_cotangent(x):
+  dtype = x.dtype if jnp.issubdtype(x.dtype, jnp.inexact) else jax.dtypes.float0
+  return np.zeros(x.shape, dtype) if dtype == jax.dtypes.float0 else jnp.zeros(x.shape, dtype)
 
 
 def _with_scalar_grads(backend: Callable) -> Callable:
@@ -293,23 +309,34 @@ def _with_scalar_grads(backend: Callable) -> Callable:
       return backend(query, key, value, alibi_slopes=alibi_slopes, scale=scale, bias=bias, **rest)
     scalars = {"alibi_slopes": None if alibi_slopes is None else jnp.asarray(alibi_slopes),
                "scale": jnp.asarray(scale) if traced_scale else None}
+    # The arrays among the other arguments (segment ids, lengths, a traced offset) enter the
+    # custom VJP as operands, not closed over: a closed-over tracer fails to lower when the call
+    # sits in a branch of lax.switch (context parallelism's per-device programs).
+    leaves, treedef = jax.tree.flatten(rest)
+    is_array = [isinstance(x, (jax.Array, jax.core.Tracer)) for x in leaves]
+    dyn = [x for x, a in zip(leaves, is_array) if a]
 
-    def run(fn, q, k, v, b, sc):
+    def rebuild(dyn):
+      it = iter(dyn)
+      return jax.tree.unflatten(treedef, [next(it) if a else x for x, a in zip(leaves, is_array)])
+
+    def run(fn, q, k, v, b, sc, dyn):
       sc_scale = scale if sc["scale"] is None else sc["scale"]
-      return fn(q, k, v, alibi_slopes=sc["alibi_slopes"], scale=sc_scale, bias=b, **rest)
+      return fn(q, k, v, alibi_slopes=sc["alibi_slopes"], scale=sc_scale, bias=b, **rebuild(dyn))
 
     @jax.custom_vjp
-    def f(q, k, v, b, sc):
-      return run(backend, q, k, v, b, sc)
+    def f(q, k, v, b, sc, dyn):
+      return run(backend, q, k, v, b, sc, dyn)
 
-    def fwd(q, k, v, b, sc):  # leaves are CustomVJPPrimal(value, perturbed)
-      q, k, v, b, sc_val = jax.tree.map(lambda x: x.value, (q, k, v, b, sc))
+    def fwd(q, k, v, b, sc, dyn):  # leaves are CustomVJPPrimal(value, perturbed)
+      q, k, v, b, sc_val, dyn = jax.tree.map(lambda x: x.value, (q, k, v, b, sc, dyn))
       wanted = any(x.perturbed for x in jax.tree.leaves(sc))
-      out, kernel_vjp = jax.vjp(lambda q, k, v, b: run(backend, q, k, v, b, sc_val), q, k, v, b)
-      return out, (kernel_vjp, (q, k, v, b) if wanted else None, sc_val)
+      out, kernel_vjp = jax.vjp(lambda q, k, v, b: run(backend, q, k, v, b, sc_val, dyn),
+                                q, k, v, b)
+      return out, (kernel_vjp, (q, k, v, b) if wanted else None, sc_val, dyn)
 
     def bwd(res, ct):
-      kernel_vjp, inputs, sc_val = res
+      kernel_vjp, inputs, sc_val, dyn = res
       ct = jax.tree.map(lambda c: jnp.zeros(c.shape, c.dtype) if isinstance(
           c, jax.custom_derivatives.SymbolicZero) else c, ct,
           is_leaf=lambda c: isinstance(c, jax.custom_derivatives.SymbolicZero))
@@ -318,12 +345,13 @@ def _with_scalar_grads(backend: Callable) -> Callable:
         d_sc = jax.tree.map(jnp.zeros_like, sc_val)
       else:
         q, k, v, b = inputs
-        _, sc_vjp = jax.vjp(lambda sc: run(_REGISTRY["xla_chunked"], q, k, v, b, sc), sc_val)
+        _, sc_vjp = jax.vjp(lambda sc: run(_REGISTRY["xla_chunked"], q, k, v, b, sc, dyn),
+                            sc_val)
         (d_sc,) = sc_vjp(ct)
-      return (*grads, d_sc)
+      return (*grads, d_sc, [_zero_cotangent(x) for x in dyn])
 
     f.defvjp(fwd, bwd, symbolic_zeros=True)
-    return f(query, key, value, bias, scalars)
+    return f(query, key, value, bias, scalars, dyn)
 
   return call
 

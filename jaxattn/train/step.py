@@ -137,8 +137,9 @@ def state_shardings(state: TrainState):
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-  """Batches are split over ``data`` x ``fsdp`` on their leading axis."""
-  spec = logical_to_spec(("batch",) + (None,) * (ndim - 1), mesh=mesh)
+  """Batches are split over ``data`` x ``fsdp`` on their leading axis and, with context
+  parallelism, over ``context`` on their second (the sequence)."""
+  spec = logical_to_spec(("batch", "length")[:ndim] + (None,) * (ndim - 2), mesh=mesh)
   return NamedSharding(mesh, spec)
 
 

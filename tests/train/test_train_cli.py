@@ -99,6 +99,9 @@ def test_cli_argument_errors(tmp_path, capsys):
   with pytest.raises(ValueError, match="batch-size"):
     train_cli.train(train_cli.make_parser().parse_args(
         COMMON + ["--batch-size", "6", "--mesh", "data=4,tensor=2", "--out", str(tmp_path)]))
+  with pytest.raises(ValueError, match=r"`--seq-len` \(30\) must be divisible by the context axis"):
+    train_cli.train(train_cli.make_parser().parse_args(
+        COMMON + ["--seq-len", "30", "--mesh", "data=2,context=4", "--out", str(tmp_path)]))
   with pytest.raises(ValueError, match="--mesh"):
     train_cli.parse_mesh("data:2")
   with pytest.raises(ValueError, match="names axis 'data' twice"):

@@ -8,6 +8,7 @@ from flax import nnx
 
 from jaxattn.configs import get_config
 from jaxattn.nn.model import DecoderLM
+from jaxattn.ops import context_parallel
 from jaxattn.sharding import make_mesh
 from jaxattn.train.step import (init_train_state, make_optimizer, make_train_step, shard_batch,
                                 cross_entropy, model_flops_per_token)
@@ -42,16 +43,24 @@ def _one_step(cfg, mesh):
 @pytest.mark.parametrize("preset,mesh_shape", [
     ("llama", {"data": 2, "tensor": 4}),
     ("deepseek-v3", {"data": 2, "expert": 4}),
+    # context parallelism: the sequence (12 tokens, two packed documents) split two ways
+    ("llama", {"data": 2, "context": 2, "tensor": 2}),
 ])
-def test_sharded_step_matches_one_device(preset, mesh_shape):
+def test_sharded_step_matches_one_device(preset, mesh_shape, monkeypatch):
   cfg = get_config(preset, embed_dim=32, mlp_dim=64, num_layers=2, max_seq_len=64,
                    num_heads=4)
+  calls = []
+  real = context_parallel.attention
+  monkeypatch.setattr(context_parallel, "attention", lambda *a, **kw: calls.append(kw["size"])
+                      or real(*a, **kw))
   if cfg.num_experts:
     cfg = cfg.replace(moe_expert_dim=16, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8,
                       qk_rope_head_dim=4, v_head_dim=8)
   mesh = make_mesh(mesh_shape)
   _, ref, m_ref = _one_step(cfg, None)
   state0, got, m_got = _one_step(cfg, mesh)
+  # every attention layer's call (forward; the backward is its transpose) was context-parallel
+  assert calls == [2] * cfg.num_layers if "context" in mesh_shape else not calls
   # parameters really are split over the mesh
   specs = {str(x.sharding.spec) for x in jax.tree.leaves(state0.params)}
   assert any(("tensor" in s) or ("expert" in s) for s in specs), specs

@@ -1,0 +1,484 @@
+"""Context parallelism: self-attention over a sequence split across the devices of a mesh axis.
+
+Long sequences are split over the mesh axis ``context`` (the ``"length"`` rule of
+``jaxattn.sharding.DEFAULT_RULES``): device ``c`` of ``C`` holds rows ``[c t, (c + 1) t)`` of the
+queries, keys and values, ``t = T / C``.  Everything else in a transformer is per token, so
+attention is the only layer that has to communicate.  Two strategies:
+
+* ``"all_gather"`` (the default; Llama 3's and MaxText's): each device gathers the whole sequence's
+  keys and values (``all_gather`` over ``context``; its transpose, a reduce-scatter, brings the
+  key/value gradients back) and attends with its own queries.  Under a causal mask the last
+  device would see ``C`` times the keys of the first, so by default (``load_balance``) device
+  ``c`` swaps the second half of its queries with device ``C - 1 - c`` (one ``ppermute`` each way,
+  and back for the outputs): every device then holds one early and one late half-chunk and
+  attends to the same number of keys, ``(2 C + 1) t / 2``.  Each device reads only the key range
+  its queries' band can see.  Memory per device: the whole sequence's keys and values.
+* ``"ring"``: keys and values travel around the ring of devices, one chunk per step (``C`` steps,
+  each ``ppermute`` issued before the step's attention so they overlap); each device keeps its
+  queries' running output and log-sum-exp and merges every chunk's in fp32.  Key/value memory per
+  device stays ``t`` rows.  The backward pass is a second ring: each chunk's gradient
+  accumulators travel with it, and every block's attention is differentiated with the final
+  output and log-sum-exp (``jax.vjp`` of the block, which runs its forward once more).  Blocks a
+  band mask empties are skipped (``lax.switch`` on the chunk distance, one static program per
+  distance).  No load balancing: under a causal mask the ring's steps wait for the busiest device.
+
+Both call ``dot_product_attention`` on each device's blocks with a static ``q_offset`` (one
+``lax.switch`` branch per device position or chunk distance), so any backend with block skipping
+(the native CPU kernel, the Pallas kernels) takes them.  ``dot_product_attention`` routes here by
+itself when the mesh set by ``jax.set_mesh`` has a ``context`` axis of size > 1 and the call is
+self-attention that context parallelism computes (``supported``): causal / window / global-token
+masks, segment ids, lengths, ALiBi, soft-cap, a dense bias (``"all_gather"`` only), residuals.
+``set_options`` picks the strategy for those calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float, Int
+
+from jaxattn.ops import masks as M
+
+AXIS = "context"
+Strategy = Literal["all_gather", "ring"]
+STRATEGIES = ("all_gather", "ring")
+_OPTIONS: dict[str, Any] = {"strategy": "all_gather", "load_balance": None}
+
+
+def set_options(*, strategy: Strategy | None = None, load_balance: bool | None = None,
+                _unset=False):
+  """Sets the strategy (and causal load balancing of ``"all_gather"``; None: when the mask is
+  causal) that ``dot_product_attention`` uses under a ``context`` mesh axis.  Returns the previous
+  options; usable as a context manager: ``with set_options(strategy="ring"): ...``."""
+  if strategy is not None and strategy not in STRATEGIES:
+    raise ValueError(f"`strategy` must be one of {STRATEGIES}, got {strategy!r}.")
+  if load_balance is not None and not isinstance(load_balance, bool):
+    raise ValueError(f"`load_balance` must be a bool or None, got {load_balance!r}.")
+  previous = dict(_OPTIONS)
+  if strategy is not None:
+    _OPTIONS["strategy"] = strategy
+  _OPTIONS["load_balance"] = load_balance
+  return _Restore(previous)
+
+
+class _Restore(contextlib.AbstractContextManager):
+  def __init__(self, previous):
+    self.previous = previous
+
+  def __exit__(self, *exc):
+    _OPTIONS.update(self.previous)
+    return False
+
+  def __getitem__(self, name):
+    return self.previous[name]
+
+
+def get_options() -> dict:
+  return dict(_OPTIONS)
+
+
+def mesh_axis_size(mesh=None) -> int:
+  """Size of the ``context`` axis of ``mesh`` (default: the one ``jax.set_mesh`` set) when it is
+  > 1 and not already manual (inside a ``shard_map``); else 1."""
+  if mesh is None:
+    try:
+      mesh = jax.sharding.get_abstract_mesh()
+    except AttributeError:  # pragma: no cover - older jax
+      return 1
+  if mesh is None or getattr(mesh, "empty", False):
+    return 1
+  if AXIS in set(getattr(mesh, "manual_axes", ()) or ()):
+    return 1
+  return int(dict(mesh.shape).get(AXIS, 1))
+
+
+def unsupported(query, key, *, bias, mask_array, q_offset, scale, size: int,
+                strategy: str) -> str | None:
+  """Why a call is not one context parallelism computes over ``size`` devices (None: it is)."""
+  t, s = query.shape[1], key.shape[1]
+  if t != s:
+    return f"it is not self-attention (T={t}, S={s})"
+  if t % size:
+    return f"T={t} is not a multiple of the context axis size {size}"
+  if isinstance(q_offset, jax.core.Tracer) or int(np.asarray(q_offset)) != 0:
+    return "q_offset is not 0"
+  if mask_array is not None:
+    return "a dense boolean mask array (pass a Mask or fold it into `bias`)"
+  if strategy == "ring":
+    if bias is not None:
+      return "the ring strategy takes no dense `bias` (use strategy='all_gather')"
+    if isinstance(scale, jax.core.Tracer):
+      return "the ring strategy needs a static `scale`"
+  return None
+
+
+def context_parallel_attention(
+    query: Float[Array, "B T N H"],
+    key: Float[Array, "B T K H"],
+    value: Float[Array, "B T K h"],
+    bias: Float[Array, "#B #N #T T"] | None = None,
+    mask: M.Mask | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    local_window_size=None,
+    segment_ids: Int[Array, "B T"] | None = None,
+    kv_lengths: Int[Array, "B"] | None = None,
+    alibi_slopes: Float[Array, "N"] | None = None,
+    logits_soft_cap: float | None = None,
+    return_residuals: bool = False,
+    strategy: Strategy = "all_gather",
+    load_balance: bool | None = None,
+    mesh=None,
+    implementation=None,
+):
+  """Self-attention with the sequence split over the mesh axis ``context``.
+
+  Arguments as ``dot_product_attention`` (self-attention: ``T == S``, ``q_offset`` 0; ``mask`` a
+  ``Mask`` object, not a dense array).  ``strategy``: ``"all_gather"`` or ``"ring"`` (module
+  docstring).  ``load_balance`` (``"all_gather"``): swap query halves so a causal mask gives every
+  device the same work; None: when the mask is causal (needs an even ``T / C``).  ``mesh``: a
+  ``Mesh`` with a ``context`` axis (default: the one set by ``jax.set_mesh``).  ``implementation``:
+  the backend each device's blocks use.  Returns what ``dot_product_attention`` returns, with the
+  output split like the query.
+  """
+  from jaxattn.ops.attention import _backend_kwargs
+  if strategy not in STRATEGIES:
+    raise ValueError(f"`strategy` must be one of {STRATEGIES}, got {strategy!r}.")
+  kw = _backend_kwargs(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+                       local_window_size=local_window_size, segment_ids=segment_ids,
+                       kv_lengths=kv_lengths, alibi_slopes=alibi_slopes,
+                       logits_soft_cap=logits_soft_cap, return_residuals=return_residuals)
+  size = mesh_axis_size(mesh)
+  if size <= 1:
+    raise ValueError(f"`mesh` must have a `{AXIS}` axis of size > 1 (got "
+                     f"{None if mesh is None else dict(mesh.shape)}; none set by jax.set_mesh).")
+  why = unsupported(query, key, bias=kw["bias"], mask_array=kw["mask_array"],
+                    q_offset=kw["q_offset"], scale=kw["scale"], size=size, strategy=strategy)
+  if why is not None:
+    raise ValueError(f"context_parallel_attention cannot compute this call: {why}.")
+  return attention(query, key, value, kw, size=size, strategy=strategy,
+                   load_balance=load_balance, mesh=mesh, implementation=implementation)
+
+
+def attention(query, key, value, kw: dict, *, size: int, strategy: str, load_balance, mesh,
+              implementation):
+  """The context-parallel call on ``dot_product_attention``'s normalized arguments ``kw``."""
+  from pallas_kernels.flash_attention import common as C
+  from pallas_kernels.flash_attention.sharded import plan_specs, run_sharded
+  static, segments, lengths = C.split_mask(kw["mask"])
+  band = None if static is None else M._band(static)
+  if strategy == "ring" and static is not None and band is None:
+    raise ValueError(f"the ring strategy takes band masks (causal, sliding window); got "
+                     f"{type(static).__name__} (use strategy='all_gather').")
+  t = query.shape[1] // size
+  if load_balance is None:
+    load_balance = (strategy == "all_gather" and band is not None and band == (math.inf, 0.0)
+                    and t % 2 == 0)
+  if load_balance and (strategy != "all_gather" or t % 2):
+    raise ValueError(f"`load_balance` needs strategy='all_gather' and an even number of rows per "
+                     f"device, got strategy={strategy!r}, T / C = {t}.")
+  bias = kw["bias"]
+  q_ids, kv_ids = (None, None) if segments is None else segments
+  scale = kw["scale"]
+  named = {"query": query, "key": key, "value": value, "q_ids": q_ids, "kv_ids": kv_ids,
+           "lengths": lengths, "slopes": kw["alibi_slopes"], "bias": bias,
+           "scale": scale if isinstance(scale, jax.core.Tracer) else None}
+  named = {k: (jnp.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in named.items()}
+  names = [k for k, v in named.items() if v is not None]
+  cfg = _Config(size=size, t=t, static=static, band=band, load_balance=bool(load_balance),
+                static_scale=None if isinstance(scale, jax.core.Tracer) else float(scale),
+                cap=kw["logits_soft_cap"], implementation=_hashable(implementation))
+
+  def body(*xs):
+    got = dict(zip(names, xs))
+    args = [got.get(k) for k in named]
+    if strategy == "all_gather":
+      return _all_gather_local(cfg, *args)
+    return _ring_local(cfg, *args)
+
+  def specs(mesh):
+    bax, hax = plan_specs(mesh, query.shape[0], query.shape[2], key.shape[2])
+    table = {"query": P(bax, AXIS, hax, None), "key": P(bax, AXIS, hax, None),
+             "value": P(bax, AXIS, hax, None), "q_ids": P(bax, AXIS), "kv_ids": P(bax, AXIS),
+             "lengths": P(bax), "slopes": P(hax), "scale": P()}
+    if bias is not None:
+      table["bias"] = P(bax if bias.shape[0] > 1 else None, hax if bias.shape[1] > 1 else None,
+                        AXIS if bias.shape[2] > 1 else None, None)
+    return [table[k] for k in names], (P(bax, AXIS, hax, None), P(bax, hax, AXIS))
+
+  out, lse = run_sharded(body, [named[k] for k in names], mesh, specs)
+  return (out, lse) if kw["return_residuals"] else out
+
+
+def _hashable(implementation):
+  return tuple(implementation) if isinstance(implementation, list) else implementation
+
+
+class _Config:
+  """The static settings of one call (hashable: the ring's custom VJP is built once per value)."""
+
+  def __init__(self, **kw):
+    self.__dict__.update(kw)
+    self._key = tuple(sorted(kw.items(), key=lambda kv: kv[0]))
+
+  def __hash__(self):
+    return hash(self._key)
+
+  def __eq__(self, other):
+    return isinstance(other, _Config) and self._key == other._key
+
+
+# ----------------------------------------------------------------------------------------------
+# One block: this device's queries against a range of keys, at a static relative offset
+# ----------------------------------------------------------------------------------------------
+
+
+def _block(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, bias, scale, *, q_offset: int):
+  """``(out, lse)`` of queries at positions ``q_offset + arange(rows)`` (in the coordinates of
+  this block's keys, ``arange(S_block)``)."""
+  from jaxattn.ops.attention import dot_product_attention
+  parts = [] if cfg.static is None else [cfg.static]
+  if q_ids is not None:
+    parts.append(M.SegmentMask(q_ids, kv_ids))
+  if lengths is not None:
+    parts.append(M.PaddingMask(lengths))
+  mask = functools.reduce(lambda a, b: a & b, parts) if parts else None
+  return dot_product_attention(
+      q, k, v, bias, mask, scale=cfg.static_scale if scale is None else scale,
+      q_offset=q_offset, alibi_slopes=slopes, logits_soft_cap=cfg.cap, return_residuals=True,
+      implementation=cfg.implementation)
+
+
+def _key_range(cfg, q_start: int, rows: int, total: int) -> tuple[int, int]:
+  """The keys ``[lo, hi)`` that rows ``[q_start, q_start + rows)`` can see under the band."""
+  if cfg.band is None:
+    return 0, total
+  left, right = cfg.band
+  lo = 0 if math.isinf(left) else max(0, q_start - int(left))
+  hi = total if math.isinf(right) else min(total, q_start + rows + int(right))
+  return lo, max(lo, hi)
+
+
+def _empty(q, v):
+  b, t, n, _ = q.shape
+  return (jnp.zeros((b, t, n, v.shape[-1]), q.dtype), jnp.full((b, n, t), -jnp.inf, jnp.float32))
+
+
+def _rows(q_start: int, rows: int, cfg, q, k, v, q_ids, kv_ids, lengths, slopes, bias, scale):
+  """Queries at global rows ``[q_start, q_start + rows)`` against the gathered keys (static)."""
+  lo, hi = _key_range(cfg, q_start, rows, k.shape[1])
+  if hi == lo:
+    return _empty(q, v)
+  sl = lambda x, ax: lax.slice_in_dim(x, lo, hi, axis=ax)  # noqa: E731
+  return _block(cfg, q, sl(k, 1), sl(v, 1), q_ids, None if kv_ids is None else sl(kv_ids, 1),
+                None if lengths is None else lengths - lo, slopes,
+                None if bias is None else sl(bias, 3), scale, q_offset=q_start - lo)
+
+
+# ----------------------------------------------------------------------------------------------
+# all_gather
+# ----------------------------------------------------------------------------------------------
+
+
+def _all_gather_local(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, bias, scale):
+  size, t = cfg.size, cfg.t
+  c = lax.axis_index(AXIS)
+  gather = lambda x: lax.all_gather(x, AXIS, axis=1, tiled=True)  # noqa: E731
+  k, v = gather(k), gather(v)
+  kv_ids = None if kv_ids is None else gather(kv_ids)
+  bias_rows = bias is not None and bias.shape[2] > 1
+
+  if not cfg.load_balance:
+    def branch(i):
+      return lambda *a: _rows(i * t, t, cfg, *a)
+    args = (q, k, v, q_ids, kv_ids, lengths, slopes, bias, scale)
+    return _switch(c, [branch(i) for i in range(size)], args, cfg)
+
+  # Device c keeps rows [c t, c t + h) and takes device (C-1-c)'s rows [(C-c) t - h, (C-c) t).
+  h = t // 2
+  pairs = [(i, size - 1 - i) for i in range(size)]
+  swap = lambda x, ax: lax.ppermute(  # noqa: E731
+      lax.slice_in_dim(x, h, t, axis=ax), AXIS, pairs)
+  first = lambda x, ax: lax.slice_in_dim(x, 0, h, axis=ax)  # noqa: E731
+  qa, qb = first(q, 1), swap(q, 1)
+  ida, idb = (None, None) if q_ids is None else (first(q_ids, 1), swap(q_ids, 1))
+  ba, bb = (bias, bias) if not bias_rows else (first(bias, 2), swap(bias, 2))
+
+  def branch(i):
+    def run(qa, qb, k, v, ida, idb, kv_ids, lengths, slopes, ba, bb, scale):
+      oa, la = _rows(i * t, h, cfg, qa, k, v, ida, kv_ids, lengths, slopes, ba, scale)
+      ob, lb = _rows((size - i) * t - h, h, cfg, qb, k, v, idb, kv_ids, lengths, slopes, bb,
+                     scale)
+      return oa, la, ob, lb
+    return run
+
+  args = (qa, qb, k, v, ida, idb, kv_ids, lengths, slopes, ba, bb, scale)
+  oa, la, ob, lb = _switch(c, [branch(i) for i in range(size)], args, cfg)
+  back = lambda x: lax.ppermute(x, AXIS, pairs)  # noqa: E731  (the pairing is its own inverse)
+  return jnp.concatenate([oa, back(ob)], axis=1), jnp.concatenate([la, back(lb)], axis=2)
+
+
+def _switch(index, branches, args, cfg):
+  """``branches[index](*args)``; None arguments stay out of the traced operands."""
+  present = [i for i, a in enumerate(args) if a is not None]
+
+  def wrap(fn):
+    def run(*xs):
+      full = [None] * len(args)
+      for i, x in zip(present, xs):
+        full[i] = x
+      return fn(*full)
+    return run
+
+  operands = [args[i] for i in present]
+  if len(branches) == 1:
+    return wrap(branches[0])(*operands)
+  return lax.switch(index, [wrap(b) for b in branches], *operands)
+
+
+# ----------------------------------------------------------------------------------------------
+# ring
+# ----------------------------------------------------------------------------------------------
+
+
+def _distances(cfg) -> list[int]:
+  """Chunk distances ``d = c - j`` (query chunk minus key chunk), ``-(C-1) .. C-1``."""
+  return list(range(-(cfg.size - 1), cfg.size))
+
+
+def _ring_block(cfg, d: int, q, k, v, q_ids, kv_ids, lengths, slopes, scale):
+  """Queries of chunk ``c`` against keys of chunk ``c - d`` (``lengths`` already relative to the
+  key chunk); a block the band empties is not computed."""
+  t = cfg.t
+  lo, hi = _key_range(cfg, d * t, t, t)
+  if hi == lo:
+    return _empty(q, v)
+  return _block(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, None, scale, q_offset=d * t)
+
+
+def _ring_perm(size):
+  return [(i, (i + 1) % size) for i in range(size)]
+
+
+def _chunk_and_distance(cfg, c, s):
+  """At ring step ``s`` device ``c`` holds key chunk ``j = (c - s) mod C``, at distance ``d``."""
+  j = (c - s) % cfg.size
+  d = c - j
+  return j, d + cfg.size - 1   # branch index into _distances
+
+
+def _merge(o_acc, l_acc, o, l):
+  """Running (fp32 out, lse) with one more block's ``(out, lse)``."""
+  new = jnp.logaddexp(l_acc, l)
+  finite = jnp.isfinite(new)
+  wa = jnp.where(finite, jnp.exp(l_acc - jnp.where(finite, new, 0.0)), 0.0)
+  wb = jnp.where(finite, jnp.exp(l - jnp.where(finite, new, 0.0)), 0.0)
+  to_rows = lambda w: jnp.swapaxes(w, 1, 2)[..., None]  # noqa: E731  [B,N,T] -> [B,T,N,1]
+  return o_acc * to_rows(wa) + o.astype(jnp.float32) * to_rows(wb), new
+
+
+def _ring_forward(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, scale):
+  size, t = cfg.size, cfg.t
+  c = lax.axis_index(AXIS)
+  perm = _ring_perm(size)
+  branches = [functools.partial(_ring_block, cfg, d) for d in _distances(cfg)]
+  b, _, n, _ = q.shape
+  o0 = jnp.zeros((b, t, n, v.shape[-1]), jnp.float32)
+  l0 = jnp.full((b, n, t), -jnp.inf, jnp.float32)
+  kv_ids0 = jnp.zeros((b, t), jnp.int32) if kv_ids is None else kv_ids
+
+  def step(carry, s):
+    kb, vb, idb, o_acc, l_acc = carry
+    nxt = lax.ppermute((kb, vb, idb), AXIS, perm)      # issued first: overlaps the block
+    j, which = _chunk_and_distance(cfg, c, s)
+    lens = None if lengths is None else lengths - j * t
+    o, l = _switch(which, branches,
+                   (q, kb, vb, q_ids, None if kv_ids is None else idb, lens, slopes, scale), cfg)
+    o_acc, l_acc = _merge(o_acc, l_acc, o, l)
+    return (*nxt, o_acc, l_acc), None
+
+  (_, _, _, o, l), _ = lax.scan(step, (k, v, kv_ids0, o0, l0), jnp.arange(size))
+  return o.astype(q.dtype), l
+
+
+@functools.lru_cache(maxsize=64)
+def _ring_vjp(cfg):
+  """The ring's ``(q, k, v, aux) -> (out, lse)`` with its ring backward pass."""
+
+  @jax.custom_vjp
+  def ring(q, k, v, aux):
+    return _ring_forward(cfg, q, k, v, *aux)
+
+  def fwd(q, k, v, aux):
+    out, lse = _ring_forward(cfg, q, k, v, *aux)
+    return (out, lse), (q, k, v, aux, out, lse)
+
+  def bwd(res, cts):
+    q, k, v, aux, out, lse = res
+    q_ids, kv_ids, lengths, slopes, scale = aux
+    d_out, d_lse = cts
+    size, t = cfg.size, cfg.t
+    c = lax.axis_index(AXIS)
+    perm = _ring_perm(size)
+    f32 = jnp.float32
+    d_out32 = d_out.astype(f32)
+    out32 = out.astype(f32)
+    d_lse = jnp.zeros_like(lse) if d_lse is None else d_lse.astype(f32)
+
+    def grads(d):
+      def run(q, kb, vb, q_ids, idb, lens, slopes, scale):
+        lo, hi = _key_range(cfg, d * t, t, t)
+        if hi == lo:
+          return jnp.zeros(q.shape, f32), jnp.zeros(kb.shape, f32), jnp.zeros(vb.shape, f32)
+        fn = lambda q, kb, vb: _block(cfg, q, kb, vb, q_ids, idb, lens, slopes, None,  # noqa
+                                      scale, q_offset=d * t)
+        (o, l), vjp = jax.vjp(fn, q, kb, vb)
+        finite = jnp.isfinite(lse) & jnp.isfinite(l)
+        w = jnp.where(finite, jnp.exp(l - jnp.where(finite, lse, 0.0)), 0.0)  # [B, N, T]
+        w_rows = jnp.swapaxes(w, 1, 2)[..., None]
+        d_o = (w_rows * d_out32).astype(o.dtype)
+        spread = jnp.swapaxes(jnp.sum(d_out32 * (o.astype(f32) - out32), axis=-1), 1, 2)
+        d_l = w * (spread + d_lse)
+        dq, dk, dv = vjp((d_o, d_l))
+        return dq.astype(f32), dk.astype(f32), dv.astype(f32)
+      return run
+
+    branches = [grads(d) for d in _distances(cfg)]
+    kv_ids0 = jnp.zeros(q.shape[:2], jnp.int32) if kv_ids is None else kv_ids
+
+    def step(carry, s):
+      kb, vb, idb, dkb, dvb, dq = carry
+      j, which = _chunk_and_distance(cfg, c, s)
+      lens = None if lengths is None else lengths - j * t
+      gq, gk, gv = _switch(which, branches,
+                           (q, kb, vb, q_ids, None if kv_ids is None else idb, lens, slopes,
+                            scale), cfg)
+      # the chunk moves on with its gradient accumulators; after C steps each is home again
+      kb, vb, idb, dkb, dvb = lax.ppermute((kb, vb, idb, dkb + gk, dvb + gv), AXIS, perm)
+      return (kb, vb, idb, dkb, dvb, dq + gq), None
+
+    zeros = lambda x: jnp.zeros(x.shape, f32)  # noqa: E731
+    init = (k, v, kv_ids0, zeros(k), zeros(v), zeros(q))
+    (_, _, _, dk, dv, dq), _ = lax.scan(step, init, jnp.arange(size))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+  ring.defvjp(fwd, bwd)
+  return ring
+
+
+def _ring_local(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, bias, scale):
+  del bias  # refused by `unsupported`
+  return _ring_vjp(cfg)(q, k, v, (q_ids, kv_ids, lengths, slopes, scale))
+
+
+__all__ = ["AXIS", "STRATEGIES", "context_parallel_attention", "get_options", "mesh_axis_size",
+           "set_options", "unsupported"]

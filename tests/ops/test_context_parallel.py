@@ -1,0 +1,191 @@
+"""Context parallelism: attention with the sequence split over the mesh axis ``context`` equals the
+unsharded formula, forward, log-sum-exp and gradients, for both strategies."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxattn.ops import GlobalTokensMask, dot_product_attention, sliding_window
+from jaxattn.ops import context_parallel as cp
+from jaxattn.sharding import make_mesh
+
+B, T, N, K, H = 2, 32, 4, 2, 16
+
+
+def _inputs(dtype=jnp.float32, seed=0):
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(ks[0], (B, T, N, H), dtype)
+  k = jax.random.normal(ks[1], (B, T, K, H), dtype)
+  v = jax.random.normal(ks[2], (B, T, K, H), dtype)
+  return q, k, v, jax.random.normal(ks[3], (B, T, N, H), jnp.float32)
+
+
+def _loss(q, k, v, d_out, **kw):
+  out, lse = dot_product_attention(q, k, v, return_residuals=True, **kw)
+  # the log-sum-exp is an output too (a caller may merge it): its cotangent is tested as well
+  lse_term = jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0)) * 0.25
+  return jnp.sum(out.astype(jnp.float32) * d_out) + lse_term, (out, lse)
+
+
+def _run(mesh, q, k, v, d_out, **kw):
+  """(out, lse, grads) of the jitted loss, inputs split over the mesh (or not, ``mesh`` None)."""
+  fn = jax.jit(jax.value_and_grad(lambda *a: _loss(*a, d_out, **kw), argnums=(0, 1, 2),
+                                  has_aux=True))
+  if mesh is None:
+    (_, (out, lse)), grads = fn(q, k, v)
+    return out, lse, grads, None
+  with jax.set_mesh(mesh):
+    spec = NamedSharding(mesh, P("data", "context"))
+    args = [jax.device_put(x, spec) for x in (q, k, v)]
+    (_, (out, lse)), grads = fn(*args)
+    hlo = fn.lower(*args).compile().as_text()
+  return out, lse, grads, hlo
+
+
+def _close(got, want, tol):
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  np.testing.assert_allclose(np.where(np.isfinite(want), got, 0), np.where(np.isfinite(want),
+                             want, 0), rtol=tol, atol=tol)
+  np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+
+
+SEG = np.repeat(np.array([[0] * 13 + [1] * 19]), B, 0).astype(np.int32)
+CASES = {
+    "causal": dict(is_causal=True),
+    "bidirectional": dict(),
+    "causal_window": dict(is_causal=True, local_window_size=5),
+    "two_sided_window": dict(local_window_size=(3, 9)),
+    "segments_alibi_softcap": dict(is_causal=True, segment_ids=SEG, logits_soft_cap=4.0,
+                                   alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625], np.float32)),
+    "lengths": dict(is_causal=True, kv_lengths=np.array([21, 32], np.int32)),
+}
+
+
+@pytest.mark.parametrize("strategy,load_balance", [("all_gather", None), ("all_gather", False),
+                                                   ("ring", None)])
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_the_unsharded_formula(case, strategy, load_balance):
+  """fp32, GQA (4 query heads on 2 KV heads), 8 rows per device; the segment boundary (13) and
+  the window radii fall inside devices' chunks."""
+  kw = CASES[case]
+  q, k, v, d_out = _inputs()
+  out0, lse0, g0, _ = _run(None, q, k, v, d_out, **kw)
+  mesh = make_mesh({"data": 2, "context": 4})
+  with cp.set_options(strategy=strategy, load_balance=load_balance):
+    out, lse, grads, hlo = _run(mesh, q, k, v, d_out, **kw)
+  _close(out, out0, 2e-5)
+  _close(lse, lse0, 2e-5)
+  for a, b in zip(grads, g0):
+    _close(a, b, 5e-5)
+  # the strategy's collectives are in the program: gathered keys, or a ring of permutes
+  if strategy == "all_gather":
+    assert "all-gather" in hlo
+    swapped = "collective-permute" in hlo
+    assert swapped == (load_balance is None and case in ("causal", "lengths",
+                                                         "segments_alibi_softcap")), case
+  else:
+    assert "collective-permute" in hlo and "all-gather" not in hlo
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+def test_bf16_and_heads_split_over_tensor(strategy):
+  """bf16 inputs on a data x context x tensor mesh (heads split two ways inside each context
+  group); tolerances of bf16 outputs (8 bits of mantissa)."""
+  q, k, v, d_out = _inputs(jnp.bfloat16, seed=1)
+  out0, lse0, g0, _ = _run(None, q, k, v, d_out, is_causal=True)
+  mesh = make_mesh({"data": 2, "context": 2, "tensor": 2})
+  with cp.set_options(strategy=strategy):
+    out, lse, grads, _ = _run(mesh, q, k, v, d_out, is_causal=True)
+  _close(out, out0, 2e-2)
+  _close(lse, lse0, 1e-2)
+  for a, b in zip(grads, g0):
+    scale = float(np.abs(np.asarray(b, np.float32)).max())
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                               atol=3e-2 * scale)
+
+
+def test_dense_bias_and_global_tokens_with_all_gather():
+  """A dense [1, N, T, S] bias (e.g. T5's) is split with the queries' rows; a Longformer mask
+  (absolute positions: global tokens 0 and 17) sees the gathered keys in their own coordinates."""
+  q, k, v, d_out = _inputs(seed=2)
+  bias = jax.random.normal(jax.random.key(9), (1, N, T, T))
+  mask = sliding_window(3, causal=False) | GlobalTokensMask((0, 17))
+  mesh = make_mesh({"data": 2, "context": 4})
+  for kw in (dict(bias=bias, is_causal=True), dict(mask=mask)):
+    out0, lse0, g0, _ = _run(None, q, k, v, d_out, **kw)
+    out, lse, grads, hlo = _run(mesh, q, k, v, d_out, **kw)
+    assert "all-gather" in hlo
+    _close(out, out0, 2e-5)
+    _close(lse, lse0, 2e-5)
+    for a, b in zip(grads, g0):
+      _close(a, b, 5e-5)
+
+
+def test_load_balancing_gives_every_device_the_same_keys():
+  """Under a causal mask, device c attends to (c + 1) t keys without balancing; with the swap of
+  query halves, every device attends to the same number, (2 C + 1) t / 2 -- the key ranges the
+  per-device programs read (``_key_range``)."""
+  size, t = 8, 16
+  cfg = cp._Config(size=size, t=t, band=(float("inf"), 0.0))
+  plain = [np.subtract(*cp._key_range(cfg, c * t, t, size * t)[::-1]) for c in range(size)]
+  assert plain == [(c + 1) * t for c in range(size)]
+  h = t // 2
+  balanced = [sum(np.subtract(*cp._key_range(cfg, start, h, size * t)[::-1])
+                  for start in (c * t, (size - c) * t - h)) for c in range(size)]
+  assert balanced == [(2 * size + 1) * t // 2] * size
+
+
+def test_other_calls_under_a_context_mesh_take_the_usual_path():
+  """Decode-like calls (T != S, an offset) are not context-parallel; they still compute the
+  formula under the mesh."""
+  q, k, v, _ = _inputs(seed=3)
+  mesh = make_mesh({"data": 2, "context": 4})
+  q1 = q[:, :4]
+  want = dot_product_attention(q1, k, v, is_causal=True, q_offset=28)
+  with jax.set_mesh(mesh):
+    got = jax.jit(lambda q, k, v: dot_product_attention(q, k, v, is_causal=True, q_offset=28))(
+        q1, k, v)
+  _close(got, want, 2e-5)
+  assert cp.unsupported(q1, k, bias=None, mask_array=None, q_offset=0, scale=0.25, size=4,
+                        strategy="all_gather") == "it is not self-attention (T=4, S=32)"
+
+
+def test_errors():
+  q, k, v, _ = _inputs()
+  mesh = make_mesh({"data": 2, "context": 4})
+  with pytest.raises(ValueError, match="`strategy` must be one of"):
+    cp.set_options(strategy="ulysses")
+  with pytest.raises(ValueError, match="`load_balance` must be a bool"):
+    cp.set_options(load_balance="yes")
+  with pytest.raises(ValueError, match="`mesh` must have a `context` axis"):
+    cp.context_parallel_attention(q, k, v, is_causal=True)
+  with pytest.raises(ValueError, match="`mesh` must have a `context` axis"):
+    cp.context_parallel_attention(q, k, v, mesh=make_mesh({"data": 8}))
+  with pytest.raises(ValueError, match="T=30 is not a multiple of the context axis size 4"):
+    cp.context_parallel_attention(q[:, :30], k[:, :30], v[:, :30], mesh=mesh)
+  with pytest.raises(ValueError, match="ring strategy takes no dense `bias`"):
+    cp.context_parallel_attention(q, k, v, jnp.zeros((1, N, T, T)), strategy="ring", mesh=mesh)
+  with pytest.raises(ValueError, match="ring strategy takes band masks"):
+    cp.context_parallel_attention(q, k, v, mask=GlobalTokensMask((0,)), strategy="ring",
+                                  mesh=mesh)
+  with pytest.raises(ValueError, match="`load_balance` needs strategy='all_gather'"):
+    cp.context_parallel_attention(q, k, v, is_causal=True, strategy="ring", load_balance=True,
+                                  mesh=mesh)
+  # set_options restores the previous options as a context manager
+  with cp.set_options(strategy="ring", load_balance=False):
+    assert cp.get_options() == {"strategy": "ring", "load_balance": False}
+  assert cp.get_options() == {"strategy": "all_gather", "load_balance": None}
+
+
+def test_explicit_call_with_a_mesh_argument():
+  """``context_parallel_attention(..., mesh=)`` outside ``jax.set_mesh``, ring strategy."""
+  q, k, v, _ = _inputs(seed=4)
+  mesh = make_mesh({"data": 2, "context": 4})
+  want = dot_product_attention(q, k, v, is_causal=True)
+  spec = NamedSharding(mesh, P("data", "context"))
+  args = [jax.device_put(x, spec) for x in (q, k, v)]
+  got = jax.jit(lambda q, k, v: cp.context_parallel_attention(
+      q, k, v, is_causal=True, strategy="ring", mesh=mesh))(*args)
+  _close(got, want, 2e-5)
