@@ -345,3 +345,25 @@ def test_sparse_mla_flops_count_the_absorbed_projections():
   _, _, row_bytes, flops = bench_sparse_kernel.case_inputs("mla", t, s, k, n, jnp.float32)
   assert flops == 2 * t * n * k * (512 + 64 + 512) + 2 * t * n * 512 * (128 + 128)
   assert row_bytes == (512 + 64) * 4
+
+
+def test_bench_context_rows_json_and_plot(tmp_path, capsys):
+  """Every strategy's row at a tiny size on 4 of the 8 simulated devices: no errors, the ring
+  holds the least memory per device and XLA's partitioning the most, the balanced all-gather's
+  busiest device does (2 C + 1) / (4 C) of the unbalanced work."""
+  from experiments import bench_context
+  js, png = tmp_path / "ctx.json", tmp_path / "ctx.png"
+  bench_context.main(["--seq-lens", "64", "--devices", "4", "--heads", "4", "--kv-heads", "2",
+                      "--head-dim", "8", "--repeats", "1", "--json", str(js), "--plot", str(png)])
+  rows = {r["strategy"]: r for r in _strict_load(js)["rows"]}
+  assert sorted(rows) == sorted(bench_context.STRATEGIES)
+  assert not [r for r in rows.values() if "error" in r], rows
+  mem = {k: r["peak_bytes"] for k, r in rows.items()}
+  assert mem["ring"] < mem["all_gather_unbalanced"] < mem["xla"], mem
+  assert rows["all_gather"]["busiest_work"] == pytest.approx(9 / 16)
+  assert rows["all_gather_unbalanced"]["busiest_work"] == 1.0
+  assert png.stat().st_size > 0
+  out = capsys.readouterr().out
+  assert "ring" in out and "x xla" in out
+  with pytest.raises(ValueError, match="multiples of 2 x --devices"):
+    bench_context.main(["--seq-lens", "60", "--devices", "4"])

@@ -16,8 +16,9 @@ attention is the only layer that has to communicate.  Two strategies:
 * ``"ring"``: keys and values travel around the ring of devices, one chunk per step (``C`` steps,
   each ``ppermute`` issued before the step's attention so they overlap); each device keeps its
   queries' running output and log-sum-exp and merges every chunk's in fp32.  Key/value memory per
-  device stays ``t`` rows.  The backward pass is a second ring: each chunk's gradient
-  accumulators travel with it, and every block's attention is differentiated with the final
+  device stays ``t`` rows (plus fp32 accumulators for the output and, backward, the gradients).
+  The backward pass is a second ring: each chunk's gradient accumulators follow it one step
+  behind its keys and values, and every block's attention is differentiated with the final
   output and log-sum-exp (``jax.vjp`` of the block, which runs its forward once more).  Blocks a
   band mask empties are skipped (``lax.switch`` on the chunk distance, one static program per
   distance).  No load balancing: under a causal mask the ring's steps wait for the busiest device.
@@ -26,8 +27,9 @@ Both call ``dot_product_attention`` on each device's blocks with a static ``q_of
 ``lax.switch`` branch per device position or chunk distance), so any backend with block skipping
 (the native CPU kernel, the Pallas kernels) takes them.  ``dot_product_attention`` routes here by
 itself when the mesh set by ``jax.set_mesh`` has a ``context`` axis of size > 1 and the call is
-self-attention that context parallelism computes (``supported``): causal / window / global-token
-masks, segment ids, lengths, ALiBi, soft-cap, a dense bias (``"all_gather"`` only), residuals.
+self-attention that context parallelism computes (``unsupported`` says why not): causal / window /
+global-token masks, segment ids, lengths, ALiBi, soft-cap, a dense bias (``"all_gather"`` only),
+residuals.
 ``set_options`` picks the strategy for those calls.
 """
 
@@ -457,14 +459,15 @@ def _ring_vjp(cfg):
 
     def step(carry, s):
       kb, vb, idb, dkb, dvb, dq = carry
+      nxt = lax.ppermute((kb, vb, idb), AXIS, perm)      # issued first: overlaps the block
       j, which = _chunk_and_distance(cfg, c, s)
       lens = None if lengths is None else lengths - j * t
       gq, gk, gv = _switch(which, branches,
                            (q, kb, vb, q_ids, None if kv_ids is None else idb, lens, slopes,
                             scale), cfg)
-      # the chunk moves on with its gradient accumulators; after C steps each is home again
-      kb, vb, idb, dkb, dvb = lax.ppermute((kb, vb, idb, dkb + gk, dvb + gv), AXIS, perm)
-      return (kb, vb, idb, dkb, dvb, dq + gq), None
+      # the chunk's gradient accumulators follow it; after C steps each is home again
+      dkb, dvb = lax.ppermute((dkb + gk, dvb + gv), AXIS, perm)
+      return (*nxt, dkb, dvb, dq + gq), None
 
     zeros = lambda x: jnp.zeros(x.shape, f32)  # noqa: E731
     init = (k, v, kv_ids0, zeros(k), zeros(v), zeros(q))

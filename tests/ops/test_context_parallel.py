@@ -123,18 +123,20 @@ def test_dense_bias_and_global_tokens_with_all_gather():
       _close(a, b, 5e-5)
 
 
-def test_load_balancing_gives_every_device_the_same_keys():
-  """Under a causal mask, device c attends to (c + 1) t keys without balancing; with the swap of
-  query halves, every device attends to the same number, (2 C + 1) t / 2 -- the key ranges the
+def test_load_balancing_gives_every_device_the_same_work():
+  """Under a causal mask, device c's rows read (c + 1) t keys without balancing: its work (query
+  rows x keys read) grows with c.  With the swap of query halves every device does the same work,
+  h (C t + h), about half the last device's unbalanced t (C t) -- from the key ranges the
   per-device programs read (``_key_range``)."""
   size, t = 8, 16
-  cfg = cp._Config(size=size, t=t, band=(float("inf"), 0.0))
-  plain = [np.subtract(*cp._key_range(cfg, c * t, t, size * t)[::-1]) for c in range(size)]
-  assert plain == [(c + 1) * t for c in range(size)]
   h = t // 2
-  balanced = [sum(np.subtract(*cp._key_range(cfg, start, h, size * t)[::-1])
-                  for start in (c * t, (size - c) * t - h)) for c in range(size)]
-  assert balanced == [(2 * size + 1) * t // 2] * size
+  cfg = cp._Config(size=size, t=t, band=(float("inf"), 0.0))
+  width = lambda start, rows: np.subtract(*cp._key_range(cfg, start, rows, size * t)[::-1])  # noqa
+  plain = [t * width(c * t, t) for c in range(size)]
+  assert plain == [t * (c + 1) * t for c in range(size)]
+  balanced = [h * width(c * t, h) + h * width((size - c) * t - h, h) for c in range(size)]
+  assert balanced == [h * (size * t + h)] * size
+  assert max(balanced) / max(plain) == pytest.approx((2 * size + 1) / (4 * size))
 
 
 def test_other_calls_under_a_context_mesh_take_the_usual_path():
