@@ -24,6 +24,12 @@ columns hold as they would on chips.  On a GPU / TPU host the real devices are u
 
     python -m experiments.bench_context --seq-lens 2048 4096 8192 --devices 8
     python -m experiments.bench_context --plot runs/context.png --json runs/context.json
+    python -m experiments.bench_context --mixer deltanet --heads 8 --kv-heads 4 --head-dim 128
+
+``--mixer deltanet``: Gated DeltaNet's rule (forward + backward, chunked form) instead, rows
+``xla`` (the rule on the split inputs, partitioned by XLA) and ``context``
+(``context_parallel.delta_rule``: each device runs its chunk; only the chunks' state
+transitions, ``[B, N, H, H + h]`` each, are exchanged).
 """
 
 from __future__ import annotations
@@ -40,6 +46,9 @@ from experiments.cli import at_least
 from experiments.timing import best_time, compile_timed, error_text, peak_bytes, write_json
 
 STRATEGIES = ("xla", "all_gather", "all_gather_unbalanced", "ring")
+# Gated DeltaNet's rule (``--mixer deltanet``): XLA's partitioning of the chunked rule vs
+# ``context_parallel.delta_rule`` (state transitions exchanged, not the sequence).
+DELTA_STRATEGIES = ("xla", "context")
 
 
 def _simulate_devices(n: int) -> None:
@@ -69,9 +78,25 @@ def busiest_work(strategy: str, seq_len: int, devices: int) -> float:
   return 1.0
 
 
-def _loss(strategy: str):
+def _delta_loss(strategy: str):
+  del strategy  # the mesh axis's name decides: `context` is routed, `seq` left to XLA
+  from jaxattn.ops.delta_rule import gated_delta_rule
+
+  def loss(q, k, v, d_out):
+    n = v.shape[2]
+    g = jnp.full(v.shape[:2] + (n,), -0.05, jnp.float32).astype(v.dtype)
+    beta = jnp.full(v.shape[:2] + (n,), 0.5, jnp.float32).astype(v.dtype)
+    out, _ = gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True)
+    return jnp.sum(out.astype(jnp.float32) * d_out)
+
+  return jax.value_and_grad(loss, argnums=(0, 1, 2))
+
+
+def _loss(strategy: str, mixer: str = "attention"):
   from jaxattn.ops import context_parallel as cp
   from jaxattn.ops.attention import dot_product_attention
+  if mixer == "deltanet":
+    return _delta_loss(strategy)
 
   def loss(q, k, v, d_out):
     if strategy == "xla":
@@ -87,37 +112,51 @@ def _loss(strategy: str):
 
 
 def measure(strategy: str, seq_len: int, *, devices: int, heads: int, kv_heads: int,
-            head_dim: int, dtype, repeats: int) -> dict:
-  """One row: seconds per forward + backward call and peak bytes per device."""
+            head_dim: int, dtype, repeats: int, mixer: str = "attention") -> dict:
+  """One row: seconds per forward + backward call and peak bytes per device.  For the delta
+  rule, ``heads`` value heads read ``kv_heads`` query / key heads."""
   axis = "seq" if strategy == "xla" else "context"
   mesh = _mesh(devices, axis)
   ks = jax.random.split(jax.random.key(seq_len), 4)
   shape_q, shape_k = (1, seq_len, heads, head_dim), (1, seq_len, kv_heads, head_dim)
   spec = NamedSharding(mesh, P(None, axis))
+  shape_v = shape_k
+  if mixer == "deltanet":
+    shape_q, shape_v = shape_k, shape_q
   q = jax.device_put(jax.random.normal(ks[0], shape_q, dtype), spec)
   k = jax.device_put(jax.random.normal(ks[1], shape_k, dtype), spec)
-  v = jax.device_put(jax.random.normal(ks[2], shape_k, dtype), spec)
-  d_out = jax.device_put(jax.random.normal(ks[3], shape_q, jnp.float32), spec)
+  v = jax.device_put(jax.random.normal(ks[2], shape_v, dtype), spec)
+  shape_out = shape_v if mixer == "deltanet" else shape_q
+  d_out = jax.device_put(jax.random.normal(ks[3], shape_out, jnp.float32), spec)
   with jax.set_mesh(mesh):
-    compiled, compile_s = compile_timed(_loss(strategy), q, k, v, d_out)
+    compiled, compile_s = compile_timed(_loss(strategy, mixer), q, k, v, d_out)
     seconds = best_time(compiled, (q, k, v, d_out), repeats)
-  return {"strategy": strategy, "seq_len": seq_len, "devices": devices, "seconds": seconds,
-          "compile_s": compile_s, "peak_bytes": peak_bytes(compiled),
-          "busiest_work": busiest_work(strategy, seq_len, devices)}
+  return {"strategy": strategy, "mixer": mixer, "seq_len": seq_len, "devices": devices,
+          "seconds": seconds, "compile_s": compile_s, "peak_bytes": peak_bytes(compiled),
+          "busiest_work": (busiest_work(strategy, seq_len, devices) if mixer == "attention"
+                           else 1.0)}
 
 
 def run(args) -> list[dict]:
   on_cpu = jax.default_backend() == "cpu"
   dtype = jnp.float32 if on_cpu else jnp.bfloat16
   rows = []
+  if args.strategies is None:
+    args.strategies = list(DELTA_STRATEGIES if args.mixer == "deltanet" else STRATEGIES)
+  allowed = DELTA_STRATEGIES if args.mixer == "deltanet" else STRATEGIES
+  if [x for x in args.strategies if x not in allowed]:
+    raise ValueError(f"`--strategies` for --mixer {args.mixer} must be among {allowed}, got "
+                     f"{args.strategies}.")
   try:
     from tqdm import tqdm
     bar = tqdm(total=len(args.seq_lens) * len(args.strategies), desc="bench_context",
                leave=False)
   except ImportError:  # tqdm is optional
     bar = None
+  what = ("causal attention" if args.mixer == "attention" else
+          "the gated delta rule (chunked, value heads N, key heads K)")
   print(f"{jax.device_count()} {jax.devices()[0].platform} device(s), mesh of {args.devices}; "
-        f"causal, B=1, N={args.heads}, K={args.kv_heads}, H={args.head_dim}, "
+        f"{what}, B=1, N={args.heads}, K={args.kv_heads}, H={args.head_dim}, "
         f"{jnp.dtype(dtype).name}, forward + backward")
   if on_cpu:
     print("(simulated CPU devices share the cores: times are total work, memory is per device)")
@@ -130,7 +169,7 @@ def run(args) -> list[dict]:
       try:
         row = measure(strategy, seq_len, devices=args.devices, heads=args.heads,
                       kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=dtype,
-                      repeats=args.repeats)
+                      repeats=args.repeats, mixer=args.mixer)
       except Exception as e:  # noqa: BLE001 - one failing row must not lose the others
         row = {"strategy": strategy, "seq_len": seq_len, "error": error_text(e)}
         print(f"{seq_len:>6} {strategy:<22} error: {row['error']}")
@@ -160,7 +199,7 @@ def plot(rows: list[dict], path: str) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-  for strategy in STRATEGIES:
+  for strategy in dict.fromkeys(r["strategy"] for r in rows):
     rs = [r for r in rows if r["strategy"] == strategy and "error" not in r]
     if not rs:
       continue
@@ -174,7 +213,9 @@ def plot(rows: list[dict], path: str) -> None:
     ax.set_ylabel(label)
     ax.grid(alpha=0.3)
   axes[0].legend()
-  fig.suptitle("Causal attention with the sequence split over devices")
+  delta = bool(rows) and rows[0].get("mixer") == "deltanet"
+  fig.suptitle(("Gated delta rule" if delta else "Causal attention")
+               + " with the sequence split over devices")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
@@ -189,7 +230,9 @@ def make_parser() -> argparse.ArgumentParser:
   p.add_argument("--kv-heads", type=at_least(1), default=2)
   p.add_argument("--head-dim", type=at_least(1), default=64)
   p.add_argument("--repeats", type=at_least(1), default=3)
-  p.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
+  p.add_argument("--mixer", choices=("attention", "deltanet"), default="attention")
+  p.add_argument("--strategies", nargs="+", choices=sorted(set(STRATEGIES + DELTA_STRATEGIES)),
+                 default=None, help="default: every strategy of the mixer")
   p.add_argument("--json", default=None)
   p.add_argument("--plot", default=None)
   return p

@@ -367,3 +367,13 @@ def test_bench_context_rows_json_and_plot(tmp_path, capsys):
   assert "ring" in out and "x xla" in out
   with pytest.raises(ValueError, match="multiples of 2 x --devices"):
     bench_context.main(["--seq-lens", "60", "--devices", "4"])
+  # the delta rule: its context-parallel rows hold less memory per device than XLA's
+  bench_context.main(["--mixer", "deltanet", "--seq-lens", "32", "--devices", "4", "--heads",
+                      "4", "--kv-heads", "2", "--head-dim", "8", "--repeats", "1", "--json",
+                      str(js)])
+  rows = {r["strategy"]: r for r in _strict_load(js)["rows"]}
+  assert sorted(rows) == ["context", "xla"] and rows["context"]["mixer"] == "deltanet"
+  assert rows["context"]["peak_bytes"] < rows["xla"]["peak_bytes"], rows
+  with pytest.raises(ValueError, match="must be among"):
+    bench_context.main(["--mixer", "deltanet", "--strategies", "ring", "--seq-lens", "32",
+                        "--devices", "4"])

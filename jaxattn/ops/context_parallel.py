@@ -1,9 +1,11 @@
-"""Context parallelism: self-attention over a sequence split across the devices of a mesh axis.
+"""Context parallelism: sequence mixers over a sequence split across the devices of a mesh axis.
 
 Long sequences are split over the mesh axis ``context`` (the ``"length"`` rule of
 ``jaxattn.sharding.DEFAULT_RULES``): device ``c`` of ``C`` holds rows ``[c t, (c + 1) t)`` of the
-queries, keys and values, ``t = T / C``.  Everything else in a transformer is per token, so
-attention is the only layer that has to communicate.  Two strategies:
+queries, keys and values, ``t = T / C``.  Most of a transformer is per token; the layers that mix
+the sequence communicate: self-attention (here) and Gated DeltaNet's rule (``delta_rule``: each
+device runs its chunk, and only the chunks' state transitions are exchanged).  Two strategies for
+attention:
 
 * ``"all_gather"`` (the default; Llama 3's and MaxText's): each device gathers the whole sequence's
   keys and values (``all_gather`` over ``context``; its transpose, a reduce-scatter, brings the
@@ -483,5 +485,90 @@ def _ring_local(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, bias, scale):
   return _ring_vjp(cfg)(q, k, v, (q_ids, kv_ids, lengths, slopes, scale))
 
 
-__all__ = ["AXIS", "STRATEGIES", "context_parallel_attention", "get_options", "mesh_axis_size",
-           "set_options", "unsupported"]
+# ----------------------------------------------------------------------------------------------
+# The gated delta rule: a recurrence, parallel over devices through its state transitions
+# ----------------------------------------------------------------------------------------------
+
+
+def delta_rule(query, key, value, g, beta, *, scale, initial_state, output_final_state: bool,
+               chunk_size: int, segment_ids, use_qk_l2norm: bool, implementation, size: int,
+               mesh=None):
+  """``gated_delta_rule`` with the sequence split over the mesh axis ``context`` (``size``
+  devices; ``T`` a multiple of it).  Returns ``(out, final_state or None)``.
+
+  The memory after a device's chunk is affine in the memory before it: ``S_out = M S_in + Q``
+  (``M`` the product of the chunk's ``a_t (I - beta_t k_t k_t^T)``, ``Q`` the chunk run from
+  zero).  One local run with the values widened by ``H`` zero columns, started from ``[0 | I]``,
+  gives both (``[Q | M]``: the rule acts on each value column alone).  The devices gather every
+  ``(M, Q)`` (``[B, N, H, H + h]`` each, independent of the length) and each composes its
+  predecessors' to find its incoming memory (cleared where a packed sequence starts at its first
+  token); a second local run from it gives the outputs.  Per device: two runs over ``T / C``
+  tokens, one of them ``H + h`` wide, and no sequence-length communication.  Gradients by
+  autodiff (the gather transposes to a reduce-scatter).
+  """
+  from jaxattn.ops.delta_rule import gated_delta_rule
+  from pallas_kernels.flash_attention.sharded import plan_specs, run_sharded
+  b, t_all, kh, hk = key.shape
+  n, hv = value.shape[2], value.shape[3]
+  t = t_all // size
+  f32 = jnp.float32
+  run = functools.partial(gated_delta_rule, scale=scale, chunk_size=chunk_size,
+                          use_qk_l2norm=use_qk_l2norm, implementation=implementation)
+
+  def local(q, k, v, gg, bb, ids, s0):
+    c = lax.axis_index(AXIS)
+    bl = q.shape[0]
+    nl = v.shape[2]
+    # [Q | M]: the chunk's memory from zero, and its transition, in one run
+    wide = jnp.concatenate([v, jnp.zeros(v.shape[:3] + (hk,), v.dtype)], axis=-1)
+    eye = jnp.broadcast_to(jnp.eye(hk, dtype=f32), (bl, nl, hk, hk))
+    start = jnp.concatenate([jnp.zeros((bl, nl, hk, hv), f32), eye], axis=-1)
+    _, both = run(q, k, wide, gg, bb, initial_state=start, output_final_state=True,
+                  segment_ids=ids)
+    both = lax.all_gather(both, AXIS, axis=0)                   # [C, B, N, H, h + H]
+    q_all, m_all = both[..., :hv], both[..., hv:]
+    if ids is None:
+      keep = jnp.ones((size, bl), bool)
+    else:  # device j's first token continues device j-1's last token's sequence
+      first = lax.all_gather(ids[:, 0], AXIS, axis=0)           # [C, B]
+      last = lax.all_gather(ids[:, -1], AXIS, axis=0)
+      keep = jnp.concatenate([jnp.ones((1, bl), bool), first[1:] == last[:-1]], axis=0)
+    keep = keep.astype(f32)[:, :, None, None, None]
+
+    def fold(state, j):   # the memory entering device j -> entering device j + 1
+      state = state * keep[j]
+      # S [H, h] key-dimension first: S_out = M S_in + Q, M acting on the key dimension
+      new = jnp.einsum("bnij,bnjh->bnih", m_all[j], state) + q_all[j]
+      return new, new
+
+    s0 = jnp.zeros((bl, nl, hk, hv), f32) if s0 is None else s0.astype(f32)
+    # a scan of fixed length (reverse-mode differentiable, unlike a loop to the traced c)
+    final, after = lax.scan(fold, s0, jnp.arange(size))
+    entering = jnp.concatenate([s0[None], after[:-1]], axis=0)  # [C, B, N, H, h]
+    incoming = entering[c] * keep[c]
+    out, _ = run(q, k, v, gg, bb, initial_state=incoming, output_final_state=False,
+                 segment_ids=ids)
+    return out, (final if output_final_state else jnp.zeros((), f32))
+
+  named = {"query": query, "key": key, "value": value, "g": g, "beta": beta,
+           "ids": segment_ids, "s0": initial_state}
+  names = [k for k, v in named.items() if v is not None]
+
+  def body(*xs):
+    got = dict(zip(names, xs))
+    return local(*(got.get(k) for k in named))
+
+  def specs(mesh):
+    bax, hax = plan_specs(mesh, b, n, kh)
+    table = {"query": P(bax, AXIS, hax, None), "key": P(bax, AXIS, hax, None),
+             "value": P(bax, AXIS, hax, None), "g": P(bax, AXIS, hax), "beta": P(bax, AXIS, hax),
+             "ids": P(bax, AXIS), "s0": P(bax, hax, None, None)}
+    final = P(bax, hax, None, None) if output_final_state else P()
+    return [table[k] for k in names], (P(bax, AXIS, hax, None), final)
+
+  out, final = run_sharded(body, [named[k] for k in names], mesh, specs)
+  return out, (final if output_final_state else None)
+
+
+__all__ = ["AXIS", "STRATEGIES", "context_parallel_attention", "delta_rule", "get_options",
+           "mesh_axis_size", "set_options", "unsupported"]

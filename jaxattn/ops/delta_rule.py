@@ -54,6 +54,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jaxattn.checks import is_int
+from jaxattn.ops import context_parallel
 from jaxattn.ops.attention import check_scale
 
 Implementation = Literal["recurrent", "chunked", "pallas_tpu", "pallas_gpu"]
@@ -341,6 +342,15 @@ def gated_delta_rule(
   _validate(query, key, value, g, beta, initial_state, segment_ids, chunk_size, scale)
   impl = _resolve(implementation, query.shape[1])
   scale = key.shape[-1] ** -0.5 if scale is None else scale
+  cp_size = context_parallel.mesh_axis_size()
+  if cp_size > 1 and query.shape[1] % cp_size == 0 and query.shape[1] > 1:
+    # The sequence is split over the mesh axis `context`: each device runs its chunk, and the
+    # devices exchange only the chunks' state transitions (`context_parallel.delta_rule`).
+    return context_parallel.delta_rule(
+        query, key, value, g, beta, scale=scale, initial_state=initial_state,
+        output_final_state=bool(output_final_state), chunk_size=int(chunk_size),
+        segment_ids=segment_ids, use_qk_l2norm=bool(use_qk_l2norm), implementation=impl,
+        size=cp_size)
   # One compiled program per configuration (op-by-op dispatch of the dozens of small ops here
   # costs more than the math at test and decode sizes).
   return _gated_delta_rule_jit(query, key, value, g, beta, scale, initial_state, segment_ids,

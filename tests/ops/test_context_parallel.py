@@ -191,3 +191,111 @@ def test_explicit_call_with_a_mesh_argument():
   got = jax.jit(lambda q, k, v: cp.context_parallel_attention(
       q, k, v, is_causal=True, strategy="ring", mesh=mesh))(*args)
   _close(got, want, 2e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# The gated delta rule (Gated DeltaNet layers) under a context axis
+# ----------------------------------------------------------------------------------------------
+
+
+def _delta_inputs(dtype, seed=0, b=2, t=40, kh=2, n=4, hk=8, hv=6):
+  from jax.nn import sigmoid, softplus
+  ks = jax.random.split(jax.random.key(seed), 8)
+  q = jax.random.normal(ks[0], (b, t, kh, hk), dtype)
+  k = jax.random.normal(ks[1], (b, t, kh, hk), dtype)
+  v = jax.random.normal(ks[2], (b, t, n, hv), dtype)
+  g = -softplus(jax.random.normal(ks[3], (b, t, n))).astype(dtype)
+  beta = sigmoid(jax.random.normal(ks[4], (b, t, n))).astype(dtype)
+  s0 = jax.random.normal(ks[5], (b, n, hk, hv))
+  d_out = jax.random.normal(ks[6], (b, t, n, hv))
+  d_state = jax.random.normal(ks[7], (b, n, hk, hv))
+  return (q, k, v, g, beta, s0), d_out, d_state
+
+
+def _delta_run(mesh, args, d_out, d_state, **kw):
+  from jaxattn.ops.delta_rule import gated_delta_rule
+
+  def loss(q, k, v, g, beta, s0):
+    out, final = gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                  use_qk_l2norm=True, chunk_size=4, **kw)
+    return (jnp.sum(out.astype(jnp.float32) * d_out) + jnp.sum(final * d_state), (out, final))
+
+  fn = jax.jit(jax.value_and_grad(loss, argnums=range(6), has_aux=True))
+  if mesh is None:
+    (_, (out, final)), grads = fn(*args)
+    return out, final, grads, None
+  with jax.set_mesh(mesh):
+    split = NamedSharding(mesh, P("data", "context"))
+    placed = [jax.device_put(x, split) for x in args[:5]] + [args[5]]
+    (_, (out, final)), grads = fn(*placed)
+    hlo = fn.lower(*placed).compile().as_text()
+  return out, final, grads, hlo
+
+
+@pytest.mark.parametrize("segments", [False, True])
+def test_delta_rule_matches_the_unsharded_rule(segments):
+  """fp32, 40 tokens over 4 devices (chunks of 4 inside each), GQA-style 4 value heads on 2 key
+  heads, an initial memory; packed sequences starting at a device boundary (10) and inside a
+  device (23).  Outputs, final memory and every gradient (the initial memory's too) match."""
+  args, d_out, d_state = _delta_inputs(jnp.float32)
+  ids = np.repeat(np.array([[0] * 10 + [1] * 13 + [2] * 17]), 2, 0).astype(np.int32)
+  kw = dict(segment_ids=jnp.asarray(ids)) if segments else {}
+  out0, final0, g0, _ = _delta_run(None, args, d_out, d_state, **kw)
+  mesh = make_mesh({"data": 2, "context": 4})
+  out, final, grads, hlo = _delta_run(mesh, args, d_out, d_state, **kw)
+  # only the chunks' [B, N, H, H + h] transitions are gathered, never the sequence
+  assert "all-gather" in hlo
+  _close(out, out0, 1e-5)
+  _close(final, final0, 1e-5)
+  for a, b in zip(grads, g0):
+    _close(a, b, 2e-5)
+
+
+def test_delta_rule_bf16_with_heads_over_tensor():
+  args, d_out, d_state = _delta_inputs(jnp.bfloat16, seed=5, t=32)
+  out0, final0, g0, _ = _delta_run(None, args, d_out, d_state)
+  mesh = make_mesh({"data": 2, "context": 2, "tensor": 2})
+  out, final, grads, _ = _delta_run(mesh, args, d_out, d_state)
+  _close(out, out0, 2e-2)
+  _close(final, final0, 1e-3)   # fp32 memory from the same bf16 inputs
+  for a, b in zip(grads, g0):
+    scale = float(np.abs(np.asarray(b, np.float32)).max())
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                               atol=2e-2 * scale)
+
+
+def test_gated_deltanet_layer_under_a_context_axis():
+  """The Gated DeltaNet module on a context mesh (its causal convolution left to XLA's
+  partitioning, its rule to ``context_parallel.delta_rule``): output and parameter gradients equal
+  the unsharded layer's, packed sequences included."""
+  from flax import nnx
+
+  from jaxattn.nn import GatedDeltaNet
+  layer = GatedDeltaNet(32, num_heads=4, num_key_heads=2, head_dim=8, chunk_size=4,
+                        rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (2, 24, 32))
+  ids = jnp.asarray(np.repeat(np.array([[0] * 9 + [1] * 15]), 2, 0).astype(np.int32))
+  d_y = jax.random.normal(jax.random.key(2), (2, 24, 32))
+
+  @nnx.jit
+  def run(layer, x):
+    def loss(layer):
+      y = layer(x, segment_ids=ids)
+      return jnp.sum(y * d_y), y
+    (_, y), grads = nnx.value_and_grad(loss, has_aux=True)(layer)
+    return y, grads
+
+  y0, g0 = run(layer, x)
+  mesh = make_mesh({"data": 2, "context": 4})
+  calls = []
+  real = cp.delta_rule
+  cp.delta_rule = lambda *a, **kw: calls.append(kw["size"]) or real(*a, **kw)
+  try:
+    with jax.set_mesh(mesh):
+      y, grads = run(layer, jax.device_put(x, NamedSharding(mesh, P("data", "context"))))
+  finally:
+    cp.delta_rule = real
+  assert calls == [4]
+  _close(y, y0, 2e-5)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(g0)):
+    _close(a, b, 5e-5)
