@@ -10,7 +10,9 @@ size 64, causal), all on one mesh axis of ``--devices`` devices, inputs split al
   so every device gets the same causal work (``load_balance``);
 * ``all_gather_unbalanced``: the same without the swap (the last device sees C times the keys of
   the first);
-* ``ring``: keys and values passed around the ring, one chunk per step, backward a second ring.
+* ``ring``: keys and values passed around the ring, one chunk per step, backward a second ring,
+  in the zigzag layout (every device the same work at every step);
+* ``ring_unbalanced``: the same over contiguous chunks (the steps wait for the busiest device).
 
 Columns: the time of one jitted forward + backward call (best of ``--repeats`` rounds), its ratio
 to the baseline's (``> 1``: faster than XLA), and the peak memory *per device* from the compiled
@@ -45,7 +47,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from experiments.cli import at_least
 from experiments.timing import best_time, compile_timed, error_text, peak_bytes, write_json
 
-STRATEGIES = ("xla", "all_gather", "all_gather_unbalanced", "ring")
+STRATEGIES = ("xla", "all_gather", "all_gather_unbalanced", "ring", "ring_unbalanced")
 # Gated DeltaNet's rule (``--mixer deltanet``): XLA's partitioning of the chunked rule vs
 # ``context_parallel.delta_rule`` (state transitions exchanged, not the sequence).
 DELTA_STRATEGIES = ("xla", "context")
@@ -69,10 +71,11 @@ def _mesh(devices: int, axis: str):
 def busiest_work(strategy: str, seq_len: int, devices: int) -> float:
   """Query-key pairs the busiest device computes under the causal mask (the key range each of
   its query rows reads, which block skipping follows), as a fraction of ``t x T``, ``t = T / C``.
-  Unbalanced (and the ring, and XLA without skipping at best): the last device, 1.  Balanced:
-  every device ``h (C t + h)`` with ``h = t / 2``, i.e. ``(2 C + 1) / (4 C)``, about half."""
+  Unbalanced (and XLA without skipping at best): the last device, 1.  Balanced (all-gather, and
+  the zigzag ring summed over its steps): every device ``h (C t + h)`` with ``h = t / 2``, i.e.
+  ``(2 C + 1) / (4 C)``, about half."""
   t = seq_len // devices
-  if strategy == "all_gather":
+  if strategy in ("all_gather", "ring"):
     h = t // 2
     return h * (devices * t + h) / (t * seq_len)
   return 1.0
@@ -102,8 +105,8 @@ def _loss(strategy: str, mixer: str = "attention"):
     if strategy == "xla":
       out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
     else:
-      opts = dict(strategy="ring") if strategy == "ring" else dict(
-          strategy="all_gather", load_balance=strategy == "all_gather")
+      opts = dict(strategy=strategy.split("_unbalanced")[0],
+                  load_balance=not strategy.endswith("_unbalanced"))
       with cp.set_options(**opts):
         out = dot_product_attention(q, k, v, is_causal=True)
     return jnp.sum(out.astype(jnp.float32) * d_out)

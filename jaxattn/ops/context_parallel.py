@@ -23,7 +23,11 @@ attention:
   behind its keys and values, and every block's attention is differentiated with the final
   output and log-sum-exp (``jax.vjp`` of the block, which runs its forward once more).  Blocks a
   band mask empties are skipped (``lax.switch`` on the chunk distance, one static program per
-  distance).  No load balancing: under a causal mask the ring's steps wait for the busiest device.
+  distance).  Under a causal mask (``load_balance``) the ring runs in the zigzag layout: devices
+  ``c`` and ``C-1-c`` swap the second halves of their queries, keys and values, so every ring
+  chunk holds an early and a late half-chunk and every device computes the same ``2 h^2``
+  query-key pairs at every step (``_ring_plan``), where the contiguous ring's steps each wait for
+  a device computing a whole block.
 
 Both call ``dot_product_attention`` on each device's blocks with a static ``q_offset`` (one
 ``lax.switch`` branch per device position or chunk distance), so any backend with block skipping
@@ -57,10 +61,10 @@ STRATEGIES = ("all_gather", "ring")
 _OPTIONS: dict[str, Any] = {"strategy": "all_gather", "load_balance": None}
 
 
-def set_options(*, strategy: Strategy | None = None, load_balance: bool | None = None,
-                _unset=False):
-  """Sets the strategy (and causal load balancing of ``"all_gather"``; None: when the mask is
-  causal) that ``dot_product_attention`` uses under a ``context`` mesh axis.  Returns the previous
+def set_options(*, strategy: Strategy | None = None, load_balance: bool | None = None):
+  """Sets the strategy (and causal load balancing; None: where it applies, as in
+  ``context_parallel_attention``) that ``dot_product_attention`` uses under a ``context`` mesh
+  axis.  Returns the previous
   options; usable as a context manager: ``with set_options(strategy="ring"): ...``."""
   if strategy is not None and strategy not in STRATEGIES:
     raise ValueError(f"`strategy` must be one of {STRATEGIES}, got {strategy!r}.")
@@ -148,8 +152,10 @@ def context_parallel_attention(
 
   Arguments as ``dot_product_attention`` (self-attention: ``T == S``, ``q_offset`` 0; ``mask`` a
   ``Mask`` object, not a dense array).  ``strategy``: ``"all_gather"`` or ``"ring"`` (module
-  docstring).  ``load_balance`` (``"all_gather"``): swap query halves so a causal mask gives every
-  device the same work; None: when the mask is causal (needs an even ``T / C``).  ``mesh``: a
+  docstring).  ``load_balance``: swap half-chunks between devices ``c`` and ``C-1-c`` so a
+  causal mask gives every device the same work (queries for ``"all_gather"``; queries, keys and
+  values for the ring, whose ALiBi is then refused); None: when the mask is causal (and, for the
+  ring, there is no ALiBi) and ``T / C`` is even.  ``mesh``: a
   ``Mesh`` with a ``context`` axis (default: the one set by ``jax.set_mesh``).  ``implementation``:
   the backend each device's blocks use.  Returns what ``dot_product_attention`` returns, with the
   output split like the query.
@@ -184,12 +190,16 @@ def attention(query, key, value, kw: dict, *, size: int, strategy: str, load_bal
     raise ValueError(f"the ring strategy takes band masks (causal, sliding window); got "
                      f"{type(static).__name__} (use strategy='all_gather').")
   t = query.shape[1] // size
+  causal = band is not None and band == (math.inf, 0.0)
+  # the ring's zigzag layout assumes a plain causal mask (no ALiBi: offsets are not tracked)
+  balanceable = causal and t % 2 == 0 and (strategy == "all_gather"
+                                           or kw["alibi_slopes"] is None)
   if load_balance is None:
-    load_balance = (strategy == "all_gather" and band is not None and band == (math.inf, 0.0)
-                    and t % 2 == 0)
-  if load_balance and (strategy != "all_gather" or t % 2):
-    raise ValueError(f"`load_balance` needs strategy='all_gather' and an even number of rows per "
-                     f"device, got strategy={strategy!r}, T / C = {t}.")
+    load_balance = balanceable
+  if load_balance and not balanceable:
+    raise ValueError(f"`load_balance` needs a causal mask (without ALiBi, for the ring) and an "
+                     f"even number of rows per device, got strategy={strategy!r}, mask "
+                     f"{static!r}, T / C = {t}.")
   bias = kw["bias"]
   q_ids, kv_ids = (None, None) if segments is None else segments
   scale = kw["scale"]
@@ -359,25 +369,89 @@ def _distances(cfg) -> list[int]:
   return list(range(-(cfg.size - 1), cfg.size))
 
 
-def _ring_block(cfg, d: int, q, k, v, q_ids, kv_ids, lengths, slopes, scale):
-  """Queries of chunk ``c`` against keys of chunk ``c - d`` (``lengths`` already relative to the
-  key chunk); a block the band empties is not computed."""
-  t = cfg.t
-  lo, hi = _key_range(cfg, d * t, t, t)
-  if hi == lo:
-    return _empty(q, v)
-  return _block(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, None, scale, q_offset=d * t)
+def _block_at(cfg, q_offset: int, q, k, v, q_ids, kv_ids, lengths, slopes, scale):
+  return _block(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, None, scale, q_offset=q_offset)
+
+
+# The kinds of a (query half, key half) pair under a causal mask, zigzag layout.
+_NONE, _DIAGONAL, _FULL = 0, 1, 2
+
+
+def _zigzag_block(cfg, kinds, q, k, v, q_ids, kv_ids, lengths, slopes, scale):
+  """This device's two query half-chunks against a ring chunk's two key half-chunks, each pair
+  of kind ``kinds[2 a + b]`` (no key visible, the diagonal, all keys: causal with offset 0 or
+  ``h``); ``lengths`` ``[2, B]`` relative to each key half."""
+  h = cfg.t // 2
+  f32 = jnp.float32
+  split = lambda x: (None, None) if x is None else (x[:, :h], x[:, h:])  # noqa: E731
+  qs, ks, vs, qi, ki = split(q), split(k), split(v), split(q_ids), split(kv_ids)
+  outs, lses = [], []
+  for a in range(2):
+    acc = None
+    for b in range(2):
+      kind = kinds[2 * a + b]
+      if kind == _NONE:
+        continue
+      o, l = _block(cfg, qs[a], ks[b], vs[b], qi[a], ki[b],
+                    None if lengths is None else lengths[b], slopes, None, scale,
+                    q_offset=0 if kind == _DIAGONAL else h)
+      acc = (o.astype(f32), l) if acc is None else _merge(*acc, o, l)
+    if acc is None:
+      o, l = _empty(qs[a], v)
+      acc = (o.astype(f32), l)
+    outs.append(acc[0])
+    lses.append(acc[1])
+  return jnp.concatenate(outs, axis=1).astype(q.dtype), jnp.concatenate(lses, axis=2)
+
+
+def _pair_kind(qi: int, ki: int) -> int:
+  return _NONE if qi < ki else _DIAGONAL if qi == ki else _FULL
+
+
+def _ring_plan(cfg):
+  """``(blocks, locate)``: ``blocks[i](q, kb, vb, q_ids, kv_ids_b, lens, slopes, scale) -> (out,
+  lse)`` (None: the block is empty), and ``locate(c, s, lengths) -> (branch index, lens)`` for
+  the chunk device ``c`` holds at ring step ``s``, ``j = (c - s) mod C``.
+
+  Contiguous chunks: one branch per chunk distance ``d = c - j`` (static offset ``d t``).
+  Zigzag (``load_balance``, causal only): device ``c`` holds half-chunks ``2c`` and
+  ``2C-1-2c`` of the queries and, as ring chunk ``c``, of the keys; a (query half, key half) pair
+  is empty, diagonal or full by their order, one branch per distinct pattern of the four pairs.
+  Every step then costs every device ``2 h^2`` query-key pairs (two full pairs, or two diagonals
+  and a full one), where the contiguous ring's busiest device computes a whole block, ``t^2``.
+  """
+  size, t = cfg.size, cfg.t
+  if not cfg.load_balance:
+    blocks = []
+    for d in _distances(cfg):
+      lo, hi = _key_range(cfg, d * t, t, t)
+      blocks.append(None if hi == lo else functools.partial(_block_at, cfg, d * t))
+
+    def locate(c, s, lengths):
+      j = (c - s) % size
+      return c - j + size - 1, None if lengths is None else lengths - j * t
+    return blocks, locate
+
+  h = t // 2
+  patterns: dict[tuple, int] = {}
+  table = np.zeros((size, size), np.int32)
+  for c in range(size):
+    for j in range(size):
+      kinds = tuple(_pair_kind(qi, ki) for qi in (2 * c, 2 * size - 1 - 2 * c)
+                    for ki in (2 * j, 2 * size - 1 - 2 * j))
+      table[c, j] = patterns.setdefault(kinds, len(patterns))
+  blocks = [functools.partial(_zigzag_block, cfg, kinds) for kinds in patterns]
+
+  def locate(c, s, lengths):
+    j = (c - s) % size
+    lens = None if lengths is None else jnp.stack([lengths - 2 * j * h,
+                                                   lengths - (2 * size - 1 - 2 * j) * h])
+    return jnp.asarray(table)[c, j], lens
+  return blocks, locate
 
 
 def _ring_perm(size):
   return [(i, (i + 1) % size) for i in range(size)]
-
-
-def _chunk_and_distance(cfg, c, s):
-  """At ring step ``s`` device ``c`` holds key chunk ``j = (c - s) mod C``, at distance ``d``."""
-  j = (c - s) % cfg.size
-  d = c - j
-  return j, d + cfg.size - 1   # branch index into _distances
 
 
 def _merge(o_acc, l_acc, o, l):
@@ -394,7 +468,8 @@ def _ring_forward(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, scale):
   size, t = cfg.size, cfg.t
   c = lax.axis_index(AXIS)
   perm = _ring_perm(size)
-  branches = [functools.partial(_ring_block, cfg, d) for d in _distances(cfg)]
+  blocks, locate = _ring_plan(cfg)
+  branches = [(lambda q, kb, vb, *rest: _empty(q, vb)) if fn is None else fn for fn in blocks]
   b, _, n, _ = q.shape
   o0 = jnp.zeros((b, t, n, v.shape[-1]), jnp.float32)
   l0 = jnp.full((b, n, t), -jnp.inf, jnp.float32)
@@ -403,8 +478,7 @@ def _ring_forward(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, scale):
   def step(carry, s):
     kb, vb, idb, o_acc, l_acc = carry
     nxt = lax.ppermute((kb, vb, idb), AXIS, perm)      # issued first: overlaps the block
-    j, which = _chunk_and_distance(cfg, c, s)
-    lens = None if lengths is None else lengths - j * t
+    which, lens = locate(c, s, lengths)
     o, l = _switch(which, branches,
                    (q, kb, vb, q_ids, None if kv_ids is None else idb, lens, slopes, scale), cfg)
     o_acc, l_acc = _merge(o_acc, l_acc, o, l)
@@ -430,7 +504,7 @@ def _ring_vjp(cfg):
     q, k, v, aux, out, lse = res
     q_ids, kv_ids, lengths, slopes, scale = aux
     d_out, d_lse = cts
-    size, t = cfg.size, cfg.t
+    size = cfg.size
     c = lax.axis_index(AXIS)
     perm = _ring_perm(size)
     f32 = jnp.float32
@@ -438,13 +512,11 @@ def _ring_vjp(cfg):
     out32 = out.astype(f32)
     d_lse = jnp.zeros_like(lse) if d_lse is None else d_lse.astype(f32)
 
-    def grads(d):
+    def grads(block):
       def run(q, kb, vb, q_ids, idb, lens, slopes, scale):
-        lo, hi = _key_range(cfg, d * t, t, t)
-        if hi == lo:
+        if block is None:
           return jnp.zeros(q.shape, f32), jnp.zeros(kb.shape, f32), jnp.zeros(vb.shape, f32)
-        fn = lambda q, kb, vb: _block(cfg, q, kb, vb, q_ids, idb, lens, slopes, None,  # noqa
-                                      scale, q_offset=d * t)
+        fn = lambda q, kb, vb: block(q, kb, vb, q_ids, idb, lens, slopes, scale)  # noqa: E731
         (o, l), vjp = jax.vjp(fn, q, kb, vb)
         finite = jnp.isfinite(lse) & jnp.isfinite(l)
         w = jnp.where(finite, jnp.exp(l - jnp.where(finite, lse, 0.0)), 0.0)  # [B, N, T]
@@ -456,14 +528,14 @@ def _ring_vjp(cfg):
         return dq.astype(f32), dk.astype(f32), dv.astype(f32)
       return run
 
-    branches = [grads(d) for d in _distances(cfg)]
+    blocks, locate = _ring_plan(cfg)
+    branches = [grads(block) for block in blocks]
     kv_ids0 = jnp.zeros(q.shape[:2], jnp.int32) if kv_ids is None else kv_ids
 
     def step(carry, s):
       kb, vb, idb, dkb, dvb, dq = carry
       nxt = lax.ppermute((kb, vb, idb), AXIS, perm)      # issued first: overlaps the block
-      j, which = _chunk_and_distance(cfg, c, s)
-      lens = None if lengths is None else lengths - j * t
+      which, lens = locate(c, s, lengths)
       gq, gk, gv = _switch(which, branches,
                            (q, kb, vb, q_ids, None if kv_ids is None else idb, lens, slopes,
                             scale), cfg)
@@ -482,7 +554,20 @@ def _ring_vjp(cfg):
 
 def _ring_local(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, bias, scale):
   del bias  # refused by `unsupported`
-  return _ring_vjp(cfg)(q, k, v, (q_ids, kv_ids, lengths, slopes, scale))
+  if not cfg.load_balance:
+    return _ring_vjp(cfg)(q, k, v, (q_ids, kv_ids, lengths, slopes, scale))
+  # zigzag: device c keeps its first half-chunk and takes device (C-1-c)'s second
+  h, pairs = cfg.t // 2, [(i, cfg.size - 1 - i) for i in range(cfg.size)]
+
+  def swap(x, axis=1):
+    if x is None:
+      return None
+    own, other = lax.slice_in_dim(x, 0, h, axis=axis), lax.slice_in_dim(x, h, cfg.t, axis=axis)
+    return jnp.concatenate([own, lax.ppermute(other, AXIS, pairs)], axis=axis)
+
+  out, lse = _ring_vjp(cfg)(swap(q), swap(k), swap(v),
+                            (swap(q_ids), swap(kv_ids), lengths, slopes, scale))
+  return swap(out), swap(lse, axis=2)   # (the pairing is its own inverse)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -508,9 +593,8 @@ def delta_rule(query, key, value, g, beta, *, scale, initial_state, output_final
   """
   from jaxattn.ops.delta_rule import gated_delta_rule
   from pallas_kernels.flash_attention.sharded import plan_specs, run_sharded
-  b, t_all, kh, hk = key.shape
+  b, _, kh, hk = key.shape
   n, hv = value.shape[2], value.shape[3]
-  t = t_all // size
   f32 = jnp.float32
   run = functools.partial(gated_delta_rule, scale=scale, chunk_size=chunk_size,
                           use_qk_l2norm=use_qk_l2norm, implementation=implementation)

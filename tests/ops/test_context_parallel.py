@@ -64,7 +64,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("strategy,load_balance", [("all_gather", None), ("all_gather", False),
-                                                   ("ring", None)])
+                                                   ("ring", None), ("ring", False)])
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_the_unsharded_formula(case, strategy, load_balance):
   """fp32, GQA (4 query heads on 2 KV heads), 8 rows per device; the segment boundary (13) and
@@ -139,6 +139,28 @@ def test_load_balancing_gives_every_device_the_same_work():
   assert max(balanced) / max(plain) == pytest.approx((2 * size + 1) / (4 * size))
 
 
+def test_zigzag_ring_gives_every_device_the_same_work_at_every_step():
+  """The balanced ring: at every step every device computes about 2 h^2 query-key pairs (two full
+  half-pairs, or the two diagonals and one full half-pair), half of the t^2 that the contiguous
+  ring's busiest device computes at every step under a causal mask."""
+  for size in (2, 4, 8):
+    t = 16
+    h = t // 2
+    cfg = cp._Config(size=size, t=t, band=(float("inf"), 0.0), load_balance=True)
+    blocks, _ = cp._ring_plan(cfg)
+    work = {cp._NONE: 0, cp._DIAGONAL: h * (h + 1) // 2, cp._FULL: h * h}
+    for c in range(size):
+      for j in range(size):
+        kinds = [cp._pair_kind(qi, ki) for qi in (2 * c, 2 * size - 1 - 2 * c)
+                 for ki in (2 * j, 2 * size - 1 - 2 * j)]
+        cost = sum(work[x] for x in kinds)
+        assert cost == (2 * h * h if j != c else h * (h + 1) + h * h), (size, c, j, kinds)
+    # the contiguous ring: device c computes a whole block at every step s in 1..c
+    plain = cp._Config(size=size, t=t, band=(float("inf"), 0.0), load_balance=False)
+    blocks, _ = cp._ring_plan(plain)
+    assert [b is None for b in blocks] == [d < 0 for d in cp._distances(plain)]
+
+
 def test_other_calls_under_a_context_mesh_take_the_usual_path():
   """Decode-like calls (T != S, an offset) are not context-parallel; they still compute the
   formula under the mesh."""
@@ -172,9 +194,11 @@ def test_errors():
   with pytest.raises(ValueError, match="ring strategy takes band masks"):
     cp.context_parallel_attention(q, k, v, mask=GlobalTokensMask((0,)), strategy="ring",
                                   mesh=mesh)
-  with pytest.raises(ValueError, match="`load_balance` needs strategy='all_gather'"):
+  with pytest.raises(ValueError, match="`load_balance` needs a causal mask"):
     cp.context_parallel_attention(q, k, v, is_causal=True, strategy="ring", load_balance=True,
-                                  mesh=mesh)
+                                  alibi_slopes=np.ones(N, np.float32), mesh=mesh)
+  with pytest.raises(ValueError, match="`load_balance` needs a causal mask"):
+    cp.context_parallel_attention(q, k, v, load_balance=True, mesh=mesh)
   # set_options restores the previous options as a context manager
   with cp.set_options(strategy="ring", load_balance=False):
     assert cp.get_options() == {"strategy": "ring", "load_balance": False}
