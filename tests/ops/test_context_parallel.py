@@ -63,9 +63,14 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("strategy,load_balance", [("all_gather", None), ("all_gather", False),
-                                                   ("ring", None), ("ring", False)])
-@pytest.mark.parametrize("case", list(CASES))
+# Both strategies on every case (load balancing where it applies: causal masks); the contiguous
+# layouts (load_balance=False) on the causal cases, where they differ from the default.
+COMBOS = ([(case, strategy, None) for case in CASES for strategy in ("all_gather", "ring")]
+          + [(case, strategy, False) for case in ("causal", "lengths")
+             for strategy in ("all_gather", "ring")])
+
+
+@pytest.mark.parametrize("case,strategy,load_balance", COMBOS)
 def test_matches_the_unsharded_formula(case, strategy, load_balance):
   """fp32, GQA (4 query heads on 2 KV heads), 8 rows per device; the segment boundary (13) and
   the window radii fall inside devices' chunks."""
