@@ -51,6 +51,13 @@ def _close(got, want, tol):
   np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
 
 
+def _close_results(got, want, tols):
+  """Each result (an array or a tuple of gradients) against its reference, at its tolerance."""
+  for g, w, tol in zip(got, want, tols):
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(w)):
+      _close(a, b, tol)
+
+
 SEG = np.repeat(np.array([[0] * 13 + [1] * 19]), B, 0).astype(np.int32)
 CASES = {
     "causal": dict(is_causal=True),
@@ -80,10 +87,7 @@ def test_matches_the_unsharded_formula(case, strategy, load_balance):
   mesh = make_mesh({"data": 2, "context": 4})
   with cp.set_options(strategy=strategy, load_balance=load_balance):
     out, lse, grads, hlo = _run(mesh, q, k, v, d_out, **kw)
-  _close(out, out0, 2e-5)
-  _close(lse, lse0, 2e-5)
-  for a, b in zip(grads, g0):
-    _close(a, b, 5e-5)
+  _close_results((out, lse, grads), (out0, lse0, g0), (2e-5, 2e-5, 5e-5))
   # the strategy's collectives are in the program: gathered keys, or a ring of permutes
   if strategy == "all_gather":
     assert "all-gather" in hlo
@@ -122,10 +126,7 @@ def test_dense_bias_and_global_tokens_with_all_gather():
     out0, lse0, g0, _ = _run(None, q, k, v, d_out, **kw)
     out, lse, grads, hlo = _run(mesh, q, k, v, d_out, **kw)
     assert "all-gather" in hlo
-    _close(out, out0, 2e-5)
-    _close(lse, lse0, 2e-5)
-    for a, b in zip(grads, g0):
-      _close(a, b, 5e-5)
+    _close_results((out, lse, grads), (out0, lse0, g0), (2e-5, 2e-5, 5e-5))
 
 
 def test_load_balancing_gives_every_device_the_same_work():
@@ -274,10 +275,7 @@ def test_delta_rule_matches_the_unsharded_rule(segments):
   out, final, grads, hlo = _delta_run(mesh, args, d_out, d_state, **kw)
   # only the chunks' [B, N, H, H + h] transitions are gathered, never the sequence
   assert "all-gather" in hlo
-  _close(out, out0, 1e-5)
-  _close(final, final0, 1e-5)
-  for a, b in zip(grads, g0):
-    _close(a, b, 2e-5)
+  _close_results((out, final, grads), (out0, final0, g0), (1e-5, 1e-5, 2e-5))
 
 
 def test_delta_rule_bf16_with_heads_over_tensor():
