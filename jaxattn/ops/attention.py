@@ -271,7 +271,7 @@ def dot_product_attention(
     if context_parallel.unsupported(
         query, key, bias=kwargs["bias"], mask_array=kwargs["mask_array"],
         q_offset=kwargs["q_offset"], scale=kwargs["scale"], size=cp_size,
-        strategy=opts["strategy"]) is None:
+        strategy=opts["strategy"], mask=kwargs["mask"]) is None:
       return context_parallel.attention(
           query, key, value, kwargs, size=cp_size, strategy=opts["strategy"],
           load_balance=opts["load_balance"], mesh=None, implementation=implementation)

@@ -108,9 +108,11 @@ def mesh_axis_size(mesh=None) -> int:
   return int(dict(mesh.shape).get(AXIS, 1))
 
 
-def unsupported(query, key, *, bias, mask_array, q_offset, scale, size: int,
-                strategy: str) -> str | None:
+def unsupported(query, key, *, bias, mask_array, q_offset, scale, size: int, strategy: str,
+                mask: M.Mask | None = None) -> str | None:
   """Why a call is not one context parallelism computes over ``size`` devices (None: it is)."""
+  from pallas_kernels.flash_attention import common as C
+  from jaxattn.ops.attention import UnsupportedError
   t, s = query.shape[1], key.shape[1]
   if t != s:
     return f"it is not self-attention (T={t}, S={s})"
@@ -120,11 +122,18 @@ def unsupported(query, key, *, bias, mask_array, q_offset, scale, size: int,
     return "q_offset is not 0"
   if mask_array is not None:
     return "a dense boolean mask array (pass a Mask or fold it into `bias`)"
+  try:
+    static = C.split_mask(mask)[0]
+  except UnsupportedError as e:
+    return f"the mask: {e}"
   if strategy == "ring":
     if bias is not None:
       return "the ring strategy takes no dense `bias` (use strategy='all_gather')"
     if isinstance(scale, jax.core.Tracer):
       return "the ring strategy needs a static `scale`"
+    if static is not None and M._band(static) is None:
+      return (f"the ring strategy takes band masks (causal, sliding window), not "
+              f"{type(static).__name__} (use strategy='all_gather')")
   return None
 
 
@@ -172,29 +181,30 @@ def context_parallel_attention(
     raise ValueError(f"`mesh` must have a `{AXIS}` axis of size > 1 (got "
                      f"{None if mesh is None else dict(mesh.shape)}; none set by jax.set_mesh).")
   why = unsupported(query, key, bias=kw["bias"], mask_array=kw["mask_array"],
-                    q_offset=kw["q_offset"], scale=kw["scale"], size=size, strategy=strategy)
+                    q_offset=kw["q_offset"], scale=kw["scale"], size=size, strategy=strategy,
+                    mask=kw["mask"])
   if why is not None:
     raise ValueError(f"context_parallel_attention cannot compute this call: {why}.")
   return attention(query, key, value, kw, size=size, strategy=strategy,
-                   load_balance=load_balance, mesh=mesh, implementation=implementation)
+                   load_balance=load_balance, mesh=mesh, implementation=implementation,
+                   strict=True)
 
 
 def attention(query, key, value, kw: dict, *, size: int, strategy: str, load_balance, mesh,
-              implementation):
-  """The context-parallel call on ``dot_product_attention``'s normalized arguments ``kw``."""
+              implementation, strict: bool = False):
+  """The context-parallel call on ``dot_product_attention``'s normalized arguments ``kw`` (a call
+  ``unsupported`` accepts).  ``strict``: a ``load_balance=True`` that cannot apply raises (else,
+  from the dispatcher's options, it applies where it can)."""
   from pallas_kernels.flash_attention import common as C
   from pallas_kernels.flash_attention.sharded import plan_specs, run_sharded
   static, segments, lengths = C.split_mask(kw["mask"])
   band = None if static is None else M._band(static)
-  if strategy == "ring" and static is not None and band is None:
-    raise ValueError(f"the ring strategy takes band masks (causal, sliding window); got "
-                     f"{type(static).__name__} (use strategy='all_gather').")
   t = query.shape[1] // size
   causal = band is not None and band == (math.inf, 0.0)
   # the ring's zigzag layout assumes a plain causal mask (no ALiBi: offsets are not tracked)
   balanceable = causal and t % 2 == 0 and (strategy == "all_gather"
                                            or kw["alibi_slopes"] is None)
-  if load_balance is None:
+  if load_balance is None or (load_balance and not strict):
     load_balance = balanceable
   if load_balance and not balanceable:
     raise ValueError(f"`load_balance` needs a causal mask (without ALiBi, for the ring) and an "
@@ -210,7 +220,10 @@ def attention(query, key, value, kw: dict, *, size: int, strategy: str, load_bal
   names = [k for k, v in named.items() if v is not None]
   cfg = _Config(size=size, t=t, static=static, band=band, load_balance=bool(load_balance),
                 static_scale=None if isinstance(scale, jax.core.Tracer) else float(scale),
-                cap=kw["logits_soft_cap"], implementation=_hashable(implementation))
+                cap=kw["logits_soft_cap"], implementation=_hashable(implementation),
+                # without a position mask or ALiBi a block's result does not depend on where
+                # its rows sit: one program serves every device position / chunk distance
+                position_free=static is None and kw["alibi_slopes"] is None)
 
   def body(*xs):
     got = dict(zip(names, xs))
@@ -315,6 +328,8 @@ def _all_gather_local(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, bias, scale)
     def branch(i):
       return lambda *a: _rows(i * t, t, cfg, *a)
     args = (q, k, v, q_ids, kv_ids, lengths, slopes, bias, scale)
+    if cfg.position_free:
+      return branch(0)(*args)
     return _switch(c, [branch(i) for i in range(size)], args, cfg)
 
   # Device c keeps rows [c t, c t + h) and takes device (C-1-c)'s rows [(C-c) t - h, (C-c) t).
@@ -422,14 +437,18 @@ def _ring_plan(cfg):
   """
   size, t = cfg.size, cfg.t
   if not cfg.load_balance:
-    blocks = []
-    for d in _distances(cfg):
-      lo, hi = _key_range(cfg, d * t, t, t)
-      blocks.append(None if hi == lo else functools.partial(_block_at, cfg, d * t))
+    if getattr(cfg, "position_free", False):
+      blocks = [functools.partial(_block_at, cfg, 0)]
+    else:
+      blocks = []
+      for d in _distances(cfg):
+        lo, hi = _key_range(cfg, d * t, t, t)
+        blocks.append(None if hi == lo else functools.partial(_block_at, cfg, d * t))
 
     def locate(c, s, lengths):
       j = (c - s) % size
-      return c - j + size - 1, None if lengths is None else lengths - j * t
+      which = 0 if len(blocks) == 1 else c - j + size - 1
+      return which, None if lengths is None else lengths - j * t
     return blocks, locate
 
   h = t // 2

@@ -96,6 +96,8 @@ def test_matches_the_unsharded_formula(case, strategy, load_balance):
                                                          "segments_alibi_softcap")), case
   else:
     assert "collective-permute" in hlo and "all-gather" not in hlo
+  # without a position mask or ALiBi one program serves every device: no per-device branches
+  assert (" conditional(" in hlo) == (case != "bidirectional"), case
 
 
 @pytest.mark.parametrize("strategy", ["all_gather", "ring"])
@@ -180,6 +182,14 @@ def test_other_calls_under_a_context_mesh_take_the_usual_path():
   _close(got, want, 2e-5)
   assert cp.unsupported(q1, k, bias=None, mask_array=None, q_offset=0, scale=0.25, size=4,
                         strategy="all_gather") == "it is not self-attention (T=4, S=32)"
+  # What the configured strategy cannot compute falls back too (the explicit entry point raises,
+  # test_errors): the ring and a Longformer mask; a forced load_balance applies where it can.
+  mask = sliding_window(2, causal=False) | GlobalTokensMask((5,))
+  want = dot_product_attention(q, k, v, mask=mask)
+  for opts in (dict(strategy="ring"), dict(strategy="all_gather", load_balance=True)):
+    with jax.set_mesh(mesh), cp.set_options(**opts):
+      got = jax.jit(lambda q, k, v: dot_product_attention(q, k, v, mask=mask))(q, k, v)
+    _close(got, want, 2e-5)
 
 
 def test_errors():
