@@ -23,7 +23,7 @@ delta-rule state pass (fp32, heads of 128, chunks of 64).  And on a 4-chip slice
 ``tensor`` 2), the kernels in ``jax.shard_map`` as a sharded step calls them: flash forward +
 backward, sparse MLA prefill, paged MLA decode; and (``data`` 2 x ``context`` 2) context-parallel
 causal attention forward + backward at T = 8192 with the flash kernel, all-gather and ring
-(about 100 s and 50 s of compiling: ``--skip`` leaves cases out).  Exit status 1 if any case
+(about 25 s and 40 s of compiling: ``--skip`` leaves cases out).  Exit status 1 if any case
 failed.
 """
 

@@ -36,7 +36,7 @@ def test_kernels_compile_for_tpu_v5e(tmp_path):
   env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
   proc = subprocess.run(
       [sys.executable, "-m", "experiments.tpu_compile_check", "--chips", "v5e",
-       # (the context-parallel cases take 2.5 minutes of compiling: run by hand, see the script)
+       # (the context-parallel cases add a minute of compiling: run by hand, see the script)
        "--skip", "context all_gather fwd + bwd (2x2 mesh),context ring fwd + bwd (2x2 mesh)",
        "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, env=env,
       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
