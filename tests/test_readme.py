@@ -3,6 +3,8 @@
 import pathlib
 import re
 
+import numpy as np
+
 
 def test_readme_quick_start_runs():
   text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
@@ -12,6 +14,9 @@ def test_readme_quick_start_runs():
   assert scope["logits"].shape == (2, 16, 1000)
   assert scope["next_logits"].shape == (2, 1, 1000)
   assert scope["out"].shape == (1, 1024, 8, 64)
+  # (8 simulated devices here: the sequence really is split eight ways)
+  want = scope["jaxattn"].dot_product_attention(scope["q"], scope["k"], scope["v"], is_causal=True)
+  np.testing.assert_allclose(np.asarray(scope["out_cp"]), np.asarray(want), atol=2e-5)
   assert scope["y_next"].shape == (2, 1, 256) and list(scope["paged"].lengths) == [16, 14]
   assert scope["y3"].shape == (2, 3, 256) and (scope["y3"][1, 1:] == 0).all()
   assert scope["ids"].shape == (2, 12)
