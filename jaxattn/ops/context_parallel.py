@@ -509,19 +509,25 @@ def _ring_forward(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, scale):
 
 @functools.lru_cache(maxsize=64)
 def _ring_vjp(cfg):
-  """The ring's ``(q, k, v, aux) -> (out, lse)`` with its ring backward pass."""
+  """The ring's ``(q, k, v, slopes, aux) -> (out, lse)`` with its ring backward pass; ALiBi
+  ``slopes`` (or None) are differentiated too (learned slopes), ``aux = (q_ids, kv_ids, lengths,
+  scale)`` not."""
+
+  def forward(q, k, v, slopes, aux):
+    q_ids, kv_ids, lengths, scale = aux
+    return _ring_forward(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, scale)
 
   @jax.custom_vjp
-  def ring(q, k, v, aux):
-    return _ring_forward(cfg, q, k, v, *aux)
+  def ring(q, k, v, slopes, aux):
+    return forward(q, k, v, slopes, aux)
 
-  def fwd(q, k, v, aux):
-    out, lse = _ring_forward(cfg, q, k, v, *aux)
-    return (out, lse), (q, k, v, aux, out, lse)
+  def fwd(q, k, v, slopes, aux):
+    out, lse = forward(q, k, v, slopes, aux)
+    return (out, lse), (q, k, v, slopes, aux, out, lse)
 
   def bwd(res, cts):
-    q, k, v, aux, out, lse = res
-    q_ids, kv_ids, lengths, slopes, scale = aux
+    q, k, v, slopes, aux, out, lse = res
+    q_ids, kv_ids, lengths, scale = aux
     d_out, d_lse = cts
     size = cfg.size
     c = lax.axis_index(AXIS)
@@ -531,20 +537,26 @@ def _ring_vjp(cfg):
     out32 = out.astype(f32)
     d_lse = jnp.zeros_like(lse) if d_lse is None else d_lse.astype(f32)
 
+    # the slopes' gradient (a dummy scalar without slopes) sums over the steps; shard_map adds
+    # the devices' sums (slopes are replicated over `context`)
+    d_slopes0 = jnp.zeros((), f32) if slopes is None else jnp.zeros(slopes.shape, f32)
+
     def grads(block):
       def run(q, kb, vb, q_ids, idb, lens, slopes, scale):
         if block is None:
-          return jnp.zeros(q.shape, f32), jnp.zeros(kb.shape, f32), jnp.zeros(vb.shape, f32)
-        fn = lambda q, kb, vb: block(q, kb, vb, q_ids, idb, lens, slopes, scale)  # noqa: E731
-        (o, l), vjp = jax.vjp(fn, q, kb, vb)
+          return (jnp.zeros(q.shape, f32), jnp.zeros(kb.shape, f32), jnp.zeros(vb.shape, f32),
+                  d_slopes0)
+        fn = lambda q, kb, vb, sl: block(q, kb, vb, q_ids, idb, lens, sl, scale)  # noqa: E731
+        (o, l), vjp = jax.vjp(fn, q, kb, vb, slopes)
         finite = jnp.isfinite(lse) & jnp.isfinite(l)
         w = jnp.where(finite, jnp.exp(l - jnp.where(finite, lse, 0.0)), 0.0)  # [B, N, T]
         w_rows = jnp.swapaxes(w, 1, 2)[..., None]
         d_o = (w_rows * d_out32).astype(o.dtype)
         spread = jnp.swapaxes(jnp.sum(d_out32 * (o.astype(f32) - out32), axis=-1), 1, 2)
         d_l = w * (spread + d_lse)
-        dq, dk, dv = vjp((d_o, d_l))
-        return dq.astype(f32), dk.astype(f32), dv.astype(f32)
+        dq, dk, dv, d_sl = vjp((d_o, d_l))
+        d_sl = d_slopes0 if slopes is None else d_sl.astype(f32)
+        return dq.astype(f32), dk.astype(f32), dv.astype(f32), d_sl
       return run
 
     blocks, locate = _ring_plan(cfg)
@@ -552,20 +564,21 @@ def _ring_vjp(cfg):
     kv_ids0 = jnp.zeros(q.shape[:2], jnp.int32) if kv_ids is None else kv_ids
 
     def step(carry, s):
-      kb, vb, idb, dkb, dvb, dq = carry
+      kb, vb, idb, dkb, dvb, dq, d_sl = carry
       nxt = lax.ppermute((kb, vb, idb), AXIS, perm)      # issued first: overlaps the block
       which, lens = locate(c, s, lengths)
-      gq, gk, gv = _switch(which, branches,
-                           (q, kb, vb, q_ids, None if kv_ids is None else idb, lens, slopes,
-                            scale), cfg)
+      gq, gk, gv, g_sl = _switch(which, branches,
+                                 (q, kb, vb, q_ids, None if kv_ids is None else idb, lens, slopes,
+                                  scale), cfg)
       # the chunk's gradient accumulators follow it; after C steps each is home again
       dkb, dvb = lax.ppermute((dkb + gk, dvb + gv), AXIS, perm)
-      return (*nxt, dkb, dvb, dq + gq), None
+      return (*nxt, dkb, dvb, dq + gq, d_sl + g_sl), None
 
     zeros = lambda x: jnp.zeros(x.shape, f32)  # noqa: E731
-    init = (k, v, kv_ids0, zeros(k), zeros(v), zeros(q))
-    (_, _, _, dk, dv, dq), _ = lax.scan(step, init, jnp.arange(size))
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+    init = (k, v, kv_ids0, zeros(k), zeros(v), zeros(q), d_slopes0)
+    (_, _, _, dk, dv, dq, d_sl), _ = lax.scan(step, init, jnp.arange(size))
+    d_slopes = None if slopes is None else d_sl.astype(slopes.dtype)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_slopes, None
 
   ring.defvjp(fwd, bwd)
   return ring
@@ -574,7 +587,7 @@ def _ring_vjp(cfg):
 def _ring_local(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, bias, scale):
   del bias  # refused by `unsupported`
   if not cfg.load_balance:
-    return _ring_vjp(cfg)(q, k, v, (q_ids, kv_ids, lengths, slopes, scale))
+    return _ring_vjp(cfg)(q, k, v, slopes, (q_ids, kv_ids, lengths, scale))
   # zigzag: device c keeps its first half-chunk and takes device (C-1-c)'s second
   h, pairs = cfg.t // 2, [(i, cfg.size - 1 - i) for i in range(cfg.size)]
 
@@ -584,8 +597,8 @@ def _ring_local(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, bias, scale):
     own, other = lax.slice_in_dim(x, 0, h, axis=axis), lax.slice_in_dim(x, h, cfg.t, axis=axis)
     return jnp.concatenate([own, lax.ppermute(other, AXIS, pairs)], axis=axis)
 
-  out, lse = _ring_vjp(cfg)(swap(q), swap(k), swap(v),
-                            (swap(q_ids), swap(kv_ids), lengths, slopes, scale))
+  out, lse = _ring_vjp(cfg)(swap(q), swap(k), swap(v), slopes,
+                            (swap(q_ids), swap(kv_ids), lengths, scale))
   return swap(out), swap(lse, axis=2)   # (the pairing is its own inverse)
 
 
