@@ -311,6 +311,18 @@ def _rows(q_start: int, rows: int, cfg, q, k, v, q_ids, kv_ids, lengths, slopes,
                 None if bias is None else sl(bias, 3), scale, q_offset=q_start - lo)
 
 
+def _swap_halves(cfg, x, axis: int = 1):
+  """Devices ``c`` and ``C-1-c`` exchange the second halves of their chunks of ``x`` along
+  ``axis``: device ``c`` then holds half-chunks ``2c`` and ``2C-1-2c`` (the load-balanced
+  layouts).  The pairing is its own inverse, so the same call puts results back."""
+  if x is None:
+    return None
+  h, t = cfg.t // 2, cfg.t
+  pairs = [(i, cfg.size - 1 - i) for i in range(cfg.size)]
+  own, other = lax.slice_in_dim(x, 0, h, axis=axis), lax.slice_in_dim(x, h, t, axis=axis)
+  return jnp.concatenate([own, lax.ppermute(other, AXIS, pairs)], axis=axis)
+
+
 # ----------------------------------------------------------------------------------------------
 # all_gather
 # ----------------------------------------------------------------------------------------------
@@ -330,17 +342,15 @@ def _all_gather_local(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, bias, scale)
     args = (q, k, v, q_ids, kv_ids, lengths, slopes, bias, scale)
     if cfg.position_free:
       return branch(0)(*args)
-    return _switch(c, [branch(i) for i in range(size)], args, cfg)
+    return _switch(c, [branch(i) for i in range(size)], args, None)
 
   # Device c keeps rows [c t, c t + h) and takes device (C-1-c)'s rows [(C-c) t - h, (C-c) t).
   h = t // 2
-  pairs = [(i, size - 1 - i) for i in range(size)]
-  swap = lambda x, ax: lax.ppermute(  # noqa: E731
-      lax.slice_in_dim(x, h, t, axis=ax), AXIS, pairs)
-  first = lambda x, ax: lax.slice_in_dim(x, 0, h, axis=ax)  # noqa: E731
-  qa, qb = first(q, 1), swap(q, 1)
-  ida, idb = (None, None) if q_ids is None else (first(q_ids, 1), swap(q_ids, 1))
-  ba, bb = (bias, bias) if not bias_rows else (first(bias, 2), swap(bias, 2))
+  halves = lambda x, ax: (lax.slice_in_dim(x, 0, h, axis=ax),  # noqa: E731
+                          lax.slice_in_dim(x, h, t, axis=ax))
+  qa, qb = halves(_swap_halves(cfg, q), 1)
+  ida, idb = (None, None) if q_ids is None else halves(_swap_halves(cfg, q_ids), 1)
+  ba, bb = (bias, bias) if not bias_rows else halves(_swap_halves(cfg, bias, 2), 2)
 
   def branch(i):
     def run(qa, qb, k, v, ida, idb, kv_ids, lengths, slopes, ba, bb, scale):
@@ -351,9 +361,9 @@ def _all_gather_local(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, bias, scale)
     return run
 
   args = (qa, qb, k, v, ida, idb, kv_ids, lengths, slopes, ba, bb, scale)
-  oa, la, ob, lb = _switch(c, [branch(i) for i in range(size)], args, cfg)
-  back = lambda x: lax.ppermute(x, AXIS, pairs)  # noqa: E731  (the pairing is its own inverse)
-  return jnp.concatenate([oa, back(ob)], axis=1), jnp.concatenate([la, back(lb)], axis=2)
+  oa, la, ob, lb = _switch(c, [branch(i) for i in range(size)], args, None)
+  return (_swap_halves(cfg, jnp.concatenate([oa, ob], axis=1)),
+          _swap_halves(cfg, jnp.concatenate([la, lb], axis=2), axis=2))
 
 
 def _switch(index, branches, args, cfg):
@@ -589,17 +599,10 @@ def _ring_local(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, bias, scale):
   if not cfg.load_balance:
     return _ring_vjp(cfg)(q, k, v, slopes, (q_ids, kv_ids, lengths, scale))
   # zigzag: device c keeps its first half-chunk and takes device (C-1-c)'s second
-  h, pairs = cfg.t // 2, [(i, cfg.size - 1 - i) for i in range(cfg.size)]
-
-  def swap(x, axis=1):
-    if x is None:
-      return None
-    own, other = lax.slice_in_dim(x, 0, h, axis=axis), lax.slice_in_dim(x, h, cfg.t, axis=axis)
-    return jnp.concatenate([own, lax.ppermute(other, AXIS, pairs)], axis=axis)
-
+  swap = functools.partial(_swap_halves, cfg)
   out, lse = _ring_vjp(cfg)(swap(q), swap(k), swap(v), slopes,
                             (swap(q_ids), swap(kv_ids), lengths, scale))
-  return swap(out), swap(lse, axis=2)   # (the pairing is its own inverse)
+  return swap(out), swap(lse, axis=2)
 
 
 # ----------------------------------------------------------------------------------------------
