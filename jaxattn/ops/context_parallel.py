@@ -342,7 +342,7 @@ def _all_gather_local(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, bias, scale)
     args = (q, k, v, q_ids, kv_ids, lengths, slopes, bias, scale)
     if cfg.position_free:
       return branch(0)(*args)
-    return _switch(c, [branch(i) for i in range(size)], args, None)
+    return _switch(c, [branch(i) for i in range(size)], args)
 
   # Device c keeps rows [c t, c t + h) and takes device (C-1-c)'s rows [(C-c) t - h, (C-c) t).
   h = t // 2
@@ -361,12 +361,12 @@ def _all_gather_local(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, bias, scale)
     return run
 
   args = (qa, qb, k, v, ida, idb, kv_ids, lengths, slopes, ba, bb, scale)
-  oa, la, ob, lb = _switch(c, [branch(i) for i in range(size)], args, None)
+  oa, la, ob, lb = _switch(c, [branch(i) for i in range(size)], args)
   return (_swap_halves(cfg, jnp.concatenate([oa, ob], axis=1)),
           _swap_halves(cfg, jnp.concatenate([la, lb], axis=2), axis=2))
 
 
-def _switch(index, branches, args, cfg):
+def _switch(index, branches, args):
   """``branches[index](*args)``; None arguments stay out of the traced operands."""
   present = [i for i, a in enumerate(args) if a is not None]
 
@@ -447,7 +447,7 @@ def _ring_plan(cfg):
   """
   size, t = cfg.size, cfg.t
   if not cfg.load_balance:
-    if getattr(cfg, "position_free", False):
+    if cfg.position_free:
       blocks = [functools.partial(_block_at, cfg, 0)]
     else:
       blocks = []
@@ -509,7 +509,7 @@ def _ring_forward(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, scale):
     nxt = lax.ppermute((kb, vb, idb), AXIS, perm)      # issued first: overlaps the block
     which, lens = locate(c, s, lengths)
     o, l = _switch(which, branches,
-                   (q, kb, vb, q_ids, None if kv_ids is None else idb, lens, slopes, scale), cfg)
+                   (q, kb, vb, q_ids, None if kv_ids is None else idb, lens, slopes, scale))
     o_acc, l_acc = _merge(o_acc, l_acc, o, l)
     return (*nxt, o_acc, l_acc), None
 
@@ -579,7 +579,7 @@ def _ring_vjp(cfg):
       which, lens = locate(c, s, lengths)
       gq, gk, gv, g_sl = _switch(which, branches,
                                  (q, kb, vb, q_ids, None if kv_ids is None else idb, lens, slopes,
-                                  scale), cfg)
+                                  scale))
       # the chunk's gradient accumulators follow it; after C steps each is home again
       dkb, dvb = lax.ppermute((dkb + gk, dvb + gv), AXIS, perm)
       return (*nxt, dkb, dvb, dq + gq, d_sl + g_sl), None

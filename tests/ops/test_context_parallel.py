@@ -154,7 +154,8 @@ def test_zigzag_ring_gives_every_device_the_same_work_at_every_step():
   for size in (2, 4, 8):
     t = 16
     h = t // 2
-    cfg = cp._Config(size=size, t=t, band=(float("inf"), 0.0), load_balance=True)
+    cfg = cp._Config(size=size, t=t, band=(float("inf"), 0.0), load_balance=True,
+                     position_free=False)
     blocks, _ = cp._ring_plan(cfg)
     work = {cp._NONE: 0, cp._DIAGONAL: h * (h + 1) // 2, cp._FULL: h * h}
     for c in range(size):
@@ -164,7 +165,8 @@ def test_zigzag_ring_gives_every_device_the_same_work_at_every_step():
         cost = sum(work[x] for x in kinds)
         assert cost == (2 * h * h if j != c else h * (h + 1) + h * h), (size, c, j, kinds)
     # the contiguous ring: device c computes a whole block at every step s in 1..c
-    plain = cp._Config(size=size, t=t, band=(float("inf"), 0.0), load_balance=False)
+    plain = cp._Config(size=size, t=t, band=(float("inf"), 0.0), load_balance=False,
+                       position_free=False)
     blocks, _ = cp._ring_plan(plain)
     assert [b is None for b in blocks] == [d < 0 for d in cp._distances(plain)]
 
