@@ -258,7 +258,6 @@ def context_cases(grid):
   return {f"context {s} fwd + bwd (2x2 mesh)": (grads(s), args) for s in cp.STRATEGIES}
 
 
-
 def compile_for(chip: str, only=None, skip=()):
   """Compiles every case for ``chip``; returns one result dict per case."""
   from jax._src.pallas.mosaic import tpu_info  # noqa: PLC0415

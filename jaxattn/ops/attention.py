@@ -262,9 +262,8 @@ def dot_product_attention(
     # -inf log-sum-exp, the same from every backend (some cannot tile an empty axis).
     if implementation is not None:
       _resolve(implementation)  # an unavailable explicit choice still raises
-    b, t, n, _ = query.shape
-    out = jnp.zeros((b, t, n, value.shape[-1]), query.dtype)
-    return (out, jnp.full((b, n, t), -jnp.inf, jnp.float32)) if return_residuals else out
+    out, lse = no_visible_keys(query, value)
+    return (out, lse) if return_residuals else out
   cp_size = context_parallel.mesh_axis_size()
   if cp_size > 1:  # the sequence is split over the mesh axis `context`
     opts = context_parallel.get_options()
@@ -281,6 +280,13 @@ def dot_product_attention(
   if isinstance(implementation, str):
     return attempt(_resolve(implementation))
   return _first_accepting(attempt, _sequence(implementation))[1]
+
+
+def no_visible_keys(query, value) -> tuple[Float[Array, "B T N h"], Float[Array, "B N T"]]:
+  """``(out, lse)`` of rows that see no key: zeros and a ``-inf`` log-sum-exp."""
+  b, t, n, _ = query.shape
+  return (jnp.zeros((b, t, n, value.shape[-1]), query.dtype),
+          jnp.full((b, n, t), -jnp.inf, jnp.float32))
 
 
 def _zero_cotangent(x):

@@ -296,8 +296,8 @@ def _key_range(cfg, q_start: int, rows: int, total: int) -> tuple[int, int]:
 
 
 def _empty(q, v):
-  b, t, n, _ = q.shape
-  return (jnp.zeros((b, t, n, v.shape[-1]), q.dtype), jnp.full((b, n, t), -jnp.inf, jnp.float32))
+  from jaxattn.ops.attention import no_visible_keys
+  return no_visible_keys(q, v)
 
 
 def _rows(q_start: int, rows: int, cfg, q, k, v, q_ids, kv_ids, lengths, slopes, bias, scale):
