@@ -409,6 +409,91 @@ def _first_accepting(attempt: Callable, order: list[str] | None = None
                    + "; ".join(f"{k}: {v}" for k, v in reasons.items()))
 
 
+def attention_gradients(
+    query: Float[Array, "B T N H"],
+    key: Float[Array, "B S K H"],
+    value: Float[Array, "B S K h"],
+    out: Float[Array, "B T N h"],
+    lse: Float[Array, "B N T"],
+    d_out: Float[Array, "B T N h"],
+    d_lse: Float[Array, "B N T"] | None = None,
+    bias: Float[Array, "#B #N #T #S"] | None = None,
+    mask: Mask | None = None,
+    *,
+    implementation: Implementation | Sequence[Implementation] | None = None,
+    **kwargs,
+):
+  """Gradients of one block of a larger attention: ``(d_query, d_key, d_value, d_bias,
+  d_alibi_slopes)`` (None for an absent bias or slopes).
+
+  The block is ``dot_product_attention(query, key, value, bias, mask, **kwargs)`` over a subset
+  of the keys of rows whose whole output and log-sum-exp are ``out`` and ``lse`` (e.g. one chunk
+  of a ring in context parallelism), and ``d_out`` / ``d_lse`` their cotangents.  The block's
+  share of the gradients is the flash backward pass run with the whole rows' ``out`` and ``lse``
+  in place of the block's own: probabilities ``exp(s - lse)``, ``delta = sum(d_out * out) -
+  d_lse``.  The backends that take given ``residuals`` (``"xla_chunked"``, ``"cpu"``, the Pallas
+  kernels) run only their backward; otherwise (``"xla"``) the block's own ``(out_b, lse_b)`` are
+  computed and its VJP taken with the cotangents rescaled by ``exp(lse_b - lse)`` (one more
+  forward pass).  Keyword arguments as ``dot_product_attention`` (``return_residuals`` excluded);
+  ``implementation`` picks the backend as there.  The sum of the blocks' gradients over a
+  partition of the keys is the gradient of the whole call.
+  """
+  if "return_residuals" in kwargs:
+    raise ValueError("`return_residuals` is implied (the block's out and lse); do not pass it.")
+  kw = _backend_kwargs(query, key, value, bias, mask, return_residuals=True, **kwargs)
+  bias, slopes = kw.pop("bias"), kw.pop("alibi_slopes")
+  b, t, n, _ = query.shape
+  rows = (b, t, n, value.shape[-1])
+  for name, x, shape in (("out", out, rows), ("lse", lse, (b, n, t)), ("d_out", d_out, rows),
+                         ("d_lse", d_lse, (b, n, t))):
+    if x is not None and tuple(jnp.shape(x)) != shape:
+      raise ValueError(f"`{name}` must have shape {shape} (query {tuple(query.shape)}, value "
+                       f"{tuple(value.shape)}), got {tuple(jnp.shape(x))}.")
+  if d_lse is None:
+    d_lse = jnp.zeros(lse.shape, jnp.float32)
+  if query.shape[1] == 0 or key.shape[1] == 0:
+    zero = lambda x: None if x is None else jnp.zeros(jnp.shape(x), x.dtype)  # noqa: E731
+    return tuple(zero(x) for x in (query, key, value, bias, slopes))
+
+  def given(backend):
+    run = lambda q, k, v, b, sl: _with_scalar_grads(backend)(  # noqa: E731
+        q, k, v, bias=b, alibi_slopes=sl, residuals=(out, lse), **kw)
+    return jax.vjp(run, query, key, value, bias, slopes)[1]((d_out, d_lse))
+
+  if implementation is None:
+    order = _auto_order()
+  elif isinstance(implementation, str):
+    _resolve(implementation)  # an unavailable explicit choice raises
+    order = [implementation]
+  else:
+    order = _sequence(implementation)
+  for name in order:
+    _load_builtin(name)
+    if name in _REGISTRY:
+      try:
+        return given(_REGISTRY[name])
+      except UnsupportedError:
+        pass
+  # No backend takes given residuals: the block's own (out_b, lse_b), and its VJP with the
+  # cotangents of the whole rows carried over (d out_b = w d_out, d lse_b = w (d_out . (out_b -
+  # out) + d_lse), w = exp(lse_b - lse)).
+  f32 = jnp.float32
+
+  rest = {k: v for k, v in kwargs.items() if k != "alibi_slopes"}
+
+  def block(q, k, v, b, sl):
+    return dot_product_attention(q, k, v, b, mask, alibi_slopes=sl, return_residuals=True,
+                                 implementation=implementation, **rest)
+
+  (o, l), vjp = jax.vjp(block, query, key, value, bias, slopes)
+  finite = jnp.isfinite(lse) & jnp.isfinite(l)
+  w = jnp.where(finite, jnp.exp(l - jnp.where(finite, lse, 0.0)), 0.0)  # [B, N, T]
+  d_out32 = d_out.astype(f32)
+  spread = jnp.swapaxes(jnp.sum(d_out32 * (o.astype(f32) - out.astype(f32)), axis=-1), 1, 2)
+  return vjp(((jnp.swapaxes(w, 1, 2)[..., None] * d_out32).astype(o.dtype),
+              w * (spread + d_lse.astype(f32))))
+
+
 def explain_dispatch(query, key, value, bias=None, mask=None, **kwargs) -> tuple[str, dict]:
   """Which backend ``dot_product_attention(query, key, value, ...)`` takes with
   ``implementation=None`` on this platform, and why each one before it declined.
@@ -431,8 +516,11 @@ def explain_dispatch(query, key, value, bias=None, mask=None, **kwargs) -> tuple
 
 
 def _attention_xla(query, key, value, *, bias, mask, mask_array, scale, alibi_slopes,
-                   logits_soft_cap, q_offset, return_residuals):
+                   logits_soft_cap, q_offset, return_residuals, residuals=None):
   """Reference path: materializes the full ``[B, K, G, T, S]`` logits."""
+  if residuals is not None:
+    raise UnsupportedError("the reference path differentiates by autodiff; it takes no given "
+                           "`residuals`")
   b, t, n, _ = query.shape
   s, kh = key.shape[1], key.shape[2]
   q = S.group_heads(jnp.swapaxes(query, 1, 2), kh)  # [B, K, G, T, H]

@@ -132,6 +132,7 @@ def chunked_attention(
     return_residuals: bool = False,
     block_q: int | None = None,
     block_k: int | None = None,
+    residuals: tuple[Float[Array, "B T N h"], Float[Array, "B N T"]] | None = None,
 ) -> Float[Array, "B T N h"] | tuple[Float[Array, "B T N h"], Float[Array, "B N T"]]:
   """Attention with online softmax over key blocks; see the module docstring.
 
@@ -151,6 +152,8 @@ def chunked_attention(
     block_q, block_k: maximum query / key block lengths (default ``DEFAULT_BLOCK_Q/K``).  A sequence
       is split into ``ceil(T / block_q)`` equal blocks (rounded up to a multiple of 8, never above
       ``block_q``) and padded internally; padded keys are masked out.
+    residuals: ``(out, lse)`` given: returned as the result without computing it, and the
+      backward pass runs from them (``jaxattn.ops.attention.attention_gradients``).
 
   Returns:
     ``[B, T, N, h]`` in the query dtype; with ``return_residuals``, ``(out, lse)``.
@@ -189,7 +192,9 @@ def chunked_attention(
   run = _build(cfg)
   if is_explicit(jax.sharding.get_abstract_mesh()):
     run = _with_auto_axes(run, query)
-  out, lse = run(query, key, value, bias, params, aux)
+  given = None if residuals is None else (residuals[0].astype(query.dtype),
+                                           jnp.asarray(residuals[1], jnp.float32))
+  out, lse = run(query, key, value, bias, params, aux, given)
   return (out, lse) if return_residuals else out
 
 
@@ -333,18 +338,23 @@ def _build(cfg: _Config):
   """The jitted ``(q, k, v, bias, aux) -> (out, lse)`` with its flash backward, for ``cfg``."""
 
   @jax.custom_vjp
-  def attention(query, key, value, bias, params, aux):
+  def attention(query, key, value, bias, params, aux, given):
+    if given is not None:
+      return given
     return _forward(cfg, query, key, value, bias, params, aux)[0]
 
-  def fwd(query, key, value, bias, params, aux):
-    (out, lse), res = _forward(cfg, query, key, value, bias, params, aux)
+  def fwd(query, key, value, bias, params, aux, given):
+    if given is None:
+      (out, lse), res = _forward(cfg, query, key, value, bias, params, aux)
+    else:  # the forward's results, given: the backward's grouped, padded log-sum-exp from them
+      (out, lse), res = given, _grouped_lse(cfg, given[1])
     return (out, lse), (query, key, value, bias, params, aux, out, res)
 
   def bwd(residuals, cotangents):
     query, key, value, bias, params, aux, out, res = residuals
     d_out, d_lse = cotangents
     grads = _backward(cfg, query, key, value, bias, params, aux, out, res, d_out, d_lse)
-    return (*grads, None)
+    return (*grads, None, None)
 
   attention.defvjp(fwd, bwd)
   return jax.jit(attention)
@@ -494,6 +504,14 @@ def _forward(cfg: _Config, query, key, value, bias, params, aux):
   out = S.ungroup(out_g[:, :, :, :t])
   lse = S.ungroup_lse(lse_g[:, :, :, :t])
   return (out, lse), lse_g
+
+
+def _grouped_lse(cfg: _Config, lse):
+  """``[B, N, T]`` -> the forward's residual layout ``[B, K, G, Tp]`` (padded rows ``-inf``)."""
+  b, t, n, _, _, kh, _ = cfg.shape
+  grouped = lse.reshape(b, kh, n // kh, t)
+  return jnp.pad(grouped, ((0, 0), (0, 0), (0, 0), (0, cfg.num_q_blocks * cfg.block_q - t)),
+                 constant_values=-jnp.inf)
 
 
 def _pv_dtype(v):

@@ -77,12 +77,14 @@ def cpu_attention(
     block_q: int | None = None,
     block_k: int | None = None,
     mesh=None,
+    residuals=None,
 ):
   """Attention by the native CPU kernel; the normalized signature of the dispatch backends.
 
   Args as ``chunked_attention``; ``block_q`` (a multiple of 8) and ``block_k`` (a multiple of 32)
   default to ``DEFAULT_BLOCK_Q / DEFAULT_BLOCK_K``; ``mesh`` as the Pallas kernels (None: the
-  context mesh, if any).
+  context mesh, if any); ``residuals`` as ``chunked_attention``'s (given ``(out, lse)``: only the
+  backward kernel runs).
 
   Raises:
     UnsupportedError: for what the kernel does not compute (see the module docstring).
@@ -133,14 +135,14 @@ def cpu_attention(
                      f"= {(b, t)} / {(b, s)} / {(b,)}: {e}") from None
   slopes = None if alibi_slopes is None else jnp.asarray(alibi_slopes, jnp.float32)
 
-  def local(q, k, v, q_ids, kv_ids, lengths, slopes, *_):
-    return _build(st)(q, k, v, q_ids, kv_ids, lengths, slopes)
+  def local(q, k, v, q_ids, kv_ids, lengths, slopes, _offset, _scale, given):
+    return _build(st)(q, k, v, q_ids, kv_ids, lengths, slopes, given)
 
   from pallas_kernels.flash_attention.sharded import shard_attention  # noqa: PLC0415
 
   out, lse = shard_attention(local, query, key, value, q_ids=q_ids, kv_ids=kv_ids,
                              kv_lengths=lengths, alibi_slopes=slopes, q_offset=static_offset,
-                             scale=static_scale, mesh=mesh)
+                             scale=static_scale, mesh=mesh, residuals=residuals)
   return (out, lse) if return_residuals else out
 
 
@@ -229,22 +231,25 @@ def _backward(st: _Static, q, k, v, q_ids, kv_ids, lengths, slopes, out, lse, d_
 
 @functools.lru_cache(maxsize=128)
 def _build(st: _Static):
-  """``(q, k, v, q_ids, kv_ids, lengths, slopes) -> (out, lse)`` with the native backward, for
-  one static configuration."""
+  """``(q, k, v, q_ids, kv_ids, lengths, slopes, given) -> (out, lse)`` with the native backward,
+  for one static configuration (``given``: the forward's ``(out, lse)``, or None to compute
+  them)."""
 
   @jax.custom_vjp
-  def attention(q, k, v, q_ids, kv_ids, lengths, slopes):
+  def attention(q, k, v, q_ids, kv_ids, lengths, slopes, given):
+    if given is not None:
+      return given
     return _forward(st, q, k, v, q_ids, kv_ids, lengths, slopes)
 
-  def fwd(q, k, v, q_ids, kv_ids, lengths, slopes):
-    out, lse = _forward(st, q, k, v, q_ids, kv_ids, lengths, slopes)
+  def fwd(q, k, v, q_ids, kv_ids, lengths, slopes, given):
+    out, lse = _forward(st, q, k, v, q_ids, kv_ids, lengths, slopes) if given is None else given
     return (out, lse), (q, k, v, q_ids, kv_ids, lengths, slopes, out, lse)
 
   def bwd(res, cotangents):
     q, k, v, q_ids, kv_ids, lengths, slopes, out, lse = res
     d_out, d_lse = cotangents
     dq, dk, dv = _backward(st, q, k, v, q_ids, kv_ids, lengths, slopes, out, lse, d_out, d_lse)
-    return dq, dk, dv, None, None, None, None  # slopes: see dot_product_attention
+    return dq, dk, dv, None, None, None, None, None  # slopes: see dot_product_attention
 
   attention.defvjp(fwd, bwd)
   return attention

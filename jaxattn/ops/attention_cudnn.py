@@ -74,7 +74,7 @@ def _band_arguments(mask) -> dict:
 
 
 def cudnn_attention(query, key, value, *, bias, mask, mask_array, scale, alibi_slopes,
-                    logits_soft_cap, q_offset, return_residuals):
+                    logits_soft_cap, q_offset, return_residuals, residuals=None):
   """The dispatcher's normalized backend signature (``jaxattn.ops.attention``) on cuDNN."""
   if jax.default_backend() not in ("gpu", "cuda"):
     raise UnsupportedError(f"cuDNN needs an NVIDIA GPU; the default backend is "
@@ -84,7 +84,8 @@ def cudnn_attention(query, key, value, *, bias, mask, mask_array, scale, alibi_s
   declined = [name for name, present in (
       ("a dense `bias`", bias is not None), ("a boolean `mask` array", mask_array is not None),
       ("`alibi_slopes`", alibi_slopes is not None), ("`logits_soft_cap`", logits_soft_cap is not None),
-      ("`return_residuals` (fp32 log-sum-exp)", return_residuals)) if present]
+      ("`return_residuals` (fp32 log-sum-exp)", return_residuals),
+      ("given `residuals`", residuals is not None)) if present]
   if declined:
     raise UnsupportedError("this backend does not take " + ", ".join(declined))
   if query.dtype not in _DTYPES:

@@ -21,7 +21,8 @@ attention:
   device stays ``t`` rows (plus fp32 accumulators for the output and, backward, the gradients).
   The backward pass is a second ring: each chunk's gradient accumulators follow it one step
   behind its keys and values, and every block's attention is differentiated with the final
-  output and log-sum-exp (``jax.vjp`` of the block, which runs its forward once more).  Blocks a
+  output and log-sum-exp (``attention_gradients``: the backend's backward pass alone, run from
+  the rows' whole output and log-sum-exp; no block forward is recomputed).  Blocks a
   band mask empties are skipped (``lax.switch`` on the chunk distance, one static program per
   distance).  Under a causal mask (``load_balance``) the ring runs in the zigzag layout: devices
   ``c`` and ``C-1-c`` swap the second halves of their queries, keys and values, so every ring
@@ -273,16 +274,32 @@ def _block(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, bias, scale, *, q_offse
   """``(out, lse)`` of queries at positions ``q_offset + arange(rows)`` (in the coordinates of
   this block's keys, ``arange(S_block)``)."""
   from jaxattn.ops.attention import dot_product_attention
+  return dot_product_attention(
+      q, k, v, bias, _block_mask(cfg, q_ids, kv_ids, lengths),
+      scale=cfg.static_scale if scale is None else scale, q_offset=q_offset, alibi_slopes=slopes,
+      logits_soft_cap=cfg.cap, return_residuals=True, implementation=cfg.implementation)
+
+
+def _block_mask(cfg, q_ids, kv_ids, lengths):
   parts = [] if cfg.static is None else [cfg.static]
   if q_ids is not None:
     parts.append(M.SegmentMask(q_ids, kv_ids))
   if lengths is not None:
     parts.append(M.PaddingMask(lengths))
-  mask = functools.reduce(lambda a, b: a & b, parts) if parts else None
-  return dot_product_attention(
-      q, k, v, bias, mask, scale=cfg.static_scale if scale is None else scale,
-      q_offset=q_offset, alibi_slopes=slopes, logits_soft_cap=cfg.cap, return_residuals=True,
-      implementation=cfg.implementation)
+  return functools.reduce(lambda a, b: a & b, parts) if parts else None
+
+
+def _block_grads(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, scale, out, lse, d_out, d_lse, *,
+                 q_offset: int):
+  """``(dq, dk, dv, d_slopes)`` of ``_block``'s queries against these keys, given the rows'
+  whole ``(out, lse)`` and their cotangents (``attention_gradients``: the backend's backward
+  pass alone, no forward)."""
+  from jaxattn.ops.attention import attention_gradients
+  dq, dk, dv, _, d_slopes = attention_gradients(
+      q, k, v, out, lse, d_out, d_lse, None, _block_mask(cfg, q_ids, kv_ids, lengths),
+      scale=cfg.static_scale if scale is None else scale, q_offset=q_offset, alibi_slopes=slopes,
+      logits_soft_cap=cfg.cap, implementation=cfg.implementation)
+  return dq, dk, dv, d_slopes
 
 
 def _key_range(cfg, q_start: int, rows: int, total: int) -> tuple[int, int]:
@@ -398,6 +415,11 @@ def _block_at(cfg, q_offset: int, q, k, v, q_ids, kv_ids, lengths, slopes, scale
   return _block(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, None, scale, q_offset=q_offset)
 
 
+def _block_grads_at(cfg, q_offset: int, q, k, v, q_ids, kv_ids, lengths, slopes, scale, *res):
+  return _block_grads(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, scale, *res,
+                      q_offset=q_offset)
+
+
 # The kinds of a (query half, key half) pair under a causal mask, zigzag layout.
 _NONE, _DIAGONAL, _FULL = 0, 1, 2
 
@@ -429,14 +451,45 @@ def _zigzag_block(cfg, kinds, q, k, v, q_ids, kv_ids, lengths, slopes, scale):
   return jnp.concatenate(outs, axis=1).astype(q.dtype), jnp.concatenate(lses, axis=2)
 
 
+def _zigzag_grads(cfg, kinds, q, k, v, q_ids, kv_ids, lengths, slopes, scale, out, lse, d_out,
+                  d_lse):
+  """``_zigzag_block``'s gradients ``(dq, dk, dv, d_slopes)`` given the rows' whole ``(out,
+  lse)`` and their cotangents: each non-empty (query half, key half) pair's, summed."""
+  h = cfg.t // 2
+  f32 = jnp.float32
+  split = lambda x, ax=1: (None, None) if x is None else (  # noqa: E731
+      lax.slice_in_dim(x, 0, h, axis=ax), lax.slice_in_dim(x, h, 2 * h, axis=ax))
+  qs, ks, vs, qi, ki = split(q), split(k), split(v), split(q_ids), split(kv_ids)
+  rows = list(zip(split(out), split(lse, 2), split(d_out), split(d_lse, 2)))
+  dq = [jnp.zeros(x.shape, f32) for x in qs]
+  dk = [jnp.zeros(x.shape, f32) for x in ks]
+  dv = [jnp.zeros(x.shape, f32) for x in vs]
+  d_slopes = None
+  for a in range(2):
+    for b in range(2):
+      kind = kinds[2 * a + b]
+      if kind == _NONE:
+        continue
+      gq, gk, gv, g_sl = _block_grads(cfg, qs[a], ks[b], vs[b], qi[a], ki[b],
+                                      None if lengths is None else lengths[b], slopes, scale,
+                                      *rows[a], q_offset=0 if kind == _DIAGONAL else h)
+      dq[a], dk[b], dv[b] = dq[a] + gq, dk[b] + gk, dv[b] + gv
+      if g_sl is not None:
+        d_slopes = g_sl.astype(f32) if d_slopes is None else d_slopes + g_sl
+  cat = lambda xs: jnp.concatenate(xs, axis=1)  # noqa: E731
+  return cat(dq), cat(dk), cat(dv), d_slopes
+
+
 def _pair_kind(qi: int, ki: int) -> int:
   return _NONE if qi < ki else _DIAGONAL if qi == ki else _FULL
 
 
-def _ring_plan(cfg):
+def _ring_plan(cfg, grads: bool = False):
   """``(blocks, locate)``: ``blocks[i](q, kb, vb, q_ids, kv_ids_b, lens, slopes, scale) -> (out,
   lse)`` (None: the block is empty), and ``locate(c, s, lengths) -> (branch index, lens)`` for
-  the chunk device ``c`` holds at ring step ``s``, ``j = (c - s) mod C``.
+  the chunk device ``c`` holds at ring step ``s``, ``j = (c - s) mod C``.  With ``grads``, each
+  block takes ``out, lse, d_out, d_lse`` (the rows' whole results and cotangents) after those
+  arguments and returns ``(dq, dk, dv, d_slopes)`` instead.
 
   Contiguous chunks: one branch per chunk distance ``d = c - j`` (static offset ``d t``).
   Zigzag (``load_balance``, causal only): device ``c`` holds half-chunks ``2c`` and
@@ -447,13 +500,14 @@ def _ring_plan(cfg):
   """
   size, t = cfg.size, cfg.t
   if not cfg.load_balance:
+    at = _block_grads_at if grads else _block_at
     if cfg.position_free:
-      blocks = [functools.partial(_block_at, cfg, 0)]
+      blocks = [functools.partial(at, cfg, 0)]
     else:
       blocks = []
       for d in _distances(cfg):
         lo, hi = _key_range(cfg, d * t, t, t)
-        blocks.append(None if hi == lo else functools.partial(_block_at, cfg, d * t))
+        blocks.append(None if hi == lo else functools.partial(at, cfg, d * t))
 
     def locate(c, s, lengths):
       j = (c - s) % size
@@ -469,7 +523,8 @@ def _ring_plan(cfg):
       kinds = tuple(_pair_kind(qi, ki) for qi in (2 * c, 2 * size - 1 - 2 * c)
                     for ki in (2 * j, 2 * size - 1 - 2 * j))
       table[c, j] = patterns.setdefault(kinds, len(patterns))
-  blocks = [functools.partial(_zigzag_block, cfg, kinds) for kinds in patterns]
+  blocks = [functools.partial(_zigzag_grads if grads else _zigzag_block, cfg, kinds)
+            for kinds in patterns]
 
   def locate(c, s, lengths):
     j = (c - s) % size
@@ -543,8 +598,6 @@ def _ring_vjp(cfg):
     c = lax.axis_index(AXIS)
     perm = _ring_perm(size)
     f32 = jnp.float32
-    d_out32 = d_out.astype(f32)
-    out32 = out.astype(f32)
     d_lse = jnp.zeros_like(lse) if d_lse is None else d_lse.astype(f32)
 
     # the slopes' gradient (a dummy scalar without slopes) sums over the steps; shard_map adds
@@ -552,24 +605,17 @@ def _ring_vjp(cfg):
     d_slopes0 = jnp.zeros((), f32) if slopes is None else jnp.zeros(slopes.shape, f32)
 
     def grads(block):
-      def run(q, kb, vb, q_ids, idb, lens, slopes, scale):
+      def run(q, kb, vb, q_ids, idb, lens, slopes, scale, out, lse, d_out, d_lse):
         if block is None:
           return (jnp.zeros(q.shape, f32), jnp.zeros(kb.shape, f32), jnp.zeros(vb.shape, f32),
                   d_slopes0)
-        fn = lambda q, kb, vb, sl: block(q, kb, vb, q_ids, idb, lens, sl, scale)  # noqa: E731
-        (o, l), vjp = jax.vjp(fn, q, kb, vb, slopes)
-        finite = jnp.isfinite(lse) & jnp.isfinite(l)
-        w = jnp.where(finite, jnp.exp(l - jnp.where(finite, lse, 0.0)), 0.0)  # [B, N, T]
-        w_rows = jnp.swapaxes(w, 1, 2)[..., None]
-        d_o = (w_rows * d_out32).astype(o.dtype)
-        spread = jnp.swapaxes(jnp.sum(d_out32 * (o.astype(f32) - out32), axis=-1), 1, 2)
-        d_l = w * (spread + d_lse)
-        dq, dk, dv, d_sl = vjp((d_o, d_l))
+        dq, dk, dv, d_sl = block(q, kb, vb, q_ids, idb, lens, slopes, scale, out, lse, d_out,
+                                 d_lse)
         d_sl = d_slopes0 if slopes is None else d_sl.astype(f32)
         return dq.astype(f32), dk.astype(f32), dv.astype(f32), d_sl
       return run
 
-    blocks, locate = _ring_plan(cfg)
+    blocks, locate = _ring_plan(cfg, grads=True)
     branches = [grads(block) for block in blocks]
     kv_ids0 = jnp.zeros(q.shape[:2], jnp.int32) if kv_ids is None else kv_ids
 
@@ -579,7 +625,7 @@ def _ring_vjp(cfg):
       which, lens = locate(c, s, lengths)
       gq, gk, gv, g_sl = _switch(which, branches,
                                  (q, kb, vb, q_ids, None if kv_ids is None else idb, lens, slopes,
-                                  scale))
+                                  scale, out, lse, d_out, d_lse))
       # the chunk's gradient accumulators follow it; after C steps each is home again
       dkb, dvb = lax.ppermute((dkb + gk, dvb + gv), AXIS, perm)
       return (*nxt, dkb, dvb, dq + gq, d_sl + g_sl), None

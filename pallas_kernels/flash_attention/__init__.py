@@ -30,7 +30,7 @@ def _as_backend(kernel, label: str):
   """Adapts a kernel to the normalized backend signature of ``dot_product_attention``."""
 
   def attention(query, key, value, *, bias, mask, mask_array, scale, alibi_slopes, logits_soft_cap,
-                q_offset, return_residuals):
+                q_offset, return_residuals, residuals=None):
     if bias is not None:
       raise UnsupportedError(f"implementation={label!r} does not take a dense `bias` (shape "
                        f"{tuple(bias.shape)}); pass ALiBi as `alibi_slopes`, or use "
@@ -42,7 +42,7 @@ def _as_backend(kernel, label: str):
                        "implementation='xla_chunked'.")
     return kernel(query, key, value, mask, scale=scale, alibi_slopes=alibi_slopes,
                   logits_soft_cap=logits_soft_cap, q_offset=q_offset,
-                  return_residuals=return_residuals)
+                  return_residuals=return_residuals, residuals=residuals)
 
   attention.__name__ = f"{label}_attention"
   return attention

@@ -540,24 +540,27 @@ __all__ = ["BlockSizes", "Plan", "make_plan", "split_mask", "eval_mask", "block_
 
 
 def flash_custom_vjp(plan, forward, backward):
-  """The jitted ``(q, k, v, aux) -> (out, lse)`` of one backend, differentiated by its own kernels.
+  """The jitted ``(q, k, v, aux, given) -> (out, lse)`` of one backend, differentiated by its own
+  kernels.
 
   ``forward(plan, q, k, v, aux) -> (out, lse)``; ``backward(plan, q, k, v, aux, out, lse, d_out,
   d_lse) -> (dq, dk, dv)``.  ``aux`` (offsets, lengths, slopes, segment ids) gets no cotangent.
+  ``given``: None, or the forward's ``(out, lse)``, returned without running the forward kernel
+  (the backward then runs from them: ``jaxattn.ops.attention.attention_gradients``).
   """
 
   @jax.custom_vjp
-  def attention(q, k, v, aux):
-    return forward(plan, q, k, v, aux)
+  def attention(q, k, v, aux, given):
+    return forward(plan, q, k, v, aux) if given is None else given
 
-  def fwd(q, k, v, aux):
-    out, lse = forward(plan, q, k, v, aux)
+  def fwd(q, k, v, aux, given):
+    out, lse = forward(plan, q, k, v, aux) if given is None else given
     return (out, lse), (q, k, v, aux, out, lse)
 
   def bwd(res, cotangents):
     q, k, v, aux, out, lse = res
     d_out, d_lse = cotangents
-    return (*backward(plan, q, k, v, aux, out, lse, d_out, d_lse), None)
+    return (*backward(plan, q, k, v, aux, out, lse, d_out, d_lse), None, None)
 
   attention.defvjp(fwd, bwd)
   return jax.jit(attention)

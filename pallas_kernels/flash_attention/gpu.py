@@ -167,6 +167,7 @@ def flash_attention(
     block_sizes: C.BlockSizes | None = None,
     interpret: bool | None = None,
     mesh=None,
+    residuals=None,
 ) -> Float[Array, "B T N h"] | tuple[Float[Array, "B T N h"], Float[Array, "B N T"]]:
   """Flash attention on NVIDIA GPUs; arguments as ``pallas_kernels.flash_attention.tpu``.
 
@@ -188,7 +189,8 @@ def flash_attention(
                        f"(a Triton tile), got {v}.")
   out, lse = run_flash(query, key, value, mask, scale=scale, alibi_slopes=alibi_slopes,
                        logits_soft_cap=logits_soft_cap, q_offset=q_offset, block_sizes=block_sizes,
-                       interpret=bool(interpret), mesh=mesh, build=_build, pow2_blocks=True)
+                       interpret=bool(interpret), mesh=mesh, build=_build, pow2_blocks=True,
+                       residuals=residuals)
   return (out, lse) if return_residuals else out
 
 

@@ -79,6 +79,7 @@ def flash_attention(
     block_sizes: C.BlockSizes | None = None,
     interpret=None,
     mesh=None,
+    residuals=None,
 ) -> Float[Array, "B T N h"] | tuple[Float[Array, "B T N h"], Float[Array, "B N T"]]:
   """Flash attention on TPU; the function of ``dot_product_attention`` (without a dense bias).
 
@@ -97,6 +98,8 @@ def flash_attention(
     interpret: None (interpret unless running on TPU), False, True, or ``pltpu.InterpretParams``.
     mesh: a ``Mesh`` to run under ``shard_map`` (batch and heads sharded); default: the mesh set
       by ``jax.set_mesh`` if any.
+    residuals: the forward's ``(out, lse)``, given: returned without running the forward kernel;
+      the backward kernels run from them (``jaxattn.ops.attention.attention_gradients``).
 
   Returns:
     ``[B, T, N, h]`` in the query dtype; with ``return_residuals``, ``(out, lse)``.
@@ -105,7 +108,7 @@ def flash_attention(
   out, lse = run_flash(query, key, value, mask, scale=scale, alibi_slopes=alibi_slopes,
                        logits_soft_cap=logits_soft_cap, q_offset=q_offset,
                        block_sizes=block_sizes or C.BlockSizes.tpu(), interpret=interpret,
-                       mesh=mesh, build=_build)
+                       mesh=mesh, build=_build, residuals=residuals)
   return (out, lse) if return_residuals else out
 
 

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from jaxattn.ops import masks as M
-from jaxattn.ops.attention import dot_product_attention
+from jaxattn.ops.attention import attention_gradients, dot_product_attention
 from pallas_kernels.flash_attention import BlockSizes, common, flash_attention_tpu
 from pallas_kernels.flash_attention import tpu as tpu_kernel
 
@@ -212,6 +212,39 @@ def test_no_races_in_any_kernel(race_states):
                          argnums=(0, 1, 2)), q, k, v)
   for g, rg in zip(grads, r_grads):
     assert_close(g, rg, 1e-4, "grad")
+
+
+def test_given_residuals_run_only_the_backward_kernels_race_free(race_states):
+  """``residuals=(out, lse)`` of a larger call (here: the whole rows, of which the call sees one
+  key block of 13): the dQ and dK/dV kernels alone run from them, race-free, and give that
+  block's share of the whole call's gradients."""
+  pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
+  q, k, v = inputs(1, 16, 29, 2, 1, 8, 8, seed=3)
+  d_out = jax.random.normal(jax.random.key(4), q.shape)
+  mask = M.CausalMask()
+  params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
+
+  def whole(q, k, v):
+    return dot_product_attention(q, k, v, mask=mask, q_offset=13, return_residuals=True,
+                                 implementation="xla")
+  (out, lse), vjp = jax.vjp(whole, q, k, v)
+  want = vjp((d_out, jnp.zeros_like(lse)))
+
+  def block(q, kb, vb):   # keys [16, 29): query row i sits at key position i + 13 - 16
+    return flash_attention_tpu(q, kb, vb, mask, q_offset=-3, return_residuals=True,
+                               residuals=(out, lse), block_sizes=BlockSizes(8, 8, 8, 8),
+                               interpret=params)
+  got_out, block_vjp = jax.vjp(block, q, k[:, 16:], v[:, 16:])
+  np.testing.assert_array_equal(got_out[0], out)   # returned as given
+  dq, dk, dv = jax.jit(block_vjp)((d_out, jnp.zeros_like(lse)))
+  assert len(race_states) == 2, "expected the dQ and dK/dV kernels alone"
+  assert not any(st_.races_found for st_ in race_states)
+  assert_close(dk, want[1][:, 16:], 1e-4, "dk")
+  assert_close(dv, want[2][:, 16:], 1e-4, "dv")
+  # the query's gradient is the sum over key blocks: the first block's share is what is left
+  dq_first = attention_gradients(q, k[:, :16], v[:, :16], out, lse, d_out, mask=mask,
+                                 q_offset=13, implementation="xla")[0]
+  assert_close(dq + dq_first, want[0], 1e-4, "dq")
 
 
 # ----------------------------------------------------------------------------------------------

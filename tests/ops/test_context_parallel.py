@@ -362,3 +362,25 @@ def test_learned_alibi_slopes_and_bias_get_their_gradients(strategy):
     got = jax.jit(jax.grad(loss, argnums=argnums))(*args, slopes, bias)
   assert float(jnp.abs(want[0]).max()) > 1.0
   _close_results(got, want, (5e-5, 5e-5))
+
+
+@pytest.mark.parametrize("load_balance", [None, False])
+def test_ring_backward_runs_no_block_forward(load_balance):
+  """The ring's backward pass differentiates each block from the rows' whole output and
+  log-sum-exp (``attention_gradients``): the program of the gradient holds the forward ring's
+  kernel calls and no more (the native CPU kernels, zigzag and contiguous layouts)."""
+  from jaxattn import native
+  if not native.available():
+    pytest.skip(native.reason())
+  q, k, v, d_out = _inputs(seed=5)
+  mesh = make_mesh({"data": 2, "context": 4})
+  attend = lambda q, k, v: dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+  loss = lambda q, k, v: jnp.sum(attend(q, k, v) * d_out)  # noqa: E731
+  with jax.set_mesh(mesh), cp.set_options(strategy="ring", load_balance=load_balance):
+    args = [jax.device_put(x, NamedSharding(mesh, P("data", "context"))) for x in (q, k, v)]
+    forward = str(jax.make_jaxpr(attend)(*args))
+    grad = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*args))
+  fwd, bwd = "jaxattn_flash_attention_fwd_f32", "jaxattn_flash_attention_bwd_f32"
+  assert forward.count(fwd) > 0 and bwd not in forward
+  assert grad.count(fwd) == forward.count(fwd)
+  assert grad.count(bwd) > 0
