@@ -39,7 +39,9 @@ class Attention(nnx.Module):
   absolute).  ``sliding_window=w`` lets a query at ``p`` see keys ``p - w .. p`` (causal) or
   ``p - w .. p + w``.  ``qk_norm`` RMS-normalizes each q and k head (``norm_eps``) before RoPE, and
   ``output_gate`` multiplies each output head by ``sigmoid(x W_gate)`` before ``o_proj`` (both as
-  Qwen3-Next's full-attention layers).
+  Qwen3-Next's full-attention layers).  ``attention_sinks`` gives each head a learned sink logit
+  (gpt-oss): one more softmax entry of value zero, so a head may attend to nothing
+  (``dot_product_attention(..., sinks=)``; decode over a paged cache takes the XLA path then).
 
   Call ``attn(x)`` for a full pass; with ``cache=attn.init_cache(...)`` it returns ``(y, cache)``
   and, for a causal layer, a prefill followed by token-by-token decode equals the full pass on the
@@ -71,6 +73,7 @@ class Attention(nnx.Module):
       use_bias: bool = False,
       qk_norm: bool = False,
       output_gate: bool = False,
+      attention_sinks: bool = False,
       norm_eps: float = 1e-6,
       implementation=None,
       rngs: nnx.Rngs,
@@ -130,6 +133,10 @@ class Attention(nnx.Module):
                    else None)
     self.gate_proj = (Einsum("BTD,DNH->BTNH", (d, n, hv), ("embed", "heads", "head_dim"), **kw)
                       if output_gate else None)
+    # gpt-oss: a learned sink logit per head, one more softmax entry of value zero (initialized
+    # to 0: a sink as likely as a key of logit 0).
+    self.sinks = (nnx.Param(jnp.zeros((n,), param_dtype), logical_axes=("heads",))
+                  if attention_sinks else None)
 
   # -- cache -----------------------------------------------------------------------------------
 
@@ -210,11 +217,13 @@ class Attention(nnx.Module):
                          num_buckets=self.rel_bias.num_buckets,
                          max_distance=self.rel_bias.max_distance)
       impl = "xla"
+    if self.sinks is not None:   # likewise the sinks: the XLA path
+      impl = "xla"
     out = paged_attention(q, cache.key_pool, cache.value_pool, cache.page_table, cache.lengths,
                           scale=self.attention_scale, logits_soft_cap=self.logits_soft_cap,
                           implementation=impl, num_tokens=num_tokens,
                           local_window_size=self.sliding_window, alibi_slopes=self._slopes(),
-                          relative_bias=rel)
+                          relative_bias=rel, sinks=self._sinks())
     y = shard(self.o_proj(self._gate(x, out.astype(q.dtype))), ("batch", "length", "act_embed"))
     return nan_where_dropped(y, old_lengths, cache.lengths, t, num_tokens), cache
 
@@ -228,8 +237,12 @@ class Attention(nnx.Module):
     transposing the whole cache on every step; the decode kernel reads each valid block once, in
     place (with a window: only the pages of the window)."""
     return (tpu_kernel_requested(implementation or self.implementation) and t <= DECODE_MAX_T
-            and self.causal and mask is None and self.rel_bias is None
+            and self.causal and mask is None and self.rel_bias is None and self.sinks is None
             and cache.max_len % 16 == 0)
+
+  def _sinks(self):
+    """The layer's sink logits ``[N]`` (None without ``attention_sinks``)."""
+    return None if self.sinks is None else self.sinks[...]
 
   def _slopes(self):
     """The layer's ALiBi slopes ``[N]`` (None unless ``position="alibi"``)."""
@@ -319,7 +332,7 @@ class Attention(nnx.Module):
         q, k, v, bias, mask, scale=self.attention_scale, is_causal=self.causal and not rolling,
         local_window_size=None if rolling else self.sliding_window, segment_ids=segment_ids,
         kv_lengths=kv_lengths, q_offset=0 if rolling else offset, alibi_slopes=slopes,
-        logits_soft_cap=self.logits_soft_cap,
+        logits_soft_cap=self.logits_soft_cap, sinks=self._sinks(),
         implementation=implementation or self.implementation)
     y = self.o_proj(self._gate(x, out))
     y = shard(y, ("batch", "length", "act_embed"))

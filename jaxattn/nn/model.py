@@ -102,6 +102,7 @@ class ModelConfig:
   attention_bias: bool = False
   attention_qk_norm: bool = False            # per-head RMSNorm on q and k before RoPE (Qwen3-Next)
   attention_output_gate: bool = False        # out * sigmoid(x W_gate) per head (Qwen3-Next)
+  attention_sinks: bool = False              # a learned sink logit per head (gpt-oss)
   t5_num_buckets: int = 32
   t5_max_distance: int = 128
   attention_implementation: str | None = None
@@ -322,7 +323,7 @@ class DecoderLayer(nnx.Module):
           sliding_window=cfg.sliding_window if kind == "S" else None,
           logits_soft_cap=cfg.logits_soft_cap, use_bias=cfg.attention_bias,
           qk_norm=cfg.attention_qk_norm, output_gate=cfg.attention_output_gate,
-          norm_eps=cfg.norm_eps,
+          attention_sinks=cfg.attention_sinks, norm_eps=cfg.norm_eps,
           implementation=cfg.attention_implementation, **common)
     elif kind in "MI":
       mla = dict(kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank,

@@ -209,6 +209,7 @@ def dot_product_attention(
     q_offset: int | Int[Array, ""] = 0,
     alibi_slopes: Float[Array, "N"] | None = None,
     logits_soft_cap: float | None = None,
+    sinks: Float[Array, "N"] | None = None,
     return_residuals: bool = False,
     implementation: Implementation | Sequence[Implementation] | None = None,
 ) -> Float[Array, "B T N h"] | tuple[Float[Array, "B T N h"], Float[Array, "B N T"]]:
@@ -229,6 +230,11 @@ def dot_product_attention(
       tokens already cached); 0 aligns a causal mask top-left as ``jax.nn`` does.
     alibi_slopes: ``[N]`` ALiBi slopes; adds ``slope * (j - i)`` computed from positions.
     logits_soft_cap: if set, ``logits = cap * tanh(logits / cap)`` after the bias.
+    sinks: ``[N]`` attention-sink logits (gpt-oss's learned sinks): each head's softmax gets one
+      more entry, of logit ``sinks[n]`` and a zero value, so a row may give weight to nothing
+      (``sum_j p_ij = 1 - sigmoid(sinks[n] - lse_i)``).  Applied to any backend's ``(out, lse)``:
+      ``out * sigmoid(lse - sink)``, ``lse`` becoming ``logaddexp(lse, sink)``; differentiated
+      (through the backends' log-sum-exp cotangent).  A row that sees no key gives zeros.
     return_residuals: also return the fp32 log-sum-exp of each row, ``[B, N, T]`` (``-inf`` for a
       fully masked row), as the flash backward pass consumes it.
     implementation: None (auto: on TPU the Pallas kernel; on an NVIDIA GPU cuDNN where it
@@ -253,6 +259,15 @@ def dot_product_attention(
   Returns:
     ``[B, T, N, h]`` in the query dtype; with ``return_residuals``, ``(out, lse)``.
   """
+  if sinks is not None:
+    sinks = check_sinks(sinks, query.shape[2])
+    out, lse = dot_product_attention(
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+        local_window_size=local_window_size, segment_ids=segment_ids, kv_lengths=kv_lengths,
+        q_offset=q_offset, alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap,
+        return_residuals=True, implementation=implementation)
+    out, lse = apply_sinks(out, lse, sinks)
+    return (out, lse) if return_residuals else out
   kwargs = _backend_kwargs(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
                            local_window_size=local_window_size, segment_ids=segment_ids,
                            kv_lengths=kv_lengths, q_offset=q_offset, alibi_slopes=alibi_slopes,
@@ -280,6 +295,27 @@ def dot_product_attention(
   if isinstance(implementation, str):
     return attempt(_resolve(implementation))
   return _first_accepting(attempt, _sequence(implementation))[1]
+
+
+def check_sinks(sinks, num_heads: int):
+  """``sinks`` as an fp32 ``[N]`` array, or a ValueError naming it."""
+  shape = tuple(np.shape(sinks))
+  if shape != (num_heads,):
+    raise ValueError(f"`sinks` must be a [N] array of one logit per query head, N={num_heads}, "
+                     f"got shape {shape}.")
+  if not jnp.issubdtype(jnp.result_type(sinks), jnp.floating):
+    raise ValueError(f"`sinks` must be floating point, got {jnp.result_type(sinks)}.")
+  return jnp.asarray(sinks, jnp.float32)
+
+
+def apply_sinks(out: Float[Array, "B T N h"], lse: Float[Array, "B N T"], sinks: Float[Array, "N"]):
+  """``(out, lse)`` of attention with one more softmax entry per head, of logit ``sinks[n]`` and
+  a zero value: ``out * exp(lse - lse')``, ``lse' = logaddexp(lse, sink)`` (fp32)."""
+  sink = jnp.asarray(sinks, jnp.float32)[None, :, None]  # [1, N, 1]
+  new = jnp.logaddexp(lse, sink)
+  w = jnp.exp(lse - new)  # lse = -inf (no key): 0
+  out = (out.astype(jnp.float32) * jnp.swapaxes(w, 1, 2)[..., None]).astype(out.dtype)
+  return out, new
 
 
 def no_visible_keys(query, value) -> tuple[Float[Array, "B T N h"], Float[Array, "B N T"]]:

@@ -328,12 +328,19 @@ def unalign_queries(x, num_tokens):
                    jnp.zeros((), x.dtype))
 
 
-def _softmax_rows(logits, valid):
-  """fp32 softmax over the last axis with invalid entries dropped; all-invalid rows give zeros."""
+def _softmax_rows(logits, valid, sink=None):
+  """fp32 softmax over the last axis with invalid entries dropped; all-invalid rows give zeros.
+  ``sink`` (broadcast to the rows' shape with a last axis of 1): one more entry's logit, of a
+  zero value (attention sinks), in the normalizer only."""
   logits = jnp.where(valid, logits, -jnp.inf)
   m = jnp.max(logits, axis=-1, keepdims=True)
-  p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
+  if sink is not None:
+    m = jnp.where(jnp.isfinite(m), jnp.maximum(m, sink), m)   # no key: zeros, as without
+  m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.exp(logits - m_safe)
   l = jnp.sum(p, axis=-1, keepdims=True)
+  if sink is not None:
+    l = jnp.where(l != 0, l + jnp.exp(sink - m_safe), l)
   return p / jnp.where(l != 0, l, 1.0)
 
 
@@ -363,7 +370,7 @@ def _window_columns(page_table, lengths, num_tokens, t: int, page: int, window):
 @functools.partial(jax.jit, static_argnames=("logits_soft_cap", "local_window_size"))
 def paged_attention_xla(query, key_pool, value_pool, page_table, lengths, *, scale,
                         logits_soft_cap=None, num_tokens=None, local_window_size=None,
-                        alibi_slopes=None, relative_bias=None):
+                        alibi_slopes=None, relative_bias=None, sinks=None):
   """The reference: gather pages to ``[B, S, K, H]``, then dense fp32 attention.  ``query`` is
   ``[B, T, N, H]``; see ``paged_attention`` (``num_tokens`` [B] or None)."""
   b, t, n, h = query.shape
@@ -388,7 +395,8 @@ def paged_attention_xla(query, key_pool, value_pool, page_table, lengths, *, sca
     logits = logits + bias
   logits = _cap(logits, logits_soft_cap)
   visible = _visible(q_pos, kv_pos, lengths, num_tokens, local_window_size)
-  p = _softmax_rows(logits, visible[:, None, None])
+  sink = None if sinks is None else jnp.asarray(sinks, _F32).reshape(1, kh, n // kh, 1, 1)
+  p = _softmax_rows(logits, visible[:, None, None], sink)
   out = jnp.einsum("bkgts,bskh->btkgh", p, value)
   return out.reshape(b, t, n, value.shape[-1]).astype(query.dtype)
 
@@ -457,6 +465,7 @@ def paged_attention(
     local_window_size: int | None = None,
     alibi_slopes: Float[Array, "N"] | None = None,
     relative_bias: RelativeBias | None = None,
+    sinks: Float[Array, "N"] | None = None,
 ) -> Float[Array, "B T N h"] | Float[Array, "B N h"]:
   """Attention of each sequence's newest ``T`` tokens over its paged keys and values.
 
@@ -496,6 +505,8 @@ def paged_attention(
       the soft-cap), from the key's and the query's positions, as ``dot_product_attention``.
     relative_bias: a ``RelativeBias`` (T5's learned buckets), added like the slopes.  The
       ``"xla"`` implementation only (None picks it; a kernel name is refused).
+    sinks: ``[N]`` attention-sink logits, as ``dot_product_attention``'s; like
+      ``relative_bias``, the ``"xla"`` implementation only.
 
   Returns:
     ``[B, T, N, h]`` (``[B, N, h]`` for a 3-D query) in the query dtype.
@@ -514,6 +525,13 @@ def paged_attention(
                        f"implementation='xla' only, got implementation={implementation!r}; the "
                        f"decode kernels take ALiBi as `alibi_slopes`.")
     implementation = "xla"
+  if sinks is not None:
+    from jaxattn.ops.attention import check_sinks  # noqa: PLC0415 (import cycle)
+    sinks = check_sinks(sinks, q.shape[2])
+    if implementation not in (None, "xla"):
+      raise ValueError(f"`sinks` (attention sinks) run on implementation='xla' only, got "
+                       f"implementation={implementation!r}.")
+    implementation = "xla"
   scale = 1.0 / math.sqrt(h) if scale is None else scale
   page_table, lengths = page_table.astype(jnp.int32), lengths.astype(jnp.int32)
   impl = resolve_implementation(implementation) if q.shape[1] else "xla"   # T = 0: empty
@@ -523,7 +541,7 @@ def paged_attention(
   if impl == "xla":
     out = paged_attention_xla(q, key_pool, value_pool, page_table, lengths, scale=scale,
                               logits_soft_cap=logits_soft_cap, num_tokens=num_tokens,
-                              relative_bias=relative_bias, **extra)
+                              relative_bias=relative_bias, sinks=sinks, **extra)
     return out[:, 0] if squeeze else out
   if num_tokens is not None:
     q = align_queries(q, num_tokens)

@@ -22,6 +22,7 @@ CONFIGS = {
     "yarn": dict(num_heads=4, num_kv_heads=2,
                  rope_scaling=RopeScaling(type="yarn", factor=4.0, original_max_position_embeddings=8)),
     "no_position_vhead": dict(num_heads=4, position="none", v_head_dim=6),
+    "sinks_window": dict(num_heads=4, num_kv_heads=2, attention_sinks=True, sliding_window=4),
 }
 
 
@@ -34,6 +35,8 @@ def test_prefill_then_decode_equals_full_pass(name):
   attn = Attention(D, rngs=nnx.Rngs(0), **CONFIGS[name])
   if attn.rel_bias is not None:  # make the T5 bias matter
     attn.rel_bias.embedding[...] = jax.random.normal(jax.random.key(9), attn.rel_bias.embedding.shape)
+  if attn.sinks is not None:     # and the sinks (initialized to 0)
+    attn.sinks[...] = jnp.array([2.0, -1.0, 0.5, 4.0])
   x = _x()
   full = attn(x)
   cache = attn.init_cache(batch=2, max_len=16)

@@ -27,6 +27,12 @@ def gqa():
                                    rngs=nnx.Rngs(0)))
 
 
+def gqa_sinks():
+  """gpt-oss's attention: learned sinks (random here), a sliding window."""
+  return _filled(lambda: Attention(D, num_heads=4, num_kv_heads=2, attention_sinks=True,
+                                   sliding_window=3, rngs=nnx.Rngs(0)))
+
+
 def mla():
   return _filled(lambda: MLA(D, 4, mode="absorbed", rngs=nnx.Rngs(0), **MLA_DIMS))
 
@@ -47,7 +53,7 @@ def _decode(module, cache, x, prefill):
   return prefill_then_decode(_step, module, cache, x, prefill)
 
 
-@pytest.mark.parametrize("make", [gqa, mla], ids=["gqa", "mla"])
+@pytest.mark.parametrize("make", [gqa, mla, gqa_sinks], ids=["gqa", "mla", "gqa_sinks"])
 def test_paged_decode_equals_contiguous_decode(make):
   module, x = make(), _x(7)
   paged, cache = _decode(module, module.init_paged_cache(2, num_pages=8, page_size=2), x, 4)
