@@ -29,7 +29,7 @@ def test_gpt_oss_eager_attention(window):
   i, j = np.arange(t)[:, None], np.arange(t)[None, :]
   keep = (j <= i) if window is None else (j <= i) & (j >= i - window)
   mask = torch.from_numpy(np.where(keep, 0.0, -np.inf).astype(np.float32))[None, None]
-  to_heads = lambda x: torch.from_numpy(x).transpose(1, 2)  # noqa: E731  [B, T, N, H] -> [B, N, T, H]
+  to_heads = lambda x: torch.from_numpy(x).transpose(1, 2)  # noqa: E731  -> [B, N, T, H]
   want, _ = hf_gpt_oss.eager_attention_forward(module, to_heads(q), to_heads(k), to_heads(v),
                                                mask, scaling=h ** -0.5)
   got = dot_product_attention(q, k, v, is_causal=True, local_window_size=window, sinks=sinks)
