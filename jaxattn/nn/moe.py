@@ -62,6 +62,11 @@ class MoE(nnx.Module):
 
   Parameters: ``router`` ``[D, E]`` (fp32 math), ``w_gate``/``w_up`` ``[E, D, F]``, ``w_down``
   ``[E, F, D]`` on the ``expert`` logical axis, ``shared`` (an ``MLP``), ``router_bias`` ``[E]``.
+
+  gpt-oss: ``activation=ClampedSwiGLU()`` (``(clip(u) + 1) * g' sigmoid(1.702 g')``, ``g' =
+  min(g, 7)``), ``expert_bias`` (``b_gate``/``b_up`` ``[E, F]``, ``b_down`` ``[E, D]``; dropless
+  only), ``router_logit_bias`` (a learned ``[E]`` bias on the router's logits), with
+  ``score_func="softmax"`` and ``norm_topk_prob=True`` (a softmax over the top-k logits).
   """
 
   def __init__(
@@ -85,6 +90,9 @@ class MoE(nnx.Module):
       bias_update_rate: float = 1e-3,
       capacity_factor: float | None = None,
       expert_parallel: bool | None = None,
+      activation: M.ClampedSwiGLU | None = None,
+      expert_bias: bool = False,
+      router_logit_bias: bool = False,
       implementation: M.Implementation | None = None,
       block_size: int | None = None,
       rngs: nnx.Rngs,
@@ -109,6 +117,13 @@ class MoE(nnx.Module):
     if implementation is not None and implementation not in M.IMPLEMENTATIONS:
       raise ValueError(f"`implementation` must be None or one of {M.IMPLEMENTATIONS}, got "
                        f"{implementation!r}.")
+    M.check_activation(activation)
+    for name, v in (("expert_bias", expert_bias), ("router_logit_bias", router_logit_bias)):
+      if not isinstance(v, bool):
+        raise ValueError(f"`{name}` must be a bool, got {v!r}.")
+    if expert_bias and capacity_factor is not None:
+      raise ValueError("`expert_bias` takes the dropless path (`capacity_factor=None`): a dropped "
+                       "assignment would still receive its expert's output bias.")
     if expert_parallel and capacity_factor is not None:
       raise ValueError("`expert_parallel=True` is the dropless path; with `capacity_factor` the "
                        "[E, C, D] buffer is split over the `expert` axis by XLA instead.")
@@ -126,6 +141,7 @@ class MoE(nnx.Module):
     self.capacity_factor, self.expert_parallel = capacity_factor, expert_parallel
     block_size = None if block_size is None else int(block_size)   # static: a Python int
     self.implementation, self.block_size, self.dtype = implementation, block_size, dtype
+    self.activation = activation
 
     d, e, f = embed_dim, num_experts, expert_dim
     expert_init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=1,
@@ -137,6 +153,16 @@ class MoE(nnx.Module):
     self.w_up = param(rngs, expert_init, (e, d, f), ("expert", "embed", "mlp"), param_dtype)
     self.w_down = param(rngs, expert_init, (e, f, d), ("expert", "mlp", "embed"), param_dtype)
     self.router_bias = RouterBias(jnp.zeros((e,), jnp.float32), logical_axes=(None,))
+    # gpt-oss: a learned bias on the router's logits (it changes the scores too, unlike
+    # `router_bias`), and biases on every expert's gate, up and down projections.
+    zeros = nnx.initializers.zeros_init()
+    self.router_logit_bias = (param(rngs, zeros, (e,), (None,), param_dtype)
+                              if router_logit_bias else None)
+    self.b_gate, self.b_up, self.b_down = (
+        (param(rngs, zeros, (e, f), ("expert", "mlp"), param_dtype),
+         param(rngs, zeros, (e, f), ("expert", "mlp"), param_dtype),
+         param(rngs, zeros, (e, d), ("expert", "embed"), param_dtype))
+        if expert_bias else (None, None, None))
     shared_dim = num_shared_experts * expert_dim if shared_dim is None else shared_dim
     self.shared = (MLP(d, shared_dim, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
                    if num_shared_experts > 0 else None)
@@ -150,6 +176,8 @@ class MoE(nnx.Module):
     """The router's decision for each token of ``x`` (fp32 logits and scores)."""
     router = self.router[...].astype(jnp.float32)
     logits = jnp.einsum("...d,de->...e", x.astype(jnp.float32), router)
+    if self.router_logit_bias is not None:
+      logits = logits + self.router_logit_bias[...].astype(jnp.float32)
     return M.route(logits, self.router_bias[...], top_k=self.top_k, score_func=self.score_func,
                    n_group=self.n_group, topk_group=self.topk_group,
                    norm_topk_prob=self.norm_topk_prob,
@@ -207,15 +235,28 @@ class MoE(nnx.Module):
       indices = jnp.where(token_mask[..., None], indices, -1)  # -1: no expert
     wg, wu, wd = (self.expert_kernel(name).astype(dtype)
                   for name in ("w_gate", "w_up", "w_down"))
-    flat = (x.reshape(b * t, d), indices.reshape(b * t, -1), r.weights.reshape(b * t, -1),
-            wg, wu, wd)
+    xf, idx, wts = x.reshape(b * t, d), indices.reshape(b * t, -1), r.weights.reshape(b * t, -1)
+    if self.b_gate is not None:
+      # The gate / up biases as one more input column of ones and one more weight row: every
+      # dispatch path (grouped matmuls, expert parallelism) computes them as it computes x W.
+      xf = jnp.concatenate([xf, jnp.ones((b * t, 1), dtype)], axis=1)
+      wg, wu = (jnp.concatenate([w, bias[...].astype(dtype)[:, None, :]], axis=1)
+                for w, bias in ((wg, self.b_gate), (wu, self.b_up)))
+    flat = (xf, idx, wts, wg, wu, wd)
     if self._use_expert_parallel():
       y = M.routed_experts_sharded(*flat, implementation=self.implementation,
-                                   block_size=self.block_size)
+                                   block_size=self.block_size, activation=self.activation)
       dropped = jnp.zeros((), jnp.int32)
     else:
       y, dropped = M.routed_experts(*flat, capacity_factor=self.capacity_factor,
-                                    implementation=self.implementation, block_size=self.block_size)
+                                    implementation=self.implementation, block_size=self.block_size,
+                                    activation=self.activation)
+    if self.b_down is not None:
+      # sum_j w_j (h_j W_d + b_d[e_j]): the output bias of each chosen expert, weighted
+      valid = (idx >= 0) & (idx < self.num_experts)
+      b_sel = self.b_down[...].astype(jnp.float32)[jnp.where(valid, idx, 0)]      # [M, k, D]
+      w_sel = jnp.where(valid, wts.astype(jnp.float32), 0.0)
+      y = (y.astype(jnp.float32) + jnp.einsum("mk,mkd->md", w_sel, b_sel)).astype(y.dtype)
     y = y.reshape(b, t, d)
     if self.shared is not None:
       s = self.shared(x)

@@ -27,6 +27,7 @@ dropless path with experts split over a mesh axis, tokens exchanged with all-to-
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import partial
 from typing import Literal, NamedTuple, Sequence
@@ -469,9 +470,27 @@ def _check_grouped(x, w, group_sizes):
     raise ValueError(f"`group_sizes` must have shape ({w.shape[0]},), got {group_sizes.shape}.")
 
 
-def _swiglu(g, u, dtype):
-  # The gate nonlinearity in fp32, as every gate in the package.
-  return (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(dtype)
+@dataclasses.dataclass(frozen=True)
+class ClampedSwiGLU:
+  """gpt-oss's expert activation: ``(clip(u, -limit, limit) + 1) * g' sigmoid(alpha g')`` with
+  ``g' = min(g, limit)``."""
+  alpha: float = 1.702
+  limit: float = 7.0
+
+
+def check_activation(activation) -> None:
+  if activation is not None and not isinstance(activation, ClampedSwiGLU):
+    raise ValueError(f"`activation` must be None (SwiGLU) or a ClampedSwiGLU, got {activation!r}.")
+
+
+def _swiglu(g, u, dtype, activation: ClampedSwiGLU | None = None):
+  # The gate nonlinearity in fp32, as every gate in the package.  Zero rows stay zero.
+  g, u = g.astype(jnp.float32), u.astype(jnp.float32)
+  if activation is None:
+    return (jax.nn.silu(g) * u).astype(dtype)
+  g = jnp.minimum(g, activation.limit)
+  u = jnp.clip(u, -activation.limit, activation.limit)
+  return ((u + 1.0) * g * jax.nn.sigmoid(activation.alpha * g)).astype(dtype)
 
 
 def grouped_swiglu(
@@ -483,23 +502,27 @@ def grouped_swiglu(
     *,
     implementation: Implementation | None = None,
     block_size: int | None = None,
+    activation: ClampedSwiGLU | None = None,
 ) -> Float[Array, "M D"]:
   """Each row through its group's SwiGLU ``(silu(x W_g) * x W_u) W_d``; rows past the groups: 0.
 
-  The blocked path pads once and runs all three matmuls in the padded layout.
+  The blocked path pads once and runs all three matmuls in the padded layout.  ``activation``:
+  None (SwiGLU) or ``ClampedSwiGLU`` (gpt-oss).
   """
   impl = _check_implementation(implementation)
   _check_grouped(x, w_gate, group_sizes)
-  if w_up.shape != w_gate.shape or w_down.shape != (w_gate.shape[0], w_gate.shape[2], x.shape[1]):
+  # (the output width may differ from D: a layer with gate / up biases feeds x with a column of
+  # ones, D + 1 wide, and gets D back)
+  if w_up.shape != w_gate.shape or w_down.shape[:2] != (w_gate.shape[0], w_gate.shape[2]):
     raise ValueError(f"expert weights disagree: w_gate {w_gate.shape}, w_up {w_up.shape}, "
-                     f"w_down {w_down.shape} (want [E, D, F], [E, D, F], [E, F, D]).")
+                     f"w_down {w_down.shape} (want [E, D, F], [E, D, F], [E, F, D_out]).")
   if impl != "blocked":
     mm = partial(grouped_matmul, group_sizes=group_sizes, implementation=impl)
-    return mm(_swiglu(mm(x, w_gate), mm(x, w_up), x.dtype), w_down)
+    return mm(_swiglu(mm(x, w_gate), mm(x, w_up), x.dtype, activation), w_down)
   layout = _layout(group_sizes, x.shape[0], block_size)
   xb = _pad(x, layout)
   mm = lambda a, w: block_matmul(a, w, layout.block_group, layout.num_used)
-  h = _swiglu(mm(xb, w_gate), mm(xb, w_up), x.dtype)  # padding rows stay 0: silu(0) * 0
+  h = _swiglu(mm(xb, w_gate), mm(xb, w_up), x.dtype, activation)  # padding rows stay 0
   return _unpad(mm(h, w_down), layout)
 
 
@@ -541,6 +564,7 @@ def routed_experts(
     capacity_factor: float | None = None,
     implementation: Implementation | None = None,
     block_size: int | None = None,
+    activation: ClampedSwiGLU | None = None,
 ) -> tuple[Float[Array, "M D"], Int[Array, ""]]:
   """``y[m] = sum_j weights[m, j] * SwiGLU_{indices[m, j]}(x[m])``, and the dropped assignments.
 
@@ -554,15 +578,17 @@ def routed_experts(
   ``expert`` logical axis, so under a mesh XLA splits it over experts and inserts the all-to-all.
 
   An index outside ``[0, E)`` (e.g. ``-1`` for "no expert") adds nothing, on every path (as in
-  ``dense_experts``); it is not counted as dropped.
+  ``dense_experts``); it is not counted as dropped.  ``activation`` as ``grouped_swiglu``'s.
   """
   _check_dispatch(x, indices, weights, w_gate)
+  check_activation(activation)
   m, k = indices.shape
   num_experts = w_gate.shape[0]
   if capacity_factor is None:
     order, group_sizes = sort_by_expert(indices, num_experts)
     ys = grouped_swiglu(x[order // k], group_sizes, w_gate, w_up, w_down,
-                        implementation=implementation, block_size=block_size)
+                        implementation=implementation, block_size=block_size,
+                        activation=activation)
     y_assign = jnp.zeros_like(ys).at[order].set(ys)
     return (_combine(y_assign.reshape(m, k, ys.shape[-1]), weights, x.dtype),
             jnp.zeros((), jnp.int32))
@@ -580,7 +606,7 @@ def routed_experts(
   buf = buf.at[expert, slot].set(x[token], mode="drop")                        # slot >= C: dropped
   buf = shard(buf, ("expert", None, "act_embed"))
   mm = lambda a, w: jnp.einsum("ecd,edf->ecf", a, w, preferred_element_type=jnp.float32)
-  h = _swiglu(mm(buf, w_gate), mm(buf, w_up), x.dtype)
+  h = _swiglu(mm(buf, w_gate), mm(buf, w_up), x.dtype, activation)
   out = mm(h, w_down).astype(x.dtype)
   out = shard(out, ("expert", None, "act_embed"))
   ys = out.at[expert, slot].get(mode="fill", fill_value=0)                     # [k * M, D]
@@ -597,16 +623,19 @@ def dense_experts(
     w_gate: Float[Array, "E D F"],
     w_up: Float[Array, "E D F"],
     w_down: Float[Array, "E F D"],
+    *,
+    activation: ClampedSwiGLU | None = None,
 ) -> Float[Array, "M D"]:
   """The reference: EVERY expert runs on every token, and a ``[M, E]`` gate matrix (the routing
   weights at the selected experts, 0 elsewhere) masks and combines them.  ``E / k`` times the work
   of the dispatched paths."""
   _check_dispatch(x, indices, weights, w_gate)
+  check_activation(activation)
   num_experts = w_gate.shape[0]
   gates = jnp.einsum("mke,mk->me", jax.nn.one_hot(indices, num_experts, dtype=jnp.float32),
                      weights.astype(jnp.float32))
   mm = lambda eq, a, w: jnp.einsum(eq, a, w, preferred_element_type=jnp.float32)
-  h = _swiglu(mm("md,edf->emf", x, w_gate), mm("md,edf->emf", x, w_up), x.dtype)
+  h = _swiglu(mm("md,edf->emf", x, w_gate), mm("md,edf->emf", x, w_up), x.dtype, activation)
   y = mm("emf,efd->emd", h, w_down)
   return jnp.einsum("emd,me->md", y, gates).astype(x.dtype)
 
@@ -644,6 +673,7 @@ def routed_experts_sharded(
     token_axes: Sequence[str] = ("data", "fsdp", "expert"),
     implementation: Implementation | None = None,
     block_size: int | None = None,
+    activation: ClampedSwiGLU | None = None,
 ) -> Float[Array, "M D"]:
   """``routed_experts`` (dropless) with the experts split over ``expert_axis`` of ``mesh``.
 
@@ -663,6 +693,7 @@ def routed_experts_sharded(
   them.
   """
   _check_dispatch(x, indices, weights, w_gate)
+  check_activation(activation)
   # An index outside [0, E) is dropped, as in routed_experts: here it becomes a zero-weight
   # assignment to expert 0 (no value, and no gradient to its weight).
   valid = (indices >= 0) & (indices < w_gate.shape[0])
@@ -712,7 +743,7 @@ def routed_experts_sharded(
     # The buffer has P * A_loc rows but receives A_loc on average: size blocks for the average.
     bm = default_block_size(a_loc, local_experts) if block_size is None else block_size
     out = grouped_swiglu(recv.reshape(-1, x.shape[1])[order2], group_sizes, w_gate, w_up, w_down,
-                         implementation=implementation, block_size=bm)
+                         implementation=implementation, block_size=bm, activation=activation)
     out = jnp.zeros_like(out).at[order2].set(out).reshape(n_dev, a_loc, -1)
     back = jax.lax.all_to_all(out, expert_axis, 0, 0, tiled=True)             # [P(dest), A_loc, D]
     ys = back[dest, slot]                                                       # sorted order

@@ -112,3 +112,52 @@ def test_switch_aux_loss_matches_mixtral_load_balancing_loss():
   np.testing.assert_allclose(got, want.item(), rtol=1e-5)
   want_nomask = mixtral.load_balancing_loss_func((logits,), 8, top_k=2)
   np.testing.assert_allclose(ops.switch_aux_loss(r.scores, r.indices), want_nomask.item(), rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# gpt-oss: a softmax over the top-k router logits (with a learned logit bias), clamped SwiGLU
+# experts with biases
+# ----------------------------------------------------------------------------------------------
+
+
+def _gpt_oss_layer(hf, implementation=None, **kw):
+  from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP  # noqa: F401
+  layer = MoE(D, E, K, F, score_func="softmax", norm_topk_prob=True,
+              activation=ops.ClampedSwiGLU(alpha=1.702, limit=7.0), expert_bias=True,
+              router_logit_bias=True, implementation=implementation, rngs=nnx.Rngs(0), **kw)
+  t = lambda p: jnp.asarray(p.detach().numpy())  # noqa: E731
+  layer.router[...] = t(hf.router.weight).T                                   # [E, D] -> [D, E]
+  layer.router_logit_bias[...] = t(hf.router.bias)
+  gate_up, gate_up_bias = t(hf.experts.gate_up_proj), t(hf.experts.gate_up_proj_bias)
+  layer.w_gate[...], layer.w_up[...] = gate_up[..., ::2], gate_up[..., 1::2]  # interleaved
+  layer.b_gate[...], layer.b_up[...] = gate_up_bias[..., ::2], gate_up_bias[..., 1::2]
+  layer.w_down[...] = t(hf.experts.down_proj)                                 # [E, F, D]
+  layer.b_down[...] = t(hf.experts.down_proj_bias)
+  return layer
+
+
+@pytest.mark.parametrize("implementation", ["blocked", "dense", "ragged_dot"])
+def test_gpt_oss_moe_block(implementation):
+  """transformers' ``GptOssMLP`` (router + experts, eager loop) on random weights scaled so that
+  the clamps (7) bind on some units: our ``MoE`` with its gpt-oss options, every grouped-matmul
+  path."""
+  from transformers import GptOssConfig
+  from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+  config = GptOssConfig(hidden_size=D, intermediate_size=F, num_local_experts=E,
+                        num_experts_per_tok=K, num_hidden_layers=1, vocab_size=32)
+  config._experts_implementation = "eager"
+  hf = GptOssMLP(config)
+  g = torch.Generator().manual_seed(3)
+  with torch.no_grad():
+    for p in hf.parameters():
+      p.copy_(torch.randn(p.shape, generator=g) * 2.0)
+  x = torch.randn(3, 10, D, generator=torch.Generator().manual_seed(4))
+  with torch.no_grad():
+    want, _ = hf(x)
+    gate_up = x.reshape(-1, D) @ hf.experts.gate_up_proj[0] + hf.experts.gate_up_proj_bias[0]
+  assert float(gate_up[..., ::2].max()) > 7.0 and float(gate_up[..., 1::2].abs().max()) > 7.0
+  layer = _gpt_oss_layer(hf, implementation)
+  got, stats = layer(jnp.asarray(x.numpy()))
+  scale = float(want.abs().max())
+  np.testing.assert_allclose(np.asarray(got), want.numpy(), rtol=1e-4, atol=1e-5 * scale)
+  assert int(stats.dropped) == 0

@@ -204,7 +204,56 @@ def test_expert_parallel_with_tokens_that_do_not_divide_over_the_shards(shape):
   np.testing.assert_array_equal(load, want_load)
 
 
+def _gpt_oss(seed=0):
+  """gpt-oss's options, every parameter random (biases and router logit bias included)."""
+  from jaxattn.testing import random_module
+  layer = random_module(lambda: MoE(D, 8, 2, 12, score_func="softmax", norm_topk_prob=True,
+                                    activation=ops.ClampedSwiGLU(), expert_bias=True,
+                                    router_logit_bias=True, rngs=nnx.Rngs(0)), seed)
+  layer.router_bias.set_value(jnp.zeros((8,)))   # (not a parameter: random_module leaves it)
+  return layer
+
+
+def test_gpt_oss_options_expert_parallel_values_and_gradients():
+  """The gate / up biases (an input column of ones) and the output bias (added per chosen expert)
+  through the expert-parallel path: values and every gradient (the biases' too) equal the
+  no-mesh call, which equals the dense reference."""
+  def loss(layer, x):
+    y, _ = layer(x)
+    return jnp.sum(jnp.sin(y)), y
+
+  step = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+  x = _x(2, 3) * 3.0
+  layer0 = _gpt_oss()
+  (_, want), (want_gp, want_gx) = step(layer0, x)
+  r = layer0.route(x)
+  xf = x.reshape(6, D)
+  wg = jnp.concatenate([layer0.w_gate[...], layer0.b_gate[...][:, None]], 1)
+  wu = jnp.concatenate([layer0.w_up[...], layer0.b_up[...][:, None]], 1)
+  dense = ops.dense_experts(jnp.concatenate([xf, jnp.ones((6, 1))], 1), r.indices.reshape(6, 2),
+                            r.weights.reshape(6, 2), wg, wu, layer0.w_down[...],
+                            activation=ops.ClampedSwiGLU())
+  dense = dense + jnp.einsum("mk,mkd->md", r.weights.reshape(6, 2),
+                             layer0.b_down[...][r.indices.reshape(6, 2)])
+  np.testing.assert_allclose(want.reshape(6, D), dense, atol=2e-5, rtol=1e-5)
+  mesh = sharding.make_mesh({"expert": 4, "data": 2})
+  layer = _gpt_oss()
+  with jax.set_mesh(mesh):
+    sharding.shard_module(layer, mesh)
+    assert layer._use_expert_parallel()
+    (_, got), (gp, gx) = step(layer, x)
+  np.testing.assert_allclose(got, want, atol=2e-5)
+  np.testing.assert_allclose(gx, want_gx, atol=5e-5, rtol=1e-4)
+  flat = nnx.to_flat_state(gp)
+  assert {"b_gate", "b_up", "b_down", "router_logit_bias"} <= {p[0] for p, _ in flat}
+  for (path, g), (_, r) in zip(flat, nnx.to_flat_state(want_gp)):
+    np.testing.assert_allclose(g[...], r[...], atol=5e-5, rtol=1e-4, err_msg=str(path))
+
+
 @pytest.mark.parametrize("kwargs,match", [
+    (dict(expert_bias=True, capacity_factor=1.0), "expert_bias"),
+    (dict(activation="gelu"), "activation"),
+    (dict(router_logit_bias=1), "router_logit_bias"),
     (dict(top_k=9), "top_k"),
     (dict(num_experts=6, n_group=4), "n_group"),
     (dict(topk_group=5), "topk_group"),
