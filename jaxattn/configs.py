@@ -5,6 +5,7 @@
     deepseek-v3    MLA + MoE (sigmoid routing, shared expert, dense prefix) (DeepSeek-V3, 671B)
     deepseek-v3.2  deepseek-v3 + DeepSeek Sparse Attention                 (DeepSeek-V3.2)
     qwen3-next     Gated DeltaNet / attention hybrid "DDDA" + MoE         (Qwen3-Next-80B-A3B)
+    gpt-oss        sliding / full attention with sinks + clamped-SwiGLU MoE (gpt-oss-20b)
     llama-learned, llama-sinusoidal, llama-t5, llama-alibi, llama-nope
                    llama with another positional scheme (the length-extrapolation experiment)
 
@@ -114,6 +115,29 @@ def qwen3_next(size: str) -> ModelConfig:
                      remat="dots_no_batch", **_QWEN3_NEXT)
 
 
+_GPT_OSS = dict(layer_pattern="SA", attention_sinks=True, attention_bias=True, num_kv_heads=None,
+                moe_score_func="softmax", moe_activation="clamped_swiglu", moe_expert_bias=True,
+                moe_router_bias=True, moe_seq_balance_alpha=0.0, tie_embeddings=False)
+
+
+def gpt_oss(size: str) -> ModelConfig:
+  """Sliding-window (128 keys) and full attention layers in turn, GQA with learned attention
+  sinks and biases, YaRN RoPE; every layer MoE: a softmax over the top-k router logits (with a
+  learned bias), clamped-SwiGLU experts with biases; full = gpt-oss-20b (24 layers, 32 experts,
+  top-4; ``max_seq_len`` 131072 as published)."""
+  if size == "tiny":
+    return _tiny(**dict(_GPT_OSS, num_kv_heads=2), head_dim=32, sliding_window=63, num_experts=8,
+                 num_experts_per_tok=2, mlp_dim=128, moe_expert_dim=128)
+  return ModelConfig(vocab_size=201088, embed_dim=2880, num_layers=24, num_heads=64,
+                     **dict(_GPT_OSS, num_kv_heads=8), head_dim=64, mlp_dim=2880,
+                     sliding_window=127, num_experts=32, num_experts_per_tok=4,
+                     moe_expert_dim=2880, rope_base=150000.0, max_seq_len=131072,
+                     rope_scaling=dict(type="yarn", factor=32.0,
+                                       original_max_position_embeddings=4096, beta_fast=32.0,
+                                       beta_slow=1.0, truncate=False),
+                     norm_eps=1e-5, dtype="bfloat16", scan_layers=True, remat="dots_no_batch")
+
+
 def _positional(position: str) -> Callable[[str], ModelConfig]:
   def build(size: str) -> ModelConfig:
     cfg = llama(size)
@@ -128,6 +152,7 @@ PRESETS: dict[str, Callable[[str], ModelConfig]] = {
     "deepseek-v3": deepseek_v3,
     "deepseek-v3.2": deepseek_v32,
     "qwen3-next": qwen3_next,
+    "gpt-oss": gpt_oss,
     "llama-learned": _positional("learned"),
     "llama-sinusoidal": _positional("sinusoidal"),
     "llama-t5": _positional("t5"),

@@ -28,6 +28,9 @@ MODELS = {
                                       deltanet_chunk_size=4, rotary_dim=4)),
     # A window of 3 over pages of 4: every layer reads only its window's pages.
     "mistral": ("mistral", dict(num_layers=2, sliding_window=3)),
+    # Sinks (the paged XLA path), a window of 3 on one layer of two, MoE with biases.
+    "gpt-oss": ("gpt-oss", dict(num_layers=2, sliding_window=3, head_dim=8, moe_expert_dim=16,
+                                num_kv_heads=2)),
     "llama-alibi": ("llama-alibi", dict(num_layers=2)),
     "llama-t5": ("llama-t5", dict(num_layers=2)),
 }
@@ -53,7 +56,7 @@ def alone(model, prompt, n, eos_id=None):
 # tests/nn/test_model_paged.py checks through the paged cache; the engine test of the window's
 # page release below serves mistral.)
 @pytest.mark.parametrize("name,policy", [(n, "continuous") for n in ("llama", "deepseek-v3",
-                                                                     "qwen3-next")]
+                                                                     "qwen3-next", "gpt-oss")]
                          + [("llama", "static")])
 def test_greedy_requests_equal_generate_alone(name, policy):
   model = model_for(name)

@@ -132,7 +132,13 @@ def check_exportable(cfg, architecture: str, **family) -> None:
       f"{cfg.norm}, {cfg.norm_position}-LN",
       residual=None if cfg.residual == "plain" else cfg.residual,
       gated_mlp=None if cfg.gated_mlp else False, logits_soft_cap=cfg.logits_soft_cap,
-      moe_capacity_factor=cfg.moe_capacity_factor if cfg.num_experts else None)
+      moe_capacity_factor=cfg.moe_capacity_factor if cfg.num_experts else None,
+      # gpt-oss's mechanisms (its family lifts these)
+      attention_sinks=cfg.attention_sinks or None,
+      moe_activation=None if cfg.moe_activation == "swiglu" or not cfg.num_experts else
+      cfg.moe_activation,
+      moe_expert_bias=(cfg.moe_expert_bias and cfg.num_experts > 0) or None,
+      moe_router_bias=(cfg.moe_router_bias and cfg.num_experts > 0) or None)
   problems = {k: v for k, v in {**common, **family}.items() if v is not None}
   if problems:
     raise ValueError(f"this ModelConfig has no {architecture} equivalent: {problems}.")

@@ -7,9 +7,10 @@
     save_hf(model, path)                   -> a directory transformers' from_pretrained reads
 
 Families: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``DeepseekV3ForCausalLM``,
-``DeepseekV32ForCausalLM``, ``Qwen3NextForCausalLM``.  Each family module states its name and
-layout rules (``jaxattn.convert.rules``); this module applies them, checking every tensor's name
-and shape against an abstract model so that a mismatch names the tensor and the parameter.
+``DeepseekV32ForCausalLM``, ``Qwen3NextForCausalLM``, ``GptOssForCausalLM``.  Each family module
+states its name and layout rules (``jaxattn.convert.rules``); this module applies them, checking
+every tensor's name and shape against an abstract model so that a mismatch names the tensor and
+the parameter.
 """
 
 from __future__ import annotations
@@ -24,17 +25,18 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from jaxattn.convert import common, deepseek, llama, qwen3_next
+from jaxattn.convert import common, deepseek, gpt_oss, llama, qwen3_next
 from jaxattn.convert.rules import Rule
 from jaxattn.nn.model import DTYPES, DecoderLM, ModelConfig
 from jaxattn.nn.moe import RouterBias
 from jaxattn.sharding import param_shardings
 
-_FAMILIES = {name: fam for fam in (llama, deepseek, qwen3_next) for name in fam.ARCHITECTURES}
+_FAMILIES = {name: fam for fam in (llama, deepseek, qwen3_next, gpt_oss)
+             for name in fam.ARCHITECTURES}
 ARCHITECTURES: tuple[str, ...] = tuple(_FAMILIES)
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM",
-                "qwen3_next": "Qwen3NextForCausalLM"}
+                "qwen3_next": "Qwen3NextForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 
 
 def architecture_of(hf_config) -> str:
@@ -92,6 +94,8 @@ RUNTIME_FIELDS = frozenset({
 def architecture_for(config: ModelConfig) -> str:
   """The transformers architecture a ``ModelConfig`` exports to."""
   kinds = config.kinds()
+  if config.attention_sinks or (config.num_experts and config.moe_activation != "swiglu"):
+    return "GptOssForCausalLM"
   if "D" in kinds or config.attention_output_gate:
     return "Qwen3NextForCausalLM"
   if "I" in kinds:

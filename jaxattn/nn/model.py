@@ -55,6 +55,7 @@ from jaxattn.nn.linear import Einsum, param
 from jaxattn.nn.mhc import HyperConnection, StreamCollapse
 from jaxattn.nn.mla import MLA
 from jaxattn.nn.mlp import MLP
+from jaxattn.ops.moe import ClampedSwiGLU
 from jaxattn.nn.moe import MoE
 from jaxattn.nn.norms import make_norm
 from jaxattn.nn.positional import LearnedPositionalEmbedding
@@ -150,6 +151,11 @@ class ModelConfig:
   moe_capacity_factor: float | None = None
   moe_shared_dim: int | None = None          # shared-expert hidden size (default shared x expert)
   moe_shared_gate: bool = False              # sigmoid(x w) gate on the shared expert (Qwen3-Next)
+  moe_activation: str = "swiglu"             # or "clamped_swiglu" (gpt-oss)
+  moe_swiglu_alpha: float = 1.702            # clamped_swiglu: g' sigmoid(alpha g') (up + 1) ...
+  moe_swiglu_limit: float = 7.0              # ... with g' = min(g, limit), up clipped to +-limit
+  moe_expert_bias: bool = False              # biases on the experts' projections (gpt-oss)
+  moe_router_bias: bool = False              # a learned bias on the router logits (gpt-oss)
   # residual streams
   residual: str = "plain"                     # plain | mhc | hc
   num_streams: int = 4
@@ -197,6 +203,9 @@ class ModelConfig:
       raise ValueError(f"`sliding_window` must be None or a non-negative int, got "
                        f"{self.sliding_window!r}.")
     positive("num_streams")
+    if self.moe_activation not in ("swiglu", "clamped_swiglu"):
+      raise ValueError(f"`moe_activation` must be 'swiglu' or 'clamped_swiglu', got "
+                       f"{self.moe_activation!r}.")
     if not is_int(self.num_experts) or not is_int(self.first_k_dense):
       raise ValueError(f"`num_experts` ({self.num_experts!r}) and `first_k_dense` "
                        f"({self.first_k_dense!r}) must be ints.")
@@ -246,6 +255,12 @@ class ModelConfig:
 
   def kinds(self) -> set[str]:
     return set(self.layer_pattern[i % len(self.layer_pattern)] for i in range(self.num_layers))
+
+  def moe_expert_activation(self):
+    """The experts' ``ClampedSwiGLU`` (None: plain SwiGLU)."""
+    if self.moe_activation == "swiglu":
+      return None
+    return ClampedSwiGLU(alpha=float(self.moe_swiglu_alpha), limit=float(self.moe_swiglu_limit))
 
   def layer_kind(self, i: int) -> tuple[str, bool]:
     """``(mixer letter, is_moe)`` of layer ``i``."""
@@ -353,7 +368,9 @@ class DecoderLayer(nnx.Module):
                      seq_balance_alpha=cfg.moe_seq_balance_alpha,
                      bias_update_rate=cfg.moe_bias_update_rate,
                      capacity_factor=cfg.moe_capacity_factor, shared_dim=cfg.moe_shared_dim,
-                     shared_gate=cfg.moe_shared_gate, **common)
+                     shared_gate=cfg.moe_shared_gate, activation=cfg.moe_expert_activation(),
+                     expert_bias=cfg.moe_expert_bias, router_logit_bias=cfg.moe_router_bias,
+                     **common)
     else:
       self.ffn = MLP(d, cfg.mlp_dim, activation=cfg.mlp_activation, gated=cfg.gated_mlp,
                      use_bias=cfg.mlp_bias, **common)

@@ -46,6 +46,10 @@ CONFIGS = {
                        moe_intermediate_size=8, shared_expert_intermediate_size=12,
                        attention_bias=True,
                        rope_parameters=dict(rope_theta=1e4, partial_rotary_factor=0.5)),
+    "gpt_oss": dict(SMALL, architectures=["GptOssForCausalLM"], intermediate_size=8,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=4, sliding_window=3,
+                    layer_types=["sliding_attention", "full_attention"], num_local_experts=4,
+                    num_experts_per_tok=2, swiglu_limit=5.0),
 }
 
 
@@ -71,7 +75,7 @@ def _leaves(model):
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_export_then_import_is_exact(name):
   ours = _model(name)
-  if name == "qwen3_next":  # Qwen3-Next has no router bias tensor: ours must be zero to export
+  if name in ("qwen3_next", "gpt_oss"):  # no tensor for our ranking-only router bias: zero it
     for moe in ours.moe_sites():
       moe.router_bias[...] = np.zeros(moe.router_bias.shape, np.float32)
   hf_config, sd = to_hf(ours)
@@ -247,6 +251,11 @@ def _hf_config(cfg, architecture):
     ("deepseek_v32", dict(dsa_attention_mode="dense")),
     ("llama", dict(logits_soft_cap=2.0)),
     ("llama", dict(gated_mlp=False)),
+    ("llama", dict(attention_sinks=True)),
+    ("qwen3_next", dict(moe_activation="clamped_swiglu")),
+    ("qwen3_next", dict(moe_expert_bias=True)),
+    ("gpt_oss", dict(attention_sinks=False)),
+    ("gpt_oss", dict(moe_router_bias=False)),
 ])
 def test_export_refuses_configs_the_family_would_load_differently(name, changes):
   """Each of these exported silently, as a checkpoint transformers loads as another model."""
@@ -254,6 +263,23 @@ def test_export_refuses_configs_the_family_would_load_differently(name, changes)
   field = next(iter(changes))
   with pytest.raises(ValueError, match=f"has no .* equivalent: .*'{field}'"):
     _hf_config(cfg, CONFIGS[name]["architectures"][0])
+
+
+def test_gpt_oss_config_and_quantized_experts():
+  """Its window counts the query (ours is one less), its layers alternate from the default
+  ``layer_types``; the published MXFP4 expert tensors are refused by name."""
+  d = dict(CONFIGS["gpt_oss"])
+  del d["layer_types"]
+  cfg = config_from_hf(dict(d, num_hidden_layers=4))
+  assert cfg.layer_pattern == "SASA" and cfg.sliding_window == 2 and cfg.attention_sinks
+  assert cfg.moe_activation == "clamped_swiglu" and cfg.moe_swiglu_limit == 5.0
+  ours = _model("gpt_oss")
+  for moe in ours.moe_sites():
+    moe.router_bias[...] = np.zeros(moe.router_bias.shape, np.float32)
+  _, state = to_hf(ours)
+  state["model.layers.0.mlp.experts.gate_up_proj_blocks"] = np.zeros((4, 16, 1, 16), np.uint8)
+  with pytest.raises(ValueError, match="MXFP4"):
+    state_from_hf(state, config_from_hf(CONFIGS["gpt_oss"]))
 
 
 def test_dynamic_rope_exports_its_trained_length():
@@ -293,6 +319,12 @@ def test_fused_expert_tensors_load_like_per_expert_ones(name):
 
 
 @pytest.mark.parametrize("preset, architecture, published", [
+    ("gpt-oss", "GptOssForCausalLM", dict(
+        num_hidden_layers=24, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+        num_key_value_heads=8, head_dim=64, intermediate_size=2880,
+        layer_types=["sliding_attention", "full_attention"] * 2, rope_parameters=dict(
+            rope_theta=150000.0, rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
+            truncate=False, original_max_position_embeddings=4096))),
     ("mistral", "MistralForCausalLM", dict(sliding_window=4096, num_key_value_heads=8,
                                            intermediate_size=14336)),
     ("qwen3-next", "Qwen3NextForCausalLM", dict(

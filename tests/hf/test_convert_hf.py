@@ -85,12 +85,23 @@ def _qwen3_next():
           rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25))
 
 
+def _gpt_oss():
+  # Sliding (a window of 6 keys) then full attention, both with sinks; 4 experts top-2 with clamped
+  # SwiGLU and biases; YaRN without truncation.
+  return transformers.GptOssConfig(
+      **COMMON, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+      sliding_window=6, num_local_experts=4, num_experts_per_tok=2, rope_parameters=dict(
+          rope_type="yarn", rope_theta=150000.0, factor=4.0, original_max_position_embeddings=16,
+          beta_fast=32.0, beta_slow=1.0, truncate=False))
+
+
 FAMILIES = {
     "llama": (_llama, "LlamaForCausalLM"),
     "mistral": (_mistral, "MistralForCausalLM"),
     "deepseek_v3": (_deepseek_v3, "DeepseekV3ForCausalLM"),
     "deepseek_v32": (_deepseek_v32, "DeepseekV32ForCausalLM"),
     "qwen3_next": (_qwen3_next, "Qwen3NextForCausalLM"),
+    "gpt_oss": (_gpt_oss, "GptOssForCausalLM"),
 }
 
 
@@ -103,6 +114,8 @@ def _hf_model(config_fn, cls_name):
     for name, p in model.named_parameters():
       if name.endswith("norm.weight"):
         p.copy_(1 + 0.2 * torch.randn_like(p))
+      if name.endswith(("sinks", "router.bias", "_bias")):   # gpt-oss: sinks and biases matter
+        p.copy_(torch.randn_like(p))
     for name, b in model.named_buffers():
       if name.endswith("e_score_correction_bias"):
         b.copy_(0.05 * torch.randn_like(b))

@@ -63,12 +63,12 @@ def test_every_preset_builds_runs_and_decodes_like_forward(name):
   np.testing.assert_allclose(dec, ref, atol=2e-4, rtol=2e-4)
 
 
-@pytest.mark.parametrize("name", ["llama", "deepseek-v3", "qwen3-next"])
+@pytest.mark.parametrize("name", ["llama", "deepseek-v3", "qwen3-next", "gpt-oss"])
 def test_full_size_presets_have_the_published_shape(name):
   cfg = get_config(name, size="full")
   model = nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0)))
   n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-  expected = {"llama": 8.03e9, "deepseek-v3": 671e9, "qwen3-next": 80e9}[name]
+  expected = {"llama": 8.03e9, "deepseek-v3": 671e9, "qwen3-next": 80e9, "gpt-oss": 20.9e9}[name]
   assert abs(n - expected) / expected < 0.05, n
 
 
