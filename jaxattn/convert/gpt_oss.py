@@ -8,14 +8,18 @@ Layout differences from ours:
   * the router is ``router.weight [E, D]`` with ``router.bias`` (a bias on the logits);
   * a sliding window of ``W`` keys counts the query itself: our ``sliding_window`` is ``W - 1``;
   * attention sinks ``self_attn.sinks [N]``.
-The published checkpoints store the experts in MXFP4 (``*_blocks`` / ``*_scales``); this converter
-reads the unquantized layout (what transformers writes after dequantizing, and what its
-in-memory models hold).
+The published checkpoints store the expert matrices in MXFP4 (``gate_up_proj_blocks [E, 2F, D/32,
+16]`` uint8, two FP4 E2M1 values per byte, low nibble first, and ``gate_up_proj_scales [E, 2F,
+D/32]``, one E8M0 exponent per 32 values; ``down_proj_*`` likewise): ``normalize`` dequantizes
+each one when it is read (``dequantize_mxfp4``), into the unquantized layout transformers' own
+models hold, which the converter also reads as is.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import numpy as np
 
 from jaxattn.convert import common as C
 from jaxattn.convert.llama import attention_rules, head_rules
@@ -118,13 +122,49 @@ def _interleaved(hf: str, gate: tuple, up: tuple) -> Rule:
   return Rule((hf,), (gate, up), to_ours, to_hf)
 
 
+# The 16 values of an FP4 E2M1 code (sign, 2 exponent bits, 1 mantissa bit).
+FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                     -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def dequantize_mxfp4(blocks, scales) -> np.ndarray:
+  """MXFP4 -> fp32: ``blocks [..., G, B]`` uint8 (``2 B`` FP4 values per group, the low nibble
+  first) and ``scales [..., G]`` uint8 (E8M0: ``2^(s - 127)`` per group) -> ``[..., G * 2B]``."""
+  blocks, scales = np.asarray(blocks), np.asarray(scales)
+  if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.shape[:-1] != scales.shape:
+    raise ValueError(f"MXFP4 wants uint8 `blocks` [..., G, B] and `scales` [..., G], got "
+                     f"{blocks.dtype}{list(blocks.shape)} and {scales.dtype}{list(scales.shape)}.")
+  values = np.stack([FP4_E2M1[blocks & 0x0F], FP4_E2M1[blocks >> 4]], axis=-1)
+  values = np.ldexp(values.reshape(blocks.shape[:-1] + (-1,)),
+                    scales.astype(np.int32)[..., None] - 127)
+  return values.reshape(blocks.shape[:-2] + (-1,))
+
+
+class _MXFP4Tensor:
+  """An expert tensor stored as MXFP4 ``[E, R, G, B]`` + scales: ``[E, G * 2B, R]`` (the
+  unquantized ``x @ W`` layout) when read, dequantized then, one tensor at a time."""
+
+  def __init__(self, blocks, scales):
+    self.blocks, self.scales = blocks, scales
+    e, r, g, b = blocks.shape
+    self.shape, self.dtype = (e, g * 2 * b, r), np.dtype(np.float32)
+
+  def __array__(self, dtype=None, copy=None):
+    out = np.ascontiguousarray(np.swapaxes(dequantize_mxfp4(self.blocks, self.scales), 1, 2))
+    return out if dtype is None else out.astype(dtype)
+
+
 def normalize(sd: dict, cfg) -> None:
-  """Refuses the MXFP4-quantized expert tensors of the published checkpoints by name."""
-  quantized = sorted(k for k in sd if k.endswith(("_blocks", "_scales")))
-  if quantized:
-    raise ValueError(f"GptOssForCausalLM: MXFP4-quantized expert tensors ({quantized[:2]}, ...) "
-                     "are not read; load the model with transformers (which dequantizes them) and "
-                     "convert its state dict, or a checkpoint saved from it.")
+  """The published checkpoints' MXFP4 expert tensors (``{name}_blocks`` + ``{name}_scales``) as
+  ``{name}``, dequantized when the converter reads them."""
+  for key in sorted(k for k in sd if k.endswith("_blocks")):
+    name = key[:-len("_blocks")]
+    scales = sd.pop(f"{name}_scales", None)
+    if scales is None:
+      raise ValueError(f"GptOssForCausalLM: `{key}` has no `{name}_scales` beside it.")
+    blocks = sd.pop(key)
+    to_np = lambda x: x.numpy() if hasattr(x, "numpy") else np.asarray(x)  # noqa: E731
+    sd[name] = _MXFP4Tensor(to_np(blocks), to_np(scales))
 
 
 def rules(cfg) -> list[Rule]:

@@ -267,7 +267,8 @@ def test_export_refuses_configs_the_family_would_load_differently(name, changes)
 
 def test_gpt_oss_config_and_quantized_experts():
   """Its window counts the query (ours is one less), its layers alternate from the default
-  ``layer_types``; the published MXFP4 expert tensors are refused by name."""
+  ``layer_types``; MXFP4 expert tensors (as published) load as their dequantized values."""
+  from jaxattn.convert.gpt_oss import FP4_E2M1, dequantize_mxfp4
   d = dict(CONFIGS["gpt_oss"])
   del d["layer_types"]
   cfg = config_from_hf(dict(d, num_hidden_layers=4))
@@ -277,9 +278,30 @@ def test_gpt_oss_config_and_quantized_experts():
   for moe in ours.moe_sites():
     moe.router_bias[...] = np.zeros(moe.router_bias.shape, np.float32)
   _, state = to_hf(ours)
-  state["model.layers.0.mlp.experts.gate_up_proj_blocks"] = np.zeros((4, 16, 1, 16), np.uint8)
-  with pytest.raises(ValueError, match="MXFP4"):
-    state_from_hf(state, config_from_hf(CONFIGS["gpt_oss"]))
+  rng = np.random.default_rng(5)
+  quantized, want = dict(state), dict(state)
+  for i in range(2):
+    e = f"model.layers.{i}.mlp.experts"
+    for name, rows, cols in (("gate_up_proj", 16, 16), ("down_proj", 16, 8)):
+      # [E, D, 2F] (x @ W) is stored as [E, 2F, D/32, 16] bytes: rows = 2F, cols = D here
+      blocks = rng.integers(0, 256, (4, rows, 1, cols // 2), dtype=np.uint8)
+      scales = rng.integers(124, 130, (4, rows, 1), dtype=np.uint8)
+      del quantized[e + "." + name]
+      quantized[f"{e}.{name}_blocks"], quantized[f"{e}.{name}_scales"] = blocks, scales
+      want[f"{e}.{name}"] = np.swapaxes(dequantize_mxfp4(blocks, scales), 1, 2)
+  cfg = config_from_hf(CONFIGS["gpt_oss"])
+  got, ref = _leaves(model_from_state(cfg, state_from_hf(quantized, cfg))), _leaves(
+      model_from_state(cfg, state_from_hf(want, cfg)))
+  for p in ref:
+    np.testing.assert_array_equal(got[p], ref[p], err_msg=str(p))
+  # the format itself: byte 0x2F is the low nibble 0xF (-6.0), then the high one 0x2 (1.0), both
+  # times 2^(128 - 127)
+  np.testing.assert_array_equal(
+      dequantize_mxfp4(np.array([[[0x2F]]], np.uint8), np.array([[128]], np.uint8)),
+      [[-12.0, 2.0]])
+  assert FP4_E2M1[0x7] == 6.0 and FP4_E2M1[0xF] == -6.0
+  with pytest.raises(ValueError, match="MXFP4 wants uint8"):
+    dequantize_mxfp4(np.zeros((2, 4), np.float32), np.zeros((2,), np.uint8))
 
 
 def test_dynamic_rope_exports_its_trained_length():

@@ -192,3 +192,19 @@ def test_round_trip(converted):
   back = transformers.AutoModelForCausalLM.from_pretrained(str(out_dir)).eval()
   ids = np.random.default_rng(2).integers(0, VOCAB, (1, 16))
   _check_logits(_hf_logits(back, ids), _hf_logits(theirs, ids))
+
+
+def test_mxfp4_dequantization_matches_transformers():
+  """The published gpt-oss experts' MXFP4 (blocks + E8M0 scales) against transformers' own
+  dequantization, in the layout its ``GptOssExperts`` uses (``[E, D, 2F]``)."""
+  from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+  from jaxattn.convert.gpt_oss import _MXFP4Tensor
+  rng = np.random.default_rng(7)
+  blocks = rng.integers(0, 256, (3, 10, 4, 16), dtype=np.uint8)     # E, 2F, D/32, 16
+  scales = rng.integers(110, 140, (3, 10, 4), dtype=np.uint8)
+  want = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
+                                    dtype=torch.float32).numpy()
+  got = np.asarray(_MXFP4Tensor(blocks, scales))
+  assert got.shape == want.shape == (3, 128, 10)
+  np.testing.assert_array_equal(got, want)
