@@ -41,7 +41,7 @@ class Attention(nnx.Module):
   ``output_gate`` multiplies each output head by ``sigmoid(x W_gate)`` before ``o_proj`` (both as
   Qwen3-Next's full-attention layers).  ``attention_sinks`` gives each head a learned sink logit
   (gpt-oss): one more softmax entry of value zero, so a head may attend to nothing
-  (``dot_product_attention(..., sinks=)``; decode over a paged cache takes the XLA path then).
+  (``dot_product_attention(..., sinks=)``; the decode kernels add them in their combine step).
 
   Call ``attn(x)`` for a full pass; with ``cache=attn.init_cache(...)`` it returns ``(y, cache)``
   and, for a causal layer, a prefill followed by token-by-token decode equals the full pass on the
@@ -217,8 +217,6 @@ class Attention(nnx.Module):
                          num_buckets=self.rel_bias.num_buckets,
                          max_distance=self.rel_bias.max_distance)
       impl = "xla"
-    if self.sinks is not None:   # likewise the sinks: the XLA path
-      impl = "xla"
     out = paged_attention(q, cache.key_pool, cache.value_pool, cache.page_table, cache.lengths,
                           scale=self.attention_scale, logits_soft_cap=self.logits_soft_cap,
                           implementation=impl, num_tokens=num_tokens,
@@ -237,7 +235,7 @@ class Attention(nnx.Module):
     transposing the whole cache on every step; the decode kernel reads each valid block once, in
     place (with a window: only the pages of the window)."""
     return (tpu_kernel_requested(implementation or self.implementation) and t <= DECODE_MAX_T
-            and self.causal and mask is None and self.rel_bias is None and self.sinks is None
+            and self.causal and mask is None and self.rel_bias is None
             and cache.max_len % 16 == 0)
 
   def _sinks(self):
@@ -318,7 +316,7 @@ class Attention(nnx.Module):
           out = cache_attention(q, cache.key, cache.value, kv_lengths,
                                 scale=self.attention_scale, logits_soft_cap=self.logits_soft_cap,
                                 implementation="pallas_tpu", alibi_slopes=self._slopes(),
-                                local_window_size=self.sliding_window)
+                                local_window_size=self.sliding_window, sinks=self._sinks())
           y = shard(self.o_proj(self._gate(x, out)), ("batch", "length", "act_embed"))
           return nan_past_capacity(y, cache), cache
         k, v = (x.astype(q.dtype) for x in cache.split_heads())

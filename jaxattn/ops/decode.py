@@ -505,8 +505,8 @@ def paged_attention(
       the soft-cap), from the key's and the query's positions, as ``dot_product_attention``.
     relative_bias: a ``RelativeBias`` (T5's learned buckets), added like the slopes.  The
       ``"xla"`` implementation only (None picks it; a kernel name is refused).
-    sinks: ``[N]`` attention-sink logits, as ``dot_product_attention``'s; like
-      ``relative_bias``, the ``"xla"`` implementation only.
+    sinks: ``[N]`` attention-sink logits, as ``dot_product_attention``'s (the kernels add them
+      in their combine step, as one more split-KV partition).
 
   Returns:
     ``[B, T, N, h]`` (``[B, N, h]`` for a 3-D query) in the query dtype.
@@ -528,10 +528,6 @@ def paged_attention(
   if sinks is not None:
     from jaxattn.ops.attention import check_sinks  # noqa: PLC0415 (import cycle)
     sinks = check_sinks(sinks, q.shape[2])
-    if implementation not in (None, "xla"):
-      raise ValueError(f"`sinks` (attention sinks) run on implementation='xla' only, got "
-                       f"implementation={implementation!r}.")
-    implementation = "xla"
   scale = 1.0 / math.sqrt(h) if scale is None else scale
   page_table, lengths = page_table.astype(jnp.int32), lengths.astype(jnp.int32)
   impl = resolve_implementation(implementation) if q.shape[1] else "xla"   # T = 0: empty
@@ -549,12 +545,12 @@ def paged_attention(
     from pallas_kernels.decode_attention import paged_attention_gpu  # noqa: PLC0415 (optional)
     out = paged_attention_gpu(q, key_pool, value_pool, page_table, lengths, scale=scale,
                               logits_soft_cap=logits_soft_cap, num_splits=num_splits,
-                              interpret=interpret, **extra)
+                              interpret=interpret, sinks=sinks, **extra)
   else:
     from pallas_kernels.decode_attention import paged_attention_tpu  # noqa: PLC0415 (optional)
     out = paged_attention_tpu(q, key_pool, value_pool, page_table, lengths, scale=scale,
                               logits_soft_cap=logits_soft_cap, num_splits=num_splits,
-                              interpret=interpret, **extra)
+                              interpret=interpret, sinks=sinks, **extra)
   if num_tokens is not None:
     out = unalign_queries(out, num_tokens)
   return out[:, 0] if squeeze else out
@@ -573,6 +569,7 @@ def cache_attention(
     interpret=None,
     local_window_size: int | None = None,
     alibi_slopes: Float[Array, "N"] | None = None,
+    sinks: Float[Array, "N"] | None = None,
 ) -> Float[Array, "B T N h"] | Float[Array, "B N h"]:
   """``paged_attention`` over a contiguous cache (a ``KVCache``'s ``key`` / ``value``).
 
@@ -599,7 +596,7 @@ def cache_attention(
                      f"its length S={s} must be a multiple of 16 (or use implementation='xla').")
   key_pages, table = page_view(key, page)
   value_pages, _ = page_view(value, page)
-  extra = dict(local_window_size=local_window_size, alibi_slopes=alibi_slopes)
+  extra = dict(local_window_size=local_window_size, alibi_slopes=alibi_slopes, sinks=sinks)
   if impl != "pallas_tpu":
     out = paged_attention(q, key_pages, value_pages, table, lengths, scale=scale,
                           logits_soft_cap=logits_soft_cap, num_splits=num_splits,
@@ -611,6 +608,9 @@ def cache_attention(
                                          logits_soft_cap, num_splits)
   extra = dict(local_window_size=check_window(local_window_size),
                alibi_slopes=check_slopes(alibi_slopes, n))
+  if sinks is not None:
+    from jaxattn.ops.attention import check_sinks  # noqa: PLC0415 (import cycle)
+    extra["sinks"] = check_sinks(sinks, n)
   from pallas_kernels.decode_attention.tpu import contiguous_attention_tpu  # noqa: PLC0415
   out = contiguous_attention_tpu(q, key, value, lengths.astype(jnp.int32),
                                  scale=1.0 / math.sqrt(h) if scale is None else scale,

@@ -56,7 +56,8 @@ from jaxtyping import Array, Float, Int
 
 from jaxattn.ops.decode import check_num_splits, merged_kv_heads
 from pallas_kernels.decode_attention.tpu import (combine, row_slopes, run_sharded_gqa,
-                                                 slopes_arg, visible_keys, window_pages,
+                                                 head_args, present, row_sinks,
+                                                 visible_keys, window_pages,
                                                  window_start)
 
 _F32 = jnp.float32
@@ -245,8 +246,10 @@ def gpu_block_rows(rows: int, block_rows: int | None) -> int:
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "num_splits", "block_k",
                                              "block_rows", "num_warps", "num_stages",
                                              "interpret", "window"))
-def _call(q, key_pool, value_pool, page_table, lengths, slopes=None, *, scale, soft_cap,
-          num_splits, block_k, block_rows, num_warps, num_stages, interpret, window=None):
+def _call(q, key_pool, value_pool, page_table, lengths, slopes=None, sinks=None, *, scale,
+          soft_cap, num_splits, block_k, block_rows, num_warps, num_stages, interpret,
+          window=None):
+  slopes, sinks = present(slopes), present(sinks)
   b, t, n, h = q.shape
   num_pages, page_size, kh, hv = value_pool.shape
   g = n // kh
@@ -294,7 +297,8 @@ def _call(q, key_pool, value_pool, page_table, lengths, slopes=None, *, scale, s
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret, name="jaxattn_paged_decode_gpu",
   )(lens, page_table, qk, key_pool, value_pool, *extra_args)
-  out = combine(out, lse[..., None])                                 # [B, K, rows, vp]
+  sink = None if sinks is None else row_sinks(sinks, kh, g, t, rows)[None]
+  out = combine(out, lse[..., None], sink)                           # [B, K, rows, vp]
   out = out[:, :, :t * g, :hv].reshape(b, kh, t, g, hv).transpose(0, 2, 1, 3, 4)
   return out.reshape(b, t, n, hv).astype(q.dtype)
 
@@ -317,6 +321,7 @@ def paged_attention_gpu(
     mesh=None,
     local_window_size: int | None = None,
     alibi_slopes: Float[Array, "N"] | None = None,
+    sinks: Float[Array, "N"] | None = None,
 ) -> Float[Array, "B T N h"]:
   """``jaxattn.ops.decode.paged_attention`` as a Pallas Triton kernel (shapes checked there).
 
@@ -339,7 +344,8 @@ def paged_attention_gpu(
       size that does not divide stays whole (replicated).  The pools are not split over batch:
       any sequence may own any page.  ``num_splits=None`` is then chosen per device, from the
       local batch and KV heads.
-    local_window_size, alibi_slopes: as ``paged_attention``.  With a window a program loads only
+    local_window_size, alibi_slopes, sinks: as ``paged_attention`` (the sinks enter the combine
+      step as one more partition).  With a window a program loads only
       the key blocks from its rows' window on, and the split-KV partitions cover the window's
       pages, not the sequence's.
 
@@ -360,7 +366,7 @@ def paged_attention_gpu(
   gpu_block_rows(1, block_rows)                                      # checked here, once
   interpret = default_interpret(interpret)
 
-  def local(q, k_pool, v_pool, table, lens, *slopes):
+  def local(q, k_pool, v_pool, table, lens, *heads):
     # Shapes here are the device's own (inside shard_map): the automatic split count must fill
     # this device's multiprocessors with its local B * K * row-block programs, not the global
     # ones.
@@ -372,13 +378,13 @@ def paged_attention_gpu(
       span = window_pages(table.shape[1], k_pool.shape[1], rb, q.shape[2] // k_pool.shape[2],
                           local_window_size)
       splits = auto_splits(programs, span, k_pool.shape[1])
-    return _call(q, k_pool, v_pool, table, lens, *slopes, scale=float(scale),
+    return _call(q, k_pool, v_pool, table, lens, *heads, scale=float(scale),
                  soft_cap=logits_soft_cap, num_splits=splits, block_k=block_k,
                  block_rows=block_rows, num_warps=num_warps, num_stages=num_stages,
                  interpret=interpret, window=local_window_size)
 
   args = (query, key_pool, value_pool, page_table.astype(jnp.int32), lengths.astype(jnp.int32))
-  return run_sharded_gqa(local, args + slopes_arg(alibi_slopes), mesh)
+  return run_sharded_gqa(local, args + head_args(alibi_slopes, sinks), mesh)
 
 
 __all__ = ["auto_splits", "paged_attention_gpu"]

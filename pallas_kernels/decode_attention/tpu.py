@@ -90,18 +90,49 @@ def finalize(m, l, acc):
   return out, lse
 
 
-def combine(out: Float[Array, "B S ... h"], lse: Float[Array, "B S ... 1"]):
+def combine(out: Float[Array, "B S ... h"], lse: Float[Array, "B S ... 1"], sink=None):
   """Merges split-KV partials over axis 1: ``[B, S, ..., h]`` -> ``[B, ..., h]`` fp32.  A single
   partition is already the result (normalized, zeros where it saw no key): returned as it is, in
-  its dtype, with no merge pass."""
-  if out.shape[1] == 1:
+  its dtype, with no merge pass.  ``sink`` (broadcastable to ``lse[:, 0]``): attention sinks, one
+  more partition of zero output whose log-sum-exp is the sink logit (rows that saw no key stay
+  zeros)."""
+  if out.shape[1] == 1 and sink is None:
     return out[:, 0]
   top = jnp.max(lse, axis=1, keepdims=True)
-  top = jnp.where(jnp.isfinite(top), top, 0.0)
+  seen = jnp.isfinite(top)
+  if sink is not None:
+    top = jnp.where(seen, jnp.maximum(top, jnp.asarray(sink, jnp.float32)[:, None]), top)
+  top = jnp.where(seen, top, 0.0)
   w = jnp.exp(lse - top)                                # 0 for empty partitions
   total = jnp.sum(w, axis=1)
-  merged = jnp.sum(w * out, axis=1)
+  if sink is not None:
+    total = jnp.where(total != 0, total + jnp.exp(sink - top[:, 0]), total)
+  merged = jnp.sum(w * out.astype(jnp.float32), axis=1)
   return jnp.where(total != 0, merged / jnp.where(total != 0, total, 1.0), 0.0)
+
+
+def head_args(alibi_slopes, sinks) -> tuple:
+  """The per-head arrays of a decode call as ``shard_map`` arguments (split with the heads):
+  ``(slopes,)``, or ``()`` without ALiBi; with ``sinks`` always ``(slopes, sinks)``, an absent
+  one as an empty array (``present``)."""
+  if sinks is None:
+    return slopes_arg(alibi_slopes)
+  empty = jnp.zeros((0,), _F32)
+  slopes = empty if alibi_slopes is None else jnp.asarray(alibi_slopes, _F32)
+  return slopes, jnp.asarray(sinks, _F32)
+
+
+def present(x):
+  """None for an absent per-head array (None or empty), else the array."""
+  return None if x is None or x.shape[0] == 0 else x
+
+
+def row_sinks(sinks, kv_heads: int, groups: int, num_t: int, rows: int):
+  """Sink logits of the kernels' query rows, ``[K, rows, 1]`` as ``row_slopes`` lays them out
+  (padded rows: -inf, no sink)."""
+  per_row = jnp.tile(jnp.asarray(sinks, _F32).reshape(kv_heads, groups), (1, num_t))
+  pad = rows - per_row.shape[1]
+  return jnp.pad(per_row, ((0, 0), (0, pad)), constant_values=-jnp.inf)[..., None]
 
 
 def visible_keys(length, block, block_rows: int, num_t: int, groups: int):
@@ -274,11 +305,13 @@ def _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale, soft_cap, nu
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "num_splits", "block_rows",
                                              "interpret", "cores", "window"))
-def _local(q, key_pool, value_pool, page_table, lengths, slopes=None, *, scale, soft_cap,
-           num_splits, block_rows=None, interpret=None, cores=1, window=None):
+def _local(q, key_pool, value_pool, page_table, lengths, slopes=None, sinks=None, *, scale,
+           soft_cap, num_splits, block_rows=None, interpret=None, cores=1, window=None):
   """One device's call: ``q [B, T, N, H]`` over merged pools ``[P, page, K * H|h]`` or split
   ones ``[P, page, K, H|h]``, each read in place in its own layout -> ``[B, T, N, h]``.
-  ``slopes [N]`` (ALiBi) or None; ``window`` a sliding window or None."""
+  ``slopes [N]`` (ALiBi), ``sinks [N]`` (attention sinks, applied in the combine step) or None
+  (or empty); ``window`` a sliding window or None."""
+  slopes, sinks = present(slopes), present(sinks)
   b, t, n, h = q.shape
   page_size = key_pool.shape[1]
   kh = kv_heads_of(key_pool, h)
@@ -311,8 +344,9 @@ def _local(q, key_pool, value_pool, page_table, lengths, slopes=None, *, scale, 
   grid, q_map = order(lambda bi, ii, si, ji, *_: (bi, 0, ii, 0))
   page_map = order(kv_map)[1]
   o_map = order(lambda bi, ii, si, ji, *_: (bi, si, 0, ii, 0))[1]
-  # One partition: the kernel's output is final (query dtype); else fp32 partials to combine.
-  out_dtype = q.dtype if splits == 1 else _F32
+  # One partition: the kernel's output is final (query dtype); else fp32 partials to combine
+  # (with sinks too: the combine step adds them).
+  out_dtype = q.dtype if splits == 1 and sinks is None else _F32
   extra_specs, extra_args = [], []
   if slopes is not None:     # ALiBi: each query row's slope, [K, T*G, 1] rows (t, g)
     extra_args.append(row_slopes(slopes, kh, g, t, padded)[:, :, None])
@@ -338,13 +372,14 @@ def _local(q, key_pool, value_pool, page_table, lengths, slopes=None, *, scale, 
           dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
       interpret=default_interpret(interpret),
   )(lengths, page_table.reshape(-1), qk, key_pool, value_pool, *extra_args)
-  out = combine(out, lse)[:, :, :t * g]                                    # [B, K, T*G, h]
+  sink = None if sinks is None else row_sinks(sinks, kh, g, t, padded)[None]
+  out = combine(out, lse, sink)[:, :, :t * g]                              # [B, K, T*G, h]
   out = out.reshape(b, kh, t, g, hv).transpose(0, 2, 1, 3, 4).reshape(b, t, n, hv)
   return out.astype(q.dtype)
 
 
 def run_sharded_gqa(local, args, mesh):
-  """``local(query, key_pool, value_pool, page_table, lengths[, slopes])`` under ``mesh`` (None:
+  """``local(query, key_pool, value_pool, page_table, lengths[, slopes[, sinks]])`` under ``mesh`` (None:
   the context mesh; no mesh or no free axis: called directly): queries, page table and lengths
   split over the ``"batch"`` axes, queries, pools and ALiBi slopes over ``"kv_heads"`` when both
   ``N`` and ``K`` divide.  The pools are ``[P, page, K, H]`` or merged ``[P, page, K * H]``
@@ -356,7 +391,7 @@ def run_sharded_gqa(local, args, mesh):
   def specs(mesh):
     bax, hax = sharded.plan_specs(mesh, query.shape[0], query.shape[2], kv_heads)
     pool = P(None, None, hax, None) if key_pool.ndim == 4 else P(None, None, hax)
-    ins = (P(bax, None, hax, None), pool, pool, P(bax, None), P(bax), P(hax))
+    ins = (P(bax, None, hax, None), pool, pool, P(bax, None), P(bax), P(hax), P(hax))
     return ins[:len(args)], P(bax, None, hax, None)
 
   return sharded.run_sharded(local, args, mesh, specs)
@@ -376,6 +411,7 @@ def paged_attention_tpu(
     mesh=None,
     local_window_size: int | None = None,
     alibi_slopes: Float[Array, "N"] | None = None,
+    sinks: Float[Array, "N"] | None = None,
 ) -> Float[Array, "B T N h"]:
   """``jaxattn.ops.decode.paged_attention`` as a Pallas kernel (arguments checked there).
 
@@ -396,7 +432,8 @@ def paged_attention_tpu(
   multiple of 16 that fits), so a long prefill through the cache runs here too; a block reads
   only the pages its own tokens can see (causal, and with ``local_window_size`` from the first
   page of its window: the page grid axis then spans the window, not the sequence).
-  ``alibi_slopes [N]`` add ``slope * (j - i)`` in the kernel.
+  ``alibi_slopes [N]`` add ``slope * (j - i)`` in the kernel; ``sinks [N]`` (attention sinks)
+  enter the combine step as one more partition.
   """
   check_num_splits(num_splits)
   check_block_rows(block_rows)
@@ -404,7 +441,7 @@ def paged_attention_tpu(
                             block_rows=block_rows, interpret=interpret, cores=tensorcores(),
                             window=local_window_size)
   args = (query, key_pool, value_pool, page_table, lengths)
-  return run_sharded_gqa(local, args + slopes_arg(alibi_slopes), mesh)
+  return run_sharded_gqa(local, args + head_args(alibi_slopes, sinks), mesh)
 
 
 def row_slopes(slopes, kv_heads: int, groups: int, num_t: int, rows: int):
@@ -434,6 +471,7 @@ def contiguous_attention_tpu(
     mesh=None,
     local_window_size: int | None = None,
     alibi_slopes: Float[Array, "N"] | None = None,
+    sinks: Float[Array, "N"] | None = None,
 ) -> Float[Array, "B T N h"]:
   """``jaxattn.ops.decode.cache_attention`` as the paged kernel over a contiguous cache.
 
@@ -443,7 +481,8 @@ def contiguous_attention_tpu(
   once, in place -- unlike flash attention, whose head-major layout makes XLA transpose the whole
   cache on every decode step.  Under a mesh: ``jax.shard_map`` with queries, cache and lengths
   split over the ``"batch"`` axes and the heads over ``"kv_heads"`` when ``N`` and ``K`` divide.
-  ``block_rows``, ``local_window_size`` and ``alibi_slopes`` as in ``paged_attention_tpu``.
+  ``block_rows``, ``local_window_size``, ``alibi_slopes`` and ``sinks`` as in
+  ``paged_attention_tpu``.
   """
   check_num_splits(num_splits)
   check_block_rows(block_rows)
@@ -453,9 +492,9 @@ def contiguous_attention_tpu(
                      "as pages in place.")
   cores = tensorcores()
 
-  def local(q, k, v, lens, *slopes):
+  def local(q, k, v, lens, *heads):
     (key_pages, table), (value_pages, _) = page_view(k, page), page_view(v, page)
-    return _local(q, key_pages, value_pages, table, lens, *slopes, scale=scale,
+    return _local(q, key_pages, value_pages, table, lens, *heads, scale=scale,
                   soft_cap=logits_soft_cap, num_splits=num_splits, block_rows=block_rows,
                   interpret=interpret, cores=cores, window=local_window_size)
 
@@ -465,7 +504,7 @@ def contiguous_attention_tpu(
     bax, hax = sharded.plan_specs(mesh, query.shape[0], query.shape[2], kv_heads)
     heads = P(bax, None, hax, None)
     cache = heads if key.ndim == 4 else P(bax, None, hax)    # merged rows: K-major, split by K
-    return (heads, cache, cache, P(bax), P(hax))[:len(args)], heads
+    return (heads, cache, cache, P(bax), P(hax), P(hax))[:len(args)], heads
 
-  args = [query, key, value, lengths.astype(jnp.int32), *slopes_arg(alibi_slopes)]
+  args = [query, key, value, lengths.astype(jnp.int32), *head_args(alibi_slopes, sinks)]
   return sharded.run_sharded(local, args, mesh, specs)

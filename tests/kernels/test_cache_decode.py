@@ -221,11 +221,13 @@ def _counting(monkeypatch):
   return calls
 
 
-def test_module_steps_run_the_decode_kernel_and_equal_the_xla_path(monkeypatch):
+@pytest.mark.parametrize("kw", [dict(logits_soft_cap=3.0), dict(attention_sinks=True)],
+                         ids=["softcap", "sinks"])
+def test_module_steps_run_the_decode_kernel_and_equal_the_xla_path(monkeypatch, kw):
   """Prefill (5 tokens) and four one-token steps with a contiguous cache of 16: with
   ``implementation="pallas_tpu"`` (the TPU default) every step goes to the decode kernel, and the
-  outputs equal the XLA path's; a soft-cap is carried over."""
-  module = _module(logits_soft_cap=3.0)
+  outputs equal the XLA path's; a soft-cap, or attention sinks (random), are carried over."""
+  module = _module(**kw)
   x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 9, D)), jnp.float32)
   calls = _counting(monkeypatch)
   got = _decode(module, x, "pallas_tpu")

@@ -171,20 +171,23 @@ def poisoned_before_window(cache, lengths, t, window):
                              value_pool=cache.value_pool.at[np.array(dead)].set(np.nan))
 
 
-# Sliding windows and ALiBi through the kernel: decode (GQA, window 5, ALiBi), three new tokens
-# with a window of 0 (each query sees itself only), a bf16 MQA prefill of 6 tokens in blocks of 8
-# rows; single pass and split-KV.  The pages before the windows hold NaN: not read.
-@pytest.mark.parametrize("n,kh,t,dtype,window,alibi,block_rows", [
-    (4, 2, 1, jnp.float32, 5, True, None),
-    (2, 2, 3, jnp.float32, 0, False, None),
-    (4, 1, 6, jnp.bfloat16, 3, True, 8),
+# Sliding windows, ALiBi and attention sinks through the kernel: decode (GQA, window 5, ALiBi,
+# sinks), three new tokens with a window of 0 (each query sees itself only), a bf16 MQA prefill
+# of 6 tokens in blocks of 8 rows (with sinks); single pass and split-KV (the sinks enter the
+# combine step either way).  The pages before the windows hold NaN: not read.
+@pytest.mark.parametrize("n,kh,t,dtype,window,alibi,block_rows,sinks", [
+    (4, 2, 1, jnp.float32, 5, True, None, True),
+    (2, 2, 3, jnp.float32, 0, False, None, False),
+    (4, 1, 6, jnp.bfloat16, 3, True, 8, True),
 ])
-def test_window_and_alibi(n, kh, t, dtype, window, alibi, block_rows):
+def test_window_and_alibi(n, kh, t, dtype, window, alibi, block_rows, sinks):
   lengths = (9, 0, 4, 2, 16, 15)
   cache = cache_for(lengths, kh, dtype=dtype, num_pages=20)
   q = queries(len(lengths), t, n, dtype=dtype)
   slopes = jnp.asarray(np.linspace(0.1, 1.0, n), jnp.float32) if alibi else None
   kw = dict(scale=0.5, local_window_size=window, alibi_slopes=slopes)
+  if sinks:
+    kw["sinks"] = jnp.asarray(np.linspace(-1.0, 2.0, n), jnp.float32)
   ref = _call(q, cache, implementation="xla", **kw).astype(np.float32)
   poisoned = poisoned_before_window(cache, lengths, t, window)
   tol = dict(rtol=1e-5, atol=1e-6) if dtype == jnp.float32 else dict(rtol=2e-2, atol=2e-2)
@@ -195,8 +198,12 @@ def test_window_and_alibi(n, kh, t, dtype, window, alibi, block_rows):
     assert got.dtype == dtype
     np.testing.assert_allclose(got.astype(np.float32), ref, **tol, err_msg=f"splits={splits}")
     np.testing.assert_array_equal(got[1], 0.0)
-  unwindowed = _call(q, cache, implementation="xla", scale=0.5, alibi_slopes=slopes)
+  unwindowed = _call(q, cache, implementation="xla", scale=0.5, alibi_slopes=slopes,
+                     sinks=kw.get("sinks"))
   assert float(jnp.max(jnp.abs(unwindowed.astype(np.float32) - ref))) > 0.1
+  if sinks:   # and the sinks matter
+    without = _call(q, cache, implementation="xla", **{**kw, "sinks": None})
+    assert float(jnp.max(jnp.abs(without.astype(np.float32) - ref))) > 0.1
 
 
 def test_window_with_race_detection(race_states):
@@ -247,9 +254,10 @@ def test_sharded_under_mesh_equals_unsharded():
   got1 = paged_attention_tpu(q, cache1.key_pool, cache1.value_pool, cache1.page_table,
                              cache1.lengths, scale=8 ** -0.5, interpret=True, mesh=mesh)
   np.testing.assert_allclose(got1, _call(q, cache1, implementation="xla"), rtol=1e-5, atol=1e-6)
-  # ALiBi slopes (NumPy: they must travel split with the heads, not closed over whole) and a
-  # window, under the context mesh.
-  kw = dict(alibi_slopes=np.linspace(0.1, 0.8, n), local_window_size=3)
+  # ALiBi slopes and sinks (NumPy: they must travel split with the heads, not closed over
+  # whole) and a window, under the context mesh.
+  kw = dict(alibi_slopes=np.linspace(0.1, 0.8, n), local_window_size=3,
+            sinks=np.linspace(-1.0, 1.5, n).astype(np.float32))
   with jax.set_mesh(mesh):
     got2 = jax.jit(lambda q, c: _call(q, c, implementation="pallas_tpu", interpret=True,
                                       **kw))(qs, cache)
@@ -302,7 +310,8 @@ def test_megacore_default_at_batch_one(monkeypatch, t):
   np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
   calls = []
   real = decode_tpu.combine
-  monkeypatch.setattr(decode_tpu, "combine", lambda o, l: calls.append(o.shape) or real(o, l))
+  monkeypatch.setattr(decode_tpu, "combine",
+                      lambda o, l, sink: calls.append(o.shape) or real(o, l, sink))
   paged_attention_tpu(q, cache.key_pool, cache.value_pool, cache.page_table, cache.lengths,
                       scale=0.25, interpret=True)
   assert calls and calls[0][:2] == (1, 2)                           # two partitions

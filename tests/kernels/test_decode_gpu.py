@@ -118,16 +118,19 @@ def test_gqa_matches_formula_single_and_split(n, kh, t, dtype, cap, page, block_
 # first two pages lie before it), three new tokens seeing themselves only (window 0), a bf16
 # prefill of 9 tokens in programs of 16 rows; single pass and split-KV (partitions over the
 # window's pages).  The pages before every window are NaN: not read.
-@pytest.mark.parametrize("n,kh,t,dtype,window,alibi,block_rows", [
-    (8, 2, 1, jnp.float32, 20, True, None),
-    (4, 4, 3, jnp.float32, 0, False, None),
-    (4, 1, 9, jnp.bfloat16, 7, True, 16),
+@pytest.mark.parametrize("n,kh,t,dtype,window,alibi,block_rows,sinks", [
+    (8, 2, 1, jnp.float32, 20, True, None, True),
+    (4, 4, 3, jnp.float32, 0, False, None, False),
+    (4, 1, 9, jnp.bfloat16, 7, True, 16, True),
 ])
-def test_gqa_window_and_alibi(n, kh, t, dtype, window, alibi, block_rows):
+def test_gqa_window_and_alibi(n, kh, t, dtype, window, alibi, block_rows, sinks):
+  """(With attention sinks on two cases: the combine step adds them.)"""
   cache = kv_cache(LENGTHS, kh, dtype=dtype)
   q = normal((len(LENGTHS), t, n, 16), dtype, seed=2)
   slopes = jnp.asarray(np.linspace(0.05, 0.8, n), jnp.float32) if alibi else None
   kw = dict(scale=0.4, local_window_size=window, alibi_slopes=slopes)
+  if sinks:
+    kw["sinks"] = jnp.asarray(np.linspace(-1.0, 2.0, n), jnp.float32)
   ref = _gqa(q, cache, implementation="xla", **kw)
   table, page = np.asarray(cache.page_table), cache.key_pool.shape[1]
   dead = np.array([table[b, j] for b, length in enumerate(LENGTHS)

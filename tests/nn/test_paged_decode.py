@@ -85,7 +85,7 @@ def test_ragged_batch_free_and_restart_equals_full_pass(make):
   np.testing.assert_allclose(y_b[1:], full1, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("make", [gqa, mla], ids=["gqa", "mla"])
+@pytest.mark.parametrize("make", [gqa, mla, gqa_sinks], ids=["gqa", "mla", "gqa_sinks"])
 def test_pallas_kernel_through_the_module(make):
   module, x = make(), _x(6, seed=4)
   cache = module.init_paged_cache(2, num_pages=8, page_size=2)

@@ -80,17 +80,19 @@ def test_the_mass_the_sink_takes_and_rows_without_keys():
   np.testing.assert_allclose(lse[1], np.broadcast_to(SINKS[:, None], (N, T)))
 
 
-def test_paged_decode_xla_path():
+@pytest.mark.parametrize("implementation", ["xla", "pallas_tpu", "pallas_gpu"])
+def test_paged_decode(implementation):
   """``paged_attention(..., sinks=)``: the newest 3 tokens of each sequence over a paged cache
-  equal the last rows of the full causal pass (the decode kernels refuse sinks)."""
-  q, k, v = _inputs(t=16, seed=3)
-  kp, table = page_view(k, 4)
-  vp, _ = page_view(v, 4)
-  got = paged_attention(q[:, -3:], kp, vp, table, jnp.array([16, 16]), sinks=SINKS)
-  np.testing.assert_allclose(got, _reference(q, k, v, SINKS)[:, -3:], rtol=2e-5, atol=2e-5)
-  with pytest.raises(ValueError, match="`sinks` .* implementation='xla' only"):
-    paged_attention(q[:, -3:], kp, vp, table, jnp.array([16, 16]), sinks=SINKS,
-                    implementation="pallas_tpu")
+  equal the last rows of the full causal pass (the kernels, interpreted, add the sinks in their
+  combine step; split-KV or not)."""
+  q, k, v = _inputs(t=32, seed=3)
+  kp, table = page_view(k, 16)      # (the GPU kernel reads pages of 16 or more)
+  vp, _ = page_view(v, 16)
+  want = _reference(q, k, v, SINKS)[:, -3:]
+  for splits in (1, 2):
+    got = paged_attention(q[:, -3:], kp, vp, table, jnp.array([32, 32]), sinks=SINKS,
+                          implementation=implementation, num_splits=splits)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("strategy", ["all_gather", "ring"])
