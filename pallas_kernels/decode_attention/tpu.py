@@ -379,12 +379,12 @@ def _local(q, key_pool, value_pool, page_table, lengths, slopes=None, sinks=None
 
 
 def run_sharded_gqa(local, args, mesh):
-  """``local(query, key_pool, value_pool, page_table, lengths[, slopes[, sinks]])`` under ``mesh`` (None:
-  the context mesh; no mesh or no free axis: called directly): queries, page table and lengths
-  split over the ``"batch"`` axes, queries, pools and ALiBi slopes over ``"kv_heads"`` when both
-  ``N`` and ``K`` divide.  The pools are ``[P, page, K, H]`` or merged ``[P, page, K * H]``
-  (K-major rows, so a split of the last axis is a split of the KV heads).  Shared by the TPU and
-  GPU decode kernels."""
+  """``local(query, key_pool, value_pool, page_table, lengths[, slopes[, sinks]])`` under
+  ``mesh`` (None: the context mesh; no mesh or no free axis: called directly): queries, page
+  table and lengths split over the ``"batch"`` axes, queries, pools, ALiBi slopes and sinks over
+  ``"kv_heads"`` when both ``N`` and ``K`` divide.  The pools are ``[P, page, K, H]`` or merged
+  ``[P, page, K * H]`` (K-major rows, so a split of the last axis is a split of the KV heads).
+  Shared by the TPU and GPU decode kernels."""
   query, key_pool = args[0], args[1]
   kv_heads = kv_heads_of(key_pool, query.shape[3])
 
