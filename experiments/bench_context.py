@@ -28,6 +28,9 @@ columns hold as they would on chips.  On a GPU / TPU host the real devices are u
     python -m experiments.bench_context --plot runs/context.png --json runs/context.json
     python -m experiments.bench_context --mixer deltanet --heads 8 --kv-heads 4 --head-dim 128
 
+``--window W``: a causal sliding window of ``W`` earlier keys for every row (Mistral's and
+gpt-oss's sliding layers); the ring then runs only the steps that bring visible keys.
+
 ``--mixer deltanet``: Gated DeltaNet's rule (forward + backward, chunked form) instead, rows
 ``xla`` (the rule on the split inputs, partitioned by XLA) and ``context``
 (``context_parallel.delta_rule``: each device runs its chunk; only the chunks' state
@@ -95,7 +98,7 @@ def _delta_loss(strategy: str):
   return jax.value_and_grad(loss, argnums=(0, 1, 2))
 
 
-def _loss(strategy: str, mixer: str = "attention"):
+def _loss(strategy: str, mixer: str = "attention", window: int | None = None):
   from jaxattn.ops import context_parallel as cp
   from jaxattn.ops.attention import dot_product_attention
   if mixer == "deltanet":
@@ -103,19 +106,21 @@ def _loss(strategy: str, mixer: str = "attention"):
 
   def loss(q, k, v, d_out):
     if strategy == "xla":
-      out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+      out = jax.nn.dot_product_attention(
+          q, k, v, is_causal=True, local_window_size=None if window is None else (window, 0))
     else:
       opts = dict(strategy=strategy.split("_unbalanced")[0],
                   load_balance=not strategy.endswith("_unbalanced"))
       with cp.set_options(**opts):
-        out = dot_product_attention(q, k, v, is_causal=True)
+        out = dot_product_attention(q, k, v, is_causal=True, local_window_size=window)
     return jnp.sum(out.astype(jnp.float32) * d_out)
 
   return jax.value_and_grad(loss, argnums=(0, 1, 2))
 
 
 def measure(strategy: str, seq_len: int, *, devices: int, heads: int, kv_heads: int,
-            head_dim: int, dtype, repeats: int, mixer: str = "attention") -> dict:
+            head_dim: int, dtype, repeats: int, mixer: str = "attention",
+            window: int | None = None) -> dict:
   """One row: seconds per forward + backward call and peak bytes per device.  For the delta
   rule, ``heads`` value heads read ``kv_heads`` query / key heads."""
   axis = "seq" if strategy == "xla" else "context"
@@ -132,12 +137,14 @@ def measure(strategy: str, seq_len: int, *, devices: int, heads: int, kv_heads: 
   shape_out = shape_v if mixer == "deltanet" else shape_q
   d_out = jax.device_put(jax.random.normal(ks[3], shape_out, jnp.float32), spec)
   with jax.set_mesh(mesh):
-    compiled, compile_s = compile_timed(_loss(strategy, mixer), q, k, v, d_out)
+    compiled, compile_s = compile_timed(_loss(strategy, mixer, window), q, k, v, d_out)
     seconds = best_time(compiled, (q, k, v, d_out), repeats)
   return {"strategy": strategy, "mixer": mixer, "seq_len": seq_len, "devices": devices,
           "seconds": seconds, "compile_s": compile_s, "peak_bytes": peak_bytes(compiled),
-          "busiest_work": (busiest_work(strategy, seq_len, devices) if mixer == "attention"
-                           else 1.0)}
+          "window": window,
+          # (a window shorter than a chunk gives every device the same work)
+          "busiest_work": (busiest_work(strategy, seq_len, devices)
+                           if mixer == "attention" and window is None else 1.0)}
 
 
 def run(args) -> list[dict]:
@@ -158,6 +165,10 @@ def run(args) -> list[dict]:
     bar = None
   what = ("causal attention" if args.mixer == "attention" else
           "the gated delta rule (chunked, value heads N, key heads K)")
+  if args.window is not None:
+    if args.mixer != "attention":
+      raise ValueError("`--window` is a sliding window of attention (--mixer attention).")
+    what += f", sliding window of {args.window} keys"
   print(f"{jax.device_count()} {jax.devices()[0].platform} device(s), mesh of {args.devices}; "
         f"{what}, B=1, N={args.heads}, K={args.kv_heads}, H={args.head_dim}, "
         f"{jnp.dtype(dtype).name}, forward + backward")
@@ -172,7 +183,7 @@ def run(args) -> list[dict]:
       try:
         row = measure(strategy, seq_len, devices=args.devices, heads=args.heads,
                       kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=dtype,
-                      repeats=args.repeats, mixer=args.mixer)
+                      repeats=args.repeats, mixer=args.mixer, window=args.window)
       except Exception as e:  # noqa: BLE001 - one failing row must not lose the others
         row = {"strategy": strategy, "seq_len": seq_len, "error": error_text(e)}
         print(f"{seq_len:>6} {strategy:<22} error: {row['error']}")
@@ -234,6 +245,8 @@ def make_parser() -> argparse.ArgumentParser:
   p.add_argument("--head-dim", type=at_least(1), default=64)
   p.add_argument("--repeats", type=at_least(1), default=3)
   p.add_argument("--mixer", choices=("attention", "deltanet"), default="attention")
+  p.add_argument("--window", type=at_least(0), default=None,
+                 help="a causal sliding window of this many earlier keys (Mistral, gpt-oss)")
   p.add_argument("--strategies", nargs="+", choices=sorted(set(STRATEGIES + DELTA_STRATEGIES)),
                  default=None, help="default: every strategy of the mixer")
   p.add_argument("--json", default=None)

@@ -377,3 +377,13 @@ def test_bench_context_rows_json_and_plot(tmp_path, capsys):
   with pytest.raises(ValueError, match="must be among"):
     bench_context.main(["--mixer", "deltanet", "--strategies", "ring", "--seq-lens", "32",
                         "--devices", "4"])
+  # a sliding window: the ring row runs and records it
+  bench_context.main(["--seq-lens", "64", "--devices", "4", "--heads", "4", "--kv-heads", "2",
+                      "--head-dim", "8", "--repeats", "1", "--window", "5", "--strategies",
+                      "xla", "ring", "--json", str(js)])
+  rows = {r["strategy"]: r for r in _strict_load(js)["rows"]}
+  assert not [r for r in rows.values() if "error" in r], rows
+  assert rows["ring"]["window"] == 5 and rows["ring"]["busiest_work"] == 1.0
+  with pytest.raises(ValueError, match="--window"):
+    bench_context.main(["--mixer", "deltanet", "--window", "5", "--seq-lens", "32",
+                        "--devices", "4"])

@@ -28,7 +28,9 @@ attention:
   ``c`` and ``C-1-c`` swap the second halves of their queries, keys and values, so every ring
   chunk holds an early and a late half-chunk and every device computes the same ``2 h^2``
   query-key pairs at every step (``_ring_plan``), where the contiguous ring's steps each wait for
-  a device computing a whole block.
+  a device computing a whole block.  Under a causal sliding window shorter than the sequence
+  the ring stops after the ``1 + ceil(window / t)`` steps that bring visible keys (the gradient
+  accumulators then take one ``ppermute`` home).
 
 Both call ``dot_product_attention`` on each device's blocks with a static ``q_offset`` (one
 ``lax.switch`` branch per device position or chunk distance), so any backend with block skipping
@@ -224,7 +226,8 @@ def attention(query, key, value, kw: dict, *, size: int, strategy: str, load_bal
                 cap=kw["logits_soft_cap"], implementation=_hashable(implementation),
                 # without a position mask or ALiBi a block's result does not depend on where
                 # its rows sit: one program serves every device position / chunk distance
-                position_free=static is None and kw["alibi_slopes"] is None)
+                position_free=static is None and kw["alibi_slopes"] is None,
+                steps=_ring_steps(size, t, band, bool(load_balance)))
 
   def body(*xs):
     got = dict(zip(names, xs))
@@ -534,8 +537,18 @@ def _ring_plan(cfg, grads: bool = False):
   return blocks, locate
 
 
-def _ring_perm(size):
-  return [(i, (i + 1) % size) for i in range(size)]
+def _ring_perm(size, shift: int = 1):
+  return [(i, (i + shift) % size) for i in range(size)]
+
+
+def _ring_steps(size: int, t: int, band, load_balance: bool) -> int:
+  """Ring steps that can meet a visible key: all ``C`` in general; under a causal window of
+  ``left`` keys (contiguous chunks) device ``c`` sees chunks ``c - d`` for ``d <= ceil(left /
+  t)`` only, which the first ``1 + ceil(left / t)`` steps bring (Mistral's, gpt-oss's sliding
+  layers: 2 steps when the window is shorter than a chunk)."""
+  if load_balance or band is None or band[1] != 0 or math.isinf(band[0]):
+    return size
+  return min(size, 1 + -(-int(band[0]) // t))
 
 
 def _merge(o_acc, l_acc, o, l):
@@ -568,7 +581,7 @@ def _ring_forward(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, scale):
     o_acc, l_acc = _merge(o_acc, l_acc, o, l)
     return (*nxt, o_acc, l_acc), None
 
-  (_, _, _, o, l), _ = lax.scan(step, (k, v, kv_ids0, o0, l0), jnp.arange(size))
+  (_, _, _, o, l), _ = lax.scan(step, (k, v, kv_ids0, o0, l0), jnp.arange(cfg.steps))
   return o.astype(q.dtype), l
 
 
@@ -632,7 +645,9 @@ def _ring_vjp(cfg):
 
     zeros = lambda x: jnp.zeros(x.shape, f32)  # noqa: E731
     init = (k, v, kv_ids0, zeros(k), zeros(v), zeros(q), d_slopes0)
-    (_, _, _, dk, dv, dq, d_sl), _ = lax.scan(step, init, jnp.arange(size))
+    (_, _, _, dk, dv, dq, d_sl), _ = lax.scan(step, init, jnp.arange(cfg.steps))
+    if cfg.steps % size:   # a shortened ring: the accumulators are `steps` devices downstream
+      dk, dv = lax.ppermute((dk, dv), AXIS, _ring_perm(size, -cfg.steps))
     d_slopes = None if slopes is None else d_sl.astype(slopes.dtype)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_slopes, None
 

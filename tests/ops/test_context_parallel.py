@@ -384,3 +384,24 @@ def test_ring_backward_runs_no_block_forward(load_balance):
   assert forward.count(fwd) > 0 and bwd not in forward
   assert grad.count(fwd) == forward.count(fwd)
   assert grad.count(bwd) > 0
+
+
+def test_ring_under_a_causal_window_stops_when_no_key_is_left():
+  """A causal window of 5 keys over chunks of 8 rows: only the own and the previous chunk hold
+  visible keys, so the ring runs 2 steps of 4 (forward and backward scans), and the results
+  (checked against the formula in ``test_matches_the_unsharded_formula``) stay exact: here with
+  a window of 9 (3 steps) and the gradients."""
+  q, k, v, d_out = _inputs(seed=6)
+  assert [cp._ring_steps(4, 8, (w, 0.0), False) for w in (0, 5, 8, 9, 30)] == [1, 2, 2, 3, 4]
+  assert cp._ring_steps(4, 8, (5.0, 0.0), True) == 4 and cp._ring_steps(4, 8, (3, 9), False) == 4
+  kw = dict(is_causal=True, local_window_size=9)
+  out0, lse0, g0, _ = _run(None, q, k, v, d_out, **kw)
+  mesh = make_mesh({"data": 2, "context": 4})
+  with cp.set_options(strategy="ring"):
+    out, lse, grads, _ = _run(mesh, q, k, v, d_out, **kw)
+    with jax.set_mesh(mesh):
+      args = [jax.device_put(x, NamedSharding(mesh, P("data", "context"))) for x in (q, k, v)]
+      jaxpr = str(jax.make_jaxpr(jax.grad(lambda *a: _loss(*a, d_out, **kw)[0],
+                                          argnums=(0, 1, 2)))(*args))
+  _close_results((out, lse, grads), (out0, lse0, g0), (2e-5, 2e-5, 5e-5))
+  assert jaxpr.count("length=3") == 2 and "length=4" not in jaxpr
