@@ -236,21 +236,16 @@ class MoE(nnx.Module):
     wg, wu, wd = (self.expert_kernel(name).astype(dtype)
                   for name in ("w_gate", "w_up", "w_down"))
     xf, idx, wts = x.reshape(b * t, d), indices.reshape(b * t, -1), r.weights.reshape(b * t, -1)
-    if self.b_gate is not None:
-      # The gate / up biases as one more input column of ones and one more weight row: every
-      # dispatch path (grouped matmuls, expert parallelism) computes them as it computes x W.
-      xf = jnp.concatenate([xf, jnp.ones((b * t, 1), dtype)], axis=1)
-      wg, wu = (jnp.concatenate([w, bias[...].astype(dtype)[:, None, :]], axis=1)
-                for w, bias in ((wg, self.b_gate), (wu, self.b_up)))
     flat = (xf, idx, wts, wg, wu, wd)
+    extra = dict(implementation=self.implementation, block_size=self.block_size,
+                 activation=self.activation,
+                 gate_up_bias=None if self.b_gate is None else (self.b_gate[...],
+                                                                self.b_up[...]))
     if self._use_expert_parallel():
-      y = M.routed_experts_sharded(*flat, implementation=self.implementation,
-                                   block_size=self.block_size, activation=self.activation)
+      y = M.routed_experts_sharded(*flat, **extra)
       dropped = jnp.zeros((), jnp.int32)
     else:
-      y, dropped = M.routed_experts(*flat, capacity_factor=self.capacity_factor,
-                                    implementation=self.implementation, block_size=self.block_size,
-                                    activation=self.activation)
+      y, dropped = M.routed_experts(*flat, capacity_factor=self.capacity_factor, **extra)
     if self.b_down is not None:
       # sum_j w_j (h_j W_d + b_d[e_j]): the output bias of each chosen expert, weighted
       valid = (idx >= 0) & (idx < self.num_experts)

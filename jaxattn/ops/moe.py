@@ -483,14 +483,25 @@ def check_activation(activation) -> None:
     raise ValueError(f"`activation` must be None (SwiGLU) or a ClampedSwiGLU, got {activation!r}.")
 
 
-def _swiglu(g, u, dtype, activation: ClampedSwiGLU | None = None):
-  # The gate nonlinearity in fp32, as every gate in the package.  Zero rows stay zero.
+def _swiglu(g, u, dtype, activation: ClampedSwiGLU | None = None, bias=None):
+  # The gate nonlinearity in fp32, as every gate in the package.  Zero rows stay zero (without
+  # biases; with them the callers mask or discard the rows that belong to no expert).
   g, u = g.astype(jnp.float32), u.astype(jnp.float32)
+  if bias is not None:            # (b_gate, b_up), broadcast to g's shape
+    g, u = g + bias[0], u + bias[1]
   if activation is None:
     return (jax.nn.silu(g) * u).astype(dtype)
   g = jnp.minimum(g, activation.limit)
   u = jnp.clip(u, -activation.limit, activation.limit)
   return ((u + 1.0) * g * jax.nn.sigmoid(activation.alpha * g)).astype(dtype)
+
+
+def _check_gate_up_bias(gate_up_bias, w_gate) -> None:
+  e, f = w_gate.shape[0], w_gate.shape[2]
+  if gate_up_bias is not None and (len(gate_up_bias) != 2 or any(
+      jnp.shape(b) != (e, f) for b in gate_up_bias)):
+    raise ValueError(f"`gate_up_bias` must be two [E, F] = [{e}, {f}] arrays, got "
+                     f"{[jnp.shape(b) for b in gate_up_bias]}.")
 
 
 def grouped_swiglu(
@@ -503,26 +514,37 @@ def grouped_swiglu(
     implementation: Implementation | None = None,
     block_size: int | None = None,
     activation: ClampedSwiGLU | None = None,
+    gate_up_bias: tuple[Float[Array, "E F"], Float[Array, "E F"]] | None = None,
 ) -> Float[Array, "M D"]:
   """Each row through its group's SwiGLU ``(silu(x W_g) * x W_u) W_d``; rows past the groups: 0.
 
   The blocked path pads once and runs all three matmuls in the padded layout.  ``activation``:
-  None (SwiGLU) or ``ClampedSwiGLU`` (gpt-oss).
+  None (SwiGLU) or ``ClampedSwiGLU`` (gpt-oss).  ``gate_up_bias``: ``(b_gate, b_up)`` ``[E, F]``
+  added to each row's ``x W_g`` / ``x W_u`` by its group (gpt-oss).
   """
   impl = _check_implementation(implementation)
   _check_grouped(x, w_gate, group_sizes)
-  # (the output width may differ from D: a layer with gate / up biases feeds x with a column of
-  # ones, D + 1 wide, and gets D back)
-  if w_up.shape != w_gate.shape or w_down.shape[:2] != (w_gate.shape[0], w_gate.shape[2]):
+  if w_up.shape != w_gate.shape or w_down.shape != (w_gate.shape[0], w_gate.shape[2], x.shape[1]):
     raise ValueError(f"expert weights disagree: w_gate {w_gate.shape}, w_up {w_up.shape}, "
-                     f"w_down {w_down.shape} (want [E, D, F], [E, D, F], [E, F, D_out]).")
+                     f"w_down {w_down.shape} (want [E, D, F], [E, D, F], [E, F, D]).")
+  num_groups = w_gate.shape[0]
+  _check_gate_up_bias(gate_up_bias, w_gate)
   if impl != "blocked":
     mm = partial(grouped_matmul, group_sizes=group_sizes, implementation=impl)
-    return mm(_swiglu(mm(x, w_gate), mm(x, w_up), x.dtype, activation), w_down)
+    bias = None
+    if gate_up_bias is not None:  # each row's group; rows past the groups get none
+      gid = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(x.shape[0]), side="right")
+      inside = (gid < num_groups)[:, None]
+      bias = tuple(jnp.where(inside, b.astype(jnp.float32)[jnp.minimum(gid, num_groups - 1)],
+                             0.0) for b in gate_up_bias)
+    return mm(_swiglu(mm(x, w_gate), mm(x, w_up), x.dtype, activation, bias), w_down)
   layout = _layout(group_sizes, x.shape[0], block_size)
   xb = _pad(x, layout)
   mm = lambda a, w: block_matmul(a, w, layout.block_group, layout.num_used)
-  h = _swiglu(mm(xb, w_gate), mm(xb, w_up), x.dtype, activation)  # padding rows stay 0
+  # (with biases a padding row's h is not 0; its output row is never read back)
+  bias = None if gate_up_bias is None else tuple(
+      b.astype(jnp.float32)[layout.block_group][:, None, :] for b in gate_up_bias)
+  h = _swiglu(mm(xb, w_gate), mm(xb, w_up), x.dtype, activation, bias)
   return _unpad(mm(h, w_down), layout)
 
 
@@ -565,6 +587,7 @@ def routed_experts(
     implementation: Implementation | None = None,
     block_size: int | None = None,
     activation: ClampedSwiGLU | None = None,
+    gate_up_bias: tuple[Float[Array, "E F"], Float[Array, "E F"]] | None = None,
 ) -> tuple[Float[Array, "M D"], Int[Array, ""]]:
   """``y[m] = sum_j weights[m, j] * SwiGLU_{indices[m, j]}(x[m])``, and the dropped assignments.
 
@@ -578,17 +601,19 @@ def routed_experts(
   ``expert`` logical axis, so under a mesh XLA splits it over experts and inserts the all-to-all.
 
   An index outside ``[0, E)`` (e.g. ``-1`` for "no expert") adds nothing, on every path (as in
-  ``dense_experts``); it is not counted as dropped.  ``activation`` as ``grouped_swiglu``'s.
+  ``dense_experts``); it is not counted as dropped.  ``activation`` and ``gate_up_bias`` as
+  ``grouped_swiglu``'s.
   """
   _check_dispatch(x, indices, weights, w_gate)
   check_activation(activation)
+  _check_gate_up_bias(gate_up_bias, w_gate)
   m, k = indices.shape
   num_experts = w_gate.shape[0]
   if capacity_factor is None:
     order, group_sizes = sort_by_expert(indices, num_experts)
     ys = grouped_swiglu(x[order // k], group_sizes, w_gate, w_up, w_down,
                         implementation=implementation, block_size=block_size,
-                        activation=activation)
+                        activation=activation, gate_up_bias=gate_up_bias)
     y_assign = jnp.zeros_like(ys).at[order].set(ys)
     return (_combine(y_assign.reshape(m, k, ys.shape[-1]), weights, x.dtype),
             jnp.zeros((), jnp.int32))
@@ -606,7 +631,9 @@ def routed_experts(
   buf = buf.at[expert, slot].set(x[token], mode="drop")                        # slot >= C: dropped
   buf = shard(buf, ("expert", None, "act_embed"))
   mm = lambda a, w: jnp.einsum("ecd,edf->ecf", a, w, preferred_element_type=jnp.float32)
-  h = _swiglu(mm(buf, w_gate), mm(buf, w_up), x.dtype, activation)
+  bias = None if gate_up_bias is None else tuple(
+      b.astype(jnp.float32)[:, None, :] for b in gate_up_bias)   # (empty slots: never read)
+  h = _swiglu(mm(buf, w_gate), mm(buf, w_up), x.dtype, activation, bias)
   out = mm(h, w_down).astype(x.dtype)
   out = shard(out, ("expert", None, "act_embed"))
   ys = out.at[expert, slot].get(mode="fill", fill_value=0)                     # [k * M, D]
@@ -625,17 +652,22 @@ def dense_experts(
     w_down: Float[Array, "E F D"],
     *,
     activation: ClampedSwiGLU | None = None,
+    gate_up_bias: tuple[Float[Array, "E F"], Float[Array, "E F"]] | None = None,
 ) -> Float[Array, "M D"]:
   """The reference: EVERY expert runs on every token, and a ``[M, E]`` gate matrix (the routing
   weights at the selected experts, 0 elsewhere) masks and combines them.  ``E / k`` times the work
   of the dispatched paths."""
   _check_dispatch(x, indices, weights, w_gate)
   check_activation(activation)
+  _check_gate_up_bias(gate_up_bias, w_gate)
   num_experts = w_gate.shape[0]
   gates = jnp.einsum("mke,mk->me", jax.nn.one_hot(indices, num_experts, dtype=jnp.float32),
                      weights.astype(jnp.float32))
   mm = lambda eq, a, w: jnp.einsum(eq, a, w, preferred_element_type=jnp.float32)
-  h = _swiglu(mm("md,edf->emf", x, w_gate), mm("md,edf->emf", x, w_up), x.dtype, activation)
+  bias = None if gate_up_bias is None else tuple(
+      b.astype(jnp.float32)[:, None, :] for b in gate_up_bias)
+  h = _swiglu(mm("md,edf->emf", x, w_gate), mm("md,edf->emf", x, w_up), x.dtype, activation,
+              bias)
   y = mm("emf,efd->emd", h, w_down)
   return jnp.einsum("emd,me->md", y, gates).astype(x.dtype)
 
@@ -674,6 +706,7 @@ def routed_experts_sharded(
     implementation: Implementation | None = None,
     block_size: int | None = None,
     activation: ClampedSwiGLU | None = None,
+    gate_up_bias: tuple[Float[Array, "E F"], Float[Array, "E F"]] | None = None,
 ) -> Float[Array, "M D"]:
   """``routed_experts`` (dropless) with the experts split over ``expert_axis`` of ``mesh``.
 
@@ -694,6 +727,7 @@ def routed_experts_sharded(
   """
   _check_dispatch(x, indices, weights, w_gate)
   check_activation(activation)
+  _check_gate_up_bias(gate_up_bias, w_gate)
   # An index outside [0, E) is dropped, as in routed_experts: here it becomes a zero-weight
   # assignment to expert 0 (no value, and no gradient to its weight).
   valid = (indices >= 0) & (indices < w_gate.shape[0])
@@ -724,7 +758,7 @@ def routed_experts_sharded(
   tok_spec = P(tok_axes if tok_axes else None, None)
   exp_spec = P(expert_axis, None, None)
 
-  def local(x, indices, weights, w_gate, w_up, w_down):
+  def local(x, indices, weights, w_gate, w_up, w_down, *biases):
     m_loc = x.shape[0]
     a_loc = m_loc * k
     order, _ = sort_by_expert(indices, num_experts)
@@ -743,7 +777,8 @@ def routed_experts_sharded(
     # The buffer has P * A_loc rows but receives A_loc on average: size blocks for the average.
     bm = default_block_size(a_loc, local_experts) if block_size is None else block_size
     out = grouped_swiglu(recv.reshape(-1, x.shape[1])[order2], group_sizes, w_gate, w_up, w_down,
-                         implementation=implementation, block_size=bm, activation=activation)
+                         implementation=implementation, block_size=bm, activation=activation,
+                         gate_up_bias=biases or None)
     out = jnp.zeros_like(out).at[order2].set(out).reshape(n_dev, a_loc, -1)
     back = jax.lax.all_to_all(out, expert_axis, 0, 0, tiled=True)             # [P(dest), A_loc, D]
     ys = back[dest, slot]                                                       # sorted order
@@ -753,8 +788,11 @@ def routed_experts_sharded(
   # on their specs before shard_map (Explicit axes never reshard implicitly)
   args = [constrain(a, mesh, tok_spec) for a in (x, indices, weights)]
   args += [constrain(a, mesh, exp_spec) for a in (w_gate, w_up, w_down)]
+  bias_spec = P(expert_axis, None)
+  biases = [] if gate_up_bias is None else [constrain(b, mesh, bias_spec) for b in gate_up_bias]
   # check_vma=False: the fori_loop carries of the blocked matmul start as (unvarying) zeros.
-  fn = jax.shard_map(local, mesh=mesh, in_specs=(tok_spec,) * 3 + (exp_spec,) * 3,
+  fn = jax.shard_map(local, mesh=mesh,
+                     in_specs=(tok_spec,) * 3 + (exp_spec,) * 3 + (bias_spec,) * len(biases),
                      out_specs=tok_spec, check_vma=False)
-  y = fn(*args)
+  y = fn(*args, *biases)
   return _whole_rows(y, mesh)[:num_tokens] if pad else y

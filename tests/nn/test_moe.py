@@ -215,9 +215,9 @@ def _gpt_oss(seed=0):
 
 
 def test_gpt_oss_options_expert_parallel_values_and_gradients():
-  """The gate / up biases (an input column of ones) and the output bias (added per chosen expert)
-  through the expert-parallel path: values and every gradient (the biases' too) equal the
-  no-mesh call, which equals the dense reference."""
+  """The gate / up biases (added per row by its expert) and the output bias (added per chosen
+  expert) through the expert-parallel path: values and every gradient (the biases' too) equal
+  the no-mesh call, which equals the dense reference."""
   def loss(layer, x):
     y, _ = layer(x)
     return jnp.sum(jnp.sin(y)), y
@@ -227,12 +227,10 @@ def test_gpt_oss_options_expert_parallel_values_and_gradients():
   layer0 = _gpt_oss()
   (_, want), (want_gp, want_gx) = step(layer0, x)
   r = layer0.route(x)
-  xf = x.reshape(6, D)
-  wg = jnp.concatenate([layer0.w_gate[...], layer0.b_gate[...][:, None]], 1)
-  wu = jnp.concatenate([layer0.w_up[...], layer0.b_up[...][:, None]], 1)
-  dense = ops.dense_experts(jnp.concatenate([xf, jnp.ones((6, 1))], 1), r.indices.reshape(6, 2),
-                            r.weights.reshape(6, 2), wg, wu, layer0.w_down[...],
-                            activation=ops.ClampedSwiGLU())
+  dense = ops.dense_experts(x.reshape(6, D), r.indices.reshape(6, 2), r.weights.reshape(6, 2),
+                            layer0.w_gate[...], layer0.w_up[...], layer0.w_down[...],
+                            activation=ops.ClampedSwiGLU(),
+                            gate_up_bias=(layer0.b_gate[...], layer0.b_up[...]))
   dense = dense + jnp.einsum("mk,mkd->md", r.weights.reshape(6, 2),
                              layer0.b_down[...][r.indices.reshape(6, 2)])
   np.testing.assert_allclose(want.reshape(6, D), dense, atol=2e-5, rtol=1e-5)

@@ -345,6 +345,52 @@ def test_dense_reference_is_a_per_token_loop():
   np.testing.assert_allclose(moe.dense_experts(x, idx, w, *_experts()), want, atol=1e-5)
 
 
+@pytest.mark.parametrize("implementation", moe.IMPLEMENTATIONS)
+def test_gpt_oss_experts_per_token_loop(implementation):
+  """gpt-oss's experts (clamped SwiGLU, gate / up biases) on every dispatch path, the capacity
+  path with room for everything and the dense reference: a per-token NumPy loop, with inputs
+  large enough that the clamps bind; a row with no expert (-1) gives 0; gradients of the biases
+  equal the dense reference's."""
+  x, idx, w = _routing(m=10, seed=40)
+  x = x * 4.0
+  idx = idx.at[3, 1].set(-1)
+  wg, wu, wd = _experts(seed=41)
+  bg, bu = _rand(44, (E, F)), _rand(45, (E, F))
+  act = moe.ClampedSwiGLU(alpha=1.702, limit=1.5)
+  want = np.zeros((10, D))
+  for t in range(10):
+    for j in range(2):
+      e = int(idx[t, j])
+      if e < 0:
+        continue
+      h = np.asarray(x[t], np.float64)
+      g = np.minimum(h @ np.asarray(wg[e]) + np.asarray(bg[e]), 1.5)
+      u = np.clip(h @ np.asarray(wu[e]) + np.asarray(bu[e]), -1.5, 1.5)
+      want[t] += float(w[t, j]) * (((u + 1) * g / (1 + np.exp(-1.702 * g))) @ np.asarray(wd[e]))
+  assert np.abs(np.asarray(x) @ np.asarray(wg[0])).max() > 1.5   # the clamp binds
+  kw = dict(activation=act, gate_up_bias=(bg, bu))
+  got, _ = moe.routed_experts(x, idx, w, wg, wu, wd, implementation=implementation, block_size=4,
+                              **kw)
+  np.testing.assert_allclose(got, want, atol=2e-5)
+  cap, dropped = moe.routed_experts(x, idx, w, wg, wu, wd, capacity_factor=8.0, **kw)
+  assert int(dropped) == 0
+  np.testing.assert_allclose(cap, want, atol=2e-5)
+  np.testing.assert_allclose(moe.dense_experts(x, idx, w, wg, wu, wd, **kw), want, atol=2e-5)
+
+  def grads(fn):
+    return jax.grad(lambda b0, b1: jnp.sum(jnp.sin(fn(b0, b1))), argnums=(0, 1))(bg, bu)
+  g_got = grads(lambda b0, b1: moe.routed_experts(
+      x, idx, w, wg, wu, wd, implementation=implementation, block_size=4, activation=act,
+      gate_up_bias=(b0, b1))[0])
+  g_want = grads(lambda b0, b1: moe.dense_experts(x, idx, w, wg, wu, wd, activation=act,
+                                                  gate_up_bias=(b0, b1)))
+  for a, b in zip(g_got, g_want):
+    np.testing.assert_allclose(a, b, atol=5e-5, rtol=1e-4)
+  for cf in (None, 1.0):
+    with pytest.raises(ValueError, match="`gate_up_bias` must be two"):
+      moe.routed_experts(x, idx, w, wg, wu, wd, gate_up_bias=(bg[:, :3], bu), capacity_factor=cf)
+
+
 def test_capacity_mode_drops_overflow_first_choices_first():
   m, k = 48, 2
   x, idx, w = _routing(m=m, k=k, skew=0.6)
