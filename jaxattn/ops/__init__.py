@@ -1,8 +1,8 @@
 """Formulas: pure functions of arrays, the reference every faster path is tested against."""
 
 from jaxattn.ops.alibi import alibi_bias, alibi_slopes
-from jaxattn.ops.attention import (IMPLEMENTATIONS, attention_gradients, attention_weights,
-                                   dot_product_attention, explain_dispatch)
+from jaxattn.ops.attention import (IMPLEMENTATIONS, apply_sinks, attention_gradients,
+                                   attention_weights, dot_product_attention, explain_dispatch)
 from jaxattn.ops.masks import (CausalMask, FullMask, GlobalTokensMask, Mask, PaddingMask,
                                SegmentMask, SlidingWindowMask, make_mask, sliding_window)
 from jaxattn.ops.decode import (cache_attention, cache_mla_decode, paged_attention,
@@ -24,7 +24,7 @@ from jaxattn.ops.t5_bias import t5_position_bias, t5_relative_position_bucket
 __all__ = [
     "IMPLEMENTATIONS", "CausalMask", "FullMask", "GlobalTokensMask", "Mask", "PaddingMask",
     "RopeScaling", "SegmentMask", "SlidingWindowMask", "alibi_bias", "alibi_slopes", "apply_rope",
-    "attention_gradients", "attention_weights", "dot_product_attention", "explain_dispatch",
+    "apply_sinks", "attention_gradients", "attention_weights", "dot_product_attention", "explain_dispatch",
     "layer_norm", "make_mask", "rms_norm",
     "rope_frequencies", "sinusoidal_positions", "sliding_window", "t5_position_bias",
     "t5_relative_position_bucket", "yarn_mscale", "absorb_output_weights", "absorb_query_weights",

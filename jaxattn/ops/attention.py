@@ -476,6 +476,10 @@ def attention_gradients(
   """
   if "return_residuals" in kwargs:
     raise ValueError("`return_residuals` is implied (the block's out and lse); do not pass it.")
+  if kwargs.get("sinks") is not None:
+    raise ValueError("`sinks` act on the whole rows' (out, lse), not on a block: apply them to the "
+                     "merged result (`apply_sinks`), whose VJP gives this call's d_out / d_lse.")
+  kwargs.pop("sinks", None)
   kw = _backend_kwargs(query, key, value, bias, mask, return_residuals=True, **kwargs)
   bias, slopes = kw.pop("bias"), kw.pop("alibi_slopes")
   b, t, n, _ = query.shape
@@ -514,7 +518,6 @@ def attention_gradients(
   # cotangents of the whole rows carried over (d out_b = w d_out, d lse_b = w (d_out . (out_b -
   # out) + d_lse), w = exp(lse_b - lse)).
   f32 = jnp.float32
-
   rest = {k: v for k, v in kwargs.items() if k != "alibi_slopes"}
 
   def block(q, k, v, b, sl):
@@ -545,6 +548,8 @@ def explain_dispatch(query, key, value, bias=None, mask=None, **kwargs) -> tuple
   """
   if "implementation" in kwargs:
     raise ValueError("`implementation` is what explain_dispatch finds; do not pass it.")
+  if kwargs.pop("sinks", None) is not None:   # applied to a backend's (out, lse): residuals
+    kwargs["return_residuals"] = True
   normalized = _backend_kwargs(query, key, value, bias, mask, **kwargs)
   name, _, reasons = _first_accepting(lambda backend: jax.eval_shape(
       lambda q, k, v: backend(q, k, v, **normalized), query, key, value))

@@ -113,7 +113,13 @@ def test_under_a_context_axis(strategy):
 
 
 def test_errors():
+  from jaxattn.ops import attention_gradients, explain_dispatch
   q, k, v = _inputs()
+  # the dispatch explanation knows that sinks need the log-sum-exp (here the CPU kernel takes it)
+  assert explain_dispatch(q, k, v, is_causal=True, sinks=SINKS)[0] == "cpu"
+  out, lse = dot_product_attention(q, k, v, return_residuals=True)
+  with pytest.raises(ValueError, match="`sinks` act on the whole rows"):
+    attention_gradients(q, k, v, out, lse, out, sinks=SINKS)
   with pytest.raises(ValueError, match=r"`sinks` must be a \[N\] array .* N=4, got shape \(3,\)"):
     dot_product_attention(q, k, v, sinks=np.zeros(3, np.float32))
   with pytest.raises(ValueError, match="`sinks` must be floating point"):
