@@ -93,9 +93,11 @@ def _stack_unrolled_into_scanned(unrolled, scanned):
   nnx.update(scanned, s_state)
 
 
-@pytest.mark.parametrize("pattern", ["A", "SA"])
-def test_scanned_and_rematerialized_stacks_equal_the_unrolled_stack(pattern):
-  cfg = small_config("mistral", layer_pattern=pattern, num_layers=4)
+@pytest.mark.parametrize("preset,pattern", [("mistral", "A"), ("mistral", "SA"),
+                                            ("gpt-oss", "SA")])
+def test_scanned_and_rematerialized_stacks_equal_the_unrolled_stack(preset, pattern):
+  """(gpt-oss: its sinks, attention biases and MoE units, scanned as the full preset is.)"""
+  cfg = small_config(preset, layer_pattern=pattern, num_layers=4, first_k_dense=0)
   unrolled = DecoderLM(cfg, rngs=nnx.Rngs(0))
   scanned = DecoderLM(cfg.replace(scan_layers=True), rngs=nnx.Rngs(1))
   remat = DecoderLM(cfg.replace(scan_layers=True, remat="full"), rngs=nnx.Rngs(2))
