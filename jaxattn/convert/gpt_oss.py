@@ -11,8 +11,8 @@ Layout differences from ours:
 The published checkpoints store the expert matrices in MXFP4 (``gate_up_proj_blocks [E, 2F, D/32,
 16]`` uint8, two FP4 E2M1 values per byte, low nibble first, and ``gate_up_proj_scales [E, 2F,
 D/32]``, one E8M0 exponent per 32 values; ``down_proj_*`` likewise): ``normalize`` dequantizes
-each one when it is read (``dequantize_mxfp4``), into the unquantized layout transformers' own
-models hold, which the converter also reads as is.
+each one when it is read (``jaxattn.ops.mxfp4.dequantize_mxfp4_host``), into the unquantized
+layout transformers' own models hold, which the converter also reads as is.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import numpy as np
 from jaxattn.convert import common as C
 from jaxattn.convert.llama import attention_rules, head_rules
 from jaxattn.convert.rules import Rule, copy, linear, xp
+from jaxattn.ops.mxfp4 import dequantize_mxfp4_host
 
 ARCHITECTURES = ("GptOssForCausalLM",)
 
@@ -32,7 +33,7 @@ _FIELDS = {
     "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
     "tie_word_embeddings", "rope_parameters", "rope_theta", "rope_scaling", "sliding_window",
     "layer_types", "num_local_experts", "num_experts_per_tok", "swiglu_alpha", "swiglu_limit",
-    "attention_bias", "experts_per_token",
+    "attention_bias", "experts_per_token", "initial_context_length", "quantization_config",
 }
 _KINDS = {"sliding_attention": "S", "full_attention": "A"}
 
@@ -40,6 +41,10 @@ _KINDS = {"sliding_attention": "S", "full_attention": "A"}
 def config_from_hf(d: dict[str, Any], architecture: str) -> dict[str, Any]:
   C.check_fields(d, _FIELDS, architecture)
   C.require(d, "attention_bias", True, architecture, True)
+  quant = d.get("quantization_config")
+  if quant is not None and (not isinstance(quant, dict) or quant.get("quant_method") != "mxfp4"):
+    raise ValueError(f"{architecture}: `quantization_config` {quant!r} is not supported; the "
+                     "published checkpoints' MXFP4 experts are (quant_method 'mxfp4').")
   layers, heads = d["num_hidden_layers"], d["num_attention_heads"]
   types = d.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
                                    for i in range(layers)]
@@ -76,6 +81,8 @@ def config_from_hf(d: dict[str, Any], architecture: str) -> dict[str, Any]:
 
 
 def config_to_hf(cfg, architecture: str) -> dict[str, Any]:
+  """(A model whose experts are held in MXFP4 exports them as they are, with the
+  ``quantization_config`` transformers reads them by.)"""
   moe = cfg.num_experts > 0
   C.check_exportable(
       cfg, architecture, attention_sinks=None if cfg.attention_sinks else False,
@@ -98,7 +105,11 @@ def config_to_hf(cfg, architecture: str) -> dict[str, Any]:
       cfg.moe_expert_dim)
   types = [{"S": "sliding_attention", "A": "full_attention"}[cfg.layer_kind(i)[0]]
            for i in range(cfg.num_layers)]
-  return dict(
+  quant = {} if cfg.moe_expert_format == "dense" else {"quantization_config": dict(
+      quant_method="mxfp4", modules_to_not_convert=[
+          "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+          "lm_head"])}
+  return dict(**quant,
       architectures=[architecture], model_type="gpt_oss", vocab_size=cfg.vocab_size,
       hidden_size=cfg.embed_dim, intermediate_size=cfg.mlp_dim, num_hidden_layers=cfg.num_layers,
       num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
@@ -122,24 +133,6 @@ def _interleaved(hf: str, gate: tuple, up: tuple) -> Rule:
   return Rule((hf,), (gate, up), to_ours, to_hf)
 
 
-# The 16 values of an FP4 E2M1 code (sign, 2 exponent bits, 1 mantissa bit).
-FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                     -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
-
-
-def dequantize_mxfp4(blocks, scales) -> np.ndarray:
-  """MXFP4 -> fp32: ``blocks [..., G, B]`` uint8 (``2 B`` FP4 values per group, the low nibble
-  first) and ``scales [..., G]`` uint8 (E8M0: ``2^(s - 127)`` per group) -> ``[..., G * 2B]``."""
-  blocks, scales = np.asarray(blocks), np.asarray(scales)
-  if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.shape[:-1] != scales.shape:
-    raise ValueError(f"MXFP4 wants uint8 `blocks` [..., G, B] and `scales` [..., G], got "
-                     f"{blocks.dtype}{list(blocks.shape)} and {scales.dtype}{list(scales.shape)}.")
-  values = np.stack([FP4_E2M1[blocks & 0x0F], FP4_E2M1[blocks >> 4]], axis=-1)
-  values = np.ldexp(values.reshape(blocks.shape[:-1] + (-1,)),
-                    scales.astype(np.int32)[..., None] - 127)
-  return values.reshape(blocks.shape[:-2] + (-1,))
-
-
 class _MXFP4Tensor:
   """An expert tensor stored as MXFP4 ``[E, R, G, B]`` + scales: ``[E, G * 2B, R]`` (the
   unquantized ``x @ W`` layout) when read, dequantized then, one tensor at a time."""
@@ -150,13 +143,22 @@ class _MXFP4Tensor:
     self.shape, self.dtype = (e, g * 2 * b, r), np.dtype(np.float32)
 
   def __array__(self, dtype=None, copy=None):
-    out = np.ascontiguousarray(np.swapaxes(dequantize_mxfp4(self.blocks, self.scales), 1, 2))
+    out = np.ascontiguousarray(np.swapaxes(dequantize_mxfp4_host(self.blocks, self.scales), 1, 2))
     return out if dtype is None else out.astype(dtype)
 
 
 def normalize(sd: dict, cfg) -> None:
   """The published checkpoints' MXFP4 expert tensors (``{name}_blocks`` + ``{name}_scales``) as
-  ``{name}``, dequantized when the converter reads them."""
+  ``{name}``, dequantized when the converter reads them -- unless the model keeps its experts in
+  MXFP4 (``moe_expert_format="mxfp4"``), which reads the codes and scales as they are."""
+  if cfg.moe_expert_format == "mxfp4":
+    dense = sorted(k for k in sd if k.endswith(("experts.gate_up_proj", "experts.down_proj")))
+    if dense:
+      raise ValueError(f"GptOssForCausalLM: moe_expert_format='mxfp4' reads MXFP4 expert "
+                       f"tensors (*_blocks, *_scales), but the checkpoint holds {dense[0]!r} "
+                       "unquantized; load it with the default format, then "
+                       "MoE.quantize_experts().")
+    return
   for key in sorted(k for k in sd if k.endswith("_blocks")):
     name = key[:-len("_blocks")]
     scales = sd.pop(f"{name}_scales", None)
@@ -165,6 +167,29 @@ def normalize(sd: dict, cfg) -> None:
     blocks = sd.pop(key)
     to_np = lambda x: x.numpy() if hasattr(x, "numpy") else np.asarray(x)  # noqa: E731
     sd[name] = _MXFP4Tensor(to_np(blocks), to_np(scales))
+
+
+def _mxfp4_rules(e: str, f: tuple) -> list[Rule]:
+  """MXFP4 experts kept as they are: ``gate_up_proj_blocks / _scales`` rows (gate and up
+  interleaved) <-> ``w_gate`` / ``w_up``'s ``blocks`` and ``scales``; ``down_proj_*`` <->
+  ``w_down``'s.  (Bytes: the codes move, nothing is re-quantized.)"""
+  out = []
+  for part in ("blocks", "scales"):
+    out += [_rows_interleaved(f"{e}.gate_up_proj_{part}", f + ("w_gate", part), f + ("w_up", part)),
+            copy(f"{e}.down_proj_{part}", f + ("w_down", part))]
+  return out
+
+
+def _rows_interleaved(hf: str, gate: tuple, up: tuple) -> Rule:
+  """``[E, 2F, ...]`` with gate and up rows interleaved <-> our gate and up ``[E, F, ...]``."""
+  def to_ours(w, *, shapes):
+    return w[:, 0::2].reshape(shapes[0]), w[:, 1::2].reshape(shapes[1])
+
+  def to_hf(g, u):
+    both = xp(g, u).stack([g, u], axis=2)              # [E, F, 2, ...]
+    return (both.reshape((g.shape[0], 2 * g.shape[1]) + g.shape[2:]),)
+
+  return Rule((hf,), (gate, up), to_ours, to_hf)
 
 
 def rules(cfg) -> list[Rule]:
@@ -179,7 +204,11 @@ def rules(cfg) -> list[Rule]:
     out += attention_rules(cfg, i, f"{hp}.self_attn")
     out += [linear(f"{hp}.mlp.router.weight", f + ("router",)),
             copy(f"{hp}.mlp.router.bias", f + ("router_logit_bias",)),
-            _interleaved(f"{e}.gate_up_proj", f + ("w_gate",), f + ("w_up",)),
             _interleaved(f"{e}.gate_up_proj_bias", f + ("b_gate",), f + ("b_up",)),
-            copy(f"{e}.down_proj", f + ("w_down",)), copy(f"{e}.down_proj_bias", f + ("b_down",))]
+            copy(f"{e}.down_proj_bias", f + ("b_down",))]
+    if cfg.moe_expert_format == "mxfp4":
+      out += _mxfp4_rules(e, f)
+    else:
+      out += [_interleaved(f"{e}.gate_up_proj", f + ("w_gate",), f + ("w_up",)),
+              copy(f"{e}.down_proj", f + ("w_down",))]
   return out

@@ -326,10 +326,12 @@ class ExpertLoRA(nnx.Module):
 
   def __init__(self, kernel: nnx.Param, *, rank: int = 8, alpha: float = 8.0,
                use_rslora: bool = False, rngs: nnx.Rngs, param_dtype=jnp.float32):
-    shape = tuple(kernel[...].shape)
+    if hasattr(kernel, "dequantize"):   # frozen MXFP4 experts (MoE.quantize_experts): QLoRA
+      shape, axes = tuple(kernel.shape), kernel.logical_axes
+    else:
+      shape, axes = tuple(kernel[...].shape), kernel.get_metadata().get("logical_axes")
     if len(shape) < 3:
       raise ValueError(f"an expert kernel must be [..., E, in, out], got shape {shape}.")
-    axes = kernel.get_metadata().get("logical_axes")
     axes = tuple(axes) if axes is not None else (None,) * len(shape)
     self.scaling = lora_ops.lora_scaling(rank, alpha, use_rslora=use_rslora)
     self.rank, self.alpha, self.use_rslora = rank, alpha, use_rslora
@@ -376,7 +378,20 @@ def expert_lora_layers(model: nnx.Module) -> list[tuple[str, ExpertLoRA]]:
           if getattr(moe, f"{name}_lora", None) is not None]
 
 
+def _check_mergeable_experts(model, merged: bool) -> None:
+  """Refuses (before anything moves) to merge an adapter into, or out of, MXFP4 experts."""
+  frozen = [p for p, moe, name in _expert_targets(model)
+            if getattr(moe, f"{name}_lora", None) is not None
+            and getattr(moe, f"{name}_lora").merged != merged
+            and hasattr(getattr(moe, name), "dequantize")]
+  if frozen:
+    raise ValueError(f"{frozen[0]} is held in MXFP4: an adapter cannot be merged into its codes "
+                     "(keep it unmerged, as QLoRA does; unload_lora(model, merge=False) drops "
+                     "it).")
+
+
 def _merge_experts(model, sign: float, merged: bool) -> None:
+  _check_mergeable_experts(model, merged)
   for _, moe, name in _expert_targets(model):
     adapter = getattr(moe, f"{name}_lora", None)
     if adapter is None or adapter.merged == merged:
@@ -516,6 +531,7 @@ def merge_lora(model: nnx.Module) -> None:
   """Merges every adapter into its base kernel (in place), expert adapters included.  Refused
   (before anything is merged) when an unmerged adapter sits on an NF4 base."""
   layers = lora_layers(model)
+  _check_mergeable_experts(model, True)
   nf4 = [p for p, m in layers if isinstance(m.base, NF4Einsum) and not m.merged]
   if nf4:
     raise ValueError(f"cannot merge into an NF4 kernel exactly ({nf4[0]}"

@@ -156,6 +156,7 @@ class ModelConfig:
   moe_swiglu_limit: float = 7.0              # ... with g' = min(g, limit), up clipped to +-limit
   moe_expert_bias: bool = False              # biases on the experts' projections (gpt-oss)
   moe_router_bias: bool = False              # a learned bias on the router logits (gpt-oss)
+  moe_expert_format: str = "dense"           # "mxfp4": routed experts held in MXFP4, frozen
   # residual streams
   residual: str = "plain"                     # plain | mhc | hc
   num_streams: int = 4
@@ -203,6 +204,9 @@ class ModelConfig:
       raise ValueError(f"`sliding_window` must be None or a non-negative int, got "
                        f"{self.sliding_window!r}.")
     positive("num_streams")
+    if self.moe_expert_format not in ("dense", "mxfp4"):
+      raise ValueError(f"`moe_expert_format` must be 'dense' or 'mxfp4', got "
+                       f"{self.moe_expert_format!r}.")
     if self.moe_activation not in ("swiglu", "clamped_swiglu"):
       raise ValueError(f"`moe_activation` must be 'swiglu' or 'clamped_swiglu', got "
                        f"{self.moe_activation!r}.")
@@ -370,7 +374,7 @@ class DecoderLayer(nnx.Module):
                      capacity_factor=cfg.moe_capacity_factor, shared_dim=cfg.moe_shared_dim,
                      shared_gate=cfg.moe_shared_gate, activation=cfg.moe_expert_activation(),
                      expert_bias=cfg.moe_expert_bias, router_logit_bias=cfg.moe_router_bias,
-                     **common)
+                     expert_format=cfg.moe_expert_format, **common)
     else:
       self.ffn = MLP(d, cfg.mlp_dim, activation=cfg.mlp_activation, gated=cfg.gated_mlp,
                      use_bias=cfg.mlp_bias, **common)

@@ -13,6 +13,7 @@ from jaxattn.checks import check_int, check_nonnegative, check_positive
 from jaxattn.nn.linear import param
 from jaxattn.nn.mlp import MLP
 from jaxattn.ops import moe as M
+from jaxattn.ops.mxfp4 import GROUP as MXFP4_GROUP, dequantize_mxfp4, quantize_mxfp4
 from jaxattn.sharding import _active_mesh, shard
 
 
@@ -22,6 +23,54 @@ class RouterBias(nnx.Variable):
   Not an ``nnx.Param``: no gradient reaches it (it only ranks experts) and an optimizer built over
   ``nnx.Param`` leaves it alone.  The training step moves it with ``MoE.update_bias``.
   """
+
+
+class QuantizedData(nnx.Variable):
+  """Quantized weight storage (codes and scales): not an ``nnx.Param``, so no gradient reaches it
+  and an optimizer built over ``nnx.Param`` leaves it alone (the experts are frozen, as QLoRA's)."""
+
+
+class MXFP4Weight(nnx.Module):
+  """An expert matrix ``[..., E, K, N]`` (``x @ W``) held in MXFP4 along its contraction axis
+  ``K``: ``blocks [..., E, N, K / 32, 16]`` and ``scales [..., E, N, K / 32]`` uint8
+  (``jaxattn.ops.mxfp4``; the published gpt-oss checkpoints' layout), 4.25 bits per weight;
+  dequantized where it is used.  ``in_axis`` / ``out_axis``: the logical names of ``K`` / ``N``."""
+
+  def __init__(self, blocks, scales, in_axis: str | None, out_axis: str | None):
+    self.in_axis = in_axis
+    self.blocks = QuantizedData(blocks, logical_axes=("expert", out_axis, None, None))
+    self.scales = QuantizedData(scales, logical_axes=("expert", out_axis, None))
+
+  @classmethod
+  def quantize(cls, w: Float[Array, "... E K N"], in_axis, out_axis) -> "MXFP4Weight":
+    blocks, scales = quantize_mxfp4(jnp.swapaxes(w, -1, -2), axis=-1)
+    return cls(blocks, scales, in_axis, out_axis)
+
+  @classmethod
+  def zeros(cls, shape: tuple[int, int, int], in_axis, out_axis) -> "MXFP4Weight":
+    e, k, n = shape
+    if k % MXFP4_GROUP:
+      raise ValueError(f"MXFP4 experts quantize along the contraction axis in groups of "
+                       f"{MXFP4_GROUP}: its size {k} (of {list(shape)}) does not divide.")
+    return cls(jnp.zeros((e, n, k // MXFP4_GROUP, MXFP4_GROUP // 2), jnp.uint8),
+               jnp.zeros((e, n, k // MXFP4_GROUP), jnp.uint8), in_axis, out_axis)
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    *lead, n, g, _ = self.blocks.shape
+    return (*lead, g * MXFP4_GROUP, n)
+
+  @property
+  def logical_axes(self) -> tuple:
+    """The logical axis names of the matrix ``[..., E, K, N]`` (``"layers"`` first when scanned)."""
+    axes = tuple(self.blocks.get_metadata().get("logical_axes"))
+    return axes[:-3] + (self.in_axis, axes[-3])
+
+  def dequantize(self, dtype=jnp.float32) -> Float[Array, "... E K N"]:
+    return jnp.swapaxes(dequantize_mxfp4(self.blocks[...], self.scales[...], dtype=dtype), -1, -2)
+
+
+EXPERT_FORMATS = ("dense", "mxfp4")
 
 
 class MoEStats(NamedTuple):
@@ -93,6 +142,7 @@ class MoE(nnx.Module):
       activation: M.ClampedSwiGLU | None = None,
       expert_bias: bool = False,
       router_logit_bias: bool = False,
+      expert_format: str = "dense",
       implementation: M.Implementation | None = None,
       block_size: int | None = None,
       rngs: nnx.Rngs,
@@ -118,6 +168,8 @@ class MoE(nnx.Module):
       raise ValueError(f"`implementation` must be None or one of {M.IMPLEMENTATIONS}, got "
                        f"{implementation!r}.")
     M.check_activation(activation)
+    if expert_format not in EXPERT_FORMATS:
+      raise ValueError(f"`expert_format` must be one of {EXPERT_FORMATS}, got {expert_format!r}.")
     for name, v in (("expert_bias", expert_bias), ("router_logit_bias", router_logit_bias)):
       if not isinstance(v, bool):
         raise ValueError(f"`{name}` must be a bool, got {v!r}.")
@@ -149,9 +201,14 @@ class MoE(nnx.Module):
     # Routing needs every expert's score for a token, so the router's expert axis stays whole.
     self.router = param(rngs, nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal"),
                         (d, e), ("embed", None), param_dtype)
-    self.w_gate = param(rngs, expert_init, (e, d, f), ("expert", "embed", "mlp"), param_dtype)
-    self.w_up = param(rngs, expert_init, (e, d, f), ("expert", "embed", "mlp"), param_dtype)
-    self.w_down = param(rngs, expert_init, (e, f, d), ("expert", "mlp", "embed"), param_dtype)
+    if expert_format == "mxfp4":   # frozen MXFP4 storage, filled by a checkpoint loader
+      self.w_gate = MXFP4Weight.zeros((e, d, f), "embed", "mlp")
+      self.w_up = MXFP4Weight.zeros((e, d, f), "embed", "mlp")
+      self.w_down = MXFP4Weight.zeros((e, f, d), "mlp", "embed")
+    else:
+      self.w_gate = param(rngs, expert_init, (e, d, f), ("expert", "embed", "mlp"), param_dtype)
+      self.w_up = param(rngs, expert_init, (e, d, f), ("expert", "embed", "mlp"), param_dtype)
+      self.w_down = param(rngs, expert_init, (e, f, d), ("expert", "mlp", "embed"), param_dtype)
     self.router_bias = RouterBias(jnp.zeros((e,), jnp.float32), logical_axes=(None,))
     # gpt-oss: a learned bias on the router's logits (it changes the scores too, unlike
     # `router_bias`), and biases on every expert's gate, up and down projections.
@@ -199,10 +256,30 @@ class MoE(nnx.Module):
                        "axis of size > 1.")
     return has_axis
 
+  def quantize_experts(self) -> None:
+    """Replaces the routed experts' matrices by MXFP4 storage (``MXFP4Weight``, 4.25 bits per
+    weight: an expert matrix of bf16 takes 3.8x fewer bytes), quantized along their contraction
+    axes (``D`` for ``w_gate`` / ``w_up``, ``F`` for ``w_down``: multiples of 32).  They are then
+    frozen (no gradient); everything else of the layer trains as before."""
+    axes = {"w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed")}
+    for name, (in_axis, out_axis) in axes.items():
+      w = getattr(self, name)
+      if isinstance(w, MXFP4Weight):
+        continue
+      if w.shape[-2] % MXFP4_GROUP:
+        raise ValueError(f"`{name}` {list(w.shape)}: MXFP4 quantizes its contraction axis in "
+                         f"groups of {MXFP4_GROUP}, which does not divide {w.shape[-2]}.")
+      if getattr(self, f"{name}_lora", None) is not None:
+        raise ValueError(f"`{name}` carries a LoRA adapter; quantize the experts before "
+                         "attaching adapters (jaxattn.nn.lora.apply_lora).")
+      setattr(self, name, MXFP4Weight.quantize(w[...], in_axis, out_axis))
+
   def expert_kernel(self, name: str) -> jax.Array:
-    """``w_gate`` / ``w_up`` / ``w_down`` as the experts use it: with a LoRA adapter attached by
-    ``jaxattn.nn.lora.apply_lora`` (``<name>_lora``, unmerged), ``W + scaling * A_e B_e``."""
-    w = getattr(self, name)[...]
+    """``w_gate`` / ``w_up`` / ``w_down`` as the experts use it: dequantized when held in MXFP4;
+    with a LoRA adapter attached by ``jaxattn.nn.lora.apply_lora`` (``<name>_lora``, unmerged),
+    ``W + scaling * A_e B_e``."""
+    w = getattr(self, name)
+    w = w.dequantize(self.dtype or jnp.float32) if isinstance(w, MXFP4Weight) else w[...]
     adapter = getattr(self, f"{name}_lora", None)
     return w if adapter is None else adapter.apply(w)
 

@@ -268,7 +268,7 @@ def test_export_refuses_configs_the_family_would_load_differently(name, changes)
 def test_gpt_oss_config_and_quantized_experts():
   """Its window counts the query (ours is one less), its layers alternate from the default
   ``layer_types``; MXFP4 expert tensors (as published) load as their dequantized values."""
-  from jaxattn.convert.gpt_oss import FP4_E2M1, dequantize_mxfp4
+  from jaxattn.ops.mxfp4 import FP4_VALUES, dequantize_mxfp4_host as dequantize_mxfp4
   d = dict(CONFIGS["gpt_oss"])
   del d["layer_types"]
   cfg = config_from_hf(dict(d, num_hidden_layers=4))
@@ -299,9 +299,93 @@ def test_gpt_oss_config_and_quantized_experts():
   np.testing.assert_array_equal(
       dequantize_mxfp4(np.array([[[0x2F]]], np.uint8), np.array([[128]], np.uint8)),
       [[-12.0, 2.0]])
-  assert FP4_E2M1[0x7] == 6.0 and FP4_E2M1[0xF] == -6.0
+  assert FP4_VALUES[0x7] == 6.0 and FP4_VALUES[0xF] == -6.0
   with pytest.raises(ValueError, match="MXFP4 wants uint8"):
     dequantize_mxfp4(np.zeros((2, 4), np.float32), np.zeros((2,), np.uint8))
+
+
+# gpt-oss-20b's published config.json (its fields and values)
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+    "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu",
+    "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02,
+    "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": 64,
+    "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 8,
+    "num_local_experts": 32, "output_router_logits": False, "pad_token_id": 199999,
+    "quantization_config": {"modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+        "lm_head"], "quant_method": "mxfp4"},
+    "rms_norm_eps": 1e-05, "rope_scaling": {
+        "beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+        "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128,
+    "swiglu_limit": 7.0, "tie_word_embeddings": False, "transformers_version": "4.55.0.dev0",
+    "use_cache": True, "vocab_size": 201088}
+
+
+def test_gpt_oss_20b_config_is_the_preset_and_fits_in_mxfp4():
+  """The published config reads as the full ``gpt-oss`` preset; with its experts kept in MXFP4
+  the model's weights take 13.8 GB (bf16 elsewhere) instead of 41.8 GB all in bf16 (counted on
+  the abstract model: nothing is allocated)."""
+  from jaxattn.configs import get_config
+  from jaxattn.nn.model import DecoderLM
+  from jaxattn.ops.rope import RopeScaling
+  cfg = config_from_hf(GPT_OSS_20B, dtype="bfloat16", scan_layers=True, remat="dots_no_batch",
+                       moe_seq_balance_alpha=0.0)
+  preset = get_config("gpt-oss", "full")
+  # the same layers (the preset repeats "SA") and the same YaRN (the preset omits defaults)
+  assert [cfg.layer_kind(i) for i in range(24)] == [preset.layer_kind(i) for i in range(24)]
+  assert RopeScaling(**cfg.rope_scaling) == RopeScaling(**preset.rope_scaling)
+  assert cfg.replace(layer_pattern="SA", rope_scaling=preset.rope_scaling) == preset.replace(
+      param_dtype="bfloat16")
+
+  def gigabytes(c):
+    model = nnx.eval_shape(lambda: DecoderLM(c, rngs=nnx.Rngs(0)))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model))) / 1e9
+  dense, mxfp4 = gigabytes(cfg), gigabytes(cfg.replace(moe_expert_format="mxfp4"))
+  assert abs(dense - 41.8) < 0.1 and abs(mxfp4 - 13.8) < 0.1, (dense, mxfp4)
+
+
+def test_gpt_oss_mxfp4_experts_kept_as_stored():
+  """``moe_expert_format="mxfp4"`` keeps a checkpoint's MXFP4 experts as they are (the export
+  writes them back with transformers' ``quantization_config``; codes and scales move bit for
+  bit), while the default format dequantizes them: both models compute the same logits."""
+  from jaxattn.nn.moe import QuantizedData
+  d = dict(CONFIGS["gpt_oss"], hidden_size=32, intermediate_size=32, head_dim=8)
+  cfg_q = config_from_hf(d).replace(moe_expert_format="mxfp4")
+  rng = np.random.default_rng(3)
+  graphdef, state = abstract_state(cfg_q)
+  for path, var in nnx.to_flat_state(state):
+    shape = var.get_value().shape
+    if isinstance(var, QuantizedData):   # codes anywhere, scales near 2^0
+      hi, lo = (256, 0) if path[-2] == "blocks" else (131, 122)
+      var.set_value(jax.numpy.asarray(rng.integers(lo, hi, shape), jax.numpy.uint8))
+    else:
+      var.set_value(jax.numpy.asarray(rng.standard_normal(shape).astype(np.float32)))
+  ours = nnx.merge(graphdef, state)
+  for moe in ours.moe_sites():
+    moe.router_bias[...] = np.zeros(moe.router_bias.shape, np.float32)
+  hf_config, sd = to_hf(ours)
+  assert hf_config["quantization_config"]["quant_method"] == "mxfp4"
+  blocks = sd["model.layers.1.mlp.experts.gate_up_proj_blocks"]
+  assert blocks.dtype == np.uint8 and blocks.shape == (4, 64, 1, 16)
+  assert config_from_hf(hf_config, moe_expert_format="mxfp4") == cfg_q
+  back = model_from_state(cfg_q, state_from_hf(sd, cfg_q))
+  want, got = _leaves(ours), _leaves(back)
+  for p in want:
+    assert got[p].dtype == want[p].dtype
+    np.testing.assert_array_equal(got[p], want[p], err_msg=str(p))
+  cfg = config_from_hf(hf_config)                      # the default: dequantized on reading
+  assert cfg.moe_expert_format == "dense"
+  dense = model_from_state(cfg, state_from_hf(sd, cfg))
+  np.testing.assert_array_equal(dense.moe_sites()[0].w_up[...],
+                                ours.moe_sites()[0].w_up.dequantize())
+  ids = jax.numpy.asarray(np.random.default_rng(4).integers(0, 32, (1, 6)))
+  np.testing.assert_allclose(back(ids), dense(ids), rtol=1e-5, atol=1e-5)
+  _, sd_dense = to_hf(dense)
+  with pytest.raises(ValueError, match="moe_expert_format='mxfp4' reads MXFP4"):
+    state_from_hf(sd_dense, cfg_q)
 
 
 def test_dynamic_rope_exports_its_trained_length():

@@ -248,6 +248,46 @@ def test_gpt_oss_options_expert_parallel_values_and_gradients():
     np.testing.assert_allclose(g[...], r[...], atol=5e-5, rtol=1e-4, err_msg=str(path))
 
 
+def test_mxfp4_experts_equal_their_dequantized_weights_and_freeze():
+  """``quantize_experts``: the layer computes exactly what the same layer with the dequantized
+  matrices as parameters computes (values and input gradients); the quantized storage takes no
+  gradient while the router and biases still train; 4.25 bits per expert weight; errors."""
+  from jaxattn.nn.moe import MXFP4Weight, QuantizedData
+  from jaxattn.ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+  def make():
+    return MoE(32, 4, 2, 64, score_func="softmax", activation=ops.ClampedSwiGLU(),
+               expert_bias=True, router_logit_bias=True, rngs=nnx.Rngs(0))
+
+  dense, quant = make(), make()
+  quant.quantize_experts()
+  assert isinstance(quant.w_gate, MXFP4Weight) and quant.w_down.shape == (4, 64, 32)
+  for name in ("w_gate", "w_up", "w_down"):   # the reference: the dequantized values, as params
+    w = getattr(dense, name)[...]
+    back = jnp.swapaxes(dequantize_mxfp4(*quantize_mxfp4(jnp.swapaxes(w, 1, 2))), 1, 2)
+    getattr(dense, name)[...] = back
+    assert float(jnp.abs(back - w).max()) > 0   # (quantization changed them)
+  x = jax.random.normal(jax.random.key(3), (2, 5, 32))
+
+  def loss(layer, x):
+    y, _ = layer(x)
+    return jnp.sum(jnp.sin(y)), y
+
+  step = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+  (_, want), (gp_d, gx_d) = step(dense, x)
+  (_, got), (gp_q, gx_q) = step(quant, x)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(gx_q, gx_d, rtol=1e-5, atol=1e-6)
+  trained = {p[0] for p, _ in nnx.to_flat_state(gp_q)}
+  assert "w_gate" not in trained and {"router", "b_gate", "router_logit_bias"} <= trained
+  stored = sum(v.get_value().nbytes for _, v in nnx.to_flat_state(nnx.state(quant, QuantizedData)))
+  assert stored * 8 == 3 * 4 * 32 * 64 * 4.25
+  bad = MoE(48, 4, 2, 64, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="groups of 32"):
+    bad.quantize_experts()
+  with pytest.raises(ValueError, match="expert_format"):
+    MoE(32, 4, 2, 64, expert_format="nf4", rngs=nnx.Rngs(0))
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(expert_bias=True, capacity_factor=1.0), "expert_bias"),
     (dict(activation="gelu"), "activation"),
@@ -277,3 +317,40 @@ def test_call_errors():
     _moe()(jnp.ones((2, 3, D + 1)))
   with pytest.raises(ValueError, match="expert_parallel"):
     _moe(expert_parallel=True)(_x())
+
+
+def test_lora_on_mxfp4_experts_and_scanned_mxfp4_models():
+  """QLoRA on MXFP4 experts: per-expert adapters train over the frozen codes (the adapted layer
+  equals the dequantized base plus the adapters' update, which starts at zero); merging into the
+  codes is refused, unmerged unloading works.  A scanned gpt-oss model built with
+  ``moe_expert_format="mxfp4"`` runs, its codes stacked per layer."""
+  from jaxattn.configs import get_config
+  from jaxattn.nn.lora import LoRAParam, apply_lora, merge_lora, unload_lora
+  from jaxattn.nn.model import DecoderLM
+  class Block(nnx.Module):   # (adapters are found below a model's root)
+    def __init__(self):
+      self.ffn = MoE(32, 4, 2, 64, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+      return self.ffn(x)
+
+  layer = Block()
+  layer.ffn.quantize_experts()
+  x = jax.random.normal(jax.random.key(5), (2, 3, 32))
+  before, _ = layer(x)
+  paths = apply_lora(layer, r"ffn/w_(gate|up|down)$", rank=4, rngs=nnx.Rngs(1))
+  assert len(paths) == 3
+  after, _ = layer(x)
+  np.testing.assert_allclose(after, before, rtol=1e-6, atol=1e-6)   # B = 0 at the start
+  grads = nnx.grad(lambda m: jnp.sum(m(x)[0] ** 2), argnums=nnx.DiffState(0, LoRAParam))(layer)
+  assert float(jnp.abs(grads["ffn"]["w_gate_lora"]["lora_b"][...]).max()) > 0
+  with pytest.raises(ValueError, match="held in MXFP4"):
+    merge_lora(layer)
+  unload_lora(layer, merge=False)
+  np.testing.assert_allclose(layer(x)[0], before, rtol=1e-6, atol=1e-6)
+  cfg = get_config("gpt-oss", embed_dim=32, mlp_dim=32, moe_expert_dim=32, head_dim=8,
+                   num_layers=4, scan_layers=True, moe_expert_format="mxfp4", max_seq_len=32)
+  model = DecoderLM(cfg, rngs=nnx.Rngs(0))
+  blocks = model.moe_sites()[0].w_gate.blocks
+  assert blocks.shape[0] == 2 and blocks.get_metadata()["logical_axes"][0] == "layers"
+  assert model(jnp.ones((1, 5), jnp.int32)).shape == (1, 5, cfg.vocab_size)

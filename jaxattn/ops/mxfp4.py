@@ -1,0 +1,83 @@
+"""MXFP4 (OCP Microscaling, FP4 E2M1 elements with one E8M0 scale per 32): gpt-oss's expert weights.
+
+A group of 32 consecutive values along the quantized axis shares one power-of-two scale
+``2^(s - 127)`` (``s`` a uint8, E8M0); each value is one FP4 E2M1 code (sign, two exponent bits,
+one mantissa bit: magnitudes ``0, 0.5, 1, 1.5, 2, 3, 4, 6``), two codes per byte, the first in the
+low nibble.  Quantization follows the OCP MX specification: the shared exponent is
+``floor(log2(amax)) - 2`` (2 = the largest E2M1 exponent), so the group's largest magnitude maps
+into ``[4, 8)`` and saturates at 6; every value rounds to the nearest E2M1 magnitude (ties to the
+even code).  4.25 bits per value: ``[..., K]`` fp32 / bf16 weights take ``K / 2 + K / 32`` bytes.
+
+Layout: ``quantize_mxfp4(w, axis)`` moves ``axis`` last and returns ``blocks [..., K / 32, 16]``
+(uint8) and ``scales [..., K / 32]`` (uint8) -- for an expert matrix ``[E, K, N]`` quantized along
+its contraction axis ``K`` that is the published gpt-oss checkpoints' ``[E, N, K / 32, 16]``.
+``dequantize_mxfp4`` inverts it (exactly, for values that are representable).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, UInt8
+
+GROUP = 32
+# E2M1 magnitudes by code (the sign is bit 3), and the 16 signed values.
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+FP4_VALUES = np.concatenate([E2M1, -E2M1]).astype(np.float32)
+_EMAX = 2   # the largest E2M1 exponent: 6 = 1.5 * 2^2
+
+
+def quantize_mxfp4(w: Float[Array, "..."], axis: int = -1
+                   ) -> tuple[UInt8[Array, "... G 16"], UInt8[Array, "... G"]]:
+  """``w`` quantized in groups of 32 along ``axis`` (moved last): ``(blocks, scales)``."""
+  w = jnp.asarray(w)
+  if w.ndim == 0 or not jnp.issubdtype(w.dtype, jnp.floating):
+    raise ValueError(f"`w` must be a floating-point array with at least one axis, got "
+                     f"{w.dtype}{list(w.shape)}.")
+  x = jnp.moveaxis(w.astype(jnp.float32), axis, -1)
+  k = x.shape[-1]
+  if k % GROUP:
+    raise ValueError(f"the quantized axis ({axis}) has {k} entries; MXFP4 groups need a multiple "
+                     f"of {GROUP}.")
+  g = x.reshape(x.shape[:-1] + (k // GROUP, GROUP))
+  amax = jnp.max(jnp.abs(g), axis=-1)
+  _, ex = jnp.frexp(amax)                       # amax = m 2^ex, m in [0.5, 1): floor(log2) = ex - 1
+  e = jnp.where(amax > 0, ex - 1 - _EMAX, -127)
+  e = jnp.clip(e, -127, 127)
+  y = jnp.ldexp(g, -e[..., None])
+  mag = jnp.abs(y)
+  # nearest magnitude; a tie between neighbours goes to the even code (round half to even)
+  dist = jnp.abs(mag[..., None] - jnp.asarray(E2M1))
+  best = jnp.min(dist, axis=-1, keepdims=True)
+  ties = dist == best
+  code = jnp.argmax(ties & (jnp.arange(8) % 2 == 0), axis=-1)
+  code = jnp.where(jnp.sum(ties, axis=-1) > 1, code, jnp.argmin(dist, axis=-1))
+  code = (code + 8 * (y < 0)).astype(jnp.uint8)
+  blocks = code[..., 0::2] | (code[..., 1::2] << 4)
+  return blocks.astype(jnp.uint8), (e + 127).astype(jnp.uint8)
+
+
+def _dequantize(xp, blocks, scales):
+  """The dequantization with the array module ``xp`` (NumPy on the host, or jax.numpy)."""
+  if (blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.shape[:-1] != scales.shape):
+    raise ValueError(f"MXFP4 wants uint8 `blocks` [..., G, B] and `scales` [..., G], got "
+                     f"{blocks.dtype}{list(blocks.shape)} and {scales.dtype}{list(scales.shape)}.")
+  lut = xp.asarray(FP4_VALUES)
+  values = xp.stack([lut[blocks & 0x0F], lut[blocks >> 4]], axis=-1)
+  values = values.reshape(blocks.shape[:-1] + (-1,))
+  values = xp.ldexp(values, scales.astype(np.int32)[..., None] - 127)
+  return values.reshape(blocks.shape[:-2] + (-1,))
+
+
+def dequantize_mxfp4(blocks: UInt8[Array, "... G 16"], scales: UInt8[Array, "... G"], *,
+                     dtype=jnp.float32) -> Float[Array, "... K"]:
+  """``(blocks, scales)`` -> ``[..., G * 32]`` values (computed in fp32, returned as ``dtype``)."""
+  return _dequantize(jnp, jnp.asarray(blocks), jnp.asarray(scales)).astype(dtype)
+
+
+def dequantize_mxfp4_host(blocks, scales) -> np.ndarray:
+  """``dequantize_mxfp4`` in NumPy, on the host (a checkpoint converter's, tensor by tensor)."""
+  return _dequantize(np, np.asarray(blocks), np.asarray(scales))
+
+
+__all__ = ["quantize_mxfp4", "dequantize_mxfp4", "dequantize_mxfp4_host", "FP4_VALUES", "GROUP"]
