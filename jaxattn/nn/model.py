@@ -1040,6 +1040,17 @@ class DecoderLM(nnx.Module):
     """The MoE modules in the order ``return_aux``'s ``moe_loads`` lists their loads."""
     return [m for m in _iter_layers_static(self) if m is not None]
 
+  def quantize_experts(self) -> None:
+    """Every MoE's routed experts to MXFP4 (``MoE.quantize_experts``; frozen, 3.8x fewer bytes
+    than bf16), the config then saying so (``moe_expert_format="mxfp4"``: a checkpoint export
+    writes them as transformers reads MXFP4).  Scanned stacks are quantized per layer."""
+    sites = self.moe_sites()
+    if not sites:
+      raise ValueError("this model has no MoE layer to quantize.")
+    for moe in sites:
+      moe.quantize_experts()
+    self.config = self.config.replace(moe_expert_format="mxfp4")
+
   def update_router_biases(self, moe_loads) -> None:
     """Auxiliary-loss-free balancing after a step: each router bias moves against its load."""
     sites = self.moe_sites()

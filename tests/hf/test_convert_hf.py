@@ -208,3 +208,26 @@ def test_mxfp4_dequantization_matches_transformers():
   got = np.asarray(_MXFP4Tensor(blocks, scales))
   assert got.shape == want.shape == (3, 128, 10)
   np.testing.assert_array_equal(got, want)
+
+
+def test_gpt_oss_mxfp4_export_loads_in_transformers(tmp_path):
+  """A gpt-oss model whose experts we quantized to MXFP4 (``DecoderLM.quantize_experts``) saves
+  as transformers' MXFP4 checkpoint (codes, scales and ``quantization_config``): transformers
+  loads it (dequantizing, on CPU) to the same logits, and so do we, keeping the codes."""
+  config = transformers.GptOssConfig(
+      **dict(COMMON, hidden_size=64), intermediate_size=64, num_attention_heads=4,
+      num_key_value_heads=2, head_dim=16, sliding_window=6, num_local_experts=4,
+      num_experts_per_tok=2)
+  theirs = _hf_model(lambda: config, "GptOssForCausalLM")
+  theirs.save_pretrained(tmp_path / "dense")
+  ours = load_hf(str(tmp_path / "dense"))
+  ours.quantize_experts()
+  assert ours.config.moe_expert_format == "mxfp4"
+  save_hf(ours, str(tmp_path / "mxfp4"))
+  back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "mxfp4")).eval()
+  ids = np.random.default_rng(3).integers(0, VOCAB, (1, 16))
+  want = np.asarray(_hf_logits(back, ids), np.float32)
+  _check_logits(_forward(ours, jnp.asarray(ids)), want)
+  kept = load_hf(str(tmp_path / "mxfp4"), moe_expert_format="mxfp4")
+  np.testing.assert_array_equal(kept.moe_sites()[0].w_gate.blocks[...],
+                                ours.moe_sites()[0].w_gate.blocks[...])
