@@ -320,8 +320,8 @@ GPT_OSS_20B = {
         "beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
         "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
     "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128,
-    "swiglu_limit": 7.0, "tie_word_embeddings": False, "transformers_version": "4.55.0.dev0",
-    "use_cache": True, "vocab_size": 201088}
+    "swiglu_limit": 7.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.55.0", "use_cache": True, "vocab_size": 201088}
 
 
 def test_gpt_oss_20b_config_is_the_preset_and_fits_in_mxfp4():
