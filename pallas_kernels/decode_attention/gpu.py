@@ -56,7 +56,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxattn.ops.decode import check_num_splits, merged_kv_heads
 from pallas_kernels.decode_attention.tpu import (combine, row_slopes, run_sharded_gqa,
-                                                 head_args, present, row_sinks,
+                                                 head_args, present,
                                                  visible_keys, window_pages,
                                                  window_start)
 
@@ -297,7 +297,7 @@ def _call(q, key_pool, value_pool, page_table, lengths, slopes=None, sinks=None,
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret, name="jaxattn_paged_decode_gpu",
   )(lens, page_table, qk, key_pool, value_pool, *extra_args)
-  sink = None if sinks is None else row_sinks(sinks, kh, g, t, rows)[None]
+  sink = None if sinks is None else row_slopes(sinks, kh, g, t, rows)[None, :, :, None]
   out = combine(out, lse[..., None], sink)                           # [B, K, rows, vp]
   out = out[:, :, :t * g, :hv].reshape(b, kh, t, g, hv).transpose(0, 2, 1, 3, 4)
   return out.reshape(b, t, n, hv).astype(q.dtype)

@@ -127,14 +127,6 @@ def present(x):
   return None if x is None or x.shape[0] == 0 else x
 
 
-def row_sinks(sinks, kv_heads: int, groups: int, num_t: int, rows: int):
-  """Sink logits of the kernels' query rows, ``[K, rows, 1]`` as ``row_slopes`` lays them out
-  (padded rows: -inf, no sink)."""
-  per_row = jnp.tile(jnp.asarray(sinks, _F32).reshape(kv_heads, groups), (1, num_t))
-  pad = rows - per_row.shape[1]
-  return jnp.pad(per_row, ((0, 0), (0, pad)), constant_values=-jnp.inf)[..., None]
-
-
 def visible_keys(length, block, block_rows: int, num_t: int, groups: int):
   """Keys that query-row block ``block`` may see: those up to its last row's position (causal;
   rows ``(t, g)`` flattened, ``groups`` per token, ``block_rows`` per block, the ``num_t`` queries
@@ -372,7 +364,7 @@ def _local(q, key_pool, value_pool, page_table, lengths, slopes=None, sinks=None
           dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
       interpret=default_interpret(interpret),
   )(lengths, page_table.reshape(-1), qk, key_pool, value_pool, *extra_args)
-  sink = None if sinks is None else row_sinks(sinks, kh, g, t, padded)[None]
+  sink = None if sinks is None else row_slopes(sinks, kh, g, t, padded)[None, :, :, None]
   out = combine(out, lse, sink)[:, :, :t * g]                              # [B, K, T*G, h]
   out = out.reshape(b, kh, t, g, hv).transpose(0, 2, 1, 3, 4).reshape(b, t, n, hv)
   return out.astype(q.dtype)
@@ -445,8 +437,9 @@ def paged_attention_tpu(
 
 
 def row_slopes(slopes, kv_heads: int, groups: int, num_t: int, rows: int):
-  """ALiBi slopes of the kernels' query rows: ``[K, rows]`` fp32, row ``(t, g)`` of KV head ``k``
-  (``t * G + g``) holding head ``k * G + g``'s slope, zero-padded from ``T * G`` to ``rows``."""
+  """A per-head ``[N]`` array (ALiBi slopes, sink logits) by the kernels' query rows: ``[K, rows]``
+  fp32, row ``(t, g)`` of KV head ``k`` (``t * G + g``) holding head ``k * G + g``'s value,
+  zero-padded from ``T * G`` to ``rows`` (padded rows are cut from the output)."""
   per_row = jnp.tile(slopes.astype(_F32).reshape(kv_heads, groups), (1, num_t))
   return pad_rows(per_row, 1, rows)                   # rows >= T * G: padded to exactly rows
 
