@@ -122,13 +122,19 @@ def config_to_hf(cfg, architecture: str) -> dict[str, Any]:
       swiglu_limit=cfg.moe_swiglu_limit, attention_bias=True, dtype="float32")
 
 
-def _interleaved(hf: str, gate: tuple, up: tuple) -> Rule:
-  """``[..., 2F]`` with gate and up columns interleaved <-> our gate and up ``[..., F]``."""
+def _interleaved(hf: str, gate: tuple, up: tuple, axis: int = -1) -> Rule:
+  """A tensor whose ``axis`` holds gate and up entries in turn (``2F``, gate first) <-> our gate
+  and up tensors (``F`` there): the columns of ``gate_up_proj [E, D, 2F]`` (``axis=-1``) or the
+  rows of its MXFP4 codes ``[E, 2F, D / 32, 16]`` (``axis=1``)."""
   def to_ours(w, *, shapes):
-    return w[..., ::2].reshape(shapes[0]), w[..., 1::2].reshape(shapes[1])
+    lead = (slice(None),) * (axis % w.ndim)
+    gates, ups = w[lead + (slice(0, None, 2),)], w[lead + (slice(1, None, 2),)]
+    return gates.reshape(shapes[0]), ups.reshape(shapes[1])
 
   def to_hf(g, u):
-    return (xp(g, u).stack([g, u], axis=-1).reshape(g.shape[:-1] + (2 * g.shape[-1],)),)
+    a = axis % g.ndim
+    both = xp(g, u).stack([g, u], axis=a + 1)            # [..., F, 2, ...]
+    return (both.reshape(g.shape[:a] + (2 * g.shape[a],) + g.shape[a + 1:]),)
 
   return Rule((hf,), (gate, up), to_ours, to_hf)
 
@@ -175,21 +181,10 @@ def _mxfp4_rules(e: str, f: tuple) -> list[Rule]:
   ``w_down``'s.  (Bytes: the codes move, nothing is re-quantized.)"""
   out = []
   for part in ("blocks", "scales"):
-    out += [_rows_interleaved(f"{e}.gate_up_proj_{part}", f + ("w_gate", part), f + ("w_up", part)),
+    out += [_interleaved(f"{e}.gate_up_proj_{part}", f + ("w_gate", part), f + ("w_up", part),
+                         axis=1),
             copy(f"{e}.down_proj_{part}", f + ("w_down", part))]
   return out
-
-
-def _rows_interleaved(hf: str, gate: tuple, up: tuple) -> Rule:
-  """``[E, 2F, ...]`` with gate and up rows interleaved <-> our gate and up ``[E, F, ...]``."""
-  def to_ours(w, *, shapes):
-    return w[:, 0::2].reshape(shapes[0]), w[:, 1::2].reshape(shapes[1])
-
-  def to_hf(g, u):
-    both = xp(g, u).stack([g, u], axis=2)              # [E, F, 2, ...]
-    return (both.reshape((g.shape[0], 2 * g.shape[1]) + g.shape[2:]),)
-
-  return Rule((hf,), (gate, up), to_ours, to_hf)
 
 
 def rules(cfg) -> list[Rule]:
