@@ -71,6 +71,8 @@ class MXFP4Weight(nnx.Module):
 
 
 EXPERT_FORMATS = ("dense", "mxfp4")
+# The routed experts' matrices [E, K, N]: the logical names of their K (contracted) and N axes.
+_EXPERT_AXES = {"w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed")}
 
 
 class MoEStats(NamedTuple):
@@ -201,14 +203,13 @@ class MoE(nnx.Module):
     # Routing needs every expert's score for a token, so the router's expert axis stays whole.
     self.router = param(rngs, nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal"),
                         (d, e), ("embed", None), param_dtype)
-    if expert_format == "mxfp4":   # frozen MXFP4 storage, filled by a checkpoint loader
-      self.w_gate = MXFP4Weight.zeros((e, d, f), "embed", "mlp")
-      self.w_up = MXFP4Weight.zeros((e, d, f), "embed", "mlp")
-      self.w_down = MXFP4Weight.zeros((e, f, d), "mlp", "embed")
-    else:
-      self.w_gate = param(rngs, expert_init, (e, d, f), ("expert", "embed", "mlp"), param_dtype)
-      self.w_up = param(rngs, expert_init, (e, d, f), ("expert", "embed", "mlp"), param_dtype)
-      self.w_down = param(rngs, expert_init, (e, f, d), ("expert", "mlp", "embed"), param_dtype)
+    for name, shape in (("w_gate", (e, d, f)), ("w_up", (e, d, f)), ("w_down", (e, f, d))):
+      in_axis, out_axis = _EXPERT_AXES[name]
+      if expert_format == "mxfp4":   # frozen MXFP4 storage, filled by a checkpoint loader
+        setattr(self, name, MXFP4Weight.zeros(shape, in_axis, out_axis))
+      else:
+        setattr(self, name, param(rngs, expert_init, shape, ("expert", in_axis, out_axis),
+                                  param_dtype))
     self.router_bias = RouterBias(jnp.zeros((e,), jnp.float32), logical_axes=(None,))
     # gpt-oss: a learned bias on the router's logits (it changes the scores too, unlike
     # `router_bias`), and biases on every expert's gate, up and down projections.
@@ -261,8 +262,7 @@ class MoE(nnx.Module):
     weight: an expert matrix of bf16 takes 3.8x fewer bytes), quantized along their contraction
     axes (``D`` for ``w_gate`` / ``w_up``, ``F`` for ``w_down``: multiples of 32).  They are then
     frozen (no gradient); everything else of the layer trains as before."""
-    axes = {"w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed")}
-    for name, (in_axis, out_axis) in axes.items():
+    for name, (in_axis, out_axis) in _EXPERT_AXES.items():
       w = getattr(self, name)
       if isinstance(w, MXFP4Weight):
         continue

@@ -496,6 +496,12 @@ def _swiglu(g, u, dtype, activation: ClampedSwiGLU | None = None, bias=None):
   return ((u + 1.0) * g * jax.nn.sigmoid(activation.alpha * g)).astype(dtype)
 
 
+def _per_expert(gate_up_bias):
+  """``(b_gate, b_up)`` ``[E, F]`` broadcast over an ``[E, rows, F]`` layout (fp32), or None."""
+  return None if gate_up_bias is None else tuple(
+      b.astype(jnp.float32)[:, None, :] for b in gate_up_bias)
+
+
 def _check_gate_up_bias(gate_up_bias, w_gate) -> None:
   e, f = w_gate.shape[0], w_gate.shape[2]
   if gate_up_bias is not None and (len(gate_up_bias) != 2 or any(
@@ -631,9 +637,8 @@ def routed_experts(
   buf = buf.at[expert, slot].set(x[token], mode="drop")                        # slot >= C: dropped
   buf = shard(buf, ("expert", None, "act_embed"))
   mm = lambda a, w: jnp.einsum("ecd,edf->ecf", a, w, preferred_element_type=jnp.float32)
-  bias = None if gate_up_bias is None else tuple(
-      b.astype(jnp.float32)[:, None, :] for b in gate_up_bias)   # (empty slots: never read)
-  h = _swiglu(mm(buf, w_gate), mm(buf, w_up), x.dtype, activation, bias)
+  h = _swiglu(mm(buf, w_gate), mm(buf, w_up), x.dtype, activation,
+              _per_expert(gate_up_bias))   # (with biases, empty slots: never read back)
   out = mm(h, w_down).astype(x.dtype)
   out = shard(out, ("expert", None, "act_embed"))
   ys = out.at[expert, slot].get(mode="fill", fill_value=0)                     # [k * M, D]
@@ -664,10 +669,8 @@ def dense_experts(
   gates = jnp.einsum("mke,mk->me", jax.nn.one_hot(indices, num_experts, dtype=jnp.float32),
                      weights.astype(jnp.float32))
   mm = lambda eq, a, w: jnp.einsum(eq, a, w, preferred_element_type=jnp.float32)
-  bias = None if gate_up_bias is None else tuple(
-      b.astype(jnp.float32)[:, None, :] for b in gate_up_bias)
   h = _swiglu(mm("md,edf->emf", x, w_gate), mm("md,edf->emf", x, w_up), x.dtype, activation,
-              bias)
+              _per_expert(gate_up_bias))
   y = mm("emf,efd->emd", h, w_down)
   return jnp.einsum("emd,me->md", y, gates).astype(x.dtype)
 
