@@ -24,7 +24,7 @@ import numpy as np
 from jaxattn.convert import common as C
 from jaxattn.convert.llama import attention_rules, head_rules
 from jaxattn.convert.rules import Rule, copy, linear, xp
-from jaxattn.ops.mxfp4 import dequantize_mxfp4_host
+from jaxattn.ops.mxfp4 import GROUP as MXFP4_GROUP, dequantize_mxfp4_host
 
 ARCHITECTURES = ("GptOssForCausalLM",)
 
@@ -175,15 +175,27 @@ def normalize(sd: dict, cfg) -> None:
     sd[name] = _MXFP4Tensor(to_np(blocks), to_np(scales))
 
 
+def _blocks(rule: Rule) -> Rule:
+  """``rule`` with its Hugging Face tensors as MXFP4 ``blocks [..., G, 16]`` where ours are the
+  flat codes ``[..., G * 16]`` (``MXFP4Weight.codes``)."""
+  def to_ours(*hf, shapes):
+    return tuple(w.reshape(s) for w, s in zip(rule.to_ours(*hf, shapes=shapes), shapes))
+
+  def to_hf(*ours):
+    return tuple(w.reshape(w.shape[:-1] + (-1, MXFP4_GROUP // 2)) for w in rule.to_hf(*ours))
+  return Rule(rule.hf, rule.ours, to_ours, to_hf)
+
+
 def _mxfp4_rules(e: str, f: tuple) -> list[Rule]:
   """MXFP4 experts kept as they are: ``gate_up_proj_blocks / _scales`` rows (gate and up
-  interleaved) <-> ``w_gate`` / ``w_up``'s ``blocks`` and ``scales``; ``down_proj_*`` <->
+  interleaved) <-> ``w_gate`` / ``w_up``'s ``codes`` and ``scales``; ``down_proj_*`` <->
   ``w_down``'s.  (Bytes: the codes move, nothing is re-quantized.)"""
   out = []
-  for part in ("blocks", "scales"):
-    out += [_interleaved(f"{e}.gate_up_proj_{part}", f + ("w_gate", part), f + ("w_up", part),
+  for part, ours in (("blocks", "codes"), ("scales", "scales")):
+    pair = [_interleaved(f"{e}.gate_up_proj_{part}", f + ("w_gate", ours), f + ("w_up", ours),
                          axis=1),
-            copy(f"{e}.down_proj_{part}", f + ("w_down", part))]
+            copy(f"{e}.down_proj_{part}", f + ("w_down", ours))]
+    out += [_blocks(r) for r in pair] if part == "blocks" else pair
   return out
 
 

@@ -32,19 +32,23 @@ class QuantizedData(nnx.Variable):
 
 class MXFP4Weight(nnx.Module):
   """An expert matrix ``[..., E, K, N]`` (``x @ W``) held in MXFP4 along its contraction axis
-  ``K``: ``blocks [..., E, N, K / 32, 16]`` and ``scales [..., E, N, K / 32]`` uint8
-  (``jaxattn.ops.mxfp4``; the published gpt-oss checkpoints' layout), 4.25 bits per weight;
-  dequantized where it is used.  ``in_axis`` / ``out_axis``: the logical names of ``K`` / ``N``."""
+  ``K``: ``codes [..., E, N, K / 2]`` (two E2M1 codes a byte) and ``scales [..., E, N, K / 32]``
+  uint8 (``jaxattn.ops.mxfp4``), 4.25 bits per weight.  The published gpt-oss checkpoints' ``blocks
+  [..., E, N, K / 32, 16]`` are these codes with the byte axis split; flat, the codes keep their
+  size on a TPU, where a minor axis of 16 bytes would be padded to 128 lanes in HBM, and the grouped
+  matmul kernel reads them as they are.  Dequantized where used, except by the kernel
+  (``implementation="pallas_tpu"``), which keeps them packed.  ``in_axis`` / ``out_axis``: the
+  logical names of ``K`` / ``N``."""
 
-  def __init__(self, blocks, scales, in_axis: str | None, out_axis: str | None):
+  def __init__(self, codes, scales, in_axis: str | None, out_axis: str | None):
     self.in_axis = in_axis
-    self.blocks = QuantizedData(blocks, logical_axes=("expert", out_axis, None, None))
+    self.codes = QuantizedData(codes, logical_axes=("expert", out_axis, None))
     self.scales = QuantizedData(scales, logical_axes=("expert", out_axis, None))
 
   @classmethod
   def quantize(cls, w: Float[Array, "... E K N"], in_axis, out_axis) -> "MXFP4Weight":
     blocks, scales = quantize_mxfp4(jnp.swapaxes(w, -1, -2), axis=-1)
-    return cls(blocks, scales, in_axis, out_axis)
+    return cls(blocks.reshape(blocks.shape[:-2] + (-1,)), scales, in_axis, out_axis)
 
   @classmethod
   def zeros(cls, shape: tuple[int, int, int], in_axis, out_axis) -> "MXFP4Weight":
@@ -52,22 +56,27 @@ class MXFP4Weight(nnx.Module):
     if k % MXFP4_GROUP:
       raise ValueError(f"MXFP4 experts quantize along the contraction axis in groups of "
                        f"{MXFP4_GROUP}: its size {k} (of {list(shape)}) does not divide.")
-    return cls(jnp.zeros((e, n, k // MXFP4_GROUP, MXFP4_GROUP // 2), jnp.uint8),
+    return cls(jnp.zeros((e, n, k // 2), jnp.uint8),
                jnp.zeros((e, n, k // MXFP4_GROUP), jnp.uint8), in_axis, out_axis)
 
   @property
   def shape(self) -> tuple[int, ...]:
-    *lead, n, g, _ = self.blocks.shape
-    return (*lead, g * MXFP4_GROUP, n)
+    *lead, n, half = self.codes.shape
+    return (*lead, 2 * half, n)
 
   @property
   def logical_axes(self) -> tuple:
     """The logical axis names of the matrix ``[..., E, K, N]`` (``"layers"`` first when scanned)."""
-    axes = tuple(self.blocks.get_metadata().get("logical_axes"))
-    return axes[:-3] + (self.in_axis, axes[-3])
+    axes = tuple(self.codes.get_metadata().get("logical_axes"))
+    return axes[:-2] + (self.in_axis, axes[-2])
+
+  def blocks(self) -> jax.Array:
+    """The codes as ``[..., E, N, K / 32, 16]`` (``jaxattn.ops.mxfp4``'s layout)."""
+    codes = self.codes[...]
+    return codes.reshape(codes.shape[:-1] + (-1, MXFP4_GROUP // 2))
 
   def dequantize(self, dtype=jnp.float32) -> Float[Array, "... E K N"]:
-    return jnp.swapaxes(dequantize_mxfp4(self.blocks[...], self.scales[...], dtype=dtype), -1, -2)
+    return jnp.swapaxes(dequantize_mxfp4(self.blocks(), self.scales[...], dtype=dtype), -1, -2)
 
 
 EXPERT_FORMATS = ("dense", "mxfp4")

@@ -359,7 +359,7 @@ def test_gpt_oss_mxfp4_experts_kept_as_stored():
   for path, var in nnx.to_flat_state(state):
     shape = var.get_value().shape
     if isinstance(var, QuantizedData):   # codes anywhere, scales near 2^0
-      hi, lo = (256, 0) if path[-2] == "blocks" else (131, 122)
+      hi, lo = (256, 0) if path[-2] == "codes" else (131, 122)
       var.set_value(jax.numpy.asarray(rng.integers(lo, hi, shape), jax.numpy.uint8))
     else:
       var.set_value(jax.numpy.asarray(rng.standard_normal(shape).astype(np.float32)))

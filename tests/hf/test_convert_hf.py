@@ -229,5 +229,5 @@ def test_gpt_oss_mxfp4_export_loads_in_transformers(tmp_path):
   want = np.asarray(_hf_logits(back, ids), np.float32)
   _check_logits(_forward(ours, jnp.asarray(ids)), want)
   kept = load_hf(str(tmp_path / "mxfp4"), moe_expert_format="mxfp4")
-  np.testing.assert_array_equal(kept.moe_sites()[0].w_gate.blocks[...],
-                                ours.moe_sites()[0].w_gate.blocks[...])
+  np.testing.assert_array_equal(kept.moe_sites()[0].w_gate.codes[...],
+                                ours.moe_sites()[0].w_gate.codes[...])

@@ -351,6 +351,6 @@ def test_lora_on_mxfp4_experts_and_scanned_mxfp4_models():
   cfg = get_config("gpt-oss", embed_dim=32, mlp_dim=32, moe_expert_dim=32, head_dim=8,
                    num_layers=4, scan_layers=True, moe_expert_format="mxfp4", max_seq_len=32)
   model = DecoderLM(cfg, rngs=nnx.Rngs(0))
-  blocks = model.moe_sites()[0].w_gate.blocks
-  assert blocks.shape[0] == 2 and blocks.get_metadata()["logical_axes"][0] == "layers"
+  codes = model.moe_sites()[0].w_gate.codes
+  assert codes.shape[0] == 2 and codes.get_metadata()["logical_axes"][0] == "layers"
   assert model(jnp.ones((1, 5), jnp.int32)).shape == (1, 5, cfg.vocab_size)
