@@ -19,11 +19,14 @@ DeepSeek-V3.2 prefill (MLA: 128 heads, 512 + 64 latents; GQA 32/8), 8 tokens sel
 2 sequences x 32k; MLA at batch 1 too, whose default split count follows the chip's TensorCores:
 v4 and v5p are compiled as megacore) and a 512-token prefill through the same paged caches
 (GQA 32/8; MLA, 128 heads); decode over contiguous GQA and MLA caches (8 x 8k); the gated
-delta-rule state pass (fp32, heads of 128, chunks of 64).  And on a 4-chip slice (``data`` 2 x
-``tensor`` 2), the kernels in ``jax.shard_map`` as a sharded step calls them: flash forward +
-backward, sparse MLA prefill, paged MLA decode; and (``data`` 2 x ``context`` 2) context-parallel
-causal attention forward + backward at T = 8192 with the flash kernel, all-gather and ring
-(about 25 s and 40 s of compiling: ``--skip`` leaves cases out).  Exit status 1 if any case
+delta-rule state pass (fp32, heads of 128, chunks of 64); the MoE grouped-matmul kernels over
+gpt-oss-20b's MXFP4 experts (forward and input gradient, 2048 tokens; beside it, the baseline of
+dequantizing them whole for XLA's ragged_dot, which does not fit a v5e: a baseline's failure does
+not set the exit status) and Qwen3-30B-A3B's bf16 experts (forward and backward). And on a 4-chip
+slice (``data`` 2 x ``tensor`` 2), the kernels in ``jax.shard_map`` as a sharded step calls them:
+flash forward + backward, sparse MLA prefill, paged MLA decode; and (``data`` 2 x ``context`` 2)
+context-parallel causal attention forward + backward at T = 8192 with the flash kernel, all-gather
+and ring (about 25 s and 40 s of compiling: ``--skip`` leaves cases out). Exit status 1 if any case
 failed.
 """
 
@@ -56,6 +59,8 @@ import numpy as np  # noqa: E402
 CHIPS = {"v4": ("v4:1x1x1", "v4:2x2x1", "TPU_V4"), "v5e": ("v5e:1x1", "v5e:2x2", "TPU_V5E"),
          "v5p": ("v5p:1x1x1", "v5p:2x2x1", "TPU_V5P"), "v6e": ("v6e:1x1", "v6e:2x2", "TPU_V6E")}
 MEGACORE = ("v4", "v5p")
+# Cases without a kernel: XLA's way of doing what a kernel case does, compiled for its memory.
+BASELINES = frozenset({"MoE experts: MXFP4 dequantized + ragged_dot"})
 _COPY = re.compile(r"= (\w+)\[([\d,]*)\][^ ]* (?:copy|copy-start|transpose)\(")
 
 
@@ -79,6 +84,8 @@ def cases():
   from jaxattn.ops import masks as M  # noqa: PLC0415
   from jaxattn.ops.decode import (cache_attention, cache_mla_decode,  # noqa: PLC0415
                                   paged_attention, paged_mla_decode)
+  from jaxattn.ops.moe import ClampedSwiGLU, routed_experts  # noqa: PLC0415
+  from jaxattn.ops.mxfp4 import MXFP4Array  # noqa: PLC0415
   from pallas_kernels.delta_rule.tpu import chunked_delta_rule_tpu  # noqa: PLC0415
   from pallas_kernels.flash_attention import flash_attention_tpu  # noqa: PLC0415
   from pallas_kernels.sparse_attention import (sparse_attention_tpu,  # noqa: PLC0415
@@ -108,6 +115,24 @@ def cases():
     return cache_attention(q, k, v, n, implementation="pallas_tpu", num_splits=4,
                            interpret=False)
 
+  def moe_grads(x, idx, wts, *weights, implementation, mxfp4):
+    """The routed experts' output and the input's gradient (frozen MXFP4 weights: only that;
+    bf16 weights: theirs too)."""
+    if mxfp4:   # [codes, scales] per matrix
+      weights = [MXFP4Array(weights[i], weights[i + 1]) for i in range(0, 6, 2)]
+    argnums = (0,) if mxfp4 else (0, 1, 2, 3)
+
+    def loss(x, *ws):
+      ws = ws if not mxfp4 else weights
+      y, _ = routed_experts(x, idx, wts, *ws, implementation=implementation,
+                            activation=ClampedSwiGLU() if mxfp4 else None)
+      return jnp.sum(y.astype(jnp.float32)), y
+    return jax.grad(loss, argnums=argnums, has_aux=True)(x, *([] if mxfp4 else weights))
+
+  u8 = sds(jnp.uint8)
+  moe_mxfp4_shapes = (bf16(2048, 2880), i32(2048, 4), f32(2048, 4),
+                      u8(32, 2880, 1440), u8(32, 2880, 90), u8(32, 2880, 1440), u8(32, 2880, 90),
+                      u8(32, 2880, 1440), u8(32, 2880, 90))
   idx = i32(1, 8, 2048)
   table, lens = i32(2, 512), i32(2)
   # The k^R pool as PagedLatentCache stores it on TPU: 64 columns zero-padded to 128, one lane
@@ -185,6 +210,18 @@ def cases():
                                                           indices=i, implementation="pallas_tpu",
                                                           interpret=False),
           (*latent, table, lens, i32(2, 2048))),
+      # gpt-oss-20b's experts (32 of 2880 x 2880, top-4) over 2048 tokens, MXFP4 as published:
+      # the kernels reading the codes packed, and (for the memory) XLA's ragged_dot after
+      # dequantizing them whole; then Qwen3-30B-A3B's bf16 experts (128 of 2048 x 768, top-8),
+      # forward and backward.
+      "MoE experts: MXFP4 kernels (gpt-oss)": (
+          lambda *a: moe_grads(*a, implementation="pallas_tpu", mxfp4=True), moe_mxfp4_shapes),
+      "MoE experts: MXFP4 dequantized + ragged_dot": (
+          lambda *a: moe_grads(*a, implementation="ragged_dot", mxfp4=True), moe_mxfp4_shapes),
+      "MoE experts: bf16 kernels fwd + bwd (Qwen3-MoE)": (
+          lambda *a: moe_grads(*a, implementation="pallas_tpu", mxfp4=False),
+          (bf16(2048, 2048), i32(2048, 8), f32(2048, 8), bf16(128, 2048, 768),
+           bf16(128, 2048, 768), bf16(128, 768, 2048))),
       "delta rule state pass": (
           lambda *a: chunked_delta_rule_tpu(*a, chunk_size=64, interpret=False),
           (f32(2, 1024, 4, 128), f32(2, 1024, 4, 128), f32(2, 1024, 4, 2, 128),
@@ -258,6 +295,16 @@ def context_cases(grid):
   return {f"context {s} fwd + bwd (2x2 mesh)": (grads(s), args) for s in cp.STRATEGIES}
 
 
+def _on_device(shape, sharding):
+  """An argument as an array on a device holds it: row-major (the default layout).  Without a
+  layout, the deviceless compiler picks each parameter's layout itself -- e.g. the MXFP4 codes
+  ``u8[E, N, K / 2]`` transposed, then copied back to row-major for the kernel, a copy that no
+  real call would make."""
+  from jax.experimental.layout import Format, Layout  # noqa: PLC0415
+  row_major = Layout(major_to_minor=tuple(range(len(shape.shape))))
+  return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=Format(row_major, sharding))
+
+
 def compile_for(chip: str, only=None, skip=()):
   """Compiles every case for ``chip``; returns one result dict per case."""
   from jax._src.pallas.mosaic import tpu_info  # noqa: PLC0415
@@ -278,8 +325,8 @@ def compile_for(chip: str, only=None, skip=()):
   tpu_info.registry[local] = lambda: info
   mesh = jax.sharding.Mesh(devices(one_chip, (1, 1, 1))[:1], ("x",))
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  todo = [(name, fn, [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated)
-                      for s in shapes]) for name, (fn, shapes) in cases().items()]
+  todo = [(name, fn, [_on_device(s, replicated) for s in shapes])
+          for name, (fn, shapes) in cases().items()]
   grid = np.asarray(devices(four_chips, (2, 2, 1))[:4]).reshape(2, 2)
   todo += [(name, fn, list(shapes)) for name, (fn, shapes)
            in sharded_cases(jax.sharding.Mesh(grid, ("data", "tensor"))).items()]
@@ -341,7 +388,8 @@ def main(argv=None):
   failed = [f"{r['chip']} {r['case']}" for r in results if not r["ok"]]
   print(f"{len(results) - len(failed)} of {len(results)} compiled"
         + (f"; failed: {', '.join(failed)}" if failed else ""))
-  return 1 if failed else 0
+  # A baseline that does not fit the chip is a finding about XLA's way, not a kernel failure.
+  return 1 if any(not r["ok"] and r["case"] not in BASELINES for r in results) else 0
 
 
 if __name__ == "__main__":

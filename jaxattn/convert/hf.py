@@ -90,7 +90,7 @@ RUNTIME_FIELDS = frozenset({
     "remat", "indexer_loss_weight", "moe_seq_balance_alpha", "moe_bias_update_rate",
     "moe_capacity_factor",
     # MXFP4 experts kept as the checkpoint holds them (gpt-oss): the same values, 3.8x fewer bytes
-    "moe_expert_format"})
+    "moe_expert_format", "moe_implementation"})
 
 
 def architecture_for(config: ModelConfig) -> str:

@@ -55,7 +55,7 @@ from jaxattn.nn.linear import Einsum, param
 from jaxattn.nn.mhc import HyperConnection, StreamCollapse
 from jaxattn.nn.mla import MLA
 from jaxattn.nn.mlp import MLP
-from jaxattn.ops.moe import ClampedSwiGLU
+from jaxattn.ops.moe import IMPLEMENTATIONS as MOE_IMPLEMENTATIONS, ClampedSwiGLU
 from jaxattn.nn.moe import MoE
 from jaxattn.nn.norms import make_norm
 from jaxattn.nn.positional import LearnedPositionalEmbedding
@@ -157,6 +157,7 @@ class ModelConfig:
   moe_expert_bias: bool = False              # biases on the experts' projections (gpt-oss)
   moe_router_bias: bool = False              # a learned bias on the router logits (gpt-oss)
   moe_expert_format: str = "dense"           # "mxfp4": routed experts held in MXFP4, frozen
+  moe_implementation: str | None = None      # grouped matmul: jaxattn.ops.moe.IMPLEMENTATIONS
   # residual streams
   residual: str = "plain"                     # plain | mhc | hc
   num_streams: int = 4
@@ -207,6 +208,9 @@ class ModelConfig:
     if self.moe_expert_format not in ("dense", "mxfp4"):
       raise ValueError(f"`moe_expert_format` must be 'dense' or 'mxfp4', got "
                        f"{self.moe_expert_format!r}.")
+    if self.moe_implementation is not None and self.moe_implementation not in MOE_IMPLEMENTATIONS:
+      raise ValueError(f"`moe_implementation` must be None or one of {MOE_IMPLEMENTATIONS}, got "
+                       f"{self.moe_implementation!r}.")
     if self.moe_activation not in ("swiglu", "clamped_swiglu"):
       raise ValueError(f"`moe_activation` must be 'swiglu' or 'clamped_swiglu', got "
                        f"{self.moe_activation!r}.")
@@ -374,7 +378,8 @@ class DecoderLayer(nnx.Module):
                      capacity_factor=cfg.moe_capacity_factor, shared_dim=cfg.moe_shared_dim,
                      shared_gate=cfg.moe_shared_gate, activation=cfg.moe_expert_activation(),
                      expert_bias=cfg.moe_expert_bias, router_logit_bias=cfg.moe_router_bias,
-                     expert_format=cfg.moe_expert_format, **common)
+                     expert_format=cfg.moe_expert_format,
+                     implementation=cfg.moe_implementation, **common)
     else:
       self.ffn = MLP(d, cfg.mlp_dim, activation=cfg.mlp_activation, gated=cfg.gated_mlp,
                      use_bias=cfg.mlp_bias, **common)

@@ -13,7 +13,7 @@ from jaxattn.checks import check_int, check_nonnegative, check_positive
 from jaxattn.nn.linear import param
 from jaxattn.nn.mlp import MLP
 from jaxattn.ops import moe as M
-from jaxattn.ops.mxfp4 import GROUP as MXFP4_GROUP, dequantize_mxfp4, quantize_mxfp4
+from jaxattn.ops.mxfp4 import GROUP as MXFP4_GROUP, MXFP4Array
 from jaxattn.sharding import _active_mesh, shard
 
 
@@ -47,8 +47,7 @@ class MXFP4Weight(nnx.Module):
 
   @classmethod
   def quantize(cls, w: Float[Array, "... E K N"], in_axis, out_axis) -> "MXFP4Weight":
-    blocks, scales = quantize_mxfp4(jnp.swapaxes(w, -1, -2), axis=-1)
-    return cls(blocks.reshape(blocks.shape[:-2] + (-1,)), scales, in_axis, out_axis)
+    return cls(*MXFP4Array.quantize(w), in_axis, out_axis)
 
   @classmethod
   def zeros(cls, shape: tuple[int, int, int], in_axis, out_axis) -> "MXFP4Weight":
@@ -70,13 +69,12 @@ class MXFP4Weight(nnx.Module):
     axes = tuple(self.codes.get_metadata().get("logical_axes"))
     return axes[:-2] + (self.in_axis, axes[-2])
 
-  def blocks(self) -> jax.Array:
-    """The codes as ``[..., E, N, K / 32, 16]`` (``jaxattn.ops.mxfp4``'s layout)."""
-    codes = self.codes[...]
-    return codes.reshape(codes.shape[:-1] + (-1, MXFP4_GROUP // 2))
+  def packed(self) -> MXFP4Array:
+    """The codes and scales as an ``MXFP4Array`` (what the grouped-matmul kernel reads)."""
+    return MXFP4Array(self.codes[...], self.scales[...])
 
   def dequantize(self, dtype=jnp.float32) -> Float[Array, "... E K N"]:
-    return jnp.swapaxes(dequantize_mxfp4(self.blocks(), self.scales[...], dtype=dtype), -1, -2)
+    return self.packed().dequantize(dtype)
 
 
 EXPERT_FORMATS = ("dense", "mxfp4")
@@ -283,14 +281,21 @@ class MoE(nnx.Module):
                          "attaching adapters (jaxattn.nn.lora.apply_lora).")
       setattr(self, name, MXFP4Weight.quantize(w[...], in_axis, out_axis))
 
-  def expert_kernel(self, name: str) -> jax.Array:
-    """``w_gate`` / ``w_up`` / ``w_down`` as the experts use it: dequantized when held in MXFP4;
-    with a LoRA adapter attached by ``jaxattn.nn.lora.apply_lora`` (``<name>_lora``, unmerged),
-    ``W + scaling * A_e B_e``."""
+  def expert_kernel(self, name: str, dtype=None) -> jax.Array | MXFP4Array:
+    """``w_gate`` / ``w_up`` / ``w_down`` as the experts use it, in ``dtype`` (default: the
+    module's, else fp32).  Held in MXFP4: the packed ``MXFP4Array`` (the grouped-matmul kernel
+    reads it packed, the other dispatch paths dequantize it), or dequantized when a LoRA adapter
+    is attached by ``jaxattn.nn.lora.apply_lora`` (``<name>_lora``, unmerged): ``W + scaling *
+    A_e B_e``."""
+    dtype = dtype or self.dtype or jnp.float32
     w = getattr(self, name)
-    w = w.dequantize(self.dtype or jnp.float32) if isinstance(w, MXFP4Weight) else w[...]
     adapter = getattr(self, f"{name}_lora", None)
-    return w if adapter is None else adapter.apply(w)
+    if isinstance(w, MXFP4Weight):
+      if adapter is None:
+        return w.packed()
+      w = w.dequantize(dtype)
+    w = w[...].astype(dtype) if isinstance(w, nnx.Variable) else w
+    return w if adapter is None else adapter.apply(w).astype(dtype)
 
   # -- forward ---------------------------------------------------------------------------------
 
@@ -319,8 +324,7 @@ class MoE(nnx.Module):
     indices = r.indices
     if token_mask is not None:
       indices = jnp.where(token_mask[..., None], indices, -1)  # -1: no expert
-    wg, wu, wd = (self.expert_kernel(name).astype(dtype)
-                  for name in ("w_gate", "w_up", "w_down"))
+    wg, wu, wd = (self.expert_kernel(name, dtype) for name in ("w_gate", "w_up", "w_down"))
     xf, idx, wts = x.reshape(b * t, d), indices.reshape(b * t, -1), r.weights.reshape(b * t, -1)
     flat = (xf, idx, wts, wg, wu, wd)
     extra = dict(implementation=self.implementation, block_size=self.block_size,

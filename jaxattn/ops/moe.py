@@ -39,12 +39,15 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxattn.checks import check_bool, check_int_array, check_nonnegative, check_positive
+from jaxattn.ops.mxfp4 import MXFP4Array
 from jaxattn.sharding import constrain, is_explicit, shard
 
 ScoreFunc = Literal["sigmoid", "softmax"]
 SCORE_FUNCS: tuple[str, ...] = ("sigmoid", "softmax")
-Implementation = Literal["ragged_dot", "blocked", "dense"]
-IMPLEMENTATIONS: tuple[str, ...] = ("ragged_dot", "blocked", "dense")
+Implementation = Literal["ragged_dot", "blocked", "dense", "pallas_tpu"]
+IMPLEMENTATIONS: tuple[str, ...] = ("ragged_dot", "blocked", "dense", "pallas_tpu")
+# An expert matrix: an array, or MXFP4 codes and scales (``jaxattn.ops.mxfp4.MXFP4Array``).
+Weight = Float[Array, "E K N"] | MXFP4Array
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,19 +307,49 @@ def _no_expert_last(flat, num_experts: int):
   return jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)
 
 
-def _auto_implementation() -> str:
+def _auto_implementation(mxfp4: bool = False) -> str:
   # XLA:TPU lowers ragged_dot natively.  XLA:CPU (measured, jax 0.10) expands it into one masked
   # matmul over ALL groups, slower than running every expert densely; the blocked loop does
-  # only the selected work, so it is the default everywhere else.
-  return "ragged_dot" if jax.default_backend() == "tpu" else "blocked"
+  # only the selected work, so it is the default everywhere else.  MXFP4 weights on a TPU go to
+  # the Pallas kernels, which read them packed: dequantizing them whole for ragged_dot takes
+  # 21.4 GB of temporaries for one gpt-oss-20b layer's experts over 2048 tokens (forward and
+  # input gradient, v6e; more than a v5e holds), the kernels 0.9 GB
+  # (experiments/tpu_compile_check.py).
+  if jax.default_backend() == "tpu":
+    return "pallas_tpu" if mxfp4 else "ragged_dot"
+  return "blocked"
 
 
-def _check_implementation(implementation):
-  impl = _auto_implementation() if implementation is None else implementation
-  if impl not in IMPLEMENTATIONS:
+def _check_implementation(implementation, *weights):
+  if implementation is None:
+    return _auto_implementation(any(isinstance(w, MXFP4Array) for w in weights))
+  if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"`implementation` must be None or one of {IMPLEMENTATIONS}, got "
                      f"{implementation!r}.")
-  return impl
+  return implementation
+
+
+def _dense(w: Weight, dtype) -> Float[Array, "E K N"]:
+  """An expert matrix as an array: MXFP4 is dequantized (to ``dtype``), an array kept."""
+  return w.dequantize(dtype) if isinstance(w, MXFP4Array) else w
+
+
+def _block_matmul_fn(impl: str, dtype):
+  """``(xb, w, layout) -> yb`` for the blocked layout: the XLA loop or the Pallas TPU kernels
+  (which read MXFP4 weights packed)."""
+  if impl == "pallas_tpu":
+    from pallas_kernels.grouped_matmul import tpu as kernels  # noqa: PLC0415
+
+    def run(xb, w, layout):
+      if isinstance(w, MXFP4Array):
+        return kernels.block_matmul_mxfp4_tpu(
+            xb, *kernels.mxfp4_kernel_operands(w.codes, w.scales), layout.block_group,
+            layout.num_used)
+      return kernels.block_matmul_tpu(xb, w.astype(xb.dtype), layout.block_group,
+                                      layout.num_used)
+    return run
+  return lambda xb, w, layout: block_matmul(xb, _dense(w, dtype), layout.block_group,
+                                            layout.num_used)
 
 
 def default_block_size(num_rows: int, num_groups: int) -> int:
@@ -439,7 +472,7 @@ def _dense_group_matmul(x, w, group_sizes):
 
 def grouped_matmul(
     x: Float[Array, "M D"],
-    w: Float[Array, "E D F"],
+    w: Weight,
     group_sizes: Int[Array, "E"],
     *,
     implementation: Implementation | None = None,
@@ -449,23 +482,30 @@ def grouped_matmul(
   give zeros.
 
   ``implementation``: ``"ragged_dot"`` (``jax.lax.ragged_dot``), ``"blocked"`` (groups padded to
-  blocks of ``block_size`` rows and a loop over the used blocks), ``"dense"`` (every row through
-  every group's matrix, then masked: the reference), or ``None`` (ragged_dot on TPU, else blocked).
+  blocks of ``block_size`` rows and a loop over the used blocks), ``"pallas_tpu"`` (the same
+  layout through the Pallas TPU kernels of ``pallas_kernels.grouped_matmul``; interpreted off a
+  TPU), ``"dense"`` (every row through every group's matrix, then masked: the reference), or
+  ``None`` (on a TPU: ragged_dot, or the Pallas kernels for MXFP4 weights; elsewhere blocked).
+
+  ``w`` may be an ``MXFP4Array`` (frozen MXFP4 weights): the Pallas kernels read it packed and
+  dequantize tile by tile; the other implementations dequantize it whole first.
   """
-  impl = _check_implementation(implementation)
+  impl = _check_implementation(implementation, w)
   _check_grouped(x, w, group_sizes)
+  if impl in ("blocked", "pallas_tpu"):
+    layout = _layout(group_sizes, x.shape[0], block_size)
+    return _unpad(_block_matmul_fn(impl, x.dtype)(_pad(x, layout), w, layout), layout)
+  w = _dense(w, x.dtype)
   if impl == "ragged_dot":
     return jax.lax.ragged_dot(x, w, group_sizes,
                               preferred_element_type=jnp.float32).astype(x.dtype)
-  if impl == "dense":
-    return _dense_group_matmul(x, w, group_sizes)
-  layout = _layout(group_sizes, x.shape[0], block_size)
-  return _unpad(block_matmul(_pad(x, layout), w, layout.block_group, layout.num_used), layout)
+  return _dense_group_matmul(x, w, group_sizes)
 
 
 def _check_grouped(x, w, group_sizes):
-  if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
-    raise ValueError(f"`x` [M, D] and `w` [E, D, F] must agree on D, got {x.shape} and {w.shape}.")
+  if x.ndim != 2 or len(w.shape) != 3 or x.shape[1] != w.shape[1]:
+    raise ValueError(f"`x` [M, D] and `w` [E, D, F] must agree on D, got {x.shape} and "
+                     f"{tuple(w.shape)}.")
   if group_sizes.shape != (w.shape[0],):
     raise ValueError(f"`group_sizes` must have shape ({w.shape[0]},), got {group_sizes.shape}.")
 
@@ -513,9 +553,9 @@ def _check_gate_up_bias(gate_up_bias, w_gate) -> None:
 def grouped_swiglu(
     x: Float[Array, "M D"],
     group_sizes: Int[Array, "E"],
-    w_gate: Float[Array, "E D F"],
-    w_up: Float[Array, "E D F"],
-    w_down: Float[Array, "E F D"],
+    w_gate: Weight,
+    w_up: Weight,
+    w_down: Weight,
     *,
     implementation: Implementation | None = None,
     block_size: int | None = None,
@@ -526,16 +566,17 @@ def grouped_swiglu(
 
   The blocked path pads once and runs all three matmuls in the padded layout.  ``activation``:
   None (SwiGLU) or ``ClampedSwiGLU`` (gpt-oss).  ``gate_up_bias``: ``(b_gate, b_up)`` ``[E, F]``
-  added to each row's ``x W_g`` / ``x W_u`` by its group (gpt-oss).
+  added to each row's ``x W_g`` / ``x W_u`` by its group (gpt-oss).  Weights may be
+  ``MXFP4Array``s, as ``grouped_matmul``'s.
   """
-  impl = _check_implementation(implementation)
+  impl = _check_implementation(implementation, w_gate, w_up, w_down)
   _check_grouped(x, w_gate, group_sizes)
   if w_up.shape != w_gate.shape or w_down.shape != (w_gate.shape[0], w_gate.shape[2], x.shape[1]):
     raise ValueError(f"expert weights disagree: w_gate {w_gate.shape}, w_up {w_up.shape}, "
                      f"w_down {w_down.shape} (want [E, D, F], [E, D, F], [E, F, D]).")
   num_groups = w_gate.shape[0]
   _check_gate_up_bias(gate_up_bias, w_gate)
-  if impl != "blocked":
+  if impl not in ("blocked", "pallas_tpu"):
     mm = partial(grouped_matmul, group_sizes=group_sizes, implementation=impl)
     bias = None
     if gate_up_bias is not None:  # each row's group; rows past the groups get none
@@ -546,7 +587,8 @@ def grouped_swiglu(
     return mm(_swiglu(mm(x, w_gate), mm(x, w_up), x.dtype, activation, bias), w_down)
   layout = _layout(group_sizes, x.shape[0], block_size)
   xb = _pad(x, layout)
-  mm = lambda a, w: block_matmul(a, w, layout.block_group, layout.num_used)
+  run = _block_matmul_fn(impl, x.dtype)
+  mm = lambda a, w: run(a, w, layout)
   # (with biases a padding row's h is not 0; its output row is never read back)
   bias = None if gate_up_bias is None else tuple(
       b.astype(jnp.float32)[layout.block_group][:, None, :] for b in gate_up_bias)
@@ -564,8 +606,8 @@ def _check_dispatch(x, indices, weights, w_gate):
       indices.shape[0] != x.shape[0]:
     raise ValueError(f"want `x` [M, D], `indices` and `weights` [M, k]; got {x.shape}, "
                      f"{indices.shape}, {weights.shape}.")
-  if w_gate.ndim != 3 or w_gate.shape[1] != x.shape[1]:
-    raise ValueError(f"`w_gate` must be [E, D={x.shape[1]}, F], got {w_gate.shape}.")
+  if len(w_gate.shape) != 3 or w_gate.shape[1] != x.shape[1]:
+    raise ValueError(f"`w_gate` must be [E, D={x.shape[1]}, F], got {tuple(w_gate.shape)}.")
   check_int_array("indices", indices)
 
 
@@ -585,9 +627,9 @@ def routed_experts(
     x: Float[Array, "M D"],
     indices: Int[Array, "M k"],
     weights: Float[Array, "M k"],
-    w_gate: Float[Array, "E D F"],
-    w_up: Float[Array, "E D F"],
-    w_down: Float[Array, "E F D"],
+    w_gate: Weight,
+    w_up: Weight,
+    w_down: Weight,
     *,
     capacity_factor: float | None = None,
     implementation: Implementation | None = None,
@@ -608,7 +650,8 @@ def routed_experts(
 
   An index outside ``[0, E)`` (e.g. ``-1`` for "no expert") adds nothing, on every path (as in
   ``dense_experts``); it is not counted as dropped.  ``activation`` and ``gate_up_bias`` as
-  ``grouped_swiglu``'s.
+  ``grouped_swiglu``'s; so are the weights (arrays or ``MXFP4Array``s; the capacity path
+  dequantizes MXFP4).
   """
   _check_dispatch(x, indices, weights, w_gate)
   check_activation(activation)
@@ -625,6 +668,7 @@ def routed_experts(
             jnp.zeros((), jnp.int32))
 
   cap = expert_capacity(m, num_experts, k, capacity_factor)
+  w_gate, w_up, w_down = (_dense(w, x.dtype) for w in (w_gate, w_up, w_down))
   # Choice-major flattening (all first choices, then all second ...) gives first choices priority.
   flat = _no_expert_last(indices.T.reshape(-1), num_experts)                  # [k * M]
   order = jnp.argsort(flat, stable=True)
@@ -652,9 +696,9 @@ def dense_experts(
     x: Float[Array, "M D"],
     indices: Int[Array, "M k"],
     weights: Float[Array, "M k"],
-    w_gate: Float[Array, "E D F"],
-    w_up: Float[Array, "E D F"],
-    w_down: Float[Array, "E F D"],
+    w_gate: Weight,
+    w_up: Weight,
+    w_down: Weight,
     *,
     activation: ClampedSwiGLU | None = None,
     gate_up_bias: tuple[Float[Array, "E F"], Float[Array, "E F"]] | None = None,
@@ -665,6 +709,7 @@ def dense_experts(
   _check_dispatch(x, indices, weights, w_gate)
   check_activation(activation)
   _check_gate_up_bias(gate_up_bias, w_gate)
+  w_gate, w_up, w_down = (_dense(w, x.dtype) for w in (w_gate, w_up, w_down))
   num_experts = w_gate.shape[0]
   gates = jnp.einsum("mke,mk->me", jax.nn.one_hot(indices, num_experts, dtype=jnp.float32),
                      weights.astype(jnp.float32))
@@ -699,9 +744,9 @@ def routed_experts_sharded(
     x: Float[Array, "M D"],
     indices: Int[Array, "M k"],
     weights: Float[Array, "M k"],
-    w_gate: Float[Array, "E D F"],
-    w_up: Float[Array, "E D F"],
-    w_down: Float[Array, "E F D"],
+    w_gate: Weight,
+    w_up: Weight,
+    w_down: Weight,
     *,
     mesh=None,
     expert_axis: str = "expert",
@@ -790,12 +835,16 @@ def routed_experts_sharded(
 
   # on their specs before shard_map (Explicit axes never reshard implicitly)
   args = [constrain(a, mesh, tok_spec) for a in (x, indices, weights)]
-  args += [constrain(a, mesh, exp_spec) for a in (w_gate, w_up, w_down)]
+  # an MXFP4Array splits its codes and scales [E, N, .] alike
+  w_specs = [MXFP4Array(P(expert_axis, None, None), P(expert_axis, None, None))
+             if isinstance(w, MXFP4Array) else exp_spec for w in (w_gate, w_up, w_down)]
+  args += [MXFP4Array(*(constrain(a, mesh, exp_spec) for a in w)) if isinstance(w, MXFP4Array)
+           else constrain(w, mesh, exp_spec) for w in (w_gate, w_up, w_down)]
   bias_spec = P(expert_axis, None)
   biases = [] if gate_up_bias is None else [constrain(b, mesh, bias_spec) for b in gate_up_bias]
   # check_vma=False: the fori_loop carries of the blocked matmul start as (unvarying) zeros.
   fn = jax.shard_map(local, mesh=mesh,
-                     in_specs=(tok_spec,) * 3 + (exp_spec,) * 3 + (bias_spec,) * len(biases),
+                     in_specs=(tok_spec,) * 3 + tuple(w_specs) + (bias_spec,) * len(biases),
                      out_specs=tok_spec, check_vma=False)
   y = fn(*args, *biases)
   return _whole_rows(y, mesh)[:num_tokens] if pad else y

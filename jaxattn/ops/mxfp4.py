@@ -16,6 +16,8 @@ its contraction axis ``K`` that is the published gpt-oss checkpoints' ``[E, N, K
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, UInt8
@@ -80,4 +82,33 @@ def dequantize_mxfp4_host(blocks, scales) -> np.ndarray:
   return _dequantize(np, np.asarray(blocks), np.asarray(scales))
 
 
-__all__ = ["quantize_mxfp4", "dequantize_mxfp4", "dequantize_mxfp4_host", "FP4_VALUES", "GROUP"]
+class MXFP4Array(NamedTuple):
+  """A matrix ``W [..., K, N]`` (``x @ W``) in MXFP4 along ``K``, as the expert kernels take it:
+  ``codes [..., N, K / 2]`` uint8 (the ``blocks`` with their byte axis flat) and ``scales [..., N,
+  K / 32]`` uint8.  A pytree: it passes through ``jax.jit`` and ``shard_map`` as its two arrays."""
+  codes: UInt8[Array, "... N K2"]
+  scales: UInt8[Array, "... N G"]
+
+  @classmethod
+  def quantize(cls, w: Float[Array, "... K N"]) -> "MXFP4Array":
+    blocks, scales = quantize_mxfp4(jnp.swapaxes(jnp.asarray(w), -1, -2), axis=-1)
+    return cls(blocks.reshape(blocks.shape[:-2] + (-1,)), scales)
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    *lead, n, half = self.codes.shape
+    return (*lead, 2 * half, n)
+
+  @property
+  def ndim(self) -> int:
+    return self.codes.ndim
+
+  def blocks(self) -> UInt8[Array, "... N G 16"]:
+    return self.codes.reshape(self.codes.shape[:-1] + (-1, GROUP // 2))
+
+  def dequantize(self, dtype=jnp.float32) -> Float[Array, "... K N"]:
+    return jnp.swapaxes(dequantize_mxfp4(self.blocks(), self.scales, dtype=dtype), -1, -2)
+
+
+__all__ = ["MXFP4Array", "quantize_mxfp4", "dequantize_mxfp4", "dequantize_mxfp4_host",
+           "FP4_VALUES", "GROUP"]
