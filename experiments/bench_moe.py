@@ -1,7 +1,8 @@
 """Routed-expert dispatch: dropless grouped dispatch vs running every expert densely.
 
     python -m experiments.bench_moe [--tokens 4096] [--experts 64] [--top-k 6] [--embed 512]
-                                    [--expert-dim 256] [--reps 3] [--backward] [--out runs/bench_moe]
+                                    [--expert-dim 256] [--reps 3] [--backward] [--mxfp4]
+                                    [--out runs/bench_moe]
 
 Times each path of ``jaxattn.ops.moe`` on the same routing (a random router over random tokens)
 and reads its scratch memory from ``jax.jit(f).lower(...).compile().memory_analysis()``:
@@ -11,6 +12,12 @@ and reads its scratch memory from ``jax.jit(f).lower(...).compile().memory_analy
   ragged_dot  dropless: sort by expert, ``jax.lax.ragged_dot`` (on CPU XLA expands it into a
               masked matmul over all groups, so it is slow there; it is the TPU path)
   capacity    GShard buffer ``[E, C, D]`` with ``--capacity-factor`` (drops overflow)
+  pallas_tpu  dropless through the grouped-matmul Pallas TPU kernels (interpreted off a TPU, so
+              only on a TPU by default)
+
+``--mxfp4`` quantizes the expert matrices to MXFP4 (gpt-oss's format; ``MXFP4Array``): the kernels
+read them packed, every other path dequantizes them whole inside the timed call; the weights are
+frozen, so ``--backward`` differentiates the tokens and routing weights only.
 
 Prints a table with time and memory ratios against ``dense`` measured in this run, and writes
 ``results.json`` and ``bench.png`` under ``--out``.
@@ -29,6 +36,7 @@ import numpy as np
 
 from experiments.cli import choice_list
 from jaxattn.ops import moe
+from jaxattn.ops.mxfp4 import MXFP4Array
 
 try:
   from tqdm import tqdm
@@ -36,7 +44,7 @@ except ImportError:  # pragma: no cover
   def tqdm(it, **_):
     return it
 
-PATHS = ("dense", "blocked", "ragged_dot", "capacity")
+PATHS = ("dense", "blocked", "ragged_dot", "capacity", "pallas_tpu")
 
 
 def _inputs(args):
@@ -49,6 +57,8 @@ def _inputs(args):
   wg = (jax.random.normal(ks[2], (e, d, f)) * d ** -0.5).astype(dt)
   wu = (jax.random.normal(ks[3], (e, d, f)) * d ** -0.5).astype(dt)
   wd = (jax.random.normal(ks[4], (e, f, d)) * f ** -0.5).astype(dt)
+  if args.mxfp4:
+    wg, wu, wd = (MXFP4Array.quantize(w) for w in (wg, wu, wd))
   return (x, r.indices, r.weights, wg, wu, wd), r
 
 
@@ -60,17 +70,17 @@ def _path(name, args):
   return lambda *a: moe.routed_experts(*a, implementation=name, block_size=args.block_size)[0]
 
 
-def _with_backward(fn):
+def _with_backward(fn, frozen_experts: bool):
   def loss(x, idx, w, wg, wu, wd):
     return jnp.sum(fn(x, idx, w, wg, wu, wd).astype(jnp.float32) ** 2)
-  grad = jax.grad(loss, argnums=(0, 2, 3, 4, 5))
+  grad = jax.grad(loss, argnums=(0, 2) if frozen_experts else (0, 2, 3, 4, 5))
   return lambda *a: grad(*a)
 
 
 def measure(name, args, inputs):
   fn = _path(name, args)
   if args.backward:
-    fn = _with_backward(fn)
+    fn = _with_backward(fn, args.mxfp4)
   jf = jax.jit(fn)
   compiled = jf.lower(*inputs).compile()
   mem = compiled.memory_analysis()
@@ -96,8 +106,10 @@ def main(argv=None):
   p.add_argument("--block-size", type=int, default=None)
   p.add_argument("--paths", type=choice_list(PATHS, allow_empty=True), default=None,
                  help=f"comma list of {','.join(PATHS)} (default, or empty: all but ragged_dot "
-                      "on CPU, where it is ~6x slower than dense and takes minutes at 4k tokens)")
+                      "on CPU, where it is ~6x slower than dense and takes minutes at 4k tokens, "
+                      "and pallas_tpu off a TPU, where it is interpreted)")
   p.add_argument("--backward", action="store_true", help="time forward + gradients")
+  p.add_argument("--mxfp4", action="store_true", help="expert matrices in MXFP4 (frozen)")
   p.add_argument("--reps", type=int, default=3)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="runs/bench_moe")
@@ -107,8 +119,10 @@ def main(argv=None):
   load = moe.expert_load(r.indices, args.experts)
   print(f"backend={jax.default_backend()} tokens={args.tokens} experts={args.experts} "
         f"top_k={args.top_k} D={args.embed} F={args.expert_dim} dtype={args.dtype} "
-        f"{'fwd+bwd' if args.backward else 'fwd'}; load max/mean={float(moe.load_imbalance(load)):.2f}")
-  default = [s for s in PATHS if s != "ragged_dot" or jax.default_backend() != "cpu"]
+        f"{'fwd+bwd' if args.backward else 'fwd'}{' MXFP4 experts' if args.mxfp4 else ''}; "
+        f"load max/mean={float(moe.load_imbalance(load)):.2f}")
+  cpu, tpu = jax.default_backend() == "cpu", jax.default_backend() == "tpu"
+  default = [s for s in PATHS if (s != "ragged_dot" or not cpu) and (s != "pallas_tpu" or tpu)]
   paths = list(args.paths or default)
   if "dense" not in paths:
     paths.insert(0, "dense")

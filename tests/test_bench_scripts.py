@@ -387,3 +387,17 @@ def test_bench_context_rows_json_and_plot(tmp_path, capsys):
   with pytest.raises(ValueError, match="--window"):
     bench_context.main(["--mixer", "deltanet", "--window", "5", "--seq-lens", "32",
                         "--devices", "4"])
+
+
+def test_bench_moe_mxfp4_rows_through_the_kernels(tmp_path, capsys):
+  """``bench_moe --mxfp4``: every requested path, the interpreted kernels included, agrees with
+  the dense baseline on the same frozen MXFP4 experts (forward and the tokens' gradient)."""
+  from experiments import bench_moe
+  rows = bench_moe.main(["--tokens", "24", "--experts", "4", "--top-k", "2", "--embed", "64",
+                         "--expert-dim", "64", "--reps", "1", "--mxfp4", "--backward", "--paths",
+                         "dense,blocked,pallas_tpu", "--out", str(tmp_path)])
+  assert [r["name"] for r in rows] == ["dense", "blocked", "pallas_tpu"]
+  assert all(r["max_abs_diff_vs_dense"] < 1e-3 for r in rows), rows
+  saved = _strict_load(tmp_path / "results.json")
+  assert saved["config"]["mxfp4"] and len(saved["rows"]) == 3
+  assert "MXFP4 experts" in capsys.readouterr().out
