@@ -175,28 +175,41 @@ def normalize(sd: dict, cfg) -> None:
     sd[name] = _MXFP4Tensor(to_np(blocks), to_np(scales))
 
 
-def _blocks(rule: Rule) -> Rule:
-  """``rule`` with its Hugging Face tensors as MXFP4 ``blocks [..., G, 16]`` where ours are the
-  flat codes ``[..., G * 16]`` (``MXFP4Weight.codes``)."""
-  def to_ours(*hf, shapes):
-    return tuple(w.reshape(s) for w, s in zip(rule.to_ours(*hf, shapes=shapes), shapes))
+def _mxfp4(hf: str, ours: tuple, interleaved: bool) -> Rule:
+  """A published MXFP4 tensor (``{hf}_blocks [E, R, G, 16]`` + ``{hf}_scales [E, R, G]``) <-> our
+  ``MXFP4Weight``s' codes ``[E, N, code_width]`` (the bytes flat, zero-padded to whole lane tiles)
+  and scales: of one weight, or of gate and up from rows in turn (``interleaved``, ``R = 2N``).
+  Bytes move, nothing is re-quantized."""
+  names = (f"{hf}_blocks", f"{hf}_scales")
+  mats = ours if interleaved else ours[:1]
+  paths = tuple(m + ("codes",) for m in mats) + tuple(m + ("scales",) for m in mats)
 
-  def to_hf(*ours):
-    return tuple(w.reshape(w.shape[:-1] + (-1, MXFP4_GROUP // 2)) for w in rule.to_hf(*ours))
-  return Rule(rule.hf, rule.ours, to_ours, to_hf)
+  def to_ours(blocks, scales, *, shapes):
+    x = xp(blocks, scales)
+    flat = blocks.reshape(blocks.shape[:-2] + (-1,))
+    flat = x.pad(flat, ((0, 0), (0, 0), (0, shapes[0][-1] - flat.shape[-1])))
+    parts = [(flat[:, 0::2], flat[:, 1::2]), (scales[:, 0::2], scales[:, 1::2])] if interleaved \
+        else [(flat,), (scales,)]
+    return tuple(a.reshape(s) for a, s in zip(parts[0] + parts[1], shapes))
+
+  def to_hf(*arrays):
+    codes, scales = arrays[:len(mats)], arrays[len(mats):]
+    x = xp(*arrays)
+    if interleaved:   # rows in turn: [E, N, 2, .] -> [E, 2N, .]
+      codes, scales = ((x.stack(pair, axis=2).reshape(pair[0].shape[0], -1, pair[0].shape[-1]),)
+                       for pair in (codes, scales))
+    (c,), (s,) = codes, scales
+    g = s.shape[-1]
+    return c[..., :g * (MXFP4_GROUP // 2)].reshape(c.shape[:-1] + (g, MXFP4_GROUP // 2)), s
+
+  return Rule(names, paths, to_ours, to_hf)
 
 
 def _mxfp4_rules(e: str, f: tuple) -> list[Rule]:
   """MXFP4 experts kept as they are: ``gate_up_proj_blocks / _scales`` rows (gate and up
-  interleaved) <-> ``w_gate`` / ``w_up``'s ``codes`` and ``scales``; ``down_proj_*`` <->
-  ``w_down``'s.  (Bytes: the codes move, nothing is re-quantized.)"""
-  out = []
-  for part, ours in (("blocks", "codes"), ("scales", "scales")):
-    pair = [_interleaved(f"{e}.gate_up_proj_{part}", f + ("w_gate", ours), f + ("w_up", ours),
-                         axis=1),
-            copy(f"{e}.down_proj_{part}", f + ("w_down", ours))]
-    out += [_blocks(r) for r in pair] if part == "blocks" else pair
-  return out
+  interleaved) <-> ``w_gate`` / ``w_up``; ``down_proj_*`` <-> ``w_down``."""
+  return [_mxfp4(f"{e}.gate_up_proj", (f + ("w_gate",), f + ("w_up",)), interleaved=True),
+          _mxfp4(f"{e}.down_proj", (f + ("w_down",),), interleaved=False)]
 
 
 def rules(cfg) -> list[Rule]:

@@ -13,7 +13,7 @@ from jaxattn.checks import check_int, check_nonnegative, check_positive
 from jaxattn.nn.linear import param
 from jaxattn.nn.mlp import MLP
 from jaxattn.ops import moe as M
-from jaxattn.ops.mxfp4 import GROUP as MXFP4_GROUP, MXFP4Array
+from jaxattn.ops.mxfp4 import GROUP as MXFP4_GROUP, MXFP4Array, code_width
 from jaxattn.sharding import _active_mesh, shard
 
 
@@ -31,14 +31,15 @@ class QuantizedData(nnx.Variable):
 
 
 class MXFP4Weight(nnx.Module):
-  """An expert matrix ``[..., E, K, N]`` (``x @ W``) held in MXFP4 along its contraction axis
-  ``K``: ``codes [..., E, N, K / 2]`` (two E2M1 codes a byte) and ``scales [..., E, N, K / 32]``
-  uint8 (``jaxattn.ops.mxfp4``), 4.25 bits per weight.  The published gpt-oss checkpoints' ``blocks
-  [..., E, N, K / 32, 16]`` are these codes with the byte axis split; flat, the codes keep their
-  size on a TPU, where a minor axis of 16 bytes would be padded to 128 lanes in HBM, and the grouped
-  matmul kernel reads them as they are.  Dequantized where used, except by the kernel
-  (``implementation="pallas_tpu"``), which keeps them packed.  ``in_axis`` / ``out_axis``: the
-  logical names of ``K`` / ``N``."""
+  """An expert matrix ``[..., E, K, N]`` (``x @ W``) held in MXFP4 along its contraction axis ``K``:
+  ``codes [..., E, N, code_width(K)]`` (two E2M1 codes a byte, rows padded to whole 128-byte tiles)
+  and ``scales [..., E, N, K / 32]`` uint8 (``jaxattn.ops.mxfp4``), 4.25 bits per weight (plus the
+  rows' padding: 4.53 for gpt-oss's 2880).  The published gpt-oss checkpoints' blocks
+  ``[..., E, N, K / 32, 16]`` are these codes with the byte axis split and unpadded; flat and
+  padded, the codes are row-major on a TPU (a minor axis of 16 bytes would be padded to 128 lanes,
+  8x; one of 1440 would be stored transposed), and the grouped-matmul kernel reads them in place.
+  Dequantized where used, except by that kernel (``implementation="pallas_tpu"``), which keeps
+  them packed.  ``in_axis`` / ``out_axis``: the logical names of ``K`` / ``N``."""
 
   def __init__(self, codes, scales, in_axis: str | None, out_axis: str | None):
     self.in_axis = in_axis
@@ -55,13 +56,13 @@ class MXFP4Weight(nnx.Module):
     if k % MXFP4_GROUP:
       raise ValueError(f"MXFP4 experts quantize along the contraction axis in groups of "
                        f"{MXFP4_GROUP}: its size {k} (of {list(shape)}) does not divide.")
-    return cls(jnp.zeros((e, n, k // 2), jnp.uint8),
+    return cls(jnp.zeros((e, n, code_width(k)), jnp.uint8),
                jnp.zeros((e, n, k // MXFP4_GROUP), jnp.uint8), in_axis, out_axis)
 
   @property
   def shape(self) -> tuple[int, ...]:
-    *lead, n, half = self.codes.shape
-    return (*lead, 2 * half, n)
+    *lead, n, g = self.scales.shape
+    return (*lead, g * MXFP4_GROUP, n)
 
   @property
   def logical_axes(self) -> tuple:
@@ -266,9 +267,9 @@ class MoE(nnx.Module):
 
   def quantize_experts(self) -> None:
     """Replaces the routed experts' matrices by MXFP4 storage (``MXFP4Weight``, 4.25 bits per
-    weight: an expert matrix of bf16 takes 3.8x fewer bytes), quantized along their contraction
-    axes (``D`` for ``w_gate`` / ``w_up``, ``F`` for ``w_down``: multiples of 32).  They are then
-    frozen (no gradient); everything else of the layer trains as before."""
+    weight, or a little more where rows are padded: 3.5x to 3.8x fewer bytes than bf16), quantized
+    along their contraction axes (``D`` for ``w_gate`` / ``w_up``, ``F`` for ``w_down``: multiples
+    of 32). They are then frozen (no gradient); everything else of the layer trains as before."""
     for name, (in_axis, out_axis) in _EXPERT_AXES.items():
       w = getattr(self, name)
       if isinstance(w, MXFP4Weight):

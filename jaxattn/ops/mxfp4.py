@@ -82,33 +82,55 @@ def dequantize_mxfp4_host(blocks, scales) -> np.ndarray:
   return _dequantize(np, np.asarray(blocks), np.asarray(scales))
 
 
+CODE_ALIGN = 128   # bytes: a flat codes row is padded to whole 128-byte lane tiles
+
+
+def code_width(k: int) -> int:
+  """Bytes of a flat codes row for a quantized axis of ``k`` values: ``k / 2`` rounded up to a
+  multiple of ``CODE_ALIGN``.  A TPU lays an array out in (32, 128) tiles of bytes and, by default,
+  orders its dimensions to pad them least: codes ``[.., 2880, 1440]`` (gpt-oss) would be stored
+  with the 2880 axis minor, and copied back to row-major for a kernel on every call.  Rows of
+  whole tiles are row-major, and cost nothing more in HBM than the tiles' padding already did."""
+  return -(-(k // 2) // CODE_ALIGN) * CODE_ALIGN
+
+
 class MXFP4Array(NamedTuple):
   """A matrix ``W [..., K, N]`` (``x @ W``) in MXFP4 along ``K``, as the expert kernels take it:
-  ``codes [..., N, K / 2]`` uint8 (the ``blocks`` with their byte axis flat) and ``scales [..., N,
-  K / 32]`` uint8.  A pytree: it passes through ``jax.jit`` and ``shard_map`` as its two arrays."""
-  codes: UInt8[Array, "... N K2"]
+  ``codes [..., N, code_width(K)]`` uint8 (the ``blocks`` with their byte axis flat, zero bytes
+  past ``K / 2``) and ``scales [..., N, K / 32]`` uint8.  A pytree: it passes through ``jax.jit``
+  and ``shard_map`` as its two arrays."""
+  codes: UInt8[Array, "... N W"]
   scales: UInt8[Array, "... N G"]
 
   @classmethod
+  def from_blocks(cls, blocks: UInt8[Array, "... N G 16"], scales: UInt8[Array, "... N G"]
+                  ) -> "MXFP4Array":
+    """From ``quantize_mxfp4``'s (and the published checkpoints') ``blocks`` layout."""
+    flat = blocks.reshape(blocks.shape[:-2] + (-1,))
+    k = GROUP * scales.shape[-1]
+    pad = [(0, 0)] * (flat.ndim - 1) + [(0, code_width(k) - k // 2)]
+    return cls(jnp.pad(flat, pad), scales)
+
+  @classmethod
   def quantize(cls, w: Float[Array, "... K N"]) -> "MXFP4Array":
-    blocks, scales = quantize_mxfp4(jnp.swapaxes(jnp.asarray(w), -1, -2), axis=-1)
-    return cls(blocks.reshape(blocks.shape[:-2] + (-1,)), scales)
+    return cls.from_blocks(*quantize_mxfp4(jnp.swapaxes(jnp.asarray(w), -1, -2), axis=-1))
 
   @property
   def shape(self) -> tuple[int, ...]:
-    *lead, n, half = self.codes.shape
-    return (*lead, 2 * half, n)
+    *lead, n, g = self.scales.shape
+    return (*lead, g * GROUP, n)
 
   @property
   def ndim(self) -> int:
     return self.codes.ndim
 
   def blocks(self) -> UInt8[Array, "... N G 16"]:
-    return self.codes.reshape(self.codes.shape[:-1] + (-1, GROUP // 2))
+    g = self.scales.shape[-1]
+    return self.codes[..., :g * GROUP // 2].reshape(self.codes.shape[:-1] + (g, GROUP // 2))
 
   def dequantize(self, dtype=jnp.float32) -> Float[Array, "... K N"]:
     return jnp.swapaxes(dequantize_mxfp4(self.blocks(), self.scales, dtype=dtype), -1, -2)
 
 
-__all__ = ["MXFP4Array", "quantize_mxfp4", "dequantize_mxfp4", "dequantize_mxfp4_host",
-           "FP4_VALUES", "GROUP"]
+__all__ = ["MXFP4Array", "code_width", "quantize_mxfp4", "dequantize_mxfp4",
+           "dequantize_mxfp4_host", "FP4_VALUES", "GROUP"]

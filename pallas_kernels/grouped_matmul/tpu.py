@@ -55,6 +55,7 @@ NN = (((1,), (0,)), ((), ()))   # a @ b
 NT = (((1,), (1,)), ((), ()))   # a @ b.T
 TN = (((0,), (0,)), ((), ()))   # a.T @ b
 MXFP4_GROUP = 32
+BYTES_PER_GROUP = MXFP4_GROUP // 2
 TARGET_N = 512
 TARGET_K = 512
 
@@ -224,21 +225,22 @@ def _byte_scales(scales, width):
   """``[G, bn]`` per-group scales -> ``[bn, width]`` per byte (16 bytes a group), as a 0/1 matmul:
   each output is one power of two times 1, exact in any precision."""
   g = scales.shape[0]
-  spread = (lax.broadcasted_iota(jnp.int32, (g, width), 1) // (MXFP4_GROUP // 2)
+  spread = (lax.broadcasted_iota(jnp.int32, (g, width), 1) // BYTES_PER_GROUP
             == lax.broadcasted_iota(jnp.int32, (g, width), 0)).astype(scales.dtype)
   return lax.dot_general(scales, spread, TN, preferred_element_type=jnp.float32)
 
 
-def _dequantized(codes, scales, kk, bk: int, k: int, dtype):
-  """A tile's ``(low, high)`` nibble values ``[bn, bk / 2]``, scaled, in ``dtype``; bytes and
-  scale groups past ``K`` (a ragged last tile) are zeros."""
-  half, groups = bk // 2, bk // MXFP4_GROUP
-  codes = _masked(codes.astype(jnp.int32) & 0xFF, 1, kk, half, k // 2)
-  scale = _byte_scales(_masked(scales, 0, kk, groups, k // MXFP4_GROUP), codes.shape[1])
+def _dequantized(codes, scales, kk, width: int, dtype):
+  """A tile's ``(low, high)`` nibble values ``[bn, bh]`` (bytes ``kk * bh ..``), scaled, in
+  ``dtype``; bytes and scale groups past the codes' ``width`` (a ragged last tile) are zeros."""
+  bh = codes.shape[1]
+  codes = _masked(codes.astype(jnp.int32) & 0xFF, 1, kk, bh, width)
+  scale = _byte_scales(_masked(scales, 0, kk, bh // BYTES_PER_GROUP, width // BYTES_PER_GROUP),
+                       bh)
   return tuple((_e2m1(nib) * scale).astype(dtype) for nib in (codes & 0xF, codes >> 4))
 
 
-def _mxfp4_kernel(bg_ref, nu_ref, xe_ref, xo_ref, c_ref, s_ref, o_ref, acc_ref, *, num_k, bk, k):
+def _mxfp4_kernel(bg_ref, nu_ref, xe_ref, xo_ref, c_ref, s_ref, o_ref, acc_ref, *, num_k, width):
   i, kk = pl.program_id(0), pl.program_id(2)
 
   @pl.when(kk == 0)
@@ -247,8 +249,9 @@ def _mxfp4_kernel(bg_ref, nu_ref, xe_ref, xo_ref, c_ref, s_ref, o_ref, acc_ref, 
 
   @pl.when(i < nu_ref[0])
   def _():
-    low, high = _dequantized(c_ref[...], s_ref[...], kk, bk, k, xe_ref.dtype)
-    xe, xo = (_masked(r[...], 1, kk, bk // 2, k // 2) for r in (xe_ref, xo_ref))
+    low, high = _dequantized(c_ref[...], s_ref[...], kk, width, xe_ref.dtype)
+    bh = low.shape[1]
+    xe, xo = (_masked(r[...], 1, kk, bh, width) for r in (xe_ref, xo_ref))
     acc_ref[...] += (lax.dot_general(xe, low, NT, preferred_element_type=jnp.float32)
                      + lax.dot_general(xo, high, NT, preferred_element_type=jnp.float32))
 
@@ -257,35 +260,42 @@ def _mxfp4_kernel(bg_ref, nu_ref, xe_ref, xo_ref, c_ref, s_ref, o_ref, acc_ref, 
     o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
-def _mxfp4_tiles(k: int, n: int):
-  return _tile(k, TARGET_K, 512), _tile(n, TARGET_N, 128)
+def _mxfp4_tiles(width: int, n: int):
+  """``(bytes, rows)`` of a codes tile: 256 bytes (512 values, 16 scale groups: whole bf16 tiles
+  of the scales) or the whole row, and up to 512 of the ``N`` rows."""
+  return _tile(width, TARGET_K // 2, 256), _tile(n, TARGET_N, 128)
+
+
+def _halves(xb, width: int):
+  """``xb``'s even and odd columns, zero-padded to the codes' ``width`` (bytes) each."""
+  pad = ((0, 0), (0, 0), (0, width - xb.shape[2] // 2))
+  return jnp.pad(xb[..., 0::2], pad), jnp.pad(xb[..., 1::2], pad)
 
 
 def _mxfp4_matmul(xb, codes, scales_t, block_group, num_used, interpret):
-  nb, bm, k = xb.shape
-  n = codes.shape[1]
-  bk, bn = _mxfp4_tiles(k, n)
-  nk = pl.cdiv(k, bk)
-  half = lambda: pl.BlockSpec((None, bm, bk // 2), lambda i, j, kk, bg, nu: (_used(i, nu), 0, kk))
+  nb, bm, _ = xb.shape
+  n, width = codes.shape[1], codes.shape[2]
+  bh, bn = _mxfp4_tiles(width, n)
+  nk = pl.cdiv(width, bh)
+  half = lambda: pl.BlockSpec((None, bm, bh), lambda i, j, kk, bg, nu: (_used(i, nu), 0, kk))
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=2, grid=(nb, pl.cdiv(n, bn), nk),
       in_specs=[half(), half(),
-                pl.BlockSpec((None, bn, bk // 2),
-                             lambda i, j, kk, bg, nu: (bg[_used(i, nu)], j, kk)),
-                pl.BlockSpec((None, bk // MXFP4_GROUP, bn),
+                pl.BlockSpec((None, bn, bh), lambda i, j, kk, bg, nu: (bg[_used(i, nu)], j, kk)),
+                pl.BlockSpec((None, bh // BYTES_PER_GROUP, bn),
                              lambda i, j, kk, bg, nu: (bg[_used(i, nu)], kk, j))],
       out_specs=pl.BlockSpec((None, bm, bn), lambda i, j, kk, bg, nu: (i, 0, j)),
       scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)])
   return pl.pallas_call(
-      functools.partial(_mxfp4_kernel, num_k=nk, bk=bk, k=k),
+      functools.partial(_mxfp4_kernel, num_k=nk, width=width),
       grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct((nb, bm, n), xb.dtype),
       name="jaxattn_grouped_matmul_mxfp4_tpu",
       **_params(interpret, ("parallel", "parallel", "arbitrary")),
-  )(block_group, num_used.reshape(1), xb[..., 0::2], xb[..., 1::2], codes, scales_t)
+  )(block_group, num_used.reshape(1), *_halves(xb, width), codes, scales_t)
 
 
 def _mxfp4_dx_kernel(bg_ref, nu_ref, dy_ref, c_ref, s_ref, de_ref, do_ref, acc_e, acc_o, *,
-                     num_n, bk, k, bn, n):
+                     num_n, width, bn, n):
   i, kk, jn = pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
   @pl.when(jn == 0)
@@ -297,7 +307,7 @@ def _mxfp4_dx_kernel(bg_ref, nu_ref, dy_ref, c_ref, s_ref, de_ref, do_ref, acc_e
   def _():
     # the contraction runs over N here: a ragged last N tile is masked on both sides
     low, high = (_masked(w, 0, jn, bn, n) for w in _dequantized(
-        c_ref[...], s_ref[...], kk, bk, k, dy_ref.dtype))
+        c_ref[...], s_ref[...], kk, width, dy_ref.dtype))
     dy = _masked(dy_ref[...], 1, jn, bn, n)
     acc_e[...] += lax.dot_general(dy, low, NN, preferred_element_type=jnp.float32)
     acc_o[...] += lax.dot_general(dy, high, NN, preferred_element_type=jnp.float32)
@@ -308,61 +318,68 @@ def _mxfp4_dx_kernel(bg_ref, nu_ref, dy_ref, c_ref, s_ref, de_ref, do_ref, acc_e
     do_ref[...] = acc_o[...].astype(do_ref.dtype)
 
 
-def _mxfp4_dx(dy, codes, scales_t, block_group, num_used, interpret):
-  """``dxb[b] = dy[b] @ W[g]^T`` with ``W`` dequantized from MXFP4, even and odd columns apart."""
+def _mxfp4_dx(dy, codes, scales_t, block_group, num_used, k: int, interpret):
+  """``dxb[b] = dy[b] @ W[g]^T`` with ``W [K, N]`` dequantized from MXFP4: the even and odd
+  columns come out apart (over the codes' width) and are interleaved here."""
   nb, bm, n = dy.shape
-  k = codes.shape[2] * 2
-  bk, bn = _mxfp4_tiles(k, n)
+  width = codes.shape[2]
+  bh, bn = _mxfp4_tiles(width, n)
   nn = pl.cdiv(n, bn)
-  half = lambda: pl.BlockSpec((None, bm, bk // 2), lambda i, kk, jn, bg, nu: (i, 0, kk))
+  half = lambda: pl.BlockSpec((None, bm, bh), lambda i, kk, jn, bg, nu: (i, 0, kk))
   grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=2, grid=(nb, pl.cdiv(k, bk), nn),
+      num_scalar_prefetch=2, grid=(nb, pl.cdiv(width, bh), nn),
       in_specs=[pl.BlockSpec((None, bm, bn), lambda i, kk, jn, bg, nu: (_used(i, nu), 0, jn)),
-                pl.BlockSpec((None, bn, bk // 2),
-                             lambda i, kk, jn, bg, nu: (bg[_used(i, nu)], jn, kk)),
-                pl.BlockSpec((None, bk // MXFP4_GROUP, bn),
+                pl.BlockSpec((None, bn, bh), lambda i, kk, jn, bg, nu: (bg[_used(i, nu)], jn, kk)),
+                pl.BlockSpec((None, bh // BYTES_PER_GROUP, bn),
                              lambda i, kk, jn, bg, nu: (bg[_used(i, nu)], kk, jn))],
       out_specs=[half(), half()],
-      scratch_shapes=[pltpu.VMEM((bm, bk // 2), jnp.float32)] * 2)
+      scratch_shapes=[pltpu.VMEM((bm, bh), jnp.float32)] * 2)
   even, odd = pl.pallas_call(
-      functools.partial(_mxfp4_dx_kernel, num_n=nn, bk=bk, k=k, bn=bn, n=n),
-      grid_spec=grid_spec, out_shape=[jax.ShapeDtypeStruct((nb, bm, k // 2), dy.dtype)] * 2,
+      functools.partial(_mxfp4_dx_kernel, num_n=nn, width=width, bn=bn, n=n),
+      grid_spec=grid_spec, out_shape=[jax.ShapeDtypeStruct((nb, bm, width), dy.dtype)] * 2,
       name="jaxattn_grouped_matmul_mxfp4_dx_tpu",
       **_params(interpret, ("parallel", "parallel", "arbitrary")),
   )(block_group, num_used.reshape(1), dy, codes, scales_t)
-  return jnp.stack([even, odd], axis=-1).reshape(nb, bm, k)
+  return jnp.stack([even[..., :k // 2], odd[..., :k // 2]], axis=-1).reshape(nb, bm, k)
 
 
-def mxfp4_kernel_operands(codes: UInt8[Array, "E N K2"], scales: UInt8[Array, "E N G"]):
-  """An MXFP4 expert matrix (``jaxattn.ops.mxfp4.MXFP4Array``'s codes and scales) as the kernels
-  read it: the codes as they are, the scales as bf16 powers of two ``[E, G, N]`` (a pass over
-  1/16 of the codes' bytes)."""
+def mxfp4_kernel_operands(codes: UInt8[Array, "E N W"], scales: UInt8[Array, "E N G"]):
+  """An MXFP4 expert matrix (``jaxattn.ops.mxfp4.MXFP4Array``: codes ``[E, N, W]``, ``W >= K / 2``
+  bytes a row, zero past ``K / 2``) as the kernels read it: the codes as they are, the scales as
+  bf16 powers of two ``[E, W / 16, N]`` (zeros past ``K / 32``; a pass over 1/16 of the codes'
+  bytes)."""
   scale = jnp.ldexp(jnp.ones((), jnp.float32), scales.astype(jnp.int32) - 127)
+  pad = codes.shape[-1] // BYTES_PER_GROUP - scales.shape[-1]
+  scale = jnp.pad(scale, ((0, 0), (0, 0), (0, pad)))
   return codes, jnp.swapaxes(scale, -1, -2).astype(jnp.bfloat16)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def block_matmul_mxfp4_tpu(xb: Float[Array, "NB bm K"], codes: UInt8[Array, "E N K2"],
-                           scales_t: Float[Array, "E G N"], block_group: Int[Array, "NB"],
+def block_matmul_mxfp4_tpu(xb: Float[Array, "NB bm K"], codes: UInt8[Array, "E N W"],
+                           scales_t: Float[Array, "E W16 N"], block_group: Int[Array, "NB"],
                            num_used: Int[Array, ""], interpret=None) -> Float[Array, "NB bm N"]:
   """``block_matmul`` with the experts' matrices ``W [E, K, N]`` in MXFP4 (``codes`` and
   ``scales_t`` from ``mxfp4_kernel_operands``).  The weights are frozen: no gradient reaches
   them."""
+  return _block_matmul_mxfp4(xb, codes, scales_t, block_group, num_used, xb.shape[2], interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _block_matmul_mxfp4(xb, codes, scales_t, block_group, num_used, k, interpret):
   return _mxfp4_matmul(xb, codes, scales_t, block_group, num_used, interpret)
 
 
-def _mx_fwd(xb, codes, scales_t, block_group, num_used, interpret):
-  out = block_matmul_mxfp4_tpu(xb, codes, scales_t, block_group, num_used, interpret)
+def _mx_fwd(xb, codes, scales_t, block_group, num_used, k, interpret):
+  out = _mxfp4_matmul(xb, codes, scales_t, block_group, num_used, interpret)
   return out, (codes, scales_t, block_group, num_used)
 
 
-def _mx_bwd(interpret, res, dy):
+def _mx_bwd(k, interpret, res, dy):
   codes, scales_t, block_group, num_used = res
-  dxb = _mxfp4_dx(dy, codes, scales_t, block_group, num_used, interpret)
+  dxb = _mxfp4_dx(dy, codes, scales_t, block_group, num_used, k, interpret)
   return dxb, None, None, None, None
 
 
-block_matmul_mxfp4_tpu.defvjp(_mx_fwd, _mx_bwd)
+_block_matmul_mxfp4.defvjp(_mx_fwd, _mx_bwd)
 
 
 __all__ = ["block_matmul_tpu", "block_matmul_mxfp4_tpu", "mxfp4_kernel_operands"]

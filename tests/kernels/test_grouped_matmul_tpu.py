@@ -11,7 +11,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jaxattn import sharding
 from jaxattn.ops import moe
-from jaxattn.ops.mxfp4 import FP4_VALUES, MXFP4Array
+from jaxattn.ops.mxfp4 import FP4_VALUES, MXFP4Array, code_width
 from pallas_kernels.grouped_matmul import tpu as G
 
 RACES = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
@@ -156,8 +156,10 @@ def test_expert_parallel_kernels_with_mxfp4_weights():
 def test_mxfp4_array_layout_and_errors():
   w = _rand(30, (2, 64, 48))
   q = MXFP4Array.quantize(w)
-  assert q.codes.shape == (2, 48, 32) and q.scales.shape == (2, 48, 2) and q.shape == (2, 64, 48)
-  assert q.blocks().shape == (2, 48, 2, 16)
+  # rows of K / 2 = 32 bytes padded with zeros to 128 (code_width); 2 scales a row
+  assert q.codes.shape == (2, 48, 128) and q.scales.shape == (2, 48, 2) and q.shape == (2, 64, 48)
+  assert q.blocks().shape == (2, 48, 2, 16) and not np.any(np.asarray(q.codes[..., 32:]))
+  assert code_width(2880) == 1536 and code_width(4096) == 2048
   with pytest.raises(ValueError, match="`x` \\[M, D\\] and `w` \\[E, D, F\\]"):
     moe.grouped_matmul(jnp.ones((3, 32)), q, jnp.array([3, 0]), implementation="pallas_tpu")
 

@@ -251,9 +251,9 @@ def test_gpt_oss_options_expert_parallel_values_and_gradients():
 def test_mxfp4_experts_equal_their_dequantized_weights_and_freeze():
   """``quantize_experts``: the layer computes exactly what the same layer with the dequantized
   matrices as parameters computes (values and input gradients); the quantized storage takes no
-  gradient while the router and biases still train; 4.25 bits per expert weight; errors."""
+  gradient while the router and biases still train; the bytes stored; errors."""
   from jaxattn.nn.moe import MXFP4Weight, QuantizedData
-  from jaxattn.ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+  from jaxattn.ops.mxfp4 import code_width, dequantize_mxfp4, quantize_mxfp4
   def make():
     return MoE(32, 4, 2, 64, score_func="softmax", activation=ops.ClampedSwiGLU(),
                expert_bias=True, router_logit_bias=True, rngs=nnx.Rngs(0))
@@ -280,7 +280,8 @@ def test_mxfp4_experts_equal_their_dequantized_weights_and_freeze():
   trained = {p[0] for p, _ in nnx.to_flat_state(gp_q)}
   assert "w_gate" not in trained and {"router", "b_gate", "router_logit_bias"} <= trained
   stored = sum(v.get_value().nbytes for _, v in nnx.to_flat_state(nnx.state(quant, QuantizedData)))
-  assert stored * 8 == 3 * 4 * 32 * 64 * 4.25
+  # per matrix [E, K, N]: codes rows of code_width(K) bytes (K / 2, padded to 128) + K / 32 scales
+  assert stored == sum(4 * n * (code_width(k) + k // 32) for k, n in ((32, 64), (32, 64), (64, 32)))
   bad = MoE(48, 4, 2, 64, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="groups of 32"):
     bad.quantize_experts()
