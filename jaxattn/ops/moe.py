@@ -312,8 +312,8 @@ def _auto_implementation(mxfp4: bool = False) -> str:
   # matmul over ALL groups, slower than running every expert densely; the blocked loop does
   # only the selected work, so it is the default everywhere else.  MXFP4 weights on a TPU go to
   # the Pallas kernels, which read them packed: dequantizing them whole for ragged_dot takes
-  # 21.4 GB of temporaries for one gpt-oss-20b layer's experts over 2048 tokens (forward and
-  # input gradient, v6e; more than a v5e holds), the kernels 0.9 GB
+  # 20.9 GiB of temporaries for one gpt-oss-20b layer's experts over 2048 tokens (forward and
+  # input gradient, v6e; more than a v5e holds), the kernels 1.0 GiB
   # (experiments/tpu_compile_check.py).
   if jax.default_backend() == "tpu":
     return "pallas_tpu" if mxfp4 else "ragged_dot"
