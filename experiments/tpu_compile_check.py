@@ -21,12 +21,12 @@ v4 and v5p are compiled as megacore) and a 512-token prefill through the same pa
 (GQA 32/8; MLA, 128 heads); decode over contiguous GQA and MLA caches (8 x 8k); the gated
 delta-rule state pass (fp32, heads of 128, chunks of 64); the MoE grouped-matmul kernels over
 gpt-oss-20b's MXFP4 experts (forward and input gradient, 2048 tokens; beside it, the baseline of
-dequantizing them whole for XLA's ragged_dot, which does not fit a v5e: a baseline's failure does
-not set the exit status) and Qwen3-30B-A3B's bf16 experts (forward and backward). And on a 4-chip
-slice (``data`` 2 x ``tensor`` 2), the kernels in ``jax.shard_map`` as a sharded step calls them:
-flash forward + backward, sparse MLA prefill, paged MLA decode; and (``data`` 2 x ``context`` 2)
-context-parallel causal attention forward + backward at T = 8192 with the flash kernel, all-gather
-and ring (about 25 s and 40 s of compiling: ``--skip`` leaves cases out). Exit status 1 if any case
+dequantizing them whole for XLA's ragged_dot; a baseline's failure would not set the exit status)
+and Qwen3-30B-A3B's bf16 experts (forward and backward). And on a 4-chip slice (``data`` 2 x
+``tensor`` 2), the kernels in ``jax.shard_map`` as a sharded step calls them: flash forward +
+backward, sparse MLA prefill, paged MLA decode; and (``data`` 2 x ``context`` 2) context-parallel
+causal attention forward + backward at T = 8192 with the flash kernel, all-gather and ring (about 25
+s and 40 s of compiling: ``--skip`` leaves cases out). Exit status 1 if any case
 failed.
 """
 

@@ -311,10 +311,10 @@ def _auto_implementation(mxfp4: bool = False) -> str:
   # XLA:TPU lowers ragged_dot natively.  XLA:CPU (measured, jax 0.10) expands it into one masked
   # matmul over ALL groups, slower than running every expert densely; the blocked loop does
   # only the selected work, so it is the default everywhere else.  MXFP4 weights on a TPU go to
-  # the Pallas kernels, which read them packed: dequantizing them whole for ragged_dot takes
-  # 20.9 GiB of temporaries for one gpt-oss-20b layer's experts over 2048 tokens (forward and
-  # input gradient, v6e; more than a v5e holds), the kernels 1.0 GiB
-  # (experiments/tpu_compile_check.py).
+  # the Pallas kernels, which read them packed (4.5 bits a weight, where dequantizing them whole
+  # for ragged_dot reads them, writes bf16 and reads that): one gpt-oss-20b layer's experts over
+  # 2048 tokens (forward and input gradient) compile to 1.0 GiB of temporaries against 2.8 GiB
+  # (v6e; experiments/tpu_compile_check.py).
   if jax.default_backend() == "tpu":
     return "pallas_tpu" if mxfp4 else "ragged_dot"
   return "blocked"

@@ -20,7 +20,8 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, UInt8
+from jax import lax
+from jaxtyping import Array, Float, Int, UInt8
 
 GROUP = 32
 # E2M1 magnitudes by code (the sign is bit 3), and the 16 signed values.
@@ -59,11 +60,15 @@ def quantize_mxfp4(w: Float[Array, "..."], axis: int = -1
   return blocks.astype(jnp.uint8), (e + 127).astype(jnp.uint8)
 
 
-def _dequantize(xp, blocks, scales):
-  """The dequantization with the array module ``xp`` (NumPy on the host, or jax.numpy)."""
+def _check(blocks, scales):
   if (blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.shape[:-1] != scales.shape):
     raise ValueError(f"MXFP4 wants uint8 `blocks` [..., G, B] and `scales` [..., G], got "
                      f"{blocks.dtype}{list(blocks.shape)} and {scales.dtype}{list(scales.shape)}.")
+
+
+def _dequantize(xp, blocks, scales):
+  """The dequantization with the array module ``xp`` (NumPy on the host: the table)."""
+  _check(blocks, scales)
   lut = xp.asarray(FP4_VALUES)
   values = xp.stack([lut[blocks & 0x0F], lut[blocks >> 4]], axis=-1)
   values = values.reshape(blocks.shape[:-1] + (-1,))
@@ -71,10 +76,28 @@ def _dequantize(xp, blocks, scales):
   return values.reshape(blocks.shape[:-2] + (-1,))
 
 
+def e2m1_values(codes: Int[Array, "..."]) -> Float[Array, "..."]:
+  """E2M1 codes (int32, 0..15) -> their fp32 values, built as float bits without a table: sign
+  bit 3, exponent bits 2-1 (``e``), mantissa bit 0 (``m``); normal ``2^(e-1) (1 + m / 2)`` (float
+  exponent ``e + 126``), subnormal ``m / 2``.  Elementwise, so XLA fuses it with what follows (a
+  table lookup is a gather, which XLA materializes with its int32 indices); the kernels use it
+  too."""
+  e = (codes >> 1) & 3
+  m = codes & 1
+  bits = jnp.where(e > 0, ((e + 126) << 23) | (m << 22), m * (126 << 23))
+  return lax.bitcast_convert_type(bits | ((codes >> 3) << 31), jnp.float32)
+
+
 def dequantize_mxfp4(blocks: UInt8[Array, "... G 16"], scales: UInt8[Array, "... G"], *,
                      dtype=jnp.float32) -> Float[Array, "... K"]:
-  """``(blocks, scales)`` -> ``[..., G * 32]`` values (computed in fp32, returned as ``dtype``)."""
-  return _dequantize(jnp, jnp.asarray(blocks), jnp.asarray(scales)).astype(dtype)
+  """``(blocks, scales)`` -> ``[..., G * 32]`` values (computed in fp32, returned as ``dtype``):
+  one elementwise fusion, no table gather."""
+  blocks, scales = jnp.asarray(blocks), jnp.asarray(scales)
+  _check(blocks, scales)
+  codes = blocks.astype(jnp.int32)
+  scale = jnp.ldexp(jnp.ones((), jnp.float32), scales.astype(jnp.int32) - 127)[..., None, None]
+  values = jnp.stack([e2m1_values(codes & 0xF), e2m1_values(codes >> 4)], axis=-1) * scale
+  return values.astype(dtype).reshape(blocks.shape[:-2] + (-1,))
 
 
 def dequantize_mxfp4_host(blocks, scales) -> np.ndarray:

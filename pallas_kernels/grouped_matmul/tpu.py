@@ -49,6 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int, UInt8
 
+from jaxattn.ops.mxfp4 import e2m1_values
 from pallas_kernels.flash_attention import common as C
 
 NN = (((1,), (0,)), ((), ()))   # a @ b
@@ -211,16 +212,6 @@ block_matmul_tpu.defvjp(_bm_fwd, _bm_bwd)
 # -- MXFP4 weights: dequantized tile by tile in VMEM ----------------------------------------------
 
 
-def _e2m1(nibble):
-  """E2M1 codes (int32 0..15) -> their fp32 values, built as float bits: sign bit 3, exponent bits
-  2-1 (``e``), mantissa bit 0 (``m``); normal ``2^(e-1) (1 + m/2)``, subnormal ``m / 2``."""
-  e = (nibble >> 1) & 3
-  m = nibble & 1
-  bits = jnp.where(e > 0, ((e + 126) << 23) | (m << 22), m * (126 << 23))
-  bits = bits | ((nibble >> 3) << 31)
-  return lax.bitcast_convert_type(bits, jnp.float32)
-
-
 def _byte_scales(scales, width):
   """``[G, bn]`` per-group scales -> ``[bn, width]`` per byte (16 bytes a group), as a 0/1 matmul:
   each output is one power of two times 1, exact in any precision."""
@@ -237,7 +228,7 @@ def _dequantized(codes, scales, kk, width: int, dtype):
   codes = _masked(codes.astype(jnp.int32) & 0xFF, 1, kk, bh, width)
   scale = _byte_scales(_masked(scales, 0, kk, bh // BYTES_PER_GROUP, width // BYTES_PER_GROUP),
                        bh)
-  return tuple((_e2m1(nib) * scale).astype(dtype) for nib in (codes & 0xF, codes >> 4))
+  return tuple((e2m1_values(nib) * scale).astype(dtype) for nib in (codes & 0xF, codes >> 4))
 
 
 def _mxfp4_kernel(bg_ref, nu_ref, xe_ref, xo_ref, c_ref, s_ref, o_ref, acc_ref, *, num_k, width):

@@ -56,6 +56,23 @@ def test_error_bound_and_host_twin():
   assert E2M1.tolist() == [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
 
+def test_every_byte_at_every_scale_decodes_as_the_table():
+  """The JAX dequantization builds values from their bits (one fusion, no table gather): every
+  byte (both nibbles) at every scale 2^-126 .. 2^127 equals the NumPy table's decoding, signs of
+  zero included -- except that a device may flush subnormal results (below 2^-126) to zero, and
+  scale byte 0 (2^-127 is itself subnormal: groups of zeros, as quantize_mxfp4 writes them)."""
+  blocks = np.broadcast_to(np.arange(256, dtype=np.uint8).reshape(16, 16), (254, 16, 16)).copy()
+  scales = np.broadcast_to(np.arange(1, 255, dtype=np.uint8)[:, None], (254, 16)).copy()
+  with np.errstate(over="ignore"):
+    want = dequantize_mxfp4_host(blocks, scales)
+  got = np.asarray(dequantize_mxfp4(blocks, scales))
+  normal = np.abs(want) >= 2.0 ** -126
+  np.testing.assert_array_equal(got[normal], want[normal])
+  assert np.all((got[~normal] == want[~normal]) | (got[~normal] == 0))
+  np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+  assert normal[1:].sum() == 253 * (512 - 64)   # from scale 2^-125 on, all but the 64 zeros
+
+
 def test_errors():
   with pytest.raises(ValueError, match="multiple of 32"):
     quantize_mxfp4(np.ones((2, 48), np.float32))
