@@ -14,6 +14,7 @@ and reads its scratch memory from ``jax.jit(f).lower(...).compile().memory_analy
   capacity    GShard buffer ``[E, C, D]`` with ``--capacity-factor`` (drops overflow)
   pallas_tpu  dropless through the grouped-matmul Pallas TPU kernels (interpreted off a TPU, so
               only on a TPU by default)
+  pallas_gpu  the same with the Pallas Triton kernels (by default only on a GPU)
 
 ``--mxfp4`` quantizes the expert matrices to MXFP4 (gpt-oss's format; ``MXFP4Array``): the kernels
 read them packed, every other path dequantizes them whole inside the timed call; the weights are
@@ -44,7 +45,7 @@ except ImportError:  # pragma: no cover
   def tqdm(it, **_):
     return it
 
-PATHS = ("dense", "blocked", "ragged_dot", "capacity", "pallas_tpu")
+PATHS = ("dense", "blocked", "ragged_dot", "capacity", "pallas_tpu", "pallas_gpu")
 
 
 def _inputs(args):
@@ -107,7 +108,7 @@ def main(argv=None):
   p.add_argument("--paths", type=choice_list(PATHS, allow_empty=True), default=None,
                  help=f"comma list of {','.join(PATHS)} (default, or empty: all but ragged_dot "
                       "on CPU, where it is ~6x slower than dense and takes minutes at 4k tokens, "
-                      "and pallas_tpu off a TPU, where it is interpreted)")
+                      "and the Pallas paths off their device, where they are interpreted)")
   p.add_argument("--backward", action="store_true", help="time forward + gradients")
   p.add_argument("--mxfp4", action="store_true", help="expert matrices in MXFP4 (frozen)")
   p.add_argument("--reps", type=int, default=3)
@@ -121,8 +122,9 @@ def main(argv=None):
         f"top_k={args.top_k} D={args.embed} F={args.expert_dim} dtype={args.dtype} "
         f"{'fwd+bwd' if args.backward else 'fwd'}{' MXFP4 experts' if args.mxfp4 else ''}; "
         f"load max/mean={float(moe.load_imbalance(load)):.2f}")
-  cpu, tpu = jax.default_backend() == "cpu", jax.default_backend() == "tpu"
-  default = [s for s in PATHS if (s != "ragged_dot" or not cpu) and (s != "pallas_tpu" or tpu)]
+  backend = jax.default_backend()
+  own = {"pallas_tpu": backend == "tpu", "pallas_gpu": backend in ("gpu", "cuda")}
+  default = [s for s in PATHS if (s != "ragged_dot" or backend != "cpu") and own.get(s, True)]
   paths = list(args.paths or default)
   if "dense" not in paths:
     paths.insert(0, "dense")

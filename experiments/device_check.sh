@@ -4,6 +4,7 @@
 #   bash experiments/device_check.sh            # from the repository root or anywhere
 #   TUNE=1 bash experiments/device_check.sh     # + tile sweeps (about 2 minutes more)
 #   PART=decode bash experiments/device_check.sh # only the decode steps (PART=flash: only flash)
+#   PART=moe bash experiments/device_check.sh    # only the MoE grouped-matmul kernels (not in all)
 #
 # Needs nothing installed from this repository: it runs the checkout with PYTHONPATH set to it,
 # on the machine's own python3 with jax (CUDA), flax, jaxtyping, matplotlib, tqdm and pytest.
@@ -22,6 +23,10 @@
 #      the Hopper (Mosaic GPU) kernels: their tests compiled, --check and the forward and forward +
 #      backward benchmarks with --gpu-forward/--gpu-backward hopper, (TUNE=1) their tiles in the
 #      sweep.
+#   4. (PART=moe only) the grouped-matmul kernels: tests/kernels/test_grouped_matmul_gpu.py
+#      compiled, then experiments.bench_moe at gpt-oss-20b's expert sizes (32 of 2880 x 2880,
+#      top-4, 4096 tokens, bf16), every expert densely vs XLA's blocked loop and ragged_dot vs the
+#      Pallas kernels, forward and forward + backward, and with the experts in MXFP4.
 # Everything printed goes to $OUT/device_check.log (or runs/), with the plots beside it.
 # The whole run keeps within BUDGET_S seconds (default 560, under a 600 s limit on the call): each
 # step's limit is cut to the time left, a step is skipped (SKIPPED <name>: <n> s left) when fewer
@@ -108,6 +113,22 @@ if [ "$status" -ne 0 ]; then
 fi
 
 PART="${PART:-all}"
+if [ "$PART" = moe ]; then
+step "grouped matmul kernel tests" 120 \
+  "$PY" -m pytest -q -rf --maxfail=3 -p no:cacheprovider tests/kernels/test_grouped_matmul_gpu.py
+MOE=(--tokens 4096 --experts 32 --top-k 4 --embed 2880 --expert-dim 2880 --dtype bfloat16
+     --paths dense,blocked,ragged_dot,pallas_gpu --reps 5)
+step "MoE benchmark (gpt-oss experts, bf16)" 120 \
+  "$PY" -m experiments.bench_moe "${MOE[@]}" --out "$WORK/moe"
+step "MoE benchmark, forward + backward" 120 \
+  "$PY" -m experiments.bench_moe "${MOE[@]}" --backward --out "$WORK/moe_bwd"
+step "MoE benchmark, MXFP4 experts" 120 \
+  "$PY" -m experiments.bench_moe "${MOE[@]}" --mxfp4 --out "$WORK/moe_mxfp4"
+for d in moe moe_bwd moe_mxfp4; do
+  cp "$WORK/$d/results.json" "$DEST/${d}_results.json" 2>/dev/null
+done
+finish
+fi
 if [ "$PART" != flash ]; then
 step "decode kernel tests" 120 \
   "$PY" -m pytest -q -rf --maxfail=3 -p no:cacheprovider tests/kernels/test_decode_gpu.py

@@ -44,8 +44,9 @@ from jaxattn.sharding import constrain, is_explicit, shard
 
 ScoreFunc = Literal["sigmoid", "softmax"]
 SCORE_FUNCS: tuple[str, ...] = ("sigmoid", "softmax")
-Implementation = Literal["ragged_dot", "blocked", "dense", "pallas_tpu"]
-IMPLEMENTATIONS: tuple[str, ...] = ("ragged_dot", "blocked", "dense", "pallas_tpu")
+Implementation = Literal["ragged_dot", "blocked", "dense", "pallas_tpu", "pallas_gpu"]
+IMPLEMENTATIONS: tuple[str, ...] = ("ragged_dot", "blocked", "dense", "pallas_tpu", "pallas_gpu")
+_BLOCKED = ("blocked", "pallas_tpu", "pallas_gpu")   # the implementations over the block layout
 # An expert matrix: an array, or MXFP4 codes and scales (``jaxattn.ops.mxfp4.MXFP4Array``).
 Weight = Float[Array, "E K N"] | MXFP4Array
 
@@ -337,16 +338,19 @@ def _dense(w: Weight, dtype) -> Float[Array, "E K N"]:
 def _block_matmul_fn(impl: str, dtype):
   """``(xb, w, layout) -> yb`` for the blocked layout: the XLA loop or the Pallas TPU kernels
   (which read MXFP4 weights packed)."""
-  if impl == "pallas_tpu":
-    from pallas_kernels.grouped_matmul import tpu as kernels  # noqa: PLC0415
+  if impl in ("pallas_tpu", "pallas_gpu"):
+    from pallas_kernels.grouped_matmul import gpu, tpu  # noqa: PLC0415
+    kernels = tpu if impl == "pallas_tpu" else gpu
+    dense, mxfp4 = ((tpu.block_matmul_tpu, tpu.block_matmul_mxfp4_tpu) if impl == "pallas_tpu"
+                    else (gpu.block_matmul_gpu, gpu.block_matmul_mxfp4_gpu))
 
     def run(xb, w, layout):
+      if impl == "pallas_gpu":
+        gpu.check_block_size(layout.block_size)
       if isinstance(w, MXFP4Array):
-        return kernels.block_matmul_mxfp4_tpu(
-            xb, *kernels.mxfp4_kernel_operands(w.codes, w.scales), layout.block_group,
-            layout.num_used)
-      return kernels.block_matmul_tpu(xb, w.astype(xb.dtype), layout.block_group,
-                                      layout.num_used)
+        return mxfp4(xb, *kernels.mxfp4_kernel_operands(w.codes, w.scales), layout.block_group,
+                     layout.num_used)
+      return dense(xb, w.astype(xb.dtype), layout.block_group, layout.num_used)
     return run
   return lambda xb, w, layout: block_matmul(xb, _dense(w, dtype), layout.block_group,
                                             layout.num_used)
@@ -444,9 +448,11 @@ def _block_matmul_bwd(res, dy):
 block_matmul.defvjp(_block_matmul_fwd, _block_matmul_bwd)
 
 
-def _layout(group_sizes, num_rows, block_size):
+def _layout(group_sizes, num_rows, block_size, impl="blocked"):
   if block_size is None:
     block_size = default_block_size(num_rows, group_sizes.shape[0])
+    if impl == "pallas_gpu":   # a Triton dot tile has at least 16 rows
+      block_size = max(block_size, 16)
   return block_layout(group_sizes, num_rows, block_size)
 
 
@@ -482,9 +488,11 @@ def grouped_matmul(
   give zeros.
 
   ``implementation``: ``"ragged_dot"`` (``jax.lax.ragged_dot``), ``"blocked"`` (groups padded to
-  blocks of ``block_size`` rows and a loop over the used blocks), ``"pallas_tpu"`` (the same
-  layout through the Pallas TPU kernels of ``pallas_kernels.grouped_matmul``; interpreted off a
-  TPU), ``"dense"`` (every row through every group's matrix, then masked: the reference), or
+  blocks of ``block_size`` rows and a loop over the used blocks), ``"pallas_tpu"`` /
+  ``"pallas_gpu"`` (the same layout through the Pallas kernels of
+  ``pallas_kernels.grouped_matmul``, Mosaic TPU / Triton; interpreted off their device; the GPU
+  one takes powers of two >= 16 for ``block_size`` and multiples of 16 for ``D`` and ``F``),
+  ``"dense"`` (every row through every group's matrix, then masked: the reference), or
   ``None`` (on a TPU: ragged_dot, or the Pallas kernels for MXFP4 weights; elsewhere blocked).
 
   ``w`` may be an ``MXFP4Array`` (frozen MXFP4 weights): the Pallas kernels read it packed and
@@ -492,8 +500,8 @@ def grouped_matmul(
   """
   impl = _check_implementation(implementation, w)
   _check_grouped(x, w, group_sizes)
-  if impl in ("blocked", "pallas_tpu"):
-    layout = _layout(group_sizes, x.shape[0], block_size)
+  if impl in _BLOCKED:
+    layout = _layout(group_sizes, x.shape[0], block_size, impl)
     return _unpad(_block_matmul_fn(impl, x.dtype)(_pad(x, layout), w, layout), layout)
   w = _dense(w, x.dtype)
   if impl == "ragged_dot":
@@ -576,7 +584,7 @@ def grouped_swiglu(
                      f"w_down {w_down.shape} (want [E, D, F], [E, D, F], [E, F, D]).")
   num_groups = w_gate.shape[0]
   _check_gate_up_bias(gate_up_bias, w_gate)
-  if impl not in ("blocked", "pallas_tpu"):
+  if impl not in _BLOCKED:
     mm = partial(grouped_matmul, group_sizes=group_sizes, implementation=impl)
     bias = None
     if gate_up_bias is not None:  # each row's group; rows past the groups get none
@@ -585,7 +593,7 @@ def grouped_swiglu(
       bias = tuple(jnp.where(inside, b.astype(jnp.float32)[jnp.minimum(gid, num_groups - 1)],
                              0.0) for b in gate_up_bias)
     return mm(_swiglu(mm(x, w_gate), mm(x, w_up), x.dtype, activation, bias), w_down)
-  layout = _layout(group_sizes, x.shape[0], block_size)
+  layout = _layout(group_sizes, x.shape[0], block_size, impl)
   xb = _pad(x, layout)
   run = _block_matmul_fn(impl, x.dtype)
   mm = lambda a, w: run(a, w, layout)
@@ -823,7 +831,10 @@ def routed_experts_sharded(
     order2 = jnp.argsort(recv_ids, stable=True)                                # empties sort last
     group_sizes = jnp.bincount(recv_ids, length=local_experts).astype(jnp.int32)
     # The buffer has P * A_loc rows but receives A_loc on average: size blocks for the average.
-    bm = default_block_size(a_loc, local_experts) if block_size is None else block_size
+    bm = block_size
+    if bm is None:
+      bm = default_block_size(a_loc, local_experts)
+      bm = max(bm, 16) if implementation == "pallas_gpu" else bm
     out = grouped_swiglu(recv.reshape(-1, x.shape[1])[order2], group_sizes, w_gate, w_up, w_down,
                          implementation=implementation, block_size=bm, activation=activation,
                          gate_up_bias=biases or None)

@@ -123,12 +123,13 @@ def test_mxfp4_weights_on_every_implementation(implementation):
   q = [_mxfp4(10, e, d, f), _mxfp4(12, e, d, f), _mxfp4(14, e, f, d)]
   dq = [a.dequantize() for a in q]
   want = moe.dense_experts(x, idx, wts, *dq)
-  got, _ = moe.routed_experts(x, idx, wts, *q, implementation=implementation, block_size=8)
+  bs = 16 if implementation == "pallas_gpu" else 8
+  got, _ = moe.routed_experts(x, idx, wts, *q, implementation=implementation, block_size=bs)
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(want))))
   # the frozen weights pass no gradient; the input's equals the dequantized matrices'
   loss = lambda fn, x: jnp.sum(jnp.sin(fn(x)))
   g = jax.grad(lambda x: loss(lambda x: moe.routed_experts(
-      x, idx, wts, *q, implementation=implementation, block_size=8)[0], x))(x)
+      x, idx, wts, *q, implementation=implementation, block_size=bs)[0], x))(x)
   g_ref = jax.grad(lambda x: loss(lambda x: moe.dense_experts(x, idx, wts, *dq), x))(x)
   np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(g_ref))))
 

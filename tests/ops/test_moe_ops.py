@@ -266,7 +266,12 @@ def test_switch_loss_and_z_loss_match_numpy():
 # Dispatch
 # ---------------------------------------------------------------------------------------------
 
-E, D, F = 8, 16, 24
+E, D, F = 8, 16, 48   # multiples of 16: the Triton kernels' (pallas_gpu) smallest tile
+
+
+def _bs(implementation, block_size):
+  """``block_size`` for a test, at least a Triton dot tile (16 rows) for ``pallas_gpu``."""
+  return max(block_size, 16) if implementation == "pallas_gpu" else block_size
 
 
 def _experts(seed=10):
@@ -283,7 +288,8 @@ def _routing(m=48, k=2, seed=20, skew=0.0):
 def test_grouped_matmul_matches_per_row_numpy(implementation):
   group_sizes = jnp.array([3, 0, 5, 1, 0, 7, 2, 4])  # empty groups; 22 of 26 rows used
   x, w = _rand(30, (26, D)), _rand(31, (E, D, F))
-  y = moe.grouped_matmul(x, w, group_sizes, implementation=implementation, block_size=4)
+  y = moe.grouped_matmul(x, w, group_sizes, implementation=implementation,
+                         block_size=_bs(implementation, 4))
   gid = np.repeat(np.arange(E), np.asarray(group_sizes))
   want = np.zeros((26, F))
   for r, g in enumerate(gid):
@@ -322,7 +328,7 @@ def test_dropless_dispatch_equals_dense_every_expert_reference(implementation):
   args = (x, idx, w) + _experts()
   # Forward and gradients (x, routing weights, all expert matrices) against every-expert-and-mask.
   got = _value_and_grads(lambda *a: moe.routed_experts(*a, implementation=implementation,
-                                                       block_size=8), *args)
+                                                       block_size=_bs(implementation, 8)), *args)
   _assert_same(got, _dense_reference())
 
 
@@ -369,8 +375,8 @@ def test_gpt_oss_experts_per_token_loop(implementation):
       want[t] += float(w[t, j]) * (((u + 1) * g / (1 + np.exp(-1.702 * g))) @ np.asarray(wd[e]))
   assert np.abs(np.asarray(x) @ np.asarray(wg[0])).max() > 1.5   # the clamp binds
   kw = dict(activation=act, gate_up_bias=(bg, bu))
-  got, _ = moe.routed_experts(x, idx, w, wg, wu, wd, implementation=implementation, block_size=4,
-                              **kw)
+  got, _ = moe.routed_experts(x, idx, w, wg, wu, wd, implementation=implementation,
+                              block_size=_bs(implementation, 4), **kw)
   np.testing.assert_allclose(got, want, atol=2e-5)
   cap, dropped = moe.routed_experts(x, idx, w, wg, wu, wd, capacity_factor=8.0, **kw)
   assert int(dropped) == 0
@@ -380,8 +386,8 @@ def test_gpt_oss_experts_per_token_loop(implementation):
   def grads(fn):
     return jax.grad(lambda b0, b1: jnp.sum(jnp.sin(fn(b0, b1))), argnums=(0, 1))(bg, bu)
   g_got = grads(lambda b0, b1: moe.routed_experts(
-      x, idx, w, wg, wu, wd, implementation=implementation, block_size=4, activation=act,
-      gate_up_bias=(b0, b1))[0])
+      x, idx, w, wg, wu, wd, implementation=implementation, block_size=_bs(implementation, 4),
+      activation=act, gate_up_bias=(b0, b1))[0])
   g_want = grads(lambda b0, b1: moe.dense_experts(x, idx, w, wg, wu, wd, activation=act,
                                                   gate_up_bias=(b0, b1)))
   for a, b in zip(g_got, g_want):
@@ -486,7 +492,7 @@ def test_no_expert_marks_are_dropped_on_every_path():
   want = _value_and_grads(moe.dense_experts, *args)
   for impl in moe.IMPLEMENTATIONS:
     _assert_same(_value_and_grads(functools.partial(moe.routed_experts, implementation=impl,
-                                                    block_size=8), *args), want)
+                                                    block_size=_bs(impl, 8)), *args), want)
   _assert_same(_value_and_grads(functools.partial(moe.routed_experts, capacity_factor=8.0),
                                 *args), want)
   mesh = sharding.make_mesh({"expert": 4, "data": 2})
