@@ -113,7 +113,9 @@ class MoE(nnx.Module):
   Dispatch: dropless (sort by expert + grouped matmul; ``implementation``, ``block_size`` as in
   ``grouped_swiglu``) or, with ``capacity_factor``, a fixed ``[E, C, D]`` buffer that drops
   overflow.  Under a mesh whose ``expert`` axis has size > 1 the dropless path runs expert-parallel
-  (``routed_experts_sharded``: all-to-all inside ``jax.shard_map``) unless ``expert_parallel=False``.
+  (``routed_experts_sharded``: all-to-all inside ``jax.shard_map``) unless ``expert_parallel=False``;
+  under another mesh the Pallas implementations dispatch each device's tokens locally in
+  ``shard_map`` (all experts on every device).
 
   Balancing: ``seq_balance_alpha`` (DeepSeek-V3's sequence-wise loss, alpha ~1e-4),
   ``switch_loss_alpha`` (Switch/GShard) and ``z_loss_coef`` (ST-MoE) weight the losses summed in
@@ -265,6 +267,17 @@ class MoE(nnx.Module):
                        "axis of size > 1.")
     return has_axis
 
+  def _token_local(self, *weights) -> bool:
+    """The Pallas kernels under a mesh without expert parallelism: each device dispatches its own
+    tokens to all the experts inside ``shard_map`` (``routed_experts_sharded(expert_axis=None)``)
+    rather than the kernels seeing the whole global batch."""
+    if self.capacity_factor is not None:
+      return False
+    mesh = _active_mesh()
+    if mesh is None or mesh.size == 1:
+      return False
+    return M._check_implementation(self.implementation, *weights) in ("pallas_tpu", "pallas_gpu")
+
   def quantize_experts(self) -> None:
     """Replaces the routed experts' matrices by MXFP4 storage (``MXFP4Weight``, 4.25 bits per
     weight, or a little more where rows are padded: 3.5x to 3.8x fewer bytes than bf16), quantized
@@ -334,6 +347,9 @@ class MoE(nnx.Module):
                                                                 self.b_up[...]))
     if self._use_expert_parallel():
       y = M.routed_experts_sharded(*flat, **extra)
+      dropped = jnp.zeros((), jnp.int32)
+    elif self._token_local(wg, wu, wd):
+      y = M.routed_experts_sharded(*flat, expert_axis=None, **extra)
       dropped = jnp.zeros((), jnp.int32)
     else:
       y, dropped = M.routed_experts(*flat, capacity_factor=self.capacity_factor, **extra)

@@ -757,7 +757,7 @@ def routed_experts_sharded(
     w_down: Weight,
     *,
     mesh=None,
-    expert_axis: str = "expert",
+    expert_axis: str | None = "expert",
     token_axes: Sequence[str] = ("data", "fsdp", "expert"),
     implementation: Implementation | None = None,
     block_size: int | None = None,
@@ -776,6 +776,11 @@ def routed_experts_sharded(
   implement ``jax.lax.ragged_all_to_all``, which would send only the real rows.)  ``mesh=None``
   uses the mesh set with ``jax.set_mesh``.
 
+  ``expert_axis=None``: no exchange -- every device runs all the experts (their weights gathered
+  whole, as FSDP does) on its own tokens, sorted locally.  That is how the Pallas kernels run
+  under a data-parallel mesh: each device's kernel call in ``shard_map`` over its shard, where a
+  global sort would leave XLA to gather every token to every device around the kernel.
+
   Any ``M`` works: when it does not divide over the token shards (a decode step, an odd prompt),
   zero rows of weight 0 are appended up to the next multiple and cut from the output.  They add
   nothing to any output or gradient; they are not routing decisions, so no load statistic sees
@@ -790,15 +795,15 @@ def routed_experts_sharded(
   indices, weights = jnp.where(valid, indices, 0), jnp.where(valid, weights, 0)
   mesh = _mesh_or_context(mesh)
   sizes = dict(mesh.shape)
-  if expert_axis not in sizes:
+  if expert_axis is not None and expert_axis not in sizes:
     raise ValueError(f"`expert_axis` {expert_axis!r} is not a mesh axis; mesh axes: {tuple(sizes)}.")
-  n_dev = sizes[expert_axis]
+  n_dev = 1 if expert_axis is None else sizes[expert_axis]
   num_experts = w_gate.shape[0]
   if num_experts % n_dev:
     raise ValueError(f"`num_experts` ({num_experts}) must be divisible by the {expert_axis!r} mesh "
                      f"axis size ({n_dev}).")
   tok_axes = tuple(a for a in token_axes if a in sizes and sizes[a] > 1)
-  if expert_axis not in tok_axes and n_dev > 1:
+  if expert_axis is not None and expert_axis not in tok_axes and n_dev > 1:
     tok_axes = tok_axes + (expert_axis,)
   n_tok_shards = int(np.prod([sizes[a] for a in tok_axes])) if tok_axes else 1
   num_tokens = x.shape[0]
@@ -812,7 +817,10 @@ def routed_experts_sharded(
   local_experts = num_experts // n_dev
   k = indices.shape[1]
   tok_spec = P(tok_axes if tok_axes else None, None)
-  exp_spec = P(expert_axis, None, None)
+  exp_spec = P(expert_axis, None, None)   # (None: whole on every device)
+
+  def exchange(a):
+    return a if n_dev == 1 else jax.lax.all_to_all(a, expert_axis, 0, 0, tiled=True)
 
   def local(x, indices, weights, w_gate, w_up, w_down, *biases):
     m_loc = x.shape[0]
@@ -826,8 +834,8 @@ def routed_experts_sharded(
     # Local expert id of every row; `local_experts` marks an empty row.
     send_ids = jnp.full((n_dev, a_loc), local_experts, jnp.int32).at[dest, slot].set(
         expert % local_experts)
-    recv = jax.lax.all_to_all(send, expert_axis, 0, 0, tiled=True)             # [P(src), A_loc, D]
-    recv_ids = jax.lax.all_to_all(send_ids, expert_axis, 0, 0, tiled=True).reshape(-1)
+    recv = exchange(send)                                                      # [P(src), A_loc, D]
+    recv_ids = exchange(send_ids).reshape(-1)
     order2 = jnp.argsort(recv_ids, stable=True)                                # empties sort last
     group_sizes = jnp.bincount(recv_ids, length=local_experts).astype(jnp.int32)
     # The buffer has P * A_loc rows but receives A_loc on average: size blocks for the average.
@@ -839,7 +847,7 @@ def routed_experts_sharded(
                          implementation=implementation, block_size=bm, activation=activation,
                          gate_up_bias=biases or None)
     out = jnp.zeros_like(out).at[order2].set(out).reshape(n_dev, a_loc, -1)
-    back = jax.lax.all_to_all(out, expert_axis, 0, 0, tiled=True)             # [P(dest), A_loc, D]
+    back = exchange(out)                                                       # [P(dest), A_loc, D]
     ys = back[dest, slot]                                                       # sorted order
     y_assign = jnp.zeros_like(ys).at[order].set(ys).reshape(m_loc, k, ys.shape[-1])
     return _combine(y_assign, weights, x.dtype)

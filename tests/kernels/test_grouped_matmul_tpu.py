@@ -199,3 +199,41 @@ def test_model_with_mxfp4_experts_through_the_kernels():
   np.testing.assert_allclose(logits[1], logits[0], atol=1e-4, rtol=1e-4)
   with pytest.raises(ValueError, match="`moe_implementation` must be None or one of"):
     cfg.replace(moe_implementation="megablox")
+
+
+def test_token_local_dispatch_under_a_data_mesh():
+  """Without an expert axis, ``routed_experts_sharded(expert_axis=None)`` runs the kernels per
+  device on its own tokens (all experts everywhere, no exchange): values and gradients of the
+  tokens, routing weights and expert matrices equal the single-device reference.  ``MoE`` takes
+  that path for the Pallas implementations under such a mesh (its program holds a shard_map)."""
+  from flax import nnx  # noqa: PLC0415
+
+  from jaxattn.nn.moe import MoE  # noqa: PLC0415
+  e, d, f, m = 4, 32, 64, 20       # 20 tokens over 8 shards: padded rows too
+  x = _rand(50, (m, d))
+  idx = jnp.asarray(np.random.default_rng(51).integers(0, e, (m, 2)))
+  wts = jnp.abs(_rand(52, (m, 2)))
+  ws = (_rand(53, (e, d, f), scale=d ** -0.5), _rand(54, (e, d, f), scale=d ** -0.5),
+        _rand(55, (e, f, d), scale=f ** -0.5))
+
+  def value_and_grads(fn):
+    loss = lambda x, wts, *ws: jnp.sum(jnp.sin(fn(x, idx, wts, *ws)))
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))(x, wts, *ws)
+
+  want = value_and_grads(moe.dense_experts)
+  mesh = sharding.make_mesh({"data": 4, "fsdp": 2})
+  with jax.set_mesh(mesh):
+    got = value_and_grads(lambda *a: moe.routed_experts_sharded(
+        *a, expert_axis=None, implementation="pallas_tpu", block_size=8))
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+  for g, r in zip(got[1], want[1]):
+    np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
+
+  layer = MoE(d, e, 2, f, implementation="pallas_tpu", block_size=8, rngs=nnx.Rngs(0))
+  xs = _rand(56, (2, 10, d))
+  ref, _ = layer(xs)
+  with jax.set_mesh(mesh):
+    out, _ = nnx.jit(lambda l, x: l(x))(layer, xs)
+    jaxpr = str(jax.make_jaxpr(lambda x: layer(x)[0])(xs))
+  np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+  assert "shard_map" in jaxpr
