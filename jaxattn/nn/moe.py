@@ -113,9 +113,9 @@ class MoE(nnx.Module):
   Dispatch: dropless (sort by expert + grouped matmul; ``implementation``, ``block_size`` as in
   ``grouped_swiglu``) or, with ``capacity_factor``, a fixed ``[E, C, D]`` buffer that drops
   overflow.  Under a mesh whose ``expert`` axis has size > 1 the dropless path runs expert-parallel
-  (``routed_experts_sharded``: all-to-all inside ``jax.shard_map``) unless ``expert_parallel=False``;
-  under another mesh the Pallas implementations dispatch each device's tokens locally in
-  ``shard_map`` (all experts on every device).
+  (``routed_experts_sharded``: all-to-all inside ``jax.shard_map``) unless
+  ``expert_parallel=False``; under another mesh the Pallas implementations dispatch each device's
+  tokens locally in ``shard_map`` (all experts on every device).
 
   Balancing: ``seq_balance_alpha`` (DeepSeek-V3's sequence-wise loss, alpha ~1e-4),
   ``switch_loss_alpha`` (Switch/GShard) and ``z_loss_coef`` (ST-MoE) weight the losses summed in
