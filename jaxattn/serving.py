@@ -61,7 +61,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -106,12 +106,26 @@ class _Request:
   logprobs: list = dataclasses.field(default_factory=list)   # of the outputs
   stop: tuple = ()            # token sequences that end the request when its output ends so
   priority: int = 0           # lower first: queued ahead of, and preempts, larger values
+  stop_strings: tuple = ()    # texts that end the request when its decoded output contains one
+  detokenize: Callable | None = None   # token ids -> text (the engine's), for stop_strings
 
   def finished(self) -> bool:
     out = self.out
     return bool(out) and (len(out) == self.max_new_tokens or out[-1] in self.eos_id
                           or any(len(out) >= len(q) and tuple(out[-len(q):]) == q
-                                 for q in self.stop))
+                                 for q in self.stop)
+                          or self._stop_string_ends(out))
+
+  def _stop_string_ends(self, out) -> bool:
+    """Whether the text of the output's last tokens contains a stop string.  The window (4 tokens
+    a character of the longest string, and 4 more) holds any string the newest token completed,
+    as long as no token of it decodes to nothing; checked at every token, so the first
+    occurrence ends the request at the token that completes it."""
+    if not self.stop_strings:
+      return False
+    window = 4 * max(map(len, self.stop_strings)) + 4
+    text = self.detokenize([int(t) for t in out[-window:]])
+    return any(s in text for s in self.stop_strings)
 
   def __post_init__(self):
     if self.feed is None:
@@ -394,6 +408,8 @@ class Engine:
     mesh: a device mesh (Auto axes) to serve on: the weights placed by their logical axes, the
       cache's pools split over the KV heads' mesh axes, every call run under it (see the module
       docstring).  Default: the mesh set by ``jax.set_mesh`` when the engine is built, if any.
+    detokenize: token ids -> text (e.g. a Hugging Face tokenizer's ``decode``), for requests
+      with ``stop_strings``.
   """
 
   def __init__(self, model: DecoderLM, *, max_batch: int = 8, page_size: int = 16,
@@ -403,7 +419,8 @@ class Engine:
                seed: int = 0, logprobs: bool = False, dtype=None, policy: str = "continuous",
                prefix_cache: bool = False, prefix_states: int | None = None,
                narrow_tables: bool = True, allocation: str = "reserve",
-               mesh: jax.sharding.Mesh | None = None):
+               mesh: jax.sharding.Mesh | None = None,
+               detokenize: Callable[[Sequence[int]], str] | None = None):
     check_sampling(temperature, top_p, top_k)
     if policy not in POLICIES:
       raise ValueError(f"`policy` must be one of {POLICIES}, got {policy!r}.")
@@ -420,6 +437,10 @@ class Engine:
     self.seed, self.logprobs = int(seed), logprobs
     self.sampling = dict(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k))
     self.config = model.config
+    if detokenize is not None and not callable(detokenize):
+      raise ValueError(f"`detokenize` must be None or a callable (token ids -> str), got "
+                       f"{detokenize!r}.")
+    self.detokenize = detokenize
     if not isinstance(prefix_cache, bool):
       raise ValueError(f"`prefix_cache` must be a bool, got {prefix_cache!r}.")
     # Sliding-window layers hold only the pages of each sequence's window: the others go back to
@@ -506,11 +527,14 @@ class Engine:
 
   def submit(self, prompt, max_new_tokens: int, *, eos_id=None, stop=None,
              temperature: float | None = None, top_p: float | None = None,
-             top_k: int | None = None, seed: int | None = None, priority: int = 0) -> int:
+             top_k: int | None = None, seed: int | None = None, priority: int = 0,
+             stop_strings=None) -> int:
     """Queues a request: ``prompt`` (1-D token ids, at least one) and up to ``max_new_tokens``
     new tokens (fewer when ``eos_id`` is sampled: it ends the request and is returned; one id or
     several, as Llama-3's two end tokens; or when the output ends with one of the token
-    sequences ``stop``, also returned).
+    sequences ``stop``, also returned; or when the text of the output contains one of the
+    strings ``stop_strings``, decoded with the engine's ``detokenize``: the result ends with the
+    token that completed it, which the caller's text can be cut at).
     ``temperature`` / ``top_p`` / ``top_k`` / ``seed``: this request's sampling (default: the
     engine's, and seed ``engine.seed + id``); requests with different settings share the
     engine's steps.  ``priority``: lower values are served first (vLLM's convention): a request
@@ -534,6 +558,14 @@ class Engine:
         or not all(is_int(e) and 0 <= e < vocab for e in eos)):
       raise ValueError(f"`eos_id` must be None, a token id or a sequence of token ids in "
                        f"[0, {vocab}), got {eos_id!r}.")
+    texts = () if stop_strings is None else stop_strings
+    if (isinstance(texts, (str, bytes)) or not hasattr(texts, "__iter__")
+        or not all(isinstance(s, str) and s for s in texts)):
+      raise ValueError(f"`stop_strings` must be None or a sequence of non-empty strings, got "
+                       f"{stop_strings!r}.")
+    if texts and self.detokenize is None:
+      raise ValueError("`stop_strings` needs the engine's `detokenize` (token ids -> text): "
+                       "Engine(model, detokenize=tokenizer.decode).")
     stops = () if stop is None else stop
     if (isinstance(stops, (str, bytes)) or not hasattr(stops, "__iter__")
         or not all(hasattr(q, "__iter__") and len(q) > 0
@@ -570,7 +602,8 @@ class Engine:
                        temperature=float(sampling["temperature"]),
                        top_p=float(sampling["top_p"]), top_k=int(sampling["top_k"]),
                        stop=tuple(tuple(int(x) for x in q) for q in stops),
-                       priority=int(priority))
+                       priority=int(priority), stop_strings=tuple(texts),
+                       detokenize=self.detokenize)
     if self._prefix is not None:
       self._extend_keys(request, request.prompt)
     if request.max_new_tokens == 0:

@@ -103,6 +103,40 @@ def test_eos_ends_a_request_and_frees_its_slot():
                                   err_msg=str(kw))
 
 
+def test_stop_strings_end_a_request_at_the_token_that_completes_them():
+  """``stop_strings`` with the engine's ``detokenize``: the request ends at the first token whose
+  text completes one of them (found in the decoded output, also across token boundaries and
+  inside a token's text), and equals generate's tokens up to it; errors name the argument."""
+  model = model_for("llama")
+  p = prompts(1)[1]
+  gen = [int(t) for t in alone(model, p, 12)[p.size:]]
+  pieces = ["".join("xyz"[(t + i) % 3] for i in range(1 + t % 3)) for t in range(61)]
+  decode = lambda ids: "".join(pieces[t] for t in ids)   # noqa: E731
+  text = decode(gen)
+
+  def ends_at(s):   # the first output length whose text holds s
+    return next(n for n in range(1, len(gen) + 1) if s in decode(gen[:n]))
+
+  across = text[len(decode(gen[:3])) - 1:len(decode(gen[:5])) + 1]   # spans tokens 2..5
+  cases = [[across], [pieces[gen[6]][-1:] + "q", across], [text[-2:]], ["never"]]
+  for stops in cases:
+    engine = Engine(model, max_batch=2, page_size=4, chunk=4, detokenize=decode)
+    rid = engine.submit(p, 12, stop_strings=stops)
+    found = [ends_at(s) for s in stops if s in text]
+    end = min(found) if found else 12
+    np.testing.assert_array_equal(engine.run()[rid], np.concatenate([p, gen[:end]]),
+                                  err_msg=str(stops))
+  engine = Engine(model, max_batch=2, page_size=4, chunk=4)
+  with pytest.raises(ValueError, match="`stop_strings` needs the engine's `detokenize`"):
+    engine.submit(p, 4, stop_strings=["x"])
+  engine = Engine(model, max_batch=2, page_size=4, chunk=4, detokenize=decode)
+  for bad in ("x", [""], [1], ["x", None]):
+    with pytest.raises(ValueError, match="`stop_strings` must be None or a sequence of non-empty"):
+      engine.submit(p, 4, stop_strings=bad)
+  with pytest.raises(ValueError, match="`detokenize` must be None or a callable"):
+    Engine(model, max_batch=2, page_size=4, chunk=4, detokenize="tokenizer")
+
+
 def test_padded_sub_batches_and_the_pool_comes_back_whole():
   """5 slots: calls on 3 (or 5, 6, 7) busy slots are padded to a power of two (entries past the
   batch that feed nothing and are dropped); every request still equals generate alone, and at
