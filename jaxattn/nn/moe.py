@@ -295,21 +295,21 @@ class MoE(nnx.Module):
                          "attaching adapters (jaxattn.nn.lora.apply_lora).")
       setattr(self, name, MXFP4Weight.quantize(w[...], in_axis, out_axis))
 
-  def expert_kernel(self, name: str, dtype=None) -> jax.Array | MXFP4Array:
+  def expert_kernel(self, name: str, dtype=None) -> jax.Array | MXFP4Array | M.LoRAWeight:
     """``w_gate`` / ``w_up`` / ``w_down`` as the experts use it, in ``dtype`` (default: the
-    module's, else fp32).  Held in MXFP4: the packed ``MXFP4Array`` (the grouped-matmul kernel
-    reads it packed, the other dispatch paths dequantize it), or dequantized when a LoRA adapter
-    is attached by ``jaxattn.nn.lora.apply_lora`` (``<name>_lora``, unmerged): ``W + scaling *
-    A_e B_e``."""
+    module's, else fp32): held in MXFP4, the packed ``MXFP4Array`` (the grouped-matmul kernels
+    read it packed, the other dispatch paths dequantize it); with a LoRA adapter attached by
+    ``jaxattn.nn.lora.apply_lora`` (``<name>_lora``, unmerged), a ``LoRAWeight`` -- ``W + scaling
+    * A_e B_e`` kept factored, so the dropless paths compute ``x W + scaling (x A) B`` without
+    the ``[E, K, N]`` update (QLoRA over MXFP4 experts through the kernels never dequantizes
+    them)."""
     dtype = dtype or self.dtype or jnp.float32
     w = getattr(self, name)
+    w = w.packed() if isinstance(w, MXFP4Weight) else w[...].astype(dtype)
     adapter = getattr(self, f"{name}_lora", None)
-    if isinstance(w, MXFP4Weight):
-      if adapter is None:
-        return w.packed()
-      w = w.dequantize(dtype)
-    w = w[...].astype(dtype) if isinstance(w, nnx.Variable) else w
-    return w if adapter is None else adapter.apply(w).astype(dtype)
+    if adapter is None or adapter.merged:
+      return w
+    return M.LoRAWeight(w, adapter.lora_a[...], adapter.lora_b[...], float(adapter.scaling))
 
   # -- forward ---------------------------------------------------------------------------------
 

@@ -47,8 +47,40 @@ SCORE_FUNCS: tuple[str, ...] = ("sigmoid", "softmax")
 Implementation = Literal["ragged_dot", "blocked", "dense", "pallas_tpu", "pallas_gpu"]
 IMPLEMENTATIONS: tuple[str, ...] = ("ragged_dot", "blocked", "dense", "pallas_tpu", "pallas_gpu")
 _BLOCKED = ("blocked", "pallas_tpu", "pallas_gpu")   # the implementations over the block layout
-# An expert matrix: an array, or MXFP4 codes and scales (``jaxattn.ops.mxfp4.MXFP4Array``).
-Weight = Float[Array, "E K N"] | MXFP4Array
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAWeight:
+  """An expert matrix with a per-expert LoRA update, kept factored: ``W_e + scaling * A_e B_e``
+  with ``base`` ``[E, K, N]`` (an array or an ``MXFP4Array``), ``a [E, K, r]``, ``b [E, r, N]``.
+  The dispatch paths over the block layout and ``ragged_dot`` compute ``x W + scaling (x A) B``,
+  never the ``[E, K, N]`` update (nor, for MXFP4 through the kernels, ``W`` itself); the others
+  add the update to the dequantized matrix.  A pytree (``scaling`` static)."""
+  base: "Weight"
+  a: Float[Array, "E K r"]
+  b: Float[Array, "E r N"]
+  scaling: float
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return tuple(self.base.shape)
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
+
+  def dense(self, dtype) -> Float[Array, "E K N"]:
+    base = _dense(self.base, dtype).astype(jnp.float32)
+    update = jnp.einsum("ekr,ern->ekn", self.a.astype(jnp.float32), self.b.astype(jnp.float32))
+    return (base + self.scaling * update).astype(dtype)
+
+
+jax.tree_util.register_dataclass(LoRAWeight, data_fields=["base", "a", "b"],
+                                 meta_fields=["scaling"])
+
+# An expert matrix: an array, MXFP4 codes and scales (``jaxattn.ops.mxfp4.MXFP4Array``), or
+# either with a factored LoRA update (``LoRAWeight``).
+Weight = Float[Array, "E K N"] | MXFP4Array | LoRAWeight
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,7 +355,8 @@ def _auto_implementation(mxfp4: bool = False) -> str:
 
 def _check_implementation(implementation, *weights):
   if implementation is None:
-    return _auto_implementation(any(isinstance(w, MXFP4Array) for w in weights))
+    return _auto_implementation(any(isinstance(getattr(w, "base", w), MXFP4Array)
+                                    for w in weights))
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"`implementation` must be None or one of {IMPLEMENTATIONS}, got "
                      f"{implementation!r}.")
@@ -331,13 +364,30 @@ def _check_implementation(implementation, *weights):
 
 
 def _dense(w: Weight, dtype) -> Float[Array, "E K N"]:
-  """An expert matrix as an array: MXFP4 is dequantized (to ``dtype``), an array kept."""
+  """An expert matrix as an array: MXFP4 is dequantized (to ``dtype``), a LoRA update added, an
+  array kept."""
+  if isinstance(w, LoRAWeight):
+    return w.dense(dtype)
   return w.dequantize(dtype) if isinstance(w, MXFP4Array) else w
 
 
+def _with_lora(mm, x, w: LoRAWeight, *args, mm_factors=None):
+  """``mm(x, base) + scaling * mm_factors(mm_factors(x, a), b)``, the sum in fp32."""
+  mm_factors = mm_factors or mm
+  low = mm_factors(x, w.a.astype(x.dtype), *args)
+  up = mm_factors(low, w.b.astype(x.dtype), *args)
+  return (mm(x, w.base, *args).astype(jnp.float32)
+          + w.scaling * up.astype(jnp.float32)).astype(x.dtype)
+
+
 def _block_matmul_fn(impl: str, dtype):
-  """``(xb, w, layout) -> yb`` for the blocked layout: the XLA loop or the Pallas TPU kernels
-  (which read MXFP4 weights packed)."""
+  """``(xb, w, layout) -> yb`` for the blocked layout: the XLA loop or the Pallas kernels (TPU or
+  GPU; they read MXFP4 weights packed).  A ``LoRAWeight`` runs as ``x W + scaling (x A) B``."""
+  def loop(xb, w, layout):
+    if isinstance(w, LoRAWeight):
+      return _with_lora(loop, xb, w, layout)
+    return block_matmul(xb, _dense(w, dtype), layout.block_group, layout.num_used)
+
   if impl in ("pallas_tpu", "pallas_gpu"):
     from pallas_kernels.grouped_matmul import gpu, tpu  # noqa: PLC0415
     kernels = tpu if impl == "pallas_tpu" else gpu
@@ -345,6 +395,10 @@ def _block_matmul_fn(impl: str, dtype):
                     else (gpu.block_matmul_gpu, gpu.block_matmul_mxfp4_gpu))
 
     def run(xb, w, layout):
+      if isinstance(w, LoRAWeight):
+        # the rank-r factors: through the XLA loop where Triton's 16-wide tiles do not fit them
+        tiny = impl == "pallas_gpu" and w.a.shape[-1] % 16
+        return _with_lora(run, xb, w, layout, mm_factors=loop if tiny else None)
       if impl == "pallas_gpu":
         gpu.check_block_size(layout.block_size)
       if isinstance(w, MXFP4Array):
@@ -352,8 +406,7 @@ def _block_matmul_fn(impl: str, dtype):
                      layout.num_used)
       return dense(xb, w.astype(xb.dtype), layout.block_group, layout.num_used)
     return run
-  return lambda xb, w, layout: block_matmul(xb, _dense(w, dtype), layout.block_group,
-                                            layout.num_used)
+  return loop
 
 
 def default_block_size(num_rows: int, num_groups: int) -> int:
@@ -503,11 +556,14 @@ def grouped_matmul(
   if impl in _BLOCKED:
     layout = _layout(group_sizes, x.shape[0], block_size, impl)
     return _unpad(_block_matmul_fn(impl, x.dtype)(_pad(x, layout), w, layout), layout)
-  w = _dense(w, x.dtype)
   if impl == "ragged_dot":
-    return jax.lax.ragged_dot(x, w, group_sizes,
-                              preferred_element_type=jnp.float32).astype(x.dtype)
-  return _dense_group_matmul(x, w, group_sizes)
+    def ragged(x, w, group_sizes):
+      if isinstance(w, LoRAWeight):
+        return _with_lora(ragged, x, w, group_sizes)
+      return jax.lax.ragged_dot(x, _dense(w, x.dtype), group_sizes,
+                                preferred_element_type=jnp.float32).astype(x.dtype)
+    return ragged(x, w, group_sizes)
+  return _dense_group_matmul(x, _dense(w, x.dtype), group_sizes)
 
 
 def _check_grouped(x, w, group_sizes):
@@ -817,7 +873,6 @@ def routed_experts_sharded(
   local_experts = num_experts // n_dev
   k = indices.shape[1]
   tok_spec = P(tok_axes if tok_axes else None, None)
-  exp_spec = P(expert_axis, None, None)   # (None: whole on every device)
 
   def exchange(a):
     return a if n_dev == 1 else jax.lax.all_to_all(a, expert_axis, 0, 0, tiled=True)
@@ -854,11 +909,11 @@ def routed_experts_sharded(
 
   # on their specs before shard_map (Explicit axes never reshard implicitly)
   args = [constrain(a, mesh, tok_spec) for a in (x, indices, weights)]
-  # an MXFP4Array splits its codes and scales [E, N, .] alike
-  w_specs = [MXFP4Array(P(expert_axis, None, None), P(expert_axis, None, None))
-             if isinstance(w, MXFP4Array) else exp_spec for w in (w_gate, w_up, w_down)]
-  args += [MXFP4Array(*(constrain(a, mesh, exp_spec) for a in w)) if isinstance(w, MXFP4Array)
-           else constrain(w, mesh, exp_spec) for w in (w_gate, w_up, w_down)]
+  # every array of a weight (MXFP4 codes and scales, LoRA factors) is [E, ...]: split alike
+  w_specs = [jax.tree.map(lambda a: P(expert_axis, *(None,) * (a.ndim - 1)), w)
+             for w in (w_gate, w_up, w_down)]
+  args += [jax.tree.map(lambda a, sp: constrain(a, mesh, sp), w, spec)
+           for w, spec in zip((w_gate, w_up, w_down), w_specs)]
   bias_spec = P(expert_axis, None)
   biases = [] if gate_up_bias is None else [constrain(b, mesh, bias_spec) for b in gate_up_bias]
   # check_vma=False: the fori_loop carries of the blocked matmul start as (unvarying) zeros.

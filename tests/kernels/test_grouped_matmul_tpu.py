@@ -237,3 +237,80 @@ def test_token_local_dispatch_under_a_data_mesh():
     jaxpr = str(jax.make_jaxpr(lambda x: layer(x)[0])(xs))
   np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
   assert "shard_map" in jaxpr
+
+
+@pytest.mark.parametrize("implementation", moe.IMPLEMENTATIONS)
+def test_factored_lora_weights_on_every_implementation(implementation):
+  """``LoRAWeight(base, a, b, scaling)`` (dense or MXFP4 base) where a weight goes: values and
+  the gradients of the tokens and the factors equal the dispatch over the merged matrices."""
+  e, d, f, m, r = 4, 64, 96, 21, 4
+  x = _rand(60, (m, d))
+  idx = jnp.asarray(np.random.default_rng(61).integers(0, e, (m, 2)))
+  wts = jnp.abs(_rand(62, (m, 2)))
+  bases = [_mxfp4(63, e, d, f), _rand(64, (e, d, f), scale=d ** -0.5), _mxfp4(65, e, f, d)]
+  factors = [(_rand(66 + i, (e, k, r), scale=0.3), _rand(70 + i, (e, r, n), scale=0.3))
+             for i, (k, n) in enumerate(((d, f), (d, f), (f, d)))]
+  bs = 16 if implementation == "pallas_gpu" else 8
+
+  def loss(fn, x, factors):
+    ws = [moe.LoRAWeight(base, a, b, 0.5) for base, (a, b) in zip(bases, factors)]
+    return jnp.sum(jnp.sin(fn(x, ws)))
+
+  got = jax.value_and_grad(lambda x, fs: loss(lambda x, ws: moe.routed_experts(
+      x, idx, wts, *ws, implementation=implementation, block_size=bs)[0], x, fs),
+      argnums=(0, 1))(x, factors)
+  want = jax.value_and_grad(lambda x, fs: loss(lambda x, ws: moe.dense_experts(
+      x, idx, wts, *[w.dense(jnp.float32) for w in ws]), x, fs), argnums=(0, 1))(x, factors)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-4)
+  for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(w))))
+
+
+def _values(jaxpr):
+  """The avals of every value a jaxpr computes, nested jaxprs (jit, custom_vjp, scan...) too."""
+  for eqn in jaxpr.eqns:
+    yield from (v.aval for v in eqn.outvars)
+    for p in eqn.params.values():
+      for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          yield from _values(inner)
+
+
+def test_qlora_over_mxfp4_experts_never_materializes_them():
+  """QLoRA on a MoE with MXFP4 experts through the kernels: the training step's program holds
+  no ``[E, K, N]`` floating-point array (neither the dequantized experts nor the LoRA update),
+  and its adapter gradients equal those of the XLA path that dequantizes."""
+  from flax import nnx  # noqa: PLC0415
+
+  from jaxattn.nn.lora import LoRAParam, apply_lora  # noqa: PLC0415
+  from jaxattn.nn.moe import MoE  # noqa: PLC0415
+  e, d, f = 4, 64, 128
+
+  class Layer(nnx.Module):
+    def __init__(self, impl):
+      self.ffn = MoE(d, e, 2, f, implementation=impl, block_size=8, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+      return self.ffn(x)
+
+  grads = {}
+  for impl in ("pallas_tpu", "blocked"):
+    layer = Layer(impl)
+    layer.ffn.quantize_experts()
+    apply_lora(layer, r"ffn/w_(gate|up|down)$", rank=4, rngs=nnx.Rngs(1))
+    for name in ("w_gate", "w_up", "w_down"):   # B = 0 at init: give the update some weight
+      lora = getattr(layer.ffn, f"{name}_lora")
+      lora.lora_b[...] = _rand(80, lora.lora_b.shape, scale=0.1)
+    x = _rand(81, (2, 6, d))
+    loss = lambda layer, x: jnp.sum(jnp.sin(layer(x)[0]))  # noqa: E731
+    step = nnx.grad(loss, argnums=nnx.DiffState(0, LoRAParam))
+    grads[impl] = step(layer, x)
+    graphdef, state = nnx.split(layer)
+    jaxpr = jax.make_jaxpr(lambda s, x: step(nnx.merge(graphdef, s), x))(state, x)
+    big = [a for a in _values(jaxpr.jaxpr) if getattr(a, "shape", None) in ((e, d, f), (e, f, d))
+           and jnp.issubdtype(a.dtype, jnp.floating)]
+    # the XLA path dequantizes (the check sees it); the kernels' program holds none
+    assert bool(big) == (impl == "blocked"), (impl, big)
+  for g, w in zip(jax.tree.leaves(grads["pallas_tpu"]), jax.tree.leaves(grads["blocked"])):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
