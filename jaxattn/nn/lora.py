@@ -317,10 +317,11 @@ EXPERT_KERNELS = ("w_gate", "w_up", "w_down")   # the routed experts' weights of
 class ExpertLoRA(nnx.Module):
   """Per-expert LoRA on a MoE's routed-expert weight ``W [..., E, in, out]``: expert ``e``'s kernel
   becomes ``W_e + scaling * A_e B_e`` with ``A [..., E, in, r]`` (Kaiming-uniform, bound
-  ``1 / sqrt(in)``, as ``LoRA``) and ``B [..., E, r, out]`` (zero).  The MoE applies the update to
-  its expert kernels before the grouped matmul (``MoE.expert_kernel``), so the dispatch (dropless,
-  capacity, expert-parallel) is unchanged; the update costs ``2 E in r out`` FLOPs and one
-  kernel-sized fp32 temporary per step.  Leading axes (scanned layers) are stacked as in ``LoRA``.
+  ``1 / sqrt(in)``, as ``LoRA``) and ``B [..., E, r, out]`` (zero).  The MoE passes each expert
+  weight with its factors (``MoE.expert_kernel``: a ``jaxattn.ops.moe.LoRAWeight``), and the
+  dropless dispatch paths compute ``x W + scaling (x A) B`` (two rank-``r`` grouped matmuls, no
+  ``[E, in, out]`` update); the capacity path and the dense reference add ``scaling A B`` to the
+  matrices.  Leading axes (scanned layers) are stacked as in ``LoRA``.
   Attached by ``apply_lora`` as ``<name>_lora`` on the MoE; ``merged`` means it is in ``W``.
   """
 
@@ -348,11 +349,6 @@ class ExpertLoRA(nnx.Module):
     b = self.lora_b[...].astype(jnp.float32)
     return self.scaling * jnp.einsum("...ir,...ro->...io", a, b)
 
-  def apply(self, w: jax.Array) -> jax.Array:
-    """``w + delta`` in ``w``'s dtype (``w`` itself once merged)."""
-    if self.merged:
-      return w
-    return (w.astype(jnp.float32) + self.delta()).astype(w.dtype)
 
 
 def _moe_type():
