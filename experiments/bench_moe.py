@@ -16,6 +16,11 @@ and reads its scratch memory from ``jax.jit(f).lower(...).compile().memory_analy
               only on a TPU by default)
   pallas_gpu  the same with the Pallas Triton kernels (by default only on a GPU)
 
+``--lora-rank R`` gives every expert matrix a per-expert LoRA update of rank R (``LoRAWeight``:
+the dispatch computes ``x W + s (x A) B``), and the path ``blocked_merged`` is the blocked loop over
+the matrices with the update merged in first (``W + s A B`` materialized for every expert, what
+applying an adapter to its kernel costs); ``--backward`` then trains the factors only.
+
 ``--mxfp4`` quantizes the expert matrices to MXFP4 (gpt-oss's format; ``MXFP4Array``): the kernels
 read them packed, every other path dequantizes them whole inside the timed call; the weights are
 frozen, so ``--backward`` differentiates the tokens and routing weights only.
@@ -45,7 +50,8 @@ except ImportError:  # pragma: no cover
   def tqdm(it, **_):
     return it
 
-PATHS = ("dense", "blocked", "ragged_dot", "capacity", "pallas_tpu", "pallas_gpu")
+PATHS = ("dense", "blocked", "ragged_dot", "capacity", "pallas_tpu", "pallas_gpu",
+         "blocked_merged")
 
 
 def _inputs(args):
@@ -60,28 +66,50 @@ def _inputs(args):
   wd = (jax.random.normal(ks[4], (e, f, d)) * f ** -0.5).astype(dt)
   if args.mxfp4:
     wg, wu, wd = (MXFP4Array.quantize(w) for w in (wg, wu, wd))
-  return (x, r.indices, r.weights, wg, wu, wd), r
+  # LoRA factors (A small, B nonzero so the update counts), the last argument
+  r_ = args.lora_rank
+  factors = tuple((jax.random.normal(jax.random.fold_in(ks[5], i), (e, k, r_)) * k ** -0.5,
+                   jax.random.normal(jax.random.fold_in(ks[5], 10 + i), (e, r_, n)) * 0.01)
+                  for i, (k, n) in enumerate(((d, f), (d, f), (f, d))))
+  return (x, r.indices, r.weights, wg, wu, wd, factors), r
 
 
 def _path(name, args):
+  """``fn(x, idx, w, wg, wu, wd, factors)``: with ``--lora-rank`` the weights carry their LoRA
+  factors (``LoRAWeight``, computed factored), or merged into them first (``blocked_merged``:
+  the update materialized, what an adapter applied to its kernel costs)."""
   if name == "dense":
-    return moe.dense_experts
-  if name == "capacity":
-    return lambda *a: moe.routed_experts(*a, capacity_factor=args.capacity_factor)[0]
-  return lambda *a: moe.routed_experts(*a, implementation=name, block_size=args.block_size)[0]
+    run = moe.dense_experts
+  elif name == "capacity":
+    run = lambda *a: moe.routed_experts(*a, capacity_factor=args.capacity_factor)[0]  # noqa: E731
+  else:
+    impl = "blocked" if name == "blocked_merged" else name
+    run = lambda *a: moe.routed_experts(*a, implementation=impl,  # noqa: E731
+                                        block_size=args.block_size)[0]
+
+  def fn(x, idx, w, wg, wu, wd, factors):
+    ws = (wg, wu, wd)
+    if args.lora_rank:
+      ws = [moe.LoRAWeight(base, a, b, 2.0) for base, (a, b) in zip(ws, factors)]
+      if name == "blocked_merged":
+        ws = [lw.dense(x.dtype) for lw in ws]
+    return run(x, idx, w, *ws)
+  return fn
 
 
-def _with_backward(fn, frozen_experts: bool):
-  def loss(x, idx, w, wg, wu, wd):
-    return jnp.sum(fn(x, idx, w, wg, wu, wd).astype(jnp.float32) ** 2)
-  grad = jax.grad(loss, argnums=(0, 2) if frozen_experts else (0, 2, 3, 4, 5))
-  return lambda *a: grad(*a)
+def _with_backward(fn, args):
+  """The gradients of the tokens, the routing weights and what trains: the expert matrices, or
+  only the LoRA factors (``--lora-rank``), or nothing of the experts (``--mxfp4``: frozen)."""
+  def loss(*a):
+    return jnp.sum(fn(*a).astype(jnp.float32) ** 2)
+  trained = (6,) if args.lora_rank else () if args.mxfp4 else (3, 4, 5)
+  return jax.grad(loss, argnums=(0, 2) + trained)
 
 
 def measure(name, args, inputs):
   fn = _path(name, args)
   if args.backward:
-    fn = _with_backward(fn, args.mxfp4)
+    fn = _with_backward(fn, args)
   jf = jax.jit(fn)
   compiled = jf.lower(*inputs).compile()
   mem = compiled.memory_analysis()
@@ -111,6 +139,9 @@ def main(argv=None):
                       "and the Pallas paths off their device, where they are interpreted)")
   p.add_argument("--backward", action="store_true", help="time forward + gradients")
   p.add_argument("--mxfp4", action="store_true", help="expert matrices in MXFP4 (frozen)")
+  p.add_argument("--lora-rank", type=int, default=0,
+                 help="per-expert LoRA of this rank on every expert matrix (0: none); "
+                      "--backward then trains the factors only")
   p.add_argument("--reps", type=int, default=3)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="runs/bench_moe")
@@ -120,10 +151,12 @@ def main(argv=None):
   load = moe.expert_load(r.indices, args.experts)
   print(f"backend={jax.default_backend()} tokens={args.tokens} experts={args.experts} "
         f"top_k={args.top_k} D={args.embed} F={args.expert_dim} dtype={args.dtype} "
-        f"{'fwd+bwd' if args.backward else 'fwd'}{' MXFP4 experts' if args.mxfp4 else ''}; "
+        f"{'fwd+bwd' if args.backward else 'fwd'}{' MXFP4 experts' if args.mxfp4 else ''}"
+        f"{f' LoRA rank {args.lora_rank}' if args.lora_rank else ''}; "
         f"load max/mean={float(moe.load_imbalance(load)):.2f}")
   backend = jax.default_backend()
-  own = {"pallas_tpu": backend == "tpu", "pallas_gpu": backend in ("gpu", "cuda")}
+  own = {"pallas_tpu": backend == "tpu", "pallas_gpu": backend in ("gpu", "cuda"),
+         "blocked_merged": args.lora_rank > 0}
   default = [s for s in PATHS if (s != "ragged_dot" or backend != "cpu") and own.get(s, True)]
   paths = list(args.paths or default)
   if "dense" not in paths:
@@ -147,7 +180,7 @@ def main(argv=None):
           f"{row['scratch_bytes'] / 2**20:>15.1f}{row['memory_ratio_vs_dense']:>10.2f}x"
           f"{row['max_abs_diff_vs_dense']:>12.2e}")
   if "capacity" in paths:
-    _, dropped = moe.routed_experts(*inputs, capacity_factor=args.capacity_factor)
+    _, dropped = moe.routed_experts(*inputs[:6], capacity_factor=args.capacity_factor)
     print(f"capacity mode (factor {args.capacity_factor}) dropped {int(dropped)} of "
           f"{args.tokens * args.top_k} assignments (its diff vs dense reflects those drops).")
 

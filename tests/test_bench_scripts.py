@@ -401,3 +401,14 @@ def test_bench_moe_mxfp4_rows_through_the_kernels(tmp_path, capsys):
   saved = _strict_load(tmp_path / "results.json")
   assert saved["config"]["mxfp4"] and len(saved["rows"]) == 3
   assert "MXFP4 experts" in capsys.readouterr().out
+
+
+def test_bench_moe_lora_rows_factored_and_merged(tmp_path):
+  """``bench_moe --lora-rank``: the factored LoRA paths and the merged baseline agree with the
+  dense reference (forward and the factors' gradients)."""
+  from experiments import bench_moe
+  rows = bench_moe.main(["--tokens", "24", "--experts", "4", "--top-k", "2", "--embed", "32",
+                         "--expert-dim", "32", "--reps", "1", "--lora-rank", "4", "--backward",
+                         "--out", str(tmp_path)])
+  assert {"dense", "blocked", "capacity", "blocked_merged"} <= {r["name"] for r in rows}
+  assert all(r["max_abs_diff_vs_dense"] < 1e-3 for r in rows if r["name"] != "capacity"), rows
