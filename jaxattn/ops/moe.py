@@ -35,6 +35,7 @@ from typing import Literal, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
@@ -452,17 +453,21 @@ def block_layout(group_sizes: Int[Array, "E"], num_rows: int, block_size: int) -
   return BlockLayout(position.astype(jnp.int32), block_group, blk_end[-1], num_blocks, bm)
 
 
-def _block_matmul_loop(xb, w, block_group, num_used):
-  """``y[b] = xb[b] @ w[block_group[b]]`` for ``b < num_used``, zeros after; fp32 accumulation."""
+def _block_matmul_loop(xb, w, block_group, num_used, transpose_w: bool = False):
+  """``y[b] = xb[b] @ w[block_group[b]]`` (``@ w[g]^T`` with ``transpose_w``: each block's matrix
+  read transposed, never a transposed copy of ``w``) for ``b < num_used``, zeros after; fp32
+  accumulation."""
   nb, bm, _ = xb.shape
+  dims = (((1,), (1 if transpose_w else 0,)), ((), ()))
 
   def body(b, y):
-    xw = jnp.dot(jax.lax.dynamic_index_in_dim(xb, b, keepdims=False),
-                 jax.lax.dynamic_index_in_dim(w, block_group[b], keepdims=False),
-                 preferred_element_type=jnp.float32)
+    xw = jax.lax.dot_general(jax.lax.dynamic_index_in_dim(xb, b, keepdims=False),
+                             jax.lax.dynamic_index_in_dim(w, block_group[b], keepdims=False),
+                             dims, preferred_element_type=jnp.float32)
     return jax.lax.dynamic_update_index_in_dim(y, xw.astype(y.dtype), b, 0)
 
-  return jax.lax.fori_loop(0, num_used, body, jnp.zeros((nb, bm, w.shape[-1]), xb.dtype))
+  n = w.shape[1] if transpose_w else w.shape[2]
+  return jax.lax.fori_loop(0, num_used, body, jnp.zeros((nb, bm, n), xb.dtype))
 
 
 @jax.custom_vjp
@@ -478,27 +483,41 @@ def block_matmul(xb: Float[Array, "NB bm D"], w: Float[Array, "E D F"], block_gr
   return _block_matmul_loop(xb, w, block_group, num_used)
 
 
+def grad_residuals(xb, w, block_group, num_used):
+  """A block matmul's residuals for the cotangents its backward must give (``symbolic_zeros``
+  primals: ``dW`` only when ``w`` is differentiated -- a frozen expert matrix, or a LoRA base,
+  is not -- and ``dxb`` only when ``xb`` is): ``(xb or None, w, block_group, num_used,
+  dxb wanted)``, the flag as the presence of an empty tuple."""
+  keep_x = xb.value if w.perturbed else None
+  return (keep_x, w.value, block_group.value, num_used.value, () if xb.perturbed else None)
+
+
 def _block_matmul_fwd(xb, w, block_group, num_used):
-  return _block_matmul_loop(xb, w, block_group, num_used), (xb, w, block_group, num_used)
+  out = _block_matmul_loop(xb.value, w.value, block_group.value, num_used.value)
+  return out, grad_residuals(xb, w, block_group, num_used)
 
 
 def _block_matmul_bwd(res, dy):
-  xb, w, block_group, num_used = res
-  dxb = _block_matmul_loop(dy.astype(xb.dtype), jnp.swapaxes(w, 1, 2), block_group, num_used)
+  xb, w, block_group, num_used, want_dx = res
+  if isinstance(dy, SymbolicZero):
+    dy = jnp.zeros(dy.aval.shape, dy.aval.dtype)
+  dxb = dw = None
+  if want_dx is not None:
+    dxb = _block_matmul_loop(dy.astype(w.dtype), w, block_group, num_used, transpose_w=True)
+  if xb is not None:
+    def body(b, dw):
+      g = jnp.dot(jax.lax.dynamic_index_in_dim(xb, b, keepdims=False).T,
+                  jax.lax.dynamic_index_in_dim(dy, b, keepdims=False),
+                  preferred_element_type=jnp.float32)
+      e = block_group[b]
+      return jax.lax.dynamic_update_index_in_dim(
+          dw, jax.lax.dynamic_index_in_dim(dw, e, keepdims=False) + g, e, 0)
 
-  def body(b, dw):
-    g = jnp.dot(jax.lax.dynamic_index_in_dim(xb, b, keepdims=False).T,
-                jax.lax.dynamic_index_in_dim(dy, b, keepdims=False),
-                preferred_element_type=jnp.float32)
-    e = block_group[b]
-    return jax.lax.dynamic_update_index_in_dim(
-        dw, jax.lax.dynamic_index_in_dim(dw, e, keepdims=False) + g, e, 0)
-
-  dw = jax.lax.fori_loop(0, num_used, body, jnp.zeros(w.shape, jnp.float32))
-  return dxb, dw.astype(w.dtype), None, None
+    dw = jax.lax.fori_loop(0, num_used, body, jnp.zeros(w.shape, jnp.float32)).astype(w.dtype)
+  return dxb, dw, None, None
 
 
-block_matmul.defvjp(_block_matmul_fwd, _block_matmul_bwd)
+block_matmul.defvjp(_block_matmul_fwd, _block_matmul_bwd, symbolic_zeros=True)
 
 
 def _layout(group_sizes, num_rows, block_size, impl="blocked"):

@@ -45,10 +45,12 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int, UInt8
 
+from jaxattn.ops.moe import grad_residuals
 from jaxattn.ops.mxfp4 import e2m1_values
 from pallas_kernels.flash_attention import common as C
 
@@ -193,20 +195,27 @@ def block_matmul_tpu(xb: Float[Array, "NB bm K"], w: Float[Array, "E K N"],
 
 
 def _bm_fwd(xb, w, block_group, num_used, interpret):
-  return block_matmul_tpu(xb, w, block_group, num_used, interpret), (xb, w, block_group, num_used)
+  out = block_matmul_tpu(xb.value, w.value, block_group.value, num_used.value, interpret)
+  return out, grad_residuals(xb, w, block_group, num_used)
 
 
 def _bm_bwd(interpret, res, dy):
-  xb, w, block_group, num_used = res
-  dy = dy.astype(xb.dtype)
-  dxb = _matmul(dy, w, block_group, num_used, transpose_w=True, out_dtype=xb.dtype,
-                interpret=interpret)
-  dw = _weight_grad(xb, dy, block_group, num_used, w.shape[0], out_dtype=w.dtype,
-                    interpret=interpret)
+  # dxb / dW only for what is differentiated (a frozen or LoRA-base matrix has no dW)
+  xb, w, block_group, num_used, want_dx = res
+  if isinstance(dy, SymbolicZero):
+    dy = jnp.zeros(dy.aval.shape, dy.aval.dtype)
+  dy = dy.astype(w.dtype)
+  dxb = dw = None
+  if want_dx is not None:
+    dxb = _matmul(dy, w, block_group, num_used, transpose_w=True, out_dtype=w.dtype,
+                  interpret=interpret)
+  if xb is not None:
+    dw = _weight_grad(xb, dy, block_group, num_used, w.shape[0], out_dtype=w.dtype,
+                      interpret=interpret)
   return dxb, dw, None, None
 
 
-block_matmul_tpu.defvjp(_bm_fwd, _bm_bwd)
+block_matmul_tpu.defvjp(_bm_fwd, _bm_bwd, symbolic_zeros=True)
 
 
 # -- MXFP4 weights: dequantized tile by tile in VMEM ----------------------------------------------
