@@ -458,12 +458,11 @@ def _block_matmul_loop(xb, w, block_group, num_used, transpose_w: bool = False):
   read transposed, never a transposed copy of ``w``) for ``b < num_used``, zeros after; fp32
   accumulation."""
   nb, bm, _ = xb.shape
-  dims = (((1,), (1 if transpose_w else 0,)), ((), ()))
 
   def body(b, y):
-    xw = jax.lax.dot_general(jax.lax.dynamic_index_in_dim(xb, b, keepdims=False),
-                             jax.lax.dynamic_index_in_dim(w, block_group[b], keepdims=False),
-                             dims, preferred_element_type=jnp.float32)
+    wb = jax.lax.dynamic_index_in_dim(w, block_group[b], keepdims=False)
+    xw = jnp.dot(jax.lax.dynamic_index_in_dim(xb, b, keepdims=False),
+                 wb.T if transpose_w else wb, preferred_element_type=jnp.float32)
     return jax.lax.dynamic_update_index_in_dim(y, xw.astype(y.dtype), b, 0)
 
   n = w.shape[1] if transpose_w else w.shape[2]
@@ -503,7 +502,8 @@ def _block_matmul_bwd(res, dy):
     dy = jnp.zeros(dy.aval.shape, dy.aval.dtype)
   dxb = dw = None
   if want_dx is not None:
-    dxb = _block_matmul_loop(dy.astype(w.dtype), w, block_group, num_used, transpose_w=True)
+    # (dy has the output's dtype: xb's)
+    dxb = _block_matmul_loop(dy, w, block_group, num_used, transpose_w=True)
   if xb is not None:
     def body(b, dw):
       g = jnp.dot(jax.lax.dynamic_index_in_dim(xb, b, keepdims=False).T,

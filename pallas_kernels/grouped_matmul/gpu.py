@@ -168,8 +168,7 @@ def _bm_bwd(interpret, res, dy):
   xb, w, block_group, num_used, want_dx = res
   if isinstance(dy, SymbolicZero):
     dy = jnp.zeros(dy.aval.shape, dy.aval.dtype)
-  dy = dy.astype(w.dtype)
-  dxb = dw = None
+  dxb = dw = None   # (dy has the output's dtype: xb's)
   if want_dx is not None:
     dxb = _matmul(dy, w, block_group, num_used, transpose_w=True, interpret=interpret)
   if xb is not None:
