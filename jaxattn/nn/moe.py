@@ -34,7 +34,7 @@ class MXFP4Weight(nnx.Module):
   """An expert matrix ``[..., E, K, N]`` (``x @ W``) held in MXFP4 along its contraction axis ``K``:
   ``codes [..., E, N, code_width(K)]`` (two E2M1 codes a byte, rows padded to whole 128-byte tiles)
   and ``scales [..., E, N, K / 32]`` uint8 (``jaxattn.ops.mxfp4``), 4.25 bits per weight (plus the
-  rows' padding: 4.53 for gpt-oss's 2880).  The published gpt-oss checkpoints' blocks
+  rows' padding: 4.52 for gpt-oss's 2880).  The published gpt-oss checkpoints' blocks
   ``[..., E, N, K / 32, 16]`` are these codes with the byte axis split and unpadded; flat and
   padded, the codes are row-major on a TPU (a minor axis of 16 bytes would be padded to 128 lanes,
   8x; one of 1440 would be stored transposed), and the grouped-matmul kernel reads them in place.

@@ -66,13 +66,12 @@ def _check(blocks, scales):
                      f"{blocks.dtype}{list(blocks.shape)} and {scales.dtype}{list(scales.shape)}.")
 
 
-def _dequantize(xp, blocks, scales):
-  """The dequantization with the array module ``xp`` (NumPy on the host: the table)."""
+def _dequantize_host(blocks, scales):
+  """The dequantization in NumPy, by the table of the 16 values."""
   _check(blocks, scales)
-  lut = xp.asarray(FP4_VALUES)
-  values = xp.stack([lut[blocks & 0x0F], lut[blocks >> 4]], axis=-1)
+  values = np.stack([FP4_VALUES[blocks & 0x0F], FP4_VALUES[blocks >> 4]], axis=-1)
   values = values.reshape(blocks.shape[:-1] + (-1,))
-  values = xp.ldexp(values, scales.astype(np.int32)[..., None] - 127)
+  values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
   return values.reshape(blocks.shape[:-2] + (-1,))
 
 
@@ -102,7 +101,7 @@ def dequantize_mxfp4(blocks: UInt8[Array, "... G 16"], scales: UInt8[Array, "...
 
 def dequantize_mxfp4_host(blocks, scales) -> np.ndarray:
   """``dequantize_mxfp4`` in NumPy, on the host (a checkpoint converter's, tensor by tensor)."""
-  return _dequantize(np, np.asarray(blocks), np.asarray(scales))
+  return _dequantize_host(np.asarray(blocks), np.asarray(scales))
 
 
 CODE_ALIGN = 128   # bytes: a flat codes row is padded to whole 128-byte lane tiles
