@@ -18,21 +18,24 @@ Backward (``jax.custom_vjp``): ``dxb = dy @ W^T`` is the same kernel reading ``W
 its tiles (no transposed copy in HBM); ``dW[e] = sum_{b: group e} xb[b]^T dy[b]`` is a second
 kernel with the blocks innermost, accumulating while the group stays the same and writing the
 expert's tile when it changes (the blocks are sorted by group, so each tile is written once).
-Experts without rows are never visited and are zero-filled after the call.
+Experts without rows are never visited and are zero-filled after the call.  Each runs only
+when needed: ``dW`` for a differentiated matrix (not a frozen one, nor a LoRA base), ``dxb`` for
+differentiated rows.
 
 MXFP4 weights (gpt-oss's experts; ``jaxattn.ops.mxfp4``) stay packed in HBM -- 4.25 bits per
-weight instead of 16 -- and are dequantized tile by tile in VMEM: the codes ``[E, N, K / 2]``
-(two E2M1 values a byte, the even ``k`` in the low nibble) and one power-of-two scale per 32
-``k``.  The kernel never interleaves nibbles: ``x @ W = x[:, 0::2] @ W_low + x[:, 1::2] @ W_high``
+weight instead of 16 -- and are dequantized tile by tile in VMEM: the codes ``[E, N, W]`` (two
+E2M1 values a byte, the even ``k`` in the low nibble; rows of ``W = code_width(K)`` bytes, zero
+past ``K / 2``) and one power-of-two scale per 32 ``k``.  The kernel never interleaves nibbles: ``x @ W = x[:, 0::2] @ W_low + x[:, 1::2] @ W_high``
 with the activations split into even and odd columns outside (one pass over the activations, not
 the weights).  An E2M1 code becomes its float bits directly (sign, exponent ``e + 126``, mantissa),
 and the per-byte scale comes from the per-group scales by a 0/1 matmul (exact: one power of two
-per output).  The scales travel as bf16 powers of two ``[E, K / 32, N]`` (0.5 bit per weight).
+per output).  The scales travel as bf16 powers of two ``[E, W / 16, N]`` (0.5 bit per weight).
 Frozen weights: the backward gives ``dxb`` only (the same dequantization, contracting ``N``).
 
-Tiles: ``bn`` and ``bk`` are the largest multiples of 128 (dense) / 256 (MXFP4; 512 with their
-bf16 scales' 16-row tiles) dividing ``N`` and ``K`` up to the targets, else the whole axis
-(gpt-oss's 2880 is not a multiple of 128: its tiles are whole rows).
+Tiles: an axis up to the target (512) is one tile; a longer one takes the largest multiple of 128
+(dense) that divides it, or of 256 bytes for the MXFP4 codes (512 values: 16 scale rows, whole
+bf16 tiles); where none does (gpt-oss's 2880), tiles of the target with a ragged last one, whose
+entries past the axis are masked wherever they would reach a sum.
 
 Status: correct in interpret mode (``tests/kernels/test_grouped_matmul_tpu.py``, race detection
 on), compiled for TPU v5e / v6e by ``experiments/tpu_compile_check.py``; not timed on a TPU.
