@@ -37,14 +37,13 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jaxtyping import Array, Float, Int, UInt8
+from jaxtyping import Array, UInt8
 
-from jaxattn.ops.moe import grad_residuals
 from jaxattn.ops.mxfp4 import GROUP, e2m1_values
 from pallas_kernels.decode_attention.gpu import default_interpret
+from pallas_kernels.grouped_matmul import common
 
 BYTES_PER_GROUP = GROUP // 2
 MIN_TILE = 16          # Triton's smallest dot tile
@@ -150,34 +149,16 @@ def _weight_grad(xb, dy, block_group, num_used, num_groups, *, out_dtype, interp
   )(start, count, xb, dy)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def block_matmul_gpu(xb: Float[Array, "NB bm K"], w: Float[Array, "E K N"],
-                     block_group: Int[Array, "NB"], num_used: Int[Array, ""],
-                     interpret=None) -> Float[Array, "NB bm N"]:
-  """``jaxattn.ops.moe.block_matmul`` as Pallas Triton kernels: forward, ``dxb`` and ``dW``."""
-  return _matmul(xb, w, block_group, num_used, transpose_w=False, interpret=interpret)
-
-
-def _bm_fwd(xb, w, block_group, num_used, interpret):
-  out = block_matmul_gpu(xb.value, w.value, block_group.value, num_used.value, interpret)
-  return out, grad_residuals(xb, w, block_group, num_used)
-
-
-def _bm_bwd(interpret, res, dy):
-  # dxb / dW only for what is differentiated (a frozen or LoRA-base matrix has no dW)
-  xb, w, block_group, num_used, want_dx = res
-  if isinstance(dy, SymbolicZero):
-    dy = jnp.zeros(dy.aval.shape, dy.aval.dtype)
-  dxb = dw = None   # (dy has the output's dtype: xb's)
-  if want_dx is not None:
-    dxb = _matmul(dy, w, block_group, num_used, transpose_w=True, interpret=interpret)
-  if xb is not None:
-    dw = _weight_grad(xb, dy, block_group, num_used, w.shape[0], out_dtype=w.dtype,
-                      interpret=interpret)
-  return dxb, dw, None, None
-
-
-block_matmul_gpu.defvjp(_bm_fwd, _bm_bwd, symbolic_zeros=True)
+block_matmul_gpu = common.dense_block_matmul(
+    lambda xb, w, bg, nu, interpret: _matmul(xb, w, bg, nu, transpose_w=False,
+                                             interpret=interpret),
+    lambda dy, w, bg, nu, interpret: _matmul(dy, w, bg, nu, transpose_w=True,
+                                             interpret=interpret),
+    lambda xb, dy, bg, nu, groups, dtype, interpret: _weight_grad(
+        xb, dy, bg, nu, groups, out_dtype=dtype, interpret=interpret))
+block_matmul_gpu.__doc__ = """``block_matmul_gpu(xb [NB, bm, K], w [E, K, N], block_group, num_used,
+interpret=None)``: ``jaxattn.ops.moe.block_matmul`` as Pallas Triton kernels (forward, ``dxb``,
+``dW``)."""
 
 
 # -- MXFP4 weights ----------------------------------------------------------------------------------
@@ -234,11 +215,6 @@ def mxfp4_kernel_operands(codes: UInt8[Array, "E N W"], scales: UInt8[Array, "E 
   return codes.reshape(e, n, width // BYTES_PER_GROUP, BYTES_PER_GROUP), scales
 
 
-def _halves(xb, width: int):
-  pad = ((0, 0), (0, 0), (0, width - xb.shape[2] // 2))
-  return jnp.pad(xb[..., 0::2], pad), jnp.pad(xb[..., 1::2], pad)
-
-
 def _mxfp4_matmul(xb, codes4, scales, block_group, num_used, interpret):
   nb, bm, _ = xb.shape
   n, width = codes4.shape[1], codes4.shape[2] * BYTES_PER_GROUP
@@ -252,7 +228,7 @@ def _mxfp4_matmul(xb, codes4, scales, block_group, num_used, interpret):
       out_specs=pl.BlockSpec((None, bm, bn), lambda b, j: (b, 0, j)),
       out_shape=jax.ShapeDtypeStruct((nb, bm, n), xb.dtype),
       name="jaxattn_grouped_matmul_mxfp4_gpu", **_params(interpret),
-  )(block_group, num_used.reshape(1), *_halves(xb, width), codes4, scales)
+  )(block_group, num_used.reshape(1), *common.halves(xb, width), codes4, scales)
 
 
 def _mxfp4_dx(dy, codes4, scales, block_group, num_used, k: int, interpret):
@@ -270,33 +246,13 @@ def _mxfp4_dx(dy, codes4, scales, block_group, num_used, k: int, interpret):
       out_shape=[jax.ShapeDtypeStruct((nb, bm, width), dy.dtype)] * 2,
       name="jaxattn_grouped_matmul_mxfp4_dx_gpu", **_params(interpret),
   )(block_group, num_used.reshape(1), dy, codes4, scales)
-  return jnp.stack([even[..., :k // 2], odd[..., :k // 2]], axis=-1).reshape(nb, bm, k)
+  return common.interleave(even, odd, k)
 
 
-def block_matmul_mxfp4_gpu(xb: Float[Array, "NB bm K"], codes4: UInt8[Array, "E N W16 16"],
-                           scales: UInt8[Array, "E N W16"], block_group: Int[Array, "NB"],
-                           num_used: Int[Array, ""], interpret=None) -> Float[Array, "NB bm N"]:
-  """``block_matmul`` with MXFP4 experts (``codes4``, ``scales`` from ``mxfp4_kernel_operands``);
-  frozen: no gradient reaches them."""
-  return _block_matmul_mxfp4(xb, codes4, scales, block_group, num_used, xb.shape[2], interpret)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _block_matmul_mxfp4(xb, codes4, scales, block_group, num_used, k, interpret):
-  return _mxfp4_matmul(xb, codes4, scales, block_group, num_used, interpret)
-
-
-def _mx_fwd(xb, codes4, scales, block_group, num_used, k, interpret):
-  out = _mxfp4_matmul(xb, codes4, scales, block_group, num_used, interpret)
-  return out, (codes4, scales, block_group, num_used)
-
-
-def _mx_bwd(k, interpret, res, dy):
-  codes4, scales, block_group, num_used = res
-  return _mxfp4_dx(dy, codes4, scales, block_group, num_used, k, interpret), None, None, None, None
-
-
-_block_matmul_mxfp4.defvjp(_mx_fwd, _mx_bwd)
+block_matmul_mxfp4_gpu = common.frozen_block_matmul(_mxfp4_matmul, _mxfp4_dx)
+block_matmul_mxfp4_gpu.__doc__ = """``block_matmul_mxfp4_gpu(xb [NB, bm, K], codes4, scales,
+block_group, num_used, interpret=None)``: ``block_matmul`` with MXFP4 experts (``codes4``,
+``scales`` from ``mxfp4_kernel_operands``), frozen."""
 
 
 __all__ = ["block_matmul_gpu", "block_matmul_mxfp4_gpu", "mxfp4_kernel_operands",

@@ -48,14 +48,13 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jaxtyping import Array, Float, Int, UInt8
+from jaxtyping import Array, UInt8
 
-from jaxattn.ops.moe import grad_residuals
 from jaxattn.ops.mxfp4 import e2m1_values
 from pallas_kernels.flash_attention import common as C
+from pallas_kernels.grouped_matmul import common
 
 NN = (((1,), (0,)), ((), ()))   # a @ b
 NT = (((1,), (1,)), ((), ()))   # a @ b.T
@@ -103,7 +102,10 @@ def _params(interpret, semantics):
 # -- dense weights: y = xb @ W (or W^T) per block -------------------------------------------------
 
 
-def _matmul_kernel(bg_ref, nu_ref, x_ref, w_ref, o_ref, acc_ref, *, dims, num_k, bk, k):
+def _accumulate(nu_ref, acc_ref, o_ref, num_k: int, product):
+  """The forward kernels' reduction over the last grid axis: the accumulator zeroed at the first
+  tile, ``product(kk)`` added for a used block, the output written at the last tile (zeros for
+  an unused block)."""
   i, kk = pl.program_id(0), pl.program_id(2)
 
   @pl.when(kk == 0)
@@ -112,13 +114,20 @@ def _matmul_kernel(bg_ref, nu_ref, x_ref, w_ref, o_ref, acc_ref, *, dims, num_k,
 
   @pl.when(i < nu_ref[0])
   def _():
-    x = _masked(x_ref[...], 1, kk, bk, k)
-    w = _masked(w_ref[...], dims[0][1][0], kk, bk, k)
-    acc_ref[...] += lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+    acc_ref[...] += product(kk)
 
   @pl.when(kk == num_k - 1)
   def _():
     o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
+
+def _matmul_kernel(bg_ref, nu_ref, x_ref, w_ref, o_ref, acc_ref, *, dims, num_k, bk, k):
+  def product(kk):
+    x = _masked(x_ref[...], 1, kk, bk, k)
+    w = _masked(w_ref[...], dims[0][1][0], kk, bk, k)
+    return lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+
+  _accumulate(nu_ref, acc_ref, o_ref, num_k, product)
 
 
 def _matmul(xb, w, block_group, num_used, *, transpose_w: bool, out_dtype, interpret):
@@ -188,36 +197,16 @@ def _weight_grad(xb, dy, block_group, num_used, num_groups, *, out_dtype, interp
   return jnp.where(visited[:, None, None], dw, jnp.zeros((), dw.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def block_matmul_tpu(xb: Float[Array, "NB bm K"], w: Float[Array, "E K N"],
-                     block_group: Int[Array, "NB"], num_used: Int[Array, ""],
-                     interpret=None) -> Float[Array, "NB bm N"]:
-  """``jaxattn.ops.moe.block_matmul`` as Pallas TPU kernels: forward, ``dxb`` and ``dW``."""
-  return _matmul(xb, w, block_group, num_used, transpose_w=False, out_dtype=xb.dtype,
-                 interpret=interpret)
-
-
-def _bm_fwd(xb, w, block_group, num_used, interpret):
-  out = block_matmul_tpu(xb.value, w.value, block_group.value, num_used.value, interpret)
-  return out, grad_residuals(xb, w, block_group, num_used)
-
-
-def _bm_bwd(interpret, res, dy):
-  # dxb / dW only for what is differentiated (a frozen or LoRA-base matrix has no dW)
-  xb, w, block_group, num_used, want_dx = res
-  if isinstance(dy, SymbolicZero):
-    dy = jnp.zeros(dy.aval.shape, dy.aval.dtype)
-  dxb = dw = None   # (dy has the output's dtype: xb's)
-  if want_dx is not None:
-    dxb = _matmul(dy, w, block_group, num_used, transpose_w=True, out_dtype=dy.dtype,
-                  interpret=interpret)
-  if xb is not None:
-    dw = _weight_grad(xb, dy, block_group, num_used, w.shape[0], out_dtype=w.dtype,
-                      interpret=interpret)
-  return dxb, dw, None, None
-
-
-block_matmul_tpu.defvjp(_bm_fwd, _bm_bwd, symbolic_zeros=True)
+block_matmul_tpu = common.dense_block_matmul(
+    lambda xb, w, bg, nu, interpret: _matmul(xb, w, bg, nu, transpose_w=False,
+                                             out_dtype=xb.dtype, interpret=interpret),
+    lambda dy, w, bg, nu, interpret: _matmul(dy, w, bg, nu, transpose_w=True,
+                                             out_dtype=dy.dtype, interpret=interpret),
+    lambda xb, dy, bg, nu, groups, dtype, interpret: _weight_grad(
+        xb, dy, bg, nu, groups, out_dtype=dtype, interpret=interpret))
+block_matmul_tpu.__doc__ = """``block_matmul_tpu(xb [NB, bm, K], w [E, K, N], block_group, num_used,
+interpret=None)``: ``jaxattn.ops.moe.block_matmul`` as Pallas TPU kernels (forward, ``dxb``,
+``dW``)."""
 
 
 # -- MXFP4 weights: dequantized tile by tile in VMEM ----------------------------------------------
@@ -243,35 +232,19 @@ def _dequantized(codes, scales, kk, width: int, dtype):
 
 
 def _mxfp4_kernel(bg_ref, nu_ref, xe_ref, xo_ref, c_ref, s_ref, o_ref, acc_ref, *, num_k, width):
-  i, kk = pl.program_id(0), pl.program_id(2)
-
-  @pl.when(kk == 0)
-  def _():
-    acc_ref[...] = jnp.zeros_like(acc_ref)
-
-  @pl.when(i < nu_ref[0])
-  def _():
+  def product(kk):
     low, high = _dequantized(c_ref[...], s_ref[...], kk, width, xe_ref.dtype)
-    bh = low.shape[1]
-    xe, xo = (_masked(r[...], 1, kk, bh, width) for r in (xe_ref, xo_ref))
-    acc_ref[...] += (lax.dot_general(xe, low, NT, preferred_element_type=jnp.float32)
-                     + lax.dot_general(xo, high, NT, preferred_element_type=jnp.float32))
+    xe, xo = (_masked(r[...], 1, kk, low.shape[1], width) for r in (xe_ref, xo_ref))
+    return (lax.dot_general(xe, low, NT, preferred_element_type=jnp.float32)
+            + lax.dot_general(xo, high, NT, preferred_element_type=jnp.float32))
 
-  @pl.when(kk == num_k - 1)
-  def _():
-    o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+  _accumulate(nu_ref, acc_ref, o_ref, num_k, product)
 
 
 def _mxfp4_tiles(width: int, n: int):
   """``(bytes, rows)`` of a codes tile: 256 bytes (512 values, 16 scale groups: whole bf16 tiles
   of the scales) or the whole row, and up to 512 of the ``N`` rows."""
   return _tile(width, TARGET_K // 2, 256), _tile(n, TARGET_N, 128)
-
-
-def _halves(xb, width: int):
-  """``xb``'s even and odd columns, zero-padded to the codes' ``width`` (bytes) each."""
-  pad = ((0, 0), (0, 0), (0, width - xb.shape[2] // 2))
-  return jnp.pad(xb[..., 0::2], pad), jnp.pad(xb[..., 1::2], pad)
 
 
 def _mxfp4_matmul(xb, codes, scales_t, block_group, num_used, interpret):
@@ -293,7 +266,7 @@ def _mxfp4_matmul(xb, codes, scales_t, block_group, num_used, interpret):
       grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct((nb, bm, n), xb.dtype),
       name="jaxattn_grouped_matmul_mxfp4_tpu",
       **_params(interpret, ("parallel", "parallel", "arbitrary")),
-  )(block_group, num_used.reshape(1), *_halves(xb, width), codes, scales_t)
+  )(block_group, num_used.reshape(1), *common.halves(xb, width), codes, scales_t)
 
 
 def _mxfp4_dx_kernel(bg_ref, nu_ref, dy_ref, c_ref, s_ref, de_ref, do_ref, acc_e, acc_o, *,
@@ -342,7 +315,7 @@ def _mxfp4_dx(dy, codes, scales_t, block_group, num_used, k: int, interpret):
       name="jaxattn_grouped_matmul_mxfp4_dx_tpu",
       **_params(interpret, ("parallel", "parallel", "arbitrary")),
   )(block_group, num_used.reshape(1), dy, codes, scales_t)
-  return jnp.stack([even[..., :k // 2], odd[..., :k // 2]], axis=-1).reshape(nb, bm, k)
+  return common.interleave(even, odd, k)
 
 
 def mxfp4_kernel_operands(codes: UInt8[Array, "E N W"], scales: UInt8[Array, "E N G"]):
@@ -356,32 +329,10 @@ def mxfp4_kernel_operands(codes: UInt8[Array, "E N W"], scales: UInt8[Array, "E 
   return codes, jnp.swapaxes(scale, -1, -2).astype(jnp.bfloat16)
 
 
-def block_matmul_mxfp4_tpu(xb: Float[Array, "NB bm K"], codes: UInt8[Array, "E N W"],
-                           scales_t: Float[Array, "E W16 N"], block_group: Int[Array, "NB"],
-                           num_used: Int[Array, ""], interpret=None) -> Float[Array, "NB bm N"]:
-  """``block_matmul`` with the experts' matrices ``W [E, K, N]`` in MXFP4 (``codes`` and
-  ``scales_t`` from ``mxfp4_kernel_operands``).  The weights are frozen: no gradient reaches
-  them."""
-  return _block_matmul_mxfp4(xb, codes, scales_t, block_group, num_used, xb.shape[2], interpret)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _block_matmul_mxfp4(xb, codes, scales_t, block_group, num_used, k, interpret):
-  return _mxfp4_matmul(xb, codes, scales_t, block_group, num_used, interpret)
-
-
-def _mx_fwd(xb, codes, scales_t, block_group, num_used, k, interpret):
-  out = _mxfp4_matmul(xb, codes, scales_t, block_group, num_used, interpret)
-  return out, (codes, scales_t, block_group, num_used)
-
-
-def _mx_bwd(k, interpret, res, dy):
-  codes, scales_t, block_group, num_used = res
-  dxb = _mxfp4_dx(dy, codes, scales_t, block_group, num_used, k, interpret)
-  return dxb, None, None, None, None
-
-
-_block_matmul_mxfp4.defvjp(_mx_fwd, _mx_bwd)
+block_matmul_mxfp4_tpu = common.frozen_block_matmul(_mxfp4_matmul, _mxfp4_dx)
+block_matmul_mxfp4_tpu.__doc__ = """``block_matmul_mxfp4_tpu(xb [NB, bm, K], codes, scales_t,
+block_group, num_used, interpret=None)``: ``block_matmul`` with the experts' matrices ``W [E, K,
+N]`` in MXFP4 (``codes`` and ``scales_t`` from ``mxfp4_kernel_operands``), frozen."""
 
 
 __all__ = ["block_matmul_tpu", "block_matmul_mxfp4_tpu", "mxfp4_kernel_operands"]

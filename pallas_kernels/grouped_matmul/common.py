@@ -1,0 +1,75 @@
+"""What the TPU and GPU grouped-matmul kernels share: their gradient plumbing around the kernels
+(``jax.custom_vjp``), and the even / odd split of the activations for MXFP4 codes."""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
+
+from jaxattn.ops.moe import grad_residuals
+
+
+def dense_block_matmul(forward: Callable, dx: Callable, dw: Callable) -> Callable:
+  """``f(xb, w, block_group, num_used, interpret=None)`` with kernels for its forward
+  ``forward(xb, w, bg, nu, interpret)``, ``dx(dy, w, bg, nu, interpret)`` and ``dw(xb, dy, bg, nu,
+  num_groups, dtype, interpret)``; each gradient kernel runs only for what is differentiated (a frozen
+  matrix, or a LoRA base, costs no ``dW``)."""
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+  def f(xb, w, block_group, num_used, interpret=None):
+    return forward(xb, w, block_group, num_used, interpret)
+
+  def fwd(xb, w, block_group, num_used, interpret):
+    out = forward(xb.value, w.value, block_group.value, num_used.value, interpret)
+    return out, grad_residuals(xb, w, block_group, num_used)
+
+  def bwd(interpret, res, dy):
+    xb, w, block_group, num_used, want_dx = res
+    if isinstance(dy, SymbolicZero):
+      dy = jnp.zeros(dy.aval.shape, dy.aval.dtype)
+    # (dy has the output's dtype: xb's)
+    dxb = None if want_dx is None else dx(dy, w, block_group, num_used, interpret)
+    dwt = None if xb is None else dw(xb, dy, block_group, num_used, w.shape[0], w.dtype,
+                                     interpret)
+    return dxb, dwt, None, None
+
+  f.defvjp(fwd, bwd, symbolic_zeros=True)
+  return f
+
+
+def frozen_block_matmul(forward: Callable, dx: Callable) -> Callable:
+  """``f(xb, codes, scales, block_group, num_used, interpret=None)`` for frozen (MXFP4) weights:
+  ``forward(xb, codes, scales, bg, nu, interpret)`` and ``dx(dy, codes, scales, bg, nu, k,
+  interpret)``; no gradient reaches the weights."""
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+  def f(xb, codes, scales, block_group, num_used, k, interpret):
+    return forward(xb, codes, scales, block_group, num_used, interpret)
+
+  def fwd(xb, codes, scales, block_group, num_used, k, interpret):
+    out = forward(xb, codes, scales, block_group, num_used, interpret)
+    return out, (codes, scales, block_group, num_used)
+
+  def bwd(k, interpret, res, dy):
+    return dx(dy, *res, k, interpret), None, None, None, None
+
+  f.defvjp(fwd, bwd)
+
+  def call(xb, codes, scales, block_group, num_used, interpret=None):
+    return f(xb, codes, scales, block_group, num_used, xb.shape[2], interpret)
+  return call
+
+
+def halves(xb, width: int):
+  """``xb``'s even and odd columns (the low and high nibbles' rows of ``W``), each zero-padded to
+  the codes' ``width`` bytes."""
+  pad = ((0, 0), (0, 0), (0, width - xb.shape[2] // 2))
+  return jnp.pad(xb[..., 0::2], pad), jnp.pad(xb[..., 1::2], pad)
+
+
+def interleave(even, odd, k: int):
+  """The inverse of ``halves`` for ``dxb``: ``[..., width]`` even and odd columns -> ``[..., K]``."""
+  return jnp.stack([even[..., :k // 2], odd[..., :k // 2]], axis=-1).reshape(
+      even.shape[:-1] + (k,))
