@@ -112,16 +112,20 @@ def test_mxfp4_kernels_match_the_dequantized_weights(dtype, k, n, race_states):
     assert race_states and not any(s.races_found for s in race_states)
 
 
+def _mxfp4_problem(seed, e, d, f, m):
+  """Tokens, top-2 routing and three MXFP4 expert matrices, with their dequantized values."""
+  x = _rand(seed, (m, d))
+  idx = jnp.asarray(np.random.default_rng(seed + 1).integers(0, e, (m, 2)))
+  wts = jnp.abs(_rand(seed + 2, (m, 2)))
+  q = [_mxfp4(seed + 3, e, d, f), _mxfp4(seed + 5, e, d, f), _mxfp4(seed + 7, e, f, d)]
+  return x, idx, wts, q, [a.dequantize() for a in q]
+
+
 @pytest.mark.parametrize("implementation", moe.IMPLEMENTATIONS)
 def test_mxfp4_weights_on_every_implementation(implementation):
   """An ``MXFP4Array`` where a weight goes: the kernels read it packed, the other paths
   dequantize it; every one equals the dispatch over the dequantized matrices."""
-  e, d, f, m = 4, 64, 96, 21
-  x = _rand(7, (m, d))
-  idx = jnp.asarray(np.random.default_rng(8).integers(0, e, (m, 2)))
-  wts = jnp.abs(_rand(9, (m, 2)))
-  q = [_mxfp4(10, e, d, f), _mxfp4(12, e, d, f), _mxfp4(14, e, f, d)]
-  dq = [a.dequantize() for a in q]
+  x, idx, wts, q, dq = _mxfp4_problem(7, e=4, d=64, f=96, m=21)
   want = moe.dense_experts(x, idx, wts, *dq)
   bs = 16 if implementation == "pallas_gpu" else 8
   got, _ = moe.routed_experts(x, idx, wts, *q, implementation=implementation, block_size=bs)
@@ -137,12 +141,7 @@ def test_mxfp4_weights_on_every_implementation(implementation):
 def test_expert_parallel_kernels_with_mxfp4_weights():
   """``routed_experts_sharded`` runs the kernels per device (inside its ``shard_map``) with the
   MXFP4 codes and scales split over the experts: values and input gradients as one device."""
-  e, d, f, m = 8, 64, 64, 24
-  x = _rand(20, (m, d))
-  idx = jnp.asarray(np.random.default_rng(21).integers(0, e, (m, 2)))
-  wts = jnp.abs(_rand(22, (m, 2)))
-  q = [_mxfp4(23, e, d, f), _mxfp4(25, e, d, f), _mxfp4(27, e, f, d)]
-  dq = [a.dequantize() for a in q]
+  x, idx, wts, q, dq = _mxfp4_problem(20, e=8, d=64, f=64, m=24)
   want = moe.dense_experts(x, idx, wts, *dq)
   g_ref = jax.grad(lambda x: jnp.sum(jnp.sin(moe.dense_experts(x, idx, wts, *dq))))(x)
   mesh = sharding.make_mesh({"expert": 4, "data": 2})
