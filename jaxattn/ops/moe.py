@@ -35,7 +35,6 @@ from typing import Literal, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.custom_derivatives import SymbolicZero
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
@@ -482,42 +481,31 @@ def block_matmul(xb: Float[Array, "NB bm D"], w: Float[Array, "E D F"], block_gr
   return _block_matmul_loop(xb, w, block_group, num_used)
 
 
-def grad_residuals(xb, w, block_group, num_used):
-  """A block matmul's residuals for the cotangents its backward must give (``symbolic_zeros``
-  primals: ``dW`` only when ``w`` is differentiated -- a frozen expert matrix, or a LoRA base,
-  is not -- and ``dxb`` only when ``xb`` is): ``(xb or None, w, block_group, num_used,
-  dxb wanted)``, the flag as the presence of an empty tuple."""
-  keep_x = xb.value if w.perturbed else None
-  return (keep_x, w.value, block_group.value, num_used.value, () if xb.perturbed else None)
-
-
 def _block_matmul_fwd(xb, w, block_group, num_used):
-  out = _block_matmul_loop(xb.value, w.value, block_group.value, num_used.value)
-  return out, grad_residuals(xb, w, block_group, num_used)
+  return _block_matmul_loop(xb, w, block_group, num_used), (xb, w, block_group, num_used)
 
 
 def _block_matmul_bwd(res, dy):
-  xb, w, block_group, num_used, want_dx = res
-  if isinstance(dy, SymbolicZero):
-    dy = jnp.zeros(dy.aval.shape, dy.aval.dtype)
-  dxb = dw = None
-  if want_dx is not None:
-    # (dy has the output's dtype: xb's)
-    dxb = _block_matmul_loop(dy, w, block_group, num_used, transpose_w=True)
-  if xb is not None:
-    def body(b, dw):
-      g = jnp.dot(jax.lax.dynamic_index_in_dim(xb, b, keepdims=False).T,
-                  jax.lax.dynamic_index_in_dim(dy, b, keepdims=False),
-                  preferred_element_type=jnp.float32)
-      e = block_group[b]
-      return jax.lax.dynamic_update_index_in_dim(
-          dw, jax.lax.dynamic_index_in_dim(dw, e, keepdims=False) + g, e, 0)
+  # Both cotangents: under jit XLA drops the one nobody reads (a frozen matrix's dW).
+  # (``symbolic_zeros`` would skip it at trace time, but custom_vjp with symbolic zeros cannot
+  # run in an eager shard_map, where the expert-parallel dispatch calls this.)
+  xb, w, block_group, num_used = res
+  # (dy has the output's dtype: xb's)
+  dxb = _block_matmul_loop(dy, w, block_group, num_used, transpose_w=True)
 
-    dw = jax.lax.fori_loop(0, num_used, body, jnp.zeros(w.shape, jnp.float32)).astype(w.dtype)
-  return dxb, dw, None, None
+  def body(b, dw):
+    g = jnp.dot(jax.lax.dynamic_index_in_dim(xb, b, keepdims=False).T,
+                jax.lax.dynamic_index_in_dim(dy, b, keepdims=False),
+                preferred_element_type=jnp.float32)
+    e = block_group[b]
+    return jax.lax.dynamic_update_index_in_dim(
+        dw, jax.lax.dynamic_index_in_dim(dw, e, keepdims=False) + g, e, 0)
+
+  dw = jax.lax.fori_loop(0, num_used, body, jnp.zeros(w.shape, jnp.float32))
+  return dxb, dw.astype(w.dtype), None, None
 
 
-block_matmul.defvjp(_block_matmul_fwd, _block_matmul_bwd, symbolic_zeros=True)
+block_matmul.defvjp(_block_matmul_fwd, _block_matmul_bwd)
 
 
 def _layout(group_sizes, num_rows, block_size, impl="blocked"):

@@ -8,35 +8,27 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.custom_derivatives import SymbolicZero
-
-from jaxattn.ops.moe import grad_residuals
 
 
 def dense_block_matmul(forward: Callable, dx: Callable, dw: Callable) -> Callable:
   """``f(xb, w, block_group, num_used, interpret=None)`` with kernels for its forward
   ``forward(xb, w, bg, nu, interpret)``, ``dx(dy, w, bg, nu, interpret)`` and ``dw(xb, dy, bg, nu,
-  num_groups, dtype, interpret)``; each gradient kernel runs only for what is differentiated (a frozen
-  matrix, or a LoRA base, costs no ``dW``)."""
+  num_groups, dtype, interpret)`` (under jit XLA drops a kernel whose result nobody reads: a
+  frozen matrix's ``dW``)."""
   @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
   def f(xb, w, block_group, num_used, interpret=None):
     return forward(xb, w, block_group, num_used, interpret)
 
   def fwd(xb, w, block_group, num_used, interpret):
-    out = forward(xb.value, w.value, block_group.value, num_used.value, interpret)
-    return out, grad_residuals(xb, w, block_group, num_used)
+    return forward(xb, w, block_group, num_used, interpret), (xb, w, block_group, num_used)
 
   def bwd(interpret, res, dy):
-    xb, w, block_group, num_used, want_dx = res
-    if isinstance(dy, SymbolicZero):
-      dy = jnp.zeros(dy.aval.shape, dy.aval.dtype)
+    xb, w, block_group, num_used = res
     # (dy has the output's dtype: xb's)
-    dxb = None if want_dx is None else dx(dy, w, block_group, num_used, interpret)
-    dwt = None if xb is None else dw(xb, dy, block_group, num_used, w.shape[0], w.dtype,
-                                     interpret)
-    return dxb, dwt, None, None
+    return (dx(dy, w, block_group, num_used, interpret),
+            dw(xb, dy, block_group, num_used, w.shape[0], w.dtype, interpret), None, None)
 
-  f.defvjp(fwd, bwd, symbolic_zeros=True)
+  f.defvjp(fwd, bwd)
   return f
 
 

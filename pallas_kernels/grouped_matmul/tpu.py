@@ -18,9 +18,8 @@ Backward (``jax.custom_vjp``): ``dxb = dy @ W^T`` is the same kernel reading ``W
 its tiles (no transposed copy in HBM); ``dW[e] = sum_{b: group e} xb[b]^T dy[b]`` is a second
 kernel with the blocks innermost, accumulating while the group stays the same and writing the
 expert's tile when it changes (the blocks are sorted by group, so each tile is written once).
-Experts without rows are never visited and are zero-filled after the call.  Each runs only
-when needed: ``dW`` for a differentiated matrix (not a frozen one, nor a LoRA base), ``dxb`` for
-differentiated rows.
+Experts without rows are never visited and are zero-filled after the call.  Under jit XLA
+drops a gradient kernel whose result nobody reads (a frozen matrix's ``dW``).
 
 MXFP4 weights (gpt-oss's experts; ``jaxattn.ops.mxfp4``) stay packed in HBM -- 4.25 bits per
 weight instead of 16 -- and are dequantized tile by tile in VMEM: the codes ``[E, N, W]`` (two

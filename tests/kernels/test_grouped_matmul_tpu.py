@@ -276,18 +276,6 @@ def _values(jaxpr):
           yield from _values(inner)
 
 
-def _pallas_names(jaxpr):
-  """The names of the Pallas kernels a jaxpr calls, nested jaxprs too."""
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "pallas_call":
-      yield eqn.params.get("name_and_src_info") or eqn.params.get("name")
-    for p in eqn.params.values():
-      for sub in (p if isinstance(p, (tuple, list)) else (p,)):
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-          yield from _pallas_names(inner)
-
-
 def test_qlora_over_mxfp4_experts_never_materializes_them():
   """QLoRA on a MoE with MXFP4 experts through the kernels: the training step's program holds
   no ``[E, K, N]`` floating-point array (neither the dequantized experts nor the LoRA update),
@@ -325,21 +313,3 @@ def test_qlora_over_mxfp4_experts_never_materializes_them():
     assert bool(big) == (impl == "blocked"), (impl, big)
   for g, w in zip(jax.tree.leaves(grads["pallas_tpu"]), jax.tree.leaves(grads["blocked"])):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
-
-
-def test_backward_runs_only_the_kernels_it_needs():
-  """The kernels' backward gives ``dW`` only for a differentiated matrix (a frozen one, or a LoRA
-  base, costs no ``dW`` kernel) and ``dxb`` only for differentiated rows."""
-  lay = _layout([10, 0, 20, 5], 37, 16)
-  xb, w = moe._pad(_rand(0, (37, 128)), lay), _rand(1, (4, 128, 128))
-
-  def kernels(argnums):
-    f = lambda xb, w: jnp.sum(G.block_matmul_tpu(xb, w, lay.block_group, lay.num_used, True))
-    names = [str(n) for n in _pallas_names(jax.make_jaxpr(jax.grad(f, argnums=argnums))(xb, w)
-                                           .jaxpr)]
-    return (names.count("jaxattn_grouped_matmul_tpu"),
-            names.count("jaxattn_grouped_matmul_dw_tpu"))
-
-  assert kernels((0,)) == (2, 0)        # forward + dxb
-  assert kernels((1,)) == (1, 1)        # forward + dW
-  assert kernels((0, 1)) == (2, 1)
