@@ -9,6 +9,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxattn.ops.mxfp4 import GROUP
+
 
 def dense_block_matmul(forward: Callable, dx: Callable, dw: Callable) -> Callable:
   """``f(xb, w, block_group, num_used, interpret=None)`` with kernels for its forward
@@ -52,6 +54,17 @@ def frozen_block_matmul(forward: Callable, dx: Callable) -> Callable:
   def call(xb, codes, scales, block_group, num_used, interpret=None):
     return f(xb, codes, scales, block_group, num_used, xb.shape[2], interpret)
   return call
+
+
+BYTES_PER_GROUP = GROUP // 2   # codes bytes under one MXFP4 scale
+
+
+def scales_per_16_bytes(codes, scales):
+  """``scales [E, N, K / 32]`` (stored or converted) zero-padded to one per 16 bytes of the codes'
+  rows ``[E, N, W]``: ``[E, N, W / 16]`` (the rows' padding bytes get 0; a pass over 1/16 of the
+  codes' bytes)."""
+  pad = codes.shape[-1] // BYTES_PER_GROUP - scales.shape[-1]
+  return jnp.pad(scales, ((0, 0), (0, 0), (0, pad)))
 
 
 def halves(xb, width: int):

@@ -41,11 +41,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, UInt8
 
-from jaxattn.ops.mxfp4 import GROUP, e2m1_values
+from jaxattn.ops.mxfp4 import e2m1_values
 from pallas_kernels.decode_attention.gpu import default_interpret
 from pallas_kernels.grouped_matmul import common
 
-BYTES_PER_GROUP = GROUP // 2
+BYTES_PER_GROUP = common.BYTES_PER_GROUP
 MIN_TILE = 16          # Triton's smallest dot tile
 MXFP4_TILE_BYTES = 128
 
@@ -211,8 +211,8 @@ def mxfp4_kernel_operands(codes: UInt8[Array, "E N W"], scales: UInt8[Array, "E 
   """The codes viewed as ``[E, N, W / 16, 16]`` (free) and the uint8 scales zero-padded to one per
   16 bytes ``[E, N, W / 16]`` (a pass over 1/16 of the codes' bytes)."""
   e, n, width = codes.shape
-  scales = jnp.pad(scales, ((0, 0), (0, 0), (0, width // BYTES_PER_GROUP - scales.shape[2])))
-  return codes.reshape(e, n, width // BYTES_PER_GROUP, BYTES_PER_GROUP), scales
+  return (codes.reshape(e, n, width // BYTES_PER_GROUP, BYTES_PER_GROUP),
+          common.scales_per_16_bytes(codes, scales))
 
 
 def _mxfp4_matmul(xb, codes4, scales, block_group, num_used, interpret):

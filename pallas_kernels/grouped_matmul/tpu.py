@@ -58,8 +58,7 @@ from pallas_kernels.grouped_matmul import common
 NN = (((1,), (0,)), ((), ()))   # a @ b
 NT = (((1,), (1,)), ((), ()))   # a @ b.T
 TN = (((0,), (0,)), ((), ()))   # a.T @ b
-MXFP4_GROUP = 32
-BYTES_PER_GROUP = MXFP4_GROUP // 2
+BYTES_PER_GROUP = common.BYTES_PER_GROUP
 TARGET_N = 512
 TARGET_K = 512
 
@@ -323,8 +322,7 @@ def mxfp4_kernel_operands(codes: UInt8[Array, "E N W"], scales: UInt8[Array, "E 
   bf16 powers of two ``[E, W / 16, N]`` (zeros past ``K / 32``; a pass over 1/16 of the codes'
   bytes)."""
   scale = jnp.ldexp(jnp.ones((), jnp.float32), scales.astype(jnp.int32) - 127)
-  pad = codes.shape[-1] // BYTES_PER_GROUP - scales.shape[-1]
-  scale = jnp.pad(scale, ((0, 0), (0, 0), (0, pad)))
+  scale = common.scales_per_16_bytes(codes, scale)
   return codes, jnp.swapaxes(scale, -1, -2).astype(jnp.bfloat16)
 
 
