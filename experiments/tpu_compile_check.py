@@ -25,9 +25,8 @@ dequantizing them whole for XLA's ragged_dot; a baseline's failure would not set
 and Qwen3-30B-A3B's bf16 experts (forward and backward). And on a 4-chip slice (``data`` 2 x
 ``tensor`` 2), the kernels in ``jax.shard_map`` as a sharded step calls them: flash forward +
 backward, sparse MLA prefill, paged MLA decode; and (``data`` 2 x ``context`` 2) context-parallel
-causal attention forward + backward at T = 8192 with the flash kernel, all-gather and ring (about 25
-s and 40 s of compiling: ``--skip`` leaves cases out). Exit status 1 if any case
-failed.
+causal attention forward + backward at T = 8192 with the flash kernel, all-gather and ring
+(about 25 s and 40 s of compiling: ``--skip`` leaves cases out). Exit status 1 if any case failed.
 """
 
 from __future__ import annotations
