@@ -47,6 +47,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxattn.checks import check_int_array, is_int
+from jaxattn.ops.quantization import check_cache_dtype, kv_quantized, quantize_kv
 
 _I32 = jnp.int32
 _LANES = 128
@@ -389,28 +390,47 @@ class PagedKVCache(_TableViews):
 
   ``window``: the sliding window of the layer that owns the cache (a query at ``p`` reads keys
   ``p - window .. p``), None for full attention: the pages wholly behind it are dead and
-  ``jaxattn.nn.PagedModelCache.release_behind`` returns them to the pool."""
+  ``jaxattn.nn.PagedModelCache.release_behind`` returns them to the pool.
+
+  Quantized (``dtype`` int8 or float8_e4m3fn at ``init``): the pools hold one-byte codes and
+  ``key_scale_pool`` / ``value_scale_pool [P, K, page]`` fp32 one scale per token and KV head
+  (``jaxattn.ops.quantization.quantize_kv``, applied by ``append``), half the bytes of a bf16
+  cache (plus 4 bytes per token and head: 3% at heads of 128 with pages of 128+).  The scales lie
+  with the page's tokens along the last axis, as the decode kernels use them: a row of the
+  logits of a page times its keys' scales, the probabilities times the values' scales."""
 
   key_pool: Float[Array, "P page KH"]
   value_pool: Float[Array, "P page Kh"]
   table: PageTable
   num_kv_heads: int = dataclasses.field(default=1, metadata=dict(static=True))
   window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+  key_scale_pool: Float[Array, "P K page"] | None = None
+  value_scale_pool: Float[Array, "P K page"] | None = None
 
   @classmethod
   def init(cls, batch: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
            v_head_dim: int | None = None, *, max_pages_per_seq: int | None = None,
            dtype=jnp.float32, window: int | None = None) -> "PagedKVCache":
+    """``dtype``: the pools' float dtype, or int8 / float8_e4m3fn for a quantized cache."""
     v_head_dim = head_dim if v_head_dim is None else v_head_dim
     _check_positive("PagedKVCache.init", num_kv_heads=num_kv_heads, head_dim=head_dim,
                     v_head_dim=v_head_dim)
     if window is not None and (not is_int(window) or window < 0):
       raise ValueError(f"`window` must be None or an int >= 0, got {window!r}.")
+    dtype = check_cache_dtype(dtype, "PagedKVCache.init")
     table = PageTable.init(batch, num_pages, page_size, max_pages_per_seq)
+    scales = ({} if not kv_quantized(dtype) else
+              {f"{n}_scale_pool": jnp.ones((num_pages, num_kv_heads, page_size), jnp.float32)
+               for n in ("key", "value")})
     return cls(key_pool=jnp.zeros((num_pages, page_size, num_kv_heads * head_dim), dtype),
                value_pool=jnp.zeros((num_pages, page_size, num_kv_heads * v_head_dim), dtype),
                table=table, num_kv_heads=int(num_kv_heads),
-               window=None if window is None else int(window))
+               window=None if window is None else int(window), **scales)
+
+  @property
+  def quantized(self) -> bool:
+    """Whether the pools hold quantized codes with per-token scales."""
+    return self.key_scale_pool is not None
 
   @property
   def head_dim(self) -> int:
@@ -422,9 +442,9 @@ class PagedKVCache(_TableViews):
 
   @property
   def nbytes(self) -> int:
-    """Bytes of the two pools (all pages, used or not)."""
-    return int(self.key_pool.size * self.key_pool.dtype.itemsize
-               + self.value_pool.size * self.value_pool.dtype.itemsize)
+    """Bytes of the pools (all pages, used or not; the scales of a quantized cache too)."""
+    pools = (self.key_pool, self.value_pool, self.key_scale_pool, self.value_scale_pool)
+    return int(sum(a.size * a.dtype.itemsize for a in pools if a is not None))
 
   def append(self, key: Float[Array, "B T K H"], value: Float[Array, "B T K h"],
              num_tokens: Int[Array, "B"] | None = None) -> "PagedKVCache":
@@ -448,10 +468,19 @@ class PagedKVCache(_TableViews):
     return dataclasses.replace(self, table=self.table.free(done, keep))
 
   def gather(self) -> tuple[Float[Array, "B S K H"], Float[Array, "B S K h"]]:
-    """Contiguous ``(key, value)`` ``[B, max_pages * page_size, K, H|h]`` for the reference path."""
+    """Contiguous ``(key, value)`` ``[B, max_pages * page_size, K, H|h]`` for the reference path
+    (a quantized cache's dequantized, in fp32)."""
     kh = self.num_kv_heads
-    key, value = gather_pages(self.key_pool, self.table), gather_pages(self.value_pool, self.table)
-    return (key.reshape(key.shape[:2] + (kh, -1)), value.reshape(value.shape[:2] + (kh, -1)))
+
+    def one(pool, scales):
+      x = gather_pages(pool, self.table)
+      x = x.reshape(x.shape[:2] + (kh, -1))
+      if scales is None:
+        return x
+      s = gather_pages(jnp.swapaxes(scales, 1, 2), self.table)          # [B, S, K]
+      return x.astype(jnp.float32) * s[..., None]
+
+    return one(self.key_pool, self.key_scale_pool), one(self.value_pool, self.value_scale_pool)
 
 
 @jax.tree_util.register_dataclass
@@ -564,9 +593,15 @@ class PagedLatentCache(_TableViews):
 def _append_kv(cache: PagedKVCache, key, value, counts) -> PagedKVCache:
   table, page, off = _reserve(cache.table, key.shape[1], counts)
   merge = lambda x: x.reshape(x.shape[:2] + (-1,))                    # noqa: E731 [B, T, K*H]
+  scales = {}
+  if cache.quantized:
+    (key, ks), (value, vs) = (quantize_kv(x, cache.key_pool.dtype) for x in (key, value))
+    # [P, K, page] pools: the indexed slots [B, T] lead, then K.
+    scales = dict(key_scale_pool=cache.key_scale_pool.at[page, :, off].set(ks, mode="drop"),
+                  value_scale_pool=cache.value_scale_pool.at[page, :, off].set(vs, mode="drop"))
   return dataclasses.replace(cache, key_pool=_write(cache.key_pool, page, off, merge(key)),
                              value_pool=_write(cache.value_pool, page, off, merge(value)),
-                             table=table)
+                             table=table, **scales)
 
 
 @jax.jit

@@ -53,6 +53,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jaxattn.checks import check_float_array, check_int_array, is_int
+from jaxattn.ops.quantization import kv_quantized
 from jaxattn.ops.t5_bias import check_bucket_args, t5_position_bias
 from jaxattn.paged_cache import PageTable, gather_pages
 
@@ -370,17 +371,25 @@ def _window_columns(page_table, lengths, num_tokens, t: int, page: int, window):
 @functools.partial(jax.jit, static_argnames=("logits_soft_cap", "local_window_size"))
 def paged_attention_xla(query, key_pool, value_pool, page_table, lengths, *, scale,
                         logits_soft_cap=None, num_tokens=None, local_window_size=None,
-                        alibi_slopes=None, relative_bias=None, sinks=None):
+                        alibi_slopes=None, relative_bias=None, sinks=None, key_scale=None,
+                        value_scale=None):
   """The reference: gather pages to ``[B, S, K, H]``, then dense fp32 attention.  ``query`` is
-  ``[B, T, N, H]``; see ``paged_attention`` (``num_tokens`` [B] or None)."""
+  ``[B, T, N, H]``; see ``paged_attention`` (``num_tokens`` [B] or None; ``key_scale`` /
+  ``value_scale [P, K, page]`` with quantized pools: the gathered codes times their scales)."""
   b, t, n, h = query.shape
   kh, page = key_pool.shape[2], key_pool.shape[1]
   page_table, kv_start = _window_columns(page_table, lengths, num_tokens, t, page,
                                          local_window_size)
   table = _table(page_table, lengths - kv_start, page)
+
+  def gather(pool, scales):       # [B, S, K, H|h] fp32
+    x = gather_pages(pool, table).astype(_F32)
+    if scales is None:
+      return x
+    return x * gather_pages(jnp.swapaxes(scales, 1, 2), table)[..., None]
+
   # (4-D pools here: ``paged_attention`` splits merged ``[P, page, K * H]`` rows by head.)
-  key = gather_pages(key_pool, table).astype(_F32)                  # [B, S, K, H]
-  value = gather_pages(value_pool, table).astype(_F32)              # [B, S, K, h]
+  key, value = gather(key_pool, key_scale), gather(value_pool, value_scale)
   q = query.astype(_F32).reshape(b, t, kh, n // kh, h)              # head n reads KV head n // G
   s = key.shape[1]
   logits = jnp.einsum("btkgh,bskh->bkgts", q, key) * scale
@@ -424,14 +433,38 @@ def merged_kv_heads(key_pool, value_pool, head_dim: int, *, names=("key_pool", "
                    f"{value_pool.shape}.")
 
 
+def check_kv_scales(key_pool, value_pool, key_scale, value_scale, kv_heads: int, *,
+                    names=("key_pool", "value_pool"), lead="P", width="page"):
+  """Quantized pools: ``key_scale`` / ``value_scale [P, K, page]`` fp32 given exactly when the
+  pools hold int8 / float8_e4m3fn codes (``jaxattn.ops.quantization.quantize_kv``).  ``names``,
+  ``lead`` and ``width`` word the errors (a contiguous cache: ``B`` and ``S``)."""
+  kn, vn = names
+  quant = [kv_quantized(x.dtype) for x in (key_pool, value_pool)]
+  if quant[0] != quant[1] or quant[0] != (key_scale is not None) or (
+      (key_scale is None) != (value_scale is None)):
+    raise ValueError(f"`key_scale` and `value_scale` must be given exactly when `{kn}` and "
+                     f"`{vn}` hold quantized codes (int8 / float8_e4m3fn); got {kn} "
+                     f"{key_pool.dtype}, {vn} {value_pool.dtype}, key_scale given: "
+                     f"{key_scale is not None}, value_scale given: {value_scale is not None}.")
+  if not quant[0]:
+    for name, x in ((kn, key_pool), (vn, value_pool)):
+      check_float_array(name, x)
+    return
+  want = (key_pool.shape[0], kv_heads, key_pool.shape[1])
+  for name, x in (("key_scale", key_scale), ("value_scale", value_scale)):
+    if x.shape != want or x.dtype != jnp.float32:
+      raise ValueError(f"`{name}` must be float32 [{lead}, K, {width}] = {list(want)}, got "
+                       f"{x.dtype}{list(x.shape)}.")
+
+
 def _check_gqa(q, key_pool, value_pool, page_table, lengths, scale, logits_soft_cap,
-               num_splits, window=None, num_tokens=None):
+               num_splits, window=None, num_tokens=None, key_scale=None, value_scale=None):
   """``paged_attention``'s argument checks (``q`` 4-D; ``window`` checked already); returns the
   KV heads ``K`` and the scale and soft-cap as floats (``_check_scale``)."""
   b, _, n, h = q.shape
-  for name, x in (("q", q), ("key_pool", key_pool), ("value_pool", value_pool)):
-    check_float_array(name, x)
+  check_float_array("q", q)
   kh = merged_kv_heads(key_pool, value_pool, h)
+  check_kv_scales(key_pool, value_pool, key_scale, value_scale, kh)
   if n % kh:
     raise ValueError(f"query heads N={n} must be a multiple of the KV heads K={kh}.")
   check_table(page_table, lengths, b, num_pages=key_pool.shape[0], page_size=key_pool.shape[1],
@@ -466,6 +499,8 @@ def paged_attention(
     alibi_slopes: Float[Array, "N"] | None = None,
     relative_bias: RelativeBias | None = None,
     sinks: Float[Array, "N"] | None = None,
+    key_scale: Float[Array, "P K page"] | None = None,
+    value_scale: Float[Array, "P K page"] | None = None,
 ) -> Float[Array, "B T N h"] | Float[Array, "B N h"]:
   """Attention of each sequence's newest ``T`` tokens over its paged keys and values.
 
@@ -507,6 +542,10 @@ def paged_attention(
       ``"xla"`` implementation only (None picks it; a kernel name is refused).
     sinks: ``[N]`` attention-sink logits, as ``dot_product_attention``'s (the kernels add them
       in their combine step, as one more split-KV partition).
+    key_scale: with int8 / float8_e4m3fn pools (a quantized ``PagedKVCache``), their fp32
+      scales ``[P, K, page]`` (one per token and KV head; ``value_scale`` the values'): key
+      ``j`` is ``codes_j * key_scale_j``.  The kernels read the codes (half a bf16 pool's bytes)
+      and fold the scales in: ``s_k (q . k)`` and ``(p * s_v) @ v``.
 
   Returns:
     ``[B, T, N, h]`` (``[B, N, h]`` for a 3-D query) in the query dtype.
@@ -515,9 +554,12 @@ def paged_attention(
   h = q.shape[3]
   window = check_window(local_window_size)
   kh, scale, logits_soft_cap = _check_gqa(q, key_pool, value_pool, page_table, lengths, scale,
-                                          logits_soft_cap, num_splits, window, num_tokens)
+                                          logits_soft_cap, num_splits, window, num_tokens,
+                                          key_scale, value_scale)
+  extra_q = {} if key_scale is None else dict(key_scale=key_scale, value_scale=value_scale)
   num_tokens = check_num_tokens(num_tokens, q.shape[0], q.shape[1], lengths)
-  extra = dict(local_window_size=window, alibi_slopes=check_slopes(alibi_slopes, q.shape[2]))
+  extra = dict(local_window_size=window, alibi_slopes=check_slopes(alibi_slopes, q.shape[2]),
+               **extra_q)
   relative_bias = check_relative_bias(relative_bias, q.shape[2])
   if relative_bias is not None:
     if implementation not in (None, "xla"):

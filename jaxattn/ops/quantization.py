@@ -110,3 +110,50 @@ def fake_quantize(x: Float[Array, "... d"], fmt: QuantFormat, *, block_size: int
     return dequantize(*quantize_int8(x, block_size=block_size))
   return dequantize(*quantize_fp8(x, block_size=block_size if block_size is not None else
                                   min(128, x.shape[-1])))
+
+
+# -- quantized KV caches ---------------------------------------------------------------------------
+
+# Storage dtypes of a quantized KV cache: codes in one byte, one fp32 scale per token and KV head.
+KV_QUANT_DTYPES: tuple = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+
+
+def kv_quantized(dtype) -> bool:
+  """Whether ``dtype`` (a cache's storage dtype) asks for quantized keys and values: ``int8`` or
+  ``float8_e4m3fn``, each stored with a scale per token and KV head (``quantize_kv``)."""
+  try:
+    return jnp.dtype(dtype) in KV_QUANT_DTYPES
+  except TypeError:
+    return False
+
+
+def check_cache_dtype(dtype, where: str):
+  """``dtype`` as a ``jnp.dtype`` when it is a float dtype or one of ``KV_QUANT_DTYPES``;
+  otherwise a ``ValueError`` naming ``where``."""
+  try:
+    dt = jnp.dtype(dtype)
+  except TypeError:
+    dt = None
+  if dt is None or not (jnp.issubdtype(dt, jnp.floating) or dt in KV_QUANT_DTYPES):
+    raise ValueError(f"{where}: `dtype` must be a float dtype, or int8 / float8_e4m3fn for a "
+                     f"quantized cache, got {dtype!r}.")
+  return dt
+
+
+@functools.partial(jax.jit, static_argnames=("dtype",))
+def quantize_kv(x: Float[Array, "... H"], dtype) -> tuple[Array, Float[Array, "..."]]:
+  """``x [..., H]`` (a token's key or value in one KV head) as ``(codes [..., H] dtype, scale
+  [...] fp32)``, ``x ~= codes * scale``: symmetric INT8 (``dtype=int8``) or FP8 e4m3
+  (``float8_e4m3fn``) with one scale per row, ``amax / 127`` or ``amax / 448``.  The cache stores
+  the codes (one byte per entry) and the scales (4 bytes per token and head), and the decode
+  paths fold the scales into the logits and the probabilities instead of dequantizing:
+  ``q . (s_k k) = s_k (q . k)`` and ``sum_j p_j s_vj v_j = (p * s_v) @ v``."""
+  dt = jnp.dtype(dtype)
+  if dt == jnp.int8:
+    codes, scale = quantize_int8(x)
+  elif dt == jnp.float8_e4m3fn:
+    codes, scale = quantize_fp8(x, block_size=None)
+  else:
+    raise ValueError(f"quantize_kv: `dtype` must be one of {[str(d) for d in KV_QUANT_DTYPES]}, "
+                     f"got {dtype!r}.")
+  return codes, scale[..., 0]

@@ -64,10 +64,12 @@ def dot_t(a, b):
   return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
 
 
-def online_softmax_update(m_ref, l_ref, acc_ref, logits, valid, value):
+def online_softmax_update(m_ref, l_ref, acc_ref, logits, valid, value, value_scale=None):
   """Folds one block into the running ``(m, l, acc)``: ``logits [R, S]`` fp32, ``valid`` broadcast
   to ``[R, S]``, ``value [S, h]`` fp32 (or narrower: the probabilities are then rounded to its
-  dtype for the matmul, accumulated in fp32); refs are ``[R, 1]``, ``[R, 1]``, ``[R, h]`` views."""
+  dtype for the matmul, accumulated in fp32); refs are ``[R, 1]``, ``[R, 1]``, ``[R, h]`` views.
+  ``value_scale [1, S]`` (quantized values, ``value`` their codes): the probabilities times it
+  before the matmul, ``sum_j p_j s_j v_j``; the normalizer counts them unscaled."""
   logits = jnp.where(valid, logits, -jnp.inf)
   m_prev = m_ref[...]
   m_new = jnp.maximum(m_prev, jnp.max(logits, axis=-1, keepdims=True))
@@ -75,6 +77,8 @@ def online_softmax_update(m_ref, l_ref, acc_ref, logits, valid, value):
   alpha = jnp.exp(m_prev - m_safe)                    # 0 while m_prev = -inf
   p = jnp.exp(logits - m_safe)                        # 0 on invalid entries
   l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=-1, keepdims=True)
+  if value_scale is not None:
+    p = p * value_scale
   if jnp.finfo(value.dtype).bits < 32:
     p = p.astype(value.dtype)
   acc_ref[...] = alpha * acc_ref[...] + jax.lax.dot_general(
@@ -111,10 +115,14 @@ def combine(out: Float[Array, "B S ... h"], lse: Float[Array, "B S ... 1"], sink
   return jnp.where(total != 0, merged / jnp.where(total != 0, total, 1.0), 0.0)
 
 
-def head_args(alibi_slopes, sinks) -> tuple:
+def head_args(alibi_slopes, sinks, key_scale=None, value_scale=None) -> tuple:
   """The per-head arrays of a decode call as ``shard_map`` arguments (split with the heads):
   ``(slopes,)``, or ``()`` without ALiBi; with ``sinks`` always ``(slopes, sinks)``, an absent
-  one as an empty array (``present``)."""
+  one as an empty array (``present``); with the scales of quantized pools (``[P, K, page]``)
+  always ``(slopes, sinks, key_scale, value_scale)``."""
+  if key_scale is not None:
+    return head_args(alibi_slopes, jnp.zeros((0,), _F32) if sinks is None else sinks) + (
+        key_scale, value_scale)
   if sinks is None:
     return slopes_arg(alibi_slopes)
   empty = jnp.zeros((0,), _F32)
@@ -248,9 +256,11 @@ def grid_ids(split_first: bool):
 # -- the kernel --------------------------------------------------------------------------------
 
 def _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale, soft_cap, num_t, groups,
-            pages_per_split, split_first, window, alibi):
-  slope_ref, (o_ref, lse_ref, m_ref, l_ref, acc_ref) = (refs[0], refs[1:]) if alibi else (None,
-                                                                                          refs)
+            pages_per_split, split_first, window, alibi, quantized):
+  refs = list(refs)
+  slope_ref = refs.pop(0) if alibi else None
+  ks_ref, vs_ref = (refs.pop(0), refs.pop(0)) if quantized else (None, None)  # [K, page] fp32
+  o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
   b, i, s, j = grid_ids(split_first)
   page_size, num_kv = k_ref.shape[0], q_ref.shape[0]
   rows, h, hv = q_ref.shape[1], q_ref.shape[2], acc_ref.shape[2]          # rows: a block of T*G
@@ -273,6 +283,8 @@ def _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale, soft_cap, nu
     # Slots past the length hold stale data (a freed sequence's, or anything): zero their values
     # so that 0 * NaN cannot reach the accumulator.
     live = (start + jax.lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)) < length  # [page, 1]
+    if quantized:   # the same as a row of the page's tokens, as the scales lie
+      live_row = (start + jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)) < length
     for kv in range(num_kv):                                               # static: K is small
       q = q_ref[kv].astype(_F32)                                           # [rows, H]
       if merged:
@@ -281,12 +293,16 @@ def _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale, soft_cap, nu
         k, v = k_ref[:, kv, :], v_ref[:, kv, :]
       k = k.astype(_F32)
       logits = dot_t(q, k) * scale                                         # [rows, page]
+      value_scale = None
+      if quantized:   # codes: key j is k_j * s_j, so its logits are s_j (q . k_j)
+        logits = logits * ks_ref[kv:kv + 1, :]
+        value_scale = jnp.where(live_row, vs_ref[kv:kv + 1, :], 0.0)    # stale slots: no NaN
       if alibi:                                       # slope * (j - i), per query row's head
         logits += slope_ref[kv] * (kv_pos - q_pos).astype(_F32)
       if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
       online_softmax_update(m_ref.at[kv], l_ref.at[kv], acc_ref.at[kv], logits, valid,
-                            jnp.where(live, v.astype(_F32), 0.0))
+                            jnp.where(live, v.astype(_F32), 0.0), value_scale)
 
   @pl.when(j == pages_per_split - 1)
   def store():
@@ -297,12 +313,14 @@ def _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale, soft_cap, nu
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "num_splits", "block_rows",
                                              "interpret", "cores", "window"))
-def _local(q, key_pool, value_pool, page_table, lengths, slopes=None, sinks=None, *, scale,
-           soft_cap, num_splits, block_rows=None, interpret=None, cores=1, window=None):
+def _local(q, key_pool, value_pool, page_table, lengths, slopes=None, sinks=None, key_scale=None,
+           value_scale=None, *, scale, soft_cap, num_splits, block_rows=None, interpret=None,
+           cores=1, window=None):
   """One device's call: ``q [B, T, N, H]`` over merged pools ``[P, page, K * H|h]`` or split
   ones ``[P, page, K, H|h]``, each read in place in its own layout -> ``[B, T, N, h]``.
   ``slopes [N]`` (ALiBi), ``sinks [N]`` (attention sinks, applied in the combine step) or None
-  (or empty); ``window`` a sliding window or None."""
+  (or empty); ``key_scale`` / ``value_scale [P, K, page]`` with quantized pools (their codes'
+  scales, read page by page beside them); ``window`` a sliding window or None."""
   slopes, sinks = present(slopes), present(sinks)
   b, t, n, h = q.shape
   page_size = key_pool.shape[1]
@@ -331,7 +349,7 @@ def _local(q, key_pool, value_pool, page_table, lengths, slopes=None, sinks=None
 
   kernel = functools.partial(_kernel, scale=float(scale), soft_cap=soft_cap, num_t=t, groups=g,
                              pages_per_split=pps, split_first=split_first, window=window,
-                             alibi=slopes is not None)
+                             alibi=slopes is not None, quantized=key_scale is not None)
   order = functools.partial(grid_order, split_first, (b, padded // rb, splits, pps))
   grid, q_map = order(lambda bi, ii, si, ji, *_: (bi, 0, ii, 0))
   page_map = order(kv_map)[1]
@@ -343,6 +361,9 @@ def _local(q, key_pool, value_pool, page_table, lengths, slopes=None, sinks=None
   if slopes is not None:     # ALiBi: each query row's slope, [K, T*G, 1] rows (t, g)
     extra_args.append(row_slopes(slopes, kh, g, t, padded)[:, :, None])
     extra_specs.append(pl.BlockSpec((kh, rb, 1), order(lambda bi, ii, si, ji, *_: (0, ii, 0))[1]))
+  if key_scale is not None:  # the page's scales [K, page], fetched with its codes
+    extra_args += [key_scale, value_scale]
+    extra_specs += [pl.BlockSpec((None, kh, page_size), page_map)] * 2
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=2,
       grid=grid,
@@ -383,7 +404,8 @@ def run_sharded_gqa(local, args, mesh):
   def specs(mesh):
     bax, hax = sharded.plan_specs(mesh, query.shape[0], query.shape[2], kv_heads)
     pool = P(None, None, hax, None) if key_pool.ndim == 4 else P(None, None, hax)
-    ins = (P(bax, None, hax, None), pool, pool, P(bax, None), P(bax), P(hax), P(hax))
+    ins = (P(bax, None, hax, None), pool, pool, P(bax, None), P(bax), P(hax), P(hax),
+           P(None, hax, None), P(None, hax, None))
     return ins[:len(args)], P(bax, None, hax, None)
 
   return sharded.run_sharded(local, args, mesh, specs)
@@ -404,6 +426,8 @@ def paged_attention_tpu(
     local_window_size: int | None = None,
     alibi_slopes: Float[Array, "N"] | None = None,
     sinks: Float[Array, "N"] | None = None,
+    key_scale: Float[Array, "P K page"] | None = None,
+    value_scale: Float[Array, "P K page"] | None = None,
 ) -> Float[Array, "B T N h"]:
   """``jaxattn.ops.decode.paged_attention`` as a Pallas kernel (arguments checked there).
 
@@ -425,7 +449,9 @@ def paged_attention_tpu(
   only the pages its own tokens can see (causal, and with ``local_window_size`` from the first
   page of its window: the page grid axis then spans the window, not the sequence).
   ``alibi_slopes [N]`` add ``slope * (j - i)`` in the kernel; ``sinks [N]`` (attention sinks)
-  enter the combine step as one more partition.
+  enter the combine step as one more partition.  Quantized pools (int8 / float8_e4m3fn codes)
+  come with ``key_scale`` / ``value_scale [P, K, page]``: each page's scales are fetched beside
+  its codes, the logits multiplied by the keys' and the probabilities by the values'.
   """
   check_num_splits(num_splits)
   check_block_rows(block_rows)
@@ -433,7 +459,8 @@ def paged_attention_tpu(
                             block_rows=block_rows, interpret=interpret, cores=tensorcores(),
                             window=local_window_size)
   args = (query, key_pool, value_pool, page_table, lengths)
-  return run_sharded_gqa(local, args + head_args(alibi_slopes, sinks), mesh)
+  return run_sharded_gqa(local, args + head_args(alibi_slopes, sinks, key_scale, value_scale),
+                         mesh)
 
 
 def row_slopes(slopes, kv_heads: int, groups: int, num_t: int, rows: int):

@@ -359,9 +359,12 @@ def test_dispatch_and_errors():
   # integer queries gave truncated integer outputs; an int8 / bool pool was read as raw numbers
   for i, name in ((0, "q"), (1, "key_pool"), (2, "value_pool")):
     bad = [q, *args[:2]]
-    bad[i] = bad[i].astype(jnp.int8 if i else jnp.int32)
+    bad[i] = bad[i].astype(jnp.int32)
     with pytest.raises(ValueError, match=f"`{name}` must be a floating-point array"):
       paged_attention(*bad, *args[2:])
+  # int8 pools are quantized codes: they need their scales (tests/ops/test_kv_quant.py)
+  with pytest.raises(ValueError, match="`key_scale` and `value_scale` must be given exactly"):
+    paged_attention(q, args[0].astype(jnp.int8), args[1].astype(jnp.int8), *args[2:])
   lat, _, _ = latent_cache()
   largs = (lat.c_kv_pool, lat.k_rope_pool, lat.page_table, lat.lengths)
   ql, qr = jnp.ones((len(LENGTHS), 3, 12)), jnp.ones((len(LENGTHS), 3, 4))
