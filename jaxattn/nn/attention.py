@@ -181,7 +181,8 @@ class Attention(nnx.Module):
                        max_pages_per_seq: int | None = None, dtype=None) -> PagedKVCache:
     """An empty paged cache (``jaxattn.paged_cache``): a pool of ``num_pages`` pages of
     ``page_size`` tokens shared by ``batch`` sequences of ragged lengths (a sliding-window layer
-    marks it with its window: the pages behind it can be released)."""
+    marks it with its window: the pages behind it can be released).  ``dtype`` int8 or
+    float8_e4m3fn: quantized keys and values, a scale per token and KV head."""
     dtype = dtype or self.dtype or jnp.float32
     return PagedKVCache.init(batch, num_pages, page_size, self.num_kv_heads, self.head_dim,
                              self.v_head_dim, max_pages_per_seq=max_pages_per_seq, dtype=dtype,
@@ -221,7 +222,8 @@ class Attention(nnx.Module):
                           scale=self.attention_scale, logits_soft_cap=self.logits_soft_cap,
                           implementation=impl, num_tokens=num_tokens,
                           local_window_size=self.sliding_window, alibi_slopes=self._slopes(),
-                          relative_bias=rel, sinks=self._sinks())
+                          relative_bias=rel, sinks=self._sinks(), key_scale=cache.key_scale_pool,
+                          value_scale=cache.value_scale_pool)
     y = shard(self.o_proj(self._gate(x, out.astype(q.dtype))), ("batch", "length", "act_embed"))
     return nan_where_dropped(y, old_lengths, cache.lengths, t, num_tokens), cache
 

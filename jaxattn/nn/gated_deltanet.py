@@ -34,6 +34,7 @@ from jaxattn.ops.decode import check_num_tokens
 from jaxattn.ops.delta_rule import (IMPLEMENTATIONS, gated_delta_rule, l2_normalize,
                                     segment_resets)
 from jaxattn.ops.norms import rms_norm
+from jaxattn.ops.quantization import kv_quantized
 from jaxattn.sharding import shard
 
 
@@ -270,6 +271,8 @@ class GatedDeltaNet(nnx.Module):
     """An empty decode cache.  ``max_len`` is accepted for interface parity with attention caches
     and ignored: the state does not grow."""
     del max_len
+    if dtype is not None and kv_quantized(dtype):   # a quantized KV cache for attention layers:
+      dtype = None                                  # no bearing on a recurrent state
     dtype = dtype or self.dtype or jnp.float32
     return DeltaNetCache.init(batch, self.num_heads, self.num_key_heads, self.head_dim,
                               self.v_head_dim, self.conv_kernel_size, dtype)
