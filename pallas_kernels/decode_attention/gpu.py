@@ -30,6 +30,12 @@ power of two are zero-padded, which copies the pools: fine for tests, slow for s
 H in {16, 32, 64, 128, 256}.  Slots past a sequence's length inside its last block may hold stale
 data (even NaN): masked loads read them as zeros, and their logits are masked.
 
+Quantized pools (int8 / float8_e4m3fn codes with fp32 scales ``[P, K, page]``, one per token and
+KV head): a key block's ``[block_k]`` scales are loaded beside its codes (masked alike: a stale
+slot's scale reads as zero), the codes widened to the query's dtype (fp32 under an fp32 query)
+for the dots, the logits multiplied by the keys' scales, ``s_k (q . k)``, and the probabilities
+by the values' before ``p @ v`` (the softmax normalizer sums them unscaled).
+
 ``num_splits=None`` picks ``clamp(ceil(2 * SMs / (B * K)), 1, max(1, M * page // 256))``
 partitions (``M`` = pages per sequence, ``SMs`` the device's multiprocessor count, 132 when
 unknown): about two programs per SM, so that small batches still fill the GPU, but no partition
@@ -154,6 +160,20 @@ def load_rows(ref, page, off, block_k: int, live):
                     other=0.0)
 
 
+def load_scales(ref, page, off, block_k: int, live):
+  """``ref[page, off : off + block_k]`` (a quantized pool's fp32 scales ``[P, page]`` of one KV
+  head) with the slots where ``live [block_k]`` is False read as zeros: a stale slot's scale (any
+  number, even NaN) cannot reach the result."""
+  return plgpu.load(ref.at[page, pl.ds(off, block_k)], mask=live, other=0.0)
+
+
+def code_dtype(query_dtype):
+  """The dtype quantized codes (int8, float8_e4m3fn) are widened to for the dots: the query's
+  when it is a 16-bit float (exact: every int8 and e4m3 value is a bf16 / fp16 number), else
+  fp32.  The dots accumulate in fp32 either way."""
+  return query_dtype if jnp.finfo(query_dtype).bits < 32 else _F32
+
+
 def dot_nt(a, b):
   """``a @ b.T`` in fp32, ``a [rows, H]``, ``b [bk, H]``.  Triton's dot takes operands of one
   dtype: the narrower is widened (an fp32 query over a bf16 cache, or the reverse)."""
@@ -161,17 +181,22 @@ def dot_nt(a, b):
   return plgpu.dot(a.astype(dt), b.astype(dt), trans_b=True)
 
 
-def online_step(carry, logits, value):
+def online_step(carry, logits, value, value_scale=None):
   """One online-softmax step: ``logits [rows, bk]`` fp32 (masked entries ``-inf``), ``value
-  [bk, h]``; carry ``(acc [rows, h], m [rows], l [rows])`` fp32."""
+  [bk, h]``; carry ``(acc [rows, h], m [rows], l [rows])`` fp32.  ``value_scale [bk]`` (quantized
+  values, ``value`` their codes): the probabilities times it before the matmul, ``sum_j p_j s_j
+  v_j``; the normalizer counts them unscaled."""
   acc, m, l = carry
   m_next = jnp.maximum(m, jnp.max(logits, axis=1))
   m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # nothing seen yet: keep exp() finite
   p = jnp.exp(logits - m_safe[:, None])
   alpha = jnp.exp(m - m_safe)
+  l = l * alpha + jnp.sum(p, axis=1)
+  if value_scale is not None:
+    p = p * value_scale[None, :]
   pv_dtype = value.dtype if jnp.finfo(value.dtype).bits < 32 else _F32
   acc = acc * alpha[:, None] + plgpu.dot(p.astype(pv_dtype), value)
-  return acc, m_next, l * alpha + jnp.sum(p, axis=1)
+  return acc, m_next, l
 
 
 def finish(carry):
@@ -185,8 +210,11 @@ def finish(carry):
 # -- the kernel --------------------------------------------------------------------------------
 
 def _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale, soft_cap, num_t, groups,
-            pages_per_split, block_k, row_blocks, window, alibi):
-  slope_ref, (o_ref, lse_ref) = (refs[0], refs[1:]) if alibi else (None, refs)
+            pages_per_split, block_k, row_blocks, window, alibi, quantized):
+  refs = list(refs)
+  slope_ref = refs.pop(0) if alibi else None
+  ks_ref, vs_ref = (refs.pop(0), refs.pop(0)) if quantized else (None, None)  # [P, page] fp32
+  o_ref, lse_ref = refs
   b, kr, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   page_size = k_ref.shape[1]
   rows = q_ref.shape[0]
@@ -210,7 +238,13 @@ def _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale, soft_cap, nu
     live = (kv_pos < length)[:, None]
     k = load_rows(k_ref, page, off, block_k, live)                   # [bk, Hp]
     v = load_rows(v_ref, page, off, block_k, live)                   # [bk, hp]
+    value_scale = None
+    if quantized:                                  # one-byte codes, widened for the dots
+      k, v = k.astype(code_dtype(q.dtype)), v.astype(code_dtype(q.dtype))
     logits = dot_nt(q, k) * scale                                    # [rows, bk] fp32
+    if quantized:                # key j is k_j * s_j: its logits are s_j (q . k_j)
+      logits = logits * load_scales(ks_ref, page, off, block_k, live[:, 0])[None, :]
+      value_scale = load_scales(vs_ref, page, off, block_k, live[:, 0])  # [bk]
     if alibi:                                                        # slope * (j - i)
       logits += slopes * (kv_pos[None, :] - q_pos).astype(_F32)
     if soft_cap is not None:
@@ -218,7 +252,7 @@ def _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale, soft_cap, nu
     valid = (kv_pos[None, :] < length) & (kv_pos[None, :] <= q_pos)
     if window is not None:
       valid &= kv_pos[None, :] >= q_pos - window
-    return online_step(carry, jnp.where(valid, logits, -jnp.inf), v)
+    return online_step(carry, jnp.where(valid, logits, -jnp.inf), v, value_scale)
 
   init = (jnp.zeros((rows, o_ref.shape[-1]), _F32), jnp.full((rows,), -jnp.inf, _F32),
           jnp.zeros((rows,), _F32))
@@ -246,9 +280,9 @@ def gpu_block_rows(rows: int, block_rows: int | None) -> int:
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "num_splits", "block_k",
                                              "block_rows", "num_warps", "num_stages",
                                              "interpret", "window"))
-def _call(q, key_pool, value_pool, page_table, lengths, slopes=None, sinks=None, *, scale,
-          soft_cap, num_splits, block_k, block_rows, num_warps, num_stages, interpret,
-          window=None):
+def _call(q, key_pool, value_pool, page_table, lengths, slopes=None, sinks=None, key_scale=None,
+          value_scale=None, *, scale, soft_cap, num_splits, block_k, block_rows, num_warps,
+          num_stages, interpret, window=None):
   slopes, sinks = present(slopes), present(sinks)
   b, t, n, h = q.shape
   num_pages, page_size, kh, hv = value_pool.shape
@@ -268,7 +302,7 @@ def _call(q, key_pool, value_pool, page_table, lengths, slopes=None, sinks=None,
   key_pool, value_pool = pad_last(key_pool, hp), pad_last(value_pool, vp)  # copies unless pow2
   kernel = functools.partial(_kernel, scale=float(scale), soft_cap=soft_cap, num_t=t, groups=g,
                              pages_per_split=pps, block_k=block_k, row_blocks=nrb, window=window,
-                             alibi=slopes is not None)
+                             alibi=slopes is not None, quantized=key_scale is not None)
   lens = pad_lengths(lengths)
   # Grid axis 1 enumerates (KV head, row block): program kr serves head kr // nrb.
   pool_map = lambda bi, kr, si: (0, 0, kr // nrb, 0)  # noqa: E731
@@ -276,6 +310,10 @@ def _call(q, key_pool, value_pool, page_table, lengths, slopes=None, sinks=None,
   if slopes is not None:     # ALiBi: each query row's slope, [K, rows] rows (t, g)
     extra_args.append(row_slopes(slopes, kh, g, t, rows))
     extra_specs.append(pl.BlockSpec((None, rb), lambda bi, kr, si: (kr // nrb, kr % nrb)))
+  if key_scale is not None:  # quantized pools: KV head k's scales [P, page], read beside its codes
+    extra_args += [key_scale, value_scale]
+    extra_specs += [pl.BlockSpec((num_pages, None, page_size),
+                                 lambda bi, kr, si: (0, kr // nrb, 0))] * 2
   out, lse = pl.pallas_call(
       kernel,
       grid=(b, kh * nrb, splits),
@@ -322,6 +360,8 @@ def paged_attention_gpu(
     local_window_size: int | None = None,
     alibi_slopes: Float[Array, "N"] | None = None,
     sinks: Float[Array, "N"] | None = None,
+    key_scale: Float[Array, "P K page"] | None = None,
+    value_scale: Float[Array, "P K page"] | None = None,
 ) -> Float[Array, "B T N h"]:
   """``jaxattn.ops.decode.paged_attention`` as a Pallas Triton kernel (shapes checked there).
 
@@ -348,6 +388,9 @@ def paged_attention_gpu(
       step as one more partition).  With a window a program loads only
       the key blocks from its rows' window on, and the split-KV partitions cover the window's
       pages, not the sequence's.
+    key_scale, value_scale: with quantized pools (int8 / float8_e4m3fn codes), their fp32 scales
+      ``[P, K, page]``, as ``paged_attention``: each key block's scales are loaded beside its
+      codes, the logits multiplied by the keys' and the probabilities by the values'.
 
   Returns:
     ``[B, T, N, h]`` in the query dtype.
@@ -384,7 +427,8 @@ def paged_attention_gpu(
                  interpret=interpret, window=local_window_size)
 
   args = (query, key_pool, value_pool, page_table.astype(jnp.int32), lengths.astype(jnp.int32))
-  return run_sharded_gqa(local, args + head_args(alibi_slopes, sinks), mesh)
+  return run_sharded_gqa(local, args + head_args(alibi_slopes, sinks, key_scale, value_scale),
+                         mesh)
 
 
 __all__ = ["auto_splits", "paged_attention_gpu"]

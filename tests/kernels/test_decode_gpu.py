@@ -6,8 +6,9 @@ compiled kernels (``interpret=None`` picks the hardware when present).  Covered:
 (including 0, lengths that are not multiples of the key block, a full cache), several new tokens
 (the causal rule), fp32 and bf16, GQA groups 1 / 4 / 8 and MQA, MLA with a head count that is not a
 multiple of the head block, sliding windows (the pages before a window not read) and ALiBi,
-sparse (DSA) MLA == the gather reference, stale (NaN) slots never
-reaching the result, lowering to Triton IR, and the errors.
+sparse (DSA) MLA == the gather reference, quantized (int8 / fp8 e4m3) pools with per-token scales
+== the XLA path on the same codes, stale (NaN) slots never reaching the result, lowering to
+Triton IR, and the errors.
 
 Tolerances: fp32 on CPU only the summation order differs (1e-5 of the output scale); on GPU
 hardware fp32 dots run in TF32 (5e-3; a wrong page or partition errs by O(1)).  bf16: bf16
@@ -23,6 +24,7 @@ import pytest
 
 from jaxattn.ops.decode import paged_attention, paged_mla_decode, resolve_implementation
 from jaxattn.paged_cache import PagedKVCache, PagedLatentCache
+from jaxattn.testing import scrambled_paged_cache
 from pallas_kernels.decode_attention import gpu as gqa_gpu
 from pallas_kernels.decode_attention import paged_attention_gpu
 from pallas_kernels.mla_decode import paged_mla_decode_gpu
@@ -161,6 +163,59 @@ def test_gqa_row_blocks_of_a_prefill(dtype):
     np.testing.assert_array_equal(np.asarray(got[3, :4], np.float32), 0.0)
   assert gqa_gpu.gpu_block_rows(4, None) == 16 and gqa_gpu.gpu_block_rows(2048, None) == 64
   assert gqa_gpu.gpu_block_rows(36, 128) == 64
+
+
+def quant_cache(lengths, kh, dtype, h=16, hv=32, page=16, max_pages=4, seed=0):
+  """A quantized ``PagedKVCache`` (``dtype`` int8 or float8_e4m3fn codes, fp32 scales) whose
+  float pools -- the scales, and fp8 codes -- are NaN in every slot that holds no token."""
+  b, s = len(lengths), max(max(lengths), 1)
+  cache = scrambled_paged_cache(PagedKVCache.init(b, b * max_pages + 3, page, kh, h, hv,
+                                                  max_pages_per_seq=max_pages, dtype=dtype),
+                                seed=seed)
+  rng = np.random.default_rng(seed)
+  key = jnp.asarray(rng.standard_normal((b, s, kh, h)), jnp.float32)
+  value = jnp.asarray(rng.standard_normal((b, s, kh, hv)), jnp.float32)
+  return cache.append(key, value, np.asarray(lengths))
+
+
+# Quantized pools: (code dtype, N, K, T, query dtype, soft cap, window, ALiBi + sinks).  int8 and
+# fp8 codes under fp32 and bf16 queries, GQA and MQA, several new tokens, a sliding window with
+# ALiBi and sinks; single pass and split-KV.  The kernel reads the same codes and scales as the
+# XLA path, so the tolerances are the unquantized ones.
+@pytest.mark.parametrize("codes,n,kh,t,dtype,cap,window,alibi", [
+    (jnp.int8, 8, 2, 1, jnp.float32, 2.0, None, False),
+    (jnp.float8_e4m3fn, 8, 2, 2, jnp.float32, None, 20, True),
+    (jnp.int8, 4, 1, 3, jnp.bfloat16, None, 7, True),
+    (jnp.float8_e4m3fn, 16, 2, 1, jnp.bfloat16, 1.5, None, False),
+])
+def test_gqa_quantized_pools(codes, n, kh, t, dtype, cap, window, alibi):
+  cache = quant_cache(LENGTHS, kh, codes)
+  # Stale slots hold NaN scales (and NaN fp8 codes): read, they would poison the result.
+  assert np.isnan(np.asarray(cache.value_scale_pool)).any()
+  if codes == jnp.float8_e4m3fn:
+    assert np.isnan(np.asarray(cache.key_pool, np.float32)).any()
+  q = normal((len(LENGTHS), t, n, 16), dtype, seed=4)
+  kw = dict(scale=0.4, logits_soft_cap=cap, local_window_size=window)
+  if alibi:
+    kw.update(alibi_slopes=jnp.asarray(np.linspace(0.05, 0.8, n), jnp.float32),
+              sinks=jnp.asarray(np.linspace(-1.0, 2.0, n), jnp.float32))
+  pools = dict(key_pool=cache.key_pool, value_pool=cache.value_pool,
+               key_scale=cache.key_scale_pool, value_scale=cache.value_scale_pool)
+  ref = paged_attention(q, **pools, page_table=cache.page_table, lengths=cache.lengths,
+                        implementation="xla", **kw)
+  if window is not None:   # the pages before every window: NaN codes and scales, not read
+    table, page = np.asarray(cache.page_table), cache.key_pool.shape[1]
+    dead = np.array([table[b, j] for b, length in enumerate(LENGTHS)
+                     for j in range(max(length - t - window, 0) // page)])
+    assert dead.size
+    pools = {k: v.at[dead].set(np.nan if k.endswith("scale") or codes != jnp.int8 else 0)
+             for k, v in pools.items()}
+  for splits in (1, 3):
+    got = paged_attention(q, **pools, page_table=cache.page_table, lengths=cache.lengths,
+                          implementation="pallas_gpu", num_splits=splits, **kw)
+    assert got.shape == (len(LENGTHS), t, n, 32) and got.dtype == dtype
+    assert_close(got, ref, tol(dtype), f"{jnp.dtype(codes).name}, splits={splits}")
+    np.testing.assert_array_equal(np.asarray(got[1], np.float32), 0.0)  # empty sequence
 
 
 def test_gqa_dispatch_with_automatic_splits():
@@ -318,6 +373,16 @@ def test_kernels_lower_to_triton(cuda_target):
        (bf16(b, 16, 512), bf16(b, 16, 64), f32(pages, page, 512), f32(pages, page, 64), table,
         lens, jax.ShapeDtypeStruct((b, 256), jnp.int32))),
   ]
+  # Quantized pools (merged [P, page, K * H] codes, as a PagedKVCache stores them, with fp32
+  # scales [P, K, page]): int8 under a bf16 query, fp8 e4m3 under an fp32 one with a window.
+  def quant(q, k, v, t, n, ks, vs):
+    return paged_attention(q, k, v, t, n, implementation="pallas_gpu", key_scale=ks,
+                           value_scale=vs, local_window_size=100, interpret=False)
+
+  scales = (f32(pages, 8, page), f32(pages, 8, page))
+  for q, codes in ((bf16(b, 1, 32, 128), jnp.int8), (f32(b, 2, 32, 128), jnp.float8_e4m3fn)):
+    pool = jax.ShapeDtypeStruct((pages, page, 8 * 128), codes)
+    cases.append(("jaxattn_paged_decode_gpu", quant, (q, pool, pool, table, lens, *scales)))
   for name, f, args in cases:
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert name in text

@@ -5,7 +5,8 @@ Interpret mode on the 8 simulated CPU devices (``tests/conftest.py``).  Covered:
 the unsharded XLA formulas for GQA, MQA and MLA (dense and sparse); each device's ``pallas_call``
 sees its local shard (batch over ``data``, GQA KV heads / MLA query heads over ``tensor``), with the
 automatic split count chosen from the local sizes; a batch (or KV head count) that does not divide
-stays whole, as in the TPU wrappers; sparse MLA split-KV == single pass == the gather reference,
+stays whole, as in the TPU wrappers; quantized (int8) pools with their scales split over the
+KV heads with the pools; sparse MLA split-KV == single pass == the gather reference,
 with empty partitions, the automatic rule, and lowering to Triton IR (also under a mesh).
 
 An interpreted kernel can be partitioned by XLA like any JAX code, so equal values alone would not
@@ -24,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxattn import sharding
 from jaxattn.ops.decode import paged_attention, paged_mla_decode
 from jaxattn.paged_cache import PagedKVCache, PagedLatentCache
+from jaxattn.testing import scrambled_paged_cache
 from pallas_kernels.decode_attention import gpu as gqa_gpu
 from pallas_kernels.decode_attention import paged_attention_gpu
 from pallas_kernels.mla_decode import paged_mla_decode_gpu
@@ -176,6 +178,35 @@ def test_gqa_explicit_mesh_mqa_and_ragged_batch(mesh):
   assert_close(f(*args4), _gqa(q4, cache4, implementation="xla"), BF16_TOL, "MQA, batch 4")
   (grid, _), = pallas_calls(f, *args4)
   assert grid == (2, 1, 2)
+
+
+def test_gqa_sharded_quantized_pools(mesh):
+  """int8 codes with fp32 scales ``[P, K, page]`` (NaN in every slot that holds no token) under
+  ``mesh=``: batch 4 over data=2, KV heads 4 over tensor=4, the scales split over the KV heads
+  with the pools (each device reads its own head's); without ALiBi and sinks (their empty
+  stand-ins travel through ``shard_map``) and with both."""
+  lengths, kh = (37, 0, 16, 64), 4
+  cache = scrambled_paged_cache(PagedKVCache.init(4, 18, PAGE, kh, 16, 16, max_pages_per_seq=4,
+                                                  dtype=jnp.int8), seed=3)
+  rng = np.random.default_rng(4)
+  cache = cache.append(jnp.asarray(rng.standard_normal((4, 64, kh, 16)), jnp.float32),
+                       jnp.asarray(rng.standard_normal((4, 64, kh, 16)), jnp.float32),
+                       np.asarray(lengths))
+  q = normal((4, 1, 8, 16), jnp.float32, 5)
+  args = (q, cache.key_pool, cache.value_pool, cache.page_table, cache.lengths)
+  scales = dict(key_scale=cache.key_scale_pool, value_scale=cache.value_scale_pool)
+  heads = dict(alibi_slopes=jnp.asarray(np.linspace(0.05, 0.8, 8), jnp.float32),
+               sinks=jnp.asarray(np.linspace(-1.0, 2.0, 8), jnp.float32))
+  for kw in ({}, heads):
+    ref = paged_attention(*args, scale=0.25, implementation="xla", **scales, **kw)
+    f = lambda *a, kw=kw: paged_attention_gpu(*a, scale=0.25, num_splits=2, mesh=mesh,  # noqa: E731
+                                              **scales, **kw)
+    got = f(*args)
+    assert_close(got, ref, F32_TOL, f"int8, ALiBi and sinks: {bool(kw)}")
+    np.testing.assert_array_equal(np.asarray(got[1]), 0.0)
+    (grid, shapes), = pallas_calls(f, *args)
+    assert grid == (2, 1, 2)                                # local batch 2, one KV head
+    assert shapes[-2] == shapes[-1] == (18, 1, PAGE)        # the local scales [P, K, page]
 
 
 def test_automatic_splits_use_local_sizes(mesh, monkeypatch):
