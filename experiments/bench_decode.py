@@ -2,6 +2,7 @@
 
     python -m experiments.bench_decode [--kind gqa,mla] [--contexts 1024,4096] [--batches 1,4]
                                        [--impls contiguous,xla_paged] [--dtype bfloat16]
+                                       [--kv-quant none,int8,fp8]
                                        [--page-size 64] [--splits N] [--repeats 5]
                                        [--copy-mb 256] [--out runs/bench_decode]
                                        [--check | --check-only]
@@ -17,6 +18,13 @@ layer's attention core, projections excluded:
   ``2 N (2C + R) / ((C + R) bytes)`` = 1.9 N FLOP per cached byte in bf16, 30 at N = 16).  With
   all 128 heads on one device it is ~240 FLOP/byte, above an H200's bf16 ridge point (~200):
   compute-bound, so a bandwidth percentage means little there.
+
+``--kv-quant int8,fp8`` adds each implementation's rows over a quantized GQA cache (``+int8``,
+``+fp8``: one-byte codes with a fp32 scale per token and KV head, as ``PagedKVCache(dtype=
+jnp.int8)`` / ``KVCache`` hold them; ``none`` is the ``--dtype`` cache).  Their bandwidth counts
+the bytes they read (codes and scales: ``K * 2 (H + 4)`` per token), their ``x contig`` the float
+cache's contiguous row: the speed-up a quantized cache buys.  The contiguous XLA row of a
+quantized cache dequantizes it whole first (what ``KVCache.split_heads`` feeds the dense path).
 
 Implementations (``--impls``):
 
@@ -73,6 +81,7 @@ from experiments.timing import (AUTO, best_time, compile_timed, error_text, peak
 from jaxattn.ops.attention import dot_product_attention
 from jaxattn.ops.decode import (cache_attention, cache_mla_decode, paged_attention,
                                 paged_mla_decode)
+from jaxattn.ops.quantization import quantize_kv
 from jaxattn.paged_cache import default_rope_align, stored_rope_width
 from pallas_kernels.decode_attention import paged_attention_gpu
 from pallas_kernels.mla_decode import paged_mla_decode_gpu
@@ -116,8 +125,74 @@ def _pools(rng, b, s, page, shapes, dtype):
   return pools, flats, table
 
 
+KV_QUANT = {"none": None, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+
+
+def label(impl: str, quant: str) -> str:
+  """A row's implementation name: ``impl``, or ``impl+int8`` / ``impl+fp8`` over a quantized
+  cache."""
+  return impl if quant == "none" else f"{impl}+{quant}"
+
+
+def _quantized(pool, flat, table, kh, dt):
+  """A pool and its contiguous cache as codes with scales, in ``PagedKVCache`` / ``KVCache``
+  layouts: ``(codes pool, scales [P, 1, K * page], codes [B, S, K, H], scales [B, K, S])``."""
+  page = pool.shape[1]
+  codes, scale = quantize_kv(flat.astype(jnp.float32), dt)            # [B, S, K, H], [B, S, K]
+  b, m = codes.shape[0], codes.shape[1] // page
+  cpool = jnp.zeros(pool.shape, dt).at[table.reshape(-1)].set(
+      codes.reshape((b * m, page) + pool.shape[2:]))
+  spool = jnp.ones((b * m, 1, kh * page), jnp.float32).at[table.reshape(-1)].set(
+      scale.reshape(b * m, page, kh).transpose(0, 2, 1).reshape(b * m, 1, kh * page))
+  return cpool, spool, codes, scale.transpose(0, 2, 1)
+
+
+def _gqa_fns(args, q, kp, vp, kc, vc, table, lengths, scales=None):
+  """``{impl: (fn, args)}`` of one GQA case; ``scales``: ``(key pool scales, value pool scales,
+  key cache scales, value cache scales)`` of quantized codes (the contiguous XLA row then
+  dequantizes the cache first, as ``KVCache.split_heads`` does)."""
+  h, w = args.head_dim, args.window
+  win = dict(local_window_size=w)
+  contiguous_kw = {} if w is None else dict(is_causal=True, q_offset=kc.shape[1] - 1, **win)
+
+  def dense(q, k, v, lens, *sc):
+    if sc:
+      k = k.astype(jnp.float32) * jnp.swapaxes(sc[0], 1, 2)[..., None]
+      v = v.astype(jnp.float32) * jnp.swapaxes(sc[1], 1, 2)[..., None]
+      k, v = k.astype(q.dtype), v.astype(q.dtype)
+    return dot_product_attention(q, k, v, kv_lengths=lens, implementation="xla",
+                                 **contiguous_kw)
+
+  pool_sc, cache_sc = (scales[:2], scales[2:]) if scales else ((), ())
+  paged_args, cache_args = (q, kp, vp, table, lengths) + pool_sc, (q, kc, vc, lengths) + cache_sc
+
+  def with_scales(fn):
+    def call(*a):
+      n = 4 if len(a) == 4 + len(cache_sc) else 5
+      sc = a[n:]
+      kw = dict(key_scale=sc[0], value_scale=sc[1]) if sc else {}
+      return fn(*a[:n], **kw)
+    return call
+
+  return {
+      "contiguous": (dense, cache_args),
+      "xla_paged": (with_scales(lambda q, k, v, t, lens, **kw: paged_attention(
+          q, k, v, t, lens, implementation="xla", **win, **kw)), paged_args),
+      "pallas_paged": (with_scales(lambda q, k, v, t, lens, **kw: paged_attention(
+          q, k, v, t, lens, implementation="pallas_tpu", num_splits=_tpu_splits(args), **win,
+          **kw)), paged_args),
+      "pallas_gpu_paged": (with_scales(lambda q, k, v, t, lens, **kw: paged_attention_gpu(
+          q, k, v, t, lens, scale=h ** -0.5, **_gpu_kw(args), **win, **kw)), paged_args),
+      "pallas_contiguous": (with_scales(lambda q, k, v, lens, **kw: cache_attention(
+          q, k, v, lens, implementation="pallas_tpu", num_splits=_tpu_splits(args), **win,
+          **kw)), cache_args),
+  }
+
+
 def build_case(kind, b, s, args, dtype, rng):
-  """``{impl: (fn, args)}`` for one (kind, batch, context) and the cache bytes one step reads."""
+  """``{label: (fn, args)}`` for one (kind, batch, context) and ``{label: cache bytes one step
+  reads}``; a label is an implementation, ``impl+int8`` / ``impl+fp8`` over a quantized cache
+  (``--kv-quant``; GQA only)."""
   lengths = jnp.full((b,), s, jnp.int32)
   itemsize = jnp.dtype(dtype).itemsize
   if kind == "gqa":
@@ -127,27 +202,22 @@ def build_case(kind, b, s, args, dtype, rng):
     (kp, vp), (kc, vc), table = _pools(rng, b, s, args.page_size, [(kh * h,), (kh * h,)], dtype)
     kc, vc = kc.reshape(b, -1, kh, h), vc.reshape(b, -1, kh, h)
     q = jnp.asarray(rng.standard_normal((b, 1, n, h)), dtype)
-    w = args.window
     # With a sliding window a step needs (and the bandwidth counts) the last w + 1 keys only.
-    nbytes = b * (s if w is None else min(s, w + 1)) * kh * 2 * h * itemsize
-    win = dict(local_window_size=w)
-    fns = {
-        "contiguous": (lambda q, k, v, lens: dot_product_attention(
-            q, k, v, kv_lengths=lens, implementation="xla",
-            **({} if w is None else dict(is_causal=True, q_offset=s - 1, **win))),
-                       (q, kc, vc, lengths)),
-        "xla_paged": (lambda q, k, v, t, lens: paged_attention(
-            q, k, v, t, lens, implementation="xla", **win), (q, kp, vp, table, lengths)),
-        "pallas_paged": (lambda q, k, v, t, lens: paged_attention(
-            q, k, v, t, lens, implementation="pallas_tpu", num_splits=_tpu_splits(args), **win),
-                         (q, kp, vp, table, lengths)),
-        "pallas_gpu_paged": (lambda q, k, v, t, lens: paged_attention_gpu(
-            q, k, v, t, lens, scale=h ** -0.5, **_gpu_kw(args), **win),
-                             (q, kp, vp, table, lengths)),
-        "pallas_contiguous": (lambda q, k, v, lens: cache_attention(
-            q, k, v, lens, implementation="pallas_tpu", num_splits=_tpu_splits(args), **win),
-                              (q, kc, vc, lengths)),
-    }
+    tokens = b * (s if args.window is None else min(s, args.window + 1))
+    fns, nbytes = {}, {}
+    for quant in getattr(args, "kv_quant", None) or ["none"]:
+      if quant == "none":
+        case = _gqa_fns(args, q, kp, vp, kc, vc, table, lengths)
+        per_token = kh * 2 * h * itemsize
+      else:
+        (kq, ksp, kqc, ksc), (vq, vsp, vqc, vsc) = (
+            _quantized(pool, flat, table, kh, KV_QUANT[quant])
+            for pool, flat in ((kp, kc), (vp, vc)))
+        case = _gqa_fns(args, q, kq, vq, kqc.reshape(kc.shape), vqc.reshape(vc.shape), table,
+                        lengths, (ksp, vsp, ksc, vsc))
+        per_token = kh * 2 * (h + 4)              # one byte per entry, a fp32 scale per head
+      fns.update({label(i, quant): f for i, f in case.items()})
+      nbytes.update({label(i, quant): tokens * per_token for i in case})
     return fns, nbytes
   n, c, r = args.mla_heads, args.latent, args.rope
   # The k^R pool as PagedLatentCache stores it: zero columns up to a multiple of 128 on TPU (the
@@ -185,7 +255,7 @@ def build_case(kind, b, s, args, dtype, rng):
           ql, qr, kv, lens, scale=scale, implementation="pallas_tpu",
           num_splits=_tpu_splits(args)), (ql, qr, latent_rows, lengths)),
   }
-  return fns, nbytes
+  return fns, {k: nbytes for k in fns}
 
 
 def _tpu_splits(args):
@@ -261,10 +331,27 @@ def run_check(page_size: int = 64, context: int = 32768) -> bool:
         q, k, v, tb, ln, implementation="xla"))(q, kp, vp, table, lengths)
     return report(f"gqa N={n} K={kh} H={h} T={t} bf16 ctx={s} B={b}", got, want)
 
+  def quant_case(codes):
+    # A quantized cache's pools: one-byte codes, scales [P, 1, K * page] (PagedKVCache's).
+    kp, vp, table = pools["gqa"]
+    quantized = []
+    for pool in (kp, vp):
+      c, sc = quantize_kv(pool, codes)                                   # [P, page, K, H], [.., K]
+      quantized += [c, sc.transpose(0, 2, 1).reshape(sc.shape[0], 1, -1)]
+    q = jax.random.normal(jax.random.key(7), (b, 1, n, h), jnp.float32).astype(dtype)
+    outs = [jax.jit(lambda q, k, ks, v, vs, tb, ln, impl=impl: paged_attention(
+        q, k, v, tb, ln, implementation=impl, key_scale=ks, value_scale=vs))(
+            q, *quantized, table, lengths) for impl in ("pallas_gpu", "xla")]
+    return report(f"gqa {jnp.dtype(codes).name} cache N={n} K={kh} H={h} T=1 ctx={s} B={b}",
+                  *outs)
+
   attempt(f"gqa pools ctx={s} B={b}", gqa_pools)
   if "gqa" in pools:
     for t in (1, 2, 200):        # 200: a chunked prefill, 800 rows per KV head in 13 programs
       attempt(f"gqa N={n} K={kh} H={h} T={t} bf16 ctx={s} B={b}", lambda t=t: gqa_case(t))
+    for codes in (jnp.int8, jnp.float8_e4m3fn):
+      attempt(f"gqa {jnp.dtype(codes).name} cache ctx={s} B={b}",
+              lambda codes=codes: quant_case(codes))
   pools.pop("gqa", None)
   c, r = 512, 64
 
@@ -318,6 +405,9 @@ def main(argv=None):
   ap.add_argument("--impls", type=choice_list(IMPLS), default="contiguous,xla_paged",
                   help=f"comma list of {', '.join(IMPLS)}")
   ap.add_argument("--dtype", type=str, default="bfloat16")
+  ap.add_argument("--kv-quant", type=choice_list(tuple(KV_QUANT)), default="none",
+                  help="GQA caches to time: none (--dtype), int8, fp8 (one-byte codes with a "
+                       "fp32 scale per token and KV head); rows impl+int8 / impl+fp8")
   ap.add_argument("--heads", type=int, default=32)
   ap.add_argument("--kv-heads", type=int, default=8)
   ap.add_argument("--head-dim", type=int, default=128)
@@ -411,9 +501,17 @@ def main(argv=None):
 
   print(f"{'kind':4} {'ctx':>6} {'B':>3} {'impl':16} {'ms/step':>9} {'cache MB':>9} "
         f"{'GB/s':>7} {'% copy':>7} {'x contig':>9} {'peak MB':>9}", flush=True)
-  # The contiguous row first, so every row can print its ratio to it as soon as it is measured.
+  # The contiguous row first, so every row can print its ratio to it as soon as it is measured;
+  # then each quantized cache's rows (GQA), all against the float contiguous row.
   order = sorted(impls, key=lambda i: i != "contiguous")
-  bar = tqdm(total=len(kinds) * len(contexts) * len(batches) * len(impls), desc="bench_decode")
+
+  def labels(kind):
+    quants = args.kv_quant if kind == "gqa" else ["none"]
+    first = ["contiguous"] if "contiguous" in impls and "none" not in quants else []
+    return first + [label(i, q) for q in quants for i in order]
+
+  bar = tqdm(total=len(contexts) * len(batches) * sum(len(labels(k)) for k in kinds),
+             desc="bench_decode")
   try:
     for kind in kinds:
       for s in contexts:
@@ -423,31 +521,31 @@ def main(argv=None):
           if b * s * per_token > args.max_cache_gb * 2**30:
             tqdm.write(f"skip {kind} context={s} batch={b}: cache "
                        f"{b * s * per_token / 2**30:.1f} GB > --max-cache-gb {args.max_cache_gb}")
-            bar.update(len(impls))
+            bar.update(len(labels(kind)))
             continue
-          nbytes, case_error = b * s * per_token, None
+          nbytes, case_error = {}, None
           try:
             fns, nbytes = build_case(kind, b, s, args, dtype, rng)
           except Exception as e:  # e.g. out of memory for the inputs: every impl fails
             fns, case_error = {}, error_text(e)
           base = None
-          for impl in order:
+          for impl in labels(kind):
             r = dict(kind=kind, context=s, batch=b, impl=impl, ms=None,
-                     cache_mb=nbytes / 2**20, gbps=None, pct_copy=None, peak_mb=None,
-                     vs_contiguous=None)
+                     cache_mb=nbytes.get(impl, b * s * per_token) / 2**20, gbps=None,
+                     pct_copy=None, peak_mb=None, vs_contiguous=None)
             try:
               if impl not in fns:
                 raise RuntimeError(f"inputs not built: {case_error}")
               fn, fargs = fns[impl]
               compiled, _ = compile_timed(fn, *fargs)
               sec = best_time(compiled, fargs, args.repeats, **_timing())
-              r.update(ms=sec * 1e3, gbps=nbytes / sec / 1e9,
-                       pct_copy=100 * nbytes / sec / copy_bw,
+              r.update(ms=sec * 1e3, gbps=nbytes[impl] / sec / 1e9,
+                       pct_copy=100 * nbytes[impl] / sec / copy_bw,
                        peak_mb=peak_bytes(compiled) / 2**20)
               del compiled
             except Exception as e:  # one implementation's failure keeps the others' figures
               r["error"] = error_text(e)
-            if impl == "contiguous":
+            if impl == "contiguous":      # the float cache's contiguous XLA row
               base = r["ms"]
             # Against the contiguous row wherever --impls lists it (None when it is not listed).
             if base is not None and r["ms"] is not None:
@@ -468,7 +566,8 @@ def main(argv=None):
   if failed:
     print(f"{len(failed)} of {len(rows)} rows failed (error in the row; exit status 1)")
   try:
-    _plot(rows, kinds, impls, batches, args.dtype, out / "bench_decode.png")
+    _plot(rows, kinds, list(dict.fromkeys(r["impl"] for r in rows)), batches, args.dtype,
+          out / "bench_decode.png")
     print(f"wrote {out / 'results.json'} and {out / 'bench_decode.png'}", flush=True)
   except Exception as e:  # the figures are printed and in results.json already
     print(f"wrote {out / 'results.json'}; no plot ({error_text(e)})", flush=True)

@@ -110,9 +110,14 @@ def cases():
     return paged_attention(q, k, v, t, n, implementation="pallas_tpu", logits_soft_cap=30.0,
                            num_splits=4, interpret=False)
 
-  def contiguous_decode(q, k, v, n):
+  def contiguous_decode(q, k, v, n, *scales):
+    kw = dict(key_scale=scales[0], value_scale=scales[1]) if scales else {}
     return cache_attention(q, k, v, n, implementation="pallas_tpu", num_splits=4,
-                           interpret=False)
+                           interpret=False, **kw)
+
+  def quant_decode(q, k, v, t, n, ks, vs):
+    return paged_attention(q, k, v, t, n, implementation="pallas_tpu", num_splits=4,
+                           key_scale=ks, value_scale=vs, interpret=False)
 
   def moe_grads(x, idx, wts, *weights, implementation, mxfp4):
     """The routed experts' output and the input's gradient (frozen MXFP4 weights: only that;
@@ -128,7 +133,7 @@ def cases():
       return jnp.sum(y.astype(jnp.float32)), y
     return jax.grad(loss, argnums=argnums, has_aux=True)(x, *([] if mxfp4 else weights))
 
-  u8 = sds(jnp.uint8)
+  u8, i8, f8 = sds(jnp.uint8), sds(jnp.int8), sds(jnp.float8_e4m3fn)
   moe_mxfp4_shapes = (bf16(2048, 2880), i32(2048, 4), f32(2048, 4),
                       u8(32, 2880, 1536), u8(32, 2880, 90), u8(32, 2880, 1536), u8(32, 2880, 90),
                       u8(32, 2880, 1536), u8(32, 2880, 90))
@@ -166,6 +171,21 @@ def cases():
                                                    interpret=False),
           (bf16(2, 1, 32, 128), bf16(1024, 64, 8 * 128), bf16(1024, 64, 8 * 128), table, lens,
            f32(32))),
+      # Quantized caches (PagedKVCache(dtype=int8 | float8_e4m3fn)): one-byte codes, scales
+      # [P, 1, K * page] fp32 fetched page by page beside them (as [P, K, page], XLA relaid the
+      # whole scale pool out on every step); pages of 64 and of 16.
+      "paged GQA decode, int8 cache": (quant_decode, (
+          bf16(2, 1, 32, 128), i8(1024, 64, 8 * 128), i8(1024, 64, 8 * 128), table, lens,
+          f32(1024, 1, 8 * 64), f32(1024, 1, 8 * 64))),
+      "paged GQA decode, fp8 cache": (quant_decode, (
+          bf16(2, 1, 32, 128), f8(1024, 64, 8 * 128), f8(1024, 64, 8 * 128), table, lens,
+          f32(1024, 1, 8 * 64), f32(1024, 1, 8 * 64))),
+      "paged GQA decode, int8 cache, pages of 16": (quant_decode, (
+          bf16(2, 1, 32, 128), i8(4096, 16, 8 * 128), i8(4096, 16, 8 * 128), i32(2, 2048),
+          lens, f32(4096, 1, 8 * 16), f32(4096, 1, 8 * 16))),
+      "contiguous-cache GQA decode, int8 cache": (contiguous_decode, (
+          bf16(8, 1, 32, 128), i8(8, 8192, 8 * 128), i8(8, 8192, 8 * 128), i32(8),
+          f32(8, 8, 8192), f32(8, 8, 8192))),
       # A contiguous KVCache (rows [B, S, K * H]) read as pages of itself (what Attention runs
       # on TPU for a cached step); flash attention would transpose the whole cache every step.
       "contiguous-cache GQA decode": (contiguous_decode, (
@@ -294,8 +314,27 @@ def context_cases(grid):
   return {f"context {s} fwd + bwd (2x2 mesh)": (grads(s), args) for s in cp.STRATEGIES}
 
 
-def compile_for(chip: str, only=None, skip=()):
-  """Compiles every case for ``chip``; returns one result dict per case."""
+def pick_names(arg: str, known, flag: str) -> set:
+  """The case names in ``arg``, comma-separated; names holding commas themselves ("paged GQA
+  decode, int8 cache") are matched whole against ``known`` (the longest first).  An unknown name
+  is refused, naming ``flag``."""
+  pieces = [p.strip() for p in arg.split(",")]
+  names, i = set(), 0
+  while i < len(pieces):
+    if not pieces[i]:
+      i += 1
+      continue
+    j = next((j for j in range(len(pieces), i, -1) if ", ".join(pieces[i:j]) in known), None)
+    if j is None:
+      raise SystemExit(f"{flag}: unknown case {pieces[i]!r}; cases: {sorted(known)}")
+    names.add(", ".join(pieces[i:j]))
+    i = j
+  return names
+
+
+def compile_for(chip: str, only: str = "", skip: str = ""):
+  """Compiles every case for ``chip`` (``only`` / ``skip``: comma-separated case names, as the
+  command line's); returns one result dict per case."""
   from jax._src.pallas.mosaic import tpu_info  # noqa: PLC0415
   from jax.experimental import topologies  # noqa: PLC0415
 
@@ -323,6 +362,8 @@ def compile_for(chip: str, only=None, skip=()):
   from pallas_kernels.flash_attention import common  # noqa: PLC0415
   interpret_default = common.default_interpret
   common.default_interpret = lambda interpret: False if interpret is None else interpret
+  known = [name for name, _, _ in todo]
+  only, skip = pick_names(only, known, "--only"), pick_names(skip, known, "--skip")
   results = []
   try:
     for name, fn, args in todo:
@@ -367,10 +408,8 @@ def main(argv=None):
     import libtpu  # noqa: F401, PLC0415
   except ImportError:
     raise SystemExit("libtpu is not installed: pip install -e '.[tpu-compile]'") from None
-  only = {s.strip() for s in args.only.split(",") if s.strip()}
-  skip = {s.strip() for s in args.skip.split(",") if s.strip()}
   print(f"jax {jax.__version__}: compiling the TPU kernels for {', '.join(chips)} (no TPU needed)")
-  results = [r for chip in chips for r in compile_for(chip, only, skip)]
+  results = [r for chip in chips for r in compile_for(chip, args.only, args.skip)]
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   (out / "results.json").write_text(json.dumps(results, indent=1))

@@ -10,6 +10,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jaxattn.checks import is_int
+from jaxattn.ops.quantization import check_cache_dtype, kv_quantized, quantize_kv
 
 
 def nan_past_capacity(y, cache):
@@ -55,28 +56,44 @@ class KVCache:
   dimension minor, so the decode kernel reading the cache in place
   (``jaxattn.ops.decode.cache_attention``) would find it re-tiled by XLA on every step;
   ``[B, L, K * H]`` is row-major whenever ``K * H`` is a multiple of 128.
+
+  Quantized (``dtype`` int8 or float8_e4m3fn at ``init``): ``key`` / ``value`` hold one-byte
+  codes and ``key_scale`` / ``value_scale [B, K, L]`` fp32 a scale per token and KV head
+  (``jaxattn.ops.quantization.quantize_kv``); ``split_heads`` dequantizes.
   """
 
   key: Float[Array, "B L KH"]
   value: Float[Array, "B L Kh"]
   index: Int[Array, ""]
   num_kv_heads: int = dataclasses.field(default=1, metadata=dict(static=True))
+  key_scale: Float[Array, "B K L"] | None = None
+  value_scale: Float[Array, "B K L"] | None = None
 
   @classmethod
   def init(cls, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
            v_head_dim: int | None = None, dtype=jnp.float32, *,
            length_align: int | None = None) -> "KVCache":
     """``max_len`` slots, rounded up to a multiple of ``length_align`` (``cache_length``; None:
-    16 on TPU, 128 past 512 slots, so the decode kernel reads the cache in place; else exact)."""
+    16 on TPU, 128 past 512 slots, so the decode kernel reads the cache in place; else exact).
+    ``dtype`` int8 / float8_e4m3fn: a quantized cache."""
     v_head_dim = head_dim if v_head_dim is None else v_head_dim
     for name, v in (("batch", batch), ("max_len", max_len), ("num_kv_heads", num_kv_heads),
                     ("head_dim", head_dim), ("v_head_dim", v_head_dim)):
       if not is_int(v) or v < 1:    # (a float max_len was truncated)
         raise ValueError(f"KVCache.init: `{name}` must be an int >= 1, got {v!r}.")
+    dtype = check_cache_dtype(dtype, "KVCache.init")
     length = cache_length(int(max_len), length_align)
+    scales = ({} if not kv_quantized(dtype) else
+              {f"{n}_scale": jnp.ones((batch, num_kv_heads, length), jnp.float32)
+               for n in ("key", "value")})
     return cls(key=jnp.zeros((batch, length, num_kv_heads * head_dim), dtype),
                value=jnp.zeros((batch, length, num_kv_heads * v_head_dim), dtype),
-               index=jnp.zeros((), jnp.int32), num_kv_heads=int(num_kv_heads))
+               index=jnp.zeros((), jnp.int32), num_kv_heads=int(num_kv_heads), **scales)
+
+  @property
+  def quantized(self) -> bool:
+    """Whether the buffers hold quantized codes with per-token scales."""
+    return self.key_scale is not None
 
   @property
   def max_len(self) -> int:
@@ -92,13 +109,23 @@ class KVCache:
 
   @property
   def nbytes(self) -> int:
-    """Bytes held by the buffers at full capacity (the seed's ``2 x n x h x d x bytes`` per layer)."""
-    return int(self.key.size * self.key.dtype.itemsize + self.value.size * self.value.dtype.itemsize)
+    """Bytes held by the buffers at full capacity (the seed's ``2 x n x h x d x bytes`` per layer;
+    a quantized cache's scales too)."""
+    arrays = (self.key, self.value, self.key_scale, self.value_scale)
+    return int(sum(a.size * a.dtype.itemsize for a in arrays if a is not None))
 
   def split_heads(self) -> tuple[Float[Array, "B L K H"], Float[Array, "B L K h"]]:
-    """``(key [B, L, K, H], value [B, L, K, h])``: the buffers with the heads split out."""
+    """``(key [B, L, K, H], value [B, L, K, h])``: the buffers with the heads split out (a
+    quantized cache's dequantized, in fp32)."""
     b, length, kh = self.key.shape[0], self.key.shape[1], self.num_kv_heads
-    return (self.key.reshape(b, length, kh, -1), self.value.reshape(b, length, kh, -1))
+
+    def one(x, scale):
+      x = x.reshape(b, length, kh, -1)
+      if scale is None:
+        return x
+      return x.astype(jnp.float32) * jnp.swapaxes(scale, 1, 2)[..., None]
+
+    return one(self.key, self.key_scale), one(self.value, self.value_scale)
 
   def update(self, key: Float[Array, "B T K H"], value: Float[Array, "B T K h"]) -> "KVCache":
     """Writes ``T`` new positions at ``index`` and advances it."""
@@ -116,10 +143,16 @@ class KVCache:
                        f"{self.max_len}.")
     start = (0, self.index, 0)
     rows = lambda x, like: x.reshape(b, t, like.shape[-1]).astype(like.dtype)  # noqa: E731
+    scales = {}
+    if self.quantized:      # codes, and their scales [B, T, K] -> [B, K, T] at the index
+      (key, ks), (value, vs) = (quantize_kv(x, self.key.dtype) for x in (key, value))
+      put = lambda buf, s: jax.lax.dynamic_update_slice(buf, jnp.swapaxes(s, 1, 2),  # noqa: E731
+                                                        (0, 0, self.index))
+      scales = dict(key_scale=put(self.key_scale, ks), value_scale=put(self.value_scale, vs))
     return KVCache(
         key=jax.lax.dynamic_update_slice(self.key, rows(key, self.key), start),
         value=jax.lax.dynamic_update_slice(self.value, rows(value, self.value), start),
-        index=self.index + t, num_kv_heads=kh)
+        index=self.index + t, num_kv_heads=kh, **scales)
 
 
 def kv_cache_bytes_per_token(num_kv_heads: int, head_dim: int, dtype=jnp.bfloat16,

@@ -18,6 +18,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from jaxattn.checks import is_int, is_number
+from jaxattn.ops.quantization import check_cache_dtype
 from jaxattn.nn.model import DecoderLM
 
 
@@ -175,13 +176,14 @@ def _check(model, prompt, max_new_tokens, max_len, eos_id=None):
 
 @functools.lru_cache(maxsize=32)
 def decode_functions(graphdef, batch: int, max_len: int, *, temperature: float = 0.0,
-                     top_p: float = 1.0, top_k: int = 0):
+                     top_p: float = 1.0, top_k: int = 0, cache_dtype=None):
   """The two jitted programs of ``generate`` for a split model (``nnx.split(model)``), made once
   per graph definition, batch, capacity and sampling settings (so later ``generate`` calls on a
   model of the same structure reuse them and their compiled programs; a new prompt length
   compiles only its prefill):
 
-  * ``prefill(state, tokens [B, T], key) -> (next [B], cache)`` with a fresh cache of ``max_len``;
+  * ``prefill(state, tokens [B, T], key) -> (next [B], cache)`` with a fresh cache of ``max_len``
+    (in ``cache_dtype``; None: the model's compute dtype);
   * ``step(state, token [B], cache, key) -> (next [B], cache)``, one token per sequence.
 
   ``step`` donates its cache: the new token's keys are written into the same buffers (without
@@ -193,7 +195,7 @@ def decode_functions(graphdef, batch: int, max_len: int, *, temperature: float =
   def prefill(state, tokens, key):
     m = nnx.merge(graphdef, state)
     m.eval()  # no dropout while decoding (a LoRA adapter trained with dropout, say)
-    logits, cache = m(tokens, cache=m.init_cache(batch, max_len))
+    logits, cache = m(tokens, cache=m.init_cache(batch, max_len, cache_dtype))
     return sample_logits(logits[:, -1], key, temperature=temperature, top_p=top_p,
                          top_k=top_k), cache
 
@@ -211,7 +213,8 @@ def decode_functions(graphdef, batch: int, max_len: int, *, temperature: float =
 def generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_tokens: int, *,
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
              max_len: int | None = None, eos_id: int | None = None,
-             on_token: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
+             on_token: Callable[[np.ndarray], None] | None = None,
+             cache_dtype=None) -> np.ndarray:
   """``prompt [B, T]`` (equal lengths) -> ``[B, T + n]`` token ids, ``n <= max_new_tokens``.
 
   Prefill runs the prompt through ``model`` with a fresh cache of ``max_len`` slots (default:
@@ -220,7 +223,9 @@ def generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_tokens: int, *
   top-k, then top-p; generated token ``i`` draws with ``token_key(seed, i)``).  ``on_token``
   receives each new ``[B]`` array as soon as it is sampled (streaming).  With ``eos_id``, a
   sequence that has produced it is finished: its later positions hold ``eos_id`` (as padding),
-  and generation stops when every sequence has finished.
+  and generation stops when every sequence has finished.  ``cache_dtype``: the KV cache's dtype
+  (None: the model's compute dtype); ``jnp.int8`` or ``jnp.float8_e4m3fn`` quantize keys and
+  values (a scale per token and KV head), about half the bytes of a bf16 cache.
   """
   check_sampling(temperature, top_p, top_k)
   _check(model, prompt, max_new_tokens, max_len, eos_id)
@@ -234,8 +239,11 @@ def generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_tokens: int, *
   if max_len is None:
     max_len = -(-(t + max_new_tokens) // 128) * 128
   graphdef, state = nnx.split(model)
+  # (cache_dtype passed only when set: the cached functions' key is the call's keywords)
+  quant = ({} if cache_dtype is None else
+           dict(cache_dtype=check_cache_dtype(cache_dtype, "generate", "cache_dtype")))
   prefill, step = decode_functions(graphdef, b, max_len, temperature=temperature, top_p=top_p,
-                                   top_k=int(top_k))
+                                   top_k=int(top_k), **quant)
   out = [np.asarray(prompt)]
   if max_new_tokens == 0:
     return out[0]

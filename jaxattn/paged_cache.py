@@ -360,6 +360,13 @@ def _gather(pool, page_table, lengths):
   return jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 2)), x, jnp.zeros((), x.dtype))
 
 
+def split_scales(scales: Float[Array, "P 1 Kpage"], kv_heads: int) -> Float[Array, "P page K"]:
+  """A quantized pool's scales ``[P, 1, K * page]`` as ``[P, page, K]`` (token-major, as the
+  pool's rows), for ``gather_pages`` and the XLA paths."""
+  p, k = scales.shape[0], kv_heads
+  return scales.reshape(p, k, -1).transpose(0, 2, 1)
+
+
 class _TableViews:
   """The page table's views, shared by the paged caches."""
 
@@ -393,19 +400,22 @@ class PagedKVCache(_TableViews):
   ``jaxattn.nn.PagedModelCache.release_behind`` returns them to the pool.
 
   Quantized (``dtype`` int8 or float8_e4m3fn at ``init``): the pools hold one-byte codes and
-  ``key_scale_pool`` / ``value_scale_pool [P, K, page]`` fp32 one scale per token and KV head
-  (``jaxattn.ops.quantization.quantize_kv``, applied by ``append``), half the bytes of a bf16
-  cache (plus 4 bytes per token and head: 3% at heads of 128 with pages of 128+).  The scales lie
-  with the page's tokens along the last axis, as the decode kernels use them: a row of the
-  logits of a page times its keys' scales, the probabilities times the values' scales."""
+  ``key_scale_pool`` / ``value_scale_pool [P, 1, K * page]`` fp32 one scale per token and KV head
+  (``jaxattn.ops.quantization.quantize_kv``, applied by ``append``): half the bytes of a bf16
+  cache, plus 4 bytes per token and head (3% at heads of 128).  A page's scales are one row, KV
+  head ``k``'s ``page`` scales at ``[k * page, (k + 1) * page)``, the page's tokens along the
+  lanes as the decode kernels use them (a row of a page's logits times its keys' scales, the
+  probabilities times the values').  Why not ``[P, K, page]``: on TPU, XLA lays such an array out
+  with another dimension minor when ``page < 128``, and relaid the whole scale pool out before the
+  kernel on every step (``experiments/tpu_compile_check``); ``[P, 1, K * page]`` is row-major."""
 
   key_pool: Float[Array, "P page KH"]
   value_pool: Float[Array, "P page Kh"]
   table: PageTable
   num_kv_heads: int = dataclasses.field(default=1, metadata=dict(static=True))
   window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
-  key_scale_pool: Float[Array, "P K page"] | None = None
-  value_scale_pool: Float[Array, "P K page"] | None = None
+  key_scale_pool: Float[Array, "P 1 Kpage"] | None = None
+  value_scale_pool: Float[Array, "P 1 Kpage"] | None = None
 
   @classmethod
   def init(cls, batch: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
@@ -420,7 +430,7 @@ class PagedKVCache(_TableViews):
     dtype = check_cache_dtype(dtype, "PagedKVCache.init")
     table = PageTable.init(batch, num_pages, page_size, max_pages_per_seq)
     scales = ({} if not kv_quantized(dtype) else
-              {f"{n}_scale_pool": jnp.ones((num_pages, num_kv_heads, page_size), jnp.float32)
+              {f"{n}_scale_pool": jnp.ones((num_pages, 1, num_kv_heads * page_size), jnp.float32)
                for n in ("key", "value")})
     return cls(key_pool=jnp.zeros((num_pages, page_size, num_kv_heads * head_dim), dtype),
                value_pool=jnp.zeros((num_pages, page_size, num_kv_heads * v_head_dim), dtype),
@@ -477,7 +487,7 @@ class PagedKVCache(_TableViews):
       x = x.reshape(x.shape[:2] + (kh, -1))
       if scales is None:
         return x
-      s = gather_pages(jnp.swapaxes(scales, 1, 2), self.table)          # [B, S, K]
+      s = gather_pages(split_scales(scales, kh), self.table)            # [B, S, K]
       return x.astype(jnp.float32) * s[..., None]
 
     return one(self.key_pool, self.key_scale_pool), one(self.value_pool, self.value_scale_pool)
@@ -491,7 +501,13 @@ class PagedLatentCache(_TableViews):
   by ``R_p - R`` zero columns: see the module note on the TPU layout) and, for DeepSeek Sparse
   Attention, optional indexer keys ``index_keys_pool [P, page, d_I]`` (int8 / fp8 / fp32) with
   ``index_scales_pool [P, page, nb]`` (fp32), stored as the scorer reads them.  ``rope_dim``
-  (static) is ``R``; None means ``R_p`` (no padding)."""
+  (static) is ``R``; None means ``R_p`` (no padding).
+
+  Quantized (``dtype`` int8 or float8_e4m3fn at ``init``; DeepSeek serves MLA with an FP8 latent
+  cache): ``c_kv_pool`` holds one-byte codes and ``c_kv_scale_pool [P, 1, page]`` fp32 one scale
+  per token over its ``C`` latent entries (``jaxattn.ops.quantization.quantize_kv``, applied by
+  ``append``), laid along the page's tokens as the decode kernels read them; ``k_rope_pool`` (the
+  small rotated key) stays in a float dtype (``rope_dtype``)."""
 
   c_kv_pool: Float[Array, "P page C"]
   k_rope_pool: Float[Array, "P page R_p"]
@@ -499,19 +515,31 @@ class PagedLatentCache(_TableViews):
   index_keys_pool: Array | None = None
   index_scales_pool: Float[Array, "P page nb"] | None = None
   rope_dim: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+  c_kv_scale_pool: Float[Array, "P 1 page"] | None = None
 
   @classmethod
   def init(cls, batch: int, num_pages: int, page_size: int, kv_lora_rank: int,
            qk_rope_head_dim: int, *, max_pages_per_seq: int | None = None,
            index_head_dim: int | None = None, index_dtype=jnp.float32,
            index_num_scales: int = 1, rope_align: int | None = None,
-           dtype=jnp.float32) -> "PagedLatentCache":
+           dtype=jnp.float32, rope_dtype=None) -> "PagedLatentCache":
     """``index_head_dim`` set: also hold indexer keys of that width in ``index_dtype`` with
     ``index_num_scales`` fp32 scales per token.  ``rope_align``: store ``k^R`` with its columns
-    zero-padded to a multiple of this (None: ``default_rope_align()``, 128 on TPU, else 1)."""
+    zero-padded to a multiple of this (None: ``default_rope_align()``, 128 on TPU, else 1).
+    ``dtype``: the latent pool's float dtype, or int8 / float8_e4m3fn for a quantized latent
+    cache; ``rope_dtype``: the ``k^R`` pool's float dtype (None: ``dtype`` when it is a float
+    dtype, else float32)."""
     rope_align = default_rope_align() if rope_align is None else rope_align
     _check_positive("PagedLatentCache.init", kv_lora_rank=kv_lora_rank,
                     qk_rope_head_dim=qk_rope_head_dim, rope_align=rope_align)
+    dtype = check_cache_dtype(dtype, "PagedLatentCache.init")
+    quantized = kv_quantized(dtype)
+    if rope_dtype is None:
+      rope_dtype = jnp.float32 if quantized else dtype
+    rope_dtype = check_cache_dtype(rope_dtype, "PagedLatentCache.init (rope_dtype)")
+    if kv_quantized(rope_dtype):
+      raise ValueError(f"PagedLatentCache.init: `rope_dtype` must be a float dtype (k^R is "
+                       f"stored unquantized), got {rope_dtype}.")
     rope_width = stored_rope_width(qk_rope_head_dim, rope_align)
     table = PageTable.init(batch, num_pages, page_size, max_pages_per_seq)
     keys = scales = None
@@ -520,10 +548,16 @@ class PagedLatentCache(_TableViews):
                       index_num_scales=index_num_scales)
       keys = jnp.zeros((num_pages, page_size, index_head_dim), index_dtype)
       scales = jnp.ones((num_pages, page_size, index_num_scales), jnp.float32)
+    c_scales = (jnp.ones((num_pages, 1, page_size), jnp.float32) if quantized else None)
     return cls(c_kv_pool=jnp.zeros((num_pages, page_size, kv_lora_rank), dtype),
-               k_rope_pool=jnp.zeros((num_pages, page_size, rope_width), dtype),
+               k_rope_pool=jnp.zeros((num_pages, page_size, rope_width), rope_dtype),
                table=table, index_keys_pool=keys, index_scales_pool=scales,
-               rope_dim=int(qk_rope_head_dim))
+               rope_dim=int(qk_rope_head_dim), c_kv_scale_pool=c_scales)
+
+  @property
+  def quantized(self) -> bool:
+    """Whether ``c_kv_pool`` holds quantized codes with per-token scales."""
+    return self.c_kv_scale_pool is not None
 
   @property
   def kv_lora_rank(self) -> int:
@@ -536,8 +570,10 @@ class PagedLatentCache(_TableViews):
 
   @property
   def nbytes(self) -> int:
-    """Bytes of every pool as allocated (padding columns of ``k^R`` included)."""
-    arrays = [self.c_kv_pool, self.k_rope_pool, self.index_keys_pool, self.index_scales_pool]
+    """Bytes of every pool as allocated (padding columns of ``k^R`` included; the latent scales
+    of a quantized cache too)."""
+    arrays = [self.c_kv_pool, self.k_rope_pool, self.index_keys_pool, self.index_scales_pool,
+              self.c_kv_scale_pool]
     return int(sum(a.size * a.dtype.itemsize for a in arrays if a is not None))
 
   def append(self, c_kv: Float[Array, "B T C"], k_rope: Float[Array, "B T R"],
@@ -576,9 +612,13 @@ class PagedLatentCache(_TableViews):
     return dataclasses.replace(self, table=self.table.free(done, keep))
 
   def gather(self) -> tuple[Float[Array, "B S C"], Float[Array, "B S R"]]:
-    """Contiguous ``(c_kv, k_rope)`` ``[B, max_pages * page_size, C|R]`` (reference path)."""
-    return (gather_pages(self.c_kv_pool, self.table),
-            gather_pages(self.k_rope_pool, self.table)[..., :self.qk_rope_head_dim])
+    """Contiguous ``(c_kv, k_rope)`` ``[B, max_pages * page_size, C|R]`` (reference path; a
+    quantized cache's ``c_kv`` dequantized, in fp32)."""
+    c_kv = gather_pages(self.c_kv_pool, self.table)
+    if self.quantized:
+      s = gather_pages(jnp.swapaxes(self.c_kv_scale_pool, 1, 2), self.table)     # [B, S, 1]
+      c_kv = c_kv.astype(jnp.float32) * s
+    return c_kv, gather_pages(self.k_rope_pool, self.table)[..., :self.qk_rope_head_dim]
 
   def gather_index_keys(self) -> tuple[Array, Float[Array, "B S nb"]]:
     """Contiguous indexer ``(keys, scales)`` ``[B, S, d_I]``, ``[B, S, nb]``."""
@@ -596,9 +636,11 @@ def _append_kv(cache: PagedKVCache, key, value, counts) -> PagedKVCache:
   scales = {}
   if cache.quantized:
     (key, ks), (value, vs) = (quantize_kv(x, cache.key_pool.dtype) for x in (key, value))
-    # [P, K, page] pools: the indexed slots [B, T] lead, then K.
-    scales = dict(key_scale_pool=cache.key_scale_pool.at[page, :, off].set(ks, mode="drop"),
-                  value_scale_pool=cache.value_scale_pool.at[page, :, off].set(vs, mode="drop"))
+    # [P, 1, K * page] pools: token (page, off) of KV head k at lane k * page_size + off.
+    lane = off[..., None] + cache.table.page_size * jnp.arange(cache.num_kv_heads)  # [B, T, K]
+    put = lambda pool, s: pool.at[page[..., None], 0, lane].set(s, mode="drop")  # noqa: E731
+    scales = dict(key_scale_pool=put(cache.key_scale_pool, ks),
+                  value_scale_pool=put(cache.value_scale_pool, vs))
   return dataclasses.replace(cache, key_pool=_write(cache.key_pool, page, off, merge(key)),
                              value_pool=_write(cache.value_pool, page, off, merge(value)),
                              table=table, **scales)
@@ -613,6 +655,10 @@ def _append_latent(cache: PagedLatentCache, c_kv, k_rope, index_keys, index_scal
     keys, scales = _write(keys, page, off, index_keys), _write(scales, page, off, index_scales)
   pad = cache.k_rope_pool.shape[2] - k_rope.shape[2]                 # zero columns to R_p
   k_rope = jnp.pad(k_rope, ((0, 0), (0, 0), (0, pad))) if pad else k_rope
+  c_scales = cache.c_kv_scale_pool
+  if c_scales is not None:   # codes, and one scale per token in the [P, 1, page] pool
+    c_kv, cs = quantize_kv(c_kv.astype(jnp.float32), cache.c_kv_pool.dtype)
+    c_scales = c_scales.at[page, 0, off].set(cs, mode="drop")
   return PagedLatentCache(_write(cache.c_kv_pool, page, off, c_kv),
                           _write(cache.k_rope_pool, page, off, k_rope), table, keys, scales,
-                          cache.rope_dim)
+                          cache.rope_dim, c_scales)

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from jaxattn.ops.quantization import kv_quantized
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +45,10 @@ class RollingKVCache:
         raise ValueError(f"RollingKVCache.init: `{name}` must be >= 1, got {v!r}.")
     slots = max(window, 1)
     v_head_dim = head_dim if v_head_dim is None else v_head_dim
+    if kv_quantized(dtype):
+      raise ValueError(f"RollingKVCache.init: `dtype` {jnp.dtype(dtype)} (a quantized cache) is "
+                       f"not supported by the ring buffer; use a float dtype, or a KVCache / "
+                       f"PagedKVCache for int8 / float8_e4m3fn.")
     return cls(key=jnp.zeros((batch, slots, num_kv_heads, head_dim), dtype),
                value=jnp.zeros((batch, slots, num_kv_heads, v_head_dim), dtype),
                positions=jnp.full((slots,), -1, jnp.int32), index=jnp.zeros((), jnp.int32),

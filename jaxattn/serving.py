@@ -374,7 +374,9 @@ class Engine:
     logprobs: each result is ``(tokens, logprobs)``, ``logprobs [n]`` (fp32) the model's
       log-probabilities of the ``n`` generated tokens (``log_softmax`` of the logits they were
       sampled from, before temperature, top-k and top-p).
-    dtype: the cache's dtype (default the model's compute dtype).
+    dtype: the cache's dtype (default the model's compute dtype); ``jnp.int8`` or
+      ``jnp.float8_e4m3fn``: a quantized KV cache (one-byte keys and values with a scale per
+      token and KV head: about half the bytes of a bf16 page, twice the pages per gigabyte).
     policy: ``"continuous"`` (a free slot takes the next request at once) or ``"static"`` (new
       requests enter only when every slot is empty: classic static batching, kept as the
       baseline ``experiments/bench_serve.py`` measures against).

@@ -196,7 +196,7 @@ def test_decode_rows_printed_and_saved_as_measured_and_errors_kept(monkeypatch, 
 def test_decode_check_case_error_fails_that_case_only(monkeypatch, capsys):
   """``run_check``: a case that raises prints FAIL (<error>), the later cases still run, and the
   check fails.  The kernels are faked (the real ones need a GPU): GQA's raises, MLA's agrees."""
-  def paged_attention(q, k, v, table, lengths, implementation):
+  def paged_attention(q, k, v, table, lengths, implementation, key_scale=None, value_scale=None):
     if implementation == "pallas_gpu":
       raise RuntimeError("CUDA_ERROR_ILLEGAL_ADDRESS")
     return jnp.zeros_like(q)
@@ -213,6 +213,9 @@ def test_decode_check_case_error_fails_that_case_only(monkeypatch, capsys):
   gqa = [x for x in lines if x.startswith("check gqa N=32")]
   assert len(gqa) == 3
   assert all(x.endswith(": FAIL (RuntimeError: CUDA_ERROR_ILLEGAL_ADDRESS)") for x in gqa)
+  quant = [x for x in lines if x.startswith("check gqa int8 cache") or
+           x.startswith("check gqa float8_e4m3fn cache")]
+  assert len(quant) == 2 and all(x.endswith("CUDA_ERROR_ILLEGAL_ADDRESS)") for x in quant)
   mla = [x for x in lines if x.startswith("check mla")]
   assert len(mla) == 5 and all(x.endswith(": PASS") for x in mla)
   assert lines[-1] == "check: FAIL"
@@ -412,3 +415,18 @@ def test_bench_moe_lora_rows_factored_and_merged(tmp_path):
                          "--out", str(tmp_path)])
   assert {"dense", "blocked", "capacity", "blocked_merged"} <= {r["name"] for r in rows}
   assert all(r["max_abs_diff_vs_dense"] < 1e-3 for r in rows if r["name"] != "capacity"), rows
+
+
+def test_decode_quantized_cache_rows(tmp_path):
+  """``--kv-quant none,int8``: each implementation again over an int8 cache (``impl+int8``),
+  counting the bytes it reads (codes and a fp32 scale per token and head: ``K * 2 (H + 4)``),
+  against the float cache's contiguous row."""
+  rc = bench_decode.main(TINY_DECODE + ["--batches", "1", "--impls", "contiguous,xla_paged",
+                                        "--kv-quant", "none,int8", "--out", str(tmp_path)])
+  assert rc == 0
+  rows = {r["impl"]: r for r in _strict_load(tmp_path / "results.json")["rows"]}
+  assert list(rows) == ["contiguous", "xla_paged", "contiguous+int8", "xla_paged+int8"]
+  # bf16: 1 KV head x 2 x 16 x 2 bytes = 64 per token; int8: 1 x 2 x (16 + 4) = 40.
+  assert rows["xla_paged+int8"]["cache_mb"] == pytest.approx(rows["xla_paged"]["cache_mb"] * 40 / 64)
+  assert all(r["ms"] > 0 and r["vs_contiguous"] is not None for r in rows.values())
+  assert rows["contiguous"]["vs_contiguous"] == 1.0

@@ -26,6 +26,8 @@ def test_readme_quick_start_runs():
   answers = scope["answers"]
   assert sorted(answers) == scope["later"] and all(a.size == 41 + 8 for a in answers.values())
   assert scope["engine"].stats.prefix_hit_tokens == 2 * 2 * 16
+  assert scope["ids8"].shape == (2, 12)
+  assert scope["engine8"].cache.groups[0][0].key_pool.dtype == np.int8
 
 
 def test_readme_test_command_matches_ci():

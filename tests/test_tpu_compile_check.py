@@ -24,6 +24,19 @@ def test_big_copies_sizes_copies_and_transposes():
   assert tcc.big_copies(hlo) == ["bf16[32768,1,64] (4 MiB)", "f32[2,1024,256] (2 MiB)"]
 
 
+def test_case_names_with_commas_are_picked_whole():
+  known = ["paged GQA decode", "paged GQA decode, int8 cache", "paged GQA decode, int8 cache, "
+           "pages of 16", "flash forward"]
+  got = tcc.pick_names("paged GQA decode, int8 cache,flash forward, paged GQA decode", known,
+                       "--only")
+  assert got == {"paged GQA decode, int8 cache", "flash forward", "paged GQA decode"}
+  assert tcc.pick_names("paged GQA decode, int8 cache, pages of 16", known, "--only") == {
+      "paged GQA decode, int8 cache, pages of 16"}
+  assert tcc.pick_names("", known, "--skip") == set()
+  with pytest.raises(SystemExit, match="--skip: unknown case 'flash backward'"):
+    tcc.pick_names("flash forward,flash backward", known, "--skip")
+
+
 def test_unknown_chip_is_refused():
   with pytest.raises(SystemExit, match="--chips"):
     tcc.main(["--chips", "v5e,v9"])
@@ -41,12 +54,17 @@ def test_kernels_compile_for_tpu_v5e(tmp_path):
        "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, env=env,
       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-  assert "24 of 24 compiled" in proc.stdout
+  assert "28 of 28 compiled" in proc.stdout
   # Decode is bandwidth-bound: the dense decode kernels must read the caches as stored, with no
   # relayout copy of a pool or cache around them (paged and contiguous, GQA / MQA / MLA).
   results = json.loads((tmp_path / "results.json").read_text())
   decode = [r for r in results if "decode" in r["case"] and "sparse" not in r["case"]]
-  assert len(decode) == 11 and all(r["copies"] == [] for r in decode), decode
+  assert len(decode) == 15 and all(r["copies"] == [] for r in decode), decode
+  # A quantized cache (int8 / fp8 codes and their scales) is read in place at ~half the bytes.
+  by_case = {r["case"]: r for r in results}
+  bf16_bytes = by_case["paged GQA decode"]["argument_bytes"]
+  for name in ("paged GQA decode, int8 cache", "paged GQA decode, fp8 cache"):
+    assert by_case[name]["argument_bytes"] < 0.55 * bf16_bytes, by_case[name]
   # A 512-token prefill through the paged caches runs in the kernels too (query rows in blocks
   # that fit VMEM); the only copies are of the queries ([2, 512, ...]), none of a pool.
   prefill = [r for r in results if "paged" in r["case"] and "prefill" in r["case"]]

@@ -318,7 +318,8 @@ class Attention(nnx.Module):
           out = cache_attention(q, cache.key, cache.value, kv_lengths,
                                 scale=self.attention_scale, logits_soft_cap=self.logits_soft_cap,
                                 implementation="pallas_tpu", alibi_slopes=self._slopes(),
-                                local_window_size=self.sliding_window, sinks=self._sinks())
+                                local_window_size=self.sliding_window, sinks=self._sinks(),
+                                key_scale=cache.key_scale, value_scale=cache.value_scale)
           y = shard(self.o_proj(self._gate(x, out)), ("batch", "length", "act_embed"))
           return nan_past_capacity(y, cache), cache
         k, v = (x.astype(q.dtype) for x in cache.split_heads())

@@ -33,7 +33,7 @@ from jaxattn.cache import nan_past_capacity
 from jaxattn.checks import check_int
 from jaxattn.dsa_cache import DSACache, quantize_index_keys
 from jaxattn.nn.linear import Einsum, effective_kernel
-from jaxattn.nn.mla import MLA
+from jaxattn.nn.mla import MLA, check_latent_cache_dtype
 from jaxattn.nn.norms import LayerNorm
 from jaxattn.ops.decode import check_num_tokens, check_ragged_needs_paged
 from jaxattn.ops.hadamard import hadamard_transform
@@ -180,8 +180,10 @@ class DSA(MLA):
         dot_dtype=index_dot_dtype)
 
   def init_cache(self, batch: int, max_len: int, dtype=None) -> DSACache:
-    """An empty cache: latent rows plus the indexer keys in their scoring format."""
+    """An empty cache: latent rows plus the indexer keys in their scoring format (a float
+    ``dtype``: a quantized latent cache is paged only, ``init_paged_cache``)."""
     dtype = dtype or self.dtype or jnp.float32
+    check_latent_cache_dtype(dtype, "DSA.init_cache")
     ix = self.indexer
     return DSACache.init(batch, max_len, kv_lora_rank=self.kv_lora_rank,
                          qk_rope_head_dim=self.qk_rope_head_dim, index_head_dim=ix.head_dim,
@@ -206,13 +208,16 @@ class DSA(MLA):
                        max_pages_per_seq: int | None = None, dtype=None) -> PagedLatentCache:
     """An empty paged cache (``jaxattn.paged_cache``): ``num_pages`` pages of ``page_size`` rows
     ``[c_KV, k^R]`` plus the indexer key of each row in its scoring format (int8 / fp8 / fp32 with
-    fp32 scales), shared by ``batch`` sequences of ragged lengths."""
+    fp32 scales), shared by ``batch`` sequences of ragged lengths.  ``dtype`` int8 /
+    float8_e4m3fn: quantized latents, as ``MLA.init_paged_cache`` (sparse decode then runs on
+    the ``"xla"`` path, the default for sparse mode)."""
     dtype = dtype or self.dtype or jnp.float32
     index_dtype, num_scales = self._index_key_format()
     return PagedLatentCache.init(batch, num_pages, page_size, self.kv_lora_rank,
                                  self.qk_rope_head_dim, max_pages_per_seq=max_pages_per_seq,
                                  index_head_dim=self.indexer.head_dim, index_dtype=index_dtype,
-                                 index_num_scales=num_scales, dtype=dtype)
+                                 index_num_scales=num_scales, dtype=dtype,
+                                 rope_dtype=self._rope_dtype(dtype))
 
   def _check_paged_cache(self, cache: PagedLatentCache):
     if cache.kv_lora_rank != self.kv_lora_rank or cache.qk_rope_head_dim != self.qk_rope_head_dim:

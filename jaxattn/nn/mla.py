@@ -32,8 +32,22 @@ from jaxattn.ops.decode import (DECODE_MAX_T, cache_mla_decode, check_num_tokens
                                 check_ragged_needs_paged, module_decode_implementation,
                                 paged_mla_decode, tpu_kernel_requested)
 from jaxattn.ops.mla import MODES, Mode, mla_attention, mla_score_terms, mla_softmax_scale
+from jaxattn.ops.quantization import kv_quantized
 from jaxattn.ops.rope import RopeScaling, apply_rope, check_rope_base, check_rope_scaling
 from jaxattn.sharding import shard
+
+
+def check_latent_cache_dtype(dtype, where: str) -> None:
+  """A contiguous ``LatentCache`` stores the latents as they are: an int8 / float8_e4m3fn
+  ``dtype`` (a quantized cache, paged only) or any non-float one is a ``ValueError``."""
+  try:
+    dt = jnp.dtype(dtype)
+  except TypeError:
+    dt = None
+  if dt is None or kv_quantized(dt) or not jnp.issubdtype(dt, jnp.floating):
+    raise ValueError(f"{where}: a contiguous latent cache needs a float `dtype`, got {dtype!r}; "
+                     f"a quantized (int8 / float8_e4m3fn) latent cache is paged only: "
+                     f"init_paged_cache(..., dtype=...).")
 
 
 class MLA(nnx.Module):
@@ -146,18 +160,27 @@ class MLA(nnx.Module):
   # -- cache -----------------------------------------------------------------------------------
 
   def init_cache(self, batch: int, max_len: int, dtype=None) -> LatentCache:
-    """An empty latent cache for ``batch`` sequences of up to ``max_len`` tokens."""
+    """An empty latent cache for ``batch`` sequences of up to ``max_len`` tokens (a float
+    ``dtype``: a quantized latent cache is paged only, ``init_paged_cache``)."""
     dtype = dtype or self.dtype or jnp.float32
+    check_latent_cache_dtype(dtype, f"{type(self).__name__}.init_cache")
     return LatentCache.init(batch, max_len, self.kv_lora_rank, self.qk_rope_head_dim, dtype)
 
   def init_paged_cache(self, batch: int, num_pages: int, page_size: int, *,
                        max_pages_per_seq: int | None = None, dtype=None) -> PagedLatentCache:
     """An empty paged latent cache (``jaxattn.paged_cache``): ``num_pages`` pages of
-    ``page_size`` rows ``[c_KV, k^R]`` shared by ``batch`` sequences of ragged lengths."""
+    ``page_size`` rows ``[c_KV, k^R]`` shared by ``batch`` sequences of ragged lengths.
+    ``dtype`` int8 / float8_e4m3fn: a quantized latent cache (one-byte ``c_KV`` codes with a fp32
+    scale per token; ``k^R`` in the compute dtype, ``self.dtype`` or float32)."""
     dtype = dtype or self.dtype or jnp.float32
     return PagedLatentCache.init(batch, num_pages, page_size, self.kv_lora_rank,
                                  self.qk_rope_head_dim, max_pages_per_seq=max_pages_per_seq,
-                                 dtype=dtype)
+                                 dtype=dtype, rope_dtype=self._rope_dtype(dtype))
+
+  def _rope_dtype(self, dtype):
+    """The ``k^R`` pool's dtype for a paged cache of ``dtype``: the compute dtype (``self.dtype``
+    or float32) under quantized latents, else None (``dtype`` itself)."""
+    return (self.dtype or jnp.float32) if kv_quantized(dtype) else None
 
   def _paged_call(self, x, positions, segment_ids, mask, cache: PagedLatentCache,
                   implementation, num_tokens=None):
@@ -187,7 +210,8 @@ class MLA(nnx.Module):
     impl = module_decode_implementation(implementation or self.implementation)
     return self._absorbed(q_nope, lambda q_latent: paged_mla_decode(
         q_latent, q_rope, cache.c_kv_pool, cache.k_rope_pool, cache.page_table, lengths,
-        scale=self.scale, indices=indices, implementation=impl, num_tokens=num_tokens))
+        scale=self.scale, indices=indices, implementation=impl, num_tokens=num_tokens,
+        c_kv_scale=cache.c_kv_scale_pool))
 
   def _absorbed(self, q_nope, attend):
     """``o_proj`` of absorbed attention: the query goes to latent space, ``attend(q_latent)``

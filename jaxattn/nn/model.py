@@ -680,8 +680,8 @@ class PagedModelCache:
         return _split_heads(c)
       if isinstance(c, PagedKVCache):
         k = c.num_kv_heads
-        scales = ({} if not c.quantized else  # [P, K, page]
-                  {f"{n}_scale_pool": split_axis(getattr(c, f"{n}_scale_pool"), 1, "kv_heads")
+        scales = ({} if not c.quantized else  # [P, 1, K * page]: K-major, as the rows
+                  {f"{n}_scale_pool": split_axis(getattr(c, f"{n}_scale_pool"), -1, "kv_heads", k)
                    for n in ("key", "value")})
         return dataclasses.replace(c, key_pool=split_axis(c.key_pool, -1, "kv_heads", k),
                                    value_pool=split_axis(c.value_pool, -1, "kv_heads", k),

@@ -55,7 +55,7 @@ from jaxtyping import Array, Float, Int
 from jaxattn.checks import check_float_array, check_int_array, is_int
 from jaxattn.ops.quantization import kv_quantized
 from jaxattn.ops.t5_bias import check_bucket_args, t5_position_bias
-from jaxattn.paged_cache import PageTable, gather_pages
+from jaxattn.paged_cache import PageTable, gather_pages, split_scales
 
 DecodeImplementation = Literal["xla", "pallas_tpu", "pallas_gpu"]
 DECODE_IMPLEMENTATIONS: tuple[str, ...] = ("xla", "pallas_tpu", "pallas_gpu")
@@ -375,7 +375,8 @@ def paged_attention_xla(query, key_pool, value_pool, page_table, lengths, *, sca
                         value_scale=None):
   """The reference: gather pages to ``[B, S, K, H]``, then dense fp32 attention.  ``query`` is
   ``[B, T, N, H]``; see ``paged_attention`` (``num_tokens`` [B] or None; ``key_scale`` /
-  ``value_scale [P, K, page]`` with quantized pools: the gathered codes times their scales)."""
+  ``value_scale [P, 1, K * page]`` with quantized pools: the gathered codes times their
+  scales)."""
   b, t, n, h = query.shape
   kh, page = key_pool.shape[2], key_pool.shape[1]
   page_table, kv_start = _window_columns(page_table, lengths, num_tokens, t, page,
@@ -386,7 +387,7 @@ def paged_attention_xla(query, key_pool, value_pool, page_table, lengths, *, sca
     x = gather_pages(pool, table).astype(_F32)
     if scales is None:
       return x
-    return x * gather_pages(jnp.swapaxes(scales, 1, 2), table)[..., None]
+    return x * gather_pages(split_scales(scales, kh), table)[..., None]
 
   # (4-D pools here: ``paged_attention`` splits merged ``[P, page, K * H]`` rows by head.)
   key, value = gather(key_pool, key_scale), gather(value_pool, value_scale)
@@ -435,9 +436,10 @@ def merged_kv_heads(key_pool, value_pool, head_dim: int, *, names=("key_pool", "
 
 def check_kv_scales(key_pool, value_pool, key_scale, value_scale, kv_heads: int, *,
                     names=("key_pool", "value_pool"), lead="P", width="page"):
-  """Quantized pools: ``key_scale`` / ``value_scale [P, K, page]`` fp32 given exactly when the
-  pools hold int8 / float8_e4m3fn codes (``jaxattn.ops.quantization.quantize_kv``).  ``names``,
-  ``lead`` and ``width`` word the errors (a contiguous cache: ``B`` and ``S``)."""
+  """Quantized pools: ``key_scale`` / ``value_scale`` fp32 ``[P, 1, K * page]`` (a
+  ``PagedKVCache``'s) given exactly when the pools hold int8 / float8_e4m3fn codes
+  (``jaxattn.ops.quantization.quantize_kv``).  ``names``, ``lead`` and ``width`` word the errors
+  (a contiguous cache: ``[B, K, S]``, ``lead="B"``, ``width="S"``)."""
   kn, vn = names
   quant = [kv_quantized(x.dtype) for x in (key_pool, value_pool)]
   if quant[0] != quant[1] or quant[0] != (key_scale is not None) or (
@@ -450,10 +452,13 @@ def check_kv_scales(key_pool, value_pool, key_scale, value_scale, kv_heads: int,
     for name, x in ((kn, key_pool), (vn, value_pool)):
       check_float_array(name, x)
     return
-  want = (key_pool.shape[0], kv_heads, key_pool.shape[1])
+  if width == "page":   # a pool's: [P, 1, K * page]
+    want, form = (key_pool.shape[0], 1, kv_heads * key_pool.shape[1]), f"[{lead}, 1, K * page]"
+  else:                 # a contiguous cache's: [B, K, S]
+    want, form = (key_pool.shape[0], kv_heads, key_pool.shape[1]), f"[{lead}, K, {width}]"
   for name, x in (("key_scale", key_scale), ("value_scale", value_scale)):
     if x.shape != want or x.dtype != jnp.float32:
-      raise ValueError(f"`{name}` must be float32 [{lead}, K, {width}] = {list(want)}, got "
+      raise ValueError(f"`{name}` must be float32 {form} = {list(want)}, got "
                        f"{x.dtype}{list(x.shape)}.")
 
 
@@ -499,8 +504,8 @@ def paged_attention(
     alibi_slopes: Float[Array, "N"] | None = None,
     relative_bias: RelativeBias | None = None,
     sinks: Float[Array, "N"] | None = None,
-    key_scale: Float[Array, "P K page"] | None = None,
-    value_scale: Float[Array, "P K page"] | None = None,
+    key_scale: Float[Array, "P 1 Kpage"] | None = None,
+    value_scale: Float[Array, "P 1 Kpage"] | None = None,
 ) -> Float[Array, "B T N h"] | Float[Array, "B N h"]:
   """Attention of each sequence's newest ``T`` tokens over its paged keys and values.
 
@@ -543,8 +548,9 @@ def paged_attention(
     sinks: ``[N]`` attention-sink logits, as ``dot_product_attention``'s (the kernels add them
       in their combine step, as one more split-KV partition).
     key_scale: with int8 / float8_e4m3fn pools (a quantized ``PagedKVCache``), their fp32
-      scales ``[P, K, page]`` (one per token and KV head; ``value_scale`` the values'): key
-      ``j`` is ``codes_j * key_scale_j``.  The kernels read the codes (half a bf16 pool's bytes)
+      scales ``[P, 1, K * page]`` (one per token and KV head, head ``k``'s at lanes
+      ``[k * page, (k + 1) * page)``; ``value_scale`` the values'): key ``j`` is
+      ``codes_j * key_scale_j``.  The kernels read the codes (half a bf16 pool's bytes)
       and fold the scales in: ``s_k (q . k)`` and ``(p * s_v) @ v``.
 
   Returns:
@@ -612,6 +618,8 @@ def cache_attention(
     local_window_size: int | None = None,
     alibi_slopes: Float[Array, "N"] | None = None,
     sinks: Float[Array, "N"] | None = None,
+    key_scale: Float[Array, "B K S"] | None = None,
+    value_scale: Float[Array, "B K S"] | None = None,
 ) -> Float[Array, "B T N h"] | Float[Array, "B N h"]:
   """``paged_attention`` over a contiguous cache (a ``KVCache``'s ``key`` / ``value``).
 
@@ -623,11 +631,14 @@ def cache_attention(
   ``"pallas_tpu"`` (the default on TPU; ``S`` a multiple of 16) reads each valid page once, in
   place, where flash attention's head-major layout costs a transpose of the whole cache per step;
   ``"pallas_gpu"`` likewise; ``"xla"`` (the default elsewhere) is ``paged_attention_xla`` with one
-  page per sequence.  Arguments as in ``paged_attention``.
+  page per sequence.  Arguments as in ``paged_attention``; a quantized ``KVCache``'s codes come
+  with ``key_scale`` / ``value_scale [B, K, S]`` (its scales).
   """
   q, squeeze = _as_4d(query, "query")
   b, t, n, h = q.shape
-  merged_kv_heads(key, value, h, names=("key", "value"), lead="B, S")
+  kh = merged_kv_heads(key, value, h, names=("key", "value"), lead="B, S")
+  check_kv_scales(key, value, key_scale, value_scale, kh, names=("key", "value"), lead="B",
+                  width="S")
   if key.shape[0] != b:
     raise ValueError(f"`key` {key.shape} must hold the query's B={b} sequences.")
   impl = resolve_implementation(implementation) if t else "xla"           # T = 0: empty
@@ -638,18 +649,21 @@ def cache_attention(
                      f"its length S={s} must be a multiple of 16 (or use implementation='xla').")
   key_pages, table = page_view(key, page)
   value_pages, _ = page_view(value, page)
+  scales = {} if key_scale is None else dict(key_scale=scale_page_view(key_scale, page),
+                                              value_scale=scale_page_view(value_scale, page))
   extra = dict(local_window_size=local_window_size, alibi_slopes=alibi_slopes, sinks=sinks)
   if impl != "pallas_tpu":
     out = paged_attention(q, key_pages, value_pages, table, lengths, scale=scale,
                           logits_soft_cap=logits_soft_cap, num_splits=num_splits,
-                          implementation=impl, interpret=interpret, **extra)
+                          implementation=impl, interpret=interpret, **extra, **scales)
     return out[:, 0] if squeeze else out
   # The same checks as paged_attention, then the kernel on the 4-D cache (its shard_map splits
   # the cache over batch; the page view is taken on each device).
   _, scale, logits_soft_cap = _check_gqa(q, key_pages, value_pages, table, lengths, scale,
-                                         logits_soft_cap, num_splits)
+                                         logits_soft_cap, num_splits, **scales)
   extra = dict(local_window_size=check_window(local_window_size),
-               alibi_slopes=check_slopes(alibi_slopes, n))
+               alibi_slopes=check_slopes(alibi_slopes, n), key_scale=key_scale,
+               value_scale=value_scale)
   if sinks is not None:
     from jaxattn.ops.attention import check_sinks  # noqa: PLC0415 (import cycle)
     extra["sinks"] = check_sinks(sinks, n)
@@ -659,6 +673,15 @@ def cache_attention(
                                  logits_soft_cap=logits_soft_cap, num_splits=num_splits,
                                  interpret=interpret, **extra)
   return out[:, 0] if squeeze else out
+
+
+def scale_page_view(scales: Float[Array, "B K S"], page: int) -> Float[Array, "BM 1 Kpage"]:
+  """A contiguous quantized cache's scales ``[B, K, S]`` as the pages of ``page_view``, in a
+  ``PagedKVCache``'s layout ``[B * S / page, 1, K * page]`` (a transpose of the scales only, 4
+  bytes per token and head)."""
+  b, kh, s = scales.shape
+  m = s // page
+  return scales.reshape(b, kh, m, page).transpose(0, 2, 1, 3).reshape(b * m, 1, kh * page)
 
 
 def _mla_queries(q_latent, q_rope):
@@ -680,6 +703,28 @@ def _check_mla_call(page_table, lengths, batch, page_size, scale, num_splits,
     raise ValueError("`scale` is required for MLA (1 / sqrt(P + R), times the YaRN mscale^2).")
   check_num_splits(num_splits)
   return _check_scale("scale", scale)
+
+
+def _check_latent_scale(c_kv_pool, c_kv_scale) -> bool:
+  """A quantized latent pool: ``c_kv_scale [P, 1, page]`` fp32 given exactly when ``c_kv_pool``
+  holds int8 / float8_e4m3fn codes (a quantized ``PagedLatentCache``); else ``c_kv_pool`` must
+  be a float array.  Returns whether the pool is quantized."""
+  quant = kv_quantized(c_kv_pool.dtype)
+  if c_kv_scale is None:
+    if quant:
+      raise ValueError(f"`c_kv_pool` must be a floating-point array, or int8 / float8_e4m3fn "
+                       f"codes given with their `c_kv_scale` [P, 1, page] (a quantized latent "
+                       f"cache); got {c_kv_pool.dtype} codes without `c_kv_scale`.")
+    check_float_array("c_kv_pool", c_kv_pool)
+    return False
+  if not quant:
+    raise ValueError(f"`c_kv_scale` must be given only with quantized codes in `c_kv_pool` "
+                     f"(int8 / float8_e4m3fn); got c_kv_pool {c_kv_pool.dtype}.")
+  want = (c_kv_pool.shape[0], 1, c_kv_pool.shape[1])
+  if c_kv_scale.shape != want or c_kv_scale.dtype != _F32:
+    raise ValueError(f"`c_kv_scale` must be float32 [P, 1, page] = {list(want)}, got "
+                     f"{c_kv_scale.dtype}{list(c_kv_scale.shape)}.")
+  return True
 
 
 def _zero_pad_columns(x, width: int):
@@ -769,16 +814,19 @@ def sparse_rows(indices, page_table, lengths, page_size):
 
 @jax.jit
 def paged_mla_decode_xla(q_latent, q_rope, c_kv_pool, k_rope_pool, page_table, lengths, *, scale,
-                         indices=None, num_tokens=None):
+                         indices=None, num_tokens=None, c_kv_scale=None):
   """The reference (``q_*`` are ``[B, T, N, .]``, ``indices`` ``[B, T, k]`` or None,
   ``num_tokens`` ``[B]`` or None): gather the latent rows, fp32 softmax over
-  ``q~ . c + q^R . k^R``, weighted sum of ``c``."""
+  ``q~ . c + q^R . k^R``, weighted sum of ``c``.  ``c_kv_scale [P, 1, page]`` with a quantized
+  latent pool: the gathered codes times their scales."""
   b, t, n, c = q_latent.shape
   ql, qr = q_latent.astype(_F32), q_rope.astype(_F32)
   k_rope_pool = k_rope_pool[..., :q_rope.shape[3]]                  # a padded pool: R columns
   if indices is None:
     table = _table(page_table, lengths, c_kv_pool.shape[1])
     ckv = gather_pages(c_kv_pool, table).astype(_F32)               # [B, S, C]
+    if c_kv_scale is not None:                                      # codes: times [B, S, 1]
+      ckv = ckv * gather_pages(jnp.swapaxes(c_kv_scale, 1, 2), table)
     kr = gather_pages(k_rope_pool, table).astype(_F32)              # [B, S, R]
     logits = (jnp.einsum("btnc,bsc->btns", ql, ckv)
               + jnp.einsum("btnr,bsr->btns", qr, kr)) * scale
@@ -791,7 +839,10 @@ def paged_mla_decode_xla(q_latent, q_rope, c_kv_pool, k_rope_pool, page_table, l
     if num_tokens is not None:                                      # padding queries: nothing
       valid &= jnp.arange(t, dtype=jnp.int32)[None, :, None] < num_tokens[:, None, None]
     keep = valid[..., None]                                         # unselected rows: zeros
-    ckv = jnp.where(keep, c_kv_pool[page, off].astype(_F32), 0.0)  # [B, T, k, C]
+    rows = c_kv_pool[page, off].astype(_F32)                        # [B, T, k, C]
+    if c_kv_scale is not None:                                      # codes: times their scales
+      rows = rows * c_kv_scale[page, 0, off][..., None]
+    ckv = jnp.where(keep, rows, 0.0)
     kr = jnp.where(keep, k_rope_pool[page, off].astype(_F32), 0.0)  # [B, T, k, R]
     logits = (jnp.einsum("btnc,btjc->btnj", ql, ckv)
               + jnp.einsum("btnr,btjr->btnj", qr, kr)) * scale
@@ -814,6 +865,7 @@ def paged_mla_decode(
     implementation: DecodeImplementation | None = None,
     interpret=None,
     num_tokens: Int[Array, "B"] | None = None,
+    c_kv_scale: Float[Array, "P 1 page"] | None = None,
 ) -> Float[Array, "B T N C"] | Float[Array, "B N C"]:
   """Absorbed MLA attention over a paged latent cache; the output stays in latent space.
 
@@ -837,6 +889,13 @@ def paged_mla_decode(
       sparse).
     num_tokens: ragged chunks, as in ``paged_attention`` (sparse mode: the padding rows'
       selections are ignored).
+    c_kv_scale: with an int8 / float8_e4m3fn ``c_kv_pool`` (a quantized ``PagedLatentCache``),
+      its fp32 scales ``[P, 1, page]``, one per token: row ``j`` is ``codes_j * s_j``.  ``c_KV``
+      is both the key's latent part and the value, so the logits are
+      ``scale * (s_j (q~ . c_j) + q^R . k^R_j)`` and the output ``(p * s) @ c``.  The
+      ``"pallas_tpu"`` dense kernel reads the codes and folds the scales in; the ``"xla"`` path
+      dequantizes the gathered rows.  The TPU sparse kernel and the ``"pallas_gpu"`` kernels
+      take no scales (an explicit request for them raises ``ValueError``).
 
   Returns:
     ``[B, T, N, C]`` (``[B, N, C]`` for 3-D queries): ``sum_s p_s c_s`` per head, query dtype.
@@ -844,8 +903,7 @@ def paged_mla_decode(
   ql, qr, squeeze = _mla_queries(q_latent, q_rope)
   b, t, n, c = ql.shape
   r = qr.shape[3]
-  for name, x in (("q_latent", ql), ("q_rope", qr), ("c_kv_pool", c_kv_pool),
-                  ("k_rope_pool", k_rope_pool)):
+  for name, x in (("q_latent", ql), ("q_rope", qr), ("k_rope_pool", k_rope_pool)):
     check_float_array(name, x)
   if c_kv_pool.ndim != 3 or c_kv_pool.shape[2] != c:
     raise ValueError(f"`c_kv_pool` must be [P, page, C={c}], got {c_kv_pool.shape}.")
@@ -853,6 +911,7 @@ def paged_mla_decode(
       or k_rope_pool.shape[2] < r):
     raise ValueError(f"`k_rope_pool` must be [P, page, R_p] = {c_kv_pool.shape[:2]} + (R_p,) "
                      f"with R_p >= R={r}, got {k_rope_pool.shape}.")
+  quantized = _check_latent_scale(c_kv_pool, c_kv_scale)
   scale = _check_mla_call(page_table, lengths, b, c_kv_pool.shape[1], scale, num_splits,
                           num_pages=c_kv_pool.shape[0])
   num_tokens = check_num_tokens(num_tokens, b, t, lengths)
@@ -867,11 +926,16 @@ def paged_mla_decode(
   page_table, lengths = page_table.astype(jnp.int32), lengths.astype(jnp.int32)
   impl = (resolve_implementation(implementation, sparse=indices is not None) if t
           else "xla")                                                     # T = 0: empty
+  if quantized and (impl == "pallas_gpu" or (impl == "pallas_tpu" and indices is not None)):
+    mode = "sparse (`indices`)" if indices is not None else "dense"
+    raise ValueError(f"implementation={impl!r} has no {mode} MLA kernel for a quantized latent "
+                     f"cache (`c_kv_scale` given, c_kv_pool {c_kv_pool.dtype}); use "
+                     f"implementation='xla'.")
   if impl != "xla":  # the kernels read the padded pool as it is stored
     qr = _zero_pad_columns(qr, k_rope_pool.shape[2])
   if impl == "xla":
     out = paged_mla_decode_xla(ql, qr, c_kv_pool, k_rope_pool, page_table, lengths, scale=scale,
-                               indices=indices, num_tokens=num_tokens)
+                               indices=indices, num_tokens=num_tokens, c_kv_scale=c_kv_scale)
     return out[:, 0] if squeeze else out
   if num_tokens is not None:
     ql, qr = align_queries(ql, num_tokens), align_queries(qr, num_tokens)
@@ -884,7 +948,8 @@ def paged_mla_decode(
   else:
     from pallas_kernels.mla_decode import paged_mla_decode_tpu  # noqa: PLC0415 (optional)
     out = paged_mla_decode_tpu(ql, qr, c_kv_pool, k_rope_pool, page_table, lengths, scale=scale,
-                               indices=indices, num_splits=num_splits, interpret=interpret)
+                               indices=indices, num_splits=num_splits, interpret=interpret,
+                               c_kv_scale=c_kv_scale)
   if num_tokens is not None:
     out = unalign_queries(out, num_tokens)
   return out[:, 0] if squeeze else out

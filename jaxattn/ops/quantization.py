@@ -127,15 +127,15 @@ def kv_quantized(dtype) -> bool:
     return False
 
 
-def check_cache_dtype(dtype, where: str):
+def check_cache_dtype(dtype, where: str, name: str = "dtype"):
   """``dtype`` as a ``jnp.dtype`` when it is a float dtype or one of ``KV_QUANT_DTYPES``;
-  otherwise a ``ValueError`` naming ``where``."""
+  otherwise a ``ValueError`` naming ``where`` and the argument ``name``."""
   try:
     dt = jnp.dtype(dtype)
   except TypeError:
     dt = None
   if dt is None or not (jnp.issubdtype(dt, jnp.floating) or dt in KV_QUANT_DTYPES):
-    raise ValueError(f"{where}: `dtype` must be a float dtype, or int8 / float8_e4m3fn for a "
+    raise ValueError(f"{where}: `{name}` must be a float dtype, or int8 / float8_e4m3fn for a "
                      f"quantized cache, got {dtype!r}.")
   return dt
 

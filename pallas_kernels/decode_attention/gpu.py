@@ -30,8 +30,8 @@ power of two are zero-padded, which copies the pools: fine for tests, slow for s
 H in {16, 32, 64, 128, 256}.  Slots past a sequence's length inside its last block may hold stale
 data (even NaN): masked loads read them as zeros, and their logits are masked.
 
-Quantized pools (int8 / float8_e4m3fn codes with fp32 scales ``[P, K, page]``, one per token and
-KV head): a key block's ``[block_k]`` scales are loaded beside its codes (masked alike: a stale
+Quantized pools (int8 / float8_e4m3fn codes with fp32 scales ``[P, 1, K * page]``, one per token
+and KV head, viewed as ``[P, K, page]``: a free reshape on GPU): a key block's ``[block_k]`` scales are loaded beside its codes (masked alike: a stale
 slot's scale reads as zero), the codes widened to the query's dtype (fp32 under an fp32 query)
 for the dots, the logits multiplied by the keys' scales, ``s_k (q . k)``, and the probabilities
 by the values' before ``p @ v`` (the softmax normalizer sums them unscaled).
@@ -360,8 +360,8 @@ def paged_attention_gpu(
     local_window_size: int | None = None,
     alibi_slopes: Float[Array, "N"] | None = None,
     sinks: Float[Array, "N"] | None = None,
-    key_scale: Float[Array, "P K page"] | None = None,
-    value_scale: Float[Array, "P K page"] | None = None,
+    key_scale: Float[Array, "P 1 Kpage"] | None = None,
+    value_scale: Float[Array, "P 1 Kpage"] | None = None,
 ) -> Float[Array, "B T N h"]:
   """``jaxattn.ops.decode.paged_attention`` as a Pallas Triton kernel (shapes checked there).
 
@@ -389,7 +389,7 @@ def paged_attention_gpu(
       the key blocks from its rows' window on, and the split-KV partitions cover the window's
       pages, not the sequence's.
     key_scale, value_scale: with quantized pools (int8 / float8_e4m3fn codes), their fp32 scales
-      ``[P, K, page]``, as ``paged_attention``: each key block's scales are loaded beside its
+      ``[P, 1, K * page]``, as ``paged_attention``: each key block's scales are loaded beside its
       codes, the logits multiplied by the keys' and the probabilities by the values'.
 
   Returns:
@@ -421,6 +421,8 @@ def paged_attention_gpu(
       span = window_pages(table.shape[1], k_pool.shape[1], rb, q.shape[2] // k_pool.shape[2],
                           local_window_size)
       splits = auto_splits(programs, span, k_pool.shape[1])
+    # A quantized pool's scales [P, 1, K * page] (this device's heads) as [P, K, page].
+    heads = heads[:2] + tuple(s.reshape(s.shape[0], k_pool.shape[2], -1) for s in heads[2:])
     return _call(q, k_pool, v_pool, table, lens, *heads, scale=float(scale),
                  soft_cap=logits_soft_cap, num_splits=splits, block_k=block_k,
                  block_rows=block_rows, num_warps=num_warps, num_stages=num_stages,

@@ -50,7 +50,8 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from jaxattn.ops.decode import cache_row_bytes, check_num_splits, page_view, view_page_size
+from jaxattn.ops.decode import (cache_row_bytes, check_num_splits, page_view, scale_page_view,
+                                view_page_size)
 from pallas_kernels.flash_attention import sharded
 from pallas_kernels.flash_attention.common import default_interpret, reset_online_softmax
 
@@ -118,7 +119,7 @@ def combine(out: Float[Array, "B S ... h"], lse: Float[Array, "B S ... 1"], sink
 def head_args(alibi_slopes, sinks, key_scale=None, value_scale=None) -> tuple:
   """The per-head arrays of a decode call as ``shard_map`` arguments (split with the heads):
   ``(slopes,)``, or ``()`` without ALiBi; with ``sinks`` always ``(slopes, sinks)``, an absent
-  one as an empty array (``present``); with the scales of quantized pools (``[P, K, page]``)
+  one as an empty array (``present``); with the scales of quantized pools (``[P, 1, K * page]``)
   always ``(slopes, sinks, key_scale, value_scale)``."""
   if key_scale is not None:
     return head_args(alibi_slopes, jnp.zeros((0,), _F32) if sinks is None else sinks) + (
@@ -259,7 +260,7 @@ def _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale, soft_cap, nu
             pages_per_split, split_first, window, alibi, quantized):
   refs = list(refs)
   slope_ref = refs.pop(0) if alibi else None
-  ks_ref, vs_ref = (refs.pop(0), refs.pop(0)) if quantized else (None, None)  # [K, page] fp32
+  ks_ref, vs_ref = (refs.pop(0), refs.pop(0)) if quantized else (None, None)  # [1, K*page]
   o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
   b, i, s, j = grid_ids(split_first)
   page_size, num_kv = k_ref.shape[0], q_ref.shape[0]
@@ -295,8 +296,9 @@ def _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale, soft_cap, nu
       logits = dot_t(q, k) * scale                                         # [rows, page]
       value_scale = None
       if quantized:   # codes: key j is k_j * s_j, so its logits are s_j (q . k_j)
-        logits = logits * ks_ref[kv:kv + 1, :]
-        value_scale = jnp.where(live_row, vs_ref[kv:kv + 1, :], 0.0)    # stale slots: no NaN
+        heads = slice(kv * page_size, (kv + 1) * page_size)               # head kv's lanes
+        logits = logits * ks_ref[:, heads]
+        value_scale = jnp.where(live_row, vs_ref[:, heads], 0.0)         # stale slots: no NaN
       if alibi:                                       # slope * (j - i), per query row's head
         logits += slope_ref[kv] * (kv_pos - q_pos).astype(_F32)
       if soft_cap is not None:
@@ -319,8 +321,8 @@ def _local(q, key_pool, value_pool, page_table, lengths, slopes=None, sinks=None
   """One device's call: ``q [B, T, N, H]`` over merged pools ``[P, page, K * H|h]`` or split
   ones ``[P, page, K, H|h]``, each read in place in its own layout -> ``[B, T, N, h]``.
   ``slopes [N]`` (ALiBi), ``sinks [N]`` (attention sinks, applied in the combine step) or None
-  (or empty); ``key_scale`` / ``value_scale [P, K, page]`` with quantized pools (their codes'
-  scales, read page by page beside them); ``window`` a sliding window or None."""
+  (or empty); ``key_scale`` / ``value_scale [P, 1, K * page]`` with quantized pools (their
+  codes' scales, read page by page beside them); ``window`` a sliding window or None."""
   slopes, sinks = present(slopes), present(sinks)
   b, t, n, h = q.shape
   page_size = key_pool.shape[1]
@@ -361,9 +363,9 @@ def _local(q, key_pool, value_pool, page_table, lengths, slopes=None, sinks=None
   if slopes is not None:     # ALiBi: each query row's slope, [K, T*G, 1] rows (t, g)
     extra_args.append(row_slopes(slopes, kh, g, t, padded)[:, :, None])
     extra_specs.append(pl.BlockSpec((kh, rb, 1), order(lambda bi, ii, si, ji, *_: (0, ii, 0))[1]))
-  if key_scale is not None:  # the page's scales [K, page], fetched with its codes
+  if key_scale is not None:  # the page's scales [1, K * page], fetched with its codes
     extra_args += [key_scale, value_scale]
-    extra_specs += [pl.BlockSpec((None, kh, page_size), page_map)] * 2
+    extra_specs += [pl.BlockSpec((None, 1, kh * page_size), page_map)] * 2
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=2,
       grid=grid,
@@ -404,8 +406,9 @@ def run_sharded_gqa(local, args, mesh):
   def specs(mesh):
     bax, hax = sharded.plan_specs(mesh, query.shape[0], query.shape[2], kv_heads)
     pool = P(None, None, hax, None) if key_pool.ndim == 4 else P(None, None, hax)
-    ins = (P(bax, None, hax, None), pool, pool, P(bax, None), P(bax), P(hax), P(hax),
-           P(None, hax, None), P(None, hax, None))
+    scales = P(None, None, hax)     # [P, 1, K * page]: K-major, split by K like merged rows
+    ins = (P(bax, None, hax, None), pool, pool, P(bax, None), P(bax), P(hax), P(hax), scales,
+           scales)
     return ins[:len(args)], P(bax, None, hax, None)
 
   return sharded.run_sharded(local, args, mesh, specs)
@@ -426,8 +429,8 @@ def paged_attention_tpu(
     local_window_size: int | None = None,
     alibi_slopes: Float[Array, "N"] | None = None,
     sinks: Float[Array, "N"] | None = None,
-    key_scale: Float[Array, "P K page"] | None = None,
-    value_scale: Float[Array, "P K page"] | None = None,
+    key_scale: Float[Array, "P 1 Kpage"] | None = None,
+    value_scale: Float[Array, "P 1 Kpage"] | None = None,
 ) -> Float[Array, "B T N h"]:
   """``jaxattn.ops.decode.paged_attention`` as a Pallas kernel (arguments checked there).
 
@@ -450,7 +453,7 @@ def paged_attention_tpu(
   page of its window: the page grid axis then spans the window, not the sequence).
   ``alibi_slopes [N]`` add ``slope * (j - i)`` in the kernel; ``sinks [N]`` (attention sinks)
   enter the combine step as one more partition.  Quantized pools (int8 / float8_e4m3fn codes)
-  come with ``key_scale`` / ``value_scale [P, K, page]``: each page's scales are fetched beside
+  come with ``key_scale`` / ``value_scale [P, 1, K * page]``: each page's scales are fetched beside
   its codes, the logits multiplied by the keys' and the probabilities by the values'.
   """
   check_num_splits(num_splits)
@@ -492,6 +495,8 @@ def contiguous_attention_tpu(
     local_window_size: int | None = None,
     alibi_slopes: Float[Array, "N"] | None = None,
     sinks: Float[Array, "N"] | None = None,
+    key_scale: Float[Array, "B K S"] | None = None,
+    value_scale: Float[Array, "B K S"] | None = None,
 ) -> Float[Array, "B T N h"]:
   """``jaxattn.ops.decode.cache_attention`` as the paged kernel over a contiguous cache.
 
@@ -502,7 +507,8 @@ def contiguous_attention_tpu(
   cache on every decode step.  Under a mesh: ``jax.shard_map`` with queries, cache and lengths
   split over the ``"batch"`` axes and the heads over ``"kv_heads"`` when ``N`` and ``K`` divide.
   ``block_rows``, ``local_window_size``, ``alibi_slopes`` and ``sinks`` as in
-  ``paged_attention_tpu``.
+  ``paged_attention_tpu``; a quantized cache's ``key_scale`` / ``value_scale [B, K, S]`` are
+  viewed as pages with it (``scale_page_view``).
   """
   check_num_splits(num_splits)
   check_block_rows(block_rows)
@@ -514,6 +520,7 @@ def contiguous_attention_tpu(
 
   def local(q, k, v, lens, *heads):
     (key_pages, table), (value_pages, _) = page_view(k, page), page_view(v, page)
+    heads = heads[:2] + tuple(scale_page_view(s, page) for s in heads[2:])
     return _local(q, key_pages, value_pages, table, lens, *heads, scale=scale,
                   soft_cap=logits_soft_cap, num_splits=num_splits, block_rows=block_rows,
                   interpret=interpret, cores=cores, window=local_window_size)
@@ -524,7 +531,9 @@ def contiguous_attention_tpu(
     bax, hax = sharded.plan_specs(mesh, query.shape[0], query.shape[2], kv_heads)
     heads = P(bax, None, hax, None)
     cache = heads if key.ndim == 4 else P(bax, None, hax)    # merged rows: K-major, split by K
-    return (heads, cache, cache, P(bax), P(hax), P(hax))[:len(args)], heads
+    scales = P(bax, hax, None)
+    return (heads, cache, cache, P(bax), P(hax), P(hax), scales, scales)[:len(args)], heads
 
-  args = [query, key, value, lengths.astype(jnp.int32), *head_args(alibi_slopes, sinks)]
+  args = [query, key, value, lengths.astype(jnp.int32),
+          *head_args(alibi_slopes, sinks, key_scale, value_scale)]
   return sharded.run_sharded(local, args, mesh, specs)

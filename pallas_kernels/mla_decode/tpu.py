@@ -22,6 +22,12 @@ Dense mode, split-KV (flash-decoding), page table and lengths by scalar prefetch
     logits = scale * (q~ c^T + q^R k^R^T)      [Tb*N, page]   (fp32)
     acc   += softmax-weights @ c               [Tb*N, C]
 
+A quantized latent cache (``c_KV`` as int8 / float8_e4m3fn codes) also fetches the page's scales
+``[1, page]`` (from the ``[P, 1, page]`` scale pool, by the ``c_KV`` page's index) and folds them
+in, ``c_j = s_j codes_j`` being both key part and value: the content logits times ``s`` along
+the page, the probabilities times ``s`` before ``@ codes`` (the normalizer unscaled); stale
+slots' scales are zeroed, so a NaN there never reaches the result.
+
 Pages a row block cannot see (past the sequence's length, or past its last token's position) do
 no compute and their DMA index is clamped to its last visible page (no refetch), exactly as in
 ``pallas_kernels.decode_attention``.
@@ -59,8 +65,11 @@ from pallas_kernels.sparse_attention.tpu import gather_attention
 _F32 = jnp.float32
 
 
-def _dense_kernel(lens_ref, table_ref, ql_ref, qr_ref, c_ref, kr_ref, o_ref, lse_ref, m_ref,
-                  l_ref, acc_ref, *, scale, num_t, num_heads, pages_per_split, split_first):
+def _dense_kernel(lens_ref, table_ref, ql_ref, qr_ref, c_ref, kr_ref, *refs, scale, num_t,
+                  num_heads, pages_per_split, split_first, quantized):
+  refs = list(refs)
+  cs_ref = refs.pop(0) if quantized else None                     # [1, page] fp32: the scales
+  o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
   b, i, s, j = grid_ids(split_first)
   page_size, rows = c_ref.shape[0], ql_ref.shape[0]                # rows: a block of T*N
   length = lens_ref[b]
@@ -74,12 +83,18 @@ def _dense_kernel(lens_ref, table_ref, ql_ref, qr_ref, c_ref, kr_ref, o_ref, lse
     # Rows past the length hold stale data: zero them so 0 * NaN cannot reach the accumulator.
     live = (start + jax.lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)) < length
     c = jnp.where(live, c, 0.0)
-    logits = (dot_t(ql_ref[...].astype(_F32), c)
-              + dot_t(qr_ref[...].astype(_F32), kr_ref[...].astype(_F32))) * scale
+    content = dot_t(ql_ref[...].astype(_F32), c)                            # [rows, page]
+    c_scale = None
+    if quantized:   # codes: row j is s_j c_j, key part and value alike (stale slots: 0, no NaN)
+      live_row = (start + jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)) < length
+      c_scale = jnp.where(live_row, cs_ref[...], 0.0)                      # [1, page]
+      content = content * c_scale
+    logits = (content + dot_t(qr_ref[...].astype(_F32), kr_ref[...].astype(_F32))) * scale
     kv_pos = start + jax.lax.broadcasted_iota(jnp.int32, (rows, page_size), 1)
     row = i * rows + jax.lax.broadcasted_iota(jnp.int32, (rows, page_size), 0)
     q_pos = length - num_t + row // num_heads
-    online_softmax_update(m_ref, l_ref, acc_ref, logits, (kv_pos < length) & (kv_pos <= q_pos), c)
+    online_softmax_update(m_ref, l_ref, acc_ref, logits, (kv_pos < length) & (kv_pos <= q_pos), c,
+                          c_scale)
 
   @pl.when(j == pages_per_split - 1)
   def store():
@@ -95,11 +110,12 @@ MLA_BLOCK_ROWS = 512
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "block_rows", "interpret",
                                              "cores"))
-def _dense_local(q_latent, q_rope, c_pool, kr_pool, page_table, lengths, *, scale, num_splits,
-                 block_rows=None, interpret=None, cores=1):
+def _dense_local(q_latent, q_rope, c_pool, kr_pool, page_table, lengths, c_scale=None, *, scale,
+                 num_splits, block_rows=None, interpret=None, cores=1):
   """``kr_pool=None``: ``c_pool`` is a fused pool ``[P, page, C + R]`` (``C`` a multiple of ``R``),
   whose ``k^R`` columns the kernel reads as block ``C / R`` of the last axis: two DMAs from one
-  array, no copy."""
+  array, no copy.  ``c_scale [P, 1, page]``: ``c_pool`` holds quantized codes with these scales
+  (a separate ``kr_pool`` then), each page's fetched beside its codes."""
   b, t, n, c = q_latent.shape
   r = q_rope.shape[3]
   rope_block = 0
@@ -129,14 +145,20 @@ def _dense_local(q_latent, q_rope, c_pool, kr_pool, page_table, lengths, *, scal
   # One partition: the kernel's output is final (query dtype); else fp32 partials to combine.
   out_dtype = q_latent.dtype if splits == 1 else _F32
   kernel = functools.partial(_dense_kernel, scale=float(scale), num_t=t, num_heads=n,
-                             pages_per_split=pps, split_first=split_first)
+                             pages_per_split=pps, split_first=split_first,
+                             quantized=c_scale is not None)
+  extra_args, extra_specs = [], []
+  if c_scale is not None:    # the c_KV page's scales [1, page], by the same page index
+    extra_args.append(c_scale)
+    extra_specs.append(pl.BlockSpec((None, 1, page_size), c_map))
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=2,
       grid=grid,
       in_specs=[pl.BlockSpec((None, rb, c), q_map),                  # q~ [rows, C]
                 pl.BlockSpec((None, rb, r), q_map),                  # q^R [rows, R]
                 pl.BlockSpec((None, page_size, c), c_map),           # c_KV page
-                pl.BlockSpec((None, page_size, r), r_map)],          # k^R page
+                pl.BlockSpec((None, page_size, r), r_map),           # k^R page
+                *extra_specs],
       out_specs=[pl.BlockSpec((None, None, rb, c), o_map),
                  pl.BlockSpec((None, None, rb, 1), o_map)],
       scratch_shapes=[pltpu.VMEM((rb, 1), _F32), pltpu.VMEM((rb, 1), _F32),
@@ -148,7 +170,7 @@ def _dense_local(q_latent, q_rope, c_pool, kr_pool, page_table, lengths, *, scal
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
       interpret=default_interpret(interpret),
-  )(lengths, page_table.reshape(-1), ql, qr, c_pool, kr_pool)
+  )(lengths, page_table.reshape(-1), ql, qr, c_pool, kr_pool, *extra_args)
   return combine(out, lse)[:, :rows].reshape(b, t, n, c).astype(q_latent.dtype)
 
 
@@ -178,17 +200,19 @@ def _sparse_local(q_latent, q_rope, c_pool, kr_pool, page_table, lengths, indice
   return out.reshape(b, t, n, c)
 
 
-def run_sharded_mla(local, args, mesh):
+def run_sharded_mla(local, args, mesh, pool_scales: bool = False):
   """``local(q_latent, q_rope, c_pool, kr_pool, page_table, lengths[, indices])`` under ``mesh``
   (None: the context mesh; no mesh or no free axis: called directly): batch over the ``"batch"``
   axes, query heads over ``"heads"``; every device keeps the whole latent pool.  Shared by the TPU
-  and GPU MLA decode kernels."""
+  and GPU MLA decode kernels.  ``pool_scales``: the last argument is the quantized latent pool's
+  scales ``[P, 1, page]``, whole on every device as the pool is."""
   b, _, n, _ = args[0].shape
 
   def specs(mesh):
     bax, hax = sharded.latent_specs(mesh, b, n)
     q_spec = P(bax, None, hax, None)
-    return (q_spec, q_spec, P(), P(), P(bax, None), P(bax), P(bax, None, None))[:len(args)], q_spec
+    ins = (q_spec, q_spec, P(), P(), P(bax, None), P(bax), P(bax, None, None))
+    return ins[:len(args) - pool_scales] + (P(),) * pool_scales, q_spec
 
   return sharded.run_sharded(local, args, mesh, specs)
 
@@ -206,6 +230,7 @@ def paged_mla_decode_tpu(
     block_rows: int | None = None,
     interpret=None,
     mesh=None,
+    c_kv_scale: Float[Array, "P 1 page"] | None = None,
 ) -> Float[Array, "B T N C"]:
   """``jaxattn.ops.decode.paged_mla_decode`` as Pallas kernels (arguments checked there).
 
@@ -214,9 +239,15 @@ def paged_mla_decode_tpu(
   latent, so any split of the heads is valid); the latent pools stay whole on every device.
   Dense mode takes the query rows ``(t, n)`` ``block_rows`` at a time (None: all of them up to
   ``MLA_BLOCK_ROWS``, else blocks of that many), so a long prefill runs here too.
+  ``c_kv_scale [P, 1, page]``: ``c_kv_pool`` holds int8 / float8_e4m3fn codes with these
+  per-token scales (a quantized ``PagedLatentCache``), folded into the dense kernel; the sparse
+  mode takes none.
   """
   check_num_splits(num_splits)
   check_block_rows(block_rows)
+  if c_kv_scale is not None and indices is not None:
+    raise ValueError("the sparse (`indices`) MLA decode kernel takes no `c_kv_scale`: a quantized "
+                     "latent cache decodes sparsely on the 'xla' path.")
   if indices is None:
     local = functools.partial(_dense_local, scale=scale, num_splits=num_splits,
                               block_rows=block_rows, interpret=interpret, cores=tensorcores())
@@ -225,7 +256,9 @@ def paged_mla_decode_tpu(
   args = [q_latent, q_rope, c_kv_pool, k_rope_pool, page_table, lengths]
   if indices is not None:
     args.append(indices)
-  return run_sharded_mla(local, args, mesh)
+  if c_kv_scale is not None:
+    args.append(c_kv_scale)
+  return run_sharded_mla(local, args, mesh, pool_scales=c_kv_scale is not None)
 
 
 def contiguous_mla_decode_tpu(

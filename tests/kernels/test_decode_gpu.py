@@ -374,12 +374,12 @@ def test_kernels_lower_to_triton(cuda_target):
         lens, jax.ShapeDtypeStruct((b, 256), jnp.int32))),
   ]
   # Quantized pools (merged [P, page, K * H] codes, as a PagedKVCache stores them, with fp32
-  # scales [P, K, page]): int8 under a bf16 query, fp8 e4m3 under an fp32 one with a window.
+  # scales [P, 1, K * page]): int8 under a bf16 query, fp8 e4m3 under an fp32 one with a window.
   def quant(q, k, v, t, n, ks, vs):
     return paged_attention(q, k, v, t, n, implementation="pallas_gpu", key_scale=ks,
                            value_scale=vs, local_window_size=100, interpret=False)
 
-  scales = (f32(pages, 8, page), f32(pages, 8, page))
+  scales = (f32(pages, 1, 8 * page), f32(pages, 1, 8 * page))
   for q, codes in ((bf16(b, 1, 32, 128), jnp.int8), (f32(b, 2, 32, 128), jnp.float8_e4m3fn)):
     pool = jax.ShapeDtypeStruct((pages, page, 8 * 128), codes)
     cases.append(("jaxattn_paged_decode_gpu", quant, (q, pool, pool, table, lens, *scales)))

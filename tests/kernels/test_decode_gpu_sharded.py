@@ -181,7 +181,7 @@ def test_gqa_explicit_mesh_mqa_and_ragged_batch(mesh):
 
 
 def test_gqa_sharded_quantized_pools(mesh):
-  """int8 codes with fp32 scales ``[P, K, page]`` (NaN in every slot that holds no token) under
+  """int8 codes with fp32 scales ``[P, 1, K * page]`` (NaN in every slot that holds no token) under
   ``mesh=``: batch 4 over data=2, KV heads 4 over tensor=4, the scales split over the KV heads
   with the pools (each device reads its own head's); without ALiBi and sinks (their empty
   stand-ins travel through ``shard_map``) and with both."""
@@ -206,7 +206,7 @@ def test_gqa_sharded_quantized_pools(mesh):
     np.testing.assert_array_equal(np.asarray(got[1]), 0.0)
     (grid, shapes), = pallas_calls(f, *args)
     assert grid == (2, 1, 2)                                # local batch 2, one KV head
-    assert shapes[-2] == shapes[-1] == (18, 1, PAGE)        # the local scales [P, K, page]
+    assert shapes[-2] == shapes[-1] == (18, 1, PAGE)        # local scales, as [P, K, page]
 
 
 def test_automatic_splits_use_local_sizes(mesh, monkeypatch):

@@ -1,19 +1,24 @@
 """The paged decode kernel over a quantized KV cache (int8 / float8_e4m3fn codes, a scale per
 token and KV head) against the XLA formula on the same codes (interpret mode, race detection):
 ragged lengths incl. zero, split-KV, several new tokens, bf16 queries, window, ALiBi and sinks,
-stale slots (NaN codes and scales) never read into the result, and under the 8-device mesh."""
+stale slots (NaN codes and scales) never read into the result, and under the 8-device mesh; the
+same kernel over a contiguous quantized ``KVCache``, and ``Attention`` routing its steps there."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxattn import sharding
-from jaxattn.ops.decode import paged_attention
+from jaxattn.cache import KVCache
+from jaxattn.nn import attention as attention_module
+from jaxattn.nn.attention import Attention
+from jaxattn.ops.decode import cache_attention, paged_attention
 from jaxattn.paged_cache import PagedKVCache
-from jaxattn.testing import scrambled_paged_cache
+from jaxattn.testing import prefill_then_decode, random_module, scrambled_paged_cache
 
 RACES = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
 PAGE = 4
@@ -84,7 +89,7 @@ def test_window_alibi_sinks_and_soft_cap():
 
 
 def test_sharded_under_mesh_equals_unsharded():
-  """Scales travel split with the KV heads (``[P, K, page]``, axis 1)."""
+  """Scales travel split with the KV heads (``[P, 1, K * page]``, K-major lanes)."""
   mesh = sharding.make_mesh({"data": 2, "tensor": 4})
   cache = quantized_cache((6, 11), 4, INT8)
   q = queries(2, 1, 8)
@@ -94,3 +99,57 @@ def test_sharded_under_mesh_equals_unsharded():
     got = jax.jit(lambda q, c: _call(q, c, implementation="pallas_tpu", num_splits=2,
                                      interpret=True))(qs, cache)
   np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
+# -- a contiguous cache (KVCache) ------------------------------------------------------------------
+
+def test_contiguous_cache_kernel_equals_xla():
+  """``cache_attention`` over a quantized ``KVCache`` (scales ``[B, K, S]``, viewed as pages of
+  16 with the codes): the kernel == the XLA path; ragged lengths, split-KV, several tokens."""
+  cache = KVCache.init(3, 32, 2, 8, dtype=FP8)
+  rng = np.random.default_rng(0)
+  key, value = (jnp.asarray(rng.standard_normal((3, 21, 2, 8)), jnp.float32) for _ in range(2))
+  cache = cache.update(key, value)
+  lengths = jnp.asarray([21, 0, 9], jnp.int32)
+  q = queries(3, 2, 4)
+  kw = dict(key_scale=cache.key_scale, value_scale=cache.value_scale)
+  ref = cache_attention(q, cache.key, cache.value, lengths, implementation="xla", **kw)
+  got = cache_attention(q, cache.key, cache.value, lengths, implementation="pallas_tpu",
+                        interpret=True, num_splits=2, **kw)
+  np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+  dk, dv = cache.split_heads()          # the formula over the dequantized cache
+  np.testing.assert_allclose(ref, cache_attention(q, dk, dv, lengths, implementation="xla"),
+                             rtol=1e-6, atol=1e-6)
+
+
+D = 32
+
+
+@nnx.jit(static_argnames="implementation")
+def _step(m, c, xt, implementation=None):
+  return m(xt, cache=c, implementation=implementation)
+
+
+def test_module_decodes_a_quantized_contiguous_cache_in_the_kernel(monkeypatch):
+  """``Attention`` with an int8 ``KVCache``: prefill 5 tokens, then four single steps; the
+  decode-kernel route (``pallas_tpu``) == the dense route over the dequantized cache (``xla``),
+  both within 3% of the unquantized cache's outputs."""
+  module = random_module(lambda: Attention(D, num_heads=4, num_kv_heads=2, rngs=nnx.Rngs(0)), 0)
+  x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 9, D)), jnp.float32)
+  calls = []
+
+  def counted(*args, **kw):
+    calls.append(kw["implementation"])
+    return cache_attention(*args, **kw)
+  monkeypatch.setattr(attention_module, "cache_attention", counted)
+
+  def run(impl, dtype):
+    step = lambda m, c, xt: _step(m, c, xt, implementation=impl)  # noqa: E731
+    return prefill_then_decode(step, module, module.init_cache(2, 16, dtype), x, 5)[0]
+
+  got = run("pallas_tpu", INT8)
+  assert calls == ["pallas_tpu"] * 2
+  want = run("xla", INT8)
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+  exact = run("xla", None)
+  assert 0 < np.abs(np.asarray(want - exact)).max() <= 0.03 * np.abs(np.asarray(exact)).max()

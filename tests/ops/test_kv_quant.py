@@ -1,7 +1,8 @@
 """Quantized KV caches (``PagedKVCache(dtype=int8 | float8_e4m3fn)``): ``quantize_kv``'s error
 bounds, the cache's codes and per-token, per-head scales (append, ragged chunks, gather, bytes),
 ``paged_attention`` over codes == the formula over the dequantized cache, a whole model decoding
-from a quantized cache close to a float one (and the serving engine on it), and the errors."""
+from a quantized cache close to a float one (and the serving engine on it); the contiguous
+``KVCache`` and ``generate(cache_dtype=)``; and the errors."""
 
 import jax
 import jax.numpy as jnp
@@ -9,11 +10,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxattn.cache import KVCache
 from jaxattn.configs import get_config
+from jaxattn.generation import generate
 from jaxattn.nn.model import DecoderLM
 from jaxattn.ops.decode import paged_attention
 from jaxattn.ops.quantization import check_cache_dtype, kv_quantized, quantize_kv
 from jaxattn.paged_cache import PagedKVCache
+from jaxattn.rolling_cache import RollingKVCache
 from jaxattn.serving import Engine
 
 INT8, FP8 = jnp.int8, jnp.float8_e4m3fn
@@ -61,7 +65,7 @@ def test_paged_cache_holds_codes_and_scales(dtype):
   b, kh, h, hv, page = 3, 2, 8, 4, 4
   cache = PagedKVCache.init(b, 12, page, kh, h, hv, dtype=dtype)
   assert cache.quantized and cache.key_pool.dtype == dtype
-  assert cache.key_scale_pool.shape == cache.value_scale_pool.shape == (12, kh, page)
+  assert cache.key_scale_pool.shape == cache.value_scale_pool.shape == (12, 1, kh * page)
   # Bytes: 1 per entry + 4 per token and KV head for each of keys and values.
   assert cache.nbytes == 12 * page * kh * (h + hv + 8)
   assert not PagedKVCache.init(b, 12, page, kh, h, hv).quantized
@@ -122,8 +126,9 @@ def test_scale_errors():
     paged_attention(q, plain.key_pool, plain.value_pool, *args[2:], **scales)
   with pytest.raises(ValueError, match=msg):                       # int8 keys, float values
     paged_attention(q, cache.key_pool, plain.value_pool, *args[2:], **scales)
-  with pytest.raises(ValueError, match=r"`key_scale` must be float32 \[P, K, page\] = \[4, 2, 4\]"):
-    paged_attention(q, *args, key_scale=jnp.swapaxes(cache.key_scale_pool, 1, 2),
+  with pytest.raises(ValueError,
+                     match=r"`key_scale` must be float32 \[P, 1, K \* page\] = \[4, 1, 8\]"):
+    paged_attention(q, *args, key_scale=cache.key_scale_pool.reshape(4, 2, 4),
                     value_scale=cache.value_scale_pool)
   with pytest.raises(ValueError, match=r"`value_scale` must be float32"):
     paged_attention(q, *args, key_scale=cache.key_scale_pool,
@@ -179,3 +184,36 @@ def test_a_model_decodes_from_a_quantized_cache(preset, kw):
   rid = engine.submit(rng.integers(1, 61, size=5).astype(np.int32), 4)
   assert engine.run()[rid].shape == (9,)
   assert all(c.quantized for g in engine.cache.groups for c in g if isinstance(c, PagedKVCache))
+
+
+@pytest.mark.parametrize("dtype", [INT8, FP8])
+def test_contiguous_cache_holds_codes_and_scales(dtype):
+  cache = KVCache.init(2, 10, 2, 8, 4, dtype=dtype)
+  assert cache.quantized and cache.key.dtype == dtype and cache.key_scale.shape == (2, 2, 10)
+  assert cache.nbytes == 2 * 10 * 2 * (8 + 4 + 8)
+  key, value = normal((2, 7, 2, 8), 1), normal((2, 7, 2, 4), 2)
+  cache = cache.update(key[:, :4], value[:, :4]).update(key[:, 4:], value[:, 4:])
+  assert int(cache.index) == 7
+  gk, gv = cache.split_heads()
+  for got, x in ((gk, key), (gv, value)):
+    codes, scale = quantize_kv(x, dtype)
+    np.testing.assert_array_equal(got[:, :7], np.asarray(codes, np.float32) * scale[..., None])
+
+
+def test_generate_with_a_quantized_cache():
+  """Greedy generation with an int8 / fp8 cache: the prefill's logits are those of the float
+  cache within 3% (int8), and generation runs whole; the errors."""
+  model = DecoderLM(get_config("llama", **SMALL).replace(num_layers=2), rngs=nnx.Rngs(0))
+  prompt = np.random.default_rng(0).integers(1, 61, size=(2, 7)).astype(np.int32)
+  exact, _ = model(jnp.asarray(prompt), cache=model.init_cache(2, 16))
+  quant, cache = model(jnp.asarray(prompt), cache=model.init_cache(2, 16, INT8))
+  assert 0 < np.abs(np.asarray(quant - exact)).max() <= 0.03 * np.abs(np.asarray(exact)).max()
+  assert any(x.dtype == INT8 for x in jax.tree.leaves(cache))
+  for dtype in (INT8, "float8_e4m3fn"):
+    assert generate(model, prompt, 6, cache_dtype=dtype).shape == (2, 13)
+  with pytest.raises(ValueError, match=r"generate: `cache_dtype` must be a float dtype, or int8"):
+    generate(model, prompt, 2, cache_dtype=jnp.int32)
+  with pytest.raises(ValueError, match=r"RollingKVCache.init: `dtype` int8 \(a quantized cache\)"):
+    RollingKVCache.init(2, 4, 2, 8, dtype=INT8)
+  with pytest.raises(ValueError, match=r"KVCache.init: `dtype` must be a float dtype"):
+    KVCache.init(2, 4, 2, 8, dtype=jnp.int32)
