@@ -157,6 +157,8 @@ class KVCache:
 
 def kv_cache_bytes_per_token(num_kv_heads: int, head_dim: int, dtype=jnp.bfloat16,
                              v_head_dim: int | None = None) -> int:
-  """Per-token, per-layer KV cache bytes: ``K * (H + h) * bytes`` (= ``2 K H bytes`` when h = H)."""
+  """Per-token, per-layer KV cache bytes: ``K * (H + h) * bytes`` (= ``2 K H bytes`` when h = H);
+  a quantized cache (int8 / float8_e4m3fn) adds its two fp32 scales per KV head, ``8 K``."""
   v_head_dim = head_dim if v_head_dim is None else v_head_dim
-  return int(num_kv_heads * (head_dim + v_head_dim) * np.dtype(dtype).itemsize)
+  scales = 8 * num_kv_heads if kv_quantized(dtype) else 0
+  return int(num_kv_heads * (head_dim + v_head_dim) * np.dtype(dtype).itemsize + scales)

@@ -278,8 +278,11 @@ class GatedDeltaNet(nnx.Module):
                               self.v_head_dim, self.conv_kernel_size, dtype)
 
   def cache_bytes(self, seq_len: int, batch: int = 1, dtype=jnp.bfloat16) -> int:
-    """Decode-cache bytes after ``seq_len`` tokens: constant (fp32 memory + ``dtype`` conv tails)."""
+    """Decode-cache bytes after ``seq_len`` tokens: constant (fp32 memory + ``dtype`` conv tails;
+    a quantized KV cache's ``dtype`` leaves them in the compute dtype, as ``init_cache``)."""
     del seq_len
+    if kv_quantized(dtype):
+      dtype = self.dtype or jnp.float32
     conv = (self.conv_kernel_size - 1) * (2 * self.num_key_heads * self.head_dim
                                           + self.num_heads * self.v_head_dim)
     state = self.num_heads * self.head_dim * self.v_head_dim

@@ -238,7 +238,12 @@ class MLA(nnx.Module):
             and mask is None and cache.max_len % 16 == 0)
 
   def cache_bytes(self, seq_len: int, batch: int = 1, dtype=jnp.bfloat16) -> int:
-    """Latent cache bytes of this layer for ``seq_len`` tokens: ``(C + R) x bytes`` per token."""
+    """Latent cache bytes of this layer for ``seq_len`` tokens: ``(C + R) x bytes`` per token; a
+    quantized ``dtype`` (int8 / float8_e4m3fn, paged) ``C`` code bytes, a fp32 scale and ``k^R``
+    in the compute dtype (unpadded: TPU pads ``k^R`` to 128 columns)."""
+    if kv_quantized(dtype):
+      rope_bytes = jnp.dtype(self._rope_dtype(dtype)).itemsize
+      return batch * seq_len * (self.kv_lora_rank + 4 + self.qk_rope_head_dim * rope_bytes)
     per_token = kv_cache_per_token("mla", num_heads=self.num_heads, head_dim=self.qk_nope_head_dim,
                                    kv_lora_rank=self.kv_lora_rank,
                                    qk_rope_head_dim=self.qk_rope_head_dim, dtype=dtype)

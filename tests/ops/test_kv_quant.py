@@ -217,3 +217,18 @@ def test_generate_with_a_quantized_cache():
     RollingKVCache.init(2, 4, 2, 8, dtype=INT8)
   with pytest.raises(ValueError, match=r"KVCache.init: `dtype` must be a float dtype"):
     KVCache.init(2, 4, 2, 8, dtype=jnp.int32)
+
+
+def test_cache_bytes_count_codes_and_scales():
+  """``Attention.cache_bytes`` / ``MLA.cache_bytes`` of a quantized dtype are what the caches
+  allocate per token (codes, scales, and MLA's float k^R)."""
+  from jaxattn.nn.attention import Attention  # noqa: PLC0415
+  from jaxattn.nn.mla import MLA  # noqa: PLC0415
+  from jaxattn.paged_cache import PagedLatentCache  # noqa: PLC0415
+  attn = Attention(64, num_heads=4, num_kv_heads=2, rngs=nnx.Rngs(0))
+  for dtype in (INT8, FP8, jnp.bfloat16):
+    assert attn.cache_bytes(8 * 4, 1, dtype) == attn.init_paged_cache(1, 8, 4, dtype=dtype).nbytes
+  mla = MLA(64, num_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=8,
+            qk_rope_head_dim=4, v_head_dim=8, rngs=nnx.Rngs(0))
+  cache = PagedLatentCache.init(1, 8, 4, 32, 4, dtype=INT8, rope_dtype=jnp.float32, rope_align=1)
+  assert mla.cache_bytes(8 * 4, 1, INT8) == cache.nbytes == 8 * 4 * (32 + 4 + 4 * 4)
