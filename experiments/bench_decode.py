@@ -19,12 +19,14 @@ layer's attention core, projections excluded:
   all 128 heads on one device it is ~240 FLOP/byte, above an H200's bf16 ridge point (~200):
   compute-bound, so a bandwidth percentage means little there.
 
-``--kv-quant int8,fp8`` adds each implementation's rows over a quantized GQA cache (``+int8``,
+``--kv-quant int8,fp8`` adds each implementation's rows over a quantized cache (``+int8``,
 ``+fp8``: one-byte codes with a fp32 scale per token and KV head, as ``PagedKVCache(dtype=
-jnp.int8)`` / ``KVCache`` hold them; ``none`` is the ``--dtype`` cache).  Their bandwidth counts
-the bytes they read (codes and scales: ``K * 2 (H + 4)`` per token), their ``x contig`` the float
-cache's contiguous row: the speed-up a quantized cache buys.  The contiguous XLA row of a
-quantized cache dequantizes it whole first (what ``KVCache.split_heads`` feeds the dense path).
+jnp.int8)`` / ``KVCache`` hold them; for MLA the latents ``c_KV`` with a scale per token, ``k^R``
+in ``--dtype``, as ``PagedLatentCache``, which is paged only; ``none`` is the ``--dtype``
+cache).  Their bandwidth counts the bytes they read (GQA: ``K * 2 (H + 4)`` per token; MLA:
+``C + 4 + R * bytes``), their ``x contig`` the float cache's contiguous row: the speed-up a
+quantized cache buys.  The contiguous XLA row of a quantized cache dequantizes it whole first
+(what ``KVCache.split_heads`` feeds the dense path).
 
 Implementations (``--impls``):
 
@@ -192,7 +194,7 @@ def _gqa_fns(args, q, kp, vp, kc, vc, table, lengths, scales=None):
 def build_case(kind, b, s, args, dtype, rng):
   """``{label: (fn, args)}`` for one (kind, batch, context) and ``{label: cache bytes one step
   reads}``; a label is an implementation, ``impl+int8`` / ``impl+fp8`` over a quantized cache
-  (``--kv-quant``; GQA only)."""
+  (``--kv-quant``)."""
   lengths = jnp.full((b,), s, jnp.int32)
   itemsize = jnp.dtype(dtype).itemsize
   if kind == "gqa":
@@ -255,7 +257,37 @@ def build_case(kind, b, s, args, dtype, rng):
           ql, qr, kv, lens, scale=scale, implementation="pallas_tpu",
           num_splits=_tpu_splits(args)), (ql, qr, latent_rows, lengths)),
   }
-  return fns, {k: nbytes for k in fns}
+  nbytes = {k: nbytes for k in fns}
+  for quant in getattr(args, "kv_quant", None) or ["none"]:
+    if quant == "none":
+      continue
+    # c_KV as one-byte codes with a fp32 scale per token ([P, 1, page], PagedLatentCache's);
+    # k^R stays in --dtype.  No contiguous quantized LatentCache: no pallas_contiguous row.
+    codes, sc = quantize_kv(cc.astype(jnp.float32), KV_QUANT[quant])    # [B, S, C], [B, S]
+    pages = table.reshape(-1)
+    cq = jnp.zeros(cp.shape, codes.dtype).at[pages].set(codes.reshape(cp.shape[0], -1, c))
+    csp = jnp.ones((cp.shape[0], 1, cp.shape[1]), jnp.float32).at[pages].set(
+        sc.reshape(cp.shape[0], 1, -1))
+
+    def dense(ql, qr, codes, sc, k_rope, lens):
+      c_kv = (codes.astype(jnp.float32) * sc[..., None]).astype(ql.dtype)
+      return contiguous(ql, qr, c_kv, k_rope, lens)
+
+    qfns = {
+        "contiguous": (dense, (ql, qr, codes, sc, rc, lengths)),
+        "xla_paged": (lambda ql, qr, cp, rp, t, lens, cs: paged_mla_decode(
+            ql, qr, cp, rp, t, lens, scale=scale, implementation="xla", c_kv_scale=cs),
+                      (ql, qr, cq, rp, table, lengths, csp)),
+        "pallas_paged": (lambda ql, qr, cp, rp, t, lens, cs: paged_mla_decode(
+            ql, qr, cp, rp, t, lens, scale=scale, implementation="pallas_tpu",
+            num_splits=_tpu_splits(args), c_kv_scale=cs), (ql, qr, cq, rp, table, lengths, csp)),
+        "pallas_gpu_paged": (lambda ql, qr, cp, rp, t, lens, cs: paged_mla_decode_gpu(
+            ql, qr, cp, rp, t, lens, scale=scale, c_kv_scale=cs, **_gpu_kw(args)),
+                             (ql, qr, cq, rp, table, lengths, csp)),
+    }
+    fns.update({label(i, quant): f for i, f in qfns.items()})
+    nbytes.update({label(i, quant): b * s * (c + 4 + r * itemsize) for i in qfns})
+  return fns, nbytes
 
 
 def _tpu_splits(args):
@@ -406,8 +438,9 @@ def main(argv=None):
                   help=f"comma list of {', '.join(IMPLS)}")
   ap.add_argument("--dtype", type=str, default="bfloat16")
   ap.add_argument("--kv-quant", type=choice_list(tuple(KV_QUANT)), default="none",
-                  help="GQA caches to time: none (--dtype), int8, fp8 (one-byte codes with a "
-                       "fp32 scale per token and KV head); rows impl+int8 / impl+fp8")
+                  help="caches to time: none (--dtype), int8, fp8 (one-byte codes with a fp32 "
+                       "scale per token and KV head; MLA: c_KV, k^R in --dtype); rows "
+                       "impl+int8 / impl+fp8")
   ap.add_argument("--heads", type=int, default=32)
   ap.add_argument("--kv-heads", type=int, default=8)
   ap.add_argument("--head-dim", type=int, default=128)
@@ -502,13 +535,15 @@ def main(argv=None):
   print(f"{'kind':4} {'ctx':>6} {'B':>3} {'impl':16} {'ms/step':>9} {'cache MB':>9} "
         f"{'GB/s':>7} {'% copy':>7} {'x contig':>9} {'peak MB':>9}", flush=True)
   # The contiguous row first, so every row can print its ratio to it as soon as it is measured;
-  # then each quantized cache's rows (GQA), all against the float contiguous row.
+  # then each quantized cache's rows, all against the float contiguous row.
   order = sorted(impls, key=lambda i: i != "contiguous")
 
   def labels(kind):
-    quants = args.kv_quant if kind == "gqa" else ["none"]
+    quants = args.kv_quant
     first = ["contiguous"] if "contiguous" in impls and "none" not in quants else []
-    return first + [label(i, q) for q in quants for i in order]
+    # (a quantized latent cache is paged only: no pallas_contiguous row for MLA)
+    return first + [label(i, q) for q in quants for i in order
+                    if not (kind == "mla" and q != "none" and i == "pallas_contiguous")]
 
   bar = tqdm(total=len(contexts) * len(batches) * sum(len(labels(k)) for k in kinds),
              desc="bench_decode")

@@ -13,7 +13,7 @@
 #   2. decode kernels: tests/kernels/test_decode_gpu.py compiled, then experiments.bench_decode
 #      --check (kernels vs formulas at 32k context) and the decode benchmark (contiguous XLA,
 #      paged XLA and the paged Pallas kernels against the copy bandwidth, 4k and 32k, batch
-#      1..32), the paged kernel over int8 / fp8 caches (32k, batch 8 and 32), then (TUNE=1) a
+#      1..32), the paged kernels over int8 / fp8 caches (32k, batch 8 and 32), then (TUNE=1) a
 #      few MLA kernel tile settings at 32k; then the top-K sparse (DSA)
 #      kernels compiled against the gather reference and timed (experiments.bench_sparse_kernel);
 #   3. flash kernels: tests/kernels/test_flash_gpu.py compiled (and the cuDNN backend of the
@@ -137,8 +137,8 @@ step "decode check + benchmark" 200 \
   "$PY" -m experiments.bench_decode --check --kind gqa,mla --contexts 4096,32768 \
   --batches 1,8,32 --impls contiguous,xla_paged,pallas_gpu_paged --repeats 5 --out "$WORK/decode"
 cp "$WORK/decode/bench_decode.png" "$WORK/decode/results.json" "$DEST/" 2>/dev/null
-step "decode over quantized caches (int8, fp8)" 90 \
-  "$PY" -m experiments.bench_decode --kind gqa --contexts 32768 --batches 8,32 \
+step "decode over quantized caches (int8, fp8)" 120 \
+  "$PY" -m experiments.bench_decode --kind gqa,mla --contexts 32768 --batches 8,32 \
   --impls contiguous,pallas_gpu_paged --kv-quant none,int8,fp8 --repeats 5 \
   --out "$WORK/decode_quant"
 cp "$WORK/decode_quant/results.json" "$DEST/decode_quant.json" 2>/dev/null

@@ -205,6 +205,12 @@ def cases():
                                                        implementation="pallas_tpu", num_splits=4,
                                                        interpret=False),
           (*latent, table, lens)),
+      # A quantized latent cache: c_KV int8 codes and their scales [P, 1, page] fp32, k^R bf16.
+      "paged MLA decode, int8 cache": (
+          lambda ql, qr, c, kr, t, n, cs: paged_mla_decode(
+              ql, qr, c, kr, t, n, scale=0.07, implementation="pallas_tpu", num_splits=4,
+              c_kv_scale=cs, interpret=False),
+          (*latent[:2], i8(1024, 64, 512), latent[3], table, lens, f32(1024, 1, 64))),
       # Prefill through the caches: 512 new tokens, their query rows in blocks that fit VMEM
       # (GQA: 256 rows of a KV head's 2048; MLA: 512 of 512 x 128 heads), each block reading
       # only the pages its tokens can see.

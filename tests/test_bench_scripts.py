@@ -430,3 +430,11 @@ def test_decode_quantized_cache_rows(tmp_path):
   assert rows["xla_paged+int8"]["cache_mb"] == pytest.approx(rows["xla_paged"]["cache_mb"] * 40 / 64)
   assert all(r["ms"] > 0 and r["vs_contiguous"] is not None for r in rows.values())
   assert rows["contiguous"]["vs_contiguous"] == 1.0
+  # MLA: c_KV in codes with a scale per token, k^R in bf16: (32 + 4 + 16 * 2) / ((32 + 16) * 2).
+  mla = ["--kind", "mla", "--mla-heads", "2", "--latent", "32", "--rope", "16"]
+  argv = TINY_DECODE[2:] + mla + ["--batches", "1", "--impls", "contiguous,xla_paged",
+                                  "--kv-quant", "none,int8", "--out", str(tmp_path / "mla")]
+  assert bench_decode.main(argv) == 0
+  rows = {r["impl"]: r for r in _strict_load(tmp_path / "mla" / "results.json")["rows"]}
+  assert list(rows) == ["contiguous", "xla_paged", "contiguous+int8", "xla_paged+int8"]
+  assert rows["xla_paged+int8"]["cache_mb"] == pytest.approx(rows["xla_paged"]["cache_mb"] * 68 / 96)
