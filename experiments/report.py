@@ -73,6 +73,10 @@ FLAGS: dict[str, dict[str, list[str]]] = {
                "--mem-sizes", ""],
         smoke=["--pretrain-steps", "1", "--finetune-steps", "1", "--dim", "16", "--layers", "1",
                "--vocab", "16", "--seq", "8", "--batch", "2", "--rank", "2", "--mem-sizes", ""]),
+    "kv_quant_quality": dict(
+        quick=["--train-steps", "80", "--docs", "16"],
+        smoke=["--train-steps", "1", "--docs", "2", "--seq-len", "12", "--chunk", "4",
+               "--page-size", "4"]),
     "bench_train": dict(
         quick=["--batch-size", "4", "--seq-len", "128", "--steps", "3", "--matmul-size", "1024"],
         smoke=["--presets", "llama", "--batch-size", "1", "--seq-len", "8", "--steps", "1",
@@ -82,16 +86,18 @@ FLAGS: dict[str, dict[str, list[str]]] = {
 DATA_FILE = {"length_extrapolation": "results.json", "hadamard_quant": "results.json",
              "moe_balance": "results.json", "recall": "results.json",
              "mhc_stability": "report.json", "lora_finetune": "report.json",
-             "bench_train": "results.json"}
+             "bench_train": "results.json", "kv_quant_quality": "results.json"}
 TITLES = {"kv_cache": "KV-cache size per token",
           "length_extrapolation": "Positional length extrapolation",
           "hadamard_quant": "Hadamard rotation before INT8 quantization",
           "moe_balance": "MoE expert balance", "recall": "Associative recall vs sequence length",
           "mhc_stability": "mHC residual-mixing stability",
-          "lora_finetune": "LoRA / QLoRA fine-tuning", "bench_train": "Training throughput (CPU)",
+          "lora_finetune": "LoRA / QLoRA fine-tuning",
+          "kv_quant_quality": "Quantized KV cache quality",
+          "bench_train": "Training throughput (CPU)",
           "training": "Training run"}
 SECTIONS = ("kv_cache", "length_extrapolation", "hadamard_quant", "moe_balance", "recall",
-            "mhc_stability", "lora_finetune", "bench_train", "training")
+            "mhc_stability", "lora_finetune", "kv_quant_quality", "bench_train", "training")
 
 
 @dataclasses.dataclass
@@ -136,11 +142,12 @@ def _collect_plots(name: str, folder: pathlib.Path, out: pathlib.Path) -> list[s
   return names
 
 
-def _run_experiment(name: str, size: str, folder: pathlib.Path):
-  """``experiments.<name>.main(flags + ['--out', folder])``; returns (main's result, data)."""
+def _run_experiment(name: str, size: str, folder: pathlib.Path, extra: Sequence[str] = ()):
+  """``experiments.<name>.main(flags + extra + ['--out', folder])``; returns (main's result,
+  data)."""
   module = importlib.import_module(f"experiments.{name}")
   flags = [] if size == "full" else FLAGS[name][size]
-  result = module.main(list(flags) + ["--out", str(folder)])
+  result = module.main(list(flags) + list(extra) + ["--out", str(folder)])
   data = json.loads((folder / DATA_FILE[name]).read_text())
   return result, data
 
@@ -313,6 +320,26 @@ def _ratio(a, b):
   return None if a is None or not b else a / b
 
 
+def section_kv_quant_quality(sec, size, folder, out, args):
+  # The training run's model when there is one (the main job's), else a small one trained here.
+  run = pathlib.Path(args.train_metrics).parent
+  extra = ["--run", str(run)] if size != "smoke" and (run / "config.json").is_file() else []
+  _, data = _run_experiment("kv_quant_quality", size, folder, extra)
+  caches = data["caches"]
+  sec.data = data
+  sec.summary = {name: dict(perplexity=c["perplexity"], kl_mean=c["kl_mean"],
+                            top1_agreement=c["top1_agreement"], vs_bf16_bytes=c["vs_bf16_bytes"])
+                 for name, c in caches.items()}
+  sec.markdown = (
+      f"The model of `{data['run']}` (step {data['step']}) reading {data['docs']} held-out rows "
+      f"through a paged cache, {data['chunk']} tokens per chunk; the float cache reproduces the "
+      f"full forward pass to {data['full_forward_max_err']:.1e} in log-probability.\n\n" +
+      _md_table(["cache", "perplexity", "mean KL from float (nats)", "max KL", "top-1 = float",
+                 "cache bytes vs bf16"],
+                [(n, c["perplexity"], c["kl_mean"], c["kl_max"], c["top1_agreement"],
+                  c["vs_bf16_bytes"]) for n, c in caches.items()]))
+
+
 def section_bench_train(sec, size, folder, out, args):
   _, data = _run_experiment("bench_train", size, folder)
   sec.data = data
@@ -397,7 +424,8 @@ BUILDERS: dict[str, Callable] = {
     "kv_cache": section_kv_cache, "length_extrapolation": section_length_extrapolation,
     "hadamard_quant": section_hadamard_quant, "moe_balance": section_moe_balance,
     "recall": section_recall, "mhc_stability": section_mhc_stability,
-    "lora_finetune": section_lora_finetune, "bench_train": section_bench_train,
+    "lora_finetune": section_lora_finetune, "kv_quant_quality": section_kv_quant_quality,
+    "bench_train": section_bench_train,
     "training": section_training}
 
 

@@ -96,3 +96,20 @@ def test_lora_section_reports_memory(tmp_path, monkeypatch):
   assert "| lora | 10 | 3 | 2 | 1 | 10 | 2 | 0.5 |" in sec.markdown
   assert "| qlora | 10 | 3 | 2 | 1 | 10 | n/a | n/a |" in sec.markdown
   assert "64x1x128" in sec.markdown and "| lora | 1 | 5 | 2 | 0.25 |" in sec.markdown
+
+
+def test_kv_quant_quality_section(tmp_path):
+  """The quantized-cache section (smoke: a model trained one step): perplexity, KL and top-1
+  agreement per cache, the float cache equal to the full forward pass, int8 / fp8 bytes."""
+  out = tmp_path / "r"
+  rc = report.main(["--smoke", "--out", str(out), "--only", "kv_quant_quality",
+                    "--train-metrics", str(tmp_path / "missing.jsonl")])
+  assert rc == 0
+  rec = json.loads((out / "kv_quant_quality.json").read_text())
+  assert rec["status"] == "ok", rec["error"]
+  s = rec["summary"]
+  assert set(s) == {"float", "int8", "fp8"}
+  assert s["float"]["kl_mean"] == 0 and s["float"]["top1_agreement"] == 1
+  assert 0 <= s["int8"]["kl_mean"] < 0.05 and s["int8"]["vs_bf16_bytes"] < 1
+  assert rec["data"]["full_forward_max_err"] < 1e-3
+  assert "kv_quant_quality.png" in _links((out / "REPORT.md").read_text())
