@@ -893,9 +893,9 @@ def paged_mla_decode(
       its fp32 scales ``[P, 1, page]``, one per token: row ``j`` is ``codes_j * s_j``.  ``c_KV``
       is both the key's latent part and the value, so the logits are
       ``scale * (s_j (q~ . c_j) + q^R . k^R_j)`` and the output ``(p * s) @ c``.  The
-      ``"pallas_tpu"`` dense kernel reads the codes and folds the scales in; the ``"xla"`` path
-      dequantizes the gathered rows.  The TPU sparse kernel and the ``"pallas_gpu"`` kernels
-      take no scales (an explicit request for them raises ``ValueError``).
+      ``"pallas_tpu"`` dense kernel and the ``"pallas_gpu"`` kernels (dense and sparse) read the
+      codes and fold the scales in; the ``"xla"`` path dequantizes the gathered rows.  The TPU
+      sparse kernel takes no scales (an explicit request for it raises ``ValueError``).
 
   Returns:
     ``[B, T, N, C]`` (``[B, N, C]`` for 3-D queries): ``sum_s p_s c_s`` per head, query dtype.
@@ -926,11 +926,10 @@ def paged_mla_decode(
   page_table, lengths = page_table.astype(jnp.int32), lengths.astype(jnp.int32)
   impl = (resolve_implementation(implementation, sparse=indices is not None) if t
           else "xla")                                                     # T = 0: empty
-  if quantized and (impl == "pallas_gpu" or (impl == "pallas_tpu" and indices is not None)):
-    mode = "sparse (`indices`)" if indices is not None else "dense"
-    raise ValueError(f"implementation={impl!r} has no {mode} MLA kernel for a quantized latent "
-                     f"cache (`c_kv_scale` given, c_kv_pool {c_kv_pool.dtype}); use "
-                     f"implementation='xla'.")
+  if quantized and impl == "pallas_tpu" and indices is not None:
+    raise ValueError(f"implementation={impl!r} has no sparse (`indices`) MLA kernel for a "
+                     f"quantized latent cache (`c_kv_scale` given, c_kv_pool "
+                     f"{c_kv_pool.dtype}); use implementation='xla'.")
   if impl != "xla":  # the kernels read the padded pool as it is stored
     qr = _zero_pad_columns(qr, k_rope_pool.shape[2])
   if impl == "xla":
@@ -944,7 +943,8 @@ def paged_mla_decode(
   if impl == "pallas_gpu":
     from pallas_kernels.mla_decode import paged_mla_decode_gpu  # noqa: PLC0415 (optional)
     out = paged_mla_decode_gpu(ql, qr, c_kv_pool, k_rope_pool, page_table, lengths, scale=scale,
-                               indices=indices, num_splits=num_splits, interpret=interpret)
+                               indices=indices, num_splits=num_splits, interpret=interpret,
+                               c_kv_scale=c_kv_scale)
   else:
     from pallas_kernels.mla_decode import paged_mla_decode_tpu  # noqa: PLC0415 (optional)
     out = paged_mla_decode_tpu(ql, qr, c_kv_pool, k_rope_pool, page_table, lengths, scale=scale,

@@ -35,6 +35,14 @@ slots: grid ``(B, T, S, head blocks)``, partition ``s`` takes whole ``block_k`` 
 index row, writes an fp32 partial and its log-sum-exp, merged by the same ``combine`` (one
 partition writes the output directly).
 
+A quantized latent cache (``c_KV`` as int8 / float8_e4m3fn codes, fp32 scales ``[P, 1, page]``,
+one per token) works as the GQA kernel's quantized pools do: each block's scales are loaded
+beside its codes (dense: masked alike, a stale slot's scale reading as zero; sparse: gathered by
+the same row offsets, unselected slots zeroed), the codes widened to the query's dtype (fp32
+under an fp32 query); ``c_j = s_j codes_j`` is both key part and value, so the content logits
+are multiplied by ``s_j`` and the probabilities by ``s_j`` before ``p @ codes`` (the normalizer
+sums them unscaled).
+
 ``num_splits=None`` picks ``clamp(ceil(2 * SMs / programs_per_split), 1, max(1, L // 256))``
 partitions (``pallas_kernels.decode_attention.gpu.auto_splits``): dense ``programs_per_split = B *
 head_blocks`` and ``L = M * page`` cached positions; sparse ``programs_per_split = B * T *
@@ -61,18 +69,21 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
 from jaxattn.ops.decode import check_num_splits
-from pallas_kernels.decode_attention.gpu import (auto_splits, block_location, check_block_k, dot_nt,
-                                                 default_interpret, finish, load_rows,
-                                                 online_step, pad_last, pad_lengths,
-                                                 partition_blocks, pow2)
+from pallas_kernels.decode_attention.gpu import (auto_splits, block_location, check_block_k,
+                                                 code_dtype, dot_nt, default_interpret, finish,
+                                                 load_rows, load_scales, online_step, pad_last,
+                                                 pad_lengths, partition_blocks, pow2)
 from pallas_kernels.decode_attention.tpu import combine, visible_keys
 from pallas_kernels.mla_decode.tpu import run_sharded_mla
 
 _F32 = jnp.float32
 
 
-def _kernel(lens_ref, table_ref, ql_ref, qr_ref, c_ref, kr_ref, o_ref, lse_ref, *, scale, num_t,
-            num_heads, pages_per_split, block_k):
+def _kernel(lens_ref, table_ref, ql_ref, qr_ref, c_ref, kr_ref, *refs, scale, num_t, num_heads,
+            pages_per_split, block_k, quantized):
+  refs = list(refs)
+  cs_ref = refs.pop(0) if quantized else None                        # [P, page] fp32 scales
+  o_ref, lse_ref = refs
   b, s, hb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   page_size = c_ref.shape[1]
   block_h = ql_ref.shape[0]
@@ -91,9 +102,16 @@ def _kernel(lens_ref, table_ref, ql_ref, qr_ref, c_ref, kr_ref, o_ref, lse_ref, 
     live = (kv_pos < length)[:, None]              # rows past the length: zeros, not fetched
     c = load_rows(c_ref, page, off, block_k, live)                   # [bk, Cp]
     kr = load_rows(kr_ref, page, off, block_k, live)                 # [bk, Rp]
-    logits = (dot_nt(ql, c) + dot_nt(qr, kr)) * scale
+    c_scale = None
+    if quantized:  # codes: row j is s_j c_j, key part and value alike (stale slots' s_j: 0)
+      c = c.astype(code_dtype(ql.dtype))                             # widened for the dots
+      c_scale = load_scales(cs_ref, page, off, block_k, live[:, 0])  # [bk]
+    content = dot_nt(ql, c)                                          # [bh, bk] fp32
+    if quantized:
+      content = content * c_scale[None, :]
+    logits = (content + dot_nt(qr, kr)) * scale
     valid = (kv_pos[None, :] < length) & (kv_pos[None, :] <= q_pos)
-    return online_step(carry, jnp.where(valid, logits, -jnp.inf), c)
+    return online_step(carry, jnp.where(valid, logits, -jnp.inf), c, c_scale)
 
   init = (jnp.zeros((block_h, o_ref.shape[-1]), _F32), jnp.full((block_h,), -jnp.inf, _F32),
           jnp.zeros((block_h,), _F32))
@@ -104,8 +122,8 @@ def _kernel(lens_ref, table_ref, ql_ref, qr_ref, c_ref, kr_ref, o_ref, lse_ref, 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "block_h", "block_k",
                                              "num_warps", "num_stages", "interpret"))
-def _call(q_latent, q_rope, c_pool, kr_pool, page_table, lengths, *, scale, num_splits, block_h,
-          block_k, num_warps, num_stages, interpret):
+def _call(q_latent, q_rope, c_pool, kr_pool, page_table, lengths, c_scale=None, *, scale,
+          num_splits, block_h, block_k, num_warps, num_stages, interpret):
   b, t, n, c = q_latent.shape
   r = q_rope.shape[3]
   num_pages, page_size = c_pool.shape[:2]
@@ -120,9 +138,14 @@ def _call(q_latent, q_rope, c_pool, kr_pool, page_table, lengths, *, scale, num_
   qr = jnp.pad(q_rope.reshape(b, rows, r), ((0, 0), (0, rows_p - rows), (0, rp - r)))
   c_pool, kr_pool = pad_last(c_pool, cp), pad_last(kr_pool, rp)  # copies unless powers of two
   kernel = functools.partial(_kernel, scale=float(scale), num_t=t, num_heads=n,
-                             pages_per_split=pps, block_k=block_k)
+                             pages_per_split=pps, block_k=block_k,
+                             quantized=c_scale is not None)
   lens = pad_lengths(lengths)
   q_map = lambda bi, si, hi: (bi, hi, 0)  # noqa: E731
+  extra_specs, extra_args = [], []
+  if c_scale is not None:  # quantized codes: their scales [P, 1, page] as [P, page] (free)
+    extra_args.append(c_scale.reshape(num_pages, page_size))
+    extra_specs.append(pl.BlockSpec((num_pages, page_size), lambda bi, si, hi: (0, 0)))
   out, lse = pl.pallas_call(
       kernel,
       grid=(b, splits, rows_p // block_h),
@@ -133,7 +156,7 @@ def _call(q_latent, q_rope, c_pool, kr_pool, page_table, lengths, *, scale, num_
           pl.BlockSpec((None, block_h, rp), q_map),                             # q^R tile
           pl.BlockSpec((num_pages, page_size, cp), lambda bi, si, hi: (0, 0, 0)),  # c_KV pool
           pl.BlockSpec((num_pages, page_size, rp), lambda bi, si, hi: (0, 0, 0)),  # k^R pool
-      ],
+      ] + extra_specs,
       out_specs=[
           pl.BlockSpec((None, None, block_h, cp), lambda bi, si, hi: (bi, si, hi, 0)),
           pl.BlockSpec((None, None, block_h), lambda bi, si, hi: (bi, si, hi)),
@@ -142,18 +165,22 @@ def _call(q_latent, q_rope, c_pool, kr_pool, page_table, lengths, *, scale, num_
                  jax.ShapeDtypeStruct((b, splits, rows_p), _F32)],
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret, name="jaxattn_paged_mla_decode_gpu",
-  )(lens, page_table, ql, qr, c_pool, kr_pool)
+  )(lens, page_table, ql, qr, c_pool, kr_pool, *extra_args)
   out = combine(out, lse[..., None])                                 # [B, rows_p, Cp]
   return out[:, :rows, :c].reshape(b, t, n, c).astype(q_latent.dtype)
 
 
 # -- sparse (DSA): selected rows only ------------------------------------------------------------
 
-def _sparse_kernel(lens_ref, table_ref, idx_ref, ql_ref, qr_ref, c_ref, kr_ref, o_ref, *lse_ref,
-                   scale, page_size, block_k, num_blocks, blocks_per_split):
+def _sparse_kernel(lens_ref, table_ref, idx_ref, ql_ref, qr_ref, c_ref, kr_ref, *refs, scale,
+                   page_size, block_k, num_blocks, blocks_per_split, quantized):
   """``blocks_per_split=None``: one pass over all ``num_blocks`` blocks, the output written in its
   dtype; else partition ``program_id(2)`` covers its blocks and writes an fp32 partial plus its
-  log-sum-exp to ``lse_ref``."""
+  log-sum-exp to ``lse_ref``.  ``quantized``: ``c_ref`` holds codes and the first of ``refs`` is
+  their flat scales ``[P * page]``, gathered by the same row offsets."""
+  refs = list(refs)
+  cs_ref = refs.pop(0) if quantized else None
+  o_ref, lse_ref = refs[0], refs[1:]
   b = pl.program_id(0)
   block_h = ql_ref.shape[0]
   length = lens_ref[b]
@@ -169,10 +196,17 @@ def _sparse_kernel(lens_ref, table_ref, idx_ref, ql_ref, qr_ref, c_ref, kr_ref, 
     row = jnp.maximum(page, 0) * page_size + (pos - logical * page_size)  # rows of the flat pool
     # Gathered rows (a vector of row offsets); unselected slots may point at anything (NaN):
     # zero them so that 0 * NaN cannot reach the accumulator.
-    c = jnp.where(valid[:, None], c_ref[row, :], 0.0).astype(c_ref.dtype)    # [bk, Cp]
+    # Codes are widened for the dots (a NaN fp8 code of an unselected slot is zeroed after).
+    cdt = code_dtype(ql.dtype) if quantized else c_ref.dtype
+    c = jnp.where(valid[:, None], c_ref[row, :].astype(cdt), 0.0).astype(cdt)  # [bk, Cp]
     kr = jnp.where(valid[:, None], kr_ref[row, :], 0.0).astype(kr_ref.dtype)  # [bk, Rp]
-    logits = (dot_nt(ql, c) + dot_nt(qr, kr)) * scale
-    return online_step(carry, jnp.where(valid[None, :], logits, -jnp.inf), c)
+    content = dot_nt(ql, c)                                          # [bh, bk] fp32
+    c_scale = None
+    if quantized:  # row j is s_j c_j, key part and value alike (unselected slots' s_j: 0)
+      c_scale = jnp.where(valid, cs_ref[row], 0.0)                   # [bk]
+      content = content * c_scale[None, :]
+    logits = (content + dot_nt(qr, kr)) * scale
+    return online_step(carry, jnp.where(valid[None, :], logits, -jnp.inf), c, c_scale)
 
   init = (jnp.zeros((block_h, o_ref.shape[-1]), _F32), jnp.full((block_h,), -jnp.inf, _F32),
           jnp.zeros((block_h,), _F32))
@@ -189,8 +223,8 @@ def _sparse_kernel(lens_ref, table_ref, idx_ref, ql_ref, qr_ref, c_ref, kr_ref, 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "block_h", "block_k",
                                              "num_warps", "num_stages", "interpret"))
-def _sparse_call(q_latent, q_rope, c_pool, kr_pool, page_table, lengths, indices, *, scale,
-                 num_splits, block_h, block_k, num_warps, num_stages, interpret):
+def _sparse_call(q_latent, q_rope, c_pool, kr_pool, page_table, lengths, indices, c_scale=None,
+                 *, scale, num_splits, block_h, block_k, num_warps, num_stages, interpret):
   b, t, n, c = q_latent.shape
   r = q_rope.shape[3]
   num_pages, page_size = c_pool.shape[:2]
@@ -204,18 +238,21 @@ def _sparse_call(q_latent, q_rope, c_pool, kr_pool, page_table, lengths, indices
   # Flat [P * page, C|R] views (free reshapes): a selected row is one offset.
   c_flat = pad_last(c_pool, cp).reshape(num_pages * page_size, cp)
   kr_flat = pad_last(kr_pool, rp).reshape(num_pages * page_size, rp)
+  # Quantized codes: their scales [P, 1, page] as [P * page], one per flat row (free).
+  extra = () if c_scale is None else (c_scale.reshape(num_pages * page_size),)
   num_blocks = k_p // block_k
   bps = -(-num_blocks // min(num_splits, num_blocks))              # blocks per partition
   splits = -(-num_blocks // bps)                                     # no empty trailing ones
   lens = pad_lengths(lengths)
   if splits > 1:
-    return _sparse_split_call(lens, page_table, idx, ql, qr, c_flat, kr_flat, scale=scale,
-                              page_size=page_size, block_h=block_h, block_k=block_k,
+    return _sparse_split_call(lens, page_table, idx, ql, qr, c_flat, kr_flat, *extra,
+                              scale=scale, page_size=page_size, block_h=block_h, block_k=block_k,
                               num_blocks=num_blocks, blocks_per_split=bps, splits=splits,
                               num_warps=num_warps, num_stages=num_stages,
                               interpret=interpret)[:, :, :n, :c].astype(q_latent.dtype)
   kernel = functools.partial(_sparse_kernel, scale=float(scale), page_size=page_size,
-                             block_k=block_k, num_blocks=num_blocks, blocks_per_split=None)
+                             block_k=block_k, num_blocks=num_blocks, blocks_per_split=None,
+                             quantized=bool(extra))
   q_map = lambda bi, ti, hi: (bi, ti, hi, 0)  # noqa: E731
   out = pl.pallas_call(
       kernel,
@@ -228,27 +265,28 @@ def _sparse_call(q_latent, q_rope, c_pool, kr_pool, page_table, lengths, indices
           pl.BlockSpec((None, None, block_h, rp), q_map),                       # q^R tile
           pl.BlockSpec(c_flat.shape, lambda bi, ti, hi: (0, 0)),                # c_KV rows
           pl.BlockSpec(kr_flat.shape, lambda bi, ti, hi: (0, 0)),               # k^R rows
-      ],
+      ] + [pl.BlockSpec(x.shape, lambda bi, ti, hi: (0,)) for x in extra],      # c_KV scales
       out_specs=pl.BlockSpec((None, None, block_h, cp), q_map),
       out_shape=jax.ShapeDtypeStruct((b, t, n_p, cp), q_latent.dtype),
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret, name="jaxattn_sparse_mla_decode_gpu",
-  )(lens, page_table, idx, ql, qr, c_flat, kr_flat)
+  )(lens, page_table, idx, ql, qr, c_flat, kr_flat, *extra)
   return out[:, :, :n, :c]
 
 
-def _sparse_split_call(lens, page_table, idx, ql, qr, c_flat, kr_flat, *, scale, page_size,
+def _sparse_split_call(lens, page_table, idx, ql, qr, c_flat, kr_flat, *extra, scale, page_size,
                        block_h, block_k, num_blocks, blocks_per_split, splits, num_warps,
                        num_stages, interpret):
   """Split-KV over the selected slots: grid ``(B, T, S, head blocks)``, fp32 partials
   ``[B, S, T, N_p, Cp]`` and log-sum-exps ``[B, S, T, N_p]`` merged by ``combine`` ->
-  ``[B, T, N_p, Cp]`` fp32 (inputs already padded by ``_sparse_call``)."""
+  ``[B, T, N_p, Cp]`` fp32 (inputs already padded by ``_sparse_call``; ``extra``: the flat
+  ``c_KV`` scales of quantized codes, or nothing)."""
   b, t, n_p, cp = ql.shape
   rp = qr.shape[3]
   m, k_p = page_table.shape[1], idx.shape[2]
   kernel = functools.partial(_sparse_kernel, scale=float(scale), page_size=page_size,
                              block_k=block_k, num_blocks=num_blocks,
-                             blocks_per_split=blocks_per_split)
+                             blocks_per_split=blocks_per_split, quantized=bool(extra))
   q_map = lambda bi, ti, si, hi: (bi, ti, hi, 0)  # noqa: E731
   out, lse = pl.pallas_call(
       kernel,
@@ -261,7 +299,7 @@ def _sparse_split_call(lens, page_table, idx, ql, qr, c_flat, kr_flat, *, scale,
           pl.BlockSpec((None, None, block_h, rp), q_map),                       # q^R tile
           pl.BlockSpec(c_flat.shape, lambda bi, ti, si, hi: (0, 0)),            # c_KV rows
           pl.BlockSpec(kr_flat.shape, lambda bi, ti, si, hi: (0, 0)),           # k^R rows
-      ],
+      ] + [pl.BlockSpec(x.shape, lambda bi, ti, si, hi: (0,)) for x in extra],  # c_KV scales
       out_specs=[
           pl.BlockSpec((None, None, None, block_h, cp),
                        lambda bi, ti, si, hi: (bi, si, ti, hi, 0)),
@@ -271,7 +309,7 @@ def _sparse_split_call(lens, page_table, idx, ql, qr, c_flat, kr_flat, *, scale,
                  jax.ShapeDtypeStruct((b, splits, t, n_p), _F32)],
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret, name="jaxattn_sparse_mla_decode_gpu_split",
-  )(lens, page_table, idx, ql, qr, c_flat, kr_flat)
+  )(lens, page_table, idx, ql, qr, c_flat, kr_flat, *extra)
   return combine(out, lse[..., None])                                # [B, T, N_p, Cp]
 
 
@@ -292,6 +330,7 @@ def paged_mla_decode_gpu(
     num_stages: int = 2,
     interpret: bool | None = None,
     mesh=None,
+    c_kv_scale: Float[Array, "P 1 page"] | None = None,
 ) -> Float[Array, "B T N C"]:
   """``jaxattn.ops.decode.paged_mla_decode`` (dense split-KV and sparse) as Pallas Triton kernels.
 
@@ -313,6 +352,12 @@ def paged_mla_decode_gpu(
       any).  As ``paged_mla_decode_tpu``: queries, page table, lengths (and indices) split over
       the ``"batch"`` mesh axes, query heads over the ``"heads"`` axes; the latent pools stay
       whole on every device; a size that does not divide stays whole (replicated).
+    c_kv_scale: ``[P, 1, page]`` fp32: ``c_kv_pool`` holds int8 / float8_e4m3fn codes with these
+      per-token scales (a quantized ``PagedLatentCache``; checked by ``paged_mla_decode``).  Both
+      modes load each key block's scales beside its codes (dense: masked like them; sparse:
+      gathered by the same rows, unselected slots zeroed), widen the codes to the query's dtype
+      (fp32 under an fp32 query), multiply the content logits and the probabilities by them;
+      under a mesh they stay whole on every device, as the pools do.
 
   Returns:
     ``[B, T, N, C]`` in the query dtype.
@@ -330,6 +375,7 @@ def paged_mla_decode_gpu(
   interpret = default_interpret(interpret)
   args = [q_latent, q_rope, c_kv_pool, k_rope_pool, page_table.astype(jnp.int32),
           lengths.astype(jnp.int32)]
+  scales = () if c_kv_scale is None else (c_kv_scale,)
   kw = dict(scale=float(scale), block_h=block_h, num_warps=num_warps, num_stages=num_stages,
             interpret=interpret)
   if indices is not None:
@@ -339,27 +385,27 @@ def paged_mla_decode_gpu(
     block_k = check_block_k(block_k, 16 if block_k is None else block_k, 16)
     args.append(indices.astype(jnp.int32))
 
-    def local(ql, qr, c_pool, kr_pool, table, lens, idx):
+    def local(ql, qr, c_pool, kr_pool, table, lens, idx, *cs):
       # Local (per-device) sizes: the k selected slots count as k one-row pages, so partitions
       # hold >= MIN_SPLIT_TOKENS slots, as the dense mode's hold >= MIN_SPLIT_TOKENS positions.
       lb, lt, ln = ql.shape[:3]
       splits = num_splits
       if splits is None:
         splits = auto_splits(lb * lt * -(-ln // block_h), idx.shape[2], 1)
-      return _sparse_call(ql, qr, c_pool, kr_pool, table, lens, idx, num_splits=splits,
+      return _sparse_call(ql, qr, c_pool, kr_pool, table, lens, idx, *cs, num_splits=splits,
                           block_k=block_k, **kw)
   else:
     block_k = check_block_k(block_k, c_kv_pool.shape[1], 32)
 
-    def local(ql, qr, c_pool, kr_pool, table, lens):
+    def local(ql, qr, c_pool, kr_pool, table, lens, *cs):
       lb, lt, ln = ql.shape[:3]
       splits = num_splits
       if splits is None:
         splits = auto_splits(lb * -(-(lt * ln) // block_h), table.shape[1], c_pool.shape[1])
-      return _call(ql, qr, c_pool, kr_pool, table, lens, num_splits=splits, block_k=block_k,
-                   **kw)
+      return _call(ql, qr, c_pool, kr_pool, table, lens, *cs, num_splits=splits,
+                   block_k=block_k, **kw)
 
-  return run_sharded_mla(local, args, mesh)
+  return run_sharded_mla(local, args + list(scales), mesh, pool_scales=bool(scales))
 
 
 __all__ = ["paged_mla_decode_gpu"]

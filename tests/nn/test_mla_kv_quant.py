@@ -2,9 +2,10 @@
 append / gather round trip within the quantization step; ``paged_mla_decode`` on the codes equal
 to the same op on the dequantized float cache (XLA, dense and sparse); the dense TPU kernel
 (interpreted, race detection on) equal to XLA on the same codes, NaN-scrambled pools, ragged
-lengths incl. 0, split-KV, under a mesh; the MLA module's paged decode with an int8 cache close
-to the float cache, at less than 0.6x the bytes of a bf16 cache; DSA's sparse decode on an FP8
-latent cache; the errors."""
+lengths incl. 0, split-KV, under a mesh; the GPU (Triton) kernels, dense and sparse (interpreted),
+equal to XLA on the same codes likewise, under a mesh, and lowering to Triton IR for CUDA; the
+MLA module's paged decode with an int8 cache close to the float cache, at less than 0.6x the
+bytes of a bf16 cache; DSA's sparse decode on an FP8 latent cache; the errors."""
 
 import dataclasses
 
@@ -22,7 +23,7 @@ from jaxattn.nn.mla import MLA
 from jaxattn.ops.decode import paged_mla_decode
 from jaxattn.paged_cache import PagedLatentCache
 from jaxattn.testing import prefill_then_decode, random_module, scrambled_paged_cache
-from pallas_kernels.mla_decode import paged_mla_decode_tpu
+from pallas_kernels.mla_decode import paged_mla_decode_gpu, paged_mla_decode_tpu
 
 PAGE, C, R, SCALE = 4, 16, 4, 0.25
 LENGTHS = (9, 0, 2, 16)                       # ragged, one empty sequence, one full table
@@ -57,11 +58,11 @@ def rows(lengths=LENGTHS, seed=0):
           jnp.asarray(rng.standard_normal((b, s, R)), jnp.float32))
 
 
-def cache_for(dtype, lengths=LENGTHS, seed=0, **kw):
+def cache_for(dtype, lengths=LENGTHS, seed=0, page=PAGE, max_pages=4, **kw):
   """``lengths`` rows appended to a NaN-scrambled cache (stale slots hold NaN: scales, fp8 codes
   and the k^R pool) whose pages land scattered over the pool."""
   cache = scrambled_paged_cache(PagedLatentCache.init(
-      len(lengths), 16, PAGE, C, R, max_pages_per_seq=4, dtype=dtype, **kw), seed)
+      len(lengths), 16, page, C, R, max_pages_per_seq=max_pages, dtype=dtype, **kw), seed)
   return cache.append(*rows(lengths, seed), num_tokens=np.asarray(lengths))
 
 
@@ -195,6 +196,151 @@ def test_tpu_kernel_sharded_under_mesh():
   np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
+# -- the GPU (Triton) kernels, interpreted -------------------------------------------------------
+
+GPU_PAGE = 32                     # two 16-row key blocks per page (scales read at offsets 0, 16)
+GPU_LENGTHS = (37, 0, 2, 20)      # two pages, empty, position -1 at T = 3, a partial page
+GPU_TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def gpu_cache(dtype, seed=0):
+  return cache_for(dtype, GPU_LENGTHS, seed, page=GPU_PAGE, max_pages=2)
+
+
+def sparse_indices(t, k, seed=3):
+  """``[B, t, k]`` selections: -1, positions past the length, duplicates, an empty sequence."""
+  rng = np.random.default_rng(seed)
+  idx = rng.integers(-1, max(GPU_LENGTHS) + 4, size=(len(GPU_LENGTHS), t, k)).astype(np.int32)
+  idx[0, 0, :3] = 7                                   # duplicates count as often as listed
+  return jnp.asarray(idx)
+
+
+def assert_matches(got, ref, q_dtype, name=""):
+  assert got.dtype == q_dtype, name
+  got = np.asarray(got, np.float32)
+  assert np.isfinite(got).all(), name
+  np.testing.assert_allclose(got, np.asarray(ref, np.float32), err_msg=name, **GPU_TOL[q_dtype])
+  np.testing.assert_array_equal(got[1], 0.0)                         # length 0
+
+
+@pytest.mark.parametrize("q_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", QUANT)
+def test_gpu_kernel_equals_xla_on_the_codes(dtype, q_dtype):
+  """The dense Triton kernel (each key block's scales loaded beside its codes, folded into the
+  content logits and the probabilities) == the XLA path on the same codes: NaN scales (and fp8
+  codes, and k^R) in every stale slot, ragged lengths incl. 0, three new tokens; a single pass
+  through the dispatch (one 32-row block per page) and split-KV called directly with 16-row
+  blocks.  bf16 queries: the kernel rounds the probabilities to bf16 for ``p @ codes``."""
+  cache = gpu_cache(dtype)
+  assert np.isnan(np.asarray(cache.c_kv_scale_pool)).any()
+  q = queries(3, dtype=q_dtype)
+  ref = decode(q, cache, implementation="xla")
+  single = decode(q, cache, implementation="pallas_gpu", num_splits=1, interpret=True)
+  split = paged_mla_decode_gpu(*q, cache.c_kv_pool, cache.k_rope_pool, cache.page_table,
+                               cache.lengths, scale=SCALE, c_kv_scale=cache.c_kv_scale_pool,
+                               num_splits=2, block_k=16, interpret=True)
+  for name, got in (("single pass", single), ("split-KV", split)):
+    assert_matches(got, ref, q_dtype, name)
+    np.testing.assert_array_equal(np.asarray(got[2, :1], np.float32), 0.0)  # position -1
+
+
+@pytest.mark.parametrize("dtype,q_dtype", [(jnp.int8, jnp.bfloat16),
+                                           (jnp.float8_e4m3fn, jnp.float32)])
+def test_gpu_sparse_kernel_equals_xla_on_the_codes(dtype, q_dtype):
+  """DSA mode: the selected rows' scales gathered by the same flat row offsets as their codes
+  (unselected, out-of-range or stale slots zeroed); k = 21 selections = two gathered blocks of
+  16, a single pass and split-KV over them."""
+  cache = gpu_cache(dtype, seed=2)
+  q = queries(2, dtype=q_dtype, seed=4)
+  idx = sparse_indices(2, 21)
+  ref = decode(q, cache, indices=idx, implementation="xla")
+  for splits in (1, 2):
+    got = decode(q, cache, indices=idx, implementation="pallas_gpu", num_splits=splits,
+                 interpret=True)
+    assert_matches(got, ref, q_dtype, f"splits={splits}")
+
+
+def _pallas_inputs(f, *args):
+  """The input shapes of every ``pallas_call`` in ``f``'s jaxpr (per device inside shard_map)."""
+  found = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "pallas_call":
+        found.append([tuple(v.aval.shape) for v in eqn.invars])
+      for param in eqn.params.values():
+        for sub in param if isinstance(param, (list, tuple)) else (param,):
+          inner = getattr(sub, "jaxpr", sub)
+          if hasattr(inner, "eqns"):
+            walk(inner)
+
+  walk(jax.make_jaxpr(f)(*args).jaxpr)
+  return found
+
+
+def test_gpu_kernel_sharded_under_mesh():
+  """Under a ``data=2, tensor=4`` mesh: batch over data, query heads over tensor, and every
+  device's kernel reads the whole latent pool and its whole scale pool (read off the jaxpr)."""
+  mesh = sharding.make_mesh({"data": 2, "tensor": 4})
+  cache = gpu_cache(jnp.int8)
+  q = queries(1, n=8)
+  ref = decode(q, cache, implementation="xla")
+  f = jax.jit(lambda q, c: decode(q, c, implementation="pallas_gpu", num_splits=2,
+                                  interpret=True))
+  with jax.set_mesh(mesh):
+    qs = tuple(jax.device_put(x, NamedSharding(mesh, P("data", None, "tensor", None)))
+               for x in q)
+    got = f(qs, cache)
+    (shapes,) = _pallas_inputs(f, qs, cache)
+  np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(got[1], 0.0)
+  assert (2, 16, C) in shapes                               # local: 2 sequences, 2 heads padded
+  assert shapes[-1] == (16, GPU_PAGE)                       # the whole scale pool, as [P, page]
+
+
+@pytest.fixture
+def cuda_target(monkeypatch):
+  """Lowering the Triton kernels for CUDA without a GPU: from jax 0.11 the lowering reads the
+  target GPU from the local device; where there is none, this names an H200 (sm_90).  On a GPU,
+  and on jax releases that lower without device information, it changes nothing."""
+  try:
+    from jax._src.pallas.triton import gpu_info  # noqa: PLC0415
+  except ImportError:
+    return
+  if jax.default_backend() == "gpu" or not hasattr(gpu_info, "get_gpu_info_from_version"):
+    return
+  h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+  monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: h200)
+
+
+def test_gpu_kernels_lower_to_triton(cuda_target):
+  """Both quantized modes lower to Triton IR for CUDA at DeepSeek-V3's sizes (128 heads, 512
+  code bytes + 64 bf16 k^R per token, a top-2048 selection): int8 codes under bf16 queries, fp8
+  e4m3 under fp32 ones (codes widened to fp32); compiling that IR needs a GPU."""
+  b, m, page = 2, 64, 64
+  pages = b * m
+  spec = jax.ShapeDtypeStruct
+  table, lens = spec((b, m), jnp.int32), spec((b,), jnp.int32)
+
+  def dense(ql, qr, c, kr, t, n, cs):
+    return paged_mla_decode(ql, qr, c, kr, t, n, scale=0.07, implementation="pallas_gpu",
+                            interpret=False, c_kv_scale=cs)
+
+  def sparse(ql, qr, c, kr, t, n, cs, idx):
+    return paged_mla_decode(ql, qr, c, kr, t, n, scale=0.07, indices=idx,
+                            implementation="pallas_gpu", interpret=False, c_kv_scale=cs)
+
+  for q_dtype, codes in ((jnp.bfloat16, jnp.int8), (jnp.float32, jnp.float8_e4m3fn)):
+    args = (spec((b, 128, 512), q_dtype), spec((b, 128, 64), q_dtype),
+            spec((pages, page, 512), codes), spec((pages, page, 64), jnp.bfloat16), table, lens,
+            spec((pages, 1, page), jnp.float32))
+    for name, f, extra in (("jaxattn_paged_mla_decode_gpu", dense, ()),
+                           ("jaxattn_sparse_mla_decode_gpu", sparse,
+                            (spec((b, 2048), jnp.int32),))):
+      text = jax.jit(f).trace(*args, *extra).lower(lowering_platforms=("cuda",)).as_text()
+      assert name in text
+
+
 def test_errors():
   cache = cache_for(jnp.int8)
   flt = dequantized(cache)
@@ -210,10 +356,10 @@ def test_errors():
     with pytest.raises(ValueError, match=r"`c_kv_scale` must be float32 \[P, 1, page\]"):
       paged_mla_decode(*base, scale=SCALE, c_kv_scale=bad)
   idx = jnp.zeros((len(LENGTHS), 1, 2), jnp.int32)
-  with pytest.raises(ValueError, match="'pallas_gpu' has no dense MLA kernel for a quantized"):
+  # The GPU kernels take the codes now: the dense one refuses a 4-token page as it refuses a
+  # float cache's (a 16-row key block may not straddle pages); the TPU sparse one takes no scales.
+  with pytest.raises(ValueError, match="page size .* must be a multiple of `block_k`"):
     decode(q, cache, implementation="pallas_gpu", interpret=True)
-  with pytest.raises(ValueError, match="'pallas_gpu' has no sparse"):
-    decode(q, cache, implementation="pallas_gpu", indices=idx, interpret=True)
   with pytest.raises(ValueError, match="'pallas_tpu' has no sparse"):
     decode(q, cache, implementation="pallas_tpu", indices=idx, interpret=True)
   with pytest.raises(ValueError, match="sparse .* takes no `c_kv_scale`"):
