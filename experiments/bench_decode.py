@@ -415,12 +415,34 @@ def run_check(page_size: int = 64, context: int = 32768) -> bool:
             ql, qr, cp, rp, table, lengths, idx) for impl in ("pallas_gpu", "xla")]
     return report(f"mla sparse N={n} top-{topk} bf16 ctx={s} B={b}", *outs)
 
+  def mla_quant_case(codes, sparse):
+    # A quantized latent cache: c_KV codes, a scale per token [P, 1, page]; k^R bf16.
+    cp, rp, table = pools["mla"]
+    cq, sc = quantize_kv(cp, codes)                                       # [P, page, C], [P, page]
+    sc = sc[:, None, :]
+    kq = jax.random.split(jax.random.key(55), 2)
+    ql = jax.random.normal(kq[0], (b, 1, 128, c), jnp.float32).astype(dtype)
+    qr = jax.random.normal(kq[1], (b, 1, 128, r), jnp.float32).astype(dtype)
+    idx = None
+    if sparse:
+      idx = rng.integers(-1, s, size=(b, 1, 2048)).astype(np.int32)
+      idx = jnp.asarray(np.minimum(idx, np.maximum(np.asarray(lengths) - 1, 0)[:, None, None]))
+    outs = [jax.jit(lambda ql, qr, cp, rp, tb, ln, cs, ix, impl=impl: paged_mla_decode(
+        ql, qr, cp, rp, tb, ln, scale=192 ** -0.5, indices=ix, implementation=impl,
+        c_kv_scale=cs))(ql, qr, cq, rp, table, lengths, sc, idx)
+            for impl in ("pallas_gpu", "xla")]
+    kind = "sparse top-2048" if sparse else "dense"
+    return report(f"mla {jnp.dtype(codes).name} cache {kind} N=128 ctx={s} B={b}", *outs)
+
   attempt(f"mla pools ctx={s} B={b}", mla_pools)
   if "mla" in pools:
     for n, t in ((16, 1), (128, 1), (16, 2), (16, 100)):  # (16, 100): 1,600 rows, 100 blocks
       attempt(f"mla N={n} C={c} R={r} T={t} bf16 ctx={s} B={b}",
               lambda n=n, t=t: mla_case(n, t))
     attempt(f"mla sparse N=128 top-2048 bf16 ctx={s} B={b}", lambda: sparse_case(128, 2048))
+    for codes, sparse in ((jnp.int8, False), (jnp.float8_e4m3fn, False), (jnp.int8, True)):
+      attempt(f"mla {jnp.dtype(codes).name} cache ctx={s} B={b}",
+              lambda codes=codes, sparse=sparse: mla_quant_case(codes, sparse))
   pools.clear()
   print(f"check: {'PASS' if ok else 'FAIL'}", flush=True)
   return bool(ok)

@@ -201,7 +201,8 @@ def test_decode_check_case_error_fails_that_case_only(monkeypatch, capsys):
       raise RuntimeError("CUDA_ERROR_ILLEGAL_ADDRESS")
     return jnp.zeros_like(q)
 
-  def paged_mla_decode(ql, qr, cp, rp, table, lengths, scale, implementation, indices=None):
+  def paged_mla_decode(ql, qr, cp, rp, table, lengths, scale, implementation, indices=None,
+                       c_kv_scale=None):
     return jnp.zeros_like(ql)
 
   monkeypatch.setattr(bench_decode, "_on_gpu", lambda: True)
@@ -217,7 +218,7 @@ def test_decode_check_case_error_fails_that_case_only(monkeypatch, capsys):
            x.startswith("check gqa float8_e4m3fn cache")]
   assert len(quant) == 2 and all(x.endswith("CUDA_ERROR_ILLEGAL_ADDRESS)") for x in quant)
   mla = [x for x in lines if x.startswith("check mla")]
-  assert len(mla) == 5 and all(x.endswith(": PASS") for x in mla)
+  assert len(mla) == 8 and all(x.endswith(": PASS") for x in mla)
   assert lines[-1] == "check: FAIL"
 
 

@@ -232,3 +232,24 @@ def test_cache_bytes_count_codes_and_scales():
             qk_rope_head_dim=4, v_head_dim=8, rngs=nnx.Rngs(0))
   cache = PagedLatentCache.init(1, 8, 4, 32, 4, dtype=INT8, rope_dtype=jnp.float32, rope_align=1)
   assert mla.cache_bytes(8 * 4, 1, INT8) == cache.nbytes == 8 * 4 * (32 + 4 + 4 * 4)
+
+
+@pytest.mark.parametrize("preset,kw", [
+    ("llama", dict(num_layers=2)),
+    # Sinks, a window of 3 on one layer of two, MoE with biases.
+    ("gpt-oss", dict(num_layers=2, sliding_window=3, head_dim=8, moe_expert_dim=16,
+                     num_kv_heads=2)),
+])
+def test_engine_on_an_int8_cache_equals_generate_on_one(preset, kw):
+  """Continuous batching over an int8 paged cache, chunked prefills and a prefix cache, gives each
+  request the greedy tokens ``generate(cache_dtype=int8)`` gives it alone over a contiguous int8
+  cache: the same codes and scales, however the tokens were batched and chunked."""
+  model = DecoderLM(get_config(preset, **SMALL).replace(**kw), rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(1)
+  prompts = [rng.integers(1, 61, size=n).astype(np.int32) for n in (7, 2, 11, 5)]
+  news = (5, 9, 1, 6)
+  engine = Engine(model, max_batch=2, page_size=4, chunk=4, dtype=INT8, prefix_cache=True)
+  ids = [engine.submit(p, n) for p, n in zip(prompts, news)]
+  results = engine.run()
+  for rid, p, n in zip(ids, prompts, news):
+    np.testing.assert_array_equal(results[rid], generate(model, p[None], n, cache_dtype=INT8)[0])
