@@ -25,6 +25,9 @@ CASES = {
     "llama-pallas_tpu": ("llama", dict(LLAMA, attention_implementation="pallas_tpu"),
                          {"data": 4, "tensor": 2}, False),
     "deepseek-v3": ("deepseek-v3", DEEPSEEK, {"data": 2, "tensor": 2, "expert": 2}, False),
+    # An int8 cache: codes and scales split over the KV heads, the kernel reading both.
+    "llama-int8-pallas_tpu": ("llama", dict(LLAMA, attention_implementation="pallas_tpu"),
+                              {"data": 4, "tensor": 2}, True, jnp.int8),
 }
 
 
@@ -54,11 +57,12 @@ def layers(cache):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_engine_on_a_mesh_equals_one_device_and_keeps_the_cache_split(name):
-  preset, kw, shape, prefix = CASES[name]
+  preset, kw, shape, prefix, *dtype = CASES[name]
+  dtype = dtype[0] if dtype else None
   model = DecoderLM(get_config(preset, **SMALL).replace(**kw), rngs=nnx.Rngs(0))
-  want, single = serve(model, prefix_cache=prefix)
+  want, single = serve(model, prefix_cache=prefix, dtype=dtype)
   mesh = make_mesh(shape)
-  got, engine = serve(model, prefix_cache=prefix, mesh=mesh)
+  got, engine = serve(model, prefix_cache=prefix, mesh=mesh, dtype=dtype)
   for g, w in zip(got, want):
     np.testing.assert_array_equal(g, w)
   assert engine.mesh is mesh
@@ -73,7 +77,11 @@ def test_engine_on_a_mesh_equals_one_device_and_keeps_the_cache_split(name):
   # After the run (steps, frees, prefix updates), the cache is still laid out as shard() lays it.
   for c in layers(engine.cache):
     if isinstance(c, PagedKVCache):
-      for pool in (c.key_pool, c.value_pool):
+      pools = (c.key_pool, c.value_pool)
+      if dtype is not None:     # codes, and scales [P, 1, K * page] split the same way
+        assert c.key_pool.dtype == dtype and c.quantized
+        pools += (c.key_scale_pool, c.value_scale_pool)
+      for pool in pools:
         assert spec(pool) == (None, None, "tensor")
         assert pool.addressable_shards[0].data.shape[-1] == pool.shape[-1] // 2
     else:
