@@ -616,7 +616,7 @@ class PagedLatentCache(_TableViews):
     quantized cache's ``c_kv`` dequantized, in fp32)."""
     c_kv = gather_pages(self.c_kv_pool, self.table)
     if self.quantized:
-      s = gather_pages(jnp.swapaxes(self.c_kv_scale_pool, 1, 2), self.table)     # [B, S, 1]
+      s = gather_pages(split_scales(self.c_kv_scale_pool, 1), self.table)       # [B, S, 1]
       c_kv = c_kv.astype(jnp.float32) * s
     return c_kv, gather_pages(self.k_rope_pool, self.table)[..., :self.qk_rope_head_dim]
 
