@@ -6,6 +6,7 @@ import dataclasses
 import math
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -57,3 +58,23 @@ def scrambled_paged_cache(cache, seed: int = 0):
   order = np.random.default_rng(seed).permutation(cache.table.num_pages).astype(np.int32)
   table = dataclasses.replace(cache.table, free_pages=jnp.asarray(order))
   return dataclasses.replace(cache, **pools, table=table)
+
+
+def pallas_calls(f: Callable, *args) -> list[tuple[tuple, list[tuple]]]:
+  """``[(grid, input shapes)]`` of every ``pallas_call`` in ``f(*args)``'s jaxpr, nested ones
+  included (inside ``shard_map`` these are the per-device shapes)."""
+  found = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "pallas_call":
+        found.append((tuple(eqn.params["grid_mapping"].grid),
+                      [tuple(v.aval.shape) for v in eqn.invars]))
+      for param in eqn.params.values():
+        for sub in param if isinstance(param, (list, tuple)) else (param,):
+          inner = getattr(sub, "jaxpr", sub)
+          if hasattr(inner, "eqns"):
+            walk(inner)
+
+  walk(jax.make_jaxpr(f)(*args).jaxpr)
+  return found

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxattn import sharding
 from jaxattn.ops.decode import paged_attention, paged_mla_decode
 from jaxattn.paged_cache import PagedKVCache, PagedLatentCache
-from jaxattn.testing import scrambled_paged_cache
+from jaxattn.testing import pallas_calls, scrambled_paged_cache
 from pallas_kernels.decode_attention import gpu as gqa_gpu
 from pallas_kernels.decode_attention import paged_attention_gpu
 from pallas_kernels.mla_decode import paged_mla_decode_gpu
@@ -93,26 +93,6 @@ def selections(lengths, t, k, seed):
   idx = np.stack([rng.integers(-1, max(n, 1) + 3, size=(t, k)) for n in lengths]).astype(np.int32)
   idx[0, 0, 16:] = -1
   return jnp.asarray(idx)
-
-
-def pallas_calls(f, *args):
-  """``[(grid, input shapes)]`` of every ``pallas_call`` in ``f``'s jaxpr (inside ``shard_map``
-  these are the per-device shapes)."""
-  found = []
-
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name == "pallas_call":
-        found.append((tuple(eqn.params["grid_mapping"].grid),
-                      [tuple(v.aval.shape) for v in eqn.invars]))
-      for param in eqn.params.values():
-        for sub in param if isinstance(param, (list, tuple)) else (param,):
-          inner = getattr(sub, "jaxpr", sub)
-          if hasattr(inner, "eqns"):
-            walk(inner)
-
-  walk(jax.make_jaxpr(f)(*args).jaxpr)
-  return found
 
 
 def _gqa(q, cache, **kw):

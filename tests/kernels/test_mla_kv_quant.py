@@ -22,30 +22,13 @@ from jaxattn.nn.dsa import DSA
 from jaxattn.nn.mla import MLA
 from jaxattn.ops.decode import paged_mla_decode
 from jaxattn.paged_cache import PagedLatentCache
-from jaxattn.testing import prefill_then_decode, random_module, scrambled_paged_cache
+from jaxattn.testing import (pallas_calls, prefill_then_decode, random_module,
+                             scrambled_paged_cache)
 from pallas_kernels.mla_decode import paged_mla_decode_gpu, paged_mla_decode_tpu
 
 PAGE, C, R, SCALE = 4, 16, 4, 0.25
 LENGTHS = (9, 0, 2, 16)                       # ragged, one empty sequence, one full table
 QUANT = (jnp.int8, jnp.float8_e4m3fn)
-
-
-@pytest.fixture
-def race_states(monkeypatch):
-  """Every race-detection state the TPU interpreter creates (one per kernel launch)."""
-  try:
-    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc  # noqa: PLC0415
-  except ImportError:  # pragma: no cover - moved in another jax release
-    pytest.skip("TPU interpret-mode race state not found in this jax release")
-  states = []
-
-  class Recording(ipc.RaceDetectionState):
-    def __init__(self, *args, **kwargs):
-      super().__init__(*args, **kwargs)
-      states.append(self)
-
-  monkeypatch.setattr(ipc, "RaceDetectionState", Recording)
-  return states
 
 
 def rows(lengths=LENGTHS, seed=0):
@@ -181,6 +164,11 @@ def test_tpu_kernel_race_free_and_ragged_chunk(dtype, q_dtype, race_states):
   np.testing.assert_allclose(got.astype(np.float32), ref.astype(np.float32), **tol)
 
 
+def _pallas_input_shapes(f, *args):
+  """The input shapes of every ``pallas_call`` in ``f``'s jaxpr (per device inside shard_map)."""
+  return [shapes for _, shapes in pallas_calls(f, *args)]
+
+
 def test_tpu_kernel_sharded_under_mesh():
   """The shard_map wrapper splits queries over batch and heads and hands every device the whole
   latent pool and its scales."""
@@ -260,24 +248,6 @@ def test_gpu_sparse_kernel_equals_xla_on_the_codes(dtype, q_dtype):
     assert_matches(got, ref, q_dtype, f"splits={splits}")
 
 
-def _pallas_inputs(f, *args):
-  """The input shapes of every ``pallas_call`` in ``f``'s jaxpr (per device inside shard_map)."""
-  found = []
-
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name == "pallas_call":
-        found.append([tuple(v.aval.shape) for v in eqn.invars])
-      for param in eqn.params.values():
-        for sub in param if isinstance(param, (list, tuple)) else (param,):
-          inner = getattr(sub, "jaxpr", sub)
-          if hasattr(inner, "eqns"):
-            walk(inner)
-
-  walk(jax.make_jaxpr(f)(*args).jaxpr)
-  return found
-
-
 def test_gpu_kernel_sharded_under_mesh():
   """Under a ``data=2, tensor=4`` mesh: batch over data, query heads over tensor, and every
   device's kernel reads the whole latent pool and its whole scale pool (read off the jaxpr)."""
@@ -291,26 +261,11 @@ def test_gpu_kernel_sharded_under_mesh():
     qs = tuple(jax.device_put(x, NamedSharding(mesh, P("data", None, "tensor", None)))
                for x in q)
     got = f(qs, cache)
-    (shapes,) = _pallas_inputs(f, qs, cache)
+    (shapes,) = _pallas_input_shapes(f, qs, cache)
   np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(got[1], 0.0)
   assert (2, 16, C) in shapes                               # local: 2 sequences, 2 heads padded
   assert shapes[-1] == (16, GPU_PAGE)                       # the whole scale pool, as [P, page]
-
-
-@pytest.fixture
-def cuda_target(monkeypatch):
-  """Lowering the Triton kernels for CUDA without a GPU: from jax 0.11 the lowering reads the
-  target GPU from the local device; where there is none, this names an H200 (sm_90).  On a GPU,
-  and on jax releases that lower without device information, it changes nothing."""
-  try:
-    from jax._src.pallas.triton import gpu_info  # noqa: PLC0415
-  except ImportError:
-    return
-  if jax.default_backend() == "gpu" or not hasattr(gpu_info, "get_gpu_info_from_version"):
-    return
-  h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
-  monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: h200)
 
 
 def test_gpu_kernels_lower_to_triton(cuda_target):
