@@ -317,14 +317,14 @@ def test_device_check_all_steps_pass(tmp_path):
   assert proc.returncode == 0, proc.stdout
   assert proc.stdout.splitlines()[-1] == "device_check: PASSED"
   assert log == proc.stdout                           # the tee'd log is complete
-  assert proc.stdout.count("=== ") == 2 * 10 and "SKIPPED" not in proc.stdout
+  assert proc.stdout.count("=== ") == 2 * 11 and "SKIPPED" not in proc.stdout
 
 
 @needs_bash
 def test_device_check_keeps_its_budget_and_prints_the_summary(tmp_path):
   """Every step hangs: the first is cut to what is left of the budget (6 s less the preflight's
   second or so: the limit depends on the machine's load) and killed, the rest are skipped, and
-  the summary is printed (and logged) well before the old limits' sum (650 s here; each fake
+  the summary is printed (and logged) well before the old limits' sum (770 s here; each fake
   step would take 40 s)."""
   proc, log, wall = _device_check(tmp_path, FAKE_SLEEP="40", BUDGET_S="6", MIN_STEP_S="2",
                                   PART="decode")
@@ -335,7 +335,7 @@ def test_device_check_keeps_its_budget_and_prints_the_summary(tmp_path):
   assert len(limits) == 1 and 2 <= limits[0] <= 6, proc.stdout
   assert any(x.startswith("=== decode kernel tests: exit 124 (time limit)") for x in lines)
   skipped = [x for x in lines if x.startswith("=== SKIPPED ")]
-  assert len(skipped) == 3 and skipped[0].startswith("=== SKIPPED decode check + benchmark: ")
+  assert len(skipped) == 4 and skipped[0].startswith("=== SKIPPED decode check + benchmark: ")
   assert skipped[0].endswith(" s left")
   assert lines[-1].startswith("device_check: FAILED (skipped: decode check + benchmark; ")
   assert log == proc.stdout
