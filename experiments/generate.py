@@ -15,6 +15,7 @@ once, then one jitted decode step per token; greedy when ``--temperature 0``.  T
 Generation stops early at the end-of-sequence token: by default the tokenizer's (the byte-level
 EOS that ``experiments.train`` appends to every document, or the Hugging Face tokenizer's
 ``eos_token_id``); ``--eos-id N`` names another, ``--eos-id -1`` never stops early.
+``--cache-dtype int8`` (or ``float8_e4m3fn``) decodes from a quantized KV cache.
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ def main(argv=None) -> int:
   p.add_argument("--tokenizer", default=None,
                  help="a Hugging Face tokenizer directory (a converted model's vocabulary)")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--cache-dtype", choices=("int8", "float8_e4m3fn"), default=None,
+                 help="a quantized KV cache (default: the model's compute dtype)")
   p.add_argument("--eos-id", type=int, default=None,
                  help="stop a sequence at this token id (default: the tokenizer's end-of-sequence "
                       "id; -1: never stop early)")
@@ -147,7 +150,7 @@ def main(argv=None) -> int:
   t0 = time.perf_counter()
   out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature,
                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=eos_id,
-                 on_token=show)
+                 on_token=show, cache_dtype=args.cache_dtype)
   dt = time.perf_counter() - t0
   if decode is not None:
     print(text.flush(), end="")

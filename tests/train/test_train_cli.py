@@ -45,6 +45,11 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path, monkeypatch)
   assert generate_cli.main(["--run", str(a), "--max-new-tokens", "4"]) == 0
   # stops at the EOS the training data ends every document with
   assert calls[-1]["eos_id"] == train_cli.ByteTokenizer.eos_id == 2
+  assert calls[-1]["cache_dtype"] is None
+  # an int8 KV cache from the command line
+  assert generate_cli.main(["--run", str(a), "--max-new-tokens", "4", "--cache-dtype",
+                            "int8"]) == 0
+  assert calls[-1]["cache_dtype"] == "int8"
   # interrupted at step 5 (as by SIGINT): saves and stops; the rerun resumes and finishes
   first = train_cli.train(train_cli.make_parser().parse_args(
       COMMON + ["--steps", "8", "--save-every", "3", "--out", str(b), "--stop-at-step", "5",
