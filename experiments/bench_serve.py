@@ -4,7 +4,7 @@
         [--prompt-lens 8,96] [--new-tokens 4,64] [--shared-prefix 0] [--chunk 32]
         [--page-size 16] [--num-pages N] [--max-seq-len N] [--layer-pattern P]
         [--sliding-window W] [--window-num-pages N] [--compare-whole-table]
-        [--compare-on-demand] [--seed 0] [--out runs/bench_serve]
+        [--compare-on-demand] [--compare-quantized int8] [--seed 0] [--out runs/bench_serve]
 
 A synthetic workload of ``--requests`` requests with prompt lengths and new-token counts drawn
 uniformly from the two ranges, all submitted at once, greedy decoding, a tiny preset
@@ -23,7 +23,9 @@ the page tables' width; ``--compare-whole-table`` adds a continuous run whose ca
 whole table (``Engine(narrow_tables=False)``); ``--compare-on-demand`` a continuous run that
 reserves pages as they are reached (``Engine(allocation="on_demand")``: more requests at once on
 a small pool, preempting and recomputing the latest when it runs short; ``preempted`` counts
-them).  ``--num-pages`` sizes each layer's page pool
+them); ``--compare-quantized int8`` (or ``float8_e4m3fn``) a continuous run over a quantized KV
+cache (``Engine(dtype=...)``: its cache bytes, speed, and how many tokens equal the float run's;
+it is left out of the identity check).  ``--num-pages`` sizes each layer's page pool
 (default: every slot at the model's longest sequence); a smaller pool makes admission wait for
 pages.  Sliding-window layers (``mistral``; ``--layer-pattern SSSA --sliding-window 64``: local
 layers interleaved with global ones, as Gemma-2 / 3) return the pages behind each window to their
@@ -87,12 +89,12 @@ def workload(requests: int, prompt_lens, new_tokens, vocab: int, seed: int,
 def serve(model, work, *, policy: str, max_batch: int, chunk: int, page_size: int,
           prefix_cache: bool = False, num_pages: int | None = None,
           narrow_tables: bool = True, window_num_pages: int | None = None,
-          allocation: str = "reserve") -> dict:
+          allocation: str = "reserve", cache_dtype: str | None = None) -> dict:
   """Runs ``work`` twice on one engine (the first compiles every step shape); times the second."""
   engine = Engine(model, max_batch=max_batch, page_size=page_size, chunk=chunk, policy=policy,
                   prefix_cache=prefix_cache, num_pages=num_pages, narrow_tables=narrow_tables,
                   window_num_pages=None if prefix_cache else window_num_pages,
-                  allocation=allocation)
+                  allocation=allocation, dtype=cache_dtype)
   for prompt, n in work:                               # warm-up: the same workload
     engine.submit(prompt, n)
   engine.run()
@@ -114,7 +116,8 @@ def serve(model, work, *, policy: str, max_batch: int, chunk: int, page_size: in
   stats = {k: v - before[k] for k, v in vars(engine.stats).items()}
   results = engine.results
   name = (policy + ("+prefix" if prefix_cache else "") + ("" if narrow_tables else " (whole table)")
-          + (" (on demand)" if allocation == "on_demand" else ""))
+          + (" (on demand)" if allocation == "on_demand" else "")
+          + (f" ({cache_dtype} cache)" if cache_dtype else ""))
   return dict(policy=name, seconds=seconds,
               steps=stats["steps"], calls=stats["calls"], fed=stats["fed_tokens"],
               hit=stats["prefix_hit_tokens"], rows=stats["computed_rows"],
@@ -132,7 +135,8 @@ def run(*, preset: str = "llama", requests: int = 32, max_batch: int = 8,
         page_size: int = 16, seed: int = 0, num_pages: int | None = None,
         max_seq_len: int | None = None, compare_whole_table: bool = False,
         layer_pattern: str | None = None, sliding_window: int | None = None,
-        window_num_pages: int | None = None, compare_on_demand: bool = False) -> dict:
+        window_num_pages: int | None = None, compare_on_demand: bool = False,
+        compare_quantized: str | None = None) -> dict:
   cfg = get_config(preset, **TINY)
   if max_seq_len is not None:
     cfg = cfg.replace(max_seq_len=max_seq_len)
@@ -156,6 +160,14 @@ def run(*, preset: str = "llama", requests: int = 32, max_batch: int = 8,
     rows.append(serve(model, work, policy="continuous", allocation="on_demand",
                       window_num_pages=window_num_pages, **kw))
   same = all(r["outputs"] == rows[0]["outputs"] for r in rows)
+  agreement = None
+  if compare_quantized:     # not in the identity check: its tokens may differ, counted instead
+    quant = serve(model, work, policy="continuous", cache_dtype=compare_quantized,
+                  window_num_pages=window_num_pages, **kw)
+    pairs = [(a, b) for want, got in zip(rows[0]["outputs"], quant["outputs"])
+             for a, b in zip(want, got)]
+    agreement = sum(a == b for a, b in pairs) / len(pairs)
+    rows.append(quant)
   for r in rows:
     del r["outputs"]
   return dict(config=dict(preset=preset, requests=requests, max_batch=max_batch,
@@ -165,7 +177,7 @@ def run(*, preset: str = "llama", requests: int = 32, max_batch: int = 8,
                           layer_pattern=cfg.layer_pattern, sliding_window=cfg.sliding_window,
                           window_num_pages=window_num_pages,
                           seed=seed, jax=jax.__version__, backend=jax.default_backend()),
-              rows=rows, identical_outputs=same,
+              rows=rows, identical_outputs=same, quantized_token_agreement=agreement,
               speedup=rows[1]["tokens_per_second"] / rows[0]["tokens_per_second"],
               step_ratio=rows[0]["steps"] / rows[1]["steps"],
               prefix_speedup=rows[2]["tokens_per_second"] / rows[1]["tokens_per_second"],
@@ -202,6 +214,14 @@ def format_table(results: dict) -> str:
                  f"{reserve['steps'] / lazy['steps']:.2f}x fewer steps, occupancy "
                  f"{100 * lazy['occupancy']:.1f}% vs {100 * reserve['occupancy']:.1f}%, "
                  f"{lazy['preempted']} preemptions")
+  quant = [r for r in results["rows"] if r["policy"].endswith(" cache)")]
+  if quant:
+    q, reserve = quant[0], by_name["continuous"]
+    ratio = q["cache_bytes"] / reserve["cache_bytes"]
+    lines.append(f"{q['policy']} vs the float cache: {ratio:.2f}x the cache bytes, "
+                 f"{q['tokens_per_second'] / reserve['tokens_per_second']:.2f}x "
+                 f"tokens/s, {100 * results['quantized_token_agreement']:.1f}% of the tokens "
+                 f"(prompts and greedy outputs) the same")
   if "continuous (whole table)" in by_name:
     narrow, whole = by_name["continuous"], by_name["continuous (whole table)"]
     lines.append(f"continuous, page tables narrowed to the lengths served vs the whole table: "
@@ -218,7 +238,8 @@ def plot(results: dict, path: pathlib.Path) -> pathlib.Path:
   import matplotlib.pyplot as plt  # noqa: PLC0415
 
   fig, ax = plt.subplots(figsize=(8, 3.2))
-  for r, color in zip(results["rows"], ("tab:orange", "tab:blue", "tab:green", "tab:gray")):
+  colors = ("tab:orange", "tab:blue", "tab:green", "tab:gray", "tab:purple", "tab:brown")
+  for r, color in zip(results["rows"], colors):
     ax.step(range(len(r["busy_per_step"])), r["busy_per_step"], where="post", color=color,
             label=f"{r['policy']}: {r['steps']} steps, {100 * r['occupancy']:.0f}% occupied")
   ax.set(xlabel="engine step", ylabel="busy slots",
@@ -276,6 +297,9 @@ def main(argv=None) -> dict:
   ap.add_argument("--compare-on-demand", action="store_true",
                   help="add a continuous run reserving pages as they are reached "
                   "(Engine(allocation='on_demand'), preempting when the pool runs short)")
+  ap.add_argument("--compare-quantized", choices=("int8", "float8_e4m3fn"), default=None,
+                  help="a continuous run over a quantized KV cache (Engine(dtype=...)): its "
+                       "bytes, speed and token agreement with the float cache")
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--out", default="runs/bench_serve")
   args = ap.parse_args(argv)
@@ -288,7 +312,8 @@ def main(argv=None) -> dict:
                 max_seq_len=args.max_seq_len, compare_whole_table=args.compare_whole_table,
                 layer_pattern=args.layer_pattern, sliding_window=args.sliding_window,
                 window_num_pages=args.window_num_pages,
-                compare_on_demand=args.compare_on_demand)
+                compare_on_demand=args.compare_on_demand,
+                compare_quantized=args.compare_quantized)
   print(format_table(results))
   write_json(out / "results.json", results)
   png = plot(results, out / "bench_serve.png")

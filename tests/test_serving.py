@@ -438,9 +438,15 @@ def test_bench_serve_runs_and_both_policies_agree(tmp_path):
   results = bench_serve.main(["--requests", "5", "--max-batch", "2", "--prompt-lens", "2,9",
                               "--new-tokens", "1,6", "--shared-prefix", "5", "--chunk", "4",
                               "--page-size", "4", "--layer-pattern", "SA", "--sliding-window",
-                              "3", "--compare-on-demand", "--out", str(tmp_path)])
+                              "3", "--compare-on-demand", "--compare-quantized", "int8",
+                              "--out", str(tmp_path)])
   assert results["identical_outputs"]
-  static, continuous, prefix, lazy = results["rows"]
+  static, continuous, prefix, lazy, quant = results["rows"]
+  # An int8 cache: the same requests over codes and scales (fp32 compute, heads of 16: 2 (16 + 4)
+  # bytes per token and KV head against 2 x 16 x 4; page tables besides), the same tokens nearly.
+  assert quant["policy"] == "continuous (int8 cache)" and quant["generated"] == static["generated"]
+  assert quant["cache_bytes"] < 0.5 * continuous["cache_bytes"]
+  assert 0.9 <= results["quantized_token_agreement"] <= 1
   assert lazy["policy"] == "continuous (on demand)" and lazy["generated"] == static["generated"]
   # Local / global layers: the window layer's pool holds each slot's 3 window pages, not 64
   # (max_seq_len 256 / 4); with the prefix cache nothing is released: one size for both.
