@@ -365,7 +365,8 @@ def _local(q, key_pool, value_pool, page_table, lengths, slopes=None, sinks=None
     extra_specs.append(pl.BlockSpec((kh, rb, 1), order(lambda bi, ii, si, ji, *_: (0, ii, 0))[1]))
   if key_scale is not None:  # the page's scales [1, K * page], fetched with its codes
     extra_args += [key_scale, value_scale]
-    extra_specs += [pl.BlockSpec((None, 1, kh * page_size), page_map)] * 2
+    scale_map = lambda *ids: page_map(*ids)[:3]       # noqa: E731 (a split pool's map is 4-D)
+    extra_specs += [pl.BlockSpec((None, 1, kh * page_size), scale_map)] * 2
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=2,
       grid=grid,

@@ -153,3 +153,25 @@ def test_module_decodes_a_quantized_contiguous_cache_in_the_kernel(monkeypatch):
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
   exact = run("xla", None)
   assert 0 < np.abs(np.asarray(want - exact)).max() <= 0.03 * np.abs(np.asarray(exact)).max()
+
+
+def test_split_pools_with_scales():
+  """Codes in the split form ``[P, page, K, H]`` (and a contiguous ``[B, S, K, H]``) with their
+  scales: the kernel's scale blocks take the pages' index map cut to their three dimensions."""
+  cache = quantized_cache((9, 4), 2, INT8)
+  q = queries(2, 1, 4)
+  split = dict(key_pool=cache.key_pool.reshape(cache.key_pool.shape[:2] + (2, 8)),
+               value_pool=cache.value_pool.reshape(cache.value_pool.shape[:2] + (2, 8)))
+  got = paged_attention(q, page_table=cache.page_table, lengths=cache.lengths,
+                        key_scale=cache.key_scale_pool, value_scale=cache.value_scale_pool,
+                        implementation="pallas_tpu", interpret=True, **split)
+  np.testing.assert_allclose(got, _call(q, cache, implementation="xla"), rtol=1e-5, atol=1e-6)
+  contiguous = KVCache.init(2, 16, 2, 8, dtype=INT8).update(*(queries(2, 11, 2, seed=s)
+                                                              for s in (3, 4)))
+  lengths = jnp.asarray([11, 5], jnp.int32)
+  kw = dict(key_scale=contiguous.key_scale, value_scale=contiguous.value_scale)
+  got = cache_attention(q, contiguous.key.reshape(2, 16, 2, 8),
+                        contiguous.value.reshape(2, 16, 2, 8), lengths,
+                        implementation="pallas_tpu", interpret=True, **kw)
+  want = cache_attention(q, contiguous.key, contiguous.value, lengths, implementation="xla", **kw)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
