@@ -361,6 +361,11 @@ class Engine:
     window_num_pages: pages in each sliding-window layer's pool when the model also has layers
       holding whole sequences (and no prefix cache); default enough for every slot's
       ``window_pages`` (at most ``num_pages``).
+    cache_bytes: a memory budget for the cache instead of ``num_pages``: ``num_pages`` becomes
+      the most whose cache (every layer's pools, page tables, recurrent states; at the
+      ``dtype``, so a quantized cache gets about twice the pages of a bf16 one) fits in this
+      many bytes.  A budget below one page per pool, or below the window pools' fixed size, is
+      refused.
     max_pages_per_seq: the page-table width (the longest request, in pages); default
       ``ceil(max_seq_len / page_size)``.
     chunk: the most prompt tokens a slot feeds per step (chunked prefill).
@@ -422,7 +427,8 @@ class Engine:
                prefix_cache: bool = False, prefix_states: int | None = None,
                narrow_tables: bool = True, allocation: str = "reserve",
                mesh: jax.sharding.Mesh | None = None,
-               detokenize: Callable[[Sequence[int]], str] | None = None):
+               detokenize: Callable[[Sequence[int]], str] | None = None,
+               cache_bytes: int | None = None):
     check_sampling(temperature, top_p, top_k)
     if policy not in POLICIES:
       raise ValueError(f"`policy` must be one of {POLICIES}, got {policy!r}.")
@@ -462,6 +468,11 @@ class Engine:
                               else _positive_int("max_pages_per_seq", max_pages_per_seq))
     if num_pages is not None:
       _positive_int("num_pages", num_pages)
+    if cache_bytes is not None:
+      _positive_int("cache_bytes", cache_bytes)
+      if num_pages is not None:
+        raise ValueError(f"give `num_pages` ({num_pages}) or `cache_bytes` ({cache_bytes}), "
+                         "not both: the budget sets the pages.")
     if window_num_pages is not None:
       _positive_int("window_num_pages", window_num_pages)
       if not self._window_pools:
@@ -480,6 +491,12 @@ class Engine:
     else:
       self.num_pages = window_fill if num_pages is None else int(num_pages)
       self.window_num_pages = self.num_pages
+    if cache_bytes is not None:
+      self.num_pages = self._pages_within(model, int(cache_bytes), dtype)
+      if not self._whole:
+        self.window_num_pages = self.num_pages
+      elif self._window_pools and window_num_pages is None:   # (sized before: smaller is fine)
+        self.window_num_pages = min(self.num_pages, window_fill)
     if mesh is None:
       mesh = context_mesh()
     elif not isinstance(mesh, jax.sharding.Mesh):
@@ -520,6 +537,24 @@ class Engine:
     self._results: dict[int, np.ndarray] = {}
     self._next_id = 0
     self.stats = EngineStats()
+
+  def _pages_within(self, model: DecoderLM, budget: int, dtype) -> int:
+    """The most ``num_pages`` whose cache fits ``budget`` bytes (``cache_bytes``): the cache's
+    size is linear in the pages, measured on two abstract caches (nothing allocated)."""
+    def size(pages):
+      window = self.window_num_pages if self._whole else pages
+      cache = jax.eval_shape(lambda: model.init_paged_cache(
+          self.max_batch, pages, self.page_size, max_pages_per_seq=self.max_pages_per_seq,
+          window_num_pages=window, dtype=dtype))
+      return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+    fixed, per_page = size(1), size(2) - size(1)
+    pages = 1 + (budget - fixed) // per_page if budget >= fixed else 0
+    if pages < 1:
+      raise ValueError(f"`cache_bytes` {budget} is below the smallest cache of this engine "
+                       f"({fixed} bytes: one page per pool, page tables, recurrent states"
+                       + (f", sliding-window pools of {self.window_num_pages} pages"
+                          if self._window_pools else "") + ").")
+    return int(pages)
 
   def _on_mesh(self):
     """The context every device call of the engine runs in: ``jax.set_mesh(self.mesh)``."""

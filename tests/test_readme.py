@@ -28,6 +28,7 @@ def test_readme_quick_start_runs():
   assert scope["engine"].stats.prefix_hit_tokens == 2 * 2 * 16
   assert scope["ids8"].shape == (2, 12)
   assert scope["engine8"].cache.groups[0][0].key_pool.dtype == np.int8
+  assert scope["engine8"].cache.nbytes <= 8 << 20
 
 
 def test_readme_test_command_matches_ci():

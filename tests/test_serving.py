@@ -6,6 +6,7 @@ hybrid Gated DeltaNet models, and a sliding-window model holding only its window
 sampling is reproducible from the seed; the errors."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -458,3 +459,31 @@ def test_bench_serve_runs_and_both_policies_agree(tmp_path):
   assert static["hit"] == continuous["hit"] == 0 and prefix["hit"] == 4 * 4
   assert prefix["fed"] == continuous["fed"] - prefix["hit"]
   assert (tmp_path / "results.json").exists() and (tmp_path / "bench_serve.png").exists()
+
+
+def test_a_cache_budget_sets_the_pages():
+  """``cache_bytes``: the most pages whose cache fits the budget (one more would not); an int8
+  cache gets more pages in the same bytes (fp32 compute, heads of 16: 2 (16 + 4) bytes per token
+  and KV head against 2 x 16 x 4); the requests still get ``generate``'s tokens; the errors."""
+  model = model_for("llama")
+  budget = 40_000
+  engine = Engine(model, max_batch=2, page_size=4, chunk=4, cache_bytes=budget)
+  assert engine.cache.nbytes <= budget
+  bigger = model.init_paged_cache(2, engine.num_pages + 1, 4,
+                                  max_pages_per_seq=engine.max_pages_per_seq)
+  assert bigger.nbytes > budget
+  quant = Engine(model, max_batch=2, page_size=4, chunk=4, cache_bytes=budget, dtype=jnp.int8)
+  assert quant.cache.nbytes <= budget and quant.num_pages > 2 * engine.num_pages
+  ps = prompts()
+  ids = [engine.submit(p, n) for p, (_, n) in zip(ps, REQUESTS)]
+  results = engine.run()
+  for rid, p, (_, n) in zip(ids, ps, REQUESTS):
+    np.testing.assert_array_equal(results[rid], alone(model, p, n))
+  # Local / global layers: the window layers' pools are fixed, the budget sizes the others.
+  mixed = model_for("gpt-oss")
+  engine = Engine(mixed, max_batch=2, page_size=4, chunk=4, cache_bytes=60_000)
+  assert engine.cache.nbytes <= 60_000 and engine.window_num_pages <= engine.num_pages
+  with pytest.raises(ValueError, match=r"give `num_pages` \(8\) or `cache_bytes` \(1000\)"):
+    Engine(model, num_pages=8, cache_bytes=1000)
+  with pytest.raises(ValueError, match="`cache_bytes` 100 is below the smallest cache"):
+    Engine(model, max_batch=2, page_size=4, cache_bytes=100)
