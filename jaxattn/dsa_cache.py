@@ -33,7 +33,8 @@ def quantize_index_keys(k: Float[Array, "... d"], fmt, block_size: int | None):
 class DSACache:
   """``latent``: the MLA ``LatentCache``; ``index_keys [B, L, d_I]`` (int8 / fp8 / fp32) and
   ``index_scales [B, L, nb]`` (fp32): the indexer keys, ``key ~= keys * scale`` per block.
-  ``latent.index`` counts the filled positions for both."""
+  ``latent.index`` counts the filled positions for both.  A quantized ``latent`` (int8 / fp8
+  ``c_KV`` codes, ``latent.quantized``) is independent of the indexer keys' format."""
 
   latent: LatentCache
   index_keys: Array
@@ -42,8 +43,11 @@ class DSACache:
   @classmethod
   def init(cls, batch: int, max_len: int, *, kv_lora_rank: int, qk_rope_head_dim: int,
            index_head_dim: int, quant=None, quant_block_size: int | None = None,
-           dtype=jnp.float32) -> "DSACache":
-    latent = LatentCache.init(batch, max_len, kv_lora_rank, qk_rope_head_dim, dtype)
+           dtype=jnp.float32, rope_dtype=None) -> "DSACache":
+    """``dtype`` int8 / float8_e4m3fn: a quantized latent cache (``LatentCache.init``: ``c_KV``
+    codes with a scale per token, ``k^R`` in the float ``rope_dtype``, None: float32)."""
+    latent = LatentCache.init(batch, max_len, kv_lora_rank, qk_rope_head_dim, dtype,
+                              rope_dtype=rope_dtype)
     keys, scales = quantize_index_keys(jnp.zeros((batch, latent.max_len, index_head_dim)), quant,
                                        quant_block_size)
     return cls(latent=latent, index_keys=keys, index_scales=scales)
@@ -55,6 +59,11 @@ class DSACache:
   @property
   def max_len(self) -> int:
     return self.latent.max_len
+
+  @property
+  def quantized(self) -> bool:
+    """Whether the latent rows are quantized (``LatentCache.quantized``)."""
+    return self.latent.quantized
 
   def index_keys_fp32(self) -> Float[Array, "B L d"]:
     """The indexer keys as the scorer sees them (dequantized)."""

@@ -180,14 +180,16 @@ class DSA(MLA):
         dot_dtype=index_dot_dtype)
 
   def init_cache(self, batch: int, max_len: int, dtype=None) -> DSACache:
-    """An empty cache: latent rows plus the indexer keys in their scoring format (a float
-    ``dtype``: a quantized latent cache is paged only, ``init_paged_cache``)."""
+    """An empty cache: latent rows plus the indexer keys in their scoring format.  ``dtype``
+    int8 / float8_e4m3fn: quantized latent rows, as ``MLA.init_cache`` (the contiguous dense and
+    sparse paths read them dequantized)."""
     dtype = dtype or self.dtype or jnp.float32
     check_latent_cache_dtype(dtype, "DSA.init_cache")
     ix = self.indexer
     return DSACache.init(batch, max_len, kv_lora_rank=self.kv_lora_rank,
                          qk_rope_head_dim=self.qk_rope_head_dim, index_head_dim=ix.head_dim,
-                         quant=ix.quant, quant_block_size=ix.quant_block_size, dtype=dtype)
+                         quant=ix.quant, quant_block_size=ix.quant_block_size, dtype=dtype,
+                         rope_dtype=self._rope_dtype(dtype))
 
   def cache_bytes(self, seq_len: int, batch: int = 1, dtype=jnp.bfloat16) -> int:
     """Cache bytes of this layer for ``seq_len`` tokens: the latent rows ``(C + R) x bytes`` (as
@@ -348,7 +350,7 @@ class DSA(MLA):
     kv_lengths = None
     if cache is not None:
       cache = cache.update(c_kv, k_rope, keys, scales)
-      c_kv = cache.latent.c_kv.astype(q_nope.dtype)
+      c_kv = cache.latent.c_kv.astype(q_nope.dtype)       # (quantized latents: dequantized)
       k_rope = cache.latent.k_rope.astype(q_nope.dtype)
       k_idx = cache.index_keys_fp32()
       kv_lengths = jnp.full((b,), cache.index, jnp.int32)

@@ -38,16 +38,15 @@ from jaxattn.sharding import shard
 
 
 def check_latent_cache_dtype(dtype, where: str) -> None:
-  """A contiguous ``LatentCache`` stores the latents as they are: an int8 / float8_e4m3fn
-  ``dtype`` (a quantized cache, paged only) or any non-float one is a ``ValueError``."""
+  """A contiguous ``LatentCache`` stores the latents in a float ``dtype``, or quantized in int8 /
+  float8_e4m3fn (codes with a scale per token); any other ``dtype`` is a ``ValueError``."""
   try:
     dt = jnp.dtype(dtype)
   except TypeError:
     dt = None
-  if dt is None or kv_quantized(dt) or not jnp.issubdtype(dt, jnp.floating):
-    raise ValueError(f"{where}: a contiguous latent cache needs a float `dtype`, got {dtype!r}; "
-                     f"a quantized (int8 / float8_e4m3fn) latent cache is paged only: "
-                     f"init_paged_cache(..., dtype=...).")
+  if dt is None or not (kv_quantized(dt) or jnp.issubdtype(dt, jnp.floating)):
+    raise ValueError(f"{where}: a contiguous latent cache needs a float `dtype`, or int8 / "
+                     f"float8_e4m3fn for a quantized one, got {dtype!r}.")
 
 
 class MLA(nnx.Module):
@@ -160,11 +159,13 @@ class MLA(nnx.Module):
   # -- cache -----------------------------------------------------------------------------------
 
   def init_cache(self, batch: int, max_len: int, dtype=None) -> LatentCache:
-    """An empty latent cache for ``batch`` sequences of up to ``max_len`` tokens (a float
-    ``dtype``: a quantized latent cache is paged only, ``init_paged_cache``)."""
+    """An empty latent cache for ``batch`` sequences of up to ``max_len`` tokens.  ``dtype`` int8
+    / float8_e4m3fn: a quantized latent cache (``c_KV`` codes with a fp32 scale per token, ``k^R``
+    in the compute dtype, ``self.dtype`` or float32), as ``init_paged_cache``."""
     dtype = dtype or self.dtype or jnp.float32
     check_latent_cache_dtype(dtype, f"{type(self).__name__}.init_cache")
-    return LatentCache.init(batch, max_len, self.kv_lora_rank, self.qk_rope_head_dim, dtype)
+    return LatentCache.init(batch, max_len, self.kv_lora_rank, self.qk_rope_head_dim, dtype,
+                            rope_dtype=self._rope_dtype(dtype))
 
   def init_paged_cache(self, batch: int, num_pages: int, page_size: int, *,
                        max_pages_per_seq: int | None = None, dtype=None) -> PagedLatentCache:
@@ -239,8 +240,10 @@ class MLA(nnx.Module):
 
   def cache_bytes(self, seq_len: int, batch: int = 1, dtype=jnp.bfloat16) -> int:
     """Latent cache bytes of this layer for ``seq_len`` tokens: ``(C + R) x bytes`` per token; a
-    quantized ``dtype`` (int8 / float8_e4m3fn, paged) ``C`` code bytes, a fp32 scale and ``k^R``
-    in the compute dtype (unpadded: TPU pads ``k^R`` to 128 columns)."""
+    quantized ``dtype`` (int8 / float8_e4m3fn; paged or contiguous, the same per token) ``C``
+    code bytes, a fp32 scale and ``k^R`` in the compute dtype.  Unpadded: on TPU both caches
+    store ``k^R`` zero-padded to 128 columns (and a contiguous one rounds its length up to a
+    multiple of 16, or 128 past 512), so their ``nbytes`` exceed this there."""
     if kv_quantized(dtype):
       rope_bytes = jnp.dtype(self._rope_dtype(dtype)).itemsize
       return batch * seq_len * (self.kv_lora_rank + 4 + self.qk_rope_head_dim * rope_bytes)
@@ -324,7 +327,9 @@ class MLA(nnx.Module):
       if self._decode_kernel(t, mode, mask, implementation, cache):
         return nan_past_capacity(self._absorbed(q_nope, lambda q_latent: cache_mla_decode(
             q_latent, q_rope, cache.kv, kv_lengths, scale=self.scale,
-            implementation="pallas_tpu")), cache), cache
+            implementation="pallas_tpu", k_rope=cache.k_rope_buf,
+            c_kv_scale=cache.c_kv_scale)), cache), cache
+      # (a quantized cache's c_kv is dequantized here: the non-kernel path takes floats)
       c_kv, k_rope = cache.c_kv.astype(q_nope.dtype), cache.k_rope.astype(q_nope.dtype)
     w_uk, w_uv = effective_kernel(self.k_up), effective_kernel(self.v_up)
     out = mla_attention(

@@ -744,6 +744,8 @@ def cache_mla_decode(
     num_splits: int | None = None,
     implementation: DecodeImplementation | None = None,
     interpret=None,
+    k_rope: Float[Array, "B S R_p"] | None = None,
+    c_kv_scale: Float[Array, "B 1 S"] | None = None,
 ) -> Float[Array, "B T N C"] | Float[Array, "B N C"]:
   """``paged_mla_decode`` over a contiguous latent cache (a ``LatentCache``'s ``kv`` buffer).
 
@@ -755,20 +757,59 @@ def cache_mla_decode(
   and ``"xla"`` (the default elsewhere) run ``paged_mla_decode`` on the two column ranges.  The
   columns past ``R`` must be zero, as the cache keeps them.  Other arguments as in
   ``paged_mla_decode``.
+
+  A quantized ``LatentCache`` (its ``kv``, ``k_rope_buf`` and ``c_kv_scale``): ``kv [B, S, C]``
+  int8 / float8_e4m3fn codes of ``c_KV``, ``k_rope [B, S, R_p]`` the float rotated keys and
+  ``c_kv_scale [B, 1, S]`` fp32 one scale per token.  The three are read as pages of themselves
+  (the scales as ``[B * S / page, 1, page]``, a reshape) into ``paged_mla_decode(...,
+  c_kv_scale=)``; ``"pallas_tpu"`` runs the dense kernel on them in place.  ``k_rope`` alone
+  (float ``kv [B, S, C]``) is an unquantized cache kept in two arrays.
   """
   ql, qr, squeeze = _mla_queries(q_latent, q_rope)
   b, t, n, c = ql.shape
   r = qr.shape[3]
-  if kv.ndim != 3 or kv.shape[0] != b or kv.shape[2] < c + r:
-    raise ValueError(f"`kv` must be [B={b}, S, C + R_p] with C={c} and R_p >= R={r}, got shape "
-                     f"{kv.shape}.")
+  if k_rope is None:
+    if c_kv_scale is not None:
+      raise ValueError("`c_kv_scale` (a quantized latent cache) comes with `k_rope`, the cache's "
+                       "separate float k^R buffer [B, S, R_p].")
+    if kv.ndim != 3 or kv.shape[0] != b or kv.shape[2] < c + r:
+      raise ValueError(f"`kv` must be [B={b}, S, C + R_p] with C={c} and R_p >= R={r}, got "
+                       f"shape {kv.shape}.")
+  else:
+    if kv.ndim != 3 or kv.shape[0] != b or kv.shape[2] != c:
+      raise ValueError(f"`kv` (with a separate `k_rope`) must be [B={b}, S, C={c}], got shape "
+                       f"{kv.shape}.")
+    if k_rope.ndim != 3 or k_rope.shape[:2] != kv.shape[:2] or k_rope.shape[2] < r:
+      raise ValueError(f"`k_rope` must be [B, S, R_p] = {kv.shape[:2]} + (R_p,) with R_p >= "
+                       f"R={r}, got shape {k_rope.shape}.")
+    if c_kv_scale is not None and (c_kv_scale.shape != (b, 1, kv.shape[1])
+                                   or c_kv_scale.dtype != _F32):
+      raise ValueError(f"`c_kv_scale` must be float32 [B, 1, S] = {[b, 1, kv.shape[1]]}, got "
+                       f"{c_kv_scale.dtype}{list(c_kv_scale.shape)}.")
   impl = resolve_implementation(implementation) if t else "xla"           # T = 0: empty
   s = kv.shape[1]
-  page = s if impl == "xla" else view_page_size(s, cache_row_bytes(kv))
+  row_bytes = cache_row_bytes(*(x for x in (kv, k_rope) if x is not None))
+  row_bytes += 0 if c_kv_scale is None else 4
+  page = s if impl == "xla" else view_page_size(s, row_bytes)
   if page is None:
     raise ValueError(f"implementation={impl!r} reads the cache as pages of 16 or more tokens: "
                      f"its length S={s} must be a multiple of 16 (or use implementation='xla').")
   pages, table = page_view(kv, page)
+  if k_rope is not None:
+    scales = None if c_kv_scale is None else c_kv_scale.reshape(b * (s // page), 1, page)
+    if impl != "pallas_tpu":
+      out = paged_mla_decode(ql, qr, pages, page_view(k_rope, page)[0], table, lengths,
+                             scale=scale, num_splits=num_splits, implementation=impl,
+                             interpret=interpret, c_kv_scale=scales)
+      return out[:, 0] if squeeze else out
+    _check_latent_scale(pages, scales)
+    scale = _check_mla_call(table, lengths, b, page, scale, num_splits)
+    qr = _zero_pad_columns(qr, k_rope.shape[2])                      # to the stored k^R width
+    from pallas_kernels.mla_decode.tpu import contiguous_mla_decode_tpu  # noqa: PLC0415
+    out = contiguous_mla_decode_tpu(ql, qr, kv, lengths.astype(jnp.int32), scale=scale,
+                                    num_splits=num_splits, interpret=interpret, k_rope=k_rope,
+                                    c_kv_scale=c_kv_scale)
+    return out[:, 0] if squeeze else out
   if impl != "pallas_tpu":
     out = paged_mla_decode(ql, qr, pages[..., :c], pages[..., c:], table, lengths, scale=scale,
                            num_splits=num_splits, implementation=impl, interpret=interpret)

@@ -272,6 +272,8 @@ def contiguous_mla_decode_tpu(
     block_rows: int | None = None,
     interpret=None,
     mesh=None,
+    k_rope: Float[Array, "B S R"] | None = None,
+    c_kv_scale: Float[Array, "B 1 S"] | None = None,
 ) -> Float[Array, "B T N C"]:
   """``jaxattn.ops.decode.cache_mla_decode`` as the dense kernel over a contiguous ``LatentCache``
   buffer ``kv [B, S, C + R]`` (``R`` = ``q_rope``'s width; on TPU a ``LatentCache`` pads ``k^R``
@@ -284,27 +286,43 @@ def contiguous_mla_decode_tpu(
   blocks' lane tiling); other widths are sliced into two arrays first (copies).  Under a mesh:
   batch over ``"batch"``, query heads over ``"heads"``.  ``block_rows`` as in
   ``paged_mla_decode_tpu``.
+
+  ``k_rope [B, S, R]`` given: ``kv [B, S, C]`` holds ``c_KV`` alone (a quantized ``LatentCache``:
+  int8 / float8_e4m3fn codes with ``c_kv_scale [B, 1, S]`` fp32, one scale per token, read as
+  ``[B * S / page, 1, page]``); each array is read as pages of itself, in place.
   """
   check_num_splits(num_splits)
   check_block_rows(block_rows)
   c, r = q_latent.shape[3], q_rope.shape[3]
-  page = view_page_size(kv.shape[1], cache_row_bytes(kv))
-  if page is None or kv.shape[2] != c + r:
-    raise ValueError(f"`kv` {kv.shape} must be [B, S, C + R] = [B, S, {c} + {r}] with S a "
-                     "multiple of 16.")
+  split = k_rope is not None
+  row_bytes = cache_row_bytes(kv, *([k_rope] if split else [])) + (c_kv_scale is not None) * 4
+  page = view_page_size(kv.shape[1], row_bytes)
+  if page is None or kv.shape[2] != (c if split else c + r) or (split and k_rope.shape[2] != r):
+    raise ValueError(f"`kv` {kv.shape} must be [B, S, C + R] = [B, S, {c} + {r}] (or [B, S, C] "
+                     f"with `k_rope` [B, S, R]) with S a multiple of 16.")
+  if c_kv_scale is not None and not split:
+    raise ValueError("`c_kv_scale` (quantized codes in `kv`) needs the separate `k_rope`.")
   fused = c % r == 0 and r % 128 == 0
   cores = tensorcores()
 
-  def local(ql, qr, kv, lens):
+  def local(ql, qr, kv, lens, *rest):
     pages, table = page_view(kv, page)
-    c_pool, kr_pool = (pages, None) if fused else (pages[..., :c], pages[..., c:])
-    return _dense_local(ql, qr, c_pool, kr_pool, table, lens, scale=scale,
+    if split:
+      c_pool, kr_pool = pages, page_view(rest[0], page)[0]
+    else:
+      c_pool, kr_pool = (pages, None) if fused else (pages[..., :c], pages[..., c:])
+    c_scale = (rest[1].reshape(table.size, 1, page) if len(rest) > 1 else None)
+    return _dense_local(ql, qr, c_pool, kr_pool, table, lens, c_scale, scale=scale,
                         num_splits=num_splits, block_rows=block_rows, interpret=interpret,
                         cores=cores)
+
+  args = [q_latent, q_rope, kv, lengths.astype(jnp.int32)]
+  args += ([k_rope] if split else []) + ([c_kv_scale] if c_kv_scale is not None else [])
 
   def specs(mesh):
     bax, hax = sharded.latent_specs(mesh, q_latent.shape[0], q_latent.shape[2])
     q_spec = P(bax, None, hax, None)
-    return (q_spec, q_spec, P(bax, None, None), P(bax)), q_spec
+    buf = P(bax, None, None)
+    return (q_spec, q_spec, buf, P(bax)) + (buf,) * (len(args) - 4), q_spec
 
-  return sharded.run_sharded(local, [q_latent, q_rope, kv, lengths.astype(jnp.int32)], mesh, specs)
+  return sharded.run_sharded(local, args, mesh, specs)

@@ -326,9 +326,10 @@ def test_errors():
     PagedLatentCache.init(1, 2, PAGE, C, R, dtype=jnp.int8, rope_dtype=jnp.int8)
   mla = nnx.eval_shape(lambda: MLA(32, 2, kv_lora_rank=16, qk_nope_head_dim=8,
                                    qk_rope_head_dim=4, v_head_dim=8, rngs=nnx.Rngs(0)))
-  for dt in QUANT:  # a contiguous LatentCache would store truncated / saturated latents
-    with pytest.raises(ValueError, match="contiguous latent cache needs a float `dtype`"):
-      mla.init_cache(2, 8, dtype=dt)
+  for dt in QUANT:  # a contiguous LatentCache quantizes too (tests/kernels/test_latent_cache_quant)
+    assert mla.init_cache(2, 8, dtype=dt).quantized
+  with pytest.raises(ValueError, match="contiguous latent cache needs a float `dtype`, or int8"):
+    mla.init_cache(2, 8, dtype=jnp.int32)
 
 
 # -- the modules ---------------------------------------------------------------------------------
@@ -396,7 +397,7 @@ def test_dsa_sparse_decode_on_an_fp8_latent_cache():
   """A DSA layer decodes sparsely (the XLA path, sparse mode's default) from a paged cache with
   FP8 latents: the indexer's selection does not read the latents, so the result is the float
   cache's up to the latents' rounding (e4m3: at most 2^-4 relative per entry, ~2% RMS; measured
-  at the output: 2e-2, bounded by 1e-1); the contiguous cache refuses a quantized dtype."""
+  at the output: 2e-2, bounded by 1e-1); the contiguous cache takes a quantized dtype too."""
   kw = dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
             q_lora_rank=24)
   module = random_module(lambda: DSA(D, 4, index_num_heads=3, index_head_dim=16,
@@ -414,5 +415,4 @@ def test_dsa_sparse_decode_on_an_fp8_latent_cache():
   assert cache.quantized and cache.k_rope_pool.dtype == jnp.float32
   assert np.isfinite(np.asarray(got)).all()
   assert 0 < _rel(got, ref) < 1e-1
-  with pytest.raises(ValueError, match="contiguous latent cache needs a float `dtype`"):
-    module.init_cache(2, 8, dtype=jnp.float8_e4m3fn)
+  assert module.init_cache(2, 8, dtype=jnp.float8_e4m3fn).quantized   # contiguous too
