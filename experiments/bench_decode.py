@@ -22,8 +22,8 @@ layer's attention core, projections excluded:
 ``--kv-quant int8,fp8`` adds each implementation's rows over a quantized cache (``+int8``,
 ``+fp8``: one-byte codes with a fp32 scale per token and KV head, as ``PagedKVCache(dtype=
 jnp.int8)`` / ``KVCache`` hold them; for MLA the latents ``c_KV`` with a scale per token, ``k^R``
-in ``--dtype``, as ``PagedLatentCache``, which is paged only; ``none`` is the ``--dtype``
-cache).  Their bandwidth counts the bytes they read (GQA: ``K * 2 (H + 4)`` per token; MLA:
+in ``--dtype``, as ``PagedLatentCache`` / ``LatentCache`` hold them; ``none`` is the
+``--dtype`` cache).  Their bandwidth counts the bytes they read (GQA: ``K * 2 (H + 4)`` per token; MLA:
 ``C + 4 + R * bytes``), their ``x contig`` the float cache's contiguous row: the speed-up a
 quantized cache buys.  The contiguous XLA row of a quantized cache dequantizes it whole first
 (what ``KVCache.split_heads`` feeds the dense path).
@@ -261,8 +261,8 @@ def build_case(kind, b, s, args, dtype, rng):
   for quant in getattr(args, "kv_quant", None) or ["none"]:
     if quant == "none":
       continue
-    # c_KV as one-byte codes with a fp32 scale per token ([P, 1, page], PagedLatentCache's);
-    # k^R stays in --dtype.  No contiguous quantized LatentCache: no pallas_contiguous row.
+    # c_KV as one-byte codes with a fp32 scale per token ([P, 1, page], PagedLatentCache's;
+    # [B, 1, S] for the contiguous LatentCache, its k^R in a buffer of its own); k^R in --dtype.
     codes, sc = quantize_kv(cc.astype(jnp.float32), KV_QUANT[quant])    # [B, S, C], [B, S]
     pages = table.reshape(-1)
     cq = jnp.zeros(cp.shape, codes.dtype).at[pages].set(codes.reshape(cp.shape[0], -1, c))
@@ -284,6 +284,10 @@ def build_case(kind, b, s, args, dtype, rng):
         "pallas_gpu_paged": (lambda ql, qr, cp, rp, t, lens, cs: paged_mla_decode_gpu(
             ql, qr, cp, rp, t, lens, scale=scale, c_kv_scale=cs, **_gpu_kw(args)),
                              (ql, qr, cq, rp, table, lengths, csp)),
+        "pallas_contiguous": (lambda ql, qr, kv, kr, cs, lens: cache_mla_decode(
+            ql, qr, kv, lens, scale=scale, implementation="pallas_tpu",
+            num_splits=_tpu_splits(args), k_rope=kr, c_kv_scale=cs),
+                              (ql, qr, codes, latent_rows[..., c:], sc[:, None, :], lengths)),
     }
     fns.update({label(i, quant): f for i, f in qfns.items()})
     nbytes.update({label(i, quant): b * s * (c + 4 + r * itemsize) for i in qfns})
@@ -563,9 +567,7 @@ def main(argv=None):
   def labels(kind):
     quants = args.kv_quant
     first = ["contiguous"] if "contiguous" in impls and "none" not in quants else []
-    # (a quantized latent cache is paged only: no pallas_contiguous row for MLA)
-    return first + [label(i, q) for q in quants for i in order
-                    if not (kind == "mla" and q != "none" and i == "pallas_contiguous")]
+    return first + [label(i, q) for q in quants for i in order]
 
   bar = tqdm(total=len(contexts) * len(batches) * sum(len(labels(k)) for k in kinds),
              desc="bench_decode")

@@ -211,6 +211,14 @@ def cases():
               ql, qr, c, kr, t, n, scale=0.07, implementation="pallas_tpu", num_splits=4,
               c_kv_scale=cs, interpret=False),
           (*latent[:2], i8(1024, 64, 512), latent[3], table, lens, f32(1024, 1, 64))),
+      # A contiguous LatentCache over int8 latents: codes [B, S, C], k^R [B, S, 128] bf16 (64
+      # columns zero-padded), scales [B, 1, S]; read in place as pages of themselves.
+      "contiguous-cache MLA decode, int8 cache": (
+          lambda ql, qr, kv, n, kr, cs: cache_mla_decode(
+              ql, qr, kv, n, scale=0.07, num_splits=4, implementation="pallas_tpu",
+              interpret=False, k_rope=kr, c_kv_scale=cs),
+          (bf16(8, 1, 16, 512), bf16(8, 1, 16, 64), i8(8, 8192, 512), i32(8),
+           bf16(8, 8192, 128), f32(8, 1, 8192))),
       # Prefill through the caches: 512 new tokens, their query rows in blocks that fit VMEM
       # (GQA: 256 rows of a KV head's 2048; MLA: 512 of 512 x 128 heads), each block reading
       # only the pages its tokens can see.
