@@ -27,6 +27,7 @@ from jaxattn.ops.decode import cache_mla_decode, paged_mla_decode
 from jaxattn.ops.quantization import quantize_kv
 from jaxattn.serving import Engine
 from jaxattn.testing import prefill_then_decode, random_module
+from tests.kernels.test_mla_kv_quant import D, _rel, _x  # the same inputs and error measure
 
 C, R, S, SCALE = 16, 4, 32, 0.25
 LENGTHS = (9, 0, 32)                          # ragged, one empty sequence, one full cache
@@ -161,7 +162,6 @@ def test_tpu_kernel_sharded_under_mesh():
 
 # -- the modules ---------------------------------------------------------------------------------
 
-D = 32
 MLA_DIMS = dict(kv_lora_rank=32, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
 
 
@@ -169,15 +169,6 @@ MLA_DIMS = dict(kv_lora_rank=32, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_
 def _step(m, cache, xt, implementation=None, attention_mode=None):
   kw = {} if attention_mode is None else dict(attention_mode=attention_mode)
   return m(xt, cache=cache, implementation=implementation, **kw)
-
-
-def _x(t, b=2, seed=1):
-  return jnp.asarray(np.random.default_rng(seed).standard_normal((b, t, D)), jnp.float32)
-
-
-def _rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 def test_mla_int8_contiguous_cache_close_to_float_and_kernel_route():
