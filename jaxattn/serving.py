@@ -547,7 +547,8 @@ class Engine:
           self.max_batch, pages, self.page_size, max_pages_per_seq=self.max_pages_per_seq,
           window_num_pages=window, dtype=dtype))
       return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
-    fixed, per_page = size(1), size(2) - size(1)
+    fixed = size(1)
+    per_page = size(2) - fixed
     pages = 1 + (budget - fixed) // per_page if budget >= fixed else 0
     if pages < 1:
       raise ValueError(f"`cache_bytes` {budget} is below the smallest cache of this engine "
