@@ -30,7 +30,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxattn.cache import cache_length
 from jaxattn.ops.quantization import check_cache_dtype, kv_quantized, quantize_kv
-from jaxattn.paged_cache import default_rope_align, stored_rope_width
+from jaxattn.paged_cache import default_rope_align, latent_rope_dtype, stored_rope_width
 
 
 @jax.tree_util.register_dataclass
@@ -78,12 +78,9 @@ class LatentCache:
     length = cache_length(int(max_len), length_align)
     meta = dict(index=jnp.zeros((), jnp.int32), kv_lora_rank=int(kv_lora_rank),
                 rope_dim=int(qk_rope_head_dim))
+    dtype = check_cache_dtype(dtype, "LatentCache.init")
     if kv_quantized(dtype):
-      rope_dtype = check_cache_dtype(jnp.float32 if rope_dtype is None else rope_dtype,
-                                     "LatentCache.init", "rope_dtype")
-      if kv_quantized(rope_dtype):
-        raise ValueError(f"LatentCache.init: `rope_dtype` must be a float dtype (k^R is stored "
-                         f"unquantized), got {rope_dtype}.")
+      rope_dtype = latent_rope_dtype(rope_dtype, dtype, "LatentCache.init")
       return cls(kv=jnp.zeros((batch, length, kv_lora_rank), dtype),
                  k_rope_buf=jnp.zeros((batch, length, rope_width), rope_dtype),
                  c_kv_scale=jnp.ones((batch, 1, length), jnp.float32), **meta)

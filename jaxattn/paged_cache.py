@@ -367,6 +367,19 @@ def split_scales(scales: Float[Array, "P 1 Kpage"], kv_heads: int) -> Float[Arra
   return scales.reshape(p, k, -1).transpose(0, 2, 1)
 
 
+def latent_rope_dtype(rope_dtype, dtype, where: str):
+  """The dtype of a latent cache's ``k^R`` beside latents of ``dtype``: ``rope_dtype``, or (None)
+  ``dtype`` itself, float32 under quantized latents; a float dtype (``k^R`` is stored
+  unquantized), else a ``ValueError`` naming ``where``."""
+  if rope_dtype is None:
+    rope_dtype = jnp.float32 if kv_quantized(dtype) else dtype
+  dt = check_cache_dtype(rope_dtype, where, "rope_dtype")
+  if kv_quantized(dt):
+    raise ValueError(f"{where}: `rope_dtype` must be a float dtype (k^R is stored unquantized), "
+                     f"got {dt}.")
+  return dt
+
+
 class _TableViews:
   """The page table's views, shared by the paged caches."""
 
@@ -534,12 +547,7 @@ class PagedLatentCache(_TableViews):
                     qk_rope_head_dim=qk_rope_head_dim, rope_align=rope_align)
     dtype = check_cache_dtype(dtype, "PagedLatentCache.init")
     quantized = kv_quantized(dtype)
-    if rope_dtype is None:
-      rope_dtype = jnp.float32 if quantized else dtype
-    rope_dtype = check_cache_dtype(rope_dtype, "PagedLatentCache.init (rope_dtype)")
-    if kv_quantized(rope_dtype):
-      raise ValueError(f"PagedLatentCache.init: `rope_dtype` must be a float dtype (k^R is "
-                       f"stored unquantized), got {rope_dtype}.")
+    rope_dtype = latent_rope_dtype(rope_dtype, dtype, "PagedLatentCache.init")
     rope_width = stored_rope_width(qk_rope_head_dim, rope_align)
     table = PageTable.init(batch, num_pages, page_size, max_pages_per_seq)
     keys = scales = None

@@ -33,7 +33,7 @@ from jaxattn.cache import nan_past_capacity
 from jaxattn.checks import check_int
 from jaxattn.dsa_cache import DSACache, quantize_index_keys
 from jaxattn.nn.linear import Einsum, effective_kernel
-from jaxattn.nn.mla import MLA, check_latent_cache_dtype
+from jaxattn.nn.mla import MLA
 from jaxattn.nn.norms import LayerNorm
 from jaxattn.ops.decode import check_num_tokens, check_ragged_needs_paged
 from jaxattn.ops.hadamard import hadamard_transform
@@ -184,7 +184,6 @@ class DSA(MLA):
     int8 / float8_e4m3fn: quantized latent rows, as ``MLA.init_cache`` (the contiguous dense and
     sparse paths read them dequantized)."""
     dtype = dtype or self.dtype or jnp.float32
-    check_latent_cache_dtype(dtype, "DSA.init_cache")
     ix = self.indexer
     return DSACache.init(batch, max_len, kv_lora_rank=self.kv_lora_rank,
                          qk_rope_head_dim=self.qk_rope_head_dim, index_head_dim=ix.head_dim,

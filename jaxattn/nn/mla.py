@@ -37,18 +37,6 @@ from jaxattn.ops.rope import RopeScaling, apply_rope, check_rope_base, check_rop
 from jaxattn.sharding import shard
 
 
-def check_latent_cache_dtype(dtype, where: str) -> None:
-  """A contiguous ``LatentCache`` stores the latents in a float ``dtype``, or quantized in int8 /
-  float8_e4m3fn (codes with a scale per token); any other ``dtype`` is a ``ValueError``."""
-  try:
-    dt = jnp.dtype(dtype)
-  except TypeError:
-    dt = None
-  if dt is None or not (kv_quantized(dt) or jnp.issubdtype(dt, jnp.floating)):
-    raise ValueError(f"{where}: a contiguous latent cache needs a float `dtype`, or int8 / "
-                     f"float8_e4m3fn for a quantized one, got {dtype!r}.")
-
-
 class MLA(nnx.Module):
   """DeepSeek's multi-head latent attention with decoupled RoPE and a latent KV cache.
 
@@ -163,7 +151,6 @@ class MLA(nnx.Module):
     / float8_e4m3fn: a quantized latent cache (``c_KV`` codes with a fp32 scale per token, ``k^R``
     in the compute dtype, ``self.dtype`` or float32), as ``init_paged_cache``."""
     dtype = dtype or self.dtype or jnp.float32
-    check_latent_cache_dtype(dtype, f"{type(self).__name__}.init_cache")
     return LatentCache.init(batch, max_len, self.kv_lora_rank, self.qk_rope_head_dim, dtype,
                             rope_dtype=self._rope_dtype(dtype))
 

@@ -264,7 +264,7 @@ def test_cache_bytes_and_errors():
   for dtype in QUANT:
     cache = LatentCache.init(2, 8, 32, 4, dtype, rope_align=1, length_align=1)
     assert mla.cache_bytes(8, 2, dtype) == cache.nbytes
-  with pytest.raises(ValueError, match="contiguous latent cache needs a float `dtype`, or int8"):
+  with pytest.raises(ValueError, match=r"LatentCache.init: `dtype` must be a float dtype, or int8 / float8_e4m3fn"):
     mla.init_cache(2, 8, dtype=jnp.int32)
   with pytest.raises(ValueError, match="`rope_dtype` must be a float dtype"):
     LatentCache.init(2, 8, C, R, jnp.int8, rope_dtype=jnp.int8)

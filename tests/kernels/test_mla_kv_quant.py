@@ -328,7 +328,7 @@ def test_errors():
                                    qk_rope_head_dim=4, v_head_dim=8, rngs=nnx.Rngs(0)))
   for dt in QUANT:  # a contiguous LatentCache quantizes too (tests/kernels/test_latent_cache_quant)
     assert mla.init_cache(2, 8, dtype=dt).quantized
-  with pytest.raises(ValueError, match="contiguous latent cache needs a float `dtype`, or int8"):
+  with pytest.raises(ValueError, match=r"LatentCache.init: `dtype` must be a float dtype, or int8 / float8_e4m3fn"):
     mla.init_cache(2, 8, dtype=jnp.int32)
 
 
