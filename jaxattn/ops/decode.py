@@ -457,9 +457,14 @@ def check_kv_scales(key_pool, value_pool, key_scale, value_scale, kv_heads: int,
   else:                 # a contiguous cache's: [B, K, S]
     want, form = (key_pool.shape[0], kv_heads, key_pool.shape[1]), f"[{lead}, K, {width}]"
   for name, x in (("key_scale", key_scale), ("value_scale", value_scale)):
-    if x.shape != want or x.dtype != jnp.float32:
-      raise ValueError(f"`{name}` must be float32 {form} = {list(want)}, got "
-                       f"{x.dtype}{list(x.shape)}.")
+    _check_scale_array(name, x, want, form)
+
+
+def _check_scale_array(name: str, x, want: tuple, form: str) -> None:
+  """``x``, a quantized cache's scales, is float32 of shape ``want`` (``form`` in words)."""
+  if x.shape != want or x.dtype != jnp.float32:
+    raise ValueError(f"`{name}` must be float32 {form} = {list(want)}, got "
+                     f"{x.dtype}{list(x.shape)}.")
 
 
 def _check_gqa(q, key_pool, value_pool, page_table, lengths, scale, logits_soft_cap,
@@ -720,10 +725,8 @@ def _check_latent_scale(c_kv_pool, c_kv_scale) -> bool:
   if not quant:
     raise ValueError(f"`c_kv_scale` must be given only with quantized codes in `c_kv_pool` "
                      f"(int8 / float8_e4m3fn); got c_kv_pool {c_kv_pool.dtype}.")
-  want = (c_kv_pool.shape[0], 1, c_kv_pool.shape[1])
-  if c_kv_scale.shape != want or c_kv_scale.dtype != _F32:
-    raise ValueError(f"`c_kv_scale` must be float32 [P, 1, page] = {list(want)}, got "
-                     f"{c_kv_scale.dtype}{list(c_kv_scale.shape)}.")
+  _check_scale_array("c_kv_scale", c_kv_scale, (c_kv_pool.shape[0], 1, c_kv_pool.shape[1]),
+                     "[P, 1, page]")
   return True
 
 
@@ -782,15 +785,11 @@ def cache_mla_decode(
     if k_rope.ndim != 3 or k_rope.shape[:2] != kv.shape[:2] or k_rope.shape[2] < r:
       raise ValueError(f"`k_rope` must be [B, S, R_p] = {kv.shape[:2]} + (R_p,) with R_p >= "
                        f"R={r}, got shape {k_rope.shape}.")
-    if c_kv_scale is not None and (c_kv_scale.shape != (b, 1, kv.shape[1])
-                                   or c_kv_scale.dtype != _F32):
-      raise ValueError(f"`c_kv_scale` must be float32 [B, 1, S] = {[b, 1, kv.shape[1]]}, got "
-                       f"{c_kv_scale.dtype}{list(c_kv_scale.shape)}.")
+    if c_kv_scale is not None:
+      _check_scale_array("c_kv_scale", c_kv_scale, (b, 1, kv.shape[1]), "[B, 1, S]")
   impl = resolve_implementation(implementation) if t else "xla"           # T = 0: empty
   s = kv.shape[1]
-  row_bytes = cache_row_bytes(*(x for x in (kv, k_rope) if x is not None))
-  row_bytes += 0 if c_kv_scale is None else 4
-  page = s if impl == "xla" else view_page_size(s, row_bytes)
+  page = s if impl == "xla" else latent_view_page_size(kv, k_rope, c_kv_scale)
   if page is None:
     raise ValueError(f"implementation={impl!r} reads the cache as pages of 16 or more tokens: "
                      f"its length S={s} must be a multiple of 16 (or use implementation='xla').")
@@ -842,6 +841,13 @@ def cache_row_bytes(*caches) -> int:
   return sum(math.prod(c.shape[2:]) * c.dtype.itemsize for c in caches)
 
 
+def latent_view_page_size(kv, k_rope=None, c_kv_scale=None) -> int | None:
+  """``view_page_size`` of a contiguous latent cache: its rows ``kv`` (and, apart from them, the
+  ``k_rope`` buffer and a quantized cache's 4-byte scale per token)."""
+  row_bytes = cache_row_bytes(kv, *(() if k_rope is None else (k_rope,)))
+  return view_page_size(kv.shape[1], row_bytes + (0 if c_kv_scale is None else 4))
+
+
 def sparse_rows(indices, page_table, lengths, page_size):
   """``(valid [B, T, k], page [B, T, k], offset [B, T, k])`` of selected positions ``indices``:
   a position is valid when ``0 <= i < lengths[b]``."""
@@ -867,7 +873,7 @@ def paged_mla_decode_xla(q_latent, q_rope, c_kv_pool, k_rope_pool, page_table, l
     table = _table(page_table, lengths, c_kv_pool.shape[1])
     ckv = gather_pages(c_kv_pool, table).astype(_F32)               # [B, S, C]
     if c_kv_scale is not None:                                      # codes: times [B, S, 1]
-      ckv = ckv * gather_pages(jnp.swapaxes(c_kv_scale, 1, 2), table)
+      ckv = ckv * gather_pages(split_scales(c_kv_scale, 1), table)
     kr = gather_pages(k_rope_pool, table).astype(_F32)              # [B, S, R]
     logits = (jnp.einsum("btnc,bsc->btns", ql, ckv)
               + jnp.einsum("btnr,bsr->btns", qr, kr)) * scale

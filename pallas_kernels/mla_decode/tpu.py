@@ -53,7 +53,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from jaxattn.ops.decode import cache_row_bytes, check_num_splits, page_view, view_page_size
+from jaxattn.ops.decode import check_num_splits, latent_view_page_size, page_view
 from pallas_kernels.decode_attention.tpu import (check_block_rows, combine, dot_t, finalize,
                                                  grid_ids, grid_order,
                                                  online_softmax_update, pad_rows, page_index,
@@ -295,8 +295,7 @@ def contiguous_mla_decode_tpu(
   check_block_rows(block_rows)
   c, r = q_latent.shape[3], q_rope.shape[3]
   split = k_rope is not None
-  row_bytes = cache_row_bytes(kv, *([k_rope] if split else [])) + (c_kv_scale is not None) * 4
-  page = view_page_size(kv.shape[1], row_bytes)
+  page = latent_view_page_size(kv, k_rope, c_kv_scale)
   if page is None or kv.shape[2] != (c if split else c + r) or (split and k_rope.shape[2] != r):
     raise ValueError(f"`kv` {kv.shape} must be [B, S, C + R] = [B, S, {c} + {r}] (or [B, S, C] "
                      f"with `k_rope` [B, S, R]) with S a multiple of 16.")
