@@ -168,26 +168,21 @@ def _gqa_fns(args, q, kp, vp, kc, vc, table, lengths, scales=None):
   pool_sc, cache_sc = (scales[:2], scales[2:]) if scales else ((), ())
   paged_args, cache_args = (q, kp, vp, table, lengths) + pool_sc, (q, kc, vc, lengths) + cache_sc
 
-  def with_scales(fn):
-    def call(*a):
-      n = 4 if len(a) == 4 + len(cache_sc) else 5
-      sc = a[n:]
-      kw = dict(key_scale=sc[0], value_scale=sc[1]) if sc else {}
-      return fn(*a[:n], **kw)
-    return call
+  def kw(sc):   # the trailing scale arguments (none for a float cache) as keywords
+    return dict(key_scale=sc[0], value_scale=sc[1]) if sc else {}
 
   return {
       "contiguous": (dense, cache_args),
-      "xla_paged": (with_scales(lambda q, k, v, t, lens, **kw: paged_attention(
-          q, k, v, t, lens, implementation="xla", **win, **kw)), paged_args),
-      "pallas_paged": (with_scales(lambda q, k, v, t, lens, **kw: paged_attention(
+      "xla_paged": (lambda q, k, v, t, lens, *sc: paged_attention(
+          q, k, v, t, lens, implementation="xla", **win, **kw(sc)), paged_args),
+      "pallas_paged": (lambda q, k, v, t, lens, *sc: paged_attention(
           q, k, v, t, lens, implementation="pallas_tpu", num_splits=_tpu_splits(args), **win,
-          **kw)), paged_args),
-      "pallas_gpu_paged": (with_scales(lambda q, k, v, t, lens, **kw: paged_attention_gpu(
-          q, k, v, t, lens, scale=h ** -0.5, **_gpu_kw(args), **win, **kw)), paged_args),
-      "pallas_contiguous": (with_scales(lambda q, k, v, lens, **kw: cache_attention(
+          **kw(sc)), paged_args),
+      "pallas_gpu_paged": (lambda q, k, v, t, lens, *sc: paged_attention_gpu(
+          q, k, v, t, lens, scale=h ** -0.5, **_gpu_kw(args), **win, **kw(sc)), paged_args),
+      "pallas_contiguous": (lambda q, k, v, lens, *sc: cache_attention(
           q, k, v, lens, implementation="pallas_tpu", num_splits=_tpu_splits(args), **win,
-          **kw)), cache_args),
+          **kw(sc)), cache_args),
   }
 
 
