@@ -352,6 +352,13 @@ def _rel(a, b):
   return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
+def _paged_decode(module, x, dtype, prefill: int):
+  """``module`` over ``x``: ``prefill`` tokens, then one at a time, through a paged cache of
+  ``dtype`` (2 sequences, pages of 2)."""
+  cache = module.init_paged_cache(2, num_pages=8, page_size=2, max_pages_per_seq=4, dtype=dtype)
+  return prefill_then_decode(_step, module, cache, x, prefill)
+
+
 def test_mla_module_int8_paged_cache_close_to_float_cache():
   """Prefill 4 tokens, decode 3, with an int8 latent cache and with a fp32 one.  Per-token
   absmax INT8 rounds each latent entry by at most ``amax / 254``; the RMS-normed latents' amax is
@@ -361,14 +368,8 @@ def test_mla_module_int8_paged_cache_close_to_float_cache():
   same int8 cache equals the XLA path."""
   module = random_module(lambda: MLA(D, 4, mode="absorbed", rngs=nnx.Rngs(0), **MLA_DIMS))
   x = _x(7)
-
-  def run(dtype):
-    cache = module.init_paged_cache(2, num_pages=8, page_size=2, max_pages_per_seq=4,
-                                    dtype=dtype)
-    return prefill_then_decode(_step, module, cache, x, 4)
-
-  ref, _ = run(jnp.float32)
-  got, cache = run(jnp.int8)
+  ref, _ = _paged_decode(module, x, jnp.float32, 4)
+  got, cache = _paged_decode(module, x, jnp.int8, 4)
   assert cache.quantized and cache.c_kv_pool.dtype == jnp.int8
   assert cache.k_rope_pool.dtype == jnp.float32                       # the compute dtype
   assert np.isfinite(np.asarray(got)).all()
@@ -404,14 +405,8 @@ def test_dsa_sparse_decode_on_an_fp8_latent_cache():
                                      index_rope_dim=4, index_topk=3, index_quant="int8",
                                      attention_mode="sparse", rngs=nnx.Rngs(0), **kw))
   x = _x(5, seed=2)
-
-  def run(dtype):
-    cache = module.init_paged_cache(2, num_pages=8, page_size=2, max_pages_per_seq=4,
-                                    dtype=dtype)
-    return prefill_then_decode(_step, module, cache, x, 3)
-
-  ref, _ = run(jnp.float32)
-  got, cache = run(jnp.float8_e4m3fn)
+  ref, _ = _paged_decode(module, x, jnp.float32, 3)
+  got, cache = _paged_decode(module, x, jnp.float8_e4m3fn, 3)
   assert cache.quantized and cache.k_rope_pool.dtype == jnp.float32
   assert np.isfinite(np.asarray(got)).all()
   assert 0 < _rel(got, ref) < 1e-1
