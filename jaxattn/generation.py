@@ -75,9 +75,24 @@ def sample_logits(logits: Float[Array, "B V"], key, *, temperature: float = 0.0,
   if jnp.ndim(logits) != 2:
     raise ValueError(f"`logits` must be [B, V] (the last position of each sequence), got shape "
                      f"{jnp.shape(logits)}.")
-  logits = logits.astype(jnp.float32)
   if temperature == 0.0:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
+  logits = filtered_logits(logits, temperature=temperature, top_p=top_p, top_k=top_k)
+  return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def filtered_logits(logits: Float[Array, "... V"], *, temperature: float, top_p: float = 1.0,
+                    top_k: int = 0) -> Float[Array, "... V"]:
+  """The fp32 logits ``sample_logits`` draws from at ``temperature > 0`` (over the last axis):
+  divided by the temperature, tokens outside the top-k and then outside the nucleus at -inf.
+  ``softmax`` of them is the sampling distribution (speculative decoding compares the target's
+  and the draft's)."""
+  check_sampling(temperature, top_p, top_k)
+  if not temperature > 0:
+    raise ValueError(f"`temperature` must be > 0 here (0 is greedy: no distribution), got "
+                     f"{temperature!r}.")
+  shape = jnp.shape(logits)
+  logits = jnp.reshape(logits, (-1, shape[-1])).astype(jnp.float32)
   # Shifted by the row maximum first (softmax is shift-invariant), the maximum kept at 0: a tiny
   # temperature then sends the other tokens to -inf, not the logits to inf / NaN (a subnormal
   # one flushes to 0: 0 / 0); that sampled token 0.
@@ -96,7 +111,7 @@ def sample_logits(logits: Float[Array, "B V"], key, *, temperature: float = 0.0,
     keep = jnp.zeros_like(keep_sorted).at[
         jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
     logits = jnp.where(keep, logits, -jnp.inf)
-  return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+  return jnp.reshape(logits, shape)
 
 
 def token_key(seed, index):
@@ -214,7 +229,7 @@ def generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_tokens: int, *
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
              max_len: int | None = None, eos_id: int | None = None,
              on_token: Callable[[np.ndarray], None] | None = None,
-             cache_dtype=None) -> np.ndarray:
+             cache_dtype=None, draft=None, num_draft_tokens: int = 4) -> np.ndarray:
   """``prompt [B, T]`` (equal lengths) -> ``[B, T + n]`` token ids, ``n <= max_new_tokens``.
 
   Prefill runs the prompt through ``model`` with a fresh cache of ``max_len`` slots (default:
@@ -226,7 +241,18 @@ def generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_tokens: int, *
   and generation stops when every sequence has finished.  ``cache_dtype``: the KV cache's dtype
   (None: the model's compute dtype); ``jnp.int8`` or ``jnp.float8_e4m3fn`` quantize keys and
   values (a scale per token and KV head), about half the bytes of a bf16 cache.
+
+  ``draft``: speculative decoding (``jaxattn.speculative.speculative_generate``, whose statistics
+  this drops): a smaller ``DecoderLM`` of the same vocabulary or ``"ngram"`` (prompt lookup)
+  proposes ``num_draft_tokens`` tokens that the model checks in one call.  Greedy output is the
+  same; sampled output has the same distribution (other draws).
   """
+  if draft is not None:
+    from jaxattn.speculative import speculative_generate
+    return speculative_generate(model, prompt, max_new_tokens, draft=draft,
+                                num_draft_tokens=num_draft_tokens, temperature=temperature,
+                                top_p=top_p, top_k=top_k, seed=seed, max_len=max_len,
+                                eos_id=eos_id, on_token=on_token, cache_dtype=cache_dtype)[0]
   check_sampling(temperature, top_p, top_k)
   _check(model, prompt, max_new_tokens, max_len, eos_id)
   if not is_int(seed):

@@ -1,0 +1,374 @@
+"""Speculative decoding: a cheap draft proposes ``k`` tokens, the model checks them in one call.
+
+    out, stats = speculative_generate(model, prompt, 128, draft=small_model, num_draft_tokens=4)
+    out, stats = speculative_generate(model, prompt, 128, draft="ngram")   # prompt lookup
+    out = generate(model, prompt, 128, draft="ngram")                     # the same, tokens only
+
+Each round the draft proposes ``d_1 .. d_k`` after the last token ``x_n``; the model runs
+``[x_n, d_1, .., d_k]`` through its cache as one chunk (``k + 1`` positions, one call: decode is
+memory-bound, so this costs about what one token does) and keeps the longest prefix of drafts it
+agrees with, plus one token of its own: between 1 and ``k + 1`` tokens per call.  The caches are
+then rewound to the kept tokens (``rewind_cache``: a contiguous cache's slots past its index are
+masked, so rewinding is setting the index).
+
+* Greedy (``temperature == 0``): a draft is kept while it equals the model's argmax; the output is
+  exactly ``generate``'s (the same argmaxes, computed over chunks).
+* Sampling: speculative sampling (Leviathan et al. 2023; Chen et al. 2023).  Draft ``d_j`` drawn
+  from the draft's distribution ``q_j`` is kept with probability ``min(1, p_j(d_j) / q_j(d_j))``,
+  ``p_j`` the model's; at the first rejection a token is drawn from ``max(p_j - q_j, 0)``
+  (normalized), and after ``k`` kept drafts from ``p_{k+1}``.  Every emitted token is then
+  distributed exactly as sampling the model alone (``p`` and ``q`` are the temperature / top-k /
+  top-p filtered distributions ``generate`` samples from), whatever the draft; a better draft only
+  keeps more tokens per call.  The tokens differ from ``generate``'s with the same seed (other
+  random numbers), their distribution does not.
+
+Drafts: a ``DecoderLM`` with the same vocabulary (a smaller model; it keeps a cache of its own,
+rewound with the model's), or ``"ngram"``: prompt lookup, no model at all: the last ``ngram_size``
+tokens (down to 1) are looked up in the sequence so far and the tokens that followed their latest
+earlier occurrence are proposed (repeating with that period where they run into the present);
+strong where the output copies its input (code edits, extraction, summaries with quotes).
+
+Rows of a batch advance together: a round keeps the fewest tokens any unfinished row agreed on (a
+row that agreed on more gets its own next token from that shorter prefix, which is still exact),
+so batches of unlike sequences gain less than batch 1.  Models with a recurrent state (Gated
+DeltaNet layers) cannot be rewound by an index and are refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from jaxattn.cache import KVCache
+from jaxattn.checks import is_int
+from jaxattn.dsa_cache import DSACache
+from jaxattn.generation import _check, check_sampling, filtered_logits, token_key
+from jaxattn.mla_cache import LatentCache
+from jaxattn.nn.model import DecoderLM, ModelCache
+from jaxattn.ops.quantization import check_cache_dtype
+
+_CACHE_TYPES = (KVCache, LatentCache, DSACache)
+
+
+@dataclasses.dataclass
+class SpeculativeStats:
+  """What the rounds of one ``speculative_generate`` call did.
+
+  ``rounds``: model calls after the prefill (each verifies ``num_draft_tokens`` drafts);
+  ``drafted`` / ``accepted``: drafts proposed / kept (rows advance together: a round's kept count
+  is the smallest over unfinished rows); ``emitted``: tokens generated after the prefill's first.
+  """
+
+  rounds: int = 0
+  drafted: int = 0
+  accepted: int = 0
+  emitted: int = 0
+
+  @property
+  def acceptance_rate(self) -> float:
+    """Kept drafts / proposed drafts."""
+    return self.accepted / self.drafted if self.drafted else 0.0
+
+  @property
+  def tokens_per_call(self) -> float:
+    """Tokens generated per model call after the prefill (1.0 without speculation)."""
+    return self.emitted / self.rounds if self.rounds else 0.0
+
+
+def rewind_cache(cache: ModelCache, index: Int[Array, ""]) -> ModelCache:
+  """``cache`` holding its first ``index`` positions only (``index`` <= what it holds): every
+  layer's index set back.  The slots past it keep their contents, masked as any slot past the
+  index is, and are overwritten by the next call.  Raises ``ValueError`` for caches that an index
+  cannot rewind (a Gated DeltaNet state, a ring buffer)."""
+  if not isinstance(cache, ModelCache):
+    raise ValueError(f"`cache` must be a ModelCache (DecoderLM.init_cache), got "
+                     f"{type(cache).__name__}.")
+
+  def one(c):
+    if isinstance(c, DSACache):
+      return dataclasses.replace(c, latent=one(c.latent))
+    if isinstance(c, (KVCache, LatentCache)):
+      return dataclasses.replace(c, index=jnp.full_like(c.index, index))
+    raise ValueError(f"speculative decoding rewinds the cache to the kept tokens; a "
+                     f"{type(c).__name__} cannot be rewound by its index (only KVCache, "
+                     f"LatentCache and DSACache can).")
+
+  groups = tuple(tuple(one(c) for c in group) for group in cache.groups)
+  return ModelCache(groups, jnp.asarray(index, jnp.int32))
+
+
+def check_rewindable(model: DecoderLM, where: str) -> None:
+  """Raises ``ValueError`` unless ``model``'s decode cache can be rewound (``rewind_cache``)."""
+  abstract = jax.eval_shape(lambda: model.init_cache(1, 8))
+  for group in abstract.groups:
+    for c in group:
+      if not isinstance(c, _CACHE_TYPES):
+        raise ValueError(f"{where}: the model has layers whose decode state is a "
+                         f"{type(c).__name__} (a recurrent state, not a cache of positions); it "
+                         f"cannot be rewound to the kept tokens, so speculative decoding is not "
+                         f"available for it.")
+
+
+def _leading_true(accept: Array) -> Int[Array, "B"]:
+  """How many leading entries of each row of ``accept [B, k]`` are True."""
+  return jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
+
+
+def speculative_accept(logits: Float[Array, "B k1 V"], drafts: Int[Array, "B k"],
+                       draft_probs: Float[Array, "B k V"] | None, key, *,
+                       temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0
+                       ) -> tuple[Int[Array, "B k1"], Int[Array, "B"]]:
+  """The model's verdict on ``k`` drafted tokens: ``(tokens [B, k + 1], accepted [B])``.
+
+  ``logits [B, k + 1, V]``: the model's at ``[x_n, d_1, .., d_k]`` (position ``j`` predicts the
+  token after ``d_j``); ``draft_probs [B, k, V]``: the distributions the drafts were drawn from
+  (filtered as here; one-hot for a deterministic draft; unused when greedy).  ``accepted[b]``
+  drafts are kept; ``tokens[b, :accepted[b]]`` are those drafts and ``tokens[b, accepted[b]]``
+  the model's own next token (see the module docstring); later entries are the drafts, which a
+  caller keeping fewer tokens than ``accepted[b] + 1`` may emit (a kept draft is a valid token).
+  """
+  check_sampling(temperature, top_p, top_k)
+  b, k1, v = logits.shape
+  k = k1 - 1
+  if drafts.shape != (b, k):
+    raise ValueError(f"`drafts` must be [B={b}, k={k}] (one fewer than the logits' positions), "
+                     f"got shape {drafts.shape}.")
+  if temperature == 0.0:
+    best = jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
+    return best, _leading_true(drafts == best[:, :k])
+  if draft_probs is None or draft_probs.shape != (b, k, v):
+    raise ValueError(f"`draft_probs` must be [B={b}, k={k}, V={v}] when sampling, got "
+                     f"{None if draft_probs is None else draft_probs.shape}.")
+  p = jax.nn.softmax(filtered_logits(logits, temperature=temperature, top_p=top_p, top_k=top_k),
+                     axis=-1)
+  q = draft_probs.astype(jnp.float32)
+  pick = lambda dist: jnp.take_along_axis(dist, drafts[..., None], axis=-1)[..., 0]  # noqa: E731
+  key_u, key_c = jax.random.split(key)
+  u = jax.random.uniform(key_u, (b, k))
+  accepted = _leading_true(u * pick(q) < pick(p[:, :k]))     # u < p(d) / q(d), q(d) > 0
+  residual = jnp.maximum(p[:, :k] - q, 0.0)
+  mass = jnp.sum(residual, axis=-1, keepdims=True)
+  # p == q leaves no residual mass; then no draft is ever rejected (u < 1), p is only a stand-in.
+  residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p[:, :k])
+  last = jnp.concatenate([residual, p[:, k:]], axis=1)          # [B, k + 1, V]
+  dist = jnp.take_along_axis(last, accepted[:, None, None], axis=1)[:, 0]
+  own = jax.random.categorical(key_c, jnp.log(dist), axis=-1).astype(jnp.int32)
+  tokens = jnp.concatenate([drafts, drafts[:, :1]], axis=1).astype(jnp.int32)
+  tokens = tokens.at[jnp.arange(b), accepted].set(own)
+  return tokens, accepted
+
+
+def ngram_propose(context: Int[Array, "B C"], n: Int[Array, ""], k: int,
+                  ngram_size: int = 3) -> Int[Array, "B k"]:
+  """Prompt-lookup drafts: ``context[:, :n + 1]`` is the sequence so far (``n`` the last
+  token's index, the same for every row).  For ``g = ngram_size .. 1`` the last ``g`` tokens are
+  looked for earlier in the sequence; at the first ``g`` found, the latest occurrence's
+  continuation is proposed, ``k`` tokens, repeating with the period that occurrence implies
+  where it reaches the present.  Rows with no match propose their last token ``k`` times."""
+  bsz, c = context.shape
+  pos = jnp.arange(c, dtype=jnp.int32)
+  padded = jnp.pad(context, ((0, 0), (0, ngram_size)), constant_values=-1)
+  start = jnp.full((bsz,), -1, jnp.int32)
+  for g in range(ngram_size, 0, -1):
+    tail = jax.lax.dynamic_slice_in_dim(padded, jnp.maximum(n + 1 - g, 0), g, axis=1)
+    match = jnp.ones((bsz, c), bool)
+    for s in range(g):
+      match &= padded[:, s:s + c] == tail[:, s:s + 1]
+    # an occurrence ending before the last token (its continuation is known), while the
+    # sequence is long enough to have a tail of g
+    match &= (pos + g <= n)[None, :] & (n + 1 >= g)
+    latest = jnp.max(jnp.where(match, pos[None, :], -1), axis=1)
+    start = jnp.where((start < 0) & (latest >= 0), latest + g, start)
+  found = start >= 0
+  period = jnp.where(found, n + 1 - start, 1)                 # >= 1 where found
+  j = jnp.arange(k, dtype=jnp.int32)[None, :]
+  at = jnp.where(found[:, None], start[:, None] + j % period[:, None], n)
+  return jnp.take_along_axis(context, jnp.clip(at, 0, c - 1), axis=1)
+
+
+def _draft_dist(logits, key, temperature, top_p, top_k):
+  """A draft token from the draft's last logits ``[B, V]`` and the distribution it came from."""
+  if temperature == 0.0:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+  f = filtered_logits(logits, temperature=temperature, top_p=top_p, top_k=top_k)
+  return (jax.random.categorical(key, f, axis=-1).astype(jnp.int32),
+          jax.nn.softmax(f, axis=-1))
+
+
+@functools.lru_cache(maxsize=16)
+def speculative_functions(graphdef, draft_graphdef, batch: int, max_len: int, k: int,
+                          vocab_size: int, *, ngram_size: int = 3, temperature: float = 0.0,
+                          top_p: float = 1.0, top_k: int = 0, cache_dtype=None):
+  """The jitted programs of ``speculative_generate`` (made once per structure and settings):
+
+  * ``prefill(state, draft_state, prompt [B, T], key) -> (first [B], cache, draft_cache)``;
+  * ``round(state, draft_state, cache, draft_cache, context [B, C], n, done [B], key)
+    -> (tokens [B, k + 1], kept, accepted [B], cache, draft_cache)``: ``context[:, :n + 1]`` the
+    sequence so far (the model's cache holds its first ``n``), ``kept + 1`` tokens of
+    ``tokens`` are emitted (``kept``: the fewest drafts an unfinished row kept), the model's
+    cache rewound to ``n + kept + 1`` positions.  The caches are donated.
+
+  ``draft_graphdef`` None: prompt-lookup drafts (``ngram_propose``).
+  """
+  settings = dict(temperature=temperature, top_p=top_p, top_k=top_k)
+
+  def merged(graph, state):
+    m = nnx.merge(graph, state)
+    m.eval()
+    return m
+
+  @jax.jit
+  def prefill(state, draft_state, prompt, key):
+    m = merged(graphdef, state)
+    logits, cache = m(prompt, cache=m.init_cache(batch, max_len, cache_dtype))
+    first = _draft_dist(logits[:, -1], key, **settings)[0]
+    draft_cache = None
+    if draft_graphdef is not None:
+      d = merged(draft_graphdef, draft_state)
+      _, draft_cache = d(prompt, cache=d.init_cache(batch, max_len, cache_dtype))
+    return first, cache, draft_cache
+
+  @functools.partial(jax.jit, donate_argnums=(2, 3))
+  def round_(state, draft_state, cache, draft_cache, context, n, done, key):
+    last = jax.lax.dynamic_slice_in_dim(context, n, 1, axis=1)[:, 0]
+    if draft_graphdef is None:
+      drafts = ngram_propose(context, n, k, ngram_size)
+      probs = jax.nn.one_hot(drafts, vocab_size, dtype=jnp.float32)
+    else:
+      d = merged(draft_graphdef, draft_state)
+      # The draft's cache holds x_0 .. x_{n-2} at least (it has not seen the last round's final
+      # kept draft when every draft was kept): it re-reads x_{n-1} with x_n, a fixed shape.
+      prev = jax.lax.dynamic_slice_in_dim(context, n - 1, 1, axis=1)[:, 0]
+      draft_cache = rewind_cache(draft_cache, n - 1)
+      logits, draft_cache = d(jnp.stack([prev, last], axis=1), cache=draft_cache)
+      drafts, probs = [], []
+      for j in range(k):
+        tok, q = _draft_dist(logits[:, -1], jax.random.fold_in(key, j), **settings)
+        drafts.append(tok)
+        probs.append(q)
+        if j + 1 < k:
+          logits, draft_cache = d(tok[:, None], cache=draft_cache)
+      drafts = jnp.stack(drafts, axis=1)
+      probs = None if temperature == 0.0 else jnp.stack(probs, axis=1)
+    m = merged(graphdef, state)
+    logits, cache = m(jnp.concatenate([last[:, None], drafts], axis=1), cache=cache)
+    tokens, accepted = speculative_accept(logits, drafts, probs, jax.random.fold_in(key, k),
+                                          **settings)
+    kept = jnp.min(jnp.where(done, k, accepted))
+    cache = rewind_cache(cache, n + kept + 1)    # (the draft's is rewound by the next round)
+    return tokens, kept, accepted, cache, draft_cache
+
+  return prefill, round_
+
+
+
+def speculative_generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_tokens: int, *,
+                         draft: DecoderLM | str = "ngram", num_draft_tokens: int = 4,
+                         ngram_size: int = 3, temperature: float = 0.0, top_p: float = 1.0,
+                         top_k: int = 0, seed: int = 0, max_len: int | None = None,
+                         eos_id: int | None = None,
+                         on_token: Callable[[np.ndarray], None] | None = None,
+                         cache_dtype=None) -> tuple[np.ndarray, SpeculativeStats]:
+  """``generate`` with speculative decoding (module docstring): ``(tokens [B, T + n], stats)``.
+
+  ``draft``: a ``DecoderLM`` with ``model``'s vocabulary, or ``"ngram"`` (prompt lookup, the
+  last ``ngram_size`` tokens down to 1); ``num_draft_tokens`` (``k``) drafts per round.  The other
+  arguments are ``generate``'s: greedy output equals ``generate``'s token for token; sampled
+  output has its distribution.  ``max_len`` (default: ``T + max_new_tokens + k`` rounded up to
+  128) must leave room for a round's ``k + 1`` positions past the last kept token.
+  ``on_token`` receives each emitted ``[B]`` array in order.
+  """
+  check_sampling(temperature, top_p, top_k)
+  _check(model, prompt, max_new_tokens, None, eos_id)
+  where = "speculative_generate"
+  if not is_int(seed):
+    raise ValueError(f"`seed` must be an int, got {seed!r}.")
+  if not is_int(num_draft_tokens) or not 1 <= num_draft_tokens <= 64:
+    raise ValueError(f"`num_draft_tokens` must be an int in [1, 64], got {num_draft_tokens!r}.")
+  if not is_int(ngram_size) or ngram_size < 1:
+    raise ValueError(f"`ngram_size` must be an int >= 1, got {ngram_size!r}.")
+  if isinstance(draft, str):
+    if draft != "ngram":
+      raise ValueError(f"`draft` must be a DecoderLM or 'ngram' (prompt lookup), got {draft!r}.")
+  elif isinstance(draft, DecoderLM):
+    if draft.config.vocab_size != model.config.vocab_size:
+      raise ValueError(f"`draft`'s vocab_size ({draft.config.vocab_size}) must equal the "
+                       f"model's ({model.config.vocab_size}): drafts are the model's tokens.")
+    check_rewindable(draft, f"{where} (draft)")
+  else:
+    raise ValueError(f"`draft` must be a DecoderLM or 'ngram' (prompt lookup), got "
+                     f"{type(draft).__name__}.")
+  check_rewindable(model, where)
+  prompt = np.asarray(prompt).astype(np.int32)
+  b, t = prompt.shape
+  k, max_new_tokens = int(num_draft_tokens), int(max_new_tokens)
+  need = t + max_new_tokens + k
+  if max_len is None:
+    max_len = -(-need // 128) * 128
+  elif not is_int(max_len) or max_len < need:
+    raise ValueError(f"`max_len` must be an int >= prompt length + max_new_tokens + "
+                     f"num_draft_tokens = {need} (a round's drafts are cached before they are "
+                     f"checked), got {max_len!r}.")
+  cfg = model.config
+  if cfg.position == "learned" and need > cfg.max_seq_len:
+    raise ValueError(f"prompt length + max_new_tokens + num_draft_tokens = {need} exceeds the "
+                     f"learned position table (max_seq_len={cfg.max_seq_len}).")
+  quant = ({} if cache_dtype is None else
+           dict(cache_dtype=check_cache_dtype(cache_dtype, where, "cache_dtype")))
+  graphdef, state = nnx.split(model)
+  draft_graphdef, draft_state = (None, None) if isinstance(draft, str) else nnx.split(draft)
+  prefill, round_ = speculative_functions(
+      graphdef, draft_graphdef, b, int(max_len), k, cfg.vocab_size, ngram_size=int(ngram_size),
+      temperature=float(temperature), top_p=float(top_p), top_k=int(top_k), **quant)
+  stats = SpeculativeStats()
+  if max_new_tokens == 0:
+    return prompt, stats
+  # the sequence so far on the device (prompt lookup reads it), with room for a whole round
+  context = np.zeros((b, max_len + k + 1), np.int32)
+  context[:, :t] = prompt
+  out, done = [prompt], np.zeros((b,), bool)
+
+  def emit(tokens: np.ndarray) -> bool:
+    """Appends ``tokens [B, m]`` one position at a time; True once generation is over."""
+    nonlocal done
+    for col in tokens.T:
+      col = col.astype(np.int32)
+      if eos_id is not None:
+        col = np.where(done, eos_id, col).astype(np.int32)
+      out.append(col[:, None])
+      if on_token is not None:
+        on_token(col)
+      if eos_id is not None:
+        done = done | (col == eos_id)
+      if len(out) - 1 == max_new_tokens or done.all():
+        return True
+    return False
+
+  first, cache, draft_cache = prefill(state, draft_state, jnp.asarray(prompt),
+                                      token_key(seed, 0))
+  first = np.asarray(first)
+  finished = emit(first[:, None])
+  n = t                                     # the last token's index (the cache holds n)
+  context[:, n] = out[-1][:, 0]
+  while not finished:
+    tokens, kept, _, cache, draft_cache = round_(
+        state, draft_state, cache, draft_cache, jnp.asarray(context), jnp.int32(n),
+        jnp.asarray(done), token_key(seed, len(out) - 1))
+    kept = int(kept)
+    tokens = np.asarray(tokens)[:, :kept + 1]
+    stats.rounds += 1
+    stats.drafted += k
+    stats.accepted += kept
+    before = len(out)
+    finished = emit(tokens)
+    stats.emitted += len(out) - before
+    context[:, n + 1:n + 1 + tokens.shape[1]] = tokens
+    n += tokens.shape[1]
+  return np.concatenate(out, axis=1), stats
