@@ -165,32 +165,22 @@ def speculative_accept(logits: Float[Array, "B k1 V"], drafts: Int[Array, "B k"]
   return tokens, accepted
 
 
-def ngram_propose(context: Int[Array, "B C"], n: Int[Array, ""], k: int,
-                  ngram_size: int = 3) -> Int[Array, "B k"]:
-  """Prompt-lookup drafts: ``context[:, :n + 1]`` is the sequence so far (``n`` the last
-  token's index, the same for every row).  For ``g = ngram_size .. 1`` the last ``g`` tokens are
-  looked for earlier in the sequence; at the first ``g`` found, the latest occurrence's
-  continuation is proposed, ``k`` tokens, repeating with the period that occurrence implies
-  where it reaches the present.  Rows with no match propose their last token ``k`` times."""
-  bsz, c = context.shape
-  pos = jnp.arange(c, dtype=jnp.int32)
-  padded = jnp.pad(context, ((0, 0), (0, ngram_size)), constant_values=-1)
-  start = jnp.full((bsz,), -1, jnp.int32)
-  for g in range(ngram_size, 0, -1):
-    tail = jax.lax.dynamic_slice_in_dim(padded, jnp.maximum(n + 1 - g, 0), g, axis=1)
-    match = jnp.ones((bsz, c), bool)
-    for s in range(g):
-      match &= padded[:, s:s + c] == tail[:, s:s + 1]
-    # an occurrence ending before the last token (its continuation is known), while the
-    # sequence is long enough to have a tail of g
-    match &= (pos + g <= n)[None, :] & (n + 1 >= g)
-    latest = jnp.max(jnp.where(match, pos[None, :], -1), axis=1)
-    start = jnp.where((start < 0) & (latest >= 0), latest + g, start)
-  found = start >= 0
-  period = jnp.where(found, n + 1 - start, 1)                 # >= 1 where found
-  j = jnp.arange(k, dtype=jnp.int32)[None, :]
-  at = jnp.where(found[:, None], start[:, None] + j % period[:, None], n)
-  return jnp.take_along_axis(context, jnp.clip(at, 0, c - 1), axis=1)
+def ngram_propose(tokens, k: int, ngram_size: int = 3) -> np.ndarray:
+  """Prompt-lookup drafts for one sequence ``tokens [n + 1]`` (host side, numpy): for ``g =
+  ngram_size .. 1`` its last ``g`` tokens are looked for earlier in it; at the first ``g``
+  found, the latest occurrence's continuation is proposed, ``k`` tokens, repeating with the
+  period that occurrence implies where it reaches the present.  With no match, the last token
+  ``k`` times.  Returns ``[k]`` int32."""
+  tokens = np.asarray(tokens, np.int32).reshape(-1)
+  n = tokens.size - 1
+  for g in range(min(ngram_size, n), 0, -1):
+    # windows starting at 0 .. n - g: occurrences ending before the last token
+    windows = np.lib.stride_tricks.sliding_window_view(tokens[:n], g)
+    hits = np.flatnonzero((windows == tokens[n + 1 - g:]).all(axis=1))
+    if hits.size:
+      start = int(hits[-1]) + g
+      return tokens[start + np.arange(k) % (n + 1 - start)]
+  return np.full((k,), tokens[-1], np.int32)
 
 
 def _draft_dist(logits, key, temperature, top_p, top_k):
@@ -204,18 +194,19 @@ def _draft_dist(logits, key, temperature, top_p, top_k):
 
 @functools.lru_cache(maxsize=16)
 def speculative_functions(graphdef, draft_graphdef, batch: int, max_len: int, k: int,
-                          vocab_size: int, *, ngram_size: int = 3, temperature: float = 0.0,
+                          vocab_size: int, *, temperature: float = 0.0,
                           top_p: float = 1.0, top_k: int = 0, cache_dtype=None):
   """The jitted programs of ``speculative_generate`` (made once per structure and settings):
 
   * ``prefill(state, draft_state, prompt [B, T], key) -> (first [B], cache, draft_cache)``;
-  * ``round(state, draft_state, cache, draft_cache, context [B, C], n, done [B], key)
-    -> (tokens [B, k + 1], kept, accepted [B], cache, draft_cache)``: ``context[:, :n + 1]`` the
-    sequence so far (the model's cache holds its first ``n``), ``kept + 1`` tokens of
+  * ``round(state, draft_state, cache, draft_cache, context [B, C], n, drafts [B, k], done [B],
+    key) -> (tokens [B, k + 1], kept, accepted [B], cache, draft_cache)``: ``context[:, :n + 1]``
+    the sequence so far (the model's cache holds its first ``n``), ``drafts`` the prompt-lookup
+    drafts (unused with a draft model, which drafts here), ``kept + 1`` tokens of
     ``tokens`` are emitted (``kept``: the fewest drafts an unfinished row kept), the model's
     cache rewound to ``n + kept + 1`` positions.  The caches are donated.
 
-  ``draft_graphdef`` None: prompt-lookup drafts (``ngram_propose``).
+  ``draft_graphdef`` None: prompt-lookup drafts (``ngram_propose``, made on the host).
   """
   settings = dict(temperature=temperature, top_p=top_p, top_k=top_k)
 
@@ -236,10 +227,9 @@ def speculative_functions(graphdef, draft_graphdef, batch: int, max_len: int, k:
     return first, cache, draft_cache
 
   @functools.partial(jax.jit, donate_argnums=(2, 3))
-  def round_(state, draft_state, cache, draft_cache, context, n, done, key):
+  def round_(state, draft_state, cache, draft_cache, context, n, drafts, done, key):
     last = jax.lax.dynamic_slice_in_dim(context, n, 1, axis=1)[:, 0]
     if draft_graphdef is None:
-      drafts = ngram_propose(context, n, k, ngram_size)
       probs = jax.nn.one_hot(drafts, vocab_size, dtype=jnp.float32)
     else:
       d = merged(draft_graphdef, draft_state)
@@ -325,7 +315,7 @@ def speculative_generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_to
   graphdef, state = nnx.split(model)
   draft_graphdef, draft_state = (None, None) if isinstance(draft, str) else nnx.split(draft)
   prefill, round_ = speculative_functions(
-      graphdef, draft_graphdef, b, int(max_len), k, cfg.vocab_size, ngram_size=int(ngram_size),
+      graphdef, draft_graphdef, b, int(max_len), k, cfg.vocab_size,
       temperature=float(temperature), top_p=float(top_p), top_k=int(top_k), **quant)
   stats = SpeculativeStats()
   if max_new_tokens == 0:
@@ -357,10 +347,13 @@ def speculative_generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_to
   finished = emit(first[:, None])
   n = t                                     # the last token's index (the cache holds n)
   context[:, n] = out[-1][:, 0]
+  drafts = np.zeros((b, k), np.int32)
   while not finished:
+    if draft_graphdef is None:
+      drafts = np.stack([ngram_propose(row[:n + 1], k, ngram_size) for row in context])
     tokens, kept, _, cache, draft_cache = round_(
         state, draft_state, cache, draft_cache, jnp.asarray(context), jnp.int32(n),
-        jnp.asarray(done), token_key(seed, len(out) - 1))
+        jnp.asarray(drafts), jnp.asarray(done), token_key(seed, len(out) - 1))
     kept = int(kept)
     tokens = np.asarray(tokens)[:, :kept + 1]
     stats.rounds += 1

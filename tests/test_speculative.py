@@ -121,19 +121,18 @@ def test_greedy_accept_keeps_the_agreeing_prefix():
 
 
 def test_ngram_propose_finds_the_latest_occurrence_and_repeats_its_period():
-  ctx = lambda *rows: jnp.array([r + [0] * (12 - len(r)) for r in rows], jnp.int32)  # noqa: E731
+  def propose(seq, k, g):
+    return ngram_propose(np.array(seq), k, g).tolist()
   # "1 2" occurred at 0: continue "3 4 1 2" and repeat (period 4)
-  out = ngram_propose(ctx([1, 2, 3, 4, 1, 2]), jnp.int32(5), 6, ngram_size=3)
-  assert np.asarray(out).tolist() == [[3, 4, 1, 2, 3, 4]]
+  assert propose([1, 2, 3, 4, 1, 2], 6, 3) == [3, 4, 1, 2, 3, 4]
   # the latest of two occurrences of "1 2" (at 3), continued "8 1 2 8"
-  out = ngram_propose(ctx([1, 2, 9, 1, 2, 8, 1, 2]), jnp.int32(7), 4, ngram_size=2)
-  assert np.asarray(out).tolist() == [[8, 1, 2, 8]]
+  assert propose([1, 2, 9, 1, 2, 8, 1, 2], 4, 2) == [8, 1, 2, 8]
   # a longer n-gram first: "8 1 2" at 0, though "1 2" occurs later
-  out = ngram_propose(ctx([8, 1, 2, 5, 9, 1, 2, 8, 1, 2]), jnp.int32(9), 2, ngram_size=3)
-  assert np.asarray(out).tolist() == [[5, 9]]
-  # row 0: nothing to find (too short for a 3-gram): its last token repeated; row 1: "4" found
-  out = ngram_propose(ctx([5, 6, 7], [4, 4, 0]), jnp.int32(1), 3, ngram_size=3)
-  assert np.asarray(out).tolist() == [[6, 6, 6], [4, 4, 4]]
+  assert propose([8, 1, 2, 5, 9, 1, 2, 8, 1, 2], 2, 3) == [5, 9]
+  # nothing to find (too short for a 3-gram, no earlier "6"): the last token repeated
+  assert propose([5, 6], 3, 3) == [6, 6, 6]
+  assert propose([4, 4], 3, 3) == [4, 4, 4]       # "4" found at 0, period 1
+  assert propose([7], 2, 3) == [7, 7]
 
 
 def test_refused(llama, small_draft):
