@@ -16,6 +16,13 @@ Generation stops early at the end-of-sequence token: by default the tokenizer's 
 EOS that ``experiments.train`` appends to every document, or the Hugging Face tokenizer's
 ``eos_token_id``); ``--eos-id N`` names another, ``--eos-id -1`` never stops early.
 ``--cache-dtype int8`` (or ``float8_e4m3fn``) decodes from a quantized KV cache.
+
+``--draft ngram`` (prompt lookup) or ``--draft RUN`` (an ``experiments.train`` output whose model,
+of the same vocabulary, drafts) decodes speculatively (``jaxattn.speculative``): the draft
+proposes ``--num-draft-tokens`` tokens that the model checks in one call.  Greedy text is the
+same as without it; sampled text has the same distribution (other draws).  The acceptance rate
+and tokens per model call are printed after the text, to stderr.  Arguments the library refuses
+(a draft of another vocabulary, say) stop the script with its message, as the flags' errors do.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from flax import nnx
 
 from jaxattn.generation import TextStream, generate
 from jaxattn.nn.model import DecoderLM, ModelConfig
+from jaxattn.speculative import speculative_generate
 from jaxattn.train.checkpoint import Checkpointer
 from jaxattn.train.data import ByteTokenizer
 from jaxattn.train.step import init_train_state, make_optimizer
@@ -106,6 +114,11 @@ def main(argv=None) -> int:
   p.add_argument("--eos-id", type=int, default=None,
                  help="stop a sequence at this token id (default: the tokenizer's end-of-sequence "
                       "id; -1: never stop early)")
+  p.add_argument("--draft", default=None,
+                 help="speculative decoding: 'ngram' (prompt lookup) or an experiments.train "
+                      "output directory whose model drafts")
+  p.add_argument("--num-draft-tokens", type=int, default=None,
+                 help="with --draft: tokens drafted per model call (default 4)")
   args = p.parse_args(argv)
   # Checked before loading anything, as argparse errors naming the flag (not a traceback).
   if not (math.isfinite(args.temperature) and args.temperature >= 0):
@@ -124,6 +137,13 @@ def main(argv=None) -> int:
       prompt_ids = [int(t) for t in args.prompt_ids.split(",")]
     except ValueError:
       p.error(f"argument --prompt-ids: must be comma-separated ints, got {args.prompt_ids!r}")
+  if args.draft is not None and args.draft != "ngram" and not (
+      pathlib.Path(args.draft) / "config.json").exists():
+    p.error(f"argument --draft: must be 'ngram' or an experiments.train output directory (with "
+            f"config.json and checkpoints/), got {args.draft!r}")
+  if args.num_draft_tokens is not None and args.draft is None:
+    p.error("argument --num-draft-tokens: needs --draft")
+  num_draft_tokens = 4 if args.num_draft_tokens is None else args.num_draft_tokens
 
   if args.run:
     model, step = load_run(args.run, args.step)
@@ -131,6 +151,10 @@ def main(argv=None) -> int:
   else:
     from jaxattn.convert import load_checkpoint
     model = load_checkpoint(args.checkpoint)
+  draft = args.draft
+  if draft is not None and draft != "ngram":
+    draft, draft_step = load_run(args.draft)
+    print(f"loaded draft {args.draft} at step {draft_step}", file=sys.stderr)
   encode, decode, eos_id = _text_codec(args, model.config.vocab_size)
   if args.eos_id is not None:
     eos_id = None if args.eos_id == -1 else args.eos_id
@@ -147,15 +171,34 @@ def main(argv=None) -> int:
   else:
     text = TextStream(decode)   # whole characters, and the tokenizer's spacing
     show = lambda ids: print(text.feed(ids[:1]), end="", flush=True)
+  shown = []
+  stream = lambda ids: shown.append(1) or show(ids)
+  settings = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                  seed=args.seed, eos_id=eos_id, on_token=stream, cache_dtype=args.cache_dtype)
   t0 = time.perf_counter()
-  out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature,
-                 top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=eos_id,
-                 on_token=show, cache_dtype=args.cache_dtype)
+  try:
+    if draft is None:
+      out, stats = generate(model, prompt, args.max_new_tokens, **settings), None
+    else:
+      out, stats = speculative_generate(model, prompt, args.max_new_tokens, draft=draft,
+                                        num_draft_tokens=num_draft_tokens, **settings)
+  except ValueError as e:
+    if shown:       # refused mid-generation: not a usage error
+      raise
+    # The library checks its arguments before generating anything: its message, as a usage error.
+    print(file=sys.stderr)
+    p.error(str(e))
   dt = time.perf_counter() - t0
   if decode is not None:
     print(text.flush(), end="")
   n = out.shape[1] - prompt.shape[1]
   print(f"\n[{n} tokens in {dt:.2f} s incl. compile]", file=sys.stderr)
+  if stats is not None:
+    name = "ngram" if args.draft == "ngram" else f"draft {args.draft}"
+    print(f"[speculative ({name}, {num_draft_tokens} drafts per call): acceptance "
+          f"{stats.acceptance_rate:.1%} ({stats.accepted}/{stats.drafted}), "
+          f"{stats.tokens_per_call:.2f} tokens per model call over {stats.rounds} calls after "
+          f"the prefill]", file=sys.stderr)
   return 0
 
 

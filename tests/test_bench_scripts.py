@@ -439,3 +439,57 @@ def test_decode_quantized_cache_rows(tmp_path):
   rows = {r["impl"]: r for r in _strict_load(tmp_path / "mla" / "results.json")["rows"]}
   assert list(rows) == ["contiguous", "xla_paged", "contiguous+int8", "xla_paged+int8"]
   assert rows["xla_paged+int8"]["cache_mb"] == pytest.approx(rows["xla_paged"]["cache_mb"] * 68 / 96)
+
+
+# ---------------------------------------------------------------------------------------------
+# bench_speculative
+# ---------------------------------------------------------------------------------------------
+
+SPECULATIVE_SMOKE = ["--smoke", "--prompts", "2", "--prompt-len", "16", "--new-tokens", "10",
+                     "--k", "2", "--repeats", "1"]
+
+
+def test_bench_speculative_rows_json_and_plot(tmp_path, capsys, monkeypatch):
+  """``--smoke`` (untrained tiny models): every row on the same prompts, the greedy ones equal to
+  ``generate``'s tokens, the statistics in range; a greedy mismatch is counted and fails the run
+  (exit status 1), never hidden."""
+  from experiments import bench_speculative
+  assert bench_speculative.main(SPECULATIVE_SMOKE + ["--out", str(tmp_path)]) == 0
+  saved = _strict_load(tmp_path / "results.json")
+  rows = {r["name"]: r for r in saved["rows"]}
+  assert list(rows) == ["generate (no draft)", "ngram k=2", "draft k=2",
+                        "generate (no draft) T=0.8", "draft k=4 T=0.8"]
+  assert saved["prompts"] == 2 and saved["greedy_mismatches"] == {}
+  for name, r in rows.items():
+    assert r["tokens_per_s"] > 0 and r["speedup"] > 0 and len(r["per_prompt"]) == 2, name
+    assert r["tokens_per_call"] >= 1, name
+    if r["temperature"] == 0:
+      assert r["mismatched_prompts"] == 0, name
+      assert all(p["tokens_equal_baseline"] for p in r["per_prompt"]), name
+    else:
+      assert r["mismatched_prompts"] is None, name
+    if r["draft"] is None:
+      assert r["acceptance_rate"] is None and r["tokens_per_call"] == 1.0, name
+    else:
+      assert 0 <= r["acceptance_rate"] <= 1 and r["tokens_per_call"] <= r["k"] + 1, name
+      assert r["drafted"] == r["k"] * r["rounds"] and r["emitted"] == 2 * (10 - 1), name
+  assert rows["generate (no draft)"]["speedup"] == 1.0
+  assert (tmp_path / "bench_speculative.png").stat().st_size > 0
+  out = capsys.readouterr().out
+  assert "ngram k=2" in out and "speed-up" in out and "ERROR" not in out
+  # A greedy row whose tokens differ from generate's: reported, and the exit status is 1.
+  real = bench_speculative.speculative_generate
+
+  def wrong(*args, **kwargs):
+    out, stats = real(*args, **kwargs)
+    out = out.copy()
+    out[:, -1] = (out[:, -1] + 1) % 259
+    return out, stats
+
+  monkeypatch.setattr(bench_speculative, "speculative_generate", wrong)
+  assert bench_speculative.main(SPECULATIVE_SMOKE + ["--temperature", "0", "--out",
+                                                     str(tmp_path / "bad")]) == 1
+  saved = _strict_load(tmp_path / "bad" / "results.json")
+  assert saved["greedy_mismatches"] == {"ngram k=2": 2, "draft k=2": 2}
+  out = capsys.readouterr().out
+  assert "NO 2/2" in out and "ERROR: greedy speculative output differs" in out

@@ -234,3 +234,59 @@ def test_bench_train_run_checks_its_counts_before_any_work(monkeypatch, kwargs, 
     bench_train.run(**{**dict(presets=["llama"], batch_size=2, seq_len=8, matmul_size=8,
                               steps=1, warmup=0), **kwargs})
   assert fragment in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# experiments.generate --draft (speculative decoding).
+# ---------------------------------------------------------------------------------------------
+
+def _untrained_run(out, **overrides):
+  """An ``experiments.train`` output without the training: ``config.json`` and a tiny llama's
+  initial train state as step 0, what ``experiments.generate.load_run`` reads."""
+  from flax import nnx
+
+  from jaxattn.configs import get_config
+  from jaxattn.nn.model import DecoderLM
+  from jaxattn.train.checkpoint import Checkpointer
+  from jaxattn.train.step import init_train_state, make_optimizer
+  cfg = get_config("llama", **{**dict(num_layers=1, embed_dim=32, mlp_dim=64), **overrides})
+  _, state = init_train_state(DecoderLM(cfg, rngs=nnx.Rngs(0)), make_optimizer())
+  out.mkdir(parents=True)
+  (out / "config.json").write_text(cfg.to_json())
+  ckpt = Checkpointer(out / "checkpoints")
+  ckpt.save(0, state, force=True)
+  ckpt.close()
+  return out
+
+
+def test_generate_draft_ngram_gives_the_same_greedy_text(tmp_path, capsys):
+  """``--draft ngram`` / ``--draft RUN``: the greedy text without the draft, and the
+  speculative statistics after it; a draft of another vocabulary, a draft that is no run and
+  ``--num-draft-tokens`` without ``--draft`` stop as usage errors (exit status 2) with the
+  library's / the flag's message."""
+  from experiments import generate as generate_cli
+  run = _untrained_run(tmp_path / "run", num_layers=2)
+  base = ["--run", str(run), "--prompt", "abcabcabc", "--max-new-tokens", "12", "--eos-id", "-1"]
+  assert generate_cli.main(base) == 0
+  plain = capsys.readouterr()
+  assert "speculative" not in plain.err
+  assert generate_cli.main(base + ["--draft", "ngram", "--num-draft-tokens", "3"]) == 0
+  spec = capsys.readouterr()
+  assert spec.out == plain.out and spec.out.startswith("abcabcabc")
+  assert "[speculative (ngram, 3 drafts per call): acceptance " in spec.err
+  assert "tokens per model call" in spec.err
+  draft = _untrained_run(tmp_path / "draft")
+  assert generate_cli.main(base + ["--draft", str(draft)]) == 0
+  spec = capsys.readouterr()
+  assert spec.out == plain.out and f"[speculative (draft {draft}, 4 drafts" in spec.err
+  other = _untrained_run(tmp_path / "other", vocab_size=300)
+  for argv, fragment in [
+      (["--draft", str(other)], "`draft`'s vocab_size (300) must equal the model's (259)"),
+      (["--draft", str(tmp_path)], "argument --draft: must be 'ngram' or an experiments.train"),
+      (["--num-draft-tokens", "2"], "argument --num-draft-tokens: needs --draft"),
+      (["--draft", "ngram", "--num-draft-tokens", "0"], "`num_draft_tokens` must be an int in"),
+  ]:
+    with pytest.raises(SystemExit) as e:
+      generate_cli.main(base + argv)
+    assert e.value.code == 2, argv
+    assert fragment in capsys.readouterr().err, argv

@@ -1,0 +1,343 @@
+"""Speculative decoding against plain decoding: a trained byte-level model continuing held-out
+text, greedy, with prompt-lookup (n-gram) drafts and with a smaller trained draft model.
+
+    python -m experiments.bench_speculative [--run runs/train] [--draft-run runs/draft]
+        [--train-steps 80] [--draft-layers 1] [--draft-width 64] [--prompts 8]
+        [--prompt-len 64] [--new-tokens 128] [--k 2,4,8] [--temperature 0.8] [--repeats 2]
+        [--out runs/bench_speculative] [--smoke]
+
+Models: ``--run`` is an ``experiments.train`` output (the newest checkpoint is loaded); without
+it llama-tiny (byte vocabulary, 4 layers of width 128) is trained first for ``--train-steps``
+(``experiments.train`` under ``--out/train``, resumed if it is there).  ``--draft-run`` likewise
+gives the draft; without it a smaller llama (``--draft-layers`` layers of width
+``--draft-width``, the same vocabulary, data and steps) is trained under ``--out/draft``.
+``--smoke`` uses two untrained tiny models instead (no training: a quick end-to-end check of the
+script, whose figures then mean nothing).
+
+Prompts: ``--prompts`` rows of ``--prompt-len`` tokens of the held-out documents (the training
+run's split, ``kv_quant_quality.held_out``: ``[BOS] + bytes`` cut into consecutive rows; only
+full-length rows, spread evenly over them), run one at a time: batch 1.  Speculation cuts the
+latency of one sequence; the rows of a batch advance together (a round keeps the fewest drafts
+any row agreed on), so a batch of unlike texts gains less.
+
+Rows, every one on the same prompts in the same process, ``--new-tokens`` tokens per prompt (no
+end-of-sequence stop, so every row generates the same count):
+
+* ``generate (no draft)``: ``jaxattn.generation.generate``, the baseline;
+* ``ngram k=K`` for each ``--k``: ``speculative_generate(draft="ngram", num_draft_tokens=K)``,
+  prompt lookup (no draft model);
+* ``draft k=K`` for each ``--k``: ``speculative_generate`` with the draft model;
+* at ``--temperature`` (0: none): ``generate (no draft) T=...`` and ``draft k=4 T=...``
+  (speculative sampling; its tokens legitimately differ from ``generate``'s, its distribution
+  does not), seed = the prompt's index.
+
+Every row's programs are compiled by a warm-up call before any timing; then each round runs every
+row on every prompt, interleaved (drift in the machine's speed hits every row alike), and each
+(row, prompt) keeps its best wall time over ``--repeats`` rounds.  Per row: tokens/s (new tokens
+over the summed wall time), speed-up (the baseline's summed wall time over the row's: the greedy
+baseline for greedy rows, the sampled one for sampled rows), acceptance rate (kept drafts /
+proposed drafts), tokens per call (tokens generated per model call after the prefill: 1 for
+``generate``, at most ``K + 1``), and whether the greedy output equals the baseline's token for
+token -- it must (``speculative_generate`` is exact when greedy); a mismatching prompt is counted,
+printed as an error and makes the exit status 1.  ``results.json`` holds every figure (per prompt
+too), ``bench_speculative.png`` plots tokens per call and speed-up against K.
+
+What the speed-up means.  On a 2-core CPU a tiny model's decode step is dominated by per-call
+overhead (dispatch, the host loop, many small kernels), not by its arithmetic: verifying ``K + 1``
+tokens in one call costs about one token's step, so the speed-up mostly reflects tokens per call,
+less what the drafting costs (nothing much for prompt lookup; ``K`` calls of the draft model per
+round, each a sizeable fraction of the model's step when both are tiny).  On an accelerator decode
+is memory-bound -- every step reads all the weights and the cache -- so a ``(K + 1)``-token verify
+also costs about one token's step, and a draft model a fraction of the model's size costs that
+fraction per drafted token: the speed-up approaches tokens per call as the draft gets cheaper.
+Neither case is large-model measurement; the tokens per call and acceptance are what carry over
+(for the same pair of models and text).  A model trained for a few dozen steps falls into loops
+when greedy ("the the the"), which prompt lookup feeds on: its acceptance here overstates what it
+gets on a capable model's text, which repeats its context mostly in copying tasks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from experiments.cli import at_least, int_list
+from experiments.kv_quant_quality import held_out
+from experiments.timing import error_text, write_json
+from jaxattn.generation import generate
+from jaxattn.speculative import speculative_generate
+
+BASELINE = "generate (no draft)"
+SAMPLE_K = 4            # the sampled draft row's drafts per round
+TRAIN_SEQ_LEN = 128     # rows of the models trained here
+
+
+def train_run(out: pathlib.Path, steps: int, overrides: tuple[str, ...] = ()) -> pathlib.Path:
+  """A byte-level llama-tiny trained by ``experiments.train`` (``overrides``: its ``--set``
+  items), resumed if ``out`` holds one."""
+  from experiments import train  # noqa: PLC0415
+  argv = ["--steps", str(steps), "--batch-size", "8", "--seq-len", str(TRAIN_SEQ_LEN),
+          "--warmup", str(max(1, steps // 8)), "--eval-every", "0", "--sample-tokens", "0",
+          "--save-every", str(steps), "--out", str(out)]
+  if overrides:
+    argv += ["--set", *overrides]
+  rc = train.main(argv)
+  if rc:
+    raise RuntimeError(f"experiments.train exited with {rc}")
+  return out
+
+
+def draft_overrides(layers: int, width: int) -> tuple[str, ...]:
+  """``--set`` items of the draft: ``layers`` layers of ``width`` (heads of 32, half as many KV
+  heads, an MLP of 3 x width)."""
+  heads = max(1, width // 32)
+  return (f"num_layers={layers}", f"embed_dim={width}", f"num_heads={heads}",
+          f"num_kv_heads={max(1, heads // 2)}", f"mlp_dim={3 * width}")
+
+
+def smoke_models():
+  """Two untrained tiny llamas (2 layers and 1 layer of width 32) with the byte vocabulary."""
+  from jaxattn.configs import get_config  # noqa: PLC0415
+  from jaxattn.nn.model import DecoderLM  # noqa: PLC0415
+  small = dict(embed_dim=32, mlp_dim=64, num_heads=2, num_kv_heads=1)
+  model = DecoderLM(get_config("llama", num_layers=2, **small), rngs=nnx.Rngs(0))
+  draft = DecoderLM(get_config("llama", num_layers=1, **small), rngs=nnx.Rngs(1))
+  return model, draft
+
+
+def num_params(model) -> int:
+  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def prompts_from_held_out(count: int, length: int) -> list[np.ndarray]:
+  """``count`` rows of exactly ``length`` held-out tokens, spread evenly over all such rows."""
+  rows = [r for r in held_out(1 << 30, length - 1) if r.size == length]
+  if not rows:
+    raise SystemExit(f"no held-out row has --prompt-len {length} tokens; choose a shorter one.")
+  pick = np.unique(np.linspace(0, len(rows) - 1, min(count, len(rows))).round().astype(int))
+  return [rows[i][None, :].astype(np.int32) for i in pick]
+
+
+def make_rows(ks: list[int], temperature: float) -> list[dict]:
+  """The rows measured: name, draft ("ngram", "model" or None), k, temperature, baseline."""
+  rows = [dict(name=BASELINE, draft=None, k=None, temperature=0.0, baseline=BASELINE)]
+  rows += [dict(name=f"ngram k={k}", draft="ngram", k=k, temperature=0.0, baseline=BASELINE)
+           for k in ks]
+  rows += [dict(name=f"draft k={k}", draft="model", k=k, temperature=0.0, baseline=BASELINE)
+           for k in ks]
+  if temperature > 0:
+    sampled = f"{BASELINE} T={temperature:g}"
+    rows += [dict(name=sampled, draft=None, k=None, temperature=temperature, baseline=sampled),
+             dict(name=f"draft k={SAMPLE_K} T={temperature:g}", draft="model", k=SAMPLE_K,
+                  temperature=temperature, baseline=sampled)]
+  return rows
+
+
+def run_row(row: dict, model, draft_model, prompt: np.ndarray, new_tokens: int, seed: int):
+  """``(tokens [1, T + n], SpeculativeStats or None, wall seconds)`` of one row on one prompt."""
+  t0 = time.perf_counter()
+  if row["draft"] is None:
+    out, stats = generate(model, prompt, new_tokens, temperature=row["temperature"],
+                          seed=seed), None
+  else:
+    out, stats = speculative_generate(
+        model, prompt, new_tokens, draft="ngram" if row["draft"] == "ngram" else draft_model,
+        num_draft_tokens=row["k"], temperature=row["temperature"], seed=seed)
+  return np.asarray(out), stats, time.perf_counter() - t0
+
+
+def measure(rows: list[dict], model, draft_model, prompts: list[np.ndarray], new_tokens: int,
+            repeats: int) -> list[dict]:
+  """Every row on every prompt (warm-up first, then ``repeats`` interleaved rounds): the
+  per-row results (module docstring)."""
+  for row in tqdm(rows, desc="compile"):
+    run_row(row, model, draft_model, prompts[0], new_tokens, 0)
+  best = {(r["name"], i): float("inf") for r in rows for i in range(len(prompts))}
+  outs, stats = {}, {}
+  bar = tqdm(total=repeats * len(prompts) * len(rows), desc="timing")
+  for _ in range(repeats):
+    for i, prompt in enumerate(prompts):
+      for row in rows:
+        seed = i if row["temperature"] > 0 else 0
+        out, st, sec = run_row(row, model, draft_model, prompt, new_tokens, seed)
+        key = (row["name"], i)
+        best[key] = min(best[key], sec)
+        outs[key], stats[key] = out, st
+        bar.update(1)
+  bar.close()
+  results = []
+  for row in rows:
+    per_prompt = []
+    for i in range(len(prompts)):
+      key = (row["name"], i)
+      st = stats[key]
+      equal = None
+      if row["temperature"] == 0:
+        equal = bool(np.array_equal(outs[key], outs[(BASELINE, i)]))
+      per_prompt.append(dict(
+          seconds=best[key], tokens_equal_baseline=equal,
+          rounds=None if st is None else st.rounds, drafted=None if st is None else st.drafted,
+          accepted=None if st is None else st.accepted,
+          emitted=None if st is None else st.emitted,
+          acceptance_rate=None if st is None else st.acceptance_rate,
+          tokens_per_call=1.0 if st is None else st.tokens_per_call))
+    seconds = sum(p["seconds"] for p in per_prompt)
+    total = {f: sum(p[f] for p in per_prompt) if row["draft"] else None
+             for f in ("rounds", "drafted", "accepted", "emitted")}
+    greedy = row["temperature"] == 0
+    results.append(dict(
+        name=row["name"], draft=row["draft"], k=row["k"], temperature=row["temperature"],
+        baseline=row["baseline"], seconds=seconds,
+        tokens_per_s=len(prompts) * new_tokens / seconds, **total,
+        acceptance_rate=(total["accepted"] / total["drafted"]
+                         if row["draft"] and total["drafted"] else None),
+        tokens_per_call=(total["emitted"] / total["rounds"]
+                         if row["draft"] and total["rounds"] else 1.0),
+        mismatched_prompts=(sum(not p["tokens_equal_baseline"] for p in per_prompt)
+                            if greedy else None),
+        per_prompt=per_prompt))
+  by_name = {r["name"]: r for r in results}
+  for r in results:
+    r["speedup"] = by_name[r["baseline"]]["seconds"] / r["seconds"]
+  return results
+
+
+def _fmt(x, spec: str, width: int) -> str:
+  return f"{'-':>{width}}" if x is None else f"{x:{width}{spec}}"
+
+
+def print_table(results: list[dict], prompts: int) -> None:
+  print(f"{'row':26} {'tok/s':>8} {'speed-up':>9} {'accept':>7} {'tok/call':>9} "
+        f"{'= generate':>11}")
+  for r in results:
+    if r["mismatched_prompts"] is None:
+      same = "(sampled)"
+    elif r["mismatched_prompts"]:
+      same = f"NO {r['mismatched_prompts']}/{prompts}"
+    else:
+      same = "yes"
+    print(f"{r['name']:26} {r['tokens_per_s']:8.1f} {r['speedup']:8.2f}x "
+          f"{_fmt(r['acceptance_rate'], '.1%', 7)} {r['tokens_per_call']:9.2f} {same:>11}")
+  print("speed-up: the baseline's wall time over the row's (greedy rows against generate, sampled\n"
+        "rows against sampled generate); tok/call: tokens per model call after the prefill.")
+
+
+def _plot(results: list[dict], path: pathlib.Path) -> None:
+  import matplotlib  # noqa: PLC0415
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+  fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+  for draft, label in (("ngram", "prompt lookup (n-gram)"), ("model", "draft model")):
+    pts = sorted((r["k"], r["tokens_per_call"], r["speedup"]) for r in results
+                 if r["draft"] == draft and r["temperature"] == 0)
+    if not pts:
+      continue
+    ks, tpc, speed = zip(*pts)
+    left.plot(ks, tpc, "o-", label=label)
+    right.plot(ks, speed, "o-", label=label)
+  ks = sorted({r["k"] for r in results if r["k"] is not None and r["temperature"] == 0})
+  if ks:
+    left.plot(ks, [k + 1 for k in ks], ":", color="gray", label="every draft kept (k + 1)")
+  right.axhline(1.0, color="gray", ls=":", label=BASELINE)
+  left.set(xlabel="drafts per round k", ylabel="tokens per model call", title="tokens per call")
+  right.set(xlabel="drafts per round k", ylabel="speed-up over generate (wall time)",
+            title=f"speed-up ({jax.default_backend()}, batch 1, greedy)")
+  for ax in (left, right):
+    ax.set_xticks(ks)
+    ax.grid(alpha=0.3)
+    ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--run", default=None, help="the model: an experiments.train output directory")
+  ap.add_argument("--draft-run", default=None,
+                  help="the draft model: an experiments.train output directory")
+  ap.add_argument("--train-steps", type=at_least(1), default=80,
+                  help="without --run / --draft-run: steps of the models trained first")
+  ap.add_argument("--draft-layers", type=at_least(1), default=1)
+  ap.add_argument("--draft-width", type=at_least(32), default=64)
+  ap.add_argument("--smoke", action="store_true",
+                  help="untrained tiny models, no training: checks that the script runs")
+  ap.add_argument("--prompts", type=at_least(1), default=8)
+  ap.add_argument("--prompt-len", type=at_least(2), default=64)
+  ap.add_argument("--new-tokens", type=at_least(1), default=128)
+  ap.add_argument("--k", type=int_list(minimum=1, maximum=64), default="2,4,8",
+                  help="drafts per round, comma-separated")
+  ap.add_argument("--temperature", type=float, default=0.8,
+                  help=f"the sampled rows' temperature (draft k={SAMPLE_K}); 0: none")
+  ap.add_argument("--repeats", type=at_least(1), default=2)
+  ap.add_argument("--out", default="runs/bench_speculative")
+  args = ap.parse_args(argv)
+  if not args.temperature >= 0 or not np.isfinite(args.temperature):
+    ap.error(f"argument --temperature: must be a number >= 0 (0: no sampled rows), got "
+             f"{args.temperature}")
+  if args.smoke and (args.run or args.draft_run):
+    ap.error("argument --smoke: builds its own untrained models; drop --run / --draft-run")
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+
+  from experiments.generate import load_run  # noqa: PLC0415
+  if args.smoke:
+    model, draft = smoke_models()
+    sources = dict(model="untrained (smoke)", draft="untrained (smoke)")
+  else:
+    run = (pathlib.Path(args.run) if args.run else
+           train_run(out / "train", args.train_steps))
+    draft_run = (pathlib.Path(args.draft_run) if args.draft_run else
+                 train_run(out / "draft", args.train_steps,
+                           draft_overrides(args.draft_layers, args.draft_width)))
+    model, step = load_run(run)
+    draft, draft_step = load_run(draft_run)
+    sources = dict(model=f"{run} (step {step})", draft=f"{draft_run} (step {draft_step})")
+  if draft.config.vocab_size != model.config.vocab_size:
+    ap.error(f"argument --draft-run: the draft's vocab_size ({draft.config.vocab_size}) must "
+             f"equal the model's ({model.config.vocab_size})")
+  params = dict(model=num_params(model), draft=num_params(draft))
+  prompts = prompts_from_held_out(args.prompts, args.prompt_len)
+  device = jax.devices()[0]
+  print(f"model {sources['model']}: {model.config.num_layers} layers of width "
+        f"{model.config.embed_dim}, {params['model'] / 1e6:.2f}M parameters; draft "
+        f"{sources['draft']}: {draft.config.num_layers} layer(s) of width "
+        f"{draft.config.embed_dim}, {params['draft'] / 1e6:.2f}M", flush=True)
+  print(f"{len(prompts)} held-out prompts of {args.prompt_len} tokens, batch 1, "
+        f"{args.new_tokens} new tokens each, best of {args.repeats}; {device.device_kind} "
+        f"({jax.default_backend()}, {os.cpu_count()} CPU cores)", flush=True)
+
+  rows = make_rows(args.k, args.temperature)
+  results = measure(rows, model, draft, prompts, args.new_tokens, args.repeats)
+  print_table(results, len(prompts))
+  mismatched = {r["name"]: r["mismatched_prompts"] for r in results if r["mismatched_prompts"]}
+  record = dict(model=sources["model"], draft=sources["draft"], parameters=params,
+                prompts=len(prompts), prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                repeats=args.repeats, ks=args.k, temperature=args.temperature,
+                backend=jax.default_backend(), device=device.device_kind,
+                cpu_count=os.cpu_count(), greedy_mismatches=mismatched, rows=results)
+  write_json(out / "results.json", record)
+  try:
+    _plot(results, out / "bench_speculative.png")
+    print(f"wrote {out / 'results.json'} and {out / 'bench_speculative.png'}", flush=True)
+  except Exception as e:  # noqa: BLE001  (the figures are saved; a plotting failure loses none)
+    print(f"wrote {out / 'results.json'}; no plot ({error_text(e)})", flush=True)
+  if mismatched:
+    print("ERROR: greedy speculative output differs from generate's (it must not): "
+          + ", ".join(f"{n}: {m} of {len(prompts)} prompts" for n, m in mismatched.items()),
+          flush=True)
+    return 1
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
