@@ -143,8 +143,16 @@ def sample_rows(logits: Float[Array, "B V"], seeds: Int[Array, "B"], index: Int[
 
 def _sample_row(logits, seed, index, temperature, top_p, top_k):
   """One row of ``sample_rows``: ``sample_logits``'s steps with traced settings."""
-  v = logits.shape[-1]
   greedy = jnp.argmax(logits).astype(jnp.int32)
+  sampled = jax.random.categorical(token_key(seed, index),
+                                   row_filtered(logits, temperature, top_p, top_k))
+  return jnp.where(temperature > 0, sampled.astype(jnp.int32), greedy)
+
+
+def row_filtered(logits: Float[Array, "V"], temperature, top_p, top_k) -> Float[Array, "V"]:
+  """``filtered_logits`` of one row ``[V]`` with traced settings (a ``temperature`` of 0 is
+  taken as 1 here: the caller picks the argmax for such rows)."""
+  v = logits.shape[-1]
   top = jnp.max(logits)
   shifted = logits - jnp.where(jnp.isfinite(top), top, 0.0)
   x = jnp.where(shifted == 0, 0.0, shifted / jnp.where(temperature > 0, temperature, 1.0))
@@ -155,9 +163,7 @@ def _sample_row(logits, seed, index, temperature, top_p, top_k):
   x = jnp.where((top_k > 0) & (top_k < v) & (x < kth), -jnp.inf, x)
   probs = jax.nn.softmax(x[order])
   keep = jnp.zeros((v,), bool).at[order].set(jnp.cumsum(probs) - probs < top_p)
-  x = jnp.where((top_p < 1.0) & ~keep, -jnp.inf, x)
-  sampled = jax.random.categorical(token_key(seed, index), x).astype(jnp.int32)
-  return jnp.where(temperature > 0, sampled, greedy)
+  return jnp.where((top_p < 1.0) & ~keep, -jnp.inf, x)
 
 
 def _check(model, prompt, max_new_tokens, max_len, eos_id=None):

@@ -218,6 +218,21 @@ class PageTable:
       raise ValueError(f"`window` must be an int >= 0, got {window!r}.")
     return _release_behind(self, int(window))
 
+  def truncate(self, lengths: Int[Array, "B"]) -> "PageTable":
+    """Each sequence cut back to its first ``lengths[b]`` tokens (at most its length; larger
+    entries leave it as it is): the pages past them return to the free stack (a rollback:
+    speculative decoding drops the drafts the model rejected).  The slots past a length within
+    its last page keep stale contents, masked and overwritten as any slot past the length is.
+    (A page a prefix cache shares must lie below the new length: shared pages are whole pages
+    of tokens kept.)"""
+    lengths = jnp.asarray(lengths)
+    check_int_array("lengths", lengths)
+    if lengths.shape != (self.batch,):
+      raise ValueError(f"`lengths` must be [B={self.batch}], got shape {lengths.shape}.")
+    if _concrete(lengths) and (np.asarray(lengths) < 0).any():
+      raise ValueError(f"`lengths` must be >= 0, got {np.asarray(lengths).tolist()}.")
+    return _truncate(self, lengths.astype(_I32))
+
   def attach(self, rows: Int[Array, "n"], page_table: Int[Array, "n M"],
              lengths: Int[Array, "n"]) -> "PageTable":
     """Sequences ``rows [n]`` start from pages they did not allocate: row ``rows[i]`` gets the
@@ -319,6 +334,18 @@ def _stack_push(table: PageTable, pages, release) -> PageTable:
   slot = jnp.where(release, slot, table.num_pages)                    # the others: dropped
   return dataclasses.replace(table, free_pages=table.free_pages.at[slot].set(pages, mode="drop"),
                              num_free=(table.num_free + jnp.sum(release)).astype(_I32))
+
+
+@jax.jit
+def _truncate(table: PageTable, lengths):
+  ps = table.page_size
+  lengths = jnp.minimum(lengths, table.lengths)
+  j = jnp.arange(table.max_pages)[None, :]
+  cut = (j >= (-(-lengths // ps))[:, None]) & (j < (-(-table.lengths // ps))[:, None])
+  release = cut & (table.page_table >= 0)
+  return dataclasses.replace(_stack_push(table, table.page_table.reshape(-1), release.reshape(-1)),
+                             page_table=jnp.where(release, -1, table.page_table),
+                             lengths=lengths)
 
 
 @jax.jit

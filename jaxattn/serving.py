@@ -71,6 +71,7 @@ from flax import nnx
 from jaxattn.checks import is_int
 from jaxattn.generation import check_sampling, sample_rows
 from jaxattn.nn.model import DecoderLM, PagedModelCache
+from jaxattn.speculative import accept_rows, ngram_propose
 from jaxattn.sharding import check_auto_mesh, context_mesh, param_shardings
 
 
@@ -154,7 +155,9 @@ class EngineStats:
   states saved at cached page ends (``saved_states``), and the page-table entries the calls
   read (``table_columns``: ``b x`` the call's table width, the pages per sequence the decode
   paths visit), and with ``allocation="on_demand"`` the preemptions (``preempted``) and the
-  cached tokens they dropped, to be computed again (``preempted_tokens``)."""
+  cached tokens they dropped, to be computed again (``preempted_tokens``); with speculative
+  decoding, the prompt-lookup drafts fed (``drafted``) and those the model kept
+  (``accepted_drafts``)."""
 
   steps: int = 0
   calls: int = 0
@@ -171,6 +174,13 @@ class EngineStats:
   table_columns: int = 0
   preempted: int = 0
   preempted_tokens: int = 0
+  drafted: int = 0
+  accepted_drafts: int = 0
+
+  @property
+  def acceptance_rate(self) -> float:
+    """With speculative decoding (``num_draft_tokens``): drafts kept / drafts proposed."""
+    return self.accepted_drafts / self.drafted if self.drafted else 0.0
 
   @property
   def occupancy(self) -> float:
@@ -231,6 +241,36 @@ def step_functions(graphdef, *, release_windows: bool = False):
     return cache.free(done, keep).shard()
 
   return step, free
+
+
+@functools.lru_cache(maxsize=32)
+def verify_function(graphdef, *, release_windows: bool = False):
+  """The engine's speculative step for a split model: ``verify(state, tokens [b, T],
+  num_tokens [b], rows [b], cache, sampling, pages=None, greedy=False) -> (tokens [b, T],
+  accepted [b], logprob [b, T], cache)``.  Row ``i`` feeds its last token and
+  ``num_tokens[i] - 1`` drafts (``tokens[i, 1:num_tokens[i]]``) as a ragged chunk; the model's
+  verdict is ``jaxattn.speculative.accept_rows`` with the rows' ``sampling`` (as ``step``'s,
+  ``index`` the first output's), and each sequence is rewound to the tokens kept
+  (``PagedModelCache.rewind``: its last token and ``accepted[i]`` drafts; the pages past them
+  back to the pools).  Donates the cache and returns it as ``step`` does."""
+
+  @functools.partial(jax.jit, donate_argnums=4, static_argnames=("pages", "greedy"))
+  def verify(state, tokens, num_tokens, rows, cache, sampling, pages=None, greedy=False):
+    m = nnx.merge(graphdef, state)
+    m.eval()
+    full, cache = cache, cache.take(rows, pages)
+    before = cache.lengths
+    logits, cache = m(tokens, cache=cache, num_tokens=num_tokens)
+    drafts = jnp.maximum(num_tokens - 1, 0)
+    out, accepted, logprob = accept_rows(logits, tokens[:, 1:], drafts, *sampling,
+                                         greedy=greedy)
+    cache = cache.rewind(jnp.where(num_tokens > 0, before + accepted + 1, before))
+    cache = full.put(rows, cache)
+    if release_windows:
+      cache = cache.release_behind()
+    return out, accepted, logprob, cache.shard()
+
+  return verify
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -417,6 +457,15 @@ class Engine:
       docstring).  Default: the mesh set by ``jax.set_mesh`` when the engine is built, if any.
     detokenize: token ids -> text (e.g. a Hugging Face tokenizer's ``decode``), for requests
       with ``stop_strings``.
+    num_draft_tokens: speculative decoding with prompt-lookup drafts (0: off): each decoding
+      slot feeds its last token and up to this many drafts (``jaxattn.speculative.ngram_propose``
+      over its prompt and output, ``ngram_size`` tokens down to 1) as one ragged chunk; the model
+      keeps the drafts it agrees with (``accept_rows``) and each sequence is rewound to them
+      (``PagedModelCache.rewind``).  A step then emits 1 to ``num_draft_tokens + 1`` tokens per
+      slot.  Greedy results are unchanged (a request gets ``generate``'s tokens); sampled ones
+      keep the model's distribution, their draws keyed by the request's seed and output index
+      (independent of the batch).  Not for models with recurrent (Gated DeltaNet) layers.
+    ngram_size: the longest n-gram prompt lookup matches.
   """
 
   def __init__(self, model: DecoderLM, *, max_batch: int = 8, page_size: int = 16,
@@ -428,8 +477,14 @@ class Engine:
                narrow_tables: bool = True, allocation: str = "reserve",
                mesh: jax.sharding.Mesh | None = None,
                detokenize: Callable[[Sequence[int]], str] | None = None,
-               cache_bytes: int | None = None):
+               cache_bytes: int | None = None, num_draft_tokens: int = 0,
+               ngram_size: int = 3):
     check_sampling(temperature, top_p, top_k)
+    if not is_int(num_draft_tokens) or not 0 <= num_draft_tokens <= 64:
+      raise ValueError(f"`num_draft_tokens` must be an int in [0, 64] (0: no speculative "
+                       f"decoding), got {num_draft_tokens!r}.")
+    self.num_draft_tokens = int(num_draft_tokens)
+    self.ngram_size = _positive_int("ngram_size", ngram_size)
     if policy not in POLICIES:
       raise ValueError(f"`policy` must be one of {POLICIES}, got {policy!r}.")
     if allocation not in ALLOCATIONS:
@@ -516,6 +571,10 @@ class Engine:
     if prefix_cache and not self.cache.paged:
       raise ValueError("`prefix_cache=True` shares cached pages; this model has no paged layer "
                        "(only recurrent ones): nothing to share.")
+    if self.num_draft_tokens and self.cache.recurrent:
+      raise ValueError("`num_draft_tokens` (speculative decoding) rewinds each sequence to the "
+                       "drafts the model kept; this model has recurrent (Gated DeltaNet) layers, "
+                       "whose states cannot drop tokens they have read.")
     self._prefix = _PrefixCache() if prefix_cache else None
     self._snapshots, self._store = None, None
     if prefix_cache and self.cache.recurrent:
@@ -528,6 +587,8 @@ class Engine:
     if mesh is not None:
       self._state = jax.device_put(self._state, param_shardings(self._state, mesh))
     self._step, self._free = step_functions(graphdef, release_windows=self.window is not None)
+    self._verify = (verify_function(graphdef, release_windows=self.window is not None)
+                    if self.num_draft_tokens else None)
     self._free_pages = self.num_pages       # pages neither reserved by a request nor cached
     self._admissions = 0
     # With layers of both kinds: the window layers' pools, counted apart.
@@ -669,10 +730,12 @@ class Engine:
   def window_pages(self) -> int | None:
     """With sliding-window layers whose pages are released (``window``), the most pages a
     sequence holds at once in each of them: its window's and one step's new tokens (up to
-    ``chunk``), over one page more when they start mid-page; None otherwise."""
+    ``chunk``, or ``num_draft_tokens + 1``), over one page more when they start mid-page; None
+    otherwise."""
     if self.window is None:
       return None
-    return -(-(self.window + self.chunk) // self.page_size) + 1
+    step = max(self.chunk, self.num_draft_tokens + 1)
+    return -(-(self.window + step) // self.page_size) + 1
 
   @property
   def pending(self) -> int:
@@ -842,7 +905,7 @@ class Engine:
     ps = self.page_size
 
     def short(r):
-      n = min(self.chunk, r.feed.size - r.fed) if r.reading else 1
+      n = min(self.chunk, r.feed.size - r.fed) if r.reading else 1 + self._num_drafts(r)
       return max(0, -(-(r.held + n) // ps) - len(r.shared) - r.fresh)
 
     while True:
@@ -864,6 +927,15 @@ class Engine:
       n = short(r)
       r.fresh += n
       self._free_pages -= n
+
+  def _num_drafts(self, r: _Request) -> int:
+    """Drafts a decoding request feeds this step: ``num_draft_tokens``, fewer near its end
+    (``max_new_tokens``) or its page table's, so that its cache never passes the positions it
+    reserved (prompt + ``max_new_tokens - 1``)."""
+    if not self.num_draft_tokens:
+      return 0
+    room = self.max_pages_per_seq * self.page_size - r.held - 1
+    return max(0, min(self.num_draft_tokens, r.max_new_tokens - len(r.out) - 1, room))
 
   def _preempt(self, slot: int, r: _Request) -> None:
     """Takes ``r`` out of its slot and back to the head of the queue: its pages return to the
@@ -982,10 +1054,11 @@ class Engine:
     ``max_batch`` (few compiled shapes)."""
     return min(self.max_batch, 1 << (n - 1).bit_length())
 
-  def _call(self, group, t: int) -> tuple[np.ndarray, np.ndarray]:
+  def _call(self, group, t: int, speculate: bool = False) -> list[list[tuple[int, float]]]:
     """One model call on the slots of ``group`` (``[(slot, request, count)]``) with ``T = t``,
-    through ``take`` / ``put`` of their cache rows; returns each slot's sampled token and its
-    log-probability."""
+    through ``take`` / ``put`` of their cache rows; returns each slot's sampled tokens with their
+    log-probabilities: one, or with ``speculate`` (decoding slots feeding their last token and
+    ``count - 1`` prompt-lookup drafts) the drafts kept and the model's next token."""
     size = self._sub_batch(len(group))
     rows = np.full((size,), self.max_batch, np.int32)          # padding entries: dropped
     tokens = np.zeros((size, t), np.int32)
@@ -1002,6 +1075,9 @@ class Engine:
         tokens[i, :n] = r.feed[r.fed:r.fed + n]
       else:
         tokens[i, 0] = r.out[-1]
+        if n > 1:
+          seq = np.concatenate([r.prompt, np.asarray(r.out, np.int32)])
+          tokens[i, 1:n] = ngram_propose(seq, n - 1, self.ngram_size)
     # The page-table columns the call needs (its sequences' pages after it), rounded up to a
     # power of two (few compiled shapes), at least MIN_TABLE_PAGES: the decode paths read that
     # many pages per sequence, not the table's width (max_seq_len).
@@ -1010,15 +1086,25 @@ class Engine:
     pages = min(m, max(MIN_TABLE_PAGES, 1 << (max(need, 1) - 1).bit_length()))
     pages = pages if self.narrow_tables else m
     sampling = tuple(map(jnp.asarray, (seeds, index, temperature, top_p, top_k)))
+    args = (self._state, jnp.asarray(tokens), jnp.asarray(counts), jnp.asarray(rows), self.cache,
+            sampling)
+    static = dict(pages=None if pages == m else pages, greedy=not temperature.any())
     with self._on_mesh():
-      nxt, logprob, self.cache = self._step(self._state, jnp.asarray(tokens), jnp.asarray(counts),
-                                            jnp.asarray(rows), self.cache, sampling,
-                                            pages=None if pages == m else pages,
-                                            greedy=not temperature.any())
+      if speculate:
+        out, accepted, logprob, self.cache = self._verify(*args, **static)
+      else:
+        out, logprob, self.cache = self._step(*args, **static)
     self.stats.table_columns += size * pages
     self.stats.calls += 1
     self.stats.computed_rows += size * t
-    return np.asarray(nxt)[:len(group)], np.asarray(logprob)[:len(group)]
+    out, logprob = np.asarray(out)[:len(group)], np.asarray(logprob)[:len(group)]
+    if not speculate:
+      return [[(int(x), float(lp))] for x, lp in zip(out, logprob)]
+    accepted = np.asarray(accepted)[:len(group)]
+    self.stats.drafted += int(counts.sum()) - len(group)
+    self.stats.accepted_drafts += int(accepted.sum())
+    return [[(int(x), float(lp)) for x, lp in zip(row[:a + 1], lps[:a + 1])]
+            for row, lps, a in zip(out, logprob, accepted)]
 
   def step(self) -> list[tuple[int, int]]:
     """Feeds every busy slot once -- the slots reading their prompt one chunk each (one model
@@ -1031,28 +1117,30 @@ class Engine:
     if not active:
       return []
     reading = [(s, r) for s, r in active if r.reading]
-    decoding = [(s, r, 1) for s, r in active if not r.reading]
+    decoding = [(s, r, 1 + self._num_drafts(r)) for s, r in active if not r.reading]
     sampled = {}
     if reading:
       remaining = max(r.feed.size - r.fed for _, r in reading)
       t = min(self.chunk, 1 << (int(remaining) - 1).bit_length())
       group = [(s, r, min(t, r.feed.size - r.fed)) for s, r in reading]
-      sampled.update(zip([s for s, _, _ in group], zip(*self._call(group, t))))
+      sampled.update(zip([s for s, _, _ in group], self._call(group, t)))
       for _, r, n in group:
         r.fed += n
       self.stats.fed_tokens += sum(n for _, _, n in group)
     if decoding:
-      sampled.update(zip([s for s, _, _ in decoding], zip(*self._call(decoding, 1))))
-      self.stats.fed_tokens += len(decoding)
+      t = max(n for _, _, n in decoding)
+      sampled.update(zip([s for s, _, _ in decoding], self._call(decoding, t, speculate=t > 1)))
+      self.stats.fed_tokens += sum(n for _, _, n in decoding)
     emitted, done = [], np.zeros((self.max_batch,), bool)
     for s, r in active:
       if r.reading:
         continue                         # mid-prompt: the sample is not a token of the output
-      token, logprob = sampled[s]
-      token = int(token)
-      r.out.append(token)
-      r.logprobs.append(float(logprob))
-      emitted.append((r.rid, token))
+      for token, logprob in sampled[s]:      # one token, or with speculation up to k + 1
+        r.out.append(token)
+        r.logprobs.append(logprob)
+        emitted.append((r.rid, token))
+        if r.finished():
+          break
     if self._prefix is not None:
       self._cache_pages()
       if self._snapshots is not None:

@@ -49,7 +49,7 @@ from jaxtyping import Array, Float, Int
 from jaxattn.cache import KVCache
 from jaxattn.checks import is_int
 from jaxattn.dsa_cache import DSACache
-from jaxattn.generation import _check, check_sampling, filtered_logits, token_key
+from jaxattn.generation import _check, check_sampling, filtered_logits, row_filtered, token_key
 from jaxattn.mla_cache import LatentCache
 from jaxattn.nn.model import DecoderLM, ModelCache
 from jaxattn.ops.quantization import check_cache_dtype
@@ -365,3 +365,57 @@ def speculative_generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_to
     context[:, n + 1:n + 1 + tokens.shape[1]] = tokens
     n += tokens.shape[1]
   return np.concatenate(out, axis=1), stats
+
+
+def accept_rows(logits: Float[Array, "b T V"], drafts: Int[Array, "b k"],
+                num_drafts: Int[Array, "b"], seeds: Int[Array, "b"], index: Int[Array, "b"],
+                temperature: Float[Array, "b"], top_p: Float[Array, "b"], top_k: Int[Array, "b"],
+                *, greedy: bool = False):
+  """``speculative_accept`` for deterministic drafts (prompt lookup) with each row's own
+  settings and draft count, its random numbers keyed by the row's seed and output index alone
+  (``jaxattn.serving.Engine``: a request's tokens do not depend on its neighbours).
+
+  ``logits [b, k + 1, V]`` at ``[x_n, d_1, .., d_k]``; row ``i`` drafted its first
+  ``num_drafts[i]`` of ``drafts [b, k]``, whose first output has index ``index[i]``.  Returns
+  ``(tokens [b, k + 1], accepted [b], logprob [b, k + 1])``: ``tokens[i, :accepted[i] + 1]``
+  are emitted, ``logprob`` the model's log-probabilities of ``tokens`` (before temperature and
+  filters).  With one-hot drafts, draft ``d`` at output ``m`` is kept when
+  ``uniform(fold_in(token_key(seed, m), 1)) < p(d)``; the model's own token at output ``m`` is
+  drawn with ``token_key(seed, m)`` from ``p`` without the rejected draft (all of ``p`` after the
+  last draft): with no draft it is ``sample_rows``' token.  ``greedy`` (static): every row has
+  temperature 0."""
+  b, t, v = logits.shape
+  if drafts.shape != (b, t - 1) or t < 2:
+    raise ValueError(f"`drafts` must be [b={b}, k={t - 1}] with k >= 1 (one fewer than the "
+                     f"logits' positions), got shape {drafts.shape}.")
+  logits = logits.astype(jnp.float32)
+  best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  within = jnp.arange(t - 1)[None, :] < num_drafts[:, None]
+  if greedy:
+    tokens, accepted = best, _leading_true((drafts == best[:, :-1]) & within)
+  else:
+    tokens, accepted = jax.vmap(_accept_row)(logits, best, drafts, within, num_drafts, seeds,
+                                             index, temperature, top_p, top_k)
+  logprob = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[..., None], axis=-1)[..., 0]
+  return tokens, accepted, logprob
+
+
+def _accept_row(logits, best, drafts, within, num_drafts, seed, index, temperature, top_p,
+                top_k):
+  """One row of ``accept_rows`` (sampling settings traced; temperature 0: greedy)."""
+  t, v = logits.shape
+  x = jax.vmap(row_filtered, in_axes=(0, None, None, None))(logits, temperature, top_p, top_k)
+  p = jax.nn.softmax(x, axis=-1)
+  keys = jax.vmap(lambda i: token_key(seed, index + i))(jnp.arange(t))
+  u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1)))(keys[:-1])
+  kept = jnp.where(temperature > 0,
+                   u < jnp.take_along_axis(p[:-1], drafts[:, None], axis=-1)[:, 0],
+                   drafts == best[:-1])
+  accepted = _leading_true((kept & within)[None])[0]
+  rejected = jnp.where(accepted < num_drafts, drafts[jnp.minimum(accepted, t - 2)], -1)
+  own_logits = jnp.where(jnp.arange(v) == rejected, -jnp.inf, x[accepted])
+  own = jnp.where(temperature > 0,
+                  jax.random.categorical(keys[accepted], own_logits).astype(jnp.int32),
+                  best[accepted])
+  tokens = jnp.concatenate([drafts, drafts[:1]]).astype(jnp.int32).at[accepted].set(own)
+  return tokens, accepted

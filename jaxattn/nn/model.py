@@ -801,6 +801,17 @@ class PagedModelCache:
     return tuple(getattr(c, "window", None) for group in self.groups for c in group
                  if not isinstance(c, DeltaNetCache))
 
+  def rewind(self, lengths: Int[Array, "B"]) -> "PagedModelCache":
+    """Every sequence cut back to its first ``lengths[b]`` tokens, in every layer
+    (``PageTable.truncate``: the pages past them back to the pools).  A model with recurrent
+    (Gated DeltaNet) layers cannot be rewound (their states have read the dropped tokens)."""
+    if self.recurrent:
+      raise ValueError("`rewind` needs every layer's state to be a cache of positions; this "
+                       "model has recurrent (Gated DeltaNet) layers, whose states cannot drop "
+                       "tokens they have read.")
+    lengths = jnp.minimum(jnp.asarray(lengths, jnp.int32), self.lengths)
+    return PagedModelCache(self._tables(lambda t, _: t.truncate(lengths)), lengths, self.stacked)
+
   def push_pages(self, pages) -> "PagedModelCache":
     """``pages [n]`` (ids; negative entries are padding) back to every layer's free stack: pages
     a prefix cache held and no sequence holds any more (``PageTable.push``)."""

@@ -1,0 +1,150 @@
+"""Speculative decoding in the serving engine (``Engine(num_draft_tokens=k)``, prompt lookup):
+greedy requests get exactly ``generate``'s tokens (attention, MLA, a sliding window releasing its
+pages, a prefix cache, pages on demand with preemptions) and the pools come back whole; sampled
+requests do not depend on their neighbours and keep the model's distribution; rewinding a paged
+cache returns the pages past the kept tokens."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxattn.generation import filtered_logits, sample_rows
+from jaxattn.paged_cache import PageTable
+from jaxattn.serving import Engine
+from jaxattn.speculative import accept_rows
+from tests.test_serving import alone, model_for
+
+# Random prompts (the random models' greedy outputs then repeat in part: prompt lookup's drafts
+# are kept some of the time, not always) and repetitive ones.
+_RNG = np.random.default_rng(0)
+WORK = [(_RNG.integers(1, 61, size=n).astype(np.int32), m) for n, m in ((8, 12), (6, 9), (5, 7))]
+WORK += [(np.array([20, 21, 22, 20, 21, 22, 20], np.int32), 1),
+         (np.array([8, 8, 8, 8], np.int32), 10)]
+
+
+def _pools_whole(engine):
+  tables = [c.table for c in jax.tree_util.tree_leaves(
+      engine.cache.groups, is_leaf=lambda c: hasattr(c, "table")) if hasattr(c, "table")]
+  return all((np.asarray(t.num_free) == n).all()
+             for t, n in zip(tables, [engine.num_pages] * len(tables)))
+
+
+@pytest.mark.parametrize("name,kw", [
+    ("llama", dict()),
+    ("llama", dict(allocation="on_demand", num_pages=9, max_pages_per_seq=6, prefix_cache=True)),
+    ("deepseek-v3", dict()),
+    ("mistral", dict()),
+])
+def test_greedy_requests_equal_generate_alone(name, kw):
+  model = model_for(name)
+  engine = Engine(model, max_batch=3, page_size=4, chunk=4, num_draft_tokens=3, **kw)
+  ids = [engine.submit(p, n) for p, n in WORK]
+  results = engine.run()
+  for rid, (p, n) in zip(ids, WORK):
+    np.testing.assert_array_equal(results[rid], alone(model, p, n), err_msg=f"request {rid}")
+  st = engine.stats
+  assert st.generated == sum(n for _, n in WORK)
+  assert 0 < st.accepted_drafts < st.drafted            # drafts kept and drafts rejected
+  # kept drafts are tokens emitted without a step of their own
+  assert st.generated >= st.steps - 1
+  if kw.get("allocation"):
+    assert st.preempted >= 1
+    engine.clear_prefix_cache()
+  if name == "mistral":                                     # windows released as without drafts
+    assert engine.window_pages == -(-(3 + 4) // 4) + 1
+  assert _pools_whole(engine) and engine._free_pages == engine.num_pages
+
+
+def test_eos_inside_a_kept_run_ends_the_request_there():
+  """A request whose end token comes among the tokens a step keeps stops at it (the later kept
+  tokens are dropped), as without drafts."""
+  model = model_for("llama")
+  p, n = WORK[1]
+  free = alone(model, p, n)
+  eos = int(free[p.size + 4])
+  assert eos not in free[p.size:p.size + 4]
+  engine = Engine(model, max_batch=2, page_size=4, num_draft_tokens=4)
+  rid = engine.submit(p, n, eos_id=eos)
+  np.testing.assert_array_equal(engine.run()[rid], alone(model, p, n, eos_id=eos)[
+      :p.size + 1 + list(free[p.size:]).index(eos)])
+
+
+def test_sampled_requests_do_not_depend_on_their_neighbours():
+  """A sampled request's tokens (and log-probabilities) alone equal those it gets among others,
+  on another schedule; top-1 sampling is greedy."""
+  model = model_for("llama")
+  outs = []
+  for kw, work in ((dict(max_batch=1, chunk=8), WORK[:1]), (dict(max_batch=3, chunk=2), WORK)):
+    engine = Engine(model, page_size=4, num_draft_tokens=3, temperature=0.9, seed=4,
+                    logprobs=True, **kw)
+    ids = [engine.submit(p, n) for p, n in work]
+    res = engine.run()
+    outs.append(res[ids[0]])
+  np.testing.assert_array_equal(outs[0][0], outs[1][0])
+  np.testing.assert_allclose(outs[0][1], outs[1][1], rtol=1e-5, atol=1e-5)
+  engine = Engine(model, max_batch=3, page_size=4, num_draft_tokens=3, temperature=0.7,
+                  top_k=1)
+  ids = [engine.submit(p, n) for p, n in WORK]
+  res = engine.run()
+  for rid, (p, n) in zip(ids, WORK):
+    np.testing.assert_array_equal(res[rid], alone(model, p, n))
+  assert engine.stats.accepted_drafts > 0
+
+
+def test_accept_rows_keeps_the_model_distribution():
+  """Many rows, one fixed distribution per position and a fixed draft: the first token is
+  distributed as ``p_0``, the draft kept with probability ``p_0(d)``, and given it kept, the next
+  as ``p_1``; with no draft a row samples what ``sample_rows`` samples (same key)."""
+  n, v = 40000, 5
+  logits = jax.random.normal(jax.random.key(0), (3, v)) * 1.5
+  temperature, top_k = 0.8, 4
+  p = np.asarray(jax.nn.softmax(filtered_logits(logits, temperature=temperature, top_k=top_k)))
+  drafts = jnp.broadcast_to(jnp.array([int(np.argsort(p[0])[-2]), int(np.argmax(p[1]))]),
+                            (n, 2)).astype(jnp.int32)
+  rows = lambda x, dt: jnp.full((n,), x, dt)  # noqa: E731
+  seeds = jnp.arange(n, dtype=jnp.int32)
+  settings = (seeds, rows(3, jnp.int32), rows(temperature, jnp.float32),
+              rows(1.0, jnp.float32), rows(top_k, jnp.int32))
+  tokens, accepted, _ = accept_rows(jnp.broadcast_to(logits, (n, 3, v)), drafts,
+                                    rows(2, jnp.int32), *settings)
+  tokens, accepted = np.asarray(tokens), np.asarray(accepted)
+  freq = lambda x: np.bincount(x, minlength=v) / x.size  # noqa: E731
+  np.testing.assert_allclose(freq(tokens[:, 0]), p[0], atol=0.012)
+  d0 = int(drafts[0, 0])
+  assert np.mean(accepted >= 1) == pytest.approx(p[0][d0], abs=0.012)
+  np.testing.assert_allclose(freq(tokens[accepted >= 1, 1]), p[1], atol=0.015)
+  assert (p[0][tokens[:, 0]] > 0).all()
+  none, _, _ = accept_rows(jnp.broadcast_to(logits, (n, 3, v))[:64], drafts[:64],
+                           rows(0, jnp.int32)[:64], *(x[:64] for x in settings))
+  np.testing.assert_array_equal(np.asarray(none)[:, 0], np.asarray(
+      sample_rows(jnp.broadcast_to(logits[0], (64, v)), *(x[:64] for x in settings))))
+
+
+def test_truncate_returns_the_pages_past_the_kept_tokens():
+  table = PageTable.init(2, num_pages=8, page_size=4)
+  table, _, _ = table.reserve(10)                     # 3 pages each: 6 popped
+  assert int(table.num_free) == 2
+  cut = table.truncate(jnp.array([5, 12]))            # row 0 keeps 2 pages; row 1 stays (10)
+  assert np.asarray(cut.lengths).tolist() == [5, 10] and int(cut.num_free) == 3
+  assert (np.asarray(cut.page_table)[0, 2:] == -1).all()
+  assert np.asarray(cut.page_table)[0, :2].tolist() == np.asarray(table.page_table)[0, :2].tolist()
+  again, _, _ = cut.reserve(4)              # a page each; row 0 pops first: the one it freed
+  assert int(again.num_free) == 1 and np.asarray(again.lengths).tolist() == [9, 14]
+  assert int(np.asarray(again.page_table)[0, 2]) == int(np.asarray(table.page_table)[0, 2])
+  with pytest.raises(ValueError, match="`lengths` must be \\[B=2\\]"):
+    table.truncate(jnp.array([1]))
+  with pytest.raises(ValueError, match="`lengths` must be >= 0"):
+    table.truncate(jnp.array([-1, 0]))
+
+
+def test_errors():
+  with pytest.raises(ValueError, match="`num_draft_tokens` must be an int in \\[0, 64\\]"):
+    Engine(model_for("llama"), num_draft_tokens=-1)
+  with pytest.raises(ValueError, match="`ngram_size` must be a positive int"):
+    Engine(model_for("llama"), num_draft_tokens=2, ngram_size=0)
+  hybrid = model_for("qwen3-next")
+  with pytest.raises(ValueError, match="recurrent \\(Gated DeltaNet\\) layers"):
+    Engine(hybrid, max_batch=2, num_draft_tokens=2)
+  with pytest.raises(ValueError, match="`rewind` needs"):
+    hybrid.init_paged_cache(1, 4, 4).rewind(jnp.array([0]))
