@@ -4,7 +4,8 @@
         [--prompt-lens 8,96] [--new-tokens 4,64] [--shared-prefix 0] [--chunk 32]
         [--page-size 16] [--num-pages N] [--max-seq-len N] [--layer-pattern P]
         [--sliding-window W] [--window-num-pages N] [--compare-whole-table]
-        [--compare-on-demand] [--compare-quantized int8] [--seed 0] [--out runs/bench_serve]
+        [--compare-on-demand] [--compare-quantized int8] [--compare-speculative K] [--seed 0]
+        [--out runs/bench_serve]
 
 A synthetic workload of ``--requests`` requests with prompt lengths and new-token counts drawn
 uniformly from the two ranges, all submitted at once, greedy decoding, a tiny preset
@@ -25,7 +26,9 @@ reserves pages as they are reached (``Engine(allocation="on_demand")``: more req
 a small pool, preempting and recomputing the latest when it runs short; ``preempted`` counts
 them); ``--compare-quantized int8`` (or ``float8_e4m3fn``) a continuous run over a quantized KV
 cache (``Engine(dtype=...)``: its cache bytes, speed, and how many tokens equal the float run's;
-it is left out of the identity check).  ``--num-pages`` sizes each layer's page pool
+it is left out of the identity check); ``--compare-speculative K`` a continuous run with
+speculative decoding (``Engine(num_draft_tokens=K)``, prompt-lookup drafts: fewer steps, more
+rows; its greedy outputs are in the identity check).  ``--num-pages`` sizes each layer's page pool
 (default: every slot at the model's longest sequence); a smaller pool makes admission wait for
 pages.  Sliding-window layers (``mistral``; ``--layer-pattern SSSA --sliding-window 64``: local
 layers interleaved with global ones, as Gemma-2 / 3) return the pages behind each window to their
@@ -89,12 +92,13 @@ def workload(requests: int, prompt_lens, new_tokens, vocab: int, seed: int,
 def serve(model, work, *, policy: str, max_batch: int, chunk: int, page_size: int,
           prefix_cache: bool = False, num_pages: int | None = None,
           narrow_tables: bool = True, window_num_pages: int | None = None,
-          allocation: str = "reserve", cache_dtype: str | None = None) -> dict:
+          allocation: str = "reserve", cache_dtype: str | None = None,
+          num_draft_tokens: int = 0) -> dict:
   """Runs ``work`` twice on one engine (the first compiles every step shape); times the second."""
   engine = Engine(model, max_batch=max_batch, page_size=page_size, chunk=chunk, policy=policy,
                   prefix_cache=prefix_cache, num_pages=num_pages, narrow_tables=narrow_tables,
                   window_num_pages=None if prefix_cache else window_num_pages,
-                  allocation=allocation, dtype=cache_dtype)
+                  allocation=allocation, dtype=cache_dtype, num_draft_tokens=num_draft_tokens)
   for prompt, n in work:                               # warm-up: the same workload
     engine.submit(prompt, n)
   engine.run()
@@ -117,12 +121,14 @@ def serve(model, work, *, policy: str, max_batch: int, chunk: int, page_size: in
   results = engine.results
   name = (policy + ("+prefix" if prefix_cache else "") + ("" if narrow_tables else " (whole table)")
           + (" (on demand)" if allocation == "on_demand" else "")
-          + (f" ({cache_dtype} cache)" if cache_dtype else ""))
+          + (f" ({cache_dtype} cache)" if cache_dtype else "")
+          + (f" (k={num_draft_tokens} drafts)" if num_draft_tokens else ""))
   return dict(policy=name, seconds=seconds,
               steps=stats["steps"], calls=stats["calls"], fed=stats["fed_tokens"],
               hit=stats["prefix_hit_tokens"], rows=stats["computed_rows"],
               table_columns=stats["table_columns"], cache_bytes=engine.cache.nbytes,
-              preempted=stats["preempted"],
+              preempted=stats["preempted"], drafted=stats["drafted"],
+              accepted_drafts=stats["accepted_drafts"],
               generated=stats["generated"],
               occupancy=stats["busy_slot_steps"] / max(stats["slot_steps"], 1),
               tokens_per_second=stats["generated"] / seconds,
@@ -136,7 +142,7 @@ def run(*, preset: str = "llama", requests: int = 32, max_batch: int = 8,
         max_seq_len: int | None = None, compare_whole_table: bool = False,
         layer_pattern: str | None = None, sliding_window: int | None = None,
         window_num_pages: int | None = None, compare_on_demand: bool = False,
-        compare_quantized: str | None = None) -> dict:
+        compare_quantized: str | None = None, compare_speculative: int = 0) -> dict:
   cfg = get_config(preset, **TINY)
   if max_seq_len is not None:
     cfg = cfg.replace(max_seq_len=max_seq_len)
@@ -158,6 +164,9 @@ def run(*, preset: str = "llama", requests: int = 32, max_batch: int = 8,
     rows.append(serve(model, work, policy="continuous", narrow_tables=False, **kw))
   if compare_on_demand:
     rows.append(serve(model, work, policy="continuous", allocation="on_demand",
+                      window_num_pages=window_num_pages, **kw))
+  if compare_speculative:
+    rows.append(serve(model, work, policy="continuous", num_draft_tokens=compare_speculative,
                       window_num_pages=window_num_pages, **kw))
   same = all(r["outputs"] == rows[0]["outputs"] for r in rows)
   agreement = None
@@ -222,6 +231,13 @@ def format_table(results: dict) -> str:
                  f"{q['tokens_per_second'] / reserve['tokens_per_second']:.2f}x "
                  f"tokens/s, {100 * results['quantized_token_agreement']:.1f}% of the tokens "
                  f"(prompts and greedy outputs) the same")
+  spec = [r for r in results["rows"] if r["policy"].endswith(" drafts)")]
+  if spec:
+    sp, reserve = spec[0], by_name["continuous"]
+    lines.append(f"{sp['policy']} vs without: {reserve['steps'] / sp['steps']:.2f}x fewer "
+                 f"steps, {sp['rows'] / reserve['rows']:.2f}x the rows, "
+                 f"{sp['tokens_per_second'] / reserve['tokens_per_second']:.2f}x tokens/s, "
+                 f"{sp['accepted_drafts']} of {sp['drafted']} drafts kept")
   if "continuous (whole table)" in by_name:
     narrow, whole = by_name["continuous"], by_name["continuous (whole table)"]
     lines.append(f"continuous, page tables narrowed to the lengths served vs the whole table: "
@@ -300,6 +316,9 @@ def main(argv=None) -> dict:
   ap.add_argument("--compare-quantized", choices=("int8", "float8_e4m3fn"), default=None,
                   help="a continuous run over a quantized KV cache (Engine(dtype=...)): its "
                        "bytes, speed and token agreement with the float cache")
+  ap.add_argument("--compare-speculative", type=at_least(1), default=0, metavar="K",
+                  help="a continuous run with speculative decoding, K prompt-lookup drafts per "
+                       "decoding slot and step (Engine(num_draft_tokens=K))")
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--out", default="runs/bench_serve")
   args = ap.parse_args(argv)
@@ -313,7 +332,8 @@ def main(argv=None) -> dict:
                 layer_pattern=args.layer_pattern, sliding_window=args.sliding_window,
                 window_num_pages=args.window_num_pages,
                 compare_on_demand=args.compare_on_demand,
-                compare_quantized=args.compare_quantized)
+                compare_quantized=args.compare_quantized,
+                compare_speculative=args.compare_speculative)
   print(format_table(results))
   write_json(out / "results.json", results)
   png = plot(results, out / "bench_serve.png")

@@ -29,6 +29,9 @@ def test_readme_quick_start_runs():
   assert scope["ids8"].shape == (2, 12)
   assert scope["engine8"].cache.groups[0][0].key_pool.dtype == np.int8
   assert scope["engine8"].cache.nbytes <= 8 << 20
+  np.testing.assert_array_equal(scope["spec"], scope["ids"])        # greedy: generate's tokens
+  assert scope["stats"].emitted == 7 and scope["stats"].rounds >= 1
+  assert scope["served"].num_draft_tokens == 4
 
 
 def test_readme_test_command_matches_ci():

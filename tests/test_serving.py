@@ -440,9 +440,11 @@ def test_bench_serve_runs_and_both_policies_agree(tmp_path):
                               "--new-tokens", "1,6", "--shared-prefix", "5", "--chunk", "4",
                               "--page-size", "4", "--layer-pattern", "SA", "--sliding-window",
                               "3", "--compare-on-demand", "--compare-quantized", "int8",
-                              "--out", str(tmp_path)])
-  assert results["identical_outputs"]
-  static, continuous, prefix, lazy, quant = results["rows"]
+                              "--compare-speculative", "2", "--out", str(tmp_path)])
+  assert results["identical_outputs"]                  # speculative decoding's included
+  static, continuous, prefix, lazy, spec, quant = results["rows"]
+  assert spec["policy"] == "continuous (k=2 drafts)" and spec["generated"] == static["generated"]
+  assert spec["steps"] <= continuous["steps"] and spec["drafted"] > 0
   # An int8 cache: the same requests over codes and scales (fp32 compute, heads of 16: 2 (16 + 4)
   # bytes per token and KV head against 2 x 16 x 4; page tables besides), the same tokens nearly.
   assert quant["policy"] == "continuous (int8 cache)" and quant["generated"] == static["generated"]
