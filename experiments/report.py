@@ -13,6 +13,8 @@ Sections (each runs the experiment's own ``main(argv)`` in this process with sma
     recall                associative recall: Gated DeltaNet, sliding window, full attention
     mhc_stability         composite residual mixing gain: plain, HC, mHC
     lora_finetune         LoRA / QLoRA / full fine-tuning: loss, trainable parameters, memory
+    kv_quant_quality      a trained model read through float / int8 / FP8 KV caches
+    speculative           speculative decoding (prompt lookup, a draft model) against generate
     bench_train           train-step tokens/s and MFU of the tiny presets
     training              the training run's loss curve, if ``--train-metrics`` exists
 
@@ -21,7 +23,7 @@ Writes ``OUT/<name>.json`` (status, seconds, key numbers, the experiment's data)
 tabulates the key numbers and embeds the plots with relative links.  A section that fails is
 recorded (error and traceback tail in its JSON and in the report) and the others still run; the
 exit status is 1 if any section failed.  ``--quick`` (the default) sizes every experiment to a few
-tens of seconds on a CPU (about 8 minutes in all on two idle cores); ``--smoke`` is the tiniest
+tens of seconds on a CPU (about 9 minutes in all on two idle cores); ``--smoke`` is the tiniest
 setting that still runs every code path (for tests), not a measurement; ``--full`` uses each
 experiment's own defaults (tens of minutes).
 """
@@ -35,6 +37,7 @@ import importlib
 import json
 import math
 import pathlib
+import re
 import shutil
 import sys
 import time
@@ -77,6 +80,14 @@ FLAGS: dict[str, dict[str, list[str]]] = {
         quick=["--train-steps", "80", "--docs", "16"],
         smoke=["--train-steps", "1", "--docs", "2", "--seq-len", "12", "--chunk", "4",
                "--page-size", "4"]),
+    # Quick: the model given as --run (section_speculative), the draft trained here (80 steps,
+    # seconds), 4 prompts x 64 new tokens, greedy rows only: about 50 s on two busy cores, most
+    # of it compiling each row's programs (without a model to reuse, its training adds ~40 s).
+    "bench_speculative": dict(
+        quick=["--train-steps", "80", "--prompts", "4", "--new-tokens", "64", "--k", "2,4,8",
+               "--temperature", "0", "--repeats", "2"],
+        smoke=["--smoke", "--prompts", "1", "--prompt-len", "16", "--new-tokens", "4", "--k", "2",
+               "--temperature", "0", "--repeats", "1"]),
     "bench_train": dict(
         quick=["--batch-size", "4", "--seq-len", "128", "--steps", "3", "--matmul-size", "1024"],
         smoke=["--presets", "llama", "--batch-size", "1", "--seq-len", "8", "--steps", "1",
@@ -86,7 +97,8 @@ FLAGS: dict[str, dict[str, list[str]]] = {
 DATA_FILE = {"length_extrapolation": "results.json", "hadamard_quant": "results.json",
              "moe_balance": "results.json", "recall": "results.json",
              "mhc_stability": "report.json", "lora_finetune": "report.json",
-             "bench_train": "results.json", "kv_quant_quality": "results.json"}
+             "bench_train": "results.json", "kv_quant_quality": "results.json",
+             "bench_speculative": "results.json"}
 TITLES = {"kv_cache": "KV-cache size per token",
           "length_extrapolation": "Positional length extrapolation",
           "hadamard_quant": "Hadamard rotation before INT8 quantization",
@@ -94,10 +106,12 @@ TITLES = {"kv_cache": "KV-cache size per token",
           "mhc_stability": "mHC residual-mixing stability",
           "lora_finetune": "LoRA / QLoRA fine-tuning",
           "kv_quant_quality": "Quantized KV cache quality",
+          "speculative": "Speculative decoding",
           "bench_train": "Training throughput (CPU)",
           "training": "Training run"}
 SECTIONS = ("kv_cache", "length_extrapolation", "hadamard_quant", "moe_balance", "recall",
-            "mhc_stability", "lora_finetune", "kv_quant_quality", "bench_train", "training")
+            "mhc_stability", "lora_finetune", "kv_quant_quality", "speculative", "bench_train",
+            "training")
 
 
 @dataclasses.dataclass
@@ -340,6 +354,83 @@ def section_kv_quant_quality(sec, size, folder, out, args):
                   c["vs_bf16_bytes"]) for n, c in caches.items()]))
 
 
+def _speculative_run(size: str, out: pathlib.Path, args) -> list[str]:
+  """``--run`` for bench_speculative: the training run's model when there is one, else the model
+  kv_quant_quality trained in this report at the same size (the same recipe: llama-tiny, 80
+  steps), else none (the bench trains its own)."""
+  if size == "smoke":
+    return []
+  run = pathlib.Path(args.train_metrics).parent
+  if (run / "config.json").is_file():
+    return ["--run", str(run)]
+  kv = out / "kv_quant_quality.json"
+  if kv.is_file():
+    rec = json.loads(kv.read_text())
+    trained = (rec.get("data") or {}).get("run")
+    if (rec.get("status") == "ok" and rec.get("size") == size and trained
+        and (pathlib.Path(trained) / "config.json").is_file()):
+      return ["--run", str(trained)]
+  return []
+
+
+def _source_step(source: str) -> tuple[str, int | None]:
+  """```runs/train` (step 80)`` and 80 from bench_speculative's ``runs/train (step 80)``; an
+  untrained (smoke) model's source as it is and None."""
+  m = re.fullmatch(r"(.*) \(step (\d+)\)", source)
+  return (f"`{m.group(1)}` (step {m.group(2)})", int(m.group(2))) if m else (source, None)
+
+
+def section_speculative(sec, size, folder, out, args):
+  # A greedy mismatch (main returns 1) is in results.json too: the section fails, visibly.
+  _, data = _run_experiment("bench_speculative", size, folder, _speculative_run(size, out, args))
+  rows, prompts = data["rows"], data["prompts"]
+  sec.data = data
+  sec.summary = {r["name"]: dict(
+      speedup=r["speedup"], acceptance_rate=r["acceptance_rate"],
+      tokens_per_call=r["tokens_per_call"], tokens_per_s=r["tokens_per_s"],
+      equals_generate=(None if r["mismatched_prompts"] is None
+                       else r["mismatched_prompts"] == 0)) for r in rows}
+
+  def same(r):
+    if r["mismatched_prompts"] is None:
+      return "sampled"
+    return f"**NO** ({r['mismatched_prompts']} of {prompts})" if r["mismatched_prompts"] else "yes"
+
+  model, step = _source_step(data["model"])
+  draft, _ = _source_step(data["draft"])
+  params = data["parameters"]
+  mismatched = data.get("greedy_mismatches") or {}
+  md = ""
+  if mismatched:
+    sec.status = "failed"
+    sec.error = ("greedy speculative output differs from generate's (it must not): " +
+                 ", ".join(f"{n} on {m} of {prompts} prompts" for n, m in mismatched.items()))
+    md = f"**ERROR: {sec.error}.**\n\n"
+  md += (
+      f"Model {model}, {params['model'] / 1e6:.2f}M parameters; drafts from prompt lookup or "
+      f"from a draft model, {draft}, {params['draft'] / 1e6:.2f}M; {prompts} held-out prompts "
+      f"of {data['prompt_len']} tokens continued by {data['new_tokens']} tokens each, batch 1, "
+      f"best of {data['repeats']}.  Speed-up: generate's wall time over the row's; tokens / "
+      "call: tokens per model call after the prefill.\n\n" +
+      _md_table(["row", "tokens/s", "speed-up", "acceptance", "tokens / call", "= generate"],
+                [(r["name"], f"{r['tokens_per_s']:.0f}", f"{r['speedup']:.2f}x",
+                  None if r["acceptance_rate"] is None else f"{100 * r['acceptance_rate']:.1f}%",
+                  f"{r['tokens_per_call']:.2f}", same(r)) for r in rows]))
+  if data["backend"] == "cpu":
+    md += (f"\n\nOn a {data['cpu_count']}-core CPU a tiny model's step is mostly per-call "
+           "overhead, so the speed-up tracks tokens per call, below it: a round costs more than "
+           "one plain step, more so with the draft model's k calls per round.")
+  else:
+    md += (f"\n\nOn {data['device']} decode is memory-bound, so verifying k + 1 tokens costs "
+           "about one step: the speed-up approaches tokens per call as the draft gets cheaper.")
+  if step is None:
+    md += " The models are untrained (smoke): the figures mean nothing."
+  else:
+    md += (f" A model trained for {step} steps falls into greedy loops, which prompt lookup feeds "
+           "on: its acceptance here overstates what it gets on a capable model's text.")
+  sec.markdown = md
+
+
 def section_bench_train(sec, size, folder, out, args):
   _, data = _run_experiment("bench_train", size, folder)
   sec.data = data
@@ -425,6 +516,7 @@ BUILDERS: dict[str, Callable] = {
     "hadamard_quant": section_hadamard_quant, "moe_balance": section_moe_balance,
     "recall": section_recall, "mhc_stability": section_mhc_stability,
     "lora_finetune": section_lora_finetune, "kv_quant_quality": section_kv_quant_quality,
+    "speculative": section_speculative,
     "bench_train": section_bench_train,
     "training": section_training}
 

@@ -4,6 +4,7 @@ section and says so in its exit status."""
 import json
 import pathlib
 import re
+import types
 
 import pytest
 
@@ -113,3 +114,63 @@ def test_kv_quant_quality_section(tmp_path):
   assert 0 <= s["int8"]["kl_mean"] < 0.05 and s["int8"]["vs_bf16_bytes"] < 1
   assert rec["data"]["full_forward_max_err"] < 1e-3
   assert "kv_quant_quality.png" in _links((out / "REPORT.md").read_text())
+
+
+def test_speculative_section(tmp_path):
+  """The speculative-decoding section (smoke: untrained tiny models): per row the speed-up,
+  acceptance and tokens per call, greedy outputs equal to generate's, the bench's plot linked."""
+  out = tmp_path / "r"
+  rc = report.main(["--smoke", "--out", str(out), "--only", "speculative",
+                    "--train-metrics", str(tmp_path / "missing.jsonl")])
+  assert rc == 0
+  rec = json.loads((out / "speculative.json").read_text())
+  assert rec["status"] == "ok", rec["error"]
+  s = rec["summary"]
+  assert list(s) == ["generate (no draft)", "ngram k=2", "draft k=2"]
+  assert s["generate (no draft)"]["speedup"] == 1.0
+  assert s["generate (no draft)"]["acceptance_rate"] is None
+  for name, r in s.items():
+    assert r["equals_generate"] is True and r["speedup"] > 0, name
+    assert 1 <= r["tokens_per_call"] <= 3, name
+  assert 0 <= s["ngram k=2"]["acceptance_rate"] <= 1
+  assert rec["data"]["greedy_mismatches"] == {} and rec["data"]["prompts"] == 1
+  md = (out / "REPORT.md").read_text()
+  assert "speculative.png" in _links(md)
+  assert "| ngram k=2 |" in md and "untrained (smoke)" in md and "FAILED" not in md
+
+
+def test_speculative_section_shows_a_greedy_mismatch(tmp_path, monkeypatch):
+  """A greedy row whose tokens differ from generate's fails the section, in its table and text;
+  a training run, else this report's kv_quant_quality model, is passed as ``--run``."""
+  row = lambda name, draft, k, mismatched: dict(
+      name=name, draft=draft, k=k, temperature=0.0, tokens_per_s=100.0, speedup=1.5,
+      acceptance_rate=None if draft is None else 0.5, tokens_per_call=2.0 if draft else 1.0,
+      mismatched_prompts=mismatched)
+  data = dict(model="runs/train (step 80)", draft="r/draft (step 80)",
+              parameters=dict(model=800_000, draft=60_000), prompts=4, prompt_len=64,
+              new_tokens=64, repeats=1, backend="cpu", device="cpu", cpu_count=2,
+              greedy_mismatches={"ngram k=2": 3},
+              rows=[row("generate (no draft)", None, None, 0), row("ngram k=2", "ngram", 2, 3),
+                    row("draft k=2", "model", 2, 0)])
+  calls = []
+  monkeypatch.setattr(report, "_run_experiment", lambda *a: calls.append(a) or (1, data))
+  args = types.SimpleNamespace(train_metrics=str(tmp_path / "train" / "metrics.jsonl"))
+  sec = report.Section("speculative")
+  report.section_speculative(sec, "quick", tmp_path, tmp_path, args)
+  assert sec.status == "failed" and "ngram k=2 on 3 of 4 prompts" in sec.error
+  assert sec.summary["ngram k=2"]["equals_generate"] is False
+  assert sec.summary["draft k=2"]["equals_generate"] is True
+  assert "**ERROR: greedy speculative output differs" in sec.markdown
+  assert "| ngram k=2 | 100 | 1.50x | 50.0% | 2.00 | **NO** (3 of 4) |" in sec.markdown
+  assert "`runs/train` (step 80)" in sec.markdown and "80 steps" in sec.markdown
+  assert calls[-1][3] == []                             # no training run: the bench trains one
+  (tmp_path / "kv").mkdir()
+  (tmp_path / "kv" / "config.json").write_text("{}")
+  (tmp_path / "kv_quant_quality.json").write_text(json.dumps(
+      dict(status="ok", size="quick", data=dict(run=str(tmp_path / "kv")))))
+  assert report._speculative_run("quick", tmp_path, args) == ["--run", str(tmp_path / "kv")]
+  assert report._speculative_run("full", tmp_path, args) == []
+  (tmp_path / "train").mkdir()
+  (tmp_path / "train" / "config.json").write_text("{}")
+  assert report._speculative_run("quick", tmp_path, args) == ["--run", str(tmp_path / "train")]
+  assert report._speculative_run("smoke", tmp_path, args) == []
