@@ -96,3 +96,43 @@ def test_any_schedule_gives_each_request_its_tokens_alone(name, max_batch, page_
   assert engine._free_pages == engine.num_pages and engine.pending == 0
   if engine.window is not None:
     assert engine._free_window_pages == engine.window_num_pages
+
+
+# Speculative decoding (prompt-lookup drafts, rewinds) inside the same schedules: greedy results
+# stay generate's and every page comes back.
+@example(name="local-global", max_batch=3, page_size=2, chunk=2, extra_pages=0,
+         allocation="on_demand", prefix_cache=True, order=_ALL, late=3, after_steps=2,
+         num_draft_tokens=4, ngram_size=2)
+@settings(max_examples=1, deadline=None, derandomize=True)
+@given(name=st.sampled_from(sorted(MODELS)), max_batch=st.sampled_from([1, 2, 3]),
+       page_size=st.sampled_from([2, 4]), chunk=st.sampled_from([2, 4, 8]),
+       extra_pages=st.sampled_from([0, 1, 12]),
+       allocation=st.sampled_from(["reserve", "on_demand"]), prefix_cache=st.booleans(),
+       order=st.permutations(range(len(REQUESTS))), late=st.integers(0, len(REQUESTS)),
+       after_steps=st.integers(1, 6), num_draft_tokens=st.sampled_from([1, 2, 4]),
+       ngram_size=st.sampled_from([1, 3]))
+def test_speculative_schedules_give_each_request_its_tokens_alone(
+    name, max_batch, page_size, chunk, extra_pages, allocation, prefix_cache, order, late,
+    after_steps, num_draft_tokens, ngram_size):
+  longest = max(-(-(p.size + n - 1) // page_size) for p, n in REQUESTS)
+  engine = Engine(model(name), max_batch=max_batch, page_size=page_size, chunk=chunk,
+                  num_pages=longest + extra_pages, max_pages_per_seq=longest,
+                  allocation=allocation, prefix_cache=prefix_cache,
+                  num_draft_tokens=num_draft_tokens, ngram_size=ngram_size)
+  first, rest = order[:len(order) - late], order[len(order) - late:]
+  ids = {engine.submit(*REQUESTS[i]): i for i in first}
+  for _ in range(after_steps):
+    engine.step()
+  ids.update({engine.submit(*REQUESTS[i]): i for i in rest})
+  results = engine.run()
+  for rid, i in ids.items():
+    np.testing.assert_array_equal(results[rid], alone(name, i, False),
+                                  err_msg=f"request {i} (id {rid})")
+  assert engine.stats.drafted > 0
+  engine.clear_prefix_cache()
+  pools = [(c.key_pool.shape[0], c.table) for c in jax.tree_util.tree_leaves(
+      engine.cache.groups, is_leaf=lambda c: hasattr(c, "table")) if hasattr(c, "table")]
+  assert pools and all(int(t.num_free) == size for size, t in pools)
+  assert engine._free_pages == engine.num_pages and engine.pending == 0
+  if engine.window is not None:
+    assert engine._free_window_pages == engine.window_num_pages
