@@ -43,6 +43,13 @@ served, not the longest one the engine admits (the XLA decode path gathers ``W``
 sequence; the kernels' grids span ``W``).  So at most ``(ceil(log2(max_batch)) + 1) x
 (ceil(log2(chunk)) + 1) x (widths)`` step programs are compiled, each once.
 
+Speculative decoding (``Engine(num_draft_tokens=k)``): each decoding slot feeds its last token
+and up to ``k`` drafts -- prompt lookup over its prompt and output, or a draft model's greedy
+continuation (``draft=``, with a paged cache of its own) -- as one ragged chunk; the model keeps
+the drafts it agrees with (``jaxattn.speculative.accept_rows``: greedy, or speculative sampling
+with the request's seed) and each sequence is rewound to them (``PagedModelCache.rewind``), so
+a step emits 1 to ``k + 1`` tokens per slot.  Greedy results stay ``generate``'s.
+
 Under a device mesh (``Engine(model, mesh=mesh)``, or the mesh set by ``jax.set_mesh`` when the
 engine is built; Auto axes, ``jaxattn.sharding.make_mesh``) the weights are placed by their
 logical axes (``jaxattn.sharding.param_shardings``: heads and MLP over ``"tensor"``, experts over
@@ -109,6 +116,7 @@ class _Request:
   priority: int = 0           # lower first: queued ahead of, and preempts, larger values
   stop_strings: tuple = ()    # texts that end the request when its decoded output contains one
   detokenize: Callable | None = None   # token ids -> text (the engine's), for stop_strings
+  draft_len: int = 0          # with a draft model: its cache's length after the last proposal
 
   def finished(self) -> bool:
     out = self.out
@@ -271,6 +279,36 @@ def verify_function(graphdef, *, release_windows: bool = False):
     return out, accepted, logprob, cache.shard()
 
   return verify
+
+
+@functools.lru_cache(maxsize=32)
+def propose_function(graphdef, k: int):
+  """A draft model's proposals for the engine's decoding slots: ``propose(state, first [b, 2],
+  start [b], num_drafts [b], rows [b], cache, pages=None) -> (drafts [b, k], cache)``.  Each
+  slot's draft cache is cut back to ``start`` (its sequence's length but one), re-reads the
+  last two tokens ``first`` and then feeds its own greedy drafts, ``num_drafts[i]`` of them
+  (the rows feed nothing past theirs); padding rows (``rows >= B``) feed nothing.  Greedy drafts
+  are one-hot proposals: ``accept_rows`` is then exact for greedy and sampled requests alike.
+  Donates the cache."""
+
+  @functools.partial(jax.jit, donate_argnums=5, static_argnames=("pages",))
+  def propose(state, first, start, num_drafts, rows, cache, pages=None):
+    m = nnx.merge(graphdef, state)
+    m.eval()
+    full, cache = cache, cache.take(rows, pages)
+    real = rows < full.batch
+    cache = cache.rewind(jnp.where(real, start, cache.lengths))
+    logits, cache = m(first, cache=cache, num_tokens=jnp.where(real, 2, 0))
+    tok = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
+    drafts = [tok]
+    for j in range(1, k):
+      logits, cache = m(tok[:, None], cache=cache,
+                        num_tokens=(real & (num_drafts > j)).astype(jnp.int32))
+      tok = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+      drafts.append(tok)
+    return jnp.stack(drafts, axis=1), full.put(rows, cache).shard()
+
+  return propose
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -466,6 +504,13 @@ class Engine:
       keep the model's distribution, their draws keyed by the request's seed and output index
       (independent of the batch).  Not for models with recurrent (Gated DeltaNet) layers.
     ngram_size: the longest n-gram prompt lookup matches.
+    draft: a smaller ``DecoderLM`` of the same vocabulary that drafts instead of prompt lookup
+      (with ``num_draft_tokens`` >= 1): it keeps a paged cache of its own (pools of ``num_pages``
+      pages, not counted in ``cache_bytes``), reads every prompt chunk beside the model, and
+      each step proposes its greedy continuation of every decoding slot (``propose_function``;
+      one-hot proposals, so ``accept_rows`` stays exact for sampled requests too).  Its layers
+      must hold whole sequences (attention, MLA, DSA: no sliding window, no recurrent state),
+      as must the model's; not with a prefix cache (the draft's pages are its own).
   """
 
   def __init__(self, model: DecoderLM, *, max_batch: int = 8, page_size: int = 16,
@@ -478,7 +523,7 @@ class Engine:
                mesh: jax.sharding.Mesh | None = None,
                detokenize: Callable[[Sequence[int]], str] | None = None,
                cache_bytes: int | None = None, num_draft_tokens: int = 0,
-               ngram_size: int = 3):
+               ngram_size: int = 3, draft: DecoderLM | None = None):
     check_sampling(temperature, top_p, top_k)
     if not is_int(num_draft_tokens) or not 0 <= num_draft_tokens <= 64:
       raise ValueError(f"`num_draft_tokens` must be an int in [0, 64] (0: no speculative "
@@ -575,6 +620,8 @@ class Engine:
       raise ValueError("`num_draft_tokens` (speculative decoding) rewinds each sequence to the "
                        "drafts the model kept; this model has recurrent (Gated DeltaNet) layers, "
                        "whose states cannot drop tokens they have read.")
+    if draft is not None:
+      self._check_draft(draft, model, prefix_cache)
     self._prefix = _PrefixCache() if prefix_cache else None
     self._snapshots, self._store = None, None
     if prefix_cache and self.cache.recurrent:
@@ -589,6 +636,18 @@ class Engine:
     self._step, self._free = step_functions(graphdef, release_windows=self.window is not None)
     self._verify = (verify_function(graphdef, release_windows=self.window is not None)
                     if self.num_draft_tokens else None)
+    self.draft_cache, self._propose = None, None
+    if draft is not None:
+      draft_graphdef, self._draft_state = nnx.split(draft)
+      if mesh is not None:
+        self._draft_state = jax.device_put(self._draft_state,
+                                           param_shardings(self._draft_state, mesh))
+      with self._on_mesh():
+        self.draft_cache = draft.init_paged_cache(
+            self.max_batch, self.num_pages, self.page_size,
+            max_pages_per_seq=self.max_pages_per_seq, dtype=dtype).shard()
+      self._draft_step, self._draft_free = step_functions(draft_graphdef)
+      self._propose = propose_function(draft_graphdef, self.num_draft_tokens)
     self._free_pages = self.num_pages       # pages neither reserved by a request nor cached
     self._admissions = 0
     # With layers of both kinds: the window layers' pools, counted apart.
@@ -598,6 +657,25 @@ class Engine:
     self._results: dict[int, np.ndarray] = {}
     self._next_id = 0
     self.stats = EngineStats()
+
+  def _check_draft(self, draft, model: DecoderLM, prefix_cache: bool) -> None:
+    """Refuses a ``draft`` the engine cannot run beside ``model`` (see ``Engine``'s ``draft``)."""
+    if not isinstance(draft, DecoderLM):
+      raise ValueError(f"`draft` must be None or a DecoderLM, got {type(draft).__name__}.")
+    if not self.num_draft_tokens:
+      raise ValueError("`draft` proposes `num_draft_tokens` tokens per step: give "
+                       "num_draft_tokens >= 1.")
+    if draft.config.vocab_size != model.config.vocab_size:
+      raise ValueError(f"`draft`'s vocab_size ({draft.config.vocab_size}) must equal the "
+                       f"model's ({model.config.vocab_size}): drafts are the model's tokens.")
+    for who, cfg in (("`draft`", draft.config), ("the model", model.config)):
+      if not cfg.kinds() <= {"A", "M", "I"}:
+        raise ValueError(f"{who} has layers of kinds {sorted(cfg.kinds())}; a draft model runs "
+                         f"beside models whose layers hold whole sequences (A, M, I: no sliding "
+                         f"window, no recurrent state).")
+    if prefix_cache:
+      raise ValueError("`draft` with `prefix_cache=True`: the draft's cache pages are its own, "
+                       "so cached prefixes cannot be shared with it; use one or the other.")
 
   def _pages_within(self, model: DecoderLM, budget: int, dtype) -> int:
     """The most ``num_pages`` whose cache fits ``budget`` bytes (``cache_bytes``): the cache's
@@ -953,7 +1031,7 @@ class Engine:
     if self._prefix is not None:
       self._prefix.release(r.shared)
     r.feed = np.concatenate([r.prompt, np.asarray(r.out, np.int32)])
-    r.refed, r.fed, r.shared, r.fresh = len(r.out), 0, [], 0
+    r.refed, r.fed, r.shared, r.fresh, r.draft_len = len(r.out), 0, [], 0, 0
     if self._prefix is not None:
       self._extend_keys(r, r.feed)
     self._slots[slot] = None
@@ -1063,7 +1141,8 @@ class Engine:
     rows = np.full((size,), self.max_batch, np.int32)          # padding entries: dropped
     tokens = np.zeros((size, t), np.int32)
     counts = np.zeros((size,), np.int32)
-    seeds, index, top_k = (np.zeros((size,), np.int32) for _ in range(3))
+    seeds, index, top_k, start = (np.zeros((size,), np.int32) for _ in range(4))
+    first = np.zeros((size, 2), np.int32)
     temperature, top_p = np.zeros((size,), np.float32), np.ones((size,), np.float32)
     for i, (s, r, n) in enumerate(group):
       rows[i], counts[i] = s, n
@@ -1075,21 +1154,35 @@ class Engine:
         tokens[i, :n] = r.feed[r.fed:r.fed + n]
       else:
         tokens[i, 0] = r.out[-1]
-        if n > 1:
-          seq = np.concatenate([r.prompt, np.asarray(r.out, np.int32)])
+        seq = np.concatenate([r.prompt, np.asarray(r.out, np.int32)])
+        if self._propose is not None:                # the draft model's input: the last two
+          first[i], start[i] = seq[r.held - 1:r.held + 1], r.held - 1
+        elif n > 1:
           tokens[i, 1:n] = ngram_propose(seq, n - 1, self.ngram_size)
     # The page-table columns the call needs (its sequences' pages after it), rounded up to a
     # power of two (few compiled shapes), at least MIN_TABLE_PAGES: the decode paths read that
     # many pages per sequence, not the table's width (max_seq_len).
     ps, m = self.page_size, self.max_pages_per_seq
-    need = max(-(-(r.held + n) // ps) for _, r, n in group)
+    need = max(-(-max(r.held + n, r.draft_len) // ps) for _, r, n in group)
     pages = min(m, max(MIN_TABLE_PAGES, 1 << (max(need, 1) - 1).bit_length()))
     pages = pages if self.narrow_tables else m
     sampling = tuple(map(jnp.asarray, (seeds, index, temperature, top_p, top_k)))
-    args = (self._state, jnp.asarray(tokens), jnp.asarray(counts), jnp.asarray(rows), self.cache,
-            sampling)
-    static = dict(pages=None if pages == m else pages, greedy=not temperature.any())
+    tokens, counts_d, rows_d = jnp.asarray(tokens), jnp.asarray(counts), jnp.asarray(rows)
+    narrow = None if pages == m else pages
+    static = dict(pages=narrow, greedy=not temperature.any())
     with self._on_mesh():
+      if self._propose is not None and speculate:
+        drafts, self.draft_cache = self._propose(
+            self._draft_state, jnp.asarray(first), jnp.asarray(start), counts_d - 1, rows_d,
+            self.draft_cache, pages=narrow)
+        tokens = tokens.at[:, 1:].set(drafts[:, :t - 1])      # the verify masks past counts
+        for _, r, n in group:       # (it re-read the last two tokens, then fed n - 2 drafts)
+          r.draft_len = r.held + max(n - 1, 1)
+      elif self._propose is not None and group[0][1].reading:   # the draft reads prompts too
+        *_, self.draft_cache = self._draft_step(self._draft_state, tokens, counts_d, rows_d,
+                                                self.draft_cache, sampling, pages=narrow,
+                                                greedy=True)
+      args = (self._state, tokens, counts_d, rows_d, self.cache, sampling)
       if speculate:
         out, accepted, logprob, self.cache = self._verify(*args, **static)
       else:
@@ -1170,6 +1263,8 @@ class Engine:
     keep = None if self._prefix is None else jnp.asarray(self._prefix.mask(self.num_pages))
     with self._on_mesh():
       self.cache = self._free(self.cache, jnp.asarray(done), keep)
+      if self.draft_cache is not None:
+        self.draft_cache = self._draft_free(self.draft_cache, jnp.asarray(done))
 
   @property
   def cached_pages(self) -> int:
@@ -1209,4 +1304,5 @@ class Engine:
     return self.pop_results()
 
 
-__all__ = ["ALLOCATIONS", "POLICIES", "Engine", "EngineStats", "step_functions"]
+__all__ = ["ALLOCATIONS", "POLICIES", "Engine", "EngineStats", "propose_function",
+           "step_functions", "verify_function"]

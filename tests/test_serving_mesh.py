@@ -28,6 +28,10 @@ CASES = {
     # An int8 cache: codes and scales split over the KV heads, the kernel reading both.
     "llama-int8-pallas_tpu": ("llama", dict(LLAMA, attention_implementation="pallas_tpu"),
                               {"data": 4, "tensor": 2}, True, jnp.int8),
+    # Speculative decoding with a draft model: its weights and paged cache split the same way,
+    # the verify step's rewinds keeping the layout.
+    "llama-draft": ("llama", LLAMA, {"data": 4, "tensor": 2}, False, None,
+                    dict(num_draft_tokens=3, draft=dict(num_layers=1))),
 }
 
 
@@ -57,12 +61,15 @@ def layers(cache):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_engine_on_a_mesh_equals_one_device_and_keeps_the_cache_split(name):
-  preset, kw, shape, prefix, *dtype = CASES[name]
-  dtype = dtype[0] if dtype else None
+  preset, kw, shape, prefix, *rest = CASES[name]
+  dtype, extra = (rest + [None, {}])[:2]
   model = DecoderLM(get_config(preset, **SMALL).replace(**kw), rngs=nnx.Rngs(0))
-  want, single = serve(model, prefix_cache=prefix, dtype=dtype)
+  if "draft" in extra:
+    extra = dict(extra, draft=DecoderLM(get_config(preset, **SMALL).replace(
+        **dict(kw, **extra["draft"])), rngs=nnx.Rngs(1)))
+  want, single = serve(model, prefix_cache=prefix, dtype=dtype, **extra)
   mesh = make_mesh(shape)
-  got, engine = serve(model, prefix_cache=prefix, mesh=mesh, dtype=dtype)
+  got, engine = serve(model, prefix_cache=prefix, mesh=mesh, dtype=dtype, **extra)
   for g, w in zip(got, want):
     np.testing.assert_array_equal(g, w)
   assert engine.mesh is mesh
@@ -91,6 +98,11 @@ def test_engine_on_a_mesh_equals_one_device_and_keeps_the_cache_split(name):
     assert c.table.page_table.addressable_shards[0].data.shape == c.table.page_table.shape
   # The pages went back: every pool whole but the prefix cache's.
   assert int(layers(engine.cache)[0].table.num_free) == engine.num_pages - engine.cached_pages
+  if engine.draft_cache is not None:        # the draft's cache: split alike, its pages back
+    assert engine.stats.drafted > 0
+    for c in layers(engine.draft_cache):
+      assert spec(c.key_pool) == (None, None, "tensor")
+      assert (np.asarray(c.table.num_free) == engine.num_pages).all()
 
 
 def test_shard_splits_pools_and_recurrent_states_over_heads():

@@ -1,19 +1,23 @@
-"""Speculative decoding in the serving engine (``Engine(num_draft_tokens=k)``, prompt lookup):
-greedy requests get exactly ``generate``'s tokens (attention, MLA, a sliding window releasing its
-pages, a prefix cache, pages on demand with preemptions) and the pools come back whole; sampled
-requests do not depend on their neighbours and keep the model's distribution; rewinding a paged
-cache returns the pages past the kept tokens."""
+"""Speculative decoding in the serving engine (``Engine(num_draft_tokens=k)``, prompt lookup or a
+draft model): greedy requests get exactly ``generate``'s tokens (attention, MLA, a sliding window
+releasing its pages, a prefix cache, pages on demand with preemptions) and the pools (the draft's
+too) come back whole; sampled requests do not depend on their neighbours and keep the model's
+distribution; rewinding a paged cache returns the pages past the kept tokens."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flax import nnx
+
+from jaxattn.configs import get_config
 from jaxattn.generation import filtered_logits, sample_rows
+from jaxattn.nn.model import DecoderLM
 from jaxattn.paged_cache import PageTable
 from jaxattn.serving import Engine
 from jaxattn.speculative import accept_rows
-from tests.test_serving import alone, model_for
+from tests.test_serving import SMALL, alone, model_for
 
 # Random prompts (the random models' greedy outputs then repeat in part: prompt lookup's drafts
 # are kept some of the time, not always) and repetitive ones.
@@ -23,11 +27,16 @@ WORK += [(np.array([20, 21, 22, 20, 21, 22, 20], np.int32), 1),
          (np.array([8, 8, 8, 8], np.int32), 10)]
 
 
-def _pools_whole(engine):
+def _pools_whole(engine, cache=None):
+  cache = engine.cache if cache is None else cache
   tables = [c.table for c in jax.tree_util.tree_leaves(
-      engine.cache.groups, is_leaf=lambda c: hasattr(c, "table")) if hasattr(c, "table")]
-  return all((np.asarray(t.num_free) == n).all()
-             for t, n in zip(tables, [engine.num_pages] * len(tables)))
+      cache.groups, is_leaf=lambda c: hasattr(c, "table")) if hasattr(c, "table")]
+  return tables and all((np.asarray(t.num_free) == engine.num_pages).all() for t in tables)
+
+
+def _draft(**kw):
+  """A 1-layer llama of the test models' vocabulary: a draft that agrees with them sometimes."""
+  return DecoderLM(get_config("llama", **SMALL).replace(num_layers=1, **kw), rngs=nnx.Rngs(3))
 
 
 @pytest.mark.parametrize("name,kw", [
@@ -56,6 +65,38 @@ def test_greedy_requests_equal_generate_alone(name, kw):
   assert _pools_whole(engine) and engine._free_pages == engine.num_pages
 
 
+# (An MLA model with a draft: tests/test_serving_mesh.py's cases and the prompt-lookup test above
+# cover the pieces; on CPU each such engine costs 30 s of compiling.)
+@pytest.mark.parametrize("name,kw", [
+    ("llama", dict()),
+    ("llama", dict(allocation="on_demand", num_pages=9, max_pages_per_seq=6)),
+])
+def test_a_draft_model_gives_generates_tokens(name, kw):
+  """A draft model (its own paged cache, fed every prompt chunk, rewound each step): greedy
+  results are ``generate``'s, its pool comes back whole; the model drafting for itself has every
+  draft kept."""
+  model = model_for(name)
+  engine = Engine(model, max_batch=3, page_size=4, chunk=4, num_draft_tokens=3, draft=_draft(),
+                  **kw)
+  ids = [engine.submit(p, n) for p, n in WORK]
+  results = engine.run()
+  results = [results[rid] for rid in ids]
+  for rid, got, (p, n) in zip(ids, results, WORK):
+    np.testing.assert_array_equal(got, alone(model, p, n), err_msg=f"request {rid}")
+  st = engine.stats
+  assert st.drafted > 0 and st.generated == sum(n for _, n in WORK)
+  if kw:
+    assert st.preempted >= 1
+  assert _pools_whole(engine) and _pools_whole(engine, engine.draft_cache)
+  if name == "llama" and not kw:
+    itself = Engine(model, max_batch=3, page_size=4, chunk=4, num_draft_tokens=3, draft=model)
+    ids = [itself.submit(p, n) for p, n in WORK]
+    again = itself.run()
+    assert all((again[i] == want).all() for i, want in zip(ids, results))
+    assert itself.stats.accepted_drafts == itself.stats.drafted > 0
+    assert itself.stats.steps < st.steps
+
+
 def test_eos_inside_a_kept_run_ends_the_request_there():
   """A request whose end token comes among the tokens a step keeps stops at it (the later kept
   tokens are dropped), as without drafts."""
@@ -72,10 +113,12 @@ def test_eos_inside_a_kept_run_ends_the_request_there():
 
 def test_sampled_requests_do_not_depend_on_their_neighbours():
   """A sampled request's tokens (and log-probabilities) alone equal those it gets among others,
-  on another schedule; top-1 sampling is greedy."""
+  on another schedule; top-1 sampling (prompt lookup) is greedy."""
   model = model_for("llama")
   outs = []
-  for kw, work in ((dict(max_batch=1, chunk=8), WORK[:1]), (dict(max_batch=3, chunk=2), WORK)):
+  # (with a draft model; prompt lookup's verdicts go through the same accept_rows)
+  for kw, work in ((dict(max_batch=1, chunk=8), WORK[:1]), (dict(max_batch=2, chunk=2), WORK[:3])):
+    kw["draft"] = _draft()
     engine = Engine(model, page_size=4, num_draft_tokens=3, temperature=0.9, seed=4,
                     logprobs=True, **kw)
     ids = [engine.submit(p, n) for p, n in work]
@@ -83,11 +126,11 @@ def test_sampled_requests_do_not_depend_on_their_neighbours():
     outs.append(res[ids[0]])
   np.testing.assert_array_equal(outs[0][0], outs[1][0])
   np.testing.assert_allclose(outs[0][1], outs[1][1], rtol=1e-5, atol=1e-5)
-  engine = Engine(model, max_batch=3, page_size=4, num_draft_tokens=3, temperature=0.7,
+  engine = Engine(model, max_batch=2, page_size=4, num_draft_tokens=3, temperature=0.7,
                   top_k=1)
-  ids = [engine.submit(p, n) for p, n in WORK]
+  ids = [engine.submit(p, n) for p, n in WORK[:3]]
   res = engine.run()
-  for rid, (p, n) in zip(ids, WORK):
+  for rid, (p, n) in zip(ids, WORK[:3]):
     np.testing.assert_array_equal(res[rid], alone(model, p, n))
   assert engine.stats.accepted_drafts > 0
 
@@ -96,7 +139,7 @@ def test_accept_rows_keeps_the_model_distribution():
   """Many rows, one fixed distribution per position and a fixed draft: the first token is
   distributed as ``p_0``, the draft kept with probability ``p_0(d)``, and given it kept, the next
   as ``p_1``; with no draft a row samples what ``sample_rows`` samples (same key)."""
-  n, v = 40000, 5
+  n, v = 20000, 5
   logits = jax.random.normal(jax.random.key(0), (3, v)) * 1.5
   temperature, top_k = 0.8, 4
   p = np.asarray(jax.nn.softmax(filtered_logits(logits, temperature=temperature, top_k=top_k)))
@@ -110,10 +153,10 @@ def test_accept_rows_keeps_the_model_distribution():
                                     rows(2, jnp.int32), *settings)
   tokens, accepted = np.asarray(tokens), np.asarray(accepted)
   freq = lambda x: np.bincount(x, minlength=v) / x.size  # noqa: E731
-  np.testing.assert_allclose(freq(tokens[:, 0]), p[0], atol=0.012)
+  np.testing.assert_allclose(freq(tokens[:, 0]), p[0], atol=0.016)      # ~5 sigma
   d0 = int(drafts[0, 0])
-  assert np.mean(accepted >= 1) == pytest.approx(p[0][d0], abs=0.012)
-  np.testing.assert_allclose(freq(tokens[accepted >= 1, 1]), p[1], atol=0.015)
+  assert np.mean(accepted >= 1) == pytest.approx(p[0][d0], abs=0.016)
+  np.testing.assert_allclose(freq(tokens[accepted >= 1, 1]), p[1], atol=0.025)
   assert (p[0][tokens[:, 0]] > 0).all()
   none, _, _ = accept_rows(jnp.broadcast_to(logits, (n, 3, v))[:64], drafts[:64],
                            rows(0, jnp.int32)[:64], *(x[:64] for x in settings))
@@ -143,6 +186,19 @@ def test_errors():
     Engine(model_for("llama"), num_draft_tokens=-1)
   with pytest.raises(ValueError, match="`ngram_size` must be a positive int"):
     Engine(model_for("llama"), num_draft_tokens=2, ngram_size=0)
+  llama = model_for("llama")
+  with pytest.raises(ValueError, match="give num_draft_tokens >= 1"):
+    Engine(llama, draft=_draft())
+  with pytest.raises(ValueError, match="vocab_size \\(259\\) must equal the model's \\(61\\)"):
+    Engine(llama, num_draft_tokens=2, draft=_draft(vocab_size=259))
+  with pytest.raises(ValueError, match="`draft` has layers of kinds \\['S'\\]"):
+    Engine(llama, num_draft_tokens=2, draft=_draft(layer_pattern="S", sliding_window=4))
+  with pytest.raises(ValueError, match="the model has layers of kinds \\['S'\\]"):
+    Engine(model_for("mistral"), num_draft_tokens=2, draft=_draft())
+  with pytest.raises(ValueError, match="`draft` with `prefix_cache=True`"):
+    Engine(llama, num_draft_tokens=2, draft=_draft(), prefix_cache=True)
+  with pytest.raises(ValueError, match="`draft` must be None or a DecoderLM"):
+    Engine(llama, num_draft_tokens=2, draft="ngram")
   hybrid = model_for("qwen3-next")
   with pytest.raises(ValueError, match="recurrent \\(Gated DeltaNet\\) layers"):
     Engine(hybrid, max_batch=2, num_draft_tokens=2)
