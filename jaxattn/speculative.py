@@ -258,7 +258,6 @@ def speculative_functions(graphdef, draft_graphdef, batch: int, max_len: int, k:
   return prefill, round_
 
 
-
 def speculative_generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_tokens: int, *,
                          draft: DecoderLM | str = "ngram", num_draft_tokens: int = 4,
                          ngram_size: int = 3, temperature: float = 0.0, top_p: float = 1.0,

@@ -99,15 +99,22 @@ def test_lora_section_reports_memory(tmp_path, monkeypatch):
   assert "64x1x128" in sec.markdown and "| lora | 1 | 5 | 2 | 0.25 |" in sec.markdown
 
 
+def _smoke_section(tmp_path, name):
+  """Runs the report's section ``name`` alone at the smoke size (no training run); returns its
+  JSON record (checked ok) and the report's folder."""
+  out = tmp_path / "r"
+  rc = report.main(["--smoke", "--out", str(out), "--only", name,
+                    "--train-metrics", str(tmp_path / "missing.jsonl")])
+  assert rc == 0
+  rec = json.loads((out / f"{name}.json").read_text())
+  assert rec["status"] == "ok", rec["error"]
+  return rec, out
+
+
 def test_kv_quant_quality_section(tmp_path):
   """The quantized-cache section (smoke: a model trained one step): perplexity, KL and top-1
   agreement per cache, the float cache equal to the full forward pass, int8 / fp8 bytes."""
-  out = tmp_path / "r"
-  rc = report.main(["--smoke", "--out", str(out), "--only", "kv_quant_quality",
-                    "--train-metrics", str(tmp_path / "missing.jsonl")])
-  assert rc == 0
-  rec = json.loads((out / "kv_quant_quality.json").read_text())
-  assert rec["status"] == "ok", rec["error"]
+  rec, out = _smoke_section(tmp_path, "kv_quant_quality")
   s = rec["summary"]
   assert set(s) == {"float", "int8", "fp8"}
   assert s["float"]["kl_mean"] == 0 and s["float"]["top1_agreement"] == 1
@@ -119,12 +126,7 @@ def test_kv_quant_quality_section(tmp_path):
 def test_speculative_section(tmp_path):
   """The speculative-decoding section (smoke: untrained tiny models): per row the speed-up,
   acceptance and tokens per call, greedy outputs equal to generate's, the bench's plot linked."""
-  out = tmp_path / "r"
-  rc = report.main(["--smoke", "--out", str(out), "--only", "speculative",
-                    "--train-metrics", str(tmp_path / "missing.jsonl")])
-  assert rc == 0
-  rec = json.loads((out / "speculative.json").read_text())
-  assert rec["status"] == "ok", rec["error"]
+  rec, out = _smoke_section(tmp_path, "speculative")
   s = rec["summary"]
   assert list(s) == ["generate (no draft)", "ngram k=2", "draft k=2"]
   assert s["generate (no draft)"]["speedup"] == 1.0

@@ -11,7 +11,7 @@ import functools
 import jax
 import numpy as np
 from flax import nnx
-from hypothesis import example, given, settings
+from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
 from jaxattn.configs import get_config
@@ -79,6 +79,12 @@ def test_any_schedule_gives_each_request_its_tokens_alone(name, max_batch, page_
                   num_pages=longest + extra_pages, max_pages_per_seq=longest,
                   allocation=allocation, prefix_cache=prefix_cache,
                   narrow_tables=narrow_tables)
+  serve_and_check(engine, name, order, late, after_steps, sampled)
+
+
+def serve_and_check(engine, name, order, late, after_steps, sampled):
+  """Submits the requests in ``order`` (the last ``late`` after ``after_steps`` steps), runs the
+  engine, and checks each result against ``generate`` alone and every page back in its pool."""
   first, rest = order[:len(order) - late], order[len(order) - late:]
   ids = {engine.submit(*REQUESTS[i], **sampling(i, sampled)): i for i in first}
   for _ in range(after_steps):
@@ -103,7 +109,9 @@ def test_any_schedule_gives_each_request_its_tokens_alone(name, max_batch, page_
 @example(name="local-global", max_batch=3, page_size=2, chunk=2, extra_pages=0,
          allocation="on_demand", prefix_cache=True, order=_ALL, late=3, after_steps=2,
          num_draft_tokens=4, ngram_size=2)
-@settings(max_examples=1, deadline=None, derandomize=True)
+# (the example alone in the suite: each schedule compiles its own programs, ~20 s on CPU; 25
+# drawn schedules passed when this was written)
+@settings(max_examples=1, deadline=None, derandomize=True, phases=[Phase.explicit])
 @given(name=st.sampled_from(sorted(MODELS)), max_batch=st.sampled_from([1, 2, 3]),
        page_size=st.sampled_from([2, 4]), chunk=st.sampled_from([2, 4, 8]),
        extra_pages=st.sampled_from([0, 1, 12]),
@@ -119,20 +127,5 @@ def test_speculative_schedules_give_each_request_its_tokens_alone(
                   num_pages=longest + extra_pages, max_pages_per_seq=longest,
                   allocation=allocation, prefix_cache=prefix_cache,
                   num_draft_tokens=num_draft_tokens, ngram_size=ngram_size)
-  first, rest = order[:len(order) - late], order[len(order) - late:]
-  ids = {engine.submit(*REQUESTS[i]): i for i in first}
-  for _ in range(after_steps):
-    engine.step()
-  ids.update({engine.submit(*REQUESTS[i]): i for i in rest})
-  results = engine.run()
-  for rid, i in ids.items():
-    np.testing.assert_array_equal(results[rid], alone(name, i, False),
-                                  err_msg=f"request {i} (id {rid})")
+  serve_and_check(engine, name, order, late, after_steps, False)
   assert engine.stats.drafted > 0
-  engine.clear_prefix_cache()
-  pools = [(c.key_pool.shape[0], c.table) for c in jax.tree_util.tree_leaves(
-      engine.cache.groups, is_leaf=lambda c: hasattr(c, "table")) if hasattr(c, "table")]
-  assert pools and all(int(t.num_free) == size for size, t in pools)
-  assert engine._free_pages == engine.num_pages and engine.pending == 0
-  if engine.window is not None:
-    assert engine._free_window_pages == engine.window_num_pages

@@ -62,7 +62,8 @@ def layers(cache):
 @pytest.mark.parametrize("name", list(CASES))
 def test_engine_on_a_mesh_equals_one_device_and_keeps_the_cache_split(name):
   preset, kw, shape, prefix, *rest = CASES[name]
-  dtype, extra = (rest + [None, {}])[:2]
+  dtype = rest[0] if rest else None
+  extra = rest[1] if len(rest) > 1 else {}
   model = DecoderLM(get_config(preset, **SMALL).replace(**kw), rngs=nnx.Rngs(0))
   if "draft" in extra:
     extra = dict(extra, draft=DecoderLM(get_config(preset, **SMALL).replace(
