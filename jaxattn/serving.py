@@ -1136,7 +1136,8 @@ class Engine:
     """One model call on the slots of ``group`` (``[(slot, request, count)]``) with ``T = t``,
     through ``take`` / ``put`` of their cache rows; returns each slot's sampled tokens with their
     log-probabilities: one, or with ``speculate`` (decoding slots feeding their last token and
-    ``count - 1`` prompt-lookup drafts) the drafts kept and the model's next token."""
+    ``count - 1`` drafts: prompt lookup's, or the draft model's, proposed first in this call)
+    the drafts kept and the model's next token."""
     size = self._sub_batch(len(group))
     rows = np.full((size,), self.max_batch, np.int32)          # padding entries: dropped
     tokens = np.zeros((size, t), np.int32)
