@@ -62,7 +62,7 @@ _ALL = list(range(len(REQUESTS)))
 @example(name="local-global", max_batch=3, page_size=4, chunk=2, extra_pages=1,
          allocation="on_demand", prefix_cache=False, narrow_tables=True, order=_ALL, late=4,
          after_steps=3, sampled=True)
-@settings(max_examples=3, deadline=None, derandomize=True)
+@settings(max_examples=2, deadline=None, derandomize=True)
 @given(name=st.sampled_from(sorted(MODELS)), max_batch=st.sampled_from([1, 2, 3, 3]),
        page_size=st.sampled_from([2, 4]), chunk=st.sampled_from([2, 4, 8]),
        extra_pages=st.sampled_from([0, 1, 3, 12]),

