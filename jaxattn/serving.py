@@ -1155,10 +1155,11 @@ class Engine:
         tokens[i, :n] = r.feed[r.fed:r.fed + n]
       else:
         tokens[i, 0] = r.out[-1]
-        seq = np.concatenate([r.prompt, np.asarray(r.out, np.int32)])
-        if self._propose is not None:                # the draft model's input: the last two
-          first[i], start[i] = seq[r.held - 1:r.held + 1], r.held - 1
+        if self._propose is not None:    # the draft model's input: the last two tokens
+          before = r.out[-2] if len(r.out) > 1 else r.prompt[-1]
+          first[i], start[i] = (before, r.out[-1]), r.held - 1
         elif n > 1:
+          seq = np.concatenate([r.prompt, np.asarray(r.out, np.int32)])
           tokens[i, 1:n] = ngram_propose(seq, n - 1, self.ngram_size)
     # The page-table columns the call needs (its sequences' pages after it), rounded up to a
     # power of two (few compiled shapes), at least MIN_TABLE_PAGES: the decode paths read that
