@@ -199,9 +199,10 @@ def speculative_functions(graphdef, draft_graphdef, batch: int, max_len: int, k:
   """The jitted programs of ``speculative_generate`` (made once per structure and settings):
 
   * ``prefill(state, draft_state, prompt [B, T], key) -> (first [B], cache, draft_cache)``;
-  * ``round(state, draft_state, cache, draft_cache, context [B, C], n, drafts [B, k], done [B],
-    key) -> (tokens [B, k + 1], kept, accepted [B], cache, draft_cache)``: ``context[:, :n + 1]``
-    the sequence so far (the model's cache holds its first ``n``), ``drafts`` the prompt-lookup
+  * ``round(state, draft_state, cache, draft_cache, recent [B, 2], n, drafts [B, k], done [B],
+    key) -> (tokens [B, k + 1], kept, accepted [B], cache, draft_cache)``: ``recent`` the
+    sequence's tokens ``n - 1`` and ``n`` (the model's cache holds its first ``n``; the last one
+    is fed now, the draft re-reads both), ``drafts`` the prompt-lookup
     drafts (unused with a draft model, which drafts here), ``kept + 1`` tokens of
     ``tokens`` are emitted (``kept``: the fewest drafts an unfinished row kept), the model's
     cache rewound to ``n + kept + 1`` positions.  The caches are donated.
@@ -227,17 +228,16 @@ def speculative_functions(graphdef, draft_graphdef, batch: int, max_len: int, k:
     return first, cache, draft_cache
 
   @functools.partial(jax.jit, donate_argnums=(2, 3))
-  def round_(state, draft_state, cache, draft_cache, context, n, drafts, done, key):
-    last = jax.lax.dynamic_slice_in_dim(context, n, 1, axis=1)[:, 0]
+  def round_(state, draft_state, cache, draft_cache, recent, n, drafts, done, key):
+    last = recent[:, 1]
     if draft_graphdef is None:
       probs = jax.nn.one_hot(drafts, vocab_size, dtype=jnp.float32)
     else:
       d = merged(draft_graphdef, draft_state)
       # The draft's cache holds x_0 .. x_{n-2} at least (it has not seen the last round's final
       # kept draft when every draft was kept): it re-reads x_{n-1} with x_n, a fixed shape.
-      prev = jax.lax.dynamic_slice_in_dim(context, n - 1, 1, axis=1)[:, 0]
       draft_cache = rewind_cache(draft_cache, n - 1)
-      logits, draft_cache = d(jnp.stack([prev, last], axis=1), cache=draft_cache)
+      logits, draft_cache = d(recent, cache=draft_cache)
       drafts, probs = [], []
       for j in range(k):
         tok, q = _draft_dist(logits[:, -1], jax.random.fold_in(key, j), **settings)
@@ -319,7 +319,7 @@ def speculative_generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_to
   stats = SpeculativeStats()
   if max_new_tokens == 0:
     return prompt, stats
-  # the sequence so far on the device (prompt lookup reads it), with room for a whole round
+  # the sequence so far (prompt lookup reads it), with room for a whole round
   context = np.zeros((b, max_len + k + 1), np.int32)
   context[:, :t] = prompt
   out, done = [prompt], np.zeros((b,), bool)
@@ -351,7 +351,7 @@ def speculative_generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_to
     if draft_graphdef is None:
       drafts = np.stack([ngram_propose(row[:n + 1], k, ngram_size) for row in context])
     tokens, kept, _, cache, draft_cache = round_(
-        state, draft_state, cache, draft_cache, jnp.asarray(context), jnp.int32(n),
+        state, draft_state, cache, draft_cache, jnp.asarray(context[:, n - 1:n + 1]), jnp.int32(n),
         jnp.asarray(drafts), jnp.asarray(done), token_key(seed, len(out) - 1))
     kept = int(kept)
     tokens = np.asarray(tokens)[:, :kept + 1]
