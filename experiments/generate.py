@@ -17,8 +17,9 @@ EOS that ``experiments.train`` appends to every document, or the Hugging Face to
 ``eos_token_id``); ``--eos-id N`` names another, ``--eos-id -1`` never stops early.
 ``--cache-dtype int8`` (or ``float8_e4m3fn``) decodes from a quantized KV cache.
 
-``--draft ngram`` (prompt lookup) or ``--draft RUN`` (an ``experiments.train`` output whose model,
-of the same vocabulary, drafts) decodes speculatively (``jaxattn.speculative``): the draft
+``--draft ngram`` (prompt lookup), ``--draft mtp`` (the model's own multi-token prediction, for a
+model trained with ``--set mtp_depth=1``) or ``--draft RUN`` (an ``experiments.train`` output whose
+model, of the same vocabulary, drafts) decodes speculatively (``jaxattn.speculative``): the draft
 proposes ``--num-draft-tokens`` tokens that the model checks in one call.  Greedy text is the
 same as without it; sampled text has the same distribution (other draws).  The acceptance rate
 and tokens per model call are printed after the text, to stderr.  Arguments the library refuses
@@ -115,8 +116,9 @@ def main(argv=None) -> int:
                  help="stop a sequence at this token id (default: the tokenizer's end-of-sequence "
                       "id; -1: never stop early)")
   p.add_argument("--draft", default=None,
-                 help="speculative decoding: 'ngram' (prompt lookup) or an experiments.train "
-                      "output directory whose model drafts")
+                 help="speculative decoding: 'ngram' (prompt lookup), 'mtp' (the model's "
+                      "multi-token prediction) or an experiments.train output directory whose "
+                      "model drafts")
   p.add_argument("--num-draft-tokens", type=int, default=None,
                  help="with --draft: tokens drafted per model call (default 4)")
   args = p.parse_args(argv)
@@ -137,10 +139,10 @@ def main(argv=None) -> int:
       prompt_ids = [int(t) for t in args.prompt_ids.split(",")]
     except ValueError:
       p.error(f"argument --prompt-ids: must be comma-separated ints, got {args.prompt_ids!r}")
-  if args.draft is not None and args.draft != "ngram" and not (
+  if args.draft is not None and args.draft not in ("ngram", "mtp") and not (
       pathlib.Path(args.draft) / "config.json").exists():
-    p.error(f"argument --draft: must be 'ngram' or an experiments.train output directory (with "
-            f"config.json and checkpoints/), got {args.draft!r}")
+    p.error(f"argument --draft: must be 'ngram', 'mtp' or an experiments.train output directory "
+            f"(with config.json and checkpoints/), got {args.draft!r}")
   if args.num_draft_tokens is not None and args.draft is None:
     p.error("argument --num-draft-tokens: needs --draft")
   num_draft_tokens = 4 if args.num_draft_tokens is None else args.num_draft_tokens
@@ -152,7 +154,7 @@ def main(argv=None) -> int:
     from jaxattn.convert import load_checkpoint
     model = load_checkpoint(args.checkpoint)
   draft = args.draft
-  if draft is not None and draft != "ngram":
+  if draft is not None and draft not in ("ngram", "mtp"):
     draft, draft_step = load_run(args.draft)
     print(f"loaded draft {args.draft} at step {draft_step}", file=sys.stderr)
   encode, decode, eos_id = _text_codec(args, model.config.vocab_size)
@@ -194,7 +196,7 @@ def main(argv=None) -> int:
   n = out.shape[1] - prompt.shape[1]
   print(f"\n[{n} tokens in {dt:.2f} s incl. compile]", file=sys.stderr)
   if stats is not None:
-    name = "ngram" if args.draft == "ngram" else f"draft {args.draft}"
+    name = args.draft if args.draft in ("ngram", "mtp") else f"draft {args.draft}"
     print(f"[speculative ({name}, {num_draft_tokens} drafts per call): acceptance "
           f"{stats.acceptance_rate:.1%} ({stats.accepted}/{stats.drafted}), "
           f"{stats.tokens_per_call:.2f} tokens per model call over {stats.rounds} calls after "

@@ -341,7 +341,8 @@ def train(args) -> dict:
                      mfu_flops=flops_per_token * tps if math.isfinite(tps) else None)
           history.append(rec)
           metrics_log.write(rec)
-          bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tps:,.0f}")
+          mtp = {"mtp": f"{m['mtp_loss']:.3f}"} if "mtp_loss" in m else {}
+          bar.set_postfix(loss=f"{m['loss']:.3f}", **mtp, tok_s=f"{tps:,.0f}")
         bar.update(1)
         if args.eval_every and n % args.eval_every == 0 and n < args.steps:
           jax.block_until_ready(state)   # queued train steps are training time, not eval time

@@ -249,8 +249,9 @@ def generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_tokens: int, *
   values (a scale per token and KV head), about half the bytes of a bf16 cache.
 
   ``draft``: speculative decoding (``jaxattn.speculative.speculative_generate``, whose statistics
-  this drops): a smaller ``DecoderLM`` of the same vocabulary or ``"ngram"`` (prompt lookup)
-  proposes ``num_draft_tokens`` tokens that the model checks in one call.  Greedy output is the
+  this drops): a smaller ``DecoderLM`` of the same vocabulary, ``"ngram"`` (prompt lookup) or
+  ``"mtp"`` (the model's multi-token prediction) proposes ``num_draft_tokens`` tokens that the
+  model checks in one call.  Greedy output is the
   same; sampled output has the same distribution (other draws).
   """
   if draft is not None:

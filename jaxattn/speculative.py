@@ -3,6 +3,7 @@
     out, stats = speculative_generate(model, prompt, 128, draft=small_model, num_draft_tokens=4)
     out, stats = speculative_generate(model, prompt, 128, draft="ngram")   # prompt lookup
     out = generate(model, prompt, 128, draft="ngram")                     # the same, tokens only
+    out, stats = speculative_generate(mtp_model, prompt, 128, draft="mtp")  # self-speculation
 
 Each round the draft proposes ``d_1 .. d_k`` after the last token ``x_n``; the model runs
 ``[x_n, d_1, .., d_k]`` through its cache as one chunk (``k + 1`` positions, one call: decode is
@@ -26,7 +27,11 @@ Drafts: a ``DecoderLM`` with the same vocabulary (a smaller model; it keeps a ca
 rewound with the model's), or ``"ngram"``: prompt lookup, no model at all: the last ``ngram_size``
 tokens (down to 1) are looked up in the sequence so far and the tokens that followed their latest
 earlier occurrence are proposed (repeating with that period where they run into the present);
-strong where the output copies its input (code edits, extraction, summaries with quotes).
+strong where the output copies its input (code edits, extraction, summaries with quotes).  Or
+``"mtp"``: the model's own multi-token-prediction module (``ModelConfig.mtp_depth >= 1``,
+``jaxattn.nn.mtp``; DeepSeek-V3's inference use of it): depth 1 reads the model's last hidden
+state and the token just chosen and proposes the one after, then chains on its own output for the
+rest (``_mtp_functions``); no second model, one small block per draft.
 
 Rows of a batch advance together: a round keeps the fewest tokens any unfinished row agreed on (a
 row that agreed on more gets its own next token from that shorter prefix, which is still exact),
@@ -216,6 +221,9 @@ def speculative_functions(graphdef, draft_graphdef, batch: int, max_len: int, k:
     m.eval()
     return m
 
+  if draft_graphdef == "mtp":
+    return _mtp_functions(graphdef, batch, max_len, k, settings, cache_dtype)
+
   @jax.jit
   def prefill(state, draft_state, prompt, key):
     m = merged(graphdef, state)
@@ -258,6 +266,77 @@ def speculative_functions(graphdef, draft_graphdef, batch: int, max_len: int, k:
   return prefill, round_
 
 
+def _mtp_run(m: DecoderLM, tokens, h_prev, start, mtp_cache: ModelCache):
+  """Depth 1 of ``m``'s multi-token prediction over positions ``start ..``: pairs ``(h_prev
+  [B, T, D], tokens [B, T])`` (the hidden state at a position and the token after it) ->
+  ``(h [B, T, D], logits [B, T, V], cache)``; position ``i``'s logits predict token ``i + 2``."""
+  module = m.mtp[0]
+  b, t = tokens.shape
+  positions = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
+  h, layer_cache, _ = module(h_prev, m.mtp_embed(tokens), positions=positions,
+                             cache=mtp_cache.groups[0][0])
+  return h, m.mtp_logits(module, h), ModelCache(((layer_cache,),), mtp_cache.index + t)
+
+
+def _mtp_functions(graphdef, batch: int, max_len: int, k: int, settings: dict, cache_dtype):
+  """``speculative_functions`` with the model's own multi-token prediction as the draft
+  (self-speculation).  The draft state is ``(cache, h [B, 1, D], logits [B, V])``: the depth-1
+  module's cache holds the pairs ``(h_i, x_{i+1})`` of every position before the model's last
+  token ``x_n``, and ``h`` / ``logits`` are its output at position ``n - 1``, whose logits
+  predict ``x_{n+1}``: the first draft.  Later drafts chain the module on its own output
+  (position ``n + j`` reads the module's hidden state in place of the model's, which is not
+  known yet).  After the model's check the module's cache is rewound to ``n`` and re-reads the
+  model's true hidden states with the tokens that followed them (``k + 1`` positions at once,
+  those past the kept ones are rewound away): its output at the last kept position is the next
+  round's first draft."""
+
+  def merged(state):
+    m = nnx.merge(graphdef, state)
+    m.eval()
+    return m
+
+  @jax.jit
+  def prefill(state, draft_state, prompt, key):
+    del draft_state
+    m = merged(state)
+    h, cache = m(prompt, cache=m.init_cache(batch, max_len, cache_dtype), return_hidden=True)
+    first = _draft_dist(m.head(h[:, -1]).astype(jnp.float32), key, **settings)[0]
+    mtp_cache = ModelCache(((m.mtp[0].init_cache(batch, max_len, cache_dtype),),),
+                           jnp.zeros((), jnp.int32))
+    ahead = jnp.concatenate([prompt[:, 1:], first[:, None]], axis=1)
+    g, logits, mtp_cache = _mtp_run(m, ahead, h, 0, mtp_cache)
+    return first, cache, (mtp_cache, g[:, -1:], logits[:, -1])
+
+  @functools.partial(jax.jit, donate_argnums=(2, 3))
+  def round_(state, draft_state, cache, draft_cache, recent, n, drafts, done, key):
+    del draft_state, drafts
+    m = merged(state)
+    mtp_cache, g, logits = draft_cache
+    drafts, probs = [], []
+    tok, q = _draft_dist(logits, jax.random.fold_in(key, 0), **settings)
+    for j in range(k):
+      drafts.append(tok)
+      probs.append(q)
+      if j + 1 < k:     # position n + j: the module's own output stands for the model's
+        g, lg, mtp_cache = _mtp_run(m, tok[:, None], g, n + j, mtp_cache)
+        tok, q = _draft_dist(lg[:, -1], jax.random.fold_in(key, j + 1), **settings)
+    drafts = jnp.stack(drafts, axis=1)
+    probs = None if settings["temperature"] == 0.0 else jnp.stack(probs, axis=1)
+    h, cache = m(jnp.concatenate([recent[:, 1:], drafts], axis=1), cache=cache,
+                 return_hidden=True)
+    tokens, accepted = speculative_accept(m.head(h).astype(jnp.float32), drafts, probs,
+                                          jax.random.fold_in(key, k), **settings)
+    kept = jnp.min(jnp.where(done, k, accepted))
+    cache = rewind_cache(cache, n + kept + 1)
+    # the model's hidden state at n + j with the token after it (tokens[:, j]), j <= kept
+    g, lg, mtp_cache = _mtp_run(m, tokens, h, n, rewind_cache(mtp_cache, n))
+    g = jax.lax.dynamic_slice_in_dim(g, kept, 1, axis=1)
+    lg = jax.lax.dynamic_index_in_dim(lg, kept, axis=1, keepdims=False)
+    return tokens, kept, accepted, cache, (rewind_cache(mtp_cache, n + kept + 1), g, lg)
+
+  return prefill, round_
+
+
 def speculative_generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_tokens: int, *,
                          draft: DecoderLM | str = "ngram", num_draft_tokens: int = 4,
                          ngram_size: int = 3, temperature: float = 0.0, top_p: float = 1.0,
@@ -267,8 +346,9 @@ def speculative_generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_to
                          cache_dtype=None) -> tuple[np.ndarray, SpeculativeStats]:
   """``generate`` with speculative decoding (module docstring): ``(tokens [B, T + n], stats)``.
 
-  ``draft``: a ``DecoderLM`` with ``model``'s vocabulary, or ``"ngram"`` (prompt lookup, the
-  last ``ngram_size`` tokens down to 1); ``num_draft_tokens`` (``k``) drafts per round.  The other
+  ``draft``: a ``DecoderLM`` with ``model``'s vocabulary, ``"ngram"`` (prompt lookup, the last
+  ``ngram_size`` tokens down to 1) or ``"mtp"`` (the model's multi-token prediction, depth 1);
+  ``num_draft_tokens`` (``k``) drafts per round.  The other
   arguments are ``generate``'s: greedy output equals ``generate``'s token for token; sampled
   output has its distribution.  ``max_len`` (default: ``T + max_new_tokens + k`` rounded up to
   128) must leave room for a round's ``k + 1`` positions past the last kept token.
@@ -284,15 +364,19 @@ def speculative_generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_to
   if not is_int(ngram_size) or ngram_size < 1:
     raise ValueError(f"`ngram_size` must be an int >= 1, got {ngram_size!r}.")
   if isinstance(draft, str):
-    if draft != "ngram":
-      raise ValueError(f"`draft` must be a DecoderLM or 'ngram' (prompt lookup), got {draft!r}.")
+    if draft not in ("ngram", "mtp"):
+      raise ValueError(f"`draft` must be a DecoderLM, 'ngram' (prompt lookup) or 'mtp' (the "
+                       f"model's multi-token prediction), got {draft!r}.")
+    if draft == "mtp" and not model.config.mtp_depth:
+      raise ValueError("`draft='mtp'` drafts with the model's multi-token-prediction modules; "
+                       "this model has none (mtp_depth=0).")
   elif isinstance(draft, DecoderLM):
     if draft.config.vocab_size != model.config.vocab_size:
       raise ValueError(f"`draft`'s vocab_size ({draft.config.vocab_size}) must equal the "
                        f"model's ({model.config.vocab_size}): drafts are the model's tokens.")
     check_rewindable(draft, f"{where} (draft)")
   else:
-    raise ValueError(f"`draft` must be a DecoderLM or 'ngram' (prompt lookup), got "
+    raise ValueError(f"`draft` must be a DecoderLM, 'ngram' or 'mtp', got "
                      f"{type(draft).__name__}.")
   check_rewindable(model, where)
   prompt = np.asarray(prompt).astype(np.int32)
@@ -312,7 +396,10 @@ def speculative_generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_to
   quant = ({} if cache_dtype is None else
            dict(cache_dtype=check_cache_dtype(cache_dtype, where, "cache_dtype")))
   graphdef, state = nnx.split(model)
-  draft_graphdef, draft_state = (None, None) if isinstance(draft, str) else nnx.split(draft)
+  if isinstance(draft, str):
+    draft_graphdef, draft_state = (None if draft == "ngram" else draft), None
+  else:
+    draft_graphdef, draft_state = nnx.split(draft)
   prefill, round_ = speculative_functions(
       graphdef, draft_graphdef, b, int(max_len), k, cfg.vocab_size,
       temperature=float(temperature), top_p=float(top_p), top_k=int(top_k), **quant)

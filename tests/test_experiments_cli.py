@@ -282,7 +282,7 @@ def test_generate_draft_ngram_gives_the_same_greedy_text(tmp_path, capsys):
   other = _untrained_run(tmp_path / "other", vocab_size=300)
   for argv, fragment in [
       (["--draft", str(other)], "`draft`'s vocab_size (300) must equal the model's (259)"),
-      (["--draft", str(tmp_path)], "argument --draft: must be 'ngram' or an experiments.train"),
+      (["--draft", str(tmp_path)], "argument --draft: must be 'ngram', 'mtp' or an"),
       (["--num-draft-tokens", "2"], "argument --num-draft-tokens: needs --draft"),
       (["--draft", "ngram", "--num-draft-tokens", "0"], "`num_draft_tokens` must be an int in"),
   ]:

@@ -8,10 +8,10 @@ import pytest
 from flax import nnx
 
 from jaxattn.configs import get_config
-from jaxattn.generation import filtered_logits, generate
+from jaxattn.generation import filtered_logits, generate, token_key
 from jaxattn.nn.model import DecoderLM
 from jaxattn.speculative import (ngram_propose, rewind_cache, speculative_accept,
-                                 speculative_generate)
+                                 speculative_functions, speculative_generate)
 
 SMALL = dict(embed_dim=32, mlp_dim=64)
 PROMPT = np.array([[1, 40, 50, 60, 40, 50], [1, 70, 80, 90, 70, 80]], np.int32)
@@ -67,6 +67,54 @@ def test_latent_sparse_and_window_caches_rewind(preset):
   prompt = PROMPT[:1]
   np.testing.assert_array_equal(speculative_generate(model, prompt, 10, draft=model)[0],
                                 generate(model, prompt, 10))
+
+
+@pytest.fixture(scope="module")
+def llama_mtp():
+  return DecoderLM(get_config("llama", num_layers=2, mtp_depth=1, **SMALL), rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("preset", ["llama", "deepseek-v3"])
+def test_mtp_draft_greedy_is_generates(llama_mtp, preset):
+  """The model's own depth-1 MTP module drafts (a chain of k proposals): greedy output is
+  ``generate``'s, over a KV cache and an MLA + MoE model's latent cache; sampling at top-1 too."""
+  model = llama_mtp if preset == "llama" else DecoderLM(
+      get_config(preset, num_layers=2, mtp_depth=1), rngs=nnx.Rngs(1))
+  want = generate(model, PROMPT, 15)
+  out, stats = speculative_generate(model, PROMPT, 15, draft="mtp", num_draft_tokens=3)
+  np.testing.assert_array_equal(out, want)
+  assert stats.drafted == 3 * stats.rounds and stats.emitted == 14
+  if preset == "llama":
+    out, _ = speculative_generate(model, PROMPT, 15, draft="mtp", num_draft_tokens=2,
+                                  temperature=0.9, top_k=1, seed=4)
+    np.testing.assert_array_equal(out, want)
+
+
+def test_mtp_draft_state_is_the_uncached_module(llama_mtp):
+  """After the prefill and after every round, the draft's first proposal comes from the module's
+  output at the last kept position, computed over the model's true hidden states and the tokens
+  that followed them: equal to ``mtp_forward`` over the whole sequence so far, uncached.  (The
+  rounds' stand-in positions must be rewound and re-read for this to hold.)"""
+  model, k = llama_mtp, 3
+  graphdef, state = nnx.split(model)
+  prefill, round_ = speculative_functions(graphdef, "mtp", 2, 64, k, model.config.vocab_size)
+  first, cache, draft_cache = prefill(state, None, jnp.asarray(PROMPT), token_key(0, 0))
+  seq, n = np.concatenate([PROMPT, np.asarray(first)[:, None]], axis=1), PROMPT.shape[1]
+
+  def check():
+    tokens = jnp.asarray(seq)
+    want = model.mtp_forward(model(tokens, return_hidden=True), tokens)[0][:, n - 1]
+    np.testing.assert_allclose(draft_cache[2], want, atol=2e-4)
+    assert int(draft_cache[0].index) == n and int(cache.index) == n
+
+  check()
+  for r in range(4):
+    tokens, kept, _, cache, draft_cache = round_(
+        state, None, cache, draft_cache, jnp.asarray(seq[:, n - 1:n + 1]), jnp.int32(n),
+        jnp.zeros((2, k), jnp.int32), jnp.zeros((2,), bool), token_key(0, r + 1))
+    seq = np.concatenate([seq, np.asarray(tokens)[:, :int(kept) + 1]], axis=1)
+    n += int(kept) + 1
+    check()
 
 
 def test_sampling_with_top_k_one_is_greedy(llama, small_draft):
@@ -142,8 +190,10 @@ def test_refused(llama, small_draft):
   other = DecoderLM(get_config("llama", num_layers=1, vocab_size=100, **SMALL), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="vocab_size \\(100\\) must equal"):
     speculative_generate(llama, PROMPT, 4, draft=other)
-  with pytest.raises(ValueError, match="`draft` must be a DecoderLM or 'ngram'"):
+  with pytest.raises(ValueError, match="`draft` must be a DecoderLM, 'ngram'"):
     speculative_generate(llama, PROMPT, 4, draft="lookup")
+  with pytest.raises(ValueError, match="mtp_depth=0"):
+    speculative_generate(llama, PROMPT, 4, draft="mtp")
   with pytest.raises(ValueError, match="`num_draft_tokens` must be an int in \\[1, 64\\]"):
     speculative_generate(llama, PROMPT, 4, num_draft_tokens=0)
   with pytest.raises(ValueError, match="`ngram_size` must be an int >= 1"):

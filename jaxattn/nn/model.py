@@ -57,6 +57,7 @@ from jaxattn.nn.mla import MLA
 from jaxattn.nn.mlp import MLP
 from jaxattn.ops.moe import IMPLEMENTATIONS as MOE_IMPLEMENTATIONS, ClampedSwiGLU
 from jaxattn.nn.moe import MoE
+from jaxattn.nn.mtp import MTPModule
 from jaxattn.nn.norms import make_norm
 from jaxattn.nn.positional import LearnedPositionalEmbedding
 from jaxattn.ops.decode import check_num_tokens, check_ragged_needs_paged
@@ -163,6 +164,9 @@ class ModelConfig:
   num_streams: int = 4
   # head
   tie_embeddings: bool = True
+  # multi-token prediction (jaxattn.nn.mtp): D modules predicting 2 .. D + 1 tokens ahead
+  mtp_depth: int = 0
+  mtp_loss_weight: float = 0.3               # lambda: total += lambda / D * sum_k CE_k
   # numerics and compilation
   dtype: str = "float32"
   param_dtype: str = "float32"
@@ -205,6 +209,15 @@ class ModelConfig:
       raise ValueError(f"`sliding_window` must be None or a non-negative int, got "
                        f"{self.sliding_window!r}.")
     positive("num_streams")
+    if not is_int(self.mtp_depth) or not 0 <= self.mtp_depth <= 8:
+      raise ValueError(f"`mtp_depth` must be an int in [0, 8], got {self.mtp_depth!r}.")
+    w = self.mtp_loss_weight
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or not w >= 0:
+      raise ValueError(f"`mtp_loss_weight` must be a number >= 0, got "
+                       f"{self.mtp_loss_weight!r}.")
+    if self.mtp_depth and self.residual != "plain":
+      raise ValueError(f"multi-token prediction (mtp_depth={self.mtp_depth}) needs "
+                       f"residual='plain', got {self.residual!r}.")
     if self.moe_expert_format not in ("dense", "mxfp4"):
       raise ValueError(f"`moe_expert_format` must be 'dense' or 'mxfp4', got "
                        f"{self.moe_expert_format!r}.")
@@ -919,6 +932,8 @@ class DecoderLM(nnx.Module):
     self.lm_head = (None if cfg.tie_embeddings else
                     Einsum("BTD,DV->BTV", (d, v), ("embed", "vocab"), rngs=rngs,
                            dtype=cfg.compute_dtype, param_dtype=pdt))
+    self.mtp = (nnx.List([MTPModule(cfg, k, rngs=rngs) for k in range(1, cfg.mtp_depth + 1)])
+                if cfg.mtp_depth else None)
 
   # -- cache -----------------------------------------------------------------------------------
 
@@ -1053,11 +1068,51 @@ class DecoderLM(nnx.Module):
                         self.embed[...].astype(cfg.compute_dtype))
     return self.lm_head(h.astype(cfg.compute_dtype))
 
+  # -- multi-token prediction (jaxattn.nn.mtp) ------------------------------------------------
+
+  def mtp_embed(self, tokens: Int[Array, "B T"]) -> Array:
+    """The MTP modules' token embeddings: the shared table, no positions."""
+    return jnp.take(self.embed[...], tokens, axis=0).astype(self.config.compute_dtype)
+
+  def mtp_logits(self, module: MTPModule, h: Array) -> Array:
+    """fp32 logits of an MTP module's output ``h [B, T, D]`` through the shared head."""
+    logits = self.head(module.norm(h))
+    return shard(logits.astype(jnp.float32), ("batch", "length", None))
+
+  def mtp_forward(self, hidden: Array, tokens: Int[Array, "B T"], *,
+                  positions: Int[Array, "B T"] | None = None,
+                  segment_ids: Int[Array, "B T"] | None = None, return_aux: bool = False):
+    """Every MTP depth over a training sequence: ``hidden [B, T, D]`` the model's final hidden
+    states (``return_hidden=True``) for ``tokens [B, T]``.  Returns a list of ``D`` fp32 logits
+    ``[B, T, V]``: depth ``k``'s at position ``i`` predict token ``i + k + 1`` (meaningless where
+    that is past the row or, with ``segment_ids``, in another document: ``mtp_targets`` masks
+    them); ``return_aux`` also returns the modules' auxiliary losses and MoE loads, as
+    ``__call__`` does."""
+    if self.mtp is None:
+      raise ValueError("this model has no multi-token-prediction modules (mtp_depth=0).")
+    b, t = tokens.shape
+    if hidden.shape[:2] != (b, t):
+      raise ValueError(f"`hidden` must be [B={b}, T={t}, D], got shape {hidden.shape}.")
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    h, outs, auxes = hidden.astype(self.config.compute_dtype), [], []
+    for module in self.mtp:
+      ahead = jnp.pad(tokens[:, module.depth:], ((0, 0), (0, min(module.depth, t))))[:, :t]
+      h, _, aux = module(h, self.mtp_embed(ahead), positions=positions, segment_ids=segment_ids,
+                         want_aux=return_aux)
+      outs.append(self.mtp_logits(module, h))
+      auxes.append(aux)
+    return (outs, _reduce_aux([auxes])) if return_aux else outs
+
   # -- MoE router biases ---------------------------------------------------------------------
 
-  def moe_sites(self) -> list[MoE]:
-    """The MoE modules in the order ``return_aux``'s ``moe_loads`` lists their loads."""
-    return [m for m in _iter_layers_static(self) if m is not None]
+  def moe_sites(self, *, mtp: bool = True) -> list[MoE]:
+    """The MoE modules in the order ``return_aux``'s ``moe_loads`` lists their loads (then, with
+    ``mtp``, the MTP modules' in ``mtp_forward``'s order)."""
+    sites = [m for m in _iter_layers_static(self) if m is not None]
+    if mtp and self.mtp is not None:
+      sites += [m.layer.ffn for m in self.mtp if m.layer.is_moe]
+    return sites
 
   def quantize_experts(self) -> None:
     """Every MoE's routed experts to MXFP4 (``MoE.quantize_experts``; frozen, 3.5x to 3.8x fewer
@@ -1071,8 +1126,11 @@ class DecoderLM(nnx.Module):
     self.config = self.config.replace(moe_expert_format="mxfp4")
 
   def update_router_biases(self, moe_loads) -> None:
-    """Auxiliary-loss-free balancing after a step: each router bias moves against its load."""
+    """Auxiliary-loss-free balancing after a step: each router bias moves against its load
+    (``moe_loads``: the layers' loads, then the MTP modules' if it has theirs as well)."""
     sites = self.moe_sites()
+    if len(moe_loads) == len(self.moe_sites(mtp=False)):
+      sites = self.moe_sites(mtp=False)
     if len(sites) != len(moe_loads):
       raise ValueError(f"got {len(moe_loads)} load arrays for {len(sites)} MoE sites.")
     for moe, load in zip(sites, moe_loads):

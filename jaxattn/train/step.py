@@ -21,6 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxattn.nn.model import DecoderLM, ModelConfig
+from jaxattn.nn.mtp import mtp_layer_kind
 from jaxattn.sharding import logical_to_spec, param_shardings
 
 Batch = dict[str, jax.Array]
@@ -92,18 +93,58 @@ def model_inputs(model_cfg: ModelConfig, batch: Batch) -> dict:
   return dict(positions=batch.get("positions"), segment_ids=batch.get("segment_ids"))
 
 
+def mtp_targets(batch: Batch, depth: int):
+  """Depth ``depth``'s targets and mask ``([B, T], [B, T])``: at position ``i`` the token
+  ``i + depth + 1`` (``targets[i + depth]``), counted where that target is real, in the row and,
+  with ``segment_ids``, in position ``i``'s document."""
+  targets = batch["targets"]
+  t = targets.shape[1]
+  shift = lambda x: jnp.pad(x[:, depth:], ((0, 0), (0, min(depth, t))))[:, :t]  # noqa: E731
+  mask = batch.get("loss_mask")
+  mask = jnp.ones(targets.shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
+  mask = shift(mask)       # (padding shifts in as 0)
+  seg = batch.get("segment_ids")
+  if seg is not None:
+    mask = mask * (shift(seg) == seg)
+  return shift(targets), mask
+
+
 def loss_fn(model: DecoderLM, batch: Batch):
-  """Mean next-token cross-entropy over ``loss_mask`` plus the MoE and indexer auxiliary losses.
+  """Mean next-token cross-entropy over ``loss_mask`` plus the MoE and indexer auxiliary losses,
+  and with multi-token prediction (``mtp_depth = D > 0``) ``mtp_loss_weight / D`` times the sum of
+  the ``D`` depths' mean cross-entropies (``mtp_targets``; metric ``mtp_loss``: their mean).
 
   Returns ``(total, (metrics, moe_loads))``.
   """
-  logits, aux = model(batch["tokens"], return_aux=True, **model_inputs(model.config, batch))
+  cfg = model.config
+  inputs = model_inputs(cfg, batch)
+  if cfg.mtp_depth:
+    hidden, aux = model(batch["tokens"], return_aux=True, return_hidden=True, **inputs)
+    logits = model.head(hidden).astype(jnp.float32)
+  else:
+    logits, aux = model(batch["tokens"], return_aux=True, **inputs)
   nll, count = cross_entropy(logits, batch["targets"], batch.get("loss_mask"))
   ce = nll / jnp.maximum(count, 1.0)
-  total = ce + aux["moe_aux_loss"] + aux["indexer_loss"]
-  metrics = {"loss": ce, "total_loss": total, "moe_aux_loss": aux["moe_aux_loss"],
-             "indexer_loss": aux["indexer_loss"], "tokens": count}
-  return total, (metrics, aux["moe_loads"])
+  moe_aux, indexer = aux["moe_aux_loss"], aux["indexer_loss"]
+  loads = list(aux["moe_loads"])
+  total = ce + moe_aux + indexer
+  metrics = {"loss": ce}
+  if cfg.mtp_depth:
+    depth_logits, mtp_aux = model.mtp_forward(hidden, batch["tokens"], return_aux=True, **inputs)
+    losses = []
+    for k, lg in enumerate(depth_logits, start=1):
+      targets, mask = mtp_targets(batch, k)
+      s, c = cross_entropy(lg, targets, mask)
+      losses.append(s / jnp.maximum(c, 1.0))
+    mtp_loss = sum(losses) / cfg.mtp_depth
+    moe_aux, indexer = moe_aux + mtp_aux["moe_aux_loss"], indexer + mtp_aux["indexer_loss"]
+    total = total + cfg.mtp_loss_weight * mtp_loss + mtp_aux["moe_aux_loss"] \
+        + mtp_aux["indexer_loss"]
+    loads += mtp_aux["moe_loads"]
+    metrics["mtp_loss"] = mtp_loss
+  metrics.update({"total_loss": total, "moe_aux_loss": moe_aux, "indexer_loss": indexer,
+                  "tokens": count})
+  return total, (metrics, loads)
 
 
 def split_model(model: DecoderLM):
@@ -244,7 +285,8 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
   keys a causal query actually attends on average: all earlier ones (A, M), at most
   ``sliding_window + 1`` (S), at most ``index_topk`` (I, sparse mode) plus the lightning
   indexer's ``6 H_I d_I`` per earlier key.  Gated DeltaNet layers count their projections only
-  (their chunked state update is linear in T and small next to them)."""
+  (their chunked state update is linear in T and small next to them).  Multi-token-prediction
+  modules count as layers of their kind, with one more pass through the head each."""
   model = nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0)))
   params = nnx.state(model, nnx.Param)
   active = 0.0
@@ -261,13 +303,15 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
       n = n * cfg.num_experts_per_tok / max(cfg.num_experts, 1)  # only top-k experts run
     active += n
   active += cfg.vocab_size * cfg.embed_dim if cfg.tie_embeddings else 0
+  active += cfg.mtp_depth * cfg.vocab_size * cfg.embed_dim    # the MTP depths' shared head
   head_dim = cfg.head_dim or cfg.embed_dim // cfg.num_heads
   mla_qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
   mla_v = cfg.v_head_dim if cfg.v_head_dim is not None else cfg.qk_nope_head_dim
   full = mean_keys_per_query(seq_len)
   attn = 0.0
-  for i in range(cfg.num_layers):
-    kind = cfg.layer_kind(i)[0]
+  kinds = [cfg.layer_kind(i)[0] for i in range(cfg.num_layers)]
+  kinds += [mtp_layer_kind(cfg)[0]] * cfg.mtp_depth
+  for kind in kinds:
     if kind == "A":
       attn += 6 * cfg.num_heads * 2 * head_dim * full
     elif kind == "S":
