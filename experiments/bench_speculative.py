@@ -1,8 +1,9 @@
 """Speculative decoding against plain decoding: a trained byte-level model continuing held-out
-text, greedy, with prompt-lookup (n-gram) drafts and with a smaller trained draft model.
+text, greedy, with prompt-lookup (n-gram) drafts, with a smaller trained draft model, and a model
+trained with multi-token prediction drafting with its own MTP module.
 
     python -m experiments.bench_speculative [--run runs/train] [--draft-run runs/draft]
-        [--train-steps 80] [--draft-layers 1] [--draft-width 64] [--prompts 8]
+        [--mtp-run runs/mtp] [--train-steps 80] [--draft-layers 1] [--draft-width 64] [--prompts 8]
         [--prompt-len 64] [--new-tokens 128] [--k 2,4,8] [--temperature 0.8] [--repeats 2]
         [--out runs/bench_speculative] [--smoke]
 
@@ -11,7 +12,11 @@ it llama-tiny (byte vocabulary, 4 layers of width 128) is trained first for ``--
 (``experiments.train`` under ``--out/train``, resumed if it is there).  ``--draft-run`` likewise
 gives the draft; without it a smaller llama (``--draft-layers`` layers of width
 ``--draft-width``, the same vocabulary, data and steps) is trained under ``--out/draft``.
-``--smoke`` uses two untrained tiny models instead (no training: a quick end-to-end check of the
+``--mtp-run`` gives a model with multi-token prediction (``mtp_depth >= 1``); without it the same
+llama-tiny with ``mtp_depth=1`` (and the default ``mtp_loss_weight`` 0.3) is trained alike under
+``--out/mtp``: the table's header prints both models' held-out loss, so what the extra objective
+costs (or gives) the next-token prediction is read beside what its drafts give.
+``--smoke`` uses three untrained tiny models instead (no training: a quick end-to-end check of the
 script, whose figures then mean nothing).
 
 Prompts: ``--prompts`` rows of ``--prompt-len`` tokens of the held-out documents (the training
@@ -27,6 +32,9 @@ end-of-sequence stop, so every row generates the same count):
 * ``ngram k=K`` for each ``--k``: ``speculative_generate(draft="ngram", num_draft_tokens=K)``,
   prompt lookup (no draft model);
 * ``draft k=K`` for each ``--k``: ``speculative_generate`` with the draft model;
+* ``generate (MTP model)`` and ``mtp k=K`` for each ``--k``: the MTP-trained model alone, and
+  drafting with its own depth-1 module (``draft="mtp"``: self-speculation, no second model; its
+  greedy output is checked against its own ``generate``);
 * at ``--temperature`` (0: none): ``generate (no draft) T=...`` and ``draft k=4 T=...``
   (speculative sampling; its tokens legitimately differ from ``generate``'s, its distribution
   does not), seed = the prompt's index.
@@ -76,6 +84,7 @@ from jaxattn.generation import generate
 from jaxattn.speculative import speculative_generate
 
 BASELINE = "generate (no draft)"
+MTP_BASELINE = "generate (MTP model)"
 SAMPLE_K = 4            # the sampled draft row's drafts per round
 TRAIN_SEQ_LEN = 128     # rows of the models trained here
 
@@ -104,13 +113,26 @@ def draft_overrides(layers: int, width: int) -> tuple[str, ...]:
 
 
 def smoke_models():
-  """Two untrained tiny llamas (2 layers and 1 layer of width 32) with the byte vocabulary."""
+  """Three untrained tiny llamas with the byte vocabulary: 2 layers, 1 layer (the draft) and
+  2 layers with one MTP module, width 32."""
   from jaxattn.configs import get_config  # noqa: PLC0415
   from jaxattn.nn.model import DecoderLM  # noqa: PLC0415
   small = dict(embed_dim=32, mlp_dim=64, num_heads=2, num_kv_heads=1)
   model = DecoderLM(get_config("llama", num_layers=2, **small), rngs=nnx.Rngs(0))
   draft = DecoderLM(get_config("llama", num_layers=1, **small), rngs=nnx.Rngs(1))
-  return model, draft
+  mtp = DecoderLM(get_config("llama", num_layers=2, mtp_depth=1, **small), rngs=nnx.Rngs(2))
+  return model, draft, mtp
+
+
+def eval_loss(run: pathlib.Path) -> float | None:
+  """The last held-out loss ``experiments.train`` logged for ``run`` (None if none)."""
+  import json  # noqa: PLC0415
+  path = run / "metrics.jsonl"
+  if not path.exists():
+    return None
+  losses = [r["eval_loss"] for r in map(json.loads, path.read_text().splitlines())
+            if "eval_loss" in r]
+  return losses[-1] if losses else None
 
 
 def num_params(model) -> int:
@@ -127,12 +149,17 @@ def prompts_from_held_out(count: int, length: int) -> list[np.ndarray]:
 
 
 def make_rows(ks: list[int], temperature: float) -> list[dict]:
-  """The rows measured: name, draft ("ngram", "model" or None), k, temperature, baseline."""
+  """The rows measured: name, draft ("ngram", "model", "mtp" or None), k, temperature, baseline,
+  model ("model" or "mtp": which trained model decodes)."""
   rows = [dict(name=BASELINE, draft=None, k=None, temperature=0.0, baseline=BASELINE)]
   rows += [dict(name=f"ngram k={k}", draft="ngram", k=k, temperature=0.0, baseline=BASELINE)
            for k in ks]
   rows += [dict(name=f"draft k={k}", draft="model", k=k, temperature=0.0, baseline=BASELINE)
            for k in ks]
+  rows += [dict(name=MTP_BASELINE, draft=None, k=None, temperature=0.0, baseline=MTP_BASELINE,
+                model="mtp")]
+  rows += [dict(name=f"mtp k={k}", draft="mtp", k=k, temperature=0.0, baseline=MTP_BASELINE,
+                model="mtp") for k in ks]
   if temperature > 0:
     sampled = f"{BASELINE} T={temperature:g}"
     rows += [dict(name=sampled, draft=None, k=None, temperature=temperature, baseline=sampled),
@@ -141,25 +168,28 @@ def make_rows(ks: list[int], temperature: float) -> list[dict]:
   return rows
 
 
-def run_row(row: dict, model, draft_model, prompt: np.ndarray, new_tokens: int, seed: int):
-  """``(tokens [1, T + n], SpeculativeStats or None, wall seconds)`` of one row on one prompt."""
+def run_row(row: dict, models: dict, prompt: np.ndarray, new_tokens: int, seed: int):
+  """``(tokens [1, T + n], SpeculativeStats or None, wall seconds)`` of one row on one prompt;
+  ``models``: ``{"model", "draft", "mtp"}``."""
+  model = models[row.get("model", "model")]
   t0 = time.perf_counter()
   if row["draft"] is None:
     out, stats = generate(model, prompt, new_tokens, temperature=row["temperature"],
                           seed=seed), None
   else:
+    draft = models["draft"] if row["draft"] == "model" else row["draft"]
     out, stats = speculative_generate(
-        model, prompt, new_tokens, draft="ngram" if row["draft"] == "ngram" else draft_model,
-        num_draft_tokens=row["k"], temperature=row["temperature"], seed=seed)
+        model, prompt, new_tokens, draft=draft, num_draft_tokens=row["k"],
+        temperature=row["temperature"], seed=seed)
   return np.asarray(out), stats, time.perf_counter() - t0
 
 
-def measure(rows: list[dict], model, draft_model, prompts: list[np.ndarray], new_tokens: int,
+def measure(rows: list[dict], models: dict, prompts: list[np.ndarray], new_tokens: int,
             repeats: int) -> list[dict]:
   """Every row on every prompt (warm-up first, then ``repeats`` interleaved rounds): the
   per-row results (module docstring)."""
   for row in tqdm(rows, desc="compile"):
-    run_row(row, model, draft_model, prompts[0], new_tokens, 0)
+    run_row(row, models, prompts[0], new_tokens, 0)
   best = {(r["name"], i): float("inf") for r in rows for i in range(len(prompts))}
   outs, stats = {}, {}
   bar = tqdm(total=repeats * len(prompts) * len(rows), desc="timing")
@@ -167,7 +197,7 @@ def measure(rows: list[dict], model, draft_model, prompts: list[np.ndarray], new
     for i, prompt in enumerate(prompts):
       for row in rows:
         seed = i if row["temperature"] > 0 else 0
-        out, st, sec = run_row(row, model, draft_model, prompt, new_tokens, seed)
+        out, st, sec = run_row(row, models, prompt, new_tokens, seed)
         key = (row["name"], i)
         best[key] = min(best[key], sec)
         outs[key], stats[key] = out, st
@@ -181,7 +211,7 @@ def measure(rows: list[dict], model, draft_model, prompts: list[np.ndarray], new
       st = stats[key]
       equal = None
       if row["temperature"] == 0:
-        equal = bool(np.array_equal(outs[key], outs[(BASELINE, i)]))
+        equal = bool(np.array_equal(outs[key], outs[(row["baseline"], i)]))
       per_prompt.append(dict(
           seconds=best[key], tokens_equal_baseline=equal,
           rounds=None if st is None else st.rounds, drafted=None if st is None else st.drafted,
@@ -226,8 +256,9 @@ def print_table(results: list[dict], prompts: int) -> None:
       same = "yes"
     print(f"{r['name']:26} {r['tokens_per_s']:8.1f} {r['speedup']:8.2f}x "
           f"{_fmt(r['acceptance_rate'], '.1%', 7)} {r['tokens_per_call']:9.2f} {same:>11}")
-  print("speed-up: the baseline's wall time over the row's (greedy rows against generate, sampled\n"
-        "rows against sampled generate); tok/call: tokens per model call after the prefill.")
+  print("speed-up: the baseline's wall time over the row's (greedy rows against generate of the\n"
+        "same model, sampled rows against sampled generate); tok/call: tokens per model call\n"
+        "after the prefill.")
 
 
 def _plot(results: list[dict], path: pathlib.Path) -> None:
@@ -235,7 +266,8 @@ def _plot(results: list[dict], path: pathlib.Path) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # noqa: PLC0415
   fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-  for draft, label in (("ngram", "prompt lookup (n-gram)"), ("model", "draft model")):
+  for draft, label in (("ngram", "prompt lookup (n-gram)"), ("model", "draft model"),
+                       ("mtp", "own MTP module")):
     pts = sorted((r["k"], r["tokens_per_call"], r["speedup"]) for r in results
                  if r["draft"] == draft and r["temperature"] == 0)
     if not pts:
@@ -265,8 +297,12 @@ def main(argv=None) -> int:
   ap.add_argument("--run", default=None, help="the model: an experiments.train output directory")
   ap.add_argument("--draft-run", default=None,
                   help="the draft model: an experiments.train output directory")
+  ap.add_argument("--mtp-run", default=None,
+                  help="a model with multi-token prediction: an experiments.train output "
+                       "directory (trained with --set mtp_depth=1)")
   ap.add_argument("--train-steps", type=at_least(1), default=80,
-                  help="without --run / --draft-run: steps of the models trained first")
+                  help="without --run / --draft-run / --mtp-run: steps of the models trained "
+                       "first")
   ap.add_argument("--draft-layers", type=at_least(1), default=1)
   ap.add_argument("--draft-width", type=at_least(32), default=64)
   ap.add_argument("--smoke", action="store_true",
@@ -284,43 +320,66 @@ def main(argv=None) -> int:
   if not args.temperature >= 0 or not np.isfinite(args.temperature):
     ap.error(f"argument --temperature: must be a number >= 0 (0: no sampled rows), got "
              f"{args.temperature}")
-  if args.smoke and (args.run or args.draft_run):
-    ap.error("argument --smoke: builds its own untrained models; drop --run / --draft-run")
+  if args.smoke and (args.run or args.draft_run or args.mtp_run):
+    ap.error("argument --smoke: builds its own untrained models; drop --run / --draft-run / "
+             "--mtp-run")
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
 
   from experiments.generate import load_run  # noqa: PLC0415
   if args.smoke:
-    model, draft = smoke_models()
-    sources = dict(model="untrained (smoke)", draft="untrained (smoke)")
+    model, draft, mtp = smoke_models()
+    sources = dict(model="untrained (smoke)", draft="untrained (smoke)",
+                   mtp="untrained (smoke)")
+    losses = dict(model=None, mtp=None)
   else:
     run = (pathlib.Path(args.run) if args.run else
            train_run(out / "train", args.train_steps))
     draft_run = (pathlib.Path(args.draft_run) if args.draft_run else
                  train_run(out / "draft", args.train_steps,
                            draft_overrides(args.draft_layers, args.draft_width)))
+    mtp_run = (pathlib.Path(args.mtp_run) if args.mtp_run else
+               train_run(out / "mtp", args.train_steps, ("mtp_depth=1",)))
     model, step = load_run(run)
     draft, draft_step = load_run(draft_run)
-    sources = dict(model=f"{run} (step {step})", draft=f"{draft_run} (step {draft_step})")
+    mtp, mtp_step = load_run(mtp_run)
+    sources = dict(model=f"{run} (step {step})", draft=f"{draft_run} (step {draft_step})",
+                   mtp=f"{mtp_run} (step {mtp_step})")
+    losses = dict(model=eval_loss(run), mtp=eval_loss(mtp_run))
+    if not mtp.config.mtp_depth:
+      ap.error(f"argument --mtp-run: {mtp_run} has no multi-token prediction (mtp_depth=0); "
+               f"train it with --set mtp_depth=1")
   if draft.config.vocab_size != model.config.vocab_size:
     ap.error(f"argument --draft-run: the draft's vocab_size ({draft.config.vocab_size}) must "
              f"equal the model's ({model.config.vocab_size})")
-  params = dict(model=num_params(model), draft=num_params(draft))
+  if mtp.config.vocab_size != model.config.vocab_size:
+    ap.error(f"argument --mtp-run: its vocab_size ({mtp.config.vocab_size}) must equal the "
+             f"model's ({model.config.vocab_size}): the rows share the prompts")
+  params = dict(model=num_params(model), draft=num_params(draft), mtp=num_params(mtp),
+                mtp_modules=num_params(mtp.mtp))
   prompts = prompts_from_held_out(args.prompts, args.prompt_len)
   device = jax.devices()[0]
   print(f"model {sources['model']}: {model.config.num_layers} layers of width "
         f"{model.config.embed_dim}, {params['model'] / 1e6:.2f}M parameters; draft "
         f"{sources['draft']}: {draft.config.num_layers} layer(s) of width "
         f"{draft.config.embed_dim}, {params['draft'] / 1e6:.2f}M", flush=True)
+  print(f"MTP model {sources['mtp']}: {mtp.config.num_layers} layers + {mtp.config.mtp_depth} "
+        f"MTP module(s) ({params['mtp_modules'] / 1e6:.2f}M of its "
+        f"{params['mtp'] / 1e6:.2f}M parameters)", flush=True)
+  if losses["model"] is not None and losses["mtp"] is not None:
+    print(f"held-out next-token loss: {losses['model']:.4f} (model), {losses['mtp']:.4f} "
+          f"(MTP model, mtp_loss_weight {mtp.config.mtp_loss_weight:g})", flush=True)
   print(f"{len(prompts)} held-out prompts of {args.prompt_len} tokens, batch 1, "
         f"{args.new_tokens} new tokens each, best of {args.repeats}; {device.device_kind} "
         f"({jax.default_backend()}, {os.cpu_count()} CPU cores)", flush=True)
 
   rows = make_rows(args.k, args.temperature)
-  results = measure(rows, model, draft, prompts, args.new_tokens, args.repeats)
+  models = dict(model=model, draft=draft, mtp=mtp)
+  results = measure(rows, models, prompts, args.new_tokens, args.repeats)
   print_table(results, len(prompts))
   mismatched = {r["name"]: r["mismatched_prompts"] for r in results if r["mismatched_prompts"]}
-  record = dict(model=sources["model"], draft=sources["draft"], parameters=params,
+  record = dict(model=sources["model"], draft=sources["draft"], mtp_model=sources["mtp"],
+                eval_loss=losses, parameters=params,
                 prompts=len(prompts), prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                 repeats=args.repeats, ks=args.k, temperature=args.temperature,
                 backend=jax.default_backend(), device=device.device_kind,

@@ -14,7 +14,8 @@ Sections (each runs the experiment's own ``main(argv)`` in this process with sma
     mhc_stability         composite residual mixing gain: plain, HC, mHC
     lora_finetune         LoRA / QLoRA / full fine-tuning: loss, trainable parameters, memory
     kv_quant_quality      a trained model read through float / int8 / FP8 KV caches
-    speculative           speculative decoding (prompt lookup, a draft model) against generate
+    speculative           speculative decoding (prompt lookup, a draft model, an MTP model's own
+                          module) against generate
     bench_train           train-step tokens/s and MFU of the tiny presets
     training              the training run's loss curve, if ``--train-metrics`` exists
 
@@ -80,9 +81,10 @@ FLAGS: dict[str, dict[str, list[str]]] = {
         quick=["--train-steps", "80", "--docs", "16"],
         smoke=["--train-steps", "1", "--docs", "2", "--seq-len", "12", "--chunk", "4",
                "--page-size", "4"]),
-    # Quick: the model given as --run (section_speculative), the draft trained here (80 steps,
-    # seconds), 4 prompts x 64 new tokens, greedy rows only: about 50 s on two busy cores, most
-    # of it compiling each row's programs (without a model to reuse, its training adds ~40 s).
+    # Quick: the model given as --run (section_speculative), the draft and an MTP model trained
+    # here (80 steps each, seconds), 4 prompts x 64 new tokens, greedy rows only: about 90 s on
+    # two busy cores, most of it compiling each row's programs (without a model to reuse, its
+    # training adds ~40 s).
     "bench_speculative": dict(
         quick=["--train-steps", "80", "--prompts", "4", "--new-tokens", "64", "--k", "2,4,8",
                "--temperature", "0", "--repeats", "2"],
@@ -398,6 +400,8 @@ def section_speculative(sec, size, folder, out, args):
 
   model, step = _source_step(data["model"])
   draft, _ = _source_step(data["draft"])
+  mtp, _ = _source_step(data["mtp_model"])
+  losses = data.get("eval_loss") or {}
   params = data["parameters"]
   mismatched = data.get("greedy_mismatches") or {}
   md = ""
@@ -408,7 +412,13 @@ def section_speculative(sec, size, folder, out, args):
     md = f"**ERROR: {sec.error}.**\n\n"
   md += (
       f"Model {model}, {params['model'] / 1e6:.2f}M parameters; drafts from prompt lookup or "
-      f"from a draft model, {draft}, {params['draft'] / 1e6:.2f}M; {prompts} held-out prompts "
+      f"from a draft model, {draft}, {params['draft'] / 1e6:.2f}M; and the same model trained "
+      f"with multi-token prediction, {mtp} ({params['mtp_modules'] / 1e6:.2f}M of its "
+      f"{params['mtp'] / 1e6:.2f}M parameters in its MTP module), drafting with that module "
+      f"(`mtp` rows, against its own `generate`)" +
+      ("" if losses.get("model") is None or losses.get("mtp") is None else
+       f"; held-out loss {losses['model']:.3f} without, {losses['mtp']:.3f} with the MTP "
+       "objective") + f"; {prompts} held-out prompts "
       f"of {data['prompt_len']} tokens continued by {data['new_tokens']} tokens each, batch 1, "
       f"best of {data['repeats']}.  Speed-up: generate's wall time over the row's; tokens / "
       "call: tokens per model call after the prefill.\n\n" +

@@ -457,8 +457,10 @@ def test_bench_speculative_rows_json_and_plot(tmp_path, capsys, monkeypatch):
   assert bench_speculative.main(SPECULATIVE_SMOKE + ["--out", str(tmp_path)]) == 0
   saved = _strict_load(tmp_path / "results.json")
   rows = {r["name"]: r for r in saved["rows"]}
-  assert list(rows) == ["generate (no draft)", "ngram k=2", "draft k=2",
-                        "generate (no draft) T=0.8", "draft k=4 T=0.8"]
+  assert list(rows) == ["generate (no draft)", "ngram k=2", "draft k=2", "generate (MTP model)",
+                        "mtp k=2", "generate (no draft) T=0.8", "draft k=4 T=0.8"]
+  assert rows["mtp k=2"]["baseline"] == "generate (MTP model)"
+  assert saved["parameters"]["mtp_modules"] > 0
   assert saved["prompts"] == 2 and saved["greedy_mismatches"] == {}
   for name, r in rows.items():
     assert r["tokens_per_s"] > 0 and r["speedup"] > 0 and len(r["per_prompt"]) == 2, name
@@ -474,6 +476,7 @@ def test_bench_speculative_rows_json_and_plot(tmp_path, capsys, monkeypatch):
       assert 0 <= r["acceptance_rate"] <= 1 and r["tokens_per_call"] <= r["k"] + 1, name
       assert r["drafted"] == r["k"] * r["rounds"] and r["emitted"] == 2 * (10 - 1), name
   assert rows["generate (no draft)"]["speedup"] == 1.0
+  assert rows["generate (MTP model)"]["speedup"] == 1.0
   assert (tmp_path / "bench_speculative.png").stat().st_size > 0
   out = capsys.readouterr().out
   assert "ngram k=2" in out and "speed-up" in out and "ERROR" not in out
@@ -490,6 +493,6 @@ def test_bench_speculative_rows_json_and_plot(tmp_path, capsys, monkeypatch):
   assert bench_speculative.main(SPECULATIVE_SMOKE + ["--temperature", "0", "--out",
                                                      str(tmp_path / "bad")]) == 1
   saved = _strict_load(tmp_path / "bad" / "results.json")
-  assert saved["greedy_mismatches"] == {"ngram k=2": 2, "draft k=2": 2}
+  assert saved["greedy_mismatches"] == {"ngram k=2": 2, "draft k=2": 2, "mtp k=2": 2}
   out = capsys.readouterr().out
   assert "NO 2/2" in out and "ERROR: greedy speculative output differs" in out

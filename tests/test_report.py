@@ -128,7 +128,8 @@ def test_speculative_section(tmp_path):
   acceptance and tokens per call, greedy outputs equal to generate's, the bench's plot linked."""
   rec, out = _smoke_section(tmp_path, "speculative")
   s = rec["summary"]
-  assert list(s) == ["generate (no draft)", "ngram k=2", "draft k=2"]
+  assert list(s) == ["generate (no draft)", "ngram k=2", "draft k=2", "generate (MTP model)",
+                     "mtp k=2"]
   assert s["generate (no draft)"]["speedup"] == 1.0
   assert s["generate (no draft)"]["acceptance_rate"] is None
   for name, r in s.items():
@@ -148,8 +149,10 @@ def test_speculative_section_shows_a_greedy_mismatch(tmp_path, monkeypatch):
       name=name, draft=draft, k=k, temperature=0.0, tokens_per_s=100.0, speedup=1.5,
       acceptance_rate=None if draft is None else 0.5, tokens_per_call=2.0 if draft else 1.0,
       mismatched_prompts=mismatched)
-  data = dict(model="runs/train (step 80)", draft="r/draft (step 80)",
-              parameters=dict(model=800_000, draft=60_000), prompts=4, prompt_len=64,
+  data = dict(model="runs/train (step 80)", draft="r/draft (step 80)", mtp_model="r/mtp (step 80)",
+              eval_loss=dict(model=1.25, mtp=1.5),
+              parameters=dict(model=800_000, draft=60_000, mtp=900_000, mtp_modules=100_000),
+              prompts=4, prompt_len=64,
               new_tokens=64, repeats=1, backend="cpu", device="cpu", cpu_count=2,
               greedy_mismatches={"ngram k=2": 3},
               rows=[row("generate (no draft)", None, None, 0), row("ngram k=2", "ngram", 2, 3),
@@ -165,6 +168,8 @@ def test_speculative_section_shows_a_greedy_mismatch(tmp_path, monkeypatch):
   assert "**ERROR: greedy speculative output differs" in sec.markdown
   assert "| ngram k=2 | 100 | 1.50x | 50.0% | 2.00 | **NO** (3 of 4) |" in sec.markdown
   assert "`runs/train` (step 80)" in sec.markdown and "80 steps" in sec.markdown
+  assert "`r/mtp` (step 80) (0.10M of its 0.90M parameters" in sec.markdown
+  assert "held-out loss 1.250 without, 1.500 with the MTP objective" in sec.markdown
   assert calls[-1][3] == []                             # no training run: the bench trains one
   (tmp_path / "kv").mkdir()
   (tmp_path / "kv" / "config.json").write_text("{}")
