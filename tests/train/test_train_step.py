@@ -53,9 +53,9 @@ def test_sharded_step_matches_one_device(preset, mesh_shape, monkeypatch):
   real = context_parallel.attention
   monkeypatch.setattr(context_parallel, "attention", lambda *a, **kw: calls.append(kw["size"])
                       or real(*a, **kw))
-  if cfg.num_experts:
+  if cfg.num_experts:   # with a multi-token-prediction module (MLA + MoE, its router balanced)
     cfg = cfg.replace(moe_expert_dim=16, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8,
-                      qk_rope_head_dim=4, v_head_dim=8)
+                      qk_rope_head_dim=4, v_head_dim=8, mtp_depth=1)
   mesh = make_mesh(mesh_shape)
   _, ref, m_ref = _one_step(cfg, None)
   state0, got, m_got = _one_step(cfg, mesh)
@@ -64,7 +64,7 @@ def test_sharded_step_matches_one_device(preset, mesh_shape, monkeypatch):
   # parameters really are split over the mesh
   specs = {str(x.sharding.spec) for x in jax.tree.leaves(state0.params)}
   assert any(("tensor" in s) or ("expert" in s) for s in specs), specs
-  for k in ("loss", "grad_norm", "moe_aux_loss"):
+  for k in ("loss", "grad_norm", "moe_aux_loss") + (("mtp_loss",) if cfg.mtp_depth else ()):
     np.testing.assert_allclose(m_got[k], m_ref[k], rtol=2e-5, atol=1e-7)
   # Adam's first step is about lr * sign(g) (lr = 1e-2): on a near-zero gradient the sharded sum's
   # rounding can move it by a fraction of lr, so updated parameters agree to 10% of one step.
@@ -72,9 +72,8 @@ def test_sharded_step_matches_one_device(preset, mesh_shape, monkeypatch):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=1e-3)
   for a, b in zip(jax.tree.leaves(got.rest), jax.tree.leaves(ref.rest)):  # MoE router biases
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-7)
-  if cfg.num_experts:
-    bias = jax.tree.leaves(got.rest)[0]
-    assert np.abs(np.asarray(bias)).max() > 0  # the bias moved against the load
+  if cfg.num_experts:   # every router bias (the MTP module's too) moved against its load
+    assert all(np.abs(np.asarray(b)).max() > 0 for b in jax.tree.leaves(got.rest))
   # warmup_steps=0: the first step already moves the parameters (it used to run at LR 0).
   assert any(not np.array_equal(np.asarray(a), np.asarray(b))
              for a, b in zip(jax.tree.leaves(ref.params), jax.tree.leaves(state0.params)))
