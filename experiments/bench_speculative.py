@@ -37,7 +37,9 @@ end-of-sequence stop, so every row generates the same count):
   greedy output is checked against its own ``generate``);
 * at ``--temperature`` (0: none): ``generate (no draft) T=...`` and ``draft k=4 T=...``
   (speculative sampling; its tokens legitimately differ from ``generate``'s, its distribution
-  does not), seed = the prompt's index.
+  does not), and the same two for the MTP model (``mtp k=4 T=...``), seed = the prompt's index.
+  Sampled text does not fall into the greedy loops that flatter every draft here, so these rows'
+  acceptance is the fairer comparison of the drafts.
 
 Every row's programs are compiled by a warm-up call before any timing; then each round runs every
 row on every prompt, interleaved (drift in the machine's speed hits every row alike), and each
@@ -162,9 +164,14 @@ def make_rows(ks: list[int], temperature: float) -> list[dict]:
                 model="mtp") for k in ks]
   if temperature > 0:
     sampled = f"{BASELINE} T={temperature:g}"
+    mtp_sampled = f"{MTP_BASELINE} T={temperature:g}"
     rows += [dict(name=sampled, draft=None, k=None, temperature=temperature, baseline=sampled),
              dict(name=f"draft k={SAMPLE_K} T={temperature:g}", draft="model", k=SAMPLE_K,
-                  temperature=temperature, baseline=sampled)]
+                  temperature=temperature, baseline=sampled),
+             dict(name=mtp_sampled, draft=None, k=None, temperature=temperature,
+                  baseline=mtp_sampled, model="mtp"),
+             dict(name=f"mtp k={SAMPLE_K} T={temperature:g}", draft="mtp", k=SAMPLE_K,
+                  temperature=temperature, baseline=mtp_sampled, model="mtp")]
   return rows
 
 

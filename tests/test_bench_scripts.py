@@ -458,7 +458,9 @@ def test_bench_speculative_rows_json_and_plot(tmp_path, capsys, monkeypatch):
   saved = _strict_load(tmp_path / "results.json")
   rows = {r["name"]: r for r in saved["rows"]}
   assert list(rows) == ["generate (no draft)", "ngram k=2", "draft k=2", "generate (MTP model)",
-                        "mtp k=2", "generate (no draft) T=0.8", "draft k=4 T=0.8"]
+                        "mtp k=2", "generate (no draft) T=0.8", "draft k=4 T=0.8",
+                        "generate (MTP model) T=0.8", "mtp k=4 T=0.8"]
+  assert rows["mtp k=4 T=0.8"]["baseline"] == "generate (MTP model) T=0.8"
   assert rows["mtp k=2"]["baseline"] == "generate (MTP model)"
   assert saved["parameters"]["mtp_modules"] > 0
   assert saved["prompts"] == 2 and saved["greedy_mismatches"] == {}
