@@ -260,8 +260,8 @@ def _untrained_run(out, **overrides):
 
 
 def test_generate_draft_ngram_gives_the_same_greedy_text(tmp_path, capsys):
-  """``--draft ngram`` / ``--draft RUN``: the greedy text without the draft, and the
-  speculative statistics after it; a draft of another vocabulary, a draft that is no run and
+  """``--draft ngram`` / ``--draft RUN`` / ``--draft mtp``: the greedy text without the draft,
+  and the speculative statistics after it; a draft of another vocabulary, a draft that is no run and
   ``--num-draft-tokens`` without ``--draft`` stop as usage errors (exit status 2) with the
   library's / the flag's message."""
   from experiments import generate as generate_cli
@@ -279,12 +279,20 @@ def test_generate_draft_ngram_gives_the_same_greedy_text(tmp_path, capsys):
   assert generate_cli.main(base + ["--draft", str(draft)]) == 0
   spec = capsys.readouterr()
   assert spec.out == plain.out and f"[speculative (draft {draft}, 4 drafts" in spec.err
+  mtp = _untrained_run(tmp_path / "mtp", num_layers=2, mtp_depth=1)   # drafts with its module
+  mtp_base = ["--run", str(mtp)] + base[2:]
+  assert generate_cli.main(mtp_base) == 0
+  plain_mtp = capsys.readouterr()
+  assert generate_cli.main(mtp_base + ["--draft", "mtp", "--num-draft-tokens", "2"]) == 0
+  spec = capsys.readouterr()
+  assert spec.out == plain_mtp.out and "[speculative (mtp, 2 drafts per call)" in spec.err
   other = _untrained_run(tmp_path / "other", vocab_size=300)
   for argv, fragment in [
       (["--draft", str(other)], "`draft`'s vocab_size (300) must equal the model's (259)"),
       (["--draft", str(tmp_path)], "argument --draft: must be 'ngram', 'mtp' or an"),
       (["--num-draft-tokens", "2"], "argument --num-draft-tokens: needs --draft"),
       (["--draft", "ngram", "--num-draft-tokens", "0"], "`num_draft_tokens` must be an int in"),
+      (["--draft", "mtp"], "this model has none (mtp_depth=0)"),
   ]:
     with pytest.raises(SystemExit) as e:
       generate_cli.main(base + argv)
