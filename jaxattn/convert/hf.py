@@ -11,6 +11,15 @@ Families: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``DeepseekV3ForCausalLM`
 states its name and layout rules (``jaxattn.convert.rules``); this module applies them, checking
 every tensor's name and shape against an abstract model so that a mismatch names the tensor and
 the parameter.
+
+Multi-token prediction (``jaxattn.nn.mtp``): DeepSeek-V3's extra layers and Qwen3-Next's ``mtp.*``
+load as the model's ``mtp_depth`` modules.  A config states how many a checkpoint has
+(``num_nextn_predict_layers``; Qwen3-Next's published configs state none, read as 0), but only
+the weights tell whether they are there (transformers' ``save_pretrained`` writes none, whatever
+its config says): ``load_hf`` keeps every module the weights hold, up to the stated number when
+there is one.  The override ``mtp_depth=k`` keeps the first ``k`` (``mtp_depth=0`` drops them:
+the same model without its draft modules; CLI ``--mtp-depth 0``); a ``ModelConfig`` with
+``mtp_depth=0`` skips a checkpoint's MTP tensors in ``state_from_hf``.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from jaxattn.checks import is_int
 from jaxattn.convert import common, deepseek, gpt_oss, llama, qwen3_next
 from jaxattn.convert.rules import Rule
 from jaxattn.nn.model import DTYPES, DecoderLM, ModelConfig
@@ -37,6 +47,9 @@ ARCHITECTURES: tuple[str, ...] = tuple(_FAMILIES)
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM",
                 "qwen3_next": "Qwen3NextForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+# The config field that counts a checkpoint's multi-token-prediction modules, in the families
+# that have them (those with ``mtp_depth_stored``).
+_MTP_FIELD = "num_nextn_predict_layers"
 
 
 def architecture_of(hf_config) -> str:
@@ -62,12 +75,18 @@ def config_from_hf(hf_config, *, dtype: str = "float32", param_dtype: str | None
   ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype (default: ``dtype``);
   ``overrides`` set other ``ModelConfig`` fields that do not change the weights or the function
   (``RUNTIME_FIELDS``: e.g. ``attention_implementation``, ``max_seq_len``, ``mla_mode``); any
-  other override that differs from the checkpoint's value raises.  Raises ``ValueError`` for an
-  unsupported architecture and for any config field the converter does not understand or does not
-  support with the value given.
+  other override that differs from the checkpoint's value raises, but for ``mtp_depth``, which
+  may keep fewer of the checkpoint's multi-token-prediction modules (the first ``mtp_depth``; 0
+  drops them).  Raises ``ValueError`` for an unsupported architecture and for any config field the
+  converter does not understand or does not support with the value given.
   """
   d = common.as_dict(hf_config)
   arch = architecture_of(d)
+  overrides = dict(overrides)
+  if "mtp_depth" in overrides:
+    d = _keep_mtp(d, arch, overrides.pop("mtp_depth"))
+  else:
+    _stated_mtp(d, arch)
   try:
     kwargs = _FAMILIES[arch].config_from_hf(d, arch)
   except KeyError as e:   # a required field (vocab_size, num_hidden_layers, ...) is absent
@@ -83,12 +102,37 @@ def config_from_hf(hf_config, *, dtype: str = "float32", param_dtype: str | None
   return ModelConfig(**kwargs)
 
 
+def _has_mtp(arch: str) -> bool:
+  return hasattr(_FAMILIES[arch], "mtp_depth_stored")
+
+
+def _stated_mtp(d: Mapping[str, Any], arch: str) -> int | None:
+  """The number of MTP modules the config states (None: it states none)."""
+  n = d.get(_MTP_FIELD) if _has_mtp(arch) else None
+  if n is not None and (not is_int(n) or n < 0):
+    raise ValueError(f"{arch}: `{_MTP_FIELD}` must be an int >= 0, got {n!r}.")
+  return n
+
+
+def _keep_mtp(d: dict, arch: str, depth) -> dict:
+  """``d`` stating ``depth`` MTP modules, which must be at most as many as it states."""
+  stated = _stated_mtp(d, arch)
+  n = stated or 0
+  if not is_int(depth) or not 0 <= depth <= n:
+    unstated = (f" (its config states no `{_MTP_FIELD}`; load_hf counts them in the weights)"
+                if stated is None and _has_mtp(arch) else "")
+    raise ValueError(f"{arch}: `mtp_depth`={depth!r} is not available: the checkpoint has {n} "
+                     f"multi-token-prediction module(s){unstated}; `mtp_depth` keeps the first "
+                     f"ones, an int in [0, {n}] (0 drops them).")
+  return dict(d, **{_MTP_FIELD: depth}) if _has_mtp(arch) else d
+
+
 # ModelConfig fields a converted checkpoint may be given: how the model runs (cache length,
 # kernels, compilation, training-time options), not its weights or its function.
 RUNTIME_FIELDS = frozenset({
     "max_seq_len", "attention_implementation", "mla_mode", "deltanet_chunk_size", "scan_layers",
     "remat", "indexer_loss_weight", "moe_seq_balance_alpha", "moe_bias_update_rate",
-    "moe_capacity_factor",
+    "moe_capacity_factor", "mtp_loss_weight",
     # MXFP4 experts kept as the checkpoint holds them (gpt-oss): the same values, ~3.5x fewer bytes
     "moe_expert_format", "moe_implementation"})
 
@@ -144,20 +188,44 @@ def _ignored(key: str, config: ModelConfig) -> bool:
               and config.num_shared_experts == 0))
 
 
+def _shared_tensors(family, config) -> dict[str, str]:
+  """Copies of shared tensors a family's checkpoints store (name -> the original's name)."""
+  return family.shared_tensors(config) if hasattr(family, "shared_tensors") else {}
+
+
+def _equal(a, b) -> bool:
+  """Whether two tensors hold the same values (compared a block of rows at a time)."""
+  a, b = _to_numpy(a), _to_numpy(b)
+  if a.shape != b.shape:
+    return False
+  step = max(1, (1 << 24) // max(1, math.prod(a.shape[1:])))
+  return all(np.array_equal(a[i:i + step], b[i:i + step]) for i in range(0, len(a), step))
+
+
 def state_from_hf(state_dict: Mapping[str, Any], config: ModelConfig, *, mesh=None,
                   architecture: str | None = None):
   """An ``nnx.State`` for ``DecoderLM(config)`` from a transformers state dict.
 
   ``state_dict`` maps transformers names to arrays (NumPy, torch, JAX); per-expert and fused
-  expert layouts are both accepted.  With ``mesh`` each parameter is put directly on its shards
-  (``jaxattn.sharding.param_shardings``); without, on the default device.  Raises ``ValueError``
-  naming the tensor for a missing, unexpected or wrongly shaped tensor.
+  expert layouts are both accepted.  The checkpoint's multi-token-prediction modules past
+  ``config.mtp_depth`` (all of them for 0) are skipped.  With ``mesh`` each parameter is put
+  directly on its shards (``jaxattn.sharding.param_shardings``); without, on the default device.
+  Raises ``ValueError`` naming the tensor for a missing, unexpected or wrongly shaped tensor, and
+  for a stored copy of a shared tensor (DeepSeek's MTP layers' embedding and head) that differs
+  from the original.
   """
   arch = architecture or architecture_for(config)
   sd = dict(state_dict)
   family = _FAMILIES[arch]
   if hasattr(family, "normalize"):
     family.normalize(sd, config)
+  for name, original in _shared_tensors(family, config).items():
+    if name in sd:
+      if original in sd and not _equal(sd[name], sd[original]):
+        raise ValueError(f"{arch}: checkpoint tensor `{name}` differs from `{original}`; the "
+                         "multi-token-prediction module shares that tensor with the model, so "
+                         "it must be a copy.")
+      del sd[name]
   graphdef, abstract = abstract_state(config)
   flat = {path: var for path, var in nnx.to_flat_state(abstract)}
   shardings = None
@@ -324,11 +392,23 @@ def read_hf_dir(path: str) -> tuple[dict, dict[str, np.ndarray]]:
 def load_hf(path: str, *, mesh=None, dtype: str = "float32", param_dtype: str | None = None,
             **overrides) -> DecoderLM:
   """A ``DecoderLM`` from a transformers ``save_pretrained`` directory (parameters placed on
-  ``mesh`` when given).  The config is checked before any weight is read."""
+  ``mesh`` when given).  The config is checked before any weight is read; the weights then say
+  how many multi-token-prediction modules there are (up to the number the config states, when
+  it states one): all of them load, or the first ``mtp_depth`` with that override (0: none)."""
   d = read_hf_config(path)
+  arch = architecture_of(d)
+  mtp = _has_mtp(arch)
+  stated = _stated_mtp(d, arch)
+  rest = {k: v for k, v in overrides.items() if k != "mtp_depth"}
+  # everything but the MTP modules, which the weights count
+  config_from_hf(dict(d, **{_MTP_FIELD: 0}) if mtp else d, dtype=dtype, param_dtype=param_dtype,
+                 **rest)
+  sd = read_hf_weights(path)
+  if mtp:
+    stored = _FAMILIES[arch].mtp_depth_stored(sd, d)
+    d = dict(d, **{_MTP_FIELD: stored if stated is None else min(stated, stored)})
   config = config_from_hf(d, dtype=dtype, param_dtype=param_dtype, **overrides)
-  return model_from_state(config, state_from_hf(read_hf_weights(path), config, mesh=mesh,
-                                                architecture=architecture_of(d)))
+  return model_from_state(config, state_from_hf(sd, config, mesh=mesh, architecture=arch))
 
 
 # -- export ------------------------------------------------------------------------------------
@@ -350,6 +430,8 @@ def to_hf(model: DecoderLM, *, architecture: str | None = None
     arrays = [v if integer else v.astype(np.float32) for v in values]
     for k, v in zip(rule.hf, rule.to_hf(*arrays)):
       sd[k] = np.ascontiguousarray(np.asarray(v, out_dtype))
+  for name, original in _shared_tensors(_FAMILIES[arch], config).items():
+    sd[name] = sd[original]
   covered = {p for rule in rules_for(config, arch) for p in rule.ours}
   for p, var in flat.items():
     value = np.asarray(jax.device_get(var.get_value()))

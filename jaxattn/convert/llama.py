@@ -72,7 +72,8 @@ def config_to_hf(cfg, architecture: str) -> dict[str, Any]:
       num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
       num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
       head_dim=cfg.head_dim or cfg.embed_dim // cfg.num_heads,
-      hidden_act=C.ACTIVATIONS_TO_HF[cfg.mlp_activation], max_position_embeddings=C.max_position_embeddings(cfg),
+      hidden_act=C.ACTIVATIONS_TO_HF[cfg.mlp_activation],
+      max_position_embeddings=C.max_position_embeddings(cfg),
       rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
       rope_parameters=C.rope_to_hf(cfg), attention_bias=cfg.attention_bias, dtype="float32")
   if architecture == "MistralForCausalLM":
@@ -82,9 +83,10 @@ def config_to_hf(cfg, architecture: str) -> dict[str, Any]:
   return d
 
 
-def attention_rules(cfg, i: int, prefix: str, *, q_gate: bool = False) -> list[Rule]:
-  """q/k/v/o projections (and biases) of layer ``i``'s ``self_attn``."""
-  m = C.layer(i) + ("mixer",)
+def attention_rules(cfg, layer, prefix: str, *, q_gate: bool = False) -> list[Rule]:
+  """q/k/v/o projections (and biases) of ``self_attn`` at ``prefix`` <-> the attention of our
+  layer ``layer`` (an index, or the path of a ``DecoderLayer``: an MTP module's block)."""
+  m = (C.layer(layer) if isinstance(layer, int) else tuple(layer)) + ("mixer",)
   rules = [] if q_gate else [linear(f"{prefix}.q_proj.weight", m + ("q_proj", "kernel"))]
   rules += [linear(f"{prefix}.k_proj.weight", m + ("k_proj", "kernel")),
             linear(f"{prefix}.v_proj.weight", m + ("v_proj", "kernel")),

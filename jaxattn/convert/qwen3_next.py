@@ -10,7 +10,16 @@ Layout differences from ours:
     ``G = N / K`` value heads per key head, ``in_proj_ba`` likewise ``[K, (G | G)]``, and the
     depthwise ``conv1d.weight [C, 1, W]`` runs over the channels ``q | k | v``;
   * MoE: ``shared_expert`` (hidden ``shared_expert_intermediate_size``) scaled by
-    ``sigmoid(shared_expert_gate x)``; softmax router, top-k, optionally renormalized.
+    ``sigmoid(shared_expert_gate x)``; softmax router, top-k, optionally renormalized;
+  * multi-token prediction (``mtp_depth`` 0 or 1): ``mtp.pre_fc_norm_embedding`` /
+    ``mtp.pre_fc_norm_hidden`` -> ``mtp[0].embed_norm`` / ``hidden_norm``, ``mtp.fc [D, 2D]``
+    (input ``[embedding; hidden]``) -> ``proj [2D, D]``, ``mtp.layers.0`` (a gated-attention
+    decoder layer, the main layers' rules) -> ``layer``, ``mtp.norm`` -> ``norm``; the
+    embedding and the head are the model's.  The published configs state no depth: a config
+    that does (``num_nextn_predict_layers``, as vLLM reads it) gives it, ``load_hf`` reads it
+    from the weights (``mtp.*`` present: 1), and ``config_from_hf`` alone gives 0.  Deeper
+    modules (vLLM's ``num_nextn_predict_layers > 1``) share ``fc`` and the norms across steps,
+    which ours do not: depth 1 only.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from jaxattn.convert import common as C
 from jaxattn.convert.llama import attention_rules, mlp_rules
 from jaxattn.convert.rules import (Rule, copy, experts, linear, linear_out, plus_one,
                                    split_fused_experts, xp)
+from jaxattn.nn.mtp import mtp_layer_kind
 
 ARCHITECTURES = ("Qwen3NextForCausalLM",)
 
@@ -33,7 +43,7 @@ _FIELDS = {
     "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
     "decoder_sparse_step", "moe_intermediate_size", "shared_expert_intermediate_size",
     "num_experts_per_tok", "num_experts", "norm_topk_prob", "mlp_only_layers", "layer_types",
-    "full_attention_interval",
+    "full_attention_interval", "num_nextn_predict_layers",
 }
 _KINDS = {"linear_attention": "D", "full_attention": "A"}
 
@@ -45,6 +55,14 @@ def _moe_layers(d) -> list[bool]:
     raise ValueError(f"`decoder_sparse_step` must be an int >= 1, got {step!r}.")
   only = set(d.get("mlp_only_layers") or [])
   return [i not in only and d.get("num_experts", 0) > 0 and (i + 1) % step == 0 for i in range(n)]
+
+
+def _mtp_is_moe(d) -> bool:
+  """Whether the checkpoint's MTP block is an MoE layer: as the main layers' rule decides for
+  index 0 (``mtp.layers.0``; vLLM's reading, transformers has no Qwen3-Next MTP)."""
+  step = d.get("decoder_sparse_step")
+  return (0 not in set(d.get("mlp_only_layers") or []) and (d.get("num_experts") or 0) > 0
+          and 1 % (1 if step is None else step) == 0)
 
 
 def config_from_hf(d: dict[str, Any], architecture: str) -> dict[str, Any]:
@@ -70,6 +88,11 @@ def config_from_hf(d: dict[str, Any], architecture: str) -> dict[str, Any]:
                      f"decoder_sparse_step={d.get('decoder_sparse_step')}, mlp_only_layers="
                      f"{d.get('mlp_only_layers')}) are not a dense prefix followed by MoE layers, "
                      "the only layout supported.")
+  mtp = d.get("num_nextn_predict_layers") or 0
+  if mtp not in (0, 1):
+    raise ValueError(f"{architecture}: `num_nextn_predict_layers`={mtp!r} is not supported: "
+                     "deeper Qwen3-Next MTP modules share mtp.fc and the norms, ours do not; "
+                     "load with mtp_depth=1 (the first module) or 0.")
   head_dim = d.get("head_dim") or d["hidden_size"] // heads
   rp = C.rope_parameters(d, architecture)
   partial = rp.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
@@ -90,7 +113,12 @@ def config_from_hf(d: dict[str, Any], architecture: str) -> dict[str, Any]:
       norm_position="pre", norm_eps=d.get("rms_norm_eps", 1e-6),
       tie_embeddings=bool(d.get("tie_word_embeddings", False)),
       num_experts=d.get("num_experts", 0) if first < layers else 0, first_k_dense=first
-      if first < layers else 0)
+      if first < layers else 0, mtp_depth=mtp)
+  if mtp and _mtp_is_moe(d) != moe[-1]:
+    raise ValueError(f"{architecture}: the multi-token-prediction layer is "
+                     f"{'an MoE' if _mtp_is_moe(d) else 'a dense'} layer (mtp.layers.0 by "
+                     "mlp_only_layers / decoder_sparse_step), but ours takes the kind of the "
+                     "last layer; load with mtp_depth=0 to drop it.")
   if first < layers:
     shared = d.get("shared_expert_intermediate_size") or 0
     kwargs.update(num_experts_per_tok=d["num_experts_per_tok"],
@@ -116,7 +144,12 @@ def config_to_hf(cfg, architecture: str) -> dict[str, Any]:
       # Qwen3-Next routes over all experts, unscaled: no group limit, no routed scaling factor.
       moe_n_group=None if not moe or cfg.moe_n_group == 1 else cfg.moe_n_group,
       moe_routed_scaling_factor=None if not moe or cfg.moe_routed_scaling_factor == 1.0 else
-      cfg.moe_routed_scaling_factor)
+      cfg.moe_routed_scaling_factor,
+      # one module, whose block the exported config must read as ours: mtp.layers.0 is dense
+      # when the dense prefix (mlp_only_layers) is not empty
+      mtp_depth=cfg.mtp_depth if cfg.mtp_depth > 1 else None,
+      mtp_moe_block=True if cfg.mtp_depth and moe and cfg.first_k_dense
+      and mtp_layer_kind(cfg)[1] else None)
   head_dim = cfg.head_dim or cfg.embed_dim // cfg.num_heads
   rp = C.rope_to_hf(cfg)
   rp["partial_rotary_factor"] = (cfg.rotary_dim or head_dim) / head_dim
@@ -145,6 +178,8 @@ def config_to_hf(cfg, architecture: str) -> dict[str, Any]:
       norm_topk_prob=cfg.moe_norm_topk_prob, decoder_sparse_step=1,
       mlp_only_layers=list(range(cfg.first_k_dense)) if cfg.num_experts else [],
       dtype="float32")
+  if cfg.mtp_depth:   # (no key: no module, as config_from_hf reads a config without one)
+    d["num_nextn_predict_layers"] = cfg.mtp_depth
   return d
 
 
@@ -218,12 +253,66 @@ def _shared_gate(hf: str, path: tuple) -> Rule:
 
 def normalize(sd: dict, cfg) -> None:
   """Drops the multi-token-prediction module the published checkpoints hold (``mtp.*``;
-  transformers skips it too), and rewrites fused in-memory expert tensors to the per-expert names
-  of checkpoints on disk."""
+  transformers skips it too) when ``cfg.mtp_depth`` is 0, and the blocks past the first
+  (``mtp.layers.{k >= 1}``) when it is 1; rewrites fused in-memory expert tensors to the
+  per-expert names of checkpoints on disk."""
   for key in [k for k in sd if k.startswith("mtp.")]:
-    del sd[key]
+    if not cfg.mtp_depth or (key.startswith("mtp.layers.")
+                             and int(key.split(".")[2]) >= cfg.mtp_depth):
+      del sd[key]
   for i in range(cfg.num_layers):
     split_fused_experts(sd, f"model.layers.{i}.mlp.experts")
+  if cfg.mtp_depth:
+    split_fused_experts(sd, "mtp.layers.0.mlp.experts")
+
+
+def mtp_depth_stored(sd, d: dict) -> int:
+  """How many multi-token-prediction modules a state dict holds (``mtp.layers.{k}``)."""
+  n = 0
+  while any(k.startswith(f"mtp.layers.{n}.") for k in sd):
+    n += 1
+  return n
+
+
+def layer_rules(cfg, hp: str, L: tuple, kind: str, is_moe: bool) -> list[Rule]:
+  """One decoder layer's tensors ``{hp}.*`` <-> our ``DecoderLayer`` at path ``L`` (a main layer,
+  or the MTP module's block)."""
+  head_dim = cfg.head_dim or cfg.embed_dim // cfg.num_heads
+  n = cfg.deltanet_num_heads or cfg.num_heads
+  k = cfg.deltanet_num_key_heads or n
+  h = cfg.deltanet_head_dim or cfg.embed_dim // n
+  hv = cfg.deltanet_v_head_dim or h
+  m = L + ("mixer",)
+  out = [plus_one(f"{hp}.input_layernorm.weight", L + ("mixer_norm", "scale")),
+         plus_one(f"{hp}.post_attention_layernorm.weight", L + ("ffn_norm", "scale"))]
+  if kind == "A":
+    a = f"{hp}.self_attn"
+    out.append(_q_gate(f"{a}.q_proj.weight", m + ("q_proj", "kernel"),
+                       m + ("gate_proj", "kernel"), head_dim))
+    if cfg.attention_bias:
+      out.append(_q_gate(f"{a}.q_proj.bias", m + ("q_proj", "bias"), m + ("gate_proj", "bias"),
+                         head_dim))
+    out += attention_rules(cfg, L, a, q_gate=True)
+    out += [plus_one(f"{a}.q_norm.weight", m + ("q_norm", "scale")),
+            plus_one(f"{a}.k_norm.weight", m + ("k_norm", "scale"))]
+  else:
+    a = f"{hp}.linear_attn"
+    out += [_qkvz(f"{a}.in_proj_qkvz.weight", m, k, h, n // k, hv),
+            _ba(f"{a}.in_proj_ba.weight", m, k, n // k),
+            _conv(f"{a}.conv1d.weight", m),
+            copy(f"{a}.A_log", m + ("A_log",)), copy(f"{a}.dt_bias", m + ("dt_bias",)),
+            copy(f"{a}.norm.weight", m + ("norm_scale",)),
+            linear_out(f"{a}.out_proj.weight", m + ("o_proj", "kernel"))]
+  f = L + ("ffn",)
+  if is_moe:
+    out.append(linear(f"{hp}.mlp.gate.weight", f + ("router",)))
+    out += experts(f"{hp}.mlp.experts", cfg.num_experts, f)
+    if cfg.num_shared_experts:
+      out += mlp_rules(cfg, f"{hp}.mlp.shared_expert", f + ("shared",))
+      out.append(_shared_gate(f"{hp}.mlp.shared_expert_gate.weight", f + ("shared_gate",)))
+  else:
+    out += mlp_rules(cfg, f"{hp}.mlp", f)
+  return out
 
 
 def rules(cfg) -> list[Rule]:
@@ -231,42 +320,13 @@ def rules(cfg) -> list[Rule]:
          plus_one("model.norm.weight", ("final_norm", "scale"))]
   if not cfg.tie_embeddings:
     out.append(linear("lm_head.weight", ("lm_head", "kernel")))
-  head_dim = cfg.head_dim or cfg.embed_dim // cfg.num_heads
-  n = cfg.deltanet_num_heads or cfg.num_heads
-  k = cfg.deltanet_num_key_heads or n
-  h = cfg.deltanet_head_dim or cfg.embed_dim // n
-  hv = cfg.deltanet_v_head_dim or h
   for i in range(cfg.num_layers):
-    hp, L = f"model.layers.{i}", C.layer(i)
-    m = L + ("mixer",)
-    out += [plus_one(f"{hp}.input_layernorm.weight", L + ("mixer_norm", "scale")),
-            plus_one(f"{hp}.post_attention_layernorm.weight", L + ("ffn_norm", "scale"))]
-    kind, is_moe = cfg.layer_kind(i)
-    if kind == "A":
-      a = f"{hp}.self_attn"
-      out.append(_q_gate(f"{a}.q_proj.weight", m + ("q_proj", "kernel"),
-                         m + ("gate_proj", "kernel"), head_dim))
-      if cfg.attention_bias:
-        out.append(_q_gate(f"{a}.q_proj.bias", m + ("q_proj", "bias"), m + ("gate_proj", "bias"),
-                           head_dim))
-      out += attention_rules(cfg, i, a, q_gate=True)
-      out += [plus_one(f"{a}.q_norm.weight", m + ("q_norm", "scale")),
-              plus_one(f"{a}.k_norm.weight", m + ("k_norm", "scale"))]
-    else:
-      a = f"{hp}.linear_attn"
-      out += [_qkvz(f"{a}.in_proj_qkvz.weight", m, k, h, n // k, hv),
-              _ba(f"{a}.in_proj_ba.weight", m, k, n // k),
-              _conv(f"{a}.conv1d.weight", m),
-              copy(f"{a}.A_log", m + ("A_log",)), copy(f"{a}.dt_bias", m + ("dt_bias",)),
-              copy(f"{a}.norm.weight", m + ("norm_scale",)),
-              linear_out(f"{a}.out_proj.weight", m + ("o_proj", "kernel"))]
-    f = L + ("ffn",)
-    if is_moe:
-      out.append(linear(f"{hp}.mlp.gate.weight", f + ("router",)))
-      out += experts(f"{hp}.mlp.experts", cfg.num_experts, f)
-      if cfg.num_shared_experts:
-        out += mlp_rules(cfg, f"{hp}.mlp.shared_expert", f + ("shared",))
-        out.append(_shared_gate(f"{hp}.mlp.shared_expert_gate.weight", f + ("shared_gate",)))
-    else:
-      out += mlp_rules(cfg, f"{hp}.mlp", f)
+    out += layer_rules(cfg, f"model.layers.{i}", C.layer(i), *cfg.layer_kind(i))
+  if cfg.mtp_depth:
+    M = ("mtp", 0)
+    out += [plus_one("mtp.pre_fc_norm_embedding.weight", M + ("embed_norm", "scale")),
+            plus_one("mtp.pre_fc_norm_hidden.weight", M + ("hidden_norm", "scale")),
+            linear("mtp.fc.weight", M + ("proj", "kernel")),
+            plus_one("mtp.norm.weight", M + ("norm", "scale"))]
+    out += layer_rules(cfg, "mtp.layers.0", M + ("layer",), *mtp_layer_kind(cfg))
   return out

@@ -196,6 +196,7 @@ def test_state_dict_errors_name_the_tensor():
 
 
 def test_deepseek_multi_token_prediction_layers_are_skipped():
+  """Under a config without MTP modules (``mtp_depth=0``) the MTP layers are skipped."""
   ours = _model("deepseek_v3")
   _, sd = to_hf(ours)
   sd["model.layers.2.eh_proj.weight"] = np.zeros((16, 32), np.float32)  # MTP layer (layer L)
@@ -206,7 +207,8 @@ def test_deepseek_multi_token_prediction_layers_are_skipped():
 
 def test_qwen3_next_multi_token_prediction_and_empty_tensors_are_skipped():
   """Published Qwen3-Next checkpoints hold an ``mtp.*`` module, and transformers saves zero-width
-  shared experts; transformers skips both, and so does the import."""
+  shared experts; transformers skips both, and so does the import under a config without MTP
+  modules (``mtp_depth=0``: config_from_hf of a config that states none)."""
   ours = _model("qwen3_next")
   for moe in ours.moe_sites():
     moe.router_bias[...] = np.zeros(moe.router_bias.shape, np.float32)
