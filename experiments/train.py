@@ -377,6 +377,10 @@ def train(args) -> dict:
     metrics_log.write(dict(step=final_step, **ev))
     log(f"eval: loss {ev['eval_loss']:.4f}  perplexity {ev['eval_ppl']:.2f} "
         f"({int(ev['eval_tokens'])} held-out tokens)")
+    if "eval_mtp_loss" in ev:
+      acc = ", ".join(f"{100 * a:.1f}%" for a in ev["eval_mtp_accuracy"])
+      log(f"eval: multi-token prediction loss {ev['eval_mtp_loss']:.4f}, top-1 accuracy by "
+          f"depth {acc} (depth 1: the first drafts a greedy draft='mtp' would keep)")
 
     sample = ""
     if args.sample_tokens:  # every process runs the (SPMD) generation; process 0 prints

@@ -236,24 +236,53 @@ def make_train_step(graphdef, tx, state: TrainState, *, mesh: Mesh | None = None
 
 
 def make_eval_step(graphdef, *, mesh: Mesh | None = None):
-  """``jax.jit`` of ``(params, rest, batch) -> (summed nll, token count)``, in eval mode."""
+  """``jax.jit`` of ``(params, rest, batch) -> (summed nll, token count, mtp)``, in eval mode.
+
+  ``mtp``: ``{}`` without multi-token prediction; else per depth ``[D]`` arrays ``nll`` (summed),
+  ``count`` and ``correct`` (top-1 hits: depth 1's rate is the share of first drafts a greedy
+  ``speculative_generate(draft="mtp")`` would keep on teacher-forced text)."""
   def fn(params, rest, batch):
     model = nnx.merge(graphdef, params, rest)
     model.eval()   # dropout off: evaluation is deterministic (the state passed in is not changed)
-    logits = model(batch["tokens"], **model_inputs(model.config, batch))
-    return cross_entropy(logits, batch["targets"], batch.get("loss_mask"))
+    inputs = model_inputs(model.config, batch)
+    if not model.config.mtp_depth:
+      logits = model(batch["tokens"], **inputs)
+      return cross_entropy(logits, batch["targets"], batch.get("loss_mask")) + ({},)
+    hidden = model(batch["tokens"], return_hidden=True, **inputs)
+    nll, count = cross_entropy(model.head(hidden).astype(jnp.float32), batch["targets"],
+                               batch.get("loss_mask"))
+    sums, counts, correct = [], [], []
+    for k, lg in enumerate(model.mtp_forward(hidden, batch["tokens"], **inputs), start=1):
+      targets, mask = mtp_targets(batch, k)
+      s, c = cross_entropy(lg, targets, mask)
+      hit = (jnp.argmax(lg, axis=-1) == targets).astype(jnp.float32)
+      sums.append(s)
+      counts.append(c)
+      correct.append(jnp.sum(hit * mask))
+    return nll, count, dict(nll=jnp.stack(sums), count=jnp.stack(counts),
+                            correct=jnp.stack(correct))
   return jax.jit(fn)
 
 
 def evaluate(eval_step, state: TrainState, batches, *, mesh: Mesh | None = None) -> dict:
-  """Mean loss and perplexity over ``batches``."""
-  nll, count = 0.0, 0.0
+  """Mean loss and perplexity over ``batches``; with multi-token prediction also
+  ``eval_mtp_loss`` (the depths' mean cross-entropy, averaged over depths as the training loss
+  is) and ``eval_mtp_accuracy`` (per depth, top-1)."""
+  nll, count, mtp = 0.0, 0.0, None
   for batch in batches:
-    s, c = eval_step(state.params, state.rest, shard_batch(batch, mesh))
+    s, c, extra = eval_step(state.params, state.rest, shard_batch(batch, mesh))
     nll += float(s)
     count += float(c)
+    if extra:
+      extra = {k: np.asarray(v, np.float64) for k, v in extra.items()}
+      mtp = extra if mtp is None else {k: mtp[k] + extra[k] for k in mtp}
   loss = nll / max(count, 1.0)
-  return {"eval_loss": loss, "eval_ppl": float(np.exp(min(loss, 50.0))), "eval_tokens": count}
+  out = {"eval_loss": loss, "eval_ppl": float(np.exp(min(loss, 50.0))), "eval_tokens": count}
+  if mtp is not None:
+    denom = np.maximum(mtp["count"], 1.0)
+    out["eval_mtp_loss"] = float(np.mean(mtp["nll"] / denom))
+    out["eval_mtp_accuracy"] = [float(x) for x in mtp["correct"] / denom]
+  return out
 
 
 def mean_keys_per_query(seq_len: int, limit: int | None = None) -> float:

@@ -153,3 +153,27 @@ def test_errors():
     model.mtp_forward(jnp.zeros((1, 4, 32)), jnp.zeros((1, 4), jnp.int32))
   with pytest.raises(ValueError, match="hidden"):
     _model(mtp_depth=1).mtp_forward(jnp.zeros((1, 3, 32)), jnp.zeros((1, 4), jnp.int32))
+
+
+def test_evaluation_reports_the_depths_loss_and_accuracy():
+  """``evaluate`` over two batches: the depths' loss is the training loss's ``mtp_loss`` (one
+  batch: the same), the accuracy the share of counted positions whose argmax is the target."""
+  from jaxattn.train.step import TrainState, evaluate, make_eval_step
+  model = _model(mtp_depth=2)
+  graphdef, params, rest = split_model(model)
+  state = TrainState(params, rest, None, jnp.zeros((), jnp.int32))
+  tokens = jnp.asarray(np.random.RandomState(4).randint(0, 40, (2, 11)))
+  batch = dict(tokens=tokens[:, :-1], targets=tokens[:, 1:])
+  ev = evaluate(make_eval_step(graphdef), state, [batch, batch])
+  _, (m, _) = loss_fn(model, batch)
+  assert ev["eval_loss"] == pytest.approx(float(m["loss"]), rel=1e-5)
+  assert ev["eval_mtp_loss"] == pytest.approx(float(m["mtp_loss"]), rel=1e-5)
+  hidden = model(batch["tokens"], return_hidden=True)
+  for k, lg in enumerate(model.mtp_forward(hidden, batch["tokens"]), start=1):
+    t, mask = mtp_targets(batch, k)
+    hits = np.asarray((jnp.argmax(lg, -1) == t) * mask).sum() / np.asarray(mask).sum()
+    assert ev["eval_mtp_accuracy"][k - 1] == pytest.approx(float(hits))
+  plain = _model()
+  graphdef, params, rest = split_model(plain)
+  ev = evaluate(make_eval_step(graphdef), TrainState(params, rest, None, 0), [batch])
+  assert "eval_mtp_loss" not in ev
