@@ -35,8 +35,11 @@ rest (``_mtp_functions``); no second model, one small block per draft.
 
 Rows of a batch advance together: a round keeps the fewest tokens any unfinished row agreed on (a
 row that agreed on more gets its own next token from that shorter prefix, which is still exact),
-so batches of unlike sequences gain less than batch 1.  Models with a recurrent state (Gated
-DeltaNet layers) cannot be rewound by an index and are refused.
+so batches of unlike sequences gain less than batch 1.  A Gated DeltaNet layer's recurrent state
+cannot be rewound by an index: the check call asks it for its state after each of the ``k + 1``
+tokens (``with_snapshots``; computed token by token, as decode steps) and the rewind keeps the
+one after the last kept token, so hybrid models (Qwen3-Next) speculate too; a draft model must
+still be rewindable by its index.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from jaxattn.checks import is_int
 from jaxattn.dsa_cache import DSACache
 from jaxattn.generation import _check, check_sampling, filtered_logits, row_filtered, token_key
 from jaxattn.mla_cache import LatentCache
+from jaxattn.nn.gated_deltanet import DeltaNetCache
 from jaxattn.nn.model import DecoderLM, ModelCache
 from jaxattn.ops.quantization import check_cache_dtype
 
@@ -87,11 +91,20 @@ class SpeculativeStats:
     return self.emitted / self.rounds if self.rounds else 0.0
 
 
+def with_snapshots(cache: ModelCache) -> ModelCache:
+  """``cache`` with every Gated DeltaNet state asking for per-token snapshots on the next call
+  (``DeltaNetCache.with_snapshots``), so that ``rewind_cache`` can go back into that call."""
+  return ModelCache(tuple(tuple(c.with_snapshots() if isinstance(c, DeltaNetCache) else c
+                                for c in group) for group in cache.groups), cache.index)
+
+
 def rewind_cache(cache: ModelCache, index: Int[Array, ""]) -> ModelCache:
   """``cache`` holding its first ``index`` positions only (``index`` <= what it holds): every
   layer's index set back.  The slots past it keep their contents, masked as any slot past the
-  index is, and are overwritten by the next call.  Raises ``ValueError`` for caches that an index
-  cannot rewind (a Gated DeltaNet state, a ring buffer)."""
+  index is, and are overwritten by the next call.  A Gated DeltaNet layer's state is taken from
+  the snapshots of the last call (``with_snapshots`` before it; ``index`` within that call's
+  tokens).  Raises ``ValueError`` for caches that cannot be rewound (a Gated DeltaNet state
+  without snapshots, a ring buffer)."""
   if not isinstance(cache, ModelCache):
     raise ValueError(f"`cache` must be a ModelCache (DecoderLM.init_cache), got "
                      f"{type(cache).__name__}.")
@@ -101,20 +114,25 @@ def rewind_cache(cache: ModelCache, index: Int[Array, ""]) -> ModelCache:
       return dataclasses.replace(c, latent=one(c.latent))
     if isinstance(c, (KVCache, LatentCache)):
       return dataclasses.replace(c, index=jnp.full_like(c.index, index))
+    if isinstance(c, DeltaNetCache) and c.snapshots:
+      t = c.state.shape[-4]        # the last call's tokens: cache.index - t .. cache.index - 1
+      return c.at(jnp.clip(index - cache.index + t - 1, 0, t - 1))
     raise ValueError(f"speculative decoding rewinds the cache to the kept tokens; a "
-                     f"{type(c).__name__} cannot be rewound by its index (only KVCache, "
-                     f"LatentCache and DSACache can).")
+                     f"{type(c).__name__} cannot be rewound by its index (KVCache, LatentCache "
+                     f"and DSACache can, and a DeltaNetCache with snapshots of the last call).")
 
   groups = tuple(tuple(one(c) for c in group) for group in cache.groups)
   return ModelCache(groups, jnp.asarray(index, jnp.int32))
 
 
-def check_rewindable(model: DecoderLM, where: str) -> None:
-  """Raises ``ValueError`` unless ``model``'s decode cache can be rewound (``rewind_cache``)."""
+def check_rewindable(model: DecoderLM, where: str, *, snapshots: bool = False) -> None:
+  """Raises ``ValueError`` unless ``model``'s decode cache can be rewound (``rewind_cache``);
+  ``snapshots``: Gated DeltaNet states count (the caller takes per-token snapshots)."""
+  types = _CACHE_TYPES + ((DeltaNetCache,) if snapshots else ())
   abstract = jax.eval_shape(lambda: model.init_cache(1, 8))
   for group in abstract.groups:
     for c in group:
-      if not isinstance(c, _CACHE_TYPES):
+      if not isinstance(c, types):
         raise ValueError(f"{where}: the model has layers whose decode state is a "
                          f"{type(c).__name__} (a recurrent state, not a cache of positions); it "
                          f"cannot be rewound to the kept tokens, so speculative decoding is not "
@@ -256,7 +274,8 @@ def speculative_functions(graphdef, draft_graphdef, batch: int, max_len: int, k:
       drafts = jnp.stack(drafts, axis=1)
       probs = None if temperature == 0.0 else jnp.stack(probs, axis=1)
     m = merged(graphdef, state)
-    logits, cache = m(jnp.concatenate([last[:, None], drafts], axis=1), cache=cache)
+    logits, cache = m(jnp.concatenate([last[:, None], drafts], axis=1),
+                      cache=with_snapshots(cache))
     tokens, accepted = speculative_accept(logits, drafts, probs, jax.random.fold_in(key, k),
                                           **settings)
     kept = jnp.min(jnp.where(done, k, accepted))
@@ -322,7 +341,7 @@ def _mtp_functions(graphdef, batch: int, max_len: int, k: int, settings: dict, c
         tok, q = _draft_dist(lg[:, -1], jax.random.fold_in(key, j + 1), **settings)
     drafts = jnp.stack(drafts, axis=1)
     probs = None if settings["temperature"] == 0.0 else jnp.stack(probs, axis=1)
-    h, cache = m(jnp.concatenate([recent[:, 1:], drafts], axis=1), cache=cache,
+    h, cache = m(jnp.concatenate([recent[:, 1:], drafts], axis=1), cache=with_snapshots(cache),
                  return_hidden=True)
     tokens, accepted = speculative_accept(m.head(h).astype(jnp.float32), drafts, probs,
                                           jax.random.fold_in(key, k), **settings)
@@ -378,7 +397,7 @@ def speculative_generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_to
   else:
     raise ValueError(f"`draft` must be a DecoderLM, 'ngram' or 'mtp', got "
                      f"{type(draft).__name__}.")
-  check_rewindable(model, where)
+  check_rewindable(model, where, snapshots=True)
   prompt = np.asarray(prompt).astype(np.int32)
   b, t = prompt.shape
   k, max_new_tokens = int(num_draft_tokens), int(max_new_tokens)

@@ -117,6 +117,45 @@ def test_mtp_draft_state_is_the_uncached_module(llama_mtp):
     check()
 
 
+@pytest.fixture(scope="module")
+def hybrid():
+  """Gated DeltaNet + attention (Qwen3-Next's mixers) with a multi-token-prediction module."""
+  return DecoderLM(get_config("qwen3-next", num_layers=2, layer_pattern="DA", mtp_depth=1),
+                   rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("draft", ["ngram", "mtp"])
+def test_hybrid_deltanet_model_speculates(hybrid, draft):
+  """A recurrent state is rewound from the check call's per-token snapshots: greedy output is
+  ``generate``'s with prompt lookup and with the model's own MTP module."""
+  out, stats = speculative_generate(hybrid, PROMPT, 12, draft=draft, num_draft_tokens=3)
+  np.testing.assert_array_equal(out, generate(hybrid, PROMPT, 12))
+
+
+def test_deltanet_state_rewinds_to_the_last_kept_token(hybrid):
+  """Rounds driven with the model's own continuation as drafts, one of them spoiled at a chosen
+  place: every draft kept, then 1, 0 and 2 of 3.  Each later token depends on the Gated DeltaNet
+  state having been rewound to the snapshot after the last kept token (not the chunk's end)."""
+  model, k = hybrid, 3
+  want = np.asarray(generate(model, PROMPT, 18))
+  graphdef, state = nnx.split(model)
+  prefill, round_ = speculative_functions(graphdef, None, 2, 64, k, model.config.vocab_size)
+  first, cache, _ = prefill(state, None, jnp.asarray(PROMPT), token_key(0, 0))
+  seq, n = np.concatenate([PROMPT, np.asarray(first)[:, None]], axis=1), PROMPT.shape[1]
+  for r, spoil in enumerate([None, 1, 0, 2]):
+    drafts = want[:, n + 1:n + 1 + k].copy()
+    if spoil is not None:
+      drafts[:, spoil] = (drafts[:, spoil] + 1) % model.config.vocab_size
+    tokens, kept, _, cache, _ = round_(
+        state, None, cache, None, jnp.asarray(seq[:, n - 1:n + 1]), jnp.int32(n),
+        jnp.asarray(drafts), jnp.zeros((2,), bool), token_key(0, r + 1))
+    assert int(kept) == (k if spoil is None else spoil)
+    seq = np.concatenate([seq, np.asarray(tokens)[:, :int(kept) + 1]], axis=1)
+    n += int(kept) + 1
+  np.testing.assert_array_equal(seq, want[:, :seq.shape[1]])
+  assert seq.shape[1] == PROMPT.shape[1] + 1 + 4 + 2 + 1 + 3
+
+
 def test_sampling_with_top_k_one_is_greedy(llama, small_draft):
   """Top-1 sampling is a point mass on the argmax: speculative sampling must return exactly the
   greedy tokens whatever the draft proposed (the draft samples its own top-1 too)."""
@@ -183,10 +222,9 @@ def test_ngram_propose_finds_the_latest_occurrence_and_repeats_its_period():
   assert propose([7], 2, 3) == [7, 7]
 
 
-def test_refused(llama, small_draft):
-  with pytest.raises(ValueError, match="GatedDeltaNet|DeltaNetCache"):
-    qwen = DecoderLM(get_config("qwen3-next", num_layers=4), rngs=nnx.Rngs(0))
-    speculative_generate(qwen, PROMPT, 4)
+def test_refused(llama, small_draft, hybrid):
+  with pytest.raises(ValueError, match="draft.*DeltaNetCache"):   # a draft rewinds by index
+    speculative_generate(llama, PROMPT, 4, draft=hybrid)
   other = DecoderLM(get_config("llama", num_layers=1, vocab_size=100, **SMALL), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="vocab_size \\(100\\) must equal"):
     speculative_generate(llama, PROMPT, 4, draft=other)

@@ -31,8 +31,8 @@ from jaxtyping import Array, Bool, Float, Int
 from jaxattn.checks import check_int, check_nonnegative
 from jaxattn.nn.linear import Einsum, param
 from jaxattn.ops.decode import check_num_tokens
-from jaxattn.ops.delta_rule import (IMPLEMENTATIONS, gated_delta_rule, l2_normalize,
-                                    segment_resets)
+from jaxattn.ops.delta_rule import (IMPLEMENTATIONS, gated_delta_rule, gated_delta_rule_step,
+                                    l2_normalize, segment_resets)
 from jaxattn.ops.norms import rms_norm
 from jaxattn.ops.quantization import kv_quantized
 from jaxattn.sharding import shard
@@ -46,12 +46,31 @@ class DeltaNetCache:
   ``conv_q, conv_k [B, W-1, K, H]`` and ``conv_v [B, W-1, N, h]`` hold the last ``W - 1``
   projected (pre-convolution) inputs, zeros before the first token; ``state [B, N, H, h]`` is the
   fp32 memory (key dimension first).  Nothing here grows with the sequence.
+
+  ``snapshots=True`` (``with_snapshots``, for speculative decoding): the layer's next call over
+  ``T`` tokens returns the cache after each of them, every array with an axis ``T`` after ``B``
+  (``conv_q [B, T, W-1, K, H]``, ``state [B, T, N, H, h]``), computed token by token as decode
+  steps would; ``at(j)`` is the plain cache after token ``j``.
   """
 
   conv_q: Float[Array, "B W K H"]
   conv_k: Float[Array, "B W K H"]
   conv_v: Float[Array, "B W N h"]
   state: Float[Array, "B N H h"]
+  snapshots: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+  def with_snapshots(self) -> "DeltaNetCache":
+    """This cache asking its layer's next call for the cache after each token."""
+    return dataclasses.replace(self, snapshots=True)
+
+  def at(self, j: Int[Array, ""]) -> "DeltaNetCache":
+    """The plain cache after token ``j`` of a snapshot call (``j`` may be traced; the axis ``T``
+    sits fourth from the end of every array, whatever leading layer axes are stacked)."""
+    if not self.snapshots:
+      raise ValueError("DeltaNetCache.at: this cache holds one state, not per-token snapshots.")
+    pick = lambda x: jnp.take(x, j, axis=x.ndim - 4)  # noqa: E731
+    return DeltaNetCache(conv_q=pick(self.conv_q), conv_k=pick(self.conv_k),
+                         conv_v=pick(self.conv_v), state=pick(self.state))
 
   @classmethod
   def init(cls, batch: int, num_heads: int, num_key_heads: int, head_dim: int, v_head_dim: int,
@@ -352,10 +371,23 @@ class GatedDeltaNet(nnx.Module):
       # the real tokens' outputs never see it either.
       g = jnp.where(valid[..., None], g, 0.0)
       beta = jnp.where(valid[..., None], beta, 0.0)
-    o, state = gated_delta_rule(
-        q, k, v, g, beta, initial_state=None if cache is None else cache.state,
-        output_final_state=cache is not None, chunk_size=self.chunk_size,
-        segment_ids=segment_ids, implementation=implementation or self.implementation)
+    snapshots = cache is not None and cache.snapshots
+    if snapshots:
+      if valid is not None:
+        raise ValueError("a snapshot cache (DeltaNetCache.with_snapshots) takes whole chunks, not "
+                         "ragged `num_tokens`.")
+      # Token by token, as decode steps: the state after each token is kept.
+      def body(state, xs):
+        out, state = gated_delta_rule_step(*xs, state)
+        return state, (out, state)
+      xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
+      _, (o, state) = jax.lax.scan(body, cache.state, xs)
+      o, state = jnp.moveaxis(o, 0, 1), jnp.moveaxis(state, 0, 1)
+    else:
+      o, state = gated_delta_rule(
+          q, k, v, g, beta, initial_state=None if cache is None else cache.state,
+          output_final_state=cache is not None, chunk_size=self.chunk_size,
+          segment_ids=segment_ids, implementation=implementation or self.implementation)
     # Gated RMSNorm per value head, in fp32: normalize first, then gate with SiLU(z).
     z = self.z_proj(x)
     o = rms_norm(o.astype(jnp.float32), self.norm_scale[...], eps=self.norm_eps)
@@ -363,6 +395,15 @@ class GatedDeltaNet(nnx.Module):
     y = shard(self.o_proj(o), ("batch", "length", "act_embed"))
     if cache is None:
       return y
+    if snapshots:   # the tails after token j: inputs j + 1 .. j + W - 1 of prefix ++ x
+      def tails_each(name):
+        prefix = getattr(cache, "conv_" + name)
+        full = jnp.concatenate([prefix.astype(pre[name].dtype), pre[name]], axis=1)
+        w = prefix.shape[1]
+        return jnp.stack([full[:, j + 1:j + 1 + w] for j in range(x.shape[1])],
+                         axis=1).astype(prefix.dtype)
+      return y, DeltaNetCache(conv_q=tails_each("q"), conv_k=tails_each("k"),
+                              conv_v=tails_each("v"), state=state, snapshots=True)
     new = DeltaNetCache(conv_q=tails["q"].astype(cache.conv_q.dtype),
                         conv_k=tails["k"].astype(cache.conv_k.dtype),
                         conv_v=tails["v"].astype(cache.conv_v.dtype), state=state)

@@ -234,3 +234,25 @@ def test_errors():
                         (dict(norm_eps=-1.0), "`norm_eps` must be a number >= 0")):
     with pytest.raises(ValueError, match=match):   # at construction, not at the first call
       GatedDeltaNet(D, 4, **kwargs, rngs=nnx.Rngs(0))
+
+
+def test_snapshot_call_keeps_the_cache_after_each_token():
+  """``with_snapshots``: a T-token call returns the outputs and, per token, the cache that decode
+  steps reach after it, bit for bit (``at(j)``); the plain chunk's outputs agree.  Refused: ``at``
+  on a plain cache, snapshots of a ragged chunk."""
+  layer = GatedDeltaNet(D, 4, 2, 8, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (2, 9, D))
+  _, cache = layer(x[:, :4], cache=layer.init_cache(2))
+  y, snaps = layer(x[:, 4:], cache=cache.with_snapshots())
+  assert snaps.snapshots and snaps.state.shape[:2] == (2, 5)
+  step = cache
+  for j in range(5):
+    yj, step = layer(x[:, 4 + j:5 + j], cache=step)
+    np.testing.assert_array_equal(y[:, j], yj[:, 0])
+    for a, b in zip(jax.tree.leaves(snaps.at(j)), jax.tree.leaves(step)):
+      np.testing.assert_array_equal(a, b)
+  np.testing.assert_allclose(layer(x[:, 4:], cache=cache)[0], y, atol=1e-5)
+  with pytest.raises(ValueError, match="not per-token snapshots"):
+    cache.at(0)
+  with pytest.raises(ValueError, match="ragged"):
+    layer(x[:, 4:], cache=cache.with_snapshots(), num_tokens=jnp.array([2, 5]))
