@@ -126,15 +126,15 @@ def smoke_models():
   return model, draft, mtp
 
 
-def eval_loss(run: pathlib.Path) -> float | None:
-  """The last held-out loss ``experiments.train`` logged for ``run`` (None if none)."""
+def last_eval(run: pathlib.Path) -> dict:
+  """The last held-out evaluation ``experiments.train`` logged for ``run`` ({} if none):
+  ``eval_loss``, and ``eval_mtp_accuracy`` for a model with multi-token prediction."""
   import json  # noqa: PLC0415
   path = run / "metrics.jsonl"
   if not path.exists():
-    return None
-  losses = [r["eval_loss"] for r in map(json.loads, path.read_text().splitlines())
-            if "eval_loss" in r]
-  return losses[-1] if losses else None
+    return {}
+  records = [r for r in map(json.loads, path.read_text().splitlines()) if "eval_loss" in r]
+  return records[-1] if records else {}
 
 
 def num_params(model) -> int:
@@ -338,7 +338,7 @@ def main(argv=None) -> int:
     model, draft, mtp = smoke_models()
     sources = dict(model="untrained (smoke)", draft="untrained (smoke)",
                    mtp="untrained (smoke)")
-    losses = dict(model=None, mtp=None)
+    losses = dict(model=None, mtp=None, mtp_accuracy=None)
   else:
     run = (pathlib.Path(args.run) if args.run else
            train_run(out / "train", args.train_steps))
@@ -352,7 +352,9 @@ def main(argv=None) -> int:
     mtp, mtp_step = load_run(mtp_run)
     sources = dict(model=f"{run} (step {step})", draft=f"{draft_run} (step {draft_step})",
                    mtp=f"{mtp_run} (step {mtp_step})")
-    losses = dict(model=eval_loss(run), mtp=eval_loss(mtp_run))
+    evals = dict(model=last_eval(run), mtp=last_eval(mtp_run))
+    losses = dict(model=evals["model"].get("eval_loss"), mtp=evals["mtp"].get("eval_loss"),
+                  mtp_accuracy=evals["mtp"].get("eval_mtp_accuracy"))
     if not mtp.config.mtp_depth:
       ap.error(f"argument --mtp-run: {mtp_run} has no multi-token prediction (mtp_depth=0); "
                f"train it with --set mtp_depth=1")
@@ -376,6 +378,9 @@ def main(argv=None) -> int:
   if losses["model"] is not None and losses["mtp"] is not None:
     print(f"held-out next-token loss: {losses['model']:.4f} (model), {losses['mtp']:.4f} "
           f"(MTP model, mtp_loss_weight {mtp.config.mtp_loss_weight:g})", flush=True)
+  if losses["mtp_accuracy"]:
+    print(f"the MTP module's held-out top-1 accuracy (teacher-forced, depth 1): "
+          f"{100 * losses['mtp_accuracy'][0]:.1f}%", flush=True)
   print(f"{len(prompts)} held-out prompts of {args.prompt_len} tokens, batch 1, "
         f"{args.new_tokens} new tokens each, best of {args.repeats}; {device.device_kind} "
         f"({jax.default_backend()}, {os.cpu_count()} CPU cores)", flush=True)

@@ -498,3 +498,15 @@ def test_bench_speculative_rows_json_and_plot(tmp_path, capsys, monkeypatch):
   assert saved["greedy_mismatches"] == {"ngram k=2": 2, "draft k=2": 2, "mtp k=2": 2}
   out = capsys.readouterr().out
   assert "NO 2/2" in out and "ERROR: greedy speculative output differs" in out
+
+
+def test_bench_speculative_reads_the_last_evaluation(tmp_path):
+  """The header's held-out figures: the last record of a run's metrics.jsonl that has
+  ``eval_loss`` (training records between them skipped); nothing when there is no file."""
+  from experiments.bench_speculative import last_eval
+  (tmp_path / "metrics.jsonl").write_text("\n".join([
+      '{"step": 1, "loss": 3.0}', '{"step": 2, "eval_loss": 2.5}',
+      '{"step": 3, "eval_loss": 2.25, "eval_mtp_accuracy": [0.5, 0.25]}',
+      '{"step": 3, "loss": 2.0}']))
+  assert last_eval(tmp_path) == {"step": 3, "eval_loss": 2.25, "eval_mtp_accuracy": [0.5, 0.25]}
+  assert last_eval(tmp_path / "none") == {}
