@@ -660,6 +660,10 @@ class Engine:
 
   def _check_draft(self, draft, model: DecoderLM, prefix_cache: bool) -> None:
     """Refuses a ``draft`` the engine cannot run beside ``model`` (see ``Engine``'s ``draft``)."""
+    if isinstance(draft, str):
+      raise ValueError(f"`draft` must be None or a DecoderLM, got {draft!r}: the engine drafts "
+                       f"with prompt lookup (draft=None) or a draft model; the model's own "
+                       f"MTP module drafts in jaxattn.speculative.speculative_generate.")
     if not isinstance(draft, DecoderLM):
       raise ValueError(f"`draft` must be None or a DecoderLM, got {type(draft).__name__}.")
     if not self.num_draft_tokens:

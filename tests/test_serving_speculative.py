@@ -189,6 +189,8 @@ def test_errors():
     Engine(llama, num_draft_tokens=2, draft=_draft(), prefix_cache=True)
   with pytest.raises(ValueError, match="`draft` must be None or a DecoderLM"):
     Engine(llama, num_draft_tokens=2, draft="ngram")
+  with pytest.raises(ValueError, match="own MTP module drafts in .*speculative_generate"):
+    Engine(llama, num_draft_tokens=2, draft="mtp")
   hybrid = model_for("qwen3-next")
   with pytest.raises(ValueError, match="recurrent \\(Gated DeltaNet\\) layers"):
     Engine(hybrid, max_batch=2, num_draft_tokens=2)
