@@ -13,6 +13,9 @@ Layer pattern letters (``layer_pattern`` repeats to ``num_layers``; layer ``i`` 
     D  Gated DeltaNet                                          (``jaxattn.nn.GatedDeltaNet``)
 
 ``num_experts > 0`` makes every layer from ``first_k_dense`` on a DeepSeek-style MoE.
+``mtp_depth > 0`` adds DeepSeek-V3's multi-token-prediction modules (``jaxattn.nn.mtp``, held as
+``model.mtp``; ``mtp_forward`` runs them over a training sequence, the forward itself ignores
+them).
 
 Depth without pain: with ``scan_layers=True`` the layers after the dense prefix are grouped into
 identical *units* of one pattern period, created with ``nnx.vmap`` (parameters stacked on a leading
