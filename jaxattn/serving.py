@@ -268,11 +268,12 @@ def verify_function(graphdef, *, release_windows: bool = False):
     m.eval()
     full, cache = cache, cache.take(rows, pages)
     before = cache.lengths
-    logits, cache = m(tokens, cache=cache, num_tokens=num_tokens)
+    # (recurrent layers keep their state after each token: the rewind picks the kept one)
+    logits, cache = m(tokens, cache=cache.with_snapshots(), num_tokens=num_tokens)
     drafts = jnp.maximum(num_tokens - 1, 0)
     out, accepted, logprob = accept_rows(logits, tokens[:, 1:], drafts, *sampling,
                                          greedy=greedy)
-    cache = cache.rewind(jnp.where(num_tokens > 0, before + accepted + 1, before))
+    cache = cache.rewind(jnp.where(num_tokens > 0, before + accepted + 1, before), before)
     cache = full.put(rows, cache)
     if release_windows:
       cache = cache.release_behind()
@@ -502,7 +503,9 @@ class Engine:
       (``PagedModelCache.rewind``).  A step then emits 1 to ``num_draft_tokens + 1`` tokens per
       slot.  Greedy results are unchanged (a request gets ``generate``'s tokens); sampled ones
       keep the model's distribution, their draws keyed by the request's seed and output index
-      (independent of the batch).  Not for models with recurrent (Gated DeltaNet) layers.
+      (independent of the batch).  Recurrent (Gated DeltaNet) layers keep their state after
+      each token of the check (``DeltaNetCache.with_snapshots``) and the rewind picks the kept
+      one.
     ngram_size: the longest n-gram prompt lookup matches.
     draft: a smaller ``DecoderLM`` of the same vocabulary that drafts instead of prompt lookup
       (with ``num_draft_tokens`` >= 1): it keeps a paged cache of its own (pools of ``num_pages``
@@ -616,10 +619,6 @@ class Engine:
     if prefix_cache and not self.cache.paged:
       raise ValueError("`prefix_cache=True` shares cached pages; this model has no paged layer "
                        "(only recurrent ones): nothing to share.")
-    if self.num_draft_tokens and self.cache.recurrent:
-      raise ValueError("`num_draft_tokens` (speculative decoding) rewinds each sequence to the "
-                       "drafts the model kept; this model has recurrent (Gated DeltaNet) layers, "
-                       "whose states cannot drop tokens they have read.")
     if draft is not None:
       self._check_draft(draft, model, prefix_cache)
     self._prefix = _PrefixCache() if prefix_cache else None

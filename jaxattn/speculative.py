@@ -115,8 +115,8 @@ def rewind_cache(cache: ModelCache, index: Int[Array, ""]) -> ModelCache:
     if isinstance(c, (KVCache, LatentCache)):
       return dataclasses.replace(c, index=jnp.full_like(c.index, index))
     if isinstance(c, DeltaNetCache) and c.snapshots:
-      t = c.state.shape[-4]        # the last call's tokens: cache.index - t .. cache.index - 1
-      return c.at(jnp.clip(index - cache.index + t - 1, 0, t - 1))
+      t = c.state.shape[-4] - 1    # the last call's tokens: cache.index - t .. cache.index - 1
+      return c.at(jnp.clip(index - cache.index + t, 0, t))
     raise ValueError(f"speculative decoding rewinds the cache to the kept tokens; a "
                      f"{type(c).__name__} cannot be rewound by its index (KVCache, LatentCache "
                      f"and DSACache can, and a DeltaNetCache with snapshots of the last call).")

@@ -1,6 +1,6 @@
 """Speculative decoding in the serving engine (``Engine(num_draft_tokens=k)``, prompt lookup or a
 draft model): greedy requests get exactly ``generate``'s tokens (attention, a prefix cache, pages on demand
-with preemptions; sliding windows in tests/test_serving_fuzz.py; MLA's latent pages truncate
+with preemptions, a hybrid Gated DeltaNet model; sliding windows in tests/test_serving_fuzz.py; MLA's latent pages truncate
 through the same page tables, and its chunk path is chunked prefill's) and the pools (the draft's
 too) come back whole; sampled requests do not depend on their neighbours and keep the model's
 distribution; rewinding a paged cache returns the pages past the kept tokens."""
@@ -43,6 +43,10 @@ def _draft(**kw):
 @pytest.mark.parametrize("name,kw", [
     ("llama", dict()),
     ("llama", dict(allocation="on_demand", num_pages=9, max_pages_per_seq=6, prefix_cache=True)),
+    # Gated DeltaNet states rewound from the check call's per-token snapshots (and saved for the
+    # prefix cache at page ends, restored after preemption's recompute)
+    ("qwen3-next", dict(allocation="on_demand", num_pages=9, max_pages_per_seq=6,
+                        prefix_cache=True)),
 ])
 def test_greedy_requests_equal_generate_alone(name, kw):
   model = model_for(name)
@@ -192,7 +196,7 @@ def test_errors():
   with pytest.raises(ValueError, match="own MTP module drafts in .*speculative_generate"):
     Engine(llama, num_draft_tokens=2, draft="mtp")
   hybrid = model_for("qwen3-next")
-  with pytest.raises(ValueError, match="recurrent \\(Gated DeltaNet\\) layers"):
-    Engine(hybrid, max_batch=2, num_draft_tokens=2)
+  with pytest.raises(ValueError, match="the model has layers of kinds \\['A', 'D'\\]"):
+    Engine(hybrid, max_batch=2, num_draft_tokens=2, draft=_draft())
   with pytest.raises(ValueError, match="`rewind` needs"):
     hybrid.init_paged_cache(1, 4, 4).rewind(jnp.array([0]))

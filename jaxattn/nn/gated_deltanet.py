@@ -48,9 +48,10 @@ class DeltaNetCache:
   fp32 memory (key dimension first).  Nothing here grows with the sequence.
 
   ``snapshots=True`` (``with_snapshots``, for speculative decoding): the layer's next call over
-  ``T`` tokens returns the cache after each of them, every array with an axis ``T`` after ``B``
-  (``conv_q [B, T, W-1, K, H]``, ``state [B, T, N, H, h]``), computed token by token as decode
-  steps would; ``at(j)`` is the plain cache after token ``j``.
+  ``T`` tokens returns the cache before and after each of them, every array with an axis ``T + 1``
+  after ``B`` (``conv_q [B, T+1, W-1, K, H]``, ``state [B, T+1, N, H, h]``), computed token by
+  token as decode steps would; ``at(j)`` is the plain cache after the call's first ``j`` tokens
+  (0: as it was), ``at_rows(j [B])`` the same per row.
   """
 
   conv_q: Float[Array, "B W K H"]
@@ -64,11 +65,25 @@ class DeltaNetCache:
     return dataclasses.replace(self, snapshots=True)
 
   def at(self, j: Int[Array, ""]) -> "DeltaNetCache":
-    """The plain cache after token ``j`` of a snapshot call (``j`` may be traced; the axis ``T``
-    sits fourth from the end of every array, whatever leading layer axes are stacked)."""
+    """The plain cache after the first ``j`` tokens of a snapshot call (``j`` may be traced; the
+    snapshot axis sits fourth from the end of every array, whatever layer axes are stacked)."""
     if not self.snapshots:
       raise ValueError("DeltaNetCache.at: this cache holds one state, not per-token snapshots.")
     pick = lambda x: jnp.take(x, j, axis=x.ndim - 4)  # noqa: E731
+    return DeltaNetCache(conv_q=pick(self.conv_q), conv_k=pick(self.conv_k),
+                         conv_v=pick(self.conv_v), state=pick(self.state))
+
+  def at_rows(self, j: Int[Array, "B"]) -> "DeltaNetCache":
+    """``at`` per sequence: row ``b`` after its first ``j[b]`` tokens of the snapshot call."""
+    if not self.snapshots:
+      raise ValueError("DeltaNetCache.at_rows: this cache holds one state, not per-token "
+                       "snapshots.")
+
+    def pick(x):
+      shape = (1,) * (x.ndim - 5) + (x.shape[-5], 1, 1, 1, 1)
+      idx = jnp.broadcast_to(jnp.asarray(j, jnp.int32).reshape(shape),
+                             x.shape[:-4] + (1,) + x.shape[-3:])
+      return jnp.take_along_axis(x, idx, axis=x.ndim - 4)[..., 0, :, :, :]
     return DeltaNetCache(conv_q=pick(self.conv_q), conv_k=pick(self.conv_k),
                          conv_v=pick(self.conv_v), state=pick(self.state))
 
@@ -373,16 +388,15 @@ class GatedDeltaNet(nnx.Module):
       beta = jnp.where(valid[..., None], beta, 0.0)
     snapshots = cache is not None and cache.snapshots
     if snapshots:
-      if valid is not None:
-        raise ValueError("a snapshot cache (DeltaNetCache.with_snapshots) takes whole chunks, not "
-                         "ragged `num_tokens`.")
-      # Token by token, as decode steps: the state after each token is kept.
+      # Token by token, as decode steps: the state after each token is kept (a ragged chunk's
+      # padding is a no-op of the rule, so its snapshots repeat the last real token's).
       def body(state, xs):
         out, state = gated_delta_rule_step(*xs, state)
         return state, (out, state)
       xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
       _, (o, state) = jax.lax.scan(body, cache.state, xs)
-      o, state = jnp.moveaxis(o, 0, 1), jnp.moveaxis(state, 0, 1)
+      o = jnp.moveaxis(o, 0, 1)
+      state = jnp.concatenate([cache.state[:, None], jnp.moveaxis(state, 0, 1)], axis=1)
     else:
       o, state = gated_delta_rule(
           q, k, v, g, beta, initial_state=None if cache is None else cache.state,
@@ -395,13 +409,14 @@ class GatedDeltaNet(nnx.Module):
     y = shard(self.o_proj(o), ("batch", "length", "act_embed"))
     if cache is None:
       return y
-    if snapshots:   # the tails after token j: inputs j + 1 .. j + W - 1 of prefix ++ x
+    if snapshots:   # the tails after j tokens: inputs j .. j + W - 2 of prefix ++ x
       def tails_each(name):
         prefix = getattr(cache, "conv_" + name)
         full = jnp.concatenate([prefix.astype(pre[name].dtype), pre[name]], axis=1)
         w = prefix.shape[1]
-        return jnp.stack([full[:, j + 1:j + 1 + w] for j in range(x.shape[1])],
-                         axis=1).astype(prefix.dtype)
+        after = jnp.stack([full[:, j:j + w] for j in range(1, x.shape[1] + 1)], axis=1)
+        return jnp.concatenate([prefix[:, None], after.astype(prefix.dtype)], axis=1)
+      y = y if valid is None else jnp.where(valid[..., None], y, jnp.zeros((), y.dtype))
       return y, DeltaNetCache(conv_q=tails_each("q"), conv_k=tails_each("k"),
                               conv_v=tails_each("v"), state=state, snapshots=True)
     new = DeltaNetCache(conv_q=tails["q"].astype(cache.conv_q.dtype),

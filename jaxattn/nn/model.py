@@ -817,16 +817,34 @@ class PagedModelCache:
     return tuple(getattr(c, "window", None) for group in self.groups for c in group
                  if not isinstance(c, DeltaNetCache))
 
-  def rewind(self, lengths: Int[Array, "B"]) -> "PagedModelCache":
+  def with_snapshots(self) -> "PagedModelCache":
+    """This cache with every Gated DeltaNet state asking for per-token snapshots on the next
+    call (``DeltaNetCache.with_snapshots``), so that ``rewind`` can go back into that call."""
+    groups = tuple(tuple(c.with_snapshots() if isinstance(c, DeltaNetCache) else c for c in g)
+                   for g in self.groups)
+    return PagedModelCache(groups, self.lengths, self.stacked)
+
+  def rewind(self, lengths: Int[Array, "B"], start: Int[Array, "B"] | None = None
+             ) -> "PagedModelCache":
     """Every sequence cut back to its first ``lengths[b]`` tokens, in every layer
-    (``PageTable.truncate``: the pages past them back to the pools).  A model with recurrent
-    (Gated DeltaNet) layers cannot be rewound (their states have read the dropped tokens)."""
-    if self.recurrent:
-      raise ValueError("`rewind` needs every layer's state to be a cache of positions; this "
-                       "model has recurrent (Gated DeltaNet) layers, whose states cannot drop "
-                       "tokens they have read.")
+    (``PageTable.truncate``: the pages past them back to the pools).  Recurrent (Gated DeltaNet)
+    states cannot drop tokens they have read: they are taken from the snapshots of the last call
+    (``with_snapshots`` before it), whose sequences held ``start[b]`` tokens before it (so
+    ``lengths[b]`` is in ``[start[b], start[b] + its tokens]``); without snapshots a model with
+    recurrent layers cannot be rewound."""
     lengths = jnp.minimum(jnp.asarray(lengths, jnp.int32), self.lengths)
-    return PagedModelCache(self._tables(lambda t, _: t.truncate(lengths)), lengths, self.stacked)
+    kinds = [c for group in self.groups for c in group if isinstance(c, DeltaNetCache)]
+    if kinds and (start is None or not all(c.snapshots for c in kinds)):
+      raise ValueError("`rewind` needs every layer's state to be a cache of positions, or the "
+                       "recurrent (Gated DeltaNet) states' snapshots of the last call "
+                       "(`with_snapshots` before it, and its `start` lengths): their states "
+                       "cannot drop tokens they have read.")
+    tables = self._tables(lambda t, _: t.truncate(lengths))
+    if kinds:
+      pick = jnp.maximum(lengths - jnp.asarray(start, jnp.int32), 0)
+      tables = tuple(tuple(c.at_rows(pick) if isinstance(c, DeltaNetCache) else c for c in g)
+                     for g in tables)
+    return PagedModelCache(tables, lengths, self.stacked)
 
   def push_pages(self, pages) -> "PagedModelCache":
     """``pages [n]`` (ids; negative entries are padding) back to every layer's free stack: pages

@@ -244,15 +244,28 @@ def test_snapshot_call_keeps_the_cache_after_each_token():
   x = jax.random.normal(jax.random.key(1), (2, 9, D))
   _, cache = layer(x[:, :4], cache=layer.init_cache(2))
   y, snaps = layer(x[:, 4:], cache=cache.with_snapshots())
-  assert snaps.snapshots and snaps.state.shape[:2] == (2, 5)
-  step = cache
+  assert snaps.snapshots and snaps.state.shape[:2] == (2, 6)
+  for a, b in zip(jax.tree.leaves(snaps.at(0)), jax.tree.leaves(cache)):
+    np.testing.assert_array_equal(a, b)
+  step, after = cache, [cache]
   for j in range(5):
     yj, step = layer(x[:, 4 + j:5 + j], cache=step)
+    after.append(step)
     np.testing.assert_array_equal(y[:, j], yj[:, 0])
-    for a, b in zip(jax.tree.leaves(snaps.at(j)), jax.tree.leaves(step)):
+    for a, b in zip(jax.tree.leaves(snaps.at(j + 1)), jax.tree.leaves(step)):
       np.testing.assert_array_equal(a, b)
   np.testing.assert_allclose(layer(x[:, 4:], cache=cache)[0], y, atol=1e-5)
+  # per row, and ragged (row 0 reads 2 tokens; its snapshots past them repeat the second's)
+  rows = snaps.at_rows(jnp.array([3, 1]))
+  for a, b0, b1 in zip(*(jax.tree.leaves(c) for c in (rows, after[3], after[1]))):
+    np.testing.assert_array_equal(a[0], b0[0])
+    np.testing.assert_array_equal(a[1], b1[1])
+  y2, ragged = layer(x[:, 4:], cache=cache.with_snapshots(), num_tokens=jnp.array([2, 0]))
+  np.testing.assert_array_equal(y2[0, :2], y[0, :2])
+  assert not np.asarray(y2[0, 2:]).any() and not np.asarray(y2[1]).any()
+  for a, b, c in zip(*(jax.tree.leaves(t) for t in (ragged.at_rows(jnp.array([2, 0])),
+                                                     after[2], cache))):
+    np.testing.assert_array_equal(a[0], b[0])
+    np.testing.assert_array_equal(a[1], c[1])
   with pytest.raises(ValueError, match="not per-token snapshots"):
     cache.at(0)
-  with pytest.raises(ValueError, match="ragged"):
-    layer(x[:, 4:], cache=cache.with_snapshots(), num_tokens=jnp.array([2, 5]))
