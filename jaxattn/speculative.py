@@ -37,9 +37,9 @@ Rows of a batch advance together: a round keeps the fewest tokens any unfinished
 row that agreed on more gets its own next token from that shorter prefix, which is still exact),
 so batches of unlike sequences gain less than batch 1.  A Gated DeltaNet layer's recurrent state
 cannot be rewound by an index: the check call asks it for its state after each of the ``k + 1``
-tokens (``with_snapshots``; computed token by token, as decode steps) and the rewind keeps the
-one after the last kept token, so hybrid models (Qwen3-Next) speculate too; a draft model must
-still be rewindable by its index.
+tokens (``ModelCache.with_snapshots``; computed token by token, as decode steps) and the rewind
+keeps the one after the last kept token, so hybrid models (Qwen3-Next) speculate too; a draft
+model must still be rewindable by its index.
 """
 
 from __future__ import annotations
@@ -91,19 +91,12 @@ class SpeculativeStats:
     return self.emitted / self.rounds if self.rounds else 0.0
 
 
-def with_snapshots(cache: ModelCache) -> ModelCache:
-  """``cache`` with every Gated DeltaNet state asking for per-token snapshots on the next call
-  (``DeltaNetCache.with_snapshots``), so that ``rewind_cache`` can go back into that call."""
-  return ModelCache(tuple(tuple(c.with_snapshots() if isinstance(c, DeltaNetCache) else c
-                                for c in group) for group in cache.groups), cache.index)
-
-
 def rewind_cache(cache: ModelCache, index: Int[Array, ""]) -> ModelCache:
   """``cache`` holding its first ``index`` positions only (``index`` <= what it holds): every
   layer's index set back.  The slots past it keep their contents, masked as any slot past the
   index is, and are overwritten by the next call.  A Gated DeltaNet layer's state is taken from
-  the snapshots of the last call (``with_snapshots`` before it; ``index`` within that call's
-  tokens).  Raises ``ValueError`` for caches that cannot be rewound (a Gated DeltaNet state
+  the snapshots of the last call (``ModelCache.with_snapshots`` before it; ``index`` within that
+  call's tokens).  Raises ``ValueError`` for caches that cannot be rewound (a Gated DeltaNet state
   without snapshots, a ring buffer)."""
   if not isinstance(cache, ModelCache):
     raise ValueError(f"`cache` must be a ModelCache (DecoderLM.init_cache), got "
@@ -275,7 +268,7 @@ def speculative_functions(graphdef, draft_graphdef, batch: int, max_len: int, k:
       probs = None if temperature == 0.0 else jnp.stack(probs, axis=1)
     m = merged(graphdef, state)
     logits, cache = m(jnp.concatenate([last[:, None], drafts], axis=1),
-                      cache=with_snapshots(cache))
+                      cache=cache.with_snapshots())
     tokens, accepted = speculative_accept(logits, drafts, probs, jax.random.fold_in(key, k),
                                           **settings)
     kept = jnp.min(jnp.where(done, k, accepted))
@@ -341,8 +334,8 @@ def _mtp_functions(graphdef, batch: int, max_len: int, k: int, settings: dict, c
         tok, q = _draft_dist(lg[:, -1], jax.random.fold_in(key, j + 1), **settings)
     drafts = jnp.stack(drafts, axis=1)
     probs = None if settings["temperature"] == 0.0 else jnp.stack(probs, axis=1)
-    h, cache = m(jnp.concatenate([recent[:, 1:], drafts], axis=1), cache=with_snapshots(cache),
-                 return_hidden=True)
+    h, cache = m(jnp.concatenate([recent[:, 1:], drafts], axis=1),
+                 cache=cache.with_snapshots(), return_hidden=True)
     tokens, accepted = speculative_accept(m.head(h).astype(jnp.float32), drafts, probs,
                                           jax.random.fold_in(key, k), **settings)
     kept = jnp.min(jnp.where(done, k, accepted))

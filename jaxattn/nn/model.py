@@ -625,6 +625,11 @@ class ModelCache:
   groups: tuple
   index: Int[Array, ""]
 
+  def with_snapshots(self) -> "ModelCache":
+    """This cache with every Gated DeltaNet state asking for per-token snapshots on the next
+    call (``DeltaNetCache.with_snapshots``; ``jaxattn.speculative.rewind_cache`` reads them)."""
+    return ModelCache(_snapshot_groups(self.groups), self.index)
+
 
 def _split_heads(c: DeltaNetCache) -> DeltaNetCache:
   """Gated DeltaNet states (a slot's, or a snapshot store's) split over the mesh axes of their
@@ -635,6 +640,12 @@ def _split_heads(c: DeltaNetCache) -> DeltaNetCache:
                        conv_k=split_axis(c.conv_k, -2, "kv_heads"),
                        conv_v=split_axis(c.conv_v, -2, "heads"),
                        state=split_axis(c.state, -3, "heads"))
+
+
+def _snapshot_groups(groups: tuple) -> tuple:
+  """``groups`` with every Gated DeltaNet state asking for per-token snapshots."""
+  return tuple(tuple(c.with_snapshots() if isinstance(c, DeltaNetCache) else c for c in group)
+               for group in groups)
 
 
 def _copy_slots(dst: DeltaNetCache, to, src: DeltaNetCache, frm, axis: int) -> DeltaNetCache:
@@ -820,9 +831,7 @@ class PagedModelCache:
   def with_snapshots(self) -> "PagedModelCache":
     """This cache with every Gated DeltaNet state asking for per-token snapshots on the next
     call (``DeltaNetCache.with_snapshots``), so that ``rewind`` can go back into that call."""
-    groups = tuple(tuple(c.with_snapshots() if isinstance(c, DeltaNetCache) else c for c in g)
-                   for g in self.groups)
-    return PagedModelCache(groups, self.lengths, self.stacked)
+    return PagedModelCache(_snapshot_groups(self.groups), self.lengths, self.stacked)
 
   def rewind(self, lengths: Int[Array, "B"], start: Int[Array, "B"] | None = None
              ) -> "PagedModelCache":
