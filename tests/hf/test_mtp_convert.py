@@ -24,40 +24,15 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from jaxattn.convert import load_hf, to_hf  # noqa: E402
+from test_convert_hf import COMMON, VOCAB, _deepseek_v3, _qwen3_next  # noqa: E402
 
 pytestmark = pytest.mark.hf
 
 MtpModel = getattr(importlib.import_module("transformers.modeling_layers"), "MtpModel", None)
 
-VOCAB, D = 128, 64
-COMMON = dict(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, max_position_embeddings=256,
-              initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-              tie_word_embeddings=False)
-
-
-def _deepseek_v3():
-  # layer 0 dense, layer 1 and the MTP layer MoE (8 experts in 4 groups, shared expert), query
-  # LoRA, interleaved RoPE with YaRN
-  return transformers.DeepseekV3Config(
-      **COMMON, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
-      num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-      first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
-      kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
-      rope_interleave=True, num_nextn_predict_layers=1, rope_parameters=dict(
-          rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=8,
-          mscale=0.707, mscale_all_dim=1.0, beta_fast=32, beta_slow=1))
-
-
-def _qwen3_next():
-  # Gated DeltaNet then gated attention (partial RoPE), MoE with a gated shared expert; the MTP
-  # block is a gated-attention MoE layer
-  return transformers.Qwen3NextConfig(
-      **COMMON, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-      layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
-      linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
-      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-      shared_expert_intermediate_size=32, rope_parameters=dict(
-          rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25))
+# The families' tiny models of the conversion tests; transformers' DeepSeek-V3 config states
+# one MTP layer by default (num_nextn_predict_layers=1), so its checkpoint here gets one.
+D = COMMON["hidden_size"]
 
 
 def _deepseek_mtp(sd, g):
