@@ -60,7 +60,7 @@ from jaxattn.nn.mla import MLA
 from jaxattn.nn.mlp import MLP
 from jaxattn.ops.moe import IMPLEMENTATIONS as MOE_IMPLEMENTATIONS, ClampedSwiGLU
 from jaxattn.nn.moe import MoE
-from jaxattn.nn.mtp import MTPModule
+from jaxattn.nn.mtp import MTPModule, shift_left
 from jaxattn.nn.norms import make_norm
 from jaxattn.nn.positional import LearnedPositionalEmbedding
 from jaxattn.ops.decode import check_num_tokens, check_ragged_needs_paged
@@ -851,7 +851,7 @@ class PagedModelCache:
     tables = self._tables(lambda t, _: t.truncate(lengths))
     if kinds:
       pick = jnp.maximum(lengths - jnp.asarray(start, jnp.int32), 0)
-      tables = tuple(tuple(c.at_rows(pick) if isinstance(c, DeltaNetCache) else c for c in g)
+      tables = tuple(tuple(c.at(pick) if isinstance(c, DeltaNetCache) else c for c in g)
                      for g in tables)
     return PagedModelCache(tables, lengths, self.stacked)
 
@@ -1127,9 +1127,8 @@ class DecoderLM(nnx.Module):
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     h, outs, auxes = hidden.astype(self.config.compute_dtype), [], []
     for module in self.mtp:
-      ahead = jnp.pad(tokens[:, module.depth:], ((0, 0), (0, min(module.depth, t))))[:, :t]
-      h, _, aux = module(h, self.mtp_embed(ahead), positions=positions, segment_ids=segment_ids,
-                         want_aux=return_aux)
+      h, _, aux = module(h, self.mtp_embed(shift_left(tokens, module.depth)),
+                         positions=positions, segment_ids=segment_ids, want_aux=return_aux)
       outs.append(self.mtp_logits(module, h))
       auxes.append(aux)
     return (outs, _reduce_aux([auxes])) if return_aux else outs

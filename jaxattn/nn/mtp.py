@@ -27,6 +27,14 @@ from jaxattn.nn.linear import Einsum
 from jaxattn.nn.norms import make_norm
 
 
+def shift_left(x, k: int):
+  """``x [B, T, ...]`` moved ``k`` places left along ``T``, zeros shifted in at the end: entry
+  ``i`` is ``x[:, i + k]`` (depth ``k``'s input token at position ``i``, and the like)."""
+  t = x.shape[1]
+  pad = ((0, 0), (0, min(k, t))) + ((0, 0),) * (x.ndim - 2)
+  return jnp.pad(x[:, k:], pad)[:, :t]
+
+
 def mtp_layer_kind(cfg) -> tuple[str, bool]:
   """``(mixer letter, is_moe)`` of the MTP modules' block: the model's last layer's, with an
   attention block in place of a Gated DeltaNet one (a draft's cache must be rewindable)."""

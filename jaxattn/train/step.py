@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxattn.nn.model import DecoderLM, ModelConfig
-from jaxattn.nn.mtp import mtp_layer_kind
+from jaxattn.nn.mtp import mtp_layer_kind, shift_left
 from jaxattn.sharding import logical_to_spec, param_shardings
 
 Batch = dict[str, jax.Array]
@@ -98,15 +98,13 @@ def mtp_targets(batch: Batch, depth: int):
   ``i + depth + 1`` (``targets[i + depth]``), counted where that target is real, in the row and,
   with ``segment_ids``, in position ``i``'s document."""
   targets = batch["targets"]
-  t = targets.shape[1]
-  shift = lambda x: jnp.pad(x[:, depth:], ((0, 0), (0, min(depth, t))))[:, :t]  # noqa: E731
   mask = batch.get("loss_mask")
   mask = jnp.ones(targets.shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
-  mask = shift(mask)       # (padding shifts in as 0)
+  mask = shift_left(mask, depth)       # (padding shifts in as 0)
   seg = batch.get("segment_ids")
   if seg is not None:
-    mask = mask * (shift(seg) == seg)
-  return shift(targets), mask
+    mask = mask * (shift_left(seg, depth) == seg)
+  return shift_left(targets, depth), mask
 
 
 def loss_fn(model: DecoderLM, batch: Batch):
