@@ -51,7 +51,7 @@ class DeltaNetCache:
   ``T`` tokens returns the cache before and after each of them, every array with an axis ``T + 1``
   after ``B`` (``conv_q [B, T+1, W-1, K, H]``, ``state [B, T+1, N, H, h]``), computed token by
   token as decode steps would; ``at(j)`` is the plain cache after the call's first ``j`` tokens
-  (0: as it was), ``at_rows(j [B])`` the same per row.
+  (0: as it was; ``j [B]``: per row).
   """
 
   conv_q: Float[Array, "B W K H"]
@@ -64,28 +64,19 @@ class DeltaNetCache:
     """This cache asking its layer's next call for the cache after each token."""
     return dataclasses.replace(self, snapshots=True)
 
-  def at(self, j: Int[Array, ""]) -> "DeltaNetCache":
-    """The plain cache after the first ``j`` tokens of a snapshot call (``j`` may be traced; the
-    snapshot axis sits fourth from the end of every array, whatever layer axes are stacked)."""
+  def at(self, j: Int[Array, "*B"]) -> "DeltaNetCache":
+    """The plain cache after the first ``j`` tokens of a snapshot call: ``j`` an int (every row)
+    or ``[B]`` (row ``b`` after its first ``j[b]``); may be traced.  The snapshot axis sits
+    fourth from the end of every array, after ``B``, whatever layer axes are stacked."""
     if not self.snapshots:
       raise ValueError("DeltaNetCache.at: this cache holds one state, not per-token snapshots.")
-    pick = lambda x: jnp.take(x, j, axis=x.ndim - 4)  # noqa: E731
-    return DeltaNetCache(conv_q=pick(self.conv_q), conv_k=pick(self.conv_k),
-                         conv_v=pick(self.conv_v), state=pick(self.state))
-
-  def at_rows(self, j: Int[Array, "B"]) -> "DeltaNetCache":
-    """``at`` per sequence: row ``b`` after its first ``j[b]`` tokens of the snapshot call."""
-    if not self.snapshots:
-      raise ValueError("DeltaNetCache.at_rows: this cache holds one state, not per-token "
-                       "snapshots.")
+    b = self.state.shape[-5]
+    rows = jnp.broadcast_to(jnp.asarray(j, jnp.int32), (b,))
 
     def pick(x):
-      shape = (1,) * (x.ndim - 5) + (x.shape[-5], 1, 1, 1, 1)
-      idx = jnp.broadcast_to(jnp.asarray(j, jnp.int32).reshape(shape),
-                             x.shape[:-4] + (1,) + x.shape[-3:])
+      idx = jnp.broadcast_to(rows.reshape((b, 1, 1, 1, 1)), x.shape[:-4] + (1,) + x.shape[-3:])
       return jnp.take_along_axis(x, idx, axis=x.ndim - 4)[..., 0, :, :, :]
-    return DeltaNetCache(conv_q=pick(self.conv_q), conv_k=pick(self.conv_k),
-                         conv_v=pick(self.conv_v), state=pick(self.state))
+    return dataclasses.replace(jax.tree.map(pick, self), snapshots=False)
 
   @classmethod
   def init(cls, batch: int, num_heads: int, num_key_heads: int, head_dim: int, v_head_dim: int,

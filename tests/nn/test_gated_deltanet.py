@@ -256,14 +256,14 @@ def test_snapshot_call_keeps_the_cache_after_each_token():
       np.testing.assert_array_equal(a, b)
   np.testing.assert_allclose(layer(x[:, 4:], cache=cache)[0], y, atol=1e-5)
   # per row, and ragged (row 0 reads 2 tokens; its snapshots past them repeat the second's)
-  rows = snaps.at_rows(jnp.array([3, 1]))
+  rows = snaps.at(jnp.array([3, 1]))
   for a, b0, b1 in zip(*(jax.tree.leaves(c) for c in (rows, after[3], after[1]))):
     np.testing.assert_array_equal(a[0], b0[0])
     np.testing.assert_array_equal(a[1], b1[1])
   y2, ragged = layer(x[:, 4:], cache=cache.with_snapshots(), num_tokens=jnp.array([2, 0]))
   np.testing.assert_array_equal(y2[0, :2], y[0, :2])
   assert not np.asarray(y2[0, 2:]).any() and not np.asarray(y2[1]).any()
-  for a, b, c in zip(*(jax.tree.leaves(t) for t in (ragged.at_rows(jnp.array([2, 0])),
+  for a, b, c in zip(*(jax.tree.leaves(t) for t in (ragged.at(jnp.array([2, 0])),
                                                      after[2], cache))):
     np.testing.assert_array_equal(a[0], b[0])
     np.testing.assert_array_equal(a[1], c[1])
