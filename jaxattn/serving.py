@@ -44,8 +44,10 @@ sequence; the kernels' grids span ``W``).  So at most ``(ceil(log2(max_batch)) +
 (ceil(log2(chunk)) + 1) x (widths)`` step programs are compiled, each once.
 
 Speculative decoding (``Engine(num_draft_tokens=k)``): each decoding slot feeds its last token
-and up to ``k`` drafts -- prompt lookup over its prompt and output, or a draft model's greedy
-continuation (``draft=``, with a paged cache of its own) -- as one ragged chunk; the model keeps
+and up to ``k`` drafts -- prompt lookup over its prompt and output, a draft model's greedy
+continuation (``draft=model``, with a paged cache of its own), or the model's own multi-token
+prediction module's (``draft="mtp"``, fed the model's hidden states after every call) -- as one
+ragged chunk; the model keeps
 the drafts it agrees with (``jaxattn.speculative.accept_rows``: greedy, or speculative sampling
 with the request's seed) and each sequence is rewound to them (``PagedModelCache.rewind``), so
 a step emits 1 to ``k + 1`` tokens per slot.  Greedy results stay ``generate``'s.
@@ -78,6 +80,7 @@ from flax import nnx
 from jaxattn.checks import is_int
 from jaxattn.generation import check_sampling, sample_rows
 from jaxattn.nn.model import DecoderLM, PagedModelCache
+from jaxattn.nn.mtp import shift_left
 from jaxattn.speculative import accept_rows, ngram_propose
 from jaxattn.sharding import check_auto_mesh, context_mesh, param_shardings
 
@@ -117,6 +120,7 @@ class _Request:
   stop_strings: tuple = ()    # texts that end the request when its decoded output contains one
   detokenize: Callable | None = None   # token ids -> text (the engine's), for stop_strings
   draft_len: int = 0          # with a draft model: its cache's length after the last proposal
+  drafts: np.ndarray | None = None   # with MTP drafting: the module's proposals for the next step
 
   def finished(self) -> bool:
     out = self.out
@@ -202,6 +206,44 @@ def _positive_int(name, v):
   return int(v)
 
 
+def _step(m: DecoderLM, tokens, num_tokens, rows, cache, sampling, pages, greedy,
+          release_windows):
+  """``step_functions``' step on a merged model: ``(next, logprob, cache, h)``, ``h [b, T, D]``
+  the rows' final hidden states."""
+  full, cache = cache, cache.take(rows, pages)
+  # The head on each row's last real position only: [B, T, V] fp32 logits of a prefill chunk
+  # would be T times the memory and head FLOPs (128 MiB at B = 8, T = 32, V = 128k).
+  h, cache = m(tokens, cache=cache, num_tokens=num_tokens, return_hidden=True)
+  last = jnp.maximum(num_tokens - 1, 0)[:, None, None]
+  logits = m.head(jnp.take_along_axis(h, last, axis=1))[:, 0]              # [b, V]
+  cache = full.put(rows, cache)
+  if release_windows:
+    cache = cache.release_behind()
+  logits = logits.astype(jnp.float32)
+  nxt = (jnp.argmax(logits, axis=-1).astype(jnp.int32) if greedy
+         else sample_rows(logits, *sampling))
+  logprob = jnp.take_along_axis(jax.nn.log_softmax(logits), nxt[:, None], axis=-1)[:, 0]
+  return nxt, logprob, cache, h
+
+
+def _verify(m: DecoderLM, tokens, num_tokens, rows, cache, sampling, pages, greedy,
+            release_windows):
+  """``verify_function``'s verify on a merged model: ``(tokens, accepted, logprob, cache, h)``,
+  ``h [b, T, D]`` the rows' final hidden states."""
+  full, cache = cache, cache.take(rows, pages)
+  before = cache.lengths
+  # (recurrent layers keep their state after each token: the rewind picks the kept one)
+  h, cache = m(tokens, cache=cache.with_snapshots(), num_tokens=num_tokens, return_hidden=True)
+  drafts = jnp.maximum(num_tokens - 1, 0)
+  out, accepted, logprob = accept_rows(m.head(h).astype(jnp.float32), tokens[:, 1:], drafts,
+                                       *sampling, greedy=greedy)
+  cache = cache.rewind(jnp.where(num_tokens > 0, before + accepted + 1, before), before)
+  cache = full.put(rows, cache)
+  if release_windows:
+    cache = cache.release_behind()
+  return out, accepted, logprob, cache, h
+
+
 @functools.lru_cache(maxsize=32)
 def step_functions(graphdef, *, release_windows: bool = False):
   """The engine's two jitted programs for a split model (``nnx.split(model)``), made once per
@@ -229,19 +271,8 @@ def step_functions(graphdef, *, release_windows: bool = False):
   def step(state, tokens, num_tokens, rows, cache, sampling, pages=None, greedy=False):
     m = nnx.merge(graphdef, state)
     m.eval()
-    full, cache = cache, cache.take(rows, pages)
-    # The head on each row's last real position only: [B, T, V] fp32 logits of a prefill chunk
-    # would be T times the memory and head FLOPs (128 MiB at B = 8, T = 32, V = 128k).
-    h, cache = m(tokens, cache=cache, num_tokens=num_tokens, return_hidden=True)
-    last = jnp.maximum(num_tokens - 1, 0)[:, None, None]
-    logits = m.head(jnp.take_along_axis(h, last, axis=1))[:, 0]              # [b, V]
-    cache = full.put(rows, cache)
-    if release_windows:
-      cache = cache.release_behind()
-    logits = logits.astype(jnp.float32)
-    nxt = (jnp.argmax(logits, axis=-1).astype(jnp.int32) if greedy
-           else sample_rows(logits, *sampling))
-    logprob = jnp.take_along_axis(jax.nn.log_softmax(logits), nxt[:, None], axis=-1)[:, 0]
+    nxt, logprob, cache, _ = _step(m, tokens, num_tokens, rows, cache, sampling, pages, greedy,
+                                   release_windows)
     return nxt, logprob, cache.shard()
 
   @functools.partial(jax.jit, donate_argnums=0)
@@ -266,20 +297,78 @@ def verify_function(graphdef, *, release_windows: bool = False):
   def verify(state, tokens, num_tokens, rows, cache, sampling, pages=None, greedy=False):
     m = nnx.merge(graphdef, state)
     m.eval()
-    full, cache = cache, cache.take(rows, pages)
-    before = cache.lengths
-    # (recurrent layers keep their state after each token: the rewind picks the kept one)
-    logits, cache = m(tokens, cache=cache.with_snapshots(), num_tokens=num_tokens)
-    drafts = jnp.maximum(num_tokens - 1, 0)
-    out, accepted, logprob = accept_rows(logits, tokens[:, 1:], drafts, *sampling,
-                                         greedy=greedy)
-    cache = cache.rewind(jnp.where(num_tokens > 0, before + accepted + 1, before), before)
-    cache = full.put(rows, cache)
-    if release_windows:
-      cache = cache.release_behind()
+    out, accepted, logprob, cache, _ = _verify(m, tokens, num_tokens, rows, cache, sampling,
+                                               pages, greedy, release_windows)
     return out, accepted, logprob, cache.shard()
 
   return verify
+
+
+def _mtp_drafts(m: DecoderLM, h, ahead, num, rows, mtp_cache: PagedModelCache, pages, k: int):
+  """The depth-1 MTP module after a model call on the slots ``rows``: it reads the pairs
+  ``(h [b, T, D], ahead [b, T])`` of the ``num[i]`` positions row ``i`` kept (the model's hidden
+  state at each, the token after it), so each slot's MTP cache ends where its sequence does, then
+  drafts ``k`` tokens greedily, chaining on its own output (the positions it writes past the
+  sequence are rewound away).  Returns ``(drafts [b, k], mtp_cache)``."""
+  full, cache = mtp_cache, mtp_cache.take(rows, pages)
+  module = m.mtp[0]
+  g, cache = m.mtp_decode(h, ahead, cache, num_tokens=num)
+  kept = cache.lengths
+  g = jnp.take_along_axis(g, jnp.maximum(num - 1, 0)[:, None, None], axis=1)     # [b, 1, D]
+  tok = jnp.argmax(m.mtp_logits(module, g)[:, 0], axis=-1).astype(jnp.int32)
+  drafts, feed = [tok], (num > 0).astype(jnp.int32)
+  for _ in range(1, k):
+    g, cache = m.mtp_decode(g, tok[:, None], cache, num_tokens=feed)
+    tok = jnp.argmax(m.mtp_logits(module, g)[:, 0], axis=-1).astype(jnp.int32)
+    drafts.append(tok)
+  return jnp.stack(drafts, axis=1), full.put(rows, cache.rewind(kept)).shard()
+
+
+@functools.lru_cache(maxsize=32)
+def mtp_functions(graphdef, k: int, *, release_windows: bool = False):
+  """The engine's calls when the model's own multi-token prediction drafts
+  (``Engine(draft="mtp")``): ``step_functions``' step and ``verify_function``'s verify, each
+  followed by the depth-1 MTP module on the positions the call kept, which leaves each slot's
+  MTP cache (``DecoderLM.init_mtp_paged_cache``) as long as its sequence and proposes the slot's
+  next ``k`` drafts (greedy: one-hot proposals, so ``accept_rows`` stays exact for sampled
+  requests too):
+
+  * ``step(state, tokens, num_tokens, rows, cache, sampling, mtp_cache, following, pages=None,
+    greedy=False) -> (next, logprob, cache, drafts [b, k], mtp_cache)``; ``following[i]``: the
+    token after row ``i``'s chunk when the chunk is part of its prompt, -1 when it is the token
+    this call samples;
+  * ``verify(state, tokens, num_tokens, rows, cache, sampling, mtp_cache, pages=None,
+    greedy=False) -> (tokens, accepted, logprob, cache, drafts, mtp_cache)``: the pair at each
+    kept position is the model's hidden state and the next token kept (a draft, or the model's
+    own at the last).
+
+  Both donate the two caches."""
+
+  @functools.partial(jax.jit, donate_argnums=(4, 6), static_argnames=("pages", "greedy"))
+  def step(state, tokens, num_tokens, rows, cache, sampling, mtp_cache, following, pages=None,
+           greedy=False):
+    m = nnx.merge(graphdef, state)
+    m.eval()
+    nxt, logprob, cache, h = _step(m, tokens, num_tokens, rows, cache, sampling, pages, greedy,
+                                   release_windows)
+    last = jnp.arange(tokens.shape[1])[None, :] == (num_tokens - 1)[:, None]
+    after = jnp.where(following >= 0, following, nxt)
+    ahead = jnp.where(last, after[:, None], shift_left(tokens, 1))
+    drafts, mtp_cache = _mtp_drafts(m, h, ahead, num_tokens, rows, mtp_cache, pages, k)
+    return nxt, logprob, cache.shard(), drafts, mtp_cache
+
+  @functools.partial(jax.jit, donate_argnums=(4, 6), static_argnames=("pages", "greedy"))
+  def verify(state, tokens, num_tokens, rows, cache, sampling, mtp_cache, pages=None,
+             greedy=False):
+    m = nnx.merge(graphdef, state)
+    m.eval()
+    out, accepted, logprob, cache, h = _verify(m, tokens, num_tokens, rows, cache, sampling,
+                                               pages, greedy, release_windows)
+    kept = jnp.where(num_tokens > 0, accepted + 1, 0)
+    drafts, mtp_cache = _mtp_drafts(m, h, out, kept, rows, mtp_cache, pages, k)
+    return out, accepted, logprob, cache.shard(), drafts, mtp_cache
+
+  return step, verify
 
 
 @functools.lru_cache(maxsize=32)
@@ -514,6 +603,13 @@ class Engine:
       one-hot proposals, so ``accept_rows`` stays exact for sampled requests too).  Its layers
       must hold whole sequences (attention, MLA, DSA: no sliding window, no recurrent state),
       as must the model's; not with a prefix cache (the draft's pages are its own).
+      ``"mtp"``: the model's own multi-token-prediction module drafts (a model with
+      ``mtp_depth >= 1``; DeepSeek-V3's self-speculation): after every call it reads the
+      model's hidden states of the positions kept with the tokens that follow them, in a paged
+      cache of its own (``init_mtp_paged_cache``: one block's pages, not counted in
+      ``cache_bytes``; k - 1 spare positions per slot for its chained drafts), and proposes each
+      slot's next drafts greedily (``mtp_functions``).  Any model layers (recurrent ones keep
+      snapshots, as with prompt lookup); not with a prefix cache.
   """
 
   def __init__(self, model: DecoderLM, *, max_batch: int = 8, page_size: int = 16,
@@ -526,7 +622,7 @@ class Engine:
                mesh: jax.sharding.Mesh | None = None,
                detokenize: Callable[[Sequence[int]], str] | None = None,
                cache_bytes: int | None = None, num_draft_tokens: int = 0,
-               ngram_size: int = 3, draft: DecoderLM | None = None):
+               ngram_size: int = 3, draft: DecoderLM | str | None = None):
     check_sampling(temperature, top_p, top_k)
     if not is_int(num_draft_tokens) or not 0 <= num_draft_tokens <= 64:
       raise ValueError(f"`num_draft_tokens` must be an int in [0, 64] (0: no speculative "
@@ -635,8 +731,18 @@ class Engine:
     self._step, self._free = step_functions(graphdef, release_windows=self.window is not None)
     self._verify = (verify_function(graphdef, release_windows=self.window is not None)
                     if self.num_draft_tokens else None)
-    self.draft_cache, self._propose = None, None
-    if draft is not None:
+    self.draft_cache, self._propose, self.mtp_cache = None, None, None
+    self._mtp = isinstance(draft, str) and draft == "mtp"
+    if self._mtp:
+      self._mtp_step, self._mtp_verify = mtp_functions(
+          graphdef, self.num_draft_tokens, release_windows=self.window is not None)
+      # The module's drafts past a sequence's end hold up to k - 1 more positions for a moment.
+      spare = self.max_batch * -(-(self.num_draft_tokens - 1) // self.page_size)
+      with self._on_mesh():
+        self.mtp_cache = model.init_mtp_paged_cache(
+            self.max_batch, self.num_pages + spare, self.page_size,
+            max_pages_per_seq=self.max_pages_per_seq, dtype=dtype).shard()
+    elif draft is not None:
       draft_graphdef, self._draft_state = nnx.split(draft)
       if mesh is not None:
         self._draft_state = jax.device_put(self._draft_state,
@@ -659,15 +765,24 @@ class Engine:
 
   def _check_draft(self, draft, model: DecoderLM, prefix_cache: bool) -> None:
     """Refuses a ``draft`` the engine cannot run beside ``model`` (see ``Engine``'s ``draft``)."""
-    if isinstance(draft, str):
-      raise ValueError(f"`draft` must be None or a DecoderLM, got {draft!r}: the engine drafts "
-                       f"with prompt lookup (draft=None) or a draft model; the model's own "
-                       f"MTP module drafts in jaxattn.speculative.speculative_generate.")
-    if not isinstance(draft, DecoderLM):
-      raise ValueError(f"`draft` must be None or a DecoderLM, got {type(draft).__name__}.")
+    if isinstance(draft, str) and draft != "mtp":
+      raise ValueError(f"`draft` must be None (prompt lookup), 'mtp' (the model's own "
+                       f"multi-token prediction) or a DecoderLM, got {draft!r}.")
+    if not isinstance(draft, (DecoderLM, str)):
+      raise ValueError(f"`draft` must be None, 'mtp' or a DecoderLM, got "
+                       f"{type(draft).__name__}.")
     if not self.num_draft_tokens:
       raise ValueError("`draft` proposes `num_draft_tokens` tokens per step: give "
                        "num_draft_tokens >= 1.")
+    if draft == "mtp":
+      if not model.config.mtp_depth:
+        raise ValueError("`draft='mtp'` drafts with the model's multi-token-prediction module; "
+                         "this model has none (mtp_depth=0).")
+      if prefix_cache:
+        raise ValueError("`draft='mtp'` with `prefix_cache=True`: the MTP module's cache pages "
+                         "are its own, so cached prefixes cannot be shared with it; use one or "
+                         "the other.")
+      return
     if draft.config.vocab_size != model.config.vocab_size:
       raise ValueError(f"`draft`'s vocab_size ({draft.config.vocab_size}) must equal the "
                        f"model's ({model.config.vocab_size}): drafts are the model's tokens.")
@@ -1035,6 +1150,7 @@ class Engine:
       self._prefix.release(r.shared)
     r.feed = np.concatenate([r.prompt, np.asarray(r.out, np.int32)])
     r.refed, r.fed, r.shared, r.fresh, r.draft_len = len(r.out), 0, [], 0, 0
+    r.drafts = None
     if self._prefix is not None:
       self._extend_keys(r, r.feed)
     self._slots[slot] = None
@@ -1147,6 +1263,7 @@ class Engine:
     counts = np.zeros((size,), np.int32)
     seeds, index, top_k, start = (np.zeros((size,), np.int32) for _ in range(4))
     first = np.zeros((size, 2), np.int32)
+    following = np.full((size,), -1, np.int32)     # with MTP: the token after a prompt chunk
     temperature, top_p = np.zeros((size,), np.float32), np.ones((size,), np.float32)
     for i, (s, r, n) in enumerate(group):
       rows[i], counts[i] = s, n
@@ -1156,9 +1273,13 @@ class Engine:
       temperature[i], top_p[i], top_k[i] = r.temperature, r.top_p, r.top_k
       if r.reading:
         tokens[i, :n] = r.feed[r.fed:r.fed + n]
+        if r.fed + n < r.feed.size:
+          following[i] = r.feed[r.fed + n]
       else:
         tokens[i, 0] = r.out[-1]
-        if self._propose is not None:    # the draft model's input: the last two tokens
+        if self._mtp:                    # the module's proposals, made by the last call
+          tokens[i, 1:n] = r.drafts[:n - 1]
+        elif self._propose is not None:    # the draft model's input: the last two tokens
           before = r.out[-2] if len(r.out) > 1 else r.prompt[-1]
           first[i], start[i] = (before, r.out[-1]), r.held - 1
         elif n > 1:
@@ -1168,7 +1289,8 @@ class Engine:
     # power of two (few compiled shapes), at least MIN_TABLE_PAGES: the decode paths read that
     # many pages per sequence, not the table's width (max_seq_len).
     ps, m = self.page_size, self.max_pages_per_seq
-    need = max(-(-max(r.held + n, r.draft_len) // ps) for _, r, n in group)
+    ahead = self.num_draft_tokens - 1 if self._mtp else 0     # the MTP module's chained drafts
+    need = max(-(-max(r.held + n + ahead, r.draft_len) // ps) for _, r, n in group)
     pages = min(m, max(MIN_TABLE_PAGES, 1 << (max(need, 1) - 1).bit_length()))
     pages = pages if self.narrow_tables else m
     sampling = tuple(map(jnp.asarray, (seeds, index, temperature, top_p, top_k)))
@@ -1188,10 +1310,19 @@ class Engine:
                                                 self.draft_cache, sampling, pages=narrow,
                                                 greedy=True)
       args = (self._state, tokens, counts_d, rows_d, self.cache, sampling)
-      if speculate:
+      if self._mtp and speculate:
+        out, accepted, logprob, self.cache, drafts, self.mtp_cache = self._mtp_verify(
+            *args, self.mtp_cache, **static)
+      elif self._mtp:
+        out, logprob, self.cache, drafts, self.mtp_cache = self._mtp_step(
+            *args, self.mtp_cache, jnp.asarray(following), **static)
+      elif speculate:
         out, accepted, logprob, self.cache = self._verify(*args, **static)
       else:
         out, logprob, self.cache = self._step(*args, **static)
+    if self._mtp:
+      for (_, r, _), row in zip(group, np.asarray(drafts)):
+        r.drafts = row
     self.stats.table_columns += size * pages
     self.stats.calls += 1
     self.stats.computed_rows += size * t
@@ -1270,6 +1401,8 @@ class Engine:
       self.cache = self._free(self.cache, jnp.asarray(done), keep)
       if self.draft_cache is not None:
         self.draft_cache = self._draft_free(self.draft_cache, jnp.asarray(done))
+      if self.mtp_cache is not None:
+        self.mtp_cache = self._free(self.mtp_cache, jnp.asarray(done))
 
   @property
   def cached_pages(self) -> int:
@@ -1309,5 +1442,5 @@ class Engine:
     return self.pop_results()
 
 
-__all__ = ["ALLOCATIONS", "POLICIES", "Engine", "EngineStats", "propose_function",
-           "step_functions", "verify_function"]
+__all__ = ["ALLOCATIONS", "POLICIES", "Engine", "EngineStats", "mtp_functions",
+           "propose_function", "step_functions", "verify_function"]

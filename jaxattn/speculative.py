@@ -280,16 +280,12 @@ def speculative_functions(graphdef, draft_graphdef, batch: int, max_len: int, k:
   return prefill, round_
 
 
-def _mtp_run(m: DecoderLM, tokens, h_prev, start, mtp_cache: ModelCache):
-  """Depth 1 of ``m``'s multi-token prediction over positions ``start ..``: pairs ``(h_prev
-  [B, T, D], tokens [B, T])`` (the hidden state at a position and the token after it) ->
-  ``(h [B, T, D], logits [B, T, V], cache)``; position ``i``'s logits predict token ``i + 2``."""
-  module = m.mtp[0]
-  b, t = tokens.shape
-  positions = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
-  h, layer_cache, _ = module(h_prev, m.mtp_embed(tokens), positions=positions,
-                             cache=mtp_cache.groups[0][0])
-  return h, m.mtp_logits(module, h), ModelCache(((layer_cache,),), mtp_cache.index + t)
+def _mtp_run(m: DecoderLM, tokens, h_prev, mtp_cache: ModelCache):
+  """Depth 1 of ``m``'s multi-token prediction continuing ``mtp_cache`` (``mtp_decode``): pairs
+  ``(h_prev [B, T, D], tokens [B, T])`` (the hidden state at a position and the token after it)
+  -> ``(h [B, T, D], logits [B, T, V], cache)``; position ``i``'s logits predict token ``i + 2``."""
+  h, mtp_cache = m.mtp_decode(h_prev, tokens, mtp_cache)
+  return h, m.mtp_logits(m.mtp[0], h), mtp_cache
 
 
 def _mtp_functions(graphdef, batch: int, max_len: int, k: int, settings: dict, cache_dtype):
@@ -310,10 +306,9 @@ def _mtp_functions(graphdef, batch: int, max_len: int, k: int, settings: dict, c
     m = _merged(graphdef, state)
     h, cache = m(prompt, cache=m.init_cache(batch, max_len, cache_dtype), return_hidden=True)
     first = _draft_dist(m.head(h[:, -1]).astype(jnp.float32), key, **settings)[0]
-    mtp_cache = ModelCache(((m.mtp[0].init_cache(batch, max_len, cache_dtype),),),
-                           jnp.zeros((), jnp.int32))
+    mtp_cache = m.init_mtp_cache(batch, max_len, cache_dtype)
     ahead = jnp.concatenate([prompt[:, 1:], first[:, None]], axis=1)
-    g, logits, mtp_cache = _mtp_run(m, ahead, h, 0, mtp_cache)
+    g, logits, mtp_cache = _mtp_run(m, ahead, h, mtp_cache)
     return first, cache, (mtp_cache, g[:, -1:], logits[:, -1])
 
   @functools.partial(jax.jit, donate_argnums=(2, 3))
@@ -327,7 +322,7 @@ def _mtp_functions(graphdef, batch: int, max_len: int, k: int, settings: dict, c
       drafts.append(tok)
       probs.append(q)
       if j + 1 < k:     # position n + j: the module's own output stands for the model's
-        g, lg, mtp_cache = _mtp_run(m, tok[:, None], g, n + j, mtp_cache)
+        g, lg, mtp_cache = _mtp_run(m, tok[:, None], g, mtp_cache)
         tok, q = _draft_dist(lg[:, -1], jax.random.fold_in(key, j + 1), **settings)
     drafts = jnp.stack(drafts, axis=1)
     probs = None if settings["temperature"] == 0.0 else jnp.stack(probs, axis=1)
@@ -338,7 +333,7 @@ def _mtp_functions(graphdef, batch: int, max_len: int, k: int, settings: dict, c
     kept = jnp.min(jnp.where(done, k, accepted))
     cache = rewind_cache(cache, n + kept + 1)
     # the model's hidden state at n + j with the token after it (tokens[:, j]), j <= kept
-    g, lg, mtp_cache = _mtp_run(m, tokens, h, n, rewind_cache(mtp_cache, n))
+    g, lg, mtp_cache = _mtp_run(m, tokens, h, rewind_cache(mtp_cache, n))
     g = jax.lax.dynamic_slice_in_dim(g, kept, 1, axis=1)
     lg = jax.lax.dynamic_index_in_dim(lg, kept, axis=1, keepdims=False)
     return tokens, kept, accepted, cache, (rewind_cache(mtp_cache, n + kept + 1), g, lg)

@@ -657,6 +657,19 @@ def _copy_slots(dst: DeltaNetCache, to, src: DeltaNetCache, frm, axis: int) -> D
                                                    mode="drop"), dst, src)
 
 
+def paged_positions(lengths: Int[Array, "B"], t: int,
+                    num_tokens: Int[Array, "B"] | None = None) -> Int[Array, "B T"]:
+  """Positions of a chunk of ``t`` tokens that each sequence continues at its own length:
+  ``lengths[b] + arange(t)``; with ``num_tokens`` (a ragged chunk) a row's padding repeats its
+  last real position (a learned table's end is then no error)."""
+  rows = jnp.arange(t, dtype=jnp.int32)[None, :]
+  positions = lengths[:, None] + rows
+  if num_tokens is None:
+    return positions
+  last = jnp.maximum(lengths + num_tokens - 1, 0)[:, None]
+  return jnp.where(rows < num_tokens[:, None], positions, last)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedModelCache:
@@ -1056,11 +1069,7 @@ class DecoderLM(nnx.Module):
         raise ValueError(f"cache overflow: index {int(cache.index)} + {t} new tokens > the "
                          f"cache's {cap} slots (init_cache(batch, max_len) sets them).")
     if positions is None and paged:
-      rows = jnp.arange(t, dtype=jnp.int32)[None, :]
-      positions = cache.lengths[:, None] + rows
-      if num_tokens is not None:   # padding rows: the last real position (a learned table's
-        last = jnp.maximum(cache.lengths + num_tokens - 1, 0)[:, None]   # end is no error)
-        positions = jnp.where(rows < num_tokens[:, None], positions, last)
+      positions = paged_positions(cache.lengths, t, num_tokens)
     elif positions is None:
       offset = 0 if cache is None else cache.index
       positions = jnp.broadcast_to(offset + jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -1118,8 +1127,7 @@ class DecoderLM(nnx.Module):
     that is past the row or, with ``segment_ids``, in another document: ``mtp_targets`` masks
     them); ``return_aux`` also returns the modules' auxiliary losses and MoE loads, as
     ``__call__`` does."""
-    if self.mtp is None:
-      raise ValueError("this model has no multi-token-prediction modules (mtp_depth=0).")
+    self._mtp_first("mtp_forward")
     b, t = tokens.shape
     if hidden.shape[:2] != (b, t):
       raise ValueError(f"`hidden` must be [B={b}, T={t}, D], got shape {hidden.shape}.")
@@ -1132,6 +1140,54 @@ class DecoderLM(nnx.Module):
       outs.append(self.mtp_logits(module, h))
       auxes.append(aux)
     return (outs, _reduce_aux([auxes])) if return_aux else outs
+
+  def init_mtp_cache(self, batch: int, max_len: int | None = None, dtype=None) -> ModelCache:
+    """An empty decode cache of the depth-1 MTP module's block (``mtp_decode``), as
+    ``init_cache``'s: its position ``i`` holds the pair ``(h_i, t_{i+1})``."""
+    module = self._mtp_first("init_mtp_cache")
+    max_len = max_len or self.config.max_seq_len
+    return ModelCache(((module.init_cache(batch, max_len, dtype or self.config.compute_dtype),),),
+                      jnp.zeros((), jnp.int32))
+
+  def init_mtp_paged_cache(self, batch: int, num_pages: int, page_size: int, *,
+                           max_pages_per_seq: int | None = None, dtype=None) -> PagedModelCache:
+    """An empty serving cache of the depth-1 MTP module's block (one pool of ``num_pages``
+    pages), as ``init_paged_cache``'s: position ``i`` of a sequence holds ``(h_i, t_{i+1})``."""
+    module = self._mtp_first("init_mtp_paged_cache")
+    layer = module.layer.init_paged_cache(batch, num_pages, page_size, max_pages_per_seq,
+                                          dtype or self.config.compute_dtype)
+    return PagedModelCache(((layer,),), jnp.zeros((batch,), jnp.int32), (False,))
+
+  def mtp_decode(self, hidden: Array, tokens: Int[Array, "B T"], cache,
+                 num_tokens: Int[Array, "B"] | None = None):
+    """Depth 1 of the multi-token prediction, decoding: the pairs ``(hidden [B, T, D], tokens
+    [B, T])`` (the model's hidden state at a position, or the module's own output standing for
+    it, and the token after that position) continue ``cache`` (``init_mtp_cache`` /
+    ``init_mtp_paged_cache``; with a paged one, each sequence at its own length, ``num_tokens``
+    a ragged chunk's counts).  Returns ``(h [B, T, D], cache)``: ``mtp_logits(mtp[0], h)`` at
+    position ``i`` predict token ``i + 2``."""
+    module = self._mtp_first("mtp_decode")
+    b, t = tokens.shape
+    paged = isinstance(cache, PagedModelCache)
+    if paged:
+      num_tokens = check_num_tokens(num_tokens, b, t)
+      positions = paged_positions(cache.lengths, t, num_tokens)
+    else:
+      check_ragged_needs_paged(num_tokens, "PagedModelCache (init_mtp_paged_cache)")
+      positions = jnp.broadcast_to(cache.index + jnp.arange(t, dtype=jnp.int32), (b, t))
+    ragged = {} if num_tokens is None else {"num_tokens": num_tokens}
+    h, layer, _ = module(hidden.astype(self.config.compute_dtype), self.mtp_embed(tokens),
+                         positions=positions, cache=cache.groups[0][0], **ragged)
+    if paged:
+      added = t if num_tokens is None else num_tokens
+      return h, PagedModelCache(((layer,),), cache.lengths + added, cache.stacked)
+    return h, ModelCache(((layer,),), cache.index + t)
+
+  def _mtp_first(self, where: str) -> MTPModule:
+    if self.mtp is None:
+      raise ValueError(f"{where}: this model has no multi-token-prediction modules "
+                       f"(mtp_depth=0).")
+    return self.mtp[0]
 
   # -- MoE router biases ---------------------------------------------------------------------
 

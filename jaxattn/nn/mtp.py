@@ -67,9 +67,10 @@ class MTPModule(nnx.Module):
     """The block's decode cache (a ``KVCache`` / ``LatentCache`` / ``DSACache``)."""
     return self.layer.init_cache(batch, max_len, dtype)
 
-  def __call__(self, h_prev, e, *, positions, segment_ids=None, cache=None, want_aux=False):
+  def __call__(self, h_prev, e, *, positions, segment_ids=None, cache=None, want_aux=False,
+               num_tokens=None):
     dtype = e.dtype
     x = jnp.concatenate([self.embed_norm(e).astype(dtype),
                          self.hidden_norm(h_prev).astype(dtype)], axis=-1)
     return self.layer(self.proj(x), positions=positions, segment_ids=segment_ids, cache=cache,
-                      want_aux=want_aux)
+                      want_aux=want_aux, num_tokens=num_tokens)

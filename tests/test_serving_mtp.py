@@ -1,0 +1,105 @@
+"""The serving engine drafting with the model's own multi-token-prediction module
+(``Engine(draft="mtp")``): greedy requests get exactly ``generate``'s tokens (attention with pages
+on demand and preemptions, MLA + MoE), every draft the engine proposes is the uncached module's
+(its first draft from the model's hidden states of the whole sequence, the later ones chained on
+its own output), and both pools come back whole."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxattn.nn.mtp import shift_left
+from jaxattn.serving import Engine
+from tests.test_serving import alone, model_for
+from tests.test_serving_speculative import WORK, _pools_whole
+
+
+def _free_pages(cache):
+  return [int(c.table.num_free) for g in cache.groups for c in g]
+
+
+def _reference(model, k: int):
+  """The uncached depth-1 module's drafts, one jitted program for every length: ``ref(full
+  [1, T], L, drafts [k]) -> [k]`` after the model has read ``full[:L]`` and sampled ``full[L]``:
+  ``d_1`` from the pair ``(h_{L-1}, t_L)``, then ``d_{j+1}`` from the module's own output at the
+  position before with ``d_j`` (``drafts[j - 1]``, the engine's, chained on).  Positions past
+  ``L + j`` are ignored padding (everything is causal)."""
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def ref(full, length, drafts):
+    m = nnx.merge(graphdef, state)
+    module = m.mtp[0]
+    t = full.shape[1]
+    h, ahead = m(full, return_hidden=True), shift_left(full, 1)
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    out = []
+    for j in range(k):
+      g, _, _ = module(h, m.mtp_embed(ahead), positions=pos)
+      g = jax.lax.dynamic_slice_in_dim(g, length - 1 + j, 1, axis=1)
+      out.append(jnp.argmax(m.mtp_logits(module, g)[0, 0]))
+      h = jax.lax.dynamic_update_slice_in_dim(h, g.astype(h.dtype), length + j, axis=1)
+      ahead = jax.lax.dynamic_update_slice_in_dim(ahead, drafts[None, j:j + 1], length + j,
+                                                  axis=1)
+    return jnp.stack(out)
+
+  return ref
+
+
+@pytest.mark.parametrize("name,model_kw,kw", [
+    ("llama", dict(), dict(allocation="on_demand", num_pages=9, max_pages_per_seq=6)),
+    # an MLA block: a latent page pool of its own (one layer: MoE MTP blocks are the model's
+    # MoE, tested in tests/nn/test_mtp.py and tests/test_speculative.py)
+    ("deepseek-v3", dict(num_layers=1, first_k_dense=1), dict()),
+])
+def test_mtp_drafts_are_the_modules_and_greedy_requests_equal_generate(name, model_kw, kw):
+  model = model_for(name, mtp_depth=1, **model_kw)
+  # A random module rarely agrees with the model; one leaning to its input token does where the
+  # model's greedy output repeats a token, so some drafts are kept (and the rewinds after them,
+  # which decide the module's later drafts, are checked too).
+  d, proj = model.config.embed_dim, model.mtp[0].proj.kernel
+  proj[...] = jnp.concatenate([3.0 * jnp.eye(d, dtype=proj.dtype), proj[...][d:]], axis=0)
+  k = 3
+  engine = Engine(model, max_batch=3, page_size=4, chunk=4, num_draft_tokens=k, draft="mtp",
+                  **kw)
+  ids = [engine.submit(p, n) for p, n in WORK]
+  seen = []         # (request id, its sequence's length when drafted, the drafts)
+  while engine.pending:
+    engine.step()
+    for r in engine._slots:
+      if r is not None and not r.reading:
+        seen.append((r.rid, r.prompt.size + len(r.out) - 1, r.drafts.copy()))
+  results = engine.pop_results()
+  for rid, (p, n) in zip(ids, WORK):
+    np.testing.assert_array_equal(results[rid], alone(model, p, n), err_msg=f"request {rid}")
+  st = engine.stats
+  assert 0 < st.accepted_drafts < st.drafted and st.generated == sum(n for _, n in WORK)
+  if kw:
+    assert st.preempted >= 1
+  ref = _reference(model, k)
+  t = model.config.max_seq_len
+  for rid, length, d in seen:
+    full = np.zeros((1, t), np.int32)
+    full[0, :results[rid].size] = results[rid]
+    want = np.asarray(ref(jnp.asarray(full), length, jnp.asarray(d)))
+    np.testing.assert_array_equal(d, want, err_msg=f"request {rid} at length {length}")
+  assert _pools_whole(engine)
+  assert _free_pages(engine.mtp_cache) == [engine.num_pages + 3] * 1    # its spare page a slot
+  assert not np.asarray(engine.mtp_cache.lengths).any()
+
+
+def test_errors():
+  llama = model_for("llama")
+  with pytest.raises(ValueError, match="this model has none \\(mtp_depth=0\\)"):
+    Engine(llama, num_draft_tokens=2, draft="mtp")
+  mtp = model_for("llama", mtp_depth=1)
+  with pytest.raises(ValueError, match="give num_draft_tokens >= 1"):
+    Engine(mtp, draft="mtp")
+  with pytest.raises(ValueError, match="`draft='mtp'` with `prefix_cache=True`"):
+    Engine(mtp, num_draft_tokens=2, draft="mtp", prefix_cache=True)
+  with pytest.raises(ValueError, match="`draft` must be None \\(prompt lookup\\), 'mtp'"):
+    Engine(mtp, num_draft_tokens=2, draft="ngram")
+  with pytest.raises(ValueError, match="init_mtp_paged_cache: this model has no"):
+    llama.init_mtp_paged_cache(1, 4, 4)
