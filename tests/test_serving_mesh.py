@@ -32,6 +32,9 @@ CASES = {
     # the verify step's rewinds keeping the layout.
     "llama-draft": ("llama", LLAMA, {"data": 4, "tensor": 2}, False, None,
                     dict(num_draft_tokens=3, draft=dict(num_layers=1))),
+    # The model's own MTP module drafting: its block's pool split alike.
+    "llama-mtp": ("llama", dict(LLAMA, mtp_depth=1), {"data": 4, "tensor": 2}, False, None,
+                  dict(num_draft_tokens=3, draft="mtp")),
 }
 
 
@@ -65,7 +68,7 @@ def test_engine_on_a_mesh_equals_one_device_and_keeps_the_cache_split(name):
   dtype = rest[0] if rest else None
   extra = rest[1] if len(rest) > 1 else {}
   model = DecoderLM(get_config(preset, **SMALL).replace(**kw), rngs=nnx.Rngs(0))
-  if "draft" in extra:
+  if isinstance(extra.get("draft"), dict):
     extra = dict(extra, draft=DecoderLM(get_config(preset, **SMALL).replace(
         **dict(kw, **extra["draft"])), rngs=nnx.Rngs(1)))
   want, single = serve(model, prefix_cache=prefix, dtype=dtype, **extra)
@@ -104,6 +107,12 @@ def test_engine_on_a_mesh_equals_one_device_and_keeps_the_cache_split(name):
     for c in layers(engine.draft_cache):
       assert spec(c.key_pool) == (None, None, "tensor")
       assert (np.asarray(c.table.num_free) == engine.num_pages).all()
+  if engine.mtp_cache is not None:          # the MTP module's cache: split alike, pages back
+    assert engine.stats.drafted > 0
+    (c,) = layers(engine.mtp_cache)
+    assert spec(c.key_pool) == (None, None, "tensor")
+    assert c.key_pool.addressable_shards[0].data.shape[-1] == c.key_pool.shape[-1] // 2
+    assert int(c.table.num_free) == engine.num_pages + engine.max_batch   # a spare page a slot
 
 
 def test_shard_splits_pools_and_recurrent_states_over_heads():
