@@ -47,10 +47,10 @@ Speculative decoding (``Engine(num_draft_tokens=k)``): each decoding slot feeds 
 and up to ``k`` drafts -- prompt lookup over its prompt and output, a draft model's greedy
 continuation (``draft=model``, with a paged cache of its own), or the model's own multi-token
 prediction module's (``draft="mtp"``, fed the model's hidden states after every call) -- as one
-ragged chunk; the model keeps
-the drafts it agrees with (``jaxattn.speculative.accept_rows``: greedy, or speculative sampling
-with the request's seed) and each sequence is rewound to them (``PagedModelCache.rewind``), so
-a step emits 1 to ``k + 1`` tokens per slot.  Greedy results stay ``generate``'s.
+ragged chunk; the model keeps the drafts it agrees with (``jaxattn.speculative.accept_rows``:
+greedy, or speculative sampling with the request's seed) and each sequence is rewound to them
+(``PagedModelCache.rewind``), so a step emits 1 to ``k + 1`` tokens per slot.  Greedy results
+stay ``generate``'s.
 
 Under a device mesh (``Engine(model, mesh=mesh)``, or the mesh set by ``jax.set_mesh`` when the
 engine is built; Auto axes, ``jaxattn.sharding.make_mesh``) the weights are placed by their
