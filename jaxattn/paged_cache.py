@@ -281,7 +281,12 @@ def _reserve(table: PageTable, t: int, counts):
   """``PageTable.reserve`` after validation (jitted: eager decode loops compile it once)."""
   counts = jnp.clip(counts, 0, t)
   ps, m, num_pages = table.page_size, table.max_pages, table.num_pages
-  old_pages = -(-table.lengths // ps)                                 # [B] pages already owned
+  # [B] pages already owned: up to the last allocated one (a sequence owns ceil(length / ps);
+  # a table may hold pages past its length, to be written without popping: see
+  # jaxattn.serving.mtp_functions)
+  j = jnp.arange(m, dtype=_I32)[None, :]
+  old_pages = jnp.maximum(jnp.max(jnp.where(table.page_table >= 0, j + 1, 0), axis=1),
+                          -(-table.lengths // ps))
   new_len = jnp.minimum(table.lengths + counts, table.max_len)
   need = -(-new_len // ps) - old_pages                                # [B] pages to pop
   total = jnp.sum(need)

@@ -79,8 +79,10 @@ from flax import nnx
 
 from jaxattn.checks import is_int
 from jaxattn.generation import check_sampling, sample_rows
+from jaxattn.nn.gated_deltanet import DeltaNetCache
 from jaxattn.nn.model import DecoderLM, PagedModelCache
-from jaxattn.nn.mtp import shift_left
+from jaxattn.nn.mtp import mtp_layer_kind, shift_left
+from jaxattn.paged_cache import PageTable
 from jaxattn.speculative import accept_rows, ngram_propose
 from jaxattn.sharding import check_auto_mesh, context_mesh, param_shardings
 
@@ -208,28 +210,29 @@ def _positive_int(name, v):
 
 def _step(m: DecoderLM, tokens, num_tokens, rows, cache, sampling, pages, greedy,
           release_windows):
-  """``step_functions``' step on a merged model: ``(next, logprob, cache, h)``, ``h [b, T, D]``
-  the rows' final hidden states."""
+  """``step_functions``' step on a merged model: ``(next, logprob, cache, h, sub)``, ``h [b, T,
+  D]`` the rows' final hidden states and ``sub`` their cache rows after the call (before
+  ``release_windows``)."""
   full, cache = cache, cache.take(rows, pages)
   # The head on each row's last real position only: [B, T, V] fp32 logits of a prefill chunk
   # would be T times the memory and head FLOPs (128 MiB at B = 8, T = 32, V = 128k).
-  h, cache = m(tokens, cache=cache, num_tokens=num_tokens, return_hidden=True)
+  h, sub = m(tokens, cache=cache, num_tokens=num_tokens, return_hidden=True)
   last = jnp.maximum(num_tokens - 1, 0)[:, None, None]
   logits = m.head(jnp.take_along_axis(h, last, axis=1))[:, 0]              # [b, V]
-  cache = full.put(rows, cache)
+  cache = full.put(rows, sub)
   if release_windows:
     cache = cache.release_behind()
   logits = logits.astype(jnp.float32)
   nxt = (jnp.argmax(logits, axis=-1).astype(jnp.int32) if greedy
          else sample_rows(logits, *sampling))
   logprob = jnp.take_along_axis(jax.nn.log_softmax(logits), nxt[:, None], axis=-1)[:, 0]
-  return nxt, logprob, cache, h
+  return nxt, logprob, cache, h, sub
 
 
 def _verify(m: DecoderLM, tokens, num_tokens, rows, cache, sampling, pages, greedy,
             release_windows):
-  """``verify_function``'s verify on a merged model: ``(tokens, accepted, logprob, cache, h)``,
-  ``h [b, T, D]`` the rows' final hidden states."""
+  """``verify_function``'s verify on a merged model: ``(tokens, accepted, logprob, cache, h,
+  sub)``, as ``_step``'s (``sub`` rewound to the kept tokens)."""
   full, cache = cache, cache.take(rows, pages)
   before = cache.lengths
   # (recurrent layers keep their state after each token: the rewind picks the kept one)
@@ -237,11 +240,11 @@ def _verify(m: DecoderLM, tokens, num_tokens, rows, cache, sampling, pages, gree
   drafts = jnp.maximum(num_tokens - 1, 0)
   out, accepted, logprob = accept_rows(m.head(h).astype(jnp.float32), tokens[:, 1:], drafts,
                                        *sampling, greedy=greedy)
-  cache = cache.rewind(jnp.where(num_tokens > 0, before + accepted + 1, before), before)
-  cache = full.put(rows, cache)
+  sub = cache.rewind(jnp.where(num_tokens > 0, before + accepted + 1, before), before)
+  cache = full.put(rows, sub)
   if release_windows:
     cache = cache.release_behind()
-  return out, accepted, logprob, cache, h
+  return out, accepted, logprob, cache, h, sub
 
 
 @functools.lru_cache(maxsize=32)
@@ -271,8 +274,8 @@ def step_functions(graphdef, *, release_windows: bool = False):
   def step(state, tokens, num_tokens, rows, cache, sampling, pages=None, greedy=False):
     m = nnx.merge(graphdef, state)
     m.eval()
-    nxt, logprob, cache, _ = _step(m, tokens, num_tokens, rows, cache, sampling, pages, greedy,
-                                   release_windows)
+    nxt, logprob, cache, *_ = _step(m, tokens, num_tokens, rows, cache, sampling, pages, greedy,
+                                    release_windows)
     return nxt, logprob, cache.shard()
 
   @functools.partial(jax.jit, donate_argnums=0)
@@ -297,23 +300,42 @@ def verify_function(graphdef, *, release_windows: bool = False):
   def verify(state, tokens, num_tokens, rows, cache, sampling, pages=None, greedy=False):
     m = nnx.merge(graphdef, state)
     m.eval()
-    out, accepted, logprob, cache, _ = _verify(m, tokens, num_tokens, rows, cache, sampling,
-                                               pages, greedy, release_windows)
+    out, accepted, logprob, cache, *_ = _verify(m, tokens, num_tokens, rows, cache, sampling,
+                                                pages, greedy, release_windows)
     return out, accepted, logprob, cache.shard()
 
   return verify
 
 
-def _mtp_drafts(m: DecoderLM, h, ahead, num, rows, mtp_cache: PagedModelCache, pages, k: int):
-  """The depth-1 MTP module after a model call on the slots ``rows``: it reads the pairs
-  ``(h [b, T, D], ahead [b, T])`` of the ``num[i]`` positions row ``i`` kept (the model's hidden
-  state at each, the token after it), so each slot's MTP cache ends where its sequence does, then
-  drafts ``k`` tokens greedily, chaining on its own output (the positions it writes past the
-  sequence are rewound away).  Returns ``(drafts [b, k], mtp_cache)``."""
-  full, cache = mtp_cache, mtp_cache.take(rows, pages)
+def mirrored_table(cache: PagedModelCache, index: int) -> PageTable:
+  """The page table of ``cache``'s ``index``-th paged layer (the first of a scanned stack): the
+  pages the MTP module's block shares with the model (``mtp_functions``)."""
+  tables = [c.table for group, stacked in zip(cache.groups, cache.stacked) for c in group
+            if not isinstance(c, DeltaNetCache)
+            for c in ([jax.tree.map(lambda x: x[0], c)] if stacked else [c])]
+  return tables[index]
+
+
+def _mtp_drafts(m: DecoderLM, h, ahead, num, start, table: PageTable, mtp_cache: PagedModelCache,
+                k: int):
+  """The depth-1 MTP module after a model call: it reads the pairs ``(h [b, T, D], ahead
+  [b, T])`` of the ``num[i]`` positions row ``i`` kept (the model's hidden state at each, the
+  token after it) from position ``start[i]`` on, then drafts ``k`` tokens greedily, chaining on
+  its own output.  Its block's pool is indexed by the model's page table of the call's rows
+  (``table``, after the call): the module writes its entry of position ``i`` at the page and slot
+  where the model holds position ``i``, so its cache needs no allocation or bookkeeping of its
+  own, and shares the prefix cache's pages.  The chained drafts' positions past the sequence go
+  to the spare pages past the model's pool (freed with the call).  Returns ``(drafts [b, k],
+  mtp_cache)``."""
+  (layer,), = mtp_cache.groups
+  pool = layer.table.num_pages
+  spare = jnp.arange(pool - 1, table.num_pages - 1, -1, dtype=jnp.int32)     # pool ids past P
+  stack = jnp.zeros((pool,), jnp.int32).at[:spare.size].set(spare)
+  view = dataclasses.replace(table, lengths=start, free_pages=stack,
+                             num_free=jnp.asarray(spare.size, jnp.int32))
+  cache = PagedModelCache(((dataclasses.replace(layer, table=view),),), start, (False,))
   module = m.mtp[0]
   g, cache = m.mtp_decode(h, ahead, cache, num_tokens=num)
-  kept = cache.lengths
   g = jnp.take_along_axis(g, jnp.maximum(num - 1, 0)[:, None, None], axis=1)     # [b, 1, D]
   tok = jnp.argmax(m.mtp_logits(module, g)[:, 0], axis=-1).astype(jnp.int32)
   drafts, feed = [tok], (num > 0).astype(jnp.int32)
@@ -321,15 +343,19 @@ def _mtp_drafts(m: DecoderLM, h, ahead, num, rows, mtp_cache: PagedModelCache, p
     g, cache = m.mtp_decode(g, tok[:, None], cache, num_tokens=feed)
     tok = jnp.argmax(m.mtp_logits(module, g)[:, 0], axis=-1).astype(jnp.int32)
     drafts.append(tok)
-  return jnp.stack(drafts, axis=1), full.put(rows, cache.rewind(kept)).shard()
+  (new,), = cache.groups
+  kept = dataclasses.replace(new, table=layer.table)          # the pools, written
+  return jnp.stack(drafts, axis=1), PagedModelCache(((kept,),), mtp_cache.lengths,
+                                                    mtp_cache.stacked).shard()
 
 
 @functools.lru_cache(maxsize=32)
-def mtp_functions(graphdef, k: int, *, release_windows: bool = False):
+def mtp_functions(graphdef, k: int, table: int = 0, *, release_windows: bool = False):
   """The engine's calls when the model's own multi-token prediction drafts
   (``Engine(draft="mtp")``): ``step_functions``' step and ``verify_function``'s verify, each
-  followed by the depth-1 MTP module on the positions the call kept, which leaves each slot's
-  MTP cache (``DecoderLM.init_mtp_paged_cache``) as long as its sequence and proposes the slot's
+  followed by the depth-1 MTP module on the positions the call kept, which writes them into its
+  block's pool at the pages of the model's ``table``-th paged layer (``mirrored_table``; the pool
+  has ``P + spare`` pages for a ``P``-page layer, see ``_mtp_drafts``) and proposes each slot's
   next ``k`` drafts (greedy: one-hot proposals, so ``accept_rows`` stays exact for sampled
   requests too):
 
@@ -349,12 +375,13 @@ def mtp_functions(graphdef, k: int, *, release_windows: bool = False):
            greedy=False):
     m = nnx.merge(graphdef, state)
     m.eval()
-    nxt, logprob, cache, h = _step(m, tokens, num_tokens, rows, cache, sampling, pages, greedy,
-                                   release_windows)
+    nxt, logprob, cache, h, sub = _step(m, tokens, num_tokens, rows, cache, sampling, pages,
+                                        greedy, release_windows)
     last = jnp.arange(tokens.shape[1])[None, :] == (num_tokens - 1)[:, None]
     after = jnp.where(following >= 0, following, nxt)
     ahead = jnp.where(last, after[:, None], shift_left(tokens, 1))
-    drafts, mtp_cache = _mtp_drafts(m, h, ahead, num_tokens, rows, mtp_cache, pages, k)
+    drafts, mtp_cache = _mtp_drafts(m, h, ahead, num_tokens, sub.lengths - num_tokens,
+                                    mirrored_table(sub, table), mtp_cache, k)
     return nxt, logprob, cache.shard(), drafts, mtp_cache
 
   @functools.partial(jax.jit, donate_argnums=(4, 6), static_argnames=("pages", "greedy"))
@@ -362,10 +389,11 @@ def mtp_functions(graphdef, k: int, *, release_windows: bool = False):
              greedy=False):
     m = nnx.merge(graphdef, state)
     m.eval()
-    out, accepted, logprob, cache, h = _verify(m, tokens, num_tokens, rows, cache, sampling,
-                                               pages, greedy, release_windows)
+    out, accepted, logprob, cache, h, sub = _verify(m, tokens, num_tokens, rows, cache, sampling,
+                                                    pages, greedy, release_windows)
     kept = jnp.where(num_tokens > 0, accepted + 1, 0)
-    drafts, mtp_cache = _mtp_drafts(m, h, out, kept, rows, mtp_cache, pages, k)
+    drafts, mtp_cache = _mtp_drafts(m, h, out, kept, sub.lengths - kept,
+                                    mirrored_table(sub, table), mtp_cache, k)
     return out, accepted, logprob, cache.shard(), drafts, mtp_cache
 
   return step, verify
@@ -718,6 +746,7 @@ class Engine:
     if draft is not None:
       self._check_draft(draft, model, prefix_cache)
     self._prefix = _PrefixCache() if prefix_cache else None
+    self._follow: dict[int, int] = {}     # with MTP: each cached page's next token (_resumable)
     self._snapshots, self._store = None, None
     if prefix_cache and self.cache.recurrent:
       count = 4 * self.max_batch if prefix_states is None else int(prefix_states)
@@ -734,13 +763,24 @@ class Engine:
     self.draft_cache, self._propose, self.mtp_cache = None, None, None
     self._mtp = isinstance(draft, str) and draft == "mtp"
     if self._mtp:
+      # The module's block shares the page table of a layer holding whole sequences (or, for a
+      # sliding-window block, any paged layer): its pool has that layer's pages, and spare ones
+      # for its chained drafts past a sequence's end (up to k - 1 positions a slot).
+      windows = self.cache.windows
+      mirror = next((i for i, w in enumerate(windows) if w is None), None)
+      if mirror is None and windows and mtp_layer_kind(self.config)[0] == "S":
+        mirror = 0
+      if mirror is None:
+        raise ValueError("`draft='mtp'`: the MTP module's block holds whole sequences and shares "
+                         "the page table of a model layer that does; this model has none "
+                         f"(layer kinds {sorted(kinds)}).")
       self._mtp_step, self._mtp_verify = mtp_functions(
-          graphdef, self.num_draft_tokens, release_windows=self.window is not None)
-      # The module's drafts past a sequence's end hold up to k - 1 more positions for a moment.
+          graphdef, self.num_draft_tokens, mirror, release_windows=self.window is not None)
+      pool = self.num_pages if windows[mirror] is None else self.window_num_pages
       spare = self.max_batch * -(-(self.num_draft_tokens - 1) // self.page_size)
       with self._on_mesh():
         self.mtp_cache = model.init_mtp_paged_cache(
-            self.max_batch, self.num_pages + spare, self.page_size,
+            self.max_batch, pool + spare, self.page_size,
             max_pages_per_seq=self.max_pages_per_seq, dtype=dtype).shard()
     elif draft is not None:
       draft_graphdef, self._draft_state = nnx.split(draft)
@@ -778,10 +818,6 @@ class Engine:
       if not model.config.mtp_depth:
         raise ValueError("`draft='mtp'` drafts with the model's multi-token-prediction module; "
                          "this model has none (mtp_depth=0).")
-      if prefix_cache:
-        raise ValueError("`draft='mtp'` with `prefix_cache=True`: the MTP module's cache pages "
-                         "are its own, so cached prefixes cannot be shared with it; use one or "
-                         "the other.")
       return
     if draft.config.vocab_size != model.config.vocab_size:
       raise ValueError(f"`draft`'s vocab_size ({draft.config.vocab_size}) must equal the "
@@ -1028,12 +1064,20 @@ class Engine:
     matched = self._prefix.match(usable)
     if len(usable) > len(matched) and usable[len(matched)] in coming:
       return matched, None, True
-    if self._snapshots is not None:   # recurrent layers: up to a page with a snapshot
-      while matched and usable[len(matched) - 1] not in self._snapshots:
-        matched = matched[:-1]
-      if matched:
-        return matched, usable[len(matched) - 1], False
+    while matched and not self._resumable(r, matched, usable):
+      matched = matched[:-1]
+    if self._snapshots is not None and matched:
+      return matched, usable[len(matched) - 1], False
     return matched, None, False
+
+  def _resumable(self, r: _Request, matched: list[int], usable: list[bytes]) -> bool:
+    """Whether ``r`` can read the cached pages ``matched`` and go on after them: with recurrent
+    layers, a snapshot of the states after the last one is saved; with MTP drafting, the module's
+    entry at the last one's last position pairs it with ``r``'s next token (the request that
+    computed the page may have gone on with another)."""
+    if self._snapshots is not None and usable[len(matched) - 1] not in self._snapshots:
+      return False
+    return not self._mtp or self._follow[matched[-1]] == r.feed[len(matched) * self.page_size]
 
   def _victim(self, active: list[tuple[int, _Request]]) -> tuple[int, _Request]:
     """The running request preempted first: the largest priority value, then the most recently
@@ -1243,6 +1287,10 @@ class Engine:
         if self._prefix.add(r.keys[j], page):
           r.shared.append(page)
           r.fresh -= 1                             # the cache owns it from now on
+          if self._mtp:       # the token the MTP module paired the page's last position with
+            after = (j + 1) * ps
+            self._follow[page] = int(r.prompt[after] if after < r.prompt.size
+                                     else r.out[after - r.prompt.size])
         else:
           break          # a page of its own past this one would hang off a private parent
 
@@ -1401,8 +1449,6 @@ class Engine:
       self.cache = self._free(self.cache, jnp.asarray(done), keep)
       if self.draft_cache is not None:
         self.draft_cache = self._draft_free(self.draft_cache, jnp.asarray(done))
-      if self.mtp_cache is not None:
-        self.mtp_cache = self._free(self.mtp_cache, jnp.asarray(done))
 
   @property
   def cached_pages(self) -> int:

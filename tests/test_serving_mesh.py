@@ -107,12 +107,11 @@ def test_engine_on_a_mesh_equals_one_device_and_keeps_the_cache_split(name):
     for c in layers(engine.draft_cache):
       assert spec(c.key_pool) == (None, None, "tensor")
       assert (np.asarray(c.table.num_free) == engine.num_pages).all()
-  if engine.mtp_cache is not None:          # the MTP module's cache: split alike, pages back
+  if engine.mtp_cache is not None:          # the MTP module's pool: split alike
     assert engine.stats.drafted > 0
     (c,) = layers(engine.mtp_cache)
     assert spec(c.key_pool) == (None, None, "tensor")
     assert c.key_pool.addressable_shards[0].data.shape[-1] == c.key_pool.shape[-1] // 2
-    assert int(c.table.num_free) == engine.num_pages + engine.max_batch   # a spare page a slot
 
 
 def test_shard_splits_pools_and_recurrent_states_over_heads():

@@ -1,8 +1,8 @@
 """The serving engine drafting with the model's own multi-token-prediction module
 (``Engine(draft="mtp")``): greedy requests get exactly ``generate``'s tokens (attention with pages
-on demand and preemptions, MLA + MoE), every draft the engine proposes is the uncached module's
-(its first draft from the model's hidden states of the whole sequence, the later ones chained on
-its own output), and both pools come back whole."""
+on demand and preemptions, MLA, a prefix cache), and every draft the engine proposes is the
+uncached module's (its first draft from the model's hidden states of the whole sequence, the
+later ones chained on its own output)."""
 
 import jax
 import jax.numpy as jnp
@@ -14,10 +14,6 @@ from jaxattn.nn.mtp import shift_left
 from jaxattn.serving import Engine
 from tests.test_serving import alone, model_for
 from tests.test_serving_speculative import WORK, _pools_whole
-
-
-def _free_pages(cache):
-  return [int(c.table.num_free) for g in cache.groups for c in g]
 
 
 def _reference(model, k: int):
@@ -48,36 +44,32 @@ def _reference(model, k: int):
   return ref
 
 
-@pytest.mark.parametrize("name,model_kw,kw", [
-    ("llama", dict(), dict(allocation="on_demand", num_pages=9, max_pages_per_seq=6)),
-    # an MLA block: a latent page pool of its own (one layer: MoE MTP blocks are the model's
-    # MoE, tested in tests/nn/test_mtp.py and tests/test_speculative.py)
-    ("deepseek-v3", dict(num_layers=1, first_k_dense=1), dict()),
-])
-def test_mtp_drafts_are_the_modules_and_greedy_requests_equal_generate(name, model_kw, kw):
-  model = model_for(name, mtp_depth=1, **model_kw)
+def _model(name, **kw):
+  model = model_for(name, mtp_depth=1, **kw)
   # A random module rarely agrees with the model; one leaning to its input token does where the
   # model's greedy output repeats a token, so some drafts are kept (and the rewinds after them,
   # which decide the module's later drafts, are checked too).
   d, proj = model.config.embed_dim, model.mtp[0].proj.kernel
   proj[...] = jnp.concatenate([3.0 * jnp.eye(d, dtype=proj.dtype), proj[...][d:]], axis=0)
-  k = 3
-  engine = Engine(model, max_batch=3, page_size=4, chunk=4, num_draft_tokens=k, draft="mtp",
-                  **kw)
-  ids = [engine.submit(p, n) for p, n in WORK]
-  seen = []         # (request id, its sequence's length when drafted, the drafts)
+  return model
+
+
+def _serve(engine, work, seen):
+  """Runs ``work`` to the end, appending ``(request id, its sequence's length when drafted, the
+  drafts)`` to ``seen`` after every step; returns the request ids and results."""
+  ids = [engine.submit(p, n) for p, n in work]
   while engine.pending:
     engine.step()
     for r in engine._slots:
       if r is not None and not r.reading:
         seen.append((r.rid, r.prompt.size + len(r.out) - 1, r.drafts.copy()))
-  results = engine.pop_results()
-  for rid, (p, n) in zip(ids, WORK):
+  return ids, engine.pop_results()
+
+
+def _check(model, work, ids, results, seen, k):
+  """Greedy results are ``generate``'s, and every draft proposed is the uncached module's."""
+  for rid, (p, n) in zip(ids, work):
     np.testing.assert_array_equal(results[rid], alone(model, p, n), err_msg=f"request {rid}")
-  st = engine.stats
-  assert 0 < st.accepted_drafts < st.drafted and st.generated == sum(n for _, n in WORK)
-  if kw:
-    assert st.preempted >= 1
   ref = _reference(model, k)
   t = model.config.max_seq_len
   for rid, length, d in seen:
@@ -85,9 +77,47 @@ def test_mtp_drafts_are_the_modules_and_greedy_requests_equal_generate(name, mod
     full[0, :results[rid].size] = results[rid]
     want = np.asarray(ref(jnp.asarray(full), length, jnp.asarray(d)))
     np.testing.assert_array_equal(d, want, err_msg=f"request {rid} at length {length}")
+
+
+@pytest.mark.parametrize("name,model_kw,kw", [
+    ("llama", dict(), dict(allocation="on_demand", num_pages=9, max_pages_per_seq=6)),
+    # an MLA block (one layer: MoE MTP blocks are the model's MoE, tested in
+    # tests/nn/test_mtp.py and tests/test_speculative.py)
+    ("deepseek-v3", dict(num_layers=1, first_k_dense=1), dict()),
+])
+def test_mtp_drafts_are_the_modules_and_greedy_requests_equal_generate(name, model_kw, kw):
+  model, k = _model(name, **model_kw), 3
+  engine = Engine(model, max_batch=3, page_size=4, chunk=4, num_draft_tokens=k, draft="mtp",
+                  **kw)
+  seen = []
+  ids, results = _serve(engine, WORK, seen)
+  _check(model, WORK, ids, results, seen, k)
+  st = engine.stats
+  assert 0 < st.accepted_drafts < st.drafted and st.generated == sum(n for _, n in WORK)
+  if kw:
+    assert st.preempted >= 1
   assert _pools_whole(engine)
-  assert _free_pages(engine.mtp_cache) == [engine.num_pages + 3] * 1    # its spare page a slot
-  assert not np.asarray(engine.mtp_cache.lengths).any()
+
+
+def test_mtp_drafts_over_cached_prefixes():
+  """With a prefix cache the module reads its entries of the cached pages as the model does;
+  the entry at a cached prefix's last position pairs it with the token that followed it in the
+  request that computed it, so a request going on with another token recomputes that page.
+  (A module free to attend: the copying one's drafts hardly depend on one entry.)"""
+  model, k = model_for("llama", mtp_depth=1), 3
+  engine = Engine(model, max_batch=2, page_size=4, chunk=4, num_draft_tokens=k, draft="mtp",
+                  prefix_cache=True)
+  rng = np.random.default_rng(1)
+  system = rng.integers(1, 61, size=8).astype(np.int32)           # two pages
+  first = [(np.concatenate([system, [5, 6, 7]]).astype(np.int32), 6)]
+  later = [(np.concatenate([system, [9, 6]]).astype(np.int32), 6),    # another next token
+           (np.concatenate([system, [5, 2]]).astype(np.int32), 6)]    # the same next token
+  seen = []
+  ids, results = _serve(engine, first, seen)
+  ids2, results2 = _serve(engine, later, seen)
+  _check(model, first + later, ids + ids2, {**results, **results2}, seen, k)
+  # the first page only for the other next token; both pages for the same one
+  assert engine.stats.prefix_hit_tokens == 4 + 8
 
 
 def test_errors():
@@ -97,8 +127,10 @@ def test_errors():
   mtp = model_for("llama", mtp_depth=1)
   with pytest.raises(ValueError, match="give num_draft_tokens >= 1"):
     Engine(mtp, draft="mtp")
-  with pytest.raises(ValueError, match="`draft='mtp'` with `prefix_cache=True`"):
-    Engine(mtp, num_draft_tokens=2, draft="mtp", prefix_cache=True)
+  with pytest.raises(ValueError, match="shares the page table of a model layer that does; "
+                     "this model has none \\(layer kinds \\['D'\\]\\)"):
+    Engine(model_for("qwen3-next", layer_pattern="D", mtp_depth=1), num_draft_tokens=2,
+           draft="mtp")
   with pytest.raises(ValueError, match="`draft` must be None \\(prompt lookup\\), 'mtp'"):
     Engine(mtp, num_draft_tokens=2, draft="ngram")
   with pytest.raises(ValueError, match="init_mtp_paged_cache: this model has no"):
