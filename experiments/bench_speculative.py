@@ -5,7 +5,7 @@ trained with multi-token prediction drafting with its own MTP module.
     python -m experiments.bench_speculative [--run runs/train] [--draft-run runs/draft]
         [--mtp-run runs/mtp] [--train-steps 80] [--draft-layers 1] [--draft-width 64] [--prompts 8]
         [--prompt-len 64] [--new-tokens 128] [--k 2,4,8] [--temperature 0.8] [--repeats 2]
-        [--out runs/bench_speculative] [--smoke]
+        [--engine-repeats 5] [--no-engine] [--out runs/bench_speculative] [--smoke]
 
 Models: ``--run`` is an ``experiments.train`` output (the newest checkpoint is loaded); without
 it llama-tiny (byte vocabulary, 4 layers of width 128) is trained first for ``--train-steps``
@@ -64,11 +64,38 @@ Neither case is large-model measurement; the tokens per call and acceptance are 
 (for the same pair of models and text).  A model trained for a few dozen steps falls into loops
 when greedy ("the the the"), which prompt lookup feeds on: its acceptance here overstates what it
 gets on a capable model's text, which repeats its context mostly in copying tasks.
+
+The serving engine (a second table; ``--no-engine``: none).  ``jaxattn.serving.Engine`` drafts
+too: every prompt is submitted at once (``max_batch`` = the number of prompts, ``page_size`` 16,
+``chunk`` 64, greedy, ``--new-tokens`` each) and one ``run()`` serves them all.  Rows, each with
+``k = 4`` drafts per step (``SAMPLE_K``):
+
+* ``engine (no draft)``: the plain model, no speculation, the baseline of the next two;
+* ``engine ngram k=4``: prompt lookup (``Engine(num_draft_tokens=4)``);
+* ``engine draft k=4``: the draft model (``draft=draft_model``, with a paged cache of its own);
+* ``engine (MTP model)``: the MTP-trained model, no speculation, the baseline of the next;
+* ``engine mtp k=4``: its own MTP module drafting (``draft="mtp"``).
+
+Each engine is built once and warmed up by two untimed runs of the same prompts (the first
+compiles every step program); then each round runs every engine once (interleaved, as above),
+keeping each row's best wall time over ``--engine-repeats`` rounds (default 5: a run of the
+engine lasts a fraction of a second, so single runs are noisy on a shared machine; an engine's
+cache is empty again after ``run()`` returns, and the next run reuses it).  Per row: tokens/s (prompts x new tokens over that time),
+speed-up over its baseline, engine steps (each feeds every busy slot once), acceptance (kept
+drafts / drafts fed), tokens per slot-step (tokens generated over busy slot-steps: 1 for the
+baselines when a prompt fits one chunk, at most ``k + 1``) and whether every request's tokens
+equal its baseline row's (greedy: they must; a mismatch counts as above).  The ratio differs from
+batch 1's, and from a batched ``speculative_generate``: there a round keeps the fewest drafts
+any row agreed on (the batch advances in lock step), while each engine slot keeps its own drafts
+and advances by its own count, so a batch of unlike texts loses nothing to its slowest row;
+instead the step's cost is the batch's (``b x (k + 1)`` rows verified), and the steps end when
+the slowest request does.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import pathlib
 import sys
@@ -87,7 +114,11 @@ from jaxattn.speculative import speculative_generate
 
 BASELINE = "generate (no draft)"
 MTP_BASELINE = "generate (MTP model)"
-SAMPLE_K = 4            # the sampled draft row's drafts per round
+SAMPLE_K = 4            # the sampled draft row's drafts per round (and the engine rows')
+ENGINE_BASELINE = "engine (no draft)"
+ENGINE_MTP_BASELINE = "engine (MTP model)"
+ENGINE_PAGE_SIZE = 16
+ENGINE_CHUNK = 64
 TRAIN_SEQ_LEN = 128     # rows of the models trained here
 
 
@@ -247,6 +278,87 @@ def measure(rows: list[dict], models: dict, prompts: list[np.ndarray], new_token
   return results
 
 
+def make_engine_rows(k: int = SAMPLE_K) -> list[dict]:
+  """The serving engine's rows: name, draft ("ngram", "model", "mtp" or None), k, baseline,
+  model ("model" or "mtp")."""
+  return [dict(name=ENGINE_BASELINE, draft=None, k=None, baseline=ENGINE_BASELINE, model="model"),
+          dict(name=f"engine ngram k={k}", draft="ngram", k=k, baseline=ENGINE_BASELINE,
+               model="model"),
+          dict(name=f"engine draft k={k}", draft="model", k=k, baseline=ENGINE_BASELINE,
+               model="model"),
+          dict(name=ENGINE_MTP_BASELINE, draft=None, k=None, baseline=ENGINE_MTP_BASELINE,
+               model="mtp"),
+          dict(name=f"engine mtp k={k}", draft="mtp", k=k, baseline=ENGINE_MTP_BASELINE,
+               model="mtp")]
+
+
+def make_engine(row: dict, models: dict, batch: int):
+  """The ``jaxattn.serving.Engine`` of an engine row, ``batch`` slots (greedy)."""
+  from jaxattn.serving import Engine  # noqa: PLC0415
+  spec = {}
+  if row["draft"] is not None:
+    draft = dict(ngram=None, model=models["draft"], mtp="mtp")[row["draft"]]
+    spec = dict(num_draft_tokens=row["k"], draft=draft)
+  return Engine(models[row["model"]], max_batch=batch, page_size=ENGINE_PAGE_SIZE,
+                chunk=ENGINE_CHUNK, **spec)
+
+
+def run_engine(engine, prompts: list[np.ndarray], new_tokens: int):
+  """Every prompt submitted at once, one ``run()``: ``(tokens per prompt [T + n], the engine's
+  statistics of this run (``EngineStats`` fields), wall seconds)``."""
+  before = dataclasses.asdict(engine.stats)
+  t0 = time.perf_counter()
+  ids = [engine.submit(p[0], new_tokens) for p in prompts]
+  results = engine.run()
+  seconds = time.perf_counter() - t0
+  after = dataclasses.asdict(engine.stats)
+  return [np.asarray(results[i]) for i in ids], {f: after[f] - before[f] for f in after}, seconds
+
+
+def measure_engine(rows: list[dict], models: dict, prompts: list[np.ndarray], new_tokens: int,
+                   repeats: int) -> list[dict]:
+  """The engine rows (module docstring): each engine warmed up by two runs, then ``repeats``
+  interleaved rounds of one run each; per row its best wall time and the statistics of a run
+  (every run of a greedy engine takes the same steps)."""
+  engines, outs = {}, {r["name"]: [] for r in rows}
+  for row in tqdm(rows, desc="engine compile"):
+    engines[row["name"]] = make_engine(row, models, len(prompts))
+    for _ in range(2):         # (the first compiles; the second starts as every timed run does)
+      outs[row["name"]].append(run_engine(engines[row["name"]], prompts, new_tokens)[0])
+  best = {r["name"]: float("inf") for r in rows}
+  stats = {}
+  bar = tqdm(total=repeats * len(rows), desc="engine timing")
+  for _ in range(repeats):
+    for row in rows:
+      tokens, st, sec = run_engine(engines[row["name"]], prompts, new_tokens)
+      best[row["name"]] = min(best[row["name"]], sec)
+      outs[row["name"]].append(tokens)
+      stats[row["name"]] = st
+      bar.update(1)
+  bar.close()
+  results = []
+  for row in rows:
+    st, seconds = stats[row["name"]], best[row["name"]]
+    reference = outs[row["baseline"]][-1]
+    # A prompt mismatches when any run of the row (its warm-up too) differs from the baseline's.
+    mismatched = sum(any(not np.array_equal(run[i], reference[i]) for run in outs[row["name"]])
+                     for i in range(len(prompts)))
+    results.append(dict(
+        name=row["name"], draft=row["draft"], k=row["k"], baseline=row["baseline"],
+        seconds=seconds, tokens_per_s=len(prompts) * new_tokens / seconds,
+        steps=st["steps"], calls=st["calls"], generated=st["generated"],
+        busy_slot_steps=st["busy_slot_steps"], drafted=st["drafted"],
+        accepted=st["accepted_drafts"],
+        acceptance_rate=(st["accepted_drafts"] / st["drafted"]
+                         if row["draft"] and st["drafted"] else None),
+        tokens_per_step=st["generated"] / st["busy_slot_steps"],
+        mismatched_prompts=mismatched))
+  by_name = {r["name"]: r for r in results}
+  for r in results:
+    r["speedup"] = by_name[r["baseline"]]["seconds"] / r["seconds"]
+  return results
+
+
 def _fmt(x, spec: str, width: int) -> str:
   return f"{'-':>{width}}" if x is None else f"{x:{width}{spec}}"
 
@@ -266,6 +378,20 @@ def print_table(results: list[dict], prompts: int) -> None:
   print("speed-up: the baseline's wall time over the row's (greedy rows against generate of the\n"
         "same model, sampled rows against sampled generate); tok/call: tokens per model call\n"
         "after the prefill.")
+
+
+def print_engine_table(results: list[dict], prompts: int) -> None:
+  print(f"\nserving engine: all {prompts} prompts in one batch, greedy")
+  print(f"{'row':26} {'tok/s':>8} {'speed-up':>9} {'accept':>7} {'tok/step':>9} {'steps':>6} "
+        f"{'= baseline':>11}")
+  for r in results:
+    same = f"NO {r['mismatched_prompts']}/{prompts}" if r["mismatched_prompts"] else "yes"
+    print(f"{r['name']:26} {r['tokens_per_s']:8.1f} {r['speedup']:8.2f}x "
+          f"{_fmt(r['acceptance_rate'], '.1%', 7)} {r['tokens_per_step']:9.2f} {r['steps']:6d} "
+          f"{same:>11}")
+  print("speed-up: the same model's engine without drafts over the row's wall time; tok/step:\n"
+        "tokens generated per busy slot per engine step (prefill steps included); steps: engine\n"
+        "steps of one run (each feeds every busy slot once).")
 
 
 def _plot(results: list[dict], path: pathlib.Path) -> None:
@@ -322,6 +448,10 @@ def main(argv=None) -> int:
   ap.add_argument("--temperature", type=float, default=0.8,
                   help=f"the sampled rows' temperature (draft k={SAMPLE_K}); 0: none")
   ap.add_argument("--repeats", type=at_least(1), default=2)
+  ap.add_argument("--engine-repeats", type=at_least(1), default=5,
+                  help="timed rounds of the serving engine's table (best of)")
+  ap.add_argument("--no-engine", action="store_true",
+                  help="skip the serving engine's table (jaxattn.serving.Engine, one batch)")
   ap.add_argument("--out", default="runs/bench_speculative")
   args = ap.parse_args(argv)
   if not args.temperature >= 0 or not np.isfinite(args.temperature):
@@ -389,13 +519,20 @@ def main(argv=None) -> int:
   models = dict(model=model, draft=draft, mtp=mtp)
   results = measure(rows, models, prompts, args.new_tokens, args.repeats)
   print_table(results, len(prompts))
-  mismatched = {r["name"]: r["mismatched_prompts"] for r in results if r["mismatched_prompts"]}
+  engine_results = []
+  if not args.no_engine:
+    engine_results = measure_engine(make_engine_rows(), models, prompts, args.new_tokens,
+                                    args.engine_repeats)
+    print_engine_table(engine_results, len(prompts))
+  mismatched = {r["name"]: r["mismatched_prompts"] for r in results + engine_results
+                if r["mismatched_prompts"]}
   record = dict(model=sources["model"], draft=sources["draft"], mtp_model=sources["mtp"],
                 eval_loss=losses, parameters=params,
                 prompts=len(prompts), prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                repeats=args.repeats, ks=args.k, temperature=args.temperature,
+                repeats=args.repeats, engine_repeats=args.engine_repeats, ks=args.k, temperature=args.temperature,
                 backend=jax.default_backend(), device=device.device_kind,
-                cpu_count=os.cpu_count(), greedy_mismatches=mismatched, rows=results)
+                cpu_count=os.cpu_count(), greedy_mismatches=mismatched, rows=results,
+                engine_rows=engine_results)
   write_json(out / "results.json", record)
   try:
     _plot(results, out / "bench_speculative.png")
@@ -403,7 +540,7 @@ def main(argv=None) -> int:
   except Exception as e:  # noqa: BLE001  (the figures are saved; a plotting failure loses none)
     print(f"wrote {out / 'results.json'}; no plot ({error_text(e)})", flush=True)
   if mismatched:
-    print("ERROR: greedy speculative output differs from generate's (it must not): "
+    print("ERROR: greedy speculative output differs from its baseline's (it must not): "
           + ", ".join(f"{n}: {m} of {len(prompts)} prompts" for n, m in mismatched.items()),
           flush=True)
     return 1

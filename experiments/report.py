@@ -89,7 +89,7 @@ FLAGS: dict[str, dict[str, list[str]]] = {
         quick=["--train-steps", "80", "--prompts", "4", "--new-tokens", "64", "--k", "2,4,8",
                "--temperature", "0", "--repeats", "2"],
         smoke=["--smoke", "--prompts", "1", "--prompt-len", "16", "--new-tokens", "4", "--k", "2",
-               "--temperature", "0", "--repeats", "1"]),
+               "--temperature", "0", "--repeats", "1", "--no-engine"]),
     "bench_train": dict(
         quick=["--batch-size", "4", "--seq-len", "128", "--steps", "3", "--matmul-size", "1024"],
         smoke=["--presets", "llama", "--batch-size", "1", "--seq-len", "8", "--steps", "1",
@@ -382,6 +382,25 @@ def _source_step(source: str) -> tuple[str, int | None]:
   return (f"`{m.group(1)}` (step {m.group(2)})", int(m.group(2))) if m else (source, None)
 
 
+def _engine_paragraph(rows: list[dict], prompts: int) -> str:
+  """bench_speculative's serving-engine rows in a sentence ("" without them): each drafting
+  row's speed-up over the engine without drafts, acceptance and tokens per slot-step."""
+  drafting = [r for r in rows if r["draft"] is not None]
+  if not drafting:
+    return ""
+  parts = [f"`{r['name']}` {r['speedup']:.2f}x ("
+           + ("" if r["acceptance_rate"] is None else f"{100 * r['acceptance_rate']:.0f}% of "
+              "drafts kept, ")
+           + f"{r['tokens_per_step']:.2f} tokens per slot-step)" for r in drafting]
+  bad = [r["name"] for r in rows if r["mismatched_prompts"]]
+  return (f"\n\nThe serving engine (`jaxattn.serving.Engine`, all {prompts} prompts in one "
+          "batch, greedy), against the same model's engine without drafts: " + ", ".join(parts)
+          + "; " + ("every request's tokens equal its baseline's" if not bad else
+                    f"**tokens differ from the baseline's in {', '.join(bad)}**")
+          + ".  Each slot keeps its own drafts (no lock step across the batch), while a step "
+          "verifies every slot's k + 1 tokens.")
+
+
 def section_speculative(sec, size, folder, out, args):
   # A greedy mismatch (main returns 1) is in results.json too: the section fails, visibly.
   _, data = _run_experiment("bench_speculative", size, folder, _speculative_run(size, out, args))
@@ -407,7 +426,7 @@ def section_speculative(sec, size, folder, out, args):
   md = ""
   if mismatched:
     sec.status = "failed"
-    sec.error = ("greedy speculative output differs from generate's (it must not): " +
+    sec.error = ("greedy speculative output differs from its baseline's (it must not): " +
                  ", ".join(f"{n} on {m} of {prompts} prompts" for n, m in mismatched.items()))
     md = f"**ERROR: {sec.error}.**\n\n"
   md += (
@@ -426,6 +445,7 @@ def section_speculative(sec, size, folder, out, args):
                 [(r["name"], f"{r['tokens_per_s']:.0f}", f"{r['speedup']:.2f}x",
                   None if r["acceptance_rate"] is None else f"{100 * r['acceptance_rate']:.1f}%",
                   f"{r['tokens_per_call']:.2f}", same(r)) for r in rows]))
+  md += _engine_paragraph(data.get("engine_rows") or [], prompts)
   if data["backend"] == "cpu":
     md += (f"\n\nOn a {data['cpu_count']}-core CPU a tiny model's step is mostly per-call "
            "overhead, so the speed-up tracks tokens per call, below it: a round costs more than "

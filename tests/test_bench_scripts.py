@@ -446,7 +446,7 @@ def test_decode_quantized_cache_rows(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 SPECULATIVE_SMOKE = ["--smoke", "--prompts", "2", "--prompt-len", "16", "--new-tokens", "10",
-                     "--k", "2", "--repeats", "1"]
+                     "--k", "2", "--repeats", "1", "--engine-repeats", "1"]
 
 
 def test_bench_speculative_rows_json_and_plot(tmp_path, capsys, monkeypatch):
@@ -480,8 +480,26 @@ def test_bench_speculative_rows_json_and_plot(tmp_path, capsys, monkeypatch):
   assert rows["generate (no draft)"]["speedup"] == 1.0
   assert rows["generate (MTP model)"]["speedup"] == 1.0
   assert (tmp_path / "bench_speculative.png").stat().st_size > 0
+  # The serving engine's rows: both prompts in one batch, k = 4, the tokens its baseline's.
+  engine = {r["name"]: r for r in saved["engine_rows"]}
+  assert list(engine) == ["engine (no draft)", "engine ngram k=4", "engine draft k=4",
+                          "engine (MTP model)", "engine mtp k=4"]
+  assert engine["engine mtp k=4"]["baseline"] == "engine (MTP model)"
+  assert engine["engine draft k=4"]["baseline"] == "engine (no draft)"
+  for name, r in engine.items():
+    assert r["mismatched_prompts"] == 0 and r["tokens_per_s"] > 0 and r["speedup"] > 0, name
+    assert r["generated"] == 2 * 10 and r["steps"] >= 10 / 5, name
+    assert 1 <= r["tokens_per_step"] <= 5, name
+    if r["draft"] is None:
+      assert r["speedup"] == 1.0 and r["acceptance_rate"] is None, name
+      assert r["drafted"] == 0 and r["tokens_per_step"] == 1.0 and r["steps"] == 10, name
+    else:
+      assert r["k"] == 4 and r["drafted"] > 0 and 0 <= r["acceptance_rate"] <= 1, name
+      assert r["accepted"] <= r["drafted"], name
   out = capsys.readouterr().out
   assert "ngram k=2" in out and "speed-up" in out and "ERROR" not in out
+  assert "serving engine: all 2 prompts in one batch, greedy" in out
+  assert "engine mtp k=4" in out
   # A greedy row whose tokens differ from generate's: reported, and the exit status is 1.
   real = bench_speculative.speculative_generate
 
@@ -495,7 +513,9 @@ def test_bench_speculative_rows_json_and_plot(tmp_path, capsys, monkeypatch):
   assert bench_speculative.main(SPECULATIVE_SMOKE + ["--temperature", "0", "--out",
                                                      str(tmp_path / "bad")]) == 1
   saved = _strict_load(tmp_path / "bad" / "results.json")
+  # (the engine rows do not call speculative_generate: theirs still match)
   assert saved["greedy_mismatches"] == {"ngram k=2": 2, "draft k=2": 2, "mtp k=2": 2}
+  assert all(r["mismatched_prompts"] == 0 for r in saved["engine_rows"])
   out = capsys.readouterr().out
   assert "NO 2/2" in out and "ERROR: greedy speculative output differs" in out
 

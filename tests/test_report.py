@@ -156,7 +156,12 @@ def test_speculative_section_shows_a_greedy_mismatch(tmp_path, monkeypatch):
               new_tokens=64, repeats=1, backend="cpu", device="cpu", cpu_count=2,
               greedy_mismatches={"ngram k=2": 3},
               rows=[row("generate (no draft)", None, None, 0), row("ngram k=2", "ngram", 2, 3),
-                    row("draft k=2", "model", 2, 0)])
+                    row("draft k=2", "model", 2, 0)],
+              engine_rows=[dict(name="engine (MTP model)", draft=None, speedup=1.0,
+                                acceptance_rate=None, tokens_per_step=1.0, mismatched_prompts=0),
+                           dict(name="engine mtp k=4", draft="mtp", speedup=1.9,
+                                acceptance_rate=0.961, tokens_per_step=4.63,
+                                mismatched_prompts=2)])
   calls = []
   monkeypatch.setattr(report, "_run_experiment", lambda *a: calls.append(a) or (1, data))
   args = types.SimpleNamespace(train_metrics=str(tmp_path / "train" / "metrics.jsonl"))
@@ -167,6 +172,10 @@ def test_speculative_section_shows_a_greedy_mismatch(tmp_path, monkeypatch):
   assert sec.summary["draft k=2"]["equals_generate"] is True
   assert "**ERROR: greedy speculative output differs" in sec.markdown
   assert "| ngram k=2 | 100 | 1.50x | 50.0% | 2.00 | **NO** (3 of 4) |" in sec.markdown
+  # the serving engine's rows, in a sentence
+  assert ("all 4 prompts in one batch, greedy), against the same model's engine without "
+          "drafts: `engine mtp k=4` 1.90x (96% of drafts kept, 4.63 tokens per slot-step); "
+          "**tokens differ from the baseline's in engine mtp k=4**") in sec.markdown
   assert "`runs/train` (step 80)" in sec.markdown and "80 steps" in sec.markdown
   assert "`r/mtp` (step 80) (0.10M of its 0.90M parameters" in sec.markdown
   assert "held-out loss 1.250 without, 1.500 with the MTP objective" in sec.markdown
