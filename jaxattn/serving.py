@@ -633,11 +633,13 @@ class Engine:
       as must the model's; not with a prefix cache (the draft's pages are its own).
       ``"mtp"``: the model's own multi-token-prediction module drafts (a model with
       ``mtp_depth >= 1``; DeepSeek-V3's self-speculation): after every call it reads the
-      model's hidden states of the positions kept with the tokens that follow them, in a paged
-      cache of its own (``init_mtp_paged_cache``: one block's pages, not counted in
-      ``cache_bytes``; k - 1 spare positions per slot for its chained drafts), and proposes each
-      slot's next drafts greedily (``mtp_functions``).  Any model layers (recurrent ones keep
-      snapshots, as with prompt lookup); not with a prefix cache.
+      model's hidden states of the positions kept with the tokens that follow them, into its
+      block's pool at the pages of the model's page table (``init_mtp_paged_cache``: one
+      block's pages, not counted in ``cache_bytes``, and spare ones for its chained drafts),
+      and proposes each slot's next drafts greedily (``mtp_functions``).  Any model with a
+      paged layer (recurrent ones keep snapshots, as with prompt lookup); with a prefix cache,
+      a cached prefix whose last entry the module paired with another next token than the
+      request's has its last page recomputed.
   """
 
   def __init__(self, model: DecoderLM, *, max_batch: int = 8, page_size: int = 16,
