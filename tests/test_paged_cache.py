@@ -2,6 +2,8 @@
 invariants (no page owned twice, freed pages reused, counts), jit-compatible decode appends,
 indexer keys, errors."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,6 +104,21 @@ def test_free_returns_pages_and_they_are_reused():
   key, _ = cache.gather()
   np.testing.assert_array_equal(key[1, :7, 0, 0], [1, 1, 1, 2, 2, 2, 2])
   np.testing.assert_array_equal(key[0, :4, 0, 0], 2.0)
+
+
+def test_a_table_holding_pages_past_its_length_writes_into_them():
+  """Pages a table already holds past a sequence's length (another cache's table, shared: the
+  serving engine's MTP block) are written in place; only pages past the last held one pop."""
+  table, _, _ = PageTable.init(2, num_pages=8, page_size=2).reserve(4)     # pages 0-1 | 2-3
+  held = np.asarray(table.page_table)
+  short = dataclasses.replace(table, lengths=jnp.array([1, 4], jnp.int32))
+  grown, page, off = short.reserve(3, jnp.array([3, 1], jnp.int32))
+  assert int(grown.num_free) == int(table.num_free) - 1        # row 1's position 4: a new page
+  np.testing.assert_array_equal(np.asarray(grown.page_table)[0], held[0])
+  np.testing.assert_array_equal(np.asarray(page)[0], [held[0, 0], held[0, 1], held[0, 1]])
+  np.testing.assert_array_equal(np.asarray(off)[0], [1, 0, 1])
+  assert np.asarray(grown.lengths).tolist() == [4, 5]
+  assert int(np.asarray(grown.page_table)[1, 2]) not in held.reshape(-1)
 
 
 def test_out_of_pages_under_jit_keeps_a_prefix():
