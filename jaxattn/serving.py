@@ -558,9 +558,9 @@ class Engine:
       holding whole sequences (and no prefix cache); default enough for every slot's
       ``window_pages`` (at most ``num_pages``).
     cache_bytes: a memory budget for the cache instead of ``num_pages``: ``num_pages`` becomes
-      the most whose cache (every layer's pools, page tables, recurrent states; at the
-      ``dtype``, so a quantized cache gets about twice the pages of a bf16 one) fits in this
-      many bytes.  A budget below one page per pool, or below the window pools' fixed size, is
+      the most whose cache (every layer's pools, page tables, recurrent states, and a draft
+      model's or the MTP block's cache beside them; at the ``dtype``, so a quantized cache gets
+      about twice the pages of a bf16 one) fits in this many bytes.  A budget below one page per pool, or below the window pools' fixed size, is
       refused.
     max_pages_per_seq: the page-table width (the longest request, in pages); default
       ``ceil(max_seq_len / page_size)``.
@@ -626,7 +626,7 @@ class Engine:
     ngram_size: the longest n-gram prompt lookup matches.
     draft: a smaller ``DecoderLM`` of the same vocabulary that drafts instead of prompt lookup
       (with ``num_draft_tokens`` >= 1): it keeps a paged cache of its own (pools of ``num_pages``
-      pages, not counted in ``cache_bytes``), reads every prompt chunk beside the model, and
+      pages, counted in ``cache_bytes``), reads every prompt chunk beside the model, and
       each step proposes its greedy continuation of every decoding slot (``propose_function``;
       one-hot proposals, so ``accept_rows`` stays exact for sampled requests too).  Its layers
       must hold whole sequences (attention, MLA, DSA: no sliding window, no recurrent state),
@@ -635,7 +635,7 @@ class Engine:
       ``mtp_depth >= 1``; DeepSeek-V3's self-speculation): after every call it reads the
       model's hidden states of the positions kept with the tokens that follow them, into its
       block's pool at the pages of the model's page table (``init_mtp_paged_cache``: one
-      block's pages, not counted in ``cache_bytes``, and spare ones for its chained drafts),
+      block's pages, and spare ones for its chained drafts; counted in ``cache_bytes``),
       and proposes each slot's next drafts greedily (``mtp_functions``).  Any model with a
       paged layer (recurrent ones keep snapshots, as with prompt lookup); with a prefix cache,
       a cached prefix whose last entry the module paired with another next token than the
@@ -720,8 +720,10 @@ class Engine:
     else:
       self.num_pages = window_fill if num_pages is None else int(num_pages)
       self.window_num_pages = self.num_pages
+    if draft is not None:
+      self._check_draft(draft, model, prefix_cache)
     if cache_bytes is not None:
-      self.num_pages = self._pages_within(model, int(cache_bytes), dtype)
+      self.num_pages = self._pages_within(model, int(cache_bytes), dtype, draft)
       if not self._whole:
         self.window_num_pages = self.num_pages
       elif self._window_pools and window_num_pages is None:   # (sized before: smaller is fine)
@@ -745,8 +747,6 @@ class Engine:
     if prefix_cache and not self.cache.paged:
       raise ValueError("`prefix_cache=True` shares cached pages; this model has no paged layer "
                        "(only recurrent ones): nothing to share.")
-    if draft is not None:
-      self._check_draft(draft, model, prefix_cache)
     self._prefix = _PrefixCache() if prefix_cache else None
     self._follow: dict[int, int] = {}     # with MTP: each cached page's next token (_resumable)
     self._snapshots, self._store = None, None
@@ -765,25 +765,11 @@ class Engine:
     self.draft_cache, self._propose, self.mtp_cache = None, None, None
     self._mtp = isinstance(draft, str) and draft == "mtp"
     if self._mtp:
-      # The module's block shares the page table of a layer holding whole sequences (or, for a
-      # sliding-window block, any paged layer): its pool has that layer's pages, and spare ones
-      # for its chained drafts past a sequence's end (up to k - 1 positions a slot).
-      windows = self.cache.windows
-      mirror = next((i for i, w in enumerate(windows) if w is None), None)
-      if mirror is None and windows and mtp_layer_kind(self.config)[0] == "S":
-        mirror = 0
-      if mirror is None:
-        raise ValueError("`draft='mtp'`: the MTP module's block holds whole sequences and shares "
-                         "the page table of a model layer that does; this model has none "
-                         f"(layer kinds {sorted(kinds)}).")
+      mirror, pool = self._mtp_mirror(self.cache)
       self._mtp_step, self._mtp_verify = mtp_functions(
           graphdef, self.num_draft_tokens, mirror, release_windows=self.window is not None)
-      pool = self.num_pages if windows[mirror] is None else self.window_num_pages
-      spare = self.max_batch * -(-(self.num_draft_tokens - 1) // self.page_size)
       with self._on_mesh():
-        self.mtp_cache = model.init_mtp_paged_cache(
-            self.max_batch, pool + spare, self.page_size,
-            max_pages_per_seq=self.max_pages_per_seq, dtype=dtype).shard()
+        self.mtp_cache = self._init_mtp_cache(model, pool, dtype).shard()
     elif draft is not None:
       draft_graphdef, self._draft_state = nnx.split(draft)
       if mesh is not None:
@@ -833,15 +819,47 @@ class Engine:
       raise ValueError("`draft` with `prefix_cache=True`: the draft's cache pages are its own, "
                        "so cached prefixes cannot be shared with it; use one or the other.")
 
-  def _pages_within(self, model: DecoderLM, budget: int, dtype) -> int:
+  def _mtp_mirror(self, cache: PagedModelCache) -> tuple[int, int]:
+    """With MTP drafting: which paged layer's page table the module's block shares (a layer
+    holding whole sequences, or for a sliding-window block any paged layer), and that layer's
+    pool size in pages."""
+    layers = [c for group in cache.groups for c in group if not isinstance(c, DeltaNetCache)]
+    windows = [getattr(c, "window", None) for c in layers]
+    mirror = next((i for i, w in enumerate(windows) if w is None), None)
+    if mirror is None and windows and mtp_layer_kind(self.config)[0] == "S":
+      mirror = 0
+    if mirror is None:
+      raise ValueError("`draft='mtp'`: the MTP module's block holds whole sequences and shares "
+                       "the page table of a model layer that does; this model has none (layer "
+                       f"kinds {sorted(self.config.kinds())}).")
+    return mirror, layers[mirror].table.free_pages.shape[-1]
+
+  def _init_mtp_cache(self, model: DecoderLM, pool: int, dtype) -> PagedModelCache:
+    """The MTP block's pool: the shared layer's ``pool`` pages, and spare ones for its chained
+    drafts past a sequence's end (``k - 1`` positions a slot)."""
+    spare = self.max_batch * -(-(self.num_draft_tokens - 1) // self.page_size)
+    return model.init_mtp_paged_cache(self.max_batch, pool + spare, self.page_size,
+                                      max_pages_per_seq=self.max_pages_per_seq, dtype=dtype)
+
+  def _pages_within(self, model: DecoderLM, budget: int, dtype, draft) -> int:
     """The most ``num_pages`` whose cache fits ``budget`` bytes (``cache_bytes``): the cache's
-    size is linear in the pages, measured on two abstract caches (nothing allocated)."""
+    size -- with the draft model's or the MTP block's beside it -- is linear in the pages,
+    measured on abstract caches (nothing allocated)."""
     def size(pages):
       window = self.window_num_pages if self._whole else pages
       cache = jax.eval_shape(lambda: model.init_paged_cache(
           self.max_batch, pages, self.page_size, max_pages_per_seq=self.max_pages_per_seq,
           window_num_pages=window, dtype=dtype))
-      return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+      if isinstance(draft, str):
+        extra = jax.eval_shape(lambda: self._init_mtp_cache(
+            model, self._mtp_mirror(cache)[1], dtype))
+      elif draft is not None:
+        extra = jax.eval_shape(lambda: draft.init_paged_cache(
+            self.max_batch, pages, self.page_size, max_pages_per_seq=self.max_pages_per_seq,
+            dtype=dtype))
+      else:
+        extra = ()
+      return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((cache, extra)))
     fixed = size(1)
     per_page = size(2) - fixed
     pages = 1 + (budget - fixed) // per_page if budget >= fixed else 0

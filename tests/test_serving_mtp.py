@@ -13,7 +13,7 @@ from flax import nnx
 from jaxattn.nn.mtp import shift_left
 from jaxattn.serving import Engine
 from tests.test_serving import alone, model_for
-from tests.test_serving_speculative import WORK, _pools_whole
+from tests.test_serving_speculative import WORK, _draft, _pools_whole
 
 
 def _reference(model, k: int):
@@ -118,6 +118,28 @@ def test_mtp_drafts_over_cached_prefixes():
   _check(model, first + later, ids + ids2, {**results, **results2}, seen, k)
   # the first page only for the other next token; both pages for the same one
   assert engine.stats.prefix_hit_tokens == 4 + 8
+
+
+def test_a_cache_budget_counts_the_mtp_block_and_a_draft_model():
+  """``cache_bytes`` sizes the pages so that the model's cache and the MTP block's pool (or a
+  draft model's cache) fit together; one page more would not."""
+  model, budget = _model("llama"), 40_000
+  total = lambda e, extra: e.cache.nbytes + extra.nbytes  # noqa: E731
+  for draft in ("mtp", _draft()):
+    engine = Engine(model, max_batch=2, page_size=4, num_draft_tokens=5, draft=draft,
+                    cache_bytes=budget)
+    extra = engine.mtp_cache if draft == "mtp" else engine.draft_cache
+    assert total(engine, extra) <= budget
+    p = engine.num_pages + 1
+    bigger = model.init_paged_cache(2, p, 4, max_pages_per_seq=engine.max_pages_per_seq)
+    if draft == "mtp":     # its pool: the model's pages and a spare page a slot (4 drafts ahead)
+      assert extra.groups[0][0].table.num_pages == engine.num_pages + 2
+      more = model.init_mtp_paged_cache(2, p + 2, 4, max_pages_per_seq=engine.max_pages_per_seq)
+    else:
+      more = draft.init_paged_cache(2, p, 4, max_pages_per_seq=engine.max_pages_per_seq)
+    assert bigger.nbytes + more.nbytes > budget
+    alone_ = Engine(model, max_batch=2, page_size=4, cache_bytes=budget)
+    assert alone_.num_pages > engine.num_pages
 
 
 def test_errors():
