@@ -145,8 +145,13 @@ def test_deepseek_interleaved_rope_is_a_permutation():
 
 
 def test_yarn_mscale_matches_deepseek():
+  # (transformers 5.25 moved it from the DeepSeek-V3 model file to modeling_rope_utils)
+  hf_mscale = getattr(hf_deepseek, "yarn_get_mscale", None)
+  if hf_mscale is None:
+    from transformers import modeling_rope_utils  # noqa: PLC0415
+    hf_mscale = modeling_rope_utils.yarn_get_mscale
   for scale, mscale in [(0.5, 1.0), (1.0, 1.0), (4.0, 1.0), (40.0, 0.707), (40.0, 1.0)]:
-    assert yarn_mscale(scale, mscale) == hf_deepseek.yarn_get_mscale(scale, mscale)
+    assert yarn_mscale(scale, mscale) == hf_mscale(scale, mscale)
 
 
 INIT_CASES = [
