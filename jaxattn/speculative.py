@@ -460,7 +460,7 @@ def speculative_generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_to
 def accept_rows(logits: Float[Array, "b T V"], drafts: Int[Array, "b k"],
                 num_drafts: Int[Array, "b"], seeds: Int[Array, "b"], index: Int[Array, "b"],
                 temperature: Float[Array, "b"], top_p: Float[Array, "b"], top_k: Int[Array, "b"],
-                *, greedy: bool = False):
+                *, greedy: bool = False, draft_probs: Float[Array, "b k V"] | None = None):
   """``speculative_accept`` for deterministic drafts (prompt lookup) with each row's own
   settings and draft count, its random numbers keyed by the row's seed and output index alone
   (``jaxattn.serving.Engine``: a request's tokens do not depend on its neighbours).
@@ -473,7 +473,10 @@ def accept_rows(logits: Float[Array, "b T V"], drafts: Int[Array, "b k"],
   ``uniform(fold_in(token_key(seed, m), 1)) < p(d)``; the model's own token at output ``m`` is
   drawn with ``token_key(seed, m)`` from ``p`` without the rejected draft (all of ``p`` after the
   last draft): with no draft it is ``sample_rows``' token.  ``greedy`` (static): every row has
-  temperature 0."""
+  temperature 0.  ``draft_probs [b, k, V]``: the distributions sampled drafts were drawn from
+  (``propose_rows``; a greedy row's one-hot): a draft is kept when ``u < p(d) / q(d)``, and the
+  token after the first rejected one is drawn from ``max(p - q, 0)`` normalized -- speculative
+  sampling, the model's distribution whatever ``q``."""
   b, t, v = logits.shape
   if drafts.shape != (b, t - 1) or t < 2:
     raise ValueError(f"`drafts` must be [b={b}, k={t - 1}] with k >= 1 (one fewer than the "
@@ -483,27 +486,60 @@ def accept_rows(logits: Float[Array, "b T V"], drafts: Int[Array, "b k"],
   within = jnp.arange(t - 1)[None, :] < num_drafts[:, None]
   if greedy:
     tokens, accepted = best, _leading_true((drafts == best[:, :-1]) & within)
-  else:
+  elif draft_probs is None:
     tokens, accepted = jax.vmap(_accept_row)(logits, best, drafts, within, num_drafts, seeds,
                                              index, temperature, top_p, top_k)
+  else:
+    if draft_probs.shape != (b, t - 1, v):
+      raise ValueError(f"`draft_probs` must be [b={b}, k={t - 1}, V={v}], got shape "
+                       f"{draft_probs.shape}.")
+    tokens, accepted = jax.vmap(_accept_row)(logits, best, drafts, within, num_drafts, seeds,
+                                             index, temperature, top_p, top_k,
+                                             draft_probs.astype(jnp.float32))
   logprob = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[..., None], axis=-1)[..., 0]
   return tokens, accepted, logprob
 
 
+def propose_rows(logits: Float[Array, "b V"], seeds: Int[Array, "b"], index: Int[Array, "b"],
+                 temperature: Float[Array, "b"], top_p: Float[Array, "b"], top_k: Int[Array, "b"]
+                 ) -> tuple[Int[Array, "b"], Float[Array, "b V"]]:
+  """A draft per row from a proposer's logits ``[b, V]`` for the row's output ``index[i]``,
+  with its own settings (``accept_rows``' ``draft_probs``): ``(drafts [b], q [b, V])``, ``q`` the
+  filtered distribution sampled with ``fold_in(token_key(seed, index), 2)`` (independent of the
+  acceptance draw and the model's own token); a greedy row's draft is the argmax, its ``q``
+  one-hot."""
+  best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+  def one(lg, b, seed, i, temp, p_, k_):
+    x = row_filtered(lg.astype(jnp.float32), temp, p_, k_)
+    key = jax.random.fold_in(token_key(seed, i), 2)
+    d = jnp.where(temp > 0, jax.random.categorical(key, x).astype(jnp.int32), b)
+    q = jnp.where(temp > 0, jax.nn.softmax(x), jax.nn.one_hot(b, lg.shape[-1]))
+    return d, q
+
+  return jax.vmap(one)(logits, best, seeds, index, temperature, top_p, top_k)
+
+
 def _accept_row(logits, best, drafts, within, num_drafts, seed, index, temperature, top_p,
-                top_k):
-  """One row of ``accept_rows`` (sampling settings traced; temperature 0: greedy)."""
+                top_k, q=None):
+  """One row of ``accept_rows`` (sampling settings traced; temperature 0: greedy; ``q [k, V]``
+  the drafts' distributions, None: one-hot)."""
   t, v = logits.shape
   x = jax.vmap(row_filtered, in_axes=(0, None, None, None))(logits, temperature, top_p, top_k)
   p = jax.nn.softmax(x, axis=-1)
   keys = jax.vmap(lambda i: token_key(seed, index + i))(jnp.arange(t))
   u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1)))(keys[:-1])
-  kept = jnp.where(temperature > 0,
-                   u < jnp.take_along_axis(p[:-1], drafts[:, None], axis=-1)[:, 0],
-                   drafts == best[:-1])
+  pick = lambda dist: jnp.take_along_axis(dist, drafts[:, None], axis=-1)[:, 0]  # noqa: E731
+  ratio_ok = u < pick(p[:-1]) if q is None else u * pick(q) < pick(p[:-1])
+  kept = jnp.where(temperature > 0, ratio_ok, drafts == best[:-1])
   accepted = _leading_true((kept & within)[None])[0]
   rejected = jnp.where(accepted < num_drafts, drafts[jnp.minimum(accepted, t - 2)], -1)
-  own_logits = jnp.where(jnp.arange(v) == rejected, -jnp.inf, x[accepted])
+  if q is None:          # p without the rejected draft
+    own_logits = jnp.where(jnp.arange(v) == rejected, -jnp.inf, x[accepted])
+  else:                  # max(p - q, 0) normalized after a rejection (p == q: none, keep p)
+    residual = jnp.maximum(p[accepted] - q[jnp.minimum(accepted, t - 2)], 0.0)
+    residual = jnp.where((rejected >= 0) & (jnp.sum(residual) > 0), residual, p[accepted])
+    own_logits = jnp.log(residual)
   own = jnp.where(temperature > 0,
                   jax.random.categorical(keys[accepted], own_logits).astype(jnp.int32),
                   best[accepted])

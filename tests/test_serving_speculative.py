@@ -17,7 +17,7 @@ from jaxattn.generation import filtered_logits, sample_rows
 from jaxattn.nn.model import DecoderLM
 from jaxattn.paged_cache import PageTable
 from jaxattn.serving import Engine
-from jaxattn.speculative import accept_rows
+from jaxattn.speculative import accept_rows, propose_rows
 from tests.test_serving import SMALL, alone, model_for
 
 # Random prompts (the random models' greedy outputs then repeat in part: prompt lookup's drafts
@@ -156,6 +156,36 @@ def test_accept_rows_keeps_the_model_distribution():
                            rows(0, jnp.int32)[:64], *(x[:64] for x in settings))
   np.testing.assert_array_equal(np.asarray(none)[:, 0], np.asarray(
       sample_rows(jnp.broadcast_to(logits[0], (64, v)), *(x[:64] for x in settings))))
+
+
+def test_sampled_drafts_with_their_distributions_keep_the_model_distribution():
+  """Drafts sampled from a proposer's ``q`` (``propose_rows``) and judged with it
+  (``draft_probs``): drafts distributed as ``q``, the first token as ``p_0`` whatever ``q``,
+  kept with probability ``sum min(p_0, q)``, the next token as ``p_1`` given a kept draft."""
+  n, v = 20000, 5
+  logits = jax.random.normal(jax.random.key(0), (2, v)) * 1.5
+  proposer = jax.random.normal(jax.random.key(1), (v,)) * 1.5
+  temperature, top_k = 0.8, 4
+  filt = lambda x: np.asarray(jax.nn.softmax(filtered_logits(x, temperature=temperature,  # noqa
+                                                             top_k=top_k)))
+  p, q = filt(logits), filt(proposer[None])[0]
+  rows = lambda x, dt: jnp.full((n,), x, dt)  # noqa: E731
+  settings = (jnp.arange(n, dtype=jnp.int32), rows(3, jnp.int32), rows(temperature, jnp.float32),
+              rows(1.0, jnp.float32), rows(top_k, jnp.int32))
+  drafts, probs = propose_rows(jnp.broadcast_to(proposer, (n, v)), *settings)
+  tokens, accepted, _ = accept_rows(jnp.broadcast_to(logits, (n, 2, v)), drafts[:, None],
+                                    rows(1, jnp.int32), *settings, draft_probs=probs[:, None])
+  tokens, accepted, drafts = map(np.asarray, (tokens, accepted, drafts))
+  freq = lambda x: np.bincount(x, minlength=v) / x.size  # noqa: E731
+  np.testing.assert_allclose(freq(drafts), q, atol=0.016)
+  np.testing.assert_allclose(np.asarray(probs)[0], q, atol=1e-6)
+  np.testing.assert_allclose(freq(tokens[:, 0]), p[0], atol=0.016)
+  assert np.mean(accepted) == pytest.approx(np.minimum(p[0], q).sum(), abs=0.016)
+  np.testing.assert_allclose(freq(tokens[accepted == 1, 1]), p[1], atol=0.025)
+  # a greedy row: its draft the argmax, one-hot
+  d, one = propose_rows(proposer[None], *(x[:1] for x in settings[:2]), jnp.zeros((1,)),
+                        jnp.ones((1,)), jnp.zeros((1,), jnp.int32))
+  assert int(d[0]) == int(jnp.argmax(proposer)) and float(one[0, int(d[0])]) == 1.0
 
 
 def test_truncate_returns_the_pages_past_the_kept_tokens():
