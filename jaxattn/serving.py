@@ -44,7 +44,7 @@ sequence; the kernels' grids span ``W``).  So at most ``(ceil(log2(max_batch)) +
 (ceil(log2(chunk)) + 1) x (widths)`` step programs are compiled, each once.
 
 Speculative decoding (``Engine(num_draft_tokens=k)``): each decoding slot feeds its last token
-and up to ``k`` drafts -- prompt lookup over its prompt and output, a draft model's greedy
+and up to ``k`` drafts -- prompt lookup over its prompt and output, a draft model's
 continuation (``draft=model``, with a paged cache of its own), or the model's own multi-token
 prediction module's (``draft="mtp"``, fed the model's hidden states after every call) -- as one
 ragged chunk; the model keeps the drafts it agrees with (``jaxattn.speculative.accept_rows``:
@@ -83,7 +83,7 @@ from jaxattn.nn.gated_deltanet import DeltaNetCache
 from jaxattn.nn.model import DecoderLM, PagedModelCache
 from jaxattn.nn.mtp import mtp_layer_kind, shift_left
 from jaxattn.paged_cache import PageTable
-from jaxattn.speculative import accept_rows, ngram_propose
+from jaxattn.speculative import accept_rows, ngram_propose, propose_rows
 from jaxattn.sharding import check_auto_mesh, context_mesh, param_shardings
 
 
@@ -230,7 +230,7 @@ def _step(m: DecoderLM, tokens, num_tokens, rows, cache, sampling, pages, greedy
 
 
 def _verify(m: DecoderLM, tokens, num_tokens, rows, cache, sampling, pages, greedy,
-            release_windows):
+            release_windows, draft_probs=None):
   """``verify_function``'s verify on a merged model: ``(tokens, accepted, logprob, cache, h,
   sub)``, as ``_step``'s (``sub`` rewound to the kept tokens)."""
   full, cache = cache, cache.take(rows, pages)
@@ -239,7 +239,7 @@ def _verify(m: DecoderLM, tokens, num_tokens, rows, cache, sampling, pages, gree
   h, cache = m(tokens, cache=cache.with_snapshots(), num_tokens=num_tokens, return_hidden=True)
   drafts = jnp.maximum(num_tokens - 1, 0)
   out, accepted, logprob = accept_rows(m.head(h).astype(jnp.float32), tokens[:, 1:], drafts,
-                                       *sampling, greedy=greedy)
+                                       *sampling, greedy=greedy, draft_probs=draft_probs)
   sub = cache.rewind(jnp.where(num_tokens > 0, before + accepted + 1, before), before)
   cache = full.put(rows, sub)
   if release_windows:
@@ -294,14 +294,17 @@ def verify_function(graphdef, *, release_windows: bool = False):
   verdict is ``jaxattn.speculative.accept_rows`` with the rows' ``sampling`` (as ``step``'s,
   ``index`` the first output's), and each sequence is rewound to the tokens kept
   (``PagedModelCache.rewind``: its last token and ``accepted[i]`` drafts; the pages past them
-  back to the pools).  Donates the cache and returns it as ``step`` does."""
+  back to the pools).  ``draft_probs [b, T - 1, V]``: the distributions sampled drafts were drawn
+  from (a draft model's, ``propose_function``); None: one-hot drafts.  Donates the cache and
+  returns it as ``step`` does."""
 
   @functools.partial(jax.jit, donate_argnums=4, static_argnames=("pages", "greedy"))
-  def verify(state, tokens, num_tokens, rows, cache, sampling, pages=None, greedy=False):
+  def verify(state, tokens, num_tokens, rows, cache, sampling, pages=None, greedy=False,
+             draft_probs=None):
     m = nnx.merge(graphdef, state)
     m.eval()
     out, accepted, logprob, cache, *_ = _verify(m, tokens, num_tokens, rows, cache, sampling,
-                                                pages, greedy, release_windows)
+                                                pages, greedy, release_windows, draft_probs)
     return out, accepted, logprob, cache.shard()
 
   return verify
@@ -317,16 +320,17 @@ def mirrored_table(cache: PagedModelCache, index: int) -> PageTable:
 
 
 def _mtp_drafts(m: DecoderLM, h, ahead, num, start, table: PageTable, mtp_cache: PagedModelCache,
-                k: int):
+                k: int, sampling=None, base=None):
   """The depth-1 MTP module after a model call: it reads the pairs ``(h [b, T, D], ahead
   [b, T])`` of the ``num[i]`` positions row ``i`` kept (the model's hidden state at each, the
-  token after it) from position ``start[i]`` on, then drafts ``k`` tokens greedily, chaining on
-  its own output.  Its block's pool is indexed by the model's page table of the call's rows
+  token after it) from position ``start[i]`` on, then drafts ``k`` tokens, chaining on its own
+  output.  Its block's pool is indexed by the model's page table of the call's rows
   (``table``, after the call): the module writes its entry of position ``i`` at the page and slot
   where the model holds position ``i``, so its cache needs no allocation or bookkeeping of its
   own, and shares the prefix cache's pages.  The chained drafts' positions past the sequence go
-  to the spare pages past the model's pool (freed with the call).  Returns ``(drafts [b, k],
-  mtp_cache)``."""
+  to the spare pages past the model's pool (freed with the call).  Greedy drafts without
+  ``sampling``; with it, row ``i``'s draft ``j`` is sampled for its output ``base[i] + j``
+  (``propose_rows``).  Returns ``(drafts [b, k], q [b, k, V] or None, mtp_cache)``."""
   (layer,), = mtp_cache.groups
   pool = layer.table.num_pages
   spare = jnp.arange(pool - 1, table.num_pages - 1, -1, dtype=jnp.int32)     # pool ids past P
@@ -335,18 +339,27 @@ def _mtp_drafts(m: DecoderLM, h, ahead, num, start, table: PageTable, mtp_cache:
                              num_free=jnp.asarray(spare.size, jnp.int32))
   cache = PagedModelCache(((dataclasses.replace(layer, table=view),),), start, (False,))
   module = m.mtp[0]
+
+  def draft(g, j):
+    logits = m.mtp_logits(module, g)[:, 0]
+    if sampling is None:
+      return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+    seeds, _, *settings = sampling
+    return propose_rows(logits, seeds, base + j, *settings)
+
   g, cache = m.mtp_decode(h, ahead, cache, num_tokens=num)
   g = jnp.take_along_axis(g, jnp.maximum(num - 1, 0)[:, None, None], axis=1)     # [b, 1, D]
-  tok = jnp.argmax(m.mtp_logits(module, g)[:, 0], axis=-1).astype(jnp.int32)
-  drafts, feed = [tok], (num > 0).astype(jnp.int32)
-  for _ in range(1, k):
+  tok, q = draft(g, 0)
+  drafts, probs, feed = [tok], [q], (num > 0).astype(jnp.int32)
+  for j in range(1, k):
     g, cache = m.mtp_decode(g, tok[:, None], cache, num_tokens=feed)
-    tok = jnp.argmax(m.mtp_logits(module, g)[:, 0], axis=-1).astype(jnp.int32)
+    tok, q = draft(g, j)
     drafts.append(tok)
+    probs.append(q)
   (new,), = cache.groups
   kept = dataclasses.replace(new, table=layer.table)          # the pools, written
-  return jnp.stack(drafts, axis=1), PagedModelCache(((kept,),), mtp_cache.lengths,
-                                                    mtp_cache.stacked).shard()
+  return (jnp.stack(drafts, axis=1), None if sampling is None else jnp.stack(probs, axis=1),
+          PagedModelCache(((kept,),), mtp_cache.lengths, mtp_cache.stacked).shard())
 
 
 @functools.lru_cache(maxsize=32)
@@ -356,23 +369,34 @@ def mtp_functions(graphdef, k: int, table: int = 0, *, release_windows: bool = F
   followed by the depth-1 MTP module on the positions the call kept, which writes them into its
   block's pool at the pages of the model's ``table``-th paged layer (``mirrored_table``; the pool
   has ``P + spare`` pages for a ``P``-page layer, see ``_mtp_drafts``) and proposes each slot's
-  next ``k`` drafts (greedy: one-hot proposals, so ``accept_rows`` stays exact for sampled
-  requests too):
+  next ``k`` drafts:
 
-  * ``step(state, tokens, num_tokens, rows, cache, sampling, mtp_cache, following, pages=None,
-    greedy=False) -> (next, logprob, cache, drafts [b, k], mtp_cache)``; ``following[i]``: the
-    token after row ``i``'s chunk when the chunk is part of its prompt, -1 when it is the token
-    this call samples;
-  * ``verify(state, tokens, num_tokens, rows, cache, sampling, mtp_cache, pages=None,
-    greedy=False) -> (tokens, accepted, logprob, cache, drafts, mtp_cache)``: the pair at each
-    kept position is the model's hidden state and the next token kept (a draft, or the model's
-    own at the last).
+  * ``step(state, tokens, num_tokens, rows, cache, sampling, mtp_cache, following, probs,
+    pages=None, greedy=False) -> (next, logprob, cache, drafts [b, k], mtp_cache, probs)``;
+    ``following[i]``: the token after row ``i``'s chunk when the chunk is part of its prompt,
+    -1 when it is the token this call samples;
+  * ``verify(state, tokens, num_tokens, rows, cache, sampling, mtp_cache, probs, pages=None,
+    greedy=False) -> (tokens, accepted, logprob, cache, drafts, mtp_cache, probs)``: the pair at
+    each kept position is the model's hidden state and the next token kept (a draft, or the
+    model's own at the last).
 
-  Both donate the two caches."""
+  Sampled rows' drafts are sampled from the module's filtered distribution with the row's
+  settings (``propose_rows``, keyed by the output each would be), kept in ``probs [B, k, V]``
+  (the slots' rows) until the next call judges them with it (``accept_rows``' speculative
+  sampling); greedy rows' drafts are the argmax.  With ``greedy`` (static: every row greedy)
+  ``probs`` is passed through untouched (None is fine).  Both donate the caches and ``probs``."""
 
-  @functools.partial(jax.jit, donate_argnums=(4, 6), static_argnames=("pages", "greedy"))
-  def step(state, tokens, num_tokens, rows, cache, sampling, mtp_cache, following, pages=None,
-           greedy=False):
+  def propose(m, h, ahead, num, sub, mtp_cache, sampling, base, rows, probs, greedy):
+    drafts, q, mtp_cache = _mtp_drafts(m, h, ahead, num, sub.lengths - num,
+                                       mirrored_table(sub, table), mtp_cache, k,
+                                       None if greedy else sampling, base)
+    if not greedy:
+      probs = probs.at[rows].set(q, mode="drop")
+    return drafts, mtp_cache, probs
+
+  @functools.partial(jax.jit, donate_argnums=(4, 6, 8), static_argnames=("pages", "greedy"))
+  def step(state, tokens, num_tokens, rows, cache, sampling, mtp_cache, following, probs,
+           pages=None, greedy=False):
     m = nnx.merge(graphdef, state)
     m.eval()
     nxt, logprob, cache, h, sub = _step(m, tokens, num_tokens, rows, cache, sampling, pages,
@@ -380,21 +404,22 @@ def mtp_functions(graphdef, k: int, table: int = 0, *, release_windows: bool = F
     last = jnp.arange(tokens.shape[1])[None, :] == (num_tokens - 1)[:, None]
     after = jnp.where(following >= 0, following, nxt)
     ahead = jnp.where(last, after[:, None], shift_left(tokens, 1))
-    drafts, mtp_cache = _mtp_drafts(m, h, ahead, num_tokens, sub.lengths - num_tokens,
-                                    mirrored_table(sub, table), mtp_cache, k)
-    return nxt, logprob, cache.shard(), drafts, mtp_cache
+    drafts, mtp_cache, probs = propose(m, h, ahead, num_tokens, sub, mtp_cache, sampling,
+                                       sampling[1] + 1, rows, probs, greedy)
+    return nxt, logprob, cache.shard(), drafts, mtp_cache, probs
 
-  @functools.partial(jax.jit, donate_argnums=(4, 6), static_argnames=("pages", "greedy"))
-  def verify(state, tokens, num_tokens, rows, cache, sampling, mtp_cache, pages=None,
+  @functools.partial(jax.jit, donate_argnums=(4, 6, 7), static_argnames=("pages", "greedy"))
+  def verify(state, tokens, num_tokens, rows, cache, sampling, mtp_cache, probs, pages=None,
              greedy=False):
     m = nnx.merge(graphdef, state)
     m.eval()
+    q = None if greedy else jnp.take(probs, rows, axis=0, mode="clip")[:, :tokens.shape[1] - 1]
     out, accepted, logprob, cache, h, sub = _verify(m, tokens, num_tokens, rows, cache, sampling,
-                                                    pages, greedy, release_windows)
+                                                    pages, greedy, release_windows, q)
     kept = jnp.where(num_tokens > 0, accepted + 1, 0)
-    drafts, mtp_cache = _mtp_drafts(m, h, out, kept, sub.lengths - kept,
-                                    mirrored_table(sub, table), mtp_cache, k)
-    return out, accepted, logprob, cache.shard(), drafts, mtp_cache
+    drafts, mtp_cache, probs = propose(m, h, out, kept, sub, mtp_cache, sampling,
+                                       sampling[1] + accepted + 1, rows, probs, greedy)
+    return out, accepted, logprob, cache.shard(), drafts, mtp_cache, probs
 
   return step, verify
 
@@ -402,29 +427,40 @@ def mtp_functions(graphdef, k: int, table: int = 0, *, release_windows: bool = F
 @functools.lru_cache(maxsize=32)
 def propose_function(graphdef, k: int):
   """A draft model's proposals for the engine's decoding slots: ``propose(state, first [b, 2],
-  start [b], num_drafts [b], rows [b], cache, pages=None) -> (drafts [b, k], cache)``.  Each
-  slot's draft cache is cut back to ``start`` (its sequence's length but one), re-reads the
-  last two tokens ``first`` and then feeds its own greedy drafts, ``num_drafts[i]`` of them
-  (the rows feed nothing past theirs); padding rows (``rows >= B``) feed nothing.  Greedy drafts
-  are one-hot proposals: ``accept_rows`` is then exact for greedy and sampled requests alike.
-  Donates the cache."""
+  start [b], num_drafts [b], rows [b], cache, sampling, pages=None, greedy=True) -> (drafts
+  [b, k], q [b, k, V] or None, cache)``.  Each slot's draft cache is cut back to ``start`` (its
+  sequence's length but one), re-reads the last two tokens ``first`` and then feeds its own
+  drafts, ``num_drafts[i]`` of them (the rows feed nothing past theirs); padding rows (``rows >=
+  B``) feed nothing.  A greedy row's drafts are the argmax; a sampled row's are sampled from the
+  draft's filtered distribution with the row's ``sampling`` (draft ``j`` for output ``index +
+  j``: ``propose_rows``), returned in ``q`` for the verify (``draft_probs``).  ``greedy``
+  (static): every row greedy, no ``q``.  Donates the cache."""
 
-  @functools.partial(jax.jit, donate_argnums=5, static_argnames=("pages",))
-  def propose(state, first, start, num_drafts, rows, cache, pages=None):
+  @functools.partial(jax.jit, donate_argnums=5, static_argnames=("pages", "greedy"))
+  def propose(state, first, start, num_drafts, rows, cache, sampling, pages=None, greedy=True):
     m = nnx.merge(graphdef, state)
     m.eval()
     full, cache = cache, cache.take(rows, pages)
     real = rows < full.batch
+
+    def draft(logits, j):
+      if greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+      seeds, index, *settings = sampling
+      return propose_rows(logits, seeds, index + j, *settings)
+
     cache = cache.rewind(jnp.where(real, start, cache.lengths))
     logits, cache = m(first, cache=cache, num_tokens=jnp.where(real, 2, 0))
-    tok = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
-    drafts = [tok]
+    tok, q = draft(logits[:, -1], 0)
+    drafts, probs = [tok], [q]
     for j in range(1, k):
       logits, cache = m(tok[:, None], cache=cache,
                         num_tokens=(real & (num_drafts > j)).astype(jnp.int32))
-      tok = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+      tok, q = draft(logits[:, 0], j)
       drafts.append(tok)
-    return jnp.stack(drafts, axis=1), full.put(rows, cache).shard()
+      probs.append(q)
+    return (jnp.stack(drafts, axis=1), None if greedy else jnp.stack(probs, axis=1),
+            full.put(rows, cache).shard())
 
   return propose
 
@@ -627,8 +663,9 @@ class Engine:
     draft: a smaller ``DecoderLM`` of the same vocabulary that drafts instead of prompt lookup
       (with ``num_draft_tokens`` >= 1): it keeps a paged cache of its own (pools of ``num_pages``
       pages, counted in ``cache_bytes``), reads every prompt chunk beside the model, and
-      each step proposes its greedy continuation of every decoding slot (``propose_function``;
-      one-hot proposals, so ``accept_rows`` stays exact for sampled requests too).  Its layers
+      each step proposes its continuation of every decoding slot (``propose_function``: greedy
+      for greedy requests, sampled with a sampled request's settings, its distributions then
+      judged by ``accept_rows``' speculative sampling).  Its layers
       must hold whole sequences (attention, MLA, DSA: no sliding window, no recurrent state),
       as must the model's; not with a prefix cache (the draft's pages are its own).
       ``"mtp"``: the model's own multi-token-prediction module drafts (a model with
@@ -636,7 +673,8 @@ class Engine:
       model's hidden states of the positions kept with the tokens that follow them, into its
       block's pool at the pages of the model's page table (``init_mtp_paged_cache``: one
       block's pages, and spare ones for its chained drafts; counted in ``cache_bytes``),
-      and proposes each slot's next drafts greedily (``mtp_functions``).  Any model with a
+      and proposes each slot's next drafts, as a draft model does (``mtp_functions``; a sampled
+      request's distributions kept for the next step, ``k x V`` floats a slot).  Any model with a
       paged layer (recurrent ones keep snapshots, as with prompt lookup); with a prefix cache,
       a cached prefix whose last entry the module paired with another next token than the
       request's has its last page recomputed.
@@ -762,7 +800,7 @@ class Engine:
     self._step, self._free = step_functions(graphdef, release_windows=self.window is not None)
     self._verify = (verify_function(graphdef, release_windows=self.window is not None)
                     if self.num_draft_tokens else None)
-    self.draft_cache, self._propose, self.mtp_cache = None, None, None
+    self.draft_cache, self._propose, self.mtp_cache, self.mtp_probs = None, None, None, None
     self._mtp = isinstance(draft, str) and draft == "mtp"
     if self._mtp:
       mirror, pool = self._mtp_mirror(self.cache)
@@ -1367,10 +1405,12 @@ class Engine:
     static = dict(pages=narrow, greedy=not temperature.any())
     with self._on_mesh():
       if self._propose is not None and speculate:
-        drafts, self.draft_cache = self._propose(
+        drafts, q, self.draft_cache = self._propose(
             self._draft_state, jnp.asarray(first), jnp.asarray(start), counts_d - 1, rows_d,
-            self.draft_cache, pages=narrow)
+            self.draft_cache, sampling, pages=narrow, greedy=static["greedy"])
         tokens = tokens.at[:, 1:].set(drafts[:, :t - 1])      # the verify masks past counts
+        if q is not None:
+          static["draft_probs"] = q[:, :t - 1]
         for _, r, n in group:       # (it re-read the last two tokens, then fed n - 2 drafts)
           r.draft_len = r.held + max(n - 1, 1)
       elif self._propose is not None and group[0][1].reading:   # the draft reads prompts too
@@ -1378,12 +1418,15 @@ class Engine:
                                                 self.draft_cache, sampling, pages=narrow,
                                                 greedy=True)
       args = (self._state, tokens, counts_d, rows_d, self.cache, sampling)
+      if self._mtp and not static["greedy"] and self.mtp_probs is None:
+        v = self.config.vocab_size            # the sampled drafts' distributions, per slot
+        self.mtp_probs = jnp.zeros((self.max_batch, self.num_draft_tokens, v), jnp.float32)
       if self._mtp and speculate:
-        out, accepted, logprob, self.cache, drafts, self.mtp_cache = self._mtp_verify(
-            *args, self.mtp_cache, **static)
+        out, accepted, logprob, self.cache, drafts, self.mtp_cache, self.mtp_probs = (
+            self._mtp_verify(*args, self.mtp_cache, self.mtp_probs, **static))
       elif self._mtp:
-        out, logprob, self.cache, drafts, self.mtp_cache = self._mtp_step(
-            *args, self.mtp_cache, jnp.asarray(following), **static)
+        out, logprob, self.cache, drafts, self.mtp_cache, self.mtp_probs = self._mtp_step(
+            *args, self.mtp_cache, jnp.asarray(following), self.mtp_probs, **static)
       elif speculate:
         out, accepted, logprob, self.cache = self._verify(*args, **static)
       else:

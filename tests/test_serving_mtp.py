@@ -120,6 +120,35 @@ def test_mtp_drafts_over_cached_prefixes():
   assert engine.stats.prefix_hit_tokens == 4 + 8
 
 
+def test_sampled_requests_draft_from_the_modules_distribution():
+  """Sampled requests' drafts are sampled from the module's filtered distribution and judged
+  with it: a request's tokens and log-probabilities do not depend on its neighbours or the
+  schedule, top-1 sampling gives the greedy tokens, and sampled drafts get kept."""
+  model, k = _model("llama"), 3
+  p0, n0 = WORK[0]
+  got = []
+  for kw, neighbours in ((dict(max_batch=1, chunk=8), False), (dict(max_batch=3, chunk=2), True)):
+    engine = Engine(model, page_size=4, num_draft_tokens=k, draft="mtp", logprobs=True, **kw)
+    rid = engine.submit(p0, n0, temperature=0.9, seed=7)
+    if neighbours:
+      top1 = engine.submit(WORK[1][0], WORK[1][1], temperature=1.0, top_k=1)
+      greedy = engine.submit(*WORK[2])
+    while engine.pending:
+      engine.step()
+      for slot, r in enumerate(engine._slots):   # the distribution each draft was drawn from
+        if r is not None and not r.reading and r.temperature > 0:
+          q = np.asarray(engine.mtp_probs[slot])
+          np.testing.assert_allclose(q.sum(-1), 1.0, rtol=1e-5)
+          assert (q[np.arange(k), r.drafts] > 0).all()
+    res = engine.pop_results()
+    got.append(res[rid])
+    assert engine.stats.accepted_drafts > 0
+  np.testing.assert_array_equal(got[0][0], got[1][0])
+  np.testing.assert_allclose(got[0][1], got[1][1], rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(res[top1][0], alone(model, *WORK[1]))
+  np.testing.assert_array_equal(res[greedy][0], alone(model, *WORK[2]))
+
+
 def test_a_cache_budget_counts_the_mtp_block_and_a_draft_model():
   """``cache_bytes`` sizes the pages so that the model's cache and the MTP block's pool (or a
   draft model's cache) fit together; one page more would not."""
