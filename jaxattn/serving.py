@@ -79,7 +79,6 @@ from flax import nnx
 
 from jaxattn.checks import is_int
 from jaxattn.generation import check_sampling, sample_rows
-from jaxattn.nn.gated_deltanet import DeltaNetCache
 from jaxattn.nn.model import DecoderLM, PagedModelCache
 from jaxattn.nn.mtp import mtp_layer_kind, shift_left
 from jaxattn.paged_cache import PageTable
@@ -310,13 +309,14 @@ def verify_function(graphdef, *, release_windows: bool = False):
   return verify
 
 
-def mirrored_table(cache: PagedModelCache, index: int) -> PageTable:
-  """The page table of ``cache``'s ``index``-th paged layer (the first of a scanned stack): the
-  pages the MTP module's block shares with the model (``mtp_functions``)."""
-  tables = [c.table for group, stacked in zip(cache.groups, cache.stacked) for c in group
-            if not isinstance(c, DeltaNetCache)
-            for c in ([jax.tree.map(lambda x: x[0], c)] if stacked else [c])]
-  return tables[index]
+def _draft_tokens(logits, sampling, index):
+  """A proposer's draft per row from its logits ``[b, V]``: the argmax without ``sampling``
+  (every row greedy); else ``propose_rows`` for each row's output ``index[i]``.  Returns
+  ``(drafts [b], q [b, V] or None)``."""
+  if sampling is None:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+  seeds, _, *settings = sampling
+  return propose_rows(logits, seeds, index, *settings)
 
 
 def _mtp_drafts(m: DecoderLM, h, ahead, num, start, table: PageTable, mtp_cache: PagedModelCache,
@@ -341,11 +341,7 @@ def _mtp_drafts(m: DecoderLM, h, ahead, num, start, table: PageTable, mtp_cache:
   module = m.mtp[0]
 
   def draft(g, j):
-    logits = m.mtp_logits(module, g)[:, 0]
-    if sampling is None:
-      return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
-    seeds, _, *settings = sampling
-    return propose_rows(logits, seeds, base + j, *settings)
+    return _draft_tokens(m.mtp_logits(module, g)[:, 0], sampling, base + j)
 
   g, cache = m.mtp_decode(h, ahead, cache, num_tokens=num)
   g = jnp.take_along_axis(g, jnp.maximum(num - 1, 0)[:, None, None], axis=1)     # [b, 1, D]
@@ -363,13 +359,13 @@ def _mtp_drafts(m: DecoderLM, h, ahead, num, start, table: PageTable, mtp_cache:
 
 
 @functools.lru_cache(maxsize=32)
-def mtp_functions(graphdef, k: int, table: int = 0, *, release_windows: bool = False):
+def mtp_functions(graphdef, k: int, *, release_windows: bool = False):
   """The engine's calls when the model's own multi-token prediction drafts
   (``Engine(draft="mtp")``): ``step_functions``' step and ``verify_function``'s verify, each
   followed by the depth-1 MTP module on the positions the call kept, which writes them into its
-  block's pool at the pages of the model's ``table``-th paged layer (``mirrored_table``; the pool
-  has ``P + spare`` pages for a ``P``-page layer, see ``_mtp_drafts``) and proposes each slot's
-  next ``k`` drafts:
+  block's pool at the pages of the model's page table (``PagedModelCache.whole_table``; the
+  pool has ``P + spare`` pages for a ``P``-page layer, see ``_mtp_drafts``) and proposes each
+  slot's next ``k`` drafts:
 
   * ``step(state, tokens, num_tokens, rows, cache, sampling, mtp_cache, following, probs,
     pages=None, greedy=False) -> (next, logprob, cache, drafts [b, k], mtp_cache, probs)``;
@@ -387,9 +383,8 @@ def mtp_functions(graphdef, k: int, table: int = 0, *, release_windows: bool = F
   ``probs`` is passed through untouched (None is fine).  Both donate the caches and ``probs``."""
 
   def propose(m, h, ahead, num, sub, mtp_cache, sampling, base, rows, probs, greedy):
-    drafts, q, mtp_cache = _mtp_drafts(m, h, ahead, num, sub.lengths - num,
-                                       mirrored_table(sub, table), mtp_cache, k,
-                                       None if greedy else sampling, base)
+    drafts, q, mtp_cache = _mtp_drafts(m, h, ahead, num, sub.lengths - num, sub.whole_table(),
+                                       mtp_cache, k, None if greedy else sampling, base)
     if not greedy:
       probs = probs.at[rows].set(q, mode="drop")
     return drafts, mtp_cache, probs
@@ -444,10 +439,7 @@ def propose_function(graphdef, k: int):
     real = rows < full.batch
 
     def draft(logits, j):
-      if greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
-      seeds, index, *settings = sampling
-      return propose_rows(logits, seeds, index + j, *settings)
+      return _draft_tokens(logits, None if greedy else sampling, sampling[1] + j)
 
     cache = cache.rewind(jnp.where(real, start, cache.lengths))
     logits, cache = m(first, cache=cache, num_tokens=jnp.where(real, 2, 0))
@@ -596,8 +588,8 @@ class Engine:
     cache_bytes: a memory budget for the cache instead of ``num_pages``: ``num_pages`` becomes
       the most whose cache (every layer's pools, page tables, recurrent states, and a draft
       model's or the MTP block's cache beside them; at the ``dtype``, so a quantized cache gets
-      about twice the pages of a bf16 one) fits in this many bytes.  A budget below one page per pool, or below the window pools' fixed size, is
-      refused.
+      about twice the pages of a bf16 one) fits in this many bytes.  A budget below one page
+      per pool, or below the window pools' fixed size, is refused.
     max_pages_per_seq: the page-table width (the longest request, in pages); default
       ``ceil(max_seq_len / page_size)``.
     chunk: the most prompt tokens a slot feeds per step (chunked prefill).
@@ -803,11 +795,11 @@ class Engine:
     self.draft_cache, self._propose, self.mtp_cache, self.mtp_probs = None, None, None, None
     self._mtp = isinstance(draft, str) and draft == "mtp"
     if self._mtp:
-      mirror, pool = self._mtp_mirror(self.cache)
+      self._check_mtp_table()
       self._mtp_step, self._mtp_verify = mtp_functions(
-          graphdef, self.num_draft_tokens, mirror, release_windows=self.window is not None)
+          graphdef, self.num_draft_tokens, release_windows=self.window is not None)
       with self._on_mesh():
-        self.mtp_cache = self._init_mtp_cache(model, pool, dtype).shard()
+        self.mtp_cache = self._init_mtp_cache(model, self.num_pages, dtype).shard()
     elif draft is not None:
       draft_graphdef, self._draft_state = nnx.split(draft)
       if mesh is not None:
@@ -857,23 +849,19 @@ class Engine:
       raise ValueError("`draft` with `prefix_cache=True`: the draft's cache pages are its own, "
                        "so cached prefixes cannot be shared with it; use one or the other.")
 
-  def _mtp_mirror(self, cache: PagedModelCache) -> tuple[int, int]:
-    """With MTP drafting: which paged layer's page table the module's block shares (a layer
-    holding whole sequences, or for a sliding-window block any paged layer), and that layer's
-    pool size in pages."""
-    layers = [c for group in cache.groups for c in group if not isinstance(c, DeltaNetCache)]
-    windows = [getattr(c, "window", None) for c in layers]
-    mirror = next((i for i, w in enumerate(windows) if w is None), None)
-    if mirror is None and windows and mtp_layer_kind(self.config)[0] == "S":
-      mirror = 0
-    if mirror is None:
+  def _check_mtp_table(self) -> None:
+    """With MTP drafting: the module's block shares ``PagedModelCache.whole_table`` (a layer
+    holding whole sequences, else the first paged layer), whose pool has ``num_pages`` pages
+    (window layers have pools of their own only beside whole ones); a block holding whole
+    sequences needs such a layer, a sliding-window block any paged one."""
+    windows = self.cache.windows
+    if not (None in windows or (windows and mtp_layer_kind(self.config)[0] == "S")):
       raise ValueError("`draft='mtp'`: the MTP module's block holds whole sequences and shares "
                        "the page table of a model layer that does; this model has none (layer "
                        f"kinds {sorted(self.config.kinds())}).")
-    return mirror, layers[mirror].table.free_pages.shape[-1]
 
   def _init_mtp_cache(self, model: DecoderLM, pool: int, dtype) -> PagedModelCache:
-    """The MTP block's pool: the shared layer's ``pool`` pages, and spare ones for its chained
+    """The MTP block's pool: the shared table's ``pool`` pages, and spare ones for its chained
     drafts past a sequence's end (``k - 1`` positions a slot)."""
     spare = self.max_batch * -(-(self.num_draft_tokens - 1) // self.page_size)
     return model.init_mtp_paged_cache(self.max_batch, pool + spare, self.page_size,
@@ -889,8 +877,7 @@ class Engine:
           self.max_batch, pages, self.page_size, max_pages_per_seq=self.max_pages_per_seq,
           window_num_pages=window, dtype=dtype))
       if isinstance(draft, str):
-        extra = jax.eval_shape(lambda: self._init_mtp_cache(
-            model, self._mtp_mirror(cache)[1], dtype))
+        extra = jax.eval_shape(lambda: self._init_mtp_cache(model, pages, dtype))
       elif draft is not None:
         extra = jax.eval_shape(lambda: draft.init_paged_cache(
             self.max_batch, pages, self.page_size, max_pages_per_seq=self.max_pages_per_seq,

@@ -50,7 +50,7 @@ from jaxtyping import Array, Int
 from jaxattn.checks import is_int
 from jaxattn.cache import KVCache
 from jaxattn.mla_cache import LatentCache
-from jaxattn.paged_cache import PagedKVCache
+from jaxattn.paged_cache import PagedKVCache, PageTable
 from jaxattn.nn.attention import Attention
 from jaxattn.nn.dsa import DSA
 from jaxattn.nn.gated_deltanet import DeltaNetCache, GatedDeltaNet
@@ -780,11 +780,15 @@ class PagedModelCache:
 
   @property
   def page_table(self) -> Int[Array, "B M"]:
-    """The page table of the first paged layer that holds whole sequences (the layers append
+    """``whole_table()``'s page table."""
+    return self.whole_table().page_table
+
+  def whole_table(self) -> PageTable:
+    """The ``PageTable`` of the first paged layer that holds whole sequences (the layers append
     the same token counts into pools of one size, so their tables are equal; a sliding-window
     layer's differs once ``release_behind`` released pages, or with a pool of its own size),
-    else of the first paged layer."""
-    tables = [c.table.page_table[0] if stacked else c.table.page_table
+    else of the first paged layer (of a scanned stack, its first layer's)."""
+    tables = [jax.tree.map(lambda x: x[0], c.table) if stacked else c.table
               for group, stacked in zip(self.groups, self.stacked) for c in group
               if not isinstance(c, DeltaNetCache)]
     if not tables:
