@@ -65,6 +65,17 @@ def dot_t(a, b):
   return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
 
 
+def operand_dtype(query_dtype, cache_dtype):
+  """The dtype both operands of a kernel's dots take: the wider float of the query's and the
+  cache's, quantized codes (int8, float8) counting as the query's 16-bit float (exact: every
+  int8 and e4m3 value is a bf16 / fp16 number) or fp32.  A bf16 query over a bf16 cache keeps
+  bf16 operands, which the MXU multiplies at its native rate (fp32 operands take several
+  passes); the dots accumulate in fp32 either way."""
+  if jnp.dtype(cache_dtype).itemsize < 2 or not jnp.issubdtype(cache_dtype, jnp.floating):
+    cache_dtype = query_dtype if jnp.finfo(query_dtype).bits < 32 else _F32
+  return jnp.promote_types(query_dtype, cache_dtype)
+
+
 def online_softmax_update(m_ref, l_ref, acc_ref, logits, valid, value, value_scale=None):
   """Folds one block into the running ``(m, l, acc)``: ``logits [R, S]`` fp32, ``valid`` broadcast
   to ``[R, S]``, ``value [S, h]`` fp32 (or narrower: the probabilities are then rounded to its
@@ -286,14 +297,15 @@ def _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale, soft_cap, nu
     live = (start + jax.lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)) < length  # [page, 1]
     if quantized:   # the same as a row of the page's tokens, as the scales lie
       live_row = (start + jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)) < length
+    # Operands in their own dtype (bf16 stays bf16), accumulation in fp32.
+    kdt, vdt = operand_dtype(q_ref.dtype, k_ref.dtype), operand_dtype(q_ref.dtype, v_ref.dtype)
     for kv in range(num_kv):                                               # static: K is small
-      q = q_ref[kv].astype(_F32)                                           # [rows, H]
+      q = q_ref[kv].astype(kdt)                                            # [rows, H]
       if merged:
         k, v = k_ref[:, kv * h:(kv + 1) * h], v_ref[:, kv * hv:(kv + 1) * hv]  # [page, H|h]
       else:
         k, v = k_ref[:, kv, :], v_ref[:, kv, :]
-      k = k.astype(_F32)
-      logits = dot_t(q, k) * scale                                         # [rows, page]
+      logits = dot_t(q, k.astype(kdt)) * scale                             # [rows, page] fp32
       value_scale = None
       if quantized:   # codes: key j is k_j * s_j, so its logits are s_j (q . k_j)
         heads = slice(kv * page_size, (kv + 1) * page_size)               # head kv's lanes
@@ -304,7 +316,7 @@ def _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale, soft_cap, nu
       if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
       online_softmax_update(m_ref.at[kv], l_ref.at[kv], acc_ref.at[kv], logits, valid,
-                            jnp.where(live, v.astype(_F32), 0.0), value_scale)
+                            jnp.where(live, v.astype(vdt), 0), value_scale)
 
   @pl.when(j == pages_per_split - 1)
   def store():

@@ -55,8 +55,8 @@ from jaxtyping import Array, Float, Int
 
 from jaxattn.ops.decode import check_num_splits, latent_view_page_size, page_view
 from pallas_kernels.decode_attention.tpu import (check_block_rows, combine, dot_t, finalize,
-                                                 grid_ids, grid_order,
-                                                 online_softmax_update, pad_rows, page_index,
+                                                 grid_ids, grid_order, online_softmax_update,
+                                                 operand_dtype, pad_rows, page_index,
                                                  split_plan, tensorcores, visible_keys)
 from pallas_kernels.flash_attention import sharded
 from pallas_kernels.flash_attention.common import default_interpret, reset_online_softmax
@@ -79,17 +79,19 @@ def _dense_kernel(lens_ref, table_ref, ql_ref, qr_ref, c_ref, kr_ref, *refs, sca
 
   @pl.when(start < visible_keys(length, i, rows, num_t, num_heads))
   def compute():
-    c = c_ref[...].astype(_F32)                                             # [page, C]
+    # Operands in their own dtype (bf16 stays bf16: the MXU's native rate), fp32 accumulation.
+    cdt, rdt = operand_dtype(ql_ref.dtype, c_ref.dtype), operand_dtype(qr_ref.dtype, kr_ref.dtype)
+    c = c_ref[...].astype(cdt)                                              # [page, C]
     # Rows past the length hold stale data: zero them so 0 * NaN cannot reach the accumulator.
     live = (start + jax.lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)) < length
-    c = jnp.where(live, c, 0.0)
-    content = dot_t(ql_ref[...].astype(_F32), c)                            # [rows, page]
+    c = jnp.where(live, c, 0)
+    content = dot_t(ql_ref[...].astype(cdt), c)                             # [rows, page] fp32
     c_scale = None
     if quantized:   # codes: row j is s_j c_j, key part and value alike (stale slots: 0, no NaN)
       live_row = (start + jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)) < length
       c_scale = jnp.where(live_row, cs_ref[...], 0.0)                      # [1, page]
       content = content * c_scale
-    logits = (content + dot_t(qr_ref[...].astype(_F32), kr_ref[...].astype(_F32))) * scale
+    logits = (content + dot_t(qr_ref[...].astype(rdt), kr_ref[...].astype(rdt))) * scale
     kv_pos = start + jax.lax.broadcasted_iota(jnp.int32, (rows, page_size), 1)
     row = i * rows + jax.lax.broadcasted_iota(jnp.int32, (rows, page_size), 0)
     q_pos = length - num_t + row // num_heads
