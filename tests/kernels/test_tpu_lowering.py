@@ -23,7 +23,7 @@ def test_lowers_to_mosaic(name, tpu_target, monkeypatch):
 
 
 def _kernel_dots(jaxpr, in_kernel=False):
-  """``(lhs, rhs, result)`` dtypes of every ``dot_general`` inside a ``pallas_call`` of ``jaxpr``."""
+  """``(lhs, rhs, result)`` dtypes of each ``dot_general`` in a ``pallas_call`` of ``jaxpr``."""
   found = []
   for eqn in jaxpr.eqns:
     inside = in_kernel or eqn.primitive.name == "pallas_call"
