@@ -195,6 +195,15 @@ def _check(model, prompt, max_new_tokens, max_len, eos_id=None):
                      f"table (max_seq_len={model.config.max_seq_len}).")
 
 
+def eval_model(graphdef, state) -> DecoderLM:
+  """The model of a split ``(graphdef, state)`` (``nnx.split(model)``), in eval mode: no dropout
+  while decoding (a LoRA adapter trained with dropout, say).  What every jitted decode program
+  (here, ``jaxattn.speculative``, ``jaxattn.serving``) starts with."""
+  m = nnx.merge(graphdef, state)
+  m.eval()
+  return m
+
+
 @functools.lru_cache(maxsize=32)
 def decode_functions(graphdef, batch: int, max_len: int, *, temperature: float = 0.0,
                      top_p: float = 1.0, top_k: int = 0, cache_dtype=None):
@@ -214,16 +223,14 @@ def decode_functions(graphdef, batch: int, max_len: int, *, temperature: float =
 
   @jax.jit
   def prefill(state, tokens, key):
-    m = nnx.merge(graphdef, state)
-    m.eval()  # no dropout while decoding (a LoRA adapter trained with dropout, say)
+    m = eval_model(graphdef, state)
     logits, cache = m(tokens, cache=m.init_cache(batch, max_len, cache_dtype))
     return sample_logits(logits[:, -1], key, temperature=temperature, top_p=top_p,
                          top_k=top_k), cache
 
   @functools.partial(jax.jit, donate_argnums=2)
   def step(state, token, cache, key):
-    m = nnx.merge(graphdef, state)
-    m.eval()
+    m = eval_model(graphdef, state)
     logits, cache = m(token[:, None], cache=cache)
     return sample_logits(logits[:, -1], key, temperature=temperature, top_p=top_p,
                          top_k=top_k), cache

@@ -78,7 +78,7 @@ import numpy as np
 from flax import nnx
 
 from jaxattn.checks import is_int
-from jaxattn.generation import check_sampling, sample_rows
+from jaxattn.generation import check_sampling, eval_model, sample_rows
 from jaxattn.nn.model import DecoderLM, PagedModelCache
 from jaxattn.nn.mtp import mtp_layer_kind, shift_left
 from jaxattn.paged_cache import PageTable
@@ -271,8 +271,7 @@ def step_functions(graphdef, *, release_windows: bool = False):
 
   @functools.partial(jax.jit, donate_argnums=4, static_argnames=("pages", "greedy"))
   def step(state, tokens, num_tokens, rows, cache, sampling, pages=None, greedy=False):
-    m = nnx.merge(graphdef, state)
-    m.eval()
+    m = eval_model(graphdef, state)
     nxt, logprob, cache, *_ = _step(m, tokens, num_tokens, rows, cache, sampling, pages, greedy,
                                     release_windows)
     return nxt, logprob, cache.shard()
@@ -300,8 +299,7 @@ def verify_function(graphdef, *, release_windows: bool = False):
   @functools.partial(jax.jit, donate_argnums=4, static_argnames=("pages", "greedy"))
   def verify(state, tokens, num_tokens, rows, cache, sampling, pages=None, greedy=False,
              draft_probs=None):
-    m = nnx.merge(graphdef, state)
-    m.eval()
+    m = eval_model(graphdef, state)
     out, accepted, logprob, cache, *_ = _verify(m, tokens, num_tokens, rows, cache, sampling,
                                                 pages, greedy, release_windows, draft_probs)
     return out, accepted, logprob, cache.shard()
@@ -392,8 +390,7 @@ def mtp_functions(graphdef, k: int, *, release_windows: bool = False):
   @functools.partial(jax.jit, donate_argnums=(4, 6, 8), static_argnames=("pages", "greedy"))
   def step(state, tokens, num_tokens, rows, cache, sampling, mtp_cache, following, probs,
            pages=None, greedy=False):
-    m = nnx.merge(graphdef, state)
-    m.eval()
+    m = eval_model(graphdef, state)
     nxt, logprob, cache, h, sub = _step(m, tokens, num_tokens, rows, cache, sampling, pages,
                                         greedy, release_windows)
     last = jnp.arange(tokens.shape[1])[None, :] == (num_tokens - 1)[:, None]
@@ -406,8 +403,7 @@ def mtp_functions(graphdef, k: int, *, release_windows: bool = False):
   @functools.partial(jax.jit, donate_argnums=(4, 6, 7), static_argnames=("pages", "greedy"))
   def verify(state, tokens, num_tokens, rows, cache, sampling, mtp_cache, probs, pages=None,
              greedy=False):
-    m = nnx.merge(graphdef, state)
-    m.eval()
+    m = eval_model(graphdef, state)
     q = None if greedy else jnp.take(probs, rows, axis=0, mode="clip")[:, :tokens.shape[1] - 1]
     out, accepted, logprob, cache, h, sub = _verify(m, tokens, num_tokens, rows, cache, sampling,
                                                     pages, greedy, release_windows, q)
@@ -433,8 +429,7 @@ def propose_function(graphdef, k: int):
 
   @functools.partial(jax.jit, donate_argnums=5, static_argnames=("pages", "greedy"))
   def propose(state, first, start, num_drafts, rows, cache, sampling, pages=None, greedy=True):
-    m = nnx.merge(graphdef, state)
-    m.eval()
+    m = eval_model(graphdef, state)
     full, cache = cache, cache.take(rows, pages)
     real = rows < full.batch
 

@@ -57,7 +57,8 @@ from jaxtyping import Array, Float, Int
 from jaxattn.cache import KVCache
 from jaxattn.checks import is_int
 from jaxattn.dsa_cache import DSACache
-from jaxattn.generation import _check, check_sampling, filtered_logits, row_filtered, token_key
+from jaxattn.generation import (_check, check_sampling, eval_model, filtered_logits, row_filtered,
+                                token_key)
 from jaxattn.mla_cache import LatentCache
 from jaxattn.nn.gated_deltanet import DeltaNetCache
 from jaxattn.nn.model import DecoderLM, ModelCache
@@ -208,13 +209,6 @@ def _draft_dist(logits, key, temperature, top_p, top_k):
           jax.nn.softmax(f, axis=-1))
 
 
-def _merged(graphdef, state) -> DecoderLM:
-  """The model of a split ``(graphdef, state)``, in eval mode (no dropout while decoding)."""
-  m = nnx.merge(graphdef, state)
-  m.eval()
-  return m
-
-
 @functools.lru_cache(maxsize=16)
 def speculative_functions(graphdef, draft_graphdef, batch: int, max_len: int, k: int,
                           vocab_size: int, *, temperature: float = 0.0,
@@ -239,12 +233,12 @@ def speculative_functions(graphdef, draft_graphdef, batch: int, max_len: int, k:
 
   @jax.jit
   def prefill(state, draft_state, prompt, key):
-    m = _merged(graphdef, state)
+    m = eval_model(graphdef, state)
     logits, cache = m(prompt, cache=m.init_cache(batch, max_len, cache_dtype))
     first = _draft_dist(logits[:, -1], key, **settings)[0]
     draft_cache = None
     if draft_graphdef is not None:
-      d = _merged(draft_graphdef, draft_state)
+      d = eval_model(draft_graphdef, draft_state)
       _, draft_cache = d(prompt, cache=d.init_cache(batch, max_len, cache_dtype))
     return first, cache, draft_cache
 
@@ -254,7 +248,7 @@ def speculative_functions(graphdef, draft_graphdef, batch: int, max_len: int, k:
     if draft_graphdef is None:
       probs = jax.nn.one_hot(drafts, vocab_size, dtype=jnp.float32)
     else:
-      d = _merged(draft_graphdef, draft_state)
+      d = eval_model(draft_graphdef, draft_state)
       # The draft's cache holds x_0 .. x_{n-2} at least (it has not seen the last round's final
       # kept draft when every draft was kept): it re-reads x_{n-1} with x_n, a fixed shape.
       draft_cache = rewind_cache(draft_cache, n - 1)
@@ -268,7 +262,7 @@ def speculative_functions(graphdef, draft_graphdef, batch: int, max_len: int, k:
           logits, draft_cache = d(tok[:, None], cache=draft_cache)
       drafts = jnp.stack(drafts, axis=1)
       probs = None if temperature == 0.0 else jnp.stack(probs, axis=1)
-    m = _merged(graphdef, state)
+    m = eval_model(graphdef, state)
     logits, cache = m(jnp.concatenate([last[:, None], drafts], axis=1),
                       cache=cache.with_snapshots())
     tokens, accepted = speculative_accept(logits, drafts, probs, jax.random.fold_in(key, k),
@@ -303,7 +297,7 @@ def _mtp_functions(graphdef, batch: int, max_len: int, k: int, settings: dict, c
   @jax.jit
   def prefill(state, draft_state, prompt, key):
     del draft_state
-    m = _merged(graphdef, state)
+    m = eval_model(graphdef, state)
     h, cache = m(prompt, cache=m.init_cache(batch, max_len, cache_dtype), return_hidden=True)
     first = _draft_dist(m.head(h[:, -1]).astype(jnp.float32), key, **settings)[0]
     mtp_cache = m.init_mtp_cache(batch, max_len, cache_dtype)
@@ -314,7 +308,7 @@ def _mtp_functions(graphdef, batch: int, max_len: int, k: int, settings: dict, c
   @functools.partial(jax.jit, donate_argnums=(2, 3))
   def round_(state, draft_state, cache, draft_cache, recent, n, drafts, done, key):
     del draft_state, drafts
-    m = _merged(graphdef, state)
+    m = eval_model(graphdef, state)
     mtp_cache, g, logits = draft_cache
     drafts, probs = [], []
     tok, q = _draft_dist(logits, jax.random.fold_in(key, 0), **settings)
