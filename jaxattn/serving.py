@@ -659,7 +659,8 @@ class Engine:
       ``mtp_depth >= 1``; DeepSeek-V3's self-speculation): after every call it reads the
       model's hidden states of the positions kept with the tokens that follow them, into its
       block's pool at the pages of the model's page table (``init_mtp_paged_cache``: one
-      block's pages, and spare ones for its chained drafts; counted in ``cache_bytes``),
+      block's pages, and spare ones for its chained drafts; counted in ``cache_bytes`` with
+      ``mtp_probs``),
       and proposes each slot's next drafts, as a draft model does (``mtp_functions``; a sampled
       request's distributions kept for the next step, ``k x V`` floats a slot).  Any model with a
       paged layer (recurrent ones keep snapshots, as with prompt lookup); with a prefix cache,
@@ -862,17 +863,24 @@ class Engine:
     return model.init_mtp_paged_cache(self.max_batch, pool + spare, self.page_size,
                                       max_pages_per_seq=self.max_pages_per_seq, dtype=dtype)
 
+  def _mtp_probs_shape(self) -> jax.ShapeDtypeStruct:
+    """``mtp_probs``: the MTP module's distributions of each slot's sampled drafts, kept for the
+    next step's verify (``[max_batch, k, V]`` fp32; made on the first sampled call)."""
+    return jax.ShapeDtypeStruct((self.max_batch, self.num_draft_tokens,
+                                 self.config.vocab_size), jnp.float32)
+
   def _pages_within(self, model: DecoderLM, budget: int, dtype, draft) -> int:
     """The most ``num_pages`` whose cache fits ``budget`` bytes (``cache_bytes``): the cache's
-    size -- with the draft model's or the MTP block's beside it -- is linear in the pages,
-    measured on abstract caches (nothing allocated)."""
+    size -- with the draft model's or the MTP block's (and ``mtp_probs``) beside it -- is linear
+    in the pages, measured on abstract caches (nothing allocated)."""
     def size(pages):
       window = self.window_num_pages if self._whole else pages
       cache = jax.eval_shape(lambda: model.init_paged_cache(
           self.max_batch, pages, self.page_size, max_pages_per_seq=self.max_pages_per_seq,
           window_num_pages=window, dtype=dtype))
-      if isinstance(draft, str):
-        extra = jax.eval_shape(lambda: self._init_mtp_cache(model, pages, dtype))
+      if isinstance(draft, str):   # its pool, and the sampled drafts' distributions
+        extra = (jax.eval_shape(lambda: self._init_mtp_cache(model, pages, dtype)),
+                 self._mtp_probs_shape())
       elif draft is not None:
         extra = jax.eval_shape(lambda: draft.init_paged_cache(
             self.max_batch, pages, self.page_size, max_pages_per_seq=self.max_pages_per_seq,
@@ -1401,8 +1409,8 @@ class Engine:
                                                 greedy=True)
       args = (self._state, tokens, counts_d, rows_d, self.cache, sampling)
       if self._mtp and not static["greedy"] and self.mtp_probs is None:
-        v = self.config.vocab_size            # the sampled drafts' distributions, per slot
-        self.mtp_probs = jnp.zeros((self.max_batch, self.num_draft_tokens, v), jnp.float32)
+        probs = self._mtp_probs_shape()   # the sampled drafts' distributions
+        self.mtp_probs = jnp.zeros(probs.shape, probs.dtype)
       if self._mtp and speculate:
         out, accepted, logprob, self.cache, drafts, self.mtp_cache, self.mtp_probs = (
             self._mtp_verify(*args, self.mtp_cache, self.mtp_probs, **static))

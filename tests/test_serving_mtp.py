@@ -150,15 +150,17 @@ def test_sampled_requests_draft_from_the_modules_distribution():
 
 
 def test_a_cache_budget_counts_the_mtp_block_and_a_draft_model():
-  """``cache_bytes`` sizes the pages so that the model's cache and the MTP block's pool (or a
-  draft model's cache) fit together; one page more would not."""
+  """``cache_bytes`` sizes the pages so that the model's cache and the MTP block's pool with its
+  sampled drafts' distributions (or a draft model's cache) fit together; one page more would
+  not."""
   model, budget = _model("llama"), 40_000
-  total = lambda e, extra: e.cache.nbytes + extra.nbytes  # noqa: E731
+  probs = 2 * 5 * model.config.vocab_size * 4     # mtp_probs: [max_batch, k, V] fp32
   for draft in ("mtp", _draft()):
     engine = Engine(model, max_batch=2, page_size=4, num_draft_tokens=5, draft=draft,
                     cache_bytes=budget)
     extra = engine.mtp_cache if draft == "mtp" else engine.draft_cache
-    assert total(engine, extra) <= budget
+    fixed = probs if draft == "mtp" else 0
+    assert engine.cache.nbytes + extra.nbytes + fixed <= budget
     p = engine.num_pages + 1
     bigger = model.init_paged_cache(2, p, 4, max_pages_per_seq=engine.max_pages_per_seq)
     if draft == "mtp":     # its pool: the model's pages and a spare page a slot (4 drafts ahead)
@@ -166,7 +168,11 @@ def test_a_cache_budget_counts_the_mtp_block_and_a_draft_model():
       more = model.init_mtp_paged_cache(2, p + 2, 4, max_pages_per_seq=engine.max_pages_per_seq)
     else:
       more = draft.init_paged_cache(2, p, 4, max_pages_per_seq=engine.max_pages_per_seq)
-    assert bigger.nbytes + more.nbytes > budget
+    assert bigger.nbytes + more.nbytes + fixed > budget
+    if draft == "mtp":   # the distributions it counted are the ones a sampled request makes
+      engine.submit([1, 2, 3], 3, temperature=1.0)
+      engine.run()
+      assert engine.mtp_probs.nbytes == probs
     alone_ = Engine(model, max_batch=2, page_size=4, cache_bytes=budget)
     assert alone_.num_pages > engine.num_pages
 
