@@ -120,7 +120,7 @@ class _Request:
   priority: int = 0           # lower first: queued ahead of, and preempts, larger values
   stop_strings: tuple = ()    # texts that end the request when its decoded output contains one
   detokenize: Callable | None = None   # token ids -> text (the engine's), for stop_strings
-  draft_len: int = 0          # with a draft model: its cache's length after the last proposal
+  draft_held: int = 0         # with a draft model: its entries are this request's up to here
   drafts: np.ndarray | None = None   # with MTP drafting: the module's proposals for the next step
 
   def finished(self) -> bool:
@@ -293,7 +293,7 @@ def verify_function(graphdef, *, release_windows: bool = False):
   ``index`` the first output's), and each sequence is rewound to the tokens kept
   (``PagedModelCache.rewind``: its last token and ``accepted[i]`` drafts; the pages past them
   back to the pools).  ``draft_probs [b, T - 1, V]``: the distributions sampled drafts were drawn
-  from (a draft model's, ``propose_function``); None: one-hot drafts.  Donates the cache and
+  from (a draft model's, ``draft_functions``); None: one-hot drafts.  Donates the cache and
   returns it as ``step`` does."""
 
   @functools.partial(jax.jit, donate_argnums=4, static_argnames=("pages", "greedy"))
@@ -415,41 +415,75 @@ def mtp_functions(graphdef, k: int, *, release_windows: bool = False):
   return step, verify
 
 
-@functools.lru_cache(maxsize=32)
-def propose_function(graphdef, k: int):
-  """A draft model's proposals for the engine's decoding slots: ``propose(state, first [b, 2],
-  start [b], num_drafts [b], rows [b], cache, sampling, pages=None, greedy=True) -> (drafts
-  [b, k], q [b, k, V] or None, cache)``.  Each slot's draft cache is cut back to ``start`` (its
-  sequence's length but one), re-reads the last two tokens ``first`` and then feeds its own
-  drafts, ``num_drafts[i]`` of them (the rows feed nothing past theirs); padding rows (``rows >=
-  B``) feed nothing.  A greedy row's drafts are the argmax; a sampled row's are sampled from the
-  draft's filtered distribution with the row's ``sampling`` (draft ``j`` for output ``index +
-  j``: ``propose_rows``), returned in ``q`` for the verify (``draft_probs``).  ``greedy``
-  (static): every row greedy, no ``q``.  Donates the cache."""
+def _on_table(cache: PagedModelCache, table: PageTable, lengths) -> PagedModelCache:
+  """A draft model's ``cache`` indexed by the model's ``table`` (``PagedModelCache.whole_table``)
+  with ``lengths``: every layer's own table replaced by it, so the draft writes position ``i`` of
+  a sequence at the page and slot where the model holds it (its pools have as many pages as the
+  model's).  Its tables are nothing of its own: the next call replaces them again."""
+  view = dataclasses.replace(table, lengths=lengths)
+  return PagedModelCache(cache._tables(lambda *_: view), lengths, cache.stacked)
 
-  @functools.partial(jax.jit, donate_argnums=5, static_argnames=("pages", "greedy"))
-  def propose(state, first, start, num_drafts, rows, cache, sampling, pages=None, greedy=True):
+
+@functools.lru_cache(maxsize=32)
+def draft_functions(graphdef, k: int):
+  """A draft model's two calls beside the engine's model (``Engine(draft=model)``), its cache
+  indexed by the model's page table (``_on_table``: no pages of its own, so it shares the prefix
+  cache's pages and needs no allocation, rewind or free):
+
+  * ``read(state, tokens [b, T], num_tokens [b], rows [b], cache, table, pages=None) -> cache``:
+    the draft reads the prompt chunk the model has just read (``table``: the model's after that
+    call);
+  * ``propose(state, first [b, F], num_first [b], start [b], num_drafts [b], rows [b], cache,
+    model_cache, sampling, t, pages=None, greedy=True) -> (drafts [b, k], q [b, k, V] or None,
+    cache, model_cache)``: the pages of the model's next check (``num_drafts + 1`` tokens a row,
+    at most ``t``, static) are allocated first (``PagedModelCache.reserve_ahead``), so the
+    draft's entries at the positions the check keeps land on the model's pages; each row feeds
+    the tokens the draft has not read, ``first[i, :num_first[i]]`` (its sequence from position
+    ``start[i]`` to its last token), then its own drafts, ``num_drafts[i]`` of them (padding rows,
+    ``rows >= B``, feed nothing).  A greedy row's drafts are the argmax; a sampled row's are
+    sampled from the draft's filtered distribution with the row's ``sampling`` (draft ``j`` for
+    output ``index + j``: ``propose_rows``), returned in ``q`` for the check (``draft_probs``).
+    ``greedy`` (static): every row greedy, no ``q``.
+
+  Both donate the draft's cache; ``propose`` the model's too."""
+
+  @functools.partial(jax.jit, donate_argnums=4, static_argnames=("pages",))
+  def read(state, tokens, num_tokens, rows, cache, table, pages=None):
     m = eval_model(graphdef, state)
-    full, cache = cache, cache.take(rows, pages)
-    real = rows < full.batch
+    before = table.lengths.at[rows].add(-num_tokens, mode="drop")
+    full = _on_table(cache, table, before)
+    _, sub = m(tokens, cache=full.take(rows, pages), num_tokens=num_tokens, return_hidden=True)
+    return full.put(rows, sub).shard()
+
+  @functools.partial(jax.jit, donate_argnums=(6, 7), static_argnames=("t", "pages", "greedy"))
+  def propose(state, first, num_first, start, num_drafts, rows, cache, model_cache, sampling, t,
+              pages=None, greedy=True):
+    m = eval_model(graphdef, state)
+    real = rows < model_cache.batch
+    check = jnp.zeros_like(model_cache.lengths).at[rows].set(num_drafts + 1, mode="drop")
+    model_cache = model_cache.reserve_ahead(check, t)
+    table = model_cache.whole_table()
+    full = _on_table(cache, table, table.lengths.at[rows].set(start, mode="drop"))
+    sub = full.take(rows, pages)
 
     def draft(logits, j):
       return _draft_tokens(logits, None if greedy else sampling, sampling[1] + j)
 
-    cache = cache.rewind(jnp.where(real, start, cache.lengths))
-    logits, cache = m(first, cache=cache, num_tokens=jnp.where(real, 2, 0))
-    tok, q = draft(logits[:, -1], 0)
+    count = jnp.where(real, num_first, 0)
+    logits, sub = m(first, cache=sub, num_tokens=count)
+    last = jnp.take_along_axis(logits, jnp.maximum(count - 1, 0)[:, None, None], axis=1)
+    tok, q = draft(last[:, 0], 0)
     drafts, probs = [tok], [q]
     for j in range(1, k):
-      logits, cache = m(tok[:, None], cache=cache,
-                        num_tokens=(real & (num_drafts > j)).astype(jnp.int32))
+      logits, sub = m(tok[:, None], cache=sub,
+                      num_tokens=(real & (num_drafts > j)).astype(jnp.int32))
       tok, q = draft(logits[:, 0], j)
       drafts.append(tok)
       probs.append(q)
     return (jnp.stack(drafts, axis=1), None if greedy else jnp.stack(probs, axis=1),
-            full.put(rows, cache).shard())
+            full.put(rows, sub).shard(), model_cache.shard())
 
-  return propose
+  return read, propose
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -648,13 +682,14 @@ class Engine:
       one.
     ngram_size: the longest n-gram prompt lookup matches.
     draft: a smaller ``DecoderLM`` of the same vocabulary that drafts instead of prompt lookup
-      (with ``num_draft_tokens`` >= 1): it keeps a paged cache of its own (pools of ``num_pages``
-      pages, counted in ``cache_bytes``), reads every prompt chunk beside the model, and
-      each step proposes its continuation of every decoding slot (``propose_function``: greedy
+      (with ``num_draft_tokens`` >= 1): its paged cache (pools of ``num_pages`` pages, counted
+      in ``cache_bytes``) is indexed by the model's page table, so it needs no pages of its
+      own and shares the prefix cache's; it reads every prompt chunk after the model, and
+      each step proposes its continuation of every decoding slot (``draft_functions``: greedy
       for greedy requests, sampled with a sampled request's settings, its distributions then
-      judged by ``accept_rows``' speculative sampling).  Its layers
-      must hold whole sequences (attention, MLA, DSA: no sliding window, no recurrent state),
-      as must the model's; not with a prefix cache (the draft's pages are its own).
+      judged by ``accept_rows``' speculative sampling) into the pages of the model's check,
+      allocated first.  Its layers must hold whole sequences (attention, MLA, DSA: no sliding
+      window, no recurrent state), as must the model's.
       ``"mtp"``: the model's own multi-token-prediction module drafts (a model with
       ``mtp_depth >= 1``; DeepSeek-V3's self-speculation): after every call it reads the
       model's hidden states of the positions kept with the tokens that follow them, into its
@@ -747,7 +782,7 @@ class Engine:
       self.num_pages = window_fill if num_pages is None else int(num_pages)
       self.window_num_pages = self.num_pages
     if draft is not None:
-      self._check_draft(draft, model, prefix_cache)
+      self._check_draft(draft, model)
     if cache_bytes is not None:
       self.num_pages = self._pages_within(model, int(cache_bytes), dtype, draft)
       if not self._whole:
@@ -805,8 +840,7 @@ class Engine:
         self.draft_cache = draft.init_paged_cache(
             self.max_batch, self.num_pages, self.page_size,
             max_pages_per_seq=self.max_pages_per_seq, dtype=dtype).shard()
-      self._draft_step, self._draft_free = step_functions(draft_graphdef)
-      self._propose = propose_function(draft_graphdef, self.num_draft_tokens)
+      self._draft_read, self._propose = draft_functions(draft_graphdef, self.num_draft_tokens)
     self._free_pages = self.num_pages       # pages neither reserved by a request nor cached
     self._admissions = 0
     # With layers of both kinds: the window layers' pools, counted apart.
@@ -817,7 +851,7 @@ class Engine:
     self._next_id = 0
     self.stats = EngineStats()
 
-  def _check_draft(self, draft, model: DecoderLM, prefix_cache: bool) -> None:
+  def _check_draft(self, draft, model: DecoderLM) -> None:
     """Refuses a ``draft`` the engine cannot run beside ``model`` (see ``Engine``'s ``draft``)."""
     if isinstance(draft, str) and draft != "mtp":
       raise ValueError(f"`draft` must be None (prompt lookup), 'mtp' (the model's own "
@@ -841,9 +875,6 @@ class Engine:
         raise ValueError(f"{who} has layers of kinds {sorted(cfg.kinds())}; a draft model runs "
                          f"beside models whose layers hold whole sequences (A, M, I: no sliding "
                          f"window, no recurrent state).")
-    if prefix_cache:
-      raise ValueError("`draft` with `prefix_cache=True`: the draft's cache pages are its own, "
-                       "so cached prefixes cannot be shared with it; use one or the other.")
 
   def _check_mtp_table(self) -> None:
     """With MTP drafting: the module's block shares ``PagedModelCache.whole_table`` (a layer
@@ -1098,7 +1129,7 @@ class Engine:
       if matched:
         self._prefix.acquire(matched)
         request.shared = matched
-        request.fed = len(matched) * self.page_size
+        request.fed = request.draft_held = len(matched) * self.page_size
         self.stats.prefix_hit_tokens += request.fed
         attach.append((slot, matched, state))
     self._update_pages(evict, attach)
@@ -1241,7 +1272,7 @@ class Engine:
     if self._prefix is not None:
       self._prefix.release(r.shared)
     r.feed = np.concatenate([r.prompt, np.asarray(r.out, np.int32)])
-    r.refed, r.fed, r.shared, r.fresh, r.draft_len = len(r.out), 0, [], 0, 0
+    r.refed, r.fed, r.shared, r.fresh, r.draft_held = len(r.out), 0, [], 0, 0
     r.drafts = None
     if self._prefix is not None:
       self._extend_keys(r, r.feed)
@@ -1323,14 +1354,17 @@ class Engine:
       if r is None:
         continue
       held = r.held
+      # With a draft model a page is cached once its entries are final too (a check that kept
+      # every draft leaves the draft's entry of the last one to the next proposal).
+      full = (held if self._propose is None else min(held, r.draft_held)) // ps
       first = len(r.shared)
-      if held // ps <= first:
+      if full <= first:
         continue
       if held > r.prompt.size:
         self._extend_keys(r, np.concatenate([r.prompt, np.asarray(r.out[:-1], np.int32)]))
       if table is None:
         table = np.asarray(self.cache.page_table)
-      for j in range(first, held // ps):
+      for j in range(first, full):
         page = int(table[slot, j])
         if self._prefix.add(r.keys[j], page):
           r.shared.append(page)
@@ -1358,7 +1392,8 @@ class Engine:
     tokens = np.zeros((size, t), np.int32)
     counts = np.zeros((size,), np.int32)
     seeds, index, top_k, start = (np.zeros((size,), np.int32) for _ in range(4))
-    first = np.zeros((size, 2), np.int32)
+    first = np.zeros((size, 2), np.int32)         # with a draft model: the tokens it has not
+    num_first = np.zeros((size,), np.int32)       # read (its input before its drafts)
     following = np.full((size,), -1, np.int32)     # with MTP: the token after a prompt chunk
     temperature, top_p = np.zeros((size,), np.float32), np.ones((size,), np.float32)
     for i, (s, r, n) in enumerate(group):
@@ -1375,9 +1410,13 @@ class Engine:
         tokens[i, 0] = r.out[-1]
         if self._mtp:                    # the module's proposals, made by the last call
           tokens[i, 1:n] = r.drafts[:n - 1]
-        elif self._propose is not None:    # the draft model's input: the last two tokens
-          before = r.out[-2] if len(r.out) > 1 else r.prompt[-1]
-          first[i], start[i] = (before, r.out[-1]), r.held - 1
+        elif self._propose is not None:    # the draft model's input: what it has not read,
+          start[i], num_first[i] = r.draft_held, r.held + 1 - r.draft_held   # one or two tokens
+          if not 1 <= num_first[i] <= 2:
+            raise RuntimeError(f"the draft model is {num_first[i]} tokens behind request "
+                               f"{r.rid} (1 or 2 expected)")
+          first[i, :num_first[i]] = np.concatenate(
+              [r.prompt, np.asarray(r.out, np.int32)])[r.draft_held:r.held + 1]
         elif n > 1:
           seq = np.concatenate([r.prompt, np.asarray(r.out, np.int32)])
           tokens[i, 1:n] = ngram_propose(seq, n - 1, self.ngram_size)
@@ -1386,7 +1425,7 @@ class Engine:
     # many pages per sequence, not the table's width (max_seq_len).
     ps, m = self.page_size, self.max_pages_per_seq
     ahead = self.num_draft_tokens - 1 if self._mtp else 0     # the MTP module's chained drafts
-    need = max(-(-max(r.held + n + ahead, r.draft_len) // ps) for _, r, n in group)
+    need = max(-(-(r.held + n + ahead) // ps) for _, r, n in group)
     pages = min(m, max(MIN_TABLE_PAGES, 1 << (max(need, 1) - 1).bit_length()))
     pages = pages if self.narrow_tables else m
     sampling = tuple(map(jnp.asarray, (seeds, index, temperature, top_p, top_k)))
@@ -1395,18 +1434,13 @@ class Engine:
     static = dict(pages=narrow, greedy=not temperature.any())
     with self._on_mesh():
       if self._propose is not None and speculate:
-        drafts, q, self.draft_cache = self._propose(
-            self._draft_state, jnp.asarray(first), jnp.asarray(start), counts_d - 1, rows_d,
-            self.draft_cache, sampling, pages=narrow, greedy=static["greedy"])
+        drafts, q, self.draft_cache, self.cache = self._propose(
+            self._draft_state, jnp.asarray(first), jnp.asarray(num_first), jnp.asarray(start),
+            counts_d - 1, rows_d, self.draft_cache, self.cache, sampling, t=t, pages=narrow,
+            greedy=static["greedy"])
         tokens = tokens.at[:, 1:].set(drafts[:, :t - 1])      # the verify masks past counts
         if q is not None:
           static["draft_probs"] = q[:, :t - 1]
-        for _, r, n in group:       # (it re-read the last two tokens, then fed n - 2 drafts)
-          r.draft_len = r.held + max(n - 1, 1)
-      elif self._propose is not None and group[0][1].reading:   # the draft reads prompts too
-        *_, self.draft_cache = self._draft_step(self._draft_state, tokens, counts_d, rows_d,
-                                                self.draft_cache, sampling, pages=narrow,
-                                                greedy=True)
       args = (self._state, tokens, counts_d, rows_d, self.cache, sampling)
       if self._mtp and not static["greedy"] and self.mtp_probs is None:
         probs = self._mtp_probs_shape()   # the sampled drafts' distributions
@@ -1421,6 +1455,12 @@ class Engine:
         out, accepted, logprob, self.cache = self._verify(*args, **static)
       else:
         out, logprob, self.cache = self._step(*args, **static)
+      if self._propose is not None and group[0][1].reading:   # the draft reads prompts too
+        self.draft_cache = self._draft_read(self._draft_state, tokens, counts_d, rows_d,
+                                            self.draft_cache, self.cache.whole_table(),
+                                            pages=narrow)
+        for _, r, n in group:
+          r.draft_held = r.fed + n
     if self._mtp:
       for (_, r, _), row in zip(group, np.asarray(drafts)):
         r.drafts = row
@@ -1431,6 +1471,9 @@ class Engine:
     if not speculate:
       return [[(int(x), float(lp))] for x, lp in zip(out, logprob)]
     accepted = np.asarray(accepted)[:len(group)]
+    if self._propose is not None:   # its entries of the kept tokens: the last, the drafts it fed
+      for (_, r, n), a in zip(group, accepted):
+        r.draft_held = r.held + 1 + min(int(a), max(n - 2, 0))
     self.stats.drafted += int(counts.sum()) - len(group)
     self.stats.accepted_drafts += int(accepted.sum())
     return [[(int(x), float(lp)) for x, lp in zip(row[:a + 1], lps[:a + 1])]
@@ -1500,8 +1543,6 @@ class Engine:
     keep = None if self._prefix is None else jnp.asarray(self._prefix.mask(self.num_pages))
     with self._on_mesh():
       self.cache = self._free(self.cache, jnp.asarray(done), keep)
-      if self.draft_cache is not None:
-        self.draft_cache = self._draft_free(self.draft_cache, jnp.asarray(done))
 
   @property
   def cached_pages(self) -> int:
@@ -1542,4 +1583,4 @@ class Engine:
 
 
 __all__ = ["ALLOCATIONS", "POLICIES", "Engine", "EngineStats", "mtp_functions",
-           "propose_function", "step_functions", "verify_function"]
+           "draft_functions", "step_functions", "verify_function"]

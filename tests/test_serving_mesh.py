@@ -102,11 +102,11 @@ def test_engine_on_a_mesh_equals_one_device_and_keeps_the_cache_split(name):
     assert c.table.page_table.addressable_shards[0].data.shape == c.table.page_table.shape
   # The pages went back: every pool whole but the prefix cache's.
   assert int(layers(engine.cache)[0].table.num_free) == engine.num_pages - engine.cached_pages
-  if engine.draft_cache is not None:        # the draft's cache: split alike, its pages back
+  if engine.draft_cache is not None:        # the draft's cache: split alike (its tables: views)
     assert engine.stats.drafted > 0
     for c in layers(engine.draft_cache):
       assert spec(c.key_pool) == (None, None, "tensor")
-      assert (np.asarray(c.table.num_free) == engine.num_pages).all()
+      assert c.key_pool.addressable_shards[0].data.shape[-1] == c.key_pool.shape[-1] // 2
   if engine.mtp_cache is not None:          # the MTP module's pool: split alike
     assert engine.stats.drafted > 0
     (c,) = layers(engine.mtp_cache)

@@ -73,9 +73,9 @@ def test_greedy_requests_equal_generate_alone(name, kw):
     ("llama", dict(allocation="on_demand", num_pages=9, max_pages_per_seq=6)),
 ])
 def test_a_draft_model_gives_generates_tokens(name, kw):
-  """A draft model (its own paged cache, fed every prompt chunk, rewound each step): greedy
-  results are ``generate``'s, its pool comes back whole; the model drafting for itself has every
-  draft kept."""
+  """A draft model (its cache indexed by the model's page table, fed every prompt chunk):
+  greedy results are ``generate``'s, the model's pool comes back whole; the model drafting for
+  itself has every draft kept."""
   model = model_for(name)
   engine = Engine(model, max_batch=3, page_size=4, chunk=4, num_draft_tokens=3, draft=_draft(),
                   **kw)
@@ -88,7 +88,7 @@ def test_a_draft_model_gives_generates_tokens(name, kw):
   assert st.drafted > 0 and st.generated == sum(n for _, n in WORK)
   if kw:
     assert st.preempted >= 1
-  assert _pools_whole(engine) and _pools_whole(engine, engine.draft_cache)
+  assert _pools_whole(engine)
   if name == "llama" and not kw:
     itself = Engine(model, max_batch=3, page_size=4, chunk=4, num_draft_tokens=3, draft=model)
     ids = [itself.submit(p, n) for p, n in WORK]
@@ -96,6 +96,86 @@ def test_a_draft_model_gives_generates_tokens(name, kw):
     assert all((again[i] == want).all() for i, want in zip(ids, results))
     assert itself.stats.accepted_drafts == itself.stats.drafted > 0
     assert itself.stats.steps < st.steps
+
+
+def _greedy_chains(model, length: int = 48):
+  """``chain(seq, n) -> [n]``: ``model``'s greedy continuation of ``seq`` without a cache (one
+  jitted full pass a token, over ``seq`` padded to ``length``: causal, the padding is unread)."""
+  graphdef, state = nnx.split(model)
+  logits = jax.jit(lambda tokens: nnx.merge(graphdef, state)(tokens)[0])
+
+  def chain(seq, n):
+    seq = list(seq)
+    for _ in range(n):
+      padded = np.zeros((1, length), np.int32)
+      padded[0, :len(seq)] = seq
+      seq.append(int(np.argmax(np.asarray(logits(padded))[len(seq) - 1])))
+    return np.asarray(seq[-n:] if n else [], np.int32)
+  return chain
+
+
+@pytest.mark.parametrize("itself", [False, True])
+def test_a_draft_model_shares_the_prefix_cache_and_proposes_its_own_continuations(itself):
+  """A draft model's cache is indexed by the model's page table, so a prefix cache shares its
+  pages too: greedy results are ``generate``'s, prompts with a common prefix read it from the
+  cache, and every proposal equals the draft's greedy continuation of the sequence computed
+  without a cache -- after prefix hits, preemptions (recompute) and checks that kept every draft
+  (the model drafting for itself: the draft's entry of the last kept draft is written by the
+  next proposal, and its page cached only then)."""
+  model = model_for("llama")
+  draft = model if itself else _draft()
+  rng = np.random.default_rng(5)
+  common = rng.integers(1, 61, size=10).astype(np.int32)
+  work = [(np.concatenate([common, rng.integers(1, 61, size=n).astype(np.int32)]), m)
+          for n, m in ((1, 9), (3, 8), (1, 9), (2, 9))]
+  engine = Engine(model, max_batch=2, page_size=4, chunk=4, num_draft_tokens=3, draft=draft,
+                  prefix_cache=True, allocation="on_demand", num_pages=7, max_pages_per_seq=8)
+  def poison():   # entries the draft did not write are NaN: reading one spoils its drafts
+    engine.draft_cache = jax.tree.map(
+        lambda x: jnp.full_like(x, jnp.nan) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+        engine.draft_cache)
+
+  poison()
+  seen, propose = [], engine._propose
+
+  def recording(state, first, num_first, start, num_drafts, rows, *args, **kw):
+    out = propose(state, first, num_first, start, num_drafts, rows, *args, **kw)
+    for row, n, drafts in zip(np.asarray(rows), np.asarray(num_drafts), np.asarray(out[0])):
+      if row < engine.max_batch:
+        r = engine._slots[row]
+        seen.append((np.concatenate([r.prompt, np.asarray(r.out, np.int32)]), drafts[:n]))
+    return out
+
+  engine._propose = recording
+  ids = [engine.submit(p, n) for p, n in work]
+  results = engine.run()
+  st = engine.stats
+  assert st.prefix_hit_tokens >= 8 * 3 and st.preempted >= 1
+  # A conversation goes on with a whole sequence ending on a page boundary and a new token: its
+  # pages are cached, but not the last, whose last entry (the last kept draft's, when the
+  # check kept every draft) the draft never wrote.
+  engine.clear_prefix_cache()
+  poison()
+  hits = st.prefix_hit_tokens
+  work.append(work[3])
+  ids.append(engine.submit(*work[-1]))
+  results.update(engine.run())
+  work.append((np.append(results[ids[-1]], 7).astype(np.int32), 3))
+  ids.append(engine.submit(*work[-1]))
+  results.update(engine.run())
+  assert st.prefix_hit_tokens - hits >= 16
+  for rid, (p, n) in zip(ids, work):
+    np.testing.assert_array_equal(results[rid], alone(model, p, n), err_msg=f"request {rid}")
+  if itself:
+    assert st.accepted_drafts == st.drafted > 0
+  else:
+    assert 0 < st.accepted_drafts < st.drafted
+  chain = _greedy_chains(draft)
+  assert len(seen) >= 6
+  for seq, drafts in seen:
+    np.testing.assert_array_equal(drafts, chain(seq, drafts.size), err_msg=f"after {seq}")
+  engine.clear_prefix_cache()
+  assert _pools_whole(engine) and engine._free_pages == engine.num_pages
 
 
 def test_eos_inside_a_kept_run_ends_the_request_there():
@@ -219,8 +299,6 @@ def test_errors():
     Engine(llama, num_draft_tokens=2, draft=_draft(layer_pattern="S", sliding_window=4))
   with pytest.raises(ValueError, match="the model has layers of kinds \\['S'\\]"):
     Engine(model_for("mistral"), num_draft_tokens=2, draft=_draft())
-  with pytest.raises(ValueError, match="`draft` with `prefix_cache=True`"):
-    Engine(llama, num_draft_tokens=2, draft=_draft(), prefix_cache=True)
   with pytest.raises(ValueError, match="`draft` must be None, 'mtp' or a DecoderLM, got int"):
     Engine(llama, num_draft_tokens=2, draft=3)
   hybrid = model_for("qwen3-next")

@@ -872,6 +872,17 @@ class PagedModelCache:
                      for g in tables)
     return PagedModelCache(tables, lengths, self.stacked)
 
+  def reserve_ahead(self, num_tokens: Int[Array, "B"], t: int) -> "PagedModelCache":
+    """Every paged layer's pages for each sequence's next ``num_tokens[b] <= t`` tokens (``t``
+    static) allocated now, its length unchanged: the call that writes those tokens finds them in
+    place (``PageTable.reserve`` counts the pages a table holds past its length), and a cache
+    indexed by the same table (a draft model's, ``jaxattn.serving``) can write at those
+    positions first.  That call must follow: ``free`` returns only the pages under a length."""
+    def ahead(table, _):
+      grown, _, _ = table.reserve(t, num_tokens)
+      return dataclasses.replace(grown, lengths=table.lengths)
+    return PagedModelCache(self._tables(ahead), self.lengths, self.stacked)
+
   def push_pages(self, pages) -> "PagedModelCache":
     """``pages [n]`` (ids; negative entries are padding) back to every layer's free stack: pages
     a prefix cache held and no sequence holds any more (``PageTable.push``)."""
