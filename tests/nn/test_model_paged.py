@@ -162,6 +162,34 @@ def test_a_freed_slot_serves_a_new_sequence(case):
   np.testing.assert_array_equal(cache.lengths, [6, 5, 6])
 
 
+def test_pages_reserved_ahead_are_the_ones_the_next_call_writes():
+  """``reserve_ahead`` allocates every layer's pages for the next tokens (scanned layers: each
+  layer's stacked table alike) without changing the lengths; the call that then feeds those
+  tokens writes into them (no page popped) and gives the logits it gives without the
+  reservation."""
+  model = model_for("llama-scanned")
+  seqs = np.random.default_rng(4).integers(1, 97, size=(3, 6), dtype=np.int32)
+  cache = model.init_paged_cache(3, num_pages=12, page_size=2, max_pages_per_seq=4)
+  _, cache = run_schedule(model, seqs, cache, SCHEDULE[:2])          # lengths 4, 4, 0
+  tables = lambda c: [x.table for x in jax.tree_util.tree_leaves(  # noqa: E731
+      c.groups, is_leaf=lambda x: isinstance(x, PagedKVCache)) if isinstance(x, PagedKVCache)]
+  counts = jnp.asarray([1, 3, 2], jnp.int32)     # pages: 1 (pos 4), 2 (pos 4-6), 1 (pos 0-1)
+  ahead = cache.reserve_ahead(counts, T)
+  np.testing.assert_array_equal(ahead.lengths, cache.lengths)
+  for before, after in zip(tables(cache), tables(ahead)):
+    np.testing.assert_array_equal(after.lengths, before.lengths)
+    np.testing.assert_array_equal(np.asarray(after.num_free), np.asarray(before.num_free) - 4)
+  tokens = jnp.asarray(np.random.default_rng(5).integers(1, 97, size=(3, T)), jnp.int32)
+  want, plain = _step(model, tokens, counts, cache)
+  got, written = _step(model, tokens, counts, ahead)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+  for a, b in zip(tables(written), tables(ahead)):
+    np.testing.assert_array_equal(np.asarray(a.page_table), np.asarray(b.page_table))
+    np.testing.assert_array_equal(np.asarray(a.num_free), np.asarray(b.num_free))
+  for a, b in zip(tables(written), tables(plain)):
+    np.testing.assert_array_equal(np.asarray(a.page_table), np.asarray(b.page_table))
+
+
 def test_padding_rows_stay_inside_a_learned_position_table():
   """A ragged chunk near the end of a learned table: the padding rows' default positions would
   run past it (the eager table check raised on a valid call); they reuse the last real one."""
