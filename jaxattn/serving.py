@@ -615,8 +615,8 @@ class Engine:
       holding whole sequences (and no prefix cache); default enough for every slot's
       ``window_pages`` (at most ``num_pages``).
     cache_bytes: a memory budget for the cache instead of ``num_pages``: ``num_pages`` becomes
-      the most whose cache (every layer's pools, page tables, recurrent states, and a draft
-      model's or the MTP block's cache beside them; at the ``dtype``, so a quantized cache gets
+      the most whose cache (every layer's pools, page tables, recurrent states, the prefix
+      cache's snapshots of them, and a draft model's or the MTP block's cache beside them; at the ``dtype``, so a quantized cache gets
       about twice the pages of a bf16 one) fits in this many bytes.  A budget below one page
       per pool, or below the window pools' fixed size, is refused.
     max_pages_per_seq: the page-table width (the longest request, in pages); default
@@ -783,6 +783,11 @@ class Engine:
       self.window_num_pages = self.num_pages
     if draft is not None:
       self._check_draft(draft, model)
+    if prefix_states is not None:
+      _positive_int("prefix_states", prefix_states)
+    # With a prefix cache over recurrent layers: snapshots of their states (in cache_bytes too).
+    self._store_count = ((4 * self.max_batch if prefix_states is None else int(prefix_states))
+                         if prefix_cache and "D" in kinds else 0)
     if cache_bytes is not None:
       self.num_pages = self._pages_within(model, int(cache_bytes), dtype, draft)
       if not self._whole:
@@ -800,8 +805,6 @@ class Engine:
                                           max_pages_per_seq=self.max_pages_per_seq,
                                           window_num_pages=self.window_num_pages,
                                           dtype=dtype).shard()
-    if prefix_states is not None:
-      _positive_int("prefix_states", prefix_states)
     if not isinstance(narrow_tables, bool):
       raise ValueError(f"`narrow_tables` must be a bool, got {narrow_tables!r}.")
     self.narrow_tables = narrow_tables
@@ -811,11 +814,10 @@ class Engine:
     self._prefix = _PrefixCache() if prefix_cache else None
     self._follow: dict[int, int] = {}     # with MTP: each cached page's next token (_resumable)
     self._snapshots, self._store = None, None
-    if prefix_cache and self.cache.recurrent:
-      count = 4 * self.max_batch if prefix_states is None else int(prefix_states)
-      self._snapshots = _StateSnapshots(count)
+    if self._store_count:
+      self._snapshots = _StateSnapshots(self._store_count)
       with self._on_mesh():
-        self._store = self.cache.state_store(count)
+        self._store = self.cache.state_store(self._store_count)
     self._wait_for_prefix = prefix_cache and policy == "continuous"
     graphdef, self._state = nnx.split(model)
     if mesh is not None:
@@ -902,13 +904,17 @@ class Engine:
 
   def _pages_within(self, model: DecoderLM, budget: int, dtype, draft) -> int:
     """The most ``num_pages`` whose cache fits ``budget`` bytes (``cache_bytes``): the cache's
-    size -- with the draft model's or the MTP block's (and ``mtp_probs``) beside it -- is linear
-    in the pages, measured on abstract caches (nothing allocated)."""
+    size -- with the prefix cache's state snapshots, and the draft model's or the MTP block's
+    (and ``mtp_probs``) beside it -- is linear in the pages, measured on abstract caches (nothing
+    allocated)."""
     def size(pages):
       window = self.window_num_pages if self._whole else pages
-      cache = jax.eval_shape(lambda: model.init_paged_cache(
+      whole = lambda: model.init_paged_cache(  # noqa: E731
           self.max_batch, pages, self.page_size, max_pages_per_seq=self.max_pages_per_seq,
-          window_num_pages=window, dtype=dtype))
+          window_num_pages=window, dtype=dtype)
+      cache = jax.eval_shape(whole)
+      store = (jax.eval_shape(lambda: whole().state_store(self._store_count))
+               if self._store_count else ())
       if isinstance(draft, str):   # its pool, and the sampled drafts' distributions
         extra = (jax.eval_shape(lambda: self._init_mtp_cache(model, pages, dtype)),
                  self._mtp_probs_shape())
@@ -918,7 +924,7 @@ class Engine:
             dtype=dtype))
       else:
         extra = ()
-      return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((cache, extra)))
+      return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((cache, store, extra)))
     fixed = size(1)
     per_page = size(2) - fixed
     pages = 1 + (budget - fixed) // per_page if budget >= fixed else 0

@@ -485,6 +485,15 @@ def test_a_cache_budget_sets_the_pages():
   mixed = model_for("gpt-oss")
   engine = Engine(mixed, max_batch=2, page_size=4, chunk=4, cache_bytes=60_000)
   assert engine.cache.nbytes <= 60_000 and engine.window_num_pages <= engine.num_pages
+  # A prefix cache over recurrent layers: its state snapshots count too.
+  hybrid = model_for("qwen3-next")
+  engine = Engine(hybrid, max_batch=2, page_size=4, prefix_cache=True, prefix_states=3,
+                  cache_bytes=60_000)
+  store = sum(x.nbytes for x in jax.tree.leaves(engine._store))
+  assert store > 0 and engine.cache.nbytes + store <= 60_000
+  bigger = hybrid.init_paged_cache(2, engine.num_pages + 1, 4,
+                                   max_pages_per_seq=engine.max_pages_per_seq)
+  assert bigger.nbytes + store > 60_000
   with pytest.raises(ValueError, match=r"give `num_pages` \(8\) or `cache_bytes` \(1000\)"):
     Engine(model, num_pages=8, cache_bytes=1000)
   with pytest.raises(ValueError, match="`cache_bytes` 100 is below the smallest cache"):
