@@ -72,9 +72,15 @@ too: every prompt is submitted at once (``max_batch`` = the number of prompts, `
 
 * ``engine (no draft)``: the plain model, no speculation, the baseline of the next two;
 * ``engine ngram k=4``: prompt lookup (``Engine(num_draft_tokens=4)``);
-* ``engine draft k=4``: the draft model (``draft=draft_model``, with a paged cache of its own);
+* ``engine draft k=4``: the draft model (``draft=draft_model``, its cache on the model's pages);
 * ``engine (MTP model)``: the MTP-trained model, no speculation, the baseline of the next;
-* ``engine mtp k=4``: its own MTP module drafting (``draft="mtp"``).
+* ``engine mtp k=4``: its own MTP module drafting (``draft="mtp"``);
+* with ``--temperature T > 0``, the same rows but prompt lookup, sampled at ``T`` (``engine
+  (no draft) T=0.8`` and so on): each request samples with its own seed (``seed + rid``: every
+  run draws anew), the draft model's and the MTP module's drafts are sampled from their
+  distributions and judged with them (``accept_rows``' speculative sampling).  Their tokens are
+  not compared (sampled, they differ from the baseline's by design); acceptance and steps are
+  the means over the timed runs.
 
 Each engine is built once and warmed up by two untimed runs of the same prompts (the first
 compiles every step program); then each round runs every engine once (interleaved, as above),
@@ -84,7 +90,7 @@ cache is empty again after ``run()`` returns, and the next run reuses it).  Per 
 speed-up over its baseline, engine steps (each feeds every busy slot once), acceptance (kept
 drafts / drafts fed), tokens per slot-step (tokens generated over busy slot-steps: 1 for the
 baselines when a prompt fits one chunk, at most ``k + 1``) and whether every request's tokens
-equal its baseline row's (greedy: they must; a mismatch counts as above).  The ratio differs from
+equal its baseline row's (greedy rows: they must; a mismatch counts as above).  The ratio differs from
 batch 1's, and from a batched ``speculative_generate``: there a round keeps the fewest drafts
 any row agreed on (the batch advances in lock step), while each engine slot keeps its own drafts
 and advances by its own count, so a batch of unlike texts loses nothing to its slowest row;
@@ -95,6 +101,7 @@ the slowest request does.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import os
 import pathlib
@@ -278,29 +285,36 @@ def measure(rows: list[dict], models: dict, prompts: list[np.ndarray], new_token
   return results
 
 
-def make_engine_rows(k: int = SAMPLE_K) -> list[dict]:
-  """The serving engine's rows: name, draft ("ngram", "model", "mtp" or None), k, baseline,
-  model ("model" or "mtp")."""
-  return [dict(name=ENGINE_BASELINE, draft=None, k=None, baseline=ENGINE_BASELINE, model="model"),
-          dict(name=f"engine ngram k={k}", draft="ngram", k=k, baseline=ENGINE_BASELINE,
-               model="model"),
-          dict(name=f"engine draft k={k}", draft="model", k=k, baseline=ENGINE_BASELINE,
-               model="model"),
-          dict(name=ENGINE_MTP_BASELINE, draft=None, k=None, baseline=ENGINE_MTP_BASELINE,
-               model="mtp"),
-          dict(name=f"engine mtp k={k}", draft="mtp", k=k, baseline=ENGINE_MTP_BASELINE,
-               model="mtp")]
+def make_engine_rows(k: int = SAMPLE_K, temperature: float = 0.0) -> list[dict]:
+  """The serving engine's rows: name, draft ("ngram", "model", "mtp" or None), k, temperature,
+  baseline, model ("model" or "mtp"); with ``temperature > 0`` the sampled rows after the greedy
+  ones (no prompt lookup)."""
+  def four(t, tag=""):
+    base, mtp_base = ENGINE_BASELINE + tag, ENGINE_MTP_BASELINE + tag
+    return [dict(name=base, draft=None, k=None, baseline=base, model="model"),
+            *([] if tag else [dict(name=f"engine ngram k={k}", draft="ngram", k=k,
+                                   baseline=base, model="model")]),
+            dict(name=f"engine draft k={k}{tag}", draft="model", k=k, baseline=base,
+                 model="model"),
+            dict(name=mtp_base, draft=None, k=None, baseline=mtp_base, model="mtp"),
+            dict(name=f"engine mtp k={k}{tag}", draft="mtp", k=k, baseline=mtp_base,
+                 model="mtp")]
+  rows = [dict(r, temperature=0.0) for r in four(0.0)]
+  if temperature > 0:
+    rows += [dict(r, temperature=temperature) for r in four(temperature, f" T={temperature:g}")]
+  return rows
 
 
 def make_engine(row: dict, models: dict, batch: int):
-  """The ``jaxattn.serving.Engine`` of an engine row, ``batch`` slots (greedy)."""
+  """The ``jaxattn.serving.Engine`` of an engine row, ``batch`` slots (greedy, or sampled at
+  the row's temperature: request ``rid`` with seed ``rid``)."""
   from jaxattn.serving import Engine  # noqa: PLC0415
   spec = {}
   if row["draft"] is not None:
     draft = dict(ngram=None, model=models["draft"], mtp="mtp")[row["draft"]]
     spec = dict(num_draft_tokens=row["k"], draft=draft)
   return Engine(models[row["model"]], max_batch=batch, page_size=ENGINE_PAGE_SIZE,
-                chunk=ENGINE_CHUNK, **spec)
+                chunk=ENGINE_CHUNK, temperature=row.get("temperature", 0.0), seed=0, **spec)
 
 
 def run_engine(engine, prompts: list[np.ndarray], new_tokens: int):
@@ -318,37 +332,40 @@ def run_engine(engine, prompts: list[np.ndarray], new_tokens: int):
 def measure_engine(rows: list[dict], models: dict, prompts: list[np.ndarray], new_tokens: int,
                    repeats: int) -> list[dict]:
   """The engine rows (module docstring): each engine warmed up by two runs, then ``repeats``
-  interleaved rounds of one run each; per row its best wall time and the statistics of a run
-  (every run of a greedy engine takes the same steps)."""
+  interleaved rounds of one run each; per row its best wall time and the mean statistics of the
+  timed runs (every run of a greedy engine takes the same steps; a sampled one draws anew)."""
   engines, outs = {}, {r["name"]: [] for r in rows}
   for row in tqdm(rows, desc="engine compile"):
     engines[row["name"]] = make_engine(row, models, len(prompts))
     for _ in range(2):         # (the first compiles; the second starts as every timed run does)
       outs[row["name"]].append(run_engine(engines[row["name"]], prompts, new_tokens)[0])
   best = {r["name"]: float("inf") for r in rows}
-  stats = {}
+  stats = {r["name"]: collections.Counter() for r in rows}       # summed over the timed runs
   bar = tqdm(total=repeats * len(rows), desc="engine timing")
   for _ in range(repeats):
     for row in rows:
       tokens, st, sec = run_engine(engines[row["name"]], prompts, new_tokens)
       best[row["name"]] = min(best[row["name"]], sec)
       outs[row["name"]].append(tokens)
-      stats[row["name"]] = st
+      stats[row["name"]].update(st)
       bar.update(1)
   bar.close()
   results = []
   for row in rows:
     st, seconds = stats[row["name"]], best[row["name"]]
+    greedy = not row.get("temperature")
     reference = outs[row["baseline"]][-1]
     # A prompt mismatches when any run of the row (its warm-up too) differs from the baseline's.
-    mismatched = sum(any(not np.array_equal(run[i], reference[i]) for run in outs[row["name"]])
-                     for i in range(len(prompts)))
+    mismatched = (sum(any(not np.array_equal(run[i], reference[i]) for run in outs[row["name"]])
+                      for i in range(len(prompts))) if greedy else None)
     results.append(dict(
         name=row["name"], draft=row["draft"], k=row["k"], baseline=row["baseline"],
+        temperature=row.get("temperature", 0.0),
         seconds=seconds, tokens_per_s=len(prompts) * new_tokens / seconds,
-        steps=st["steps"], calls=st["calls"], generated=st["generated"],
-        busy_slot_steps=st["busy_slot_steps"], drafted=st["drafted"],
-        accepted=st["accepted_drafts"],
+        steps=st["steps"] / repeats, calls=st["calls"] / repeats,
+        generated=st["generated"] / repeats,
+        busy_slot_steps=st["busy_slot_steps"] / repeats, drafted=st["drafted"] / repeats,
+        accepted=st["accepted_drafts"] / repeats,
         acceptance_rate=(st["accepted_drafts"] / st["drafted"]
                          if row["draft"] and st["drafted"] else None),
         tokens_per_step=st["generated"] / st["busy_slot_steps"],
@@ -381,17 +398,20 @@ def print_table(results: list[dict], prompts: int) -> None:
 
 
 def print_engine_table(results: list[dict], prompts: int) -> None:
-  print(f"\nserving engine: all {prompts} prompts in one batch, greedy")
+  sampled = sorted({r["temperature"] for r in results if r["temperature"]})
+  print(f"\nserving engine: all {prompts} prompts in one batch, greedy"
+        + "".join(f", sampled at T={t:g}" for t in sampled))
   print(f"{'row':26} {'tok/s':>8} {'speed-up':>9} {'accept':>7} {'tok/step':>9} {'steps':>6} "
         f"{'= baseline':>11}")
   for r in results:
-    same = f"NO {r['mismatched_prompts']}/{prompts}" if r["mismatched_prompts"] else "yes"
+    same = ("sampled" if r["mismatched_prompts"] is None else
+            f"NO {r['mismatched_prompts']}/{prompts}" if r["mismatched_prompts"] else "yes")
     print(f"{r['name']:26} {r['tokens_per_s']:8.1f} {r['speedup']:8.2f}x "
-          f"{_fmt(r['acceptance_rate'], '.1%', 7)} {r['tokens_per_step']:9.2f} {r['steps']:6d} "
+          f"{_fmt(r['acceptance_rate'], '.1%', 7)} {r['tokens_per_step']:9.2f} {r['steps']:6.1f} "
           f"{same:>11}")
-  print("speed-up: the same model's engine without drafts over the row's wall time; tok/step:\n"
-        "tokens generated per busy slot per engine step (prefill steps included); steps: engine\n"
-        "steps of one run (each feeds every busy slot once).")
+  print("speed-up: the same model's engine without drafts (at the row's temperature) over the\n"
+        "row's wall time; tok/step: tokens generated per busy slot per engine step (prefill steps\n"
+        "included); steps: engine steps of a run (each feeds every busy slot once; the mean).")
 
 
 def _plot(results: list[dict], path: pathlib.Path) -> None:
@@ -521,8 +541,8 @@ def main(argv=None) -> int:
   print_table(results, len(prompts))
   engine_results = []
   if not args.no_engine:
-    engine_results = measure_engine(make_engine_rows(), models, prompts, args.new_tokens,
-                                    args.engine_repeats)
+    engine_results = measure_engine(make_engine_rows(SAMPLE_K, args.temperature), models,
+                                    prompts, args.new_tokens, args.engine_repeats)
     print_engine_table(engine_results, len(prompts))
   mismatched = {r["name"]: r["mismatched_prompts"] for r in results + engine_results
                 if r["mismatched_prompts"]}

@@ -393,9 +393,11 @@ def _engine_paragraph(rows: list[dict], prompts: int) -> str:
               "drafts kept, ")
            + f"{r['tokens_per_step']:.2f} tokens per slot-step)" for r in drafting]
   bad = [r["name"] for r in rows if r["mismatched_prompts"]]
+  sampled = sorted({r.get("temperature") or 0.0 for r in rows} - {0.0})
   return (f"\n\nThe serving engine (`jaxattn.serving.Engine`, all {prompts} prompts in one "
-          "batch, greedy), against the same model's engine without drafts: " + ", ".join(parts)
-          + "; " + ("every request's tokens equal its baseline's" if not bad else
+          "batch, greedy" + "".join(f", and sampled at T = {t:g}" for t in sampled)
+          + "), against the same model's engine without drafts: " + ", ".join(parts)
+          + "; " + ("every greedy request's tokens equal its baseline's" if not bad else
                     f"**tokens differ from the baseline's in {', '.join(bad)}**")
           + ".  Each slot keeps its own drafts (no lock step across the batch), while a step "
           "verifies every slot's k + 1 tokens.")

@@ -480,14 +480,20 @@ def test_bench_speculative_rows_json_and_plot(tmp_path, capsys, monkeypatch):
   assert rows["generate (no draft)"]["speedup"] == 1.0
   assert rows["generate (MTP model)"]["speedup"] == 1.0
   assert (tmp_path / "bench_speculative.png").stat().st_size > 0
-  # The serving engine's rows: both prompts in one batch, k = 4, the tokens its baseline's.
+  # The serving engine's rows: both prompts in one batch, k = 4, greedy ones with the tokens of
+  # their baseline, sampled ones (no prompt lookup) against the sampled engine.
   engine = {r["name"]: r for r in saved["engine_rows"]}
   assert list(engine) == ["engine (no draft)", "engine ngram k=4", "engine draft k=4",
-                          "engine (MTP model)", "engine mtp k=4"]
+                          "engine (MTP model)", "engine mtp k=4", "engine (no draft) T=0.8",
+                          "engine draft k=4 T=0.8", "engine (MTP model) T=0.8",
+                          "engine mtp k=4 T=0.8"]
   assert engine["engine mtp k=4"]["baseline"] == "engine (MTP model)"
   assert engine["engine draft k=4"]["baseline"] == "engine (no draft)"
+  assert engine["engine mtp k=4 T=0.8"]["baseline"] == "engine (MTP model) T=0.8"
+  assert engine["engine draft k=4 T=0.8"]["baseline"] == "engine (no draft) T=0.8"
   for name, r in engine.items():
-    assert r["mismatched_prompts"] == 0 and r["tokens_per_s"] > 0 and r["speedup"] > 0, name
+    assert r["tokens_per_s"] > 0 and r["speedup"] > 0, name
+    assert r["mismatched_prompts"] == (0 if r["temperature"] == 0 else None), name
     assert r["generated"] == 2 * 10 and r["steps"] >= 10 / 5, name
     assert 1 <= r["tokens_per_step"] <= 5, name
     if r["draft"] is None:
@@ -498,7 +504,7 @@ def test_bench_speculative_rows_json_and_plot(tmp_path, capsys, monkeypatch):
       assert r["accepted"] <= r["drafted"], name
   out = capsys.readouterr().out
   assert "ngram k=2" in out and "speed-up" in out and "ERROR" not in out
-  assert "serving engine: all 2 prompts in one batch, greedy" in out
+  assert "serving engine: all 2 prompts in one batch, greedy, sampled at T=0.8" in out
   assert "engine mtp k=4" in out
   # A greedy row whose tokens differ from generate's: reported, and the exit status is 1.
   real = bench_speculative.speculative_generate

@@ -161,7 +161,10 @@ def test_speculative_section_shows_a_greedy_mismatch(tmp_path, monkeypatch):
                                 acceptance_rate=None, tokens_per_step=1.0, mismatched_prompts=0),
                            dict(name="engine mtp k=4", draft="mtp", speedup=1.9,
                                 acceptance_rate=0.961, tokens_per_step=4.63,
-                                mismatched_prompts=2)])
+                                mismatched_prompts=2),
+                           dict(name="engine mtp k=4 T=0.8", draft="mtp", temperature=0.8,
+                                speedup=1.2, acceptance_rate=0.572, tokens_per_step=2.5,
+                                mismatched_prompts=None)])
   calls = []
   monkeypatch.setattr(report, "_run_experiment", lambda *a: calls.append(a) or (1, data))
   args = types.SimpleNamespace(train_metrics=str(tmp_path / "train" / "metrics.jsonl"))
@@ -173,9 +176,11 @@ def test_speculative_section_shows_a_greedy_mismatch(tmp_path, monkeypatch):
   assert "**ERROR: greedy speculative output differs" in sec.markdown
   assert "| ngram k=2 | 100 | 1.50x | 50.0% | 2.00 | **NO** (3 of 4) |" in sec.markdown
   # the serving engine's rows, in a sentence
-  assert ("all 4 prompts in one batch, greedy), against the same model's engine without "
-          "drafts: `engine mtp k=4` 1.90x (96% of drafts kept, 4.63 tokens per slot-step); "
-          "**tokens differ from the baseline's in engine mtp k=4**") in sec.markdown
+  assert ("all 4 prompts in one batch, greedy, and sampled at T = 0.8), against the same "
+          "model's engine without drafts: `engine mtp k=4` 1.90x (96% of drafts kept, 4.63 "
+          "tokens per slot-step), `engine mtp k=4 T=0.8` 1.20x (57% of drafts kept, 2.50 tokens "
+          "per slot-step); **tokens differ from the baseline's in engine mtp k=4**"
+          ) in sec.markdown
   assert "`runs/train` (step 80)" in sec.markdown and "80 steps" in sec.markdown
   assert "`r/mtp` (step 80) (0.10M of its 0.90M parameters" in sec.markdown
   assert "held-out loss 1.250 without, 1.500 with the MTP objective" in sec.markdown
