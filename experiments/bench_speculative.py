@@ -86,12 +86,12 @@ Each engine is built once and warmed up by two untimed runs of the same prompts 
 compiles every step program); then each round runs every engine once (interleaved, as above),
 keeping each row's best wall time over ``--engine-repeats`` rounds (default 5: a run of the
 engine lasts a fraction of a second, so single runs are noisy on a shared machine; an engine's
-cache is empty again after ``run()`` returns, and the next run reuses it).  Per row: tokens/s (prompts x new tokens over that time),
-speed-up over its baseline, engine steps (each feeds every busy slot once), acceptance (kept
-drafts / drafts fed), tokens per slot-step (tokens generated over busy slot-steps: 1 for the
-baselines when a prompt fits one chunk, at most ``k + 1``) and whether every request's tokens
-equal its baseline row's (greedy rows: they must; a mismatch counts as above).  The ratio differs from
-batch 1's, and from a batched ``speculative_generate``: there a round keeps the fewest drafts
+cache is empty again after ``run()`` returns, and the next run reuses it).  Per row: tokens/s
+(prompts x new tokens over that time), speed-up over its baseline, engine steps (each feeds every
+busy slot once), acceptance (kept drafts / drafts fed), tokens per slot-step (tokens generated
+over busy slot-steps: 1 for the baselines when a prompt fits one chunk, at most ``k + 1``) and
+whether every request's tokens equal its baseline row's (greedy rows: they must; a mismatch
+counts as above).  The ratio differs from batch 1's, and from a batched ``speculative_generate``: there a round keeps the fewest drafts
 any row agreed on (the batch advances in lock step), while each engine slot keeps its own drafts
 and advances by its own count, so a batch of unlike texts loses nothing to its slowest row;
 instead the step's cost is the batch's (``b x (k + 1)`` rows verified), and the steps end when

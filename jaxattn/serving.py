@@ -616,8 +616,9 @@ class Engine:
       ``window_pages`` (at most ``num_pages``).
     cache_bytes: a memory budget for the cache instead of ``num_pages``: ``num_pages`` becomes
       the most whose cache (every layer's pools, page tables, recurrent states, the prefix
-      cache's snapshots of them, and a draft model's or the MTP block's cache beside them; at the ``dtype``, so a quantized cache gets
-      about twice the pages of a bf16 one) fits in this many bytes.  A budget below one page
+      cache's snapshots of them, and a draft model's or the MTP block's cache beside them; at
+      the ``dtype``, so a quantized cache gets about twice the pages of a bf16 one) fits in this
+      many bytes.  A budget below one page
       per pool, or below the window pools' fixed size, is refused.
     max_pages_per_seq: the page-table width (the longest request, in pages); default
       ``ceil(max_seq_len / page_size)``.
