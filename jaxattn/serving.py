@@ -333,9 +333,8 @@ def _mtp_drafts(m: DecoderLM, h, ahead, num, start, table: PageTable, mtp_cache:
   pool = layer.table.num_pages
   spare = jnp.arange(pool - 1, table.num_pages - 1, -1, dtype=jnp.int32)     # pool ids past P
   stack = jnp.zeros((pool,), jnp.int32).at[:spare.size].set(spare)
-  view = dataclasses.replace(table, lengths=start, free_pages=stack,
-                             num_free=jnp.asarray(spare.size, jnp.int32))
-  cache = PagedModelCache(((dataclasses.replace(layer, table=view),),), start, (False,))
+  cache = mtp_cache.on_table(dataclasses.replace(
+      table, free_pages=stack, num_free=jnp.asarray(spare.size, jnp.int32)), start)
   module = m.mtp[0]
 
   def draft(g, j):
@@ -350,10 +349,8 @@ def _mtp_drafts(m: DecoderLM, h, ahead, num, start, table: PageTable, mtp_cache:
     tok, q = draft(g, j)
     drafts.append(tok)
     probs.append(q)
-  (new,), = cache.groups
-  kept = dataclasses.replace(new, table=layer.table)          # the pools, written
   return (jnp.stack(drafts, axis=1), None if sampling is None else jnp.stack(probs, axis=1),
-          PagedModelCache(((kept,),), mtp_cache.lengths, mtp_cache.stacked).shard())
+          cache.on_table(layer.table, mtp_cache.lengths).shard())    # the pools, written
 
 
 @functools.lru_cache(maxsize=32)
@@ -415,20 +412,12 @@ def mtp_functions(graphdef, k: int, *, release_windows: bool = False):
   return step, verify
 
 
-def _on_table(cache: PagedModelCache, table: PageTable, lengths) -> PagedModelCache:
-  """A draft model's ``cache`` indexed by the model's ``table`` (``PagedModelCache.whole_table``)
-  with ``lengths``: every layer's own table replaced by it, so the draft writes position ``i`` of
-  a sequence at the page and slot where the model holds it (its pools have as many pages as the
-  model's).  Its tables are nothing of its own: the next call replaces them again."""
-  view = dataclasses.replace(table, lengths=lengths)
-  return PagedModelCache(cache._tables(lambda *_: view), lengths, cache.stacked)
-
-
 @functools.lru_cache(maxsize=32)
 def draft_functions(graphdef, k: int):
   """A draft model's two calls beside the engine's model (``Engine(draft=model)``), its cache
-  indexed by the model's page table (``_on_table``: no pages of its own, so it shares the prefix
-  cache's pages and needs no allocation, rewind or free):
+  indexed by the model's page table (``PagedModelCache.whole_table``, through ``on_table``: the
+  draft writes position ``i`` of a sequence at the page and slot where the model holds it, so it
+  has no pages of its own, shares the prefix cache's and needs no allocation, rewind or free):
 
   * ``read(state, tokens [b, T], num_tokens [b], rows [b], cache, table, pages=None) -> cache``:
     the draft reads the prompt chunk the model has just read (``table``: the model's after that
@@ -451,7 +440,7 @@ def draft_functions(graphdef, k: int):
   def read(state, tokens, num_tokens, rows, cache, table, pages=None):
     m = eval_model(graphdef, state)
     before = table.lengths.at[rows].add(-num_tokens, mode="drop")
-    full = _on_table(cache, table, before)
+    full = cache.on_table(table, before)
     _, sub = m(tokens, cache=full.take(rows, pages), num_tokens=num_tokens, return_hidden=True)
     return full.put(rows, sub).shard()
 
@@ -463,7 +452,7 @@ def draft_functions(graphdef, k: int):
     check = jnp.zeros_like(model_cache.lengths).at[rows].set(num_drafts + 1, mode="drop")
     model_cache = model_cache.reserve_ahead(check, t)
     table = model_cache.whole_table()
-    full = _on_table(cache, table, table.lengths.at[rows].set(start, mode="drop"))
+    full = cache.on_table(table, table.lengths.at[rows].set(start, mode="drop"))
     sub = full.take(rows, pages)
 
     def draft(logits, j):

@@ -872,6 +872,14 @@ class PagedModelCache:
                      for g in tables)
     return PagedModelCache(tables, lengths, self.stacked)
 
+  def on_table(self, table: PageTable, lengths: Int[Array, "B"]) -> "PagedModelCache":
+    """This cache with every paged layer's ``PageTable`` replaced by ``table`` (its lengths set
+    to ``lengths``): for a cache indexed by another cache's table instead of keeping its own (a
+    draft model's or an MTP block's by the serving model's, ``jaxattn.serving``); its pools must
+    hold ``table``'s pages."""
+    view = dataclasses.replace(table, lengths=lengths)
+    return PagedModelCache(self._tables(lambda *_: view), lengths, self.stacked)
+
   def reserve_ahead(self, num_tokens: Int[Array, "B"], t: int) -> "PagedModelCache":
     """Every paged layer's pages for each sequence's next ``num_tokens[b] <= t`` tokens (``t``
     static) allocated now, its length unchanged: the call that writes those tokens finds them in
