@@ -61,8 +61,8 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
 from jaxattn.ops.decode import check_num_splits, merged_kv_heads
-from pallas_kernels.decode_attention.tpu import (combine, row_slopes, run_sharded_gqa,
-                                                 head_args, present,
+from pallas_kernels.decode_attention.tpu import (code_dtype, combine, row_slopes,
+                                                 run_sharded_gqa, head_args, present,
                                                  visible_keys, window_pages,
                                                  window_start)
 
@@ -165,13 +165,6 @@ def load_scales(ref, page, off, block_k: int, live):
   head) with the slots where ``live [block_k]`` is False read as zeros: a stale slot's scale (any
   number, even NaN) cannot reach the result."""
   return plgpu.load(ref.at[page, pl.ds(off, block_k)], mask=live, other=0.0)
-
-
-def code_dtype(query_dtype):
-  """The dtype quantized codes (int8, float8_e4m3fn) are widened to for the dots: the query's
-  when it is a 16-bit float (exact: every int8 and e4m3 value is a bf16 / fp16 number), else
-  fp32.  The dots accumulate in fp32 either way."""
-  return query_dtype if jnp.finfo(query_dtype).bits < 32 else _F32
 
 
 def dot_nt(a, b):

@@ -65,14 +65,20 @@ def dot_t(a, b):
   return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
 
 
+def code_dtype(query_dtype):
+  """The dtype quantized codes (int8, float8_e4m3fn) are widened to for the dots: the query's
+  when it is a 16-bit float (exact: every int8 and e4m3 value is a bf16 / fp16 number), else
+  fp32.  The dots accumulate in fp32 either way (the GPU kernels' too)."""
+  return query_dtype if jnp.finfo(query_dtype).bits < 32 else _F32
+
+
 def operand_dtype(query_dtype, cache_dtype):
   """The dtype both operands of a kernel's dots take: the wider float of the query's and the
-  cache's, quantized codes (int8, float8) counting as the query's 16-bit float (exact: every
-  int8 and e4m3 value is a bf16 / fp16 number) or fp32.  A bf16 query over a bf16 cache keeps
+  cache's, quantized codes counting as ``code_dtype``.  A bf16 query over a bf16 cache keeps
   bf16 operands, which the MXU multiplies at its native rate (fp32 operands take several
-  passes); the dots accumulate in fp32 either way."""
+  passes)."""
   if jnp.dtype(cache_dtype).itemsize < 2 or not jnp.issubdtype(cache_dtype, jnp.floating):
-    cache_dtype = query_dtype if jnp.finfo(query_dtype).bits < 32 else _F32
+    cache_dtype = code_dtype(query_dtype)
   return jnp.promote_types(query_dtype, cache_dtype)
 
 

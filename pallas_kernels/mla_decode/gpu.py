@@ -70,10 +70,10 @@ from jaxtyping import Array, Float, Int
 
 from jaxattn.ops.decode import check_num_splits
 from pallas_kernels.decode_attention.gpu import (auto_splits, block_location, check_block_k,
-                                                 code_dtype, dot_nt, default_interpret, finish,
+                                                 dot_nt, default_interpret, finish,
                                                  load_rows, load_scales, online_step, pad_last,
                                                  pad_lengths, partition_blocks, pow2)
-from pallas_kernels.decode_attention.tpu import combine, visible_keys
+from pallas_kernels.decode_attention.tpu import code_dtype, combine, visible_keys
 from pallas_kernels.mla_decode.tpu import run_sharded_mla
 
 _F32 = jnp.float32
