@@ -150,6 +150,11 @@ class _Request:
     return self.fed < self.feed.size
 
   @property
+  def tokens(self) -> np.ndarray:
+    """The prompt and the outputs so far (int32)."""
+    return np.concatenate([self.prompt, np.asarray(self.out, np.int32)])
+
+  @property
   def held(self) -> int:
     """Tokens in the cache (and read by recurrent states): the feed read so far and the
     generated tokens after it but the last (sampled, not fed yet)."""
@@ -1030,8 +1035,7 @@ class Engine:
     self._waiting.insert(at, r)
 
   def _result(self, r: _Request):
-    tokens = np.concatenate([r.prompt, np.asarray(r.out, np.int32)])
-    return (tokens, np.asarray(r.logprobs, np.float32)) if self.logprobs else tokens
+    return (r.tokens, np.asarray(r.logprobs, np.float32)) if self.logprobs else r.tokens
 
   @property
   def window_pages(self) -> int | None:
@@ -1267,7 +1271,7 @@ class Engine:
     self._free_window_pages += r.window_pages
     if self._prefix is not None:
       self._prefix.release(r.shared)
-    r.feed = np.concatenate([r.prompt, np.asarray(r.out, np.int32)])
+    r.feed = r.tokens
     r.refed, r.fed, r.shared, r.fresh, r.draft_held = len(r.out), 0, [], 0, 0
     r.drafts = None
     if self._prefix is not None:
@@ -1357,7 +1361,7 @@ class Engine:
       if full <= first:
         continue
       if held > r.prompt.size:
-        self._extend_keys(r, np.concatenate([r.prompt, np.asarray(r.out[:-1], np.int32)]))
+        self._extend_keys(r, r.tokens[:-1])
       if table is None:
         table = np.asarray(self.cache.page_table)
       for j in range(first, full):
@@ -1411,11 +1415,9 @@ class Engine:
           if not 1 <= num_first[i] <= 2:
             raise RuntimeError(f"the draft model is {num_first[i]} tokens behind request "
                                f"{r.rid} (1 or 2 expected)")
-          first[i, :num_first[i]] = np.concatenate(
-              [r.prompt, np.asarray(r.out, np.int32)])[r.draft_held:r.held + 1]
+          first[i, :num_first[i]] = r.tokens[r.draft_held:r.held + 1]
         elif n > 1:
-          seq = np.concatenate([r.prompt, np.asarray(r.out, np.int32)])
-          tokens[i, 1:n] = ngram_propose(seq, n - 1, self.ngram_size)
+          tokens[i, 1:n] = ngram_propose(r.tokens, n - 1, self.ngram_size)
     # The page-table columns the call needs (its sequences' pages after it), rounded up to a
     # power of two (few compiled shapes), at least MIN_TABLE_PAGES: the decode paths read that
     # many pages per sequence, not the table's width (max_seq_len).
