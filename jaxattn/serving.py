@@ -424,9 +424,9 @@ def draft_functions(graphdef, k: int):
   draft writes position ``i`` of a sequence at the page and slot where the model holds it, so it
   has no pages of its own, shares the prefix cache's and needs no allocation, rewind or free):
 
-  * ``read(state, tokens [b, T], num_tokens [b], rows [b], cache, table, pages=None) -> cache``:
-    the draft reads the prompt chunk the model has just read (``table``: the model's after that
-    call);
+  * ``read(state, tokens [b, T], num_tokens [b], rows [b], cache, model_cache, pages=None) ->
+    cache``: the draft reads the prompt chunk the model has just read (``model_cache``: after
+    that call; read, not donated);
   * ``propose(state, first [b, F], num_first [b], start [b], num_drafts [b], rows [b], cache,
     model_cache, sampling, t, pages=None, greedy=True) -> (drafts [b, k], q [b, k, V] or None,
     cache, model_cache)``: the pages of the model's next check (``num_drafts + 1`` tokens a row,
@@ -442,8 +442,9 @@ def draft_functions(graphdef, k: int):
   Both donate the draft's cache; ``propose`` the model's too."""
 
   @functools.partial(jax.jit, donate_argnums=4, static_argnames=("pages",))
-  def read(state, tokens, num_tokens, rows, cache, table, pages=None):
+  def read(state, tokens, num_tokens, rows, cache, model_cache, pages=None):
     m = eval_model(graphdef, state)
+    table = model_cache.whole_table()
     before = table.lengths.at[rows].add(-num_tokens, mode="drop")
     full = cache.on_table(table, before)
     _, sub = m(tokens, cache=full.take(rows, pages), num_tokens=num_tokens, return_hidden=True)
@@ -1455,8 +1456,7 @@ class Engine:
         out, logprob, self.cache = self._step(*args, **static)
       if self._propose is not None and group[0][1].reading:   # the draft reads prompts too
         self.draft_cache = self._draft_read(self._draft_state, tokens, counts_d, rows_d,
-                                            self.draft_cache, self.cache.whole_table(),
-                                            pages=narrow)
+                                            self.draft_cache, self.cache, pages=narrow)
         for _, r, n in group:
           r.draft_held = r.fed + n
     if self._mtp:
