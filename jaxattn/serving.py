@@ -15,7 +15,8 @@ slot never computes a prefill chunk's rows.  A finished request's pages go back 
     results = engine.run(on_token=lambda rid, token: ...)       # {request id: prompt + generated}
 
 Admission is first come, first served (among requests of one ``submit(..., priority=)``: lower
-values go first, and preempt running requests of larger values when short of a slot or pages),
+values go first, and preempt running requests of larger values when short of a slot or pages;
+``priority_aging`` lowers a request's value as it waits, so none starves),
 and by default reserves a request's whole page need up
 front (prompt + ``max_new_tokens - 1`` positions: the last sampled token is returned, never fed
 back), so a running request never finds the pool empty; a request waits while the pool cannot
@@ -121,6 +122,7 @@ class _Request:
   stop_strings: tuple = ()    # texts that end the request when its decoded output contains one
   detokenize: Callable | None = None   # token ids -> text (the engine's), for stop_strings
   draft_held: int = 0         # with a draft model: its entries are this request's up to here
+  submitted: int = 0          # the engine's step count when it was submitted (priority aging)
   drafts: np.ndarray | None = None   # with MTP drafting: the module's proposals for the next step
 
   def finished(self) -> bool:
@@ -697,6 +699,11 @@ class Engine:
       paged layer (recurrent ones keep snapshots, as with prompt lookup); with a prefix cache,
       a cached prefix whose last entry the module paired with another next token than the
       request's has its last page recomputed.
+    priority_aging: a waiting (or running) request's priority value drops by one for every
+      this many steps since it was submitted (None: never), so a request of a large value is
+      not starved by a stream of smaller ones: it overtakes the requests submitted
+      ``priority_aging x (difference)`` steps after it, and running long protects a request
+      from preemption by newcomers.  Among requests of one priority the order is unchanged.
   """
 
   def __init__(self, model: DecoderLM, *, max_batch: int = 8, page_size: int = 16,
@@ -709,8 +716,11 @@ class Engine:
                mesh: jax.sharding.Mesh | None = None,
                detokenize: Callable[[Sequence[int]], str] | None = None,
                cache_bytes: int | None = None, num_draft_tokens: int = 0,
-               ngram_size: int = 3, draft: DecoderLM | str | None = None):
+               ngram_size: int = 3, draft: DecoderLM | str | None = None,
+               priority_aging: int | None = None):
     check_sampling(temperature, top_p, top_k)
+    self.priority_aging = (None if priority_aging is None
+                           else _positive_int("priority_aging", priority_aging))
     if not is_int(num_draft_tokens) or not 0 <= num_draft_tokens <= 64:
       raise ValueError(f"`num_draft_tokens` must be an int in [0, 64] (0: no speculative "
                        f"decoding), got {num_draft_tokens!r}.")
@@ -847,6 +857,7 @@ class Engine:
     self._waiting: collections.deque[_Request] = collections.deque()
     self._results: dict[int, np.ndarray] = {}
     self._next_id = 0
+    self._clock = 0                # step() calls so far (priority aging)
     self.stats = EngineStats()
 
   def _check_draft(self, draft, model: DecoderLM) -> None:
@@ -953,8 +964,9 @@ class Engine:
     queues ahead of every waiting request with a larger value (first come, first served among
     equals), and when it cannot be admitted for lack of a slot or pages, running requests with
     larger values are preempted (the largest first, then the most recently admitted) to make
-    room, and recomputed later as on-demand preemptions are.  Returns the request id, the key of
-    its result in ``run`` / ``results``."""
+    room, and recomputed later as on-demand preemptions are (with ``Engine(priority_aging=n)``
+    every value compared is less one per ``n`` steps since its request was submitted).  Returns
+    the request id, the key of its result in ``run`` / ``results``."""
     prompt = np.asarray(prompt)
     vocab = self.config.vocab_size
     if prompt.ndim != 1 or prompt.size < 1 or not np.issubdtype(prompt.dtype, np.integer):
@@ -1015,7 +1027,7 @@ class Engine:
                        top_p=float(sampling["top_p"]), top_k=int(sampling["top_k"]),
                        stop=tuple(tuple(int(x) for x in q) for q in stops),
                        priority=int(priority), stop_strings=tuple(texts),
-                       detokenize=self.detokenize)
+                       detokenize=self.detokenize, submitted=self._clock)
     if self._prefix is not None:
       self._extend_keys(request, request.prompt)
     if request.max_new_tokens == 0:
@@ -1029,11 +1041,18 @@ class Engine:
     """``r`` into the queue, ordered by priority: behind the waiting requests of its priority or
     a lower one (a new request), or ahead of those of its priority (``front``: a preempted one,
     which came first)."""
-    at = len(self._waiting)
-    while at and (self._waiting[at - 1].priority >= r.priority if front
-                  else self._waiting[at - 1].priority > r.priority):
+    at, rank = len(self._waiting), self._rank(r)
+    while at and (self._rank(self._waiting[at - 1]) >= rank if front
+                  else self._rank(self._waiting[at - 1]) > rank):
       at -= 1
     self._waiting.insert(at, r)
+
+  def _rank(self, r: _Request) -> int:
+    """``r``'s priority value now: its ``priority``, less one for every ``priority_aging``
+    steps since it was submitted (no aging: its ``priority``)."""
+    if self.priority_aging is None:
+      return r.priority
+    return r.priority - (self._clock - r.submitted) // self.priority_aging
 
   def _result(self, r: _Request):
     return (r.tokens, np.asarray(r.logprobs, np.float32)) if self.logprobs else r.tokens
@@ -1162,7 +1181,7 @@ class Engine:
   def _victim(self, active: list[tuple[int, _Request]]) -> tuple[int, _Request]:
     """The running request preempted first: the largest priority value, then the most recently
     admitted."""
-    return max(active, key=lambda sr: (sr[1].priority, sr[1].admitted))
+    return max(active, key=lambda sr: (self._rank(sr[1]), sr[1].admitted))
 
   def _make_room(self) -> None:
     """Priority preemption: while the head of the queue cannot be admitted (no free slot, or
@@ -1175,7 +1194,7 @@ class Engine:
     head = self._waiting[0]
     # (First, as it is cheap: with one priority, every step ends here.)
     lower = [(s, r) for s, r in enumerate(self._slots)
-             if r is not None and r.priority > head.priority]
+             if r is not None and self._rank(r) > self._rank(head)]
     if not lower:
       return
     matched = []
@@ -1481,6 +1500,9 @@ class Engine:
     """Feeds every busy slot once -- the slots reading their prompt one chunk each (one model
     call), the decoding slots one token each (another call); returns the ``(request id, token)``
     pairs generated."""
+    self._clock += 1
+    if self.priority_aging is not None:   # values fall with age: the queue in their order now
+      self._waiting = collections.deque(sorted(self._waiting, key=self._rank))   # (stable)
     self._grow()
     self._make_room()
     self._admit()

@@ -363,6 +363,45 @@ def test_priorities_order_the_queue_and_preempt_larger_values(allocation, prefix
     engine.submit(ps[0], 2, priority=0.5)
 
 
+def test_priority_aging_admits_a_request_a_stream_of_smaller_values_would_starve():
+  """``Engine(priority_aging=n)``: a request's priority value drops by one every ``n`` steps
+  since its submission.  One slot and a stream of priority-0 requests, one submitted per step
+  (each done in one step): without aging the priority-3 request waits for the stream to end;
+  with ``n = 2`` it ranks level with the newest at step 6 and goes first from then (ties keep
+  arrival order), its results still ``generate``'s, and the stream behind it is not preempted
+  by it nor does it preempt it."""
+  model = model_for("llama")
+  rng = np.random.default_rng(5)
+  ps = [rng.integers(1, 61, size=4).astype(np.int32) for _ in range(13)]
+
+  def admitted_at(aging):
+    engine = Engine(model, max_batch=1, page_size=4, chunk=4, priority_aging=aging)
+    low = engine.submit(ps[12], 3, priority=3)
+    seen, ids = {}, {low: 12}
+    for t in range(1, 30):
+      if t <= 12:
+        ids[engine.submit(ps[t - 1], 1)] = t - 1
+      for rid, _ in engine.step():
+        seen.setdefault(ids[rid], t)
+      if not engine.pending:
+        break
+    assert engine.stats.preempted == 0
+    results = engine.results
+    for rid, i in ids.items():
+      np.testing.assert_array_equal(results[rid], alone(model, ps[i], 1 if i < 12 else 3))
+    return seen[12], engine
+
+  starved, _ = admitted_at(None)
+  aged, engine = admitted_at(2)
+  # Without aging: after all twelve (one a step); with it: its first token at step 7 (ranked
+  # first at step 6's end, when it ties the newcomer and came before it), ahead of six.
+  assert starved == 13 and aged == 7
+  with pytest.raises(ValueError, match="`priority_aging` must be a positive int"):
+    Engine(model, priority_aging=0)
+  with pytest.raises(ValueError, match="`priority_aging` must be a positive int"):
+    Engine(model, priority_aging=1.5)
+
+
 def test_sampled_requests_equal_generate_alone_with_their_seeds():
   """Sampling settings per request (the engine's defaults, greedy, top-p, top-k, own seeds) in
   one batch: each request gets what ``generate`` gives it alone with its settings and seed
