@@ -335,7 +335,8 @@ def _mtp_drafts(m: DecoderLM, h, ahead, num, start, table: PageTable, mtp_cache:
   own, and shares the prefix cache's pages.  The chained drafts' positions past the sequence go
   to the spare pages past the model's pool (freed with the call).  Greedy drafts without
   ``sampling``; with it, row ``i``'s draft ``j`` is sampled for its output ``base[i] + j``
-  (``propose_rows``).  Returns ``(drafts [b, k], q [b, k, V] or None, mtp_cache)``."""
+  (``propose_rows``); ``k = 0``: the read alone.  Returns ``(drafts [b, k], q [b, k, V] or
+  None, mtp_cache)``."""
   (layer,), = mtp_cache.groups
   pool = layer.table.num_pages
   spare = jnp.arange(pool - 1, table.num_pages - 1, -1, dtype=jnp.int32)     # pool ids past P
@@ -348,6 +349,9 @@ def _mtp_drafts(m: DecoderLM, h, ahead, num, start, table: PageTable, mtp_cache:
     return _draft_tokens(m.mtp_logits(module, g)[:, 0], sampling, base + j)
 
   g, cache = m.mtp_decode(h, ahead, cache, num_tokens=num)
+  if not k:                                                  # the read alone
+    return (jnp.zeros((num.size, 0), jnp.int32), None,
+            cache.on_table(layer.table, mtp_cache.lengths).shard())
   g = jnp.take_along_axis(g, jnp.maximum(num - 1, 0)[:, None, None], axis=1)     # [b, 1, D]
   tok, q = draft(g, 0)
   drafts, probs, feed = [tok], [q], (num > 0).astype(jnp.int32)
@@ -370,9 +374,10 @@ def mtp_functions(graphdef, k: int, *, release_windows: bool = False):
   slot's next ``k`` drafts:
 
   * ``step(state, tokens, num_tokens, rows, cache, sampling, mtp_cache, following, probs,
-    pages=None, greedy=False) -> (next, logprob, cache, drafts [b, k], mtp_cache, probs)``;
-    ``following[i]``: the token after row ``i``'s chunk when the chunk is part of its prompt,
-    -1 when it is the token this call samples;
+    pages=None, greedy=False, draft=True) -> (next, logprob, cache, drafts [b, k], mtp_cache,
+    probs)``; ``following[i]``: the token after row ``i``'s chunk when the chunk is part of its
+    prompt, -1 when it is the token this call samples; ``draft`` (static) False: the module only
+    reads (no row's chunk ends its prompt: no drafts wanted; ``drafts [b, 0]``);
   * ``verify(state, tokens, num_tokens, rows, cache, sampling, mtp_cache, probs, pages=None,
     greedy=False) -> (tokens, accepted, logprob, cache, drafts, mtp_cache, probs)``: the pair at
     each kept position is the model's hidden state and the next token kept (a draft, or the
@@ -384,16 +389,17 @@ def mtp_functions(graphdef, k: int, *, release_windows: bool = False):
   sampling); greedy rows' drafts are the argmax.  With ``greedy`` (static: every row greedy)
   ``probs`` is passed through untouched (None is fine).  Both donate the caches and ``probs``."""
 
-  def propose(m, h, ahead, num, sub, mtp_cache, sampling, base, rows, probs, greedy):
+  def propose(m, h, ahead, num, sub, mtp_cache, sampling, base, rows, probs, greedy, n=k):
     drafts, q, mtp_cache = _mtp_drafts(m, h, ahead, num, sub.lengths - num, sub.whole_table(),
-                                       mtp_cache, k, None if greedy else sampling, base)
-    if not greedy:
+                                       mtp_cache, n, None if greedy else sampling, base)
+    if q is not None:
       probs = probs.at[rows].set(q, mode="drop")
     return drafts, mtp_cache, probs
 
-  @functools.partial(jax.jit, donate_argnums=(4, 6, 8), static_argnames=("pages", "greedy"))
+  @functools.partial(jax.jit, donate_argnums=(4, 6, 8),
+                     static_argnames=("pages", "greedy", "draft"))
   def step(state, tokens, num_tokens, rows, cache, sampling, mtp_cache, following, probs,
-           pages=None, greedy=False):
+           pages=None, greedy=False, draft=True):
     m = eval_model(graphdef, state)
     nxt, logprob, cache, h, sub = _step(m, tokens, num_tokens, rows, cache, sampling, pages,
                                         greedy, release_windows)
@@ -401,7 +407,7 @@ def mtp_functions(graphdef, k: int, *, release_windows: bool = False):
     after = jnp.where(following >= 0, following, nxt)
     ahead = jnp.where(last, after[:, None], shift_left(tokens, 1))
     drafts, mtp_cache, probs = propose(m, h, ahead, num_tokens, sub, mtp_cache, sampling,
-                                       sampling[1] + 1, rows, probs, greedy)
+                                       sampling[1] + 1, rows, probs, greedy, k if draft else 0)
     return nxt, logprob, cache.shard(), drafts, mtp_cache, probs
 
   @functools.partial(jax.jit, donate_argnums=(4, 6, 7), static_argnames=("pages", "greedy"))
@@ -481,6 +487,35 @@ def draft_functions(graphdef, k: int):
             full.put(rows, sub).shard(), model_cache.shard())
 
   return read, propose
+
+
+@functools.lru_cache(maxsize=32)
+def draft_verify_function(graphdef, draft_graphdef, k: int):
+  """The engine's speculative step with a draft model, as one program: ``draft_functions``'
+  ``propose`` then ``verify_function``'s ``verify`` of its drafts (one dispatch a step, the
+  drafts never leave the device between the two).  ``speculate(state, draft_state, first,
+  num_first, start, tokens [b, T], num_tokens [b], rows [b], cache, draft_cache, sampling, t,
+  pages=None, greedy=True) -> (tokens, accepted, logprob, cache, draft_cache, drafts [b, k])``:
+  row ``i`` feeds
+  ``tokens[i, 0]`` (its last token) and ``num_tokens[i] - 1`` drafts the draft model proposes
+  (``first`` / ``num_first`` / ``start`` as ``propose`` takes them), judged with their
+  distributions when sampled.  Donates both caches."""
+  _, propose = draft_functions(draft_graphdef, k)
+  verify = verify_function(graphdef)
+
+  @functools.partial(jax.jit, donate_argnums=(8, 9), static_argnames=("t", "pages", "greedy"))
+  def speculate(state, draft_state, first, num_first, start, tokens, num_tokens, rows, cache,
+                draft_cache, sampling, t, pages=None, greedy=True):
+    drafts, q, draft_cache, cache = propose(draft_state, first, num_first, start, num_tokens - 1,
+                                            rows, draft_cache, cache, sampling, t=t, pages=pages,
+                                            greedy=greedy)
+    tokens = tokens.at[:, 1:].set(drafts[:, :t - 1])          # the verify masks past counts
+    out, accepted, logprob, cache = verify(state, tokens, num_tokens, rows, cache, sampling,
+                                           pages=pages, greedy=greedy,
+                                           draft_probs=None if q is None else q[:, :t - 1])
+    return out, accepted, logprob, cache, draft_cache, drafts
+
+  return speculate
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -683,7 +718,8 @@ class Engine:
       (with ``num_draft_tokens`` >= 1): its paged cache (pools of ``num_pages`` pages, counted
       in ``cache_bytes``) is indexed by the model's page table, so it needs no pages of its
       own and shares the prefix cache's; it reads every prompt chunk after the model, and
-      each step proposes its continuation of every decoding slot (``draft_functions``: greedy
+      each step proposes its continuation of every decoding slot, checked by the model in the
+      same program (``draft_functions``, ``draft_verify_function``: greedy
       for greedy requests, sampled with a sampled request's settings, its distributions then
       judged by ``accept_rows``' speculative sampling) into the pages of the model's check,
       allocated first.  Its layers must hold whole sequences (attention, MLA, DSA: no sliding
@@ -831,7 +867,7 @@ class Engine:
     self._step, self._free = step_functions(graphdef, release_windows=self.window is not None)
     self._verify = (verify_function(graphdef, release_windows=self.window is not None)
                     if self.num_draft_tokens else None)
-    self.draft_cache, self._propose, self.mtp_cache, self.mtp_probs = None, None, None, None
+    self.draft_cache, self._draft_verify, self.mtp_cache, self.mtp_probs = None, None, None, None
     self._mtp = isinstance(draft, str) and draft == "mtp"
     if self._mtp:
       self._check_mtp_table()
@@ -848,7 +884,8 @@ class Engine:
         self.draft_cache = draft.init_paged_cache(
             self.max_batch, self.num_pages, self.page_size,
             max_pages_per_seq=self.max_pages_per_seq, dtype=dtype).shard()
-      self._draft_read, self._propose = draft_functions(draft_graphdef, self.num_draft_tokens)
+      self._draft_read, _ = draft_functions(draft_graphdef, self.num_draft_tokens)
+      self._draft_verify = draft_verify_function(graphdef, draft_graphdef, self.num_draft_tokens)
     self._free_pages = self.num_pages       # pages neither reserved by a request nor cached
     self._admissions = 0
     # With layers of both kinds: the window layers' pools, counted apart.
@@ -1376,7 +1413,7 @@ class Engine:
       held = r.held
       # With a draft model a page is cached once its entries are final too (a check that kept
       # every draft leaves the draft's entry of the last one to the next proposal).
-      full = (held if self._propose is None else min(held, r.draft_held)) // ps
+      full = (held if self._draft_verify is None else min(held, r.draft_held)) // ps
       first = len(r.shared)
       if full <= first:
         continue
@@ -1430,7 +1467,7 @@ class Engine:
         tokens[i, 0] = r.out[-1]
         if self._mtp:                    # the module's proposals, made by the last call
           tokens[i, 1:n] = r.drafts[:n - 1]
-        elif self._propose is not None:    # the draft model's input: what it has not read,
+        elif self._draft_verify is not None:    # the draft model's input: what it has not read,
           start[i], num_first[i] = r.draft_held, r.held + 1 - r.draft_held   # one or two tokens
           if not 1 <= num_first[i] <= 2:
             raise RuntimeError(f"the draft model is {num_first[i]} tokens behind request "
@@ -1451,14 +1488,6 @@ class Engine:
     narrow = None if pages == m else pages
     static = dict(pages=narrow, greedy=not temperature.any())
     with self._on_mesh():
-      if self._propose is not None and speculate:
-        drafts, q, self.draft_cache, self.cache = self._propose(
-            self._draft_state, jnp.asarray(first), jnp.asarray(num_first), jnp.asarray(start),
-            counts_d - 1, rows_d, self.draft_cache, self.cache, sampling, t=t, pages=narrow,
-            greedy=static["greedy"])
-        tokens = tokens.at[:, 1:].set(drafts[:, :t - 1])      # the verify masks past counts
-        if q is not None:
-          static["draft_probs"] = q[:, :t - 1]
       args = (self._state, tokens, counts_d, rows_d, self.cache, sampling)
       if self._mtp and not static["greedy"] and self.mtp_probs is None:
         probs = self._mtp_probs_shape()   # the sampled drafts' distributions
@@ -1468,12 +1497,18 @@ class Engine:
             self._mtp_verify(*args, self.mtp_cache, self.mtp_probs, **static))
       elif self._mtp:
         out, logprob, self.cache, drafts, self.mtp_cache, self.mtp_probs = self._mtp_step(
-            *args, self.mtp_cache, jnp.asarray(following), self.mtp_probs, **static)
+            *args, self.mtp_cache, jnp.asarray(following), self.mtp_probs, **static,
+            draft=bool((following[:len(group)] < 0).any()))    # mid-prompt rows alone: no drafts
+      elif self._draft_verify is not None and speculate:   # the draft proposes, the model checks
+        out, accepted, logprob, self.cache, self.draft_cache, _ = self._draft_verify(
+            self._state, self._draft_state, jnp.asarray(first), jnp.asarray(num_first),
+            jnp.asarray(start), tokens, counts_d, rows_d, self.cache, self.draft_cache, sampling,
+            t=t, **static)
       elif speculate:
         out, accepted, logprob, self.cache = self._verify(*args, **static)
       else:
         out, logprob, self.cache = self._step(*args, **static)
-      if self._propose is not None and group[0][1].reading:   # the draft reads prompts too
+      if self._draft_verify is not None and group[0][1].reading:   # the draft reads prompts too
         self.draft_cache = self._draft_read(self._draft_state, tokens, counts_d, rows_d,
                                             self.draft_cache, self.cache, pages=narrow)
         for _, r, n in group:
@@ -1488,7 +1523,7 @@ class Engine:
     if not speculate:
       return [[(int(x), float(lp))] for x, lp in zip(out, logprob)]
     accepted = np.asarray(accepted)[:len(group)]
-    if self._propose is not None:   # its entries of the kept tokens: the last, the drafts it fed
+    if self._draft_verify is not None:   # its entries of the kept: the last, the drafts it fed
       for (_, r, n), a in zip(group, accepted):
         r.draft_held = r.held + 1 + min(int(a), max(n - 2, 0))
     self.stats.drafted += int(counts.sum()) - len(group)

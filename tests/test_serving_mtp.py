@@ -89,9 +89,21 @@ def test_mtp_drafts_are_the_modules_and_greedy_requests_equal_generate(name, mod
   model, k = _model(name, **model_kw), 3
   engine = Engine(model, max_batch=3, page_size=4, chunk=4, num_draft_tokens=k, draft="mtp",
                   **kw)
+  # A call whose rows are all mid-prompt only feeds the module (no chained drafts): the flag
+  # each plain step got, and whether some row's chunk ended its prompt or was a decode step.
+  flags, step = [], engine._mtp_step
+
+  def recording(*args, draft=True, **kw):
+    rows, following = np.asarray(args[3]), np.asarray(args[7])     # (padding rows: -1)
+    flags.append((draft, bool(((following < 0) & (rows < engine.max_batch)).any())))
+    return step(*args, draft=draft, **kw)
+
+  engine._mtp_step = recording
   seen = []
   ids, results = _serve(engine, WORK, seen)
   _check(model, WORK, ids, results, seen, k)
+  assert (False, False) in flags and (True, True) in flags
+  assert all(drafted == wanted for drafted, wanted in flags)
   st = engine.stats
   assert 0 < st.accepted_drafts < st.drafted and st.generated == sum(n for _, n in WORK)
   if kw:

@@ -136,17 +136,19 @@ def test_a_draft_model_shares_the_prefix_cache_and_proposes_its_own_continuation
         engine.draft_cache)
 
   poison()
-  seen, propose = [], engine._propose
+  seen, speculate = [], engine._draft_verify
 
-  def recording(state, first, num_first, start, num_drafts, rows, *args, **kw):
-    out = propose(state, first, num_first, start, num_drafts, rows, *args, **kw)
-    for row, n, drafts in zip(np.asarray(rows), np.asarray(num_drafts), np.asarray(out[0])):
+  def recording(state, draft_state, first, num_first, start, tokens, num_tokens, rows, *args,
+                **kw):
+    out = speculate(state, draft_state, first, num_first, start, tokens, num_tokens, rows, *args,
+                    **kw)
+    for row, n, drafts in zip(np.asarray(rows), np.asarray(num_tokens) - 1, np.asarray(out[-1])):
       if row < engine.max_batch:
         r = engine._slots[row]
         seen.append((np.concatenate([r.prompt, np.asarray(r.out, np.int32)]), drafts[:n]))
     return out
 
-  engine._propose = recording
+  engine._draft_verify = recording
   ids = [engine.submit(p, n) for p, n in work]
   results = engine.run()
   st = engine.stats
