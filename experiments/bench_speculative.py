@@ -229,34 +229,48 @@ def run_row(row: dict, models: dict, prompt: np.ndarray, new_tokens: int, seed: 
   return np.asarray(out), stats, time.perf_counter() - t0
 
 
+def timed_rounds(keys: list, run_one, repeats: int, desc: str):
+  """``repeats`` interleaved rounds, each running every key once (``run_one(key) -> (output,
+  statistics, wall seconds)``): per key its best wall time, and its outputs and statistics in
+  round order."""
+  best = {key: float("inf") for key in keys}
+  outs, stats = {key: [] for key in keys}, {key: [] for key in keys}
+  bar = tqdm(total=repeats * len(keys), desc=desc)
+  for _ in range(repeats):
+    for key in keys:
+      out, st, sec = run_one(key)
+      best[key] = min(best[key], sec)
+      outs[key].append(out)
+      stats[key].append(st)
+      bar.update(1)
+  bar.close()
+  return best, outs, stats
+
+
 def measure(rows: list[dict], models: dict, prompts: list[np.ndarray], new_tokens: int,
             repeats: int) -> list[dict]:
   """Every row on every prompt (warm-up first, then ``repeats`` interleaved rounds): the
   per-row results (module docstring)."""
   for row in tqdm(rows, desc="compile"):
     run_row(row, models, prompts[0], new_tokens, 0)
-  best = {(r["name"], i): float("inf") for r in rows for i in range(len(prompts))}
-  outs, stats = {}, {}
-  bar = tqdm(total=repeats * len(prompts) * len(rows), desc="timing")
-  for _ in range(repeats):
-    for i, prompt in enumerate(prompts):
-      for row in rows:
-        seed = i if row["temperature"] > 0 else 0
-        out, st, sec = run_row(row, models, prompt, new_tokens, seed)
-        key = (row["name"], i)
-        best[key] = min(best[key], sec)
-        outs[key], stats[key] = out, st
-        bar.update(1)
-  bar.close()
+  by_name = {r["name"]: r for r in rows}
+
+  def run_one(key):
+    name, i = key
+    row = by_name[name]
+    return run_row(row, models, prompts[i], new_tokens, i if row["temperature"] > 0 else 0)
+
+  best, outs, stats = timed_rounds([(r["name"], i) for i in range(len(prompts)) for r in rows],
+                                   run_one, repeats, "timing")
   results = []
   for row in rows:
     per_prompt = []
     for i in range(len(prompts)):
       key = (row["name"], i)
-      st = stats[key]
+      st = stats[key][-1]
       equal = None
       if row["temperature"] == 0:
-        equal = bool(np.array_equal(outs[key], outs[(row["baseline"], i)]))
+        equal = bool(np.array_equal(outs[key][-1], outs[(row["baseline"], i)][-1]))
       per_prompt.append(dict(
           seconds=best[key], tokens_equal_baseline=equal,
           rounds=None if st is None else st.rounds, drafted=None if st is None else st.drafted,
@@ -339,20 +353,16 @@ def measure_engine(rows: list[dict], models: dict, prompts: list[np.ndarray], ne
     engines[row["name"]] = make_engine(row, models, len(prompts))
     for _ in range(2):         # (the first compiles; the second starts as every timed run does)
       outs[row["name"]].append(run_engine(engines[row["name"]], prompts, new_tokens)[0])
-  best = {r["name"]: float("inf") for r in rows}
-  stats = {r["name"]: collections.Counter() for r in rows}       # summed over the timed runs
-  bar = tqdm(total=repeats * len(rows), desc="engine timing")
-  for _ in range(repeats):
-    for row in rows:
-      tokens, st, sec = run_engine(engines[row["name"]], prompts, new_tokens)
-      best[row["name"]] = min(best[row["name"]], sec)
-      outs[row["name"]].append(tokens)
-      stats[row["name"]].update(st)
-      bar.update(1)
-  bar.close()
+  best, timed, runs = timed_rounds(
+      [r["name"] for r in rows],
+      lambda name: run_engine(engines[name], prompts, new_tokens), repeats, "engine timing")
   results = []
+  for name in outs:
+    outs[name] += timed[name]
   for row in rows:
-    st, seconds = stats[row["name"]], best[row["name"]]
+    st, seconds = collections.Counter(), best[row["name"]]
+    for run in runs[row["name"]]:                          # summed over the timed runs
+      st.update(run)
     greedy = not row.get("temperature")
     reference = outs[row["baseline"]][-1]
     # A prompt mismatches when any run of the row (its warm-up too) differs from the baseline's.

@@ -449,10 +449,9 @@ SPECULATIVE_SMOKE = ["--smoke", "--prompts", "2", "--prompt-len", "16", "--new-t
                      "--k", "2", "--repeats", "1", "--engine-repeats", "1"]
 
 
-def test_bench_speculative_rows_json_and_plot(tmp_path, capsys, monkeypatch):
+def test_bench_speculative_rows_json_and_plot(tmp_path, capsys):
   """``--smoke`` (untrained tiny models): every row on the same prompts, the greedy ones equal to
-  ``generate``'s tokens, the statistics in range; a greedy mismatch is counted and fails the run
-  (exit status 1), never hidden."""
+  ``generate``'s tokens, the statistics in range."""
   from experiments import bench_speculative
   assert bench_speculative.main(SPECULATIVE_SMOKE + ["--out", str(tmp_path)]) == 0
   saved = _strict_load(tmp_path / "results.json")
@@ -506,7 +505,11 @@ def test_bench_speculative_rows_json_and_plot(tmp_path, capsys, monkeypatch):
   assert "ngram k=2" in out and "speed-up" in out and "ERROR" not in out
   assert "serving engine: all 2 prompts in one batch, greedy, sampled at T=0.8" in out
   assert "engine mtp k=4" in out
-  # A greedy row whose tokens differ from generate's: reported, and the exit status is 1.
+
+
+def test_bench_speculative_reports_a_greedy_mismatch(tmp_path, capsys, monkeypatch):
+  """A greedy row whose tokens differ from generate's: reported, and the exit status is 1."""
+  from experiments import bench_speculative
   real = bench_speculative.speculative_generate
 
   def wrong(*args, **kwargs):
