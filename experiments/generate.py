@@ -1,7 +1,8 @@
 """Generate text from a trained (or converted) checkpoint with the KV cache, streaming tokens.
 
     python -m experiments.generate --run runs/train [--prompt "The "] [--max-new-tokens 200]
-        [--temperature 0.8] [--top-k 50] [--top-p 0.95] [--seed 0] [--step N] [--eos-id ID]
+        [--temperature 0.8] [--top-k 50] [--top-p 0.95] [--min-p 0.05] [--seed 0] [--step N]
+        [--eos-id ID]
     python -m experiments.generate --checkpoint converted/ --tokenizer hf_dir/ --prompt "The "
 
 ``--run`` is a directory written by ``experiments.train`` (``config.json`` + ``checkpoints/``); the
@@ -107,6 +108,8 @@ def main(argv=None) -> int:
   p.add_argument("--temperature", type=float, default=0.0)
   p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely (0: all)")
   p.add_argument("--top-p", type=float, default=1.0)
+  p.add_argument("--min-p", type=float, default=0.0,
+                 help="drop tokens less likely than this times the most likely one (0: none)")
   p.add_argument("--tokenizer", default=None,
                  help="a Hugging Face tokenizer directory (a converted model's vocabulary)")
   p.add_argument("--seed", type=int, default=0)
@@ -129,6 +132,8 @@ def main(argv=None) -> int:
     p.error(f"argument --top-k: must be an int >= 0 (0: all), got {args.top_k}")
   if not 0 < args.top_p <= 1:   # also refuses NaN
     p.error(f"argument --top-p: must be in (0, 1], got {args.top_p}")
+  if not 0 <= args.min_p <= 1:   # also refuses NaN
+    p.error(f"argument --min-p: must be in [0, 1], got {args.min_p}")
   if args.max_new_tokens < 0:
     p.error(f"argument --max-new-tokens: must be an int >= 0, got {args.max_new_tokens}")
   if args.eos_id is not None and args.eos_id < -1:
@@ -176,7 +181,8 @@ def main(argv=None) -> int:
   shown = []
   stream = lambda ids: shown.append(1) or show(ids)
   settings = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                  seed=args.seed, eos_id=eos_id, on_token=stream, cache_dtype=args.cache_dtype)
+                  min_p=args.min_p, seed=args.seed, eos_id=eos_id, on_token=stream,
+                  cache_dtype=args.cache_dtype)
   t0 = time.perf_counter()
   try:
     if draft is None:

@@ -50,8 +50,9 @@ class TextStream:
     return new
 
 
-def check_sampling(temperature, top_p, top_k=0) -> None:
-  """Raises ``ValueError`` unless ``temperature >= 0``, ``0 < top_p <= 1`` and ``top_k >= 0``."""
+def check_sampling(temperature, top_p, top_k=0, min_p=0.0) -> None:
+  """Raises ``ValueError`` unless ``temperature >= 0``, ``0 < top_p <= 1``, ``top_k >= 0`` and
+  ``0 <= min_p <= 1``."""
   # `not >=` also refuses NaN; inf would divide every logit to 0 (uniform over the vocabulary).
   if not is_number(temperature) or not temperature >= 0 or not math.isfinite(temperature):
     raise ValueError(f"`temperature` must be a finite number >= 0 (0: greedy), got "
@@ -60,34 +61,38 @@ def check_sampling(temperature, top_p, top_k=0) -> None:
     raise ValueError(f"`top_p` must be in (0, 1], got {top_p!r}.")
   if not is_int(top_k) or top_k < 0:
     raise ValueError(f"`top_k` must be an int >= 0 (0: no limit), got {top_k!r}.")
+  if not is_number(min_p) or not 0.0 <= min_p <= 1.0:
+    raise ValueError(f"`min_p` must be in [0, 1] (0: no limit), got {min_p!r}.")
 
 
 def sample_logits(logits: Float[Array, "B V"], key, *, temperature: float = 0.0,
-                  top_p: float = 1.0, top_k: int = 0) -> Int[Array, "B"]:
+                  top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> Int[Array, "B"]:
   """Next tokens from the last position's logits.
 
   ``temperature == 0``: greedy (argmax).  Otherwise sample from ``softmax(logits / temperature)``
   restricted to the ``top_k`` most likely tokens (0: all of them; ties at the k-th logit are
   kept), then to the smallest set of those whose probability reaches ``top_p`` (the most likely
-  token is always kept), renormalized: the order transformers applies them in.
+  token is always kept), then to those at least ``min_p`` times as likely as the most likely
+  one (0: no limit), renormalized: the order transformers applies them in.
   """
-  check_sampling(temperature, top_p, top_k)
+  check_sampling(temperature, top_p, top_k, min_p)
   if jnp.ndim(logits) != 2:
     raise ValueError(f"`logits` must be [B, V] (the last position of each sequence), got shape "
                      f"{jnp.shape(logits)}.")
   if temperature == 0.0:
     return jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
-  logits = filtered_logits(logits, temperature=temperature, top_p=top_p, top_k=top_k)
+  logits = filtered_logits(logits, temperature=temperature, top_p=top_p, top_k=top_k,
+                           min_p=min_p)
   return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
 def filtered_logits(logits: Float[Array, "... V"], *, temperature: float, top_p: float = 1.0,
-                    top_k: int = 0) -> Float[Array, "... V"]:
+                    top_k: int = 0, min_p: float = 0.0) -> Float[Array, "... V"]:
   """The fp32 logits ``sample_logits`` draws from at ``temperature > 0`` (over the last axis):
-  divided by the temperature, tokens outside the top-k and then outside the nucleus at -inf.
-  ``softmax`` of them is the sampling distribution (speculative decoding compares the target's
-  and the draft's)."""
-  check_sampling(temperature, top_p, top_k)
+  divided by the temperature, tokens outside the top-k, then outside the nucleus, then below
+  ``min_p`` times the most likely token's probability at -inf.  ``softmax`` of them is the
+  sampling distribution (speculative decoding compares the target's and the draft's)."""
+  check_sampling(temperature, top_p, top_k, min_p)
   if not temperature > 0:
     raise ValueError(f"`temperature` must be > 0 here (0 is greedy: no distribution), got "
                      f"{temperature!r}.")
@@ -111,6 +116,8 @@ def filtered_logits(logits: Float[Array, "... V"], *, temperature: float, top_p:
     keep = jnp.zeros_like(keep_sorted).at[
         jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
     logits = jnp.where(keep, logits, -jnp.inf)
+  if min_p > 0.0:      # the most likely token's logit is 0 here: p / p_max = exp(logit)
+    logits = jnp.where(logits < math.log(min_p), -jnp.inf, logits)
   return jnp.reshape(logits, shape)
 
 
@@ -124,32 +131,35 @@ def token_key(seed, index):
 
 def sample_rows(logits: Float[Array, "B V"], seeds: Int[Array, "B"], index: Int[Array, "B"],
                 temperature: Float[Array, "B"], top_p: Float[Array, "B"],
-                top_k: Int[Array, "B"]) -> Int[Array, "B"]:
+                top_k: Int[Array, "B"], min_p: Float[Array, "B"] | None = None
+                ) -> Int[Array, "B"]:
   """``sample_logits`` with settings of its own for each row: row ``i`` gets exactly what
   ``sample_logits(logits[i:i + 1], token_key(seeds[i], index[i]), temperature=temperature[i],
-  top_p=top_p[i], top_k=top_k[i])`` gives (greedy where ``temperature[i] == 0``).  The settings
-  are arrays (traced, one compiled program for any mix); they are not validated here
-  (``check_sampling`` them first)."""
+  top_p=top_p[i], top_k=top_k[i], min_p=min_p[i])`` gives (greedy where ``temperature[i] ==
+  0``; ``min_p`` None: 0 for every row).  The settings are arrays (traced, one compiled program
+  for any mix); they are not validated here (``check_sampling`` them first)."""
   if jnp.ndim(logits) != 2:
     raise ValueError(f"`logits` must be [B, V], got shape {jnp.shape(logits)}.")
   b = logits.shape[0]
+  min_p = jnp.zeros((b,), jnp.float32) if min_p is None else min_p
   for name, x in (("seeds", seeds), ("index", index), ("temperature", temperature),
-                  ("top_p", top_p), ("top_k", top_k)):
+                  ("top_p", top_p), ("top_k", top_k), ("min_p", min_p)):
     if jnp.shape(x) != (b,):
       raise ValueError(f"`{name}` must be [B={b}], got shape {jnp.shape(x)}.")
   return jax.vmap(_sample_row)(logits.astype(jnp.float32), seeds, index, temperature, top_p,
-                               top_k)
+                               top_k, min_p)
 
 
-def _sample_row(logits, seed, index, temperature, top_p, top_k):
+def _sample_row(logits, seed, index, temperature, top_p, top_k, min_p):
   """One row of ``sample_rows``: ``sample_logits``'s steps with traced settings."""
   greedy = jnp.argmax(logits).astype(jnp.int32)
   sampled = jax.random.categorical(token_key(seed, index),
-                                   row_filtered(logits, temperature, top_p, top_k))
+                                   row_filtered(logits, temperature, top_p, top_k, min_p))
   return jnp.where(temperature > 0, sampled.astype(jnp.int32), greedy)
 
 
-def row_filtered(logits: Float[Array, "V"], temperature, top_p, top_k) -> Float[Array, "V"]:
+def row_filtered(logits: Float[Array, "V"], temperature, top_p, top_k,
+                 min_p=0.0) -> Float[Array, "V"]:
   """``filtered_logits`` of one row ``[V]`` with traced settings (a ``temperature`` of 0 is
   taken as 1 here: the caller picks the argmax for such rows)."""
   v = logits.shape[-1]
@@ -163,7 +173,8 @@ def row_filtered(logits: Float[Array, "V"], temperature, top_p, top_k) -> Float[
   x = jnp.where((top_k > 0) & (top_k < v) & (x < kth), -jnp.inf, x)
   probs = jax.nn.softmax(x[order])
   keep = jnp.zeros((v,), bool).at[order].set(jnp.cumsum(probs) - probs < top_p)
-  return jnp.where((top_p < 1.0) & ~keep, -jnp.inf, x)
+  x = jnp.where((top_p < 1.0) & ~keep, -jnp.inf, x)
+  return jnp.where(x < jnp.log(min_p), -jnp.inf, x)     # (log 0 = -inf: nothing below it)
 
 
 def _check(model, prompt, max_new_tokens, max_len, eos_id=None):
@@ -206,7 +217,7 @@ def eval_model(graphdef, state) -> DecoderLM:
 
 @functools.lru_cache(maxsize=32)
 def decode_functions(graphdef, batch: int, max_len: int, *, temperature: float = 0.0,
-                     top_p: float = 1.0, top_k: int = 0, cache_dtype=None):
+                     top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, cache_dtype=None):
   """The two jitted programs of ``generate`` for a split model (``nnx.split(model)``), made once
   per graph definition, batch, capacity and sampling settings (so later ``generate`` calls on a
   model of the same structure reuse them and their compiled programs; a new prompt length
@@ -226,33 +237,32 @@ def decode_functions(graphdef, batch: int, max_len: int, *, temperature: float =
     m = eval_model(graphdef, state)
     logits, cache = m(tokens, cache=m.init_cache(batch, max_len, cache_dtype))
     return sample_logits(logits[:, -1], key, temperature=temperature, top_p=top_p,
-                         top_k=top_k), cache
+                         top_k=top_k, min_p=min_p), cache
 
   @functools.partial(jax.jit, donate_argnums=2)
   def step(state, token, cache, key):
     m = eval_model(graphdef, state)
     logits, cache = m(token[:, None], cache=cache)
     return sample_logits(logits[:, -1], key, temperature=temperature, top_p=top_p,
-                         top_k=top_k), cache
+                         top_k=top_k, min_p=min_p), cache
 
   return prefill, step
 
 
 def generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_tokens: int, *,
-             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-             max_len: int | None = None, eos_id: int | None = None,
+             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+             seed: int = 0, max_len: int | None = None, eos_id: int | None = None,
              on_token: Callable[[np.ndarray], None] | None = None,
              cache_dtype=None, draft=None, num_draft_tokens: int = 4) -> np.ndarray:
   """``prompt [B, T]`` (equal lengths) -> ``[B, T + n]`` token ids, ``n <= max_new_tokens``.
-
-  Prefill runs the prompt through ``model`` with a fresh cache of ``max_len`` slots (default:
-  ``T + max_new_tokens`` rounded up to a multiple of 128; slots past the tokens are masked), then
-  each step decodes one token per sequence (``sample_logits``: greedy at temperature 0, else
-  top-k, then top-p; generated token ``i`` draws with ``token_key(seed, i)``).  ``on_token``
-  receives each new ``[B]`` array as soon as it is sampled (streaming).  With ``eos_id``, a
-  sequence that has produced it is finished: its later positions hold ``eos_id`` (as padding),
-  and generation stops when every sequence has finished.  ``cache_dtype``: the KV cache's dtype
-  (None: the model's compute dtype); ``jnp.int8`` or ``jnp.float8_e4m3fn`` quantize keys and
+ Prefill runs the prompt through ``model`` with a fresh cache of ``max_len`` slots (default: ``T +
+max_new_tokens`` rounded up to a multiple of 128; slots past the tokens are masked), then each step
+decodes one token per sequence (``sample_logits``: greedy at temperature 0, else top-k, then top-p,
+then min-p; generated token ``i`` draws with ``token_key(seed, i)``). ``on_token`` receives each new
+``[B]`` array as soon as it is sampled (streaming).  With ``eos_id``, a sequence that has produced
+it is finished: its later positions hold ``eos_id`` (as padding), and generation stops when every
+sequence has finished.  ``cache_dtype``: the KV cache's dtype (None: the model's compute dtype);
+``jnp.int8`` or ``jnp.float8_e4m3fn`` quantize keys and
   values (a scale per token and KV head), about half the bytes of a bf16 cache.
 
   ``draft``: speculative decoding (``jaxattn.speculative.speculative_generate``, whose statistics
@@ -265,9 +275,10 @@ def generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_tokens: int, *
     from jaxattn.speculative import speculative_generate
     return speculative_generate(model, prompt, max_new_tokens, draft=draft,
                                 num_draft_tokens=num_draft_tokens, temperature=temperature,
-                                top_p=top_p, top_k=top_k, seed=seed, max_len=max_len,
+                                top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+                                max_len=max_len,
                                 eos_id=eos_id, on_token=on_token, cache_dtype=cache_dtype)[0]
-  check_sampling(temperature, top_p, top_k)
+  check_sampling(temperature, top_p, top_k, min_p)
   _check(model, prompt, max_new_tokens, max_len, eos_id)
   if not is_int(seed):
     raise ValueError(f"`seed` must be an int, got {seed!r}.")
@@ -283,7 +294,7 @@ def generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_tokens: int, *
   quant = ({} if cache_dtype is None else
            dict(cache_dtype=check_cache_dtype(cache_dtype, "generate", "cache_dtype")))
   prefill, step = decode_functions(graphdef, b, max_len, temperature=temperature, top_p=top_p,
-                                   top_k=int(top_k), **quant)
+                                   top_k=int(top_k), min_p=float(min_p), **quant)
   out = [np.asarray(prompt)]
   if max_new_tokens == 0:
     return out[0]

@@ -27,13 +27,12 @@ freed, it goes back to the head of the queue and later reads its prompt and outp
 again: recompute, from cached pages with a prefix cache) -- vLLM's policy.  Greedy
 decoding in fp32 gives each request exactly what ``generate`` gives it alone (tested for attention,
 MLA, DSA, hybrid Gated DeltaNet and dropless MoE models).  So does sampling: each request has its
-own settings and seed (``submit(..., temperature=, top_p=, top_k=, seed=)``), and its output
+own settings and seed (``submit(..., temperature=, top_p=, top_k=, min_p=, seed=)``), and its output
 ``i`` draws with ``token_key(seed, i)`` whatever the batch, chunking or preemptions around it;
-``Engine(logprobs=True)`` returns the generated tokens' log-probabilities too.  Two cases where
-the batch shows: bf16 (XLA fuses a differently shaped step differently: roundings, and so a
-near-tie, may differ), and MoE with ``moe_capacity_factor`` (the tokens of one step compete for
-the experts' slots, as in any batched call: a request's routing then depends on its
-neighbours).
+``Engine(logprobs=True)`` returns the generated tokens' log-probabilities too.  Two cases where the
+batch shows: bf16 (XLA fuses a differently shaped step differently: roundings, and so a near-tie,
+may differ), and MoE with ``moe_capacity_factor`` (the tokens of one step compete for the experts'
+slots, as in any batched call: a request's routing then depends on its neighbours).
 
 Call shapes: ``[b, T]`` with ``b`` the number of slots served rounded up to a power of two (at most
 ``max_batch``; the padding rows feed nothing) and ``T`` the smallest power of two (up to
@@ -116,6 +115,7 @@ class _Request:
   temperature: float = 0.0
   top_p: float = 1.0
   top_k: int = 0
+  min_p: float = 0.0
   logprobs: list = dataclasses.field(default_factory=list)   # of the outputs
   stop: tuple = ()            # token sequences that end the request when its output ends so
   priority: int = 0           # lower first: queued ahead of, and preempts, larger values
@@ -265,9 +265,9 @@ def step_functions(graphdef, *, release_windows: bool = False):
     must have ``num_tokens`` 0) reading the first ``pages`` page-table columns (static; None:
     all); ``next[i]`` is sampled from the logits of row ``i``'s last real token (meaningless for
     a row with ``num_tokens[i] = 0``) with the row's settings ``sampling = (seeds, index,
-    temperature, top_p, top_k)`` (``jaxattn.generation.sample_rows``; ``greedy``, static: every
-    row's temperature is 0, argmax only), and ``logprob[i]`` is its log-probability under the
-    model (``log_softmax`` of those logits);
+    temperature, top_p, top_k, min_p)`` (``jaxattn.generation.sample_rows``; ``greedy``,
+    static: every row's temperature is 0, argmax only), and ``logprob[i]`` is its
+    log-probability under the model (``log_softmax`` of those logits);
   * ``free(cache, done [B]) -> cache``.
 
   ``release_windows``: ``step`` returns the pages behind each sequence's window to the pools
@@ -655,7 +655,7 @@ class Engine:
     max_pages_per_seq: the page-table width (the longest request, in pages); default
       ``ceil(max_seq_len / page_size)``.
     chunk: the most prompt tokens a slot feeds per step (chunked prefill).
-    temperature, top_p, top_k: the requests' default sampling, as in ``sample_logits`` (0:
+    temperature, top_p, top_k, min_p: the requests' default sampling, as in ``sample_logits`` (0:
       greedy); ``submit`` may give a request its own.
     seed: the requests' default seeds: request ``rid`` samples with ``seed + rid`` unless
       ``submit`` gives it one.  Generated token ``i`` of a request with seed ``s`` draws with
@@ -746,7 +746,8 @@ class Engine:
                num_pages: int | None = None, max_pages_per_seq: int | None = None,
                window_num_pages: int | None = None, chunk: int = 64,
                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-               seed: int = 0, logprobs: bool = False, dtype=None, policy: str = "continuous",
+               min_p: float = 0.0, seed: int = 0, logprobs: bool = False, dtype=None,
+               policy: str = "continuous",
                prefix_cache: bool = False, prefix_states: int | None = None,
                narrow_tables: bool = True, allocation: str = "reserve",
                mesh: jax.sharding.Mesh | None = None,
@@ -754,7 +755,7 @@ class Engine:
                cache_bytes: int | None = None, num_draft_tokens: int = 0,
                ngram_size: int = 3, draft: DecoderLM | str | None = None,
                priority_aging: int | None = None):
-    check_sampling(temperature, top_p, top_k)
+    check_sampling(temperature, top_p, top_k, min_p)
     self.priority_aging = (None if priority_aging is None
                            else _positive_int("priority_aging", priority_aging))
     if not is_int(num_draft_tokens) or not 0 <= num_draft_tokens <= 64:
@@ -775,7 +776,8 @@ class Engine:
     if not isinstance(logprobs, bool):
       raise ValueError(f"`logprobs` must be a bool, got {logprobs!r}.")
     self.seed, self.logprobs = int(seed), logprobs
-    self.sampling = dict(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k))
+    self.sampling = dict(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
+                         min_p=float(min_p))
     self.config = model.config
     if detokenize is not None and not callable(detokenize):
       raise ValueError(f"`detokenize` must be None or a callable (token ids -> str), got "
@@ -987,7 +989,8 @@ class Engine:
 
   def submit(self, prompt, max_new_tokens: int, *, eos_id=None, stop=None,
              temperature: float | None = None, top_p: float | None = None,
-             top_k: int | None = None, seed: int | None = None, priority: int = 0,
+             top_k: int | None = None, min_p: float | None = None, seed: int | None = None,
+             priority: int = 0,
              stop_strings=None) -> int:
     """Queues a request: ``prompt`` (1-D token ids, at least one) and up to ``max_new_tokens``
     new tokens (fewer when ``eos_id`` is sampled: it ends the request and is returned; one id or
@@ -995,15 +998,15 @@ class Engine:
     sequences ``stop``, also returned; or when the text of the output contains one of the
     strings ``stop_strings``, decoded with the engine's ``detokenize``: the result ends with the
     token that completed it, which the caller's text can be cut at).
-    ``temperature`` / ``top_p`` / ``top_k`` / ``seed``: this request's sampling (default: the
-    engine's, and seed ``engine.seed + id``); requests with different settings share the
-    engine's steps.  ``priority``: lower values are served first (vLLM's convention): a request
+    ``temperature`` / ``top_p`` / ``top_k`` / ``min_p`` / ``seed``: this request's sampling
+    (default: the engine's, and seed ``engine.seed + id``); requests with different settings share
+    the engine's steps.  ``priority``: lower values are served first (vLLM's convention): a request
     queues ahead of every waiting request with a larger value (first come, first served among
     equals), and when it cannot be admitted for lack of a slot or pages, running requests with
-    larger values are preempted (the largest first, then the most recently admitted) to make
-    room, and recomputed later as on-demand preemptions are (with ``Engine(priority_aging=n)``
-    every value compared is less one per ``n`` steps since its request was submitted).  Returns
-    the request id, the key of its result in ``run`` / ``results``."""
+    larger values are preempted (the largest first, then the most recently admitted) to make room,
+    and recomputed later as on-demand preemptions are (with ``Engine(priority_aging=n)`` every value
+    compared is less one per ``n`` steps since its request was submitted).  Returns the request id,
+    the key of its result in ``run`` / ``results``."""
     prompt = np.asarray(prompt)
     vocab = self.config.vocab_size
     if prompt.ndim != 1 or prompt.size < 1 or not np.issubdtype(prompt.dtype, np.integer):
@@ -1034,7 +1037,7 @@ class Engine:
       raise ValueError(f"`stop` must be None or a sequence of non-empty token-id sequences "
                        f"(ids in [0, {vocab})), got {stop!r}.")
     sampling = {k: d if v is None else v for (k, d), v in zip(
-        self.sampling.items(), (temperature, top_p, top_k))}
+        self.sampling.items(), (temperature, top_p, top_k, min_p))}
     check_sampling(**sampling)
     if seed is not None and (not is_int(seed) or not 0 <= seed < _SEEDS):
       raise ValueError(f"`seed` must be None or an int in [0, 2**31), got {seed!r}.")
@@ -1062,6 +1065,7 @@ class Engine:
                        seed=(self.seed + rid) % _SEEDS if seed is None else int(seed),
                        temperature=float(sampling["temperature"]),
                        top_p=float(sampling["top_p"]), top_k=int(sampling["top_k"]),
+                       min_p=float(sampling["min_p"]),
                        stop=tuple(tuple(int(x) for x in q) for q in stops),
                        priority=int(priority), stop_strings=tuple(texts),
                        detokenize=self.detokenize, submitted=self._clock)
@@ -1453,12 +1457,13 @@ class Engine:
     num_first = np.zeros((size,), np.int32)       # read (its input before its drafts)
     following = np.full((size,), -1, np.int32)     # with MTP: the token after a prompt chunk
     temperature, top_p = np.zeros((size,), np.float32), np.ones((size,), np.float32)
+    min_p = np.zeros((size,), np.float32)
     for i, (s, r, n) in enumerate(group):
       rows[i], counts[i] = s, n
       # The token this call samples for r is its output number len(r.out) (a mid-prompt one is
       # dropped): its key depends on that index alone, not on the step or the batch.
       seeds[i], index[i] = r.seed, len(r.out)
-      temperature[i], top_p[i], top_k[i] = r.temperature, r.top_p, r.top_k
+      temperature[i], top_p[i], top_k[i], min_p[i] = r.temperature, r.top_p, r.top_k, r.min_p
       if r.reading:
         tokens[i, :n] = r.feed[r.fed:r.fed + n]
         if r.fed + n < r.feed.size:
@@ -1483,7 +1488,7 @@ class Engine:
     need = max(-(-(r.held + n + ahead) // ps) for _, r, n in group)
     pages = min(m, max(MIN_TABLE_PAGES, 1 << (max(need, 1) - 1).bit_length()))
     pages = pages if self.narrow_tables else m
-    sampling = tuple(map(jnp.asarray, (seeds, index, temperature, top_p, top_k)))
+    sampling = tuple(map(jnp.asarray, (seeds, index, temperature, top_p, top_k, min_p)))
     tokens, counts_d, rows_d = jnp.asarray(tokens), jnp.asarray(counts), jnp.asarray(rows)
     narrow = None if pages == m else pages
     static = dict(pages=narrow, greedy=not temperature.any())

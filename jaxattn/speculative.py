@@ -140,8 +140,8 @@ def _leading_true(accept: Array) -> Int[Array, "B"]:
 
 def speculative_accept(logits: Float[Array, "B k1 V"], drafts: Int[Array, "B k"],
                        draft_probs: Float[Array, "B k V"] | None, key, *,
-                       temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0
-                       ) -> tuple[Int[Array, "B k1"], Int[Array, "B"]]:
+                       temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                       min_p: float = 0.0) -> tuple[Int[Array, "B k1"], Int[Array, "B"]]:
   """The model's verdict on ``k`` drafted tokens: ``(tokens [B, k + 1], accepted [B])``.
 
   ``logits [B, k + 1, V]``: the model's at ``[x_n, d_1, .., d_k]`` (position ``j`` predicts the
@@ -151,7 +151,7 @@ def speculative_accept(logits: Float[Array, "B k1 V"], drafts: Int[Array, "B k"]
   the model's own next token (see the module docstring); later entries are the drafts, which a
   caller keeping fewer tokens than ``accepted[b] + 1`` may emit (a kept draft is a valid token).
   """
-  check_sampling(temperature, top_p, top_k)
+  check_sampling(temperature, top_p, top_k, min_p)
   b, k1, v = logits.shape
   k = k1 - 1
   if drafts.shape != (b, k):
@@ -163,8 +163,8 @@ def speculative_accept(logits: Float[Array, "B k1 V"], drafts: Int[Array, "B k"]
   if draft_probs is None or draft_probs.shape != (b, k, v):
     raise ValueError(f"`draft_probs` must be [B={b}, k={k}, V={v}] when sampling, got "
                      f"{None if draft_probs is None else draft_probs.shape}.")
-  p = jax.nn.softmax(filtered_logits(logits, temperature=temperature, top_p=top_p, top_k=top_k),
-                     axis=-1)
+  p = jax.nn.softmax(filtered_logits(logits, temperature=temperature, top_p=top_p, top_k=top_k,
+                                     min_p=min_p), axis=-1)
   q = draft_probs.astype(jnp.float32)
   pick = lambda dist: jnp.take_along_axis(dist, drafts[..., None], axis=-1)[..., 0]  # noqa: E731
   key_u, key_c = jax.random.split(key)
@@ -200,11 +200,11 @@ def ngram_propose(tokens, k: int, ngram_size: int = 3) -> np.ndarray:
   return np.full((k,), tokens[-1], np.int32)
 
 
-def _draft_dist(logits, key, temperature, top_p, top_k):
+def _draft_dist(logits, key, temperature, top_p, top_k, min_p):
   """A draft token from the draft's last logits ``[B, V]`` and the distribution it came from."""
   if temperature == 0.0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
-  f = filtered_logits(logits, temperature=temperature, top_p=top_p, top_k=top_k)
+  f = filtered_logits(logits, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
   return (jax.random.categorical(key, f, axis=-1).astype(jnp.int32),
           jax.nn.softmax(f, axis=-1))
 
@@ -212,7 +212,8 @@ def _draft_dist(logits, key, temperature, top_p, top_k):
 @functools.lru_cache(maxsize=16)
 def speculative_functions(graphdef, draft_graphdef, batch: int, max_len: int, k: int,
                           vocab_size: int, *, temperature: float = 0.0,
-                          top_p: float = 1.0, top_k: int = 0, cache_dtype=None):
+                          top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+                          cache_dtype=None):
   """The jitted programs of ``speculative_generate`` (made once per structure and settings):
 
   * ``prefill(state, draft_state, prompt [B, T], key) -> (first [B], cache, draft_cache)``;
@@ -226,7 +227,7 @@ def speculative_functions(graphdef, draft_graphdef, batch: int, max_len: int, k:
 
   ``draft_graphdef`` None: prompt-lookup drafts (``ngram_propose``, made on the host).
   """
-  settings = dict(temperature=temperature, top_p=top_p, top_k=top_k)
+  settings = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
 
   if draft_graphdef == "mtp":
     return _mtp_functions(graphdef, batch, max_len, k, settings, cache_dtype)
@@ -338,8 +339,8 @@ def _mtp_functions(graphdef, batch: int, max_len: int, k: int, settings: dict, c
 def speculative_generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_tokens: int, *,
                          draft: DecoderLM | str = "ngram", num_draft_tokens: int = 4,
                          ngram_size: int = 3, temperature: float = 0.0, top_p: float = 1.0,
-                         top_k: int = 0, seed: int = 0, max_len: int | None = None,
-                         eos_id: int | None = None,
+                         top_k: int = 0, min_p: float = 0.0, seed: int = 0,
+                         max_len: int | None = None, eos_id: int | None = None,
                          on_token: Callable[[np.ndarray], None] | None = None,
                          cache_dtype=None) -> tuple[np.ndarray, SpeculativeStats]:
   """``generate`` with speculative decoding (module docstring): ``(tokens [B, T + n], stats)``.
@@ -352,7 +353,7 @@ def speculative_generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_to
   128) must leave room for a round's ``k + 1`` positions past the last kept token.
   ``on_token`` receives each emitted ``[B]`` array in order.
   """
-  check_sampling(temperature, top_p, top_k)
+  check_sampling(temperature, top_p, top_k, min_p)
   _check(model, prompt, max_new_tokens, None, eos_id)
   where = "speculative_generate"
   if not is_int(seed):
@@ -400,7 +401,8 @@ def speculative_generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_to
     draft_graphdef, draft_state = nnx.split(draft)
   prefill, round_ = speculative_functions(
       graphdef, draft_graphdef, b, int(max_len), k, cfg.vocab_size,
-      temperature=float(temperature), top_p=float(top_p), top_k=int(top_k), **quant)
+      temperature=float(temperature), top_p=float(top_p), top_k=int(top_k), min_p=float(min_p),
+      **quant)
   stats = SpeculativeStats()
   if max_new_tokens == 0:
     return prompt, stats
@@ -454,7 +456,8 @@ def speculative_generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_to
 def accept_rows(logits: Float[Array, "b T V"], drafts: Int[Array, "b k"],
                 num_drafts: Int[Array, "b"], seeds: Int[Array, "b"], index: Int[Array, "b"],
                 temperature: Float[Array, "b"], top_p: Float[Array, "b"], top_k: Int[Array, "b"],
-                *, greedy: bool = False, draft_probs: Float[Array, "b k V"] | None = None):
+                min_p: Float[Array, "b"] | None = None, *, greedy: bool = False,
+                draft_probs: Float[Array, "b k V"] | None = None):
   """``speculative_accept`` for deterministic drafts (prompt lookup) with each row's own
   settings and draft count, its random numbers keyed by the row's seed and output index alone
   (``jaxattn.serving.Engine``: a request's tokens do not depend on its neighbours).
@@ -470,8 +473,9 @@ def accept_rows(logits: Float[Array, "b T V"], drafts: Int[Array, "b k"],
   temperature 0.  ``draft_probs [b, k, V]``: the distributions sampled drafts were drawn from
   (``propose_rows``; a greedy row's one-hot): a draft is kept when ``u < p(d) / q(d)``, and the
   token after the first rejected one is drawn from ``max(p - q, 0)`` normalized -- speculative
-  sampling, the model's distribution whatever ``q``."""
+  sampling, the model's distribution whatever ``q``.  ``min_p`` None: 0 for every row."""
   b, t, v = logits.shape
+  min_p = jnp.zeros((b,), jnp.float32) if min_p is None else min_p
   if drafts.shape != (b, t - 1) or t < 2:
     raise ValueError(f"`drafts` must be [b={b}, k={t - 1}] with k >= 1 (one fewer than the "
                      f"logits' positions), got shape {drafts.shape}.")
@@ -482,44 +486,47 @@ def accept_rows(logits: Float[Array, "b T V"], drafts: Int[Array, "b k"],
     tokens, accepted = best, _leading_true((drafts == best[:, :-1]) & within)
   elif draft_probs is None:
     tokens, accepted = jax.vmap(_accept_row)(logits, best, drafts, within, num_drafts, seeds,
-                                             index, temperature, top_p, top_k)
+                                             index, temperature, top_p, top_k, min_p)
   else:
     if draft_probs.shape != (b, t - 1, v):
       raise ValueError(f"`draft_probs` must be [b={b}, k={t - 1}, V={v}], got shape "
                        f"{draft_probs.shape}.")
     tokens, accepted = jax.vmap(_accept_row)(logits, best, drafts, within, num_drafts, seeds,
-                                             index, temperature, top_p, top_k,
+                                             index, temperature, top_p, top_k, min_p,
                                              draft_probs.astype(jnp.float32))
   logprob = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[..., None], axis=-1)[..., 0]
   return tokens, accepted, logprob
 
 
 def propose_rows(logits: Float[Array, "b V"], seeds: Int[Array, "b"], index: Int[Array, "b"],
-                 temperature: Float[Array, "b"], top_p: Float[Array, "b"], top_k: Int[Array, "b"]
+                 temperature: Float[Array, "b"], top_p: Float[Array, "b"], top_k: Int[Array, "b"],
+                 min_p: Float[Array, "b"] | None = None
                  ) -> tuple[Int[Array, "b"], Float[Array, "b V"]]:
   """A draft per row from a proposer's logits ``[b, V]`` for the row's output ``index[i]``,
   with its own settings (``accept_rows``' ``draft_probs``): ``(drafts [b], q [b, V])``, ``q`` the
   filtered distribution sampled with ``fold_in(token_key(seed, index), 2)`` (independent of the
   acceptance draw and the model's own token); a greedy row's draft is the argmax, its ``q``
-  one-hot."""
+  one-hot (``min_p`` None: 0 for every row)."""
   best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  min_p = jnp.zeros(best.shape, jnp.float32) if min_p is None else min_p
 
-  def one(lg, b, seed, i, temp, p_, k_):
-    x = row_filtered(lg.astype(jnp.float32), temp, p_, k_)
+  def one(lg, b, seed, i, temp, p_, k_, m_):
+    x = row_filtered(lg.astype(jnp.float32), temp, p_, k_, m_)
     key = jax.random.fold_in(token_key(seed, i), 2)
     d = jnp.where(temp > 0, jax.random.categorical(key, x).astype(jnp.int32), b)
     q = jnp.where(temp > 0, jax.nn.softmax(x), jax.nn.one_hot(b, lg.shape[-1]))
     return d, q
 
-  return jax.vmap(one)(logits, best, seeds, index, temperature, top_p, top_k)
+  return jax.vmap(one)(logits, best, seeds, index, temperature, top_p, top_k, min_p)
 
 
 def _accept_row(logits, best, drafts, within, num_drafts, seed, index, temperature, top_p,
-                top_k, q=None):
+                top_k, min_p, q=None):
   """One row of ``accept_rows`` (sampling settings traced; temperature 0: greedy; ``q [k, V]``
   the drafts' distributions, None: one-hot)."""
   t, v = logits.shape
-  x = jax.vmap(row_filtered, in_axes=(0, None, None, None))(logits, temperature, top_p, top_k)
+  x = jax.vmap(row_filtered, in_axes=(0, None, None, None, None))(logits, temperature, top_p,
+                                                                  top_k, min_p)
   p = jax.nn.softmax(x, axis=-1)
   keys = jax.vmap(lambda i: token_key(seed, index + i))(jnp.arange(t))
   u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1)))(keys[:-1])

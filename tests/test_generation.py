@@ -38,7 +38,7 @@ def test_later_calls_reuse_the_compiled_programs():
   decode_functions.cache_clear()
   first = generate(model, prompt, 3)
   prefill, step = decode_functions(nnx.split(model)[0], 1, 128, temperature=0.0, top_p=1.0,
-                                   top_k=0)
+                                   top_k=0, min_p=0.0)
   sizes = prefill._cache_size(), step._cache_size()
   assert sizes == (1, 1)
   np.testing.assert_array_equal(generate(model, prompt, 3), first)
@@ -184,6 +184,8 @@ def test_top_k_keeps_the_k_most_likely_then_top_p():
     (dict(top_p=float("nan")), "`top_p` must be in"),
     (dict(top_k=-1), "`top_k` must be an int >= 0"),
     (dict(top_k=2.5), "`top_k` must be an int >= 0"),
+    (dict(min_p=-0.1), r"`min_p` must be in \[0, 1\]"),
+    (dict(min_p=float("nan")), r"`min_p` must be in \[0, 1\]"),
 ])
 def test_sampling_arguments_are_checked(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -257,20 +259,47 @@ def test_sample_rows_gives_each_row_what_sample_logits_gives_it_alone():
   over many seeds; a row-count mismatch is refused by name."""
   rng = np.random.default_rng(0)
   logits = jnp.asarray(rng.normal(size=(6, 50)) * 3, jnp.float32)
-  settings = [(0.0, 1.0, 0), (1.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 1.0, 5), (0.5, 0.5, 3),
-              (2.0, 0.3, 50)]
-  t, p, k = (jnp.asarray(x) for x in zip(*settings))
+  settings = [(0.0, 1.0, 0, 0.0), (1.0, 1.0, 0, 0.0), (0.7, 0.9, 0, 0.0), (1.3, 1.0, 5, 0.0),
+              (0.5, 0.5, 3, 0.0), (2.0, 0.3, 50, 0.0), (1.5, 1.0, 0, 0.05), (1.0, 0.9, 8, 0.3)]
+  t, p, k, m = (jnp.asarray(x) for x in zip(*settings))
+  logits = jnp.concatenate([logits, logits[:2]])
+  b = len(settings)
   rows = jax.jit(sample_rows)
   draws = []
   for _ in range(12):
-    seeds, index = rng.integers(0, 2**31 - 1, size=6), rng.integers(0, 100, size=6)
+    seeds, index = rng.integers(0, 2**31 - 1, size=b), rng.integers(0, 100, size=b)
     got = np.asarray(rows(logits, jnp.asarray(seeds, jnp.int32), jnp.asarray(index, jnp.int32),
-                          t.astype(jnp.float32), p.astype(jnp.float32), k.astype(jnp.int32)))
-    for i, (ti, pi, ki) in enumerate(settings):
+                          t.astype(jnp.float32), p.astype(jnp.float32), k.astype(jnp.int32),
+                          m.astype(jnp.float32)))
+    for i, (ti, pi, ki, mi) in enumerate(settings):
       want = sample_logits(logits[i:i + 1], token_key(int(seeds[i]), int(index[i])),
-                           temperature=ti, top_p=pi, top_k=ki)
+                           temperature=ti, top_p=pi, top_k=ki, min_p=mi)
       assert got[i] == int(want[0]), (i, settings[i])
     draws.append(got)
   assert len({d[1] for d in draws}) > 2                  # the sampled rows do vary with the key
-  with pytest.raises(ValueError, match=r"`top_k` must be \[B=6\]"):
-    sample_rows(logits, jnp.zeros(6, jnp.int32), jnp.zeros(6, jnp.int32), t, p, k[:5])
+  with pytest.raises(ValueError, match=r"`top_k` must be \[B=8\]"):
+    sample_rows(logits, jnp.zeros(b, jnp.int32), jnp.zeros(b, jnp.int32), t, p, k[:5])
+  with pytest.raises(ValueError, match=r"`min_p` must be \[B=8\]"):
+    sample_rows(logits, jnp.zeros(b, jnp.int32), jnp.zeros(b, jnp.int32), t, p, k, m[:5])
+
+
+def test_min_p_one_keeps_only_the_most_likely_token():
+  """``min_p = 1`` keeps only tokens as likely as the most likely one: sampling at any
+  temperature is greedy decoding, for ``generate``, speculative decoding (the draft's and the
+  model's distributions filtered alike) and the serving engine; ``min_p = 0.5`` does sample."""
+  from jaxattn.serving import Engine
+  from jaxattn.speculative import speculative_generate
+  model = DecoderLM(get_config("llama", embed_dim=32, mlp_dim=64, num_layers=1), rngs=nnx.Rngs(0))
+  prompt = np.array([[5, 9, 2, 7], [1, 3, 3, 8]], np.int32)
+  greedy = generate(model, prompt, 8)
+  sampled = dict(temperature=1.7, min_p=1.0, seed=3)
+  np.testing.assert_array_equal(generate(model, prompt, 8, **sampled), greedy)
+  out, _ = speculative_generate(model, prompt, 8, draft=model, num_draft_tokens=3, **sampled)
+  np.testing.assert_array_equal(out, greedy)
+  engine = Engine(model, max_batch=2, page_size=4, **sampled)
+  ids = [engine.submit(p, 8) for p in prompt]
+  results = engine.run()
+  for rid, want in zip(ids, greedy):
+    np.testing.assert_array_equal(results[rid], want)
+  assert not np.array_equal(generate(model, prompt, 8, temperature=1.7, min_p=0.5, seed=3),
+                            greedy)

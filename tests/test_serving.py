@@ -403,15 +403,15 @@ def test_priority_aging_admits_a_request_a_stream_of_smaller_values_would_starve
 
 
 def test_sampled_requests_equal_generate_alone_with_their_seeds():
-  """Sampling settings per request (the engine's defaults, greedy, top-p, top-k, own seeds) in
-  one batch: each request gets what ``generate`` gives it alone with its settings and seed
-  (request ``rid`` defaults to seed ``engine.seed + rid``), on two schedules (3 slots, chunk 8;
-  2 slots, chunk 2 and pages on demand on a tight pool: preemptions).  And with ``logprobs``,
-  each generated token's log-probability is ``log_softmax`` of the full forward's logits."""
+  """Sampling settings per request (the engine's defaults, greedy, top-p, top-k, min-p, own seeds)
+  in one batch: each request gets what ``generate`` gives it alone with its settings and seed
+  (request ``rid`` defaults to seed ``engine.seed + rid``), on two schedules (3 slots, chunk 8; 2
+  slots, chunk 2 and pages on demand on a tight pool: preemptions).  And with ``logprobs``, each
+  generated token's log-probability is ``log_softmax`` of the full forward's logits."""
   model = model_for("llama")
   ps = prompts(3)
   own = [dict(), dict(temperature=0.0), dict(top_p=0.6, temperature=1.3, seed=77),
-         dict(top_k=0, temperature=2.0), dict(top_k=3, seed=5)]
+         dict(top_k=0, temperature=2.0, min_p=0.1), dict(top_k=3, seed=5)]
   outs = []
   for kw in (dict(max_batch=3, chunk=8), dict(max_batch=2, chunk=2, num_pages=4,
                                               max_pages_per_seq=4, allocation="on_demand")):
@@ -422,7 +422,7 @@ def test_sampled_requests_equal_generate_alone_with_their_seeds():
     if kw.get("allocation"):
       assert engine.stats.preempted > 0
   for i, (p, (_, n), o) in enumerate(zip(ps, REQUESTS, own)):
-    settings = dict(dict(temperature=0.8, top_k=10, top_p=1.0, seed=40 + i), **o)
+    settings = dict(dict(temperature=0.8, top_k=10, top_p=1.0, min_p=0.0, seed=40 + i), **o)
     want = generate(model, p[None], n, **settings)[0]
     for tokens, logprobs in (outs[0][i], outs[1][i]):
       np.testing.assert_array_equal(tokens, want, err_msg=f"request {i}")

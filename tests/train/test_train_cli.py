@@ -138,7 +138,7 @@ def test_cli_argument_errors(tmp_path, capsys):
   # experiments.generate refuses bad sampling flags the same way, before loading the run.
   from experiments import generate as generate_cli
   for flag, value in (("--top-p", "0"), ("--top-k", "-1"), ("--temperature", "-1"),
-                      ("--eos-id", "-2")):
+                      ("--min-p", "1.5"), ("--min-p", "nan"), ("--eos-id", "-2")):
     with pytest.raises(SystemExit):
       generate_cli.main(["--run", str(tmp_path / "absent"), flag, value])
     assert f"argument {flag}: must be" in capsys.readouterr().err
