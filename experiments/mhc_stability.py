@@ -40,6 +40,7 @@ from jaxattn.nn.block import TransformerBlock
 from jaxattn.nn.mhc import StreamCollapse
 from jaxattn.ops.hyper import composite_mixing, expand_streams, hc_read, hc_write, mixing_gain
 from jaxattn.ops.norms import rms_norm
+from jaxattn.train.step import global_norm
 
 try:
   from tqdm import tqdm
@@ -194,7 +195,7 @@ def train_experiment(args):
         ce = optax.softmax_cross_entropy_with_integer_labels(m(tokens[:, :-1]), tokens[:, 1:])
         return ce[:, half - 1:].mean()
       loss, grads = nnx.value_and_grad(loss_fn)(model)
-      gnorm = optax.global_norm(grads)
+      gnorm = global_norm(grads)
       opt.update(model, grads)
       return loss, gnorm
 

@@ -10,6 +10,7 @@ from one, so a zero-initialized parameter is the identity).  The result has the 
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float
 
 from jaxattn.checks import check_nonnegative
@@ -20,9 +21,9 @@ def _check_eps(eps):
 
 
 def _check_param(name, p, d):
-  if p is not None and jnp.shape(p) != (d,):
+  if p is not None and np.shape(p) != (d,):
     raise ValueError(f"`{name}` must have shape ({d},) to match the feature axis, got "
-                     f"{jnp.shape(p)}.")
+                     f"{np.shape(p)}.")
 
 
 def layer_norm(

@@ -215,8 +215,15 @@ def _train_step(graphdef, tx, state: TrainState, batch: Batch):
     model = nnx.merge(graphdef, params, rest)
     model.update_router_biases(loads)
     _, _, rest = split_model(model)
-  metrics = dict(metrics, grad_norm=optax.global_norm(grads))
+  metrics = dict(metrics, grad_norm=global_norm(grads))
   return TrainState(params, rest, opt_state, state.step + 1), metrics
+
+
+def global_norm(tree) -> jax.Array:
+  """The l2 norm of every array of ``tree`` together, in fp32 (what ``optax.clip_by_global_norm``
+  clips; optax's own helper for it has changed names across the versions this project supports).
+  """
+  return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
 
 
 def make_train_step(graphdef, tx, state: TrainState, *, mesh: Mesh | None = None,
