@@ -77,7 +77,7 @@ def _copy_unrolled_into_scanned(unrolled, scanned):
   period = len(scanned.config.layer_pattern)
   count = scanned.config.num_layers // period
   s_state = nnx.state(scanned)
-  nnx.replace_by_pure_dict(s_state, _stack_layers(nnx.state(unrolled).to_pure_dict(), period,
+  nnx.replace_by_pure_dict(s_state, _stack_layers(nnx.to_pure_dict(nnx.state(unrolled)), period,
                                                   count))
   nnx.update(scanned, s_state)
 
@@ -124,8 +124,8 @@ def _logits(model, tokens):
 
 def _assert_stacked_grads_equal(g_scanned, g_unrolled, period, count, n_adapters):
   """Slice ``c`` of each stacked gradient == the gradient of unrolled layer ``c * period + j``."""
-  want = nnx.traversals.flatten_mapping(_stack_layers(g_unrolled.to_pure_dict(), period, count))
-  got = nnx.traversals.flatten_mapping(g_scanned.to_pure_dict())
+  want = nnx.traversals.flatten_mapping(_stack_layers(nnx.to_pure_dict(g_unrolled), period, count))
+  got = nnx.traversals.flatten_mapping(nnx.to_pure_dict(g_scanned))
   assert sorted(got) == sorted(want) and len(got) == 2 * n_adapters * period
   for key in want:
     assert got[key].shape[0] == count
@@ -267,7 +267,7 @@ def test_scanned_qlora_quantizes_each_layer_and_equals_lora_on_the_dequantized_s
   ((l0, y0), g0), ((l1, y1), g1) = _grad(ref, tokens), _grad(model, tokens)
   np.testing.assert_allclose(y1, y0, atol=2e-5, rtol=1e-5)
   np.testing.assert_allclose(l1, l0, rtol=1e-5)
-  want, got = (nnx.traversals.flatten_mapping(g.to_pure_dict()) for g in (g0, g1))
+  want, got = (nnx.traversals.flatten_mapping(nnx.to_pure_dict(g)) for g in (g0, g1))
   assert sorted(got) == sorted(want) and len(got) == 2 * 3
   for key in want:
     assert got[key].shape[0] == 4 and np.abs(got[key]).max() > 0

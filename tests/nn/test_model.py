@@ -82,12 +82,12 @@ def _stack_unrolled_into_scanned(unrolled, scanned):
   stacked = {j: jax.tree.map(lambda *xs: jnp.stack(xs),
                              *[layers[c * period + j] for c in range(count)])
              for j in range(period)}
-  new = dict(s_state.to_pure_dict())
-  u_pure = u_state.to_pure_dict()
+  new = dict(nnx.to_pure_dict(s_state))
+  u_pure = nnx.to_pure_dict(u_state)
   for key in new:
     if key != "groups":
       new[key] = u_pure[key]
-  new["groups"] = {0: {"units": {"layers": {j: nnx.State(stacked[j]).to_pure_dict()
+  new["groups"] = {0: {"units": {"layers": {j: nnx.to_pure_dict(nnx.State(stacked[j]))
                                             for j in stacked}}}}
   nnx.replace_by_pure_dict(s_state, new)
   nnx.update(scanned, s_state)
