@@ -1,7 +1,7 @@
 """The engine's scheduling against its contract, on generated configurations: whatever the slots,
 page size, pool size (from just enough for the longest request up), chunk, table narrowing,
-page allocation (whole need or on demand with preemption), prefix cache and arrival order
-(some requests submitted while others run), and for a full-attention model and a local / global
+page allocation (whole need or on demand with preemption), prefix cache, arrival order
+(some requests submitted while others run) and priorities (preempting, with or without aging), and for a full-attention model and a local / global
 one (window layers releasing their pages into pools of their own size), every request, greedy or
 sampled with its own seed, gets exactly the tokens ``generate`` gives it alone, and every page
 comes back to its pool."""
@@ -55,13 +55,14 @@ _ALL = list(range(len(REQUESTS)))
 
 # Tight pools with every slot busy: preemption beside a prefix cache and beside window pools.
 @example(name="llama", max_batch=3, page_size=2, chunk=4, extra_pages=1, allocation="on_demand",
-         prefix_cache=True, narrow_tables=True, order=_ALL, late=3, after_steps=2, sampled=True)
+         prefix_cache=True, narrow_tables=True, order=_ALL, late=3, after_steps=2, sampled=True,
+         priorities=True, priority_aging=2)
 @example(name="local-global", max_batch=3, page_size=2, chunk=4, extra_pages=0,
          allocation="on_demand", prefix_cache=True, narrow_tables=False, order=_ALL[::-1],
-         late=0, after_steps=1, sampled=False)
+         late=0, after_steps=1, sampled=False, priorities=False, priority_aging=None)
 @example(name="local-global", max_batch=3, page_size=4, chunk=2, extra_pages=1,
          allocation="on_demand", prefix_cache=False, narrow_tables=True, order=_ALL, late=4,
-         after_steps=3, sampled=True)
+         after_steps=3, sampled=True, priorities=True, priority_aging=None)
 @settings(max_examples=2, deadline=None, derandomize=True)
 @given(name=st.sampled_from(sorted(MODELS)), max_batch=st.sampled_from([1, 2, 3, 3]),
        page_size=st.sampled_from([2, 4]), chunk=st.sampled_from([2, 4, 8]),
@@ -69,27 +70,35 @@ _ALL = list(range(len(REQUESTS)))
        allocation=st.sampled_from(["reserve", "on_demand"]),
        prefix_cache=st.booleans(), narrow_tables=st.booleans(),
        order=st.permutations(range(len(REQUESTS))), late=st.integers(0, len(REQUESTS)),
-       after_steps=st.integers(1, 6), sampled=st.booleans())
+       after_steps=st.integers(1, 6), sampled=st.booleans(), priorities=st.booleans(),
+       priority_aging=st.sampled_from([None, 2]))
 def test_any_schedule_gives_each_request_its_tokens_alone(name, max_batch, page_size, chunk,
                                                           extra_pages, allocation,
                                                           prefix_cache, narrow_tables, order,
-                                                          late, after_steps, sampled):
+                                                          late, after_steps, sampled,
+                                                          priorities, priority_aging):
   longest = max(-(-(p.size + n - 1) // page_size) for p, n in REQUESTS)
   engine = Engine(model(name), max_batch=max_batch, page_size=page_size, chunk=chunk,
                   num_pages=longest + extra_pages, max_pages_per_seq=longest,
                   allocation=allocation, prefix_cache=prefix_cache,
-                  narrow_tables=narrow_tables)
-  serve_and_check(engine, name, order, late, after_steps, sampled)
+                  narrow_tables=narrow_tables, priority_aging=priority_aging)
+  serve_and_check(engine, name, order, late, after_steps, sampled, priorities)
 
 
-def serve_and_check(engine, name, order, late, after_steps, sampled):
-  """Submits the requests in ``order`` (the last ``late`` after ``after_steps`` steps), runs the
-  engine, and checks each result against ``generate`` alone and every page back in its pool."""
+def serve_and_check(engine, name, order, late, after_steps, sampled, priorities=False):
+  """Submits the requests in ``order`` (the last ``late`` after ``after_steps`` steps; with
+  ``priorities``, request ``i`` with priority ``2 - i % 3``: late ones preempt), runs the engine,
+  and checks each result against ``generate`` alone and every page back in its pool."""
   first, rest = order[:len(order) - late], order[len(order) - late:]
-  ids = {engine.submit(*REQUESTS[i], **sampling(i, sampled)): i for i in first}
+
+  def submit(i):
+    return engine.submit(*REQUESTS[i], **sampling(i, sampled),
+                         priority=2 - i % 3 if priorities else 0)
+
+  ids = {submit(i): i for i in first}
   for _ in range(after_steps):
     engine.step()
-  ids.update({engine.submit(*REQUESTS[i], **sampling(i, sampled)): i for i in rest})
+  ids.update({submit(i): i for i in rest})
   results = engine.run()
   assert sorted(results) == sorted(ids)
   for rid, i in ids.items():
