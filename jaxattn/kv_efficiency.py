@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn.checks import is_int
+from jaxattn.ops.quantization import kv_quantized
 
 CacheKind = Literal["mha", "gqa", "mqa", "mla"]
 CACHE_KINDS: tuple[str, ...] = ("mha", "gqa", "mqa", "mla")
@@ -42,7 +43,10 @@ class KVCacheCost:
   Attributes:
     name: ``"MHA"``, ``"GQA(K=8)"``, ``"MQA"`` or ``"MLA"``.
     numbers_per_token: cached numbers per token per layer.
-    bytes_per_token: the same in bytes at the table's dtype.
+    bytes_per_token: the same in bytes at the table's dtype; a quantized one (int8 /
+      float8_e4m3fn) adds what its caches keep beside the one-byte codes: an fp32 scale per key
+      and per value of each KV head (``8 K`` bytes), or for MLA one fp32 scale per token and the
+      rotated key ``k^R`` unquantized (``C + 4 + R x rope bytes``).
     ratio_to_mha: ``numbers_per_token / MHA's`` (1 for MHA; 576 / 32768 = 0.0176 for DeepSeek MLA).
   """
 
@@ -76,6 +80,7 @@ def kv_cache_per_token(
     kv_lora_rank: int | None = None,
     qk_rope_head_dim: int = 0,
     dtype=jnp.bfloat16,
+    rope_dtype=jnp.bfloat16,
 ) -> KVCacheCost:
   """Per-token, per-layer cache cost of one attention variant, with its ratio to MHA.
 
@@ -89,6 +94,8 @@ def kv_cache_per_token(
     kv_lora_rank: ``C``, MLA's latent size ``d_c``.
     qk_rope_head_dim: ``R``, MLA's rotated key size ``d_r`` (0 for the seed's bare ``d_c``).
     dtype: element type of the cache (bytes only).
+    rope_dtype: with a quantized ``dtype``, the element type MLA keeps ``k^R`` in (the layer's
+      compute dtype).
   """
   if kind not in CACHE_KINDS:
     raise ValueError(f"`kind` must be one of {CACHE_KINDS}, got {kind!r}.")
@@ -99,9 +106,9 @@ def kv_cache_per_token(
   per_head = head_dim + v_head_dim
   mha = num_heads * per_head
   if kind == "mha":
-    name, numbers = "MHA", mha
+    name, numbers, kv_heads = "MHA", mha, num_heads
   elif kind == "mqa":
-    name, numbers = "MQA", per_head
+    name, numbers, kv_heads = "MQA", per_head, 1
   elif kind == "gqa":
     if num_kv_heads is None:
       raise ValueError("kind='gqa' needs `num_kv_heads` (the seed's number of groups G).")
@@ -109,7 +116,7 @@ def kv_cache_per_token(
     if num_kv_heads > num_heads or num_heads % num_kv_heads:
       raise ValueError(f"`num_kv_heads`={num_kv_heads} must divide `num_heads`={num_heads} "
                        "(GQA: N % K == 0, 1 <= K <= N).")
-    name, numbers = f"GQA(K={num_kv_heads})", num_kv_heads * per_head
+    name, numbers, kv_heads = f"GQA(K={num_kv_heads})", num_kv_heads * per_head, num_kv_heads
   else:
     if kv_lora_rank is None:
       raise ValueError("kind='mla' needs `kv_lora_rank` (the latent size d_c).")
@@ -117,9 +124,12 @@ def kv_cache_per_token(
     if not is_int(qk_rope_head_dim) or qk_rope_head_dim < 0:   # bools refused
       raise ValueError(f"`qk_rope_head_dim` must be a non-negative int, got {qk_rope_head_dim!r}.")
     name, numbers = "MLA", kv_lora_rank + qk_rope_head_dim
-  itemsize = np.dtype(dtype).itemsize
-  return KVCacheCost(name=name, numbers_per_token=int(numbers),
-                     bytes_per_token=int(numbers * itemsize), ratio_to_mha=numbers / mha)
+  size = numbers * np.dtype(dtype).itemsize
+  if kv_quantized(dtype):            # the codes' scales (and MLA's unquantized rotated key)
+    size = (kv_lora_rank + 4 + qk_rope_head_dim * np.dtype(rope_dtype).itemsize
+            if kind == "mla" else size + 8 * kv_heads)
+  return KVCacheCost(name=name, numbers_per_token=int(numbers), bytes_per_token=int(size),
+                     ratio_to_mha=numbers / mha)
 
 
 def _default_gqa_kv_heads(num_heads: int) -> tuple[int, ...]:

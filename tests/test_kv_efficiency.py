@@ -71,3 +71,34 @@ def test_table_default_gqa_rows_adapt_to_num_heads():
   with pytest.raises(ValueError, match=r"`gqa_kv_heads` entries must be ints that divide "
                                        r"`num_heads`=4 .*got 8 in \(8,\)"):
     kv_cache_table(num_heads=4, head_dim=8, gqa_kv_heads=(8,))
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn])
+def test_quantized_bytes_are_what_the_caches_hold(dtype):
+  """A quantized table row counts the codes and what the caches keep beside them (a fp32 scale
+  per key and value of each KV head; for MLA a fp32 scale per token and ``k^R`` in the compute
+  dtype): each token's share of a real cache's bytes (the difference between two lengths)."""
+  import jax
+  from flax import nnx
+  from jaxattn.nn.attention import Attention
+  from jaxattn.nn.mla import MLA
+
+  def per_token(layer):
+    def size(n):
+      return sum(x.nbytes for x in jax.tree.leaves(layer.init_cache(2, n, dtype)))
+    return (size(64) - size(32)) // (2 * 32)
+
+  for k in (1, 2, 8):
+    attn = Attention(64, num_heads=8, num_kv_heads=k, rngs=nnx.Rngs(0))
+    kind = {1: "mqa", 8: "mha"}.get(k, "gqa")
+    row = kv_cache_per_token(kind, num_heads=8, head_dim=8, num_kv_heads=k, dtype=dtype)
+    assert row.numbers_per_token == 2 * k * 8
+    assert row.bytes_per_token == per_token(attn) == kv_cache_bytes_per_token(k, 8, dtype)
+    assert row.bytes_per_token == 2 * k * 8 + 8 * k
+  for compute in (jnp.float32, jnp.bfloat16):
+    mla = MLA(64, 4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, rngs=nnx.Rngs(0),
+              dtype=compute)
+    row = kv_cache_per_token("mla", num_heads=4, head_dim=16, kv_lora_rank=32,
+                             qk_rope_head_dim=8, dtype=dtype, rope_dtype=compute)
+    assert row.bytes_per_token == per_token(mla) == mla.cache_bytes(1, dtype=dtype)
+    assert row.bytes_per_token == 32 + 4 + 8 * jnp.dtype(compute).itemsize

@@ -231,12 +231,10 @@ class MLA(nnx.Module):
     code bytes, a fp32 scale and ``k^R`` in the compute dtype.  Unpadded: on TPU both caches
     store ``k^R`` zero-padded to 128 columns (and a contiguous one rounds its length up to a
     multiple of 16, or 128 past 512), so their ``nbytes`` exceed this there."""
-    if kv_quantized(dtype):
-      rope_bytes = jnp.dtype(self._rope_dtype(dtype)).itemsize
-      return batch * seq_len * (self.kv_lora_rank + 4 + self.qk_rope_head_dim * rope_bytes)
     per_token = kv_cache_per_token("mla", num_heads=self.num_heads, head_dim=self.qk_nope_head_dim,
                                    kv_lora_rank=self.kv_lora_rank,
-                                   qk_rope_head_dim=self.qk_rope_head_dim, dtype=dtype)
+                                   qk_rope_head_dim=self.qk_rope_head_dim, dtype=dtype,
+                                   rope_dtype=self._rope_dtype(dtype) or dtype)
     return batch * seq_len * per_token.bytes_per_token
 
   # -- forward ---------------------------------------------------------------------------------
