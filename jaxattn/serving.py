@@ -177,7 +177,8 @@ class EngineStats:
   paths visit), and with ``allocation="on_demand"`` the preemptions (``preempted``) and the
   cached tokens they dropped, to be computed again (``preempted_tokens``); with speculative
   decoding, the prompt-lookup drafts fed (``drafted``) and those the model kept
-  (``accepted_drafts``)."""
+  (``accepted_drafts``); requests ended by ``Engine.abort`` (``aborted``, not in
+  ``finished``)."""
 
   steps: int = 0
   calls: int = 0
@@ -196,6 +197,7 @@ class EngineStats:
   preempted_tokens: int = 0
   drafted: int = 0
   accepted_drafts: int = 0
+  aborted: int = 0
 
   @property
   def acceptance_rate(self) -> float:
@@ -897,6 +899,7 @@ class Engine:
     self._results: dict[int, np.ndarray] = {}
     self._next_id = 0
     self._clock = 0                # step() calls so far (priority aging)
+    self._aborted: set[int] = set()    # requests aborted since the last step began
     self.stats = EngineStats()
 
   def _check_draft(self, draft, model: DecoderLM) -> None:
@@ -1541,6 +1544,7 @@ class Engine:
     call), the decoding slots one token each (another call); returns the ``(request id, token)``
     pairs generated."""
     self._clock += 1
+    self._aborted.clear()
     if self.priority_aging is not None:   # values fall with age: the queue in their order now
       self._waiting = collections.deque(sorted(self._waiting, key=self._rank))   # (stable)
     self._grow()
@@ -1581,12 +1585,7 @@ class Engine:
     for s, r in active:
       if r.finished():
         done[s] = True
-        self._results[r.rid] = self._result(r)
-        self._slots[s] = None
-        self._free_pages += r.fresh
-        self._free_window_pages += r.window_pages
-        if self._prefix is not None:
-          self._prefix.release(r.shared)
+        self._retire(s, r)
         self.stats.finished += 1
     st = self.stats
     st.steps += 1
@@ -1596,6 +1595,43 @@ class Engine:
     if done.any():
       self._free_slots(done)
     return emitted
+
+  def _retire(self, slot: int, r: _Request) -> None:
+    """``r`` out of ``slot`` for good (finished or aborted): its result recorded, its pages
+    counted free again (those the prefix cache holds stay there); the caller frees the slot on
+    the device (``_free_slots``)."""
+    self._results[r.rid] = self._result(r)
+    self._slots[slot] = None
+    self._free_pages += r.fresh
+    self._free_window_pages += r.window_pages
+    if self._prefix is not None:
+      self._prefix.release(r.shared)
+
+  def abort(self, rid: int) -> bool:
+    """Ends request ``rid`` now, waiting or running (its client has gone, a deadline passed): a
+    running request's slot and pages are freed at once (the full pages it computed stay in the
+    prefix cache, if there is one), and its result -- the prompt and the tokens generated so far,
+    with ``logprobs`` their log-probabilities -- goes to ``results`` as a finished request's does
+    (``stats.aborted`` counts it).  Safe between steps, e.g. from ``run``'s ``on_token`` (which then
+    gets none of its tokens left from that step).  Returns False, doing nothing, when ``rid`` is not
+    pending (unknown, finished or aborted already)."""
+    for i, r in enumerate(self._waiting):
+      if r.rid == rid:                        # (a waiting request holds no slot or page)
+        del self._waiting[i]
+        self._results[rid] = self._result(r)
+        self.stats.aborted += 1
+        self._aborted.add(rid)
+        return True
+    for s, r in enumerate(self._slots):
+      if r is not None and r.rid == rid:
+        self._retire(s, r)
+        self.stats.aborted += 1
+        self._aborted.add(rid)
+        done = np.zeros((self.max_batch,), bool)
+        done[s] = True
+        self._free_slots(done)
+        return True
+    return False
 
   def _free_slots(self, done: np.ndarray) -> None:
     """The slots where ``done [B]`` emptied on the device (one call): their pages back to the
@@ -1624,19 +1660,20 @@ class Engine:
           progress: bool = False) -> dict[int, np.ndarray]:
     """Steps until every submitted request has finished; returns the finished requests'
     results and forgets them (``pop_results``).  ``on_token(rid, token)`` receives each token as
-    it is generated (streaming); ``progress`` shows a bar of finished requests (tqdm)."""
+    it is generated (streaming; it may ``abort`` requests); ``progress`` shows a bar of finished
+    requests (tqdm)."""
     bar = None
     if progress:
       from tqdm.auto import tqdm  # noqa: PLC0415 (optional dependency)
       bar = tqdm(total=self.stats.finished + self.pending, initial=self.stats.finished,
                  unit="req")
     while self.pending:
-      before = self.stats.finished
+      before = self.stats.finished + self.stats.aborted
       for rid, token in self.step():
-        if on_token is not None:
+        if on_token is not None and rid not in self._aborted:
           on_token(rid, token)
       if bar is not None:
-        bar.update(self.stats.finished - before)
+        bar.update(self.stats.finished + self.stats.aborted - before)
     if bar is not None:
       bar.close()
     return self.pop_results()

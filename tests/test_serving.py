@@ -402,6 +402,46 @@ def test_priority_aging_admits_a_request_a_stream_of_smaller_values_would_starve
     Engine(model, priority_aging=1.5)
 
 
+@pytest.mark.parametrize("prefix", [False, True])
+def test_abort_ends_a_request_at_once_and_frees_its_pages(prefix):
+  """``abort(rid)``: a running request leaves its slot and pages at once, its result the prompt
+  and its tokens so far (a prefix of ``generate``'s); a waiting one never runs (its result the
+  prompt); from ``run``'s ``on_token`` no more of the request's tokens arrive; the others are
+  unaffected, ids not pending return False, and every page comes back (with pages on demand
+  and, in one case, a prefix cache holding what the aborted request computed)."""
+  model = model_for("llama")
+  ps = prompts(4)
+  engine = Engine(model, max_batch=2, page_size=4, chunk=4, allocation="on_demand",
+                  prefix_cache=prefix, num_pages=10, max_pages_per_seq=6)
+  a, b, c = (engine.submit(ps[i], n) for i, n in ((0, 12), (1, 6), (2, 5)))   # c waits
+  for _ in range(4):
+    engine.step()
+  held = len(engine._slots[0].out)
+  assert engine._slots[0].rid == a and 0 < held < 12 and engine._waiting[0].rid == c
+  assert engine.abort(a) and engine.abort(c)
+  assert engine._slots[0] is None and not engine._waiting
+  assert not engine.abort(a) and not engine.abort(c) and not engine.abort(99)
+  d = engine.submit(ps[3], 6)                                # takes the freed slot
+  got = {}
+
+  def on_token(rid, token):
+    got.setdefault(rid, []).append(token)
+    if rid == d and len(got[d]) == 2:
+      assert engine.abort(d)
+
+  results = engine.run(on_token)
+  np.testing.assert_array_equal(results[a], alone(model, ps[0], 12)[:ps[0].size + held])
+  np.testing.assert_array_equal(results[c], ps[2])
+  np.testing.assert_array_equal(results[b], alone(model, ps[1], 6))
+  np.testing.assert_array_equal(results[d], alone(model, ps[3], 6)[:ps[3].size + 2])
+  assert len(got[d]) == 2 and engine.stats.aborted == 3 and engine.stats.finished == 1
+  engine.clear_prefix_cache()
+  tables = [c.table for c in jax.tree_util.tree_leaves(
+      engine.cache.groups, is_leaf=lambda c: hasattr(c, "table")) if hasattr(c, "table")]
+  assert all(int(t.num_free) == engine.num_pages for t in tables)
+  assert engine._free_pages == engine.num_pages and engine.pending == 0
+
+
 def test_sampled_requests_equal_generate_alone_with_their_seeds():
   """Sampling settings per request (the engine's defaults, greedy, top-p, top-k, min-p, own seeds)
   in one batch: each request gets what ``generate`` gives it alone with its settings and seed
