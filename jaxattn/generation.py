@@ -255,15 +255,16 @@ def generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_tokens: int, *
              on_token: Callable[[np.ndarray], None] | None = None,
              cache_dtype=None, draft=None, num_draft_tokens: int = 4) -> np.ndarray:
   """``prompt [B, T]`` (equal lengths) -> ``[B, T + n]`` token ids, ``n <= max_new_tokens``.
- Prefill runs the prompt through ``model`` with a fresh cache of ``max_len`` slots (default: ``T +
-max_new_tokens`` rounded up to a multiple of 128; slots past the tokens are masked), then each step
-decodes one token per sequence (``sample_logits``: greedy at temperature 0, else top-k, then top-p,
-then min-p; generated token ``i`` draws with ``token_key(seed, i)``). ``on_token`` receives each new
-``[B]`` array as soon as it is sampled (streaming).  With ``eos_id``, a sequence that has produced
-it is finished: its later positions hold ``eos_id`` (as padding), and generation stops when every
-sequence has finished.  ``cache_dtype``: the KV cache's dtype (None: the model's compute dtype);
-``jnp.int8`` or ``jnp.float8_e4m3fn`` quantize keys and
-  values (a scale per token and KV head), about half the bytes of a bf16 cache.
+
+  Prefill runs the prompt through ``model`` with a fresh cache of ``max_len`` slots (default:
+  ``T + max_new_tokens`` rounded up to a multiple of 128; slots past the tokens are masked), then
+  each step decodes one token per sequence (``sample_logits``: greedy at temperature 0, else
+  top-k, then top-p, then min-p; generated token ``i`` draws with ``token_key(seed, i)``).
+  ``on_token`` receives each new ``[B]`` array as soon as it is sampled (streaming).  With
+  ``eos_id``, a sequence that has produced it is finished: its later positions hold ``eos_id``
+  (as padding), and generation stops when every sequence has finished.  ``cache_dtype``: the KV
+  cache's dtype (None: the model's compute dtype); ``jnp.int8`` or ``jnp.float8_e4m3fn`` quantize
+  keys and values (a scale per token and KV head), about half the bytes of a bf16 cache.
 
   ``draft``: speculative decoding (``jaxattn.speculative.speculative_generate``, whose statistics
   this drops): a smaller ``DecoderLM`` of the same vocabulary, ``"ngram"`` (prompt lookup) or

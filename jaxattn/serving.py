@@ -494,14 +494,15 @@ def draft_functions(graphdef, k: int):
 @functools.lru_cache(maxsize=32)
 def draft_verify_function(graphdef, draft_graphdef, k: int):
   """The engine's speculative step with a draft model, as one program: ``draft_functions``'
-  ``propose`` then ``verify_function``'s ``verify`` of its drafts (one dispatch a step, the
-  drafts never leave the device between the two).  ``speculate(state, draft_state, first,
-  num_first, start, tokens [b, T], num_tokens [b], rows [b], cache, draft_cache, sampling, t,
-  pages=None, greedy=True) -> (tokens, accepted, logprob, cache, draft_cache, drafts [b, k])``:
-  row ``i`` feeds
-  ``tokens[i, 0]`` (its last token) and ``num_tokens[i] - 1`` drafts the draft model proposes
-  (``first`` / ``num_first`` / ``start`` as ``propose`` takes them), judged with their
-  distributions when sampled.  Donates both caches."""
+  ``propose`` then ``verify_function``'s ``verify`` of its drafts (one dispatch a step, the drafts
+  never leave the device between the two):
+
+  ``speculate(state, draft_state, first, num_first, start, tokens [b, T], num_tokens [b],
+  rows [b], cache, draft_cache, sampling, t, pages=None, greedy=True) -> (tokens, accepted,
+  logprob, cache, draft_cache, drafts [b, k])``: row ``i`` feeds ``tokens[i, 0]`` (its last
+  token) and ``num_tokens[i] - 1`` drafts the draft model proposes (``first`` / ``num_first`` /
+  ``start`` as ``propose`` takes them), judged with their distributions when sampled.  Donates
+  both caches."""
   _, propose = draft_functions(draft_graphdef, k)
   verify = verify_function(graphdef)
 
