@@ -180,6 +180,31 @@ def test_a_draft_model_shares_the_prefix_cache_and_proposes_its_own_continuation
   assert _pools_whole(engine) and engine._free_pages == engine.num_pages
 
 
+@pytest.mark.parametrize("drafter", ["model", "mtp"])
+def test_abort_beside_a_drafter(drafter):
+  """A request aborted mid-decode beside a draft model's cache or the MTP block's (indexed by
+  the model's page table), with a prefix cache and pages on demand: its result is a prefix of
+  ``generate``'s, the others' are ``generate``'s, and every page comes back."""
+  model = model_for("llama", mtp_depth=1)
+  rng = np.random.default_rng(0)
+  ps = [rng.integers(1, 61, size=n).astype(np.int32) for n in (9, 6, 7)]
+  engine = Engine(model, max_batch=2, page_size=4, chunk=4, num_draft_tokens=3,
+                  draft=_draft() if drafter == "model" else "mtp", prefix_cache=True,
+                  allocation="on_demand", num_pages=12, max_pages_per_seq=8)
+  ids = [engine.submit(p, 10) for p in ps]
+  for _ in range(4):
+    engine.step()
+  assert engine.abort(ids[0])
+  results = {**engine.pop_results(), **engine.run()}
+  cut = results[ids[0]].size
+  assert ps[0].size < cut < ps[0].size + 10
+  np.testing.assert_array_equal(results[ids[0]], alone(model, ps[0], 10)[:cut])
+  for rid, p in zip(ids[1:], ps[1:]):
+    np.testing.assert_array_equal(results[rid], alone(model, p, 10))
+  engine.clear_prefix_cache()
+  assert _pools_whole(engine) and engine._free_pages == engine.num_pages
+
+
 def test_eos_inside_a_kept_run_ends_the_request_there():
   """A request whose end token comes among the tokens a step keeps stops at it (the later kept
   tokens are dropped), as without drafts."""
