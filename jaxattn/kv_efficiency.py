@@ -29,6 +29,7 @@ from typing import Literal, Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from jaxattn.cache import kv_cache_bytes_per_token
 from jaxattn.checks import is_int
 from jaxattn.ops.quantization import kv_quantized
 
@@ -124,10 +125,12 @@ def kv_cache_per_token(
     if not is_int(qk_rope_head_dim) or qk_rope_head_dim < 0:   # bools refused
       raise ValueError(f"`qk_rope_head_dim` must be a non-negative int, got {qk_rope_head_dim!r}.")
     name, numbers = "MLA", kv_lora_rank + qk_rope_head_dim
-  size = numbers * np.dtype(dtype).itemsize
-  if kv_quantized(dtype):            # the codes' scales (and MLA's unquantized rotated key)
-    size = (kv_lora_rank + 4 + qk_rope_head_dim * np.dtype(rope_dtype).itemsize
-            if kind == "mla" else size + 8 * kv_heads)
+  if kind != "mla":                  # (with a quantized dtype: the codes and their scales)
+    size = kv_cache_bytes_per_token(kv_heads, head_dim, dtype, v_head_dim)
+  elif kv_quantized(dtype):          # codes, a scale per token, k^R unquantized
+    size = kv_lora_rank + 4 + qk_rope_head_dim * np.dtype(rope_dtype).itemsize
+  else:
+    size = numbers * np.dtype(dtype).itemsize
   return KVCacheCost(name=name, numbers_per_token=int(numbers), bytes_per_token=int(size),
                      ratio_to_mha=numbers / mha)
 
