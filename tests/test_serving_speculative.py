@@ -18,7 +18,7 @@ from jaxattn.nn.model import DecoderLM
 from jaxattn.paged_cache import PageTable
 from jaxattn.serving import Engine
 from jaxattn.speculative import accept_rows, propose_rows
-from tests.test_serving import SMALL, alone, model_for
+from tests.test_serving import SMALL, _pools_whole, alone, model_for
 
 # Random prompts (the random models' greedy outputs then repeat in part: prompt lookup's drafts
 # are kept some of the time, not always) and repetitive ones.
@@ -26,13 +26,6 @@ _RNG = np.random.default_rng(0)
 WORK = [(_RNG.integers(1, 61, size=n).astype(np.int32), m) for n, m in ((8, 12), (6, 9), (5, 7))]
 WORK += [(np.array([20, 21, 22, 20, 21, 22, 20], np.int32), 1),
          (np.array([8, 8, 8, 8], np.int32), 10)]
-
-
-def _pools_whole(engine, cache=None):
-  cache = engine.cache if cache is None else cache
-  tables = [c.table for c in jax.tree_util.tree_leaves(
-      cache.groups, is_leaf=lambda c: hasattr(c, "table")) if hasattr(c, "table")]
-  return tables and all((np.asarray(t.num_free) == engine.num_pages).all() for t in tables)
 
 
 def _draft(**kw):
