@@ -1616,23 +1616,22 @@ class Engine:
     (``stats.aborted`` counts it).  Safe between steps, e.g. from ``run``'s ``on_token`` (which then
     gets none of its tokens left from that step).  Returns False, doing nothing, when ``rid`` is not
     pending (unknown, finished or aborted already)."""
-    for i, r in enumerate(self._waiting):
-      if r.rid == rid:                        # (a waiting request holds no slot or page)
-        del self._waiting[i]
-        self._results[rid] = self._result(r)
-        self.stats.aborted += 1
-        self._aborted.add(rid)
-        return True
-    for s, r in enumerate(self._slots):
-      if r is not None and r.rid == rid:
-        self._retire(s, r)
-        self.stats.aborted += 1
-        self._aborted.add(rid)
-        done = np.zeros((self.max_batch,), bool)
-        done[s] = True
-        self._free_slots(done)
-        return True
-    return False
+    waiting = [i for i, r in enumerate(self._waiting) if r.rid == rid]
+    running = [s for s, r in enumerate(self._slots) if r is not None and r.rid == rid]
+    if waiting:                               # (a waiting request holds no slot or page)
+      r = self._waiting[waiting[0]]
+      del self._waiting[waiting[0]]
+      self._results[rid] = self._result(r)
+    elif running:
+      self._retire(running[0], self._slots[running[0]])
+      done = np.zeros((self.max_batch,), bool)
+      done[running[0]] = True
+      self._free_slots(done)
+    else:
+      return False
+    self.stats.aborted += 1
+    self._aborted.add(rid)
+    return True
 
   def _free_slots(self, done: np.ndarray) -> None:
     """The slots where ``done [B]`` emptied on the device (one call): their pages back to the
