@@ -1,30 +1,33 @@
 #!/usr/bin/env bash
-# Pallas GPU kernels on an NVIDIA GPU: correctness, then speed, in about 4 minutes.
+# Pallas GPU kernels on an NVIDIA GPU: correctness, then speed.
 #
-#   bash experiments/device_check.sh            # from the repository root or anywhere
-#   TUNE=1 bash experiments/device_check.sh     # + tile sweeps (about 2 minutes more)
+#   PART=core bash experiments/device_check.sh   # tests + headline figures (about 5 minutes)
+#   PART=more TUNE=1 bash experiments/device_check.sh  # the rest + tile sweeps (about 8 minutes)
+#   bash experiments/device_check.sh             # PART=all: both (over one 600 s call with TUNE)
 #   PART=decode bash experiments/device_check.sh # only the decode steps (PART=flash: only flash)
 #   PART=moe bash experiments/device_check.sh    # only the MoE grouped-matmul kernels (not in all)
 #
 # Needs nothing installed from this repository: it runs the checkout with PYTHONPATH set to it,
-# on the machine's own python3 with jax (CUDA), flax, jaxtyping, matplotlib, tqdm and pytest.
+# on the machine's own python3 with jax (CUDA), flax, jaxtyping, matplotlib, tqdm, pytest and
+# pytest-xdist.
 # Steps, each with its own time limit so one hang cannot eat the budget, most important first:
 #   1. preflight: versions, the GPU as JAX sees it, missing packages named;
-#   2. decode kernels: tests/kernels/test_decode_gpu.py compiled, then experiments.bench_decode
-#      --check (kernels vs formulas at 32k context) and the decode benchmark (contiguous XLA,
-#      paged XLA and the paged Pallas kernels against the copy bandwidth, 4k and 32k, batch
-#      1..32), the paged kernels over int8 / fp8 caches (32k, batch 8 and 32), then (TUNE=1) a
-#      few MLA kernel tile settings at 32k; then the top-K sparse (DSA)
-#      kernels compiled against the gather reference and timed (experiments.bench_sparse_kernel);
-#   3. flash kernels: tests/kernels/test_flash_gpu.py compiled (and the cuDNN backend of the
-#      dispatcher against the formula, tests/ops/test_attention_cudnn.py), bench_flash --check
-#      and the forward benchmark against cuDNN and the bf16 matmul peak (T = 2k..16k, causal and
-#      not), the forward + backward benchmark (T = 2k, 8k), and (TUNE=1) the tile and
-#      code-generation sweep at T = 8k (against cuDNN and JAX's own Mosaic GPU flash attention);
-#      the Hopper (Mosaic GPU) kernels: their tests compiled, --check and the forward and forward +
-#      backward benchmarks with --gpu-forward/--gpu-backward hopper, (TUNE=1) their tiles in the
-#      sweep.
-#   4. (PART=moe only) the grouped-matmul kernels: tests/kernels/test_grouped_matmul_gpu.py
+#   2. (core) the GPU kernel tests compiled, in one pytest run over 8 processes:
+#      tests/kernels/test_decode_gpu.py, test_flash_gpu.py, test_flash_hopper.py and the cuDNN
+#      backend of the dispatcher against the formula (tests/ops/test_attention_cudnn.py);
+#   3. (core) experiments.bench_decode --check (kernels vs formulas at 32k context) and the decode
+#      benchmark (contiguous XLA, paged XLA and the paged Pallas kernels against the copy
+#      bandwidth, 4k and 32k, batch 1..32);
+#   4. (core) bench_flash --check and the forward benchmark against cuDNN and the bf16 matmul
+#      peak (T = 2k..16k, causal and not) for the Hopper (Mosaic GPU) kernels, then the Triton
+#      ones; the Hopper forward + backward benchmark (T = 2k, 8k);
+#   5. (more) the Triton forward + backward benchmark; the paged decode kernels over int8 / fp8
+#      caches (32k, batch 8 and 32); the top-K sparse (DSA) kernels compiled against the gather
+#      reference and timed (experiments.bench_sparse_kernel), forward and forward + backward;
+#   6. (more, TUNE=1) a few MLA decode tile settings at 32k; the flash tile and code-generation
+#      sweep at T = 8k (Triton and Hopper tiles, against cuDNN and JAX's own Mosaic GPU flash
+#      attention);
+#   7. (PART=moe only) the grouped-matmul kernels: tests/kernels/test_grouped_matmul_gpu.py
 #      compiled, then experiments.bench_moe at gpt-oss-20b's expert sizes (32 of 2880 x 2880,
 #      top-4, 4096 tokens, bf16), every expert densely vs XLA's blocked loop and ragged_dot vs the
 #      Pallas kernels, forward and forward + backward, and with the experts in MXFP4.
@@ -98,7 +101,8 @@ step() {  # step NAME SECONDS CMD...   (runs in this shell, so `status` sticks)
 
 step preflight 60 "$PY" - <<'PYEOF'
 import importlib.util, sys
-missing = [m for m in ("jax", "flax", "jaxtyping", "numpy", "pytest", "tqdm", "matplotlib")
+missing = [m for m in ("jax", "flax", "jaxtyping", "numpy", "pytest", "xdist", "tqdm",
+                     "matplotlib")
            if importlib.util.find_spec(m) is None]
 if missing:
   sys.exit(f"missing Python packages: {missing} (carry them as wheels)")
@@ -130,56 +134,77 @@ for d in moe moe_bwd moe_mxfp4; do
 done
 finish
 fi
-if [ "$PART" != flash ]; then
-step "decode kernel tests" 120 \
-  "$PY" -m pytest -q -rf --maxfail=3 -p no:cacheprovider tests/kernels/test_decode_gpu.py
-step "decode check + benchmark" 200 \
-  "$PY" -m experiments.bench_decode --check --kind gqa,mla --contexts 4096,32768 \
-  --batches 1,8,32 --impls contiguous,xla_paged,pallas_gpu_paged --repeats 5 --out "$WORK/decode"
-cp "$WORK/decode/bench_decode.png" "$WORK/decode/results.json" "$DEST/" 2>/dev/null
-step "decode over quantized caches (int8, fp8)" 120 \
-  "$PY" -m experiments.bench_decode --kind gqa,mla --contexts 32768 --batches 8,32 \
-  --impls contiguous,pallas_gpu_paged --kv-quant none,int8,fp8 --repeats 5 \
-  --out "$WORK/decode_quant"
-cp "$WORK/decode_quant/results.json" "$DEST/decode_quant.json" 2>/dev/null
-TILES=()
-[ "${TUNE:-0}" = 1 ] && TILES=("64 8 2" "64 4 3" "32 4 3" "16 4 2")
-for cfg in ${TILES[@]+"${TILES[@]}"}; do
-  set -- $cfg
-  step "MLA decode tiles: block_k=$1 warps=$2 stages=$3" 40 \
-    "$PY" -m experiments.bench_decode --kind mla --contexts 32768 --batches 8,32 \
-    --impls pallas_gpu_paged --gpu-block-k "$1" --gpu-warps "$2" --gpu-stages "$3" \
-    --repeats 5 --out "$WORK/tiles"
-done
-step "sparse (DSA) kernels: check + benchmark" 150 \
-  "$PY" -m experiments.bench_sparse_kernel --check --contexts 8192,32768 --repeats 5 \
-  --out "$WORK/sparse"
-cp "$WORK/sparse/results.json" "$DEST/sparse_results.json" 2>/dev/null
-step "sparse (DSA) kernels: forward + backward" 120 \
-  "$PY" -m experiments.bench_sparse_kernel --check --backward --contexts 8192 --repeats 3 \
-  --out "$WORK/sparse_bwd"
-
+# PART=core: every GPU kernel test in one pytest run (parallel processes: compiling is CPU-bound),
+# then the headline figures (decode kernels vs the copy bandwidth; the Hopper and Triton flash
+# kernels vs cuDNN and the matmul peak). PART=more: the rest (quantized decode caches, sparse
+# kernels, backward benchmarks at more lengths) and, with TUNE=1, the tile sweeps. PART=all: both.
+# PART=decode / PART=flash: one family's steps only (tests, figures, its TUNE sweep).
+want() {  # want GROUP FAMILY: does this run include the step?
+  case "$PART" in
+    all) return 0 ;;
+    core|more) [ "$PART" = "$1" ] ;;
+    decode|flash) [ "$PART" = "$2" ] ;;
+    *) return 1 ;;
+  esac
+}
+case "$PART" in all|core|more|decode|flash) ;; *)
+  echo "unknown PART=$PART (all, core, more, decode, flash, moe)"; status=1; finish "PART" ;;
+esac
+TESTS=()
+want core decode && TESTS+=(tests/kernels/test_decode_gpu.py)
+want core flash && TESTS+=(tests/kernels/test_flash_gpu.py tests/kernels/test_flash_hopper.py
+                           tests/ops/test_attention_cudnn.py)
+if [ ${#TESTS[@]} -gt 0 ]; then
+  step "GPU kernel tests (${TESTS[*]})" 150 \
+    "$PY" -m pytest -q -rf -n 8 -p no:cacheprovider -m "slow or not slow" "${TESTS[@]}"
 fi
-if [ "$PART" != decode ]; then
-step "flash kernel tests" 150 \
-  "$PY" -m pytest -q -rf --maxfail=3 -p no:cacheprovider -m "slow or not slow" \
-  tests/kernels/test_flash_gpu.py tests/kernels/test_flash_hopper.py \
-  tests/ops/test_attention_cudnn.py
-step "hopper kernels: check + forward benchmark" 120 \
-  "$PY" -m experiments.bench_flash --gpu-forward hopper --gpu-backward hopper --check \
-  --seq-lens 2048 8192 16384 --repeats 5 --plot "$DEST/bench_flash_gpu_hopper.png"
-step "hopper kernels: forward+backward benchmark" 60 \
-  "$PY" -m experiments.bench_flash --gpu-forward hopper --gpu-backward hopper --backward \
-  --seq-lens 2048 8192 --repeats 3 --plot "$DEST/bench_flash_gpu_hopper_bwd.png"
-step "flash check + forward benchmark" 120 \
-  "$PY" -m experiments.bench_flash --check --seq-lens 2048 4096 8192 16384 --repeats 5 \
-  --plot "$DEST/bench_flash_gpu.png"
-step "flash forward+backward benchmark" 60 \
-  "$PY" -m experiments.bench_flash --backward --seq-lens 2048 8192 --repeats 3 \
-  --plot "$DEST/bench_flash_gpu_bwd.png"
-if [ "${TUNE:-0}" = 1 ]; then
+if want core decode; then
+  step "decode check + benchmark" 150 \
+    "$PY" -m experiments.bench_decode --check --kind gqa,mla --contexts 4096,32768 \
+    --batches 1,8,32 --impls contiguous,xla_paged,pallas_gpu_paged --repeats 5 --out "$WORK/decode"
+  cp "$WORK/decode/bench_decode.png" "$WORK/decode/results.json" "$DEST/" 2>/dev/null
+fi
+if want core flash; then
+  step "hopper kernels: check + forward benchmark" 100 \
+    "$PY" -m experiments.bench_flash --gpu-forward hopper --gpu-backward hopper --check \
+    --seq-lens 2048 4096 8192 16384 --repeats 5 --plot "$DEST/bench_flash_gpu_hopper.png"
+  step "triton kernels: check + forward benchmark" 100 \
+    "$PY" -m experiments.bench_flash --check --seq-lens 2048 4096 8192 16384 --repeats 5 \
+    --plot "$DEST/bench_flash_gpu.png"
+  step "hopper kernels: forward+backward benchmark" 60 \
+    "$PY" -m experiments.bench_flash --gpu-forward hopper --gpu-backward hopper --backward \
+    --seq-lens 2048 8192 --repeats 3 --plot "$DEST/bench_flash_gpu_hopper_bwd.png"
+fi
+if want more flash; then
+  step "triton kernels: forward+backward benchmark" 60 \
+    "$PY" -m experiments.bench_flash --backward --seq-lens 2048 8192 --repeats 3 \
+    --plot "$DEST/bench_flash_gpu_bwd.png"
+fi
+if want more decode; then
+  step "decode over quantized caches (int8, fp8)" 120 \
+    "$PY" -m experiments.bench_decode --kind gqa,mla --contexts 32768 --batches 8,32 \
+    --impls contiguous,pallas_gpu_paged --kv-quant none,int8,fp8 --repeats 5 \
+    --out "$WORK/decode_quant"
+  cp "$WORK/decode_quant/results.json" "$DEST/decode_quant.json" 2>/dev/null
+  step "sparse (DSA) kernels: check + benchmark" 150 \
+    "$PY" -m experiments.bench_sparse_kernel --check --contexts 8192,32768 --repeats 5 \
+    --out "$WORK/sparse"
+  cp "$WORK/sparse/results.json" "$DEST/sparse_results.json" 2>/dev/null
+  step "sparse (DSA) kernels: forward + backward" 120 \
+    "$PY" -m experiments.bench_sparse_kernel --check --backward --contexts 8192 --repeats 3 \
+    --out "$WORK/sparse_bwd"
+fi
+if [ "${TUNE:-0}" = 1 ] && want more decode; then
+  for cfg in "64 8 2" "64 4 3" "32 4 3" "16 4 2"; do
+    set -- $cfg
+    step "MLA decode tiles: block_k=$1 warps=$2 stages=$3" 40 \
+      "$PY" -m experiments.bench_decode --kind mla --contexts 32768 --batches 8,32 \
+      --impls pallas_gpu_paged --gpu-block-k "$1" --gpu-warps "$2" --gpu-stages "$3" \
+      --repeats 5 --out "$WORK/tiles"
+  done
+fi
+if [ "${TUNE:-0}" = 1 ] && want more flash; then
   step "flash tile sweep (forward; forward + backward, causal)" 200 \
     "$PY" -m experiments.bench_flash --sweep 8192 --backward --sweep-switches --repeats 5
-fi
 fi
 finish

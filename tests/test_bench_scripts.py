@@ -317,23 +317,35 @@ def test_device_check_all_steps_pass(tmp_path):
   assert proc.returncode == 0, proc.stdout
   assert proc.stdout.splitlines()[-1] == "device_check: PASSED"
   assert log == proc.stdout                           # the tee'd log is complete
-  assert proc.stdout.count("=== ") == 2 * 11 and "SKIPPED" not in proc.stdout
+  assert proc.stdout.count("=== ") == 2 * 10 and "SKIPPED" not in proc.stdout
+  # one pytest run compiles every GPU kernel test file, before any benchmark
+  steps = [x for x in proc.stdout.splitlines() if x.startswith("=== ") and "limit" in x]
+  assert steps[1].startswith("=== GPU kernel tests (") and steps[1].count(".py") == 4, steps
+  for part, first, n in (("core", "GPU kernel tests", 5), ("more", "triton kernels: fo", 4)):
+    proc, _, _ = _device_check(tmp_path, PART=part)
+    steps = [x for x in proc.stdout.splitlines() if x.startswith("=== ") and "limit" in x]
+    assert proc.returncode == 0 and len(steps) == 1 + n, proc.stdout
+    assert steps[1].startswith(f"=== {first}"), steps
+  proc, _, _ = _device_check(tmp_path, PART="bogus")
+  assert proc.returncode == 1 and "unknown PART=bogus" in proc.stdout
 
 
 @needs_bash
 def test_device_check_keeps_its_budget_and_prints_the_summary(tmp_path):
   """Every step hangs: the first is cut to what is left of the budget (6 s less the preflight's
   second or so: the limit depends on the machine's load) and killed, the rest are skipped, and
-  the summary is printed (and logged) well before the old limits' sum (770 s here; each fake
+  the summary is printed (and logged) well before the old limits' sum (690 s here; each fake
   step would take 40 s)."""
   proc, log, wall = _device_check(tmp_path, FAKE_SLEEP="40", BUDGET_S="6", MIN_STEP_S="2",
                                   PART="decode")
   lines = proc.stdout.splitlines()
   assert proc.returncode == 1, proc.stdout
-  limits = [re.fullmatch(r"=== decode kernel tests \(limit (\d+)s\)", x) for x in lines]
+  limits = [re.fullmatch(r"=== GPU kernel tests \(tests/kernels/test_decode_gpu.py\) "
+                         r"\(limit (\d+)s\)", x) for x in lines]
   limits = [int(m.group(1)) for m in limits if m]
   assert len(limits) == 1 and 2 <= limits[0] <= 6, proc.stdout
-  assert any(x.startswith("=== decode kernel tests: exit 124 (time limit)") for x in lines)
+  assert any(x.startswith("=== GPU kernel tests (") and ": exit 124 (time limit) after " in x
+             for x in lines), proc.stdout
   skipped = [x for x in lines if x.startswith("=== SKIPPED ")]
   assert len(skipped) == 4 and skipped[0].startswith("=== SKIPPED decode check + benchmark: ")
   assert skipped[0].endswith(" s left")
