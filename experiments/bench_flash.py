@@ -346,7 +346,7 @@ SWEEP_OPTIONS = (  # code-generation switches of pallas_kernels.flash_attention.
 
 
 HOPPER_SWEEP = (  # (block_k, stages, pingpong) of the Hopper (Mosaic GPU) forward kernel
-    (128, 2, True), (128, 2, False), (64, 2, True), (64, 3, True), (128, 3, True))
+    (128, 2, True), (128, 2, False), (64, 2, False), (64, 3, False), (64, 3, True))
 
 
 def _time_jax_mgpu(q, k, v, causal, flops, base, peak, repeats):
@@ -445,12 +445,15 @@ def run_sweep(args) -> list[dict]:
       if backward:
         configs = [(128, 64, bqd, bkd, w, st) for bqd, bkd, w, st in SWEEP_BWD_CONFIGS]
         options = [SWEEP_OPTIONS[-1], {**SWEEP_OPTIONS[-1], "dq": "atomic"}]
-        _sweep_hopper(q, k, v, mask, causal, flops, base, timed, rows, saved, backward=True)
+        if "hopper" in args.sweep_kernels:
+          _sweep_hopper(q, k, v, mask, causal, flops, base, timed, rows, saved, backward=True)
       else:
         configs = [(bq, bk, 64, 64, w, st) for bq, bk, w, st in SWEEP_CONFIGS]
         options = SWEEP_OPTIONS if args.sweep_switches else [SWEEP_OPTIONS[-1]]
-      if not backward:
+      if not backward and "hopper" in args.sweep_kernels:
         _sweep_hopper(q, k, v, mask, causal, flops, base, timed, rows, saved)
+      if "triton" not in args.sweep_kernels:
+        options = []
       for opts in options:
         gpu_kernel.set_options(**{**saved, **opts})
         for bq, bk, bqd, bkd, w, st in configs:
@@ -469,10 +472,12 @@ def run_sweep(args) -> list[dict]:
                    + f" warps={w} stages={st}")
           got = timed(label, fn, flops, base)
           if got:
-            rows.append(dict(causal=causal, backward=backward, **{**saved, **opts}, block_q=bq,
-                             block_k=bk,
-                             block_q_dkv=bqd, block_k_dkv=bkd, num_warps=w, num_stages=st,
-                             ms=got[0] * 1e3, tflops=got[1], vs_cudnn=base / got[0]))
+            # the kernel's switches as option_*: its "backward" switch is not the pass's flag
+            options_used = {f"option_{k}": x for k, x in {**saved, **opts}.items()}
+            rows.append(dict(causal=causal, backward=backward, **options_used, block_q=bq,
+                             block_k=bk, block_q_dkv=bqd, block_k_dkv=bkd, num_warps=w,
+                             num_stages=st, ms=got[0] * 1e3, tflops=got[1],
+                             vs_cudnn=base / got[0]))
   finally:
     gpu_kernel.set_options(**saved)
   for causal, backward in passes:
@@ -504,6 +509,8 @@ def main(argv=None):
   p.add_argument("--sweep", type=int, default=None, metavar="T",
                  help="GPU: time the kernels' block sizes and code-generation switches at length T "
                  "(forward; with --backward also forward + backward, causal) and exit")
+  p.add_argument("--sweep-kernels", type=lambda x: x.split(","), default=["triton", "hopper"],
+                 help="with --sweep: which kernels' configs to time (triton,hopper)")
   p.add_argument("--sweep-switches", action="store_true",
                  help="with --sweep: also time every code-generation switch combination")
   p.add_argument("--gpu-forward", choices=("triton", "hopper"), default=None,

@@ -153,8 +153,9 @@ def test_traced_scale_and_offset_decline(as_if_on_gpu):
 
 def test_on_this_machine():
   """On an sm_80+ GPU the real cuDNN call (forward and gradients) equals the formula; anywhere else
-  an explicit request says it needs one."""
-  q, k, v = _qkv()
+  an explicit request says it needs one.  (128 tokens: jax 0.11's cuDNN path refuses a causal
+  window over 37 tokens, which the backend turns into UnsupportedError.)"""
+  q, k, v = _qkv(t=128, s=128)
   if jax.default_backend() not in ("gpu", "cuda") or CU.nvidia_reason() is not None:
     with pytest.raises(ValueError, match="needs an NVIDIA GPU|compute capability"):
       dpa(q, k, v, implementation="cudnn")
@@ -169,7 +170,9 @@ def test_on_this_machine():
   (got, grads), (want, want_grads) = jax.jit(loss, static_argnums=0)("cudnn"), loss("xla")
   np.testing.assert_allclose(float(got), float(want), rtol=2e-2)
   for g, w in zip(grads, want_grads):
-    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), atol=5e-2)
+    # bf16 gradients of size ~10: one bf16 step there is 0.0625 (seen on an H200)
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), atol=5e-2,
+                               rtol=2e-2)
 
 
 def test_old_gpus_decline(monkeypatch):
@@ -188,8 +191,9 @@ def test_old_gpus_decline(monkeypatch):
   with pytest.raises(ValueError, match="'Tesla T4' has compute capability 7.5"):
     dpa(q, k, v, is_causal=True, implementation="pallas_gpu")
   assert A._auto_order() == ["cudnn", "pallas_gpu", "xla_chunked"]
-  out = dpa(q, k, v, is_causal=True)   # cuDNN and Triton decline: XLA
-  want = dpa(q, k, v, is_causal=True, implementation="xla")
+  with jax.default_matmul_precision("highest"):  # on a real GPU, not TF32 in either path
+    out = dpa(q, k, v, is_causal=True)   # cuDNN and Triton decline: XLA
+    want = dpa(q, k, v, is_causal=True, implementation="xla")
   np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
