@@ -35,9 +35,11 @@ buffer, dense fp32 softmax), ``"pallas_tpu"`` (``pallas_kernels.decode_attention
 ``pallas_kernels.mla_decode``: reads pages in place by scalar prefetch, split-KV, runs interpreted
 off TPU) and ``"pallas_gpu"`` (the Pallas Triton kernels in the same packages' ``gpu.py``: pages
 read in place by scalar loads of the page table, split-KV, runs interpreted off GPU).
-``implementation=None`` picks ``"pallas_tpu"`` on TPU and ``"xla"`` elsewhere: the GPU kernels are
-opt-in (``implementation="pallas_gpu"``) until a GPU run of ``experiments/device_check.sh`` has
-validated them.  An explicit choice never falls back.
+``implementation=None`` picks ``"pallas_tpu"`` on TPU, ``"pallas_gpu"`` on an NVIDIA GPU of
+compute capability 8.0 or newer (validated on an H200 by ``experiments/device_check.sh``: compiled
+kernel tests and ``bench_decode --check``; 2.5-4x faster than ``"xla"`` from batch 8 up,
+docs/performance.md) where the cache's pages are multiples of 16 tokens, and ``"xla"`` elsewhere
+(and for sparse decode off TPU too).  An explicit choice never falls back.
 """
 
 from __future__ import annotations
@@ -66,21 +68,39 @@ _F32 = jnp.float32
 DECODE_MAX_T = 16
 
 
-def resolve_implementation(implementation, *, sparse: bool = False) -> str:
-  """``None`` -> ``"pallas_tpu"`` on TPU, else ``"xla"``; an explicit name is checked, never
-  replaced.  The GPU kernels (``"pallas_gpu"``) are opt-in until they have been validated on
-  GPU hardware (``experiments/device_check.sh``); they are tested in interpret mode only.
+def resolve_implementation(implementation, *, sparse: bool = False,
+                           page_size: int | None = None) -> str:
+  """``None`` -> ``"pallas_tpu"`` on TPU; ``"pallas_gpu"`` on an NVIDIA sm_80+ GPU when
+  ``page_size`` (the cache's, None: not known yet) is a multiple of 16 (the Triton kernels' key
+  blocks may not straddle pages); else ``"xla"``.  An explicit name is checked, never replaced.
 
-  ``sparse`` (DSA decode): ``None`` -> ``"xla"`` on TPU too.  The TPU kernel gathers single rows,
-  which Mosaic allows only from a ``[rows, 1, C]`` view of the pool, and XLA re-tiles the whole
-  pool into it on every step (docs/performance.md): more bytes than the XLA gather reads."""
+  ``sparse`` (DSA decode): ``None`` -> ``"xla"`` on TPU and GPU.  The TPU kernel gathers single
+  rows, which Mosaic allows only from a ``[rows, 1, C]`` view of the pool, and XLA re-tiles the
+  whole pool into it on every step (docs/performance.md): more bytes than the XLA gather reads;
+  the GPU sparse kernel matched the gather reference on an H200 but has not been timed there."""
   if implementation is None:
-    tpu = jax.default_backend() == "tpu" and not sparse
-    return "pallas_tpu" if tpu else "xla"
+    if sparse:
+      return "xla"
+    if jax.default_backend() == "tpu":
+      return "pallas_tpu"
+    if gpu_kernels_default(page_size):
+      return "pallas_gpu"
+    return "xla"
   if implementation not in DECODE_IMPLEMENTATIONS:
     raise ValueError(f"`implementation` must be None or one of {DECODE_IMPLEMENTATIONS}, got "
                      f"{implementation!r}.")
   return implementation
+
+
+def gpu_kernels_default(page_size: int | None = None) -> bool:
+  """Whether automatic dispatch takes the GPU decode kernels: the default backend is an NVIDIA
+  GPU of compute capability 8.0 or newer and ``page_size`` (if known) a multiple of 16."""
+  if jax.default_backend() not in ("gpu", "cuda"):
+    return False
+  from jaxattn.ops.attention_cudnn import nvidia_reason  # noqa: PLC0415 (import cycle)
+  if nvidia_reason() is not None:
+    return False
+  return page_size is None or (page_size >= 16 and page_size % 16 == 0)
 
 
 # The dense dispatch's names that have no paged-decode backend of their own: a module built for
@@ -583,7 +603,8 @@ def paged_attention(
     sinks = check_sinks(sinks, q.shape[2])
   scale = 1.0 / math.sqrt(h) if scale is None else scale
   page_table, lengths = page_table.astype(jnp.int32), lengths.astype(jnp.int32)
-  impl = resolve_implementation(implementation) if q.shape[1] else "xla"   # T = 0: empty
+  impl = (resolve_implementation(implementation, page_size=key_pool.shape[1]) if q.shape[1]
+          else "xla")                                                     # T = 0: empty
   if impl != "pallas_tpu":  # the XLA reference and the GPU kernel index [P, page, K, H]
     key_pool = key_pool.reshape(key_pool.shape[:2] + (kh, h))
     value_pool = value_pool.reshape(value_pool.shape[:2] + (kh, -1))
@@ -649,6 +670,8 @@ def cache_attention(
   impl = resolve_implementation(implementation) if t else "xla"           # T = 0: empty
   s = key.shape[1]
   page = s if impl == "xla" else view_page_size(s, cache_row_bytes(key, value))
+  if page is None and implementation is None:  # automatic: no page view, the XLA path
+    impl, page = "xla", s
   if page is None:
     raise ValueError(f"implementation={impl!r} reads the cache as pages of 16 or more tokens: "
                      f"its length S={s} must be a multiple of 16 (or use implementation='xla').")
@@ -790,6 +813,8 @@ def cache_mla_decode(
   impl = resolve_implementation(implementation) if t else "xla"           # T = 0: empty
   s = kv.shape[1]
   page = s if impl == "xla" else latent_view_page_size(kv, k_rope, c_kv_scale)
+  if page is None and implementation is None:  # automatic: no page view, the XLA path
+    impl, page = "xla", s
   if page is None:
     raise ValueError(f"implementation={impl!r} reads the cache as pages of 16 or more tokens: "
                      f"its length S={s} must be a multiple of 16 (or use implementation='xla').")
@@ -971,7 +996,8 @@ def paged_mla_decode(
     check_int_array("indices", indices)
     indices = indices.astype(jnp.int32)
   page_table, lengths = page_table.astype(jnp.int32), lengths.astype(jnp.int32)
-  impl = (resolve_implementation(implementation, sparse=indices is not None) if t
+  impl = (resolve_implementation(implementation, sparse=indices is not None,
+                                 page_size=c_kv_pool.shape[1]) if t
           else "xla")                                                     # T = 0: empty
   if quantized and impl == "pallas_tpu" and indices is not None:
     raise ValueError(f"implementation={impl!r} has no sparse (`indices`) MLA kernel for a "

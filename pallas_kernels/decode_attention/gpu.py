@@ -93,13 +93,22 @@ def num_sms() -> int:
 MIN_SPLIT_TOKENS = 256
 
 
-def auto_splits(programs_per_split: int, max_pages: int, page_size: int) -> int:
+def auto_splits(programs_per_split: int, max_pages: int, page_size: int,
+                long_split_tokens: int | None = None) -> int:
   """``clamp(ceil(2 * SMs / programs_per_split), 1, max(1, M * page // MIN_SPLIT_TOKENS))``:
   about two programs per SM, but each partition at least ``MIN_SPLIT_TOKENS`` long -- every
   partition writes (and the combine reads) an fp32 partial of its rows, which must stay small
-  next to the cache bytes it reads (an MLA partial of 16 x 512 fp32 is 32 KB = 28 cached rows)."""
-  cap = max(1, max_pages * page_size // MIN_SPLIT_TOKENS)
-  return max(1, min(cap, -(-2 * num_sms() // max(programs_per_split, 1))))
+  next to the cache bytes it reads (an MLA partial of 16 x 512 fp32 is 32 KB = 28 cached rows).
+
+  With ``long_split_tokens``, raised to up to four programs per SM as long as partitions stay at
+  least that long (more loads in flight where the partials cost little; the MLA kernel's rule,
+  from H200 timings: module docstring of ``pallas_kernels.mla_decode.gpu``)."""
+  tokens = max_pages * page_size
+  programs = max(programs_per_split, 1)
+  splits = max(1, min(max(1, tokens // MIN_SPLIT_TOKENS), -(-2 * num_sms() // programs)))
+  if long_split_tokens:
+    splits = max(splits, min(tokens // long_split_tokens, -(-4 * num_sms() // programs)))
+  return splits
 
 
 def check_block_k(block_k, page_size: int, default: int) -> int:

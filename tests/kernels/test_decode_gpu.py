@@ -233,6 +233,13 @@ def test_auto_splits_rule(monkeypatch):
   assert gqa_gpu.auto_splits(1, 512, 64) == 128     # partitions of >= 256 tokens
   assert gqa_gpu.auto_splits(1, 4, 16) == 1         # a 64-token sequence: one partition
   assert gqa_gpu.auto_splits(1000, 512, 64) == 1
+  # MLA's dense rule: up to four programs per SM while partitions keep 1024 positions (32k
+  # context, 16 heads in one head block): batch 32 -> 17 (was 9), batch 8 keeps 33, batch 1 128.
+  assert gqa_gpu.auto_splits(32, 512, 64, long_split_tokens=1024) == 17
+  assert gqa_gpu.auto_splits(32, 512, 64) == 9
+  assert gqa_gpu.auto_splits(8, 512, 64, long_split_tokens=1024) == 33
+  assert gqa_gpu.auto_splits(1, 512, 64, long_split_tokens=1024) == 128
+  assert gqa_gpu.auto_splits(32, 8, 64, long_split_tokens=1024) == 2   # 512 tokens: 2 x 256
 
 
 # -- MLA ------------------------------------------------------------------------------------------

@@ -273,6 +273,43 @@ def test_tpu_default_runs_long_prefills_in_the_kernel(monkeypatch):
     assert resolve_implementation("pallas_tpu", sparse=True) == "pallas_tpu"  # explicit: kept
 
 
+def test_gpu_default_takes_the_kernels_where_pages_fit(monkeypatch):
+  """On an NVIDIA sm_80+ GPU the default is the Triton decode kernels for dense calls whose pages
+  are multiples of 16 tokens; other page sizes, sparse calls and older GPUs take the XLA path;
+  an explicit choice is kept."""
+  from jaxattn.ops import attention_cudnn  # noqa: PLC0415
+  m = monkeypatch
+  m.setattr(jax, "default_backend", lambda: "gpu")
+  m.setattr(attention_cudnn, "nvidia_reason", lambda device=None: None)
+  assert resolve_implementation(None) == "pallas_gpu"
+  assert resolve_implementation(None, page_size=64) == "pallas_gpu"
+  assert resolve_implementation(None, page_size=8) == "xla"
+  assert resolve_implementation(None, page_size=24) == "xla"
+  assert resolve_implementation(None, sparse=True, page_size=64) == "xla"
+  assert resolve_implementation("xla", page_size=64) == "xla"
+  m.setattr(attention_cudnn, "nvidia_reason", lambda device=None: "compute capability 7.5")
+  assert resolve_implementation(None, page_size=64) == "xla"
+
+
+def test_automatic_dispatch_falls_back_where_the_kernels_cannot_read_the_cache(monkeypatch):
+  """A contiguous cache whose length no page size of 16+ divides: automatic dispatch on a GPU
+  computes with the XLA path (the result equals it); an explicit kernel request says why not."""
+  from jaxattn.ops import attention_cudnn  # noqa: PLC0415
+  from jaxattn.ops.decode import cache_attention  # noqa: PLC0415
+  b, s, n, kh, h = 2, 20, 4, 2, 8
+  q = jax.random.normal(jax.random.key(0), (b, 1, n, h))
+  key = jax.random.normal(jax.random.key(1), (b, s, kh, h))
+  value = jax.random.normal(jax.random.key(2), (b, s, kh, h))
+  lengths = jnp.asarray([7, 20], jnp.int32)
+  want = cache_attention(q, key, value, lengths, implementation="xla")
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(attention_cudnn, "nvidia_reason", lambda device=None: None)
+  np.testing.assert_array_equal(np.asarray(cache_attention(q, key, value, lengths)),
+                                np.asarray(want))
+  with pytest.raises(ValueError, match="multiple of 16"):
+    cache_attention(q, key, value, lengths, implementation="pallas_gpu")
+
+
 def test_scales_given_as_arrays_and_empty_queries():
   """``scale`` / ``logits_soft_cap`` are compiled into the kernels: NumPy scalars and concrete
   one-element arrays are taken as Python floats (every implementation gives the float's result),
