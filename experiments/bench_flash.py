@@ -95,7 +95,9 @@ def run_benchmark(args) -> list[dict]:
   if platform == "gpu":
     from pallas_kernels.flash_attention import gpu as gpu_kernel  # noqa: PLC0415
     opts = gpu_kernel.get_options()
-    if "hopper" in (opts["forward"], opts["backward"] if args.backward else None):
+    sm90 = str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
+    passes = [opts["forward"]] + ([opts["backward"]] if args.backward else [])
+    if any(o == "hopper" or (o == "auto" and sm90) for o in passes):
       ours_name = "pallas_gpu/hopper"
   print(f"platform={platform} device={jax.devices()[0].device_kind} jax={jax.__version__} "
         f"dtype={dtype.name} heads={args.heads}/{args.kv_heads} head_dim={args.head_dim} "
@@ -455,7 +457,7 @@ def run_sweep(args) -> list[dict]:
       if "triton" not in args.sweep_kernels:
         options = []
       for opts in options:
-        gpu_kernel.set_options(**{**saved, **opts})
+        gpu_kernel.set_options(**{**saved, **opts, "forward": "triton", "backward": "triton"})
         for bq, bk, bqd, bkd, w, st in configs:
           blocks = BlockSizes(bq, bk, bqd, bkd, num_warps=w, num_stages=st)
 
@@ -513,10 +515,10 @@ def main(argv=None):
                  help="with --sweep: which kernels' configs to time (triton,hopper)")
   p.add_argument("--sweep-switches", action="store_true",
                  help="with --sweep: also time every code-generation switch combination")
-  p.add_argument("--gpu-forward", choices=("triton", "hopper"), default=None,
+  p.add_argument("--gpu-forward", choices=("triton", "hopper", "auto"), default=None,
                  help="GPU: the forward kernel of implementation='pallas_gpu' (default: the "
                  "library's, pallas_kernels.flash_attention.gpu option `forward`)")
-  p.add_argument("--gpu-backward", choices=("triton", "hopper"), default=None,
+  p.add_argument("--gpu-backward", choices=("triton", "hopper", "auto"), default=None,
                  help="GPU: the backward kernels of implementation='pallas_gpu' (default: the "
                  "library's, option `backward`)")
   p.add_argument("--roofline", action="store_true",

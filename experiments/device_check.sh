@@ -169,16 +169,16 @@ if want core flash; then
     "$PY" -m experiments.bench_flash --gpu-forward hopper --gpu-backward hopper --check \
     --seq-lens 2048 4096 8192 16384 --repeats 5 --plot "$DEST/bench_flash_gpu_hopper.png"
   step "triton kernels: check + forward benchmark" 100 \
-    "$PY" -m experiments.bench_flash --check --seq-lens 2048 4096 8192 16384 --repeats 5 \
-    --plot "$DEST/bench_flash_gpu.png"
+    "$PY" -m experiments.bench_flash --gpu-forward triton --gpu-backward triton --check \
+    --seq-lens 2048 4096 8192 16384 --repeats 5 --plot "$DEST/bench_flash_gpu.png"
   step "hopper kernels: forward+backward benchmark" 60 \
     "$PY" -m experiments.bench_flash --gpu-forward hopper --gpu-backward hopper --backward \
     --seq-lens 2048 8192 --repeats 3 --plot "$DEST/bench_flash_gpu_hopper_bwd.png"
 fi
 if want more flash; then
   step "triton kernels: forward+backward benchmark" 60 \
-    "$PY" -m experiments.bench_flash --backward --seq-lens 2048 8192 --repeats 3 \
-    --plot "$DEST/bench_flash_gpu_bwd.png"
+    "$PY" -m experiments.bench_flash --gpu-forward triton --gpu-backward triton --backward \
+    --seq-lens 2048 8192 --repeats 3 --plot "$DEST/bench_flash_gpu_bwd.png"
 fi
 if want more decode; then
   step "decode over quantized caches (int8, fp8)" 120 \

@@ -78,15 +78,15 @@ def assert_close(got, want, tol, name):
 CASES = [
     # name, (b, t, s, n, k, h), mask, q_offset, cap, dtype, config
     ("full gqa exact blocks", (1, 128, 128, 2, 1, 64), None, 0, None, jnp.bfloat16,
-     hopper.Config(block_k=64)),
+     hopper.Config(block_k=64, pingpong=True)),
     ("causal ragged offset fp16", (1, 200, 300, 2, 2, 64), M.CausalMask(), 100, None,
-     jnp.float16, hopper.Config(block_k=64)),
+     jnp.float16, hopper.Config(block_k=64, pingpong=True)),
     ("window softcap ragged", (1, 130, 260, 2, 1, 64), M.SlidingWindowMask(50, 10), 90, 30.0,
-     jnp.bfloat16, hopper.Config(block_k=64, stages=3)),
+     jnp.bfloat16, hopper.Config(block_k=64, stages=3, pingpong=True)),
     ("two-sided window no pingpong", (1, 192, 192, 1, 1, 64), M.SlidingWindowMask(20, 20), 0,
      None, jnp.bfloat16, hopper.Config(block_k=64, pingpong=False)),
     ("causal 128-key steps", (1, 256, 256, 1, 1, 64), M.CausalMask(), 0, None, jnp.bfloat16,
-     hopper.Config(block_k=128)),
+     hopper.Config(block_k=128, pingpong=True)),
 ]
 
 
@@ -106,9 +106,9 @@ def test_forward_matches_formula(case):
 BWD_CASES = [
     # name, (b, t, s, n, k, h), mask, q_offset, cap, dtype, config
     ("causal gqa ragged", (1, 130, 130, 2, 1, 64), M.CausalMask(), 0, None, jnp.bfloat16,
-     hopper.Config(block_k=64)),
+     hopper.Config(block_k=64, pingpong=True)),
     ("window softcap offset", (1, 130, 200, 2, 1, 64), M.SlidingWindowMask(50, 10), 60, 30.0,
-     jnp.bfloat16, hopper.Config(block_k=64, stages=3)),
+     jnp.bfloat16, hopper.Config(block_k=64, stages=3, pingpong=True)),
     ("full mha fp16 no pingpong", (1, 128, 128, 2, 2, 64), None, 0, None, jnp.float16,
      hopper.Config(block_k=64, pingpong=False)),
 ]
@@ -174,13 +174,13 @@ def data_case(b, t, s, n, k, mask, dtype, *, segments, lengths, alibi, seed=0):
 DATA_CASES = [
     # name, (b, t, s, n, k), mask, q_offset, cap, dtype, config, segments, lengths, alibi
     ("packed causal gqa", (2, 200, 200, 2, 1), M.CausalMask(), 0, None, jnp.bfloat16,
-     hopper.Config(block_k=64), "packed", None, False),
+     hopper.Config(block_k=64, pingpong=True), "packed", None, False),
     ("lengths window alibi softcap", (2, 130, 260, 2, 2), M.SlidingWindowMask(60, 10), 90, 30.0,
-     jnp.bfloat16, hopper.Config(block_k=64, stages=3), None, (0, 150), True),
+     jnp.bfloat16, hopper.Config(block_k=64, stages=3, pingpong=True), None, (0, 150), True),
     ("scattered ids lengths alibi no pingpong fp16", (1, 128, 192, 2, 1), None, 0, None,
      jnp.float16, hopper.Config(block_k=64, pingpong=False), "scattered", (170,), True),
     ("packed lengths alibi 128-key steps", (1, 256, 256, 1, 1), M.CausalMask(), 0, None,
-     jnp.bfloat16, hopper.Config(block_k=128), "packed", (230,), True),
+     jnp.bfloat16, hopper.Config(block_k=128, pingpong=True), "packed", (230,), True),
 ]
 
 
@@ -209,9 +209,9 @@ BWD_DATA_CASES = [
     # DATA_CASES' first two, smaller: still three query tiles and three key blocks of 64 each;
     # GQA on the packed case, two batch rows (one of length 0) on the other.
     ("packed causal gqa", (1, 130, 130, 2, 1), M.CausalMask(), 0, None, jnp.bfloat16,
-     hopper.Config(block_k=64), "packed", None, False),
+     hopper.Config(block_k=64, pingpong=True), "packed", None, False),
     ("lengths window alibi softcap", (2, 130, 200, 1, 1), M.SlidingWindowMask(60, 10), 60, 30.0,
-     jnp.bfloat16, hopper.Config(block_k=64, stages=3), None, (0, 150), True),
+     jnp.bfloat16, hopper.Config(block_k=64, stages=3, pingpong=True), None, (0, 150), True),
 ]
 
 
@@ -337,6 +337,10 @@ def test_dispatch_reasons():
   """What stays on the Triton forward, and why (the reasons name the feature)."""
   saved = gpu_kernel.get_options()
   try:
+    # the default, "auto": the Hopper kernels on a compiled run, Triton's when interpreted
+    auto = gpu_kernel.hopper_reason(_plan())
+    assert auto is None if ON_GPU else auto == "option forward='auto' interprets the Triton kernels"
+    gpu_kernel.set_options(forward="triton")
     assert gpu_kernel.hopper_reason(_plan()) == "option forward='triton'"
     gpu_kernel.set_options(forward="hopper")
     assert gpu_kernel.hopper_reason(_plan()) is None
@@ -347,6 +351,7 @@ def test_dispatch_reasons():
                                           kv_lengths=jnp.full((1,), 50))) is None
     assert "GlobalTokensMask" in gpu_kernel.hopper_reason(
         _plan(static_mask=M.GlobalTokensMask((0,))))
+    gpu_kernel.set_options(backward="triton")
     assert gpu_kernel.hopper_reason(_plan(), "backward") == "option backward='triton'"
     gpu_kernel.set_options(backward="hopper")
     assert gpu_kernel.hopper_reason(_plan(), "backward") is None
