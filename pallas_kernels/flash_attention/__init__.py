@@ -12,9 +12,9 @@ Direct use (block sizes, interpret mode, an explicit mesh)::
     out = flash_attention_tpu(q, k, v, CausalMask(), block_sizes=BlockSizes.tpu())
 
 Files: ``common.py`` (block sizes, plan, block tables, the shared score), ``tpu.py`` and ``gpu.py``
-(kernels and their custom VJPs), ``hopper.py`` (Mosaic GPU forward and backward for sm_90, behind
-``gpu.set_options(forward="hopper", backward="hopper")``), ``sharded.py`` (``shard_map`` over batch
-and heads).
+(kernels and their custom VJPs), ``hopper.py`` (Mosaic GPU forward and backward for sm_90, the
+GPU kernel's default there for the calls it takes: ``gpu.set_options``), ``sharded.py``
+(``shard_map`` over batch and heads).
 """
 
 from __future__ import annotations
