@@ -2,7 +2,7 @@
 
     python -m experiments.generate --run runs/train [--prompt "The "] [--max-new-tokens 200]
         [--temperature 0.8] [--top-k 50] [--top-p 0.95] [--min-p 0.05] [--seed 0] [--step N]
-        [--eos-id ID]
+        [--eos-id ID] [--repetition-penalty 1.2] [--presence-penalty 0.5] [--frequency-penalty 0.5]
     python -m experiments.generate --checkpoint converted/ --tokenizer hf_dir/ --prompt "The "
 
 ``--run`` is a directory written by ``experiments.train`` (``config.json`` + ``checkpoints/``); the
@@ -110,6 +110,13 @@ def main(argv=None) -> int:
   p.add_argument("--top-p", type=float, default=1.0)
   p.add_argument("--min-p", type=float, default=0.0,
                  help="drop tokens less likely than this times the most likely one (0: none)")
+  p.add_argument("--repetition-penalty", type=float, default=1.0,
+                 help="divide positive / multiply negative logits of tokens already in the "
+                      "prompt or output by this (1: none)")
+  p.add_argument("--presence-penalty", type=float, default=0.0,
+                 help="subtract this from the logit of every token generated so far (0: none)")
+  p.add_argument("--frequency-penalty", type=float, default=0.0,
+                 help="subtract this times its count so far from each token's logit (0: none)")
   p.add_argument("--tokenizer", default=None,
                  help="a Hugging Face tokenizer directory (a converted model's vocabulary)")
   p.add_argument("--seed", type=int, default=0)
@@ -134,6 +141,16 @@ def main(argv=None) -> int:
     p.error(f"argument --top-p: must be in (0, 1], got {args.top_p}")
   if not 0 <= args.min_p <= 1:   # also refuses NaN
     p.error(f"argument --min-p: must be in [0, 1], got {args.min_p}")
+  if not (math.isfinite(args.repetition_penalty) and args.repetition_penalty > 0):
+    p.error(f"argument --repetition-penalty: must be a number > 0 (1: none), got "
+            f"{args.repetition_penalty}")
+  for flag, value in (("presence", args.presence_penalty), ("frequency", args.frequency_penalty)):
+    if not math.isfinite(value):
+      p.error(f"argument --{flag}-penalty: must be a finite number (0: none), got {value}")
+  penalized = (args.repetition_penalty, args.presence_penalty, args.frequency_penalty) != (1, 0, 0)
+  if penalized and args.draft is not None:
+    p.error("arguments --repetition-penalty / --presence-penalty / --frequency-penalty: not "
+            "supported with --draft")
   if args.max_new_tokens < 0:
     p.error(f"argument --max-new-tokens: must be an int >= 0, got {args.max_new_tokens}")
   if args.eos_id is not None and args.eos_id < -1:
@@ -186,7 +203,10 @@ def main(argv=None) -> int:
   t0 = time.perf_counter()
   try:
     if draft is None:
-      out, stats = generate(model, prompt, args.max_new_tokens, **settings), None
+      penalties = dict(repetition_penalty=args.repetition_penalty,
+                       presence_penalty=args.presence_penalty,
+                       frequency_penalty=args.frequency_penalty)
+      out, stats = generate(model, prompt, args.max_new_tokens, **settings, **penalties), None
     else:
       out, stats = speculative_generate(model, prompt, args.max_new_tokens, draft=draft,
                                         num_draft_tokens=num_draft_tokens, **settings)

@@ -1,5 +1,7 @@
 """Autoregressive generation with the KV cache: one jitted prefill, then one jitted decode step per
-token; greedy, temperature, top-k and nucleus (top-p) sampling; tokens streamed to a callback.
+token; greedy, temperature, top-k, nucleus (top-p) and min-p sampling; repetition, presence and
+frequency penalties (``generate``; not in speculative decoding or the serving engine yet); tokens
+streamed to a callback.
 
     out = generate(model, prompt, max_new_tokens=64, temperature=0.8, top_p=0.95, seed=0,
                    on_token=lambda ids: print(tok.decode(ids), end=""))
@@ -63,6 +65,41 @@ def check_sampling(temperature, top_p, top_k=0, min_p=0.0) -> None:
     raise ValueError(f"`top_k` must be an int >= 0 (0: no limit), got {top_k!r}.")
   if not is_number(min_p) or not 0.0 <= min_p <= 1.0:
     raise ValueError(f"`min_p` must be in [0, 1] (0: no limit), got {min_p!r}.")
+
+
+def check_penalties(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0) -> None:
+  """Raises ``ValueError`` unless ``repetition_penalty > 0`` and both other penalties are finite."""
+  if not is_number(repetition_penalty) or not repetition_penalty > 0 or not math.isfinite(
+      repetition_penalty):
+    raise ValueError(f"`repetition_penalty` must be a finite number > 0 (1: none), got "
+                     f"{repetition_penalty!r}.")
+  for name, value in (("presence_penalty", presence_penalty),
+                      ("frequency_penalty", frequency_penalty)):
+    if not is_number(value) or not math.isfinite(value):
+      raise ValueError(f"`{name}` must be a finite number (0: none), got {value!r}.")
+
+
+def penalized_logits(logits: Float[Array, "B V"], seen: Array, counts: Int[Array, "B V"], *,
+                     repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
+                     frequency_penalty: float = 0.0) -> Float[Array, "B V"]:
+  """Repetition, presence and frequency penalties, applied to the raw logits (before temperature
+  and the top-k / top-p / min-p filters, as transformers and vLLM order them).
+
+  * ``repetition_penalty`` (CTRL; transformers' ``RepetitionPenaltyLogitsProcessor``): every token
+    in ``seen [B, V]`` (the prompt's and the generated tokens) has its logit divided by the
+    penalty where positive, multiplied by it where negative (> 1 discourages repeats);
+  * ``presence_penalty`` / ``frequency_penalty`` (OpenAI / vLLM): ``logit - presence * (count >
+    0) - frequency * count``, with ``counts [B, V]`` how often each token was generated so far
+    (the prompt does not count)."""
+  x = logits.astype(jnp.float32)
+  if repetition_penalty != 1.0:
+    r = jnp.float32(repetition_penalty)
+    x = jnp.where(seen, jnp.where(x > 0, x / r, x * r), x)
+  if presence_penalty != 0.0:
+    x = x - jnp.float32(presence_penalty) * (counts > 0)
+  if frequency_penalty != 0.0:
+    x = x - jnp.float32(frequency_penalty) * counts.astype(jnp.float32)
+  return x
 
 
 def sample_logits(logits: Float[Array, "B V"], key, *, temperature: float = 0.0,
@@ -217,7 +254,8 @@ def eval_model(graphdef, state) -> DecoderLM:
 
 @functools.lru_cache(maxsize=32)
 def decode_functions(graphdef, batch: int, max_len: int, *, temperature: float = 0.0,
-                     top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, cache_dtype=None):
+                     top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, cache_dtype=None,
+                     penalties: tuple[float, float, float] | None = None):
   """The two jitted programs of ``generate`` for a split model (``nnx.split(model)``), made once
   per graph definition, batch, capacity and sampling settings (so later ``generate`` calls on a
   model of the same structure reuse them and their compiled programs; a new prompt length
@@ -230,21 +268,49 @@ def decode_functions(graphdef, batch: int, max_len: int, *, temperature: float =
   ``step`` donates its cache: the new token's keys are written into the same buffers (without
   donation XLA allocates a new cache and copies all of it, every layer, on every token).  The
   cache passed to ``step`` is therefore consumed; use the returned one.
+
+  ``penalties``: ``(repetition, presence, frequency)`` (``penalized_logits``); then the programs
+  also carry the penalty state ``(seen [B, V] bool, counts [B, V] int32)``: ``prefill(state,
+  tokens, key) -> (next, cache, pstate)`` and ``step(state, token, cache, pstate, key) -> (next,
+  cache, pstate)``, each sampled token counted before the next draw (``pstate`` donated too).
   """
+  sample = functools.partial(sample_logits, temperature=temperature, top_p=top_p, top_k=top_k,
+                             min_p=min_p)
+  if penalties is not None:
+    rep, presence, frequency = penalties
+    penalize = functools.partial(penalized_logits, repetition_penalty=rep,
+                                 presence_penalty=presence, frequency_penalty=frequency)
+
+    def counted(pstate, token):  # the sampled token joins the seen set and the counts
+      seen, counts = pstate
+      hit = jax.nn.one_hot(token, counts.shape[-1], dtype=jnp.int32)
+      return seen | (hit > 0), counts + hit
 
   @jax.jit
   def prefill(state, tokens, key):
     m = eval_model(graphdef, state)
     logits, cache = m(tokens, cache=m.init_cache(batch, max_len, cache_dtype))
-    return sample_logits(logits[:, -1], key, temperature=temperature, top_p=top_p,
-                         top_k=top_k, min_p=min_p), cache
+    if penalties is None:
+      return sample(logits[:, -1], key), cache
+    v = logits.shape[-1]
+    seen = jnp.zeros((batch, v), bool).at[jnp.arange(batch)[:, None], tokens].set(True)
+    pstate = (seen, jnp.zeros((batch, v), jnp.int32))
+    token = sample(penalize(logits[:, -1], *pstate), key)
+    return token, cache, counted(pstate, token)
 
-  @functools.partial(jax.jit, donate_argnums=2)
-  def step(state, token, cache, key):
-    m = eval_model(graphdef, state)
-    logits, cache = m(token[:, None], cache=cache)
-    return sample_logits(logits[:, -1], key, temperature=temperature, top_p=top_p,
-                         top_k=top_k, min_p=min_p), cache
+  if penalties is None:
+    @functools.partial(jax.jit, donate_argnums=2)
+    def step(state, token, cache, key):
+      m = eval_model(graphdef, state)
+      logits, cache = m(token[:, None], cache=cache)
+      return sample(logits[:, -1], key), cache
+  else:
+    @functools.partial(jax.jit, donate_argnums=(2, 3))
+    def step(state, token, cache, pstate, key):
+      m = eval_model(graphdef, state)
+      logits, cache = m(token[:, None], cache=cache)
+      token = sample(penalize(logits[:, -1], *pstate), key)
+      return token, cache, counted(pstate, token)
 
   return prefill, step
 
@@ -253,7 +319,9 @@ def generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_tokens: int, *
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
              seed: int = 0, max_len: int | None = None, eos_id: int | None = None,
              on_token: Callable[[np.ndarray], None] | None = None,
-             cache_dtype=None, draft=None, num_draft_tokens: int = 4) -> np.ndarray:
+             cache_dtype=None, draft=None, num_draft_tokens: int = 4,
+             repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
+             frequency_penalty: float = 0.0) -> np.ndarray:
   """``prompt [B, T]`` (equal lengths) -> ``[B, T + n]`` token ids, ``n <= max_new_tokens``.
 
   Prefill runs the prompt through ``model`` with a fresh cache of ``max_len`` slots (default:
@@ -271,7 +339,18 @@ def generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_tokens: int, *
   ``"mtp"`` (the model's multi-token prediction) proposes ``num_draft_tokens`` tokens that the
   model checks in one call.  Greedy output is the
   same; sampled output has the same distribution (other draws).
+
+  ``repetition_penalty`` (1: none), ``presence_penalty`` and ``frequency_penalty`` (0: none):
+  ``penalized_logits`` on every step's logits before temperature and the filters; a sequence's
+  the counts hold the sampled tokens (a finished sequence's no longer matter).  Not with ``draft``.
   """
+  check_penalties(repetition_penalty, presence_penalty, frequency_penalty)
+  penalties = (float(repetition_penalty), float(presence_penalty), float(frequency_penalty))
+  penalized = penalties != (1.0, 0.0, 0.0)
+  if draft is not None and penalized:
+    raise ValueError("repetition / presence / frequency penalties are not supported with "
+                     "speculative decoding (`draft`): the draft and the model would need the "
+                     "penalty state of every proposed position; generate without `draft`.")
   if draft is not None:
     from jaxattn.speculative import speculative_generate
     return speculative_generate(model, prompt, max_new_tokens, draft=draft,
@@ -294,12 +373,14 @@ def generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_tokens: int, *
   # (cache_dtype passed only when set: the cached functions' key is the call's keywords)
   quant = ({} if cache_dtype is None else
            dict(cache_dtype=check_cache_dtype(cache_dtype, "generate", "cache_dtype")))
+  if penalized:  # (passed only when set, as cache_dtype)
+    quant["penalties"] = penalties
   prefill, step = decode_functions(graphdef, b, max_len, temperature=temperature, top_p=top_p,
                                    top_k=int(top_k), min_p=float(min_p), **quant)
   out = [np.asarray(prompt)]
   if max_new_tokens == 0:
     return out[0]
-  token, cache = prefill(state, prompt, token_key(seed, 0))
+  token, cache, *pstate = prefill(state, prompt, token_key(seed, 0))
   done = np.zeros((b,), bool)
   for i in range(max_new_tokens):
     host = np.asarray(token)
@@ -314,5 +395,5 @@ def generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_tokens: int, *
         break
       token = jnp.asarray(host)
     if i + 1 < max_new_tokens:
-      token, cache = step(state, token, cache, token_key(seed, i + 1))
+      token, cache, *pstate = step(state, token, cache, *pstate, token_key(seed, i + 1))
   return np.concatenate(out, axis=1)

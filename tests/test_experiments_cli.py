@@ -273,6 +273,9 @@ def test_generate_draft_ngram_gives_the_same_greedy_text(tmp_path, capsys):
   assert generate_cli.main(base + ["--draft", "ngram", "--num-draft-tokens", "3"]) == 0
   spec = capsys.readouterr()
   assert spec.out == plain.out and spec.out.startswith("abcabcabc")
+  assert generate_cli.main(base + ["--repetition-penalty", "1.3", "--presence-penalty", "0.2",
+                                   "--frequency-penalty", "0.2"]) == 0
+  assert capsys.readouterr().out.startswith("abcabcabc")
   assert "[speculative (ngram, 3 drafts per call): acceptance " in spec.err
   assert "tokens per model call" in spec.err
   draft = _untrained_run(tmp_path / "draft")
@@ -293,6 +296,9 @@ def test_generate_draft_ngram_gives_the_same_greedy_text(tmp_path, capsys):
       (["--num-draft-tokens", "2"], "argument --num-draft-tokens: needs --draft"),
       (["--draft", "ngram", "--num-draft-tokens", "0"], "`num_draft_tokens` must be an int in"),
       (["--draft", "mtp"], "this model has none (mtp_depth=0)"),
+      (["--repetition-penalty", "0"], "argument --repetition-penalty: must be a number > 0"),
+      (["--frequency-penalty", "nan"], "argument --frequency-penalty: must be a finite number"),
+      (["--draft", "ngram", "--presence-penalty", "0.5"], "not supported with --draft"),
   ]:
     with pytest.raises(SystemExit) as e:
       generate_cli.main(base + argv)

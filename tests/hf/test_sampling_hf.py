@@ -12,13 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxattn.generation import filtered_logits, row_filtered
+from jaxattn.generation import filtered_logits, penalized_logits, row_filtered
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from transformers.generation.logits_process import (  # noqa: E402
-    MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+    MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
+    TopPLogitsWarper)
 
 pytestmark = pytest.mark.hf
 
@@ -68,3 +69,20 @@ def test_top_k_keeps_ties_at_the_kth_logit_as_transformers_does():
                                                   top_k=2)))
   np.testing.assert_array_equal(got > 0, [[True, True, True, True, False, False]])
   np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("penalty", [0.6, 1.0, 1.3, 2.0])
+def test_repetition_penalty_is_transformers(penalty):
+  """``penalized_logits(repetition_penalty=)`` on the tokens seen so far (prompt and output,
+  repeats included) is transformers' ``RepetitionPenaltyLogitsProcessor`` on those input ids."""
+  rng = np.random.default_rng(int(penalty * 10))
+  logits = (3.0 * rng.normal(size=(4, 60))).astype(np.float32)
+  ids = rng.integers(0, 60, size=(4, 12))
+  want = RepetitionPenaltyLogitsProcessor(penalty)(torch.from_numpy(ids),
+                                                    torch.from_numpy(logits.copy())).numpy()
+  seen = np.zeros((4, 60), bool)
+  for b in range(4):
+    seen[b, ids[b]] = True
+  got = penalized_logits(jnp.asarray(logits), jnp.asarray(seen), jnp.zeros((4, 60), jnp.int32),
+                         repetition_penalty=penalty)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
