@@ -1,7 +1,7 @@
 """Autoregressive generation with the KV cache: one jitted prefill, then one jitted decode step per
 token; greedy, temperature, top-k, nucleus (top-p) and min-p sampling; repetition, presence and
-frequency penalties (``generate``; not in speculative decoding or the serving engine yet); tokens
-streamed to a callback.
+frequency penalties (here and in ``jaxattn.serving.Engine``; not with speculative decoding);
+tokens streamed to a callback.
 
     out = generate(model, prompt, max_new_tokens=64, temperature=0.8, top_p=0.95, seed=0,
                    on_token=lambda ids: print(tok.decode(ids), end=""))
@@ -93,13 +93,34 @@ def penalized_logits(logits: Float[Array, "B V"], seen: Array, counts: Int[Array
     (the prompt does not count)."""
   x = logits.astype(jnp.float32)
   if repetition_penalty != 1.0:
-    r = jnp.float32(repetition_penalty)
-    x = jnp.where(seen, jnp.where(x > 0, x / r, x * r), x)
+    x = _repetition(x, seen, jnp.float32(repetition_penalty))
   if presence_penalty != 0.0:
     x = x - jnp.float32(presence_penalty) * (counts > 0)
   if frequency_penalty != 0.0:
     x = x - jnp.float32(frequency_penalty) * counts.astype(jnp.float32)
   return x
+
+
+def _repetition(x, seen, r):
+  return jnp.where(seen, jnp.where(x > 0, x / r, x * r), x)
+
+
+def penalized_rows(logits: Float[Array, "B V"], history: Int[Array, "B L"],
+                   num_prompt: Int[Array, "B"], repetition: Float[Array, "B"],
+                   presence: Float[Array, "B"], frequency: Float[Array, "B"]
+                   ) -> Float[Array, "B V"]:
+  """``penalized_logits`` with settings per row (traced: one program for any mix), the seen set
+  and counts built from each row's ``history`` (its prompt, then its generated tokens; ``-1``
+  pads): row ``i``'s first ``num_prompt[i]`` entries are seen, the rest seen and counted."""
+  b, v = logits.shape
+  valid = history >= 0
+  ids = jnp.where(valid, history, 0)
+  rows = jnp.arange(b)[:, None]
+  seen = jnp.zeros((b, v), jnp.int32).at[rows, ids].max(valid.astype(jnp.int32)) > 0
+  generated = valid & (jnp.arange(history.shape[1])[None, :] >= num_prompt[:, None])
+  counts = jnp.zeros((b, v), jnp.float32).at[rows, ids].add(generated.astype(jnp.float32))
+  x = _repetition(logits.astype(jnp.float32), seen, repetition[:, None])
+  return x - presence[:, None] * (counts > 0) - frequency[:, None] * counts
 
 
 def sample_logits(logits: Float[Array, "B V"], key, *, temperature: float = 0.0,

@@ -27,8 +27,10 @@ freed, it goes back to the head of the queue and later reads its prompt and outp
 again: recompute, from cached pages with a prefix cache) -- vLLM's policy.  Greedy
 decoding in fp32 gives each request exactly what ``generate`` gives it alone (tested for attention,
 MLA, DSA, hybrid Gated DeltaNet and dropless MoE models).  So does sampling: each request has its
-own settings and seed (``submit(..., temperature=, top_p=, top_k=, min_p=, seed=)``), and its output
-``i`` draws with ``token_key(seed, i)`` whatever the batch, chunking or preemptions around it;
+own settings and seed (``submit(..., temperature=, top_p=, top_k=, min_p=, seed=)``; penalties
+``repetition_penalty=, presence_penalty=, frequency_penalty=`` without speculative decoding), and
+its output ``i`` draws with ``token_key(seed, i)`` whatever the batch, chunking or preemptions
+around it;
 ``Engine(logprobs=True)`` returns the generated tokens' log-probabilities too.  Two cases where the
 batch shows: bf16 (XLA fuses a differently shaped step differently: roundings, and so a near-tie,
 may differ), and MoE with ``moe_capacity_factor`` (the tokens of one step compete for the experts'
@@ -78,7 +80,8 @@ import numpy as np
 from flax import nnx
 
 from jaxattn.checks import is_int
-from jaxattn.generation import check_sampling, eval_model, sample_rows
+from jaxattn.generation import (check_penalties, check_sampling, eval_model, penalized_rows,
+                                sample_rows)
 from jaxattn.nn.model import DecoderLM, PagedModelCache
 from jaxattn.nn.mtp import mtp_layer_kind, shift_left
 from jaxattn.paged_cache import PageTable
@@ -116,6 +119,9 @@ class _Request:
   top_p: float = 1.0
   top_k: int = 0
   min_p: float = 0.0
+  repetition_penalty: float = 1.0
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
   logprobs: list = dataclasses.field(default_factory=list)   # of the outputs
   stop: tuple = ()            # token sequences that end the request when its output ends so
   priority: int = 0           # lower first: queued ahead of, and preempts, larger values
@@ -150,6 +156,10 @@ class _Request:
   @property
   def reading(self) -> bool:
     return self.fed < self.feed.size
+
+  @property
+  def penalized(self) -> bool:
+    return (self.repetition_penalty, self.presence_penalty, self.frequency_penalty) != (1, 0, 0)
 
   @property
   def tokens(self) -> np.ndarray:
@@ -217,7 +227,7 @@ def _positive_int(name, v):
 
 
 def _step(m: DecoderLM, tokens, num_tokens, rows, cache, sampling, pages, greedy,
-          release_windows):
+          release_windows, penalties=None):
   """``step_functions``' step on a merged model: ``(next, logprob, cache, h, sub)``, ``h [b, T,
   D]`` the rows' final hidden states and ``sub`` their cache rows after the call (before
   ``release_windows``)."""
@@ -231,8 +241,9 @@ def _step(m: DecoderLM, tokens, num_tokens, rows, cache, sampling, pages, greedy
   if release_windows:
     cache = cache.release_behind()
   logits = logits.astype(jnp.float32)
-  nxt = (jnp.argmax(logits, axis=-1).astype(jnp.int32) if greedy
-         else sample_rows(logits, *sampling))
+  chosen = logits if penalties is None else penalized_rows(logits, *penalties)
+  nxt = (jnp.argmax(chosen, axis=-1).astype(jnp.int32) if greedy
+         else sample_rows(chosen, *sampling))
   logprob = jnp.take_along_axis(jax.nn.log_softmax(logits), nxt[:, None], axis=-1)[:, 0]
   return nxt, logprob, cache, h, sub
 
@@ -269,7 +280,10 @@ def step_functions(graphdef, *, release_windows: bool = False):
     a row with ``num_tokens[i] = 0``) with the row's settings ``sampling = (seeds, index,
     temperature, top_p, top_k, min_p)`` (``jaxattn.generation.sample_rows``; ``greedy``,
     static: every row's temperature is 0, argmax only), and ``logprob[i]`` is its
-    log-probability under the model (``log_softmax`` of those logits);
+    log-probability under the model (``log_softmax`` of those logits); ``penalties=(history [b,
+    L], num_prompt [b], repetition [b], presence [b], frequency [b])`` (or None) applies
+    ``jaxattn.generation.penalized_rows`` to the logits the token is chosen from (the logprob
+    stays the model's);
   * ``free(cache, done [B]) -> cache``.
 
   ``release_windows``: ``step`` returns the pages behind each sequence's window to the pools
@@ -279,10 +293,11 @@ def step_functions(graphdef, *, release_windows: bool = False):
   layout ``PagedModelCache.shard`` gives it on the active mesh (unchanged without one)."""
 
   @functools.partial(jax.jit, donate_argnums=4, static_argnames=("pages", "greedy"))
-  def step(state, tokens, num_tokens, rows, cache, sampling, pages=None, greedy=False):
+  def step(state, tokens, num_tokens, rows, cache, sampling, pages=None, greedy=False,
+           penalties=None):
     m = eval_model(graphdef, state)
     nxt, logprob, cache, *_ = _step(m, tokens, num_tokens, rows, cache, sampling, pages, greedy,
-                                    release_windows)
+                                    release_windows, penalties)
     return nxt, logprob, cache.shard()
 
   @functools.partial(jax.jit, donate_argnums=0)
@@ -660,6 +675,10 @@ class Engine:
     chunk: the most prompt tokens a slot feeds per step (chunked prefill).
     temperature, top_p, top_k, min_p: the requests' default sampling, as in ``sample_logits`` (0:
       greedy); ``submit`` may give a request its own.
+    repetition_penalty, presence_penalty, frequency_penalty: the requests' default penalties, as
+      in ``generate`` (``jaxattn.generation.penalized_logits``: the prompt and the output so far
+      are seen, the output counted; the logprobs reported stay the model's); ``submit`` may give
+      a request its own.  Not with speculative decoding (``num_draft_tokens > 0``).
     seed: the requests' default seeds: request ``rid`` samples with ``seed + rid`` unless
       ``submit`` gives it one.  Generated token ``i`` of a request with seed ``s`` draws with
       ``jaxattn.generation.token_key(s, i)``, as ``generate`` does: a sampled request gets the
@@ -757,14 +776,20 @@ class Engine:
                detokenize: Callable[[Sequence[int]], str] | None = None,
                cache_bytes: int | None = None, num_draft_tokens: int = 0,
                ngram_size: int = 3, draft: DecoderLM | str | None = None,
-               priority_aging: int | None = None):
+               priority_aging: int | None = None, repetition_penalty: float = 1.0,
+               presence_penalty: float = 0.0, frequency_penalty: float = 0.0):
     check_sampling(temperature, top_p, top_k, min_p)
+    check_penalties(repetition_penalty, presence_penalty, frequency_penalty)
+    self.penalties = dict(repetition_penalty=float(repetition_penalty),
+                          presence_penalty=float(presence_penalty),
+                          frequency_penalty=float(frequency_penalty))
     self.priority_aging = (None if priority_aging is None
                            else _positive_int("priority_aging", priority_aging))
     if not is_int(num_draft_tokens) or not 0 <= num_draft_tokens <= 64:
       raise ValueError(f"`num_draft_tokens` must be an int in [0, 64] (0: no speculative "
                        f"decoding), got {num_draft_tokens!r}.")
     self.num_draft_tokens = int(num_draft_tokens)
+    self._check_penalties_without_drafts(self.penalties)
     self.ngram_size = _positive_int("ngram_size", ngram_size)
     if policy not in POLICIES:
       raise ValueError(f"`policy` must be one of {POLICIES}, got {policy!r}.")
@@ -991,11 +1016,20 @@ class Engine:
 
   # -- requests --------------------------------------------------------------------------------
 
+  def _check_penalties_without_drafts(self, penalties: dict) -> None:
+    if self.num_draft_tokens and tuple(penalties.values()) != (1.0, 0.0, 0.0):
+      raise ValueError(f"repetition / presence / frequency penalties ({penalties}) are not "
+                       f"supported with speculative decoding (num_draft_tokens="
+                       f"{self.num_draft_tokens}): drafts would need the penalty state of every "
+                       f"proposed position; use an engine with num_draft_tokens=0.")
+
   def submit(self, prompt, max_new_tokens: int, *, eos_id=None, stop=None,
              temperature: float | None = None, top_p: float | None = None,
              top_k: int | None = None, min_p: float | None = None, seed: int | None = None,
              priority: int = 0,
-             stop_strings=None) -> int:
+             stop_strings=None, repetition_penalty: float | None = None,
+             presence_penalty: float | None = None,
+             frequency_penalty: float | None = None) -> int:
     """Queues a request: ``prompt`` (1-D token ids, at least one) and up to ``max_new_tokens``
     new tokens (fewer when ``eos_id`` is sampled: it ends the request and is returned; one id or
     several, as Llama-3's two end tokens; or when the output ends with one of the token
@@ -1009,8 +1043,10 @@ class Engine:
     equals), and when it cannot be admitted for lack of a slot or pages, running requests with
     larger values are preempted (the largest first, then the most recently admitted) to make room,
     and recomputed later as on-demand preemptions are (with ``Engine(priority_aging=n)`` every value
-    compared is less one per ``n`` steps since its request was submitted).  Returns the request id,
-    the key of its result in ``run`` / ``results``."""
+    compared is less one per ``n`` steps since its request was submitted).
+    ``repetition_penalty`` / ``presence_penalty`` / ``frequency_penalty``: this request's
+    penalties (default: the engine's).  Returns the request id, the key of its result in ``run``
+    / ``results``."""
     prompt = np.asarray(prompt)
     vocab = self.config.vocab_size
     if prompt.ndim != 1 or prompt.size < 1 or not np.issubdtype(prompt.dtype, np.integer):
@@ -1043,6 +1079,11 @@ class Engine:
     sampling = {k: d if v is None else v for (k, d), v in zip(
         self.sampling.items(), (temperature, top_p, top_k, min_p))}
     check_sampling(**sampling)
+    penalties = {k: d if v is None else v for (k, d), v in zip(
+        self.penalties.items(), (repetition_penalty, presence_penalty, frequency_penalty))}
+    check_penalties(**penalties)
+    penalties = {k: float(v) for k, v in penalties.items()}
+    self._check_penalties_without_drafts(penalties)
     if seed is not None and (not is_int(seed) or not 0 <= seed < _SEEDS):
       raise ValueError(f"`seed` must be None or an int in [0, 2**31), got {seed!r}.")
     if not is_int(priority):
@@ -1069,7 +1110,7 @@ class Engine:
                        seed=(self.seed + rid) % _SEEDS if seed is None else int(seed),
                        temperature=float(sampling["temperature"]),
                        top_p=float(sampling["top_p"]), top_k=int(sampling["top_k"]),
-                       min_p=float(sampling["min_p"]),
+                       min_p=float(sampling["min_p"]), **penalties,
                        stop=tuple(tuple(int(x) for x in q) for q in stops),
                        priority=int(priority), stop_strings=tuple(texts),
                        detokenize=self.detokenize, submitted=self._clock)
@@ -1516,7 +1557,8 @@ class Engine:
       elif speculate:
         out, accepted, logprob, self.cache = self._verify(*args, **static)
       else:
-        out, logprob, self.cache = self._step(*args, **static)
+        out, logprob, self.cache = self._step(*args, **static,
+                                              penalties=self._penalty_rows(group, size))
       if self._draft_verify is not None and group[0][1].reading:   # the draft reads prompts too
         self.draft_cache = self._draft_read(self._draft_state, tokens, counts_d, rows_d,
                                             self.draft_cache, self.cache, pages=narrow)
@@ -1539,6 +1581,26 @@ class Engine:
     self.stats.accepted_drafts += int(accepted.sum())
     return [[(int(x), float(lp)) for x, lp in zip(row[:a + 1], lps[:a + 1])]
             for row, lps, a in zip(out, logprob, accepted)]
+
+  @staticmethod
+  def _penalty_rows(group, size):
+    """``penalized_rows``' arguments for the rows of ``group`` (None when no request of it has
+    a penalty): each one's prompt and outputs so far, padded with -1 to a power of two (few
+    compiled shapes)."""
+    if not any(r.penalized for _, r, _ in group):
+      return None
+    need = max(r.prompt.size + len(r.out) for _, r, _ in group)
+    history = np.full((size, max(16, 1 << (need - 1).bit_length())), -1, np.int32)
+    num_prompt = np.zeros((size,), np.int32)
+    repetition = np.ones((size,), np.float32)
+    presence, frequency = np.zeros((size,), np.float32), np.zeros((size,), np.float32)
+    for i, (_, r, _) in enumerate(group):
+      tokens = r.tokens
+      history[i, :tokens.size] = tokens
+      num_prompt[i] = r.prompt.size
+      repetition[i], presence[i] = r.repetition_penalty, r.presence_penalty
+      frequency[i] = r.frequency_penalty
+    return tuple(map(jnp.asarray, (history, num_prompt, repetition, presence, frequency)))
 
   def step(self) -> list[tuple[int, int]]:
     """Feeds every busy slot once -- the slots reading their prompt one chunk each (one model

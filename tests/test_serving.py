@@ -583,3 +583,38 @@ def test_a_cache_budget_sets_the_pages():
     Engine(model, num_pages=8, cache_bytes=1000)
   with pytest.raises(ValueError, match="`cache_bytes` 100 is below the smallest cache"):
     Engine(model, max_batch=2, page_size=4, cache_bytes=100)
+
+
+def test_penalized_requests_equal_generate_alone():
+  """Repetition / presence / frequency penalties per request (the engine's defaults, a request's
+  own, one with none) next to each other, greedy and sampled, on two schedules (the second with
+  preemptions: a recomputed request keeps its prompt and outputs as its history): each request
+  gets what ``generate`` gives it alone with its penalties; the penalties change the tokens.
+  A speculating engine refuses them, naming the reason."""
+  model = model_for("llama")
+  ps = prompts(5)
+  own = [dict(), dict(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0),
+         dict(repetition_penalty=2.0, presence_penalty=0.5), dict(frequency_penalty=1.5),
+         dict(temperature=1.0, seed=9, presence_penalty=1.0)]
+  defaults = dict(repetition_penalty=1.6, frequency_penalty=0.4)
+  for kw in (dict(max_batch=3, chunk=8), dict(max_batch=2, chunk=2, num_pages=4,
+                                              max_pages_per_seq=4, allocation="on_demand")):
+    engine = Engine(model, page_size=4, seed=40, **defaults, **kw)
+    ids = [engine.submit(p, n, **o) for p, (_, n), o in zip(ps, REQUESTS, own)]
+    out = engine.run()
+    if kw.get("allocation"):
+      assert engine.stats.preempted > 0
+    for i, (p, (_, n), o) in enumerate(zip(ps, REQUESTS, own)):
+      settings = {**dict(seed=40 + i), **defaults, **o}
+      want = generate(model, p[None], n, **settings)[0]
+      np.testing.assert_array_equal(out[ids[i]], want, err_msg=f"request {i}, {kw}")
+  plain = [generate(model, p[None], n)[0] for p, (_, n) in zip(ps, REQUESTS)]
+  assert not np.array_equal(out[ids[0]], plain[0])         # the defaults did something
+  np.testing.assert_array_equal(out[ids[1]], plain[1])     # penalties off: unchanged
+  with pytest.raises(ValueError, match="not supported with speculative decoding"):
+    Engine(model, num_draft_tokens=2, repetition_penalty=1.2)
+  engine = Engine(model, num_draft_tokens=2)
+  with pytest.raises(ValueError, match="not supported with speculative decoding"):
+    engine.submit(ps[0], 4, presence_penalty=0.3)
+  with pytest.raises(ValueError, match="repetition_penalty"):
+    Engine(model).submit(ps[0], 4, repetition_penalty=-1.0)
