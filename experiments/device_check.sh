@@ -15,9 +15,10 @@
 #   2. (core) the GPU kernel tests compiled, in one pytest run over 8 processes:
 #      tests/kernels/test_decode_gpu.py, test_flash_gpu.py, test_flash_hopper.py and the cuDNN
 #      backend of the dispatcher against the formula (tests/ops/test_attention_cudnn.py);
-#   3. (core) experiments.bench_decode --check (kernels vs formulas at 32k context) and the decode
-#      benchmark (contiguous XLA, paged XLA and the paged Pallas kernels against the copy
-#      bandwidth, 4k and 32k, batch 1..32);
+#   3. (core) the contiguous-cache decode tests on the GPU kernels, experiments.bench_decode
+#      --check (kernels vs formulas at 32k context) and the decode benchmark (contiguous XLA,
+#      paged XLA and the paged Pallas kernels against the copy bandwidth, 4k and 32k, batch
+#      1..32);
 #   4. (core) bench_flash --check and the forward benchmark against cuDNN and the bf16 matmul
 #      peak (T = 2k..16k, causal and not) for the Hopper (Mosaic GPU) kernels, then the Triton
 #      ones; the Hopper forward + backward benchmark (T = 2k, 8k);
@@ -159,6 +160,10 @@ if [ ${#TESTS[@]} -gt 0 ]; then
     "$PY" -m pytest -q -rf -n 8 -p no:cacheprovider -m "slow or not slow" "${TESTS[@]}"
 fi
 if want core decode; then
+  # the contiguous caches read as pages by the same kernels (what automatic dispatch now takes on
+  # NVIDIA GPUs for a module's KVCache / LatentCache)
+  step "contiguous-cache decode on the GPU kernels" 60 \
+    "$PY" -m pytest -q -rf -p no:cacheprovider tests/kernels/test_cache_decode.py -k pallas_gpu
   step "decode check + benchmark" 150 \
     "$PY" -m experiments.bench_decode --check --kind gqa,mla --contexts 4096,32768 \
     --batches 1,8,32 --impls contiguous,xla_paged,pallas_gpu_paged --repeats 5 --out "$WORK/decode"

@@ -317,11 +317,11 @@ def test_device_check_all_steps_pass(tmp_path):
   assert proc.returncode == 0, proc.stdout
   assert proc.stdout.splitlines()[-1] == "device_check: PASSED"
   assert log == proc.stdout                           # the tee'd log is complete
-  assert proc.stdout.count("=== ") == 2 * 10 and "SKIPPED" not in proc.stdout
+  assert proc.stdout.count("=== ") == 2 * 11 and "SKIPPED" not in proc.stdout
   # one pytest run compiles every GPU kernel test file, before any benchmark
   steps = [x for x in proc.stdout.splitlines() if x.startswith("=== ") and "limit" in x]
   assert steps[1].startswith("=== GPU kernel tests (") and steps[1].count(".py") == 4, steps
-  for part, first, n in (("core", "GPU kernel tests", 5), ("more", "triton kernels: fo", 4)):
+  for part, first, n in (("core", "GPU kernel tests", 6), ("more", "triton kernels: fo", 4)):
     proc, _, _ = _device_check(tmp_path, PART=part)
     steps = [x for x in proc.stdout.splitlines() if x.startswith("=== ") and "limit" in x]
     assert proc.returncode == 0 and len(steps) == 1 + n, proc.stdout
@@ -347,9 +347,10 @@ def test_device_check_keeps_its_budget_and_prints_the_summary(tmp_path):
   assert any(x.startswith("=== GPU kernel tests (") and ": exit 124 (time limit) after " in x
              for x in lines), proc.stdout
   skipped = [x for x in lines if x.startswith("=== SKIPPED ")]
-  assert len(skipped) == 4 and skipped[0].startswith("=== SKIPPED decode check + benchmark: ")
+  assert len(skipped) == 5, proc.stdout
+  assert skipped[0].startswith("=== SKIPPED contiguous-cache decode on the GPU kernels: ")
   assert skipped[0].endswith(" s left")
-  assert lines[-1].startswith("device_check: FAILED (skipped: decode check + benchmark; ")
+  assert lines[-1].startswith("device_check: FAILED (skipped: contiguous-cache decode on the ")
   assert log == proc.stdout
   assert wall < 20
 
