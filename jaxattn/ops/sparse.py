@@ -53,8 +53,7 @@ def _resolve_implementation(implementation, gathered_rows=None, pool_rows=None):
   built; on TPU ``"pallas_tpu"`` when the call gathers at least as many rows as the cache holds
   (``gathered_rows >= pool_rows``: prefill), else ``"xla"`` (the kernel's row gathers need the
   cache re-tiled on every call, see docs/performance.md); else ``"xla"`` (the GPU kernel is opt-in
-  until a GPU run has validated it, as the decode kernels are).  The Pallas names run interpreted
-  off their hardware."""
+  until a GPU run has timed it).  The Pallas names run interpreted off their hardware."""
   if implementation is None:
     if jax.default_backend() == "tpu":
       big = gathered_rows is not None and gathered_rows >= pool_rows
