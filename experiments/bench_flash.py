@@ -95,7 +95,7 @@ def run_benchmark(args) -> list[dict]:
   if platform == "gpu":
     from pallas_kernels.flash_attention import gpu as gpu_kernel  # noqa: PLC0415
     opts = gpu_kernel.get_options()
-    sm90 = str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
+    sm90 = gpu_kernel.hopper_device_reason() is None
     passes = [opts["forward"]] + ([opts["backward"]] if args.backward else [])
     if any(o == "hopper" or (o == "auto" and sm90) for o in passes):
       ours_name = "pallas_gpu/hopper"

@@ -40,7 +40,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxattn.generation import TextStream, generate
+from jaxattn.generation import NO_PENALTIES, TextStream, generate
 from jaxattn.nn.model import DecoderLM, ModelConfig
 from jaxattn.speculative import speculative_generate
 from jaxattn.train.checkpoint import Checkpointer
@@ -147,7 +147,8 @@ def main(argv=None) -> int:
   for flag, value in (("presence", args.presence_penalty), ("frequency", args.frequency_penalty)):
     if not math.isfinite(value):
       p.error(f"argument --{flag}-penalty: must be a finite number (0: none), got {value}")
-  penalized = (args.repetition_penalty, args.presence_penalty, args.frequency_penalty) != (1, 0, 0)
+  penalized = (args.repetition_penalty, args.presence_penalty,
+               args.frequency_penalty) != NO_PENALTIES
   if penalized and args.draft is not None:
     p.error("arguments --repetition-penalty / --presence-penalty / --frequency-penalty: not "
             "supported with --draft")

@@ -67,6 +67,10 @@ def check_sampling(temperature, top_p, top_k=0, min_p=0.0) -> None:
     raise ValueError(f"`min_p` must be in [0, 1] (0: no limit), got {min_p!r}.")
 
 
+# (repetition, presence, frequency): the settings that change nothing
+NO_PENALTIES = (1.0, 0.0, 0.0)
+
+
 def check_penalties(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0) -> None:
   """Raises ``ValueError`` unless ``repetition_penalty > 0`` and both other penalties are finite."""
   if not is_number(repetition_penalty) or not repetition_penalty > 0 or not math.isfinite(
@@ -362,12 +366,12 @@ def generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_tokens: int, *
   same; sampled output has the same distribution (other draws).
 
   ``repetition_penalty`` (1: none), ``presence_penalty`` and ``frequency_penalty`` (0: none):
-  ``penalized_logits`` on every step's logits before temperature and the filters; a sequence's
-  the counts hold the sampled tokens (a finished sequence's no longer matter).  Not with ``draft``.
+  ``penalized_logits`` on every step's logits before temperature and the filters; the counts hold
+  the sampled tokens (a finished sequence's no longer matter).  Not with ``draft``.
   """
   check_penalties(repetition_penalty, presence_penalty, frequency_penalty)
   penalties = (float(repetition_penalty), float(presence_penalty), float(frequency_penalty))
-  penalized = penalties != (1.0, 0.0, 0.0)
+  penalized = penalties != NO_PENALTIES
   if draft is not None and penalized:
     raise ValueError("repetition / presence / frequency penalties are not supported with "
                      "speculative decoding (`draft`): the draft and the model would need the "

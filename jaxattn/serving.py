@@ -80,8 +80,8 @@ import numpy as np
 from flax import nnx
 
 from jaxattn.checks import is_int
-from jaxattn.generation import (check_penalties, check_sampling, eval_model, penalized_rows,
-                                sample_rows)
+from jaxattn.generation import (NO_PENALTIES, check_penalties, check_sampling, eval_model,
+                                penalized_rows, sample_rows)
 from jaxattn.nn.model import DecoderLM, PagedModelCache
 from jaxattn.nn.mtp import mtp_layer_kind, shift_left
 from jaxattn.paged_cache import PageTable
@@ -159,7 +159,8 @@ class _Request:
 
   @property
   def penalized(self) -> bool:
-    return (self.repetition_penalty, self.presence_penalty, self.frequency_penalty) != (1, 0, 0)
+    return (self.repetition_penalty, self.presence_penalty,
+            self.frequency_penalty) != NO_PENALTIES
 
   @property
   def tokens(self) -> np.ndarray:
@@ -1017,7 +1018,7 @@ class Engine:
   # -- requests --------------------------------------------------------------------------------
 
   def _check_penalties_without_drafts(self, penalties: dict) -> None:
-    if self.num_draft_tokens and tuple(penalties.values()) != (1.0, 0.0, 0.0):
+    if self.num_draft_tokens and tuple(penalties.values()) != NO_PENALTIES:
       raise ValueError(f"repetition / presence / frequency penalties ({penalties}) are not "
                        f"supported with speculative decoding (num_draft_tokens="
                        f"{self.num_draft_tokens}): drafts would need the penalty state of every "

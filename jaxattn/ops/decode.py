@@ -669,12 +669,8 @@ def cache_attention(
     raise ValueError(f"`key` {key.shape} must hold the query's B={b} sequences.")
   impl = resolve_implementation(implementation) if t else "xla"           # T = 0: empty
   s = key.shape[1]
-  page = s if impl == "xla" else view_page_size(s, cache_row_bytes(key, value))
-  if page is None and implementation is None:  # automatic: no page view, the XLA path
-    impl, page = "xla", s
-  if page is None:
-    raise ValueError(f"implementation={impl!r} reads the cache as pages of 16 or more tokens: "
-                     f"its length S={s} must be a multiple of 16 (or use implementation='xla').")
+  impl, page = _view_pages(impl, implementation, s,
+                           lambda: view_page_size(s, cache_row_bytes(key, value)))
   key_pages, table = page_view(key, page)
   value_pages, _ = page_view(value, page)
   scales = {} if key_scale is None else dict(key_scale=scale_page_view(key_scale, page),
@@ -812,12 +808,8 @@ def cache_mla_decode(
       _check_scale_array("c_kv_scale", c_kv_scale, (b, 1, kv.shape[1]), "[B, 1, S]")
   impl = resolve_implementation(implementation) if t else "xla"           # T = 0: empty
   s = kv.shape[1]
-  page = s if impl == "xla" else latent_view_page_size(kv, k_rope, c_kv_scale)
-  if page is None and implementation is None:  # automatic: no page view, the XLA path
-    impl, page = "xla", s
-  if page is None:
-    raise ValueError(f"implementation={impl!r} reads the cache as pages of 16 or more tokens: "
-                     f"its length S={s} must be a multiple of 16 (or use implementation='xla').")
+  impl, page = _view_pages(impl, implementation, s,
+                           lambda: latent_view_page_size(kv, k_rope, c_kv_scale))
   pages, table = page_view(kv, page)
   if k_rope is not None:
     scales = None if c_kv_scale is None else c_kv_scale.reshape(b * (s // page), 1, page)
@@ -846,6 +838,21 @@ def cache_mla_decode(
   out = contiguous_mla_decode_tpu(ql, qr, kv, lengths.astype(jnp.int32), scale=scale,
                                   num_splits=num_splits, interpret=interpret)
   return out[:, 0] if squeeze else out
+
+
+def _view_pages(impl: str, implementation, length: int, page_size) -> tuple[str, int]:
+  """``(implementation, page)`` for reading a contiguous cache of ``length`` slots: the XLA path
+  reads it whole; a kernel reads it as pages of ``page_size()`` tokens, and where no page size
+  fits, automatic dispatch (``implementation`` None) takes the XLA path, an explicit kernel
+  raises."""
+  page = length if impl == "xla" else page_size()
+  if page is None and implementation is None:
+    return "xla", length
+  if page is None:
+    raise ValueError(f"implementation={impl!r} reads the cache as pages of 16 or more tokens: "
+                     f"its length S={length} must be a multiple of 16 (or use "
+                     f"implementation='xla').")
+  return impl, page
 
 
 def view_page_size(length: int, row_bytes: int = 0) -> int | None:

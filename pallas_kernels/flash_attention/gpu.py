@@ -288,6 +288,14 @@ def _visit(counts_ref, entries_ref, carry, step, affine=False):
 # ----------------------------------------------------------------------------------------------
 
 
+def hopper_device_reason() -> str | None:
+  """None when the default device is an sm_90 GPU (the Hopper kernels' target), else why not."""
+  cc = getattr(jax.devices()[0], "compute_capability", None)
+  if cc is None or not str(cc).startswith("9"):
+    return f"device compute capability {cc} (the kernel is for sm_90)"
+  return None
+
+
 def hopper_reason(plan: C.Plan, which: str = "forward") -> str | None:
   """None when option ``which`` ("forward" / "backward") = "hopper" runs this plan's pass on the
   Hopper kernels, else why not."""
@@ -297,10 +305,8 @@ def hopper_reason(plan: C.Plan, which: str = "forward") -> str | None:
     return f"option {which}='auto' interprets the Triton kernels"
   if which == "backward" and (why := hopper.supports_backward(head_dim=plan.head_dim)):
     return why
-  if not plan.interpret:
-    cc = getattr(jax.devices()[0], "compute_capability", None)
-    if cc is None or not str(cc).startswith("9"):
-      return f"device compute capability {cc} (the kernel is for sm_90)"
+  if not plan.interpret and (why := hopper_device_reason()):
+    return why
   if plan.static_scale is None:
     return "a traced scale"
   return hopper.supports(dtype=plan.dtype, head_dim=plan.head_dim, v_head_dim=plan.v_head_dim,
