@@ -347,8 +347,10 @@ SWEEP_OPTIONS = (  # code-generation switches of pallas_kernels.flash_attention.
     {"exp": "exp2", "affine": True, "reverse": True})  # the default (last)
 
 
-HOPPER_SWEEP = (  # (block_k, stages, pingpong) of the Hopper (Mosaic GPU) forward kernel
-    (128, 2, True), (128, 2, False), (64, 2, False), (64, 3, False), (64, 3, True))
+HOPPER_SWEEP = (  # (block_k, stages, schedule) of the Hopper (Mosaic GPU) forward kernel:
+    # "plain" (the default), "overlap" (intra-warpgroup pipelining), "pingpong"
+    (128, 2, "plain"), (128, 2, "overlap"), (128, 2, "pingpong"), (64, 2, "plain"),
+    (64, 2, "overlap"), (64, 3, "plain"), (64, 3, "overlap"))
 
 
 def _time_jax_mgpu(q, k, v, causal, flops, base, peak, repeats):
@@ -377,8 +379,9 @@ def _sweep_hopper(q, k, v, mask, causal, flops, base, timed, rows, saved, backwa
   from pallas_kernels.flash_attention import flash_attention_gpu, hopper  # noqa: PLC0415
   from pallas_kernels.flash_attention import gpu as gpu_kernel  # noqa: PLC0415
 
-  for bk, stages, pingpong in HOPPER_SWEEP:
-    cfg = hopper.Config(block_k=bk, stages=stages, pingpong=pingpong)
+  for bk, stages, schedule in HOPPER_SWEEP:
+    cfg = hopper.Config(block_k=bk, stages=stages, pingpong=schedule == "pingpong",
+                        overlap=schedule == "overlap")
     if hopper.smem_bytes(q.shape[-1], cfg) > hopper._SMEM_BYTES:
       continue
     try:
@@ -389,12 +392,12 @@ def _sweep_hopper(q, k, v, mask, causal, flops, base, timed, rows, saved, backwa
         fn = jax.grad(lambda q, k, v, f=fn: jnp.sum(f(q, k, v).astype(jnp.float32)),
                       argnums=(0, 1, 2))
       got = timed(f"hopper{' fwd+bwd' if backward else ''} bk={bk:>3} stages={stages} "
-                  f"pingpong={int(pingpong)}", fn, flops, base)
+                  f"{schedule}", fn, flops, base)
     finally:
       gpu_kernel.set_options(**saved)
     if got:
       rows.append(dict(causal=causal, backward=backward, forward="hopper", block_k=bk,
-                       stages=stages, pingpong=pingpong, ms=got[0] * 1e3, tflops=got[1],
+                       stages=stages, schedule=schedule, ms=got[0] * 1e3, tflops=got[1],
                        vs_cudnn=base / got[0]))
 
 
@@ -493,6 +496,25 @@ def run_sweep(args) -> list[dict]:
   return rows
 
 
+def hopper_config(text: str):
+  """``hopper.Config`` from ``"block_k=128,stages=2,overlap=1"`` (integers; switches 0 / 1)."""
+  import dataclasses  # noqa: PLC0415
+
+  from pallas_kernels.flash_attention import hopper  # noqa: PLC0415
+  fields = {f.name: f.type for f in dataclasses.fields(hopper.Config)}
+  kw = {}
+  for item in filter(None, text.split(",")):
+    name, _, value = item.partition("=")
+    if name not in fields or not value.strip().isdigit():
+      raise argparse.ArgumentTypeError(
+          f"{item!r}: expected name=integer with name one of {', '.join(fields)}")
+    kw[name] = bool(int(value)) if fields[name] in (bool, "bool") else int(value)
+  try:
+    return hopper.Config(**kw)
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--seq-lens", type=int, nargs="+", default=None,
@@ -524,6 +546,9 @@ def main(argv=None):
   p.add_argument("--gpu-backward", choices=("triton", "hopper", "auto"), default=None,
                  help="GPU: the backward kernels of implementation='pallas_gpu' (default: the "
                  "library's, option `backward`)")
+  p.add_argument("--hopper", type=hopper_config, default=None, metavar="K=V,...",
+                 help="GPU: the Hopper kernels' config, e.g. block_k=128,stages=2,overlap=1 "
+                 "(pallas_kernels.flash_attention.hopper.Config; default: per head size)")
   p.add_argument("--roofline", action="store_true",
                  help="print the TPU v5e/v6e roofline table of docs/performance.md and exit")
   args = p.parse_args(argv)
@@ -542,10 +567,11 @@ def main(argv=None):
   elif args.plot is None:
     suffix = "_bwd" if args.backward else ""
     args.plot = os.path.join("runs", f"bench_flash_{_platform()}{suffix}.png")
-  if args.gpu_forward or args.gpu_backward:
+  if args.gpu_forward or args.gpu_backward or args.hopper:
     from pallas_kernels.flash_attention import gpu as gpu_kernel  # noqa: PLC0415
     gpu_kernel.set_options(**{k: v for k, v in (("forward", args.gpu_forward),
-                                                ("backward", args.gpu_backward)) if v})
+                                                ("backward", args.gpu_backward),
+                                                ("hopper", args.hopper)) if v})
   if args.sweep:
     run_sweep(args)
     return 0

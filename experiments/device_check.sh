@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Pallas GPU kernels on an NVIDIA GPU: correctness, then speed.
 #
-#   PART=core bash experiments/device_check.sh   # tests + headline figures (about 5 minutes)
+#   PART=core bash experiments/device_check.sh   # tests + headline figures (about 6 minutes)
 #   PART=more TUNE=1 bash experiments/device_check.sh  # the rest + tile sweeps (about 8 minutes)
 #   bash experiments/device_check.sh             # PART=all: both (over one 600 s call with TUNE)
 #   PART=decode bash experiments/device_check.sh # only the decode steps (PART=flash: only flash)
@@ -20,8 +20,9 @@
 #      paged XLA and the paged Pallas kernels against the copy bandwidth, 4k and 32k, batch
 #      1..32);
 #   4. (core) bench_flash --check and the forward benchmark against cuDNN and the bf16 matmul
-#      peak (T = 2k..16k, causal and not) for the Hopper (Mosaic GPU) kernels, then the Triton
-#      ones; the Hopper forward + backward benchmark (T = 2k, 8k);
+#      peak (T = 2k..16k, causal and not) for the Hopper (Mosaic GPU) kernels, the same for the
+#      Hopper forward's overlapped schedule (hopper.Config(overlap=True): 2k, 8k, 16k), then the
+#      Triton ones; the Hopper forward + backward benchmark (T = 2k, 8k);
 #   5. (more) the Triton forward + backward benchmark; the paged decode kernels over int8 / fp8
 #      caches (32k, batch 8 and 32); the top-K sparse (DSA) kernels compiled against the gather
 #      reference and timed (experiments.bench_sparse_kernel), forward and forward + backward;
@@ -173,6 +174,10 @@ if want core flash; then
   step "hopper kernels: check + forward benchmark" 100 \
     "$PY" -m experiments.bench_flash --gpu-forward hopper --gpu-backward hopper --check \
     --seq-lens 2048 4096 8192 16384 --repeats 5 --plot "$DEST/bench_flash_gpu_hopper.png"
+  step "hopper overlapped schedule: check + forward benchmark" 80 \
+    "$PY" -m experiments.bench_flash --gpu-forward hopper --gpu-backward hopper \
+    --hopper overlap=1 --check --seq-lens 2048 8192 16384 --repeats 5 \
+    --plot "$DEST/bench_flash_gpu_hopper_overlap.png"
   step "triton kernels: check + forward benchmark" 100 \
     "$PY" -m experiments.bench_flash --gpu-forward triton --gpu-backward triton --check \
     --seq-lens 2048 4096 8192 16384 --repeats 5 --plot "$DEST/bench_flash_gpu.png"

@@ -3,6 +3,7 @@ adaptive timing rounds, strict JSON, one failing case not losing the others (``-
 benchmark rows), rows printed and saved as they are measured, and the device check's overall time
 budget with its closing summary line.  Tiny sizes on CPU; the GPU kernels themselves are faked."""
 
+import argparse
 import json
 import os
 import pathlib
@@ -277,6 +278,20 @@ def test_flash_check_error_still_runs_the_benchmark_and_times_in_rounds(monkeypa
   assert [inner for inner, _ in seen] == ["auto"] * 4      # (ours, base) x (full, causal)
 
 
+def test_flash_hopper_config_flag():
+  """``--hopper block_k=64,stages=3,overlap=1`` builds the Hopper kernels' config; unknown names,
+  non-integers and configs the kernel refuses are argument errors naming what is allowed."""
+  from pallas_kernels.flash_attention import hopper  # noqa: PLC0415
+
+  assert bench_flash.hopper_config("block_k=64,stages=3,overlap=1") == hopper.Config(
+      block_k=64, stages=3, overlap=True)
+  assert bench_flash.hopper_config("pingpong=0") == hopper.Config(pingpong=False)
+  for bad, match in (("warps=4", "name one of block_q, block_k"), ("block_k=big", "integer"),
+                     ("overlap=1,pingpong=1", "exclusive"), ("block_k=96", "multiple of 64")):
+    with pytest.raises(argparse.ArgumentTypeError, match=match):
+      bench_flash.hopper_config(bad)
+
+
 # ---------------------------------------------------------------------------------------------
 # device_check.sh
 # ---------------------------------------------------------------------------------------------
@@ -317,11 +332,11 @@ def test_device_check_all_steps_pass(tmp_path):
   assert proc.returncode == 0, proc.stdout
   assert proc.stdout.splitlines()[-1] == "device_check: PASSED"
   assert log == proc.stdout                           # the tee'd log is complete
-  assert proc.stdout.count("=== ") == 2 * 11 and "SKIPPED" not in proc.stdout
+  assert proc.stdout.count("=== ") == 2 * 12 and "SKIPPED" not in proc.stdout
   # one pytest run compiles every GPU kernel test file, before any benchmark
   steps = [x for x in proc.stdout.splitlines() if x.startswith("=== ") and "limit" in x]
   assert steps[1].startswith("=== GPU kernel tests (") and steps[1].count(".py") == 4, steps
-  for part, first, n in (("core", "GPU kernel tests", 6), ("more", "triton kernels: fo", 4)):
+  for part, first, n in (("core", "GPU kernel tests", 7), ("more", "triton kernels: fo", 4)):
     proc, _, _ = _device_check(tmp_path, PART=part)
     steps = [x for x in proc.stdout.splitlines() if x.startswith("=== ") and "limit" in x]
     assert proc.returncode == 0 and len(steps) == 1 + n, proc.stdout
@@ -441,7 +456,8 @@ def test_decode_quantized_cache_rows(tmp_path):
   rows = {r["impl"]: r for r in _strict_load(tmp_path / "results.json")["rows"]}
   assert list(rows) == ["contiguous", "xla_paged", "contiguous+int8", "xla_paged+int8"]
   # bf16: 1 KV head x 2 x 16 x 2 bytes = 64 per token; int8: 1 x 2 x (16 + 4) = 40.
-  assert rows["xla_paged+int8"]["cache_mb"] == pytest.approx(rows["xla_paged"]["cache_mb"] * 40 / 64)
+  assert rows["xla_paged+int8"]["cache_mb"] == pytest.approx(
+      rows["xla_paged"]["cache_mb"] * 40 / 64)
   assert all(r["ms"] > 0 and r["vs_contiguous"] is not None for r in rows.values())
   assert rows["contiguous"]["vs_contiguous"] == 1.0
   # MLA: c_KV in codes with a scale per token, k^R in bf16: (32 + 4 + 16 * 2) / ((32 + 16) * 2).
@@ -451,7 +467,8 @@ def test_decode_quantized_cache_rows(tmp_path):
   assert bench_decode.main(argv) == 0
   rows = {r["impl"]: r for r in _strict_load(tmp_path / "mla" / "results.json")["rows"]}
   assert list(rows) == ["contiguous", "xla_paged", "contiguous+int8", "xla_paged+int8"]
-  assert rows["xla_paged+int8"]["cache_mb"] == pytest.approx(rows["xla_paged"]["cache_mb"] * 68 / 96)
+  assert rows["xla_paged+int8"]["cache_mb"] == pytest.approx(
+      rows["xla_paged"]["cache_mb"] * 68 / 96)
 
 
 # ---------------------------------------------------------------------------------------------

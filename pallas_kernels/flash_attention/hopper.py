@@ -80,7 +80,10 @@ class Config:
   block_q: query rows per consumer warpgroup (a CTA holds two: ``2 * block_q`` rows); 64 is one
     wgmma M tile.  block_k: keys per step (a multiple of 64).  stages: K/V slots in shared memory
     (>= 2).  pingpong: consumers alternate on the tensor cores (one's softmax overlaps the
-    other's matmuls).
+    other's matmuls).  overlap (forward only): each consumer overlaps its own softmax with its
+    matmuls (FlashAttention-3's intra-warpgroup pipelining): step j issues ``q k_j^T`` and the
+    previous block's ``p v`` together and computes block j's softmax while ``p v`` runs; K and
+    V slots are then released separately.  Exclusive with ``pingpong``.
 
   Defaults from an H200 (jax 0.11.2, bf16, B=2, 16 heads of 128, T = 8k: ``python -m
   experiments.bench_flash --sweep 8192 --backward --sweep-kernels hopper``): 128-key blocks, 2
@@ -92,8 +95,12 @@ class Config:
   block_k: int = 128
   stages: int = 2
   pingpong: bool = False
+  overlap: bool = False
 
   def __post_init__(self):
+    if self.overlap and self.pingpong:
+      raise ValueError("hopper.Config: `overlap` and `pingpong` are exclusive schedules (got "
+                       "both True).")
     if self.block_q != 64:
       raise ValueError(f"hopper.Config: `block_q` must be 64 (one wgmma tile per consumer), got "
                        f"{self.block_q!r}.")
@@ -398,23 +405,29 @@ class _Ctx:
   def produce(self, total, free, load):
     """The producer warpgroup: ``load(t, slot)`` issues the TMA copies of global step ``t``;
     slot ``t % stages`` is refilled once both consumers released step ``t - stages``; at the end
-    it observes the last phases of ``free`` (no barrier left mid-phase at exit)."""
+    it observes the last phases of ``free`` (no barrier left mid-phase at exit).  ``free`` and
+    ``load`` may be tuples of rings released separately (the overlapped forward's K and V): each
+    buffer is refilled as soon as its own slot is free, in the tuple's order."""
     i32, stages = jnp.int32, self.stages
+    frees, loads = (free, load) if isinstance(free, tuple) else ((free,), (load,))
     plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
 
     @pl.loop(0, lax.min(total, i32(stages)))
     def _prologue(t):
-      load(t, t)
+      for ld in loads:
+        ld(t, t)
 
     @pl.loop(stages, lax.max(total, i32(stages)))
     def _steady(t):
       slot = lax.rem(t, stages)
-      plgpu.barrier_wait(free.at[slot])
-      load(t, slot)
+      for fr, ld in zip(frees, loads, strict=True):
+        plgpu.barrier_wait(fr.at[slot])
+        ld(t, slot)
 
     @pl.loop(lax.max(total - stages, i32(0)), total)
     def _drain(t):
-      plgpu.barrier_wait(free.at[lax.rem(t, stages)])
+      for fr in frees:
+        plgpu.barrier_wait(fr.at[lax.rem(t, stages)])
 
   def consume(self, carry, *, outer: int, cta_lo, steps, runs, ready, free, turn, compute):
     """One consumer's walk over ``outer`` passes of the CTA's ``steps`` blocks (global step
@@ -454,6 +467,41 @@ class _Ctx:
     if outer == 1:
       return one_pass(jnp.int32(0), carry)
     return lax.fori_loop(0, outer, one_pass, carry)
+
+  def consume_overlapped(self, carry, *, cta_lo, steps, runs, ready, frees, first, step, last):
+    """``consume`` for a loop whose step ``s`` finishes block ``s - 1``: blocks are computed over
+    the same ``[skip | masked | full | masked | skip]`` runs, but the first computed block runs
+    ``first(slot, block, carry)`` (always masked: exact for any block), each later one
+    ``step(slot, block, carry, masked)`` (which completes the previous block, holding its slot
+    until then) and the last computed block is completed by ``last(carry)``.  Skipped steps wait
+    for every ``ready`` barrier and release every ring in ``frees``.  Loops of zero or one trip
+    stand in for conditionals (a consumer with no computed block runs neither end)."""
+    i32, stages = jnp.int32, self.stages
+    lo, hi, f_lo, f_hi = runs
+    a, b, c, d = (_clamp(i32(0), x - cta_lo, steps) for x in (lo, f_lo, f_hi, hi))
+
+    def skip(s, carry):
+      slot = lax.rem(s, stages)
+      for bar in ready:
+        plgpu.barrier_wait(bar.at[slot])
+      for bar in frees:
+        plgpu.barrier_arrive(bar.at[slot])
+      return carry
+
+    def run(masked):
+      return lambda s, carry: step(lax.rem(s, stages), cta_lo + s, carry, masked)
+
+    lax.fori_loop(0, a, skip, None)
+    one = lax.min(a + 1, d)
+    carry = lax.fori_loop(a, one, lambda s, carry: first(lax.rem(s, stages), cta_lo + s, carry),
+                          carry)
+    b1, c1 = lax.max(b, one), lax.max(c, one)
+    carry = lax.fori_loop(one, b1, run(True), carry)
+    carry = lax.fori_loop(b1, c1, run(False), carry)
+    carry = lax.fori_loop(c1, d, run(True), carry)
+    carry = lax.fori_loop(lax.max(d - 1, a), d, lambda s, carry: last(carry), carry)
+    lax.fori_loop(d, steps, skip, None)
+    return carry
 
 
 def _logits(ctx: _Ctx, s, bias=None):
@@ -600,9 +648,27 @@ def _load_resident(wg, *copies):
     plgpu.barrier_wait(bar.at[wg])
 
 
-def _kv_loader(st: "_Static", refs, scratch, batch, kv_head, cta_lo, bk: int):
+def _kv_loader(st: "_Static", refs, scratch, batch, kv_head, cta_lo, bk: int,
+               split: bool = False):
   """The producer's ``load(t, slot)`` of key block ``cta_lo + t``: K, V (and the keys' segment
-  ids) by TMA, each to its own ready barrier."""
+  ids) by TMA, each to its own ready barrier.  ``split``: ``(load_k, load_v)``, K (with the ids)
+  and V as two loads, for rings released separately."""
+  def load_k(t, slot):
+    keys = pl.ds((cta_lo + t) * bk, bk)
+    plgpu.copy_gmem_to_smem(refs["k"].at[batch, keys, kv_head], scratch["k"].at[slot],
+                            scratch["k_ready"].at[slot])
+    if st.segments:
+      plgpu.copy_gmem_to_smem(refs["kv_ids"].at[batch, keys], scratch["kseg"].at[slot],
+                              scratch["kseg_ready"].at[slot])
+
+  def load_v(t, slot):
+    keys = pl.ds((cta_lo + t) * bk, bk)
+    plgpu.copy_gmem_to_smem(refs["v"].at[batch, keys, kv_head], scratch["v"].at[slot],
+                            scratch["v_ready"].at[slot])
+
+  if split:
+    return load_k, load_v
+
   def load(t, slot):
     keys = pl.ds((cta_lo + t) * bk, bk)
     plgpu.copy_gmem_to_smem(refs["k"].at[batch, keys, kv_head], scratch["k"].at[slot],
@@ -696,7 +762,8 @@ def _call(st: _Static):
 
   def kernel(refs, scratch):
     tile, head, batch, wg, kv_head, cta_lo, steps, runs = _query_cta(st, refs, tp, bq, bk, sp)
-    k_ready, v_ready, free, turn = (scratch[n] for n in ("k_ready", "v_ready", "free", "turn"))
+    k_ready, v_ready, turn = (scratch[n] for n in ("k_ready", "v_ready", "turn"))
+    free, k_free, v_free = (scratch.get(n) for n in ("free", "k_free", "v_free"))
 
     @pl.when(wg < 2)
     def _consumer():
@@ -709,21 +776,27 @@ def _call(st: _Static):
       if cfg.pingpong:
         pl.when(wg == 1)(lambda: ctx.take_turn(turn))  # consumer 0 goes first
 
-      def compute(t, slot, block, o, carry, masked):
-        del t, o
-        acc, m, l = carry
+      def wait_k(slot):
         plgpu.barrier_wait(k_ready.at[slot])
         if st.segments:
           plgpu.barrier_wait(scratch["kseg_ready"].at[slot])
-        s = ctx.mm(my_q, scratch["k"].at[slot], (bq, bk), transpose_b=True, turn=turn)
+
+      def softmax(s, m, l, slot, block, masked):
+        """The online softmax of raw logits ``s``: ``(m_new, alpha, l_new, p16)``."""
         s, _ = _scores(ctx, s, q0=r0, k0=block * bk, rows_dim=0, masked=masked,
                        k_seg=_streamed_ids(ctx, scratch, "kseg", slot, masked), **data)
         m_new = jnp.maximum(m, s.max(axis=1))
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no allowed key yet
         alpha = jnp.exp2(m - m_use)
         p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
-        l = l * alpha + p.sum(axis=1)
-        p16 = p.astype(dtype)
+        return m_new, alpha, l * alpha + p.sum(axis=1), p.astype(dtype)
+
+      def compute(t, slot, block, o, carry, masked):
+        del t, o
+        acc, m, l = carry
+        wait_k(slot)
+        s = ctx.mm(my_q, scratch["k"].at[slot], (bq, bk), transpose_b=True, turn=turn)
+        m_new, alpha, l, p16 = softmax(s, m, l, slot, block, masked)
         plgpu.barrier_wait(v_ready.at[slot])
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         acc = ctx.mm_acc(acc, p16, scratch["v"].at[slot])
@@ -731,10 +804,62 @@ def _call(st: _Static):
         ctx.release(free, slot, generic_reads=st.segments)
         return acc, m_new, l
 
+      # -- the overlapped schedule (``Config.overlap``): step j issues ``q k_j^T`` and then
+      # ``p_{j-1} v_{j-1}`` as two wgmma groups, waits for the first only and runs block j's
+      # softmax while the second runs; the output is rescaled once both are done.  K slots are
+      # released as soon as the logits are read, V slots one step later (their own ring).
+      def first(slot, block, carry):
+        acc, m, l, _, _ = carry
+        wait_k(slot)
+        s = ctx.mm(my_q, scratch["k"].at[slot], (bq, bk), transpose_b=True)
+        m, _, l, p16 = softmax(s, m, l, slot, block, True)
+        ctx.release(k_free, slot, generic_reads=st.segments)
+        return acc, m, l, p16, slot
+
+      def step(slot, block, carry, masked):
+        acc, m, l, p16, prev = carry
+        wait_k(slot)
+        plgpu.barrier_wait(v_ready.at[prev])
+        if ctx.interpret:
+          s = ctx.mm(my_q, scratch["k"].at[slot], (bq, bk), transpose_b=True)
+          acc = ctx.mm_acc(acc, p16, scratch["v"].at[prev])
+          m, alpha, l, p16 = softmax(s, m, l, slot, block, masked)
+          ctx.release(k_free, slot, generic_reads=st.segments)
+        else:
+          def body(refs):
+            s_ref, o_ref, m_ref, l_ref, p_ref, alpha_ref = refs
+            plgpu.wgmma(s_ref, my_q, scratch["k"].at[slot].transpose((1, 0)))
+            plgpu.wgmma(o_ref, p16, scratch["v"].at[prev])
+            s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # q k^T done, p v may run on
+            if not st.segments:
+              ctx.release(k_free, slot)
+            m_ref[...], alpha_ref[...], l_ref[...], p_ref[...] = softmax(s, m, l, slot, block,
+                                                                         masked)
+            if st.segments:  # the ids were read from the K slot's ring
+              ctx.release(k_free, slot, generic_reads=True)
+
+          _, acc, m, l, p16, alpha = pl.run_state(body)(
+              (plgpu.ACC.init(ctx.full((bq, bk), 0.0)), plgpu.ACC.init(acc), m, l, p16, m))
+        ctx.release(v_free, prev)
+        return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), m, l, p16, slot
+
+      def last(carry):
+        acc, m, l, p16, prev = carry
+        plgpu.barrier_wait(v_ready.at[prev])
+        acc = ctx.mm_acc(acc, p16, scratch["v"].at[prev])
+        ctx.release(v_free, prev)
+        return acc, m, l, p16, prev
+
       carry = (ctx.full((bq, h), 0.0), ctx.full((bq,), -jnp.inf), ctx.full((bq,), 0.0))
-      acc, m, l = ctx.consume(carry, outer=1, cta_lo=cta_lo, steps=steps, runs=runs(r0),
-                              ready=_key_ready(st, scratch), free=free, turn=turn,
-                              compute=compute)
+      if cfg.overlap:
+        carry += (ctx.full((bq, bk), 0.0).astype(dtype), jnp.int32(0))
+        acc, m, l, _, _ = ctx.consume_overlapped(
+            carry, cta_lo=cta_lo, steps=steps, runs=runs(r0), ready=_key_ready(st, scratch),
+            frees=(k_free, v_free), first=first, step=step, last=last)
+      else:
+        acc, m, l = ctx.consume(carry, outer=1, cta_lo=cta_lo, steps=steps, runs=runs(r0),
+                                ready=_key_ready(st, scratch), free=free, turn=turn,
+                                compute=compute)
       if cfg.pingpong:
         pl.when(wg == 0)(lambda: ctx.take_turn(turn))  # balance consumer 1's first turn
 
@@ -750,10 +875,15 @@ def _call(st: _Static):
 
     @pl.when(wg == 2)
     def _producer():
-      ctx.produce(steps, free, _kv_loader(st, refs, scratch, batch, kv_head, cta_lo, bk))
+      load = _kv_loader(st, refs, scratch, batch, kv_head, cta_lo, bk, split=cfg.overlap)
+      ctx.produce(steps, (k_free, v_free) if cfg.overlap else free, load)
 
   scratch = _ring_scratch(st, dtype, stages, resident=(("q", bq, None),) + _ids(st, "qseg", bq),
                           streamed=(("k", bk, None), ("v", bk, None)) + _ids(st, "kseg", bk))
+  if cfg.overlap:  # K and V slots are released separately
+    del scratch["free"]
+    for name in ("k_free", "v_free"):
+      scratch[name] = plgpu.Barrier(num_arrivals=2, num_barriers=stages)
   scratch["lse"] = plgpu.SMEM((2, bq), jnp.float32)  # the output rows' log-sum-exp, for TMA
   names = ("q", "k", "v") + _data_names(st) + ("o", "lse")
   call = _launch(st, _entry(names, scratch, kernel),

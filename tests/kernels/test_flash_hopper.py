@@ -57,7 +57,7 @@ def formula(q, k, v, mask, q_offset, cap, slopes=None):
 SLOW = {
     "causal ragged offset fp16",      # offsets / ragged: "window softcap ragged"; fp16: data cases
     "causal gqa ragged",              # GQA + ragged backward: "window softcap offset"
-    "packed causal gqa",              # segments + GQA: "scattered ids ..."; packed: "packed lengths"
+    "packed causal gqa",              # segments + GQA: "scattered ids ..."; packed: "packed l.."
     "lengths window alibi softcap",   # lengths / ALiBi: "scattered ids ..."; window + cap: CASES
     "lengths",                        # backward lengths / ALiBi: "packed" (all three features)
 }
@@ -87,6 +87,11 @@ CASES = [
      None, jnp.bfloat16, hopper.Config(block_k=64, pingpong=False)),
     ("causal 128-key steps", (1, 256, 256, 1, 1, 64), M.CausalMask(), 0, None, jnp.bfloat16,
      hopper.Config(block_k=128, pingpong=True)),
+    # the overlapped schedule: each step finishes the previous block (first / step / last)
+    ("window softcap ragged overlap", (1, 130, 260, 2, 1, 64), M.SlidingWindowMask(50, 10), 90,
+     30.0, jnp.bfloat16, hopper.Config(block_k=64, stages=3, overlap=True)),
+    ("causal 128-key steps overlap fp16", (1, 256, 256, 1, 1, 64), M.CausalMask(), 0, None,
+     jnp.float16, hopper.Config(block_k=128, overlap=True)),
 ]
 
 
@@ -181,6 +186,8 @@ DATA_CASES = [
      jnp.float16, hopper.Config(block_k=64, pingpong=False), "scattered", (170,), True),
     ("packed lengths alibi 128-key steps", (1, 256, 256, 1, 1), M.CausalMask(), 0, None,
      jnp.bfloat16, hopper.Config(block_k=128, pingpong=True), "packed", (230,), True),
+    ("scattered ids lengths alibi overlap", (1, 128, 192, 2, 1), None, 0, None, jnp.bfloat16,
+     hopper.Config(block_k=64, overlap=True), "scattered", (170,), True),
 ]
 
 
@@ -254,15 +261,18 @@ def test_run_table():
   np.testing.assert_array_equal(table, [[1, 5, 2, 4], [0, 0, 0, 0], [0, 3, 0, 0], [0, 6, 0, 0]])
 
 
-def test_rows_without_keys_and_races():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_rows_without_keys_and_races(overlap):
   """A negative offset under a causal mask leaves the first rows with no key: output 0 and
-  ``lse = -inf``; whole key blocks before the band are skipped by one consumer, not the other.
+  ``lse = -inf``; whole key blocks before the band are skipped by one consumer, not the other
+  (with ``overlap``: a consumer with no computed block runs neither end of its pipeline).
   Race detection over the producer / consumer hand-offs finds nothing."""
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks  # noqa: PLC0415
 
   q, key, v = inputs(1, 128, 128, 1, 1, 64, jnp.bfloat16, seed=3)
   mask = M.CausalMask() & M.SlidingWindowMask(40, 0)
-  out, lse = hopper.forward(q, key, v, mask=mask, q_offset=-70, config=hopper.Config(block_k=64),
+  out, lse = hopper.forward(q, key, v, mask=mask, q_offset=-70,
+                            config=hopper.Config(block_k=64, overlap=overlap),
                             interpret=interpret(detect_races=True))
   if not ON_GPU:
     assert not gpu_callbacks.get_races().races_found
@@ -280,8 +290,9 @@ def test_rows_without_keys_and_races():
 def test_through_gpu_entry_point_with_gradients(forward, backward):
   """``gpu.set_options(forward=..., backward=...)``: ``flash_attention_gpu`` runs the Hopper
   forward (counted) with the Triton backward on its log-sum-exp (so the two forwards' residuals
-  agree), and with the Hopper backward; values and gradients match the formula.  The training path: three packed sequences
-  (causal & segment ids) with ALiBi slopes, which the dispatch hands to the Hopper kernels."""
+  agree), and with the Hopper backward; values and gradients match the formula.  The training
+  path: three packed sequences (causal & segment ids) with ALiBi slopes, which the dispatch
+  hands to the Hopper kernels."""
   q, key, v = inputs(1, 130, 130, 2, 1, 64, jnp.bfloat16, seed=1)
   ids = jnp.asarray(np.repeat([0, 1, 2], [40, 50, 40])[None], jnp.int32)
   mask = M.CausalMask() & M.SegmentMask(ids, ids)
@@ -388,6 +399,8 @@ def test_errors():
     hopper.Config(block_k=96)
   with pytest.raises(ValueError, match="stages"):
     hopper.Config(stages=1)
+  with pytest.raises(ValueError, match="`overlap` and `pingpong` are exclusive"):
+    hopper.Config(overlap=True, pingpong=True)
   q, key, v = inputs(1, 64, 64, 2, 1, 64, jnp.float32)
   with pytest.raises(ValueError, match="dtype float32"):
     hopper.forward(q, key, v)
@@ -413,15 +426,18 @@ def test_errors():
     gpu_kernel.set_options(hopper={"block_k": 64})
 
 
-@pytest.mark.parametrize("h,mask,cap,pingpong,data", [
-    (64, None, None, True, False), (128, M.CausalMask(), None, True, False),
-    (128, M.SlidingWindowMask(256, 0), 30.0, False, False),
-    (256, M.CausalMask(), None, True, False),
-    (128, M.CausalMask(), 30.0, True, True)])
-def test_lowers_for_cuda(h, mask, cap, pingpong, data):
+@pytest.mark.parametrize("h,mask,cap,schedule,data", [
+    (64, None, None, "pingpong", False), (128, M.CausalMask(), None, "pingpong", False),
+    (128, M.SlidingWindowMask(256, 0), 30.0, "plain", False),
+    (256, M.CausalMask(), None, "pingpong", False),
+    (128, M.CausalMask(), 30.0, "pingpong", True),
+    (64, M.CausalMask(), None, "overlap", False), (256, None, 30.0, "overlap", False),
+    (128, M.CausalMask(), 30.0, "overlap", True)])
+def test_lowers_for_cuda(h, mask, cap, schedule, data):
   """The hardware program (wgmma from shared memory and registers, layouts, TMA, barriers) goes
-  through Mosaic GPU's lowering to one custom call, for every head size and both schedules, and
-  with segment ids, key lengths and ALiBi (``data``)."""
+  through Mosaic GPU's lowering to one custom call, for every head size and each schedule (the
+  overlapped one: two wgmma groups in flight, the first awaited alone), and with segment ids, key
+  lengths and ALiBi (``data``)."""
   q = jax.ShapeDtypeStruct((2, 1000, 4, h), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((2, 1000, 2, h), jnp.bfloat16)
   ids = jax.ShapeDtypeStruct((2, 1000), jnp.int32)
@@ -434,7 +450,8 @@ def test_lowers_for_cuda(h, mask, cap, pingpong, data):
     q_ids, kv_ids, lengths, slopes = extra
     return dict(segment_ids=(q_ids, kv_ids), kv_lengths=lengths, alibi_slopes=slopes)
 
-  cfg = hopper.Config(block_k=hopper.default_config(h).block_k, pingpong=pingpong)
+  cfg = hopper.Config(block_k=hopper.default_config(h).block_k, pingpong=schedule == "pingpong",
+                      overlap=schedule == "overlap")
   f = lambda q, k, v, *extra: hopper.forward(  # noqa: E731
       q, k, v, mask=mask, logits_soft_cap=cap, config=cfg, **kw(*extra))
   text = jax.export.export(jax.jit(f), platforms=("cuda",))(q, k, k, *extra).mlir_module()
