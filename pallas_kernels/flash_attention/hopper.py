@@ -519,19 +519,24 @@ def _logits(ctx: _Ctx, s, bias=None):
 
 
 def _scores(ctx: _Ctx, s, *, q0, k0, rows_dim: int, masked: bool, slope=None, limit=None,
-            q_seg=None, k_seg=None):
+            q_seg=None, k_seg=None, raw: bool = False):
   """Base-2 logits (and the soft-cap's tanh) of a raw ``q . k`` tile whose query rows start at
   ``q0`` along axis ``rows_dim`` and keys at ``k0`` along the other, in the order scale -> ALiBi
   (``slope * (j - (i + q_offset))``) -> soft-cap -> mask.  Only ``masked`` blocks evaluate the
   mask: the band, keys ``>= limit`` (None: no bound) and unequal segment ids (``q_seg`` /
-  ``k_seg``: the tile's row and column id vectors)."""
+  ``k_seg``: the tile's row and column id vectors).  ``raw`` (no ALiBi, no soft-cap): the tile
+  masked but not scaled, for a caller that folds the scale into its exponent (``_folds``)."""
   st = ctx.st
   kd = 1 - rows_dim
   if slope is not None or masked:
     q_pos = ctx.iota(s.shape, rows_dim) + (q0 + st.q_offset)
     k_pos = ctx.iota(s.shape, kd) + k0
   bias = None if slope is None else slope * (k_pos - q_pos).astype(jnp.float32)
-  s, tanh = _logits(ctx, s, bias)
+  if raw:
+    assert bias is None and st.soft_cap is None
+    tanh = None
+  else:
+    s, tanh = _logits(ctx, s, bias)
   if not masked:
     return s, tanh
   ok = None
@@ -543,6 +548,24 @@ def _scores(ctx: _Ctx, s, *, q0, k0, rows_dim: int, masked: bool, slope=None, li
     if cond is not None:
       ok = cond if ok is None else ok & cond
   return (s if ok is None else jnp.where(ok, s, -jnp.inf)), tanh
+
+
+def _folds(st: _Static) -> bool:
+  """Whether the forward folds the scale into its exponent (``_scores(raw=True)``): no ALiBi,
+  no soft-cap, and a positive scale (the max of the raw logits is then the max of the scaled)."""
+  return st.soft_cap is None and not st.alibi and st.scale > 0
+
+
+def _backward_folds(st: _Static) -> tuple[bool, float | None]:
+  """``(raw, c)`` of the backward kernels: without ALiBi or a soft-cap they take raw logits and
+  ``p = exp2(s c - lse)`` (one fused multiply-add; no max is taken, so any sign of scale)."""
+  raw = st.soft_cap is None and not st.alibi
+  return raw, (st.scale * _LOG2E if raw else None)
+
+
+def _minus(s, c, x):
+  """``s c - x`` (``s - x`` when ``c`` is None: ``s`` already scaled)."""
+  return s - x if c is None else s * c - x
 
 
 def _with_data(band_runs, tab_ref, batch, tile):
@@ -759,6 +782,7 @@ def _call(st: _Static):
   dtype = jnp.dtype(st.dtype)
   h = st.head_dim
   ctx = _Ctx(st, stages, cfg.pingpong)
+  fold, c = _folds(st), st.scale * _LOG2E
 
   def kernel(refs, scratch):
     tile, head, batch, wg, kv_head, cta_lo, steps, runs = _query_cta(st, refs, tp, bq, bk, sp)
@@ -782,13 +806,19 @@ def _call(st: _Static):
           plgpu.barrier_wait(scratch["kseg_ready"].at[slot])
 
       def softmax(s, m, l, slot, block, masked):
-        """The online softmax of raw logits ``s``: ``(m_new, alpha, l_new, p16)``."""
+        """The online softmax of raw logits ``s``: ``(m_new, alpha, l_new, p16)``, the running
+        max ``m`` in base-2 logit units.  Without ALiBi or a soft-cap the scale is folded into
+        the exponent: the max of the raw tile times ``scale log2(e)``, then ``p = exp2(s c -
+        m)``, one fused multiply-add per logit where scaling first takes a multiply and a
+        subtraction."""
         s, _ = _scores(ctx, s, q0=r0, k0=block * bk, rows_dim=0, masked=masked,
-                       k_seg=_streamed_ids(ctx, scratch, "kseg", slot, masked), **data)
-        m_new = jnp.maximum(m, s.max(axis=1))
+                       k_seg=_streamed_ids(ctx, scratch, "kseg", slot, masked), raw=fold,
+                       **data)
+        m_new = jnp.maximum(m, s.max(axis=1) * c if fold else s.max(axis=1))
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no allowed key yet
         alpha = jnp.exp2(m - m_use)
-        p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+        m_b = lax.broadcast_in_dim(m_use, s.shape, [0])
+        p = jnp.exp2(s * c - m_b if fold else s - m_b)
         return m_new, alpha, l * alpha + p.sum(axis=1), p.astype(dtype)
 
       def compute(t, slot, block, o, carry, masked):
@@ -968,6 +998,7 @@ def _dq_call(st: _Static):
   dtype = jnp.dtype(st.dtype)
   h = st.head_dim
   ctx = _Ctx(st, stages, cfg.pingpong)
+  raw, c = _backward_folds(st)
 
   def kernel(refs, scratch):
     tile, head, batch, wg, kv_head, cta_lo, steps, runs = _query_cta(st, refs, tp, bq, bk, sp)
@@ -998,8 +1029,9 @@ def _dq_call(st: _Static):
           plgpu.barrier_wait(scratch["kseg_ready"].at[slot])
         s = ctx.mm(my_q, scratch["k"].at[slot], (bq, bk), transpose_b=True, turn=turn)
         s, tanh = _scores(ctx, s, q0=r0, k0=block * bk, rows_dim=0, masked=masked,
-                          k_seg=_streamed_ids(ctx, scratch, "kseg", slot, masked), **data)
-        p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [0]))
+                          k_seg=_streamed_ids(ctx, scratch, "kseg", slot, masked), raw=raw,
+                          **data)
+        p = jnp.exp2(_minus(s, c, lax.broadcast_in_dim(lse, s.shape, [0])))
         plgpu.barrier_wait(v_ready.at[slot])
         dp = ctx.mm(my_do, scratch["v"].at[slot], (bq, bk), transpose_b=True)
         ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
@@ -1054,6 +1086,7 @@ def _dkv_call(st: _Static):
   h = st.head_dim
   groups = st.num_heads // st.num_kv_heads
   ctx = _Ctx(st, stages, cfg.pingpong)
+  raw, c = _backward_folds(st)
 
   def kernel(refs, scratch):
     tile = lax.axis_index("k")  # key tiles in order: under a causal mask the first see most rows
@@ -1093,9 +1126,9 @@ def _dkv_call(st: _Static):
         slope = refs["slopes"][kv_head * groups + o] if st.alibi else None
         q_seg = _streamed_ids(ctx, scratch, "qseg", slot, masked)
         s, tanh = _scores(ctx, s, q0=block * bq, k0=k0, rows_dim=1, masked=masked, slope=slope,
-                          limit=limit, q_seg=q_seg, k_seg=k_seg)
+                          limit=limit, q_seg=q_seg, k_seg=k_seg, raw=raw)
         lse = ctx.load_vec(scratch["lse"].at[slot], 0)
-        p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [1]))  # p^T
+        p = jnp.exp2(_minus(s, c, lax.broadcast_in_dim(lse, s.shape, [1])))  # p^T
         for name in ("do", "delta"):
           plgpu.barrier_wait(scratch[name + "_ready"].at[slot])
         dv = ctx.mm_acc(dv, p.astype(dtype), scratch["do"].at[slot])

@@ -108,6 +108,22 @@ def test_forward_matches_formula(case):
   assert_close(lse, want_lse, 1e-2, name + " lse")
 
 
+@pytest.mark.parametrize("scale", [0.3, -0.2])
+def test_scale_folded_into_the_exponent(scale):
+  """Without ALiBi / soft-cap the forward takes the row max of the raw logits and folds the
+  scale into ``exp2`` (``_folds``); a negative scale reverses the max, so it is not folded."""
+  q, key, v = inputs(1, 128, 128, 1, 1, 64, jnp.bfloat16, seed=4)
+  out, lse = hopper.forward(q, key, v, mask=M.CausalMask(), scale=scale,
+                            config=hopper.Config(block_k=64), interpret=interpret())
+  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+  # (the formula takes positive scales: -c q.k is c (-q).k)
+  want_out, want_lse = dot_product_attention(f32(q) * np.sign(scale), f32(key), f32(v),
+                                             mask=M.CausalMask(), scale=abs(scale),
+                                             implementation="xla", return_residuals=True)
+  assert_close(out, want_out, TOL, "out")
+  assert_close(lse, want_lse, 1e-2, "lse")
+
+
 BWD_CASES = [
     # name, (b, t, s, n, k, h), mask, q_offset, cap, dtype, config
     ("causal gqa ragged", (1, 130, 130, 2, 1, 64), M.CausalMask(), 0, None, jnp.bfloat16,
