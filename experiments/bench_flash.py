@@ -348,9 +348,10 @@ SWEEP_OPTIONS = (  # code-generation switches of pallas_kernels.flash_attention.
 
 
 HOPPER_SWEEP = (  # (block_k, stages, schedule) of the Hopper (Mosaic GPU) forward kernel:
-    # "plain" (the default), "overlap" (intra-warpgroup pipelining), "pingpong"
-    (128, 2, "plain"), (128, 2, "overlap"), (128, 2, "pingpong"), (64, 2, "plain"),
-    (64, 2, "overlap"), (64, 3, "plain"), (64, 3, "overlap"))
+    # "plain" (the default), "overlap" (intra-warpgroup pipelining), "pingpong" (turns between
+    # the consumers), "both" (overlap + one-way ping-pong turns: FlashAttention-3's schedule)
+    (128, 2, "plain"), (128, 2, "overlap"), (128, 2, "both"), (128, 2, "pingpong"),
+    (64, 2, "plain"), (64, 2, "overlap"), (64, 2, "both"), (64, 3, "overlap"))
 
 
 def _time_jax_mgpu(q, k, v, causal, flops, base, peak, repeats):
@@ -380,8 +381,8 @@ def _sweep_hopper(q, k, v, mask, causal, flops, base, timed, rows, saved, backwa
   from pallas_kernels.flash_attention import gpu as gpu_kernel  # noqa: PLC0415
 
   for bk, stages, schedule in HOPPER_SWEEP:
-    cfg = hopper.Config(block_k=bk, stages=stages, pingpong=schedule == "pingpong",
-                        overlap=schedule == "overlap")
+    cfg = hopper.Config(block_k=bk, stages=stages, pingpong=schedule in ("pingpong", "both"),
+                        overlap=schedule in ("overlap", "both"))
     if hopper.smem_bytes(q.shape[-1], cfg) > hopper._SMEM_BYTES:
       continue
     try:

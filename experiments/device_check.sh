@@ -20,9 +20,10 @@
 #      paged XLA and the paged Pallas kernels against the copy bandwidth, 4k and 32k, batch
 #      1..32);
 #   4. (core) bench_flash --check and the forward benchmark against cuDNN and the bf16 matmul
-#      peak (T = 2k..16k, causal and not) for the Hopper (Mosaic GPU) kernels, the same for the
-#      Hopper forward's overlapped schedule (hopper.Config(overlap=True): 2k, 8k, 16k), then the
-#      Triton ones; the Hopper forward + backward benchmark (T = 2k, 8k);
+#      peak (T = 2k..16k, causal and not) for the Hopper (Mosaic GPU) kernels, the Hopper
+#      forward's schedules and tiles at T = 8k (bench_flash --sweep: hopper.Config's plain,
+#      overlap, pingpong and both), then the Triton kernels; the Hopper forward + backward
+#      benchmark (T = 2k, 8k);
 #   5. (more) the Triton forward + backward benchmark; the paged decode kernels over int8 / fp8
 #      caches (32k, batch 8 and 32); the top-K sparse (DSA) kernels compiled against the gather
 #      reference and timed (experiments.bench_sparse_kernel), forward and forward + backward;
@@ -174,10 +175,8 @@ if want core flash; then
   step "hopper kernels: check + forward benchmark" 100 \
     "$PY" -m experiments.bench_flash --gpu-forward hopper --gpu-backward hopper --check \
     --seq-lens 2048 4096 8192 16384 --repeats 5 --plot "$DEST/bench_flash_gpu_hopper.png"
-  step "hopper overlapped schedule: check + forward benchmark" 80 \
-    "$PY" -m experiments.bench_flash --gpu-forward hopper --gpu-backward hopper \
-    --hopper overlap=1 --check --seq-lens 2048 8192 16384 --repeats 5 \
-    --plot "$DEST/bench_flash_gpu_hopper_overlap.png"
+  step "hopper forward schedules at 8k (plain, overlap, ping-pong, both)" 120 \
+    "$PY" -m experiments.bench_flash --sweep 8192 --sweep-kernels hopper --repeats 5
   step "triton kernels: check + forward benchmark" 100 \
     "$PY" -m experiments.bench_flash --gpu-forward triton --gpu-backward triton --check \
     --seq-lens 2048 4096 8192 16384 --repeats 5 --plot "$DEST/bench_flash_gpu.png"

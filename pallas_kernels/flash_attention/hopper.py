@@ -83,7 +83,9 @@ class Config:
     other's matmuls).  overlap (forward only): each consumer overlaps its own softmax with its
     matmuls (FlashAttention-3's intra-warpgroup pipelining): step j issues ``q k_j^T`` and the
     previous block's ``p v`` together and computes block j's softmax while ``p v`` runs; K and
-    V slots are then released separately.  Exclusive with ``pingpong``.
+    V slots are then released separately.  With ``pingpong`` too (FlashAttention-3's full
+    schedule): the consumers pass the tensor cores to each other one way, a consumer issuing
+    its step's matmuls only on its turn (the plain ping-pong's turns are a rendezvous).
 
   Defaults from an H200 (jax 0.11.2, bf16, B=2, 16 heads of 128, T = 8k: ``python -m
   experiments.bench_flash --sweep 8192 --backward --sweep-kernels hopper``): 128-key blocks, 2
@@ -98,9 +100,6 @@ class Config:
   overlap: bool = False
 
   def __post_init__(self):
-    if self.overlap and self.pingpong:
-      raise ValueError("hopper.Config: `overlap` and `pingpong` are exclusive schedules (got "
-                       "both True).")
     if self.block_q != 64:
       raise ValueError(f"hopper.Config: `block_q` must be 64 (one wgmma tile per consumer), got "
                        f"{self.block_q!r}.")
@@ -373,32 +372,40 @@ class _Ctx:
       plgpu.commit_smem()
     plgpu.barrier_arrive(free.at[slot])
 
+  def _after_issue(self, turn):
+    if callable(turn):
+      turn()
+    elif turn is not None:
+      self.take_turn(turn)
+
   def mm(self, a_ref, b_ref, shape, *, transpose_b: bool, turn=None):
     """``a @ b`` (``b^T`` with ``transpose_b``) of two shared-memory tiles into fresh fp32
-    registers; ``turn`` hands the tensor cores over between issue and wait."""
+    registers; ``turn`` hands the tensor cores over between issue and wait (a ping-pong
+    barrier, or a function to call there)."""
     if self.interpret:  # the interpreter's wgmma takes no transposed or register operands
       dims = (((1,), (1,)), ((), ())) if transpose_b else (((1,), (0,)), ((), ()))
       out = lax.dot_general(a_ref[...], b_ref[...], dims, preferred_element_type=jnp.float32)
-      if turn is not None:
-        self.take_turn(turn)
+      self._after_issue(turn)
       return out
 
     def body(acc_ref):
       plgpu.wgmma(acc_ref, a_ref, b_ref.transpose((1, 0)) if transpose_b else b_ref)
-      if turn is not None:
-        self.take_turn(turn)
+      self._after_issue(turn)
       return acc_ref[...]
 
     return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
 
-  def mm_acc(self, acc, a, b_ref):
+  def mm_acc(self, acc, a, b_ref, turn=None):
     """``acc + a @ b``: ``a`` a 16-bit register tile, ``b`` a shared-memory tile; on hardware the
-    accumulator is the wgmma's own (updated in place)."""
+    accumulator is the wgmma's own (updated in place).  ``turn``: as ``mm``'s."""
     if self.interpret:
-      return acc + jnp.dot(a, b_ref[...], preferred_element_type=jnp.float32)
+      out = acc + jnp.dot(a, b_ref[...], preferred_element_type=jnp.float32)
+      self._after_issue(turn)
+      return out
 
     def body(acc_ref):
       plgpu.wgmma(acc_ref, a, b_ref)
+      self._after_issue(turn)
 
     return pl.run_state(body)(plgpu.ACC.init(acc))
 
@@ -468,14 +475,17 @@ class _Ctx:
       return one_pass(jnp.int32(0), carry)
     return lax.fori_loop(0, outer, one_pass, carry)
 
-  def consume_overlapped(self, carry, *, cta_lo, steps, runs, ready, frees, first, step, last):
+  def consume_overlapped(self, carry, *, cta_lo, steps, runs, ready, frees, first, step, last,
+                         idle=None):
     """``consume`` for a loop whose step ``s`` finishes block ``s - 1``: blocks are computed over
     the same ``[skip | masked | full | masked | skip]`` runs, but the first computed block runs
     ``first(slot, block, carry)`` (always masked: exact for any block), each later one
     ``step(slot, block, carry, masked)`` (which completes the previous block, holding its slot
     until then) and the last computed block is completed by ``last(carry)``.  Skipped steps wait
     for every ``ready`` barrier and release every ring in ``frees``.  Loops of zero or one trip
-    stand in for conditionals (a consumer with no computed block runs neither end)."""
+    stand in for conditionals (a consumer with no computed block runs neither end).  ``idle()``
+    (ping-pong turns): called once per skipped step, and once more by a consumer without a
+    computed block, so that every consumer takes ``steps + 1`` turns."""
     i32, stages = jnp.int32, self.stages
     lo, hi, f_lo, f_hi = runs
     a, b, c, d = (_clamp(i32(0), x - cta_lo, steps) for x in (lo, f_lo, f_hi, hi))
@@ -486,6 +496,8 @@ class _Ctx:
         plgpu.barrier_wait(bar.at[slot])
       for bar in frees:
         plgpu.barrier_arrive(bar.at[slot])
+      if idle is not None:
+        idle()
       return carry
 
     def run(masked):
@@ -501,6 +513,8 @@ class _Ctx:
     carry = lax.fori_loop(c1, d, run(True), carry)
     carry = lax.fori_loop(lax.max(d - 1, a), d, lambda s, carry: last(carry), carry)
     lax.fori_loop(d, steps, skip, None)
+    if idle is not None:
+      lax.fori_loop(0, jnp.where(a < d, i32(0), i32(1)), lambda s, carry: idle(), None)
     return carry
 
 
@@ -781,8 +795,11 @@ def _call(st: _Static):
   tp, sp = _shapes(st, rows, bk)
   dtype = jnp.dtype(st.dtype)
   h = st.head_dim
-  ctx = _Ctx(st, stages, cfg.pingpong)
+  # the plain schedule's ping-pong turns are a rendezvous (``_Ctx.take_turn``); the overlapped
+  # schedule's are one-way hand-offs (``handoff``)
+  ctx = _Ctx(st, stages, cfg.pingpong and not cfg.overlap)
   fold, c = _folds(st), st.scale * _LOG2E
+  handoff = cfg.overlap and cfg.pingpong
 
   def kernel(refs, scratch):
     tile, head, batch, wg, kv_head, cta_lo, steps, runs = _query_cta(st, refs, tp, bq, bk, sp)
@@ -797,7 +814,7 @@ def _call(st: _Static):
       rows_ = pl.ds(r0, bq)
       data = _query_rows(ctx, refs, scratch, wg, batch, head, rows_,
                          [(refs["q"].at[batch, rows_, head], my_q, scratch["q_ready"])])
-      if cfg.pingpong:
+      if ctx.pingpong:
         pl.when(wg == 1)(lambda: ctx.take_turn(turn))  # consumer 0 goes first
 
       def wait_k(slot):
@@ -838,10 +855,29 @@ def _call(st: _Static):
       # ``p_{j-1} v_{j-1}`` as two wgmma groups, waits for the first only and runs block j's
       # softmax while the second runs; the output is rescaled once both are done.  K slots are
       # released as soon as the logits are read, V slots one step later (their own ring).
+      # With ping-pong too (FlashAttention-3's full schedule) the consumers hand the tensor
+      # cores to each other one way: a consumer waits for its turn (``go[wg]``) before issuing
+      # a step's matmuls and passes it on (``go[1 - wg]``) once they are issued, so one's
+      # softmax runs while the other's matmuls do.  Every consumer takes ``steps + 1`` turns.
+      go = scratch.get("go")
+
+      def my_turn():
+        if handoff:
+          plgpu.barrier_wait(go.at[wg])
+
+      def pass_turn():
+        if handoff:
+          plgpu.barrier_arrive(go.at[1 - wg])
+
+      def idle():
+        my_turn()
+        pass_turn()
+
       def first(slot, block, carry):
         acc, m, l, _, _ = carry
         wait_k(slot)
-        s = ctx.mm(my_q, scratch["k"].at[slot], (bq, bk), transpose_b=True)
+        my_turn()
+        s = ctx.mm(my_q, scratch["k"].at[slot], (bq, bk), transpose_b=True, turn=pass_turn)
         m, _, l, p16 = softmax(s, m, l, slot, block, True)
         ctx.release(k_free, slot, generic_reads=st.segments)
         return acc, m, l, p16, slot
@@ -850,9 +886,10 @@ def _call(st: _Static):
         acc, m, l, p16, prev = carry
         wait_k(slot)
         plgpu.barrier_wait(v_ready.at[prev])
+        my_turn()
         if ctx.interpret:
           s = ctx.mm(my_q, scratch["k"].at[slot], (bq, bk), transpose_b=True)
-          acc = ctx.mm_acc(acc, p16, scratch["v"].at[prev])
+          acc = ctx.mm_acc(acc, p16, scratch["v"].at[prev], turn=pass_turn)
           m, alpha, l, p16 = softmax(s, m, l, slot, block, masked)
           ctx.release(k_free, slot, generic_reads=st.segments)
         else:
@@ -860,6 +897,7 @@ def _call(st: _Static):
             s_ref, o_ref, m_ref, l_ref, p_ref, alpha_ref = refs
             plgpu.wgmma(s_ref, my_q, scratch["k"].at[slot].transpose((1, 0)))
             plgpu.wgmma(o_ref, p16, scratch["v"].at[prev])
+            pass_turn()
             s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # q k^T done, p v may run on
             if not st.segments:
               ctx.release(k_free, slot)
@@ -876,21 +914,27 @@ def _call(st: _Static):
       def last(carry):
         acc, m, l, p16, prev = carry
         plgpu.barrier_wait(v_ready.at[prev])
-        acc = ctx.mm_acc(acc, p16, scratch["v"].at[prev])
+        my_turn()
+        acc = ctx.mm_acc(acc, p16, scratch["v"].at[prev], turn=pass_turn)
         ctx.release(v_free, prev)
         return acc, m, l, p16, prev
 
       carry = (ctx.full((bq, h), 0.0), ctx.full((bq,), -jnp.inf), ctx.full((bq,), 0.0))
       if cfg.overlap:
+        if handoff:
+          pl.when(wg == 1)(lambda: plgpu.barrier_arrive(go.at[0]))  # consumer 0 goes first
         carry += (ctx.full((bq, bk), 0.0).astype(dtype), jnp.int32(0))
         acc, m, l, _, _ = ctx.consume_overlapped(
             carry, cta_lo=cta_lo, steps=steps, runs=runs(r0), ready=_key_ready(st, scratch),
-            frees=(k_free, v_free), first=first, step=step, last=last)
+            frees=(k_free, v_free), first=first, step=step, last=last,
+            idle=idle if handoff else None)
+        if handoff:
+          pl.when(wg == 0)(lambda: plgpu.barrier_wait(go.at[0]))  # consumer 1's last pass
       else:
         acc, m, l = ctx.consume(carry, outer=1, cta_lo=cta_lo, steps=steps, runs=runs(r0),
                                 ready=_key_ready(st, scratch), free=free, turn=turn,
                                 compute=compute)
-      if cfg.pingpong:
+      if ctx.pingpong:
         pl.when(wg == 0)(lambda: ctx.take_turn(turn))  # balance consumer 1's first turn
 
       ok = l != 0.0  # NaN rows stay NaN (a fully masked row has l == 0)
@@ -914,6 +958,8 @@ def _call(st: _Static):
     del scratch["free"]
     for name in ("k_free", "v_free"):
       scratch[name] = plgpu.Barrier(num_arrivals=2, num_barriers=stages)
+    if cfg.pingpong:
+      scratch["go"] = plgpu.Barrier(num_arrivals=1, num_barriers=2)
   scratch["lse"] = plgpu.SMEM((2, bq), jnp.float32)  # the output rows' log-sum-exp, for TMA
   names = ("q", "k", "v") + _data_names(st) + ("o", "lse")
   call = _launch(st, _entry(names, scratch, kernel),

@@ -90,8 +90,8 @@ CASES = [
     # the overlapped schedule: each step finishes the previous block (first / step / last)
     ("window softcap ragged overlap", (1, 130, 260, 2, 1, 64), M.SlidingWindowMask(50, 10), 90,
      30.0, jnp.bfloat16, hopper.Config(block_k=64, stages=3, overlap=True)),
-    ("causal 128-key steps overlap fp16", (1, 256, 256, 1, 1, 64), M.CausalMask(), 0, None,
-     jnp.float16, hopper.Config(block_k=128, overlap=True)),
+    ("causal 128-key steps overlap pingpong fp16", (1, 256, 256, 1, 1, 64), M.CausalMask(), 0,
+     None, jnp.float16, hopper.Config(block_k=128, overlap=True, pingpong=True)),
 ]
 
 
@@ -277,18 +277,19 @@ def test_run_table():
   np.testing.assert_array_equal(table, [[1, 5, 2, 4], [0, 0, 0, 0], [0, 3, 0, 0], [0, 6, 0, 0]])
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_rows_without_keys_and_races(overlap):
+@pytest.mark.parametrize("overlap,pingpong", [(False, False), (True, False), (True, True)])
+def test_rows_without_keys_and_races(overlap, pingpong):
   """A negative offset under a causal mask leaves the first rows with no key: output 0 and
   ``lse = -inf``; whole key blocks before the band are skipped by one consumer, not the other
-  (with ``overlap``: a consumer with no computed block runs neither end of its pipeline).
-  Race detection over the producer / consumer hand-offs finds nothing."""
+  (with ``overlap``: a consumer with no computed block runs neither end of its pipeline, and
+  with ``pingpong`` too it still takes its turns).  Race detection over the producer / consumer
+  hand-offs finds nothing."""
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks  # noqa: PLC0415
 
   q, key, v = inputs(1, 128, 128, 1, 1, 64, jnp.bfloat16, seed=3)
   mask = M.CausalMask() & M.SlidingWindowMask(40, 0)
   out, lse = hopper.forward(q, key, v, mask=mask, q_offset=-70,
-                            config=hopper.Config(block_k=64, overlap=overlap),
+                            config=hopper.Config(block_k=64, overlap=overlap, pingpong=pingpong),
                             interpret=interpret(detect_races=True))
   if not ON_GPU:
     assert not gpu_callbacks.get_races().races_found
@@ -415,8 +416,6 @@ def test_errors():
     hopper.Config(block_k=96)
   with pytest.raises(ValueError, match="stages"):
     hopper.Config(stages=1)
-  with pytest.raises(ValueError, match="`overlap` and `pingpong` are exclusive"):
-    hopper.Config(overlap=True, pingpong=True)
   q, key, v = inputs(1, 64, 64, 2, 1, 64, jnp.float32)
   with pytest.raises(ValueError, match="dtype float32"):
     hopper.forward(q, key, v)
@@ -448,7 +447,7 @@ def test_errors():
     (256, M.CausalMask(), None, "pingpong", False),
     (128, M.CausalMask(), 30.0, "pingpong", True),
     (64, M.CausalMask(), None, "overlap", False), (256, None, 30.0, "overlap", False),
-    (128, M.CausalMask(), 30.0, "overlap", True)])
+    (128, M.CausalMask(), 30.0, "overlap", True), (128, M.CausalMask(), None, "both", False)])
 def test_lowers_for_cuda(h, mask, cap, schedule, data):
   """The hardware program (wgmma from shared memory and registers, layouts, TMA, barriers) goes
   through Mosaic GPU's lowering to one custom call, for every head size and each schedule (the
@@ -466,8 +465,9 @@ def test_lowers_for_cuda(h, mask, cap, schedule, data):
     q_ids, kv_ids, lengths, slopes = extra
     return dict(segment_ids=(q_ids, kv_ids), kv_lengths=lengths, alibi_slopes=slopes)
 
-  cfg = hopper.Config(block_k=hopper.default_config(h).block_k, pingpong=schedule == "pingpong",
-                      overlap=schedule == "overlap")
+  cfg = hopper.Config(block_k=hopper.default_config(h).block_k,
+                      pingpong=schedule in ("pingpong", "both"),
+                      overlap=schedule in ("overlap", "both"))
   f = lambda q, k, v, *extra: hopper.forward(  # noqa: E731
       q, k, v, mask=mask, logits_soft_cap=cap, config=cfg, **kw(*extra))
   text = jax.export.export(jax.jit(f), platforms=("cuda",))(q, k, k, *extra).mlir_module()
