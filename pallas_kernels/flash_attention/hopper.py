@@ -14,8 +14,14 @@ machine directly (FlashAttention-3's shape of the algorithm):
 * the two consumers share every K/V block (one load per CTA, 256 query rows per byte of K/V at the
   default tiles); with ``pingpong`` they also take turns on the tensor cores: one consumer's
   softmax (exponentials on the MUFU unit) runs while the other's matmuls run;
-* softmax in base 2 with ``log2(e)`` folded into the scale (``exp2`` is one ``ex2.approx``), the
-  running max and sum in the wgmma row layout.
+* with ``overlap`` (FlashAttention-3's intra-warpgroup pipelining) each consumer's step j issues
+  ``q k_j^T`` and block j-1's ``p v`` as two wgmma groups, waits for the first alone and runs block
+  j's softmax while ``p v`` still runs; K and V then sit in rings of their own (``k_free`` /
+  ``v_free``: a K slot is refilled once its logits are read, a V slot a step later).  With
+  ``pingpong`` as well, the turns are one-way hand-offs around each step's issue (``go``);
+* softmax in base 2 with ``log2(e)`` folded into the exponent: without ALiBi or a soft-cap the row
+  max is taken over the raw logits and ``p = exp2(s c - m)`` is one fused multiply-add and one
+  ``ex2.approx`` per logit; the running max and sum in the wgmma row layout.
 
 Masks are band masks, evaluated from positions: no mask, causal, sliding windows (``left`` /
 ``right``), their conjunctions, with a static query offset; plus the zero-padding of ragged
