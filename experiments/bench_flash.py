@@ -32,6 +32,7 @@ raises prints ``FAIL (<error>)`` and the others still run, then the benchmark (e
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -347,11 +348,21 @@ SWEEP_OPTIONS = (  # code-generation switches of pallas_kernels.flash_attention.
     {"exp": "exp2", "affine": True, "reverse": True})  # the default (last)
 
 
-HOPPER_SWEEP = (  # (block_k, stages, schedule) of the Hopper (Mosaic GPU) forward kernel:
-    # "plain" (the default), "overlap" (intra-warpgroup pipelining), "pingpong" (turns between
-    # the consumers), "both" (overlap + one-way ping-pong turns: FlashAttention-3's schedule)
-    (128, 2, "plain"), (128, 2, "overlap"), (128, 2, "both"), (128, 2, "pingpong"),
-    (64, 2, "plain"), (64, 2, "overlap"), (64, 2, "both"), (64, 3, "overlap"))
+HOPPER_SWEEP = (  # hopper.Config settings of the Hopper (Mosaic GPU) forward kernel timed by
+    # --sweep: schedules plain (the default), overlap (intra-warpgroup pipelining), pingpong
+    # (turns between the consumers), both (overlap + one-way turns: FlashAttention-3's schedule)
+    dict(block_k=128), dict(block_k=128, overlap=True), dict(block_k=128, overlap=True,
+                                                             pingpong=True),
+    dict(block_k=128, overlap=True, registers=240),
+    dict(block_k=128, overlap=True, pingpong=True, registers=240),
+    dict(block_k=128, pingpong=True), dict(block_k=64), dict(block_k=64, overlap=True),
+    dict(block_k=64, overlap=True, pingpong=True), dict(block_k=64, stages=3, overlap=True))
+
+
+def hopper_label(cfg) -> str:
+  """``bk=128 stages=2 overlap+pingpong regs=232`` (schedule ``plain`` without either)."""
+  schedule = "+".join(n for n in ("overlap", "pingpong") if getattr(cfg, n)) or "plain"
+  return f"bk={cfg.block_k:>3} stages={cfg.stages} {schedule:16} regs={cfg.registers}"
 
 
 def _time_jax_mgpu(q, k, v, causal, flops, base, peak, repeats):
@@ -380,9 +391,8 @@ def _sweep_hopper(q, k, v, mask, causal, flops, base, timed, rows, saved, backwa
   from pallas_kernels.flash_attention import flash_attention_gpu, hopper  # noqa: PLC0415
   from pallas_kernels.flash_attention import gpu as gpu_kernel  # noqa: PLC0415
 
-  for bk, stages, schedule in HOPPER_SWEEP:
-    cfg = hopper.Config(block_k=bk, stages=stages, pingpong=schedule in ("pingpong", "both"),
-                        overlap=schedule in ("overlap", "both"))
+  for settings in HOPPER_SWEEP:
+    cfg = hopper.Config(**settings)
     if hopper.smem_bytes(q.shape[-1], cfg) > hopper._SMEM_BYTES:
       continue
     try:
@@ -392,13 +402,14 @@ def _sweep_hopper(q, k, v, mask, causal, flops, base, timed, rows, saved, backwa
       if backward:
         fn = jax.grad(lambda q, k, v, f=fn: jnp.sum(f(q, k, v).astype(jnp.float32)),
                       argnums=(0, 1, 2))
-      got = timed(f"hopper{' fwd+bwd' if backward else ''} bk={bk:>3} stages={stages} "
-                  f"{schedule}", fn, flops, base)
+      got = timed(f"hopper{' fwd+bwd' if backward else ''} {hopper_label(cfg)}", fn, flops,
+                  base)
     finally:
       gpu_kernel.set_options(**saved)
     if got:
-      rows.append(dict(causal=causal, backward=backward, forward="hopper", block_k=bk,
-                       stages=stages, schedule=schedule, ms=got[0] * 1e3, tflops=got[1],
+      rows.append(dict(causal=causal, backward=backward, forward="hopper",
+                       **{f"hopper_{k}": x for k, x in dataclasses.asdict(cfg).items()},
+                       ms=got[0] * 1e3, tflops=got[1],
                        vs_cudnn=base / got[0]))
 
 
@@ -499,8 +510,6 @@ def run_sweep(args) -> list[dict]:
 
 def hopper_config(text: str):
   """``hopper.Config`` from ``"block_k=128,stages=2,overlap=1"`` (integers; switches 0 / 1)."""
-  import dataclasses  # noqa: PLC0415
-
   from pallas_kernels.flash_attention import hopper  # noqa: PLC0415
   fields = {f.name: f.type for f in dataclasses.fields(hopper.Config)}
   kw = {}

@@ -175,7 +175,7 @@ if want core flash; then
   step "hopper kernels: check + forward benchmark" 100 \
     "$PY" -m experiments.bench_flash --gpu-forward hopper --gpu-backward hopper --check \
     --seq-lens 2048 4096 8192 16384 --repeats 5 --plot "$DEST/bench_flash_gpu_hopper.png"
-  step "hopper forward schedules at 8k (plain, overlap, ping-pong, both)" 120 \
+  step "hopper forward schedules at 8k (plain, overlap, ping-pong, both)" 150 \
     "$PY" -m experiments.bench_flash --sweep 8192 --sweep-kernels hopper --repeats 5
   step "triton kernels: check + forward benchmark" 100 \
     "$PY" -m experiments.bench_flash --gpu-forward triton --gpu-backward triton --check \

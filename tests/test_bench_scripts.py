@@ -286,6 +286,11 @@ def test_flash_hopper_config_flag():
   assert bench_flash.hopper_config("block_k=64,stages=3,overlap=1") == hopper.Config(
       block_k=64, stages=3, overlap=True)
   assert bench_flash.hopper_config("pingpong=0") == hopper.Config(pingpong=False)
+  assert bench_flash.hopper_config("overlap=1,pingpong=1,registers=240") == hopper.Config(
+      overlap=True, pingpong=True, registers=240)
+  assert bench_flash.hopper_label(hopper.Config(overlap=True, pingpong=True)) == (
+      "bk=128 stages=2 overlap+pingpong regs=232")
+  assert all(hopper.Config(**s) for s in bench_flash.HOPPER_SWEEP)
   for bad, match in (("warps=4", "name one of block_q, block_k"), ("block_k=big", "integer"),
                      ("stages=1", "stages"), ("block_k=96", "multiple of 64")):
     with pytest.raises(argparse.ArgumentTypeError, match=match):

@@ -75,8 +75,14 @@ _LOAD_IDX = ((),) if "idx" in inspect.signature(plgpu.load).parameters else ()
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
-_PRODUCER_REGS = 40
-_CONSUMER_REGS = 232
+_PRODUCER_REGS = 40  # at most; fewer when the consumers take more (``_registers``)
+
+
+def _registers(config: "Config") -> tuple[int, int]:
+  """``(consumer, producer)`` registers per thread: two consumer warpgroups and one producer
+  within the SM's 65,536 (multiples of 8)."""
+  producer = min(_PRODUCER_REGS, (65536 - 256 * config.registers) // 128 // 8 * 8)
+  return config.registers, producer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +98,8 @@ class Config:
     V slots are then released separately.  With ``pingpong`` too (FlashAttention-3's full
     schedule): the consumers pass the tensor cores to each other one way, a consumer issuing
     its step's matmuls only on its turn (the plain ping-pong's turns are a rendezvous).
+    registers: per consumer thread (``set_max_registers``); the producer warpgroup gets what is
+    left of the 64K register file, at most 40 (32 at 240).
 
   Defaults from an H200 (jax 0.11.2, bf16, B=2, 16 heads of 128, T = 8k: ``python -m
   experiments.bench_flash --sweep 8192 --backward --sweep-kernels hopper``): 128-key blocks, 2
@@ -104,8 +112,14 @@ class Config:
   stages: int = 2
   pingpong: bool = False
   overlap: bool = False
+  registers: int = 232
 
   def __post_init__(self):
+    if (not isinstance(self.registers, int) or self.registers % 8 or not
+        64 <= self.registers <= 240):
+      raise ValueError(f"hopper.Config: `registers` must be a multiple of 8 in [64, 240] (the "
+                       f"producer keeps at least 24 of the 64K register file), got "
+                       f"{self.registers!r}.")
     if self.block_q != 64:
       raise ValueError(f"hopper.Config: `block_q` must be 64 (one wgmma tile per consumer), got "
                        f"{self.block_q!r}.")
@@ -347,6 +361,7 @@ class _Ctx:
   def __init__(self, st: "_Static", stages: int, pingpong: bool):
     self.st, self.stages, self.pingpong = st, stages, pingpong
     self.interpret = bool(st.interpret)
+    self.consumer_regs, self.producer_regs = _registers(st.config)
 
   def cast(self, x, layout):
     return x if self.interpret else plgpu.layout_cast(x, layout)
@@ -423,7 +438,7 @@ class _Ctx:
     buffer is refilled as soon as its own slot is free, in the tuple's order."""
     i32, stages = jnp.int32, self.stages
     frees, loads = (free, load) if isinstance(free, tuple) else ((free,), (load,))
-    plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
+    plgpu.set_max_registers(self.producer_regs, action="decrease")
 
     @pl.loop(0, lax.min(total, i32(stages)))
     def _prologue(t):
@@ -814,7 +829,7 @@ def _call(st: _Static):
 
     @pl.when(wg < 2)
     def _consumer():
-      plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
+      plgpu.set_max_registers(ctx.consumer_regs, action="increase")
       r0 = tile * rows + wg * bq
       my_q = scratch["q"].at[wg]
       rows_ = pl.ds(r0, bq)
@@ -1058,7 +1073,7 @@ def _dq_call(st: _Static):
 
     @pl.when(wg < 2)
     def _consumer():
-      plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
+      plgpu.set_max_registers(ctx.consumer_regs, action="increase")
       r0 = tile * rows + wg * bq
       my_q, my_do = scratch["q"].at[wg], scratch["do"].at[wg]
       rows_ = pl.ds(r0, bq)
@@ -1154,7 +1169,7 @@ def _dkv_call(st: _Static):
 
     @pl.when(wg < 2)
     def _consumer():
-      plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
+      plgpu.set_max_registers(ctx.consumer_regs, action="increase")
       k0 = tile * keys_per_cta + wg * bk
       my_k, my_v = scratch["k"].at[wg], scratch["v"].at[wg]
       keys = pl.ds(k0, bk)

@@ -416,6 +416,13 @@ def test_errors():
     hopper.Config(block_k=96)
   with pytest.raises(ValueError, match="stages"):
     hopper.Config(stages=1)
+  for regs in (244, 248, 56):
+    with pytest.raises(ValueError, match=r"`registers` must be a multiple of 8 in \[64, 240\]"):
+      hopper.Config(registers=regs)
+  # two consumer warpgroups and the producer within 65,536 registers
+  for regs, producer in ((232, 40), (240, 32), (128, 40)):
+    assert hopper._registers(hopper.Config(registers=regs)) == (regs, producer)
+    assert 256 * regs + 128 * producer <= 65536
   q, key, v = inputs(1, 64, 64, 2, 1, 64, jnp.float32)
   with pytest.raises(ValueError, match="dtype float32"):
     hopper.forward(q, key, v)
@@ -447,7 +454,7 @@ def test_errors():
     (256, M.CausalMask(), None, "pingpong", False),
     (128, M.CausalMask(), 30.0, "pingpong", True),
     (64, M.CausalMask(), None, "overlap", False), (256, None, 30.0, "overlap", False),
-    (128, M.CausalMask(), 30.0, "overlap", True), (128, M.CausalMask(), None, "both", False)])
+    (128, M.CausalMask(), 30.0, "overlap", True), (128, M.CausalMask(), None, "both 240", False)])
 def test_lowers_for_cuda(h, mask, cap, schedule, data):
   """The hardware program (wgmma from shared memory and registers, layouts, TMA, barriers) goes
   through Mosaic GPU's lowering to one custom call, for every head size and each schedule (the
@@ -466,8 +473,9 @@ def test_lowers_for_cuda(h, mask, cap, schedule, data):
     return dict(segment_ids=(q_ids, kv_ids), kv_lengths=lengths, alibi_slopes=slopes)
 
   cfg = hopper.Config(block_k=hopper.default_config(h).block_k,
-                      pingpong=schedule in ("pingpong", "both"),
-                      overlap=schedule in ("overlap", "both"))
+                      pingpong=schedule in ("pingpong", "both 240"),
+                      overlap=schedule in ("overlap", "both 240"),
+                      registers=240 if schedule == "both 240" else 232)
   f = lambda q, k, v, *extra: hopper.forward(  # noqa: E731
       q, k, v, mask=mask, logits_soft_cap=cap, config=cfg, **kw(*extra))
   text = jax.export.export(jax.jit(f), platforms=("cuda",))(q, k, k, *extra).mlir_module()
