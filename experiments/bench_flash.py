@@ -101,7 +101,8 @@ def run_benchmark(args) -> list[dict]:
     if any(o == "hopper" or (o == "auto" and sm90) for o in passes):
       ours_name = "pallas_gpu/hopper"
   print(f"platform={platform} device={jax.devices()[0].device_kind} jax={jax.__version__} "
-        f"dtype={dtype.name} heads={args.heads}/{args.kv_heads} head_dim={args.head_dim} "
+        f"dtype={dtype.name} heads={args.heads}/{args.kv_heads} head_dim={args.head_dim}"
+        f"{f'/{args.v_head_dim}' if args.v_head_dim != args.head_dim else ''} "
         f"tokens/batch={args.tokens} {'fwd+bwd' if args.backward else 'fwd'}")
   print(f"matmul peak ({peak_size}^3, {dtype.name}): {peak:.1f} {uname}")
   print(f"{'T':>6} {'causal':>6} {'B':>3} | {ours_name + ' ms':>15} {uname:>8} {'% peak':>7} "
@@ -114,8 +115,9 @@ def run_benchmark(args) -> list[dict]:
     ks = jax.random.split(jax.random.key(t), 3)
     q = jax.random.normal(ks[0], (b, t, args.heads, args.head_dim), jnp.float32).astype(dtype)
     k = jax.random.normal(ks[1], (b, t, args.kv_heads, args.head_dim), jnp.float32).astype(dtype)
-    v = jax.random.normal(ks[2], (b, t, args.kv_heads, args.head_dim), jnp.float32).astype(dtype)
-    flops = attention_flops(b, t, t, args.heads, args.head_dim, args.head_dim, causal,
+    v = jax.random.normal(ks[2], (b, t, args.kv_heads, args.v_head_dim),
+                          jnp.float32).astype(dtype)
+    flops = attention_flops(b, t, t, args.heads, args.head_dim, args.v_head_dim, causal,
                             args.backward)
     row = {"T": t, "causal": causal, "B": b}
     for kind in ("ours", "base"):
@@ -393,7 +395,7 @@ def _sweep_hopper(q, k, v, mask, causal, flops, base, timed, rows, saved, backwa
 
   for settings in HOPPER_SWEEP:
     cfg = hopper.Config(**settings)
-    if hopper.smem_bytes(q.shape[-1], cfg) > hopper._SMEM_BYTES:
+    if hopper.smem_bytes(q.shape[-1], cfg, v.shape[-1]) > hopper._SMEM_BYTES:
       continue
     try:
       gpu_kernel.set_options(**{**saved, "forward": "hopper", "hopper": cfg,
@@ -433,8 +435,9 @@ def run_sweep(args) -> list[dict]:
   shape_kv = (b, t, args.kv_heads, args.head_dim)
   q = jax.random.normal(ks[0], shape_q, jnp.float32).astype(dtype)
   k = jax.random.normal(ks[1], shape_kv, jnp.float32).astype(dtype)
-  v = jax.random.normal(ks[2], shape_kv, jnp.float32).astype(dtype)
-  print(f"sweep T={t} B={b} heads={args.heads}/{args.kv_heads} head_dim={args.head_dim} "
+  v = jax.random.normal(ks[2], shape_kv[:3] + (args.v_head_dim,), jnp.float32).astype(dtype)
+  print(f"sweep T={t} B={b} heads={args.heads}/{args.kv_heads} head_dim={args.head_dim}/"
+        f"{args.v_head_dim} "
         f"{dtype.name}; matmul peak {peak:.1f} TFLOP/s")
   saved = gpu_kernel.get_options()
   rows = []
@@ -454,7 +457,8 @@ def run_sweep(args) -> list[dict]:
   passes = [(c, False) for c in (False, True)] + ([(True, True)] if args.backward else [])
   try:
     for causal, backward in passes:
-      flops = attention_flops(b, t, t, args.heads, args.head_dim, args.head_dim, causal, backward)
+      flops = attention_flops(b, t, t, args.heads, args.head_dim, args.v_head_dim, causal,
+                              backward)
       base = best_time(compile_timed(_make("base", causal, backward), q, k, v)[0], (q, k, v),
                        args.repeats, inner=AUTO)
       print(f"  causal={causal} {'fwd+bwd' if backward else 'fwd'}: cudnn {base * 1e3:.2f} ms "
@@ -534,6 +538,8 @@ def main(argv=None):
   p.add_argument("--heads", type=int, default=None, help="query heads (default 16; CPU 8)")
   p.add_argument("--kv-heads", type=int, default=None, help="KV heads (default: = heads)")
   p.add_argument("--head-dim", type=int, default=None, help="head size (default 128; CPU 64)")
+  p.add_argument("--v-head-dim", type=int, default=None,
+                 help="value head size (default: = head dim; e.g. 192 / 128 for MLA's prefill)")
   p.add_argument("--dtype", default=None, help="default bfloat16 (accelerators) / float32 (CPU)")
   p.add_argument("--backward", action="store_true", help="time forward + backward")
   p.add_argument("--repeats", type=int, default=5)
@@ -572,6 +578,7 @@ def main(argv=None):
   args.heads = args.heads or (8 if cpu else 16)
   args.kv_heads = args.kv_heads or args.heads
   args.head_dim = args.head_dim or (64 if cpu else 128)
+  args.v_head_dim = args.v_head_dim or args.head_dim
   if args.no_plot:
     args.plot = None
   elif args.plot is None:

@@ -143,11 +143,14 @@ def band(mask: Mask | None) -> tuple[bool, int | None, int | None]:
 _SMEM_BYTES = 227 * 1024  # shared memory one H100 / H200 CTA may hold
 
 
-def smem_bytes(head_dim: int, config: Config) -> int:
-  """Shared memory of one CTA: two query / output tiles, ``stages`` key and value slots (16-bit),
-  and ``_SMEM_EXTRA`` for the log-sum-exp rows, the barriers and their alignment."""
-  c = config
-  return 2 * (2 * c.block_q * head_dim + 2 * c.stages * c.block_k * head_dim) + _SMEM_EXTRA
+def smem_bytes(head_dim: int, config: Config, v_head_dim: int | None = None) -> int:
+  """Shared memory of one CTA: two query tiles (which take the output when the head sizes
+  agree, else two output tiles of their own), ``stages`` key and value slots (16-bit), and
+  ``_SMEM_EXTRA`` for the log-sum-exp rows, the barriers and their alignment."""
+  c, hv = config, head_dim if v_head_dim is None else v_head_dim
+  out = 0 if hv == head_dim else 2 * c.block_q * hv
+  return 2 * (2 * c.block_q * head_dim + out + c.stages * c.block_k * (head_dim + hv)) + (
+      _SMEM_EXTRA)
 
 
 # Beyond the tiles: on an H200 (jax 0.11.2) the 128-key, 3-stage forward at head size 128 asked
@@ -155,9 +158,14 @@ def smem_bytes(head_dim: int, config: Config) -> int:
 _SMEM_EXTRA = 4096
 
 
-def default_config(head_dim: int) -> Config:
-  """128-key steps up to head size 128; 64 at 256 (two 128 x 256 slots would not fit)."""
-  return Config(block_k=128 if head_dim <= 128 else 64)
+def default_config(head_dim: int, v_head_dim: int | None = None) -> Config:
+  """128-key steps where two stages of them fit in shared memory (head sizes up to 128), else
+  64 (256; DeepSeek's 192 / 128 of MLA's prefill)."""
+  wide = Config(block_k=128)
+  return wide if smem_bytes(head_dim, wide, v_head_dim) <= _SMEM_BYTES else Config(block_k=64)
+
+
+HEAD_SIZES = (64, 128, 192, 256)  # wgmma contracts over multiples of 64; at most 256 wide
 
 
 def supports(*, dtype, head_dim: int, v_head_dim: int, static_mask, static_q_offset,
@@ -166,16 +174,17 @@ def supports(*, dtype, head_dim: int, v_head_dim: int, static_mask, static_q_off
   ids and key lengths are always taken)."""
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"dtype {jnp.dtype(dtype).name} (the wgmma path takes bfloat16 / float16)"
-  if head_dim != v_head_dim or head_dim not in (64, 128, 256):
-    return f"head sizes {head_dim} / {v_head_dim} (equal, one of 64 / 128 / 256)"
+  if head_dim not in HEAD_SIZES or v_head_dim not in HEAD_SIZES:
+    return f"head sizes {head_dim} / {v_head_dim} (each one of 64 / 128 / 192 / 256)"
   if not band(static_mask)[0]:
     return f"mask {type(static_mask).__name__} (band masks only)"
   if static_q_offset is None or isinstance(static_q_offset, jax.core.Tracer):
     return "a traced q_offset"     # (forward / backward pass the offset itself: int() failed)
-  config = config or default_config(head_dim)
-  if smem_bytes(head_dim, config) > _SMEM_BYTES:
-    return (f"{config} needs {smem_bytes(head_dim, config)} bytes of shared memory at head size "
-            f"{head_dim} (at most {_SMEM_BYTES})")
+  config = config or default_config(head_dim, v_head_dim)
+  need = smem_bytes(head_dim, config, v_head_dim)
+  if need > _SMEM_BYTES:
+    return (f"{config} needs {need} bytes of shared memory at head sizes {head_dim} / "
+            f"{v_head_dim} (at most {_SMEM_BYTES})")
   return None
 
 
@@ -187,6 +196,7 @@ class _Static:
   num_heads: int
   num_kv_heads: int
   head_dim: int
+  v_head_dim: int
   dtype: str
   left: int | None
   right: int | None
@@ -228,20 +238,21 @@ def _static(name: str, query, key, value, *, mask, scale, q_offset, logits_soft_
   """Checks a call of ``forward`` / ``backward`` (``ValueError`` naming what is unsupported) and
   returns its static description."""
   b, t, n, h = query.shape
-  s, kh = key.shape[1], key.shape[2]
-  config = config or default_config(h)
-  reason = supports(dtype=query.dtype, head_dim=h, v_head_dim=value.shape[3], static_mask=mask,
+  s, kh, hv = key.shape[1], key.shape[2], value.shape[-1]
+  config = config or default_config(h, hv)
+  reason = supports(dtype=query.dtype, head_dim=h, v_head_dim=hv, static_mask=mask,
                     static_q_offset=q_offset, config=config)
   if reason is None and name == "backward":
-    reason = supports_backward(head_dim=h)
+    reason = supports_backward(head_dim=h, v_head_dim=hv)
   if reason is not None:
     raise ValueError(f"hopper.{name}: unsupported call: {reason}.")
   if n % kh:
     raise ValueError(f"hopper.{name}: query heads {n} must be a multiple of key heads {kh}.")
-  if key.shape != (b, s, kh, h) or value.shape != key.shape or key.dtype != query.dtype or (
-      value.dtype != query.dtype):
+  if key.shape != (b, s, kh, h) or value.shape != (b, s, kh, hv) or (
+      key.dtype != query.dtype or value.dtype != query.dtype):
     raise ValueError(f"hopper.{name}: key {key.shape} {key.dtype} and value {value.shape} "
-                     f"{value.dtype} must both be [B={b}, S, K, H={h}] in {query.dtype}.")
+                     f"{value.dtype} must be [B={b}, S, K, H={h}] and [B, S, K, Hv] in "
+                     f"{query.dtype}.")
   if alibi_slopes is not None and tuple(alibi_slopes.shape) != (n,):
     raise ValueError(f"hopper.{name}: `alibi_slopes` must have shape [N] = ({n},), got "
                      f"{tuple(alibi_slopes.shape)}.")
@@ -257,6 +268,7 @@ def _static(name: str, query, key, value, *, mask, scale, q_offset, logits_soft_
     interpret = _interpret_params()
   _, left, right = band(mask)
   return _Static(batch=b, q_len=t, kv_len=s, num_heads=n, num_kv_heads=kh, head_dim=h,
+                 v_head_dim=hv,
                  dtype=jnp.dtype(query.dtype).name, left=left, right=right,
                  q_offset=int(q_offset), scale=float(h ** -0.5 if scale is None else scale),
                  soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
@@ -758,13 +770,15 @@ def _entry(names: tuple[str, ...], scratch: dict, kernel):
 def _ring_scratch(st: _Static, dtype, stages: int, *, resident: tuple, streamed: tuple) -> dict:
   """Shared memory and barriers of a kernel: each consumer's resident tiles (``2`` of each) and
   the producer's ring (``stages`` of each), every buffer with its ready barriers, plus ``free``
-  and the ping-pong ``turn``.  ``resident`` / ``streamed``: ``(name, rows, dtype)``, a 16-bit
-  ``[rows, H]`` tile when ``dtype`` is None, else a ``[rows]`` vector."""
+  and the ping-pong ``turn``.  ``resident`` / ``streamed``: ``(name, rows, dtype[, width])``, a
+  16-bit ``[rows, width]`` tile (width: ``H`` unless given) when ``dtype`` is None, else a
+  ``[rows]`` vector."""
   scratch = dict(free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
                  turn=plgpu.Barrier(num_arrivals=2))
   for count, buffers in ((2, resident), (stages, streamed)):
-    for name, rows, vec_dtype in buffers:
-      scratch[name] = (plgpu.SMEM((count, rows, st.head_dim), dtype, transforms=_tiled())
+    for name, rows, vec_dtype, *width in buffers:
+      width = width[0] if width else st.head_dim
+      scratch[name] = (plgpu.SMEM((count, rows, width), dtype, transforms=_tiled())
                        if vec_dtype is None else plgpu.SMEM((count, rows), vec_dtype))
       scratch[name + "_ready"] = plgpu.Barrier(num_barriers=count)
   return scratch
@@ -815,7 +829,8 @@ def _call(st: _Static):
   rows = 2 * bq
   tp, sp = _shapes(st, rows, bk)
   dtype = jnp.dtype(st.dtype)
-  h = st.head_dim
+  h, hv = st.head_dim, st.v_head_dim
+  own_out = hv != h  # the output needs tiles of its own (else it takes the query's)
   # the plain schedule's ping-pong turns are a rendezvous (``_Ctx.take_turn``); the overlapped
   # schedule's are one-way hand-offs (``handoff``)
   ctx = _Ctx(st, stages, cfg.pingpong and not cfg.overlap)
@@ -940,7 +955,7 @@ def _call(st: _Static):
         ctx.release(v_free, prev)
         return acc, m, l, p16, prev
 
-      carry = (ctx.full((bq, h), 0.0), ctx.full((bq,), -jnp.inf), ctx.full((bq,), 0.0))
+      carry = (ctx.full((bq, hv), 0.0), ctx.full((bq,), -jnp.inf), ctx.full((bq,), 0.0))
       if cfg.overlap:
         if handoff:
           pl.when(wg == 1)(lambda: plgpu.barrier_arrive(go.at[0]))  # consumer 0 goes first
@@ -960,11 +975,12 @@ def _call(st: _Static):
 
       ok = l != 0.0  # NaN rows stay NaN (a fully masked row has l == 0)
       inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
-      my_q[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
+      my_o = scratch["out"].at[wg] if own_out else my_q
+      my_o[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
       lse_smem = scratch["lse"].at[wg]
       lse_smem[...] = jnp.where(ok, (m + jnp.log2(jnp.where(ok, l, 1.0))) * _LN2, -jnp.inf)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(my_q, refs["o"].at[batch, rows_, head])
+      plgpu.copy_smem_to_gmem(my_o, refs["o"].at[batch, rows_, head])
       plgpu.copy_smem_to_gmem(lse_smem, refs["lse"].at[batch, head, rows_])
       plgpu.wait_smem_to_gmem(0)
 
@@ -974,7 +990,9 @@ def _call(st: _Static):
       ctx.produce(steps, (k_free, v_free) if cfg.overlap else free, load)
 
   scratch = _ring_scratch(st, dtype, stages, resident=(("q", bq, None),) + _ids(st, "qseg", bq),
-                          streamed=(("k", bk, None), ("v", bk, None)) + _ids(st, "kseg", bk))
+                          streamed=(("k", bk, None), ("v", bk, None, hv)) + _ids(st, "kseg", bk))
+  if own_out:
+    scratch["out"] = plgpu.SMEM((2, bq, hv), dtype, transforms=_tiled())
   if cfg.overlap:  # K and V slots are released separately
     del scratch["free"]
     for name in ("k_free", "v_free"):
@@ -984,7 +1002,7 @@ def _call(st: _Static):
   scratch["lse"] = plgpu.SMEM((2, bq), jnp.float32)  # the output rows' log-sum-exp, for TMA
   names = ("q", "k", "v") + _data_names(st) + ("o", "lse")
   call = _launch(st, _entry(names, scratch, kernel),
-                 (jax.ShapeDtypeStruct((st.batch, tp, st.num_heads, h), dtype),
+                 (jax.ShapeDtypeStruct((st.batch, tp, st.num_heads, hv), dtype),
                   jax.ShapeDtypeStruct((st.batch, st.num_heads, tp), jnp.float32)),
                  (tp // rows, st.num_heads, st.batch), ("q", "heads", "batch"))
 
@@ -1008,10 +1026,13 @@ def _pad_seq(x, length: int):
 # ----------------------------------------------------------------------------------------------
 
 
-def supports_backward(*, head_dim: int, config: Config | None = None) -> str | None:
+def supports_backward(*, head_dim: int, v_head_dim: int | None = None,
+                      config: Config | None = None) -> str | None:
   """None when the Hopper backward kernels take a call that the forward takes, else why not."""
   if head_dim > 128:
     return f"head size {head_dim} (the backward holds dK and dV tiles: at most 128)"
+  if v_head_dim is not None and v_head_dim != head_dim:
+    return f"head sizes {head_dim} / {v_head_dim} (the backward takes equal ones)"
   return None
 
 

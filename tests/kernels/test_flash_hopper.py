@@ -108,6 +108,47 @@ def test_forward_matches_formula(case):
   assert_close(lse, want_lse, 1e-2, name + " lse")
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_mla_head_sizes(overlap):
+  """DeepSeek's MLA prefill shape (query / key heads of 192 = 128 + 64 RoPE, values of 128):
+  the output gets tiles of its own, 64-key steps by default; gradients through the entry point
+  take the Triton backward on the Hopper forward's log-sum-exp."""
+  q, key, _ = inputs(1, 130, 130, 2, 1, 192, jnp.bfloat16, seed=6)
+  v = jax.random.normal(jax.random.key(7), (1, 130, 1, 128), jnp.float32).astype(jnp.bfloat16)
+  assert hopper.default_config(192, 128).block_k == 64
+  assert hopper.supports(dtype=jnp.bfloat16, head_dim=192, v_head_dim=128, static_mask=None,
+                         static_q_offset=0) is None
+  assert "equal" in hopper.supports_backward(head_dim=128, v_head_dim=64)
+  out, lse = hopper.forward(q, key, v, mask=M.CausalMask(), q_offset=0,
+                            config=hopper.Config(block_k=64, overlap=overlap),
+                            interpret=interpret())
+  want_out, want_lse = formula(q, key, v, M.CausalMask(), 0, None)
+  assert out.shape == (1, 130, 2, 128)
+  assert_close(out, want_out, TOL, "out")
+  assert_close(lse, want_lse, 1e-2, "lse")
+  if overlap:
+    return
+  calls = []
+  saved = gpu_kernel.get_options()
+  try:
+    gpu_kernel.set_options(forward="hopper", backward="hopper", hopper=hopper.Config(block_k=64))
+    real = hopper.forward
+    hopper.forward = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    loss = lambda f: jax.grad(lambda q, k, v: jnp.sum(  # noqa: E731
+        jnp.sin(f(q, k, v).astype(jnp.float32))), argnums=(0, 1, 2))
+    grads = loss(lambda q, k, v: flash_attention_gpu(q, k, v, M.CausalMask()))(q, key, v)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    want = loss(lambda q, k, v: dot_product_attention(
+        f32(q), f32(k), f32(v), mask=M.CausalMask(), implementation="xla"))(q, key, v)
+  finally:
+    hopper.forward = real
+    gpu_kernel.set_options(**saved)
+  assert calls  # the Hopper forward, then (192 > 128) the Triton backward on its residuals
+  for g, w, name in zip(grads, want, ("dq", "dk", "dv")):
+    assert g.shape == w.shape
+    assert_close(g, w, 3e-2, name)
+
+
 @pytest.mark.parametrize("scale", [0.3, -0.2])
 def test_scale_folded_into_the_exponent(scale):
   """Without ALiBi / soft-cap the forward takes the row max of the raw logits and folds the
@@ -454,14 +495,18 @@ def test_errors():
     (256, M.CausalMask(), None, "pingpong", False),
     (128, M.CausalMask(), 30.0, "pingpong", True),
     (64, M.CausalMask(), None, "overlap", False), (256, None, 30.0, "overlap", False),
-    (128, M.CausalMask(), 30.0, "overlap", True), (128, M.CausalMask(), None, "both 240", False)])
+    (128, M.CausalMask(), 30.0, "overlap", True), (128, M.CausalMask(), None, "both 240", False),
+    ((192, 128), M.CausalMask(), None, "plain", False), ((192, 128), None, None, "overlap", True)])
 def test_lowers_for_cuda(h, mask, cap, schedule, data):
   """The hardware program (wgmma from shared memory and registers, layouts, TMA, barriers) goes
   through Mosaic GPU's lowering to one custom call, for every head size and each schedule (the
   overlapped one: two wgmma groups in flight, the first awaited alone), and with segment ids, key
-  lengths and ALiBi (``data``)."""
+  lengths and ALiBi (``data``); ``h`` a pair: query / key and value head sizes (the forward
+  only)."""
+  h, hv = h if isinstance(h, tuple) else (h, h)
   q = jax.ShapeDtypeStruct((2, 1000, 4, h), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((2, 1000, 2, h), jnp.bfloat16)
+  v = jax.ShapeDtypeStruct((2, 1000, 2, hv), jnp.bfloat16)
   ids = jax.ShapeDtypeStruct((2, 1000), jnp.int32)
   extra = (ids, ids, jax.ShapeDtypeStruct((2,), jnp.int32),
            jax.ShapeDtypeStruct((4,), jnp.float32)) if data else ()
@@ -472,15 +517,15 @@ def test_lowers_for_cuda(h, mask, cap, schedule, data):
     q_ids, kv_ids, lengths, slopes = extra
     return dict(segment_ids=(q_ids, kv_ids), kv_lengths=lengths, alibi_slopes=slopes)
 
-  cfg = hopper.Config(block_k=hopper.default_config(h).block_k,
+  cfg = hopper.Config(block_k=hopper.default_config(h, hv).block_k,
                       pingpong=schedule in ("pingpong", "both 240"),
                       overlap=schedule in ("overlap", "both 240"),
                       registers=240 if schedule == "both 240" else 232)
   f = lambda q, k, v, *extra: hopper.forward(  # noqa: E731
       q, k, v, mask=mask, logits_soft_cap=cap, config=cfg, **kw(*extra))
-  text = jax.export.export(jax.jit(f), platforms=("cuda",))(q, k, k, *extra).mlir_module()
+  text = jax.export.export(jax.jit(f), platforms=("cuda",))(q, k, v, *extra).mlir_module()
   assert re.findall(r"custom_call @(mosaic_gpu\w*)", text)
-  if h > 128:
+  if h > 128 or hv != h:
     return
   lse = jax.ShapeDtypeStruct((2, 4, 1000), jnp.float32)
   g = lambda q, k, v, o, lse, do, *extra: hopper.backward(  # noqa: E731
