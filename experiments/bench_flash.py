@@ -459,10 +459,15 @@ def run_sweep(args) -> list[dict]:
     for causal, backward in passes:
       flops = attention_flops(b, t, t, args.heads, args.head_dim, args.v_head_dim, causal,
                               backward)
-      base = best_time(compile_timed(_make("base", causal, backward), q, k, v)[0], (q, k, v),
-                       args.repeats, inner=AUTO)
-      print(f"  causal={causal} {'fwd+bwd' if backward else 'fwd'}: cudnn {base * 1e3:.2f} ms "
-            f"{flops / base / 1e12:.1f} TFLOP/s", flush=True)
+      try:
+        base = best_time(compile_timed(_make("base", causal, backward), q, k, v)[0], (q, k, v),
+                         args.repeats, inner=AUTO)
+        print(f"  causal={causal} {'fwd+bwd' if backward else 'fwd'}: cudnn {base * 1e3:.2f} ms "
+              f"{flops / base / 1e12:.1f} TFLOP/s", flush=True)
+      except Exception as e:  # cuDNN may refuse a shape (head sizes): ratios become nan
+        base = math.nan
+        print(f"  causal={causal} {'fwd+bwd' if backward else 'fwd'}: cudnn n/a ({error_text(e)})",
+              flush=True)
       if not backward:
         _time_jax_mgpu(q, k, v, causal, flops, base, peak, args.repeats)
       mask = M.make_mask(is_causal=causal)

@@ -24,7 +24,9 @@
 #      forward's schedules and tiles at T = 8k (bench_flash --sweep: hopper.Config's plain,
 #      overlap, pingpong and both), then the Triton kernels; the Hopper forward + backward
 #      benchmark (T = 2k, 8k);
-#   5. (more) the Triton forward + backward benchmark; the paged decode kernels over int8 / fp8
+#   5. (more) the Triton forward + backward benchmark; the Hopper and Triton forwards at MLA's
+#      prefill head sizes (192 / 128, T = 8k, against cuDNN where it takes them); the paged
+#      decode kernels over int8 / fp8
 #      caches (32k, batch 8 and 32); the top-K sparse (DSA) kernels compiled against the gather
 #      reference and timed (experiments.bench_sparse_kernel), forward and forward + backward;
 #   6. (more, TUNE=1) a few MLA decode tile settings at 32k; the flash tile and code-generation
@@ -188,6 +190,12 @@ if want more flash; then
   step "triton kernels: forward+backward benchmark" 60 \
     "$PY" -m experiments.bench_flash --gpu-forward triton --gpu-backward triton --backward \
     --seq-lens 2048 8192 --repeats 3 --plot "$DEST/bench_flash_gpu_bwd.png"
+  step "hopper forward at MLA's prefill head sizes (192 / 128)" 80 \
+    "$PY" -m experiments.bench_flash --head-dim 192 --v-head-dim 128 --sweep 8192 \
+    --sweep-kernels hopper --repeats 3
+  step "triton forward at MLA's prefill head sizes (192 / 128)" 40 \
+    "$PY" -m experiments.bench_flash --head-dim 192 --v-head-dim 128 --gpu-forward triton \
+    --seq-lens 8192 --repeats 3 --no-plot
 fi
 if want more decode; then
   step "decode over quantized caches (int8, fp8)" 120 \
