@@ -740,14 +740,8 @@ def _kv_loader(st: "_Static", refs, scratch, batch, kv_head, cta_lo, bk: int,
     return load_k, load_v
 
   def load(t, slot):
-    keys = pl.ds((cta_lo + t) * bk, bk)
-    plgpu.copy_gmem_to_smem(refs["k"].at[batch, keys, kv_head], scratch["k"].at[slot],
-                            scratch["k_ready"].at[slot])
-    plgpu.copy_gmem_to_smem(refs["v"].at[batch, keys, kv_head], scratch["v"].at[slot],
-                            scratch["v_ready"].at[slot])
-    if st.segments:
-      plgpu.copy_gmem_to_smem(refs["kv_ids"].at[batch, keys], scratch["kseg"].at[slot],
-                              scratch["kseg_ready"].at[slot])
+    load_k(t, slot)
+    load_v(t, slot)
   return load
 
 
