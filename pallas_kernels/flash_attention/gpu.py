@@ -318,7 +318,8 @@ def hopper_reason(plan: C.Plan, which: str = "forward") -> str | None:
 def _hopper_kwargs(plan: C.Plan, aux) -> dict:
   """The arguments of ``hopper.forward`` / ``hopper.backward`` for this plan besides the
   tensors: its static part and its data masks / slopes."""
-  return dict(mask=plan.static_mask, scale=plan.static_scale, q_offset=plan.static_q_offset,
+  q_offset = aux["q_offset"] if plan.static_q_offset is None else plan.static_q_offset
+  return dict(mask=plan.static_mask, scale=plan.static_scale, q_offset=q_offset,
               logits_soft_cap=plan.logits_soft_cap, config=_OPTIONS["hopper"],
               interpret=plan.interpret or None,
               alibi_slopes=aux["slopes"] if plan.has_alibi else None,

@@ -24,7 +24,8 @@ machine directly (FlashAttention-3's shape of the algorithm):
   ``ex2.approx`` per logit; the running max and sum in the wgmma row layout.
 
 Masks are band masks, evaluated from positions: no mask, causal, sliding windows (``left`` /
-``right``), their conjunctions, with a static query offset; plus the zero-padding of ragged
+``right``), their conjunctions, with a query offset (static, or traced and read by the kernels at
+run time); plus the zero-padding of ragged
 lengths and the logit soft-cap.  Per consumer the key blocks split into runs:
 ``[skip | masked | full | masked | skip]``: FULL blocks never evaluate the mask and blocks outside
 the band are not computed (a consumer still waits for and releases them, which keeps the
@@ -62,6 +63,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -178,8 +180,6 @@ def supports(*, dtype, head_dim: int, v_head_dim: int, static_mask, static_q_off
     return f"head sizes {head_dim} / {v_head_dim} (each one of 64 / 128 / 192 / 256)"
   if not band(static_mask)[0]:
     return f"mask {type(static_mask).__name__} (band masks only)"
-  if static_q_offset is None or isinstance(static_q_offset, jax.core.Tracer):
-    return "a traced q_offset"     # (forward / backward pass the offset itself: int() failed)
   config = config or default_config(head_dim, v_head_dim)
   need = smem_bytes(head_dim, config, v_head_dim)
   if need > _SMEM_BYTES:
@@ -200,7 +200,7 @@ class _Static:
   dtype: str
   left: int | None
   right: int | None
-  q_offset: int
+  q_offset: int | None  # None: traced, an input of the kernels (``_q_offset``)
   scale: float
   soft_cap: float | None
   config: Config
@@ -216,19 +216,23 @@ class _Static:
 
 
 def forward(query, key, value, *, mask: Mask | None = None, scale: float | None = None,
-            q_offset: int = 0, logits_soft_cap: float | None = None, alibi_slopes=None,
+            q_offset=0, logits_soft_cap: float | None = None, alibi_slopes=None,
             segment_ids=None, kv_lengths=None, config: Config | None = None, interpret=None):
-  """``(out [B, T, N, H], lse [B, N, T] fp32, natural log)`` of band-masked attention.
+  """``(out [B, T, N, Hv], lse [B, N, T] fp32, natural log)`` of band-masked attention.
 
-  ``query [B, T, N, H]``, ``key`` / ``value [B, S, K, H]`` in bf16 or fp16 (``N`` a multiple of
-  ``K``); rows without an allowed key give 0 and ``lse = -inf``.  ``alibi_slopes [N]`` adds
-  ``slope * (j - (i + q_offset))`` to the scaled logits (before the soft-cap);
+  ``query [B, T, N, H]``, ``key [B, S, K, H]``, ``value [B, S, K, Hv]`` in bf16 or fp16 (``N`` a
+  multiple of ``K``); rows without an allowed key give 0 and ``lse = -inf``.  ``q_offset``: the
+  first query's position among the keys, a Python int or a traced int32 scalar (chunked prefill:
+  the kernels then read it at run time and compute their block runs from it).
+  ``alibi_slopes [N]`` adds ``slope * (j - (i + q_offset))`` to the scaled logits (before the
+  soft-cap);
   ``segment_ids = (q_ids [B, T], kv_ids [B, S])`` allows pairs of equal ids; ``kv_lengths [B]``
   allows keys ``j < kv_lengths[b]``.  ``interpret``: None runs the hardware, or pass
   ``plgpu.InterpretParams`` / True to run Mosaic GPU's interpreter on CPU.
   """
-  data = dict(alibi_slopes=alibi_slopes, segment_ids=segment_ids, kv_lengths=kv_lengths)
-  st = _static("forward", query, key, value, mask=mask, scale=scale, q_offset=q_offset,
+  data = dict(alibi_slopes=alibi_slopes, segment_ids=segment_ids, kv_lengths=kv_lengths,
+              q_offset=q_offset)
+  st = _static("forward", query, key, value, mask=mask, scale=scale,
                logits_soft_cap=logits_soft_cap, config=config, interpret=interpret, **data)
   return _call(st)(query, key, value, _aux(st, **data))
 
@@ -264,21 +268,30 @@ def _static(name: str, query, key, value, *, mask, scale, q_offset, logits_soft_
   if kv_lengths is not None and tuple(kv_lengths.shape) != (b,):
     raise ValueError(f"hopper.{name}: `kv_lengths` must have shape [B] = ({b},), got "
                      f"{tuple(kv_lengths.shape)}.")
+  if np.ndim(q_offset) != 0:
+    raise ValueError(f"hopper.{name}: `q_offset` must be a scalar, got shape "
+                     f"{np.shape(q_offset)}.")
+  try:
+    static_offset = int(q_offset)
+  except (TypeError, jax.errors.ConcretizationTypeError):  # traced: read by the kernels
+    static_offset = None
   if interpret is True:
     interpret = _interpret_params()
   _, left, right = band(mask)
   return _Static(batch=b, q_len=t, kv_len=s, num_heads=n, num_kv_heads=kh, head_dim=h,
                  v_head_dim=hv,
                  dtype=jnp.dtype(query.dtype).name, left=left, right=right,
-                 q_offset=int(q_offset), scale=float(h ** -0.5 if scale is None else scale),
+                 q_offset=static_offset, scale=float(h ** -0.5 if scale is None else scale),
                  soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
                  config=config, interpret=interpret or None, alibi=alibi_slopes is not None,
                  segments=segment_ids is not None, lengths=kv_lengths is not None)
 
 
-def _aux(st: _Static, *, alibi_slopes, segment_ids, kv_lengths) -> dict:
+def _aux(st: _Static, *, alibi_slopes, segment_ids, kv_lengths, q_offset) -> dict:
   """The data inputs of a call (unpadded), by the names the kernels read them under."""
   aux = {}
+  if st.q_offset is None:
+    aux["q_offset"] = jnp.asarray(q_offset, jnp.int32).reshape(1)
   if st.alibi:
     aux["slopes"] = alibi_slopes.astype(jnp.float32)
   if st.lengths:
@@ -334,11 +347,12 @@ def _runs(lo, hi, f_lo, f_hi):
   return lo, hi, f_lo, f_hi
 
 
-def key_blocks(st: "_Static", r0, nrows: int, bk: int, kv_len_blocks: int):
+def key_blocks(st: "_Static", r0, nrows: int, bk: int, kv_len_blocks: int, q_offset):
   """Key blocks ``[lo, hi)`` that query rows ``r0 .. r0 + nrows - 1`` may see, and the FULL run
-  ``[f_lo, f_hi)`` inside it (every key of the block allowed for every row, no padding key)."""
+  ``[f_lo, f_hi)`` inside it (every key of the block allowed for every row, no padding key);
+  ``q_offset`` (``_q_offset``) static or read at run time."""
   i32 = jnp.int32
-  p0 = r0 + st.q_offset
+  p0 = r0 + q_offset
   p1 = p0 + (nrows - 1)
   lo = i32(0) if st.left is None else _fdiv(lax.max(p0 - st.left, i32(0)), bk)
   hi_key = i32(st.kv_len) if st.right is None else _clamp(i32(0), p1 + st.right + 1,
@@ -350,19 +364,19 @@ def key_blocks(st: "_Static", r0, nrows: int, bk: int, kv_len_blocks: int):
   return _runs(lo, hi, f_lo, _fdiv(full_end, bk))
 
 
-def query_blocks(st: "_Static", k0, nkeys: int, bq: int):
+def query_blocks(st: "_Static", k0, nkeys: int, bq: int, q_offset):
   """Query blocks ``[lo, hi)`` whose rows may see keys ``k0 .. k0 + nkeys - 1``, and the FULL
   run (every row of the block sees every key of the tile).  Key padding is not masked here: the
   gradients of padding keys are dropped, and real keys' gradients do not depend on them."""
   i32 = jnp.int32
   k1 = k0 + (nkeys - 1)
-  r_lo = i32(0) if st.right is None else _clamp(i32(0), k0 - st.right - st.q_offset,
+  r_lo = i32(0) if st.right is None else _clamp(i32(0), k0 - st.right - q_offset,
                                                   i32(st.q_len))
-  r_end = i32(st.q_len) if st.left is None else _clamp(i32(0), k1 + st.left - st.q_offset + 1,
+  r_end = i32(st.q_len) if st.left is None else _clamp(i32(0), k1 + st.left - q_offset + 1,
                                                          i32(st.q_len))
   lo, hi = _fdiv(r_lo, bq), _cdiv_t(r_end, bq)
-  f_lo = lo if st.right is None else _cdiv_t(k1 - st.right - st.q_offset, bq)
-  f_hi = hi if st.left is None else _fdiv(k0 + st.left - st.q_offset + 1, bq)
+  f_lo = lo if st.right is None else _cdiv_t(k1 - st.right - q_offset, bq)
+  f_hi = hi if st.left is None else _fdiv(k0 + st.left - q_offset + 1, bq)
   return _runs(lo, hi, f_lo, f_hi)
 
 
@@ -565,8 +579,8 @@ def _logits(ctx: _Ctx, s, bias=None):
   return (st.soft_cap * _LOG2E) * t, t
 
 
-def _scores(ctx: _Ctx, s, *, q0, k0, rows_dim: int, masked: bool, slope=None, limit=None,
-            q_seg=None, k_seg=None, raw: bool = False):
+def _scores(ctx: _Ctx, s, *, q0, k0, rows_dim: int, masked: bool, q_offset, slope=None,
+            limit=None, q_seg=None, k_seg=None, raw: bool = False):
   """Base-2 logits (and the soft-cap's tanh) of a raw ``q . k`` tile whose query rows start at
   ``q0`` along axis ``rows_dim`` and keys at ``k0`` along the other, in the order scale -> ALiBi
   (``slope * (j - (i + q_offset))``) -> soft-cap -> mask.  Only ``masked`` blocks evaluate the
@@ -576,7 +590,7 @@ def _scores(ctx: _Ctx, s, *, q0, k0, rows_dim: int, masked: bool, slope=None, li
   st = ctx.st
   kd = 1 - rows_dim
   if slope is not None or masked:
-    q_pos = ctx.iota(s.shape, rows_dim) + (q0 + st.q_offset)
+    q_pos = ctx.iota(s.shape, rows_dim) + (q0 + q_offset)
     k_pos = ctx.iota(s.shape, kd) + k0
   bias = None if slope is None else slope * (k_pos - q_pos).astype(jnp.float32)
   if raw:
@@ -672,7 +686,8 @@ def _data_table(st: _Static, aux: dict, q_pad: int, kv_pad: int, bq: int, bk: in
 
 def _data_names(st: _Static) -> tuple[str, ...]:
   """The kernels' inputs after their tensors, in order."""
-  return ((("tab",) if st.data else ()) + (("slopes",) if st.alibi else ())
+  return ((("tab",) if st.data else ()) + (("q_offset",) if st.q_offset is None else ())
+          + (("slopes",) if st.alibi else ())
           + (("lengths",) if st.lengths else ()) + (("q_ids", "kv_ids") if st.segments else ()))
 
 
@@ -681,6 +696,12 @@ def _data_inputs(st: _Static, aux: dict, tab, q_pad: int, kv_pad: int) -> list:
   if st.segments:
     vals["q_ids"], vals["kv_ids"] = pad_edge(aux["q_ids"], q_pad), pad_edge(aux["kv_ids"], kv_pad)
   return [vals[name] for name in _data_names(st)]
+
+
+def _q_offset(st: _Static, refs):
+  """The query offset: static, or (``st.q_offset`` None: traced by the caller) read from the
+  ``[1]`` input ``q_offset`` by every warpgroup."""
+  return st.q_offset if st.q_offset is not None else refs["q_offset"][0]
 
 
 def _key_limit(st: _Static, refs, batch, always: bool):
@@ -702,7 +723,8 @@ def _query_cta(st: "_Static", refs, tp: int, bq: int, bk: int, sp: int):
   kv_head = lax.div(head, jnp.int32(st.num_heads // st.num_kv_heads))
 
   def runs(r0):
-    return _with_data(key_blocks(st, r0, bq, bk, sp // bk), refs.get("tab"), batch,
+    return _with_data(key_blocks(st, r0, bq, bk, sp // bk, _q_offset(st, refs)),
+                      refs.get("tab"), batch,
                       lax.div(r0, jnp.int32(bq)))
 
   cta_lo, steps = _union(runs(tile * rows), runs(tile * rows + bq))
@@ -798,7 +820,7 @@ def _query_rows(ctx: _Ctx, refs, scratch, wg, batch, head, rows_, my_tiles):
     copies.append((refs["q_ids"].at[batch, rows_], scratch["qseg"].at[wg],
                    scratch["qseg_ready"]))
   _load_resident(wg, *copies)
-  return dict(slope=refs["slopes"][head] if st.alibi else None,
+  return dict(q_offset=_q_offset(st, refs), slope=refs["slopes"][head] if st.alibi else None,
               limit=_key_limit(st, refs, batch, always=True),
               q_seg=ctx.load_vec(scratch["qseg"].at[wg], 1) if st.segments else None)
 
@@ -1031,7 +1053,7 @@ def supports_backward(*, head_dim: int, v_head_dim: int | None = None,
 
 
 def backward(query, key, value, out, lse, d_out, d_lse=None, *, mask: Mask | None = None,
-             scale: float | None = None, q_offset: int = 0,
+             scale: float | None = None, q_offset=0,
              logits_soft_cap: float | None = None, alibi_slopes=None, segment_ids=None,
              kv_lengths=None, config: Config | None = None, interpret=None):
   """``(dq, dk, dv)`` of ``forward`` from its ``out`` and ``lse`` (FlashAttention-2's backward on
@@ -1039,8 +1061,9 @@ def backward(query, key, value, out, lse, d_out, d_lse=None, *, mask: Mask | Non
   ping-ponging ``wgmma`` consumers; the dK/dV kernel walks the ``G`` query heads of its KV head in
   turn, so GQA gradients are summed in fp32 in the kernel).  ``d_lse``: the cotangent of ``lse``
   (None: zero).  The data arguments are ``forward``'s (they get no gradient)."""
-  data = dict(alibi_slopes=alibi_slopes, segment_ids=segment_ids, kv_lengths=kv_lengths)
-  st = _static("backward", query, key, value, mask=mask, scale=scale, q_offset=q_offset,
+  data = dict(alibi_slopes=alibi_slopes, segment_ids=segment_ids, kv_lengths=kv_lengths,
+              q_offset=q_offset)
+  st = _static("backward", query, key, value, mask=mask, scale=scale,
                logits_soft_cap=logits_soft_cap, config=config, interpret=interpret, **data)
   aux = _aux(st, **data)
   delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
@@ -1177,7 +1200,8 @@ def _dkv_call(st: _Static):
     free, turn = scratch["free"], scratch["turn"]
 
     def runs(k0):
-      return _with_data(query_blocks(st, k0, bk, bq), refs.get("tab"), batch,
+      return _with_data(query_blocks(st, k0, bk, bq, _q_offset(st, refs)), refs.get("tab"),
+                        batch,
                         lax.div(k0, jnp.int32(bk)))
 
     cta_lo, steps = _union(runs(tile * keys_per_cta), runs(tile * keys_per_cta + bk))
@@ -1207,7 +1231,8 @@ def _dkv_call(st: _Static):
         s = ctx.mm(my_k, scratch["q"].at[slot], (bk, bq), transpose_b=True, turn=turn)  # s^T
         slope = refs["slopes"][kv_head * groups + o] if st.alibi else None
         q_seg = _streamed_ids(ctx, scratch, "qseg", slot, masked)
-        s, tanh = _scores(ctx, s, q0=block * bq, k0=k0, rows_dim=1, masked=masked, slope=slope,
+        s, tanh = _scores(ctx, s, q0=block * bq, k0=k0, rows_dim=1, masked=masked,
+                          q_offset=_q_offset(st, refs), slope=slope,
                           limit=limit, q_seg=q_seg, k_seg=k_seg, raw=raw)
         lse = ctx.load_vec(scratch["lse"].at[slot], 0)
         p = jnp.exp2(_minus(s, c, lax.broadcast_in_dim(lse, s.shape, [1])))  # p^T

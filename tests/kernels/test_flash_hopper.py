@@ -149,6 +149,33 @@ def test_mla_head_sizes(overlap):
     assert_close(g, w, 3e-2, name)
 
 
+def test_traced_query_offset():
+  """A traced ``q_offset`` (chunked prefill) is an input of the kernels: one compiled program
+  serves every offset, the block runs computed at run time; values for two offsets under one
+  ``jit``, and gradients, against the formula."""
+  q, key, v = inputs(1, 130, 200, 2, 1, 64, jnp.bfloat16, seed=8)
+  mask = M.CausalMask() & M.SlidingWindowMask(60, 0)
+  cfg = hopper.Config(block_k=64)
+  fwd = jax.jit(lambda q, k, v, o: hopper.forward(q, k, v, mask=mask, q_offset=o, config=cfg,
+                                                  interpret=interpret()))
+  for offset in (70, 3):
+    out, lse = fwd(q, key, v, jnp.int32(offset))
+    want_out, want_lse = formula(q, key, v, mask, offset, None)
+    assert_close(out, want_out, TOL, f"out at {offset}")
+    empty = ~np.isfinite(np.asarray(want_lse))
+    assert np.all(np.isneginf(np.asarray(lse)[empty]))
+    assert_close(jnp.where(empty, 0.0, lse), jnp.where(empty, 0.0, want_lse), 1e-2, "lse")
+  assert fwd._cache_size() == 1
+  d_out = jax.random.normal(jax.random.key(3), q.shape, jnp.float32).astype(q.dtype)
+  grads = jax.jit(lambda q, k, v, o: hopper.backward(
+      q, k, v, *fwd(q, k, v, o), d_out, mask=mask, q_offset=o, config=cfg,
+      interpret=interpret()))(q, key, v, jnp.int32(70))
+  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+  _, vjp = jax.vjp(lambda q, k, v: formula(q, k, v, mask, 70, None)[0], f32(q), f32(key), f32(v))
+  for g, w, name in zip(grads, vjp(f32(d_out)), ("dq", "dk", "dv")):
+    assert_close(g, w, TOL, name)
+
+
 @pytest.mark.parametrize("scale", [0.3, -0.2])
 def test_scale_folded_into_the_exponent(scale):
   """Without ALiBi / soft-cap the forward takes the row max of the raw logits and folds the
@@ -479,8 +506,8 @@ def test_errors():
     hopper.forward(q, key, v, alibi_slopes=jnp.ones((3,)))
   with pytest.raises(ValueError, match=r"`segment_ids` must be"):
     hopper.forward(q, key, v, segment_ids=(ids, ids))  # kv ids must be [B, S] = (2, 80)
-  with pytest.raises(ValueError, match="unsupported call: a traced q_offset"):
-    jax.make_jaxpr(lambda o: hopper.forward(q, key, v, q_offset=o))(jnp.int32(3))
+  with pytest.raises(ValueError, match="`q_offset` must be a scalar"):
+    hopper.forward(q, key, v, q_offset=jnp.zeros((2,), jnp.int32))
   with pytest.raises(ValueError, match=r"`kv_lengths` must have shape \[B\] = \(2,\)"):
     hopper.backward(q, key, v, q, jnp.zeros((2, 2, 64)), q, kv_lengths=jnp.ones((1,), jnp.int32))
   with pytest.raises(ValueError, match="allowed"):
@@ -501,7 +528,7 @@ def test_lowers_for_cuda(h, mask, cap, schedule, data):
   """The hardware program (wgmma from shared memory and registers, layouts, TMA, barriers) goes
   through Mosaic GPU's lowering to one custom call, for every head size and each schedule (the
   overlapped one: two wgmma groups in flight, the first awaited alone), and with segment ids, key
-  lengths and ALiBi (``data``); ``h`` a pair: query / key and value head sizes (the forward
+  lengths, ALiBi and a traced query offset (``data``); ``h`` a pair: query / key and value head sizes (the forward
   only)."""
   h, hv = h if isinstance(h, tuple) else (h, h)
   q = jax.ShapeDtypeStruct((2, 1000, 4, h), jnp.bfloat16)
@@ -509,13 +536,15 @@ def test_lowers_for_cuda(h, mask, cap, schedule, data):
   v = jax.ShapeDtypeStruct((2, 1000, 2, hv), jnp.bfloat16)
   ids = jax.ShapeDtypeStruct((2, 1000), jnp.int32)
   extra = (ids, ids, jax.ShapeDtypeStruct((2,), jnp.int32),
-           jax.ShapeDtypeStruct((4,), jnp.float32)) if data else ()
+           jax.ShapeDtypeStruct((4,), jnp.float32),
+           jax.ShapeDtypeStruct((), jnp.int32)) if data else ()
 
   def kw(*extra):
     if not extra:
       return {}
-    q_ids, kv_ids, lengths, slopes = extra
-    return dict(segment_ids=(q_ids, kv_ids), kv_lengths=lengths, alibi_slopes=slopes)
+    q_ids, kv_ids, lengths, slopes, offset = extra
+    return dict(segment_ids=(q_ids, kv_ids), kv_lengths=lengths, alibi_slopes=slopes,
+                q_offset=offset)
 
   cfg = hopper.Config(block_k=hopper.default_config(h, hv).block_k,
                       pingpong=schedule in ("pingpong", "both 240"),
