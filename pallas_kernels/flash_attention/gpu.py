@@ -311,7 +311,7 @@ def hopper_reason(plan: C.Plan, which: str = "forward") -> str | None:
   if plan.static_scale is None:
     return "a traced scale"
   return hopper.supports(dtype=plan.dtype, head_dim=plan.head_dim, v_head_dim=plan.v_head_dim,
-                         static_mask=plan.static_mask, static_q_offset=plan.static_q_offset,
+                         static_mask=plan.static_mask,
                          config=_OPTIONS["hopper"])
 
 

@@ -170,10 +170,10 @@ def default_config(head_dim: int, v_head_dim: int | None = None) -> Config:
 HEAD_SIZES = (64, 128, 192, 256)  # wgmma contracts over multiples of 64; at most 256 wide
 
 
-def supports(*, dtype, head_dim: int, v_head_dim: int, static_mask, static_q_offset,
+def supports(*, dtype, head_dim: int, v_head_dim: int, static_mask,
              config: Config | None = None) -> str | None:
   """None when the Hopper kernel runs this call, else the reason it does not (ALiBi, segment
-  ids and key lengths are always taken)."""
+  ids, key lengths and any query offset, static or traced, are always taken)."""
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"dtype {jnp.dtype(dtype).name} (the wgmma path takes bfloat16 / float16)"
   if head_dim not in HEAD_SIZES or v_head_dim not in HEAD_SIZES:
@@ -245,7 +245,7 @@ def _static(name: str, query, key, value, *, mask, scale, q_offset, logits_soft_
   s, kh, hv = key.shape[1], key.shape[2], value.shape[-1]
   config = config or default_config(h, hv)
   reason = supports(dtype=query.dtype, head_dim=h, v_head_dim=hv, static_mask=mask,
-                    static_q_offset=q_offset, config=config)
+                    config=config)
   if reason is None and name == "backward":
     reason = supports_backward(head_dim=h, v_head_dim=hv)
   if reason is not None:

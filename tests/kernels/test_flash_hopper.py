@@ -116,8 +116,8 @@ def test_mla_head_sizes(overlap):
   q, key, _ = inputs(1, 130, 130, 2, 1, 192, jnp.bfloat16, seed=6)
   v = jax.random.normal(jax.random.key(7), (1, 130, 1, 128), jnp.float32).astype(jnp.bfloat16)
   assert hopper.default_config(192, 128).block_k == 64
-  assert hopper.supports(dtype=jnp.bfloat16, head_dim=192, v_head_dim=128, static_mask=None,
-                         static_q_offset=0) is None
+  assert hopper.supports(dtype=jnp.bfloat16, head_dim=192, v_head_dim=128,
+                         static_mask=None) is None
   assert "equal" in hopper.supports_backward(head_dim=128, v_head_dim=64)
   out, lse = hopper.forward(q, key, v, mask=M.CausalMask(), q_offset=0,
                             config=hopper.Config(block_k=64, overlap=overlap),
@@ -468,12 +468,12 @@ def test_shared_memory_limit_and_defaults():
   for h in (64, 128, 256):
     assert hopper.smem_bytes(h, hopper.default_config(h)) <= 227 * 1024
   reason = hopper.supports(dtype=jnp.bfloat16, head_dim=256, v_head_dim=256, static_mask=None,
-                           static_q_offset=0, config=hopper.Config(block_k=128, stages=3))
+                           config=hopper.Config(block_k=128, stages=3))
   assert "shared memory" in reason
   # measured on an H200: 232,544 bytes at head size 128, 128-key blocks, 3 stages (over 227 KiB)
   assert hopper.smem_bytes(128, hopper.Config(block_k=128, stages=3)) >= 232_544
   assert "shared memory" in hopper.supports(dtype=jnp.bfloat16, head_dim=128, v_head_dim=128,
-                                            static_mask=None, static_q_offset=0,
+                                            static_mask=None,
                                             config=hopper.Config(block_k=128, stages=3))
 
 
@@ -528,8 +528,8 @@ def test_lowers_for_cuda(h, mask, cap, schedule, data):
   """The hardware program (wgmma from shared memory and registers, layouts, TMA, barriers) goes
   through Mosaic GPU's lowering to one custom call, for every head size and each schedule (the
   overlapped one: two wgmma groups in flight, the first awaited alone), and with segment ids, key
-  lengths, ALiBi and a traced query offset (``data``); ``h`` a pair: query / key and value head sizes (the forward
-  only)."""
+  lengths, ALiBi and a traced query offset (``data``); ``h`` a pair: query / key and value head
+  sizes (the forward only)."""
   h, hv = h if isinstance(h, tuple) else (h, h)
   q = jax.ShapeDtypeStruct((2, 1000, 4, h), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((2, 1000, 2, h), jnp.bfloat16)
