@@ -387,13 +387,14 @@ def _time_jax_mgpu(q, k, v, causal, flops, base, peak, repeats):
         f"TFLOP/s {100 * rate / peak:5.1f}% peak {base / sec:5.2f}x cudnn", flush=True)
 
 
-def _sweep_hopper(q, k, v, mask, causal, flops, base, timed, rows, saved, backward=False):
+def _sweep_hopper(q, k, v, mask, causal, flops, base, timed, rows, saved, backward=False,
+                  first=None):
   """The Hopper forward (``gpu.set_options(forward="hopper")``; with ``backward``, forward +
   backward with both passes on the Hopper kernels) at each ``HOPPER_SWEEP`` config."""
   from pallas_kernels.flash_attention import flash_attention_gpu, hopper  # noqa: PLC0415
   from pallas_kernels.flash_attention import gpu as gpu_kernel  # noqa: PLC0415
 
-  for settings in HOPPER_SWEEP:
+  for settings in HOPPER_SWEEP[:first]:
     cfg = hopper.Config(**settings)
     if hopper.smem_bytes(q.shape[-1], cfg, v.shape[-1]) > hopper._SMEM_BYTES:
       continue
@@ -475,12 +476,14 @@ def run_sweep(args) -> list[dict]:
         configs = [(128, 64, bqd, bkd, w, st) for bqd, bkd, w, st in SWEEP_BWD_CONFIGS]
         options = [SWEEP_OPTIONS[-1], {**SWEEP_OPTIONS[-1], "dq": "atomic"}]
         if "hopper" in args.sweep_kernels:
-          _sweep_hopper(q, k, v, mask, causal, flops, base, timed, rows, saved, backward=True)
+          _sweep_hopper(q, k, v, mask, causal, flops, base, timed, rows, saved, backward=True,
+                        first=args.hopper_first)
       else:
         configs = [(bq, bk, 64, 64, w, st) for bq, bk, w, st in SWEEP_CONFIGS]
         options = SWEEP_OPTIONS if args.sweep_switches else [SWEEP_OPTIONS[-1]]
       if not backward and "hopper" in args.sweep_kernels:
-        _sweep_hopper(q, k, v, mask, causal, flops, base, timed, rows, saved)
+        _sweep_hopper(q, k, v, mask, causal, flops, base, timed, rows, saved,
+                      first=args.hopper_first)
       if "triton" not in args.sweep_kernels:
         options = []
       for opts in options:
@@ -559,6 +562,9 @@ def main(argv=None):
                  "(forward; with --backward also forward + backward, causal) and exit")
   p.add_argument("--sweep-kernels", type=lambda x: x.split(","), default=["triton", "hopper"],
                  help="with --sweep: which kernels' configs to time (triton,hopper)")
+  p.add_argument("--hopper-first", type=int, default=None, metavar="N",
+                 help="with --sweep: time only the first N Hopper settings of HOPPER_SWEEP "
+                 "(default all)")
   p.add_argument("--sweep-switches", action="store_true",
                  help="with --sweep: also time every code-generation switch combination")
   p.add_argument("--gpu-forward", choices=("triton", "hopper", "auto"), default=None,

@@ -291,6 +291,11 @@ def test_flash_hopper_config_flag():
   assert bench_flash.hopper_label(hopper.Config(overlap=True, pingpong=True)) == (
       "bk=128 stages=2 overlap+pingpong regs=232")
   assert all(hopper.Config(**s) for s in bench_flash.HOPPER_SWEEP)
+  # device_check's core step times the first five: the default and the overlapped schedules
+  first = [hopper.Config(**s) for s in bench_flash.HOPPER_SWEEP[:5]]
+  assert first[0] == hopper.Config() and all(c.overlap for c in first[1:])
+  assert {c.pingpong for c in first} == {True, False} and {c.registers for c in first} == {
+      232, 240}
   for bad, match in (("warps=4", "name one of block_q, block_k"), ("block_k=big", "integer"),
                      ("stages=1", "stages"), ("block_k=96", "multiple of 64")):
     with pytest.raises(argparse.ArgumentTypeError, match=match):
