@@ -721,10 +721,10 @@ def _query_cta(st: "_Static", refs, tp: int, bq: int, bk: int, sp: int):
   tile = (tp // rows - 1) - lax.axis_index("q")
   head, batch = lax.axis_index("heads"), lax.axis_index("batch")
   kv_head = lax.div(head, jnp.int32(st.num_heads // st.num_kv_heads))
+  q_offset = _q_offset(st, refs)
 
   def runs(r0):
-    return _with_data(key_blocks(st, r0, bq, bk, sp // bk, _q_offset(st, refs)),
-                      refs.get("tab"), batch,
+    return _with_data(key_blocks(st, r0, bq, bk, sp // bk, q_offset), refs.get("tab"), batch,
                       lax.div(r0, jnp.int32(bq)))
 
   cta_lo, steps = _union(runs(tile * rows), runs(tile * rows + bq))
@@ -1198,10 +1198,10 @@ def _dkv_call(st: _Static):
     kv_head, batch = lax.axis_index("kv_heads"), lax.axis_index("batch")
     wg = lax.axis_index("wg")
     free, turn = scratch["free"], scratch["turn"]
+    q_offset = _q_offset(st, refs)  # read once, not per step
 
     def runs(k0):
-      return _with_data(query_blocks(st, k0, bk, bq, _q_offset(st, refs)), refs.get("tab"),
-                        batch,
+      return _with_data(query_blocks(st, k0, bk, bq, q_offset), refs.get("tab"), batch,
                         lax.div(k0, jnp.int32(bk)))
 
     cta_lo, steps = _union(runs(tile * keys_per_cta), runs(tile * keys_per_cta + bk))
@@ -1232,7 +1232,7 @@ def _dkv_call(st: _Static):
         slope = refs["slopes"][kv_head * groups + o] if st.alibi else None
         q_seg = _streamed_ids(ctx, scratch, "qseg", slot, masked)
         s, tanh = _scores(ctx, s, q0=block * bq, k0=k0, rows_dim=1, masked=masked,
-                          q_offset=_q_offset(st, refs), slope=slope,
+                          q_offset=q_offset, slope=slope,
                           limit=limit, q_seg=q_seg, k_seg=k_seg, raw=raw)
         lse = ctx.load_vec(scratch["lse"].at[slot], 0)
         p = jnp.exp2(_minus(s, c, lax.broadcast_in_dim(lse, s.shape, [1])))  # p^T

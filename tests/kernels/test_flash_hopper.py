@@ -129,10 +129,9 @@ def test_mla_head_sizes(overlap):
   if overlap:
     return
   calls = []
-  saved = gpu_kernel.get_options()
+  saved, real = gpu_kernel.get_options(), hopper.forward
   try:
     gpu_kernel.set_options(forward="hopper", backward="hopper", hopper=hopper.Config(block_k=64))
-    real = hopper.forward
     hopper.forward = lambda *a, **kw: calls.append(1) or real(*a, **kw)
     loss = lambda f: jax.grad(lambda q, k, v: jnp.sum(  # noqa: E731
         jnp.sin(f(q, k, v).astype(jnp.float32))), argnums=(0, 1, 2))
