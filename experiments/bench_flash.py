@@ -360,11 +360,20 @@ HOPPER_SWEEP = (  # hopper.Config settings of the Hopper (Mosaic GPU) forward ke
     dict(block_k=128, pingpong=True), dict(block_k=64), dict(block_k=64, overlap=True),
     dict(block_k=64, overlap=True, pingpong=True), dict(block_k=64, stages=3, overlap=True))
 
+HOPPER_BWD_SWEEP = (  # the same, forward + backward (--sweep --backward): the backward kernels'
+    # own switch (backward_overlap: a step's matmuls in flight together; default = overlap)
+    dict(block_k=128), dict(block_k=128, backward_overlap=True), dict(block_k=128, overlap=True),
+    dict(block_k=128, overlap=True, backward_overlap=False),
+    dict(block_k=128, overlap=True, registers=240), dict(block_k=128, pingpong=True),
+    dict(block_k=128, pingpong=True, backward_overlap=True))
 
-def hopper_label(cfg) -> str:
-  """``bk=128 stages=2 overlap+pingpong regs=232`` (schedule ``plain`` without either)."""
+
+def hopper_label(cfg, backward: bool = False) -> str:
+  """``bk=128 stages=2 overlap+pingpong regs=232`` (schedule ``plain`` without either); with
+  ``backward``, `` bwd=overlap`` or `` bwd=plain`` (the backward kernels' schedule) too."""
   schedule = "+".join(n for n in ("overlap", "pingpong") if getattr(cfg, n)) or "plain"
-  return f"bk={cfg.block_k:>3} stages={cfg.stages} {schedule:16} regs={cfg.registers}"
+  label = f"bk={cfg.block_k:>3} stages={cfg.stages} {schedule:16} regs={cfg.registers}"
+  return label + (f" bwd={'overlap' if cfg.overlaps_backward else 'plain'}" if backward else "")
 
 
 def _time_jax_mgpu(q, k, v, causal, flops, base, peak, repeats):
@@ -389,12 +398,13 @@ def _time_jax_mgpu(q, k, v, causal, flops, base, peak, repeats):
 
 def _sweep_hopper(q, k, v, mask, causal, flops, base, timed, rows, saved, backward=False,
                   first=None):
-  """The Hopper forward (``gpu.set_options(forward="hopper")``; with ``backward``, forward +
-  backward with both passes on the Hopper kernels) at each ``HOPPER_SWEEP`` config."""
+  """The Hopper forward (``gpu.set_options(forward="hopper")``) at each ``HOPPER_SWEEP`` config;
+  with ``backward``, forward + backward (both passes on the Hopper kernels) at each
+  ``HOPPER_BWD_SWEEP`` config."""
   from pallas_kernels.flash_attention import flash_attention_gpu, hopper  # noqa: PLC0415
   from pallas_kernels.flash_attention import gpu as gpu_kernel  # noqa: PLC0415
 
-  for settings in HOPPER_SWEEP[:first]:
+  for settings in (HOPPER_BWD_SWEEP if backward else HOPPER_SWEEP)[:first]:
     cfg = hopper.Config(**settings)
     if hopper.smem_bytes(q.shape[-1], cfg, v.shape[-1]) > hopper._SMEM_BYTES:
       continue
@@ -405,8 +415,8 @@ def _sweep_hopper(q, k, v, mask, causal, flops, base, timed, rows, saved, backwa
       if backward:
         fn = jax.grad(lambda q, k, v, f=fn: jnp.sum(f(q, k, v).astype(jnp.float32)),
                       argnums=(0, 1, 2))
-      got = timed(f"hopper{' fwd+bwd' if backward else ''} {hopper_label(cfg)}", fn, flops,
-                  base)
+      got = timed(f"hopper{' fwd+bwd' if backward else ''} {hopper_label(cfg, backward)}", fn,
+                  flops, base)
     finally:
       gpu_kernel.set_options(**saved)
     if got:
@@ -456,6 +466,8 @@ def run_sweep(args) -> list[dict]:
     return sec, rate
 
   passes = [(c, False) for c in (False, True)] + ([(True, True)] if args.backward else [])
+  if args.backward_only:
+    passes = [(True, True)]
   try:
     for causal, backward in passes:
       flops = attention_flops(b, t, t, args.heads, args.head_dim, args.v_head_dim, causal,
@@ -530,7 +542,7 @@ def hopper_config(text: str):
     if name not in fields or not value.strip().isdigit():
       raise argparse.ArgumentTypeError(
           f"{item!r}: expected name=integer with name one of {', '.join(fields)}")
-    kw[name] = bool(int(value)) if fields[name] in (bool, "bool") else int(value)
+    kw[name] = bool(int(value)) if "bool" in str(fields[name]) else int(value)
   try:
     return hopper.Config(**kw)
   except ValueError as e:
@@ -564,7 +576,9 @@ def main(argv=None):
                  help="with --sweep: which kernels' configs to time (triton,hopper)")
   p.add_argument("--hopper-first", type=int, default=None, metavar="N",
                  help="with --sweep: time only the first N Hopper settings of HOPPER_SWEEP "
-                 "(default all)")
+                 "(HOPPER_BWD_SWEEP for forward + backward; default all)")
+  p.add_argument("--backward-only", action="store_true",
+                 help="with --sweep --backward: only the forward + backward (causal) pass")
   p.add_argument("--sweep-switches", action="store_true",
                  help="with --sweep: also time every code-generation switch combination")
   p.add_argument("--gpu-forward", choices=("triton", "hopper", "auto"), default=None,
@@ -579,6 +593,8 @@ def main(argv=None):
   p.add_argument("--roofline", action="store_true",
                  help="print the TPU v5e/v6e roofline table of docs/performance.md and exit")
   args = p.parse_args(argv)
+  if args.backward_only and not (args.sweep and args.backward):
+    p.error("argument --backward-only: only with --sweep T --backward")
   if args.roofline:
     print_roofline(head_dim=args.head_dim or 128)
     print()

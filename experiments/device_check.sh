@@ -24,7 +24,9 @@
 #      forward's schedules at T = 8k (bench_flash --sweep, the first five HOPPER_SWEEP
 #      settings: plain, overlap, overlap + ping-pong, the last two at 240 registers too), then
 #      the Triton kernels; the Hopper forward + backward benchmark (T = 2k, 8k);
-#   5. (more) the Triton forward + backward benchmark; the Hopper and Triton forwards at MLA's
+#   5. (more) the Triton forward + backward benchmark; the Hopper forward + backward schedules
+#      at T = 8k, causal (HOPPER_BWD_SWEEP: the backward's matmuls in turn or in flight
+#      together, with each forward schedule); the Hopper and Triton forwards at MLA's
 #      prefill head sizes (192 / 128, T = 8k, against cuDNN where it takes them); the paged
 #      decode kernels over int8 / fp8
 #      caches (32k, batch 8 and 32); the top-K sparse (DSA) kernels compiled against the gather
@@ -191,6 +193,9 @@ if want more flash; then
   step "triton kernels: forward+backward benchmark" 60 \
     "$PY" -m experiments.bench_flash --gpu-forward triton --gpu-backward triton --backward \
     --seq-lens 2048 8192 --repeats 3 --plot "$DEST/bench_flash_gpu_bwd.png"
+  step "hopper forward + backward schedules at 8k (causal; backward overlap or not)" 150 \
+    "$PY" -m experiments.bench_flash --sweep 8192 --sweep-kernels hopper --backward \
+    --backward-only --repeats 3
   step "hopper forward at MLA's prefill head sizes (192 / 128)" 80 \
     "$PY" -m experiments.bench_flash --head-dim 192 --v-head-dim 128 --sweep 8192 \
     --sweep-kernels hopper --repeats 3

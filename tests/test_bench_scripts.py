@@ -296,6 +296,15 @@ def test_flash_hopper_config_flag():
   assert first[0] == hopper.Config() and all(c.overlap for c in first[1:])
   assert {c.pingpong for c in first} == {True, False} and {c.registers for c in first} == {
       232, 240}
+  # forward + backward: the backward's own switch against each forward schedule
+  assert bench_flash.hopper_config("backward_overlap=1") == hopper.Config(backward_overlap=True)
+  bwd = [hopper.Config(**s) for s in bench_flash.HOPPER_BWD_SWEEP]
+  assert bwd[0] == hopper.Config() and {(c.overlap, c.overlaps_backward) for c in bwd} == {
+      (False, False), (False, True), (True, True), (True, False)}
+  assert bench_flash.hopper_label(bwd[1], backward=True) == (
+      "bk=128 stages=2 plain            regs=232 bwd=overlap")
+  with pytest.raises(SystemExit):
+    bench_flash.main(["--backward-only"])
   for bad, match in (("warps=4", "name one of block_q, block_k"), ("block_k=big", "integer"),
                      ("stages=1", "stages"), ("block_k=96", "multiple of 64")):
     with pytest.raises(argparse.ArgumentTypeError, match=match):
@@ -342,11 +351,11 @@ def test_device_check_all_steps_pass(tmp_path):
   assert proc.returncode == 0, proc.stdout
   assert proc.stdout.splitlines()[-1] == "device_check: PASSED"
   assert log == proc.stdout                           # the tee'd log is complete
-  assert proc.stdout.count("=== ") == 2 * 14 and "SKIPPED" not in proc.stdout
+  assert proc.stdout.count("=== ") == 2 * 15 and "SKIPPED" not in proc.stdout
   # one pytest run compiles every GPU kernel test file, before any benchmark
   steps = [x for x in proc.stdout.splitlines() if x.startswith("=== ") and "limit" in x]
   assert steps[1].startswith("=== GPU kernel tests (") and steps[1].count(".py") == 4, steps
-  for part, first, n in (("core", "GPU kernel tests", 7), ("more", "triton kernels: fo", 6)):
+  for part, first, n in (("core", "GPU kernel tests", 7), ("more", "triton kernels: fo", 7)):
     proc, _, _ = _device_check(tmp_path, PART=part)
     steps = [x for x in proc.stdout.splitlines() if x.startswith("=== ") and "limit" in x]
     assert proc.returncode == 0 and len(steps) == 1 + n, proc.stdout

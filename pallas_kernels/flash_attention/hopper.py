@@ -46,8 +46,10 @@ producer ring, two consumers, skip / masked / full runs): a dQ kernel over query
 K / V blocks (``s = q k^T``, ``dp = do v^T``, ``dq += ds k``), and a dK/dV kernel over key tiles
 streams ``q`` / ``do`` blocks with their log-sum-exp and ``delta`` rows (``s^T = k q^T``,
 ``dv += p^T do``, ``dp^T = v do^T``, ``dk += ds^T q``), walking the ``G`` query heads of its KV
-head in turn so that GQA gradients are summed in fp32 registers.  Either backward (this or
-Triton's) takes either forward's output.
+head in turn so that GQA gradients are summed in fp32 registers.  With ``backward_overlap``
+(default: ``overlap``) a step's independent matmuls are in flight together: ``s`` and ``dp`` are
+issued at once and ``p`` is computed while ``dp`` runs; in the dK/dV kernel ``dv += p^T do`` runs
+while ``ds`` is computed.  Either backward (this or Triton's) takes either forward's output.
 
 Tested on CPU with Mosaic GPU's interpreter (threads, barriers and TMA simulated, races detected),
 lowered for CUDA in tests (``jax.export``); speed only on a Hopper GPU
@@ -94,12 +96,15 @@ class Config:
   block_q: query rows per consumer warpgroup (a CTA holds two: ``2 * block_q`` rows); 64 is one
     wgmma M tile.  block_k: keys per step (a multiple of 64).  stages: K/V slots in shared memory
     (>= 2).  pingpong: consumers alternate on the tensor cores (one's softmax overlaps the
-    other's matmuls).  overlap (forward only): each consumer overlaps its own softmax with its
+    other's matmuls).  overlap (forward): each consumer overlaps its own softmax with its
     matmuls (FlashAttention-3's intra-warpgroup pipelining): step j issues ``q k_j^T`` and the
     previous block's ``p v`` together and computes block j's softmax while ``p v`` runs; K and
     V slots are then released separately.  With ``pingpong`` too (FlashAttention-3's full
     schedule): the consumers pass the tensor cores to each other one way, a consumer issuing
     its step's matmuls only on its turn (the plain ping-pong's turns are a rendezvous).
+    backward_overlap (None: as ``overlap``): the backward kernels issue a step's independent
+    matmuls together (``s`` with ``dp``; ``dv`` before ``ds`` is computed) and compute while the
+    later ones run (within a step: no block is held over).
     registers: per consumer thread (``set_max_registers``); the producer warpgroup gets what is
     left of the 64K register file, at most 40 (32 at 240).
 
@@ -115,6 +120,11 @@ class Config:
   pingpong: bool = False
   overlap: bool = False
   registers: int = 232
+  backward_overlap: bool | None = None
+
+  @property
+  def overlaps_backward(self) -> bool:
+    return self.overlap if self.backward_overlap is None else self.backward_overlap
 
   def __post_init__(self):
     if (not isinstance(self.registers, int) or self.registers % 8 or not
@@ -130,6 +140,9 @@ class Config:
                        f"{self.block_k!r}.")
     if self.stages < 2:
       raise ValueError(f"hopper.Config: `stages` must be >= 2, got {self.stages!r}.")
+    if not isinstance(self.backward_overlap, (bool, type(None))):
+      raise ValueError(f"hopper.Config: `backward_overlap` must be None (as `overlap`), True or "
+                       f"False, got {self.backward_overlap!r}.")
 
 
 def band(mask: Mask | None) -> tuple[bool, int | None, int | None]:
@@ -1104,6 +1117,7 @@ def _dq_call(st: _Static):
   h = st.head_dim
   ctx = _Ctx(st, stages, cfg.pingpong)
   raw, c = _backward_folds(st)
+  overlap = cfg.overlaps_backward
 
   def kernel(refs, scratch):
     tile, head, batch, wg, kv_head, cta_lo, steps, runs = _query_cta(st, refs, tp, bq, bk, sp)
@@ -1127,22 +1141,46 @@ def _dq_call(st: _Static):
       if cfg.pingpong:
         pl.when(wg == 1)(lambda: ctx.take_turn(turn))
 
+      def probs(s, slot, block, masked):
+        s, tanh = _scores(ctx, s, q0=r0, k0=block * bk, rows_dim=0, masked=masked,
+                          k_seg=_streamed_ids(ctx, scratch, "kseg", slot, masked), raw=raw,
+                          **data)
+        return jnp.exp2(_minus(s, c, lax.broadcast_in_dim(lse, s.shape, [0]))), tanh
+
+      def grad_logits(p, tanh, dp):  # 16-bit ds
+        ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+        return (ds if tanh is None else ds * (1.0 - tanh * tanh)).astype(dtype)
+
       def compute(t, slot, block, o, dq, masked):
         del t, o
         plgpu.barrier_wait(k_ready.at[slot])
         if st.segments:
           plgpu.barrier_wait(scratch["kseg_ready"].at[slot])
-        s = ctx.mm(my_q, scratch["k"].at[slot], (bq, bk), transpose_b=True, turn=turn)
-        s, tanh = _scores(ctx, s, q0=r0, k0=block * bk, rows_dim=0, masked=masked,
-                          k_seg=_streamed_ids(ctx, scratch, "kseg", slot, masked), raw=raw,
-                          **data)
-        p = jnp.exp2(_minus(s, c, lax.broadcast_in_dim(lse, s.shape, [0])))
-        plgpu.barrier_wait(v_ready.at[slot])
-        dp = ctx.mm(my_do, scratch["v"].at[slot], (bq, bk), transpose_b=True)
-        ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
-        if tanh is not None:
-          ds = ds * (1.0 - tanh * tanh)
-        dq = ctx.mm_acc(dq, ds.astype(dtype), scratch["k"].at[slot])
+        k_slot, v_slot = scratch["k"].at[slot], scratch["v"].at[slot]
+        if overlap:  # q k^T and do v^T in flight together; p computed while do v^T runs
+          plgpu.barrier_wait(v_ready.at[slot])
+          if ctx.interpret:
+            s = ctx.mm(my_q, k_slot, (bq, bk), transpose_b=True)
+            dp = ctx.mm(my_do, v_slot, (bq, bk), transpose_b=True, turn=turn)
+            ds = grad_logits(*probs(s, slot, block, masked), dp)
+          else:
+            def body(refs_):
+              s_ref, dp_ref, ds_ref = refs_
+              plgpu.wgmma(s_ref, my_q, k_slot.transpose((1, 0)))
+              plgpu.wgmma(dp_ref, my_do, v_slot.transpose((1, 0)))
+              ctx.take_turn(turn)
+              p, tanh = probs(plgpu.wgmma_accumulator_load(s_ref, wait_n=1), slot, block, masked)
+              ds_ref[...] = grad_logits(p, tanh, plgpu.wgmma_accumulator_load(dp_ref))
+
+            zero = ctx.full((bq, bk), 0.0)
+            _, _, ds = pl.run_state(body)(
+                (plgpu.ACC.init(zero), plgpu.ACC.init(zero), zero.astype(dtype)))
+        else:
+          s = ctx.mm(my_q, k_slot, (bq, bk), transpose_b=True, turn=turn)
+          p, tanh = probs(s, slot, block, masked)
+          plgpu.barrier_wait(v_ready.at[slot])
+          ds = grad_logits(p, tanh, ctx.mm(my_do, v_slot, (bq, bk), transpose_b=True))
+        dq = ctx.mm_acc(dq, ds, k_slot)
         ctx.take_turn(turn)
         ctx.release(free, slot, generic_reads=st.segments)
         return dq
@@ -1192,6 +1230,7 @@ def _dkv_call(st: _Static):
   groups = st.num_heads // st.num_kv_heads
   ctx = _Ctx(st, stages, cfg.pingpong)
   raw, c = _backward_folds(st)
+  overlap = cfg.overlaps_backward
 
   def kernel(refs, scratch):
     tile = lax.axis_index("k")  # key tiles in order: under a causal mask the first see most rows
@@ -1223,28 +1262,69 @@ def _dkv_call(st: _Static):
       if cfg.pingpong:
         pl.when(wg == 1)(lambda: ctx.take_turn(turn))
 
-      def compute(t, slot, block, o, carry, masked):
-        del t
-        dk, dv = carry
-        for name in ("q", "lse") + (("qseg",) if st.segments else ()):
-          plgpu.barrier_wait(scratch[name + "_ready"].at[slot])
-        s = ctx.mm(my_k, scratch["q"].at[slot], (bk, bq), transpose_b=True, turn=turn)  # s^T
+      def probs(s, slot, block, o, masked):
+        """``(p^T, tanh)`` of the raw logits ``s^T`` of query block ``block``."""
         slope = refs["slopes"][kv_head * groups + o] if st.alibi else None
         q_seg = _streamed_ids(ctx, scratch, "qseg", slot, masked)
         s, tanh = _scores(ctx, s, q0=block * bq, k0=k0, rows_dim=1, masked=masked,
                           q_offset=q_offset, slope=slope,
                           limit=limit, q_seg=q_seg, k_seg=k_seg, raw=raw)
         lse = ctx.load_vec(scratch["lse"].at[slot], 0)
-        p = jnp.exp2(_minus(s, c, lax.broadcast_in_dim(lse, s.shape, [1])))  # p^T
+        return jnp.exp2(_minus(s, c, lax.broadcast_in_dim(lse, s.shape, [1]))), tanh
+
+      def grad_logits(p, dp, tanh, slot):
+        """``ds^T`` (16-bit) from ``p^T`` and ``dp^T``."""
+        delta = ctx.load_vec(scratch["delta"].at[slot], 0)
+        ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [1]))
+        return (ds if tanh is None else ds * (1.0 - tanh * tanh)).astype(dtype)
+
+      def compute(t, slot, block, o, carry, masked):
+        del t
+        dk, dv = carry
+        for name in ("q", "lse") + (("qseg",) if st.segments else ()):
+          plgpu.barrier_wait(scratch[name + "_ready"].at[slot])
+        s = ctx.mm(my_k, scratch["q"].at[slot], (bk, bq), transpose_b=True, turn=turn)  # s^T
+        p, tanh = probs(s, slot, block, o, masked)
         for name in ("do", "delta"):
           plgpu.barrier_wait(scratch[name + "_ready"].at[slot])
         dv = ctx.mm_acc(dv, p.astype(dtype), scratch["do"].at[slot])
         dp = ctx.mm(my_v, scratch["do"].at[slot], (bk, bq), transpose_b=True)  # dp^T
-        delta = ctx.load_vec(scratch["delta"].at[slot], 0)
-        ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [1]))
-        if tanh is not None:
-          ds = ds * (1.0 - tanh * tanh)
-        dk = ctx.mm_acc(dk, ds.astype(dtype), scratch["q"].at[slot])
+        dk = ctx.mm_acc(dk, grad_logits(p, dp, tanh, slot), scratch["q"].at[slot])
+        ctx.take_turn(turn)
+        ctx.release(free, slot, generic_reads=True)
+        return dk, dv
+
+      def compute_overlapped(t, slot, block, o, carry, masked):
+        """``compute`` with its matmuls in flight together (``Config.backward_overlap``):
+        ``s^T`` and ``dp^T`` are issued at once and ``p^T`` computed while ``dp^T`` runs, then
+        ``dv += p^T do`` is issued and ``ds^T`` computed while it runs, then ``dk += ds^T q``."""
+        del t
+        dk, dv = carry
+        for name in ("q", "lse", "do", "delta") + (("qseg",) if st.segments else ()):
+          plgpu.barrier_wait(scratch[name + "_ready"].at[slot])
+        q_slot, do_slot = scratch["q"].at[slot], scratch["do"].at[slot]
+        if ctx.interpret:
+          s = ctx.mm(my_k, q_slot, (bk, bq), transpose_b=True)
+          dp = ctx.mm(my_v, do_slot, (bk, bq), transpose_b=True, turn=turn)
+          p, tanh = probs(s, slot, block, o, masked)
+          dv = ctx.mm_acc(dv, p.astype(dtype), do_slot)
+          dk = ctx.mm_acc(dk, grad_logits(p, dp, tanh, slot), q_slot)
+        else:
+          def body(refs_):
+            s_ref, dp_ref, dk_ref, dv_ref = refs_
+            plgpu.wgmma(s_ref, my_k, q_slot.transpose((1, 0)))
+            plgpu.wgmma(dp_ref, my_v, do_slot.transpose((1, 0)))
+            ctx.take_turn(turn)
+            s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # s^T done, dp^T may run on
+            p, tanh = probs(s, slot, block, o, masked)
+            plgpu.wgmma(dv_ref, p.astype(dtype), do_slot)
+            dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)  # dv may run on
+            plgpu.wgmma(dk_ref, grad_logits(p, dp, tanh, slot), q_slot)
+
+          zero = ctx.full((bk, bq), 0.0)
+          _, _, dk, dv = pl.run_state(body)(
+              (plgpu.ACC.init(zero), plgpu.ACC.init(zero), plgpu.ACC.init(dk),
+               plgpu.ACC.init(dv)))
         ctx.take_turn(turn)
         ctx.release(free, slot, generic_reads=True)
         return dk, dv
@@ -1253,7 +1333,8 @@ def _dkv_call(st: _Static):
       ready = tuple(scratch[n + "_ready"] for n in ("q", "do", "lse", "delta")) + (
           (scratch["qseg_ready"],) if st.segments else ())
       dk, dv = ctx.consume(carry, outer=groups, cta_lo=cta_lo, steps=steps, runs=runs(k0),
-                           ready=ready, free=free, turn=turn, compute=compute)
+                           ready=ready, free=free, turn=turn,
+                           compute=compute_overlapped if overlap else compute)
       if cfg.pingpong:
         pl.when(wg == 0)(lambda: ctx.take_turn(turn))
       my_k[...] = (dk * st.scale).astype(dtype)

@@ -195,8 +195,11 @@ BWD_CASES = [
     # name, (b, t, s, n, k, h), mask, q_offset, cap, dtype, config
     ("causal gqa ragged", (1, 130, 130, 2, 1, 64), M.CausalMask(), 0, None, jnp.bfloat16,
      hopper.Config(block_k=64, pingpong=True)),
-    ("window softcap offset", (1, 130, 200, 2, 1, 64), M.SlidingWindowMask(50, 10), 60, 30.0,
-     jnp.bfloat16, hopper.Config(block_k=64, stages=3, pingpong=True)),
+    ("window softcap offset overlap pingpong", (1, 130, 200, 2, 1, 64),
+     M.SlidingWindowMask(50, 10), 60, 30.0, jnp.bfloat16,
+     hopper.Config(block_k=64, stages=3, pingpong=True, overlap=True)),
+    ("causal gqa ragged overlap", (1, 130, 130, 2, 1, 64), M.CausalMask(), 0, None, jnp.bfloat16,
+     hopper.Config(block_k=64, backward_overlap=True)),
     ("full mha fp16 no pingpong", (1, 128, 128, 2, 2, 64), None, 0, None, jnp.float16,
      hopper.Config(block_k=64, pingpong=False)),
 ]
@@ -205,7 +208,8 @@ BWD_CASES = [
 @pytest.mark.parametrize("case", params(BWD_CASES))
 def test_backward_matches_formula(case):
   """dQ, dK, dV (GQA groups summed in the kernel) from the kernel's own forward, with a cotangent
-  on the log-sum-exp too, against the formula's VJP."""
+  on the log-sum-exp too, against the formula's VJP; each step's matmuls in turn, or in flight
+  together (``backward_overlap``: the forward's ``overlap`` by default, or set alone)."""
   name, (b, t, s, n, k, h), mask, q_offset, cap, dtype, config = case
   q, key, v = inputs(b, t, s, n, k, h, dtype)
   ks = jax.random.split(jax.random.key(9), 2)
@@ -217,7 +221,8 @@ def test_backward_matches_formula(case):
   want = vjp((f32(d_out), jnp.where(jnp.isfinite(lse_ref), d_lse, 0.0)))
   out, lse = hopper.forward(q, key, v, mask=mask, q_offset=q_offset, logits_soft_cap=cap,
                             config=config, interpret=interpret())
-  races = name == "causal gqa ragged"  # the dK/dV ring refills its slots (two heads, 3 blocks)
+  races = name.startswith("causal gqa ragged")  # the dK/dV ring refills its slots (two heads,
+                                                  # three blocks)
   got = hopper.backward(q, key, v, out, lse, d_out, d_lse, mask=mask, q_offset=q_offset,
                         logits_soft_cap=cap, config=config, interpret=interpret(races))
   if races and not ON_GPU:
@@ -490,6 +495,11 @@ def test_errors():
   for regs, producer in ((232, 40), (240, 32), (128, 40)):
     assert hopper._registers(hopper.Config(registers=regs)) == (regs, producer)
     assert 256 * regs + 128 * producer <= 65536
+  with pytest.raises(ValueError, match="`backward_overlap` must be None"):
+    hopper.Config(backward_overlap="yes")
+  assert hopper.Config(overlap=True).overlaps_backward
+  assert not hopper.Config(overlap=True, backward_overlap=False).overlaps_backward
+  assert hopper.Config(backward_overlap=True).overlaps_backward
   q, key, v = inputs(1, 64, 64, 2, 1, 64, jnp.float32)
   with pytest.raises(ValueError, match="dtype float32"):
     hopper.forward(q, key, v)
