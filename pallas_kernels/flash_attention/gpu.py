@@ -64,7 +64,7 @@ from pallas_kernels.flash_attention.sharded import run_flash
 #            but not yet timed on a GPU.
 #   forward: "triton" (the kernel below), "hopper" (``hopper.py``: Mosaic GPU, TMA + wgmma +
 #            warp specialisation, for sm_90 GPUs; band masks with segment ids, key lengths, ALiBi
-#            and soft-cap; calls it does not take -- fp32, non-band masks, traced scale or offset,
+#            and soft-cap; calls it does not take -- fp32, non-band masks, a traced scale,
 #            another GPU -- stay on Triton, see ``hopper_reason``) or "auto" ("hopper" on a
 #            compiled run, Triton when interpreted: the CPU tests interpret the Hopper kernels
 #            only where they ask for them).  Either backward takes either forward's output.

@@ -159,11 +159,13 @@ _SMEM_BYTES = 227 * 1024  # shared memory one H100 / H200 CTA may hold
 
 
 def smem_bytes(head_dim: int, config: Config, v_head_dim: int | None = None) -> int:
-  """Shared memory of one CTA: two query tiles (which take the output when the head sizes
-  agree, else two output tiles of their own), ``stages`` key and value slots (16-bit), and
+  """Shared memory of one CTA: two query tiles (which take the output when the head sizes agree
+  or the values are narrower, ``_aliased_out_rows``; else two output tiles of their own),
+  ``stages`` key and value slots (16-bit), and
   ``_SMEM_EXTRA`` for the log-sum-exp rows, the barriers and their alignment."""
   c, hv = config, head_dim if v_head_dim is None else v_head_dim
-  out = 0 if hv == head_dim else 2 * c.block_q * hv
+  aliased = hv == head_dim or _aliased_out_rows(head_dim, hv, c.block_q) is not None
+  out = 0 if aliased else 2 * c.block_q * hv
   return 2 * (2 * c.block_q * head_dim + out + c.stages * c.block_k * (head_dim + hv)) + (
       _SMEM_EXTRA)
 
@@ -174,8 +176,8 @@ _SMEM_EXTRA = 4096
 
 
 def default_config(head_dim: int, v_head_dim: int | None = None) -> Config:
-  """128-key steps where two stages of them fit in shared memory (head sizes up to 128), else
-  64 (256; DeepSeek's 192 / 128 of MLA's prefill)."""
+  """128-key steps where two stages of them fit in shared memory (head sizes up to 128, and
+  DeepSeek's 192 / 128 of MLA's prefill, whose output shares the query tiles), else 64 (256)."""
   wide = Config(block_k=128)
   return wide if smem_bytes(head_dim, wide, v_head_dim) <= _SMEM_BYTES else Config(block_k=64)
 
@@ -788,6 +790,16 @@ def _tiled():
   return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
+def _aliased_out_rows(h: int, hv: int, bq: int) -> int | None:
+  """Rows ``r`` of the ``[2, r, hv]`` output tiles that share the ``[2, bq, h]`` query tiles'
+  bytes when the value heads are narrower (``r hv = bq h``, ``r`` whole 8-row tiles: consumer
+  c's output rows then start where its query tile does); None: the output takes the query tiles
+  themselves (equal sizes) or needs tiles of its own."""
+  if hv >= h or (bq * h) % hv or (bq * h // hv) % 8:
+    return None
+  return bq * h // hv
+
+
 def _entry(names: tuple[str, ...], scratch: dict, kernel):
   """The kernel entry: refs by name (inputs, data inputs, outputs), scratch by name."""
   def entry(*refs):
@@ -859,7 +871,11 @@ def _call(st: _Static):
   tp, sp = _shapes(st, rows, bk)
   dtype = jnp.dtype(st.dtype)
   h, hv = st.head_dim, st.v_head_dim
-  own_out = hv != h  # the output needs tiles of its own (else it takes the query's)
+  # the output is written into the query's tiles: the same tiles when the head sizes agree,
+  # else (value heads narrower) the same bytes seen as ``[bq h / hv, hv]`` tiles (a RefUnion,
+  # compiled only: the interpreter takes no aliased refs); tiles of its own otherwise
+  alias = None if st.interpret else _aliased_out_rows(h, hv, bq)
+  own_out = hv != h and alias is None
   # the plain schedule's ping-pong turns are a rendezvous (``_Ctx.take_turn``); the overlapped
   # schedule's are one-way hand-offs (``handoff``)
   ctx = _Ctx(st, stages, cfg.pingpong and not cfg.overlap)
@@ -875,7 +891,8 @@ def _call(st: _Static):
     def _consumer():
       plgpu.set_max_registers(ctx.consumer_regs, action="increase")
       r0 = tile * rows + wg * bq
-      my_q = scratch["q"].at[wg]
+      q_tiles, o_tiles = scratch["q"] if alias else (scratch["q"], None)
+      my_q = q_tiles.at[wg]
       rows_ = pl.ds(r0, bq)
       data = _query_rows(ctx, refs, scratch, wg, batch, head, rows_,
                          [(refs["q"].at[batch, rows_, head], my_q, scratch["q_ready"])])
@@ -1004,7 +1021,8 @@ def _call(st: _Static):
 
       ok = l != 0.0  # NaN rows stay NaN (a fully masked row has l == 0)
       inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
-      my_o = scratch["out"].at[wg] if own_out else my_q
+      my_o = (scratch["out"].at[wg] if own_out else
+              o_tiles.at[wg].at[pl.ds(0, bq)] if alias else my_q)
       my_o[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
       lse_smem = scratch["lse"].at[wg]
       lse_smem[...] = jnp.where(ok, (m + jnp.log2(jnp.where(ok, l, 1.0))) * _LN2, -jnp.inf)
@@ -1022,6 +1040,9 @@ def _call(st: _Static):
                           streamed=(("k", bk, None), ("v", bk, None, hv)) + _ids(st, "kseg", bk))
   if own_out:
     scratch["out"] = plgpu.SMEM((2, bq, hv), dtype, transforms=_tiled())
+  if alias:  # consumer c's output rows start at consumer c's query tile
+    scratch["q"] = plgpu.RefUnion(scratch["q"],
+                                  plgpu.SMEM((2, alias, hv), dtype, transforms=_tiled()))
   if cfg.overlap:  # K and V slots are released separately
     del scratch["free"]
     for name in ("k_free", "v_free"):

@@ -108,30 +108,44 @@ def test_forward_matches_formula(case):
   assert_close(lse, want_lse, 1e-2, name + " lse")
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_mla_head_sizes(overlap):
+@pytest.mark.parametrize("h,hv,config", [
+    (192, 128, None), (192, 128, hopper.Config(block_k=64, overlap=True)),
+    (64, 128, hopper.Config(block_k=64))], ids=["192-128 default", "192-128 overlap", "64-128"])
+def test_mla_head_sizes(h, hv, config):
   """DeepSeek's MLA prefill shape (query / key heads of 192 = 128 + 64 RoPE, values of 128):
-  the output gets tiles of its own, 64-key steps by default; gradients through the entry point
-  take the Triton backward on the Hopper forward's log-sum-exp."""
-  q, key, _ = inputs(1, 130, 130, 2, 1, 192, jnp.bfloat16, seed=6)
-  v = jax.random.normal(jax.random.key(7), (1, 130, 1, 128), jnp.float32).astype(jnp.bfloat16)
-  assert hopper.default_config(192, 128).block_k == 64
+  the output is written into the query tiles' bytes (seen as [96, 128] tiles), which leaves room
+  for 128-key steps by default; wider values (64 / 128) get output tiles of their own.
+  Gradients through the entry point take the Triton backward on the Hopper forward's
+  log-sum-exp."""
+  q, key, _ = inputs(1, 130, 130, 2, 1, h, jnp.bfloat16, seed=6)
+  v = jax.random.normal(jax.random.key(7), (1, 130, 1, hv), jnp.float32).astype(jnp.bfloat16)
+  assert hopper.default_config(192, 128).block_k == 128
+  assert hopper._aliased_out_rows(192, 128, 64) == 96
+  assert hopper._aliased_out_rows(64, 128, 64) is None  # wider: tiles of its own
+  assert hopper._aliased_out_rows(256, 192, 64) is None  # 85 1/3 rows
+  tiles = 2 * (2 * 64 * 192 + 2 * 128 * (192 + 128))
+  assert hopper.smem_bytes(192, hopper.Config(), 128) == tiles + hopper._SMEM_EXTRA
+  assert hopper.smem_bytes(64, hopper.Config(), 128) == (
+      2 * (2 * 64 * 64 + 2 * 64 * 128 + 2 * 128 * (64 + 128)) + hopper._SMEM_EXTRA)
   assert hopper.supports(dtype=jnp.bfloat16, head_dim=192, v_head_dim=128,
                          static_mask=None) is None
   assert "equal" in hopper.supports_backward(head_dim=128, v_head_dim=64)
-  out, lse = hopper.forward(q, key, v, mask=M.CausalMask(), q_offset=0,
-                            config=hopper.Config(block_k=64, overlap=overlap),
+  # The interpreter takes no aliased refs (it writes the output to tiles of its own) and, on two
+  # CPU cores, stalled in its own thread pool at 128-key steps with unequal head sizes (no
+  # barrier left waiting on the kernel's side): interpreted runs take 64-key steps.
+  run_config = config or (None if ON_GPU else hopper.Config(block_k=64))
+  out, lse = hopper.forward(q, key, v, mask=M.CausalMask(), q_offset=0, config=run_config,
                             interpret=interpret())
   want_out, want_lse = formula(q, key, v, M.CausalMask(), 0, None)
-  assert out.shape == (1, 130, 2, 128)
+  assert out.shape == (1, 130, 2, hv)
   assert_close(out, want_out, TOL, "out")
   assert_close(lse, want_lse, 1e-2, "lse")
-  if overlap:
+  if config is not None:
     return
   calls = []
   saved, real = gpu_kernel.get_options(), hopper.forward
   try:
-    gpu_kernel.set_options(forward="hopper", backward="hopper", hopper=hopper.Config(block_k=64))
+    gpu_kernel.set_options(forward="hopper", backward="hopper", hopper=run_config)
     hopper.forward = lambda *a, **kw: calls.append(1) or real(*a, **kw)
     loss = lambda f: jax.grad(lambda q, k, v: jnp.sum(  # noqa: E731
         jnp.sin(f(q, k, v).astype(jnp.float32))), argnums=(0, 1, 2))
@@ -532,13 +546,15 @@ def test_errors():
     (128, M.CausalMask(), 30.0, "pingpong", True),
     (64, M.CausalMask(), None, "overlap", False), (256, None, 30.0, "overlap", False),
     (128, M.CausalMask(), 30.0, "overlap", True), (128, M.CausalMask(), None, "both 240", False),
-    ((192, 128), M.CausalMask(), None, "plain", False), ((192, 128), None, None, "overlap", True)])
+    ((192, 128), M.CausalMask(), None, "plain", False), ((192, 128), None, None, "overlap", True),
+    ((64, 128), None, None, "plain", False)])
 def test_lowers_for_cuda(h, mask, cap, schedule, data):
   """The hardware program (wgmma from shared memory and registers, layouts, TMA, barriers) goes
   through Mosaic GPU's lowering to one custom call, for every head size and each schedule (the
   overlapped one: two wgmma groups in flight, the first awaited alone), and with segment ids, key
   lengths, ALiBi and a traced query offset (``data``); ``h`` a pair: query / key and value head
-  sizes (the forward only)."""
+  sizes (the forward only; 192 / 128 writes its output through the query tiles' bytes, a
+  ``RefUnion`` at 128-key steps; 64 / 128 into tiles of its own)."""
   h, hv = h if isinstance(h, tuple) else (h, h)
   q = jax.ShapeDtypeStruct((2, 1000, 4, h), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((2, 1000, 2, h), jnp.bfloat16)
