@@ -357,8 +357,12 @@ HOPPER_SWEEP = (  # hopper.Config settings of the Hopper (Mosaic GPU) forward ke
                                                              pingpong=True),
     dict(block_k=128, overlap=True, registers=240),
     dict(block_k=128, overlap=True, pingpong=True, registers=240),
+    # larger steps and deeper rings (they fit since the log-sum-exp rows left shared memory)
+    dict(block_k=192, overlap=True), dict(block_k=128, stages=3, overlap=True),
     dict(block_k=128, pingpong=True), dict(block_k=64), dict(block_k=64, overlap=True),
-    dict(block_k=64, overlap=True, pingpong=True), dict(block_k=64, stages=3, overlap=True))
+    dict(block_k=64, overlap=True, pingpong=True), dict(block_k=64, stages=3, overlap=True),
+    dict(block_k=192), dict(block_k=192, overlap=True, pingpong=True, registers=240),
+    dict(block_k=128, stages=3))
 
 HOPPER_BWD_SWEEP = (  # the same, forward + backward (--sweep --backward): the backward kernels'
     # own switch (backward_overlap: a step's matmuls in flight together; default = overlap)
@@ -406,7 +410,7 @@ def _sweep_hopper(q, k, v, mask, causal, flops, base, timed, rows, saved, backwa
 
   for settings in (HOPPER_BWD_SWEEP if backward else HOPPER_SWEEP)[:first]:
     cfg = hopper.Config(**settings)
-    if hopper.smem_bytes(q.shape[-1], cfg, v.shape[-1]) > hopper._SMEM_BYTES:
+    if hopper.smem_bytes(q.shape[-1], cfg, v.shape[-1], segments=False) > hopper._SMEM_BYTES:
       continue
     try:
       gpu_kernel.set_options(**{**saved, "forward": "hopper", "hopper": cfg,

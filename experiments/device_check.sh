@@ -21,8 +21,9 @@
 #      1..32);
 #   4. (core) bench_flash --check and the forward benchmark against cuDNN and the bf16 matmul
 #      peak (T = 2k..16k, causal and not) for the Hopper (Mosaic GPU) kernels, the Hopper
-#      forward's schedules at T = 8k (bench_flash --sweep, the first five HOPPER_SWEEP
-#      settings: plain, overlap, overlap + ping-pong, the last two at 240 registers too), then
+#      forward's schedules at T = 8k (bench_flash --sweep, the first seven HOPPER_SWEEP
+#      settings: plain, overlap, overlap + ping-pong, the last two at 240 registers too, overlap
+#      with 192-key steps and with 3 stages), then
 #      the Triton kernels; the Hopper forward + backward benchmark (T = 2k, 8k);
 #   5. (more) the Triton forward + backward benchmark; the Hopper forward + backward schedules
 #      at T = 8k, causal (HOPPER_BWD_SWEEP: the backward's matmuls in turn or in flight
@@ -179,8 +180,8 @@ if want core flash; then
   step "hopper kernels: check + forward benchmark" 100 \
     "$PY" -m experiments.bench_flash --gpu-forward hopper --gpu-backward hopper --check \
     --seq-lens 2048 4096 8192 16384 --repeats 5 --plot "$DEST/bench_flash_gpu_hopper.png"
-  step "hopper forward schedules at 8k (plain, overlap, overlap + ping-pong)" 150 \
-    "$PY" -m experiments.bench_flash --sweep 8192 --sweep-kernels hopper --hopper-first 5 \
+  step "hopper forward schedules at 8k (plain, overlap, overlap + ping-pong, 192 keys)" 180 \
+    "$PY" -m experiments.bench_flash --sweep 8192 --sweep-kernels hopper --hopper-first 7 \
     --repeats 5
   step "triton kernels: check + forward benchmark" 100 \
     "$PY" -m experiments.bench_flash --gpu-forward triton --gpu-backward triton --check \

@@ -291,11 +291,15 @@ def test_flash_hopper_config_flag():
   assert bench_flash.hopper_label(hopper.Config(overlap=True, pingpong=True)) == (
       "bk=128 stages=2 overlap+pingpong regs=232")
   assert all(hopper.Config(**s) for s in bench_flash.HOPPER_SWEEP)
-  # device_check's core step times the first five: the default and the overlapped schedules
-  first = [hopper.Config(**s) for s in bench_flash.HOPPER_SWEEP[:5]]
+  # device_check's core step times the first seven: the default and the overlapped schedules
+  first = [hopper.Config(**s) for s in bench_flash.HOPPER_SWEEP[:7]]
   assert first[0] == hopper.Config() and all(c.overlap for c in first[1:])
   assert {c.pingpong for c in first} == {True, False} and {c.registers for c in first} == {
       232, 240}
+  assert {(c.block_k, c.stages) for c in first} == {(128, 2), (192, 2), (128, 3)}
+  # every setting fits at head size 128 (without segment ids, as the benchmark calls it)
+  assert all(hopper.smem_bytes(128, hopper.Config(**s), segments=False) <= 227 * 1024
+             for s in bench_flash.HOPPER_SWEEP)
   # forward + backward: the backward's own switch against each forward schedule
   assert bench_flash.hopper_config("backward_overlap=1") == hopper.Config(backward_overlap=True)
   bwd = [hopper.Config(**s) for s in bench_flash.HOPPER_BWD_SWEEP]

@@ -312,7 +312,7 @@ def hopper_reason(plan: C.Plan, which: str = "forward") -> str | None:
     return "a traced scale"
   return hopper.supports(dtype=plan.dtype, head_dim=plan.head_dim, v_head_dim=plan.v_head_dim,
                          static_mask=plan.static_mask,
-                         config=_OPTIONS["hopper"])
+                         config=_OPTIONS["hopper"], segments=plan.has_segments)
 
 
 def _hopper_kwargs(plan: C.Plan, aux) -> dict:

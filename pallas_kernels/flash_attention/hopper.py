@@ -158,21 +158,30 @@ def band(mask: Mask | None) -> tuple[bool, int | None, int | None]:
 _SMEM_BYTES = 227 * 1024  # shared memory one H100 / H200 CTA may hold
 
 
-def smem_bytes(head_dim: int, config: Config, v_head_dim: int | None = None) -> int:
-  """Shared memory of one CTA: two query tiles (which take the output when the head sizes agree
-  or the values are narrower, ``_aliased_out_rows``; else two output tiles of their own),
-  ``stages`` key and value slots (16-bit), and
-  ``_SMEM_EXTRA`` for the log-sum-exp rows, the barriers and their alignment."""
+def smem_bytes(head_dim: int, config: Config, v_head_dim: int | None = None, *,
+               segments: bool = True) -> int:
+  """Shared memory of the forward's CTA as Mosaic GPU lays it out: every scratch buffer rounded
+  up to 1 KiB -- two query tiles (which take the output when the head sizes agree or the values
+  are narrower, ``_aliased_out_rows``; else two output tiles of their own), ``stages`` key and
+  value slots (16-bit) and, with ``segments`` (assumed when not known), the id vectors of the
+  rows and of each key slot -- plus 8 bytes per mbarrier.  The log-sum-exp rows are stored
+  from registers and no cross-warp reduction space is reserved (``_launch``).
+
+  On an H200 (jax 0.11.2) the 128-key, 3-stage forward at head size 128 asked for 232,544 bytes
+  when it still kept the log-sum-exp rows in shared memory and Mosaic GPU's default 2 KiB of
+  reduction space: its 229,376 bytes of tiles + 1,024 + 2,048 + 12 barriers, this model's
+  terms exactly."""
   c, hv = config, head_dim if v_head_dim is None else v_head_dim
   aliased = hv == head_dim or _aliased_out_rows(head_dim, hv, c.block_q) is not None
-  out = 0 if aliased else 2 * c.block_q * hv
-  return 2 * (2 * c.block_q * head_dim + out + c.stages * c.block_k * (head_dim + hv)) + (
-      _SMEM_EXTRA)
-
-
-# Beyond the tiles: on an H200 (jax 0.11.2) the 128-key, 3-stage forward at head size 128 asked
-# for 232,544 bytes, 3,168 more than its tiles (the estimate then said 768 and let it through).
-_SMEM_EXTRA = 4096
+  kib = lambda n: -(-n // 1024) * 1024  # noqa: E731
+  tiles = [2 * 2 * c.block_q * head_dim, 2 * c.stages * c.block_k * head_dim,
+           2 * c.stages * c.block_k * hv] + ([] if aliased else [2 * 2 * c.block_q * hv])
+  ids = [4 * 2 * c.block_q, 4 * c.stages * c.block_k] if segments else []
+  # q_ready[2], k_ready / v_ready / free (k_free and v_free when overlapped) per stage, the
+  # turn, the overlapped ping-pong's go[2], the ids' ready barriers
+  barriers = (2 + c.stages * (4 if c.overlap else 3) + 1 + (2 if c.overlap and c.pingpong else 0)
+              + ((2 + c.stages) if segments else 0))
+  return sum(map(kib, tiles + ids)) + 8 * barriers
 
 
 def default_config(head_dim: int, v_head_dim: int | None = None) -> Config:
@@ -182,13 +191,21 @@ def default_config(head_dim: int, v_head_dim: int | None = None) -> Config:
   return wide if smem_bytes(head_dim, wide, v_head_dim) <= _SMEM_BYTES else Config(block_k=64)
 
 
+_COMPILER_PARAMS = dict(approx_math=True)
+if "reduction_scratch_bytes" in {f.name for f in dataclasses.fields(plgpu.CompilerParams)}:
+  # the kernels reduce only along accumulator rows (within a warp): no cross-warp space
+  _COMPILER_PARAMS["reduction_scratch_bytes"] = 0
+
+
 HEAD_SIZES = (64, 128, 192, 256)  # wgmma contracts over multiples of 64; at most 256 wide
 
 
 def supports(*, dtype, head_dim: int, v_head_dim: int, static_mask,
-             config: Config | None = None) -> str | None:
+             config: Config | None = None, segments: bool = True) -> str | None:
   """None when the Hopper kernel runs this call, else the reason it does not (ALiBi, segment
-  ids, key lengths and any query offset, static or traced, are always taken)."""
+  ids, key lengths and any query offset, static or traced, are always taken).  ``segments``:
+  whether the call has segment ids (their buffers count against shared memory; True when not
+  known)."""
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"dtype {jnp.dtype(dtype).name} (the wgmma path takes bfloat16 / float16)"
   if head_dim not in HEAD_SIZES or v_head_dim not in HEAD_SIZES:
@@ -196,7 +213,7 @@ def supports(*, dtype, head_dim: int, v_head_dim: int, static_mask,
   if not band(static_mask)[0]:
     return f"mask {type(static_mask).__name__} (band masks only)"
   config = config or default_config(head_dim, v_head_dim)
-  need = smem_bytes(head_dim, config, v_head_dim)
+  need = smem_bytes(head_dim, config, v_head_dim, segments=segments)
   if need > _SMEM_BYTES:
     return (f"{config} needs {need} bytes of shared memory at head sizes {head_dim} / "
             f"{v_head_dim} (at most {_SMEM_BYTES})")
@@ -260,7 +277,7 @@ def _static(name: str, query, key, value, *, mask, scale, q_offset, logits_soft_
   s, kh, hv = key.shape[1], key.shape[2], value.shape[-1]
   config = config or default_config(h, hv)
   reason = supports(dtype=query.dtype, head_dim=h, v_head_dim=hv, static_mask=mask,
-                    config=config)
+                    config=config, segments=segment_ids is not None)
   if reason is None and name == "backward":
     reason = supports_backward(head_dim=h, v_head_dim=hv)
   if reason is not None:
@@ -325,7 +342,7 @@ def _launch(st: "_Static", entry, out_type, grid, grid_names):
   """``plgpu.kernel`` with a producer and two consumer warpgroups (axis ``"wg"``), approximate
   math, and ``out_type`` (``out_shape`` on jax versions before the rename)."""
   kwargs = dict(out_type=out_type, grid=grid, grid_names=grid_names, num_threads=3,
-                thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
+                thread_name="wg", compiler_params=plgpu.CompilerParams(**_COMPILER_PARAMS),
                 interpret=st.interpret)
   try:
     return plgpu.kernel(entry, **kwargs)
@@ -1024,11 +1041,11 @@ def _call(st: _Static):
       my_o = (scratch["out"].at[wg] if own_out else
               o_tiles.at[wg].at[pl.ds(0, bq)] if alias else my_q)
       my_o[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
-      lse_smem = scratch["lse"].at[wg]
-      lse_smem[...] = jnp.where(ok, (m + jnp.log2(jnp.where(ok, l, 1.0))) * _LN2, -jnp.inf)
+      # the rows' log-sum-exp straight from registers (no shared-memory buffer for it)
+      refs["lse"].at[batch, head, rows_][...] = jnp.where(
+          ok, (m + jnp.log2(jnp.where(ok, l, 1.0))) * _LN2, -jnp.inf)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(my_o, refs["o"].at[batch, rows_, head])
-      plgpu.copy_smem_to_gmem(lse_smem, refs["lse"].at[batch, head, rows_])
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
@@ -1049,7 +1066,6 @@ def _call(st: _Static):
       scratch[name] = plgpu.Barrier(num_arrivals=2, num_barriers=stages)
     if cfg.pingpong:
       scratch["go"] = plgpu.Barrier(num_arrivals=1, num_barriers=2)
-  scratch["lse"] = plgpu.SMEM((2, bq), jnp.float32)  # the output rows' log-sum-exp, for TMA
   names = ("q", "k", "v") + _data_names(st) + ("o", "lse")
   call = _launch(st, _entry(names, scratch, kernel),
                  (jax.ShapeDtypeStruct((st.batch, tp, st.num_heads, hv), dtype),

@@ -92,6 +92,8 @@ CASES = [
      30.0, jnp.bfloat16, hopper.Config(block_k=64, stages=3, overlap=True)),
     ("causal 128-key steps overlap pingpong fp16", (1, 256, 256, 1, 1, 64), M.CausalMask(), 0,
      None, jnp.float16, hopper.Config(block_k=128, overlap=True, pingpong=True)),
+    ("causal 192-key steps overlap offset", (1, 200, 330, 2, 1, 64), M.CausalMask(), 130,
+     None, jnp.bfloat16, hopper.Config(block_k=192, overlap=True)),
 ]
 
 
@@ -123,10 +125,10 @@ def test_mla_head_sizes(h, hv, config):
   assert hopper._aliased_out_rows(192, 128, 64) == 96
   assert hopper._aliased_out_rows(64, 128, 64) is None  # wider: tiles of its own
   assert hopper._aliased_out_rows(256, 192, 64) is None  # 85 1/3 rows
-  tiles = 2 * (2 * 64 * 192 + 2 * 128 * (192 + 128))
-  assert hopper.smem_bytes(192, hopper.Config(), 128) == tiles + hopper._SMEM_EXTRA
-  assert hopper.smem_bytes(64, hopper.Config(), 128) == (
-      2 * (2 * 64 * 64 + 2 * 64 * 128 + 2 * 128 * (64 + 128)) + hopper._SMEM_EXTRA)
+  tiles = 2 * (2 * 64 * 192 + 2 * 128 * (192 + 128))  # no output tiles: they share q's
+  assert hopper.smem_bytes(192, hopper.Config(), 128, segments=False) == tiles + 8 * 9
+  assert hopper.smem_bytes(64, hopper.Config(), 128, segments=False) == (
+      2 * (2 * 64 * 64 + 2 * 64 * 128 + 2 * 128 * (64 + 128)) + 8 * 9)
   assert hopper.supports(dtype=jnp.bfloat16, head_dim=192, v_head_dim=128,
                          static_mask=None) is None
   assert "equal" in hopper.supports_backward(head_dim=128, v_head_dim=64)
@@ -488,11 +490,27 @@ def test_shared_memory_limit_and_defaults():
   reason = hopper.supports(dtype=jnp.bfloat16, head_dim=256, v_head_dim=256, static_mask=None,
                            config=hopper.Config(block_k=128, stages=3))
   assert "shared memory" in reason
-  # measured on an H200: 232,544 bytes at head size 128, 128-key blocks, 3 stages (over 227 KiB)
-  assert hopper.smem_bytes(128, hopper.Config(block_k=128, stages=3)) >= 232_544
+  # Measured on an H200: 232,544 bytes at head size 128, 128-key blocks, 3 stages (over 227
+  # KiB), with the log-sum-exp rows then in shared memory (512 bytes, a 1 KiB buffer) and Mosaic
+  # GPU's default 2 KiB of cross-warp reduction space: the model's terms exactly.
+  three = hopper.Config(block_k=128, stages=3)
+  assert hopper.smem_bytes(128, three, segments=False) + 1024 + 2048 == 232_544
+  # Without those two, three stages of 128 keys and two of 192 fit; with segment ids (the
+  # rows' and each key slot's id vectors, 3 KiB) they do not, and the call is left to Triton.
+  for cfg in (three, hopper.Config(block_k=192), hopper.Config(block_k=192, overlap=True,
+                                                                pingpong=True)):
+    assert hopper.smem_bytes(128, cfg, segments=False) <= 227 * 1024, cfg
+    assert hopper.supports(dtype=jnp.bfloat16, head_dim=128, v_head_dim=128, static_mask=None,
+                           config=cfg, segments=False) is None
+    assert "shared memory" in hopper.supports(dtype=jnp.bfloat16, head_dim=128, v_head_dim=128,
+                                              static_mask=None, config=cfg)
+  assert hopper.smem_bytes(128, three) - hopper.smem_bytes(128, three, segments=False) == (
+      3 * 1024 + 8 * 5)  # the rows' and three key slots' ids, five more barriers
+  # segment ids with the default config fit
+  assert hopper.smem_bytes(128, hopper.default_config(128)) <= 227 * 1024
   assert "shared memory" in hopper.supports(dtype=jnp.bfloat16, head_dim=128, v_head_dim=128,
                                             static_mask=None,
-                                            config=hopper.Config(block_k=128, stages=3))
+                                            config=hopper.Config(block_k=256))
 
 
 def test_errors():
@@ -547,7 +565,8 @@ def test_errors():
     (64, M.CausalMask(), None, "overlap", False), (256, None, 30.0, "overlap", False),
     (128, M.CausalMask(), 30.0, "overlap", True), (128, M.CausalMask(), None, "both 240", False),
     ((192, 128), M.CausalMask(), None, "plain", False), ((192, 128), None, None, "overlap", True),
-    ((64, 128), None, None, "plain", False)])
+    ((64, 128), None, None, "plain", False), (128, None, None, "overlap 192 keys", False),
+    (128, M.CausalMask(), None, "plain 3 stages", False)])
 def test_lowers_for_cuda(h, mask, cap, schedule, data):
   """The hardware program (wgmma from shared memory and registers, layouts, TMA, barriers) goes
   through Mosaic GPU's lowering to one custom call, for every head size and each schedule (the
@@ -571,10 +590,12 @@ def test_lowers_for_cuda(h, mask, cap, schedule, data):
     return dict(segment_ids=(q_ids, kv_ids), kv_lengths=lengths, alibi_slopes=slopes,
                 q_offset=offset)
 
-  cfg = hopper.Config(block_k=hopper.default_config(h, hv).block_k,
+  cfg = hopper.Config(block_k=192 if "192" in schedule else hopper.default_config(h, hv).block_k,
+                      stages=3 if "3 stages" in schedule else 2,
                       pingpong=schedule in ("pingpong", "both 240"),
-                      overlap=schedule in ("overlap", "both 240"),
+                      overlap=schedule.startswith(("overlap", "both")),
                       registers=240 if schedule == "both 240" else 232)
+  assert hopper.smem_bytes(h, cfg, hv, segments=data) <= 227 * 1024
   f = lambda q, k, v, *extra: hopper.forward(  # noqa: E731
       q, k, v, mask=mask, logits_soft_cap=cap, config=cfg, **kw(*extra))
   text = jax.export.export(jax.jit(f), platforms=("cuda",))(q, k, v, *extra).mlir_module()
