@@ -180,9 +180,11 @@ if want core flash; then
   step "hopper kernels: check + forward benchmark" 100 \
     "$PY" -m experiments.bench_flash --gpu-forward hopper --gpu-backward hopper --check \
     --seq-lens 2048 4096 8192 16384 --repeats 5 --plot "$DEST/bench_flash_gpu_hopper.png"
-  step "hopper forward schedules at 8k (plain, overlap, overlap + ping-pong, 192 keys)" 180 \
-    "$PY" -m experiments.bench_flash --sweep 8192 --sweep-kernels hopper --hopper-first 7 \
-    --repeats 5
+  if want core -; then  # tuning (PART=core / all): PART=flash stays the short run
+    step "hopper forward schedules at 8k (plain, overlap, overlap + ping-pong, 192 keys)" 180 \
+      "$PY" -m experiments.bench_flash --sweep 8192 --sweep-kernels hopper --hopper-first 7 \
+      --repeats 5
+  fi
   step "triton kernels: check + forward benchmark" 100 \
     "$PY" -m experiments.bench_flash --gpu-forward triton --gpu-backward triton --check \
     --seq-lens 2048 4096 8192 16384 --repeats 5 --plot "$DEST/bench_flash_gpu.png"
@@ -194,9 +196,11 @@ if want more flash; then
   step "triton kernels: forward+backward benchmark" 60 \
     "$PY" -m experiments.bench_flash --gpu-forward triton --gpu-backward triton --backward \
     --seq-lens 2048 8192 --repeats 3 --plot "$DEST/bench_flash_gpu_bwd.png"
-  step "hopper forward + backward schedules at 8k (causal; backward overlap or not)" 150 \
-    "$PY" -m experiments.bench_flash --sweep 8192 --sweep-kernels hopper --backward \
-    --backward-only --repeats 3
+  if want more -; then  # tuning (PART=more / all)
+    step "hopper forward + backward schedules at 8k (causal; backward overlap or not)" 150 \
+      "$PY" -m experiments.bench_flash --sweep 8192 --sweep-kernels hopper --backward \
+      --backward-only --repeats 3
+  fi
   step "hopper forward at MLA's prefill head sizes (192 / 128)" 80 \
     "$PY" -m experiments.bench_flash --head-dim 192 --v-head-dim 128 --sweep 8192 \
     --sweep-kernels hopper --repeats 3

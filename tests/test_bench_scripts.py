@@ -359,11 +359,14 @@ def test_device_check_all_steps_pass(tmp_path):
   # one pytest run compiles every GPU kernel test file, before any benchmark
   steps = [x for x in proc.stdout.splitlines() if x.startswith("=== ") and "limit" in x]
   assert steps[1].startswith("=== GPU kernel tests (") and steps[1].count(".py") == 4, steps
-  for part, first, n in (("core", "GPU kernel tests", 7), ("more", "triton kernels: fo", 7)):
+  for part, first, n in (("core", "GPU kernel tests", 7), ("more", "triton kernels: fo", 7),
+                         ("flash", "GPU kernel tests", 7)):
     proc, _, _ = _device_check(tmp_path, PART=part)
     steps = [x for x in proc.stdout.splitlines() if x.startswith("=== ") and "limit" in x]
     assert proc.returncode == 0 and len(steps) == 1 + n, proc.stdout
     assert steps[1].startswith(f"=== {first}"), steps
+    # the schedule sweeps are tuning: PART=flash (the short run) leaves them out
+    assert any("schedules" in x for x in steps) == (part != "flash"), steps
   proc, _, _ = _device_check(tmp_path, PART="bogus")
   assert proc.returncode == 1 and "unknown PART=bogus" in proc.stdout
 
