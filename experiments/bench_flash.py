@@ -359,10 +359,13 @@ HOPPER_SWEEP = (  # hopper.Config settings of the Hopper (Mosaic GPU) forward ke
     dict(block_k=128, overlap=True, pingpong=True, registers=240),
     # larger steps and deeper rings (they fit since the log-sum-exp rows left shared memory)
     dict(block_k=192, overlap=True), dict(block_k=128, stages=3, overlap=True),
+    # persistent CTAs (one per SM, one K/V ring across their tiles)
+    dict(block_k=128, overlap=True, persistent=True),
     dict(block_k=128, pingpong=True), dict(block_k=64), dict(block_k=64, overlap=True),
     dict(block_k=64, overlap=True, pingpong=True), dict(block_k=64, stages=3, overlap=True),
     dict(block_k=192), dict(block_k=192, overlap=True, pingpong=True, registers=240),
-    dict(block_k=128, stages=3))
+    dict(block_k=128, stages=3), dict(block_k=128, persistent=True),
+    dict(block_k=128, overlap=True, pingpong=True, registers=240, persistent=True))
 
 HOPPER_BWD_SWEEP = (  # the same, forward + backward (--sweep --backward): the backward kernels'
     # own switch (backward_overlap: a step's matmuls in flight together; default = overlap)
@@ -375,8 +378,9 @@ HOPPER_BWD_SWEEP = (  # the same, forward + backward (--sweep --backward): the b
 def hopper_label(cfg, backward: bool = False) -> str:
   """``bk=128 stages=2 overlap+pingpong regs=232`` (schedule ``plain`` without either); with
   ``backward``, `` bwd=overlap`` or `` bwd=plain`` (the backward kernels' schedule) too."""
-  schedule = "+".join(n for n in ("overlap", "pingpong") if getattr(cfg, n)) or "plain"
-  label = f"bk={cfg.block_k:>3} stages={cfg.stages} {schedule:16} regs={cfg.registers}"
+  schedule = "+".join(n for n in ("overlap", "pingpong", "persistent") if getattr(cfg, n)) or (
+      "plain")
+  label = f"bk={cfg.block_k:>3} stages={cfg.stages} {schedule:27} regs={cfg.registers}"
   return label + (f" bwd={'overlap' if cfg.overlaps_backward else 'plain'}" if backward else "")
 
 

@@ -21,9 +21,9 @@
 #      1..32);
 #   4. (core) bench_flash --check and the forward benchmark against cuDNN and the bf16 matmul
 #      peak (T = 2k..16k, causal and not) for the Hopper (Mosaic GPU) kernels, the Hopper
-#      forward's schedules at T = 8k (bench_flash --sweep, the first seven HOPPER_SWEEP
+#      forward's schedules at T = 8k (bench_flash --sweep, the first eight HOPPER_SWEEP
 #      settings: plain, overlap, overlap + ping-pong, the last two at 240 registers too, overlap
-#      with 192-key steps and with 3 stages), then
+#      with 192-key steps, with 3 stages and with persistent CTAs), then
 #      the Triton kernels; the Hopper forward + backward benchmark (T = 2k, 8k);
 #   5. (more) the Triton forward + backward benchmark; the Hopper forward + backward schedules
 #      at T = 8k, causal (HOPPER_BWD_SWEEP: the backward's matmuls in turn or in flight
@@ -181,8 +181,8 @@ if want core flash; then
     "$PY" -m experiments.bench_flash --gpu-forward hopper --gpu-backward hopper --check \
     --seq-lens 2048 4096 8192 16384 --repeats 5 --plot "$DEST/bench_flash_gpu_hopper.png"
   if want core -; then  # tuning (PART=core / all): PART=flash stays the short run
-    step "hopper forward schedules at 8k (plain, overlap, overlap + ping-pong, 192 keys)" 180 \
-      "$PY" -m experiments.bench_flash --sweep 8192 --sweep-kernels hopper --hopper-first 7 \
+    step "hopper forward schedules at 8k (plain, overlap, ping-pong, 192 keys, persistent)" 200 \
+      "$PY" -m experiments.bench_flash --sweep 8192 --sweep-kernels hopper --hopper-first 8 \
       --repeats 5
   fi
   step "triton kernels: check + forward benchmark" 100 \

@@ -289,14 +289,15 @@ def test_flash_hopper_config_flag():
   assert bench_flash.hopper_config("overlap=1,pingpong=1,registers=240") == hopper.Config(
       overlap=True, pingpong=True, registers=240)
   assert bench_flash.hopper_label(hopper.Config(overlap=True, pingpong=True)) == (
-      "bk=128 stages=2 overlap+pingpong regs=232")
+      "bk=128 stages=2 overlap+pingpong            regs=232")
   assert all(hopper.Config(**s) for s in bench_flash.HOPPER_SWEEP)
-  # device_check's core step times the first seven: the default and the overlapped schedules
-  first = [hopper.Config(**s) for s in bench_flash.HOPPER_SWEEP[:7]]
+  # device_check's core step times the first eight: the default and the overlapped schedules
+  first = [hopper.Config(**s) for s in bench_flash.HOPPER_SWEEP[:8]]
   assert first[0] == hopper.Config() and all(c.overlap for c in first[1:])
   assert {c.pingpong for c in first} == {True, False} and {c.registers for c in first} == {
       232, 240}
   assert {(c.block_k, c.stages) for c in first} == {(128, 2), (192, 2), (128, 3)}
+  assert [c.persistent for c in first].count(True) == 1
   # every setting fits at head size 128 (without segment ids, as the benchmark calls it)
   assert all(hopper.smem_bytes(128, hopper.Config(**s), segments=False) <= 227 * 1024
              for s in bench_flash.HOPPER_SWEEP)
@@ -306,7 +307,7 @@ def test_flash_hopper_config_flag():
   assert bwd[0] == hopper.Config() and {(c.overlap, c.overlaps_backward) for c in bwd} == {
       (False, False), (False, True), (True, True), (True, False)}
   assert bench_flash.hopper_label(bwd[1], backward=True) == (
-      "bk=128 stages=2 plain            regs=232 bwd=overlap")
+      "bk=128 stages=2 plain                       regs=232 bwd=overlap")
   with pytest.raises(SystemExit):
     bench_flash.main(["--backward-only"])
   for bad, match in (("warps=4", "name one of block_q, block_k"), ("block_k=big", "integer"),

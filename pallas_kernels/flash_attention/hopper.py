@@ -19,6 +19,8 @@ machine directly (FlashAttention-3's shape of the algorithm):
   j's softmax while ``p v`` still runs; K and V then sit in rings of their own (``k_free`` /
   ``v_free``: a K slot is refilled once its logits are read, a V slot a step later).  With
   ``pingpong`` as well, the turns are one-way hand-offs around each step's issue (``go``);
+* with ``persistent`` the grid is one CTA per SM, each walking query tiles with one K/V ring
+  across them (the producer runs ahead into the next tile);
 * softmax in base 2 with ``log2(e)`` folded into the exponent: without ALiBi or a soft-cap the row
   max is taken over the raw logits and ``p = exp2(s c - m)`` is one fused multiply-add and one
   ``ex2.approx`` per logit; the running max and sum in the wgmma row layout.
@@ -105,6 +107,9 @@ class Config:
     backward_overlap (None: as ``overlap``): the backward kernels issue a step's independent
     matmuls together (``s`` with ``dp``; ``dv`` before ``ds`` is computed) and compute while the
     later ones run (within a step: no block is held over).
+    persistent (forward): one CTA per SM, each walking query tiles ``cta, cta + CTAs, ...``
+    (longest causal tiles first) with one K/V ring across its tiles, so the producer streams the
+    next tile's blocks while the consumers finish a tile and no CTA is launched per tile.
     registers: per consumer thread (``set_max_registers``); the producer warpgroup gets what is
     left of the 64K register file, at most 40 (32 at 240).
 
@@ -121,6 +126,7 @@ class Config:
   overlap: bool = False
   registers: int = 232
   backward_overlap: bool | None = None
+  persistent: bool = False
 
   @property
   def overlaps_backward(self) -> bool:
@@ -140,6 +146,9 @@ class Config:
                        f"{self.block_k!r}.")
     if self.stages < 2:
       raise ValueError(f"hopper.Config: `stages` must be >= 2, got {self.stages!r}.")
+    if not isinstance(self.persistent, bool):
+      raise ValueError(f"hopper.Config: `persistent` must be True or False, got "
+                       f"{self.persistent!r}.")
     if not isinstance(self.backward_overlap, (bool, type(None))):
       raise ValueError(f"hopper.Config: `backward_overlap` must be None (as `overlap`), True or "
                        f"False, got {self.backward_overlap!r}.")
@@ -488,14 +497,25 @@ class _Ctx:
 
     return pl.run_state(body)(plgpu.ACC.init(acc))
 
-  def produce(self, total, free, load):
+  def produce(self, total, free, load, t0=None):
     """The producer warpgroup: ``load(t, slot)`` issues the TMA copies of global step ``t``;
     slot ``t % stages`` is refilled once both consumers released step ``t - stages``; at the end
     it observes the last phases of ``free`` (no barrier left mid-phase at exit).  ``free`` and
     ``load`` may be tuples of rings released separately (the overlapped forward's K and V): each
-    buffer is refilled as soon as its own slot is free, in the tuple's order."""
+    buffer is refilled as soon as its own slot is free, in the tuple's order.  ``t0`` (a
+    persistent CTA's tile): the ring's global step of this tile's first block; no register
+    change and no drain (``drain`` follows the CTA's last tile)."""
     i32, stages = jnp.int32, self.stages
     frees, loads = (free, load) if isinstance(free, tuple) else ((free,), (load,))
+    if t0 is not None:  # a later tile of a persistent CTA: the ring goes on from step t0
+      @pl.loop(0, total)
+      def _step(s):
+        t = t0 + s
+        slot = lax.rem(t, stages)
+        for fr, ld in zip(frees, loads, strict=True):
+          pl.when(t >= stages)(lambda fr=fr: plgpu.barrier_wait(fr.at[slot]))
+          ld(s, slot)
+      return
     plgpu.set_max_registers(self.producer_regs, action="decrease")
 
     @pl.loop(0, lax.min(total, i32(stages)))
@@ -515,19 +535,31 @@ class _Ctx:
       for fr in frees:
         plgpu.barrier_wait(fr.at[lax.rem(t, stages)])
 
-  def consume(self, carry, *, outer: int, cta_lo, steps, runs, ready, free, turn, compute):
+  def drain(self, total, free):
+    """The producer observes the last phases of ``free`` after ``total`` steps in all."""
+    frees = free if isinstance(free, tuple) else (free,)
+
+    @pl.loop(lax.max(total - self.stages, jnp.int32(0)), total)
+    def _drain(t):
+      for fr in frees:
+        plgpu.barrier_wait(fr.at[lax.rem(t, self.stages)])
+
+  def consume(self, carry, *, outer: int, cta_lo, steps, runs, ready, free, turn, compute,
+              t0=None):
     """One consumer's walk over ``outer`` passes of the CTA's ``steps`` blocks (global step
     ``t = o * steps + s``): ``[skip | masked | full | masked | skip]`` from its own ``runs``.
     ``compute(t, slot, block, o, carry, masked) -> carry`` must hand the slot back
     (``release``) and take two turns; a skipped step waits for its copies, releases the slot and
-    takes its two turns, so both consumers see every barrier phase."""
+    takes its two turns, so both consumers see every barrier phase.  ``t0``: as ``produce``'s
+    (the ring's step of the tile's first block; None: 0)."""
     lo, hi, f_lo, f_hi = runs  # clamped into the CTA's range (an empty run skips every step)
     a, b, c, d = (_clamp(jnp.int32(0), x - cta_lo, steps) for x in (lo, f_lo, f_hi, hi))
     stages = self.stages
+    ring = (lambda t: t) if t0 is None else (lambda t: t0 + t)
 
     def skip(o):
       def body(s, carry):
-        slot = lax.rem(o * steps + s, stages)
+        slot = lax.rem(ring(o * steps + s), stages)
         for bar in ready:
           plgpu.barrier_wait(bar.at[slot])
         plgpu.barrier_arrive(free.at[slot])
@@ -539,7 +571,7 @@ class _Ctx:
     def run(o, masked):
       def body(s, carry):
         t = o * steps + s
-        return compute(t, lax.rem(t, stages), cta_lo + s, o, carry, masked)
+        return compute(t, lax.rem(ring(t), stages), cta_lo + s, o, carry, masked)
       return body
 
     def one_pass(o, carry):
@@ -555,7 +587,7 @@ class _Ctx:
     return lax.fori_loop(0, outer, one_pass, carry)
 
   def consume_overlapped(self, carry, *, cta_lo, steps, runs, ready, frees, first, step, last,
-                         idle=None):
+                         idle=None, t0=None):
     """``consume`` for a loop whose step ``s`` finishes block ``s - 1``: blocks are computed over
     the same ``[skip | masked | full | masked | skip]`` runs, but the first computed block runs
     ``first(slot, block, carry)`` (always masked: exact for any block), each later one
@@ -564,13 +596,14 @@ class _Ctx:
     for every ``ready`` barrier and release every ring in ``frees``.  Loops of zero or one trip
     stand in for conditionals (a consumer with no computed block runs neither end).  ``idle()``
     (ping-pong turns): called once per skipped step, and once more by a consumer without a
-    computed block, so that every consumer takes ``steps + 1`` turns."""
+    computed block, so that every consumer takes ``steps + 1`` turns.  ``t0``: as ``consume``'s."""
     i32, stages = jnp.int32, self.stages
     lo, hi, f_lo, f_hi = runs
     a, b, c, d = (_clamp(i32(0), x - cta_lo, steps) for x in (lo, f_lo, f_hi, hi))
+    ring = (lambda t: t) if t0 is None else (lambda t: t0 + t)
 
     def skip(s, carry):
-      slot = lax.rem(s, stages)
+      slot = lax.rem(ring(s), stages)
       for bar in ready:
         plgpu.barrier_wait(bar.at[slot])
       for bar in frees:
@@ -580,12 +613,12 @@ class _Ctx:
       return carry
 
     def run(masked):
-      return lambda s, carry: step(lax.rem(s, stages), cta_lo + s, carry, masked)
+      return lambda s, carry: step(lax.rem(ring(s), stages), cta_lo + s, carry, masked)
 
     lax.fori_loop(0, a, skip, None)
     one = lax.min(a + 1, d)
-    carry = lax.fori_loop(a, one, lambda s, carry: first(lax.rem(s, stages), cta_lo + s, carry),
-                          carry)
+    carry = lax.fori_loop(a, one, lambda s, carry: first(lax.rem(ring(s), stages), cta_lo + s,
+                                                         carry), carry)
     b1, c1 = lax.max(b, one), lax.max(c, one)
     carry = lax.fori_loop(one, b1, run(True), carry)
     carry = lax.fori_loop(b1, c1, run(False), carry)
@@ -744,14 +777,20 @@ def _key_limit(st: _Static, refs, batch, always: bool):
   return jnp.int32(st.kv_len) if always else None
 
 
-def _query_cta(st: "_Static", refs, tp: int, bq: int, bk: int, sp: int):
+def _query_cta(st: "_Static", refs, tp: int, bq: int, bk: int, sp: int, index=None):
   """``(tile, head, batch, wg, kv_head, cta_lo, steps, runs)`` of a kernel over query tiles of
-  two consumers' ``bq`` rows (grid ``("q", "heads", "batch")``); ``runs(r0)``: the runs of the
-  consumer whose rows start at ``r0``.  Tiles run last-first: under a causal mask the last tiles
-  see the most keys, and starting them first shortens the final wave (as in the Triton kernel)."""
+  two consumers' ``bq`` rows (grid ``("q", "heads", "batch")``, or ``index``: a persistent
+  CTA's tile number, in the same order); ``runs(r0)``: the runs of the consumer whose rows start
+  at ``r0``.  Tiles run last-first: under a causal mask the last tiles see the most keys, and
+  starting them first shortens the final wave (as in the Triton kernel)."""
   rows = 2 * bq
-  tile = (tp // rows - 1) - lax.axis_index("q")
-  head, batch = lax.axis_index("heads"), lax.axis_index("batch")
+  if index is None:
+    q_index, head, batch = (lax.axis_index(n) for n in ("q", "heads", "batch"))
+  else:  # the grid's order: "q" slowest, then "heads", then "batch"
+    per_q = jnp.int32(st.num_heads * st.batch)
+    q_index, rest = lax.div(index, per_q), lax.rem(index, per_q)
+    head, batch = lax.div(rest, jnp.int32(st.batch)), lax.rem(rest, jnp.int32(st.batch))
+  tile = (tp // rows - 1) - q_index
   kv_head = lax.div(head, jnp.int32(st.num_heads // st.num_kv_heads))
   q_offset = _q_offset(st, refs)
 
@@ -761,6 +800,15 @@ def _query_cta(st: "_Static", refs, tp: int, bq: int, bk: int, sp: int):
 
   cta_lo, steps = _union(runs(tile * rows), runs(tile * rows + bq))
   return tile, head, batch, lax.axis_index("wg"), kv_head, cta_lo, steps, runs
+
+
+def _persistent_ctas(st: "_Static", n_tiles: int) -> int:
+  """CTAs of a persistent forward: one per SM (two when interpreted, so that each walks
+  several tiles), at most one per tile."""
+  if st.interpret:
+    return min(n_tiles, 2)
+  sms = getattr(jax.devices()[0], "core_count", None) or 132  # an H100 / H200 has 132
+  return min(n_tiles, int(sms))
 
 
 def _load_resident(wg, *copies):
@@ -899,14 +947,16 @@ def _call(st: _Static):
   fold, c = _folds(st), st.scale * _LOG2E
   handoff = cfg.overlap and cfg.pingpong
 
-  def kernel(refs, scratch):
-    tile, head, batch, wg, kv_head, cta_lo, steps, runs = _query_cta(st, refs, tp, bq, bk, sp)
+  def one_tile(refs, scratch, tile, head, batch, wg, kv_head, cta_lo, steps, runs, t0=None):
+    """One query tile: the whole kernel, or (``t0``: the K/V ring's step at its first block) one
+    tile of a persistent CTA."""
     k_ready, v_ready, turn = (scratch[n] for n in ("k_ready", "v_ready", "turn"))
     free, k_free, v_free = (scratch.get(n) for n in ("free", "k_free", "v_free"))
 
     @pl.when(wg < 2)
     def _consumer():
-      plgpu.set_max_registers(ctx.consumer_regs, action="increase")
+      if t0 is None:
+        plgpu.set_max_registers(ctx.consumer_regs, action="increase")
       r0 = tile * rows + wg * bq
       q_tiles, o_tiles = scratch["q"] if alias else (scratch["q"], None)
       my_q = q_tiles.at[wg]
@@ -1026,13 +1076,13 @@ def _call(st: _Static):
         acc, m, l, _, _ = ctx.consume_overlapped(
             carry, cta_lo=cta_lo, steps=steps, runs=runs(r0), ready=_key_ready(st, scratch),
             frees=(k_free, v_free), first=first, step=step, last=last,
-            idle=idle if handoff else None)
+            idle=idle if handoff else None, t0=t0)
         if handoff:
           pl.when(wg == 0)(lambda: plgpu.barrier_wait(go.at[0]))  # consumer 1's last pass
       else:
         acc, m, l = ctx.consume(carry, outer=1, cta_lo=cta_lo, steps=steps, runs=runs(r0),
                                 ready=_key_ready(st, scratch), free=free, turn=turn,
-                                compute=compute)
+                                compute=compute, t0=t0)
       if ctx.pingpong:
         pl.when(wg == 0)(lambda: ctx.take_turn(turn))  # balance consumer 1's first turn
 
@@ -1051,7 +1101,29 @@ def _call(st: _Static):
     @pl.when(wg == 2)
     def _producer():
       load = _kv_loader(st, refs, scratch, batch, kv_head, cta_lo, bk, split=cfg.overlap)
-      ctx.produce(steps, (k_free, v_free) if cfg.overlap else free, load)
+      ctx.produce(steps, (k_free, v_free) if cfg.overlap else free, load, t0=t0)
+
+  n_tiles = (tp // rows) * st.num_heads * st.batch
+  ctas = _persistent_ctas(st, n_tiles) if cfg.persistent else None
+
+  def kernel(refs, scratch):
+    if not cfg.persistent:
+      one_tile(refs, scratch, *_query_cta(st, refs, tp, bq, bk, sp))
+      return
+    # persistent: CTA c walks tiles c, c + CTAs, ... (``_query_cta``'s order: the last query
+    # tiles of every head and batch row first); the ring's step count runs on across them
+    wg, cta = lax.axis_index("wg"), lax.axis_index("cta")
+    pl.when(wg < 2)(lambda: plgpu.set_max_registers(ctx.consumer_regs, action="increase"))
+    pl.when(wg == 2)(lambda: plgpu.set_max_registers(ctx.producer_regs, action="decrease"))
+
+    def tile_body(i, t0):
+      where = _query_cta(st, refs, tp, bq, bk, sp, index=cta + i * ctas)
+      one_tile(refs, scratch, *where, t0=t0)
+      return t0 + where[6]  # + steps
+
+    total = lax.fori_loop(0, _cdiv_t(jnp.int32(n_tiles) - cta, ctas), tile_body, jnp.int32(0))
+    frees = (scratch["k_free"], scratch["v_free"]) if cfg.overlap else scratch["free"]
+    pl.when(wg == 2)(lambda: ctx.drain(total, frees))
 
   scratch = _ring_scratch(st, dtype, stages, resident=(("q", bq, None),) + _ids(st, "qseg", bq),
                           streamed=(("k", bk, None), ("v", bk, None, hv)) + _ids(st, "kseg", bk))
@@ -1067,10 +1139,11 @@ def _call(st: _Static):
     if cfg.pingpong:
       scratch["go"] = plgpu.Barrier(num_arrivals=1, num_barriers=2)
   names = ("q", "k", "v") + _data_names(st) + ("o", "lse")
+  grid = ((ctas,), ("cta",)) if cfg.persistent else (
+      (tp // rows, st.num_heads, st.batch), ("q", "heads", "batch"))
   call = _launch(st, _entry(names, scratch, kernel),
                  (jax.ShapeDtypeStruct((st.batch, tp, st.num_heads, hv), dtype),
-                  jax.ShapeDtypeStruct((st.batch, st.num_heads, tp), jnp.float32)),
-                 (tp // rows, st.num_heads, st.batch), ("q", "heads", "batch"))
+                  jax.ShapeDtypeStruct((st.batch, st.num_heads, tp), jnp.float32)), *grid)
 
   def run(q, k, v, aux):
     tab = _data_table(st, aux, tp, sp, bq, bk, transpose=False)

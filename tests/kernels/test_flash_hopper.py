@@ -94,6 +94,13 @@ CASES = [
      None, jnp.float16, hopper.Config(block_k=128, overlap=True, pingpong=True)),
     ("causal 192-key steps overlap offset", (1, 200, 330, 2, 1, 64), M.CausalMask(), 130,
      None, jnp.bfloat16, hopper.Config(block_k=192, overlap=True)),
+    # persistent CTAs: two when interpreted, each walking four of the eight tiles (two query
+    # tiles x two heads x two batch rows) with one K/V ring across them
+    ("causal gqa persistent", (2, 200, 200, 2, 1, 64), M.CausalMask(), 0, None, jnp.bfloat16,
+     hopper.Config(block_k=64, persistent=True)),
+    ("window softcap offset persistent overlap pingpong", (2, 130, 260, 2, 1, 64),
+     M.SlidingWindowMask(50, 10), 90, 30.0, jnp.bfloat16,
+     hopper.Config(block_k=64, stages=3, overlap=True, pingpong=True, persistent=True)),
 ]
 
 
@@ -292,6 +299,8 @@ DATA_CASES = [
      jnp.bfloat16, hopper.Config(block_k=128, pingpong=True), "packed", (230,), True),
     ("scattered ids lengths alibi overlap", (1, 128, 192, 2, 1), None, 0, None, jnp.bfloat16,
      hopper.Config(block_k=64, overlap=True), "scattered", (170,), True),
+    ("scattered ids lengths alibi persistent", (2, 128, 192, 2, 1), None, 0, None,
+     jnp.bfloat16, hopper.Config(block_k=64, persistent=True), "scattered", (170, 0), True),
 ]
 
 
@@ -566,7 +575,8 @@ def test_errors():
     (128, M.CausalMask(), 30.0, "overlap", True), (128, M.CausalMask(), None, "both 240", False),
     ((192, 128), M.CausalMask(), None, "plain", False), ((192, 128), None, None, "overlap", True),
     ((64, 128), None, None, "plain", False), (128, None, None, "overlap 192 keys", False),
-    (128, M.CausalMask(), None, "plain 3 stages", False)])
+    (128, M.CausalMask(), None, "plain 3 stages", False),
+    (128, M.CausalMask(), 30.0, "overlap persistent", True), (64, None, None, "persistent", False)])
 def test_lowers_for_cuda(h, mask, cap, schedule, data):
   """The hardware program (wgmma from shared memory and registers, layouts, TMA, barriers) goes
   through Mosaic GPU's lowering to one custom call, for every head size and each schedule (the
@@ -592,6 +602,7 @@ def test_lowers_for_cuda(h, mask, cap, schedule, data):
 
   cfg = hopper.Config(block_k=192 if "192" in schedule else hopper.default_config(h, hv).block_k,
                       stages=3 if "3 stages" in schedule else 2,
+                      persistent="persistent" in schedule,
                       pingpong=schedule in ("pingpong", "both 240"),
                       overlap=schedule.startswith(("overlap", "both")),
                       registers=240 if schedule == "both 240" else 232)
