@@ -1096,7 +1096,8 @@ def _call(st: _Static):
           ok, (m + jnp.log2(jnp.where(ok, l, 1.0))) * _LN2, -jnp.inf)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(my_o, refs["o"].at[batch, rows_, head])
-      plgpu.wait_smem_to_gmem(0)
+      # a persistent CTA's next tile may reload the query tile once the store has read it
+      plgpu.wait_smem_to_gmem(0, wait_read_only=t0 is not None)
 
     @pl.when(wg == 2)
     def _producer():
@@ -1124,6 +1125,7 @@ def _call(st: _Static):
     total = lax.fori_loop(0, _cdiv_t(jnp.int32(n_tiles) - cta, ctas), tile_body, jnp.int32(0))
     frees = (scratch["k_free"], scratch["v_free"]) if cfg.overlap else scratch["free"]
     pl.when(wg == 2)(lambda: ctx.drain(total, frees))
+    pl.when(wg < 2)(lambda: plgpu.wait_smem_to_gmem(0))  # the last outputs written
 
   scratch = _ring_scratch(st, dtype, stages, resident=(("q", bq, None),) + _ids(st, "qseg", bq),
                           streamed=(("k", bk, None), ("v", bk, None, hv)) + _ids(st, "kseg", bk))
