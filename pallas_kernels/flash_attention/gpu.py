@@ -73,7 +73,7 @@ from pallas_kernels.flash_attention.sharded import run_flash
 #            Default "auto".
 #   backward: "triton" (the dQ and dK/dV kernels below), "hopper" (``hopper.backward``: the same
 #            two passes as Mosaic GPU kernels; the dK/dV pass sums a GQA group in the kernel) or
-#            "auto", as ``forward``.  Same eligibility, equal head sizes up to 128.  Forward +
+#            "auto", as ``forward``.  Same eligibility, head sizes up to 192.  Forward +
 #            backward, causal, 8k: 472 TFLOP/s on the Hopper kernels (0.93x cuDNN) against 267 with
 #            Triton's backward.  Default "auto".
 #   hopper:  the Hopper kernels' ``hopper.Config`` (None: their defaults).
@@ -303,8 +303,8 @@ def hopper_reason(plan: C.Plan, which: str = "forward") -> str | None:
     return f"option {which}='triton'"
   if _OPTIONS[which] == "auto" and plan.interpret:
     return f"option {which}='auto' interprets the Triton kernels"
-  if which == "backward" and (why := hopper.supports_backward(head_dim=plan.head_dim,
-                                                               v_head_dim=plan.v_head_dim)):
+  if which == "backward" and (why := hopper.supports_backward(
+      head_dim=plan.head_dim, v_head_dim=plan.v_head_dim, config=_OPTIONS["hopper"])):
     return why
   if not plan.interpret and (why := hopper_device_reason()):
     return why

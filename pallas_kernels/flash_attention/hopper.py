@@ -48,7 +48,8 @@ producer ring, two consumers, skip / masked / full runs): a dQ kernel over query
 K / V blocks (``s = q k^T``, ``dp = do v^T``, ``dq += ds k``), and a dK/dV kernel over key tiles
 streams ``q`` / ``do`` blocks with their log-sum-exp and ``delta`` rows (``s^T = k q^T``,
 ``dv += p^T do``, ``dp^T = v do^T``, ``dk += ds^T q``), walking the ``G`` query heads of its KV
-head in turn so that GQA gradients are summed in fp32 registers.  With ``backward_overlap``
+head in turn so that GQA gradients are summed in fp32 registers (unequal head sizes up to 192,
+MLA's 192 / 128: a dK kernel and a dV kernel, one accumulator each).  With ``backward_overlap``
 (default: ``overlap``) a step's independent matmuls are in flight together: ``s`` and ``dp`` are
 issued at once and ``p`` is computed while ``dp`` runs; in the dK/dV kernel ``dv += p^T do`` runs
 while ``ds`` is computed.  Either backward (this or Triton's) takes either forward's output.
@@ -288,7 +289,7 @@ def _static(name: str, query, key, value, *, mask, scale, q_offset, logits_soft_
   reason = supports(dtype=query.dtype, head_dim=h, v_head_dim=hv, static_mask=mask,
                     config=config, segments=segment_ids is not None)
   if reason is None and name == "backward":
-    reason = supports_backward(head_dim=h, v_head_dim=hv)
+    reason = supports_backward(head_dim=h, v_head_dim=hv, config=config)
   if reason is not None:
     raise ValueError(f"hopper.{name}: unsupported call: {reason}.")
   if n % kh:
@@ -1169,12 +1170,40 @@ def _pad_seq(x, length: int):
 
 def supports_backward(*, head_dim: int, v_head_dim: int | None = None,
                       config: Config | None = None) -> str | None:
-  """None when the Hopper backward kernels take a call that the forward takes, else why not."""
-  if head_dim > 128:
-    return f"head size {head_dim} (the backward holds dK and dV tiles: at most 128)"
-  if v_head_dim is not None and v_head_dim != head_dim:
-    return f"head sizes {head_dim} / {v_head_dim} (the backward takes equal ones)"
+  """None when the Hopper backward kernels take a call that the forward takes, else why not:
+  equal head sizes up to 128 in one dK/dV kernel (``_fused_dkv``), other sizes up to 192 (MLA's
+  192 / 128) with dK and dV from kernels of their own."""
+  hv = head_dim if v_head_dim is None else v_head_dim
+  if max(head_dim, hv) > 192:
+    return (f"head sizes {head_dim} / {hv} (the backward's resident key and value tiles and "
+            f"streamed query and output-gradient slots: at most 192)")
+  config = config or default_config(head_dim, hv)
+  need = backward_smem_bytes(head_dim, config, hv)
+  if need > _SMEM_BYTES:
+    return (f"{config} needs {need} bytes of shared memory in the backward at head sizes "
+            f"{head_dim} / {hv} (at most {_SMEM_BYTES})")
   return None
+
+
+def backward_smem_bytes(head_dim: int, config: Config, v_head_dim: int | None = None) -> int:
+  """Shared memory of the larger backward CTA (both take the same): two resident 64-row tiles
+  of each of two operands (``q`` and ``do``, or ``k`` and ``v``) and ``stages`` 64-row slots of
+  the other two, head sizes ``H`` and ``Hv``; fp32 row vectors (``lse``, ``delta``) and segment
+  ids (assumed) in 1 KiB buffers; barriers.  ``smem_bytes``' terms."""
+  c, hv = config, head_dim if v_head_dim is None else v_head_dim
+  kib = lambda n: -(-n // 1024) * 1024  # noqa: E731
+  rows = _BWD_BLOCK
+  tiles = [2 * 2 * rows * head_dim, 2 * 2 * rows * hv, 2 * c.stages * rows * head_dim,
+           2 * c.stages * rows * hv]
+  vectors = [4 * 2 * rows] * 3 + [4 * c.stages * rows] * 3  # lse, delta, ids: each side
+  barriers = 2 * 3 + c.stages * 4 + 1 + 2 + c.stages
+  return sum(map(kib, tiles + vectors)) + 8 * barriers
+
+
+def _fused_dkv(st: "_Static") -> bool:
+  """Whether one kernel computes dK and dV (equal head sizes up to 128: both fp32 accumulators
+  fit in registers beside the two logit tiles); else two kernels, one accumulator each."""
+  return st.head_dim == st.v_head_dim and st.head_dim <= 128
 
 
 def backward(query, key, value, out, lse, d_out, d_lse=None, *, mask: Mask | None = None,
@@ -1198,7 +1227,11 @@ def backward(query, key, value, out, lse, d_out, d_lse=None, *, mask: Mask | Non
   lse2 = jnp.where(jnp.isfinite(lse), lse * _LOG2E, jnp.inf).astype(jnp.float32)
   d_out = d_out.astype(query.dtype)
   dq = _dq_call(st)(query, key, value, d_out, lse2, delta, aux)
-  dk, dv = _dkv_call(st)(query, key, value, d_out, lse2, delta, aux)
+  args = (query, key, value, d_out, lse2, delta, aux)
+  if _fused_dkv(st):
+    dk, dv = _dkv_call(st)(*args)
+  else:  # e.g. 192 / 128: a [64, 192] dK and a [64, 128] dV accumulator do not fit together
+    dk, dv = _dkv_call(st, "dk")(*args), _dkv_call(st, "dv")(*args)
   return dq, dk, dv
 
 
@@ -1313,9 +1346,9 @@ def _dq_call(st: _Static):
 
   scratch = _ring_scratch(
       st, dtype, stages,
-      resident=(("q", bq, None), ("do", bq, None), ("lse", bq, jnp.float32),
+      resident=(("q", bq, None), ("do", bq, None, st.v_head_dim), ("lse", bq, jnp.float32),
                 ("delta", bq, jnp.float32)) + _ids(st, "qseg", bq),
-      streamed=(("k", bk, None), ("v", bk, None)) + _ids(st, "kseg", bk))
+      streamed=(("k", bk, None), ("v", bk, None, st.v_head_dim)) + _ids(st, "kseg", bk))
   names = ("q", "k", "v", "do", "lse", "delta") + _data_names(st) + ("dq",)
   call = _launch(st, _entry(names, scratch, kernel),
                  jax.ShapeDtypeStruct((st.batch, tp, st.num_heads, h), dtype),
@@ -1331,14 +1364,16 @@ def _dq_call(st: _Static):
 
 
 @functools.lru_cache(maxsize=64)
-def _dkv_call(st: _Static):
+def _dkv_call(st: _Static, part: str = "both"):
+  """The dK/dV kernel over key tiles; ``part``: ``"both"`` (``_fused_dkv``), or ``"dk"`` /
+  ``"dv"``: one of them (``dv`` skips ``dp`` and ``ds``)."""
   cfg = st.config
   bq = bk = _BWD_BLOCK
   stages = cfg.stages
   keys_per_cta = 2 * bk
   tp, sp = _shapes(st, 2 * _BWD_BLOCK, keys_per_cta)
   dtype = jnp.dtype(st.dtype)
-  h = st.head_dim
+  h, hv = st.head_dim, st.v_head_dim
   groups = st.num_heads // st.num_kv_heads
   ctx = _Ctx(st, stages, cfg.pingpong)
   raw, c = _backward_folds(st)
@@ -1406,6 +1441,23 @@ def _dkv_call(st: _Static):
         ctx.release(free, slot, generic_reads=True)
         return dk, dv
 
+      def compute_part(t, slot, block, o, acc, masked):
+        """``compute`` for one of dK / dV (``part``)."""
+        del t
+        for name in ("q", "lse", "do", "delta") + (("qseg",) if st.segments else ()):
+          plgpu.barrier_wait(scratch[name + "_ready"].at[slot])
+        q_slot, do_slot = scratch["q"].at[slot], scratch["do"].at[slot]
+        s = ctx.mm(my_k, q_slot, (bk, bq), transpose_b=True, turn=turn)  # s^T
+        p, tanh = probs(s, slot, block, o, masked)
+        if part == "dv":
+          acc = ctx.mm_acc(acc, p.astype(dtype), do_slot)
+        else:
+          dp = ctx.mm(my_v, do_slot, (bk, bq), transpose_b=True)  # dp^T
+          acc = ctx.mm_acc(acc, grad_logits(p, dp, tanh, slot), q_slot)
+        ctx.take_turn(turn)
+        ctx.release(free, slot, generic_reads=True)
+        return acc
+
       def compute_overlapped(t, slot, block, o, carry, masked):
         """``compute`` with its matmuls in flight together (``Config.backward_overlap``):
         ``s^T`` and ``dp^T`` are issued at once and ``p^T`` computed while ``dp^T`` runs, then
@@ -1441,19 +1493,28 @@ def _dkv_call(st: _Static):
         ctx.release(free, slot, generic_reads=True)
         return dk, dv
 
-      carry = (ctx.full((bk, h), 0.0), ctx.full((bk, h), 0.0))
       ready = tuple(scratch[n + "_ready"] for n in ("q", "do", "lse", "delta")) + (
           (scratch["qseg_ready"],) if st.segments else ())
-      dk, dv = ctx.consume(carry, outer=groups, cta_lo=cta_lo, steps=steps, runs=runs(k0),
-                           ready=ready, free=free, turn=turn,
-                           compute=compute_overlapped if overlap else compute)
+      walk = dict(outer=groups, cta_lo=cta_lo, steps=steps, runs=runs(k0), ready=ready,
+                  free=free, turn=turn)
+      if part == "both":
+        dk, dv = ctx.consume((ctx.full((bk, h), 0.0), ctx.full((bk, hv), 0.0)), **walk,
+                             compute=compute_overlapped if overlap else compute)
+      else:
+        acc = ctx.consume(ctx.full((bk, h if part == "dk" else hv), 0.0), **walk,
+                          compute=compute_part)
+        dk = dv = acc
       if cfg.pingpong:
         pl.when(wg == 0)(lambda: ctx.take_turn(turn))
-      my_k[...] = (dk * st.scale).astype(dtype)
-      my_v[...] = dv.astype(dtype)
+      if part in ("both", "dk"):
+        my_k[...] = (dk * st.scale).astype(dtype)
+      if part in ("both", "dv"):
+        my_v[...] = dv.astype(dtype)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(my_k, refs["dk"].at[batch, keys, kv_head])
-      plgpu.copy_smem_to_gmem(my_v, refs["dv"].at[batch, keys, kv_head])
+      if part in ("both", "dk"):
+        plgpu.copy_smem_to_gmem(my_k, refs["dk"].at[batch, keys, kv_head])
+      if part in ("both", "dv"):
+        plgpu.copy_smem_to_gmem(my_v, refs["dv"].at[batch, keys, kv_head])
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
@@ -1474,18 +1535,22 @@ def _dkv_call(st: _Static):
       ctx.produce(groups * steps, free, load)
 
   scratch = _ring_scratch(
-      st, dtype, stages, resident=(("k", bk, None), ("v", bk, None)) + _ids(st, "kseg", bk),
-      streamed=(("q", bq, None), ("do", bq, None), ("lse", bq, jnp.float32),
+      st, dtype, stages,
+      resident=(("k", bk, None), ("v", bk, None, hv)) + _ids(st, "kseg", bk),
+      streamed=(("q", bq, None), ("do", bq, None, hv), ("lse", bq, jnp.float32),
                 ("delta", bq, jnp.float32)) + _ids(st, "qseg", bq))
-  names = ("q", "k", "v", "do", "lse", "delta") + _data_names(st) + ("dk", "dv")
-  kv_shape = jax.ShapeDtypeStruct((st.batch, sp, st.num_kv_heads, h), dtype)
-  call = _launch(st, _entry(names, scratch, kernel), (kv_shape, kv_shape),
+  outs = {"both": ("dk", "dv")}.get(part, (part,))
+  names = ("q", "k", "v", "do", "lse", "delta") + _data_names(st) + outs
+  shapes = {n: jax.ShapeDtypeStruct((st.batch, sp, st.num_kv_heads, h if n == "dk" else hv),
+                                    dtype) for n in outs}
+  call = _launch(st, _entry(names, scratch, kernel), tuple(shapes[n] for n in outs),
                  (sp // keys_per_cta, st.num_kv_heads, st.batch), ("k", "kv_heads", "batch"))
 
   def run(q, k, v, do, lse2, delta, aux):
     tab = _data_table(st, aux, tp, sp, bq, bk, transpose=True)
-    dk, dv = call(_pad_seq(q, tp), _pad_seq(k, sp), _pad_seq(v, sp), _pad_seq(do, tp),
-                  *_rows(lse2, delta, tp), *_data_inputs(st, aux, tab, tp, sp))
-    return dk[:, :st.kv_len], dv[:, :st.kv_len]
+    got = call(_pad_seq(q, tp), _pad_seq(k, sp), _pad_seq(v, sp), _pad_seq(do, tp),
+               *_rows(lse2, delta, tp), *_data_inputs(st, aux, tab, tp, sp))
+    got = tuple(x[:, :st.kv_len] for x in got)
+    return got if part == "both" else got[0]
 
   return jax.jit(run)

@@ -124,8 +124,9 @@ def test_mla_head_sizes(h, hv, config):
   """DeepSeek's MLA prefill shape (query / key heads of 192 = 128 + 64 RoPE, values of 128):
   the output is written into the query tiles' bytes (seen as [96, 128] tiles), which leaves room
   for 128-key steps by default; wider values (64 / 128) get output tiles of their own.
-  Gradients through the entry point take the Triton backward on the Hopper forward's
-  log-sum-exp."""
+  Gradients through the entry point take the Hopper backward, whose dK and dV come from kernels
+  of their own at unequal sizes (a [64, 192] and a [64, 128] fp32 accumulator do not fit in one
+  consumer's registers beside its logit tiles)."""
   q, key, _ = inputs(1, 130, 130, 2, 1, h, jnp.bfloat16, seed=6)
   v = jax.random.normal(jax.random.key(7), (1, 130, 1, hv), jnp.float32).astype(jnp.bfloat16)
   assert hopper.default_config(192, 128).block_k == 128
@@ -138,7 +139,11 @@ def test_mla_head_sizes(h, hv, config):
       2 * (2 * 64 * 64 + 2 * 64 * 128 + 2 * 128 * (64 + 128)) + 8 * 9)
   assert hopper.supports(dtype=jnp.bfloat16, head_dim=192, v_head_dim=128,
                          static_mask=None) is None
-  assert "equal" in hopper.supports_backward(head_dim=128, v_head_dim=64)
+  assert hopper.supports_backward(head_dim=128, v_head_dim=64) is None
+  assert hopper.supports_backward(head_dim=192, v_head_dim=128) is None
+  assert "at most 192" in hopper.supports_backward(head_dim=256, v_head_dim=128)
+  assert "shared memory in the backward" in hopper.supports_backward(
+      head_dim=192, v_head_dim=192, config=hopper.Config(stages=3))
   # The interpreter takes no aliased refs (it writes the output to tiles of its own) and, on two
   # CPU cores, stalled in its own thread pool at 128-key steps with unequal head sizes (no
   # barrier left waiting on the kernel's side): interpreted runs take 64-key steps.
@@ -151,11 +156,12 @@ def test_mla_head_sizes(h, hv, config):
   assert_close(lse, want_lse, 1e-2, "lse")
   if config is not None:
     return
-  calls = []
-  saved, real = gpu_kernel.get_options(), hopper.forward
+  calls, parts = [], []
+  saved, real, real_dkv = gpu_kernel.get_options(), hopper.forward, hopper._dkv_call
   try:
     gpu_kernel.set_options(forward="hopper", backward="hopper", hopper=run_config)
     hopper.forward = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    hopper._dkv_call = lambda st, part="both": parts.append(part) or real_dkv(st, part)
     loss = lambda f: jax.grad(lambda q, k, v: jnp.sum(  # noqa: E731
         jnp.sin(f(q, k, v).astype(jnp.float32))), argnums=(0, 1, 2))
     grads = loss(lambda q, k, v: flash_attention_gpu(q, k, v, M.CausalMask()))(q, key, v)
@@ -163,9 +169,9 @@ def test_mla_head_sizes(h, hv, config):
     want = loss(lambda q, k, v: dot_product_attention(
         f32(q), f32(k), f32(v), mask=M.CausalMask(), implementation="xla"))(q, key, v)
   finally:
-    hopper.forward = real
+    hopper.forward, hopper._dkv_call = real, real_dkv
     gpu_kernel.set_options(**saved)
-  assert calls  # the Hopper forward, then (192 > 128) the Triton backward on its residuals
+  assert calls and parts == ["dk", "dv"]  # the Hopper forward and backward, dK / dV apart
   for g, w, name in zip(grads, want, ("dq", "dk", "dv")):
     assert g.shape == w.shape
     assert_close(g, w, 3e-2, name)
@@ -254,6 +260,33 @@ def test_backward_matches_formula(case):
   for g, w, x, grad in zip(got, want, (q, key, v), ("dq", "dk", "dv")):
     assert g.shape == x.shape and g.dtype == x.dtype, grad
     assert_close(g, w, TOL, f"{name} {grad}")
+
+
+@pytest.mark.parametrize("h,hv,config", [
+    (64, 128, hopper.Config(block_k=64, pingpong=True)),
+    (128, 64, hopper.Config(block_k=64, overlap=True))], ids=["64-128 pingpong", "128-64"])
+def test_backward_unequal_head_sizes(h, hv, config):
+  """Unequal head sizes (MLA's 192 / 128 at CPU sizes): dK and dV from kernels of their own
+  (``part``), dQ with value-width output-gradient and value tiles; GQA, ragged, a window with a
+  query offset and soft-cap on the second; a cotangent on the log-sum-exp too."""
+  mask, q_offset, cap = ((M.CausalMask(), 0, None) if hv > h else
+                         (M.SlidingWindowMask(50, 10), 40, 30.0))
+  q, key, _ = inputs(1, 130, 170, 2, 1, h, seed=3)
+  ks = jax.random.split(jax.random.key(4), 3)
+  v = jax.random.normal(ks[0], (1, 170, 1, hv), jnp.float32).astype(jnp.bfloat16)
+  d_out = jax.random.normal(ks[1], (1, 130, 2, hv), jnp.float32).astype(jnp.bfloat16)
+  d_lse = 0.3 * jax.random.normal(ks[2], (1, 2, 130), jnp.float32)
+  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+  (_, lse_ref), vjp = jax.vjp(lambda q, k, v: formula(q, k, v, mask, q_offset, cap),
+                              f32(q), f32(key), f32(v))
+  want = vjp((f32(d_out), jnp.where(jnp.isfinite(lse_ref), d_lse, 0.0)))
+  out, lse = hopper.forward(q, key, v, mask=mask, q_offset=q_offset, logits_soft_cap=cap,
+                            config=config, interpret=interpret())
+  got = hopper.backward(q, key, v, out, lse, d_out, d_lse, mask=mask, q_offset=q_offset,
+                        logits_soft_cap=cap, config=config, interpret=interpret())
+  for g, w, x, grad in zip(got, want, (q, key, v), ("dq", "dk", "dv")):
+    assert g.shape == x.shape and g.dtype == x.dtype, grad
+    assert_close(g, w, TOL, f"{h}/{hv} {grad}")
 
 
 def packed_ids(b, length, sizes, seed):
@@ -486,7 +519,7 @@ def test_dispatch_reasons():
                        block_sizes=C.BlockSizes.gpu(), interpret=not ON_GPU, pow2_blocks=True,
                        scale=0.1)
     assert gpu_kernel.hopper_reason(wide) is None
-    assert "head size 256" in gpu_kernel.hopper_reason(wide, "backward")
+    assert "head sizes 256 / 256" in gpu_kernel.hopper_reason(wide, "backward")
   finally:
     gpu_kernel.set_options(**saved)
 
@@ -611,11 +644,13 @@ def test_lowers_for_cuda(h, mask, cap, schedule, data):
       q, k, v, mask=mask, logits_soft_cap=cap, config=cfg, **kw(*extra))
   text = jax.export.export(jax.jit(f), platforms=("cuda",))(q, k, v, *extra).mlir_module()
   assert re.findall(r"custom_call @(mosaic_gpu\w*)", text)
-  if h > 128 or hv != h:
+  if hopper.supports_backward(head_dim=h, v_head_dim=hv, config=cfg):
     return
   lse = jax.ShapeDtypeStruct((2, 4, 1000), jnp.float32)
+  o = jax.ShapeDtypeStruct((2, 1000, 4, hv), jnp.bfloat16)
   g = lambda q, k, v, o, lse, do, *extra: hopper.backward(  # noqa: E731
       q, k, v, o, lse, do, mask=mask, logits_soft_cap=cap, config=cfg, **kw(*extra))
-  text = jax.export.export(jax.jit(g), platforms=("cuda",))(q, k, k, q, lse, q,
+  text = jax.export.export(jax.jit(g), platforms=("cuda",))(q, k, v, o, lse, o,
                                                             *extra).mlir_module()
-  assert len(re.findall(r"custom_call @(mosaic_gpu\w*)", text)) == 2  # dQ, dK/dV
+  # dQ and dK/dV, or (unequal sizes) dQ, dK and dV
+  assert len(re.findall(r"custom_call @(mosaic_gpu\w*)", text)) == (2 if h == hv else 3)
