@@ -28,7 +28,8 @@
 #   5. (more) the Triton forward + backward benchmark; the Hopper forward + backward schedules
 #      at T = 8k, causal (HOPPER_BWD_SWEEP: the backward's matmuls in turn or in flight
 #      together, with each forward schedule); the Hopper and Triton forwards at MLA's
-#      prefill head sizes (192 / 128, T = 8k, against cuDNN where it takes them); the paged
+#      prefill head sizes (192 / 128, T = 8k, against cuDNN where it takes them; forward +
+#      backward too, the Hopper kernels against Triton's); the paged
 #      decode kernels over int8 / fp8
 #      caches (32k, batch 8 and 32); the top-K sparse (DSA) kernels compiled against the gather
 #      reference and timed (experiments.bench_sparse_kernel), forward and forward + backward;
@@ -207,6 +208,11 @@ if want more flash; then
   step "triton forward at MLA's prefill head sizes (192 / 128)" 40 \
     "$PY" -m experiments.bench_flash --head-dim 192 --v-head-dim 128 --gpu-forward triton \
     --seq-lens 8192 --repeats 3 --no-plot
+  for k in hopper triton; do  # the Hopper backward's separate dK and dV kernels vs Triton's 256
+    step "$k forward + backward at MLA's prefill head sizes (192 / 128)" 60 \
+      "$PY" -m experiments.bench_flash --head-dim 192 --v-head-dim 128 --gpu-forward "$k" \
+      --gpu-backward "$k" --backward --seq-lens 8192 --repeats 3 --no-plot
+  done
 fi
 if want more decode; then
   step "decode over quantized caches (int8, fp8)" 120 \
