@@ -508,7 +508,7 @@ class _Ctx:
     change and no drain (``drain`` follows the CTA's last tile)."""
     i32, stages = jnp.int32, self.stages
     frees, loads = (free, load) if isinstance(free, tuple) else ((free,), (load,))
-    if t0 is not None:  # a later tile of a persistent CTA: the ring goes on from step t0
+    if t0 is not None:  # a tile of a persistent CTA: the ring goes on from step t0
       @pl.loop(0, total)
       def _step(s):
         t = t0 + s
@@ -1442,7 +1442,7 @@ def _dkv_call(st: _Static, part: str = "both"):
         return dk, dv
 
       def compute_part(t, slot, block, o, acc, masked):
-        """``compute`` for one of dK / dV (``part``)."""
+        """``compute`` for one of dK / dV (``part``; its matmuls issued in turn)."""
         del t
         for name in ("q", "lse", "do", "delta") + (("qseg",) if st.segments else ()):
           plgpu.barrier_wait(scratch[name + "_ready"].at[slot])
