@@ -204,7 +204,7 @@ if want more flash; then
   fi
   step "hopper forward at MLA's prefill head sizes (192 / 128)" 80 \
     "$PY" -m experiments.bench_flash --head-dim 192 --v-head-dim 128 --sweep 8192 \
-    --sweep-kernels hopper --repeats 3
+    --sweep-kernels hopper --hopper-first 3 --repeats 3
   step "triton forward at MLA's prefill head sizes (192 / 128)" 40 \
     "$PY" -m experiments.bench_flash --head-dim 192 --v-head-dim 128 --gpu-forward triton \
     --seq-lens 8192 --repeats 3 --no-plot
