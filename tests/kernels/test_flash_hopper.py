@@ -609,8 +609,9 @@ def test_lowers_for_cuda(h, mask, cap, schedule, data):
   through Mosaic GPU's lowering to one custom call, for every head size and each schedule (the
   overlapped one: two wgmma groups in flight, the first awaited alone), and with segment ids, key
   lengths, ALiBi and a traced query offset (``data``); ``h`` a pair: query / key and value head
-  sizes (the forward only; 192 / 128 writes its output through the query tiles' bytes, a
-  ``RefUnion`` at 128-key steps; 64 / 128 into tiles of its own)."""
+  sizes (192 / 128 writes its output through the query tiles' bytes, a ``RefUnion`` at 128-key
+  steps; 64 / 128 into tiles of its own); the backward wherever ``supports_backward`` takes the
+  call (two kernels, or three with dK and dV apart at unequal sizes)."""
   h, hv = h if isinstance(h, tuple) else (h, h)
   q = jax.ShapeDtypeStruct((2, 1000, 4, h), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((2, 1000, 2, h), jnp.bfloat16)
