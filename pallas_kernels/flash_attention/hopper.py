@@ -168,6 +168,11 @@ def band(mask: Mask | None) -> tuple[bool, int | None, int | None]:
 _SMEM_BYTES = 227 * 1024  # shared memory one H100 / H200 CTA may hold
 
 
+def _kib(n: int) -> int:
+  """``n`` bytes as Mosaic GPU allocates a scratch buffer: rounded up to whole KiB."""
+  return -(-n // 1024) * 1024
+
+
 def smem_bytes(head_dim: int, config: Config, v_head_dim: int | None = None, *,
                segments: bool = True) -> int:
   """Shared memory of the forward's CTA as Mosaic GPU lays it out: every scratch buffer rounded
@@ -183,7 +188,6 @@ def smem_bytes(head_dim: int, config: Config, v_head_dim: int | None = None, *,
   terms exactly."""
   c, hv = config, head_dim if v_head_dim is None else v_head_dim
   aliased = hv == head_dim or _aliased_out_rows(head_dim, hv, c.block_q) is not None
-  kib = lambda n: -(-n // 1024) * 1024  # noqa: E731
   tiles = [2 * 2 * c.block_q * head_dim, 2 * c.stages * c.block_k * head_dim,
            2 * c.stages * c.block_k * hv] + ([] if aliased else [2 * 2 * c.block_q * hv])
   ids = [4 * 2 * c.block_q, 4 * c.stages * c.block_k] if segments else []
@@ -191,7 +195,7 @@ def smem_bytes(head_dim: int, config: Config, v_head_dim: int | None = None, *,
   # turn, the overlapped ping-pong's go[2], the ids' ready barriers
   barriers = (2 + c.stages * (4 if c.overlap else 3) + 1 + (2 if c.overlap and c.pingpong else 0)
               + ((2 + c.stages) if segments else 0))
-  return sum(map(kib, tiles + ids)) + 8 * barriers
+  return sum(map(_kib, tiles + ids)) + 8 * barriers
 
 
 def default_config(head_dim: int, v_head_dim: int | None = None) -> Config:
@@ -1191,13 +1195,12 @@ def backward_smem_bytes(head_dim: int, config: Config, v_head_dim: int | None = 
   the other two, head sizes ``H`` and ``Hv``; fp32 row vectors (``lse``, ``delta``) and segment
   ids (assumed) in 1 KiB buffers; barriers.  ``smem_bytes``' terms."""
   c, hv = config, head_dim if v_head_dim is None else v_head_dim
-  kib = lambda n: -(-n // 1024) * 1024  # noqa: E731
   rows = _BWD_BLOCK
   tiles = [2 * 2 * rows * head_dim, 2 * 2 * rows * hv, 2 * c.stages * rows * head_dim,
            2 * c.stages * rows * hv]
   vectors = [4 * 2 * rows] * 3 + [4 * c.stages * rows] * 3  # lse, delta, ids: each side
   barriers = 2 * 3 + c.stages * 4 + 1 + 2 + c.stages
-  return sum(map(kib, tiles + vectors)) + 8 * barriers
+  return sum(map(_kib, tiles + vectors)) + 8 * barriers
 
 
 def _fused_dkv(st: "_Static") -> bool:
@@ -1426,37 +1429,25 @@ def _dkv_call(st: _Static, part: str = "both"):
         return (ds if tanh is None else ds * (1.0 - tanh * tanh)).astype(dtype)
 
       def compute(t, slot, block, o, carry, masked):
+        """One step, its matmuls issued in turn: ``dv += p^T do`` and ``dk += ds^T q`` (both,
+        or with ``part`` the one; ``carry`` holds what is computed)."""
         del t
-        dk, dv = carry
+        dk, dv = {"both": carry, "dk": (carry, None), "dv": (None, carry)}[part]
         for name in ("q", "lse") + (("qseg",) if st.segments else ()):
-          plgpu.barrier_wait(scratch[name + "_ready"].at[slot])
-        s = ctx.mm(my_k, scratch["q"].at[slot], (bk, bq), transpose_b=True, turn=turn)  # s^T
-        p, tanh = probs(s, slot, block, o, masked)
-        for name in ("do", "delta"):
-          plgpu.barrier_wait(scratch[name + "_ready"].at[slot])
-        dv = ctx.mm_acc(dv, p.astype(dtype), scratch["do"].at[slot])
-        dp = ctx.mm(my_v, scratch["do"].at[slot], (bk, bq), transpose_b=True)  # dp^T
-        dk = ctx.mm_acc(dk, grad_logits(p, dp, tanh, slot), scratch["q"].at[slot])
-        ctx.take_turn(turn)
-        ctx.release(free, slot, generic_reads=True)
-        return dk, dv
-
-      def compute_part(t, slot, block, o, acc, masked):
-        """``compute`` for one of dK / dV (``part``; its matmuls issued in turn)."""
-        del t
-        for name in ("q", "lse", "do", "delta") + (("qseg",) if st.segments else ()):
           plgpu.barrier_wait(scratch[name + "_ready"].at[slot])
         q_slot, do_slot = scratch["q"].at[slot], scratch["do"].at[slot]
         s = ctx.mm(my_k, q_slot, (bk, bq), transpose_b=True, turn=turn)  # s^T
         p, tanh = probs(s, slot, block, o, masked)
-        if part == "dv":
-          acc = ctx.mm_acc(acc, p.astype(dtype), do_slot)
-        else:
+        for name in ("do", "delta"):
+          plgpu.barrier_wait(scratch[name + "_ready"].at[slot])
+        if dv is not None:
+          dv = ctx.mm_acc(dv, p.astype(dtype), do_slot)
+        if dk is not None:
           dp = ctx.mm(my_v, do_slot, (bk, bq), transpose_b=True)  # dp^T
-          acc = ctx.mm_acc(acc, grad_logits(p, dp, tanh, slot), q_slot)
+          dk = ctx.mm_acc(dk, grad_logits(p, dp, tanh, slot), q_slot)
         ctx.take_turn(turn)
         ctx.release(free, slot, generic_reads=True)
-        return acc
+        return {"both": (dk, dv), "dk": dk, "dv": dv}[part]
 
       def compute_overlapped(t, slot, block, o, carry, masked):
         """``compute`` with its matmuls in flight together (``Config.backward_overlap``):
@@ -1500,10 +1491,9 @@ def _dkv_call(st: _Static, part: str = "both"):
       if part == "both":
         dk, dv = ctx.consume((ctx.full((bk, h), 0.0), ctx.full((bk, hv), 0.0)), **walk,
                              compute=compute_overlapped if overlap else compute)
-      else:
-        acc = ctx.consume(ctx.full((bk, h if part == "dk" else hv), 0.0), **walk,
-                          compute=compute_part)
-        dk = dv = acc
+      else:  # the split kernels issue their matmuls in turn
+        dk = dv = ctx.consume(ctx.full((bk, h if part == "dk" else hv), 0.0), **walk,
+                              compute=compute)
       if cfg.pingpong:
         pl.when(wg == 0)(lambda: ctx.take_turn(turn))
       if part in ("both", "dk"):
