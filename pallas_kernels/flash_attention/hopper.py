@@ -1452,9 +1452,11 @@ def _dkv_call(st: _Static, part: str = "both"):
       def compute_overlapped(t, slot, block, o, carry, masked):
         """``compute`` with its matmuls in flight together (``Config.backward_overlap``):
         ``s^T`` and ``dp^T`` are issued at once and ``p^T`` computed while ``dp^T`` runs, then
-        ``dv += p^T do`` is issued and ``ds^T`` computed while it runs, then ``dk += ds^T q``."""
+        ``dv += p^T do`` is issued and ``ds^T`` computed while it runs, then ``dk += ds^T q``
+        (the dK kernel of unequal sizes, ``part="dk"``: no ``dv``, ``ds^T`` once ``dp^T`` is
+        done)."""
         del t
-        dk, dv = carry
+        dk, dv = carry if part == "both" else (carry, None)
         for name in ("q", "lse", "do", "delta") + (("qseg",) if st.segments else ()):
           plgpu.barrier_wait(scratch[name + "_ready"].at[slot])
         q_slot, do_slot = scratch["q"].at[slot], scratch["do"].at[slot]
@@ -1462,38 +1464,43 @@ def _dkv_call(st: _Static, part: str = "both"):
           s = ctx.mm(my_k, q_slot, (bk, bq), transpose_b=True)
           dp = ctx.mm(my_v, do_slot, (bk, bq), transpose_b=True, turn=turn)
           p, tanh = probs(s, slot, block, o, masked)
-          dv = ctx.mm_acc(dv, p.astype(dtype), do_slot)
+          if dv is not None:
+            dv = ctx.mm_acc(dv, p.astype(dtype), do_slot)
           dk = ctx.mm_acc(dk, grad_logits(p, dp, tanh, slot), q_slot)
         else:
           def body(refs_):
-            s_ref, dp_ref, dk_ref, dv_ref = refs_
+            s_ref, dp_ref, dk_ref, *dv_ref = refs_
             plgpu.wgmma(s_ref, my_k, q_slot.transpose((1, 0)))
             plgpu.wgmma(dp_ref, my_v, do_slot.transpose((1, 0)))
             ctx.take_turn(turn)
             s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # s^T done, dp^T may run on
             p, tanh = probs(s, slot, block, o, masked)
-            plgpu.wgmma(dv_ref, p.astype(dtype), do_slot)
-            dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)  # dv may run on
+            if dv_ref:
+              plgpu.wgmma(dv_ref[0], p.astype(dtype), do_slot)
+            dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=len(dv_ref))  # dv may run on
             plgpu.wgmma(dk_ref, grad_logits(p, dp, tanh, slot), q_slot)
 
           zero = ctx.full((bk, bq), 0.0)
-          _, _, dk, dv = pl.run_state(body)(
-              (plgpu.ACC.init(zero), plgpu.ACC.init(zero), plgpu.ACC.init(dk),
-               plgpu.ACC.init(dv)))
+          accs = (plgpu.ACC.init(zero), plgpu.ACC.init(zero), plgpu.ACC.init(dk)) + (
+              () if dv is None else (plgpu.ACC.init(dv),))
+          _, _, dk, *dv = pl.run_state(body)(accs)
+          dv = dv[0] if dv else None
         ctx.take_turn(turn)
         ctx.release(free, slot, generic_reads=True)
-        return dk, dv
+        return (dk, dv) if part == "both" else dk
 
       ready = tuple(scratch[n + "_ready"] for n in ("q", "do", "lse", "delta")) + (
           (scratch["qseg_ready"],) if st.segments else ())
       walk = dict(outer=groups, cta_lo=cta_lo, steps=steps, runs=runs(k0), ready=ready,
                   free=free, turn=turn)
+      # the dV kernel has no dp^T to overlap: its matmuls are issued in turn
+      step = compute_overlapped if overlap and part != "dv" else compute
       if part == "both":
         dk, dv = ctx.consume((ctx.full((bk, h), 0.0), ctx.full((bk, hv), 0.0)), **walk,
-                             compute=compute_overlapped if overlap else compute)
-      else:  # the split kernels issue their matmuls in turn
+                             compute=step)
+      else:
         dk = dv = ctx.consume(ctx.full((bk, h if part == "dk" else hv), 0.0), **walk,
-                              compute=compute)
+                              compute=step)
       if cfg.pingpong:
         pl.when(wg == 0)(lambda: ctx.take_turn(turn))
       if part in ("both", "dk"):

@@ -145,8 +145,11 @@ def test_mla_head_sizes(h, hv, config):
   assert "shared memory in the backward" in hopper.supports_backward(
       head_dim=192, v_head_dim=192, config=hopper.Config(stages=3))
   # The interpreter takes no aliased refs (it writes the output to tiles of its own) and, on two
-  # CPU cores, stalled in its own thread pool at 128-key steps with unequal head sizes (no
-  # barrier left waiting on the kernel's side): interpreted runs take 64-key steps.
+  # CPU cores, stalls at 128-key steps with unequal head sizes: a thread dump shows the two
+  # consumers' barrier waits (host callbacks) holding both of XLA's CPU pool threads while the
+  # producer's program waits for a thread to run on, before it has issued a load -- the
+  # interpreter starved of threads, not a cycle of barriers in the kernel. Interpreted runs take
+  # 64-key steps.
   run_config = config or (None if ON_GPU else hopper.Config(block_k=64))
   out, lse = hopper.forward(q, key, v, mask=M.CausalMask(), q_offset=0, config=run_config,
                             interpret=interpret())
@@ -275,7 +278,8 @@ def check_backward(name, q, key, v, mask, q_offset, cap, config, *, seed, races=
 def test_backward_unequal_head_sizes(h, hv, config):
   """Unequal head sizes (MLA's 192 / 128 at CPU sizes): dK and dV from kernels of their own
   (``part``), dQ with value-width output-gradient and value tiles; GQA, ragged, a window with a
-  query offset and soft-cap on the second; a cotangent on the log-sum-exp too."""
+  query offset and soft-cap on the second, whose dK kernel overlaps (``s^T`` and ``dp^T`` in
+  flight together); a cotangent on the log-sum-exp too."""
   mask, q_offset, cap = ((M.CausalMask(), 0, None) if hv > h else
                          (M.SlidingWindowMask(50, 10), 40, 30.0))
   q, key, _ = inputs(1, 130, 170, 2, 1, h, seed=3)
