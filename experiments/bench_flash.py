@@ -372,16 +372,21 @@ HOPPER_BWD_SWEEP = (  # the same, forward + backward (--sweep --backward): the b
     dict(block_k=128), dict(block_k=128, backward_overlap=True), dict(block_k=128, overlap=True),
     dict(block_k=128, overlap=True, backward_overlap=False),
     dict(block_k=128, overlap=True, registers=240), dict(block_k=128, pingpong=True),
-    dict(block_k=128, pingpong=True, backward_overlap=True))
+    dict(block_k=128, pingpong=True, backward_overlap=True),
+    # the dQ kernel at 128 keys per step (wider wgmma, half the hand-overs)
+    dict(block_k=128, dq_block_k=128), dict(block_k=128, overlap=True, dq_block_k=128))
 
 
 def hopper_label(cfg, backward: bool = False) -> str:
   """``bk=128 stages=2 overlap+pingpong regs=232`` (schedule ``plain`` without either); with
-  ``backward``, `` bwd=overlap`` or `` bwd=plain`` (the backward kernels' schedule) too."""
+  ``backward``, `` bwd=overlap`` or `` bwd=plain`` (the backward kernels' schedule) and the dQ
+  kernel's keys per step (`` dq_bk=128``) too."""
   schedule = "+".join(n for n in ("overlap", "pingpong", "persistent") if getattr(cfg, n)) or (
       "plain")
   label = f"bk={cfg.block_k:>3} stages={cfg.stages} {schedule:27} regs={cfg.registers}"
-  return label + (f" bwd={'overlap' if cfg.overlaps_backward else 'plain'}" if backward else "")
+  if backward:
+    label += f" bwd={'overlap' if cfg.overlaps_backward else 'plain':7} dq_bk={cfg.dq_block_k}"
+  return label
 
 
 def _time_jax_mgpu(q, k, v, causal, flops, base, peak, repeats):

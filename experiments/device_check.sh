@@ -27,7 +27,8 @@
 #      the Triton kernels; the Hopper forward + backward benchmark (T = 2k, 8k);
 #   5. (more) the Triton forward + backward benchmark; the Hopper forward + backward schedules
 #      at T = 8k, causal (HOPPER_BWD_SWEEP: the backward's matmuls in turn or in flight
-#      together, with each forward schedule); the Hopper and Triton forwards at MLA's
+#      together, with each forward schedule; the dQ kernel at 64 or 128 keys per step); the
+#      Hopper and Triton forwards at MLA's
 #      prefill head sizes (192 / 128, T = 8k, against cuDNN where it takes them; forward +
 #      backward too, the Hopper kernels against Triton's); the paged
 #      decode kernels over int8 / fp8
@@ -198,7 +199,7 @@ if want more flash; then
     "$PY" -m experiments.bench_flash --gpu-forward triton --gpu-backward triton --backward \
     --seq-lens 2048 8192 --repeats 3 --plot "$DEST/bench_flash_gpu_bwd.png"
   if want more -; then  # tuning (PART=more / all)
-    step "hopper forward + backward schedules at 8k (causal; backward overlap or not)" 150 \
+    step "hopper forward + backward schedules at 8k (causal; backward overlap, dQ steps)" 190 \
       "$PY" -m experiments.bench_flash --sweep 8192 --sweep-kernels hopper --backward \
       --backward-only --repeats 3
   fi

@@ -307,7 +307,9 @@ def test_flash_hopper_config_flag():
   assert bwd[0] == hopper.Config() and {(c.overlap, c.overlaps_backward) for c in bwd} == {
       (False, False), (False, True), (True, True), (True, False)}
   assert bench_flash.hopper_label(bwd[1], backward=True) == (
-      "bk=128 stages=2 plain                       regs=232 bwd=overlap")
+      "bk=128 stages=2 plain                       regs=232 bwd=overlap dq_bk=64")
+  assert {c.dq_block_k for c in bwd} == {64, 128}
+  assert all(hopper.supports_backward(head_dim=128, config=c) is None for c in bwd)
   with pytest.raises(SystemExit):
     bench_flash.main(["--backward-only"])
   for bad, match in (("warps=4", "name one of block_q, block_k"), ("block_k=big", "integer"),

@@ -113,6 +113,10 @@ class Config:
     next tile's blocks while the consumers finish a tile and no CTA is launched per tile.
     registers: per consumer thread (``set_max_registers``); the producer warpgroup gets what is
     left of the 64K register file, at most 40 (32 at 240).
+    dq_block_k (backward): keys per step of the dQ kernel, 64 or 128 (its ``s`` and ``dp`` tiles
+    are ``[64, dq_block_k]`` fp32 beside the ``[64, H]`` dQ accumulator; 128 halves the steps
+    and their hand-overs and widens each wgmma).  The dK/dV kernel's tiles stay 64 x 64: its two
+    accumulators leave no registers for wider logit tiles.
 
   Defaults from an H200 (jax 0.11.2, bf16, B=2, 16 heads of 128, T = 8k: ``python -m
   experiments.bench_flash --sweep 8192 --backward --sweep-kernels hopper``): 128-key blocks, 2
@@ -128,6 +132,7 @@ class Config:
   registers: int = 232
   backward_overlap: bool | None = None
   persistent: bool = False
+  dq_block_k: int = 64
 
   @property
   def overlaps_backward(self) -> bool:
@@ -150,6 +155,9 @@ class Config:
     if not isinstance(self.persistent, bool):
       raise ValueError(f"hopper.Config: `persistent` must be True or False, got "
                        f"{self.persistent!r}.")
+    if self.dq_block_k not in (64, 128):
+      raise ValueError(f"hopper.Config: `dq_block_k` must be 64 or 128, got "
+                       f"{self.dq_block_k!r}.")
     if not isinstance(self.backward_overlap, (bool, type(None))):
       raise ValueError(f"hopper.Config: `backward_overlap` must be None (as `overlap`), True or "
                        f"False, got {self.backward_overlap!r}.")
@@ -1190,17 +1198,25 @@ def supports_backward(*, head_dim: int, v_head_dim: int | None = None,
 
 
 def backward_smem_bytes(head_dim: int, config: Config, v_head_dim: int | None = None) -> int:
-  """Shared memory of the larger backward CTA (both take the same): two resident 64-row tiles
-  of each of two operands (``q`` and ``do``, or ``k`` and ``v``) and ``stages`` 64-row slots of
-  the other two, head sizes ``H`` and ``Hv``; fp32 row vectors (``lse``, ``delta``) and segment
-  ids (assumed) in 1 KiB buffers; barriers.  ``smem_bytes``' terms."""
+  """Shared memory of the larger backward CTA: two resident 64-row tiles of each of two
+  operands (``q`` and ``do``, or ``k`` and ``v``) and ``stages`` slots of the other two (64 rows
+  in the dK/dV kernel, ``dq_block_k`` keys in the dQ kernel), head sizes ``H`` and ``Hv``; fp32
+  row vectors (``lse``, ``delta``) and segment ids (assumed) in 1 KiB buffers; barriers (the
+  dK/dV kernel's: more ready barriers per slot).  ``smem_bytes``' terms."""
   c, hv = config, head_dim if v_head_dim is None else v_head_dim
   rows = _BWD_BLOCK
-  tiles = [2 * 2 * rows * head_dim, 2 * 2 * rows * hv, 2 * c.stages * rows * head_dim,
-           2 * c.stages * rows * hv]
-  vectors = [4 * 2 * rows] * 3 + [4 * c.stages * rows] * 3  # lse, delta, ids: each side
-  barriers = 2 * 3 + c.stages * 4 + 1 + 2 + c.stages
-  return sum(map(_kib, tiles + vectors)) + 8 * barriers
+
+  def need(streamed: int, vectors: list[int], barriers: int) -> int:
+    tiles = [2 * 2 * rows * head_dim, 2 * 2 * rows * hv, 2 * c.stages * streamed * head_dim,
+             2 * c.stages * streamed * hv]
+    return sum(map(_kib, tiles + vectors)) + 8 * barriers
+
+  # dK/dV: resident k, v (+ ids), streamed q, do, lse, delta (+ ids); dQ: resident q, do, lse,
+  # delta (+ ids), streamed k, v (+ ids); barriers: one per buffer and slot, free, the turn
+  dkv = need(rows, [4 * 2 * rows] + [4 * c.stages * rows] * 3, 2 * 3 + c.stages * 6 + 1)
+  dq = need(c.dq_block_k, [4 * 2 * rows] * 3 + [4 * c.stages * c.dq_block_k],
+            2 * 5 + c.stages * 4 + 1)
+  return max(dkv, dq)
 
 
 def _fused_dkv(st: "_Static") -> bool:
@@ -1257,7 +1273,7 @@ def _rows(lse2, delta, tp: int):
 @functools.lru_cache(maxsize=64)
 def _dq_call(st: _Static):
   cfg = st.config
-  bq = bk = _BWD_BLOCK
+  bq, bk = _BWD_BLOCK, cfg.dq_block_k
   stages = cfg.stages
   rows = 2 * bq
   tp, sp = _shapes(st, rows, 2 * _BWD_BLOCK)

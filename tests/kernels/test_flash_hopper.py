@@ -227,9 +227,9 @@ BWD_CASES = [
     # name, (b, t, s, n, k, h), mask, q_offset, cap, dtype, config
     ("causal gqa ragged", (1, 130, 130, 2, 1, 64), M.CausalMask(), 0, None, jnp.bfloat16,
      hopper.Config(block_k=64, pingpong=True)),
-    ("window softcap offset overlap pingpong", (1, 130, 200, 2, 1, 64),
+    ("window softcap offset overlap pingpong dq128", (1, 130, 200, 2, 1, 64),
      M.SlidingWindowMask(50, 10), 60, 30.0, jnp.bfloat16,
-     hopper.Config(block_k=64, stages=3, pingpong=True, overlap=True)),
+     hopper.Config(block_k=64, stages=3, pingpong=True, overlap=True, dq_block_k=128)),
     ("causal gqa ragged overlap", (1, 130, 130, 2, 1, 64), M.CausalMask(), 0, None, jnp.bfloat16,
      hopper.Config(block_k=64, backward_overlap=True)),
     ("full mha fp16 no pingpong", (1, 128, 128, 2, 2, 64), None, 0, None, jnp.float16,
@@ -241,7 +241,8 @@ BWD_CASES = [
 def test_backward_matches_formula(case):
   """dQ, dK, dV (GQA groups summed in the kernel) from the kernel's own forward, with a cotangent
   on the log-sum-exp too, against the formula's VJP; each step's matmuls in turn, or in flight
-  together (``backward_overlap``: the forward's ``overlap`` by default, or set alone)."""
+  together (``backward_overlap``: the forward's ``overlap`` by default, or set alone); the dQ
+  kernel at 64 or 128 keys per step (``dq_block_k``: 200 keys, two ragged steps of 128)."""
   name, (b, t, s, n, k, h), mask, q_offset, cap, dtype, config = case
   q, key, v = inputs(b, t, s, n, k, h, dtype)
   races = name.startswith("causal gqa ragged")  # the dK/dV ring refills its slots (two heads,
@@ -359,8 +360,8 @@ def test_forward_data_features_match_formula(case):
 BWD_DATA_CASES = [
     # DATA_CASES' first two, smaller: still three query tiles and three key blocks of 64 each;
     # GQA on the packed case, two batch rows (one of length 0) on the other.
-    ("packed causal gqa", (1, 130, 130, 2, 1), M.CausalMask(), 0, None, jnp.bfloat16,
-     hopper.Config(block_k=64, pingpong=True), "packed", None, False),
+    ("packed causal gqa dq128", (1, 130, 130, 2, 1), M.CausalMask(), 0, None, jnp.bfloat16,
+     hopper.Config(block_k=64, pingpong=True, dq_block_k=128), "packed", None, False),
     ("lengths window alibi softcap", (2, 130, 200, 1, 1), M.SlidingWindowMask(60, 10), 60, 30.0,
      jnp.bfloat16, hopper.Config(block_k=64, stages=3, pingpong=True), None, (0, 150), True),
 ]
@@ -551,6 +552,17 @@ def test_shared_memory_limit_and_defaults():
   assert "shared memory" in hopper.supports(dtype=jnp.bfloat16, head_dim=128, v_head_dim=128,
                                             static_mask=None,
                                             config=hopper.Config(block_k=256))
+  # The backward: the dQ kernel streams dq_block_k keys per slot, the dK/dV kernel 64 rows
+  # (head size 128, 2 stages: dQ at 128 keys is the larger CTA, 196 KiB with segment ids).
+  kib = 1024
+  wide = hopper.Config(dq_block_k=128)
+  assert hopper.backward_smem_bytes(128, wide) == (  # q, do; k, v slots; vectors; barriers
+      2 * 32 * kib + 2 * 64 * kib + 3 * kib + kib + 8 * (10 + 2 * 4 + 1))
+  assert hopper.backward_smem_bytes(128, hopper.Config()) == (  # the dK/dV kernel's
+      2 * 32 * kib + 2 * 32 * kib + kib + 3 * kib + 8 * (6 + 2 * 6 + 1))
+  assert hopper.supports_backward(head_dim=128, config=wide) is None
+  assert "shared memory in the backward" in hopper.supports_backward(  # 244 KiB
+      head_dim=192, v_head_dim=128, config=wide)
 
 
 def test_errors():
@@ -567,6 +579,8 @@ def test_errors():
   for regs, producer in ((232, 40), (240, 32), (128, 40)):
     assert hopper._registers(hopper.Config(registers=regs)) == (regs, producer)
     assert 256 * regs + 128 * producer <= 65536
+  with pytest.raises(ValueError, match="`dq_block_k` must be 64 or 128, got 192"):
+    hopper.Config(dq_block_k=192)
   with pytest.raises(ValueError, match="`backward_overlap` must be None"):
     hopper.Config(backward_overlap="yes")
   assert hopper.Config(overlap=True).overlaps_backward
@@ -603,7 +617,8 @@ def test_errors():
     (256, M.CausalMask(), None, "pingpong", False),
     (128, M.CausalMask(), 30.0, "pingpong", True),
     (64, M.CausalMask(), None, "overlap", False), (256, None, 30.0, "overlap", False),
-    (128, M.CausalMask(), 30.0, "overlap", True), (128, M.CausalMask(), None, "both 240", False),
+    (128, M.CausalMask(), 30.0, "overlap dq128", True),
+    (128, M.CausalMask(), None, "both 240", False),
     ((192, 128), M.CausalMask(), None, "plain", False), ((192, 128), None, None, "overlap", True),
     ((64, 128), None, None, "plain", False), (128, None, None, "overlap 192 keys", False),
     (128, M.CausalMask(), None, "plain 3 stages", False),
@@ -637,7 +652,8 @@ def test_lowers_for_cuda(h, mask, cap, schedule, data):
                       persistent="persistent" in schedule,
                       pingpong=schedule in ("pingpong", "both 240"),
                       overlap=schedule.startswith(("overlap", "both")),
-                      registers=240 if schedule == "both 240" else 232)
+                      registers=240 if schedule == "both 240" else 232,
+                      dq_block_k=128 if "dq128" in schedule else 64)
   assert hopper.smem_bytes(h, cfg, hv, segments=data) <= 227 * 1024
   f = lambda q, k, v, *extra: hopper.forward(  # noqa: E731
       q, k, v, mask=mask, logits_soft_cap=cap, config=cfg, **kw(*extra))
