@@ -960,9 +960,11 @@ def _call(st: _Static):
   fold, c = _folds(st), st.scale * _LOG2E
   handoff = cfg.overlap and cfg.pingpong
 
-  def one_tile(refs, scratch, tile, head, batch, wg, kv_head, cta_lo, steps, runs, t0=None):
+  def one_tile(refs, scratch, tile, head, batch, wg, kv_head, cta_lo, steps, runs, t0=None,
+               first_tile=True, last_tile=True):
     """One query tile: the whole kernel, or (``t0``: the K/V ring's step at its first block) one
-    tile of a persistent CTA."""
+    tile of a persistent CTA; ``first_tile`` / ``last_tile`` (traced for a persistent CTA): the
+    CTA's first and last (the overlapped ping-pong's turns run on from tile to tile)."""
     k_ready, v_ready, turn = (scratch[n] for n in ("k_ready", "v_ready", "turn"))
     free, k_free, v_free = (scratch.get(n) for n in ("free", "k_free", "v_free"))
 
@@ -1083,15 +1085,18 @@ def _call(st: _Static):
 
       carry = (ctx.full((bq, hv), 0.0), ctx.full((bq,), -jnp.inf), ctx.full((bq,), 0.0))
       if cfg.overlap:
+        # Consumer 0 goes first: consumer 1 grants it the CTA's first turn.  On a persistent
+        # CTA's later tiles consumer 1's last pass of the previous tile is that grant (a second
+        # arrival on go[0] before consumer 0 has seen the first would complete its phase twice).
         if handoff:
-          pl.when(wg == 1)(lambda: plgpu.barrier_arrive(go.at[0]))  # consumer 0 goes first
+          pl.when((wg == 1) & first_tile)(lambda: plgpu.barrier_arrive(go.at[0]))
         carry += (ctx.full((bq, bk), 0.0).astype(dtype), jnp.int32(0))
         acc, m, l, _, _ = ctx.consume_overlapped(
             carry, cta_lo=cta_lo, steps=steps, runs=runs(r0), ready=_key_ready(st, scratch),
             frees=(k_free, v_free), first=first, step=step, last=last,
             idle=idle if handoff else None, t0=t0)
-        if handoff:
-          pl.when(wg == 0)(lambda: plgpu.barrier_wait(go.at[0]))  # consumer 1's last pass
+        if handoff:  # consumer 1's last pass (the CTA's last tile's: see the grant above)
+          pl.when((wg == 0) & last_tile)(lambda: plgpu.barrier_wait(go.at[0]))
       else:
         acc, m, l = ctx.consume(carry, outer=1, cta_lo=cta_lo, steps=steps, runs=runs(r0),
                                 ready=_key_ready(st, scratch), free=free, turn=turn,
@@ -1130,12 +1135,14 @@ def _call(st: _Static):
     pl.when(wg < 2)(lambda: plgpu.set_max_registers(ctx.consumer_regs, action="increase"))
     pl.when(wg == 2)(lambda: plgpu.set_max_registers(ctx.producer_regs, action="decrease"))
 
+    mine = _cdiv_t(jnp.int32(n_tiles) - cta, ctas)  # >= 1: at most one CTA per tile
+
     def tile_body(i, t0):
       where = _query_cta(st, refs, tp, bq, bk, sp, index=cta + i * ctas)
-      one_tile(refs, scratch, *where, t0=t0)
+      one_tile(refs, scratch, *where, t0=t0, first_tile=i == 0, last_tile=i == mine - 1)
       return t0 + where[6]  # + steps
 
-    total = lax.fori_loop(0, _cdiv_t(jnp.int32(n_tiles) - cta, ctas), tile_body, jnp.int32(0))
+    total = lax.fori_loop(0, mine, tile_body, jnp.int32(0))
     frees = (scratch["k_free"], scratch["v_free"]) if cfg.overlap else scratch["free"]
     pl.when(wg == 2)(lambda: ctx.drain(total, frees))
     pl.when(wg < 2)(lambda: plgpu.wait_smem_to_gmem(0))  # the last outputs written

@@ -406,6 +406,41 @@ def test_run_table():
   np.testing.assert_array_equal(table, [[1, 5, 2, 4], [0, 0, 0, 0], [0, 3, 0, 0], [0, 6, 0, 0]])
 
 
+@pytest.mark.skipif(ON_GPU, reason="delays the interpreter's barrier waits")
+@pytest.mark.parametrize("slow,overlap", [(0, True), (1, True), (0, False)],
+                         ids=["consumer 0 slow", "consumer 1 slow", "rendezvous turns"])
+def test_persistent_turns_with_a_slow_consumer(slow, overlap, monkeypatch):
+  """The overlapped ping-pong's turns (``go``) run on from tile to tile of a persistent CTA.
+  With one consumer delayed before each of its barrier waits, the other runs as far ahead as
+  the barriers let it: across a tile boundary it must not complete a barrier phase twice before
+  the slow one observes it (on hardware the slow consumer's parity wait would miss the phase;
+  the interpreter raises in the fast consumer's thread and the slow one waits forever, so a
+  regression stalls this test: ``faulthandler_timeout`` dumps the threads).  Consumer 1 used to
+  grant consumer 0 the first turn of every tile, a second arrival on ``go[0]`` while consumer 0
+  had yet to wait for the previous tile's last pass (it stalled here, and now and then in the
+  undelayed persistent case of ``CASES``).  The plain ping-pong's turns are rendezvous (both
+  arrive, then both wait): consumer 0's last turn of a tile meets consumer 1's first of the
+  next."""
+  import time  # noqa: PLC0415
+
+  from jax._src.pallas.mosaic_gpu.interpret import shared_memory  # noqa: PLC0415
+
+  real_wait = shared_memory.Barrier.wait
+
+  def wait(self, device_id, local_thread_id, *args, **kwargs):
+    if local_thread_id == slow:
+      time.sleep(0.05)
+    return real_wait(self, device_id, local_thread_id, *args, **kwargs)
+
+  monkeypatch.setattr(shared_memory.Barrier, "wait", wait)
+  q, key, v = inputs(2, 256, 256, 1, 1, 64, jnp.bfloat16, seed=4)  # 2 CTAs x 2 tiles
+  cfg = hopper.Config(block_k=64, overlap=overlap, pingpong=True, persistent=True)
+  out, lse = hopper.forward(q, key, v, mask=M.CausalMask(), config=cfg, interpret=interpret())
+  want_out, want_lse = formula(q, key, v, M.CausalMask(), 0, None)
+  assert_close(out, want_out, TOL, "out")
+  assert_close(lse, want_lse, 1e-2, "lse")
+
+
 @pytest.mark.parametrize("overlap,pingpong", [(False, False), (True, False), (True, True)])
 def test_rows_without_keys_and_races(overlap, pingpong):
   """A negative offset under a causal mask leaves the first rows with no key: output 0 and
