@@ -432,11 +432,14 @@ def test_persistent_turns_with_a_slow_consumer(slow, overlap, monkeypatch):
       time.sleep(0.05)
     return real_wait(self, device_id, local_thread_id, *args, **kwargs)
 
-  monkeypatch.setattr(shared_memory.Barrier, "wait", wait)
   q, key, v = inputs(2, 256, 256, 1, 1, 64, jnp.bfloat16, seed=4)  # 2 CTAs x 2 tiles
+  # the reference first, and the kernel awaited before anything else is dispatched: the
+  # interpreter's callbacks run JAX operations of their own on the CPU device
+  want_out, want_lse = jax.block_until_ready(formula(q, key, v, M.CausalMask(), 0, None))
+  monkeypatch.setattr(shared_memory.Barrier, "wait", wait)
   cfg = hopper.Config(block_k=64, overlap=overlap, pingpong=True, persistent=True)
-  out, lse = hopper.forward(q, key, v, mask=M.CausalMask(), config=cfg, interpret=interpret())
-  want_out, want_lse = formula(q, key, v, M.CausalMask(), 0, None)
+  out, lse = jax.block_until_ready(
+      hopper.forward(q, key, v, mask=M.CausalMask(), config=cfg, interpret=interpret()))
   assert_close(out, want_out, TOL, "out")
   assert_close(lse, want_lse, 1e-2, "lse")
 
