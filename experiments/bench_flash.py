@@ -198,13 +198,16 @@ def _plot(rows, peak, ours_name, base_name, uname, path):
 TPU_SPECS = {"v5e": (197e12, 819e9), "v6e": (918e12, 1638e9)}
 
 
-def forward_step_intensity(block_q, block_k, head_dim, v_head_dim, itemsize, seq_k):
+def forward_step_intensity(block_q, block_k, head_dim, v_head_dim, itemsize, seq_k,
+                           bias_itemsize=0):
   """FLOP per HBM byte of the TPU forward kernel over one query block's row of ``seq_k`` keys:
-  every step fetches a ``[block_k, H]`` key and ``[block_k, h]`` value block; the query block, the
+  every step fetches a ``[block_k, H]`` key and ``[block_k, h]`` value block (and, with a dense
+  bias of ``bias_itemsize`` bytes, a ``[block_q, block_k]`` bias block); the query block, the
   output and the lane-replicated fp32 lse block move once per row."""
   steps = seq_k // block_k
   flops = 2.0 * block_q * seq_k * (head_dim + v_head_dim)
   moved = steps * block_k * (head_dim + v_head_dim) * itemsize
+  moved += steps * block_q * block_k * bias_itemsize
   moved += block_q * (head_dim + v_head_dim) * itemsize + block_q * 128 * 4
   return flops / moved
 
@@ -247,6 +250,19 @@ def print_roofline(head_dim=128, seq=8192, itemsize=2):
       cells.append(f"{'compute' if frac >= 1 else 'memory'} {100 * frac:5.0f}%")
     print(f"{bq:>7} {bk:>7} | {i_f:>10.0f} {i_dq:>6.0f} {i_dkv:>6.0f} | {vmem[0]:>12.1f} "
           f"{vmem[1]:>5.1f} {vmem[2]:>5.1f} | " + " ".join(f"{c:>16}" for c in cells))
+  # A dense bias adds a [block_q, block_k] block to every step: the intensity tends to
+  # 2 (H + h) / bias_itemsize however large the blocks (the bias is read once per head).
+  print("with a dense bias (forward; the bias read once per query head):")
+  print(f"{'block_q':>7} {'block_k':>7} {'bias':>5} | {'FLOP/B fwd':>10} | "
+        + " ".join(f"{c + ' fwd bound':>16}" for c in TPU_SPECS))
+  for bq, bk in ((512, 512), (1024, 512)):
+    for name, size in (("bf16", 2), ("fp32", 4)):
+      i_f = forward_step_intensity(bq, bk, head_dim, head_dim, itemsize, seq, bias_itemsize=size)
+      cells = []
+      for peak, bw in TPU_SPECS.values():
+        frac = min(1.0, i_f * bw / peak)
+        cells.append(f"{'compute' if frac >= 1 else 'memory'} {100 * frac:5.0f}%")
+      print(f"{bq:>7} {bk:>7} {name:>5} | {i_f:>10.0f} | " + " ".join(f"{c:>16}" for c in cells))
 
 
 # ----------------------------------------------------------------------------------------------

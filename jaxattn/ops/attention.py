@@ -371,18 +371,26 @@ def _with_scalar_grads(backend: Callable) -> Callable:
       return run(backend, q, k, v, b, sc, dyn)
 
     def fwd(q, k, v, b, sc, dyn):  # leaves are CustomVJPPrimal(value, perturbed)
+      bias_wanted = b is not None and b.perturbed
       q, k, v, b, sc_val, dyn = jax.tree.map(lambda x: x.value, (q, k, v, b, sc, dyn))
       wanted = any(x.perturbed for x in jax.tree.leaves(sc))
-      out, kernel_vjp = jax.vjp(lambda q, k, v, b: run(backend, q, k, v, b, sc_val, dyn),
-                                q, k, v, b)
-      return out, (kernel_vjp, (q, k, v, b) if wanted else None, sc_val, dyn)
+      if bias_wanted or b is None:
+        out, kernel_vjp = jax.vjp(lambda q, k, v, b: run(backend, q, k, v, b, sc_val, dyn),
+                                  q, k, v, b)
+        const_bias = {}
+      else:  # a constant bias stays out of the kernel's VJP: no bias gradient is computed
+        out, kernel_vjp = jax.vjp(lambda q, k, v: run(backend, q, k, v, b, sc_val, dyn), q, k, v)
+        const_bias = {"bias": None}  # (the structure is the flag)
+      return out, (kernel_vjp, const_bias, (q, k, v, b) if wanted else None, sc_val, dyn)
 
     def bwd(res, ct):
-      kernel_vjp, inputs, sc_val, dyn = res
+      kernel_vjp, const_bias, inputs, sc_val, dyn = res
       ct = jax.tree.map(lambda c: jnp.zeros(c.shape, c.dtype) if isinstance(
           c, jax.custom_derivatives.SymbolicZero) else c, ct,
           is_leaf=lambda c: isinstance(c, jax.custom_derivatives.SymbolicZero))
       grads = kernel_vjp(ct)
+      if const_bias:
+        grads = (*grads, None)  # a zero cotangent for the constant bias
       if inputs is None:
         d_sc = jax.tree.map(jnp.zeros_like, sc_val)
       else:

@@ -3,8 +3,9 @@
 Importing this package registers both kernels with the one dispatch point,
 ``jaxattn.ops.attention.dot_product_attention(..., implementation="pallas_tpu" | "pallas_gpu")``;
 ``implementation=None`` picks them on TPU / GPU backends.  They compute the dispatcher's function
-for every argument except a dense ``bias`` or boolean ``mask`` array, for which they raise
-``UnsupportedError`` (a ``ValueError``; automatic dispatch then moves on to ``implementation="xla_chunked"``).
+for every argument except a boolean ``mask`` array, for which they raise ``UnsupportedError`` (a
+``ValueError``; automatic dispatch then moves on to ``implementation="xla_chunked"``).  A dense
+``bias`` is streamed in blocks beside the keys (and differentiated).
 
 Direct use (block sizes, interpret mode, an explicit mesh)::
 
@@ -31,10 +32,6 @@ def _as_backend(kernel, label: str):
 
   def attention(query, key, value, *, bias, mask, mask_array, scale, alibi_slopes, logits_soft_cap,
                 q_offset, return_residuals, residuals=None):
-    if bias is not None:
-      raise UnsupportedError(f"implementation={label!r} does not take a dense `bias` (shape "
-                       f"{tuple(bias.shape)}); pass ALiBi as `alibi_slopes`, or use "
-                       "implementation='xla_chunked' for a T5-style or user bias.")
     if mask_array is not None:
       raise UnsupportedError(f"implementation={label!r} does not take a boolean `mask` array (shape "
                        f"{tuple(mask_array.shape)}); pass a jaxattn.ops.masks.Mask or the "
@@ -42,7 +39,7 @@ def _as_backend(kernel, label: str):
                        "implementation='xla_chunked'.")
     return kernel(query, key, value, mask, scale=scale, alibi_slopes=alibi_slopes,
                   logits_soft_cap=logits_soft_cap, q_offset=q_offset,
-                  return_residuals=return_residuals, residuals=residuals)
+                  return_residuals=return_residuals, residuals=residuals, bias=bias)
 
   attention.__name__ = f"{label}_attention"
   return attention

@@ -6,12 +6,13 @@ offset) into what a kernel can use:
 
 * a static ``Plan`` (shapes, padded lengths, block sizes, the position-only part of the mask,
   flags); hashable, so one traced program exists per plan;
-* the data-dependent arrays (segment ids, key lengths, slopes, scale, query offset);
+* the data-dependent arrays (segment ids, key lengths, slopes, scale, query offset, a dense
+  additive bias streamed block by block);
 * block tables: for every query block (forward, dQ) or key block (dK/dV) the list of key (query)
   blocks that are not empty, FULL ones first, then PARTIAL ones, padded to a static width with the
   last non-empty block so that a padded grid step neither computes nor fetches new data;
 * the score of one block, ``block_scores``, written once for both kernels and both passes, in the
-  order of ``jaxattn.ops.scores``: scale -> ALiBi -> soft-cap -> mask.
+  order of ``jaxattn.ops.scores``: scale -> bias -> ALiBi -> soft-cap -> mask.
 
 Block kinds come from ``jaxattn.ops.masks``: ``EMPTY`` (skip), ``PARTIAL`` (evaluate the mask),
 ``FULL`` (no mask).  The position-only ("static") part of the mask gives them at trace time; segment
@@ -235,6 +236,19 @@ class Plan:
   num_stages: int
   interpret: Any
   static_scale: float | None = None  # None: the scale is traced (only ``aux["scale"]`` has it)
+  # A dense additive bias ``[Bb, Nb, T, S]`` (``Bb`` in {1, B}, ``Nb`` in {1, N}): its leading
+  # sizes, or None without one.  Size-1 dims are read through the index maps, not repeated.
+  bias_shape: tuple[int, int] | None = None
+  bias_dtype: str | None = None  # streamed in its own dtype, added in fp32
+
+  @property
+  def has_bias(self) -> bool:
+    return self.bias_shape is not None
+
+  def bias_index(self, b, n):
+    """``(batch, head)`` of the bias block that batch row ``b`` and query head ``n`` read."""
+    bb, nb = self.bias_shape
+    return (b if bb > 1 else 0), (n if nb > 1 else 0)
 
   @property
   def groups(self) -> int:
@@ -264,7 +278,7 @@ def _pad_lengths(length: int, big: int, small: int, pow2: bool) -> tuple[int, in
 
 def make_plan(query, key, value, *, static_mask, q_offset, logits_soft_cap, alibi_slopes,
               segment_ids, kv_lengths, block_sizes: BlockSizes, interpret,
-              pow2_blocks: bool = False, scale=None) -> Plan:
+              pow2_blocks: bool = False, scale=None, bias=None) -> Plan:
   b, t, n, hd = query.shape
   s, kh, hv = key.shape[1], key.shape[2], value.shape[3]
   bq, bqd = block_sizes.block_q, block_sizes.block_q_dkv
@@ -286,7 +300,9 @@ def make_plan(query, key, value, *, static_mask, q_offset, logits_soft_cap, alib
       has_alibi=alibi_slopes is not None, has_segments=segment_ids is not None,
       has_lengths=kv_lengths is not None, num_warps=block_sizes.num_warps,
       num_stages=block_sizes.num_stages, interpret=interpret,
-      static_scale=None if scale is None or is_traced(scale) else float(scale))
+      static_scale=None if scale is None or is_traced(scale) else float(scale),
+      bias_shape=None if bias is None else (int(bias.shape[0]), int(bias.shape[1])),
+      bias_dtype=None if bias is None else jnp.dtype(bias.dtype).name)
 
 
 def is_traced(x) -> bool:
@@ -302,7 +318,7 @@ def is_traced(x) -> bool:
 
 
 def validate(query, key, value, *, q_offset, scale, alibi_slopes, logits_soft_cap, segment_ids,
-             kv_lengths):
+             kv_lengths, bias=None):
   """Shape/dtype checks of the kernels' public entry points (``ValueError`` naming the argument)."""
   for name, x in (("query", query), ("key", key), ("value", value)):
     if x.ndim != 4:
@@ -339,6 +355,14 @@ def validate(query, key, value, *, q_offset, scale, alibi_slopes, logits_soft_ca
                        f"{tuple(q_ids.shape)} and {tuple(kv_ids.shape)}.")
   if kv_lengths is not None and tuple(kv_lengths.shape) != (b,):
     raise ValueError(f"`kv_lengths` must have shape [B] = ({b},), got {tuple(kv_lengths.shape)}.")
+  if bias is not None:
+    shape = tuple(np.shape(bias))
+    if len(shape) != 4 or any(d not in (1, full) for d, full in zip(shape, (b, n, t, s))):
+      raise ValueError(f"`bias` must have shape [B|1, N|1, T|1, S|1] with [B, N, T, S] = "
+                       f"{(b, n, t, s)}, got {shape}.")
+    if not jnp.issubdtype(jnp.result_type(bias), jnp.floating):
+      raise ValueError(f"`bias` must be floating point (an additive bias; pass a boolean mask as "
+                       f"a Mask), got {jnp.result_type(bias)}.")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -479,14 +503,17 @@ def block_counts(query_shape, key_shape, mask: Mask | None = None, *, q_offset: 
 
 
 def block_scores(s, *, plan: Plan, q_idx, kv_idx, q_offset, scale, slope=None, masked: bool,
-                 q_seg=None, kv_seg=None, kv_length=None):
-  """fp32 logits of one block, in the order scale -> ALiBi -> soft-cap -> mask.
+                 q_seg=None, kv_seg=None, kv_length=None, bias=None):
+  """fp32 logits of one block, in the order scale -> bias -> ALiBi -> soft-cap -> mask.
 
   ``s`` is the raw ``q . k`` (fp32) of the block in either orientation; ``q_idx``/``kv_idx`` are the
   (int32, unpadded-coordinate) row indices of its queries and keys, broadcastable against ``s``;
-  ``q_seg``/``kv_seg`` likewise.  With ``masked=False`` (a FULL block) no mask is evaluated.
+  ``q_seg``/``kv_seg`` likewise; ``bias`` the block of the dense bias in ``s``'s orientation.
+  With ``masked=False`` (a FULL block) no mask is evaluated.
   """
   s = s * scale
+  if bias is not None:
+    s = s + bias.astype(jnp.float32)
   if slope is not None:
     s = s + slope * (kv_idx - (q_idx + q_offset)).astype(jnp.float32)
   if plan.logits_soft_cap is not None:
@@ -536,31 +563,71 @@ def matmul_dtype(x):
 
 
 __all__ = ["BlockSizes", "Plan", "make_plan", "split_mask", "eval_mask", "block_tables",
-           "block_counts", "block_scores", "validate", "NUM_LANES", "NUM_SUBLANES"]
+           "block_counts", "block_scores", "validate", "bias_gradient", "NUM_LANES",
+           "NUM_SUBLANES"]
 
 
 def flash_custom_vjp(plan, forward, backward):
-  """The jitted ``(q, k, v, aux, given) -> (out, lse)`` of one backend, differentiated by its own
-  kernels.
+  """The jitted ``(q, k, v, bias, aux, given) -> (out, lse)`` of one backend, differentiated by
+  its own kernels.
 
-  ``forward(plan, q, k, v, aux) -> (out, lse)``; ``backward(plan, q, k, v, aux, out, lse, d_out,
-  d_lse) -> (dq, dk, dv)``.  ``aux`` (offsets, lengths, slopes, segment ids) gets no cotangent.
-  ``given``: None, or the forward's ``(out, lse)``, returned without running the forward kernel
-  (the backward then runs from them: ``jaxattn.ops.attention.attention_gradients``).
+  ``forward(plan, q, k, v, bias, aux) -> (out, lse)``; ``backward(plan, q, k, v, bias, aux, out,
+  lse, d_out, d_lse, bias_grad) -> (dq, dk, dv, d_bias)``.  ``bias``: None or the dense bias
+  (``plan.bias_shape``); its gradient is computed only when it is being differentiated
+  (``symbolic_zeros``' ``perturbed``: a constant bias, such as a mask written as ``-inf`` / 0,
+  costs no ``[B, N, T, S]`` write), else ``d_bias`` is None.  ``aux`` (offsets, lengths, slopes,
+  segment ids) gets no cotangent.  ``given``: None, or the forward's ``(out, lse)``, returned
+  without running the forward kernel (the backward then runs from them:
+  ``jaxattn.ops.attention.attention_gradients``).
   """
 
   @jax.custom_vjp
-  def attention(q, k, v, aux, given):
-    return forward(plan, q, k, v, aux) if given is None else given
+  def attention(q, k, v, bias, aux, given):
+    return forward(plan, q, k, v, bias, aux) if given is None else given
 
-  def fwd(q, k, v, aux, given):
-    out, lse = forward(plan, q, k, v, aux) if given is None else given
-    return (out, lse), (q, k, v, aux, out, lse)
+  def fwd(q, k, v, bias, aux, given):  # array leaves are CustomVJPPrimal(value, perturbed)
+    bias_grad = bias is not None and bias.perturbed
+    q, k, v, bias, aux, given = jax.tree.map(lambda x: x.value, (q, k, v, bias, aux, given))
+    out, lse = forward(plan, q, k, v, bias, aux) if given is None else given
+    # The residuals' structure carries the static flag: the bias under "grad" or "const".
+    return (out, lse), (q, k, v, {"grad" if bias_grad else "const": bias}, aux, out, lse)
 
   def bwd(res, cotangents):
-    q, k, v, aux, out, lse = res
-    d_out, d_lse = cotangents
-    return (*backward(plan, q, k, v, aux, out, lse, d_out, d_lse), None, None)
+    q, k, v, bias_slot, aux, out, lse = res
+    (kind, bias), = bias_slot.items()
+    d_out, d_lse = (jnp.zeros(c.shape, c.dtype)
+                    if isinstance(c, jax.custom_derivatives.SymbolicZero) else c
+                    for c in cotangents)
+    dq, dk, dv, d_bias = backward(plan, q, k, v, bias, aux, out, lse, d_out, d_lse,
+                                  bias_grad=kind == "grad")
+    return dq, dk, dv, d_bias, None, None
 
-  attention.defvjp(fwd, bwd)
+  attention.defvjp(fwd, bwd, symbolic_zeros=True)
   return jax.jit(attention)
+
+
+def visited_blocks(plan: Plan, aux, bq: int, bk: int):
+  """``[Bt, Tp/bq, Sp/bk]`` bool: the (query block, key block) pairs a pass with these blocks
+  computes (not EMPTY by the position mask, the padding or the data masks)."""
+  kinds = jnp.asarray(static_kinds(plan, bq, bk))[None]
+  if plan.per_batch_tables:
+    kinds = jnp.minimum(kinds, data_kinds(plan, bq, bk, aux["q_ids"], aux["kv_ids"],
+                                          aux["kv_lengths"]))
+  return kinds != EMPTY
+
+
+def bias_gradient(plan: Plan, aux, ds, dtype):
+  """The bias cotangent from a kernel's ``ds`` blocks ``[B, N, Tp, Sp]`` (fp32, written for the
+  visited blocks of the forward tiling only; the others hold whatever the buffer held): zeros
+  outside visited blocks, padding sliced off, summed over the bias' broadcast batch / head dims."""
+  bq, bk = plan.block_q, plan.block_k
+  vis = visited_blocks(plan, aux, bq, bk)[:, None, :, None, :, None]  # broadcast, not repeated
+  b, n, tp, sp = ds.shape
+  d = jnp.where(vis, ds.reshape(b, n, tp // bq, bq, sp // bk, bk), 0.0).reshape(b, n, tp, sp)
+  d = d[:, :, :plan.q_len, :plan.kv_len]
+  bb, nb = plan.bias_shape
+  if bb == 1:
+    d = d.sum(0, keepdims=True)
+  if nb == 1:
+    d = d.sum(1, keepdims=True)
+  return d.astype(dtype)

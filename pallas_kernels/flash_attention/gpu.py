@@ -64,8 +64,8 @@ from pallas_kernels.flash_attention.sharded import run_flash
 #            but not yet timed on a GPU.
 #   forward: "triton" (the kernel below), "hopper" (``hopper.py``: Mosaic GPU, TMA + wgmma +
 #            warp specialisation, for sm_90 GPUs; band masks with segment ids, key lengths, ALiBi
-#            and soft-cap; calls it does not take -- fp32, non-band masks, a traced scale,
-#            another GPU -- stay on Triton, see ``hopper_reason``) or "auto" ("hopper" on a
+#            and soft-cap; calls it does not take -- fp32, non-band masks, a traced scale, a
+#            dense bias, another GPU -- stay on Triton, see ``hopper_reason``) or "auto" ("hopper" on a
 #            compiled run, Triton when interpreted: the CPU tests interpret the Hopper kernels
 #            only where they ask for them).  Either backward takes either forward's output.
 #            On an H200 at T = 8k (bf16, 16 heads of 128) the Hopper forward ran 533-554 TFLOP/s
@@ -173,6 +173,7 @@ def flash_attention(
     interpret: bool | None = None,
     mesh=None,
     residuals=None,
+    bias: Float[Array, "#B #N #T #S"] | None = None,
 ) -> Float[Array, "B T N h"] | tuple[Float[Array, "B T N h"], Float[Array, "B N T"]]:
   """Flash attention on NVIDIA GPUs; arguments as ``pallas_kernels.flash_attention.tpu``.
 
@@ -195,7 +196,7 @@ def flash_attention(
   out, lse = run_flash(query, key, value, mask, scale=scale, alibi_slopes=alibi_slopes,
                        logits_soft_cap=logits_soft_cap, q_offset=q_offset, block_sizes=block_sizes,
                        interpret=bool(interpret), mesh=mesh, build=_build, pow2_blocks=True,
-                       residuals=residuals)
+                       residuals=residuals, bias=bias)
   return (out, lse) if return_residuals else out
 
 
@@ -229,7 +230,11 @@ def _pad_vec(x):
 
 class _Inputs:
 
-  def __init__(self, plan: C.Plan, q, k, v, aux):
+  def __init__(self, plan: C.Plan, q, k, v, aux, bias=None):
+    self.bias = ()
+    if plan.has_bias:  # [Bb, Nb, Tp, Sp], zero padded
+      self.bias = (jnp.pad(bias, ((0, 0), (0, 0), (0, plan.q_pad - plan.q_len),
+                                  (0, plan.kv_pad - plan.kv_len))),)
     self.hp, self.vp = _pow2(plan.head_dim), _pow2(plan.v_head_dim)
     self.q = _pad(q, plan.q_pad, self.hp)  # [B, Tp, N, Hp]
     self.k = _pad(k, plan.kv_pad, self.hp)  # [B, Sp, K, Hp]
@@ -310,6 +315,8 @@ def hopper_reason(plan: C.Plan, which: str = "forward") -> str | None:
     return why
   if plan.static_scale is None:
     return "a traced scale"
+  if plan.has_bias:
+    return "a dense bias"
   return hopper.supports(dtype=plan.dtype, head_dim=plan.head_dim, v_head_dim=plan.v_head_dim,
                          static_mask=plan.static_mask,
                          config=_OPTIONS["hopper"], segments=plan.has_segments)
@@ -327,13 +334,13 @@ def _hopper_kwargs(plan: C.Plan, aux) -> dict:
               kv_lengths=aux["kv_lengths"] if plan.has_lengths else None)
 
 
-def _forward(plan: C.Plan, q, k, v, aux):
+def _forward(plan: C.Plan, q, k, v, bias, aux):
   if hopper_reason(plan) is None:
     return hopper.forward(q, k, v, **_hopper_kwargs(plan, aux))
-  x = _Inputs(plan, q, k, v, aux)
+  x = _Inputs(plan, q, k, v, aux, bias)
   entries, counts = _tables(plan, aux, transpose=False)
   out, lse = _fwd_call(plan, entries.shape[-1], x.hp, x.vp)(
-      x.q, x.k, x.v, entries, counts, x.iscal, x.fscal, *x.segs)
+      x.q, x.k, x.v, entries, counts, x.iscal, x.fscal, *x.segs, *x.bias)
   return out[:, :plan.q_len, :, :plan.v_head_dim], lse[:, :, :plan.q_len]
 
 
@@ -353,6 +360,13 @@ def _common_specs(plan, width, iscal_len, fscal_len, transpose):
     else:
       specs += [pl.BlockSpec((None, rows_block), lambda r, b, h: (b, r)),
                 pl.BlockSpec((None, plan.kv_pad), lambda r, b, h: (b, 0))]
+  if plan.has_bias:  # the bias rows of this program's block (forward, dQ) or its columns (dK/dV)
+    if transpose:
+      specs.append(pl.BlockSpec((None, None, plan.q_pad, rows_block),
+                                lambda r, b, h: (*plan.bias_index(b, h), 0, r)))
+    else:
+      specs.append(pl.BlockSpec((None, None, rows_block, plan.kv_pad),
+                                lambda r, b, h: (*plan.bias_index(b, h), r, 0)))
   return specs
 
 
@@ -389,6 +403,9 @@ def _scalar_lens(plan):
 def _fwd_kernel(q_ref, k_ref, v_ref, entries_ref, counts_ref, iscal_ref, fscal_ref, *refs, plan):
   if plan.has_segments:
     qseg_ref, kvseg_ref, *refs = refs
+  bias_ref = None
+  if plan.has_bias:
+    bias_ref, *refs = refs
   o_ref, lse_ref = refs
   i, b, n = _row_id(plan.q_pad // plan.block_q), pl.program_id(1), pl.program_id(2)
   bq, bk = plan.block_q, plan.block_k
@@ -400,7 +417,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, entries_ref, counts_ref, iscal_ref, fscal_r
   base2 = _OPTIONS["exp"] != "exp"
   # Base 2: logits times log2(e), so that exp(x - m) = exp2(x' - m').  Without ALiBi or soft-cap
   # the factor folds into the scale (one multiply per logit, as before).
-  fold = base2 and slope is None and plan.logits_soft_cap is None
+  fold = base2 and slope is None and plan.logits_soft_cap is None and bias_ref is None
   step_scale = scale * _LOG2E if fold else scale
   expf = (lambda x: _exp2(x, plan.interpret)) if base2 else jnp.exp  # noqa: E731
 
@@ -414,6 +431,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, entries_ref, counts_ref, iscal_ref, fscal_r
     segs = {}
     if masked and plan.has_segments:
       segs = dict(q_seg=q_seg, kv_seg=kvseg_ref[pl.ds(start, bk)][None, :])
+    if bias_ref is not None:
+      segs["bias"] = bias_ref[:, pl.ds(start, bk)]
     s = C.block_scores(s, plan=plan, q_idx=q_idx, kv_idx=kv_idx, q_offset=q_offset,
                        scale=step_scale, slope=slope, masked=masked, kv_length=kv_length, **segs)
     if base2 and not fold:
@@ -443,10 +462,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, entries_ref, counts_ref, iscal_ref, fscal_r
 # ----------------------------------------------------------------------------------------------
 
 
-def _backward(plan: C.Plan, q, k, v, aux, out, lse, d_out, d_lse):
+def _backward(plan: C.Plan, q, k, v, bias, aux, out, lse, d_out, d_lse, bias_grad=False):
   if hopper_reason(plan, "backward") is None:
-    return hopper.backward(q, k, v, out, lse, d_out, d_lse, **_hopper_kwargs(plan, aux))
-  x = _Inputs(plan, q, k, v, aux)
+    return (*hopper.backward(q, k, v, out, lse, d_out, d_lse, **_hopper_kwargs(plan, aux)), None)
+  x = _Inputs(plan, q, k, v, aux, bias)
   do = _pad(d_out, plan.q_pad, x.vp)  # [B, Tp, N, hp]
   delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, N]
   delta = jnp.swapaxes(delta, 1, 2) - d_lse.astype(jnp.float32)  # [B, N, T]
@@ -456,17 +475,23 @@ def _backward(plan: C.Plan, q, k, v, aux, out, lse, d_out, d_lse):
   # term overflow p to inf, and inf * 0 put NaN into dK / dV).
   delta, lse_safe = jnp.pad(delta, pad_t), jnp.pad(lse_safe, pad_t, constant_values=jnp.inf)
 
-  atomic = _OPTIONS["dq"] == "atomic"
+  # The bias gradient is the dQ kernel's ds: with it, dQ comes from that kernel, not atomics.
+  atomic = _OPTIONS["dq"] == "atomic" and not bias_grad
+  d_bias = None
   if not atomic:
     entries, counts = _tables(plan, aux, transpose=False)
-    dq = _dq_call(plan, entries.shape[-1], x.hp, x.vp)(
-        x.q, x.k, x.v, do, lse_safe, delta, entries, counts, x.iscal, x.fscal, *x.segs)
+    dq = _dq_call(plan, entries.shape[-1], x.hp, x.vp, bias_grad)(
+        x.q, x.k, x.v, do, lse_safe, delta, entries, counts, x.iscal, x.fscal, *x.segs, *x.bias)
+    if bias_grad:
+      dq, ds = dq
+      d_bias = C.bias_gradient(plan, aux, ds, bias.dtype)
   entries_t, counts_t = _tables(plan, aux, transpose=True)
   extra = ()
   if atomic:  # the dK/dV kernel accumulates dQ into this zeroed fp32 buffer (aliased in place)
     extra = (jnp.zeros((plan.batch, plan.q_pad, plan.num_heads, x.hp), jnp.float32),)
   outs = _dkv_call(plan, entries_t.shape[-1], x.hp, x.vp, atomic)(
-      x.q, x.k, x.v, do, lse_safe, delta, entries_t, counts_t, x.iscal, x.fscal, *x.segs, *extra)
+      x.q, x.k, x.v, do, lse_safe, delta, entries_t, counts_t, x.iscal, x.fscal, *x.segs,
+      *x.bias, *extra)
   dk, dv = outs[:2]
   if atomic:
     dq = outs[2] * aux["scale"]
@@ -475,7 +500,7 @@ def _backward(plan: C.Plan, q, k, v, aux, out, lse, d_out, d_lse):
   dk = dk[:, :s, :, :plan.head_dim].reshape(b, s, kh, g, plan.head_dim).sum(3)
   dv = dv[:, :s, :, :plan.v_head_dim].reshape(b, s, kh, g, plan.v_head_dim).sum(3)
   dq = dq[:, :plan.q_len, :, :plan.head_dim]
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_bias
 
 
 def _probs(plan, scale, slope):
@@ -483,7 +508,7 @@ def _probs(plan, scale, slope):
   2 under the ``exp`` switch (``logits`` are returned in natural units for the soft-cap's chain
   rule whenever a soft-cap is set)."""
   base2 = _OPTIONS["exp"] != "exp"
-  fold = base2 and slope is None and plan.logits_soft_cap is None
+  fold = base2 and slope is None and plan.logits_soft_cap is None and not plan.has_bias
 
   def prob(s, lse, **where):
     if fold:
@@ -498,7 +523,7 @@ def _probs(plan, scale, slope):
 
 
 @functools.lru_cache(maxsize=128)
-def _dq_call(plan: C.Plan, width: int, hp: int, vp: int):
+def _dq_call(plan: C.Plan, width: int, hp: int, vp: int, bias_grad: bool = False):
   bq, g = plan.block_q, plan.groups
   nq = plan.q_pad // bq
   row = lambda i, b, n: (b, i, n, 0)  # noqa: E731
@@ -511,12 +536,19 @@ def _dq_call(plan: C.Plan, width: int, hp: int, vp: int):
       pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i)),  # lse
       pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i)),  # delta
   ] + _common_specs(plan, width, *_scalar_lens(plan), transpose=False)
+  out_specs = [pl.BlockSpec((None, bq, None, hp), row)]
+  out_shape = [jax.ShapeDtypeStruct((plan.batch, plan.q_pad, plan.num_heads, hp), jnp.float32)]
+  if bias_grad:  # ds rows [B, N, Tp, Sp] fp32; blocks no step visits are left unwritten
+    out_specs.append(pl.BlockSpec((None, None, bq, plan.kv_pad), lambda i, b, n: (b, n, i, 0)))
+    out_shape.append(jax.ShapeDtypeStruct((plan.batch, plan.num_heads, plan.q_pad, plan.kv_pad),
+                                          jnp.float32))
+  out_specs = _reversed_rows(out_specs, nq)
   return pl.pallas_call(
       functools.partial(_dq_kernel, plan=plan),
       grid=(nq, plan.batch, plan.num_heads),
       in_specs=_reversed_rows(in_specs, nq),
-      out_specs=_reversed_rows([pl.BlockSpec((None, bq, None, hp), row)], nq)[0],
-      out_shape=jax.ShapeDtypeStruct((plan.batch, plan.q_pad, plan.num_heads, hp), jnp.float32),
+      out_specs=out_specs if bias_grad else out_specs[0],
+      out_shape=out_shape if bias_grad else out_shape[0],
       compiler_params=_compiler_params(plan, hp),
       interpret=plan.interpret, name="jaxattn_flash_dq_gpu")
 
@@ -525,7 +557,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entries_ref, cou
                fscal_ref, *refs, plan):
   if plan.has_segments:
     qseg_ref, kvseg_ref, *refs = refs
-  (dq_ref,) = refs
+  bias_ref = None
+  if plan.has_bias:
+    bias_ref, *refs = refs
+  dq_ref, *ds_ref = refs  # ds_ref: [ds rows] when the bias is differentiated
   i, b, n = _row_id(plan.q_pad // plan.block_q), pl.program_id(1), pl.program_id(2)
   bq, bk = plan.block_q, plan.block_k
   q_offset, scale, slope, kv_length = _scalars(plan, iscal_ref, fscal_ref, b, n)
@@ -544,10 +579,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entries_ref, cou
     segs = {}
     if masked and plan.has_segments:
       segs = dict(q_seg=q_seg, kv_seg=kvseg_ref[pl.ds(start, bk)][None, :])
+    if bias_ref is not None:
+      segs["bias"] = bias_ref[:, pl.ds(start, bk)]
     s, p = prob(s, lse, q_idx=q_idx, kv_idx=kv_idx, q_offset=q_offset, masked=masked,
                 kv_length=kv_length, **segs)
     dp = plgpu.dot(do, v, trans_b=True)  # [bq, bk]
     ds = C.soft_cap_grad(p * (dp - delta), s, plan)
+    if ds_ref:  # d loss / d bias of this block
+      ds_ref[0][:, pl.ds(start, bk)] = ds
     return dq + plgpu.dot(ds.astype(C.matmul_dtype(k)), k)  # [bq, Hp]
 
   dq = _visit(counts_ref, entries_ref, jnp.zeros(dq_ref.shape, jnp.float32), step,
@@ -595,6 +634,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entries_ref, co
                 iscal_ref, fscal_ref, *refs, plan, atomic_dq=False):
   if plan.has_segments:
     qseg_ref, kvseg_ref, *refs = refs
+  bias_ref = None
+  if plan.has_bias:
+    bias_ref, *refs = refs
   if atomic_dq:
     _, dk_ref, dv_ref, dq_ref = refs  # the aliased input is the output dq_ref
   else:
@@ -617,6 +659,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entries_ref, co
     segs = {}
     if masked and plan.has_segments:
       segs = dict(kv_seg=kv_seg, q_seg=qseg_ref[pl.ds(start, bq)][None, :])
+    if bias_ref is not None:  # [bq, bk] rows of the bias, transposed to s^T's orientation
+      segs["bias"] = bias_ref[pl.ds(start, bq), :].astype(jnp.float32).T
     s, p = prob(s, lse_ref[pl.ds(start, bq)][None, :], q_idx=q_idx, kv_idx=kv_idx,
                 q_offset=q_offset, masked=masked, kv_length=kv_length, **segs)  # p^T
     dv = dv + plgpu.dot(p.astype(C.matmul_dtype(do)), do)  # [bk, hp]

@@ -13,7 +13,7 @@ Forward grid ``(B, N, query blocks, W)``::
     for w in range(W):                       # "arbitrary": sequential, accumulates in VMEM
       j, kind = table[b, i, w]               # scalar-prefetched (SMEM): w-th non-empty key block
       if kind != EMPTY:                      # padded steps re-point to the last block: no DMA
-        s = scores(q_i . k_j)                # scale -> ALiBi -> soft-cap -> mask (PARTIAL only)
+        s = scores(q_i . k_j, bias_ij)       # scale -> bias -> ALiBi -> soft-cap -> mask
         m' = max(m, rowmax(s));  p = exp(s - m');  a = exp(m - m')
         l = a l + rowsum(p);  acc = a acc + p v_j;  m = m'
     out_i = acc / l;  lse_i = m + log l      (zeros and -inf for a row with no allowed key)
@@ -28,6 +28,10 @@ Backward (FlashAttention-2, recomputing ``p = exp(s - lse)`` from the forward's 
   blocks of all ``G`` query heads of its KV head (transposed table), in transposed orientation
   ``s^T = k_j q_i^T`` so every matmul is a plain or NT product:
   ``dv_j = sum p^T do``, ``dk_j = scale * sum ds^T q`` with ``ds = p (do v^T - delta)``.
+
+A dense bias ``[B|1, N|1, T, S]`` is streamed as ``[block_q, block_k]`` tiles beside the key
+blocks (the same table entry picks both; the dK/dV kernel transposes its tile); its gradient is the
+dQ kernel's ``ds`` tile, written out when the bias is being differentiated.
 """
 
 from __future__ import annotations
@@ -80,11 +84,16 @@ def flash_attention(
     interpret=None,
     mesh=None,
     residuals=None,
+    bias: Float[Array, "#B #N #T #S"] | None = None,
 ) -> Float[Array, "B T N h"] | tuple[Float[Array, "B T N h"], Float[Array, "B N T"]]:
-  """Flash attention on TPU; the function of ``dot_product_attention`` (without a dense bias).
+  """Flash attention on TPU; the function of ``dot_product_attention``.
 
   Args:
     query, key, value: ``[B, T, N, H]``, ``[B, S, K, H]``, ``[B, S, K, h]``; float32 or bfloat16.
+    bias: a dense additive bias ``[B|1, N|1, T|1, S|1]`` (a T5 relative bias, a user bias),
+      added after the scale; differentiated (its gradient is written only when it is being
+      differentiated).  Size-1 batch / head dims are read, not repeated; size-1 ``T`` / ``S`` are
+      broadcast before the kernel.
     mask: a ``jaxattn.ops.masks.Mask``: any position mask (causal, window, global tokens, their
       ``&``/``|``), ``&`` at most one ``SegmentMask`` and any ``PaddingMask``.
     scale: logits scale, default ``1 / sqrt(H)``; a traced one is a constant to ``jax.grad``
@@ -108,7 +117,7 @@ def flash_attention(
   out, lse = run_flash(query, key, value, mask, scale=scale, alibi_slopes=alibi_slopes,
                        logits_soft_cap=logits_soft_cap, q_offset=q_offset,
                        block_sizes=block_sizes or C.BlockSizes.tpu(), interpret=interpret,
-                       mesh=mesh, build=_build, residuals=residuals)
+                       mesh=mesh, build=_build, residuals=residuals, bias=bias)
   return (out, lse) if return_residuals else out
 
 
@@ -139,7 +148,10 @@ def _heads_major(x, length):
 class _Inputs:
   """The kernel-side views shared by forward and backward."""
 
-  def __init__(self, plan: C.Plan, q, k, v, aux):
+  def __init__(self, plan: C.Plan, q, k, v, aux, bias=None):
+    self.bias = ()
+    if plan.has_bias:  # [Bb, Nb, Tp, Sp], zero padded
+      self.bias = (_pad_to(_pad_to(bias, 2, plan.q_pad), 3, plan.kv_pad),)
     self.q = _heads_major(q, plan.q_pad)  # [B, N, Tp, H]
     self.k = _heads_major(k, plan.kv_pad)  # [B, K, Sp, H]
     self.v = _heads_major(v, plan.kv_pad)  # [B, K, Sp, h]
@@ -183,11 +195,11 @@ def _tables(plan, aux, transpose):
 # ----------------------------------------------------------------------------------------------
 
 
-def _forward(plan: C.Plan, q, k, v, aux):
-  x = _Inputs(plan, q, k, v, aux)
+def _forward(plan: C.Plan, q, k, v, bias, aux):
+  x = _Inputs(plan, q, k, v, aux, bias)
   entries, width = _tables(plan, aux, transpose=False)
   segs = x.segs_for_rows_of_q() if plan.has_segments else ()
-  out, lse = _fwd_call(plan, width)(entries, x.iscal, x.fscal, x.q, x.k, x.v, *segs)
+  out, lse = _fwd_call(plan, width)(entries, x.iscal, x.fscal, x.q, x.k, x.v, *segs, *x.bias)
   out = jnp.swapaxes(out[:, :, :plan.q_len], 1, 2)  # [B, T, N, h]
   return out, lse[:, :, :plan.q_len, 0]  # [B, N, T]
 
@@ -215,11 +227,13 @@ def _compiler_params(semantics, vmem_bytes: int):
 
 
 def vmem_bytes_forward(block_q: int, block_k: int, head_dim: int, v_head_dim: int,
-                       itemsize: int) -> int:
-  """VMEM working set of one forward grid step: double-buffered q, k, v, out and lse blocks, the
-  fp32 scratch (m, l, acc) and the fp32 ``[block_q, block_k]`` scores and probabilities."""
+                       itemsize: int, bias_itemsize: int = 0) -> int:
+  """VMEM working set of one forward grid step: double-buffered q, k, v, out and lse blocks (and
+  bias blocks of ``bias_itemsize`` bytes, 0 without a bias), the fp32 scratch (m, l, acc) and the
+  fp32 ``[block_q, block_k]`` scores and probabilities."""
   io = 2 * itemsize * (block_q * head_dim + block_k * (head_dim + v_head_dim)
                        + block_q * v_head_dim)
+  io += 2 * bias_itemsize * block_q * block_k
   io += 2 * 4 * block_q * C.NUM_LANES  # lse block
   scratch = 4 * (2 * block_q * C.NUM_LANES + block_q * v_head_dim)
   temps = 2 * 4 * block_q * block_k
@@ -227,23 +241,31 @@ def vmem_bytes_forward(block_q: int, block_k: int, head_dim: int, v_head_dim: in
 
 
 def vmem_bytes_dq(block_q: int, block_k: int, head_dim: int, v_head_dim: int,
-                  itemsize: int) -> int:
+                  itemsize: int, bias_itemsize: int = 0, bias_grad: bool = False) -> int:
   """VMEM working set of one dQ step: double-buffered q, k, v, do, fp32 dq out, lse and delta
-  (lane-replicated) blocks, the fp32 accumulator and four fp32 ``[block_q, block_k]`` temporaries
-  (s, p, dp, ds)."""
+  (lane-replicated) blocks (and bias blocks, and fp32 bias-gradient blocks), the fp32
+  accumulator and four fp32 ``[block_q, block_k]`` temporaries (s, p, dp, ds)."""
   io = 2 * itemsize * (block_q * head_dim + block_k * (head_dim + v_head_dim)
                        + block_q * v_head_dim)
+  io += 2 * (bias_itemsize + (4 if bias_grad else 0)) * block_q * block_k
   io += 2 * 4 * (block_q * head_dim + 2 * block_q * C.NUM_LANES)
   return io + 4 * block_q * head_dim + 4 * 4 * block_q * block_k
 
 
 def vmem_bytes_dkv(block_q: int, block_k: int, head_dim: int, v_head_dim: int,
-                   itemsize: int) -> int:
+                   itemsize: int, bias_itemsize: int = 0) -> int:
   """VMEM working set of one dK/dV step: double-buffered q, do, k, v, fp32 dk/dv out and the
-  sublane-replicated lse/delta rows, the two fp32 accumulators and four fp32 temporaries."""
+  sublane-replicated lse/delta rows (and bias blocks), the two fp32 accumulators and four fp32
+  temporaries."""
   io = 2 * itemsize * (block_q + block_k) * (head_dim + v_head_dim)
+  io += 2 * bias_itemsize * block_q * block_k
   io += 2 * 4 * (block_k * (head_dim + v_head_dim) + 2 * C.NUM_SUBLANES * block_q)
   return io + 4 * block_k * (head_dim + v_head_dim) + 4 * 4 * block_q * block_k
+
+
+def _bias_itemsize(plan: C.Plan) -> int:
+  """Bytes per bias element the kernels stream (the bias' own dtype), 0 without a bias."""
+  return jnp.dtype(plan.bias_dtype).itemsize if plan.has_bias else 0
 
 
 def _entry_index(plan: C.Plan, rows: int, width: int):
@@ -278,6 +300,10 @@ def _fwd_call(plan: C.Plan, width: int):
         pl.BlockSpec((None, C.NUM_SUBLANES, bk),
                      lambda b, n, i, w, e, *_: (b, 0, kv_block(b, i, w, e))),
     ]
+  if plan.has_bias:
+    in_specs.append(pl.BlockSpec(
+        (None, None, bq, bk),
+        lambda b, n, i, w, e, *_: (*plan.bias_index(b, n), i, kv_block(b, i, w, e))))
   out_specs = [
       pl.BlockSpec((None, None, bq, hv), lambda b, n, i, w, *_: (b, n, i, 0)),
       pl.BlockSpec((None, None, bq, C.NUM_LANES), lambda b, n, i, w, *_: (b, n, i, 0)),
@@ -291,7 +317,8 @@ def _fwd_call(plan: C.Plan, width: int):
              pltpu.VMEM((bq, hv), jnp.float32)]  # accumulator
   grid = (plan.batch, plan.num_heads, nq, width)
   kernel = functools.partial(_fwd_kernel, plan=plan, width=width, at=at)
-  vmem = vmem_bytes_forward(bq, bk, hd, hv, jnp.dtype(plan.dtype).itemsize)
+  vmem = vmem_bytes_forward(bq, bk, hd, hv, jnp.dtype(plan.dtype).itemsize,
+                            bias_itemsize=_bias_itemsize(plan))
   return _launch(kernel, plan, grid, in_specs, out_specs, out_shape, scratch, vmem,
                  "jaxattn_flash_fwd")
 
@@ -306,6 +333,9 @@ def _scalars(plan, iscal_ref, fscal_ref, b, n):
 def _fwd_kernel(entries_ref, iscal_ref, fscal_ref, q_ref, k_ref, v_ref, *refs, plan, width, at):
   if plan.has_segments:
     qseg_ref, kvseg_ref, *refs = refs
+  bias_ref = None
+  if plan.has_bias:
+    bias_ref, *refs = refs
   o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
   b, n, i, w = (pl.program_id(a) for a in range(4))
   entry = entries_ref[at(b, i, w)]
@@ -323,7 +353,8 @@ def _fwd_kernel(entries_ref, iscal_ref, fscal_ref, q_ref, k_ref, v_ref, *refs, p
     if masked and plan.has_segments:
       segs = dict(q_seg=qseg_ref[:, :1], kv_seg=kvseg_ref[:1, :])  # [bq, 1], [1, bk]
     s = C.block_scores(s, plan=plan, q_idx=q_idx, kv_idx=kv_idx, q_offset=q_offset, scale=scale,
-                       slope=slope, masked=masked, kv_length=kv_length, **segs)
+                       slope=slope, masked=masked, kv_length=kv_length, **segs,
+                       bias=None if bias_ref is None else bias_ref[...])
     m_prev, l_prev = m_ref[:, :1], l_ref[:, :1]  # [bq, 1]
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
     m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # no allowed key yet: exp(-inf - 0) = 0
@@ -353,8 +384,8 @@ def _fwd_kernel(entries_ref, iscal_ref, fscal_ref, q_ref, k_ref, v_ref, *refs, p
 # ----------------------------------------------------------------------------------------------
 
 
-def _backward(plan: C.Plan, q, k, v, aux, out, lse, d_out, d_lse):
-  x = _Inputs(plan, q, k, v, aux)
+def _backward(plan: C.Plan, q, k, v, bias, aux, out, lse, d_out, d_lse, bias_grad=False):
+  x = _Inputs(plan, q, k, v, aux, bias)
   b, n = plan.batch, plan.num_heads
   do = _heads_major(d_out, plan.q_pad)  # [B, N, Tp, h]
   # delta_i = sum_h dO * O; the lse cotangent enters as p * d_lse, i.e. delta - d_lse.
@@ -374,20 +405,24 @@ def _backward(plan: C.Plan, q, k, v, aux, out, lse, d_out, d_lse):
 
   entries, width = _tables(plan, aux, transpose=False)
   segs = x.segs_for_rows_of_q() if plan.has_segments else ()
-  dq = _dq_call(plan, width)(entries, x.iscal, x.fscal, x.q, x.k, x.v, do, cols(lse_safe),
-                             cols(delta), *segs)
+  dq = _dq_call(plan, width, bias_grad)(entries, x.iscal, x.fscal, x.q, x.k, x.v, do,
+                                        cols(lse_safe), cols(delta), *segs, *x.bias)
+  d_bias = None
+  if bias_grad:
+    dq, ds = dq
+    d_bias = C.bias_gradient(plan, aux, ds, bias.dtype)
   entries_t, width_t = _tables(plan, aux, transpose=True)
   segs = x.segs_for_rows_of_k() if plan.has_segments else ()
   dk, dv = _dkv_call(plan, width_t)(entries_t, x.iscal, x.fscal, x.q, x.k, x.v, do,
-                                    rows(lse_safe), rows(delta), *segs)
+                                    rows(lse_safe), rows(delta), *segs, *x.bias)
   dq = jnp.swapaxes(dq[:, :, :plan.q_len], 1, 2)
   dk = jnp.swapaxes(dk[:, :, :plan.kv_len], 1, 2)
   dv = jnp.swapaxes(dv[:, :, :plan.kv_len], 1, 2)
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_bias
 
 
 @functools.lru_cache(maxsize=128)
-def _dq_call(plan: C.Plan, width: int):
+def _dq_call(plan: C.Plan, width: int, bias_grad: bool = False):
   bq, bk, g = plan.block_q, plan.block_k, plan.groups
   hd, hv = plan.head_dim, plan.v_head_dim
   nq = plan.q_pad // bq
@@ -412,21 +447,37 @@ def _dq_call(plan: C.Plan, width: int):
         pl.BlockSpec((None, C.NUM_SUBLANES, bk),
                      lambda b, n, i, w, e, *_: (b, 0, kv_block(b, i, w, e))),
     ]
+  if plan.has_bias:
+    in_specs.append(pl.BlockSpec(
+        (None, None, bq, bk),
+        lambda b, n, i, w, e, *_: (*plan.bias_index(b, n), i, kv_block(b, i, w, e))))
   out_specs = pl.BlockSpec((None, None, bq, hd), row)
   out_shape = jax.ShapeDtypeStruct((plan.batch, plan.num_heads, plan.q_pad, hd), jnp.float32)
+  if bias_grad:  # ds tiles [B, N, Tp, Sp], fp32; blocks no step visits are left unwritten
+    out_specs = [out_specs, pl.BlockSpec(
+        (None, None, bq, bk), lambda b, n, i, w, e, *_: (b, n, i, kv_block(b, i, w, e)))]
+    out_shape = [out_shape, jax.ShapeDtypeStruct(
+        (plan.batch, plan.num_heads, plan.q_pad, plan.kv_pad), jnp.float32)]
   scratch = [pltpu.VMEM((bq, hd), jnp.float32)]
   grid = (plan.batch, plan.num_heads, nq, width)
-  kernel = functools.partial(_dq_kernel, plan=plan, width=width, at=at)
-  vmem = vmem_bytes_dq(bq, bk, hd, hv, jnp.dtype(plan.dtype).itemsize)
+  kernel = functools.partial(_dq_kernel, plan=plan, width=width, at=at, bias_grad=bias_grad)
+  vmem = vmem_bytes_dq(bq, bk, hd, hv, jnp.dtype(plan.dtype).itemsize,
+                       bias_itemsize=_bias_itemsize(plan), bias_grad=bias_grad)
   return _launch(kernel, plan, grid, in_specs, out_specs, out_shape, scratch, vmem,
                  "jaxattn_flash_dq")
 
 
 def _dq_kernel(entries_ref, iscal_ref, fscal_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-               *refs, plan, width, at):
+               *refs, plan, width, at, bias_grad=False):
   if plan.has_segments:
     qseg_ref, kvseg_ref, *refs = refs
-  dq_ref, acc_ref = refs
+  bias_ref = ds_ref = None
+  if plan.has_bias:
+    bias_ref, *refs = refs
+  if bias_grad:
+    dq_ref, ds_ref, acc_ref = refs
+  else:
+    dq_ref, acc_ref = refs
   b, n, i, w = (pl.program_id(a) for a in range(4))
   entry = entries_ref[at(b, i, w)]
   j, kind = entry >> C.KIND_BITS, entry & _KIND_MASK
@@ -445,10 +496,13 @@ def _dq_kernel(entries_ref, iscal_ref, fscal_ref, q_ref, k_ref, v_ref, do_ref, l
     if masked and plan.has_segments:
       segs = dict(q_seg=qseg_ref[:, :1], kv_seg=kvseg_ref[:1, :])
     s = C.block_scores(s, plan=plan, q_idx=q_idx, kv_idx=kv_idx, q_offset=q_offset, scale=scale,
-                       slope=slope, masked=masked, kv_length=kv_length, **segs)
+                       slope=slope, masked=masked, kv_length=kv_length, **segs,
+                       bias=None if bias_ref is None else bias_ref[...])
     p = jnp.exp(s - lse_ref[:, :1])  # [bq, bk]
     dp = lax.dot_general(do, v, NT_DIMS, preferred_element_type=jnp.float32)  # [bq, bk]
     ds = C.soft_cap_grad(p * (dp - delta_ref[:, :1]), s, plan)
+    if ds_ref is not None:  # d loss / d bias of this block (the logits before the scale's q.k)
+      ds_ref[...] = ds
     acc_ref[...] += lax.dot_general(ds.astype(C.matmul_dtype(k)), k, NN_DIMS,
                                     preferred_element_type=jnp.float32)  # [bq, H]
 
@@ -490,6 +544,10 @@ def _dkv_call(plan: C.Plan, width: int):
         pl.BlockSpec((None, C.NUM_SUBLANES, bq),
                      lambda b, kh, j, r, e, *_: (b, 0, q_block(b, j, r, e))),
     ]
+  if plan.has_bias:  # [bq, bk] tiles in the forward orientation, transposed in the kernel
+    in_specs.append(pl.BlockSpec(
+        (None, None, bq, bk),
+        lambda b, kh, j, r, e, *_: (*plan.bias_index(b, head(kh, r)), q_block(b, j, r, e), j)))
   out_specs = [pl.BlockSpec((None, None, bk, hd), k_rows),
                pl.BlockSpec((None, None, bk, hv), k_rows)]
   out_shape = [
@@ -499,7 +557,8 @@ def _dkv_call(plan: C.Plan, width: int):
   scratch = [pltpu.VMEM((bk, hd), jnp.float32), pltpu.VMEM((bk, hv), jnp.float32)]
   grid = (plan.batch, plan.num_kv_heads, nk, g * width)
   kernel = functools.partial(_dkv_kernel, plan=plan, width=width, at=at)
-  vmem = vmem_bytes_dkv(bq, bk, hd, hv, jnp.dtype(plan.dtype).itemsize)
+  vmem = vmem_bytes_dkv(bq, bk, hd, hv, jnp.dtype(plan.dtype).itemsize,
+                        bias_itemsize=_bias_itemsize(plan))
   return _launch(kernel, plan, grid, in_specs, out_specs, out_shape, scratch, vmem,
                  "jaxattn_flash_dkv")
 
@@ -508,6 +567,9 @@ def _dkv_kernel(entries_ref, iscal_ref, fscal_ref, q_ref, k_ref, v_ref, do_ref, 
                 *refs, plan, width, at):
   if plan.has_segments:
     kvseg_ref, qseg_ref, *refs = refs
+  bias_ref = None
+  if plan.has_bias:
+    bias_ref, *refs = refs
   dk_ref, dv_ref, dk_acc, dv_acc = refs
   b, kh, j, r = (pl.program_id(a) for a in range(4))
   n = kh * plan.groups + _div(r, width)  # the query head of this step
@@ -528,8 +590,9 @@ def _dkv_kernel(entries_ref, iscal_ref, fscal_ref, q_ref, k_ref, v_ref, do_ref, 
     segs = {}
     if masked and plan.has_segments:
       segs = dict(kv_seg=kvseg_ref[:, :1], q_seg=qseg_ref[:1, :])  # [bk, 1], [1, bq]
+    bias = None if bias_ref is None else bias_ref[...].astype(jnp.float32).T  # [bk, bq]
     s = C.block_scores(s, plan=plan, q_idx=q_idx, kv_idx=kv_idx, q_offset=q_offset, scale=scale,
-                       slope=slope, masked=masked, kv_length=kv_length, **segs)
+                       slope=slope, masked=masked, kv_length=kv_length, bias=bias, **segs)
     p = jnp.exp(s - lse_ref[:1, :])  # [bk, bq] = p^T
     dv_acc[...] += lax.dot_general(p.astype(C.matmul_dtype(do)), do, NN_DIMS,
                                    preferred_element_type=jnp.float32)  # [bk, h]

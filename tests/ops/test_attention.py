@@ -257,8 +257,8 @@ def test_errors():
   with pytest.raises(ValueError, match="implementation"):
     dpa(q, kk, v, implementation="cudnn_magic")
   # An explicit backend that cannot take this call raises; it never falls back.
-  with pytest.raises(ValueError, match="dense `bias`"):
-    dpa(q, kk, v, bias=jnp.zeros((1, 4, 7, 7)), implementation="pallas_tpu")
+  with pytest.raises(ValueError, match="boolean `mask` array"):
+    dpa(q, kk, v, mask=jnp.ones((1, 4, 7, 7), bool), implementation="pallas_tpu")
   with pytest.raises(ValueError, match="local_window_size"):
     dpa(q, kk, v, local_window_size=-1)
   with pytest.raises(ValueError, match="bias"):

@@ -1,0 +1,281 @@
+"""A dense additive bias in the flash-attention kernels (TPU and Triton GPU, interpreted on CPU).
+
+The bias ``[B|1, N|1, T|1, S|1]`` (a T5 relative bias, a user bias) is streamed in blocks beside
+the keys and differentiated by the kernels' own backward pass (its gradient is the dQ kernel's
+``ds``).  Every case compares the output, the log-sum-exp and the gradients of a non-linear loss
+with respect to query, key, value *and the bias* with ``dot_product_attention(...,
+implementation="xla")``, which adds the bias to materialized logits.  Shapes are ragged (T and S
+not multiples of the blocks), so padded rows / keys of the bias are exercised.
+
+Tolerances as in ``test_flash_tpu.py``: fp32 summation order (2e-5 outputs, 1e-4 gradients);
+bf16 inputs against the fp32 formula on the same inputs, 2e-2 / 3e-2.
+"""
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxattn import sharding
+from jaxattn.ops import masks as M
+from jaxattn.ops.attention import dot_product_attention
+from pallas_kernels.flash_attention import BlockSizes, flash_attention_gpu, flash_attention_tpu
+from pallas_kernels.flash_attention import gpu as gpu_kernel
+from pallas_kernels.flash_attention.sharded import plan_specs
+
+ON_GPU = jax.default_backend() in ("gpu", "cuda", "rocm")
+FAST_COMPILE = {} if ON_GPU else {"xla_backend_optimization_level": 0,
+                                  "xla_llvm_disable_expensive_passes": True}
+TPU_BLOCKS = BlockSizes(block_q=16, block_k=16, block_q_dkv=8, block_k_dkv=8)
+GPU_BLOCKS = BlockSizes(block_q=16, block_k=16, block_q_dkv=16, block_k_dkv=16)
+F32_TOL, F32_GRAD_TOL = (2e-3, 5e-3) if ON_GPU else (2e-5, 1e-4)  # TF32 on GPU hardware
+
+
+@pytest.fixture(autouse=True)
+def triton_kernels():
+  """The Triton kernels take the bias (the Hopper kernels pass such calls to them)."""
+  saved = gpu_kernel.get_options()
+  gpu_kernel.set_options(forward="triton", backward="triton")
+  yield
+  gpu_kernel.set_options(**saved)
+
+
+def run(f, *args):
+  return jax.jit(f).lower(*args).compile(compiler_options=FAST_COMPILE)(*args)
+
+
+def assert_close(got, want, tol, name):
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  scale = max(1.0, float(np.max(np.abs(want[np.isfinite(want)]), initial=0.0)))
+  np.testing.assert_allclose(got, want, rtol=0, atol=tol * scale, err_msg=name)
+
+
+def make_inputs(b, t, s, n, kh, h, bias_shape, dtype=jnp.float32, seed=0):
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(ks[0], (b, t, n, h), jnp.float32).astype(dtype)
+  k = jax.random.normal(ks[1], (b, s, kh, h), jnp.float32).astype(dtype)
+  v = jax.random.normal(ks[2], (b, s, kh, h), jnp.float32).astype(dtype)
+  bias = 2.0 * jax.random.normal(ks[3], bias_shape, jnp.float32)
+  return q, k, v, bias.astype(dtype)
+
+
+def loss_and_grads(attn, q, k, v, bias):
+  """Value, (out, lse) and gradients (q, k, v, bias) of ``sum(out cos out) + 0.1 sum(lse)``."""
+
+  def loss(q, k, v, bias):
+    out, lse = attn(q, k, v, bias)
+    o = out.astype(jnp.float32)
+    return jnp.sum(o * jnp.cos(o)) + 0.1 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0)), (
+        out, lse)
+
+  (_, (out, lse)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(
+      q, k, v, bias)
+  return out, lse, grads
+
+
+def kernel(backend, mask, **kw):
+  fn, blocks = {"tpu": (flash_attention_tpu, TPU_BLOCKS), "gpu": (flash_attention_gpu,
+                                                                   GPU_BLOCKS)}[backend]
+  return lambda q, k, v, bias: fn(q, k, v, mask, bias=bias, return_residuals=True,
+                                  block_sizes=blocks, interpret=None if ON_GPU else True, **kw)
+
+
+def reference(ref_kw):
+  def attn(q, k, v, bias):
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    return dot_product_attention(f32(q), f32(k), f32(v), f32(bias), implementation="xla",
+                                 return_residuals=True, **ref_kw)
+  return attn
+
+
+def segment_ids(b, length):
+  cuts = np.array([[length // 3, length // 2], [5, length - 7]])[:b]
+  return jnp.asarray((np.arange(length)[None, :, None] >= cuts[:, None, :]).sum(-1), jnp.int32)
+
+
+# name -> (B T S N K H, bias shape, reference keyword arguments)
+CASES = {
+    # A full per-row, per-head bias under a causal mask and a soft-cap (bias before the cap).
+    "full_causal_softcap": ((2, 40, 33, 4, 2, 16), (2, 4, 40, 33),
+                            {"is_causal": True, "logits_soft_cap": 3.0}),
+    # A T5-style bias shared by the batch, with ALiBi, packed segments and key lengths (one row
+    # with no valid key: zeros, and a zero bias gradient there).
+    "shared_batch_segments_alibi": ((2, 24, 24, 2, 1, 16), (1, 2, 24, 24),
+                                    {"segments": True, "alibi": True, "kv_lengths": (19, 0)}),
+    # A per-key bias (padding-style, [B, 1, 1, S]) broadcast over heads and queries, with a window
+    # and nothing else (the GPU kernel's base-2 logits must scale the bias too).
+    "per_key_window": ((2, 36, 36, 4, 4, 16), (2, 1, 1, 36), {"local_window_size": (9, 4)}),
+    # One bias for everything ([1, 1, T, S]) against a query offset (decode-like chunk).
+    "shared_offset_causal": ((1, 8, 40, 2, 2, 16), (1, 1, 8, 40), {"is_causal": True,
+                                                                   "q_offset": 30}),
+}
+
+
+def build(name, dtype=jnp.float32):
+  (b, t, s, n, kh, h), bias_shape, kw = CASES[name]
+  q, k, v, bias = make_inputs(b, t, s, n, kh, h, bias_shape, dtype)
+  kw = dict(kw)
+  ref_kw = {}
+  if kw.pop("alibi", False):
+    ref_kw["alibi_slopes"] = jnp.asarray(0.5 ** np.arange(1, n + 1), jnp.float32)
+  if kw.pop("segments", False):
+    ref_kw["segment_ids"] = segment_ids(b, t)
+  if "kv_lengths" in kw:
+    ref_kw["kv_lengths"] = jnp.asarray(kw.pop("kv_lengths"), jnp.int32)
+  ref_kw.update(kw)
+  mask = M.make_mask(is_causal=ref_kw.get("is_causal", False),
+                     local_window_size=ref_kw.get("local_window_size"),
+                     segment_ids=ref_kw.get("segment_ids"), kv_lengths=ref_kw.get("kv_lengths"))
+  kern_kw = {k_: ref_kw[k_] for k_ in ("alibi_slopes", "logits_soft_cap", "q_offset")
+             if k_ in ref_kw}
+  return (q, k, v, bias), ref_kw, mask, kern_kw
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_bias_forward_and_gradients_match_formula(backend, name):
+  args, ref_kw, mask, kern_kw = build(name)
+  out, lse, grads = run(lambda *a: loss_and_grads(kernel(backend, mask, **kern_kw), *a), *args)
+  r_out, r_lse, r_grads = run(lambda *a: loss_and_grads(reference(ref_kw), *a), *args)
+  assert grads[3].shape == args[3].shape and grads[3].dtype == args[3].dtype
+  assert_close(out, r_out, F32_TOL, "out")
+  np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(r_lse))
+  assert_close(jnp.where(jnp.isfinite(lse), lse, 0), jnp.where(jnp.isfinite(r_lse), r_lse, 0),
+               F32_TOL, "lse")
+  for g, rg, label in zip(grads, r_grads, ("dq", "dk", "dv", "dbias")):
+    assert_close(g, rg, F32_GRAD_TOL, label)
+  # The bias gradient is not trivially small: the test would see a missing or misplaced one.
+  assert float(jnp.abs(r_grads[3]).max()) > 0.05
+  if name == "shared_batch_segments_alibi":  # row 1 sees no key: zeros, never NaN
+    np.testing.assert_array_equal(np.asarray(out[1]), 0.0)
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_bias_bf16(backend):
+  args, ref_kw, mask, kern_kw = build("full_causal_softcap", jnp.bfloat16)
+  out, lse, grads = run(lambda *a: loss_and_grads(kernel(backend, mask, **kern_kw), *a), *args)
+  assert out.dtype == jnp.bfloat16 and all(g.dtype == jnp.bfloat16 for g in grads)
+  r_out, r_lse, r_grads = run(lambda *a: loss_and_grads(reference(ref_kw), *a), *args)
+  assert_close(out, r_out, 2e-2, "out")
+  assert_close(lse, r_lse, 1e-3, "lse")
+  for g, rg, label in zip(grads, r_grads, ("dq", "dk", "dv", "dbias")):
+    assert_close(g, rg, 3e-2, label)
+
+
+def _dq_kernel_outputs(jaxpr) -> list[int]:
+  """Numbers of outputs of the dQ ``pallas_call``s in a (nested) jaxpr."""
+  found = []
+
+  def walk(jx):
+    for eqn in jx.eqns:
+      if eqn.primitive.name == "pallas_call" and "flash_dq" in str(eqn.params.get("name")):
+        found.append(len(eqn.outvars))
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        walk(sub)
+
+  walk(jaxpr.jaxpr)
+  return found
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_a_constant_bias_costs_no_gradient_write(backend):
+  """The bias gradient (a ``[B, N, T, S]`` fp32 write) is produced only when the bias is being
+  differentiated: a constant bias (a mask written as -inf / 0, a frozen T5 table) gets none."""
+  args, _, mask, kern_kw = build("full_causal_softcap")
+  attn = kernel(backend, mask, **kern_kw)
+  loss = lambda q, k, v, bias: jnp.sum(attn(q, k, v, bias)[0] ** 2)  # noqa: E731
+  const = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*args)
+  learned = jax.make_jaxpr(jax.grad(loss, argnums=(0, 3)))(*args)
+  assert _dq_kernel_outputs(const) == [1]  # dQ only
+  assert _dq_kernel_outputs(learned) == [2]  # dQ and the ds blocks
+
+
+def test_dispatcher_sends_a_bias_to_the_kernels():
+  """``dot_product_attention(..., bias, implementation="pallas_tpu" | "pallas_gpu")`` runs the
+  kernel (it used to refuse a dense bias); a boolean mask array is still refused."""
+  args, ref_kw, _, _ = build("shared_offset_causal")
+  q, k, v, bias = args
+  want = dot_product_attention(q, k, v, bias, implementation="xla", is_causal=True, q_offset=30)
+  for impl in ("pallas_tpu", "pallas_gpu"):
+    got = dot_product_attention(q, k, v, bias, implementation=impl, is_causal=True, q_offset=30)
+    assert_close(got, want, F32_TOL, impl)
+    with pytest.raises(ValueError, match="boolean `mask` array"):
+      dot_product_attention(q, k, v, mask=jnp.ones((1, 1, 8, 40), bool), implementation=impl)
+
+
+def test_bias_errors_name_the_argument():
+  q, k, v, _ = make_inputs(1, 8, 8, 2, 2, 8, (1, 1, 1, 1))
+  with pytest.raises(ValueError, match=r"`bias` must have shape \[B\|1, N\|1, T\|1, S\|1\]"):
+    flash_attention_tpu(q, k, v, bias=jnp.zeros((1, 3, 8, 8)), interpret=True)
+  with pytest.raises(ValueError, match=r"`bias` must have shape"):
+    flash_attention_gpu(q, k, v, bias=jnp.zeros((2, 8, 8)), interpret=True)
+  with pytest.raises(ValueError, match="`bias` must be floating point"):
+    flash_attention_tpu(q, k, v, bias=jnp.zeros((1, 2, 8, 8), jnp.int32), interpret=True)
+
+
+def test_sharded_bias_matches_formula():
+  """Under the simulated 8-device mesh (batch over `data`, heads over `tensor`): a per-row bias
+  is split with batch and heads, a batch-shared one replicated over `data` (its gradient summed
+  over the batch shards by ``shard_map``'s transpose)."""
+  mesh = sharding.make_mesh({"data": 2, "tensor": 4})
+  b, t, n, kh, h = 2, 24, 8, 4, 16
+  for bias_shape in ((b, n, t, t), (1, n, t, t)):
+    q, k, v, bias = make_inputs(b, t, t, n, kh, h, bias_shape, seed=5)
+    attn = lambda q, k, v, bias: flash_attention_tpu(  # noqa: E731
+        q, k, v, M.CausalMask(), bias=bias, return_residuals=True, block_sizes=GPU_BLOCKS,
+        interpret=True)
+    with jax.set_mesh(mesh):
+      assert plan_specs(mesh, b, n, kh) == ("data", "tensor")
+      jaxpr = str(jax.make_jaxpr(lambda *a: loss_and_grads(attn, *a))(q, k, v, bias))
+      assert "shard_map" in jaxpr
+      out, lse, grads = run(lambda *a: loss_and_grads(attn, *a), q, k, v, bias)
+    r_out, _, r_grads = run(lambda *a: loss_and_grads(reference({"is_causal": True}), *a),
+                            q, k, v, bias)
+    assert_close(out, r_out, 2e-5, f"out {bias_shape}")
+    for g, rg, label in zip(grads, r_grads, ("dq", "dk", "dv", "dbias")):
+      assert_close(g, rg, 1e-4, f"{label} {bias_shape}")
+
+
+def test_dispatcher_with_alibi_leaves_a_constant_bias_out_of_the_backward():
+  """With ALiBi slopes the dispatcher wraps the kernel in its own custom VJP (for the slopes'
+  gradient); a bias that is not being differentiated still costs no gradient write there."""
+  args, _, _, _ = build("shared_offset_causal")
+  slopes = jnp.asarray([0.5, 0.25], jnp.float32)
+
+  def loss(q, k, v, bias):
+    out = dot_product_attention(q, k, v, bias, implementation="pallas_tpu", is_causal=True,
+                                q_offset=30, alibi_slopes=slopes)
+    return jnp.sum(out ** 2)
+
+  assert _dq_kernel_outputs(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*args)) == [1]
+  assert _dq_kernel_outputs(jax.make_jaxpr(jax.grad(loss, argnums=(0, 3)))(*args)) == [2]
+  got = jax.grad(loss, argnums=(0, 3))(*args)
+  want = jax.grad(lambda q, k, v, b: jnp.sum(dot_product_attention(
+      q, k, v, b, implementation="xla", is_causal=True, q_offset=30,
+      alibi_slopes=slopes) ** 2), argnums=(0, 3))(*args)
+  for g, w, label in zip(got, want, ("dq", "dbias")):
+    assert_close(g, w, F32_GRAD_TOL, label)
+
+
+def test_bias_kernels_are_race_free(race_states):
+  """TPU-semantics interpreter with race detection: forward, dQ (writing the bias' gradient
+  blocks) and dK/dV (reading transposed bias blocks), with the bias shared over the batch."""
+  pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
+  q, k, v, bias = make_inputs(2, 16, 16, 2, 1, 8, (1, 2, 16, 16), seed=2)
+  params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
+
+  def loss(q, k, v, bias):
+    out = flash_attention_tpu(q, k, v, M.CausalMask(), bias=bias,
+                              block_sizes=BlockSizes(8, 8, 8, 8), interpret=params)
+    return jnp.sum(out * jnp.sin(out))
+
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, bias)
+  jax.block_until_ready(grads)
+  assert len(race_states) >= 3, "expected the forward, dQ and dK/dV kernels to be interpreted"
+  assert not any(st_.races_found for st_ in race_states)
+  r_grads = jax.grad(lambda *a: jnp.sum((o := dot_product_attention(
+      *a, is_causal=True, implementation="xla")) * jnp.sin(o)), argnums=(0, 1, 2, 3))(
+          q, k, v, bias)
+  for g, rg, label in zip(grads, r_grads, ("dq", "dk", "dv", "dbias")):
+    assert_close(g, rg, 1e-4, label)
