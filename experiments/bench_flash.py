@@ -252,11 +252,11 @@ def print_roofline(head_dim=128, seq=8192, itemsize=2):
           f"{vmem[1]:>5.1f} {vmem[2]:>5.1f} | " + " ".join(f"{c:>16}" for c in cells))
   # A dense bias adds a [block_q, block_k] block to every step: the intensity tends to
   # 2 (H + h) / bias_itemsize however large the blocks (the bias is read once per head).
-  print("with a dense bias (forward; the bias read once per query head):")
+  print("with a dense bias or boolean mask array (forward; read once per query head):")
   print(f"{'block_q':>7} {'block_k':>7} {'bias':>5} | {'FLOP/B fwd':>10} | "
         + " ".join(f"{c + ' fwd bound':>16}" for c in TPU_SPECS))
   for bq, bk in ((512, 512), (1024, 512)):
-    for name, size in (("bf16", 2), ("fp32", 4)):
+    for name, size in (("bf16", 2), ("fp32", 4), ("mask", 1)):  # mask: a bool array, as int8
       i_f = forward_step_intensity(bq, bk, head_dim, head_dim, itemsize, seq, bias_itemsize=size)
       cells = []
       for peak, bw in TPU_SPECS.values():

@@ -14,9 +14,9 @@ compiled program's scratch and argument bytes (``memory_analysis()``), and every
 
 Cases (bf16): flash attention forward at T = 8192 (causal GQA 32/8 x 128, default blocks) and
 forward + backward at T = 4096 with segments, ALiBi and a soft-cap, and at T = 2048 with a learned
-dense bias shared over the batch (its gradient too); top-K sparse attention for
-DeepSeek-V3.2 prefill (MLA: 128 heads, 512 + 64 latents; GQA 32/8), 8 tokens selecting 2048 of
-32k; paged decode (GQA with split-KV, also heads of 64 and MQA; absorbed MLA dense and sparse,
+dense bias shared over the batch (its gradient too) and a boolean mask array per row; top-K
+sparse attention for DeepSeek-V3.2 prefill (MLA: 128 heads, 512 + 64 latents; GQA 32/8), 8
+tokens selecting 2048 of 32k; paged decode (GQA with split-KV, also heads of 64 and MQA; absorbed MLA dense and sparse,
 2 sequences x 32k; MLA at batch 1 too, whose default split count follows the chip's TensorCores:
 v4 and v5p are compiled as megacore) and a 512-token prefill through the same paged caches
 (GQA 32/8; MLA, 128 heads); decode over contiguous GQA and MLA caches (8 x 8k); the gated
@@ -107,11 +107,13 @@ def cases():
       return jnp.sum(out.astype(jnp.float32))
     return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
-  def flash_bias_grads(q, k, v, bias):
-    """A learned bias shared over the batch (T5-style): its [bq, bk] tiles streamed, transposed
-    in the dK/dV kernel, and its gradient written by the dQ kernel."""
+  def flash_bias_grads(q, k, v, bias, allowed):
+    """A learned bias shared over the batch (T5-style) and a boolean mask array per row: their
+    [bq, bk] tiles streamed (the mask's as int8), transposed in the dK/dV kernel, the bias'
+    gradient written by the dQ kernel."""
     def loss(q, k, v, bias):
-      out = flash_attention_tpu(q, k, v, M.CausalMask(), bias=bias, interpret=False)
+      out = flash_attention_tpu(q, k, v, M.CausalMask(), bias=bias, mask_array=allowed,
+                                interpret=False)
       return jnp.sum(out.astype(jnp.float32))
     return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, bias)
 
@@ -156,9 +158,10 @@ def cases():
                                     bf16(1, 8192, 8, 128))),
       "flash forward + backward": (flash_grads, (bf16(1, 4096, 32, 128), bf16(1, 4096, 8, 128),
                                                  bf16(1, 4096, 8, 128), i32(1, 4096), f32(32))),
-      "flash forward + backward, dense bias": (
+      "flash forward + backward, dense bias and mask array": (
           flash_bias_grads, (bf16(2, 2048, 16, 128), bf16(2, 2048, 8, 128),
-                             bf16(2, 2048, 8, 128), bf16(1, 16, 2048, 2048))),
+                             bf16(2, 2048, 8, 128), bf16(1, 16, 2048, 2048),
+                             sds(jnp.bool_)(2, 1, 2048, 2048))),
       "sparse MLA prefill": (
           lambda ql, qr, c, kr, i: sparse_mla_latent_tpu(ql, qr, c, kr, i, scale=0.07,
                                                          interpret=False),

@@ -135,7 +135,7 @@ def cpu_attention(
                      f"= {(b, t)} / {(b, s)} / {(b,)}: {e}") from None
   slopes = None if alibi_slopes is None else jnp.asarray(alibi_slopes, jnp.float32)
 
-  def local(q, k, v, q_ids, kv_ids, lengths, slopes, _offset, _scale, _bias, given):
+  def local(q, k, v, q_ids, kv_ids, lengths, slopes, _offset, _scale, _bias, _mask, given):
     return _build(st)(q, k, v, q_ids, kv_ids, lengths, slopes, given)
 
   from pallas_kernels.flash_attention.sharded import shard_attention  # noqa: PLC0415

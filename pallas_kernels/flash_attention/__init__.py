@@ -3,9 +3,8 @@
 Importing this package registers both kernels with the one dispatch point,
 ``jaxattn.ops.attention.dot_product_attention(..., implementation="pallas_tpu" | "pallas_gpu")``;
 ``implementation=None`` picks them on TPU / GPU backends.  They compute the dispatcher's function
-for every argument except a boolean ``mask`` array, for which they raise ``UnsupportedError`` (a
-``ValueError``; automatic dispatch then moves on to ``implementation="xla_chunked"``).  A dense
-``bias`` is streamed in blocks beside the keys (and differentiated).
+for every argument: a dense ``bias`` is streamed in blocks beside the keys (and differentiated), a
+boolean ``mask`` array as int8 blocks that also prune the block tables.
 
 Direct use (block sizes, interpret mode, an explicit mesh)::
 
@@ -20,7 +19,7 @@ GPU kernel's default there for the calls it takes: ``gpu.set_options``), ``shard
 
 from __future__ import annotations
 
-from jaxattn.ops.attention import UnsupportedError, register_implementation
+from jaxattn.ops.attention import register_implementation
 from pallas_kernels.flash_attention.common import BlockSizes, block_counts
 from pallas_kernels.flash_attention.gpu import flash_attention as flash_attention_gpu
 from pallas_kernels.flash_attention.tpu import flash_attention as flash_attention_tpu
@@ -32,14 +31,10 @@ def _as_backend(kernel, label: str):
 
   def attention(query, key, value, *, bias, mask, mask_array, scale, alibi_slopes, logits_soft_cap,
                 q_offset, return_residuals, residuals=None):
-    if mask_array is not None:
-      raise UnsupportedError(f"implementation={label!r} does not take a boolean `mask` array (shape "
-                       f"{tuple(mask_array.shape)}); pass a jaxattn.ops.masks.Mask or the "
-                       "is_causal / local_window_size / segment_ids / kv_lengths arguments, or use "
-                       "implementation='xla_chunked'.")
     return kernel(query, key, value, mask, scale=scale, alibi_slopes=alibi_slopes,
                   logits_soft_cap=logits_soft_cap, q_offset=q_offset,
-                  return_residuals=return_residuals, residuals=residuals, bias=bias)
+                  return_residuals=return_residuals, residuals=residuals, bias=bias,
+                  mask_array=mask_array)
 
   attention.__name__ = f"{label}_attention"
   return attention

@@ -240,6 +240,9 @@ class Plan:
   # sizes, or None without one.  Size-1 dims are read through the index maps, not repeated.
   bias_shape: tuple[int, int] | None = None
   bias_dtype: str | None = None  # streamed in its own dtype, added in fp32
+  # A dense boolean mask ``[Bm, Nm, T, S]`` (True = attend), streamed as int8 tiles: its leading
+  # sizes, or None.  With one the block tables come from it too (per batch row).
+  mask_shape: tuple[int, int] | None = None
 
   @property
   def has_bias(self) -> bool:
@@ -251,13 +254,22 @@ class Plan:
     return (b if bb > 1 else 0), (n if nb > 1 else 0)
 
   @property
+  def has_mask_array(self) -> bool:
+    return self.mask_shape is not None
+
+  def mask_index(self, b, n):
+    """``(batch, head)`` of the mask-array block that row ``b`` and query head ``n`` read."""
+    bm, nm = self.mask_shape
+    return (b if bm > 1 else 0), (n if nm > 1 else 0)
+
+  @property
   def groups(self) -> int:
     return self.num_heads // self.num_kv_heads
 
   @property
   def per_batch_tables(self) -> bool:
     """Block tables differ per batch row when data masks can empty blocks."""
-    return self.has_segments or self.has_lengths
+    return self.has_segments or self.has_lengths or self.has_mask_array
 
 
 def _pad_lengths(length: int, big: int, small: int, pow2: bool) -> tuple[int, int, int]:
@@ -278,7 +290,7 @@ def _pad_lengths(length: int, big: int, small: int, pow2: bool) -> tuple[int, in
 
 def make_plan(query, key, value, *, static_mask, q_offset, logits_soft_cap, alibi_slopes,
               segment_ids, kv_lengths, block_sizes: BlockSizes, interpret,
-              pow2_blocks: bool = False, scale=None, bias=None) -> Plan:
+              pow2_blocks: bool = False, scale=None, bias=None, mask_array=None) -> Plan:
   b, t, n, hd = query.shape
   s, kh, hv = key.shape[1], key.shape[2], value.shape[3]
   bq, bqd = block_sizes.block_q, block_sizes.block_q_dkv
@@ -302,7 +314,9 @@ def make_plan(query, key, value, *, static_mask, q_offset, logits_soft_cap, alib
       num_stages=block_sizes.num_stages, interpret=interpret,
       static_scale=None if scale is None or is_traced(scale) else float(scale),
       bias_shape=None if bias is None else (int(bias.shape[0]), int(bias.shape[1])),
-      bias_dtype=None if bias is None else jnp.dtype(bias.dtype).name)
+      bias_dtype=None if bias is None else jnp.dtype(bias.dtype).name,
+      mask_shape=None if mask_array is None else (int(mask_array.shape[0]),
+                                                  int(mask_array.shape[1])))
 
 
 def is_traced(x) -> bool:
@@ -318,7 +332,7 @@ def is_traced(x) -> bool:
 
 
 def validate(query, key, value, *, q_offset, scale, alibi_slopes, logits_soft_cap, segment_ids,
-             kv_lengths, bias=None):
+             kv_lengths, bias=None, mask_array=None):
   """Shape/dtype checks of the kernels' public entry points (``ValueError`` naming the argument)."""
   for name, x in (("query", query), ("key", key), ("value", value)):
     if x.ndim != 4:
@@ -362,7 +376,15 @@ def validate(query, key, value, *, q_offset, scale, alibi_slopes, logits_soft_ca
                        f"{(b, n, t, s)}, got {shape}.")
     if not jnp.issubdtype(jnp.result_type(bias), jnp.floating):
       raise ValueError(f"`bias` must be floating point (an additive bias; pass a boolean mask as "
-                       f"a Mask), got {jnp.result_type(bias)}.")
+                       f"`mask_array`), got {jnp.result_type(bias)}.")
+  if mask_array is not None:
+    shape = tuple(np.shape(mask_array))
+    if len(shape) != 4 or any(d not in (1, full) for d, full in zip(shape, (b, n, t, s))):
+      raise ValueError(f"`mask_array` must have shape [B|1, N|1, T|1, S|1] with [B, N, T, S] = "
+                       f"{(b, n, t, s)}, got {shape}.")
+    if jnp.result_type(mask_array) != jnp.bool_:
+      raise ValueError(f"`mask_array` must be boolean (True = attend), got "
+                       f"{jnp.result_type(mask_array)}.")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -389,9 +411,25 @@ def static_kinds(plan: Plan, bq: int, bk: int) -> np.ndarray:
   return kinds
 
 
-def data_kinds(plan: Plan, bq: int, bk: int, q_ids, kv_ids, kv_lengths):
-  """``[B, Tp/bq, Sp/bk]`` kinds that segment ids and key lengths allow (FULL: unconstrained)."""
-  return pair_kinds(plan.batch, plan.q_pad, plan.kv_pad, bq, bk, q_ids, kv_ids, kv_lengths)
+def data_kinds(plan: Plan, bq: int, bk: int, q_ids, kv_ids, kv_lengths, mask_array=None):
+  """``[B, Tp/bq, Sp/bk]`` kinds that segment ids, key lengths and a dense boolean mask allow
+  (FULL: unconstrained)."""
+  kinds = pair_kinds(plan.batch, plan.q_pad, plan.kv_pad, bq, bk, q_ids, kv_ids, kv_lengths)
+  if mask_array is not None:
+    kinds = jnp.minimum(kinds, mask_array_kinds(mask_array, plan, bq, bk))
+  return kinds
+
+
+def mask_array_kinds(mask_array, plan: Plan, bq: int, bk: int):
+  """``[B, Tp/bq, Sp/bk]`` kinds of a dense boolean mask ``[Bm, Nm, T, S]``, over all its heads
+  (the tables are per batch row, not per head): EMPTY where no head allows any pair of the block,
+  FULL where every head allows every pair, else PARTIAL.  Padded rows / keys count as masked."""
+  bm, nm, t, s = mask_array.shape
+  m = jnp.pad(mask_array, ((0, 0), (0, 0), (0, plan.q_pad - t), (0, plan.kv_pad - s)))
+  m = m.reshape(bm, nm, plan.q_pad // bq, bq, plan.kv_pad // bk, bk)
+  any_, all_ = m.any(axis=(1, 3, 5)), m.all(axis=(1, 3, 5))
+  kinds = jnp.where(any_, jnp.where(all_, FULL, PARTIAL), EMPTY).astype(jnp.int8)
+  return jnp.broadcast_to(kinds, (plan.batch, *kinds.shape[1:]))
 
 
 def pair_kinds(batch: int, q_pad: int, kv_pad: int, bq: int, bk: int, q_ids, kv_ids, kv_lengths):
@@ -451,8 +489,8 @@ def compact(kinds, width: int):
   return entries.astype(xp.int32), xp.stack([n_full, n_part], axis=-1)
 
 
-def block_tables(plan: Plan, *, q_ids=None, kv_ids=None, kv_lengths=None, transpose=False,
-                 pad_width_to_pow2=False):
+def block_tables(plan: Plan, *, q_ids=None, kv_ids=None, kv_lengths=None, mask_array=None,
+                 transpose=False, pad_width_to_pow2=False):
   """Block tables of one pass.
 
   ``transpose=False``: forward/dQ tiling ``(block_q, block_k)``, one row per query block listing
@@ -468,7 +506,7 @@ def block_tables(plan: Plan, *, q_ids=None, kv_ids=None, kv_lengths=None, transp
   if pad_width_to_pow2:  # Triton block shapes are powers of two
     width = 1 << (width - 1).bit_length()
   if plan.per_batch_tables:
-    dk = data_kinds(plan, bq, bk, q_ids, kv_ids, kv_lengths)
+    dk = data_kinds(plan, bq, bk, q_ids, kv_ids, kv_lengths, mask_array)
     if transpose:
       dk = jnp.swapaxes(dk, 1, 2)
     full = jnp.minimum(jnp.asarray(kinds)[None], dk)
@@ -503,13 +541,14 @@ def block_counts(query_shape, key_shape, mask: Mask | None = None, *, q_offset: 
 
 
 def block_scores(s, *, plan: Plan, q_idx, kv_idx, q_offset, scale, slope=None, masked: bool,
-                 q_seg=None, kv_seg=None, kv_length=None, bias=None):
+                 q_seg=None, kv_seg=None, kv_length=None, bias=None, allowed_tile=None):
   """fp32 logits of one block, in the order scale -> bias -> ALiBi -> soft-cap -> mask.
 
   ``s`` is the raw ``q . k`` (fp32) of the block in either orientation; ``q_idx``/``kv_idx`` are the
   (int32, unpadded-coordinate) row indices of its queries and keys, broadcastable against ``s``;
-  ``q_seg``/``kv_seg`` likewise; ``bias`` the block of the dense bias in ``s``'s orientation.
-  With ``masked=False`` (a FULL block) no mask is evaluated.
+  ``q_seg``/``kv_seg`` likewise; ``bias`` the block of the dense bias in ``s``'s orientation,
+  ``allowed_tile`` the block of a dense boolean mask (any integer or boolean type, nonzero =
+  attend).  With ``masked=False`` (a FULL block) no mask is evaluated.
   """
   s = s * scale
   if bias is not None:
@@ -529,6 +568,8 @@ def block_scores(s, *, plan: Plan, q_idx, kv_idx, q_offset, scale, slope=None, m
     extra.append(kv_idx < kv_length)
   if q_seg is not None:
     extra.append(q_seg == kv_seg)
+  if allowed_tile is not None:
+    extra.append(allowed_tile != 0)
   for e in extra:
     allowed = e if allowed is None else allowed & e
   if allowed is None:
@@ -612,7 +653,7 @@ def visited_blocks(plan: Plan, aux, bq: int, bk: int):
   kinds = jnp.asarray(static_kinds(plan, bq, bk))[None]
   if plan.per_batch_tables:
     kinds = jnp.minimum(kinds, data_kinds(plan, bq, bk, aux["q_ids"], aux["kv_ids"],
-                                          aux["kv_lengths"]))
+                                          aux["kv_lengths"], aux.get("mask_array")))
   return kinds != EMPTY
 
 

@@ -30,7 +30,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from jaxattn.ops.attention import UnsupportedError
 from jaxattn.ops import attention_cudnn
@@ -65,7 +65,7 @@ from pallas_kernels.flash_attention.sharded import run_flash
 #   forward: "triton" (the kernel below), "hopper" (``hopper.py``: Mosaic GPU, TMA + wgmma +
 #            warp specialisation, for sm_90 GPUs; band masks with segment ids, key lengths, ALiBi
 #            and soft-cap; calls it does not take -- fp32, non-band masks, a traced scale, a
-#            dense bias, another GPU -- stay on Triton, see ``hopper_reason``) or "auto" ("hopper" on a
+#            dense bias or mask array, another GPU -- stay on Triton, see ``hopper_reason``) or "auto" ("hopper" on a
 #            compiled run, Triton when interpreted: the CPU tests interpret the Hopper kernels
 #            only where they ask for them).  Either backward takes either forward's output.
 #            On an H200 at T = 8k (bf16, 16 heads of 128) the Hopper forward ran 533-554 TFLOP/s
@@ -174,6 +174,7 @@ def flash_attention(
     mesh=None,
     residuals=None,
     bias: Float[Array, "#B #N #T #S"] | None = None,
+    mask_array: Bool[Array, "#B #N #T #S"] | None = None,
 ) -> Float[Array, "B T N h"] | tuple[Float[Array, "B T N h"], Float[Array, "B N T"]]:
   """Flash attention on NVIDIA GPUs; arguments as ``pallas_kernels.flash_attention.tpu``.
 
@@ -196,7 +197,8 @@ def flash_attention(
   out, lse = run_flash(query, key, value, mask, scale=scale, alibi_slopes=alibi_slopes,
                        logits_soft_cap=logits_soft_cap, q_offset=q_offset, block_sizes=block_sizes,
                        interpret=bool(interpret), mesh=mesh, build=_build, pow2_blocks=True,
-                       residuals=residuals, bias=bias)
+                       residuals=residuals, bias=bias,
+                       mask_array=mask_array)
   return (out, lse) if return_residuals else out
 
 
@@ -231,10 +233,12 @@ def _pad_vec(x):
 class _Inputs:
 
   def __init__(self, plan: C.Plan, q, k, v, aux, bias=None):
-    self.bias = ()
-    if plan.has_bias:  # [Bb, Nb, Tp, Sp], zero padded
-      self.bias = (jnp.pad(bias, ((0, 0), (0, 0), (0, plan.q_pad - plan.q_len),
-                                  (0, plan.kv_pad - plan.kv_len))),)
+    pad = ((0, 0), (0, 0), (0, plan.q_pad - plan.q_len), (0, plan.kv_pad - plan.kv_len))
+    self.dense = ()  # the bias [Bb, Nb, Tp, Sp] (zero padded), the mask array as int8 (0 padded)
+    if plan.has_bias:
+      self.dense += (jnp.pad(bias, pad),)
+    if plan.has_mask_array:
+      self.dense += (jnp.pad(aux["mask_array"].astype(jnp.int8), pad),)
     self.hp, self.vp = _pow2(plan.head_dim), _pow2(plan.v_head_dim)
     self.q = _pad(q, plan.q_pad, self.hp)  # [B, Tp, N, Hp]
     self.k = _pad(k, plan.kv_pad, self.hp)  # [B, Sp, K, Hp]
@@ -255,7 +259,8 @@ class _Inputs:
 
 def _tables(plan, aux, transpose):
   return C.block_tables(plan, q_ids=aux["q_ids"], kv_ids=aux["kv_ids"],
-                        kv_lengths=aux["kv_lengths"], transpose=transpose, pad_width_to_pow2=True)
+                        kv_lengths=aux["kv_lengths"], mask_array=aux["mask_array"],
+                        transpose=transpose, pad_width_to_pow2=True)
 
 
 def _compiler_params(plan: C.Plan, head_dim: int):
@@ -317,6 +322,8 @@ def hopper_reason(plan: C.Plan, which: str = "forward") -> str | None:
     return "a traced scale"
   if plan.has_bias:
     return "a dense bias"
+  if plan.has_mask_array:
+    return "a boolean mask array"
   return hopper.supports(dtype=plan.dtype, head_dim=plan.head_dim, v_head_dim=plan.v_head_dim,
                          static_mask=plan.static_mask,
                          config=_OPTIONS["hopper"], segments=plan.has_segments)
@@ -340,7 +347,7 @@ def _forward(plan: C.Plan, q, k, v, bias, aux):
   x = _Inputs(plan, q, k, v, aux, bias)
   entries, counts = _tables(plan, aux, transpose=False)
   out, lse = _fwd_call(plan, entries.shape[-1], x.hp, x.vp)(
-      x.q, x.k, x.v, entries, counts, x.iscal, x.fscal, *x.segs, *x.bias)
+      x.q, x.k, x.v, entries, counts, x.iscal, x.fscal, *x.segs, *x.dense)
   return out[:, :plan.q_len, :, :plan.v_head_dim], lse[:, :, :plan.q_len]
 
 
@@ -360,13 +367,18 @@ def _common_specs(plan, width, iscal_len, fscal_len, transpose):
     else:
       specs += [pl.BlockSpec((None, rows_block), lambda r, b, h: (b, r)),
                 pl.BlockSpec((None, plan.kv_pad), lambda r, b, h: (b, 0))]
-  if plan.has_bias:  # the bias rows of this program's block (forward, dQ) or its columns (dK/dV)
+  # The bias' and the mask array's rows of this program's block (forward, dQ) or their columns
+  # (dK/dV).
+  for present, index in ((plan.has_bias, plan.bias_index),
+                         (plan.has_mask_array, plan.mask_index)):
+    if not present:
+      continue
     if transpose:
       specs.append(pl.BlockSpec((None, None, plan.q_pad, rows_block),
-                                lambda r, b, h: (*plan.bias_index(b, h), 0, r)))
+                                lambda r, b, h, index=index: (*index(b, h), 0, r)))
     else:
       specs.append(pl.BlockSpec((None, None, rows_block, plan.kv_pad),
-                                lambda r, b, h: (*plan.bias_index(b, h), r, 0)))
+                                lambda r, b, h, index=index: (*index(b, h), r, 0)))
   return specs
 
 
@@ -406,6 +418,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, entries_ref, counts_ref, iscal_ref, fscal_r
   bias_ref = None
   if plan.has_bias:
     bias_ref, *refs = refs
+  mask_ref = None
+  if plan.has_mask_array:
+    mask_ref, *refs = refs
   o_ref, lse_ref = refs
   i, b, n = _row_id(plan.q_pad // plan.block_q), pl.program_id(1), pl.program_id(2)
   bq, bk = plan.block_q, plan.block_k
@@ -433,6 +448,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, entries_ref, counts_ref, iscal_ref, fscal_r
       segs = dict(q_seg=q_seg, kv_seg=kvseg_ref[pl.ds(start, bk)][None, :])
     if bias_ref is not None:
       segs["bias"] = bias_ref[:, pl.ds(start, bk)]
+    if mask_ref is not None and masked:
+      segs["allowed_tile"] = mask_ref[:, pl.ds(start, bk)]
     s = C.block_scores(s, plan=plan, q_idx=q_idx, kv_idx=kv_idx, q_offset=q_offset,
                        scale=step_scale, slope=slope, masked=masked, kv_length=kv_length, **segs)
     if base2 and not fold:
@@ -481,7 +498,7 @@ def _backward(plan: C.Plan, q, k, v, bias, aux, out, lse, d_out, d_lse, bias_gra
   if not atomic:
     entries, counts = _tables(plan, aux, transpose=False)
     dq = _dq_call(plan, entries.shape[-1], x.hp, x.vp, bias_grad)(
-        x.q, x.k, x.v, do, lse_safe, delta, entries, counts, x.iscal, x.fscal, *x.segs, *x.bias)
+        x.q, x.k, x.v, do, lse_safe, delta, entries, counts, x.iscal, x.fscal, *x.segs, *x.dense)
     if bias_grad:
       dq, ds = dq
       d_bias = C.bias_gradient(plan, aux, ds, bias.dtype)
@@ -491,7 +508,7 @@ def _backward(plan: C.Plan, q, k, v, bias, aux, out, lse, d_out, d_lse, bias_gra
     extra = (jnp.zeros((plan.batch, plan.q_pad, plan.num_heads, x.hp), jnp.float32),)
   outs = _dkv_call(plan, entries_t.shape[-1], x.hp, x.vp, atomic)(
       x.q, x.k, x.v, do, lse_safe, delta, entries_t, counts_t, x.iscal, x.fscal, *x.segs,
-      *x.bias, *extra)
+      *x.dense, *extra)
   dk, dv = outs[:2]
   if atomic:
     dq = outs[2] * aux["scale"]
@@ -560,6 +577,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entries_ref, cou
   bias_ref = None
   if plan.has_bias:
     bias_ref, *refs = refs
+  mask_ref = None
+  if plan.has_mask_array:
+    mask_ref, *refs = refs
   dq_ref, *ds_ref = refs  # ds_ref: [ds rows] when the bias is differentiated
   i, b, n = _row_id(plan.q_pad // plan.block_q), pl.program_id(1), pl.program_id(2)
   bq, bk = plan.block_q, plan.block_k
@@ -581,6 +601,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entries_ref, cou
       segs = dict(q_seg=q_seg, kv_seg=kvseg_ref[pl.ds(start, bk)][None, :])
     if bias_ref is not None:
       segs["bias"] = bias_ref[:, pl.ds(start, bk)]
+    if mask_ref is not None and masked:
+      segs["allowed_tile"] = mask_ref[:, pl.ds(start, bk)]
     s, p = prob(s, lse, q_idx=q_idx, kv_idx=kv_idx, q_offset=q_offset, masked=masked,
                 kv_length=kv_length, **segs)
     dp = plgpu.dot(do, v, trans_b=True)  # [bq, bk]
@@ -637,6 +659,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entries_ref, co
   bias_ref = None
   if plan.has_bias:
     bias_ref, *refs = refs
+  mask_ref = None
+  if plan.has_mask_array:
+    mask_ref, *refs = refs
   if atomic_dq:
     _, dk_ref, dv_ref, dq_ref = refs  # the aliased input is the output dq_ref
   else:
@@ -661,6 +686,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entries_ref, co
       segs = dict(kv_seg=kv_seg, q_seg=qseg_ref[pl.ds(start, bq)][None, :])
     if bias_ref is not None:  # [bq, bk] rows of the bias, transposed to s^T's orientation
       segs["bias"] = bias_ref[pl.ds(start, bq), :].astype(jnp.float32).T
+    if mask_ref is not None and masked:
+      segs["allowed_tile"] = mask_ref[pl.ds(start, bq), :].astype(jnp.int32).T
     s, p = prob(s, lse_ref[pl.ds(start, bq)][None, :], q_idx=q_idx, kv_idx=kv_idx,
                 q_offset=q_offset, masked=masked, kv_length=kv_length, **segs)  # p^T
     dv = dv + plgpu.dot(p.astype(C.matmul_dtype(do)), do)  # [bk, hp]

@@ -85,21 +85,23 @@ def run_sharded(local: Callable, args, mesh, specs: Callable):
 
 
 def shard_attention(local: Callable, query, key, value, *, q_ids, kv_ids, kv_lengths,
-                    alibi_slopes, q_offset, scale, mesh=None, residuals=None, bias=None):
-  """Runs ``local(q, k, v, q_ids, kv_ids, kv_lengths, slopes, q_offset, scale, bias, given) ->
-  (out, lse)`` under ``shard_map`` over ``mesh`` (or the context mesh), or directly when there is
-  none.
+                    alibi_slopes, q_offset, scale, mesh=None, residuals=None, bias=None,
+                    mask_array=None):
+  """Runs ``local(q, k, v, q_ids, kv_ids, kv_lengths, slopes, q_offset, scale, bias, mask_array,
+  given) -> (out, lse)`` under ``shard_map`` over ``mesh`` (or the context mesh), or directly when
+  there is none.
 
   Python scalars (``q_offset``, ``scale``) are closed over; arrays travel as ``shard_map``
   arguments, batch-indexed ones split with the batch, ``alibi_slopes`` with the heads, a dense
-  ``bias [B|1, N|1, T, S]`` with both where it has them (a size-1 dim is replicated; its
-  cotangent is summed over the shards by ``shard_map``'s transpose).
+  ``bias [B|1, N|1, T, S]`` and a boolean ``mask_array`` of that shape with both where they have
+  them (a size-1 dim is replicated; the bias' cotangent is then summed over the shards by
+  ``shard_map``'s transpose).
   ``residuals``: a given ``(out, lse)`` (split as the results are), passed on as ``given``.
   """
   out, lse = (None, None) if residuals is None else residuals
   named = {"query": query, "key": key, "value": value, "q_ids": q_ids, "kv_ids": kv_ids,
            "kv_lengths": kv_lengths, "alibi_slopes": alibi_slopes, "q_offset": q_offset,
-           "scale": scale, "bias": bias, "out": out, "lse": lse}
+           "scale": scale, "bias": bias, "mask_array": mask_array, "out": out, "lse": lse}
   # NumPy arrays travel as arrays too: closed over, each shard saw the whole array (every head
   # shard but the first read other heads' ALiBi slopes).
   named = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in named.items()}
@@ -112,26 +114,28 @@ def shard_attention(local: Callable, query, key, value, *, q_ids, kv_ids, kv_len
 
   def specs(mesh):
     bax, hax = plan_specs(mesh, query.shape[0], query.shape[2], key.shape[2])
-    bias_spec = None
-    if bias is not None:
-      bias_spec = P(bax if bias.shape[0] > 1 else None, hax if bias.shape[1] > 1 else None,
-                    None, None)
+    def dense_spec(x):  # [B|1, N|1, T, S]
+      if x is None:
+        return None
+      return P(bax if x.shape[0] > 1 else None, hax if x.shape[1] > 1 else None, None, None)
     table = {"query": P(bax, None, hax, None), "key": P(bax, None, hax, None),
              "value": P(bax, None, hax, None), "q_ids": P(bax, None), "kv_ids": P(bax, None),
              "kv_lengths": P(bax), "alibi_slopes": P(hax), "q_offset": P(), "scale": P(),
-             "bias": bias_spec, "out": P(bax, None, hax, None), "lse": P(bax, hax, None)}
+             "bias": dense_spec(bias), "mask_array": dense_spec(mask_array),
+             "out": P(bax, None, hax, None), "lse": P(bax, hax, None)}
     return [table[k] for k in names], (P(bax, None, hax, None), P(bax, hax, None))
 
   return run_sharded(body, [named[k] for k in names], mesh, specs)
 
 
 def run_flash(query, key, value, mask, *, scale, alibi_slopes, logits_soft_cap, q_offset,
-              block_sizes, interpret, mesh, build, pow2_blocks=False, residuals=None, bias=None):
+              block_sizes, interpret, mesh, build, pow2_blocks=False, residuals=None, bias=None,
+              mask_array=None):
   """The TPU and GPU entry points: validate, split the mask, shard, and run
   ``build(plan)(q, k, v, bias, aux, given)`` on each shard (``build`` maps a ``Plan`` to the
   backend's custom-VJP function; ``given``: ``residuals``, the forward's ``(out, lse)`` if given).
-  A ``bias`` of query or key length 1 is broadcast here (the kernels stream ``[T, S]`` blocks);
-  size-1 batch and head dims stay size 1."""
+  A ``bias`` or boolean ``mask_array`` of query or key length 1 is broadcast here (the kernels
+  stream ``[T, S]`` blocks); size-1 batch and head dims stay size 1."""
   static, segments, lengths = common.split_mask(mask)
   if isinstance(alibi_slopes, (list, tuple)):   # (passed the checks, then failed on .astype;
     alibi_slopes = jnp.asarray(alibi_slopes)     # shard_attention takes NumPy arrays as arrays)
@@ -139,26 +143,30 @@ def run_flash(query, key, value, mask, *, scale, alibi_slopes, logits_soft_cap, 
     scale = 1.0 / float(query.shape[-1]) ** 0.5
   common.validate(query, key, value, q_offset=q_offset, scale=scale, alibi_slopes=alibi_slopes,
                   logits_soft_cap=logits_soft_cap, segment_ids=segments, kv_lengths=lengths,
-                  bias=bias)
+                  bias=bias, mask_array=mask_array)
   if not isinstance(block_sizes, common.BlockSizes):
     raise ValueError(f"`block_sizes` must be a BlockSizes, got {type(block_sizes).__name__}.")
   static_offset = None if common.is_traced(q_offset) else int(q_offset)
 
-  if bias is not None:
-    bias = jnp.asarray(bias)
-    b, n, t, s = bias.shape[0], bias.shape[1], query.shape[1], key.shape[1]
-    bias = jnp.broadcast_to(bias, (b, n, t, s))
+  def full_length(x):
+    if x is None:
+      return None
+    x = jnp.asarray(x)
+    return jnp.broadcast_to(x, (x.shape[0], x.shape[1], query.shape[1], key.shape[1]))
 
-  def local(q, k, v, q_ids, kv_ids, lens, slopes, offset, scl, bias, given):
+  bias, mask_array = full_length(bias), full_length(mask_array)
+
+  def local(q, k, v, q_ids, kv_ids, lens, slopes, offset, scl, bias, mask_array, given):
     seg = None if q_ids is None else (q_ids, kv_ids)
     plan = common.make_plan(
         q, k, v, static_mask=static, q_offset=offset if static_offset is None else static_offset,
         logits_soft_cap=logits_soft_cap, alibi_slopes=slopes, segment_ids=seg, kv_lengths=lens,
         block_sizes=block_sizes, interpret=interpret, pow2_blocks=pow2_blocks, scale=scl,
-        bias=bias)
+        bias=bias, mask_array=mask_array)
     aux = {"q_ids": q_ids, "kv_ids": kv_ids, "kv_lengths": lens,
            "slopes": None if slopes is None else slopes.astype(jnp.float32),
-           "q_offset": jnp.asarray(offset, jnp.int32), "scale": jnp.asarray(scl, jnp.float32)}
+           "q_offset": jnp.asarray(offset, jnp.int32), "scale": jnp.asarray(scl, jnp.float32),
+           "mask_array": mask_array}
     return build(plan)(q, k, v, bias, aux, given)
 
   q_ids, kv_ids = (None, None) if segments is None else segments
@@ -166,7 +174,7 @@ def run_flash(query, key, value, mask, *, scale, alibi_slopes, logits_soft_cap, 
     residuals = (residuals[0].astype(query.dtype), jnp.asarray(residuals[1], jnp.float32))
   return shard_attention(local, query, key, value, q_ids=q_ids, kv_ids=kv_ids, kv_lengths=lengths,
                          alibi_slopes=alibi_slopes, q_offset=q_offset, scale=scale, mesh=mesh,
-                         residuals=residuals, bias=bias)
+                         residuals=residuals, bias=bias, mask_array=mask_array)
 
 
 def _place(x, spec, mesh):

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from jaxattn.ops.masks import FULL, PARTIAL, Mask
 from pallas_kernels.flash_attention import common as C
@@ -85,6 +85,7 @@ def flash_attention(
     mesh=None,
     residuals=None,
     bias: Float[Array, "#B #N #T #S"] | None = None,
+    mask_array: Bool[Array, "#B #N #T #S"] | None = None,
 ) -> Float[Array, "B T N h"] | tuple[Float[Array, "B T N h"], Float[Array, "B N T"]]:
   """Flash attention on TPU; the function of ``dot_product_attention``.
 
@@ -94,6 +95,9 @@ def flash_attention(
       added after the scale; differentiated (its gradient is written only when it is being
       differentiated).  Size-1 batch / head dims are read, not repeated; size-1 ``T`` / ``S`` are
       broadcast before the kernel.
+    mask_array: a dense boolean mask ``[B|1, N|1, T|1, S|1]`` (True = attend), ``&`` with
+      ``mask``: streamed as int8 tiles; key blocks that it empties for every head of a batch row
+      are skipped, blocks it fills need no mask evaluation (per-row block tables).
     mask: a ``jaxattn.ops.masks.Mask``: any position mask (causal, window, global tokens, their
       ``&``/``|``), ``&`` at most one ``SegmentMask`` and any ``PaddingMask``.
     scale: logits scale, default ``1 / sqrt(H)``; a traced one is a constant to ``jax.grad``
@@ -117,7 +121,8 @@ def flash_attention(
   out, lse = run_flash(query, key, value, mask, scale=scale, alibi_slopes=alibi_slopes,
                        logits_soft_cap=logits_soft_cap, q_offset=q_offset,
                        block_sizes=block_sizes or C.BlockSizes.tpu(), interpret=interpret,
-                       mesh=mesh, build=_build, residuals=residuals, bias=bias)
+                       mesh=mesh, build=_build, residuals=residuals, bias=bias,
+                       mask_array=mask_array)
   return (out, lse) if return_residuals else out
 
 
@@ -149,9 +154,12 @@ class _Inputs:
   """The kernel-side views shared by forward and backward."""
 
   def __init__(self, plan: C.Plan, q, k, v, aux, bias=None):
-    self.bias = ()
-    if plan.has_bias:  # [Bb, Nb, Tp, Sp], zero padded
-      self.bias = (_pad_to(_pad_to(bias, 2, plan.q_pad), 3, plan.kv_pad),)
+    self.dense = ()  # the bias [Bb, Nb, Tp, Sp] (zero padded), the mask array as int8 (0 padded)
+    if plan.has_bias:
+      self.dense += (_pad_to(_pad_to(bias, 2, plan.q_pad), 3, plan.kv_pad),)
+    if plan.has_mask_array:
+      m = aux["mask_array"].astype(jnp.int8)
+      self.dense += (_pad_to(_pad_to(m, 2, plan.q_pad), 3, plan.kv_pad),)
     self.q = _heads_major(q, plan.q_pad)  # [B, N, Tp, H]
     self.k = _heads_major(k, plan.kv_pad)  # [B, K, Sp, H]
     self.v = _heads_major(v, plan.kv_pad)  # [B, K, Sp, h]
@@ -185,7 +193,8 @@ class _Inputs:
 
 def _tables(plan, aux, transpose):
   entries, _ = C.block_tables(plan, q_ids=aux["q_ids"], kv_ids=aux["kv_ids"],
-                              kv_lengths=aux["kv_lengths"], transpose=transpose)
+                              kv_lengths=aux["kv_lengths"], mask_array=aux["mask_array"],
+                              transpose=transpose)
   width = entries.shape[-1]
   return entries.reshape(-1), width  # flat: 1-D SMEM arrays are not padded to tiles
 
@@ -199,7 +208,7 @@ def _forward(plan: C.Plan, q, k, v, bias, aux):
   x = _Inputs(plan, q, k, v, aux, bias)
   entries, width = _tables(plan, aux, transpose=False)
   segs = x.segs_for_rows_of_q() if plan.has_segments else ()
-  out, lse = _fwd_call(plan, width)(entries, x.iscal, x.fscal, x.q, x.k, x.v, *segs, *x.bias)
+  out, lse = _fwd_call(plan, width)(entries, x.iscal, x.fscal, x.q, x.k, x.v, *segs, *x.dense)
   out = jnp.swapaxes(out[:, :, :plan.q_len], 1, 2)  # [B, T, N, h]
   return out, lse[:, :, :plan.q_len, 0]  # [B, N, T]
 
@@ -227,13 +236,14 @@ def _compiler_params(semantics, vmem_bytes: int):
 
 
 def vmem_bytes_forward(block_q: int, block_k: int, head_dim: int, v_head_dim: int,
-                       itemsize: int, bias_itemsize: int = 0) -> int:
+                       itemsize: int, dense_itemsize: int = 0) -> int:
   """VMEM working set of one forward grid step: double-buffered q, k, v, out and lse blocks (and
-  bias blocks of ``bias_itemsize`` bytes, 0 without a bias), the fp32 scratch (m, l, acc) and the
-  fp32 ``[block_q, block_k]`` scores and probabilities."""
+  ``[block_q, block_k]`` blocks of a dense bias / mask array, ``dense_itemsize`` bytes per element
+  in all, 0 without), the fp32 scratch (m, l, acc) and the fp32 ``[block_q, block_k]`` scores and
+  probabilities."""
   io = 2 * itemsize * (block_q * head_dim + block_k * (head_dim + v_head_dim)
                        + block_q * v_head_dim)
-  io += 2 * bias_itemsize * block_q * block_k
+  io += 2 * dense_itemsize * block_q * block_k
   io += 2 * 4 * block_q * C.NUM_LANES  # lse block
   scratch = 4 * (2 * block_q * C.NUM_LANES + block_q * v_head_dim)
   temps = 2 * 4 * block_q * block_k
@@ -241,31 +251,33 @@ def vmem_bytes_forward(block_q: int, block_k: int, head_dim: int, v_head_dim: in
 
 
 def vmem_bytes_dq(block_q: int, block_k: int, head_dim: int, v_head_dim: int,
-                  itemsize: int, bias_itemsize: int = 0, bias_grad: bool = False) -> int:
+                  itemsize: int, dense_itemsize: int = 0, bias_grad: bool = False) -> int:
   """VMEM working set of one dQ step: double-buffered q, k, v, do, fp32 dq out, lse and delta
-  (lane-replicated) blocks (and bias blocks, and fp32 bias-gradient blocks), the fp32
+  (lane-replicated) blocks (and bias / mask-array blocks, and fp32 bias-gradient blocks), the fp32
   accumulator and four fp32 ``[block_q, block_k]`` temporaries (s, p, dp, ds)."""
   io = 2 * itemsize * (block_q * head_dim + block_k * (head_dim + v_head_dim)
                        + block_q * v_head_dim)
-  io += 2 * (bias_itemsize + (4 if bias_grad else 0)) * block_q * block_k
+  io += 2 * (dense_itemsize + (4 if bias_grad else 0)) * block_q * block_k
   io += 2 * 4 * (block_q * head_dim + 2 * block_q * C.NUM_LANES)
   return io + 4 * block_q * head_dim + 4 * 4 * block_q * block_k
 
 
 def vmem_bytes_dkv(block_q: int, block_k: int, head_dim: int, v_head_dim: int,
-                   itemsize: int, bias_itemsize: int = 0) -> int:
+                   itemsize: int, dense_itemsize: int = 0) -> int:
   """VMEM working set of one dK/dV step: double-buffered q, do, k, v, fp32 dk/dv out and the
-  sublane-replicated lse/delta rows (and bias blocks), the two fp32 accumulators and four fp32
+  sublane-replicated lse/delta rows (and bias / mask-array blocks), the two fp32 accumulators and four fp32
   temporaries."""
   io = 2 * itemsize * (block_q + block_k) * (head_dim + v_head_dim)
-  io += 2 * bias_itemsize * block_q * block_k
+  io += 2 * dense_itemsize * block_q * block_k
   io += 2 * 4 * (block_k * (head_dim + v_head_dim) + 2 * C.NUM_SUBLANES * block_q)
   return io + 4 * block_k * (head_dim + v_head_dim) + 4 * 4 * block_q * block_k
 
 
-def _bias_itemsize(plan: C.Plan) -> int:
-  """Bytes per bias element the kernels stream (the bias' own dtype), 0 without a bias."""
-  return jnp.dtype(plan.bias_dtype).itemsize if plan.has_bias else 0
+def _dense_itemsize(plan: C.Plan) -> int:
+  """Bytes per ``[T, S]`` element the kernels stream: the bias in its own dtype, the mask array as
+  int8; 0 without either."""
+  return ((jnp.dtype(plan.bias_dtype).itemsize if plan.has_bias else 0)
+          + (1 if plan.has_mask_array else 0))
 
 
 def _entry_index(plan: C.Plan, rows: int, width: int):
@@ -304,6 +316,10 @@ def _fwd_call(plan: C.Plan, width: int):
     in_specs.append(pl.BlockSpec(
         (None, None, bq, bk),
         lambda b, n, i, w, e, *_: (*plan.bias_index(b, n), i, kv_block(b, i, w, e))))
+  if plan.has_mask_array:
+    in_specs.append(pl.BlockSpec(
+        (None, None, bq, bk),
+        lambda b, n, i, w, e, *_: (*plan.mask_index(b, n), i, kv_block(b, i, w, e))))
   out_specs = [
       pl.BlockSpec((None, None, bq, hv), lambda b, n, i, w, *_: (b, n, i, 0)),
       pl.BlockSpec((None, None, bq, C.NUM_LANES), lambda b, n, i, w, *_: (b, n, i, 0)),
@@ -318,7 +334,7 @@ def _fwd_call(plan: C.Plan, width: int):
   grid = (plan.batch, plan.num_heads, nq, width)
   kernel = functools.partial(_fwd_kernel, plan=plan, width=width, at=at)
   vmem = vmem_bytes_forward(bq, bk, hd, hv, jnp.dtype(plan.dtype).itemsize,
-                            bias_itemsize=_bias_itemsize(plan))
+                            dense_itemsize=_dense_itemsize(plan))
   return _launch(kernel, plan, grid, in_specs, out_specs, out_shape, scratch, vmem,
                  "jaxattn_flash_fwd")
 
@@ -336,6 +352,9 @@ def _fwd_kernel(entries_ref, iscal_ref, fscal_ref, q_ref, k_ref, v_ref, *refs, p
   bias_ref = None
   if plan.has_bias:
     bias_ref, *refs = refs
+  mask_ref = None
+  if plan.has_mask_array:
+    mask_ref, *refs = refs
   o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
   b, n, i, w = (pl.program_id(a) for a in range(4))
   entry = entries_ref[at(b, i, w)]
@@ -354,7 +373,8 @@ def _fwd_kernel(entries_ref, iscal_ref, fscal_ref, q_ref, k_ref, v_ref, *refs, p
       segs = dict(q_seg=qseg_ref[:, :1], kv_seg=kvseg_ref[:1, :])  # [bq, 1], [1, bk]
     s = C.block_scores(s, plan=plan, q_idx=q_idx, kv_idx=kv_idx, q_offset=q_offset, scale=scale,
                        slope=slope, masked=masked, kv_length=kv_length, **segs,
-                       bias=None if bias_ref is None else bias_ref[...])
+                       bias=None if bias_ref is None else bias_ref[...],
+                       allowed_tile=None if mask_ref is None or not masked else mask_ref[...])
     m_prev, l_prev = m_ref[:, :1], l_ref[:, :1]  # [bq, 1]
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
     m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # no allowed key yet: exp(-inf - 0) = 0
@@ -406,7 +426,7 @@ def _backward(plan: C.Plan, q, k, v, bias, aux, out, lse, d_out, d_lse, bias_gra
   entries, width = _tables(plan, aux, transpose=False)
   segs = x.segs_for_rows_of_q() if plan.has_segments else ()
   dq = _dq_call(plan, width, bias_grad)(entries, x.iscal, x.fscal, x.q, x.k, x.v, do,
-                                        cols(lse_safe), cols(delta), *segs, *x.bias)
+                                        cols(lse_safe), cols(delta), *segs, *x.dense)
   d_bias = None
   if bias_grad:
     dq, ds = dq
@@ -414,7 +434,7 @@ def _backward(plan: C.Plan, q, k, v, bias, aux, out, lse, d_out, d_lse, bias_gra
   entries_t, width_t = _tables(plan, aux, transpose=True)
   segs = x.segs_for_rows_of_k() if plan.has_segments else ()
   dk, dv = _dkv_call(plan, width_t)(entries_t, x.iscal, x.fscal, x.q, x.k, x.v, do,
-                                    rows(lse_safe), rows(delta), *segs, *x.bias)
+                                    rows(lse_safe), rows(delta), *segs, *x.dense)
   dq = jnp.swapaxes(dq[:, :, :plan.q_len], 1, 2)
   dk = jnp.swapaxes(dk[:, :, :plan.kv_len], 1, 2)
   dv = jnp.swapaxes(dv[:, :, :plan.kv_len], 1, 2)
@@ -451,6 +471,10 @@ def _dq_call(plan: C.Plan, width: int, bias_grad: bool = False):
     in_specs.append(pl.BlockSpec(
         (None, None, bq, bk),
         lambda b, n, i, w, e, *_: (*plan.bias_index(b, n), i, kv_block(b, i, w, e))))
+  if plan.has_mask_array:
+    in_specs.append(pl.BlockSpec(
+        (None, None, bq, bk),
+        lambda b, n, i, w, e, *_: (*plan.mask_index(b, n), i, kv_block(b, i, w, e))))
   out_specs = pl.BlockSpec((None, None, bq, hd), row)
   out_shape = jax.ShapeDtypeStruct((plan.batch, plan.num_heads, plan.q_pad, hd), jnp.float32)
   if bias_grad:  # ds tiles [B, N, Tp, Sp], fp32; blocks no step visits are left unwritten
@@ -462,7 +486,7 @@ def _dq_call(plan: C.Plan, width: int, bias_grad: bool = False):
   grid = (plan.batch, plan.num_heads, nq, width)
   kernel = functools.partial(_dq_kernel, plan=plan, width=width, at=at, bias_grad=bias_grad)
   vmem = vmem_bytes_dq(bq, bk, hd, hv, jnp.dtype(plan.dtype).itemsize,
-                       bias_itemsize=_bias_itemsize(plan), bias_grad=bias_grad)
+                       dense_itemsize=_dense_itemsize(plan), bias_grad=bias_grad)
   return _launch(kernel, plan, grid, in_specs, out_specs, out_shape, scratch, vmem,
                  "jaxattn_flash_dq")
 
@@ -474,6 +498,9 @@ def _dq_kernel(entries_ref, iscal_ref, fscal_ref, q_ref, k_ref, v_ref, do_ref, l
   bias_ref = ds_ref = None
   if plan.has_bias:
     bias_ref, *refs = refs
+  mask_ref = None
+  if plan.has_mask_array:
+    mask_ref, *refs = refs
   if bias_grad:
     dq_ref, ds_ref, acc_ref = refs
   else:
@@ -497,7 +524,8 @@ def _dq_kernel(entries_ref, iscal_ref, fscal_ref, q_ref, k_ref, v_ref, do_ref, l
       segs = dict(q_seg=qseg_ref[:, :1], kv_seg=kvseg_ref[:1, :])
     s = C.block_scores(s, plan=plan, q_idx=q_idx, kv_idx=kv_idx, q_offset=q_offset, scale=scale,
                        slope=slope, masked=masked, kv_length=kv_length, **segs,
-                       bias=None if bias_ref is None else bias_ref[...])
+                       bias=None if bias_ref is None else bias_ref[...],
+                       allowed_tile=None if mask_ref is None or not masked else mask_ref[...])
     p = jnp.exp(s - lse_ref[:, :1])  # [bq, bk]
     dp = lax.dot_general(do, v, NT_DIMS, preferred_element_type=jnp.float32)  # [bq, bk]
     ds = C.soft_cap_grad(p * (dp - delta_ref[:, :1]), s, plan)
@@ -548,6 +576,10 @@ def _dkv_call(plan: C.Plan, width: int):
     in_specs.append(pl.BlockSpec(
         (None, None, bq, bk),
         lambda b, kh, j, r, e, *_: (*plan.bias_index(b, head(kh, r)), q_block(b, j, r, e), j)))
+  if plan.has_mask_array:
+    in_specs.append(pl.BlockSpec(
+        (None, None, bq, bk),
+        lambda b, kh, j, r, e, *_: (*plan.mask_index(b, head(kh, r)), q_block(b, j, r, e), j)))
   out_specs = [pl.BlockSpec((None, None, bk, hd), k_rows),
                pl.BlockSpec((None, None, bk, hv), k_rows)]
   out_shape = [
@@ -558,7 +590,7 @@ def _dkv_call(plan: C.Plan, width: int):
   grid = (plan.batch, plan.num_kv_heads, nk, g * width)
   kernel = functools.partial(_dkv_kernel, plan=plan, width=width, at=at)
   vmem = vmem_bytes_dkv(bq, bk, hd, hv, jnp.dtype(plan.dtype).itemsize,
-                        bias_itemsize=_bias_itemsize(plan))
+                        dense_itemsize=_dense_itemsize(plan))
   return _launch(kernel, plan, grid, in_specs, out_specs, out_shape, scratch, vmem,
                  "jaxattn_flash_dkv")
 
@@ -570,6 +602,9 @@ def _dkv_kernel(entries_ref, iscal_ref, fscal_ref, q_ref, k_ref, v_ref, do_ref, 
   bias_ref = None
   if plan.has_bias:
     bias_ref, *refs = refs
+  mask_ref = None
+  if plan.has_mask_array:
+    mask_ref, *refs = refs
   dk_ref, dv_ref, dk_acc, dv_acc = refs
   b, kh, j, r = (pl.program_id(a) for a in range(4))
   n = kh * plan.groups + _div(r, width)  # the query head of this step
@@ -591,8 +626,12 @@ def _dkv_kernel(entries_ref, iscal_ref, fscal_ref, q_ref, k_ref, v_ref, do_ref, 
     if masked and plan.has_segments:
       segs = dict(kv_seg=kvseg_ref[:, :1], q_seg=qseg_ref[:1, :])  # [bk, 1], [1, bq]
     bias = None if bias_ref is None else bias_ref[...].astype(jnp.float32).T  # [bk, bq]
+    allowed = None  # the mask array's tile, transposed to s^T (as int32: 32-bit transposes)
+    if mask_ref is not None and masked:
+      allowed = mask_ref[...].astype(jnp.int32).T
     s = C.block_scores(s, plan=plan, q_idx=q_idx, kv_idx=kv_idx, q_offset=q_offset, scale=scale,
-                       slope=slope, masked=masked, kv_length=kv_length, bias=bias, **segs)
+                       slope=slope, masked=masked, kv_length=kv_length, bias=bias,
+                       allowed_tile=allowed, **segs)
     p = jnp.exp(s - lse_ref[:1, :])  # [bk, bq] = p^T
     dv_acc[...] += lax.dot_general(p.astype(C.matmul_dtype(do)), do, NN_DIMS,
                                    preferred_element_type=jnp.float32)  # [bk, h]

@@ -329,8 +329,9 @@ def test_dispatcher_uses_the_kernel():
 
 def test_errors_name_the_argument():
   q, k, v = inputs(1, 8, 8, 2, 2, 8, 8)
-  with pytest.raises(ValueError, match="boolean `mask` array"):
-    dot_product_attention(q, k, v, mask=jnp.ones((1, 1, 8, 8), bool), implementation="pallas_tpu")
+  with pytest.raises(ValueError, match="at most one SegmentMask"):
+    dot_product_attention(q, k, v, mask=M.SegmentMask(ids := jnp.zeros((1, 8), jnp.int32), ids)
+                          & M.SegmentMask(ids, ids), implementation="pallas_tpu")
   ids = jnp.zeros((1, 8), jnp.int32)
   with pytest.raises(ValueError, match="OrMask"):
     flash_attention_tpu(q, k, v, M.CausalMask() | M.SegmentMask(ids, ids))

@@ -12,7 +12,7 @@ import pytest
 from jax.test_util import check_grads
 
 from jaxattn.ops.attention import attention_weights, dot_product_attention as dpa
-from jaxattn.ops.masks import CausalMask, sliding_window
+from jaxattn.ops.masks import CausalMask, SegmentMask, sliding_window
 
 IMPLS = ["xla", "xla_chunked"]
 
@@ -257,8 +257,10 @@ def test_errors():
   with pytest.raises(ValueError, match="implementation"):
     dpa(q, kk, v, implementation="cudnn_magic")
   # An explicit backend that cannot take this call raises; it never falls back.
-  with pytest.raises(ValueError, match="boolean `mask` array"):
-    dpa(q, kk, v, mask=jnp.ones((1, 4, 7, 7), bool), implementation="pallas_tpu")
+  ids = jnp.zeros((2, 7), jnp.int32)
+  with pytest.raises(ValueError, match="at most one SegmentMask"):
+    dpa(q, kk, v, mask=SegmentMask(ids, ids) & SegmentMask(ids, ids),
+        implementation="pallas_tpu")
   with pytest.raises(ValueError, match="local_window_size"):
     dpa(q, kk, v, local_window_size=-1)
   with pytest.raises(ValueError, match="bias"):

@@ -1,11 +1,14 @@
-"""A dense additive bias in the flash-attention kernels (TPU and Triton GPU, interpreted on CPU).
+"""A dense additive bias and a dense boolean mask array in the flash-attention kernels (TPU and
+Triton GPU, interpreted on CPU).
 
 The bias ``[B|1, N|1, T|1, S|1]`` (a T5 relative bias, a user bias) is streamed in blocks beside
 the keys and differentiated by the kernels' own backward pass (its gradient is the dQ kernel's
-``ds``).  Every case compares the output, the log-sum-exp and the gradients of a non-linear loss
-with respect to query, key, value *and the bias* with ``dot_product_attention(...,
-implementation="xla")``, which adds the bias to materialized logits.  Shapes are ragged (T and S
-not multiples of the blocks), so padded rows / keys of the bias are exercised.
+``ds``).  The mask array (True = attend, the shape of ``jax.nn.dot_product_attention``'s ``mask``)
+is streamed as int8 blocks, and the block tables skip the blocks it empties for every head of a
+batch row.  Every case compares the output, the log-sum-exp and the gradients of a non-linear
+loss with respect to query, key, value (and the bias) with ``dot_product_attention(...,
+implementation="xla")``, which materializes the logits.  Shapes are ragged (T and S not multiples
+of the blocks), so padded rows / keys of the dense inputs are exercised.
 
 Tolerances as in ``test_flash_tpu.py``: fp32 summation order (2e-5 outputs, 1e-4 gradients);
 bf16 inputs against the fp32 formula on the same inputs, 2e-2 / 3e-2.
@@ -193,15 +196,13 @@ def test_a_constant_bias_costs_no_gradient_write(backend):
 
 def test_dispatcher_sends_a_bias_to_the_kernels():
   """``dot_product_attention(..., bias, implementation="pallas_tpu" | "pallas_gpu")`` runs the
-  kernel (it used to refuse a dense bias); a boolean mask array is still refused."""
+  kernel (it used to refuse a dense bias)."""
   args, ref_kw, _, _ = build("shared_offset_causal")
   q, k, v, bias = args
   want = dot_product_attention(q, k, v, bias, implementation="xla", is_causal=True, q_offset=30)
   for impl in ("pallas_tpu", "pallas_gpu"):
     got = dot_product_attention(q, k, v, bias, implementation=impl, is_causal=True, q_offset=30)
     assert_close(got, want, F32_TOL, impl)
-    with pytest.raises(ValueError, match="boolean `mask` array"):
-      dot_product_attention(q, k, v, mask=jnp.ones((1, 1, 8, 40), bool), implementation=impl)
 
 
 def test_bias_errors_name_the_argument():
@@ -217,21 +218,23 @@ def test_bias_errors_name_the_argument():
 def test_sharded_bias_matches_formula():
   """Under the simulated 8-device mesh (batch over `data`, heads over `tensor`): a per-row bias
   is split with batch and heads, a batch-shared one replicated over `data` (its gradient summed
-  over the batch shards by ``shard_map``'s transpose)."""
+  over the batch shards by ``shard_map``'s transpose); the mask arrays likewise."""
   mesh = sharding.make_mesh({"data": 2, "tensor": 4})
   b, t, n, kh, h = 2, 24, 8, 4, 16
-  for bias_shape in ((b, n, t, t), (1, n, t, t)):
+  for bias_shape, mask_shape in (((b, n, t, t), (1, n, t, t)), ((1, n, t, t), (b, 1, 1, t))):
     q, k, v, bias = make_inputs(b, t, t, n, kh, h, bias_shape, seed=5)
+    allowed = random_mask(mask_shape, seed=6, density=0.7)
     attn = lambda q, k, v, bias: flash_attention_tpu(  # noqa: E731
-        q, k, v, M.CausalMask(), bias=bias, return_residuals=True, block_sizes=GPU_BLOCKS,
-        interpret=True)
+        q, k, v, M.CausalMask(), bias=bias, mask_array=allowed, return_residuals=True,
+        block_sizes=GPU_BLOCKS, interpret=True)
     with jax.set_mesh(mesh):
       assert plan_specs(mesh, b, n, kh) == ("data", "tensor")
       jaxpr = str(jax.make_jaxpr(lambda *a: loss_and_grads(attn, *a))(q, k, v, bias))
       assert "shard_map" in jaxpr
       out, lse, grads = run(lambda *a: loss_and_grads(attn, *a), q, k, v, bias)
-    r_out, _, r_grads = run(lambda *a: loss_and_grads(reference({"is_causal": True}), *a),
-                            q, k, v, bias)
+    r_out, _, r_grads = run(
+        lambda *a: loss_and_grads(reference({"is_causal": True, "mask": allowed}), *a),
+        q, k, v, bias)
     assert_close(out, r_out, 2e-5, f"out {bias_shape}")
     for g, rg, label in zip(grads, r_grads, ("dq", "dk", "dv", "dbias")):
       assert_close(g, rg, 1e-4, f"{label} {bias_shape}")
@@ -260,13 +263,15 @@ def test_dispatcher_with_alibi_leaves_a_constant_bias_out_of_the_backward():
 
 def test_bias_kernels_are_race_free(race_states):
   """TPU-semantics interpreter with race detection: forward, dQ (writing the bias' gradient
-  blocks) and dK/dV (reading transposed bias blocks), with the bias shared over the batch."""
+  blocks) and dK/dV (reading transposed bias and mask blocks), with the bias shared over the
+  batch and a mask array per row."""
   pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
   q, k, v, bias = make_inputs(2, 16, 16, 2, 1, 8, (1, 2, 16, 16), seed=2)
+  allowed = random_mask((2, 1, 16, 16), seed=3, density=0.8)
   params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
 
   def loss(q, k, v, bias):
-    out = flash_attention_tpu(q, k, v, M.CausalMask(), bias=bias,
+    out = flash_attention_tpu(q, k, v, M.CausalMask(), bias=bias, mask_array=allowed,
                               block_sizes=BlockSizes(8, 8, 8, 8), interpret=params)
     return jnp.sum(out * jnp.sin(out))
 
@@ -275,7 +280,109 @@ def test_bias_kernels_are_race_free(race_states):
   assert len(race_states) >= 3, "expected the forward, dQ and dK/dV kernels to be interpreted"
   assert not any(st_.races_found for st_ in race_states)
   r_grads = jax.grad(lambda *a: jnp.sum((o := dot_product_attention(
-      *a, is_causal=True, implementation="xla")) * jnp.sin(o)), argnums=(0, 1, 2, 3))(
-          q, k, v, bias)
+      *a, mask=allowed, is_causal=True, implementation="xla")) * jnp.sin(o)),
+      argnums=(0, 1, 2, 3))(q, k, v, bias)
   for g, rg, label in zip(grads, r_grads, ("dq", "dk", "dv", "dbias")):
     assert_close(g, rg, 1e-4, label)
+
+
+# ----------------------------------------------------------------------------------------------
+# Boolean mask arrays
+# ----------------------------------------------------------------------------------------------
+
+
+def random_mask(shape, seed, density=0.6):
+  return jax.random.uniform(jax.random.key(seed), shape) < density
+
+
+# name -> (B T S N K H, mask-array shape, reference keyword arguments, with a bias too)
+MASK_CASES = {
+    # Per row and head, under a causal mask and a soft-cap (the mask after the cap); row 5 of
+    # batch 1 sees no key (zeros, -inf lse), and query block 0 x key block 1 of batch 0 is empty
+    # for every head (skipped by the tables).
+    "full_causal_softcap": ((2, 40, 33, 4, 2, 16), (2, 4, 40, 33),
+                            {"is_causal": True, "logits_soft_cap": 3.0}, False),
+    # Shared over the batch, with packed segments, ALiBi and a learned bias beside it.
+    "shared_segments_alibi_bias": ((2, 24, 24, 2, 1, 16), (1, 2, 24, 24),
+                                   {"segments": True, "alibi": True}, True),
+    # A key-padding mask as Hugging Face models build it ([B, 1, 1, S]), GQA, no position mask.
+    "key_padding_gqa": ((2, 36, 36, 4, 2, 16), (2, 1, 1, 36), {}, False),
+}
+
+
+def build_masked(name):
+  (b, t, s, n, kh, h), mshape, kw, with_bias = MASK_CASES[name]
+  q, k, v, bias = make_inputs(b, t, s, n, kh, h, (1, n, t, s), seed=7)
+  allowed = random_mask(mshape, seed=8)
+  if name == "full_causal_softcap":
+    allowed = allowed.at[1, :, 5].set(False).at[0, :, :16, 16:32].set(False)
+  kw = dict(kw)
+  ref_kw = {}
+  if kw.pop("alibi", False):
+    ref_kw["alibi_slopes"] = jnp.asarray(0.5 ** np.arange(1, n + 1), jnp.float32)
+  if kw.pop("segments", False):
+    ref_kw["segment_ids"] = segment_ids(b, t)
+  ref_kw.update(kw)
+  mask = M.make_mask(is_causal=ref_kw.get("is_causal", False),
+                     segment_ids=ref_kw.get("segment_ids"))
+  kern_kw = {k_: ref_kw[k_] for k_ in ("alibi_slopes", "logits_soft_cap") if k_ in ref_kw}
+  return (q, k, v, bias if with_bias else None), allowed, ref_kw, mask, kern_kw
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+@pytest.mark.parametrize("name", list(MASK_CASES))
+def test_mask_array_forward_and_gradients_match_formula(backend, name):
+  (q, k, v, bias), allowed, ref_kw, mask, kern_kw = build_masked(name)
+  attn = kernel(backend, mask, mask_array=allowed, **kern_kw)
+  ref = reference({**ref_kw, "mask": allowed})
+  if bias is None:  # the loss differentiates a bias argument: zeros, then not compared
+    bias = jnp.zeros((1, 1, 1, 1))
+    attn_, ref_ = attn, ref
+    attn = lambda q, k, v, b: attn_(q, k, v, None)  # noqa: E731
+    ref = lambda q, k, v, b: ref_(q, k, v, jnp.zeros((1, 1, 1, 1)))  # noqa: E731
+  out, lse, grads = run(lambda *a: loss_and_grads(attn, *a), q, k, v, bias)
+  r_out, r_lse, r_grads = run(lambda *a: loss_and_grads(ref, *a), q, k, v, bias)
+  assert_close(out, r_out, F32_TOL, "out")
+  np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(r_lse))
+  assert_close(jnp.where(jnp.isfinite(lse), lse, 0), jnp.where(jnp.isfinite(r_lse), r_lse, 0),
+               F32_TOL, "lse")
+  for g, rg, label in zip(grads, r_grads, ("dq", "dk", "dv", "dbias")):
+    assert_close(g, rg, F32_GRAD_TOL, label)
+  if name == "full_causal_softcap":
+    assert not np.isnan(np.asarray(out)).any()
+    np.testing.assert_array_equal(np.asarray(out[1, 5]), 0.0)
+    assert np.all(np.asarray(lse[1, :, 5]) == -np.inf)
+
+
+def test_mask_array_prunes_the_block_tables():
+  """A block-diagonal mask array (two 16-row blocks) lists only the diagonal blocks, FULL (no
+  mask evaluation), in both tilings; a block with some allowed pairs is PARTIAL; the tables are
+  per batch row and take the union over heads."""
+  from pallas_kernels.flash_attention import common  # noqa: PLC0415
+  t = 32
+  diag = np.kron(np.eye(2, dtype=bool), np.ones((16, 16), bool))
+  allowed = np.stack([diag, diag]).reshape(2, 1, t, t)
+  allowed[1, 0, 3, 20] = True  # row 1: one pair in query block 0 x key block 1
+  allowed = jnp.asarray(allowed)
+  q = jnp.zeros((2, t, 2, 8))
+  plan = common.make_plan(q, q, q, static_mask=None, q_offset=0, logits_soft_cap=None,
+                          alibi_slopes=None, segment_ids=None, kv_lengths=None,
+                          block_sizes=BlockSizes(16, 16, 16, 16), interpret=True,
+                          mask_array=allowed)
+  assert plan.per_batch_tables
+  for transpose in (False, True):
+    entries, counts = common.block_tables(plan, mask_array=allowed, transpose=transpose)
+    counts, cols = np.asarray(counts), np.asarray(entries) >> common.KIND_BITS
+    np.testing.assert_array_equal(counts[0], [[1, 0], [1, 0]])  # (FULL, PARTIAL) per row
+    np.testing.assert_array_equal(cols[0, :, 0], [0, 1])
+    # row 1: the extra pair makes (query block 0, key block 1) PARTIAL, listed after the FULL
+    # diagonal block of query block 0's row (forward) or of key block 1's row (dK/dV)
+    np.testing.assert_array_equal(counts[1], [[1, 0], [1, 1]] if transpose else [[1, 1], [1, 0]])
+
+
+def test_mask_array_errors_name_the_argument():
+  q, k, v, _ = make_inputs(1, 8, 8, 2, 2, 8, (1, 1, 1, 1))
+  with pytest.raises(ValueError, match=r"`mask_array` must have shape \[B\|1, N\|1, T\|1, S\|1\]"):
+    flash_attention_tpu(q, k, v, mask_array=jnp.ones((1, 3, 8, 8), bool), interpret=True)
+  with pytest.raises(ValueError, match="`mask_array` must be boolean"):
+    flash_attention_gpu(q, k, v, mask_array=jnp.ones((1, 2, 8, 8), jnp.int32), interpret=True)
