@@ -26,6 +26,7 @@ raises prints ``FAIL (<error>)`` and the others still run, then the benchmark (e
     python -m experiments.bench_flash                                    # platform defaults
     python -m experiments.bench_flash --seq-lens 2048 4096 8192 16384 --backward
     python -m experiments.bench_flash --seq-lens 1024 2048 --no-plot
+    python -m experiments.bench_flash --dense bias --backward   # a learned dense bias, both sides
     python -m experiments.bench_flash --roofline     # the TPU table of docs/performance.md
 """
 
@@ -63,23 +64,42 @@ def attention_flops(b, t, s, n, h, hv, causal, backward) -> float:
   return fwd * (3.5 if backward else 1.0)
 
 
-def _make(kind, causal, backward):
-  """The function timed for one implementation: forward, or forward + backward (grads of sum)."""
+def _make(kind, causal, backward, dense="none"):
+  """The function timed for one implementation: forward, or forward + backward (grads of sum),
+  of ``(q, k, v, extra)``: ``extra`` is the dense input of ``--dense`` (None for "none"), given
+  to both implementations alike (``bias``: learned, so forward + backward differentiates it)."""
+  def dense_kwargs(extra):
+    return {"none": {}, "bias": {"bias": extra}, "mask": {"mask": extra}}[dense]
+
   if kind == "ours":
     impl = {"gpu": "pallas_gpu", "tpu": "pallas_tpu", "cpu": "xla_chunked"}[_platform()]
 
-    def fwd(q, k, v):
-      return dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
+    def fwd(q, k, v, extra):
+      return dot_product_attention(q, k, v, is_causal=causal, implementation=impl,
+                                   **dense_kwargs(extra))
   else:
     impl = "cudnn" if _platform() == "gpu" else "xla"
 
-    def fwd(q, k, v):
-      return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
+    def fwd(q, k, v, extra):
+      return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl,
+                                          **dense_kwargs(extra))
 
   if not backward:
     return fwd
-  grad = jax.grad(lambda q, k, v: jnp.sum(fwd(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
-  return grad
+  argnums = (0, 1, 2, 3) if dense == "bias" else (0, 1, 2)
+  return jax.grad(lambda q, k, v, extra: jnp.sum(fwd(q, k, v, extra).astype(jnp.float32)),
+                  argnums=argnums)
+
+
+def dense_input(kind: str, b: int, t: int, heads: int, dtype, seed: int):
+  """``--dense``'s extra input: a T5-style bias shared over the batch ``[1, N, T, T]`` (in the
+  activations' dtype), or a key-padding mask ``[B, 1, 1, T]`` hiding each row's last eighth."""
+  if kind == "none":
+    return None
+  if kind == "bias":
+    return jax.random.normal(jax.random.key(seed), (1, heads, t, t), jnp.float32).astype(dtype)
+  valid = jnp.arange(t) < t - t // 8
+  return jnp.broadcast_to(valid, (b, 1, 1, t))
 
 
 def run_benchmark(args) -> list[dict]:
@@ -103,7 +123,8 @@ def run_benchmark(args) -> list[dict]:
   print(f"platform={platform} device={jax.devices()[0].device_kind} jax={jax.__version__} "
         f"dtype={dtype.name} heads={args.heads}/{args.kv_heads} head_dim={args.head_dim}"
         f"{f'/{args.v_head_dim}' if args.v_head_dim != args.head_dim else ''} "
-        f"tokens/batch={args.tokens} {'fwd+bwd' if args.backward else 'fwd'}")
+        f"tokens/batch={args.tokens} {'fwd+bwd' if args.backward else 'fwd'}"
+        f"{'' if args.dense == 'none' else f' dense={args.dense}'}")
   print(f"matmul peak ({peak_size}^3, {dtype.name}): {peak:.1f} {uname}")
   print(f"{'T':>6} {'causal':>6} {'B':>3} | {ours_name + ' ms':>15} {uname:>8} {'% peak':>7} "
         f"{'mem MiB':>8} | {base_name + ' ms':>17} {uname:>8} {'mem MiB':>8} | {'speedup':>7}")
@@ -117,13 +138,15 @@ def run_benchmark(args) -> list[dict]:
     k = jax.random.normal(ks[1], (b, t, args.kv_heads, args.head_dim), jnp.float32).astype(dtype)
     v = jax.random.normal(ks[2], (b, t, args.kv_heads, args.v_head_dim),
                           jnp.float32).astype(dtype)
+    extra = dense_input(args.dense, b, t, args.heads, dtype, t + 1)
     flops = attention_flops(b, t, t, args.heads, args.head_dim, args.v_head_dim, causal,
                             args.backward)
     row = {"T": t, "causal": causal, "B": b}
     for kind in ("ours", "base"):
       try:
-        compiled, _ = compile_timed(_make(kind, causal, args.backward), q, k, v)
-        sec = best_time(compiled, (q, k, v), args.repeats, inner=AUTO)
+        compiled, _ = compile_timed(_make(kind, causal, args.backward, args.dense), q, k, v,
+                                    extra)
+        sec = best_time(compiled, (q, k, v, extra), args.repeats, inner=AUTO)
         row[kind] = (sec, flops / sec / unit, peak_bytes(compiled) / 2**20)
       except Exception as e:  # a baseline may not support a shape (e.g. cuDNN limits): say why
         row[kind] = None
@@ -502,8 +525,8 @@ def run_sweep(args) -> list[dict]:
       flops = attention_flops(b, t, t, args.heads, args.head_dim, args.v_head_dim, causal,
                               backward)
       try:
-        base = best_time(compile_timed(_make("base", causal, backward), q, k, v)[0], (q, k, v),
-                         args.repeats, inner=AUTO)
+        base = best_time(compile_timed(_make("base", causal, backward), q, k, v, None)[0],
+                         (q, k, v, None), args.repeats, inner=AUTO)
         print(f"  causal={causal} {'fwd+bwd' if backward else 'fwd'}: cudnn {base * 1e3:.2f} ms "
               f"{flops / base / 1e12:.1f} TFLOP/s", flush=True)
       except Exception as e:  # cuDNN may refuse a shape (head sizes): ratios become nan
@@ -591,6 +614,9 @@ def main(argv=None):
                  help="value head size (default: = head dim; e.g. 192 / 128 for MLA's prefill)")
   p.add_argument("--dtype", default=None, help="default bfloat16 (accelerators) / float32 (CPU)")
   p.add_argument("--backward", action="store_true", help="time forward + backward")
+  p.add_argument("--dense", choices=("none", "bias", "mask"), default="none",
+                 help="give both implementations a learned T5-style bias [1, N, T, T] or a "
+                      "key-padding mask array [B, 1, 1, T] (the last eighth of keys hidden)")
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--matmul-size", type=int, default=None)
   p.add_argument("--plot", default=None,

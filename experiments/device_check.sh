@@ -14,7 +14,8 @@
 #   1. preflight: versions, the GPU as JAX sees it, missing packages named;
 #   2. (core) the GPU kernel tests compiled, in one pytest run over 8 processes:
 #      tests/kernels/test_decode_gpu.py, test_flash_gpu.py, test_flash_hopper.py and the cuDNN
-#      backend of the dispatcher against the formula (tests/ops/test_attention_cudnn.py);
+#      backend of the dispatcher against the formula (tests/ops/test_attention_cudnn.py); then the
+#      Triton kernels with a dense bias and mask array (tests/kernels/test_flash_dense.py -k gpu);
 #   3. (core) the contiguous-cache decode tests on the GPU kernels, experiments.bench_decode
 #      --check (kernels vs formulas at 32k context) and the decode benchmark (contiguous XLA,
 #      paged XLA and the paged Pallas kernels against the copy bandwidth, 4k and 32k, batch
@@ -25,7 +26,9 @@
 #      settings: plain, overlap, overlap + ping-pong, the last two at 240 registers too, overlap
 #      with 192-key steps, with 3 stages and with persistent CTAs), then
 #      the Triton kernels; the Hopper forward + backward benchmark (T = 2k, 8k);
-#   5. (more) the Triton forward + backward benchmark; the Hopper forward + backward schedules
+#   5. (more) the Triton forward + backward benchmark, and with a learned dense bias and a
+#      key-padding mask array on both sides (bench_flash --dense); the Hopper forward + backward
+#      schedules
 #      at T = 8k, causal (HOPPER_BWD_SWEEP: the backward's matmuls in turn or in flight
 #      together, with each forward schedule; the dQ kernel at 64 or 128 keys per step); the
 #      Hopper and Triton forwards at MLA's
@@ -168,6 +171,10 @@ if [ ${#TESTS[@]} -gt 0 ]; then
   step "GPU kernel tests (${TESTS[*]})" 150 \
     "$PY" -m pytest -q -rf -n 8 -p no:cacheprovider -m "slow or not slow" "${TESTS[@]}"
 fi
+if want core flash; then  # the Triton kernels with a dense bias / mask array (the GPU cases)
+  step "GPU kernels with a dense bias and mask array" 90 \
+    "$PY" -m pytest -q -rf -n 8 -p no:cacheprovider tests/kernels/test_flash_dense.py -k gpu
+fi
 if want core decode; then
   # the contiguous caches read as pages by the same kernels (what automatic dispatch now takes on
   # NVIDIA GPUs for a module's KVCache / LatentCache)
@@ -198,6 +205,11 @@ if want more flash; then
   step "triton kernels: forward+backward benchmark" 60 \
     "$PY" -m experiments.bench_flash --gpu-forward triton --gpu-backward triton --backward \
     --seq-lens 2048 8192 --repeats 3 --plot "$DEST/bench_flash_gpu_bwd.png"
+  for d in bias mask; do  # both sides given the same dense input (cuDNN takes a bias too)
+    step "dense $d: forward + backward against cuDNN" 60 \
+      "$PY" -m experiments.bench_flash --dense "$d" --backward --seq-lens 2048 8192 \
+      --repeats 3 --no-plot
+  done
   if want more -; then  # tuning (PART=more / all)
     step "hopper forward + backward schedules at 8k (causal; backward overlap, dQ steps)" 190 \
       "$PY" -m experiments.bench_flash --sweep 8192 --sweep-kernels hopper --backward \

@@ -278,6 +278,35 @@ def test_flash_check_error_still_runs_the_benchmark_and_times_in_rounds(monkeypa
   assert [inner for inner, _ in seen] == ["auto"] * 4      # (ours, base) x (full, causal)
 
 
+@pytest.mark.parametrize("dense", ["bias", "mask"])
+def test_flash_dense_inputs_reach_both_sides(dense, monkeypatch, capsys):
+  """``--dense bias`` / ``--dense mask``: ours and the baseline each get the same dense input
+  (a [1, N, T, T] bias, differentiated in forward + backward; a [B, 1, 1, T] key-padding mask)."""
+  seen = {"ours": [], "base": []}
+  real_ours, real_base = bench_flash.dot_product_attention, jax.nn.dot_product_attention
+
+  def ours(q, k, v, **kw):
+    seen["ours"].append({n: tuple(x.shape) for n, x in kw.items() if n in ("bias", "mask")})
+    return real_ours(q, k, v, **kw)
+
+  def base(q, k, v, **kw):
+    seen["base"].append({n: tuple(x.shape) for n, x in kw.items() if n in ("bias", "mask")})
+    return real_base(q, k, v, **kw)
+
+  monkeypatch.setattr(bench_flash, "dot_product_attention", ours)
+  monkeypatch.setattr(jax.nn, "dot_product_attention", base)
+  rc = bench_flash.main(["--seq-lens", "32", "--tokens", "64", "--heads", "2", "--head-dim",
+                         "16", "--repeats", "1", "--matmul-size", "32", "--no-plot",
+                         "--backward", "--dense", dense])
+  assert rc == 0
+  want = {"bias": {"bias": (1, 2, 32, 32)}, "mask": {"mask": (2, 1, 1, 32)}}[dense]
+  assert seen["ours"] and all(x == want for x in seen["ours"] + seen["base"]), seen
+  out = capsys.readouterr().out
+  assert f"dense={dense}" in out and "    32  False   2 |" in out and "n/a" not in out
+  mask = bench_flash.dense_input("mask", 2, 32, 2, jnp.float32, 0)
+  assert mask.dtype == jnp.bool_ and int(mask.sum()) == 2 * 28  # the last eighth hidden
+
+
 def test_flash_hopper_config_flag():
   """``--hopper block_k=64,stages=3,overlap=1`` builds the Hopper kernels' config; unknown names,
   non-integers and configs the kernel refuses are argument errors naming what is allowed."""
@@ -358,12 +387,12 @@ def test_device_check_all_steps_pass(tmp_path):
   assert proc.returncode == 0, proc.stdout
   assert proc.stdout.splitlines()[-1] == "device_check: PASSED"
   assert log == proc.stdout                           # the tee'd log is complete
-  assert proc.stdout.count("=== ") == 2 * 17 and "SKIPPED" not in proc.stdout
+  assert proc.stdout.count("=== ") == 2 * 20 and "SKIPPED" not in proc.stdout
   # one pytest run compiles every GPU kernel test file, before any benchmark
   steps = [x for x in proc.stdout.splitlines() if x.startswith("=== ") and "limit" in x]
   assert steps[1].startswith("=== GPU kernel tests (") and steps[1].count(".py") == 4, steps
-  for part, first, n in (("core", "GPU kernel tests", 7), ("more", "triton kernels: fo", 9),
-                         ("flash", "GPU kernel tests", 9)):
+  for part, first, n in (("core", "GPU kernel tests", 8), ("more", "triton kernels: fo", 11),
+                         ("flash", "GPU kernel tests", 12)):
     proc, _, _ = _device_check(tmp_path, PART=part)
     steps = [x for x in proc.stdout.splitlines() if x.startswith("=== ") and "limit" in x]
     assert proc.returncode == 0 and len(steps) == 1 + n, proc.stdout
