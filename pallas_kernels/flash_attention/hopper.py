@@ -1451,11 +1451,18 @@ def _dkv_call(st: _Static, part: str = "both"):
         ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [1]))
         return (ds if tanh is None else ds * (1.0 - tanh * tanh)).astype(dtype)
 
+      def unpack(carry):
+        """``(dk, dv)`` from the ``part``-shaped carry (None for the one not computed)."""
+        return {"both": carry, "dk": (carry, None), "dv": (None, carry)}[part]
+
+      def pack(dk, dv):
+        return {"both": (dk, dv), "dk": dk, "dv": dv}[part]
+
       def compute(t, slot, block, o, carry, masked):
         """One step, its matmuls issued in turn: ``dv += p^T do`` and ``dk += ds^T q`` (both,
         or with ``part`` the one; ``carry`` holds what is computed)."""
         del t
-        dk, dv = {"both": carry, "dk": (carry, None), "dv": (None, carry)}[part]
+        dk, dv = unpack(carry)
         for name in ("q", "lse") + (("qseg",) if st.segments else ()):
           plgpu.barrier_wait(scratch[name + "_ready"].at[slot])
         q_slot, do_slot = scratch["q"].at[slot], scratch["do"].at[slot]
@@ -1470,7 +1477,7 @@ def _dkv_call(st: _Static, part: str = "both"):
           dk = ctx.mm_acc(dk, grad_logits(p, dp, tanh, slot), q_slot)
         ctx.take_turn(turn)
         ctx.release(free, slot, generic_reads=True)
-        return {"both": (dk, dv), "dk": dk, "dv": dv}[part]
+        return pack(dk, dv)
 
       def compute_overlapped(t, slot, block, o, carry, masked):
         """``compute`` with its matmuls in flight together (``Config.backward_overlap``):
@@ -1479,7 +1486,7 @@ def _dkv_call(st: _Static, part: str = "both"):
         (the dK kernel of unequal sizes, ``part="dk"``: no ``dv``, ``ds^T`` once ``dp^T`` is
         done)."""
         del t
-        dk, dv = carry if part == "both" else (carry, None)
+        dk, dv = unpack(carry)  # (part "dv" never overlaps: no dp^T)
         for name in ("q", "lse", "do", "delta") + (("qseg",) if st.segments else ()):
           plgpu.barrier_wait(scratch[name + "_ready"].at[slot])
         q_slot, do_slot = scratch["q"].at[slot], scratch["do"].at[slot]
@@ -1510,7 +1517,7 @@ def _dkv_call(st: _Static, part: str = "both"):
           dv = dv[0] if dv else None
         ctx.take_turn(turn)
         ctx.release(free, slot, generic_reads=True)
-        return (dk, dv) if part == "both" else dk
+        return pack(dk, dv)
 
       ready = tuple(scratch[n + "_ready"] for n in ("q", "do", "lse", "delta")) + (
           (scratch["qseg_ready"],) if st.segments else ())

@@ -19,6 +19,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from jaxattn import sharding
 from jaxattn.ops import masks as M
@@ -386,3 +387,47 @@ def test_mask_array_errors_name_the_argument():
     flash_attention_tpu(q, k, v, mask_array=jnp.ones((1, 3, 8, 8), bool), interpret=True)
   with pytest.raises(ValueError, match="`mask_array` must be boolean"):
     flash_attention_gpu(q, k, v, mask_array=jnp.ones((1, 2, 8, 8), jnp.int32), interpret=True)
+
+
+@settings(max_examples=4, deadline=None, derandomize=True)
+@given(t=st.integers(1, 40), s=st.integers(1, 40), groups=st.sampled_from([1, 2]),
+       bias_dims=st.sampled_from([None, (1, 1), (1, 0), (0, 1), (0, 0)]),
+       mask_dims=st.sampled_from([None, (1, 1, 1), (0, 1, 1), (1, 0, 0)]),
+       causal=st.booleans())
+def test_dense_inputs_random_shapes(t, s, groups, bias_dims, mask_dims, causal):
+  """Random lengths (8-row blocks: ragged everywhere), GQA groups, which dims of the bias / mask
+  array are full (1) or broadcast (0): forward and gradients (the bias' too) on the TPU kernel
+  against the formula."""
+  b, kh = 2, 1
+  n = kh * groups
+  q, k, v, _ = make_inputs(b, t, s, n, kh, 8, (1, 1, 1, 1), seed=t * 41 + s)
+  bias = allowed = None
+  if bias_dims is not None:
+    shape = (b if bias_dims[0] else 1, n if bias_dims[1] else 1, t, s)
+    bias = jax.random.normal(jax.random.key(s), shape)
+  if mask_dims is not None:
+    shape = (b if mask_dims[0] else 1, n if mask_dims[1] else 1, t if mask_dims[2] else 1, s)
+    allowed = random_mask(shape, seed=t + s, density=0.7)
+  mask = M.CausalMask() if causal else None
+  q_offset = max(0, s - t) if causal else 0
+
+  def ours(q, k, v, bias):
+    return flash_attention_tpu(q, k, v, mask, bias=bias, mask_array=allowed, q_offset=q_offset,
+                               return_residuals=True, block_sizes=BlockSizes(8, 8, 8, 8),
+                               interpret=True)
+
+  def ref(q, k, v, bias):
+    return dot_product_attention(q, k, v, bias, allowed, is_causal=causal, q_offset=q_offset,
+                                 return_residuals=True, implementation="xla")
+
+  if bias is None:
+    bias = jnp.zeros((1, 1, 1, 1))
+    ours_, ref_ = ours, ref
+    ours = lambda q, k, v, b: ours_(q, k, v, None)  # noqa: E731
+    ref = lambda q, k, v, b: ref_(q, k, v, None)  # noqa: E731
+  out, lse, grads = run(lambda *a: loss_and_grads(ours, *a), q, k, v, bias)
+  r_out, r_lse, r_grads = run(lambda *a: loss_and_grads(ref, *a), q, k, v, bias)
+  assert_close(out, r_out, 2e-5, "out")
+  np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(r_lse))
+  for g, rg, label in zip(grads, r_grads, ("dq", "dk", "dv", "dbias")):
+    assert_close(g, rg, 1e-4, label)

@@ -147,8 +147,8 @@ def test_mla_head_sizes(h, hv, config):
   # The interpreter takes no aliased refs (it writes the output to tiles of its own) and, on two
   # CPU cores, stalls at 128-key steps with unequal head sizes: a thread dump shows the two
   # consumers' barrier waits (host callbacks) holding both of XLA's CPU pool threads while the
-  # producer's program waits for a thread to run on, before it has issued a load -- the
-  # interpreter starved of threads, not a cycle of barriers in the kernel. Interpreted runs take
+  # producer's program waits for a thread to run on -- the interpreter starved of threads, not
+  # a cycle of barriers in the kernel. Interpreted runs take
   # 64-key steps.
   run_config = config or (None if ON_GPU else hopper.Config(block_k=64))
   out, lse = hopper.forward(q, key, v, mask=M.CausalMask(), q_offset=0, config=run_config,
