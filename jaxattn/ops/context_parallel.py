@@ -37,8 +37,9 @@ Both call ``dot_product_attention`` on each device's blocks with a static ``q_of
 (the native CPU kernel, the Pallas kernels) takes them.  ``dot_product_attention`` routes here by
 itself when the mesh set by ``jax.set_mesh`` has a ``context`` axis of size > 1 and the call is
 self-attention that context parallelism computes (``unsupported`` says why not): causal / window /
-global-token masks, segment ids, lengths, ALiBi, soft-cap, a dense bias (``"all_gather"`` only),
-residuals.
+global-token masks, segment ids, lengths, ALiBi, soft-cap, a dense bias and a dense boolean mask
+array (split with the query rows; each block reads the columns of its keys, and the bias'
+gradient stays on the device of its rows), residuals.
 ``set_options`` picks the strategy for those calls.
 """
 
@@ -54,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from jaxattn.ops import masks as M
 
@@ -123,15 +124,11 @@ def unsupported(query, key, *, bias, mask_array, q_offset, scale, size: int, str
     return f"T={t} is not a multiple of the context axis size {size}"
   if isinstance(q_offset, jax.core.Tracer) or int(np.asarray(q_offset)) != 0:
     return "q_offset is not 0"
-  if mask_array is not None:
-    return "a dense boolean mask array (pass a Mask or fold it into `bias`)"
   try:
     static = C.split_mask(mask)[0]
   except UnsupportedError as e:
     return f"the mask: {e}"
   if strategy == "ring":
-    if bias is not None:
-      return "the ring strategy takes no dense `bias` (use strategy='all_gather')"
     if isinstance(scale, jax.core.Tracer):
       return "the ring strategy needs a static `scale`"
     if static is not None and M._band(static) is None:
@@ -145,7 +142,7 @@ def context_parallel_attention(
     key: Float[Array, "B T K H"],
     value: Float[Array, "B T K h"],
     bias: Float[Array, "#B #N #T T"] | None = None,
-    mask: M.Mask | None = None,
+    mask: M.Mask | Bool[Array, "#B #N #T T"] | None = None,
     *,
     scale: float | None = None,
     is_causal: bool = False,
@@ -163,14 +160,14 @@ def context_parallel_attention(
   """Self-attention with the sequence split over the mesh axis ``context``.
 
   Arguments as ``dot_product_attention`` (self-attention: ``T == S``, ``q_offset`` 0; ``mask`` a
-  ``Mask`` object, not a dense array).  ``strategy``: ``"all_gather"`` or ``"ring"`` (module
-  docstring).  ``load_balance``: swap half-chunks between devices ``c`` and ``C-1-c`` so a
-  causal mask gives every device the same work (queries for ``"all_gather"``; queries, keys and
-  values for the ring, whose ALiBi is then refused); None: when the mask is causal (and, for the
-  ring, there is no ALiBi) and ``T / C`` is even.  ``mesh``: a
-  ``Mesh`` with a ``context`` axis (default: the one set by ``jax.set_mesh``).  ``implementation``:
-  the backend each device's blocks use.  Returns what ``dot_product_attention`` returns, with the
-  output split like the query.
+  ``Mask`` object or a boolean array, split with the query rows like ``bias``).  ``strategy``:
+  ``"all_gather"`` or ``"ring"`` (module docstring).  ``load_balance``: swap half-chunks between
+  devices ``c`` and ``C-1-c`` so a causal mask gives every device the same work (queries for
+  ``"all_gather"``; queries, keys and values for the ring, whose ALiBi is then refused); None:
+  when the mask is causal (and, for the ring, there is no ALiBi) and ``T / C`` is even.
+  ``mesh``: a ``Mesh`` with a ``context`` axis (default: the one set by ``jax.set_mesh``).
+  ``implementation``: the backend each device's blocks use.  Returns what
+  ``dot_product_attention`` returns, with the output split like the query.
   """
   from jaxattn.ops.attention import _backend_kwargs
   if strategy not in STRATEGIES:
@@ -213,11 +210,14 @@ def attention(query, key, value, kw: dict, *, size: int, strategy: str, load_bal
     raise ValueError(f"`load_balance` needs a causal mask (without ALiBi, for the ring) and an "
                      f"even number of rows per device, got strategy={strategy!r}, mask "
                      f"{static!r}, T / C = {t}.")
-  bias = kw["bias"]
+  def all_keys(x):  # a dense [B|1, N|1, T|1, S|1] input with every key column: blocks slice them
+    return None if x is None else jnp.broadcast_to(x, (*np.shape(x)[:3], key.shape[1]))
+
+  bias, allowed = all_keys(kw["bias"]), all_keys(kw["mask_array"])
   q_ids, kv_ids = (None, None) if segments is None else segments
   scale = kw["scale"]
   named = {"query": query, "key": key, "value": value, "q_ids": q_ids, "kv_ids": kv_ids,
-           "lengths": lengths, "slopes": kw["alibi_slopes"], "bias": bias,
+           "lengths": lengths, "slopes": kw["alibi_slopes"], "bias": bias, "allowed": allowed,
            "scale": scale if isinstance(scale, jax.core.Tracer) else None}
   named = {k: (jnp.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in named.items()}
   names = [k for k, v in named.items() if v is not None]
@@ -241,9 +241,10 @@ def attention(query, key, value, kw: dict, *, size: int, strategy: str, load_bal
     table = {"query": P(bax, AXIS, hax, None), "key": P(bax, AXIS, hax, None),
              "value": P(bax, AXIS, hax, None), "q_ids": P(bax, AXIS), "kv_ids": P(bax, AXIS),
              "lengths": P(bax), "slopes": P(hax), "scale": P()}
-    if bias is not None:
-      table["bias"] = P(bax if bias.shape[0] > 1 else None, hax if bias.shape[1] > 1 else None,
-                        AXIS if bias.shape[2] > 1 else None, None)
+    for name, x in (("bias", bias), ("allowed", allowed)):  # split with the query rows
+      if x is not None:
+        table[name] = P(bax if x.shape[0] > 1 else None, hax if x.shape[1] > 1 else None,
+                        AXIS if x.shape[2] > 1 else None, None)
     return [table[k] for k in names], (P(bax, AXIS, hax, None), P(bax, hax, AXIS))
 
   out, lse = run_sharded(body, [named[k] for k in names], mesh, specs)
@@ -273,36 +274,46 @@ class _Config:
 # ----------------------------------------------------------------------------------------------
 
 
-def _block(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, bias, scale, *, q_offset: int):
+def _block(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, bias, scale, *, q_offset: int,
+           allowed=None):
   """``(out, lse)`` of queries at positions ``q_offset + arange(rows)`` (in the coordinates of
-  this block's keys, ``arange(S_block)``)."""
+  this block's keys, ``arange(S_block)``); ``bias`` / ``allowed`` (a boolean mask array): this
+  block's rows and columns of them."""
   from jaxattn.ops.attention import dot_product_attention
+  mask = _block_mask(cfg, q_ids, kv_ids, lengths, allowed, q.shape[1], k.shape[1], q_offset)
   return dot_product_attention(
-      q, k, v, bias, _block_mask(cfg, q_ids, kv_ids, lengths),
-      scale=cfg.static_scale if scale is None else scale, q_offset=q_offset, alibi_slopes=slopes,
-      logits_soft_cap=cfg.cap, return_residuals=True, implementation=cfg.implementation)
+      q, k, v, bias, mask, scale=cfg.static_scale if scale is None else scale,
+      q_offset=q_offset, alibi_slopes=slopes, logits_soft_cap=cfg.cap, return_residuals=True,
+      implementation=cfg.implementation)
 
 
-def _block_mask(cfg, q_ids, kv_ids, lengths):
+def _block_mask(cfg, q_ids, kv_ids, lengths, allowed=None, rows=0, cols=0, q_offset=0):
+  """The block's ``Mask``; with a mask array ``allowed``, that array and'ed with the Mask's dense
+  view (a call takes one or the other: the kernels then skip blocks by the array's contents)."""
   parts = [] if cfg.static is None else [cfg.static]
   if q_ids is not None:
     parts.append(M.SegmentMask(q_ids, kv_ids))
   if lengths is not None:
     parts.append(M.PaddingMask(lengths))
-  return functools.reduce(lambda a, b: a & b, parts) if parts else None
+  mask = functools.reduce(lambda a, b: a & b, parts) if parts else None
+  if allowed is None or mask is None:
+    return mask if allowed is None else allowed
+  dense = jnp.asarray(mask.dense(rows, cols, q_offset))  # [T, S] or [B, T, S]
+  return allowed & (dense[:, None] if dense.ndim == 3 else dense[None, None])
 
 
 def _block_grads(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, scale, out, lse, d_out, d_lse, *,
-                 q_offset: int):
-  """``(dq, dk, dv, d_slopes)`` of ``_block``'s queries against these keys, given the rows'
-  whole ``(out, lse)`` and their cotangents (``attention_gradients``: the backend's backward
-  pass alone, no forward)."""
+                 q_offset: int, bias=None, allowed=None):
+  """``(dq, dk, dv, d_slopes, d_bias)`` of ``_block``'s queries against these keys, given the
+  rows' whole ``(out, lse)`` and their cotangents (``attention_gradients``: the backend's
+  backward pass alone, no forward)."""
   from jaxattn.ops.attention import attention_gradients
-  dq, dk, dv, _, d_slopes = attention_gradients(
-      q, k, v, out, lse, d_out, d_lse, None, _block_mask(cfg, q_ids, kv_ids, lengths),
+  mask = _block_mask(cfg, q_ids, kv_ids, lengths, allowed, q.shape[1], k.shape[1], q_offset)
+  dq, dk, dv, d_bias, d_slopes = attention_gradients(
+      q, k, v, out, lse, d_out, d_lse, bias, mask,
       scale=cfg.static_scale if scale is None else scale, q_offset=q_offset, alibi_slopes=slopes,
       logits_soft_cap=cfg.cap, implementation=cfg.implementation)
-  return dq, dk, dv, d_slopes
+  return dq, dk, dv, d_slopes, d_bias
 
 
 def _key_range(cfg, q_start: int, rows: int, total: int) -> tuple[int, int]:
@@ -320,15 +331,16 @@ def _empty(q, v):
   return no_visible_keys(q, v)
 
 
-def _rows(q_start: int, rows: int, cfg, q, k, v, q_ids, kv_ids, lengths, slopes, bias, scale):
+def _rows(q_start: int, rows: int, cfg, q, k, v, q_ids, kv_ids, lengths, slopes, bias, allowed,
+          scale):
   """Queries at global rows ``[q_start, q_start + rows)`` against the gathered keys (static)."""
   lo, hi = _key_range(cfg, q_start, rows, k.shape[1])
   if hi == lo:
     return _empty(q, v)
-  sl = lambda x, ax: lax.slice_in_dim(x, lo, hi, axis=ax)  # noqa: E731
-  return _block(cfg, q, sl(k, 1), sl(v, 1), q_ids, None if kv_ids is None else sl(kv_ids, 1),
-                None if lengths is None else lengths - lo, slopes,
-                None if bias is None else sl(bias, 3), scale, q_offset=q_start - lo)
+  sl = lambda x, ax: None if x is None else lax.slice_in_dim(x, lo, hi, axis=ax)  # noqa: E731
+  return _block(cfg, q, sl(k, 1), sl(v, 1), q_ids, sl(kv_ids, 1),
+                None if lengths is None else lengths - lo, slopes, sl(bias, 3), scale,
+                q_offset=q_start - lo, allowed=sl(allowed, 3))
 
 
 def _swap_halves(cfg, x, axis: int = 1):
@@ -348,18 +360,17 @@ def _swap_halves(cfg, x, axis: int = 1):
 # ----------------------------------------------------------------------------------------------
 
 
-def _all_gather_local(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, bias, scale):
+def _all_gather_local(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, bias, allowed, scale):
   size, t = cfg.size, cfg.t
   c = lax.axis_index(AXIS)
   gather = lambda x: lax.all_gather(x, AXIS, axis=1, tiled=True)  # noqa: E731
   k, v = gather(k), gather(v)
   kv_ids = None if kv_ids is None else gather(kv_ids)
-  bias_rows = bias is not None and bias.shape[2] > 1
 
   if not cfg.load_balance:
     def branch(i):
       return lambda *a: _rows(i * t, t, cfg, *a)
-    args = (q, k, v, q_ids, kv_ids, lengths, slopes, bias, scale)
+    args = (q, k, v, q_ids, kv_ids, lengths, slopes, bias, allowed, scale)
     if cfg.position_free:
       return branch(0)(*args)
     return _switch(c, [branch(i) for i in range(size)], args)
@@ -370,17 +381,23 @@ def _all_gather_local(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, bias, scale)
                           lax.slice_in_dim(x, h, t, axis=ax))
   qa, qb = halves(_swap_halves(cfg, q), 1)
   ida, idb = (None, None) if q_ids is None else halves(_swap_halves(cfg, q_ids), 1)
-  ba, bb = (bias, bias) if not bias_rows else halves(_swap_halves(cfg, bias, 2), 2)
+
+  def row_halves(x):  # a dense input's rows follow the queries (unless it has one row)
+    if x is None or x.shape[2] == 1:
+      return x, x
+    return halves(_swap_halves(cfg, x, 2), 2)
+
+  (ba, bb), (aa, ab) = row_halves(bias), row_halves(allowed)
 
   def branch(i):
-    def run(qa, qb, k, v, ida, idb, kv_ids, lengths, slopes, ba, bb, scale):
-      oa, la = _rows(i * t, h, cfg, qa, k, v, ida, kv_ids, lengths, slopes, ba, scale)
+    def run(qa, qb, k, v, ida, idb, kv_ids, lengths, slopes, ba, bb, aa, ab, scale):
+      oa, la = _rows(i * t, h, cfg, qa, k, v, ida, kv_ids, lengths, slopes, ba, aa, scale)
       ob, lb = _rows((size - i) * t - h, h, cfg, qb, k, v, idb, kv_ids, lengths, slopes, bb,
-                     scale)
+                     ab, scale)
       return oa, la, ob, lb
     return run
 
-  args = (qa, qb, k, v, ida, idb, kv_ids, lengths, slopes, ba, bb, scale)
+  args = (qa, qb, k, v, ida, idb, kv_ids, lengths, slopes, ba, bb, aa, ab, scale)
   oa, la, ob, lb = _switch(c, [branch(i) for i in range(size)], args)
   return (_swap_halves(cfg, jnp.concatenate([oa, ob], axis=1)),
           _swap_halves(cfg, jnp.concatenate([la, lb], axis=2), axis=2))
@@ -414,23 +431,64 @@ def _distances(cfg) -> list[int]:
   return list(range(-(cfg.size - 1), cfg.size))
 
 
-def _block_at(cfg, q_offset: int, q, k, v, q_ids, kv_ids, lengths, slopes, scale):
-  return _block(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, None, scale, q_offset=q_offset)
+def _block_at(cfg, q_offset: int, q, k, v, q_ids, kv_ids, lengths, slopes, scale, bias=None,
+              allowed=None):
+  return _block(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, bias, scale, q_offset=q_offset,
+                allowed=allowed)
 
 
-def _block_grads_at(cfg, q_offset: int, q, k, v, q_ids, kv_ids, lengths, slopes, scale, *res):
+def _block_grads_at(cfg, q_offset: int, q, k, v, q_ids, kv_ids, lengths, slopes, scale, bias,
+                    allowed, *res):
   return _block_grads(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, scale, *res,
-                      q_offset=q_offset)
+                      q_offset=q_offset, bias=bias, allowed=allowed)
+
+
+def _chunk_cols(cfg, x, j):
+  """The key columns of ring chunk ``j`` (traced) of a dense ``[.., .., rows, S]`` input: ``[j t,
+  (j + 1) t)``, or in the zigzag layout half-chunks ``2 j`` and ``2 C - 1 - 2 j``."""
+  if x is None:
+    return None
+  t = cfg.t
+  if not cfg.load_balance:
+    return lax.dynamic_slice_in_dim(x, j * t, t, axis=3)
+  h = t // 2
+  return jnp.concatenate([lax.dynamic_slice_in_dim(x, 2 * j * h, h, axis=3),
+                          lax.dynamic_slice_in_dim(x, (2 * cfg.size - 1 - 2 * j) * h, h, axis=3)],
+                         axis=3)
+
+
+def _add_chunk_cols(cfg, acc, g, j):
+  """``acc`` with ``g`` added at ring chunk ``j``'s key columns (``_chunk_cols``' transpose)."""
+  def add(acc, g, start):
+    n = g.shape[3]
+    return lax.dynamic_update_slice_in_dim(
+        acc, lax.dynamic_slice_in_dim(acc, start, n, axis=3) + g, start, axis=3)
+
+  t = cfg.t
+  if not cfg.load_balance:
+    return add(acc, g, j * t)
+  h = t // 2
+  acc = add(acc, lax.slice_in_dim(g, 0, h, axis=3), 2 * j * h)
+  return add(acc, lax.slice_in_dim(g, h, t, axis=3), (2 * cfg.size - 1 - 2 * j) * h)
+
+
+def _half_block(x, a: int, b: int, h: int):
+  """Rows of query half ``a`` (all rows when ``x`` has one) and columns of key half ``b`` of a
+  dense ``[.., .., rows, 2 h]`` input; its slices for the two (static)."""
+  rows = slice(None) if x.shape[2] == 1 else slice(a * h, (a + 1) * h)
+  return rows, slice(b * h, (b + 1) * h)
 
 
 # The kinds of a (query half, key half) pair under a causal mask, zigzag layout.
 _NONE, _DIAGONAL, _FULL = 0, 1, 2
 
 
-def _zigzag_block(cfg, kinds, q, k, v, q_ids, kv_ids, lengths, slopes, scale):
+def _zigzag_block(cfg, kinds, q, k, v, q_ids, kv_ids, lengths, slopes, scale, bias=None,
+                  allowed=None):
   """This device's two query half-chunks against a ring chunk's two key half-chunks, each pair
   of kind ``kinds[2 a + b]`` (no key visible, the diagonal, all keys: causal with offset 0 or
-  ``h``); ``lengths`` ``[2, B]`` relative to each key half."""
+  ``h``); ``lengths`` ``[2, B]`` relative to each key half; ``bias`` / ``allowed``: the chunk's
+  columns of the dense inputs (rows in this device's layout)."""
   h = cfg.t // 2
   f32 = jnp.float32
   split = lambda x: (None, None) if x is None else (x[:, :h], x[:, h:])  # noqa: E731
@@ -442,9 +500,11 @@ def _zigzag_block(cfg, kinds, q, k, v, q_ids, kv_ids, lengths, slopes, scale):
       kind = kinds[2 * a + b]
       if kind == _NONE:
         continue
+      dense = [None if x is None else x[(slice(None), slice(None)) + _half_block(x, a, b, h)]
+               for x in (bias, allowed)]
       o, l = _block(cfg, qs[a], ks[b], vs[b], qi[a], ki[b],
-                    None if lengths is None else lengths[b], slopes, None, scale,
-                    q_offset=0 if kind == _DIAGONAL else h)
+                    None if lengths is None else lengths[b], slopes, dense[0], scale,
+                    q_offset=0 if kind == _DIAGONAL else h, allowed=dense[1])
       acc = (o.astype(f32), l) if acc is None else _merge(*acc, o, l)
     if acc is None:
       o, l = _empty(qs[a], v)
@@ -454,10 +514,10 @@ def _zigzag_block(cfg, kinds, q, k, v, q_ids, kv_ids, lengths, slopes, scale):
   return jnp.concatenate(outs, axis=1).astype(q.dtype), jnp.concatenate(lses, axis=2)
 
 
-def _zigzag_grads(cfg, kinds, q, k, v, q_ids, kv_ids, lengths, slopes, scale, out, lse, d_out,
-                  d_lse):
-  """``_zigzag_block``'s gradients ``(dq, dk, dv, d_slopes)`` given the rows' whole ``(out,
-  lse)`` and their cotangents: each non-empty (query half, key half) pair's, summed."""
+def _zigzag_grads(cfg, kinds, q, k, v, q_ids, kv_ids, lengths, slopes, scale, bias, allowed, out,
+                  lse, d_out, d_lse):
+  """``_zigzag_block``'s gradients ``(dq, dk, dv, d_slopes, d_bias)`` given the rows' whole
+  ``(out, lse)`` and their cotangents: each non-empty (query half, key half) pair's, summed."""
   h = cfg.t // 2
   f32 = jnp.float32
   split = lambda x, ax=1: (None, None) if x is None else (  # noqa: E731
@@ -468,19 +528,26 @@ def _zigzag_grads(cfg, kinds, q, k, v, q_ids, kv_ids, lengths, slopes, scale, ou
   dk = [jnp.zeros(x.shape, f32) for x in ks]
   dv = [jnp.zeros(x.shape, f32) for x in vs]
   d_slopes = None
+  d_bias = None if bias is None else jnp.zeros(bias.shape, f32)
   for a in range(2):
     for b in range(2):
       kind = kinds[2 * a + b]
       if kind == _NONE:
         continue
-      gq, gk, gv, g_sl = _block_grads(cfg, qs[a], ks[b], vs[b], qi[a], ki[b],
-                                      None if lengths is None else lengths[b], slopes, scale,
-                                      *rows[a], q_offset=0 if kind == _DIAGONAL else h)
+      at = {}
+      for name, x in (("bias", bias), ("allowed", allowed)):
+        at[name] = None if x is None else x[(slice(None), slice(None)) + _half_block(x, a, b, h)]
+      gq, gk, gv, g_sl, g_b = _block_grads(cfg, qs[a], ks[b], vs[b], qi[a], ki[b],
+                                           None if lengths is None else lengths[b], slopes,
+                                           scale, *rows[a], q_offset=0 if kind == _DIAGONAL
+                                           else h, **at)
       dq[a], dk[b], dv[b] = dq[a] + gq, dk[b] + gk, dv[b] + gv
       if g_sl is not None:
         d_slopes = g_sl.astype(f32) if d_slopes is None else d_slopes + g_sl
+      if g_b is not None:
+        d_bias = d_bias.at[(slice(None), slice(None)) + _half_block(bias, a, b, h)].add(g_b)
   cat = lambda xs: jnp.concatenate(xs, axis=1)  # noqa: E731
-  return cat(dq), cat(dk), cat(dv), d_slopes
+  return cat(dq), cat(dk), cat(dv), d_slopes, d_bias
 
 
 def _pair_kind(qi: int, ki: int) -> int:
@@ -488,11 +555,12 @@ def _pair_kind(qi: int, ki: int) -> int:
 
 
 def _ring_plan(cfg, grads: bool = False):
-  """``(blocks, locate)``: ``blocks[i](q, kb, vb, q_ids, kv_ids_b, lens, slopes, scale) -> (out,
-  lse)`` (None: the block is empty), and ``locate(c, s, lengths) -> (branch index, lens)`` for
+  """``(blocks, locate)``: ``blocks[i](q, kb, vb, q_ids, kv_ids_b, lens, slopes, scale, bias_b,
+  allowed_b) -> (out, lse)`` (None: the block is empty; ``bias_b`` / ``allowed_b``: the chunk's
+  columns of the dense inputs, or None), and ``locate(c, s, lengths) -> (branch index, lens)`` for
   the chunk device ``c`` holds at ring step ``s``, ``j = (c - s) mod C``.  With ``grads``, each
   block takes ``out, lse, d_out, d_lse`` (the rows' whole results and cotangents) after those
-  arguments and returns ``(dq, dk, dv, d_slopes)`` instead.
+  arguments and returns ``(dq, dk, dv, d_slopes, d_bias)`` instead.
 
   Contiguous chunks: one branch per chunk distance ``d = c - j`` (static offset ``d t``).
   Zigzag (``load_balance``, causal only): device ``c`` holds half-chunks ``2c`` and
@@ -561,7 +629,7 @@ def _merge(o_acc, l_acc, o, l):
   return o_acc * to_rows(wa) + o.astype(jnp.float32) * to_rows(wb), new
 
 
-def _ring_forward(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, scale):
+def _ring_forward(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, scale, bias=None, allowed=None):
   size, t = cfg.size, cfg.t
   c = lax.axis_index(AXIS)
   perm = _ring_perm(size)
@@ -576,8 +644,10 @@ def _ring_forward(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, scale):
     kb, vb, idb, o_acc, l_acc = carry
     nxt = lax.ppermute((kb, vb, idb), AXIS, perm)      # issued first: overlaps the block
     which, lens = locate(c, s, lengths)
+    j = (c - s) % size
     o, l = _switch(which, branches,
-                   (q, kb, vb, q_ids, None if kv_ids is None else idb, lens, slopes, scale))
+                   (q, kb, vb, q_ids, None if kv_ids is None else idb, lens, slopes, scale,
+                    _chunk_cols(cfg, bias, j), _chunk_cols(cfg, allowed, j)))
     o_acc, l_acc = _merge(o_acc, l_acc, o, l)
     return (*nxt, o_acc, l_acc), None
 
@@ -587,25 +657,26 @@ def _ring_forward(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, scale):
 
 @functools.lru_cache(maxsize=64)
 def _ring_vjp(cfg):
-  """The ring's ``(q, k, v, slopes, aux) -> (out, lse)`` with its ring backward pass; ALiBi
-  ``slopes`` (or None) are differentiated too (learned slopes), ``aux = (q_ids, kv_ids, lengths,
-  scale)`` not."""
+  """The ring's ``(q, k, v, slopes, bias, aux) -> (out, lse)`` with its ring backward pass; ALiBi
+  ``slopes`` and a dense ``bias`` (this device's rows, every key column; or None) are
+  differentiated too (the bias' gradient stays on this device: each step adds its chunk's
+  columns), ``aux = (q_ids, kv_ids, lengths, allowed, scale)`` not."""
 
-  def forward(q, k, v, slopes, aux):
-    q_ids, kv_ids, lengths, scale = aux
-    return _ring_forward(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, scale)
+  def forward(q, k, v, slopes, bias, aux):
+    q_ids, kv_ids, lengths, allowed, scale = aux
+    return _ring_forward(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, scale, bias, allowed)
 
   @jax.custom_vjp
-  def ring(q, k, v, slopes, aux):
-    return forward(q, k, v, slopes, aux)
+  def ring(q, k, v, slopes, bias, aux):
+    return forward(q, k, v, slopes, bias, aux)
 
-  def fwd(q, k, v, slopes, aux):
-    out, lse = forward(q, k, v, slopes, aux)
-    return (out, lse), (q, k, v, slopes, aux, out, lse)
+  def fwd(q, k, v, slopes, bias, aux):
+    out, lse = forward(q, k, v, slopes, bias, aux)
+    return (out, lse), (q, k, v, slopes, bias, aux, out, lse)
 
   def bwd(res, cts):
-    q, k, v, slopes, aux, out, lse = res
-    q_ids, kv_ids, lengths, scale = aux
+    q, k, v, slopes, bias, aux, out, lse = res
+    q_ids, kv_ids, lengths, allowed, scale = aux
     d_out, d_lse = cts
     size = cfg.size
     c = lax.axis_index(AXIS)
@@ -618,14 +689,17 @@ def _ring_vjp(cfg):
     d_slopes0 = jnp.zeros((), f32) if slopes is None else jnp.zeros(slopes.shape, f32)
 
     def grads(block):
-      def run(q, kb, vb, q_ids, idb, lens, slopes, scale, out, lse, d_out, d_lse):
+      def run(q, kb, vb, q_ids, idb, lens, slopes, scale, bias_b, allowed_b, out, lse, d_out,
+              d_lse):
+        d_b0 = jnp.zeros((), f32) if bias_b is None else jnp.zeros(bias_b.shape, f32)
         if block is None:
           return (jnp.zeros(q.shape, f32), jnp.zeros(kb.shape, f32), jnp.zeros(vb.shape, f32),
-                  d_slopes0)
-        dq, dk, dv, d_sl = block(q, kb, vb, q_ids, idb, lens, slopes, scale, out, lse, d_out,
-                                 d_lse)
+                  d_slopes0, d_b0)
+        dq, dk, dv, d_sl, d_b = block(q, kb, vb, q_ids, idb, lens, slopes, scale, bias_b,
+                                      allowed_b, out, lse, d_out, d_lse)
         d_sl = d_slopes0 if slopes is None else d_sl.astype(f32)
-        return dq.astype(f32), dk.astype(f32), dv.astype(f32), d_sl
+        d_b = d_b0 if bias_b is None else d_b.astype(f32)
+        return dq.astype(f32), dk.astype(f32), dv.astype(f32), d_sl, d_b
       return run
 
     blocks, locate = _ring_plan(cfg, grads=True)
@@ -633,36 +707,43 @@ def _ring_vjp(cfg):
     kv_ids0 = jnp.zeros(q.shape[:2], jnp.int32) if kv_ids is None else kv_ids
 
     def step(carry, s):
-      kb, vb, idb, dkb, dvb, dq, d_sl = carry
+      kb, vb, idb, dkb, dvb, dq, d_sl, d_bias = carry
       nxt = lax.ppermute((kb, vb, idb), AXIS, perm)      # issued first: overlaps the block
       which, lens = locate(c, s, lengths)
-      gq, gk, gv, g_sl = _switch(which, branches,
-                                 (q, kb, vb, q_ids, None if kv_ids is None else idb, lens, slopes,
-                                  scale, out, lse, d_out, d_lse))
+      j = (c - s) % size
+      gq, gk, gv, g_sl, g_b = _switch(
+          which, branches, (q, kb, vb, q_ids, None if kv_ids is None else idb, lens, slopes,
+                            scale, _chunk_cols(cfg, bias, j), _chunk_cols(cfg, allowed, j), out,
+                            lse, d_out, d_lse))
       # the chunk's gradient accumulators follow it; after C steps each is home again
       dkb, dvb = lax.ppermute((dkb + gk, dvb + gv), AXIS, perm)
-      return (*nxt, dkb, dvb, dq + gq, d_sl + g_sl), None
+      # the bias' rows are this device's: its chunk columns are added in place
+      d_bias = d_bias if bias is None else _add_chunk_cols(cfg, d_bias, g_b, j)
+      return (*nxt, dkb, dvb, dq + gq, d_sl + g_sl, d_bias), None
 
     zeros = lambda x: jnp.zeros(x.shape, f32)  # noqa: E731
-    init = (k, v, kv_ids0, zeros(k), zeros(v), zeros(q), d_slopes0)
-    (_, _, _, dk, dv, dq, d_sl), _ = lax.scan(step, init, jnp.arange(cfg.steps))
+    d_bias0 = jnp.zeros((), f32) if bias is None else zeros(bias)
+    init = (k, v, kv_ids0, zeros(k), zeros(v), zeros(q), d_slopes0, d_bias0)
+    (_, _, _, dk, dv, dq, d_sl, d_bias), _ = lax.scan(step, init, jnp.arange(cfg.steps))
     if cfg.steps % size:   # a shortened ring: the accumulators are `steps` devices downstream
       dk, dv = lax.ppermute((dk, dv), AXIS, _ring_perm(size, -cfg.steps))
     d_slopes = None if slopes is None else d_sl.astype(slopes.dtype)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_slopes, None
+    d_bias = None if bias is None else d_bias.astype(bias.dtype)
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_slopes, d_bias,
+            None)
 
   ring.defvjp(fwd, bwd)
   return ring
 
 
-def _ring_local(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, bias, scale):
-  del bias  # refused by `unsupported`
+def _ring_local(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, bias, allowed, scale):
   if not cfg.load_balance:
-    return _ring_vjp(cfg)(q, k, v, slopes, (q_ids, kv_ids, lengths, scale))
+    return _ring_vjp(cfg)(q, k, v, slopes, bias, (q_ids, kv_ids, lengths, allowed, scale))
   # zigzag: device c keeps its first half-chunk and takes device (C-1-c)'s second
   swap = functools.partial(_swap_halves, cfg)
-  out, lse = _ring_vjp(cfg)(swap(q), swap(k), swap(v), slopes,
-                            (swap(q_ids), swap(kv_ids), lengths, scale))
+  rows = lambda x: x if x is None or x.shape[2] == 1 else swap(x, axis=2)  # noqa: E731
+  out, lse = _ring_vjp(cfg)(swap(q), swap(k), swap(v), slopes, rows(bias),
+                            (swap(q_ids), swap(kv_ids), lengths, rows(allowed), scale))
   return swap(out), swap(lse, axis=2)
 
 

@@ -131,6 +131,39 @@ def test_dense_bias_and_global_tokens_with_all_gather():
     _close_results((out, lse, grads), (out0, lse0, g0), (2e-5, 2e-5, 5e-5))
 
 
+@pytest.mark.parametrize("strategy,load_balance,kw", [
+    ("all_gather", None, dict(is_causal=True)),
+    ("ring", None, dict(is_causal=True)),              # zigzag layout
+    ("ring", False, dict(is_causal=True, local_window_size=5)),  # contiguous, shortened ring
+    ("ring", None, dict(segment_ids=SEG, logits_soft_cap=4.0)),
+])
+def test_dense_bias_and_mask_array_on_both_strategies(strategy, load_balance, kw):
+  """A learned bias shared over the batch ``[1, N, T, T]`` and a boolean mask array per row
+  ``[B, 1, T, T]`` (with a row that sees no key): both split with the query rows, each block
+  reading its keys' columns (the ring: the chunk's, in the zigzag layout the two half-chunks'),
+  the bias' gradient added into its own rows' columns on the device; outputs, log-sum-exp and
+  every gradient, the bias' included, equal the unsharded formula's.  The ring gathers nothing."""
+  q, k, v, d_out = _inputs(seed=4)
+  bias = jax.random.normal(jax.random.key(10), (1, N, T, T))
+  allowed = jax.random.uniform(jax.random.key(11), (B, 1, T, T)) < 0.7
+  allowed = allowed.at[1, :, 9].set(False)
+
+  def loss(q, k, v, bias):
+    return _loss(q, k, v, d_out, bias=bias, mask=allowed, **kw)
+
+  fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+  (_, (out0, lse0)), g0 = fn(q, k, v, bias)
+  mesh = make_mesh({"data": 2, "context": 4})
+  with jax.set_mesh(mesh), cp.set_options(strategy=strategy, load_balance=load_balance):
+    args = [jax.device_put(x, NamedSharding(mesh, P("data", "context"))) for x in (q, k, v)]
+    (_, (out, lse)), grads = fn(*args, bias)
+    hlo = fn.lower(*args, bias).compile().as_text()
+  assert ("all-gather" in hlo) == (strategy == "all_gather")
+  assert np.all(np.asarray(lse0[1, :, 9]) == -np.inf)
+  assert float(jnp.abs(g0[3]).max()) > 0.05
+  _close_results((out, lse, grads), (out0, lse0, g0), (2e-5, 2e-5, 5e-5))
+
+
 def test_load_balancing_gives_every_device_the_same_work():
   """Under a causal mask, device c's rows read (c + 1) t keys without balancing: its work (query
   rows x keys read) grows with c.  With the swap of query halves every device does the same work,
@@ -207,8 +240,6 @@ def test_errors():
     cp.context_parallel_attention(q, k, v, mesh=make_mesh({"data": 8}))
   with pytest.raises(ValueError, match="T=30 is not a multiple of the context axis size 4"):
     cp.context_parallel_attention(q[:, :30], k[:, :30], v[:, :30], mesh=mesh)
-  with pytest.raises(ValueError, match="ring strategy takes no dense `bias`"):
-    cp.context_parallel_attention(q, k, v, jnp.zeros((1, N, T, T)), strategy="ring", mesh=mesh)
   with pytest.raises(ValueError, match="ring strategy takes band masks"):
     cp.context_parallel_attention(q, k, v, mask=GlobalTokensMask((0,)), strategy="ring",
                                   mesh=mesh)
@@ -342,18 +373,18 @@ def test_gated_deltanet_layer_under_a_context_axis():
 
 @pytest.mark.parametrize("strategy", ["all_gather", "ring"])
 def test_learned_alibi_slopes_and_bias_get_their_gradients(strategy):
-  """ALiBi slopes (replicated over the context axis) and, with the all-gather, a dense bias (split
-  with the query rows) are differentiated: each device's share is summed.  (The ring's custom
-  VJP used to treat the slopes as constants: a zero gradient.)"""
+  """ALiBi slopes (replicated over the context axis) and a dense bias (split with the query rows)
+  are differentiated: each device's share is summed.  (The ring's custom VJP used to treat the
+  slopes as constants: a zero gradient.)"""
   q, k, v, d_out = _inputs(seed=6)
   slopes = jnp.array([0.5, 0.25, 0.125, 0.0625])
-  bias = jax.random.normal(jax.random.key(7), (1, N, T, T)) if strategy == "all_gather" else None
+  bias = jax.random.normal(jax.random.key(7), (1, N, T, T))
 
   def loss(q, k, v, slopes, bias):
     out = dot_product_attention(q, k, v, bias=bias, alibi_slopes=slopes, is_causal=True)
     return jnp.sum(out * d_out)
 
-  argnums = (3, 4) if bias is not None else (3,)
+  argnums = (3, 4)
   want = jax.grad(loss, argnums=argnums)(q, k, v, slopes, bias)
   mesh = make_mesh({"data": 2, "context": 4})
   with jax.set_mesh(mesh), cp.set_options(strategy=strategy):
