@@ -14,20 +14,21 @@ compiled program's scratch and argument bytes (``memory_analysis()``), and every
 
 Cases (bf16): flash attention forward at T = 8192 (causal GQA 32/8 x 128, default blocks) and
 forward + backward at T = 4096 with segments, ALiBi and a soft-cap, and at T = 2048 with a learned
-dense bias shared over the batch (its gradient too) and a boolean mask array per row; top-K
-sparse attention for DeepSeek-V3.2 prefill (MLA: 128 heads, 512 + 64 latents; GQA 32/8), 8
-tokens selecting 2048 of 32k; paged decode (GQA with split-KV, also heads of 64 and MQA; absorbed MLA dense and sparse,
-2 sequences x 32k; MLA at batch 1 too, whose default split count follows the chip's TensorCores:
-v4 and v5p are compiled as megacore) and a 512-token prefill through the same paged caches
-(GQA 32/8; MLA, 128 heads); decode over contiguous GQA and MLA caches (8 x 8k); the gated
-delta-rule state pass (fp32, heads of 128, chunks of 64); the MoE grouped-matmul kernels over
-gpt-oss-20b's MXFP4 experts (forward and input gradient, 2048 tokens; beside it, the baseline of
-dequantizing them whole for XLA's ragged_dot; a baseline's failure would not set the exit status)
-and Qwen3-30B-A3B's bf16 experts (forward and backward). And on a 4-chip slice (``data`` 2 x
-``tensor`` 2), the kernels in ``jax.shard_map`` as a sharded step calls them: flash forward +
-backward, sparse MLA prefill, paged MLA decode; and (``data`` 2 x ``context`` 2) context-parallel
-causal attention forward + backward at T = 8192 with the flash kernel, all-gather and ring
-(about 25 s and 40 s of compiling: ``--skip`` leaves cases out). Exit status 1 if any case failed.
+dense bias shared over the batch (its gradient too) and a boolean mask array per row, and with a
+one-row bias and key-padding mask; top-K sparse attention for DeepSeek-V3.2 prefill (MLA: 128 heads,
+512 + 64 latents; GQA 32/8), 8 tokens selecting 2048 of 32k; paged decode (GQA with split-KV, also
+heads of 64 and MQA; absorbed MLA dense and sparse, 2 sequences x 32k; MLA at batch 1 too, whose
+default split count follows the chip's TensorCores: v4 and v5p are compiled as megacore) and a
+512-token prefill through the same paged caches (GQA 32/8; MLA, 128 heads); decode over contiguous
+GQA and MLA caches (8 x 8k); the gated delta-rule state pass (fp32, heads of 128, chunks of 64); the
+MoE grouped-matmul kernels over gpt-oss-20b's MXFP4 experts (forward and input gradient, 2048
+tokens; beside it, the baseline of dequantizing them whole for XLA's ragged_dot; a baseline's
+failure would not set the exit status) and Qwen3-30B-A3B's bf16 experts (forward and backward). And
+on a 4-chip slice (``data`` 2 x ``tensor`` 2), the kernels in ``jax.shard_map`` as a sharded step
+calls them: flash forward + backward, sparse MLA prefill, paged MLA decode; and (``data`` 2 x
+``context`` 2) context-parallel causal attention forward + backward at T = 8192 with the flash
+kernel, all-gather and ring (about 25 s and 40 s of compiling: ``--skip`` leaves cases out). Exit
+status 1 if any case failed.
 """
 
 from __future__ import annotations
@@ -162,6 +163,12 @@ def cases():
           flash_bias_grads, (bf16(2, 2048, 16, 128), bf16(2, 2048, 8, 128),
                              bf16(2, 2048, 8, 128), bf16(1, 16, 2048, 2048),
                              sds(jnp.bool_)(2, 1, 2048, 2048))),
+      # a per-key bias and a key-padding mask ([B, 1, 1, S], as Hugging Face builds it): read as
+      # one-row blocks, never broadcast over the queries
+      "flash forward + backward, one-row bias and key-padding mask": (
+          flash_bias_grads, (bf16(2, 2048, 16, 128), bf16(2, 2048, 8, 128),
+                             bf16(2, 2048, 8, 128), bf16(1, 16, 1, 2048),
+                             sds(jnp.bool_)(2, 1, 1, 2048))),
       "sparse MLA prefill": (
           lambda ql, qr, c, kr, i: sparse_mla_latent_tpu(ql, qr, c, kr, i, scale=0.07,
                                                          interpret=False),

@@ -236,13 +236,14 @@ class Plan:
   num_stages: int
   interpret: Any
   static_scale: float | None = None  # None: the scale is traced (only ``aux["scale"]`` has it)
-  # A dense additive bias ``[Bb, Nb, T, S]`` (``Bb`` in {1, B}, ``Nb`` in {1, N}): its leading
-  # sizes, or None without one.  Size-1 dims are read through the index maps, not repeated.
-  bias_shape: tuple[int, int] | None = None
+  # A dense additive bias ``[Bb, Nb, Tb, S]`` (``Bb`` in {1, B}, ``Nb`` in {1, N}, ``Tb`` in
+  # {1, T}): its leading sizes, or None without one.  Size-1 dims are read through the index
+  # maps (a one-row input as one-row blocks), not repeated.
+  bias_shape: tuple[int, int, int] | None = None
   bias_dtype: str | None = None  # streamed in its own dtype, added in fp32
-  # A dense boolean mask ``[Bm, Nm, T, S]`` (True = attend), streamed as int8 tiles: its leading
+  # A dense boolean mask ``[Bm, Nm, Tm, S]`` (True = attend), streamed as int8 tiles: its leading
   # sizes, or None.  With one the block tables come from it too (per batch row).
-  mask_shape: tuple[int, int] | None = None
+  mask_shape: tuple[int, int, int] | None = None
 
   @property
   def has_bias(self) -> bool:
@@ -250,7 +251,7 @@ class Plan:
 
   def bias_index(self, b, n):
     """``(batch, head)`` of the bias block that batch row ``b`` and query head ``n`` read."""
-    bb, nb = self.bias_shape
+    bb, nb, _ = self.bias_shape
     return (b if bb > 1 else 0), (n if nb > 1 else 0)
 
   @property
@@ -259,8 +260,15 @@ class Plan:
 
   def mask_index(self, b, n):
     """``(batch, head)`` of the mask-array block that row ``b`` and query head ``n`` read."""
-    bm, nm = self.mask_shape
+    bm, nm, _ = self.mask_shape
     return (b if bm > 1 else 0), (n if nm > 1 else 0)
+
+  def dense_inputs(self):
+    """``(index, rows)`` of the bias then the mask array, those present: ``index(b, n)`` as
+    ``bias_index``; ``rows``: whether the input has a row per query (else one row for all)."""
+    return [(index, shape[2] > 1) for shape, index in ((self.bias_shape, self.bias_index),
+                                                       (self.mask_shape, self.mask_index))
+            if shape is not None]
 
   @property
   def groups(self) -> int:
@@ -313,10 +321,9 @@ def make_plan(query, key, value, *, static_mask, q_offset, logits_soft_cap, alib
       has_lengths=kv_lengths is not None, num_warps=block_sizes.num_warps,
       num_stages=block_sizes.num_stages, interpret=interpret,
       static_scale=None if scale is None or is_traced(scale) else float(scale),
-      bias_shape=None if bias is None else (int(bias.shape[0]), int(bias.shape[1])),
+      bias_shape=None if bias is None else tuple(int(d) for d in bias.shape[:3]),
       bias_dtype=None if bias is None else jnp.dtype(bias.dtype).name,
-      mask_shape=None if mask_array is None else (int(mask_array.shape[0]),
-                                                  int(mask_array.shape[1])))
+      mask_shape=None if mask_array is None else tuple(int(d) for d in mask_array.shape[:3]))
 
 
 def is_traced(x) -> bool:
@@ -421,15 +428,17 @@ def data_kinds(plan: Plan, bq: int, bk: int, q_ids, kv_ids, kv_lengths, mask_arr
 
 
 def mask_array_kinds(mask_array, plan: Plan, bq: int, bk: int):
-  """``[B, Tp/bq, Sp/bk]`` kinds of a dense boolean mask ``[Bm, Nm, T, S]``, over all its heads
+  """``[B, Tp/bq, Sp/bk]`` kinds of a dense boolean mask ``[Bm, Nm, T|1, S]``, over all its heads
   (the tables are per batch row, not per head): EMPTY where no head allows any pair of the block,
-  FULL where every head allows every pair, else PARTIAL.  Padded rows / keys count as masked."""
+  FULL where every head allows every pair, else PARTIAL.  Padded rows / keys count as masked (a
+  one-row mask has no padded rows: its blocks are the same for every query block)."""
   bm, nm, t, s = mask_array.shape
-  m = jnp.pad(mask_array, ((0, 0), (0, 0), (0, plan.q_pad - t), (0, plan.kv_pad - s)))
-  m = m.reshape(bm, nm, plan.q_pad // bq, bq, plan.kv_pad // bk, bk)
+  tp = plan.q_pad if t > 1 else 1
+  m = jnp.pad(mask_array, ((0, 0), (0, 0), (0, tp - t), (0, plan.kv_pad - s)))
+  m = m.reshape(bm, nm, tp // min(bq, tp), min(bq, tp), plan.kv_pad // bk, bk)
   any_, all_ = m.any(axis=(1, 3, 5)), m.all(axis=(1, 3, 5))
   kinds = jnp.where(any_, jnp.where(all_, FULL, PARTIAL), EMPTY).astype(jnp.int8)
-  return jnp.broadcast_to(kinds, (plan.batch, *kinds.shape[1:]))
+  return jnp.broadcast_to(kinds, (plan.batch, plan.q_pad // bq, kinds.shape[2]))
 
 
 def pair_kinds(batch: int, q_pad: int, kv_pad: int, bq: int, bk: int, q_ids, kv_ids, kv_lengths):
@@ -660,15 +669,14 @@ def visited_blocks(plan: Plan, aux, bq: int, bk: int):
 def bias_gradient(plan: Plan, aux, ds, dtype):
   """The bias cotangent from a kernel's ``ds`` blocks ``[B, N, Tp, Sp]`` (fp32, written for the
   visited blocks of the forward tiling only; the others hold whatever the buffer held): zeros
-  outside visited blocks, padding sliced off, summed over the bias' broadcast batch / head dims."""
+  outside visited blocks, padding sliced off, summed over the bias' broadcast batch / head / row
+  dims."""
   bq, bk = plan.block_q, plan.block_k
   vis = visited_blocks(plan, aux, bq, bk)[:, None, :, None, :, None]  # broadcast, not repeated
   b, n, tp, sp = ds.shape
   d = jnp.where(vis, ds.reshape(b, n, tp // bq, bq, sp // bk, bk), 0.0).reshape(b, n, tp, sp)
   d = d[:, :, :plan.q_len, :plan.kv_len]
-  bb, nb = plan.bias_shape
-  if bb == 1:
-    d = d.sum(0, keepdims=True)
-  if nb == 1:
-    d = d.sum(1, keepdims=True)
+  for axis, size in enumerate(plan.bias_shape):  # the broadcast batch / head / row dims
+    if size == 1:
+      d = d.sum(axis, keepdims=True)
   return d.astype(dtype)

@@ -233,12 +233,12 @@ def _pad_vec(x):
 class _Inputs:
 
   def __init__(self, plan: C.Plan, q, k, v, aux, bias=None):
-    pad = ((0, 0), (0, 0), (0, plan.q_pad - plan.q_len), (0, plan.kv_pad - plan.kv_len))
-    self.dense = ()  # the bias [Bb, Nb, Tp, Sp] (zero padded), the mask array as int8 (0 padded)
-    if plan.has_bias:
-      self.dense += (jnp.pad(bias, pad),)
-    if plan.has_mask_array:
-      self.dense += (jnp.pad(aux["mask_array"].astype(jnp.int8), pad),)
+    # the bias [Bb, Nb, Tp | 1, Sp] (zero padded), the mask array as int8 (0 padded)
+    self.dense = tuple(
+        jnp.pad(x, ((0, 0), (0, 0), (0, 0 if x.shape[2] == 1 else plan.q_pad - plan.q_len),
+                    (0, plan.kv_pad - plan.kv_len)))
+        for x in (bias, None if aux["mask_array"] is None else aux["mask_array"].astype(jnp.int8))
+        if x is not None)
     self.hp, self.vp = _pow2(plan.head_dim), _pow2(plan.v_head_dim)
     self.q = _pad(q, plan.q_pad, self.hp)  # [B, Tp, N, Hp]
     self.k = _pad(k, plan.kv_pad, self.hp)  # [B, Sp, K, Hp]
@@ -368,17 +368,15 @@ def _common_specs(plan, width, iscal_len, fscal_len, transpose):
       specs += [pl.BlockSpec((None, rows_block), lambda r, b, h: (b, r)),
                 pl.BlockSpec((None, plan.kv_pad), lambda r, b, h: (b, 0))]
   # The bias' and the mask array's rows of this program's block (forward, dQ) or their columns
-  # (dK/dV).
-  for present, index in ((plan.has_bias, plan.bias_index),
-                         (plan.has_mask_array, plan.mask_index)):
-    if not present:
-      continue
+  # (dK/dV); an input with one row for all queries: that row.
+  for index, rows in plan.dense_inputs():
     if transpose:
-      specs.append(pl.BlockSpec((None, None, plan.q_pad, rows_block),
+      specs.append(pl.BlockSpec((None, None, plan.q_pad if rows else 1, rows_block),
                                 lambda r, b, h, index=index: (*index(b, h), 0, r)))
     else:
-      specs.append(pl.BlockSpec((None, None, rows_block, plan.kv_pad),
-                                lambda r, b, h, index=index: (*index(b, h), r, 0)))
+      specs.append(pl.BlockSpec((None, None, rows_block if rows else 1, plan.kv_pad),
+                                lambda r, b, h, index=index, rows=rows: (*index(b, h),
+                                                                         r if rows else 0, 0)))
   return specs
 
 
@@ -684,10 +682,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entries_ref, co
     segs = {}
     if masked and plan.has_segments:
       segs = dict(kv_seg=kv_seg, q_seg=qseg_ref[pl.ds(start, bq)][None, :])
-    if bias_ref is not None:  # [bq, bk] rows of the bias, transposed to s^T's orientation
-      segs["bias"] = bias_ref[pl.ds(start, bq), :].astype(jnp.float32).T
+    # [bq, bk] rows of the bias / mask (or their one row), transposed to s^T's orientation
+    rows = lambda ref: (ref[...] if ref.shape[0] == 1  # noqa: E731
+                        else ref[pl.ds(start, bq), :])
+    if bias_ref is not None:
+      segs["bias"] = rows(bias_ref).astype(jnp.float32).T
     if mask_ref is not None and masked:
-      segs["allowed_tile"] = mask_ref[pl.ds(start, bq), :].astype(jnp.int32).T
+      segs["allowed_tile"] = rows(mask_ref).astype(jnp.int32).T
     s, p = prob(s, lse_ref[pl.ds(start, bq)][None, :], q_idx=q_idx, kv_idx=kv_idx,
                 q_offset=q_offset, masked=masked, kv_length=kv_length, **segs)  # p^T
     dv = dv + plgpu.dot(p.astype(C.matmul_dtype(do)), do)  # [bk, hp]

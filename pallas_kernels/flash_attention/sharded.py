@@ -134,8 +134,9 @@ def run_flash(query, key, value, mask, *, scale, alibi_slopes, logits_soft_cap, 
   """The TPU and GPU entry points: validate, split the mask, shard, and run
   ``build(plan)(q, k, v, bias, aux, given)`` on each shard (``build`` maps a ``Plan`` to the
   backend's custom-VJP function; ``given``: ``residuals``, the forward's ``(out, lse)`` if given).
-  A ``bias`` or boolean ``mask_array`` of query or key length 1 is broadcast here (the kernels
-  stream ``[T, S]`` blocks); size-1 batch and head dims stay size 1."""
+  A ``bias`` or boolean ``mask_array`` of key length 1 is broadcast here (the kernels stream
+  blocks of key columns); size-1 batch, head and query dims stay size 1 (a ``[B, 1, 1, S]`` key
+  padding mask is read as one row per key block, never as ``[B, 1, T, S]``)."""
   static, segments, lengths = common.split_mask(mask)
   if isinstance(alibi_slopes, (list, tuple)):   # (passed the checks, then failed on .astype;
     alibi_slopes = jnp.asarray(alibi_slopes)     # shard_attention takes NumPy arrays as arrays)
@@ -148,13 +149,13 @@ def run_flash(query, key, value, mask, *, scale, alibi_slopes, logits_soft_cap, 
     raise ValueError(f"`block_sizes` must be a BlockSizes, got {type(block_sizes).__name__}.")
   static_offset = None if common.is_traced(q_offset) else int(q_offset)
 
-  def full_length(x):
+  def all_keys(x):  # one column for all keys is broadcast; one row for all queries is kept
     if x is None:
       return None
     x = jnp.asarray(x)
-    return jnp.broadcast_to(x, (x.shape[0], x.shape[1], query.shape[1], key.shape[1]))
+    return jnp.broadcast_to(x, (*x.shape[:3], key.shape[1]))
 
-  bias, mask_array = full_length(bias), full_length(mask_array)
+  bias, mask_array = all_keys(bias), all_keys(mask_array)
 
   def local(q, k, v, q_ids, kv_ids, lens, slopes, offset, scl, bias, mask_array, given):
     seg = None if q_ids is None else (q_ids, kv_ids)

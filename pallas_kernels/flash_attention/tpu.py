@@ -154,12 +154,11 @@ class _Inputs:
   """The kernel-side views shared by forward and backward."""
 
   def __init__(self, plan: C.Plan, q, k, v, aux, bias=None):
-    self.dense = ()  # the bias [Bb, Nb, Tp, Sp] (zero padded), the mask array as int8 (0 padded)
-    if plan.has_bias:
-      self.dense += (_pad_to(_pad_to(bias, 2, plan.q_pad), 3, plan.kv_pad),)
-    if plan.has_mask_array:
-      m = aux["mask_array"].astype(jnp.int8)
-      self.dense += (_pad_to(_pad_to(m, 2, plan.q_pad), 3, plan.kv_pad),)
+    # the bias [Bb, Nb, Tp | 1, Sp] (zero padded), the mask array as int8 (0 padded)
+    self.dense = tuple(
+        _pad_to(x if x.shape[2] == 1 else _pad_to(x, 2, plan.q_pad), 3, plan.kv_pad)
+        for x in (bias, None if aux["mask_array"] is None else aux["mask_array"].astype(jnp.int8))
+        if x is not None)
     self.q = _heads_major(q, plan.q_pad)  # [B, N, Tp, H]
     self.k = _heads_major(k, plan.kv_pad)  # [B, K, Sp, H]
     self.v = _heads_major(v, plan.kv_pad)  # [B, K, Sp, h]
@@ -273,6 +272,19 @@ def vmem_bytes_dkv(block_q: int, block_k: int, head_dim: int, v_head_dim: int,
   return io + 4 * block_k * (head_dim + v_head_dim) + 4 * 4 * block_q * block_k
 
 
+def _dense_specs(plan: C.Plan, bq: int, bk: int, index) -> list:
+  """Block specs of the bias and the mask array (those present): ``index(*grid, *prefetched) ->
+  (b, n, query block, key block)``; an input with one row for all queries is read as ``[1, bk]``
+  blocks of its row."""
+  specs = []
+  for which, rows in plan.dense_inputs():
+    def index_map(*args, which=which, rows=rows):
+      b, n, i, j = index(*args)
+      return (*which(b, n), i if rows else 0, j)
+    specs.append(pl.BlockSpec((None, None, bq if rows else 1, bk), index_map))
+  return specs
+
+
 def _dense_itemsize(plan: C.Plan) -> int:
   """Bytes per ``[T, S]`` element the kernels stream: the bias in its own dtype, the mask array as
   int8; 0 without either."""
@@ -312,14 +324,8 @@ def _fwd_call(plan: C.Plan, width: int):
         pl.BlockSpec((None, C.NUM_SUBLANES, bk),
                      lambda b, n, i, w, e, *_: (b, 0, kv_block(b, i, w, e))),
     ]
-  if plan.has_bias:
-    in_specs.append(pl.BlockSpec(
-        (None, None, bq, bk),
-        lambda b, n, i, w, e, *_: (*plan.bias_index(b, n), i, kv_block(b, i, w, e))))
-  if plan.has_mask_array:
-    in_specs.append(pl.BlockSpec(
-        (None, None, bq, bk),
-        lambda b, n, i, w, e, *_: (*plan.mask_index(b, n), i, kv_block(b, i, w, e))))
+  in_specs += _dense_specs(plan, bq, bk,
+                           lambda b, n, i, w, e, *_: (b, n, i, kv_block(b, i, w, e)))
   out_specs = [
       pl.BlockSpec((None, None, bq, hv), lambda b, n, i, w, *_: (b, n, i, 0)),
       pl.BlockSpec((None, None, bq, C.NUM_LANES), lambda b, n, i, w, *_: (b, n, i, 0)),
@@ -467,14 +473,8 @@ def _dq_call(plan: C.Plan, width: int, bias_grad: bool = False):
         pl.BlockSpec((None, C.NUM_SUBLANES, bk),
                      lambda b, n, i, w, e, *_: (b, 0, kv_block(b, i, w, e))),
     ]
-  if plan.has_bias:
-    in_specs.append(pl.BlockSpec(
-        (None, None, bq, bk),
-        lambda b, n, i, w, e, *_: (*plan.bias_index(b, n), i, kv_block(b, i, w, e))))
-  if plan.has_mask_array:
-    in_specs.append(pl.BlockSpec(
-        (None, None, bq, bk),
-        lambda b, n, i, w, e, *_: (*plan.mask_index(b, n), i, kv_block(b, i, w, e))))
+  in_specs += _dense_specs(plan, bq, bk,
+                           lambda b, n, i, w, e, *_: (b, n, i, kv_block(b, i, w, e)))
   out_specs = pl.BlockSpec((None, None, bq, hd), row)
   out_shape = jax.ShapeDtypeStruct((plan.batch, plan.num_heads, plan.q_pad, hd), jnp.float32)
   if bias_grad:  # ds tiles [B, N, Tp, Sp], fp32; blocks no step visits are left unwritten
@@ -572,14 +572,9 @@ def _dkv_call(plan: C.Plan, width: int):
         pl.BlockSpec((None, C.NUM_SUBLANES, bq),
                      lambda b, kh, j, r, e, *_: (b, 0, q_block(b, j, r, e))),
     ]
-  if plan.has_bias:  # [bq, bk] tiles in the forward orientation, transposed in the kernel
-    in_specs.append(pl.BlockSpec(
-        (None, None, bq, bk),
-        lambda b, kh, j, r, e, *_: (*plan.bias_index(b, head(kh, r)), q_block(b, j, r, e), j)))
-  if plan.has_mask_array:
-    in_specs.append(pl.BlockSpec(
-        (None, None, bq, bk),
-        lambda b, kh, j, r, e, *_: (*plan.mask_index(b, head(kh, r)), q_block(b, j, r, e), j)))
+  # bias / mask tiles in the forward orientation, [bq, bk], transposed in the kernel
+  in_specs += _dense_specs(plan, bq, bk,
+                           lambda b, kh, j, r, e, *_: (b, head(kh, r), q_block(b, j, r, e), j))
   out_specs = [pl.BlockSpec((None, None, bk, hd), k_rows),
                pl.BlockSpec((None, None, bk, hv), k_rows)]
   out_shape = [

@@ -431,3 +431,34 @@ def test_dense_inputs_random_shapes(t, s, groups, bias_dims, mask_dims, causal):
   np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(r_lse))
   for g, rg, label in zip(grads, r_grads, ("dq", "dk", "dv", "dbias")):
     assert_close(g, rg, 1e-4, label)
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_one_row_inputs_are_read_not_broadcast(backend):
+  """A key-padding mask ``[B, 1, 1, S]`` and a per-key bias ``[1, N, 1, S]`` reach every kernel
+  (forward, dQ, dK/dV) as they are, one row per key block: the ``[B, N|1, T, S]`` arrays they
+  stand for are never built."""
+  b, t, s, n = 2, 40, 36, 4
+  q, k, v, bias = make_inputs(b, t, s, n, 2, 16, (1, n, 1, s))
+  allowed = random_mask((b, 1, 1, s), seed=1)
+  attn = kernel(backend, M.CausalMask(), mask_array=allowed)
+  jaxpr = jax.make_jaxpr(jax.grad(lambda q, bias: jnp.sum(attn(q, k, v, bias)[0] ** 2),
+                                  argnums=(0, 1)))(q, bias)
+  shapes = {}
+
+  def walk(jx):
+    for eqn in jx.eqns:
+      if eqn.primitive.name == "pallas_call":
+        shapes[str(eqn.params.get("name"))] = [tuple(x.aval.shape) for x in eqn.invars]
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        walk(sub)
+
+  walk(jaxpr.jaxpr)
+  assert len(shapes) == 3, shapes  # forward, dQ, dK/dV
+  for name, operands in shapes.items():
+    dense = [x for x in operands if len(x) == 4 and x[2] == 1 and x[0] in (1, b)
+             and x[1] in (1, n)]
+    assert len(dense) == 2, (name, operands)  # the bias' row and the mask's row
+    # no [.., T, S] operand (the lse / delta rows, lane-replicated to 128, are [B, N, Tp, 128])
+    assert not [x for x in operands if len(x) == 4 and x[2] >= t and s <= x[3] < 128], (
+        name, operands)
