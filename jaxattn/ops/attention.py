@@ -246,7 +246,9 @@ def dot_product_attention(
       ``jaxattn.ops.attention_cpu``), ``"cudnn"`` (cuDNN's flash attention through
       ``jax.nn.dot_product_attention``: bf16 / fp16, causal and left-window masks, no bias,
       ALiBi, soft-cap or residuals; ``jaxattn.ops.attention_cudnn``), ``"pallas_tpu"``,
-      ``"pallas_gpu"``,
+      ``"pallas_gpu"`` (the Pallas flash kernels: position masks, one segment mask, lengths,
+      ALiBi, soft-cap, a dense bias and mask array streamed in blocks, not an ``OrMask`` with a
+      data-dependent side; ``pallas_kernels.flash_attention``),
       or a sequence of preferences, tried in order as the automatic order is (a backend that
       is unavailable or cannot compute the call passes to the next).  A single explicit choice
       that is unavailable or cannot compute the call raises; it never falls back silently.
