@@ -249,25 +249,17 @@ class Plan:
   def has_bias(self) -> bool:
     return self.bias_shape is not None
 
-  def bias_index(self, b, n):
-    """``(batch, head)`` of the bias block that batch row ``b`` and query head ``n`` read."""
-    bb, nb, _ = self.bias_shape
-    return (b if bb > 1 else 0), (n if nb > 1 else 0)
-
   @property
   def has_mask_array(self) -> bool:
     return self.mask_shape is not None
 
-  def mask_index(self, b, n):
-    """``(batch, head)`` of the mask-array block that row ``b`` and query head ``n`` read."""
-    bm, nm, _ = self.mask_shape
-    return (b if bm > 1 else 0), (n if nm > 1 else 0)
-
   def dense_inputs(self):
-    """``(index, rows)`` of the bias then the mask array, those present: ``index(b, n)`` as
-    ``bias_index``; ``rows``: whether the input has a row per query (else one row for all)."""
-    return [(index, shape[2] > 1) for shape, index in ((self.bias_shape, self.bias_index),
-                                                       (self.mask_shape, self.mask_index))
+    """``(index, rows)`` of the bias then the mask array, those present: ``index(b, n)`` is the
+    ``(batch, head)`` of the input's block that batch row ``b`` and query head ``n`` read (0
+    along a size-1 dim); ``rows``: whether it has a row per query (else one row for all)."""
+    def index(shape):
+      return lambda b, n: ((b if shape[0] > 1 else 0), (n if shape[1] > 1 else 0))
+    return [(index(shape), shape[2] > 1) for shape in (self.bias_shape, self.mask_shape)
             if shape is not None]
 
   @property
@@ -593,6 +585,17 @@ def soft_cap_grad(ds, s, plan: Plan):
     return ds
   t = jnp.clip(s / jnp.float32(plan.logits_soft_cap), -1.0, 1.0)
   return ds * (1.0 - t * t)
+
+
+def dense_refs(plan: Plan, refs):
+  """``(bias_ref, mask_ref, rest)``: a kernel's bias and mask-array refs (None when absent), which
+  follow its other inputs in that order, and the refs after them."""
+  bias_ref = mask_ref = None
+  if plan.has_bias:
+    bias_ref, *refs = refs
+  if plan.has_mask_array:
+    mask_ref, *refs = refs
+  return bias_ref, mask_ref, refs
 
 
 def reset_online_softmax(first, m_ref, l_ref, acc_ref):

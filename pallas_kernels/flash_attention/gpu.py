@@ -62,14 +62,14 @@ from pallas_kernels.flash_attention.sharded import run_flash
 #            ``ds k`` into an fp32 dQ with atomic adds, as FlashAttention-2's CUDA backward does:
 #            five matmuls, no dQ kernel).  Default "kernel"; "atomic" is tested for results here
 #            but not yet timed on a GPU.
-#   forward: "triton" (the kernel below), "hopper" (``hopper.py``: Mosaic GPU, TMA + wgmma +
-#            warp specialisation, for sm_90 GPUs; band masks with segment ids, key lengths, ALiBi
-#            and soft-cap; calls it does not take -- fp32, non-band masks, a traced scale, a
-#            dense bias or mask array, another GPU -- stay on Triton, see ``hopper_reason``) or "auto" ("hopper" on a
-#            compiled run, Triton when interpreted: the CPU tests interpret the Hopper kernels
-#            only where they ask for them).  Either backward takes either forward's output.
-#            On an H200 at T = 8k (bf16, 16 heads of 128) the Hopper forward ran 533-554 TFLOP/s
-#            non-causal and 543 causal (0.85x / 0.97x cuDNN) against Triton's 443 / 379.
+#   forward: "triton" (the kernel below), "hopper" (``hopper.py``: Mosaic GPU, TMA + wgmma + warp
+#            specialisation, for sm_90 GPUs; band masks with segment ids, key lengths, ALiBi and
+#            soft-cap; calls it does not take -- fp32, non-band masks, a traced scale, a dense bias
+#            or mask array, another GPU -- stay on Triton, see ``hopper_reason``) or "auto"
+#            ("hopper" on a compiled run, Triton when interpreted: the CPU tests interpret the
+#            Hopper kernels only where they ask for them).  Either backward takes either forward's
+#            output.  On an H200 at T = 8k (bf16, 16 heads of 128) the Hopper forward ran 533-554
+#            TFLOP/s non-causal and 543 causal (0.85x / 0.97x cuDNN) against Triton's 443 / 379.
 #            Default "auto".
 #   backward: "triton" (the dQ and dK/dV kernels below), "hopper" (``hopper.backward``: the same
 #            two passes as Mosaic GPU kernels; the dK/dV pass sums a GQA group in the kernel) or
@@ -413,12 +413,7 @@ def _scalar_lens(plan):
 def _fwd_kernel(q_ref, k_ref, v_ref, entries_ref, counts_ref, iscal_ref, fscal_ref, *refs, plan):
   if plan.has_segments:
     qseg_ref, kvseg_ref, *refs = refs
-  bias_ref = None
-  if plan.has_bias:
-    bias_ref, *refs = refs
-  mask_ref = None
-  if plan.has_mask_array:
-    mask_ref, *refs = refs
+  bias_ref, mask_ref, refs = C.dense_refs(plan, refs)
   o_ref, lse_ref = refs
   i, b, n = _row_id(plan.q_pad // plan.block_q), pl.program_id(1), pl.program_id(2)
   bq, bk = plan.block_q, plan.block_k
@@ -572,12 +567,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entries_ref, cou
                fscal_ref, *refs, plan):
   if plan.has_segments:
     qseg_ref, kvseg_ref, *refs = refs
-  bias_ref = None
-  if plan.has_bias:
-    bias_ref, *refs = refs
-  mask_ref = None
-  if plan.has_mask_array:
-    mask_ref, *refs = refs
+  bias_ref, mask_ref, refs = C.dense_refs(plan, refs)
   dq_ref, *ds_ref = refs  # ds_ref: [ds rows] when the bias is differentiated
   i, b, n = _row_id(plan.q_pad // plan.block_q), pl.program_id(1), pl.program_id(2)
   bq, bk = plan.block_q, plan.block_k
@@ -654,12 +644,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entries_ref, co
                 iscal_ref, fscal_ref, *refs, plan, atomic_dq=False):
   if plan.has_segments:
     qseg_ref, kvseg_ref, *refs = refs
-  bias_ref = None
-  if plan.has_bias:
-    bias_ref, *refs = refs
-  mask_ref = None
-  if plan.has_mask_array:
-    mask_ref, *refs = refs
+  bias_ref, mask_ref, refs = C.dense_refs(plan, refs)
   if atomic_dq:
     _, dk_ref, dv_ref, dq_ref = refs  # the aliased input is the output dq_ref
   else:

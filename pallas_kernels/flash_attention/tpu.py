@@ -355,12 +355,7 @@ def _scalars(plan, iscal_ref, fscal_ref, b, n):
 def _fwd_kernel(entries_ref, iscal_ref, fscal_ref, q_ref, k_ref, v_ref, *refs, plan, width, at):
   if plan.has_segments:
     qseg_ref, kvseg_ref, *refs = refs
-  bias_ref = None
-  if plan.has_bias:
-    bias_ref, *refs = refs
-  mask_ref = None
-  if plan.has_mask_array:
-    mask_ref, *refs = refs
+  bias_ref, mask_ref, refs = C.dense_refs(plan, refs)
   o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
   b, n, i, w = (pl.program_id(a) for a in range(4))
   entry = entries_ref[at(b, i, w)]
@@ -495,12 +490,8 @@ def _dq_kernel(entries_ref, iscal_ref, fscal_ref, q_ref, k_ref, v_ref, do_ref, l
                *refs, plan, width, at, bias_grad=False):
   if plan.has_segments:
     qseg_ref, kvseg_ref, *refs = refs
-  bias_ref = ds_ref = None
-  if plan.has_bias:
-    bias_ref, *refs = refs
-  mask_ref = None
-  if plan.has_mask_array:
-    mask_ref, *refs = refs
+  ds_ref = None
+  bias_ref, mask_ref, refs = C.dense_refs(plan, refs)
   if bias_grad:
     dq_ref, ds_ref, acc_ref = refs
   else:
@@ -594,12 +585,7 @@ def _dkv_kernel(entries_ref, iscal_ref, fscal_ref, q_ref, k_ref, v_ref, do_ref, 
                 *refs, plan, width, at):
   if plan.has_segments:
     kvseg_ref, qseg_ref, *refs = refs
-  bias_ref = None
-  if plan.has_bias:
-    bias_ref, *refs = refs
-  mask_ref = None
-  if plan.has_mask_array:
-    mask_ref, *refs = refs
+  bias_ref, mask_ref, refs = C.dense_refs(plan, refs)
   dk_ref, dv_ref, dk_acc, dv_acc = refs
   b, kh, j, r = (pl.program_id(a) for a in range(4))
   n = kh * plan.groups + _div(r, width)  # the query head of this step

@@ -88,8 +88,8 @@ def kernel(backend, mask, **kw):
 def reference(ref_kw):
   def attn(q, k, v, bias):
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    return dot_product_attention(f32(q), f32(k), f32(v), f32(bias), implementation="xla",
-                                 return_residuals=True, **ref_kw)
+    return dot_product_attention(f32(q), f32(k), f32(v), None if bias is None else f32(bias),
+                                 implementation="xla", return_residuals=True, **ref_kw)
   return attn
 
 
@@ -116,9 +116,8 @@ CASES = {
 }
 
 
-def build(name, dtype=jnp.float32):
-  (b, t, s, n, kh, h), bias_shape, kw = CASES[name]
-  q, k, v, bias = make_inputs(b, t, s, n, kh, h, bias_shape, dtype)
+def reference_kwargs(kw, b, t, n):
+  """The formula's keyword arguments of a case: ``alibi`` / ``segments`` flags made arrays."""
   kw = dict(kw)
   ref_kw = {}
   if kw.pop("alibi", False):
@@ -127,7 +126,13 @@ def build(name, dtype=jnp.float32):
     ref_kw["segment_ids"] = segment_ids(b, t)
   if "kv_lengths" in kw:
     ref_kw["kv_lengths"] = jnp.asarray(kw.pop("kv_lengths"), jnp.int32)
-  ref_kw.update(kw)
+  return {**ref_kw, **kw}
+
+
+def build(name, dtype=jnp.float32):
+  (b, t, s, n, kh, h), bias_shape, kw = CASES[name]
+  q, k, v, bias = make_inputs(b, t, s, n, kh, h, bias_shape, dtype)
+  ref_kw = reference_kwargs(kw, b, t, n)
   mask = M.make_mask(is_causal=ref_kw.get("is_causal", False),
                      local_window_size=ref_kw.get("local_window_size"),
                      segment_ids=ref_kw.get("segment_ids"), kv_lengths=ref_kw.get("kv_lengths"))
@@ -311,19 +316,20 @@ MASK_CASES = {
 }
 
 
+def without_bias(*fns):
+  """``(a stand-in bias, *fns)`` for a case without one: each ``fn(q, k, v, bias)`` called with
+  None; the loss still differentiates the stand-in (its gradient is zero on both sides)."""
+  return (jnp.zeros((1, 1, 1, 1)),
+          *[lambda q, k, v, b, fn=fn: fn(q, k, v, None) for fn in fns])
+
+
 def build_masked(name):
   (b, t, s, n, kh, h), mshape, kw, with_bias = MASK_CASES[name]
   q, k, v, bias = make_inputs(b, t, s, n, kh, h, (1, n, t, s), seed=7)
   allowed = random_mask(mshape, seed=8)
   if name == "full_causal_softcap":
     allowed = allowed.at[1, :, 5].set(False).at[0, :, :16, 16:32].set(False)
-  kw = dict(kw)
-  ref_kw = {}
-  if kw.pop("alibi", False):
-    ref_kw["alibi_slopes"] = jnp.asarray(0.5 ** np.arange(1, n + 1), jnp.float32)
-  if kw.pop("segments", False):
-    ref_kw["segment_ids"] = segment_ids(b, t)
-  ref_kw.update(kw)
+  ref_kw = reference_kwargs(kw, b, t, n)
   mask = M.make_mask(is_causal=ref_kw.get("is_causal", False),
                      segment_ids=ref_kw.get("segment_ids"))
   kern_kw = {k_: ref_kw[k_] for k_ in ("alibi_slopes", "logits_soft_cap") if k_ in ref_kw}
@@ -336,11 +342,8 @@ def test_mask_array_forward_and_gradients_match_formula(backend, name):
   (q, k, v, bias), allowed, ref_kw, mask, kern_kw = build_masked(name)
   attn = kernel(backend, mask, mask_array=allowed, **kern_kw)
   ref = reference({**ref_kw, "mask": allowed})
-  if bias is None:  # the loss differentiates a bias argument: zeros, then not compared
-    bias = jnp.zeros((1, 1, 1, 1))
-    attn_, ref_ = attn, ref
-    attn = lambda q, k, v, b: attn_(q, k, v, None)  # noqa: E731
-    ref = lambda q, k, v, b: ref_(q, k, v, jnp.zeros((1, 1, 1, 1)))  # noqa: E731
+  if bias is None:
+    bias, attn, ref = without_bias(attn, ref)
   out, lse, grads = run(lambda *a: loss_and_grads(attn, *a), q, k, v, bias)
   r_out, r_lse, r_grads = run(lambda *a: loss_and_grads(ref, *a), q, k, v, bias)
   assert_close(out, r_out, F32_TOL, "out")
@@ -421,10 +424,7 @@ def test_dense_inputs_random_shapes(t, s, groups, bias_dims, mask_dims, causal):
                                  return_residuals=True, implementation="xla")
 
   if bias is None:
-    bias = jnp.zeros((1, 1, 1, 1))
-    ours_, ref_ = ours, ref
-    ours = lambda q, k, v, b: ours_(q, k, v, None)  # noqa: E731
-    ref = lambda q, k, v, b: ref_(q, k, v, None)  # noqa: E731
+    bias, ours, ref = without_bias(ours, ref)
   out, lse, grads = run(lambda *a: loss_and_grads(ours, *a), q, k, v, bias)
   r_out, r_lse, r_grads = run(lambda *a: loss_and_grads(ref, *a), q, k, v, bias)
   assert_close(out, r_out, 2e-5, "out")
