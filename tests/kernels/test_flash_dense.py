@@ -55,6 +55,17 @@ def assert_close(got, want, tol, name):
   np.testing.assert_allclose(got, want, rtol=0, atol=tol * scale, err_msg=name)
 
 
+def assert_results(got, want, tol=F32_TOL, grad_tol=F32_GRAD_TOL):
+  """``(out, lse, grads)`` against the formula's: values, and -inf log-sum-exps in the same rows."""
+  (out, lse, grads), (r_out, r_lse, r_grads) = got, want
+  assert_close(out, r_out, tol, "out")
+  np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(r_lse))
+  assert_close(jnp.where(jnp.isfinite(lse), lse, 0), jnp.where(jnp.isfinite(r_lse), r_lse, 0),
+               tol, "lse")
+  for g, rg, label in zip(grads, r_grads, ("dq", "dk", "dv", "dbias")):
+    assert_close(g, rg, grad_tol, label)
+
+
 def make_inputs(b, t, s, n, kh, h, bias_shape, dtype=jnp.float32, seed=0):
   ks = jax.random.split(jax.random.key(seed), 4)
   q = jax.random.normal(ks[0], (b, t, n, h), jnp.float32).astype(dtype)
@@ -148,12 +159,7 @@ def test_bias_forward_and_gradients_match_formula(backend, name):
   out, lse, grads = run(lambda *a: loss_and_grads(kernel(backend, mask, **kern_kw), *a), *args)
   r_out, r_lse, r_grads = run(lambda *a: loss_and_grads(reference(ref_kw), *a), *args)
   assert grads[3].shape == args[3].shape and grads[3].dtype == args[3].dtype
-  assert_close(out, r_out, F32_TOL, "out")
-  np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(r_lse))
-  assert_close(jnp.where(jnp.isfinite(lse), lse, 0), jnp.where(jnp.isfinite(r_lse), r_lse, 0),
-               F32_TOL, "lse")
-  for g, rg, label in zip(grads, r_grads, ("dq", "dk", "dv", "dbias")):
-    assert_close(g, rg, F32_GRAD_TOL, label)
+  assert_results((out, lse, grads), (r_out, r_lse, r_grads))
   # The bias gradient is not trivially small: the test would see a missing or misplaced one.
   assert float(jnp.abs(r_grads[3]).max()) > 0.05
   if name == "shared_batch_segments_alibi":  # row 1 sees no key: zeros, never NaN
@@ -346,12 +352,7 @@ def test_mask_array_forward_and_gradients_match_formula(backend, name):
     bias, attn, ref = without_bias(attn, ref)
   out, lse, grads = run(lambda *a: loss_and_grads(attn, *a), q, k, v, bias)
   r_out, r_lse, r_grads = run(lambda *a: loss_and_grads(ref, *a), q, k, v, bias)
-  assert_close(out, r_out, F32_TOL, "out")
-  np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(r_lse))
-  assert_close(jnp.where(jnp.isfinite(lse), lse, 0), jnp.where(jnp.isfinite(r_lse), r_lse, 0),
-               F32_TOL, "lse")
-  for g, rg, label in zip(grads, r_grads, ("dq", "dk", "dv", "dbias")):
-    assert_close(g, rg, F32_GRAD_TOL, label)
+  assert_results((out, lse, grads), (r_out, r_lse, r_grads))
   if name == "full_causal_softcap":
     assert not np.isnan(np.asarray(out)).any()
     np.testing.assert_array_equal(np.asarray(out[1, 5]), 0.0)
