@@ -29,9 +29,11 @@ Backward (FlashAttention-2, recomputing ``p = exp(s - lse)`` from the forward's 
   ``s^T = k_j q_i^T`` so every matmul is a plain or NT product:
   ``dv_j = sum p^T do``, ``dk_j = scale * sum ds^T q`` with ``ds = p (do v^T - delta)``.
 
-A dense bias ``[B|1, N|1, T, S]`` is streamed as ``[block_q, block_k]`` tiles beside the key
-blocks (the same table entry picks both; the dK/dV kernel transposes its tile); its gradient is the
-dQ kernel's ``ds`` tile, written out when the bias is being differentiated.
+A dense bias ``[B|1, N|1, T|1, S]`` is streamed as ``[block_q, block_k]`` tiles (``[1,
+block_k]`` for one row) beside the key blocks (the same table entry picks both; the dK/dV kernel
+transposes its tile); its gradient is the dQ kernel's ``ds`` tile, written out when the bias is
+being differentiated.  A boolean mask array streams the same way as int8 tiles, and its blocks
+refine the tables.
 """
 
 from __future__ import annotations
@@ -93,11 +95,12 @@ def flash_attention(
     query, key, value: ``[B, T, N, H]``, ``[B, S, K, H]``, ``[B, S, K, h]``; float32 or bfloat16.
     bias: a dense additive bias ``[B|1, N|1, T|1, S|1]`` (a T5 relative bias, a user bias),
       added after the scale; differentiated (its gradient is written only when it is being
-      differentiated).  Size-1 batch / head dims are read, not repeated; size-1 ``T`` / ``S`` are
-      broadcast before the kernel.
+      differentiated).  Size-1 batch / head dims are read, not repeated, one row for all queries
+      as one-row blocks; a size-1 ``S`` is broadcast before the kernel.
     mask_array: a dense boolean mask ``[B|1, N|1, T|1, S|1]`` (True = attend), ``&`` with
-      ``mask``: streamed as int8 tiles; key blocks that it empties for every head of a batch row
-      are skipped, blocks it fills need no mask evaluation (per-row block tables).
+      ``mask``: streamed as int8 tiles (broadcast dims as ``bias``'); key blocks that it empties
+      for every head of a batch row are skipped, blocks it fills need no mask evaluation
+      (per-row block tables).
     mask: a ``jaxattn.ops.masks.Mask``: any position mask (causal, window, global tokens, their
       ``&``/``|``), ``&`` at most one ``SegmentMask`` and any ``PaddingMask``.
     scale: logits scale, default ``1 / sqrt(H)``; a traced one is a constant to ``jax.grad``
@@ -264,8 +267,8 @@ def vmem_bytes_dq(block_q: int, block_k: int, head_dim: int, v_head_dim: int,
 def vmem_bytes_dkv(block_q: int, block_k: int, head_dim: int, v_head_dim: int,
                    itemsize: int, dense_itemsize: int = 0) -> int:
   """VMEM working set of one dK/dV step: double-buffered q, do, k, v, fp32 dk/dv out and the
-  sublane-replicated lse/delta rows (and bias / mask-array blocks), the two fp32 accumulators and four fp32
-  temporaries."""
+  sublane-replicated lse/delta rows (and bias / mask-array blocks), the two fp32 accumulators and
+  four fp32 temporaries."""
   io = 2 * itemsize * (block_q + block_k) * (head_dim + v_head_dim)
   io += 2 * dense_itemsize * block_q * block_k
   io += 2 * 4 * (block_k * (head_dim + v_head_dim) + 2 * C.NUM_SUBLANES * block_q)
@@ -520,7 +523,7 @@ def _dq_kernel(entries_ref, iscal_ref, fscal_ref, q_ref, k_ref, v_ref, do_ref, l
     p = jnp.exp(s - lse_ref[:, :1])  # [bq, bk]
     dp = lax.dot_general(do, v, NT_DIMS, preferred_element_type=jnp.float32)  # [bq, bk]
     ds = C.soft_cap_grad(p * (dp - delta_ref[:, :1]), s, plan)
-    if ds_ref is not None:  # d loss / d bias of this block (the logits before the scale's q.k)
+    if ds_ref is not None:  # d loss / d bias of this block: ds, the pre-cap logits' gradient
       ds_ref[...] = ds
     acc_ref[...] += lax.dot_general(ds.astype(C.matmul_dtype(k)), k, NN_DIMS,
                                     preferred_element_type=jnp.float32)  # [bq, H]
