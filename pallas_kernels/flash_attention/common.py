@@ -669,15 +669,17 @@ def visited_blocks(plan: Plan, aux, bq: int, bk: int):
   return kinds != EMPTY
 
 
-def bias_gradient(plan: Plan, aux, ds, dtype):
-  """The bias cotangent from a kernel's ``ds`` blocks ``[B, N, Tp, Sp]`` (fp32, written for the
-  visited blocks of the forward tiling only; the others hold whatever the buffer held): zeros
-  outside visited blocks, padding sliced off, summed over the bias' broadcast batch / head / row
-  dims."""
-  bq, bk = plan.block_q, plan.block_k
-  vis = visited_blocks(plan, aux, bq, bk)[:, None, :, None, :, None]  # broadcast, not repeated
-  b, n, tp, sp = ds.shape
-  d = jnp.where(vis, ds.reshape(b, n, tp // bq, bq, sp // bk, bk), 0.0).reshape(b, n, tp, sp)
+def bias_gradient(plan: Plan, aux, ds, dtype, zeroed: bool = False):
+  """The bias cotangent from a kernel's ``ds`` blocks ``[B | 1, N, Tp, Sp]`` (fp32, written for
+  the visited blocks of the forward tiling only; the others hold whatever the buffer held, or
+  zeros when ``zeroed``): zeros outside visited blocks, padding sliced off, summed over the bias'
+  broadcast batch / head / row dims."""
+  d = ds
+  if not zeroed:
+    bq, bk = plan.block_q, plan.block_k
+    vis = visited_blocks(plan, aux, bq, bk)[:, None, :, None, :, None]  # broadcast
+    b, n, tp, sp = ds.shape
+    d = jnp.where(vis, ds.reshape(b, n, tp // bq, bq, sp // bk, bk), 0.0).reshape(b, n, tp, sp)
   d = d[:, :, :plan.q_len, :plan.kv_len]
   for axis, size in enumerate(plan.bias_shape):  # the broadcast batch / head / row dims
     if size == 1:

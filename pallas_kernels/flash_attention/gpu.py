@@ -490,11 +490,17 @@ def _backward(plan: C.Plan, q, k, v, bias, aux, out, lse, d_out, d_lse, bias_gra
   d_bias = None
   if not atomic:
     entries, counts = _tables(plan, aux, transpose=False)
-    dq = _dq_call(plan, entries.shape[-1], x.hp, x.vp, bias_grad)(
-        x.q, x.k, x.v, do, lse_safe, delta, entries, counts, x.iscal, x.fscal, *x.segs, *x.dense)
+    # a bias shared over the batch: its ds summed over the batch in the kernel (atomic adds into
+    # one zeroed buffer), not written per batch row
+    shared = bias_grad and plan.bias_shape[0] == 1 and plan.batch > 1
+    zero_ds = ((jnp.zeros((1, plan.num_heads, plan.q_pad, plan.kv_pad), jnp.float32),)
+               if shared else ())
+    dq = _dq_call(plan, entries.shape[-1], x.hp, x.vp, bias_grad, shared)(
+        x.q, x.k, x.v, do, lse_safe, delta, entries, counts, x.iscal, x.fscal, *x.segs, *x.dense,
+        *zero_ds)
     if bias_grad:
       dq, ds = dq
-      d_bias = C.bias_gradient(plan, aux, ds, bias.dtype)
+      d_bias = C.bias_gradient(plan, aux, ds, bias.dtype, zeroed=shared)
   entries_t, counts_t = _tables(plan, aux, transpose=True)
   extra = ()
   if atomic:  # the dK/dV kernel accumulates dQ into this zeroed fp32 buffer (aliased in place)
@@ -533,7 +539,11 @@ def _probs(plan, scale, slope):
 
 
 @functools.lru_cache(maxsize=128)
-def _dq_call(plan: C.Plan, width: int, hp: int, vp: int, bias_grad: bool = False):
+def _dq_call(plan: C.Plan, width: int, hp: int, vp: int, bias_grad: bool = False,
+             shared_ds: bool = False):
+  """The dQ kernel; with ``bias_grad`` also its ``ds`` rows, per batch row ``[B, N, Tp, Sp]`` or,
+  ``shared_ds`` (a bias shared over the batch), added up over the batch with atomic adds into one
+  zeroed ``[1, N, Tp, Sp]`` buffer (aliased: the last input)."""
   bq, g = plan.block_q, plan.groups
   nq = plan.q_pad // bq
   row = lambda i, b, n: (b, i, n, 0)  # noqa: E731
@@ -548,26 +558,35 @@ def _dq_call(plan: C.Plan, width: int, hp: int, vp: int, bias_grad: bool = False
   ] + _common_specs(plan, width, *_scalar_lens(plan), transpose=False)
   out_specs = [pl.BlockSpec((None, bq, None, hp), row)]
   out_shape = [jax.ShapeDtypeStruct((plan.batch, plan.q_pad, plan.num_heads, hp), jnp.float32)]
-  if bias_grad:  # ds rows [B, N, Tp, Sp] fp32; blocks no step visits are left unwritten
-    out_specs.append(pl.BlockSpec((None, None, bq, plan.kv_pad), lambda i, b, n: (b, n, i, 0)))
-    out_shape.append(jax.ShapeDtypeStruct((plan.batch, plan.num_heads, plan.q_pad, plan.kv_pad),
+  aliases = {}
+  if bias_grad:  # ds rows fp32; blocks no step visits are left unwritten (zero when shared)
+    ds_batch = 1 if shared_ds else plan.batch
+    ds_spec = pl.BlockSpec((None, None, bq, plan.kv_pad),
+                           lambda i, b, n: (0 if shared_ds else b, n, i, 0))
+    out_specs.append(ds_spec)
+    out_shape.append(jax.ShapeDtypeStruct((ds_batch, plan.num_heads, plan.q_pad, plan.kv_pad),
                                           jnp.float32))
+    if shared_ds:
+      in_specs.append(ds_spec)
+      aliases = {len(in_specs) - 1: 1}
   out_specs = _reversed_rows(out_specs, nq)
   return pl.pallas_call(
-      functools.partial(_dq_kernel, plan=plan),
+      functools.partial(_dq_kernel, plan=plan, shared_ds=shared_ds),
       grid=(nq, plan.batch, plan.num_heads),
       in_specs=_reversed_rows(in_specs, nq),
       out_specs=out_specs if bias_grad else out_specs[0],
-      out_shape=out_shape if bias_grad else out_shape[0],
+      out_shape=out_shape if bias_grad else out_shape[0], input_output_aliases=aliases,
       compiler_params=_compiler_params(plan, hp),
       interpret=plan.interpret, name="jaxattn_flash_dq_gpu")
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entries_ref, counts_ref, iscal_ref,
-               fscal_ref, *refs, plan):
+               fscal_ref, *refs, plan, shared_ds=False):
   if plan.has_segments:
     qseg_ref, kvseg_ref, *refs = refs
   bias_ref, mask_ref, refs = C.dense_refs(plan, refs)
+  if shared_ds:
+    refs = refs[1:]  # the aliased zero buffer's input ref: its output ref is added into
   dq_ref, *ds_ref = refs  # ds_ref: [ds rows] when the bias is differentiated
   i, b, n = _row_id(plan.q_pad // plan.block_q), pl.program_id(1), pl.program_id(2)
   bq, bk = plan.block_q, plan.block_k
@@ -595,7 +614,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entries_ref, cou
                 kv_length=kv_length, **segs)
     dp = plgpu.dot(do, v, trans_b=True)  # [bq, bk]
     ds = C.soft_cap_grad(p * (dp - delta), s, plan)
-    if ds_ref:  # d loss / d bias of this block
+    if ds_ref and shared_ds:  # d loss / d bias of this block, summed over the batch
+      plgpu.atomic_add(ds_ref[0], (slice(None), pl.ds(start, bk)), ds)
+    elif ds_ref:  # d loss / d bias of this block
       ds_ref[0][:, pl.ds(start, bk)] = ds
     return dq + plgpu.dot(ds.astype(C.matmul_dtype(k)), k)  # [bq, Hp]
 

@@ -443,8 +443,8 @@ def test_one_row_inputs_are_read_not_broadcast(backend):
   q, k, v, bias = make_inputs(b, t, s, n, 2, 16, (1, n, 1, s))
   allowed = random_mask((b, 1, 1, s), seed=1)
   attn = kernel(backend, M.CausalMask(), mask_array=allowed)
-  jaxpr = jax.make_jaxpr(jax.grad(lambda q, bias: jnp.sum(attn(q, k, v, bias)[0] ** 2),
-                                  argnums=(0, 1)))(q, bias)
+  # (the bias constant: a learned one adds its gradient's buffer, [B|1, N, T, S] by design)
+  jaxpr = jax.make_jaxpr(jax.grad(lambda q, bias: jnp.sum(attn(q, k, v, bias)[0] ** 2)))(q, bias)
   shapes = {}
 
   def walk(jx):
@@ -463,3 +463,39 @@ def test_one_row_inputs_are_read_not_broadcast(backend):
     # no [.., T, S] operand (the lse / delta rows, lane-replicated to 128, are [B, N, Tp, 128])
     assert not [x for x in operands if len(x) == 4 and x[2] >= t and s <= x[3] < 128], (
         name, operands)
+
+
+@pytest.mark.parametrize("bias_batch", [1, 2], ids=["shared bias (atomic ds)", "per-row bias"])
+def test_dense_inputs_lower_to_triton(bias_batch, cuda_target):
+  """The Triton kernels with a learned bias (shared over the batch: its ds added up in the dQ
+  kernel with atomic adds into one buffer; or per row) and a key-padding mask array lower to
+  Triton IR for CUDA at a production size; the shared bias' buffer is [1, N, T, S], not
+  [B, N, T, S] (compiling the IR needs a GPU)."""
+  b, t, n, kh, h = 2, 1024, 8, 2, 128
+  q = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((b, t, kh, h), jnp.bfloat16)
+  bias = jax.ShapeDtypeStruct((bias_batch, n, t, t), jnp.bfloat16)
+  allowed = jax.ShapeDtypeStruct((b, 1, 1, t), jnp.bool_)
+
+  def grads(q, k, v, bias, allowed):
+    def loss(q, k, v, bias):
+      out = flash_attention_gpu(q, k, v, M.CausalMask(), bias=bias, mask_array=allowed,
+                                interpret=False)
+      return jnp.sum(out.astype(jnp.float32))
+    return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, bias)
+
+  traced = jax.jit(grads).trace(q, k, k, bias, allowed)
+  text = traced.lower(lowering_platforms=("cuda",)).as_text()
+  for name in ("jaxattn_flash_fwd_gpu", "jaxattn_flash_dq_gpu", "jaxattn_flash_dkv_gpu"):
+    assert name in text
+  dq_outputs = []
+
+  def walk(jx):
+    for eqn in jx.eqns:
+      if eqn.primitive.name == "pallas_call" and "flash_dq" in str(eqn.params.get("name")):
+        dq_outputs.append([tuple(v.aval.shape) for v in eqn.outvars])
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        walk(sub)
+
+  walk(traced.jaxpr.jaxpr)
+  assert dq_outputs and dq_outputs[0][1] == (bias_batch, n, t, t)
