@@ -196,7 +196,8 @@ def attention(query, key, value, kw: dict, *, size: int, strategy: str, load_bal
   ``unsupported`` accepts).  ``strict``: a ``load_balance=True`` that cannot apply raises (else,
   from the dispatcher's options, it applies where it can)."""
   from pallas_kernels.flash_attention import common as C
-  from pallas_kernels.flash_attention.sharded import plan_specs, run_sharded
+  from pallas_kernels.flash_attention.sharded import (dense_spec, plan_specs, run_sharded,
+                                                      with_all_keys)
   static, segments, lengths = C.split_mask(kw["mask"])
   band = None if static is None else M._band(static)
   t = query.shape[1] // size
@@ -210,10 +211,8 @@ def attention(query, key, value, kw: dict, *, size: int, strategy: str, load_bal
     raise ValueError(f"`load_balance` needs a causal mask (without ALiBi, for the ring) and an "
                      f"even number of rows per device, got strategy={strategy!r}, mask "
                      f"{static!r}, T / C = {t}.")
-  def all_keys(x):  # a dense [B|1, N|1, T|1, S|1] input with every key column: blocks slice them
-    return None if x is None else jnp.broadcast_to(x, (*np.shape(x)[:3], key.shape[1]))
-
-  bias, allowed = all_keys(kw["bias"]), all_keys(kw["mask_array"])
+  # dense inputs with every key column: the blocks slice their keys' columns
+  bias, allowed = (with_all_keys(kw[n], key.shape[1]) for n in ("bias", "mask_array"))
   q_ids, kv_ids = (None, None) if segments is None else segments
   scale = kw["scale"]
   named = {"query": query, "key": key, "value": value, "q_ids": q_ids, "kv_ids": kv_ids,
@@ -243,8 +242,7 @@ def attention(query, key, value, kw: dict, *, size: int, strategy: str, load_bal
              "lengths": P(bax), "slopes": P(hax), "scale": P()}
     for name, x in (("bias", bias), ("allowed", allowed)):  # split with the query rows
       if x is not None:
-        table[name] = P(bax if x.shape[0] > 1 else None, hax if x.shape[1] > 1 else None,
-                        AXIS if x.shape[2] > 1 else None, None)
+        table[name] = dense_spec(x, bax, hax, AXIS)
     return [table[k] for k in names], (P(bax, AXIS, hax, None), P(bax, hax, AXIS))
 
   out, lse = run_sharded(body, [named[k] for k in names], mesh, specs)
@@ -473,10 +471,10 @@ def _add_chunk_cols(cfg, acc, g, j):
 
 
 def _half_block(x, a: int, b: int, h: int):
-  """Rows of query half ``a`` (all rows when ``x`` has one) and columns of key half ``b`` of a
-  dense ``[.., .., rows, 2 h]`` input; its slices for the two (static)."""
+  """The index of query half ``a``'s rows (all rows when ``x`` has one) and key half ``b``'s
+  columns in a dense ``[.., .., rows, 2 h]`` input (static slices)."""
   rows = slice(None) if x.shape[2] == 1 else slice(a * h, (a + 1) * h)
-  return rows, slice(b * h, (b + 1) * h)
+  return slice(None), slice(None), rows, slice(b * h, (b + 1) * h)
 
 
 # The kinds of a (query half, key half) pair under a causal mask, zigzag layout.
@@ -500,8 +498,7 @@ def _zigzag_block(cfg, kinds, q, k, v, q_ids, kv_ids, lengths, slopes, scale, bi
       kind = kinds[2 * a + b]
       if kind == _NONE:
         continue
-      dense = [None if x is None else x[(slice(None), slice(None)) + _half_block(x, a, b, h)]
-               for x in (bias, allowed)]
+      dense = [None if x is None else x[_half_block(x, a, b, h)] for x in (bias, allowed)]
       o, l = _block(cfg, qs[a], ks[b], vs[b], qi[a], ki[b],
                     None if lengths is None else lengths[b], slopes, dense[0], scale,
                     q_offset=0 if kind == _DIAGONAL else h, allowed=dense[1])
@@ -534,9 +531,8 @@ def _zigzag_grads(cfg, kinds, q, k, v, q_ids, kv_ids, lengths, slopes, scale, bi
       kind = kinds[2 * a + b]
       if kind == _NONE:
         continue
-      at = {}
-      for name, x in (("bias", bias), ("allowed", allowed)):
-        at[name] = None if x is None else x[(slice(None), slice(None)) + _half_block(x, a, b, h)]
+      at = {name: None if x is None else x[_half_block(x, a, b, h)]
+            for name, x in (("bias", bias), ("allowed", allowed))}
       gq, gk, gv, g_sl, g_b = _block_grads(cfg, qs[a], ks[b], vs[b], qi[a], ki[b],
                                            None if lengths is None else lengths[b], slopes,
                                            scale, *rows[a], q_offset=0 if kind == _DIAGONAL
@@ -545,7 +541,7 @@ def _zigzag_grads(cfg, kinds, q, k, v, q_ids, kv_ids, lengths, slopes, scale, bi
       if g_sl is not None:
         d_slopes = g_sl.astype(f32) if d_slopes is None else d_slopes + g_sl
       if g_b is not None:
-        d_bias = d_bias.at[(slice(None), slice(None)) + _half_block(bias, a, b, h)].add(g_b)
+        d_bias = d_bias.at[_half_block(bias, a, b, h)].add(g_b)
   cat = lambda xs: jnp.concatenate(xs, axis=1)  # noqa: E731
   return cat(dq), cat(dk), cat(dv), d_slopes, d_bias
 

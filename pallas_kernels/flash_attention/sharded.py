@@ -84,6 +84,24 @@ def run_sharded(local: Callable, args, mesh, specs: Callable):
   return f(*placed)
 
 
+def with_all_keys(x, kv_len: int):
+  """A dense ``[B|1, N|1, T|1, S|1]`` input (bias, boolean mask array) with a column per key:
+  one column for all keys is broadcast; size-1 batch, head and query dims stay size 1."""
+  if x is None:
+    return None
+  x = jnp.asarray(x)
+  return jnp.broadcast_to(x, (*x.shape[:3], kv_len))
+
+
+def dense_spec(x, batch_axes, head_axes, row_axes=None):
+  """The ``PartitionSpec`` of a dense ``[B|1, N|1, T|1, S]`` input: split like the queries'
+  batch, heads and (``row_axes``) rows along the dims it has, size-1 dims replicated."""
+  if x is None:
+    return None
+  return P(batch_axes if x.shape[0] > 1 else None, head_axes if x.shape[1] > 1 else None,
+           row_axes if x.shape[2] > 1 else None, None)
+
+
 def shard_attention(local: Callable, query, key, value, *, q_ids, kv_ids, kv_lengths,
                     alibi_slopes, q_offset, scale, mesh=None, residuals=None, bias=None,
                     mask_array=None):
@@ -114,14 +132,10 @@ def shard_attention(local: Callable, query, key, value, *, q_ids, kv_ids, kv_len
 
   def specs(mesh):
     bax, hax = plan_specs(mesh, query.shape[0], query.shape[2], key.shape[2])
-    def dense_spec(x):  # [B|1, N|1, T, S]
-      if x is None:
-        return None
-      return P(bax if x.shape[0] > 1 else None, hax if x.shape[1] > 1 else None, None, None)
     table = {"query": P(bax, None, hax, None), "key": P(bax, None, hax, None),
              "value": P(bax, None, hax, None), "q_ids": P(bax, None), "kv_ids": P(bax, None),
              "kv_lengths": P(bax), "alibi_slopes": P(hax), "q_offset": P(), "scale": P(),
-             "bias": dense_spec(bias), "mask_array": dense_spec(mask_array),
+             "bias": dense_spec(bias, bax, hax), "mask_array": dense_spec(mask_array, bax, hax),
              "out": P(bax, None, hax, None), "lse": P(bax, hax, None)}
     return [table[k] for k in names], (P(bax, None, hax, None), P(bax, hax, None))
 
@@ -149,13 +163,7 @@ def run_flash(query, key, value, mask, *, scale, alibi_slopes, logits_soft_cap, 
     raise ValueError(f"`block_sizes` must be a BlockSizes, got {type(block_sizes).__name__}.")
   static_offset = None if common.is_traced(q_offset) else int(q_offset)
 
-  def all_keys(x):  # one column for all keys is broadcast; one row for all queries is kept
-    if x is None:
-      return None
-    x = jnp.asarray(x)
-    return jnp.broadcast_to(x, (*x.shape[:3], key.shape[1]))
-
-  bias, mask_array = all_keys(bias), all_keys(mask_array)
+  bias, mask_array = with_all_keys(bias, key.shape[1]), with_all_keys(mask_array, key.shape[1])
 
   def local(q, k, v, q_ids, kv_ids, lens, slopes, offset, scl, bias, mask_array, given):
     seg = None if q_ids is None else (q_ids, kv_ids)
@@ -188,4 +196,5 @@ def _place(x, spec, mesh):
   return x
 
 
-__all__ = ["latent_specs", "shard_attention", "plan_specs", "run_flash", "run_sharded"]
+__all__ = ["dense_spec", "latent_specs", "shard_attention", "plan_specs", "run_flash",
+           "run_sharded", "with_all_keys"]

@@ -23,6 +23,19 @@ def race_states(monkeypatch):
 
 
 @pytest.fixture
+def triton_kernels():
+  """The GPU entry point on its Triton kernels for the test (on an sm_90 GPU the default sends
+  bf16 band-mask calls to the Hopper kernels, which test_flash_hopper.py tests); the options are
+  restored afterwards."""
+  from pallas_kernels.flash_attention import gpu as gpu_kernel  # noqa: PLC0415
+
+  saved = gpu_kernel.get_options()
+  gpu_kernel.set_options(forward="triton", backward="triton")
+  yield
+  gpu_kernel.set_options(**saved)
+
+
+@pytest.fixture
 def cuda_target(monkeypatch):
   """Lowering the Triton kernels for CUDA on a machine without a GPU.  From jax 0.11 the Triton
   lowering reads the target GPU from the local device (or an abstract mesh's); where there is no

@@ -25,7 +25,6 @@ from jaxattn import sharding
 from jaxattn.ops import masks as M
 from jaxattn.ops.attention import dot_product_attention
 from pallas_kernels.flash_attention import BlockSizes, flash_attention_gpu, flash_attention_tpu
-from pallas_kernels.flash_attention import gpu as gpu_kernel
 from pallas_kernels.flash_attention.sharded import plan_specs
 
 ON_GPU = jax.default_backend() in ("gpu", "cuda", "rocm")
@@ -36,13 +35,9 @@ GPU_BLOCKS = BlockSizes(block_q=16, block_k=16, block_q_dkv=16, block_k_dkv=16)
 F32_TOL, F32_GRAD_TOL = (2e-3, 5e-3) if ON_GPU else (2e-5, 1e-4)  # TF32 on GPU hardware
 
 
-@pytest.fixture(autouse=True)
-def triton_kernels():
-  """The Triton kernels take the bias (the Hopper kernels pass such calls to them)."""
-  saved = gpu_kernel.get_options()
-  gpu_kernel.set_options(forward="triton", backward="triton")
-  yield
-  gpu_kernel.set_options(**saved)
+# The GPU entry point on its Triton kernels, which take the dense inputs (the Hopper kernels pass
+# such calls to them anyway; conftest.py's fixture).
+pytestmark = pytest.mark.usefixtures("triton_kernels")
 
 
 def run(f, *args):

@@ -28,14 +28,8 @@ F32_TOL = 2e-3 if ON_GPU else 2e-5  # TF32 tensor-core matmuls on hardware
 F32_GRAD_TOL = 5e-3 if ON_GPU else 1e-4
 
 
-@pytest.fixture(autouse=True)
-def triton_kernels():
-  """These tests are the Triton kernels' (on an sm_90 GPU the default sends bf16 band-mask calls
-  to the Hopper kernels, which test_flash_hopper.py tests)."""
-  saved = gpu_kernel.get_options()
-  gpu_kernel.set_options(forward="triton", backward="triton")
-  yield
-  gpu_kernel.set_options(**saved)
+# These tests are the Triton kernels' (conftest.py's fixture).
+pytestmark = pytest.mark.usefixtures("triton_kernels")
 
 
 def run(f, *args):
