@@ -252,6 +252,27 @@ def backward_intensities(block_q, block_k, head_dim, v_head_dim, itemsize, seq):
   return dq, flops / moved
 
 
+def shared_bias_gradient_intensity(block_q, block_k, head_dim, v_head_dim, itemsize,
+                                   bias_itemsize, shared):
+  """FLOP per HBM byte of the TPU kernel for a shared bias' gradient (a row per query), summing
+  ``shared`` (batch row, head) pairs per output block: every step fetches q, do, k, v and the
+  lse / delta rows (2 matmuls: s and dp); the bias block is read and the gradient block written
+  once per ``shared`` steps."""
+  flops = 2.0 * block_q * block_k * (head_dim + v_head_dim)
+  moved = (block_q + block_k) * (head_dim + v_head_dim) * itemsize + 2 * 8 * block_q * 4
+  moved += 2 * block_q * block_k * bias_itemsize / shared
+  return flops / moved
+
+
+def _bound_cells(intensity) -> list[str]:
+  """Per TPU chip: compute- or memory-bound at this FLOP/B, and the attainable share of peak."""
+  cells = []
+  for peak, bw in TPU_SPECS.values():
+    frac = min(1.0, intensity * bw / peak)
+    cells.append(f"{'compute' if frac >= 1 else 'memory'} {100 * frac:5.0f}%")
+  return cells
+
+
 def print_roofline(head_dim=128, seq=8192, itemsize=2):
   from pallas_kernels.flash_attention import tpu  # noqa: PLC0415
   print(f"TPU forward kernel, H = h = {head_dim}, {'bf16' if itemsize == 2 else 'fp32'}, "
@@ -267,10 +288,7 @@ def print_roofline(head_dim=128, seq=8192, itemsize=2):
     i_dq, i_dkv = backward_intensities(bq, bk, head_dim, head_dim, itemsize, seq)
     vmem = [f(bq, bk, head_dim, head_dim, itemsize) / 2**20
             for f in (tpu.vmem_bytes_forward, tpu.vmem_bytes_dq, tpu.vmem_bytes_dkv)]
-    cells = []
-    for peak, bw in TPU_SPECS.values():
-      frac = min(1.0, i_f * bw / peak)  # attainable share of peak (roofline) in the forward
-      cells.append(f"{'compute' if frac >= 1 else 'memory'} {100 * frac:5.0f}%")
+    cells = _bound_cells(i_f)  # attainable share of peak (roofline) in the forward
     print(f"{bq:>7} {bk:>7} | {i_f:>10.0f} {i_dq:>6.0f} {i_dkv:>6.0f} | {vmem[0]:>12.1f} "
           f"{vmem[1]:>5.1f} {vmem[2]:>5.1f} | " + " ".join(f"{c:>16}" for c in cells))
   # A dense bias adds a [block_q, block_k] block to every step: the intensity tends to
@@ -281,11 +299,19 @@ def print_roofline(head_dim=128, seq=8192, itemsize=2):
   for bq, bk in ((512, 512), (1024, 512)):
     for name, size in (("bf16", 2), ("fp32", 4), ("mask", 1)):  # mask: a bool array, as int8
       i_f = forward_step_intensity(bq, bk, head_dim, head_dim, itemsize, seq, bias_itemsize=size)
-      cells = []
-      for peak, bw in TPU_SPECS.values():
-        frac = min(1.0, i_f * bw / peak)
-        cells.append(f"{'compute' if frac >= 1 else 'memory'} {100 * frac:5.0f}%")
-      print(f"{bq:>7} {bk:>7} {name:>5} | {i_f:>10.0f} | " + " ".join(f"{c:>16}" for c in cells))
+      print(f"{bq:>7} {bk:>7} {name:>5} | {i_f:>10.0f} | "
+            + " ".join(f"{c:>16}" for c in _bound_cells(i_f)))
+  # A learned bias shared over the batch / heads (T5's [1, N, T, S]): its gradient kernel sums
+  # `shared` (batch row, head) pairs per block in VMEM (2 extra matmuls per pair and block).
+  print("gradient of a shared bf16 bias [1, N, T, S] (its own kernel, summing the batch rows):")
+  print(f"{'block_q':>7} {'block_k':>7} {'rows':>5} | {'FLOP/B':>10} {'VMEM MiB':>8} | "
+        + " ".join(f"{c + ' bound':>16}" for c in TPU_SPECS))
+  for bq, bk in ((512, 512), (1024, 512)):
+    vmem = tpu.vmem_bytes_dbias(bq, bk, head_dim, head_dim, itemsize, 2, 2, rows=True) / 2**20
+    for shared in (2, 8, 32):
+      i_b = shared_bias_gradient_intensity(bq, bk, head_dim, head_dim, itemsize, 2, shared)
+      print(f"{bq:>7} {bk:>7} {shared:>5} | {i_b:>10.0f} {vmem:>8.1f} | "
+            + " ".join(f"{c:>16}" for c in _bound_cells(i_b)))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -111,7 +111,7 @@ def cases():
   def flash_bias_grads(q, k, v, bias, allowed):
     """A learned bias shared over the batch (T5-style) and a boolean mask array per row: their
     [bq, bk] tiles streamed (the mask's as int8), transposed in the dK/dV kernel, the bias'
-    gradient written by the dQ kernel."""
+    gradient summed over the batch in its own kernel (one row: column sums per key block)."""
     def loss(q, k, v, bias):
       out = flash_attention_tpu(q, k, v, M.CausalMask(), bias=bias, mask_array=allowed,
                                 interpret=False)

@@ -490,14 +490,24 @@ def compact(kinds, width: int):
   return entries.astype(xp.int32), xp.stack([n_full, n_part], axis=-1)
 
 
+def batch_union(kinds):
+  """``[B, R, C]`` kinds -> ``[1, R, C]``: the kinds of a pass that visits every batch row's
+  blocks at once: EMPTY where every row's is, FULL where every row's is, else PARTIAL (the
+  block's masks evaluated per element, exact for every row)."""
+  full, empty = (kinds == FULL).all(0, keepdims=True), (kinds == EMPTY).all(0, keepdims=True)
+  return jnp.where(full, FULL, jnp.where(empty, EMPTY, PARTIAL)).astype(jnp.int8)
+
+
 def block_tables(plan: Plan, *, q_ids=None, kv_ids=None, kv_lengths=None, mask_array=None,
-                 transpose=False, pad_width_to_pow2=False):
+                 transpose=False, pad_width_to_pow2=False, union=False):
   """Block tables of one pass.
 
   ``transpose=False``: forward/dQ tiling ``(block_q, block_k)``, one row per query block listing
   key blocks.  ``transpose=True``: dK/dV tiling ``(block_q_dkv, block_k_dkv)``, one row per key
   block listing query blocks.  Returns ``(entries [Bt, R, W], counts [Bt, R, 2])`` with ``Bt = B``
   when data masks refine the tables, else 1; ``W`` is static (the widest row of the static part).
+  ``union``: one table for all batch rows (``Bt = 1``, ``batch_union`` of the per-row kinds), for
+  a pass whose grid step sums over the batch.
   """
   bq, bk = (plan.block_q_dkv, plan.block_k_dkv) if transpose else (plan.block_q, plan.block_k)
   kinds = static_kinds(plan, bq, bk)
@@ -510,6 +520,8 @@ def block_tables(plan: Plan, *, q_ids=None, kv_ids=None, kv_lengths=None, mask_a
     dk = data_kinds(plan, bq, bk, q_ids, kv_ids, kv_lengths, mask_array)
     if transpose:
       dk = jnp.swapaxes(dk, 1, 2)
+    if union:
+      dk = batch_union(dk)
     full = jnp.minimum(jnp.asarray(kinds)[None], dk)
     if full.shape[-1] < width:  # pow2 padding beyond the number of columns
       full = jnp.pad(full, ((0, 0), (0, 0), (0, width - full.shape[-1])))
@@ -670,14 +682,18 @@ def visited_blocks(plan: Plan, aux, bq: int, bk: int):
 
 
 def bias_gradient(plan: Plan, aux, ds, dtype, zeroed: bool = False):
-  """The bias cotangent from a kernel's ``ds`` blocks ``[B | 1, N, Tp, Sp]`` (fp32, written for
+  """The bias cotangent from a kernel's ``ds`` blocks ``[B | 1, N | 1, Tp, Sp]`` (written for
   the visited blocks of the forward tiling only; the others hold whatever the buffer held, or
-  zeros when ``zeroed``): zeros outside visited blocks, padding sliced off, summed over the bias'
-  broadcast batch / head / row dims."""
+  zeros when ``zeroed``; a size-1 batch dim sums all rows, so a block any row visits counts):
+  zeros outside visited blocks, padding sliced off, summed over the bias' broadcast batch / head
+  / row dims."""
   d = ds
   if not zeroed:
     bq, bk = plan.block_q, plan.block_k
-    vis = visited_blocks(plan, aux, bq, bk)[:, None, :, None, :, None]  # broadcast
+    vis = visited_blocks(plan, aux, bq, bk)
+    if ds.shape[0] == 1:
+      vis = vis.any(0, keepdims=True)
+    vis = vis[:, None, :, None, :, None]  # broadcast over heads and the blocks' elements
     b, n, tp, sp = ds.shape
     d = jnp.where(vis, ds.reshape(b, n, tp // bq, bq, sp // bk, bk), 0.0).reshape(b, n, tp, sp)
   d = d[:, :, :plan.q_len, :plan.kv_len]

@@ -31,9 +31,11 @@ Backward (FlashAttention-2, recomputing ``p = exp(s - lse)`` from the forward's 
 
 A dense bias ``[B|1, N|1, T|1, S]`` is streamed as ``[block_q, block_k]`` tiles (``[1,
 block_k]`` for one row) beside the key blocks (the same table entry picks both; the dK/dV kernel
-transposes its tile); its gradient is the dQ kernel's ``ds`` tile, written out when the bias is
-being differentiated.  A boolean mask array streams the same way as int8 tiles, and its blocks
-refine the tables.
+transposes its tile); its gradient, computed when the bias is being differentiated, is the dQ
+kernel's ``ds`` tile for a bias with every dim, else comes from its own kernel
+(``_dbias_call``), which sums ``ds`` over the batch rows / heads / query blocks that share each
+block in VMEM (no ``[B, N, T, S]`` buffer).  A boolean mask array streams the same way as int8
+tiles, and its blocks refine the tables.
 """
 
 from __future__ import annotations
@@ -215,15 +217,18 @@ def _forward(plan: C.Plan, q, k, v, bias, aux):
   return out, lse[:, :, :plan.q_len, 0]  # [B, N, T]
 
 
-def _launch(kernel, plan, grid, in_specs, out_specs, out_shape, scratch, vmem, name):
-  """The ``pallas_call`` all three kernels share: three scalar-prefetched tables (block entries, int
-  and float scalars), a grid whose last axis walks the non-empty blocks sequentially."""
+def _launch(kernel, plan, grid, in_specs, out_specs, out_shape, scratch, vmem, name,
+            sequential: int = 1):
+  """The ``pallas_call`` all the kernels share: three scalar-prefetched tables (block entries, int
+  and float scalars), a grid whose last ``sequential`` axes walk the non-empty blocks (and, for
+  the shared bias' gradient, the rows it sums) in order."""
+  semantics = ("parallel",) * (len(grid) - sequential) + ("arbitrary",) * sequential
   return pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=3, grid=grid, in_specs=in_specs,
                                              out_specs=out_specs, scratch_shapes=scratch),
       out_shape=out_shape,
-      compiler_params=_compiler_params(("parallel", "parallel", "parallel", "arbitrary"), vmem),
+      compiler_params=_compiler_params(semantics, vmem),
       interpret=plan.interpret,
       name=name,
   )
@@ -429,16 +434,21 @@ def _backward(plan: C.Plan, q, k, v, bias, aux, out, lse, d_out, d_lse, bias_gra
 
   entries, width = _tables(plan, aux, transpose=False)
   segs = x.segs_for_rows_of_q() if plan.has_segments else ()
-  dq = _dq_call(plan, width, bias_grad)(entries, x.iscal, x.fscal, x.q, x.k, x.v, do,
-                                        cols(lse_safe), cols(delta), *segs, *x.dense)
+  # A bias with every dim is differentiated by the dQ kernel (its ds blocks, no extra work); one
+  # shared over the batch, heads or queries by its own kernel, which sums the shared dims.
+  ds_out = bias_grad and plan.bias_shape == (plan.batch, plan.num_heads, plan.q_len)
+  dq = _dq_call(plan, width, ds_out)(entries, x.iscal, x.fscal, x.q, x.k, x.v, do,
+                                     cols(lse_safe), cols(delta), *segs, *x.dense)
   d_bias = None
-  if bias_grad:
+  if ds_out:
     dq, ds = dq
     d_bias = C.bias_gradient(plan, aux, ds, bias.dtype)
   entries_t, width_t = _tables(plan, aux, transpose=True)
   segs = x.segs_for_rows_of_k() if plan.has_segments else ()
-  dk, dv = _dkv_call(plan, width_t)(entries_t, x.iscal, x.fscal, x.q, x.k, x.v, do,
-                                    rows(lse_safe), rows(delta), *segs, *x.dense)
+  key_inputs = (x.q, x.k, x.v, do, rows(lse_safe), rows(delta), *segs, *x.dense)
+  dk, dv = _dkv_call(plan, width_t)(entries_t, x.iscal, x.fscal, *key_inputs)
+  if bias_grad and not ds_out:
+    d_bias = _shared_bias_gradient(plan, aux, x, key_inputs, bias.dtype)
   dq = jnp.swapaxes(dq[:, :, :plan.q_len], 1, 2)
   dk = jnp.swapaxes(dk[:, :, :plan.kv_len], 1, 2)
   dv = jnp.swapaxes(dv[:, :, :plan.kv_len], 1, 2)
@@ -536,6 +546,179 @@ def _dq_kernel(entries_ref, iscal_ref, fscal_ref, q_ref, k_ref, v_ref, do_ref, l
     dq_ref[...] = (acc_ref[...] * scale).astype(dq_ref.dtype)
 
 
+# ----------------------------------------------------------------------------------------------
+# The gradient of a shared bias
+# ----------------------------------------------------------------------------------------------
+
+
+def _shared_bias_gradient(plan: C.Plan, aux, x: _Inputs, key_inputs, dtype):
+  """The gradient of a bias shared over the batch, heads and / or queries, summed over them in
+  the kernel (``[Bb, Nb, T | 1, S]``, never a ``[B, N, T, S]`` buffer).  ``key_inputs``: the
+  dK/dV kernel's arrays (lse / delta as rows, segment ids for the transposed orientation)."""
+  rows = plan.bias_shape[2] > 1
+  union = plan.bias_shape[0] == 1 and plan.batch > 1 and plan.per_batch_tables
+  entries, _ = C.block_tables(plan, q_ids=aux["q_ids"], kv_ids=aux["kv_ids"],
+                              kv_lengths=aux["kv_lengths"], mask_array=aux["mask_array"],
+                              transpose=not rows, union=union)
+  d = _dbias_call(plan, entries.shape[-1], union)(entries.reshape(-1), x.iscal, x.fscal,
+                                                    *key_inputs)
+  if rows:  # blocks no batch row visits were never written
+    return C.bias_gradient(plan, aux, d, dtype)
+  # [Bb, Nb, Sp, LANES] column sums (lanes equal; every key block written, zeros if unvisited)
+  return d[:, :, None, :plan.kv_len, 0].astype(dtype)
+
+
+def vmem_bytes_dbias(block_q: int, block_k: int, head_dim: int, v_head_dim: int, itemsize: int,
+                     dense_itemsize: int, out_itemsize: int, rows: bool) -> int:
+  """VMEM working set of one step of the shared bias' gradient kernel: double-buffered q, do, k, v,
+  the lse / delta rows and the bias / mask-array blocks; with a row per query the output block
+  (bias dtype, double-buffered) and its fp32 accumulator, else a lane-wide column-sum block; five
+  fp32 ``[block_k, block_q]`` temporaries (s, p, dp, ds and the transposed bias tile)."""
+  io = 2 * itemsize * (block_q + block_k) * (head_dim + v_head_dim)
+  io += 2 * dense_itemsize * block_q * block_k + 2 * 4 * 2 * C.NUM_SUBLANES * block_q
+  out = (2 * out_itemsize + 4) * block_q * block_k if rows else 2 * 4 * block_k * C.NUM_LANES
+  return io + out + 5 * 4 * block_q * block_k
+
+
+@functools.lru_cache(maxsize=128)
+def _dbias_call(plan: C.Plan, width: int, union: bool):
+  """The kernel of a shared bias' gradient (``[Bb, Nb, Tb, S]``, ``Bb`` in {1, B}, ``Nb`` in
+  {1, N}, ``Tb`` in {1, T}): each output block sums ``ds`` over the ``R = (B / Bb) (N / Nb)``
+  (batch row, head) pairs that share it in VMEM, and is written once.  Blocks are computed in the
+  dK/dV kernel's transposed orientation (``ds^T [bk, bq]``: lse / delta as rows, no
+  lane-replicated columns to stream at every step).
+
+  With a row per query: grid ``(Bb, Nb, query blocks, W, R)`` over the forward tiling's tables
+  (per batch row when ``Bb = B``, else their ``batch_union``), an fp32 ``[bk, bq]`` accumulator
+  transposed into output block ``(i, j)`` (bias dtype) after its ``R``-th step.  One row for all
+  queries: grid ``(Bb, Nb, key blocks, R, W_t)`` over the transposed tables (dK/dV tiling); the
+  lane-replicated ``[bk, 128]`` fp32 output block of key block ``j`` adds up the row sums of
+  every query block's ``ds^T``.  Costs two of the dK/dV kernel's four matmuls per block and
+  (batch row, head) again, against a ``[B, N, T, S]`` fp32 write (and its sum) without it.
+  """
+  rows = plan.bias_shape[2] > 1
+  bq, bk = (plan.block_q, plan.block_k) if rows else (plan.block_q_dkv, plan.block_k_dkv)
+  hd, hv, g = plan.head_dim, plan.v_head_dim, plan.groups
+  n_b, n_n = plan.bias_shape[0], plan.bias_shape[1]
+  rn = plan.num_heads // n_n
+  nr = (plan.batch // n_b) * rn
+  nq, nk = plan.q_pad // bq, plan.kv_pad // bk
+  per_batch = plan.per_batch_tables and not union
+  table_rows = nq if rows else nk
+
+  def coords(p0, p1, p2, p3, p4, entries):
+    """(batch row, head, query block, key block, kind) of a grid step."""
+    if rows:
+      bb, nb, i, w, r = p0, p1, p2, p3, p4
+    else:
+      bb, nb, j, r, w = p0, p1, p2, p3, p4
+    entry = entries[((bb if per_batch else 0) * table_rows + (i if rows else j)) * width + w]
+    if rows:
+      j = entry >> C.KIND_BITS
+    else:
+      i = entry >> C.KIND_BITS
+    # r enumerates (batch row, head) pairs, r = b * N + n when both dims are shared; else the
+    # factor of the dim the bias has is 1.
+    return bb + _div(r, rn), nb + _rem(r, rn), i, j, entry & _KIND_MASK
+
+  def at(f):
+    return lambda *a: f(*coords(*a[:6])[:4])
+
+  q_rows = at(lambda b, n, i, j: (b, n, i, 0))
+  k_rows = at(lambda b, n, i, j: (b, _div(n, g), j, 0))
+  q_cols = at(lambda b, n, i, j: (b, n, 0, i))
+  in_specs = [
+      pl.BlockSpec((None, None, bq, hd), q_rows),  # q
+      pl.BlockSpec((None, None, bk, hd), k_rows),  # k
+      pl.BlockSpec((None, None, bk, hv), k_rows),  # v
+      pl.BlockSpec((None, None, bq, hv), q_rows),  # do
+      pl.BlockSpec((None, None, C.NUM_SUBLANES, bq), q_cols),  # lse as a row
+      pl.BlockSpec((None, None, C.NUM_SUBLANES, bq), q_cols),  # delta as a row
+  ]
+  if plan.has_segments:
+    in_specs += [pl.BlockSpec((None, bk, C.NUM_LANES), at(lambda b, n, i, j: (b, j, 0))),
+                 pl.BlockSpec((None, C.NUM_SUBLANES, bq), at(lambda b, n, i, j: (b, 0, i)))]
+  in_specs += _dense_specs(plan, bq, bk, lambda *a: coords(*a[:6])[:4])
+  if rows:
+    out_specs = pl.BlockSpec((None, None, bq, bk), lambda bb, nb, i, w, r, e, *_: (
+        bb, nb, i, coords(bb, nb, i, w, r, e)[3]))
+    out_shape = jax.ShapeDtypeStruct((n_b, n_n, plan.q_pad, plan.kv_pad),
+                                     jnp.dtype(plan.bias_dtype))
+    scratch = [pltpu.VMEM((bk, bq), jnp.float32)]
+    grid = (n_b, n_n, nq, width, nr)
+  else:
+    out_specs = pl.BlockSpec((None, None, bk, C.NUM_LANES),
+                             lambda bb, nb, j, r, w, *_: (bb, nb, j, 0))
+    out_shape = jax.ShapeDtypeStruct((n_b, n_n, plan.kv_pad, C.NUM_LANES), jnp.float32)
+    scratch = []
+    grid = (n_b, n_n, nk, nr, width)
+  kernel = functools.partial(_dbias_kernel, plan=plan, coords=coords, rows=rows, nr=nr, bq=bq,
+                             bk=bk)
+  vmem = vmem_bytes_dbias(bq, bk, hd, hv, jnp.dtype(plan.dtype).itemsize, _dense_itemsize(plan),
+                          jnp.dtype(plan.bias_dtype).itemsize, rows)
+  return _launch(kernel, plan, grid, in_specs, out_specs, out_shape, scratch, vmem,
+                 "jaxattn_flash_dbias", sequential=2)
+
+
+def _dbias_kernel(entries_ref, iscal_ref, fscal_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
+                  delta_ref, *refs, plan, coords, rows, nr, bq, bk):
+  kvseg_ref = qseg_ref = None
+  if plan.has_segments:
+    kvseg_ref, qseg_ref, *refs = refs
+  bias_ref, mask_ref, refs = C.dense_refs(plan, refs)
+  out_ref, *acc = refs
+  ids = [pl.program_id(a) for a in range(5)]
+  b, n, i, j, kind = coords(*ids, entries_ref)
+  r, w = (ids[4], ids[3]) if rows else (ids[3], ids[4])
+  q_offset, scale, slope, kv_length = _scalars(plan, iscal_ref, fscal_ref, b, n)
+
+  if not rows:  # key block j's row sums start at the first step of its (r, w) loops
+    @pl.when((r == 0) & (w == 0))
+    def init():
+      out_ref[...] = jnp.zeros(out_ref.shape, jnp.float32)
+
+  def compute(masked: bool):
+    _, ds = _block_p_ds_t(plan, i * bq, j * bk, masked, q_offset, scale, slope, kv_length,
+                          q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kvseg_ref, qseg_ref,
+                          bias_ref, mask_ref)  # [bk, bq]
+    if not rows:
+      out_ref[...] += jnp.broadcast_to(jnp.sum(ds, axis=1, keepdims=True), out_ref.shape)
+      return
+    acc_ref, = acc
+    acc_ref[...] = jnp.where(r == 0, ds, acc_ref[...] + ds)
+
+    @pl.when(r == nr - 1)
+    def store():
+      out_ref[...] = acc_ref[...].T.astype(out_ref.dtype)
+
+  pl.when(kind == FULL)(lambda: compute(False))
+  pl.when(kind == PARTIAL)(lambda: compute(True))
+
+
+def _block_p_ds_t(plan, q_start, kv_start, masked, q_offset, scale, slope, kv_length, q_ref,
+                  k_ref, v_ref, do_ref, lse_ref, delta_ref, kvseg_ref, qseg_ref, bias_ref,
+                  mask_ref):
+  """``(p^T, ds^T)`` of one block in the transposed orientation ``[bk, bq]`` (fp32; ``ds`` the
+  gradient of the logits before the soft-cap, i.e. the bias'), from the lse / delta rows: the
+  block math of the dK/dV kernel and the shared bias' gradient."""
+  q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
+  s = lax.dot_general(k, q, NT_DIMS, preferred_element_type=jnp.float32)  # [bk, bq] = s^T
+  kv_idx = kv_start + lax.broadcasted_iota(jnp.int32, s.shape, 0)
+  q_idx = q_start + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+  segs = {}
+  if masked and kvseg_ref is not None:
+    segs = dict(kv_seg=kvseg_ref[:, :1], q_seg=qseg_ref[:1, :])  # [bk, 1], [1, bq]
+  bias = None if bias_ref is None else bias_ref[...].astype(jnp.float32).T  # [bk, bq]
+  allowed = None  # the mask array's tile, transposed to s^T (as int32: 32-bit transposes)
+  if mask_ref is not None and masked:
+    allowed = mask_ref[...].astype(jnp.int32).T
+  s = C.block_scores(s, plan=plan, q_idx=q_idx, kv_idx=kv_idx, q_offset=q_offset, scale=scale,
+                     slope=slope, masked=masked, kv_length=kv_length, bias=bias,
+                     allowed_tile=allowed, **segs)
+  p = jnp.exp(s - lse_ref[:1, :])  # [bk, bq] = p^T
+  dp = lax.dot_general(v, do, NT_DIMS, preferred_element_type=jnp.float32)  # [bk, bq] = dp^T
+  return p, C.soft_cap_grad(p * (dp - delta_ref[:1, :]), s, plan)
+
 @functools.lru_cache(maxsize=128)
 def _dkv_call(plan: C.Plan, width: int):
   bq, bk, g = plan.block_q_dkv, plan.block_k_dkv, plan.groups
@@ -602,25 +785,13 @@ def _dkv_kernel(entries_ref, iscal_ref, fscal_ref, q_ref, k_ref, v_ref, do_ref, 
     dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
   def compute(masked: bool):
-    q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-    s = lax.dot_general(k, q, NT_DIMS, preferred_element_type=jnp.float32)  # [bk, bq] = s^T
-    kv_idx = j * plan.block_k_dkv + lax.broadcasted_iota(jnp.int32, s.shape, 0)
-    q_idx = i * plan.block_q_dkv + lax.broadcasted_iota(jnp.int32, s.shape, 1)
-    segs = {}
-    if masked and plan.has_segments:
-      segs = dict(kv_seg=kvseg_ref[:, :1], q_seg=qseg_ref[:1, :])  # [bk, 1], [1, bq]
-    bias = None if bias_ref is None else bias_ref[...].astype(jnp.float32).T  # [bk, bq]
-    allowed = None  # the mask array's tile, transposed to s^T (as int32: 32-bit transposes)
-    if mask_ref is not None and masked:
-      allowed = mask_ref[...].astype(jnp.int32).T
-    s = C.block_scores(s, plan=plan, q_idx=q_idx, kv_idx=kv_idx, q_offset=q_offset, scale=scale,
-                       slope=slope, masked=masked, kv_length=kv_length, bias=bias,
-                       allowed_tile=allowed, **segs)
-    p = jnp.exp(s - lse_ref[:1, :])  # [bk, bq] = p^T
+    p, ds = _block_p_ds_t(plan, i * plan.block_q_dkv, j * plan.block_k_dkv, masked, q_offset,
+                          scale, slope, kv_length, q_ref, k_ref, v_ref, do_ref, lse_ref,
+                          delta_ref, kvseg_ref if plan.has_segments else None,
+                          qseg_ref if plan.has_segments else None, bias_ref, mask_ref)
+    q, do = q_ref[...], do_ref[...]
     dv_acc[...] += lax.dot_general(p.astype(C.matmul_dtype(do)), do, NN_DIMS,
                                    preferred_element_type=jnp.float32)  # [bk, h]
-    dp = lax.dot_general(v, do, NT_DIMS, preferred_element_type=jnp.float32)  # [bk, bq] = dp^T
-    ds = C.soft_cap_grad(p * (dp - delta_ref[:1, :]), s, plan)
     dk_acc[...] += lax.dot_general(ds.astype(C.matmul_dtype(q)), q, NN_DIMS,
                                    preferred_element_type=jnp.float32)  # [bk, H]
 
@@ -633,4 +804,5 @@ def _dkv_kernel(entries_ref, iscal_ref, fscal_ref, q_ref, k_ref, v_ref, do_ref, 
     dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-__all__ = ["flash_attention", "vmem_bytes_forward", "vmem_bytes_dq", "vmem_bytes_dkv"]
+__all__ = ["flash_attention", "vmem_bytes_forward", "vmem_bytes_dq", "vmem_bytes_dkv",
+           "vmem_bytes_dbias"]

@@ -173,13 +173,14 @@ def test_bias_bf16(backend):
     assert_close(g, rg, 3e-2, label)
 
 
-def _dq_kernel_outputs(jaxpr) -> list[int]:
-  """Numbers of outputs of the dQ ``pallas_call``s in a (nested) jaxpr."""
+def _dq_kernel_outputs(jaxpr, kernel="flash_dq") -> list[int]:
+  """Numbers of outputs of the dQ ``pallas_call``s (or another ``kernel``'s) in a (nested)
+  jaxpr."""
   found = []
 
   def walk(jx):
     for eqn in jx.eqns:
-      if eqn.primitive.name == "pallas_call" and "flash_dq" in str(eqn.params.get("name")):
+      if eqn.primitive.name == "pallas_call" and kernel in str(eqn.params.get("name")):
         found.append(len(eqn.outvars))
       for sub in jax.extend.core.jaxprs_in_params(eqn.params):
         walk(sub)
@@ -258,8 +259,12 @@ def test_dispatcher_with_alibi_leaves_a_constant_bias_out_of_the_backward():
                                 q_offset=30, alibi_slopes=slopes)
     return jnp.sum(out ** 2)
 
-  assert _dq_kernel_outputs(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*args)) == [1]
-  assert _dq_kernel_outputs(jax.make_jaxpr(jax.grad(loss, argnums=(0, 3)))(*args)) == [2]
+  const = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*args)
+  learned = jax.make_jaxpr(jax.grad(loss, argnums=(0, 3)))(*args)
+  assert _dq_kernel_outputs(const) == [1] and _dq_kernel_outputs(const, "flash_dbias") == []
+  # the bias [1, 1, T, S] is shared over the heads: its gradient has its own kernel
+  assert _dq_kernel_outputs(learned) == [1]
+  assert _dq_kernel_outputs(learned, "flash_dbias") == [1]
   got = jax.grad(loss, argnums=(0, 3))(*args)
   want = jax.grad(lambda q, k, v, b: jnp.sum(dot_product_attention(
       q, k, v, b, implementation="xla", is_causal=True, q_offset=30,
@@ -284,13 +289,70 @@ def test_bias_kernels_are_race_free(race_states):
 
   grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, bias)
   jax.block_until_ready(grads)
-  assert len(race_states) >= 3, "expected the forward, dQ and dK/dV kernels to be interpreted"
+  # forward, dQ, dK/dV and the shared bias' gradient (summing the batch in VMEM)
+  assert len(race_states) >= 4, "expected the four kernels to be interpreted"
   assert not any(st_.races_found for st_ in race_states)
   r_grads = jax.grad(lambda *a: jnp.sum((o := dot_product_attention(
       *a, mask=allowed, is_causal=True, implementation="xla")) * jnp.sin(o)),
       argnums=(0, 1, 2, 3))(q, k, v, bias)
   for g, rg, label in zip(grads, r_grads, ("dq", "dk", "dv", "dbias")):
     assert_close(g, rg, 1e-4, label)
+
+
+def _pallas_shapes(jaxpr) -> dict[str, list[list[tuple]]]:
+  """Kernel name -> [operand shapes, output shapes] of the ``pallas_call``s in a jaxpr."""
+  found = {}
+
+  def walk(jx):
+    for eqn in jx.eqns:
+      if eqn.primitive.name == "pallas_call":
+        found[str(eqn.params.get("name"))] = [[tuple(x.aval.shape) for x in eqn.invars],
+                                               [tuple(x.aval.shape) for x in eqn.outvars]]
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        walk(sub)
+
+  walk(jaxpr.jaxpr)
+  return found
+
+
+# bias shape -> how the TPU backward differentiates it
+SHARED_BIASES = {
+    "T5 [1, N, T, S]": (1, 4, 36, 40),  # summed over the batch (union tables: lengths differ)
+    "heads [B, 1, T, S]": (2, 1, 36, 40),  # summed over the heads, per-row tables
+    "both [1, 1, T, S]": (1, 1, 36, 40),  # summed over batch x heads (r = b * N + n)
+    "per key [1, N, 1, S]": (1, 4, 1, 40),  # column sums over queries and batch
+    "per row and key [B, 1, 1, S]": (2, 1, 1, 40),  # column sums over queries and heads
+}
+
+
+@pytest.mark.parametrize("name", list(SHARED_BIASES))
+def test_shared_bias_gradient_is_summed_in_its_kernel(name):
+  """On TPU a bias shared over the batch, heads or queries gets its gradient from its own
+  kernel, which sums the ``ds`` blocks of every (batch row, head) sharing an output block in
+  VMEM: no ``[B, N, T, S]`` buffer is written (the dQ kernel writes only dQ), and the gradient
+  equals the formula's.  Ragged T / S, GQA, causal with a query offset and key lengths that
+  differ per row (row 0 leaves blocks empty that row 1 fills: the batch-summing tables list a
+  block any row visits, and evaluate its masks per element)."""
+  b, t, s, n, kh, h = 2, 36, 40, 4, 2, 16
+  q, k, v, bias = make_inputs(b, t, s, n, kh, h, SHARED_BIASES[name], seed=11)
+  lens = jnp.asarray([13, 40], jnp.int32)
+  attn = kernel("tpu", M.make_mask(is_causal=True, kv_lengths=lens), q_offset=4)
+  ref = reference({"is_causal": True, "kv_lengths": lens, "q_offset": 4})
+  got = run(lambda *a: loss_and_grads(attn, *a), q, k, v, bias)
+  want = run(lambda *a: loss_and_grads(ref, *a), q, k, v, bias)
+  assert_results(got, want)
+  assert float(jnp.abs(want[2][3]).max()) > 0.05
+  shapes = _pallas_shapes(jax.make_jaxpr(
+      lambda *a: loss_and_grads(attn, *a)[2])(q, k, v, bias))
+  dq_ins, dq_outs = shapes["jaxattn_flash_dq"]
+  _, db_outs = shapes["jaxattn_flash_dbias"]
+  assert len(dq_outs) == 1  # dQ only
+  tp, sp = -(-t // 16) * 16, -(-s // 16) * 16  # padded to the test's 16-row blocks
+  rows = bias.shape[2] > 1
+  # one output block per shared block: [Bb, Nb, Tp, Sp], or one lane-wide column per key
+  assert db_outs == [(*bias.shape[:2], tp, sp) if rows else (*bias.shape[:2], sp, 128)]
+  for shape in [*dq_ins, *dq_outs]:
+    assert shape[-2:] != (tp, sp) or shape[:2] != (b, n), shape
 
 
 # ----------------------------------------------------------------------------------------------
