@@ -27,6 +27,8 @@ raises prints ``FAIL (<error>)`` and the others still run, then the benchmark (e
     python -m experiments.bench_flash --seq-lens 2048 4096 8192 16384 --backward
     python -m experiments.bench_flash --seq-lens 1024 2048 --no-plot
     python -m experiments.bench_flash --dense bias --backward   # a learned dense bias, both sides
+    python -m experiments.bench_flash --dense bias --backward --shared-bias atomic  # its gradient
+                                                                # by atomic adds (GPU)
     python -m experiments.bench_flash --roofline     # the TPU table of docs/performance.md
 """
 
@@ -643,6 +645,10 @@ def main(argv=None):
   p.add_argument("--dense", choices=("none", "bias", "mask"), default="none",
                  help="give both implementations a learned T5-style bias [1, N, T, T] or a "
                       "key-padding mask array [B, 1, 1, T] (the last eighth of keys hidden)")
+  p.add_argument("--shared-bias", choices=("kernel", "atomic"), default=None,
+                 help="GPU, with --dense bias --backward: how the Triton kernels differentiate "
+                 "the batch-shared bias (its own kernel, or atomic adds in the dQ kernel; "
+                 "default: the library's, option `shared_bias`)")
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--matmul-size", type=int, default=None)
   p.add_argument("--plot", default=None,
@@ -692,11 +698,12 @@ def main(argv=None):
   elif args.plot is None:
     suffix = "_bwd" if args.backward else ""
     args.plot = os.path.join("runs", f"bench_flash_{_platform()}{suffix}.png")
-  if args.gpu_forward or args.gpu_backward or args.hopper:
+  if args.gpu_forward or args.gpu_backward or args.hopper or args.shared_bias:
     from pallas_kernels.flash_attention import gpu as gpu_kernel  # noqa: PLC0415
     gpu_kernel.set_options(**{k: v for k, v in (("forward", args.gpu_forward),
                                                 ("backward", args.gpu_backward),
-                                                ("hopper", args.hopper)) if v})
+                                                ("hopper", args.hopper),
+                                                ("shared_bias", args.shared_bias)) if v})
   if args.sweep:
     run_sweep(args)
     return 0

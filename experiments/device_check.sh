@@ -27,7 +27,8 @@
 #      with 192-key steps, with 3 stages and with persistent CTAs), then
 #      the Triton kernels; the Hopper forward + backward benchmark (T = 2k, 8k);
 #   5. (more) the Triton forward + backward benchmark, and with a learned dense bias and a
-#      key-padding mask array on both sides (bench_flash --dense); the Hopper forward + backward
+#      key-padding mask array on both sides (bench_flash --dense; the bias' gradient by its own
+#      kernel, then by atomic adds: --shared-bias atomic); the Hopper forward + backward
 #      schedules
 #      at T = 8k, causal (HOPPER_BWD_SWEEP: the backward's matmuls in turn or in flight
 #      together, with each forward schedule; the dQ kernel at 64 or 128 keys per step); the
@@ -210,6 +211,11 @@ if want more flash; then
       "$PY" -m experiments.bench_flash --dense "$d" --backward --seq-lens 2048 8192 \
       --repeats 3 --no-plot
   done
+  # the batch-shared bias' gradient the other way (atomic adds in the dQ kernel, not its own
+  # kernel): which default the Triton option `shared_bias` should have
+  step "dense bias, gradient by atomic adds: forward + backward against cuDNN" 60 \
+    "$PY" -m experiments.bench_flash --dense bias --shared-bias atomic --backward \
+    --seq-lens 2048 8192 --repeats 3 --no-plot
   if want more -; then  # tuning (PART=more / all)
     step "hopper forward + backward schedules at 8k (causal; backward overlap, dQ steps)" 190 \
       "$PY" -m experiments.bench_flash --sweep 8192 --sweep-kernels hopper --backward \

@@ -15,6 +15,9 @@ Backward: a dQ kernel (programs over query blocks, loop over key blocks) and a d
 (programs over key blocks and *query* heads, loop over the non-empty query blocks in transposed
 orientation).  With GQA each query head writes its own fp32 dK/dV partial and XLA sums the ``G``
 heads of a group: no atomics, and any group size (a Triton tile cannot span a group of 3 or 7).
+A dense bias' gradient is the dQ kernel's ``ds`` for a bias with every dim; one shared over the
+batch, heads or queries has its own kernel (``_dbias_call``), summing the sharing pairs' ``ds``
+per block in registers.
 
 Validated here in interpret mode only (``interpret=True`` runs the kernels on CPU);
 ``experiments/device_check.sh`` runs the tests and the benchmark on a real GPU.
@@ -77,11 +80,18 @@ from pallas_kernels.flash_attention.sharded import run_flash
 #            backward, causal, 8k: 472 TFLOP/s on the Hopper kernels (0.93x cuDNN) against 267 with
 #            Triton's backward.  Default "auto".
 #   hopper:  the Hopper kernels' ``hopper.Config`` (None: their defaults).
+#   shared_bias: the gradient of a learned bias shared over the batch, heads or queries (T5's
+#            ``[1, N, T, S]``): "kernel" (its own kernel, ``_dbias_call``: per output block a loop
+#            over the (batch row, head) pairs sharing it, summed in registers and written once;
+#            deterministic, two extra matmuls per pair and block) or "atomic" (a bias shared over
+#            the batch only: the dQ kernel adds its ``ds`` into one zeroed ``[1, N, T, S]`` fp32
+#            buffer with atomic adds; no extra matmuls, summation order varies run to run; other
+#            sharing takes the kernel).  Default "kernel"; neither is timed on a GPU yet.
 _OPTIONS = {"exp": "exp2", "affine": True, "reverse": True, "dq": "kernel", "forward": "auto",
-            "backward": "auto", "hopper": None}
+            "backward": "auto", "hopper": None, "shared_bias": "kernel"}
 _ALLOWED = {"exp": ("exp", "exp2", "ex2asm"), "affine": (True, False), "reverse": (True, False),
             "dq": ("kernel", "atomic"), "forward": ("triton", "hopper", "auto"),
-            "backward": ("triton", "hopper", "auto")}
+            "backward": ("triton", "hopper", "auto"), "shared_bias": ("kernel", "atomic")}
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 
@@ -97,7 +107,7 @@ def set_options(**options):
       raise ValueError(f"set_options: `hopper` must be a hopper.Config or None, got "
                        f"{type(value).__name__}.")
     _OPTIONS[name] = value
-  for f in (_build, _fwd_call, _dq_call, _dkv_call):
+  for f in (_build, _fwd_call, _dq_call, _dkv_call, _dbias_call):
     f.cache_clear()
 
 
@@ -485,22 +495,28 @@ def _backward(plan: C.Plan, q, k, v, bias, aux, out, lse, d_out, d_lse, bias_gra
   # term overflow p to inf, and inf * 0 put NaN into dK / dV).
   delta, lse_safe = jnp.pad(delta, pad_t), jnp.pad(lse_safe, pad_t, constant_values=jnp.inf)
 
-  # The bias gradient is the dQ kernel's ds: with it, dQ comes from that kernel, not atomics.
-  atomic = _OPTIONS["dq"] == "atomic" and not bias_grad
+  # The gradient of a bias with every dim is the dQ kernel's ds (dQ then comes from that kernel,
+  # not atomics); under the "atomic" option, that of a bias shared over the batch only too (ds
+  # added up over the batch with atomic adds into one zeroed buffer).  Other shared biases: their
+  # own kernel, after the dK/dV one.
+  full = plan.bias_shape == (plan.batch, plan.num_heads, plan.q_len)
+  atomic_ds = (bias_grad and _OPTIONS["shared_bias"] == "atomic" and plan.bias_shape == (
+      1, plan.num_heads, plan.q_len) and plan.batch > 1)
+  ds_out = bias_grad and (full or atomic_ds)
+  atomic = _OPTIONS["dq"] == "atomic" and not ds_out
   d_bias = None
   if not atomic:
     entries, counts = _tables(plan, aux, transpose=False)
-    # a bias shared over the batch: its ds summed over the batch in the kernel (atomic adds into
-    # one zeroed buffer), not written per batch row
-    shared = bias_grad and plan.bias_shape[0] == 1 and plan.batch > 1
     zero_ds = ((jnp.zeros((1, plan.num_heads, plan.q_pad, plan.kv_pad), jnp.float32),)
-               if shared else ())
-    dq = _dq_call(plan, entries.shape[-1], x.hp, x.vp, bias_grad, shared)(
+               if atomic_ds else ())
+    dq = _dq_call(plan, entries.shape[-1], x.hp, x.vp, ds_out, atomic_ds)(
         x.q, x.k, x.v, do, lse_safe, delta, entries, counts, x.iscal, x.fscal, *x.segs, *x.dense,
         *zero_ds)
-    if bias_grad:
+    if ds_out:
       dq, ds = dq
-      d_bias = C.bias_gradient(plan, aux, ds, bias.dtype, zeroed=shared)
+      d_bias = C.bias_gradient(plan, aux, ds, bias.dtype, zeroed=atomic_ds)
+  if bias_grad and not ds_out:
+    d_bias = _shared_bias_gradient(plan, aux, x, do, lse_safe, delta, bias.dtype)
   entries_t, counts_t = _tables(plan, aux, transpose=True)
   extra = ()
   if atomic:  # the dK/dV kernel accumulates dQ into this zeroed fp32 buffer (aliased in place)
@@ -623,6 +639,127 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entries_ref, cou
   dq = _visit(counts_ref, entries_ref, jnp.zeros(dq_ref.shape, jnp.float32), step,
               affine=_affine(plan, False))
   dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def _shared_bias_gradient(plan: C.Plan, aux, x: _Inputs, do, lse, delta, dtype):
+  """The gradient of a bias shared over the batch, heads and / or queries, summed over them in
+  its own kernel (``[Bb, Nb, T | 1, S]``, never a ``[B, N, T, S]`` buffer)."""
+  rows = plan.bias_shape[2] > 1
+  union = plan.bias_shape[0] == 1 and plan.batch > 1 and plan.per_batch_tables
+  entries, counts = C.block_tables(plan, q_ids=aux["q_ids"], kv_ids=aux["kv_ids"],
+                                   kv_lengths=aux["kv_lengths"], mask_array=aux["mask_array"],
+                                   transpose=not rows, pad_width_to_pow2=True, union=union)
+  d = _dbias_call(plan, entries.shape[-1], x.hp, x.vp, union)(
+      x.q, x.k, x.v, do, lse, delta, entries, counts, x.iscal, x.fscal, *x.segs, *x.dense)
+  if rows:  # blocks no batch row visits were never written
+    return C.bias_gradient(plan, aux, d, dtype)
+  return d[:, :, None, :plan.kv_len].astype(dtype)  # [Bb, Nb, 1, S] column sums, all written
+
+
+@functools.lru_cache(maxsize=128)
+def _dbias_call(plan: C.Plan, width: int, hp: int, vp: int, union: bool):
+  """The kernel of a shared bias' gradient (``[Bb, Nb, Tb, S]``, ``Bb`` in {1, B}, ``Nb`` in
+  {1, N}, ``Tb`` in {1, T}).  With a row per query, one program per ``(query block, Bb, Nb)``
+  walks its row of the forward table (per batch row when ``Bb = B``, else their
+  ``batch_union``) and, per key block, sums ``ds`` over the ``R = (B / Bb) (N / Nb)`` (batch
+  row, head) pairs sharing it in fp32 registers before writing that ``[bq, bk]`` block (bias
+  dtype) once.  One row for all queries: one program per ``(key block, Bb, Nb)`` over the
+  transposed table (dK/dV tiling), summing the column sums of every query block's and pair's
+  ``ds`` into one fp32 row of ``bk``.  q / k / v / dO, the lse / delta rows and the dense inputs
+  are read whole and indexed per pair in the kernel.  Deterministic; two of the dQ kernel's three
+  matmuls per block and pair again.
+  """
+  rows = plan.bias_shape[2] > 1
+  bq, bk = (plan.block_q, plan.block_k) if rows else (plan.block_q_dkv, plan.block_k_dkv)
+  n_b, n_n = plan.bias_shape[0], plan.bias_shape[1]
+  nr = (plan.batch // n_b) * (plan.num_heads // n_n)
+  tb = (lambda bb: 0) if union or not plan.per_batch_tables else (lambda bb: bb)  # noqa: E731
+  whole = lambda x: pl.BlockSpec(x, lambda *_: (0,) * len(x))  # noqa: E731
+  b, tp, sp, n, kh = plan.batch, plan.q_pad, plan.kv_pad, plan.num_heads, plan.num_kv_heads
+  iscal_len, fscal_len = _scalar_lens(plan)
+  in_specs = [whole((b, tp, n, hp)), whole((b, sp, kh, hp)), whole((b, sp, kh, vp)),
+              whole((b, tp, n, vp)), whole((b, n, tp)), whole((b, n, tp)),
+              pl.BlockSpec((None, None, width), lambda r, bb, nb: (tb(bb), r, 0)),  # entries
+              pl.BlockSpec((None, None, 2), lambda r, bb, nb: (tb(bb), r, 0)),  # counts
+              whole((iscal_len,)), whole((fscal_len,))]
+  if plan.has_segments:
+    in_specs += [whole((b, tp)), whole((b, sp))]
+  in_specs += [whole((*shape[:2], tp if shape[2] > 1 else 1, sp))
+               for shape in (plan.bias_shape, plan.mask_shape) if shape is not None]
+  if rows:
+    grid = (tp // bq, n_b, n_n)
+    out_shape = jax.ShapeDtypeStruct((n_b, n_n, tp, sp), jnp.dtype(plan.bias_dtype))
+    out_specs = pl.BlockSpec((None, None, bq, sp), lambda i, bb, nb: (bb, nb, i, 0))
+  else:
+    grid = (sp // bk, n_b, n_n)
+    out_shape = jax.ShapeDtypeStruct((n_b, n_n, sp), jnp.float32)
+    out_specs = pl.BlockSpec((None, None, bk), lambda j, bb, nb: (bb, nb, j))
+  return pl.pallas_call(
+      functools.partial(_dbias_kernel, plan=plan, rows=rows, nr=nr, bq=bq, bk=bk),
+      grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+      compiler_params=_compiler_params(plan, hp),
+      interpret=plan.interpret, name="jaxattn_flash_dbias_gpu")
+
+
+def _dbias_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entries_ref, counts_ref,
+                  iscal_ref, fscal_ref, *refs, plan, rows, nr, bq, bk):
+  qseg_ref = kvseg_ref = None
+  if plan.has_segments:
+    qseg_ref, kvseg_ref, *refs = refs
+  bias_ref, mask_ref, (out_ref,) = C.dense_refs(plan, refs)
+  blk, bb, nb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  n_b, n_n = plan.bias_shape[0], plan.bias_shape[1]
+  rn = plan.num_heads // n_n
+
+  def pair_ds(r, i, j, masked):
+    """``ds [bq, bk]`` (fp32, before the soft-cap) of block (i, j) for the r-th (batch row,
+    head) pair of this program's bias block."""
+    b = bb + _div(r, rn) if n_b == 1 else bb
+    n = nb + lax.rem(r, rn) if n_n == 1 else nb
+    q_offset, scale, slope, kv_length = _scalars(plan, iscal_ref, fscal_ref, b, n)
+    qs, ks = pl.multiple_of(i * bq, bq), pl.multiple_of(j * bk, bk)
+    kvh = _div(n, plan.groups)
+    q, do = q_ref[b, pl.ds(qs, bq), n, :], do_ref[b, pl.ds(qs, bq), n, :]
+    k, v = k_ref[b, pl.ds(ks, bk), kvh, :], v_ref[b, pl.ds(ks, bk), kvh, :]
+    s = plgpu.dot(q, k, trans_b=True)  # [bq, bk]
+    q_idx = qs + jnp.arange(bq, dtype=jnp.int32)[:, None]
+    kv_idx = ks + jnp.arange(bk, dtype=jnp.int32)[None, :]
+    where = {}
+    if masked and plan.has_segments:
+      where = dict(q_seg=qseg_ref[b, pl.ds(qs, bq)][:, None],
+                   kv_seg=kvseg_ref[b, pl.ds(ks, bk)][None, :])
+
+    def tile(ref, shape):  # this pair's [bq, bk] block of a dense input (or of its one row)
+      db, dn = (b if shape[0] > 1 else 0), (n if shape[1] > 1 else 0)
+      return ref[db, dn, pl.ds(qs, bq) if shape[2] > 1 else pl.ds(0, 1), pl.ds(ks, bk)]
+
+    if bias_ref is not None:
+      where["bias"] = tile(bias_ref, plan.bias_shape)
+    if mask_ref is not None and masked:
+      where["allowed_tile"] = tile(mask_ref, plan.mask_shape)
+    lse = lse_ref[b, n, pl.ds(qs, bq)][:, None]
+    delta = delta_ref[b, n, pl.ds(qs, bq)][:, None]
+    s, p = _probs(plan, scale, slope)(s, lse, q_idx=q_idx, kv_idx=kv_idx, q_offset=q_offset,
+                                      masked=masked, kv_length=kv_length, **where)
+    dp = plgpu.dot(do, v, trans_b=True)  # [bq, bk]
+    return C.soft_cap_grad(p * (dp - delta), s, plan)
+
+  def summed(i, j, masked):
+    return lax.fori_loop(0, nr, lambda r, acc: acc + pair_ds(r, i, j, masked),
+                         jnp.zeros((bq, bk), jnp.float32))
+
+  if rows:  # blocks of this query block's row: each summed over the pairs, then written
+    def step(j, carry, masked):
+      out_ref[:, pl.ds(pl.multiple_of(j * bk, bk), bk)] = summed(blk, j, masked).astype(
+          out_ref.dtype)
+      return carry
+
+    _visit(counts_ref, entries_ref, 0, step)
+  else:  # this key block's column sums over every query block listed for it
+    def step(i, acc, masked):
+      return acc + jnp.sum(summed(i, blk, masked), axis=0)
+
+    out_ref[...] = _visit(counts_ref, entries_ref, jnp.zeros((bk,), jnp.float32), step)
 
 
 @functools.lru_cache(maxsize=128)

@@ -325,18 +325,19 @@ SHARED_BIASES = {
 }
 
 
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
 @pytest.mark.parametrize("name", list(SHARED_BIASES))
-def test_shared_bias_gradient_is_summed_in_its_kernel(name):
-  """On TPU a bias shared over the batch, heads or queries gets its gradient from its own
-  kernel, which sums the ``ds`` blocks of every (batch row, head) sharing an output block in
-  VMEM: no ``[B, N, T, S]`` buffer is written (the dQ kernel writes only dQ), and the gradient
-  equals the formula's.  Ragged T / S, GQA, causal with a query offset and key lengths that
-  differ per row (row 0 leaves blocks empty that row 1 fills: the batch-summing tables list a
-  block any row visits, and evaluate its masks per element)."""
+def test_shared_bias_gradient_is_summed_in_its_kernel(backend, name):
+  """A bias shared over the batch, heads or queries gets its gradient from its own kernel, which
+  sums the ``ds`` blocks of every (batch row, head) sharing an output block (in VMEM on TPU, in
+  registers on GPU): no ``[B, N, T, S]`` buffer is written (the dQ kernel writes only dQ), and
+  the gradient equals the formula's.  Ragged T / S, GQA, causal with a query offset and key
+  lengths that differ per row (row 0 leaves blocks empty that row 1 fills: the batch-summing
+  tables list a block any row visits, and evaluate its masks per element)."""
   b, t, s, n, kh, h = 2, 36, 40, 4, 2, 16
   q, k, v, bias = make_inputs(b, t, s, n, kh, h, SHARED_BIASES[name], seed=11)
   lens = jnp.asarray([13, 40], jnp.int32)
-  attn = kernel("tpu", M.make_mask(is_causal=True, kv_lengths=lens), q_offset=4)
+  attn = kernel(backend, M.make_mask(is_causal=True, kv_lengths=lens), q_offset=4)
   ref = reference({"is_causal": True, "kv_lengths": lens, "q_offset": 4})
   got = run(lambda *a: loss_and_grads(attn, *a), q, k, v, bias)
   want = run(lambda *a: loss_and_grads(ref, *a), q, k, v, bias)
@@ -344,15 +345,34 @@ def test_shared_bias_gradient_is_summed_in_its_kernel(name):
   assert float(jnp.abs(want[2][3]).max()) > 0.05
   shapes = _pallas_shapes(jax.make_jaxpr(
       lambda *a: loss_and_grads(attn, *a)[2])(q, k, v, bias))
-  dq_ins, dq_outs = shapes["jaxattn_flash_dq"]
-  _, db_outs = shapes["jaxattn_flash_dbias"]
+  suffix = "_gpu" if backend == "gpu" else ""
+  dq_ins, dq_outs = shapes["jaxattn_flash_dq" + suffix]
+  _, db_outs = shapes["jaxattn_flash_dbias" + suffix]
   assert len(dq_outs) == 1  # dQ only
   tp, sp = -(-t // 16) * 16, -(-s // 16) * 16  # padded to the test's 16-row blocks
-  rows = bias.shape[2] > 1
-  # one output block per shared block: [Bb, Nb, Tp, Sp], or one lane-wide column per key
-  assert db_outs == [(*bias.shape[:2], tp, sp) if rows else (*bias.shape[:2], sp, 128)]
+  # one output block per shared block: [Bb, Nb, Tp, Sp], or one column sum per key (TPU: as a
+  # lane-wide column)
+  if bias.shape[2] > 1:
+    assert db_outs == [(*bias.shape[:2], tp, sp)]
+  else:
+    assert db_outs == [(*bias.shape[:2], sp) if backend == "gpu" else (*bias.shape[:2], sp, 128)]
   for shape in [*dq_ins, *dq_outs]:
-    assert shape[-2:] != (tp, sp) or shape[:2] != (b, n), shape
+    assert len(shape) != 4 or shape[-2:] != (tp, sp) or shape[:2] != (b, n), shape
+
+
+def test_shared_bias_atomic_option_matches_formula():
+  """The Triton dQ kernel's other way for a bias shared over the batch (``shared_bias=
+  "atomic"``: its ds added up over the batch with atomic adds into one zeroed [1, N, T, S]
+  buffer): the same gradient, and no shared-bias kernel."""
+  from pallas_kernels.flash_attention import gpu as gpu_kernel  # noqa: PLC0415
+  gpu_kernel.set_options(shared_bias="atomic")  # restored by the triton_kernels fixture
+  args, ref_kw, mask, kern_kw = build("shared_batch_segments_alibi")
+  attn = kernel("gpu", mask, **kern_kw)
+  got = run(lambda *a: loss_and_grads(attn, *a), *args)
+  assert_results(got, run(lambda *a: loss_and_grads(reference(ref_kw), *a), *args))
+  shapes = _pallas_shapes(jax.make_jaxpr(lambda *a: loss_and_grads(attn, *a)[2])(*args))
+  assert "jaxattn_flash_dbias_gpu" not in shapes
+  assert shapes["jaxattn_flash_dq_gpu"][1][1] == (1, 2, 32, 32)  # [1, N, Tp, Sp]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -522,16 +542,24 @@ def test_one_row_inputs_are_read_not_broadcast(backend):
         name, operands)
 
 
-@pytest.mark.parametrize("bias_batch", [1, 2], ids=["shared bias (atomic ds)", "per-row bias"])
-def test_dense_inputs_lower_to_triton(bias_batch, cuda_target):
-  """The Triton kernels with a learned bias (shared over the batch: its ds added up in the dQ
-  kernel with atomic adds into one buffer; or per row) and a key-padding mask array lower to
-  Triton IR for CUDA at a production size; the shared bias' buffer is [1, N, T, S], not
-  [B, N, T, S] (compiling the IR needs a GPU)."""
+@pytest.mark.parametrize("bias_rows, shared_bias", [
+    ((1, 1024), "kernel"), ((1, 1024), "atomic"), ((2, 1024), "kernel"), ((1, 1), "kernel")],
+    ids=["shared bias (its own kernel)", "shared bias (atomic ds)", "per-row bias",
+         "one-row shared bias (column sums)"])
+def test_dense_inputs_lower_to_triton(bias_rows, shared_bias, cuda_target):
+  """The Triton kernels with a learned bias and a key-padding mask array lower to Triton IR for
+  CUDA at a production size (compiling the IR needs a GPU).  A bias shared over the batch gets
+  its gradient from its own kernel ([1, N, T, S] out, the dQ kernel writes dQ only) or, with
+  ``shared_bias="atomic"``, from the dQ kernel's atomic adds into one [1, N, T, S] buffer; a
+  per-row bias from the dQ kernel's ds ([B, N, T, S]); a one-row bias [1, N, 1, S] as column
+  sums ([1, N, S])."""
+  from pallas_kernels.flash_attention import gpu as gpu_kernel  # noqa: PLC0415
+  gpu_kernel.set_options(shared_bias=shared_bias)  # restored by the triton_kernels fixture
   b, t, n, kh, h = 2, 1024, 8, 2, 128
+  bias_batch, bias_t = bias_rows
   q = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((b, t, kh, h), jnp.bfloat16)
-  bias = jax.ShapeDtypeStruct((bias_batch, n, t, t), jnp.bfloat16)
+  bias = jax.ShapeDtypeStruct((bias_batch, n, bias_t, t), jnp.bfloat16)
   allowed = jax.ShapeDtypeStruct((b, 1, 1, t), jnp.bool_)
 
   def grads(q, k, v, bias, allowed):
@@ -543,16 +571,16 @@ def test_dense_inputs_lower_to_triton(bias_batch, cuda_target):
 
   traced = jax.jit(grads).trace(q, k, k, bias, allowed)
   text = traced.lower(lowering_platforms=("cuda",)).as_text()
-  for name in ("jaxattn_flash_fwd_gpu", "jaxattn_flash_dq_gpu", "jaxattn_flash_dkv_gpu"):
+  own_kernel = bias_batch == 1 and shared_bias == "kernel"
+  names = ["jaxattn_flash_fwd_gpu", "jaxattn_flash_dq_gpu", "jaxattn_flash_dkv_gpu"]
+  for name in names + (["jaxattn_flash_dbias_gpu"] if own_kernel else []):
     assert name in text
-  dq_outputs = []
-
-  def walk(jx):
-    for eqn in jx.eqns:
-      if eqn.primitive.name == "pallas_call" and "flash_dq" in str(eqn.params.get("name")):
-        dq_outputs.append([tuple(v.aval.shape) for v in eqn.outvars])
-      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-        walk(sub)
-
-  walk(traced.jaxpr.jaxpr)
-  assert dq_outputs and dq_outputs[0][1] == (bias_batch, n, t, t)
+  assert ("jaxattn_flash_dbias_gpu" in text) == own_kernel
+  outputs = _pallas_shapes(traced.jaxpr)
+  dq_outs = outputs["jaxattn_flash_dq_gpu"][1]
+  if own_kernel:
+    assert len(dq_outs) == 1
+    want = (1, n, t, t) if bias_t > 1 else (1, n, t)
+    assert outputs["jaxattn_flash_dbias_gpu"][1] == [want]
+  else:
+    assert dq_outs[1] == (bias_batch, n, t, t)
