@@ -553,8 +553,8 @@ def _pair_kind(qi: int, ki: int) -> int:
 def _ring_plan(cfg, grads: bool = False):
   """``(blocks, locate)``: ``blocks[i](q, kb, vb, q_ids, kv_ids_b, lens, slopes, scale, bias_b,
   allowed_b) -> (out, lse)`` (None: the block is empty; ``bias_b`` / ``allowed_b``: the chunk's
-  columns of the dense inputs, or None), and ``locate(c, s, lengths) -> (branch index, lens)`` for
-  the chunk device ``c`` holds at ring step ``s``, ``j = (c - s) mod C``.  With ``grads``, each
+  columns of the dense inputs, or None), and ``locate(c, s, lengths) -> (branch index, lens, j)``
+  for the chunk ``j = (c - s) mod C`` device ``c`` holds at ring step ``s``.  With ``grads``, each
   block takes ``out, lse, d_out, d_lse`` (the rows' whole results and cotangents) after those
   arguments and returns ``(dq, dk, dv, d_slopes, d_bias)`` instead.
 
@@ -579,7 +579,7 @@ def _ring_plan(cfg, grads: bool = False):
     def locate(c, s, lengths):
       j = (c - s) % size
       which = 0 if len(blocks) == 1 else c - j + size - 1
-      return which, None if lengths is None else lengths - j * t
+      return which, None if lengths is None else lengths - j * t, j
     return blocks, locate
 
   h = t // 2
@@ -597,7 +597,7 @@ def _ring_plan(cfg, grads: bool = False):
     j = (c - s) % size
     lens = None if lengths is None else jnp.stack([lengths - 2 * j * h,
                                                    lengths - (2 * size - 1 - 2 * j) * h])
-    return jnp.asarray(table)[c, j], lens
+    return jnp.asarray(table)[c, j], lens, j
   return blocks, locate
 
 
@@ -639,8 +639,7 @@ def _ring_forward(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, scale, bias=None
   def step(carry, s):
     kb, vb, idb, o_acc, l_acc = carry
     nxt = lax.ppermute((kb, vb, idb), AXIS, perm)      # issued first: overlaps the block
-    which, lens = locate(c, s, lengths)
-    j = (c - s) % size
+    which, lens, j = locate(c, s, lengths)
     o, l = _switch(which, branches,
                    (q, kb, vb, q_ids, None if kv_ids is None else idb, lens, slopes, scale,
                     _chunk_cols(cfg, bias, j), _chunk_cols(cfg, allowed, j)))
@@ -705,8 +704,7 @@ def _ring_vjp(cfg):
     def step(carry, s):
       kb, vb, idb, dkb, dvb, dq, d_sl, d_bias = carry
       nxt = lax.ppermute((kb, vb, idb), AXIS, perm)      # issued first: overlaps the block
-      which, lens = locate(c, s, lengths)
-      j = (c - s) % size
+      which, lens, j = locate(c, s, lengths)
       gq, gk, gv, g_sl, g_b = _switch(
           which, branches, (q, kb, vb, q_ids, None if kv_ids is None else idb, lens, slopes,
                             scale, _chunk_cols(cfg, bias, j), _chunk_cols(cfg, allowed, j), out,
