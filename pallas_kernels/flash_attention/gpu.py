@@ -67,8 +67,9 @@ from pallas_kernels.flash_attention.sharded import run_flash
 #            but not yet timed on a GPU.
 #   forward: "triton" (the kernel below), "hopper" (``hopper.py``: Mosaic GPU, TMA + wgmma + warp
 #            specialisation, for sm_90 GPUs; band masks with segment ids, key lengths, ALiBi and
-#            soft-cap; calls it does not take -- fp32, non-band masks, a traced scale, a dense bias
-#            or mask array, another GPU -- stay on Triton, see ``hopper_reason``) or "auto"
+#            soft-cap and (forward) a dense bias [B|1, N|1, T, S]; calls it does not take -- fp32,
+#            non-band masks, a traced scale, a one-row bias, a mask array, another GPU -- stay on
+#            Triton, see ``hopper_reason``) or "auto"
 #            ("hopper" on a compiled run, Triton when interpreted: the CPU tests interpret the
 #            Hopper kernels only where they ask for them).  Either backward takes either forward's
 #            output.  On an H200 at T = 8k (bf16, 16 heads of 128) the Hopper forward ran 533-554
@@ -330,13 +331,17 @@ def hopper_reason(plan: C.Plan, which: str = "forward") -> str | None:
     return why
   if plan.static_scale is None:
     return "a traced scale"
-  if plan.has_bias:
-    return "a dense bias"
+  if plan.has_bias and which == "backward":
+    return "a dense bias (differentiated by the Triton kernels)"
+  if plan.has_bias and (plan.bias_shape[2] != plan.q_len or plan.bias_dtype != plan.dtype):
+    return (f"a dense bias {plan.bias_shape} {plan.bias_dtype} (the Hopper forward streams "
+            f"[B|1, N|1, T, S] tiles in the inputs' dtype)")
   if plan.has_mask_array:
     return "a boolean mask array"
   return hopper.supports(dtype=plan.dtype, head_dim=plan.head_dim, v_head_dim=plan.v_head_dim,
                          static_mask=plan.static_mask,
-                         config=_OPTIONS["hopper"], segments=plan.has_segments)
+                         config=_OPTIONS["hopper"], segments=plan.has_segments,
+                         bias=plan.has_bias)
 
 
 def _hopper_kwargs(plan: C.Plan, aux) -> dict:
@@ -353,7 +358,7 @@ def _hopper_kwargs(plan: C.Plan, aux) -> dict:
 
 def _forward(plan: C.Plan, q, k, v, bias, aux):
   if hopper_reason(plan) is None:
-    return hopper.forward(q, k, v, **_hopper_kwargs(plan, aux))
+    return hopper.forward(q, k, v, bias=bias, **_hopper_kwargs(plan, aux))
   x = _Inputs(plan, q, k, v, aux, bias)
   entries, counts = _tables(plan, aux, transpose=False)
   out, lse = _fwd_call(plan, entries.shape[-1], x.hp, x.vp)(

@@ -41,7 +41,11 @@ id ranges and the lengths), read from global memory by all three warpgroups and 
 the band's runs; in masked blocks the ids (the consumer's rows resident, each key block's streamed
 by TMA beside K) and ``j < kv_lengths[b]`` join the band test.  ALiBi adds
 ``slope * (j - (i + q_offset))`` to every block's logits (slope read per head) before the
-soft-cap.  fp32 inputs and non-band masks are the Triton kernel's (``supports`` says why).
+soft-cap.  A dense bias ``[B|1, N|1, T, S]`` (the forward only; its gradient is the Triton
+backward's) is streamed by TMA as a ``[2 block_q, block_k]`` tile in each K slot, each consumer
+reading its rows into the wgmma layout and adding them after the scale (the scale then is not
+folded into the exponent).  fp32 inputs, non-band masks, mask arrays and one-row biases are the
+Triton kernel's (``supports`` / ``gpu.hopper_reason`` say why).
 
 The backward (``backward``) is FlashAttention-2's two passes on the same skeleton (``_Ctx``: a
 producer ring, two consumers, skip / masked / full runs): a dQ kernel over query tiles streams
@@ -182,12 +186,13 @@ def _kib(n: int) -> int:
 
 
 def smem_bytes(head_dim: int, config: Config, v_head_dim: int | None = None, *,
-               segments: bool = True) -> int:
+               segments: bool = True, bias: bool = False) -> int:
   """Shared memory of the forward's CTA as Mosaic GPU lays it out: every scratch buffer rounded
   up to 1 KiB -- two query tiles (which take the output when the head sizes agree or the values
   are narrower, ``_aliased_out_rows``; else two output tiles of their own), ``stages`` key and
   value slots (16-bit) and, with ``segments`` (assumed when not known), the id vectors of the
-  rows and of each key slot -- plus 8 bytes per mbarrier.  The log-sum-exp rows are stored
+  rows and of each key slot, with ``bias`` a 16-bit ``[2 block_q, block_k]`` bias tile per key
+  slot -- plus 8 bytes per mbarrier.  The log-sum-exp rows are stored
   from registers and no cross-warp reduction space is reserved (``_launch``).
 
   On an H200 (jax 0.11.2) the 128-key, 3-stage forward at head size 128 asked for 232,544 bytes
@@ -199,18 +204,22 @@ def smem_bytes(head_dim: int, config: Config, v_head_dim: int | None = None, *,
   tiles = [2 * 2 * c.block_q * head_dim, 2 * c.stages * c.block_k * head_dim,
            2 * c.stages * c.block_k * hv] + ([] if aliased else [2 * 2 * c.block_q * hv])
   ids = [4 * 2 * c.block_q, 4 * c.stages * c.block_k] if segments else []
+  if bias:
+    tiles.append(2 * c.stages * 2 * c.block_q * c.block_k)
   # q_ready[2], k_ready / v_ready / free (k_free and v_free when overlapped) per stage, the
   # turn, the overlapped ping-pong's go[2], the ids' ready barriers
   barriers = (2 + c.stages * (4 if c.overlap else 3) + 1 + (2 if c.overlap and c.pingpong else 0)
-              + ((2 + c.stages) if segments else 0))
+              + ((2 + c.stages) if segments else 0) + (c.stages if bias else 0))
   return sum(map(_kib, tiles + ids)) + 8 * barriers
 
 
-def default_config(head_dim: int, v_head_dim: int | None = None) -> Config:
+def default_config(head_dim: int, v_head_dim: int | None = None, *, bias: bool = False) -> Config:
   """128-key steps where two stages of them fit in shared memory (head sizes up to 128, and
-  DeepSeek's 192 / 128 of MLA's prefill, whose output shares the query tiles), else 64 (256)."""
+  DeepSeek's 192 / 128 of MLA's prefill, whose output shares the query tiles), else 64 (256);
+  ``bias``: with a dense bias' tiles in the ring too."""
   wide = Config(block_k=128)
-  return wide if smem_bytes(head_dim, wide, v_head_dim) <= _SMEM_BYTES else Config(block_k=64)
+  fits = smem_bytes(head_dim, wide, v_head_dim, bias=bias) <= _SMEM_BYTES
+  return wide if fits else Config(block_k=64)
 
 
 _COMPILER_PARAMS = dict(approx_math=True)
@@ -223,19 +232,20 @@ HEAD_SIZES = (64, 128, 192, 256)  # wgmma contracts over multiples of 64; at mos
 
 
 def supports(*, dtype, head_dim: int, v_head_dim: int, static_mask,
-             config: Config | None = None, segments: bool = True) -> str | None:
+             config: Config | None = None, segments: bool = True, bias: bool = False
+             ) -> str | None:
   """None when the Hopper kernel runs this call, else the reason it does not (ALiBi, segment
   ids, key lengths and any query offset, static or traced, are always taken).  ``segments``:
   whether the call has segment ids (their buffers count against shared memory; True when not
-  known)."""
+  known); ``bias``: whether it has a dense bias (the forward's tiles of it, likewise)."""
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"dtype {jnp.dtype(dtype).name} (the wgmma path takes bfloat16 / float16)"
   if head_dim not in HEAD_SIZES or v_head_dim not in HEAD_SIZES:
     return f"head sizes {head_dim} / {v_head_dim} (each one of 64 / 128 / 192 / 256)"
   if not band(static_mask)[0]:
     return f"mask {type(static_mask).__name__} (band masks only)"
-  config = config or default_config(head_dim, v_head_dim)
-  need = smem_bytes(head_dim, config, v_head_dim, segments=segments)
+  config = config or default_config(head_dim, v_head_dim, bias=bias)
+  need = smem_bytes(head_dim, config, v_head_dim, segments=segments, bias=bias)
   if need > _SMEM_BYTES:
     return (f"{config} needs {need} bytes of shared memory at head sizes {head_dim} / "
             f"{v_head_dim} (at most {_SMEM_BYTES})")
@@ -262,6 +272,13 @@ class _Static:
   alibi: bool = False
   segments: bool = False
   lengths: bool = False
+  bias: tuple[int, int] | None = None  # a dense bias' (batch, heads) sizes, each 1 or B / N
+
+  @property
+  def generic_reads(self) -> bool:
+    """Whether consumers read a streamed slot through the generic proxy (segment ids, bias
+    tiles): its release is fenced (``_Ctx.release``)."""
+    return self.segments or self.bias is not None
 
   @property
   def data(self) -> bool:
@@ -271,7 +288,8 @@ class _Static:
 
 def forward(query, key, value, *, mask: Mask | None = None, scale: float | None = None,
             q_offset=0, logits_soft_cap: float | None = None, alibi_slopes=None,
-            segment_ids=None, kv_lengths=None, config: Config | None = None, interpret=None):
+            segment_ids=None, kv_lengths=None, config: Config | None = None, interpret=None,
+            bias=None):
   """``(out [B, T, N, Hv], lse [B, N, T] fp32, natural log)`` of band-masked attention.
 
   ``query [B, T, N, H]``, ``key [B, S, K, H]``, ``value [B, S, K, Hv]`` in bf16 or fp16 (``N`` a
@@ -281,25 +299,33 @@ def forward(query, key, value, *, mask: Mask | None = None, scale: float | None 
   ``alibi_slopes [N]`` adds ``slope * (j - (i + q_offset))`` to the scaled logits (before the
   soft-cap);
   ``segment_ids = (q_ids [B, T], kv_ids [B, S])`` allows pairs of equal ids; ``kv_lengths [B]``
-  allows keys ``j < kv_lengths[b]``.  ``interpret``: None runs the hardware, or pass
-  ``plgpu.InterpretParams`` / True to run Mosaic GPU's interpreter on CPU.
+  allows keys ``j < kv_lengths[b]``.  ``bias [B|1, N|1, T, S]`` in the inputs' dtype: a dense
+  additive bias (a T5 relative bias), added after the scale, before ALiBi and the soft-cap;
+  streamed by TMA as ``[2 block_q, block_k]`` tiles beside each key block (the backward is the
+  Triton kernels').  ``interpret``: None runs the hardware, or pass ``plgpu.InterpretParams`` /
+  True to run Mosaic GPU's interpreter on CPU.
   """
   data = dict(alibi_slopes=alibi_slopes, segment_ids=segment_ids, kv_lengths=kv_lengths,
               q_offset=q_offset)
+  if bias is not None:
+    data["bias"] = bias
   st = _static("forward", query, key, value, mask=mask, scale=scale,
                logits_soft_cap=logits_soft_cap, config=config, interpret=interpret, **data)
   return _call(st)(query, key, value, _aux(st, **data))
 
 
 def _static(name: str, query, key, value, *, mask, scale, q_offset, logits_soft_cap, config,
-            interpret, alibi_slopes=None, segment_ids=None, kv_lengths=None) -> _Static:
+            interpret, alibi_slopes=None, segment_ids=None, kv_lengths=None,
+            bias=None) -> _Static:
   """Checks a call of ``forward`` / ``backward`` (``ValueError`` naming what is unsupported) and
   returns its static description."""
   b, t, n, h = query.shape
   s, kh, hv = key.shape[1], key.shape[2], value.shape[-1]
-  config = config or default_config(h, hv)
+  config = config or default_config(h, hv, bias=bias is not None)
   reason = supports(dtype=query.dtype, head_dim=h, v_head_dim=hv, static_mask=mask,
-                    config=config, segments=segment_ids is not None)
+                    config=config, segments=segment_ids is not None, bias=bias is not None)
+  if reason is None and name == "backward" and bias is not None:
+    reason = "a dense bias (the backward is the Triton kernels')"
   if reason is None and name == "backward":
     reason = supports_backward(head_dim=h, v_head_dim=hv, config=config)
   if reason is not None:
@@ -319,6 +345,12 @@ def _static(name: str, query, key, value, *, mask, scale, q_offset, logits_soft_
       or tuple(segment_ids[1].shape) != (b, s)):
     raise ValueError(f"hopper.{name}: `segment_ids` must be (q_ids [B, T] = {(b, t)}, kv_ids "
                      f"[B, S] = {(b, s)}), got {tuple(tuple(x.shape) for x in segment_ids)}.")
+  if bias is not None and (np.ndim(bias) != 4 or bias.shape[0] not in (1, b)
+                           or bias.shape[1] not in (1, n) or tuple(bias.shape[2:]) != (t, s)
+                           or bias.dtype != query.dtype):
+    raise ValueError(f"hopper.{name}: `bias` must be [B|1, N|1, T, S] with [B, N, T, S] = "
+                     f"{(b, n, t, s)} in {query.dtype}, got {tuple(np.shape(bias))} "
+                     f"{getattr(bias, 'dtype', None)}.")
   if kv_lengths is not None and tuple(kv_lengths.shape) != (b,):
     raise ValueError(f"hopper.{name}: `kv_lengths` must have shape [B] = ({b},), got "
                      f"{tuple(kv_lengths.shape)}.")
@@ -338,10 +370,11 @@ def _static(name: str, query, key, value, *, mask, scale, q_offset, logits_soft_
                  q_offset=static_offset, scale=float(h ** -0.5 if scale is None else scale),
                  soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
                  config=config, interpret=interpret or None, alibi=alibi_slopes is not None,
-                 segments=segment_ids is not None, lengths=kv_lengths is not None)
+                 segments=segment_ids is not None, lengths=kv_lengths is not None,
+                 bias=None if bias is None else (int(bias.shape[0]), int(bias.shape[1])))
 
 
-def _aux(st: _Static, *, alibi_slopes, segment_ids, kv_lengths, q_offset) -> dict:
+def _aux(st: _Static, *, alibi_slopes, segment_ids, kv_lengths, q_offset, bias=None) -> dict:
   """The data inputs of a call (unpadded), by the names the kernels read them under."""
   aux = {}
   if st.q_offset is None:
@@ -352,6 +385,8 @@ def _aux(st: _Static, *, alibi_slopes, segment_ids, kv_lengths, q_offset) -> dic
     aux["lengths"] = kv_lengths.astype(jnp.int32)
   if st.segments:
     aux["q_ids"], aux["kv_ids"] = (x.astype(jnp.int32) for x in segment_ids)
+  if st.bias is not None:
+    aux["bias"] = bias
   return aux
 
 
@@ -458,6 +493,12 @@ class _Ctx:
     if self.interpret:
       return ref[...]
     return plgpu.load(ref, *_LOAD_IDX, layout=plgpu.Layout.WGMMA.reduce(axis))
+
+  def load_tile(self, ref):
+    """A 16-bit ``[64, n]`` shared-memory tile as fp32 registers in the wgmma row layout."""
+    if self.interpret:
+      return ref[...].astype(jnp.float32)
+    return plgpu.load(ref, *_LOAD_IDX, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
 
   def take_turn(self, turn):
     if self.pingpong:
@@ -658,19 +699,22 @@ def _logits(ctx: _Ctx, s, bias=None):
 
 
 def _scores(ctx: _Ctx, s, *, q0, k0, rows_dim: int, masked: bool, q_offset, slope=None,
-            limit=None, q_seg=None, k_seg=None, raw: bool = False):
+            limit=None, q_seg=None, k_seg=None, raw: bool = False, dense=None):
   """Base-2 logits (and the soft-cap's tanh) of a raw ``q . k`` tile whose query rows start at
   ``q0`` along axis ``rows_dim`` and keys at ``k0`` along the other, in the order scale -> ALiBi
   (``slope * (j - (i + q_offset))``) -> soft-cap -> mask.  Only ``masked`` blocks evaluate the
   mask: the band, keys ``>= limit`` (None: no bound) and unequal segment ids (``q_seg`` /
   ``k_seg``: the tile's row and column id vectors).  ``raw`` (no ALiBi, no soft-cap): the tile
-  masked but not scaled, for a caller that folds the scale into its exponent (``_folds``)."""
+  masked but not scaled, for a caller that folds the scale into its exponent (``_folds``).
+  ``dense``: the tile of a dense bias (fp32, natural units), added with ALiBi's."""
   st = ctx.st
   kd = 1 - rows_dim
   if slope is not None or masked:
     q_pos = ctx.iota(s.shape, rows_dim) + (q0 + q_offset)
     k_pos = ctx.iota(s.shape, kd) + k0
   bias = None if slope is None else slope * (k_pos - q_pos).astype(jnp.float32)
+  if dense is not None:
+    bias = dense if bias is None else bias + dense
   if raw:
     assert bias is None and st.soft_cap is None
     tanh = None
@@ -691,8 +735,9 @@ def _scores(ctx: _Ctx, s, *, q0, k0, rows_dim: int, masked: bool, q_offset, slop
 
 def _folds(st: _Static) -> bool:
   """Whether the forward folds the scale into its exponent (``_scores(raw=True)``): no ALiBi,
-  no soft-cap, and a positive scale (the max of the raw logits is then the max of the scaled)."""
-  return st.soft_cap is None and not st.alibi and st.scale > 0
+  no dense bias, no soft-cap, and a positive scale (the max of the raw logits is then the max
+  of the scaled)."""
+  return st.soft_cap is None and not st.alibi and st.bias is None and st.scale > 0
 
 
 def _backward_folds(st: _Static) -> tuple[bool, float | None]:
@@ -766,13 +811,17 @@ def _data_names(st: _Static) -> tuple[str, ...]:
   """The kernels' inputs after their tensors, in order."""
   return ((("tab",) if st.data else ()) + (("q_offset",) if st.q_offset is None else ())
           + (("slopes",) if st.alibi else ())
-          + (("lengths",) if st.lengths else ()) + (("q_ids", "kv_ids") if st.segments else ()))
+          + (("lengths",) if st.lengths else ()) + (("q_ids", "kv_ids") if st.segments else ())
+          + (("bias",) if st.bias is not None else ()))
 
 
 def _data_inputs(st: _Static, aux: dict, tab, q_pad: int, kv_pad: int) -> list:
   vals = dict(aux, tab=tab)
   if st.segments:
     vals["q_ids"], vals["kv_ids"] = pad_edge(aux["q_ids"], q_pad), pad_edge(aux["kv_ids"], kv_pad)
+  if st.bias is not None:  # whole tiles for TMA (padded rows / keys are masked or dropped)
+    b = aux["bias"]
+    vals["bias"] = jnp.pad(b, ((0, 0), (0, 0), (0, q_pad - b.shape[2]), (0, kv_pad - b.shape[3])))
   return [vals[name] for name in _data_names(st)]
 
 
@@ -834,10 +883,11 @@ def _load_resident(wg, *copies):
 
 
 def _kv_loader(st: "_Static", refs, scratch, batch, kv_head, cta_lo, bk: int,
-               split: bool = False):
+               split: bool = False, bias_rows=None):
   """The producer's ``load(t, slot)`` of key block ``cta_lo + t``: K, V (and the keys' segment
-  ids) by TMA, each to its own ready barrier.  ``split``: ``(load_k, load_v)``, K (with the ids)
-  and V as two loads, for rings released separately."""
+  ids; with ``bias_rows = (bias batch, bias head, rows)`` the dense bias' tile of those rows and
+  keys) by TMA, each to its own ready barrier.  ``split``: ``(load_k, load_v)``, K (with the ids
+  and the bias tile) and V as two loads, for rings released separately."""
   def load_k(t, slot):
     keys = pl.ds((cta_lo + t) * bk, bk)
     plgpu.copy_gmem_to_smem(refs["k"].at[batch, keys, kv_head], scratch["k"].at[slot],
@@ -845,6 +895,10 @@ def _kv_loader(st: "_Static", refs, scratch, batch, kv_head, cta_lo, bk: int,
     if st.segments:
       plgpu.copy_gmem_to_smem(refs["kv_ids"].at[batch, keys], scratch["kseg"].at[slot],
                               scratch["kseg_ready"].at[slot])
+    if bias_rows is not None:
+      bb, nb, rows_ = bias_rows
+      plgpu.copy_gmem_to_smem(refs["bias"].at[bb, nb, rows_, keys], scratch["bias"].at[slot],
+                              scratch["bias_ready"].at[slot])
 
   def load_v(t, slot):
     keys = pl.ds((cta_lo + t) * bk, bk)
@@ -910,7 +964,8 @@ def _ids(st: _Static, name: str, rows: int) -> tuple:
 
 def _key_ready(st: _Static, scratch) -> tuple:
   return (scratch["k_ready"], scratch["v_ready"]) + (
-      (scratch["kseg_ready"],) if st.segments else ())
+      (scratch["kseg_ready"],) if st.segments else ()) + (
+      (scratch["bias_ready"],) if "bias_ready" in scratch else ())
 
 
 def _query_rows(ctx: _Ctx, refs, scratch, wg, batch, head, rows_, my_tiles):
@@ -985,6 +1040,8 @@ def _call(st: _Static):
         plgpu.barrier_wait(k_ready.at[slot])
         if st.segments:
           plgpu.barrier_wait(scratch["kseg_ready"].at[slot])
+        if st.bias is not None:
+          plgpu.barrier_wait(scratch["bias_ready"].at[slot])
 
       def softmax(s, m, l, slot, block, masked):
         """The online softmax of raw logits ``s``: ``(m_new, alpha, l_new, p16)``, the running
@@ -992,9 +1049,12 @@ def _call(st: _Static):
         the exponent: the max of the raw tile times ``scale log2(e)``, then ``p = exp2(s c -
         m)``, one fused multiply-add per logit where scaling first takes a multiply and a
         subtraction."""
+        dense = None  # this consumer's rows of the slot's bias tile
+        if st.bias is not None:
+          dense = ctx.load_tile(scratch["bias"].at[slot].at[pl.ds(wg * bq, bq)])
         s, _ = _scores(ctx, s, q0=r0, k0=block * bk, rows_dim=0, masked=masked,
                        k_seg=_streamed_ids(ctx, scratch, "kseg", slot, masked), raw=fold,
-                       **data)
+                       dense=dense, **data)
         m_new = jnp.maximum(m, s.max(axis=1) * c if fold else s.max(axis=1))
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no allowed key yet
         alpha = jnp.exp2(m - m_use)
@@ -1012,7 +1072,7 @@ def _call(st: _Static):
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         acc = ctx.mm_acc(acc, p16, scratch["v"].at[slot])
         ctx.take_turn(turn)
-        ctx.release(free, slot, generic_reads=st.segments)
+        ctx.release(free, slot, generic_reads=st.generic_reads)
         return acc, m_new, l
 
       # -- the overlapped schedule (``Config.overlap``): step j issues ``q k_j^T`` and then
@@ -1043,7 +1103,7 @@ def _call(st: _Static):
         my_turn()
         s = ctx.mm(my_q, scratch["k"].at[slot], (bq, bk), transpose_b=True, turn=pass_turn)
         m, _, l, p16 = softmax(s, m, l, slot, block, True)
-        ctx.release(k_free, slot, generic_reads=st.segments)
+        ctx.release(k_free, slot, generic_reads=st.generic_reads)
         return acc, m, l, p16, slot
 
       def step(slot, block, carry, masked):
@@ -1055,7 +1115,7 @@ def _call(st: _Static):
           s = ctx.mm(my_q, scratch["k"].at[slot], (bq, bk), transpose_b=True)
           acc = ctx.mm_acc(acc, p16, scratch["v"].at[prev], turn=pass_turn)
           m, alpha, l, p16 = softmax(s, m, l, slot, block, masked)
-          ctx.release(k_free, slot, generic_reads=st.segments)
+          ctx.release(k_free, slot, generic_reads=st.generic_reads)
         else:
           def body(refs):
             s_ref, o_ref, m_ref, l_ref, p_ref, alpha_ref = refs
@@ -1063,11 +1123,11 @@ def _call(st: _Static):
             plgpu.wgmma(o_ref, p16, scratch["v"].at[prev])
             pass_turn()
             s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # q k^T done, p v may run on
-            if not st.segments:
+            if not st.generic_reads:
               ctx.release(k_free, slot)
             m_ref[...], alpha_ref[...], l_ref[...], p_ref[...] = softmax(s, m, l, slot, block,
                                                                          masked)
-            if st.segments:  # the ids were read from the K slot's ring
+            if st.generic_reads:  # the ids / bias were read from the K slot's ring
               ctx.release(k_free, slot, generic_reads=True)
 
           _, acc, m, l, p16, alpha = pl.run_state(body)(
@@ -1119,7 +1179,12 @@ def _call(st: _Static):
 
     @pl.when(wg == 2)
     def _producer():
-      load = _kv_loader(st, refs, scratch, batch, kv_head, cta_lo, bk, split=cfg.overlap)
+      bias_rows = None
+      if st.bias is not None:  # the tile's rows of its (batch row, head) of the bias
+        bias_rows = (batch if st.bias[0] > 1 else 0, head if st.bias[1] > 1 else 0,
+                     pl.ds(tile * rows, rows))
+      load = _kv_loader(st, refs, scratch, batch, kv_head, cta_lo, bk, split=cfg.overlap,
+                        bias_rows=bias_rows)
       ctx.produce(steps, (k_free, v_free) if cfg.overlap else free, load, t0=t0)
 
   n_tiles = (tp // rows) * st.num_heads * st.batch
@@ -1148,7 +1213,8 @@ def _call(st: _Static):
     pl.when(wg < 2)(lambda: plgpu.wait_smem_to_gmem(0))  # the last outputs written
 
   scratch = _ring_scratch(st, dtype, stages, resident=(("q", bq, None),) + _ids(st, "qseg", bq),
-                          streamed=(("k", bk, None), ("v", bk, None, hv)) + _ids(st, "kseg", bk))
+                          streamed=(("k", bk, None), ("v", bk, None, hv)) + _ids(st, "kseg", bk)
+                          + ((("bias", rows, None, bk),) if st.bias is not None else ()))
   if own_out:
     scratch["out"] = plgpu.SMEM((2, bq, hv), dtype, transforms=_tiled())
   if alias:  # consumer c's output rows start at consumer c's query tile

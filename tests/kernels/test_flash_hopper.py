@@ -336,6 +336,52 @@ DATA_CASES = [
 ]
 
 
+BIAS_CASES = [
+    # name, (b, t, s, n, k), bias dims (batch, heads), mask, q_offset, cap, config, data
+    ("T5 causal offset", (2, 130, 200, 2, 1), (1, 2), M.CausalMask(), 70, None,
+     hopper.Config(block_k=64, pingpong=True), False),
+    ("per row window softcap overlap", (2, 130, 200, 2, 1), (2, 1), M.SlidingWindowMask(50, 10),
+     70, 30.0, hopper.Config(block_k=64, overlap=True), False),
+    ("packed lengths alibi 128-key steps", (1, 256, 256, 1, 1), (1, 1), M.CausalMask(), 0,
+     None, hopper.Config(block_k=128, pingpong=True), True),
+    ("persistent overlap pingpong", (2, 130, 200, 2, 1), (1, 2), None, 0, None,
+     hopper.Config(block_k=64, overlap=True, pingpong=True, persistent=True), False),
+]
+
+
+@pytest.mark.parametrize("case", params(BIAS_CASES))
+def test_forward_bias_matches_formula(case):
+  """A dense bias ``[B|1, N|1, T, S]`` (a T5 relative bias, per batch row, shared) streamed as
+  ``[128, block_k]`` tiles beside each key block, added before ALiBi and the soft-cap: every
+  schedule (plain with ping-pong, overlapped, persistent), ragged lengths (the bias padded to
+  whole tiles), with segment ids, key lengths and ALiBi; race detection on one case."""
+  name, (b, t, s, n, k), dims, mask, q_offset, cap, config, data = case
+  (q, key, v), kw, full_mask = data_case(
+      b, t, s, n, k, mask, jnp.bfloat16, segments="packed" if data else None,
+      lengths=(230,) if data else None, alibi=data, seed=3)
+  bias_shape = (b if dims[0] > 1 else 1, n if dims[1] > 1 else 1, t, s)
+  bias = (2.0 * jax.random.normal(jax.random.key(9), bias_shape)).astype(jnp.bfloat16)
+  races = name.startswith("T5")
+  out, lse = hopper.forward(q, key, v, mask=mask, q_offset=q_offset, logits_soft_cap=cap,
+                            config=config, interpret=interpret(detect_races=races), bias=bias,
+                            **kw)
+  if races and not ON_GPU:
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks  # noqa: PLC0415
+    assert not gpu_callbacks.get_races().races_found
+  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+  want_out, want_lse = dot_product_attention(
+      f32(q), f32(key), f32(v), f32(bias), mask=full_mask, q_offset=q_offset,
+      logits_soft_cap=cap, alibi_slopes=kw.get("alibi_slopes"), implementation="xla",
+      return_residuals=True)
+  # the bias moves the result: without it the kernel would be far off
+  plain = formula(q, key, v, full_mask, q_offset, cap, kw.get("alibi_slopes"))[0]
+  assert float(jnp.abs(plain - want_out).max()) > 0.3
+  empty = ~np.isfinite(np.asarray(want_lse))
+  assert np.array_equal(~np.isfinite(np.asarray(lse)), empty)
+  assert_close(out, want_out, TOL, name + " out")
+  assert_close(jnp.where(empty, 0.0, lse), jnp.where(empty, 0.0, want_lse), 1e-2, name + " lse")
+
+
 @pytest.mark.parametrize("case", params(DATA_CASES))
 def test_forward_data_features_match_formula(case):
   """Segment ids (packed, and scattered so that every block is evaluated masked), key lengths (a
@@ -467,16 +513,20 @@ def test_rows_without_keys_and_races(overlap, pingpong):
   assert_close(lse[:, :, 70:], want_lse[:, :, 70:], 1e-2, "lse")
 
 
-@pytest.mark.parametrize("forward,backward", [
-    ("hopper", "triton"),
+@pytest.mark.parametrize("forward,backward,with_bias", [
+    ("hopper", "triton", False),
+    # a learned T5-style bias: the Hopper forward, the Triton backward (which differentiates it)
+    ("hopper", "hopper", True),
     # the Hopper backward through the entry point (its own tests cover it directly):
-    pytest.param("hopper", "hopper", marks=pytest.mark.slow)])
-def test_through_gpu_entry_point_with_gradients(forward, backward):
+    pytest.param("hopper", "hopper", False, marks=pytest.mark.slow)])
+def test_through_gpu_entry_point_with_gradients(forward, backward, with_bias):
   """``gpu.set_options(forward=..., backward=...)``: ``flash_attention_gpu`` runs the Hopper
   forward (counted) with the Triton backward on its log-sum-exp (so the two forwards' residuals
   agree), and with the Hopper backward; values and gradients match the formula.  The training
   path: three packed sequences (causal & segment ids) with ALiBi slopes, which the dispatch
-  hands to the Hopper kernels."""
+  hands to the Hopper kernels; ``with_bias``: and a learned bias ``[1, N, T, S]``, which the
+  Hopper forward streams and the Triton backward differentiates (the Hopper backward declines
+  it)."""
   q, key, v = inputs(1, 130, 130, 2, 1, 64, jnp.bfloat16, seed=1)
   ids = jnp.asarray(np.repeat([0, 1, 2], [40, 50, 40])[None], jnp.int32)
   mask = M.CausalMask() & M.SegmentMask(ids, ids)
@@ -497,25 +547,32 @@ def test_through_gpu_entry_point_with_gradients(forward, backward):
       setattr(hopper, name, counting(name))
 
     def loss(f):
-      def g(q, k, v):
-        out = f(q, k, v)
+      def g(q, k, v, b):
+        out = f(q, k, v, b)
         o = out.astype(jnp.float32)
         return jnp.sum(o * jnp.cos(o)), out
-      return jax.value_and_grad(g, argnums=(0, 1, 2), has_aux=True)
+      return jax.value_and_grad(g, argnums=(0, 1, 2, 3), has_aux=True)
 
-    (_, out), grads = loss(lambda q, k, v: flash_attention_gpu(
-        q, k, v, mask, alibi_slopes=slopes))(q, key, v)
+    bias = jnp.zeros((1, 2, 130, 130), jnp.bfloat16)
+    if with_bias:
+      bias = (2.0 * jax.random.normal(jax.random.key(4), bias.shape)).astype(jnp.bfloat16)
+    given = (lambda b: b) if with_bias else (lambda b: None)
+    (_, out), grads = loss(lambda q, k, v, b: flash_attention_gpu(
+        q, k, v, mask, alibi_slopes=slopes, bias=given(b)))(q, key, v, bias)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    (_, want), want_grads = loss(lambda q, k, v: dot_product_attention(
-        f32(q), f32(k), f32(v), mask=mask, alibi_slopes=slopes, implementation="xla"))(q, key, v)
+    (_, want), want_grads = loss(lambda q, k, v, b: dot_product_attention(
+        f32(q), f32(k), f32(v), f32(b), mask=mask, alibi_slopes=slopes,
+        implementation="xla"))(q, key, v, bias)
   finally:
     for name in calls:
       setattr(hopper, name, real[name])
     gpu_kernel.set_options(**saved)
   for name, option in (("forward", forward), ("backward", backward)):
-    assert (calls[name] > 0) == (option == "hopper"), (name, calls)
+    assert (calls[name] > 0) == (option == "hopper" and (name == "forward" or not with_bias)), (
+        name, calls)
   assert_close(out, want, TOL, "out")
-  for g, w, name in zip(grads, want_grads, ("dq", "dk", "dv")):
+  names = ("dq", "dk", "dv", "dbias") if with_bias else ("dq", "dk", "dv")  # (b: unused)
+  for g, w, name in zip(grads, want_grads, names):
     assert_close(g, w, 3e-2, name)
 
 
@@ -546,10 +603,20 @@ def test_dispatch_reasons():
                                           kv_lengths=jnp.full((1,), 50))) is None
     assert "GlobalTokensMask" in gpu_kernel.hopper_reason(
         _plan(static_mask=M.GlobalTokensMask((0,))))
+    # a dense bias [B|1, N|1, T, S] in the inputs' dtype: the Hopper forward, Triton's backward;
+    # one row for all queries, another dtype or a mask array: Triton's forward too
+    bias = jnp.zeros((1, 2, 64, 64), jnp.bfloat16)
+    assert gpu_kernel.hopper_reason(_plan(bias=bias)) is None
+    assert "(1, 2, 1)" in gpu_kernel.hopper_reason(_plan(bias=bias[:, :, :1]))
+    assert "float32" in gpu_kernel.hopper_reason(_plan(bias=bias.astype(jnp.float32)))
+    assert "mask array" in gpu_kernel.hopper_reason(
+        _plan(mask_array=jnp.ones((1, 1, 64, 64), bool)))
     gpu_kernel.set_options(backward="triton")
     assert gpu_kernel.hopper_reason(_plan(), "backward") == "option backward='triton'"
     gpu_kernel.set_options(backward="hopper")
     assert gpu_kernel.hopper_reason(_plan(), "backward") is None
+    assert "differentiated by the Triton" in gpu_kernel.hopper_reason(_plan(bias=bias),
+                                                                        "backward")
     q, key, v = inputs(1, 64, 64, 2, 1, 256)
     wide = C.make_plan(q, key, v, static_mask=None, q_offset=0, logits_soft_cap=None,
                        alibi_slopes=None, segment_ids=None, kv_lengths=None,
@@ -587,6 +654,17 @@ def test_shared_memory_limit_and_defaults():
       3 * 1024 + 8 * 5)  # the rows' and three key slots' ids, five more barriers
   # segment ids with the default config fit
   assert hopper.smem_bytes(128, hopper.default_config(128)) <= 227 * 1024
+  # a dense bias adds a [128, block_k] 16-bit tile per slot and its barriers: 128-key steps
+  # still fit at head size 128 (with segment ids too), 64-key steps at 256
+  for h in (64, 128, 256):
+    cfg = hopper.default_config(h, bias=True)
+    assert hopper.smem_bytes(h, cfg, bias=True) <= 227 * 1024
+    assert hopper.smem_bytes(h, cfg, bias=True) - hopper.smem_bytes(h, cfg) == (
+        2 * 2 * 128 * cfg.block_k + 8 * 2)
+  assert hopper.default_config(128, bias=True).block_k == 128
+  assert "shared memory" in hopper.supports(dtype=jnp.bfloat16, head_dim=128, v_head_dim=128,
+                                            static_mask=None, config=three, segments=False,
+                                            bias=True)
   assert "shared memory" in hopper.supports(dtype=jnp.bfloat16, head_dim=128, v_head_dim=128,
                                             static_mask=None,
                                             config=hopper.Config(block_k=256))
@@ -660,15 +738,19 @@ def test_errors():
     ((192, 128), M.CausalMask(), None, "plain", False), ((192, 128), None, None, "overlap", True),
     ((64, 128), None, None, "plain", False), (128, None, None, "overlap 192 keys", False),
     (128, M.CausalMask(), None, "plain 3 stages", False),
-    (128, M.CausalMask(), 30.0, "overlap persistent", True), (64, None, None, "persistent", False)])
+    (128, M.CausalMask(), 30.0, "overlap persistent", True), (64, None, None, "persistent", False),
+    (128, M.CausalMask(), None, "pingpong bias", True), (128, None, 30.0, "overlap bias", False),
+    (64, M.CausalMask(), None, "overlap persistent bias", True)])
 def test_lowers_for_cuda(h, mask, cap, schedule, data):
   """The hardware program (wgmma from shared memory and registers, layouts, TMA, barriers) goes
   through Mosaic GPU's lowering to one custom call, for every head size and each schedule (the
   overlapped one: two wgmma groups in flight, the first awaited alone), and with segment ids, key
   lengths, ALiBi and a traced query offset (``data``); ``h`` a pair: query / key and value head
   sizes (192 / 128 writes its output through the query tiles' bytes, a ``RefUnion`` at 128-key
-  steps; 64 / 128 into tiles of its own); the backward wherever ``supports_backward`` takes the
-  call (two kernels, or three with dK and dV apart at unequal sizes)."""
+  steps; 64 / 128 into tiles of its own); with a dense bias ``[1, N, T, S]`` (``bias`` in the
+  schedule: its tiles loaded from shared memory into the wgmma layout); the backward wherever
+  ``supports_backward`` takes the call (two kernels, or three with dK and dV apart at unequal
+  sizes)."""
   h, hv = h if isinstance(h, tuple) else (h, h)
   q = jax.ShapeDtypeStruct((2, 1000, 4, h), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((2, 1000, 2, h), jnp.bfloat16)
@@ -685,14 +767,24 @@ def test_lowers_for_cuda(h, mask, cap, schedule, data):
     return dict(segment_ids=(q_ids, kv_ids), kv_lengths=lengths, alibi_slopes=slopes,
                 q_offset=offset)
 
-  cfg = hopper.Config(block_k=192 if "192" in schedule else hopper.default_config(h, hv).block_k,
+  with_bias = "bias" in schedule
+  bias = jax.ShapeDtypeStruct((1, 4, 1000, 1000), jnp.bfloat16)
+  cfg = hopper.Config(block_k=192 if "192" in schedule else hopper.default_config(
+                          h, hv, bias=with_bias).block_k,
                       stages=3 if "3 stages" in schedule else 2,
                       persistent="persistent" in schedule,
-                      pingpong=schedule in ("pingpong", "both 240"),
+                      pingpong=schedule in ("pingpong", "both 240", "pingpong bias"),
                       overlap=schedule.startswith(("overlap", "both")),
                       registers=240 if schedule == "both 240" else 232,
                       dq_block_k=128 if "dq128" in schedule else 64)
-  assert hopper.smem_bytes(h, cfg, hv, segments=data) <= 227 * 1024
+  assert hopper.smem_bytes(h, cfg, hv, segments=data, bias=with_bias) <= 227 * 1024
+  if with_bias:
+    f = lambda q, k, v, b, *extra: hopper.forward(  # noqa: E731
+        q, k, v, mask=mask, logits_soft_cap=cap, config=cfg, bias=b, **kw(*extra))
+    text = jax.export.export(jax.jit(f), platforms=("cuda",))(q, k, v, bias,
+                                                              *extra).mlir_module()
+    assert re.findall(r"custom_call @(mosaic_gpu\w*)", text)
+    return  # (the backward of a bias is Triton's)
   f = lambda q, k, v, *extra: hopper.forward(  # noqa: E731
       q, k, v, mask=mask, logits_soft_cap=cap, config=cfg, **kw(*extra))
   text = jax.export.export(jax.jit(f), platforms=("cuda",))(q, k, v, *extra).mlir_module()
