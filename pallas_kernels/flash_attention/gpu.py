@@ -190,7 +190,10 @@ def flash_attention(
   """Flash attention on NVIDIA GPUs; arguments as ``pallas_kernels.flash_attention.tpu``.
 
   ``block_sizes`` defaults to ``BlockSizes.gpu()``; its blocks must be powers of two >= 16.
-  ``interpret=None`` interprets (on CPU) unless the default backend is a GPU.
+  ``interpret=None`` interprets (on CPU) unless the default backend is a GPU.  A key-padding
+  ``mask_array`` ``[B|1, 1, 1, S]`` (Hugging Face's) is taken as segment ids
+  (``sharded.key_mask_as_segments``: a masked key gets an id no query has), which every kernel,
+  the Hopper ones included, streams per key block.
   """
   on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
   if interpret is None:
@@ -209,7 +212,7 @@ def flash_attention(
                        logits_soft_cap=logits_soft_cap, q_offset=q_offset, block_sizes=block_sizes,
                        interpret=bool(interpret), mesh=mesh, build=_build, pow2_blocks=True,
                        residuals=residuals, bias=bias,
-                       mask_array=mask_array)
+                       mask_array=mask_array, key_mask_ids=True)
   return (out, lse) if return_residuals else out
 
 
@@ -336,8 +339,8 @@ def hopper_reason(plan: C.Plan, which: str = "forward") -> str | None:
   if plan.has_bias and (plan.bias_shape[2] != plan.q_len or plan.bias_dtype != plan.dtype):
     return (f"a dense bias {plan.bias_shape} {plan.bias_dtype} (the Hopper forward streams "
             f"[B|1, N|1, T, S] tiles in the inputs' dtype)")
-  if plan.has_mask_array:
-    return "a boolean mask array"
+  if plan.has_mask_array:  # (a key-padding mask [B|1, 1, 1, S] arrives as segment ids)
+    return "a boolean mask array with heads or rows"
   return hopper.supports(dtype=plan.dtype, head_dim=plan.head_dim, v_head_dim=plan.v_head_dim,
                          static_mask=plan.static_mask,
                          config=_OPTIONS["hopper"], segments=plan.has_segments,

@@ -514,8 +514,9 @@ def test_dense_inputs_random_shapes(t, s, groups, bias_dims, mask_dims, causal):
 @pytest.mark.parametrize("backend", ["tpu", "gpu"])
 def test_one_row_inputs_are_read_not_broadcast(backend):
   """A key-padding mask ``[B, 1, 1, S]`` and a per-key bias ``[1, N, 1, S]`` reach every kernel
-  (forward, dQ, dK/dV) as they are, one row per key block: the ``[B, N|1, T, S]`` arrays they
-  stand for are never built."""
+  (forward, dQ, dK/dV) as they are, one row per key block (the GPU entry takes the mask as
+  segment ids, ``key_mask_as_segments``): the ``[B, N|1, T, S]`` arrays they stand for are never
+  built."""
   b, t, s, n = 2, 40, 36, 4
   q, k, v, bias = make_inputs(b, t, s, n, 2, 16, (1, n, 1, s))
   allowed = random_mask((b, 1, 1, s), seed=1)
@@ -536,7 +537,11 @@ def test_one_row_inputs_are_read_not_broadcast(backend):
   for name, operands in shapes.items():
     dense = [x for x in operands if len(x) == 4 and x[2] == 1 and x[0] in (1, b)
              and x[1] in (1, n)]
-    assert len(dense) == 2, (name, operands)  # the bias' row and the mask's row
+    if backend == "tpu":
+      assert len(dense) == 2, (name, operands)  # the bias' row and the mask's row
+    else:  # the bias' row; the key-padding mask became segment ids ([B, Tp] and [B, Sp])
+      assert len(dense) == 1, (name, operands)
+      assert sum(len(x) == 2 and x[0] == b for x in operands) == 2, (name, operands)
     # no [.., T, S] operand (the lse / delta rows, lane-replicated to 128, are [B, N, Tp, 128])
     assert not [x for x in operands if len(x) == 4 and x[2] >= t and s <= x[3] < 128], (
         name, operands)

@@ -576,6 +576,55 @@ def test_through_gpu_entry_point_with_gradients(forward, backward, with_bias):
     assert_close(g, w, 3e-2, name)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["padding", "padding and segments"])
+def test_key_padding_mask_runs_on_hopper(packed):
+  """A Hugging Face key-padding mask ``[B, 1, 1, S]`` (left padding on one row, holes on the
+  other) through ``flash_attention_gpu`` becomes segment ids (a masked key gets an id no query
+  has, combined with packed sequences' own ids), so the Hopper forward takes it (counted); the
+  output, log-sum-exp and gradients (Triton's backward) match the formula with the mask array."""
+  b, t, n = 2, 130, 2
+  q, key, v = inputs(b, t, t, n, 1, 64, jnp.bfloat16, seed=5)
+  keep = np.ones((b, 1, 1, t), bool)
+  keep[0, ..., :50] = False  # left padding
+  keep[1, ..., 70:90] = False
+  keep = jnp.asarray(keep)
+  mask = M.CausalMask()
+  if packed:
+    ids = jnp.asarray(np.repeat([0, 1, 2], [40, 50, 40])[None].repeat(b, 0), jnp.int32)
+    mask = mask & M.SegmentMask(ids, ids)
+  calls = []
+  real = hopper.forward
+  saved = gpu_kernel.get_options()
+  try:
+    gpu_kernel.set_options(forward="hopper", backward="triton",
+                           hopper=hopper.Config(block_k=64))
+    hopper.forward = lambda *a, **kw: (calls.append(kw), real(*a, **kw))[1]
+
+    def loss(f):
+      def g(q, k, v):
+        out, lse = f(q, k, v)
+        o = out.astype(jnp.float32)
+        return jnp.sum(o * jnp.cos(o)), (out, lse)
+      return jax.value_and_grad(g, argnums=(0, 1, 2), has_aux=True)
+
+    (_, (out, lse)), grads = loss(lambda q, k, v: flash_attention_gpu(
+        q, k, v, mask, mask_array=keep, return_residuals=True))(q, key, v)
+  finally:
+    hopper.forward = real
+    gpu_kernel.set_options(**saved)
+  assert calls and calls[0]["segment_ids"] is not None
+  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+  (_, (want, want_lse)), want_grads = loss(lambda q, k, v: dot_product_attention(
+      f32(q), f32(k), f32(v), mask=keep, is_causal=True,
+      segment_ids=ids if packed else None, implementation="xla",
+      return_residuals=True))(q, key, v)
+  empty = ~np.isfinite(np.asarray(want_lse))
+  assert empty.any() and np.array_equal(~np.isfinite(np.asarray(lse)), empty)  # rows < 50
+  assert_close(out, want, TOL, "out")
+  for g, w, name in zip(grads, want_grads, ("dq", "dk", "dv")):
+    assert_close(g, w, 3e-2, name)
+
+
 def _plan(**kw):
   q, key, v = inputs(1, 64, 64, 2, 1, 64, kw.pop("dtype", jnp.bfloat16))
   args = dict(static_mask=M.CausalMask(), q_offset=0, logits_soft_cap=None, alibi_slopes=None,
