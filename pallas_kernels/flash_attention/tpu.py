@@ -293,6 +293,25 @@ def _dense_specs(plan: C.Plan, bq: int, bk: int, index) -> list:
   return specs
 
 
+def _transposed_specs(plan: C.Plan, bq: int, bk: int, *, q_rows, k_rows, q_cols, kv_ids, q_ids):
+  """The inputs of the kernels in the transposed orientation (dK/dV, a shared bias' gradient):
+  q, k, v, do blocks, the lse / delta rows (``q_cols``: sublane-replicated ``[8, bq]``) and,
+  with segment ids, the keys' as columns and the queries' as rows; each its index map."""
+  hd, hv = plan.head_dim, plan.v_head_dim
+  specs = [
+      pl.BlockSpec((None, None, bq, hd), q_rows),  # q
+      pl.BlockSpec((None, None, bk, hd), k_rows),  # k
+      pl.BlockSpec((None, None, bk, hv), k_rows),  # v
+      pl.BlockSpec((None, None, bq, hv), q_rows),  # do
+      pl.BlockSpec((None, None, C.NUM_SUBLANES, bq), q_cols),  # lse as a row
+      pl.BlockSpec((None, None, C.NUM_SUBLANES, bq), q_cols),  # delta as a row
+  ]
+  if plan.has_segments:
+    specs += [pl.BlockSpec((None, bk, C.NUM_LANES), kv_ids),
+              pl.BlockSpec((None, C.NUM_SUBLANES, bq), q_ids)]
+  return specs
+
+
 def _dense_itemsize(plan: C.Plan) -> int:
   """Bytes per ``[T, S]`` element the kernels stream: the bias in its own dtype, the mask array as
   int8; 0 without either."""
@@ -624,20 +643,11 @@ def _dbias_call(plan: C.Plan, width: int, union: bool):
   def at(f):
     return lambda *a: f(*coords(*a[:6])[:4])
 
-  q_rows = at(lambda b, n, i, j: (b, n, i, 0))
-  k_rows = at(lambda b, n, i, j: (b, _div(n, g), j, 0))
-  q_cols = at(lambda b, n, i, j: (b, n, 0, i))
-  in_specs = [
-      pl.BlockSpec((None, None, bq, hd), q_rows),  # q
-      pl.BlockSpec((None, None, bk, hd), k_rows),  # k
-      pl.BlockSpec((None, None, bk, hv), k_rows),  # v
-      pl.BlockSpec((None, None, bq, hv), q_rows),  # do
-      pl.BlockSpec((None, None, C.NUM_SUBLANES, bq), q_cols),  # lse as a row
-      pl.BlockSpec((None, None, C.NUM_SUBLANES, bq), q_cols),  # delta as a row
-  ]
-  if plan.has_segments:
-    in_specs += [pl.BlockSpec((None, bk, C.NUM_LANES), at(lambda b, n, i, j: (b, j, 0))),
-                 pl.BlockSpec((None, C.NUM_SUBLANES, bq), at(lambda b, n, i, j: (b, 0, i)))]
+  in_specs = _transposed_specs(
+      plan, bq, bk, q_rows=at(lambda b, n, i, j: (b, n, i, 0)),
+      k_rows=at(lambda b, n, i, j: (b, _div(n, g), j, 0)),
+      q_cols=at(lambda b, n, i, j: (b, n, 0, i)), kv_ids=at(lambda b, n, i, j: (b, j, 0)),
+      q_ids=at(lambda b, n, i, j: (b, 0, i)))
   in_specs += _dense_specs(plan, bq, bk, lambda *a: coords(*a[:6])[:4])
   if rows:
     out_specs = pl.BlockSpec((None, None, bq, bk), lambda bb, nb, i, w, r, e, *_: (
@@ -733,22 +743,12 @@ def _dkv_call(plan: C.Plan, width: int):
     return kh * g + _div(r, width)
 
   q_rows = lambda b, kh, j, r, e, *_: (b, head(kh, r), q_block(b, j, r, e), 0)  # noqa: E731
-  q_cols = lambda b, kh, j, r, e, *_: (b, head(kh, r), 0, q_block(b, j, r, e))  # noqa: E731
   k_rows = lambda b, kh, j, r, *_: (b, kh, j, 0)  # noqa: E731
-  in_specs = [
-      pl.BlockSpec((None, None, bq, hd), q_rows),  # q
-      pl.BlockSpec((None, None, bk, hd), k_rows),  # k
-      pl.BlockSpec((None, None, bk, hv), k_rows),  # v
-      pl.BlockSpec((None, None, bq, hv), q_rows),  # do
-      pl.BlockSpec((None, None, C.NUM_SUBLANES, bq), q_cols),  # lse as a row
-      pl.BlockSpec((None, None, C.NUM_SUBLANES, bq), q_cols),  # delta as a row
-  ]
-  if plan.has_segments:
-    in_specs += [
-        pl.BlockSpec((None, bk, C.NUM_LANES), lambda b, kh, j, r, *_: (b, j, 0)),
-        pl.BlockSpec((None, C.NUM_SUBLANES, bq),
-                     lambda b, kh, j, r, e, *_: (b, 0, q_block(b, j, r, e))),
-    ]
+  in_specs = _transposed_specs(
+      plan, bq, bk, q_rows=q_rows, k_rows=k_rows,
+      q_cols=lambda b, kh, j, r, e, *_: (b, head(kh, r), 0, q_block(b, j, r, e)),
+      kv_ids=lambda b, kh, j, r, *_: (b, j, 0),
+      q_ids=lambda b, kh, j, r, e, *_: (b, 0, q_block(b, j, r, e)))
   # bias / mask tiles in the forward orientation, [bq, bk], transposed in the kernel
   in_specs += _dense_specs(plan, bq, bk,
                            lambda b, kh, j, r, e, *_: (b, head(kh, r), q_block(b, j, r, e), j))
