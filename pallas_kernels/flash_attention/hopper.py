@@ -324,8 +324,6 @@ def _static(name: str, query, key, value, *, mask, scale, q_offset, logits_soft_
   config = config or default_config(h, hv, bias=bias is not None)
   reason = supports(dtype=query.dtype, head_dim=h, v_head_dim=hv, static_mask=mask,
                     config=config, segments=segment_ids is not None, bias=bias is not None)
-  if reason is None and name == "backward" and bias is not None:
-    reason = "a dense bias (the backward is the Triton kernels')"
   if reason is None and name == "backward":
     reason = supports_backward(head_dim=h, v_head_dim=hv, config=config)
   if reason is not None:

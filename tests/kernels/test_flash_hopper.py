@@ -760,6 +760,11 @@ def test_errors():
   q, key, v = inputs(1, 64, 64, 3, 2, 64)
   with pytest.raises(ValueError, match="multiple of key heads"):
     hopper.forward(q, key, v)
+  q, key, v = inputs(1, 64, 64, 2, 1, 64)
+  for bad in (jnp.zeros((1, 2, 1, 64), jnp.bfloat16), jnp.zeros((1, 3, 64, 64), jnp.bfloat16),
+              jnp.zeros((1, 2, 64, 64), jnp.float32)):
+    with pytest.raises(ValueError, match=r"`bias` must be \[B\|1, N\|1, T, S\]"):
+      hopper.forward(q, key, v, bias=bad)
   q, key, v = inputs(2, 64, 80, 2, 1, 64)
   ids = jnp.zeros((2, 64), jnp.int32)
   with pytest.raises(ValueError, match=r"`alibi_slopes` must have shape \[N\] = \(2,\)"):
