@@ -162,8 +162,12 @@ def test_bias_forward_and_gradients_match_formula(backend, name):
 
 
 @pytest.mark.parametrize("backend", ["tpu", "gpu"])
-def test_bias_bf16(backend):
-  args, ref_kw, mask, kern_kw = build("full_causal_softcap", jnp.bfloat16)
+@pytest.mark.parametrize("name", ["full_causal_softcap", "shared_batch_segments_alibi",
+                                  "per_key_window"])
+def test_bias_bf16(backend, name):
+  """bf16 inputs and bias: a full bias (its gradient the dQ kernel's ds), one shared over the
+  batch and one per key (their gradients summed by their own kernel, written in bf16)."""
+  args, ref_kw, mask, kern_kw = build(name, jnp.bfloat16)
   out, lse, grads = run(lambda *a: loss_and_grads(kernel(backend, mask, **kern_kw), *a), *args)
   assert out.dtype == jnp.bfloat16 and all(g.dtype == jnp.bfloat16 for g in grads)
   r_out, r_lse, r_grads = run(lambda *a: loss_and_grads(reference(ref_kw), *a), *args)
