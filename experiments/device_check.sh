@@ -27,8 +27,9 @@
 #      with 192-key steps, with 3 stages and with persistent CTAs), then
 #      the Triton kernels; the Hopper forward + backward benchmark (T = 2k, 8k);
 #   5. (more) the Triton forward + backward benchmark, and with a learned dense bias and a
-#      key-padding mask array on both sides (bench_flash --dense; the bias' gradient by its own
-#      kernel, then by atomic adds: --shared-bias atomic); the Hopper forward + backward
+#      key-padding mask array on both sides (bench_flash --dense; the bias' forward alone, its
+#      gradient by its own kernel, then by atomic adds: --shared-bias atomic); the Hopper
+#      forward + backward
 #      schedules
 #      at T = 8k, causal (HOPPER_BWD_SWEEP: the backward's matmuls in turn or in flight
 #      together, with each forward schedule; the dQ kernel at 64 or 128 keys per step); the
@@ -211,6 +212,9 @@ if want more flash; then
       "$PY" -m experiments.bench_flash --dense "$d" --backward --seq-lens 2048 8192 \
       --repeats 3 --no-plot
   done
+  # the forward alone with the bias (the Hopper forward streams its tiles; Triton's otherwise)
+  step "dense bias: forward against cuDNN" 45 \
+    "$PY" -m experiments.bench_flash --dense bias --seq-lens 2048 8192 --repeats 3 --no-plot
   # the batch-shared bias' gradient the other way (atomic adds in the dQ kernel, not its own
   # kernel): which default the Triton option `shared_bias` should have
   step "dense bias, gradient by atomic adds: forward + backward against cuDNN" 60 \
