@@ -278,16 +278,24 @@ def _block(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, bias, scale, *, q_offse
   this block's keys, ``arange(S_block)``); ``bias`` / ``allowed`` (a boolean mask array): this
   block's rows and columns of them."""
   from jaxattn.ops.attention import dot_product_attention
-  mask = _block_mask(cfg, q_ids, kv_ids, lengths, allowed, q.shape[1], k.shape[1], q_offset)
+  mask = _block_mask(cfg, q_ids, kv_ids, lengths, allowed, q.shape[1], k.shape[1], q_offset,
+                     q.shape[0])
   return dot_product_attention(
       q, k, v, bias, mask, scale=cfg.static_scale if scale is None else scale,
       q_offset=q_offset, alibi_slopes=slopes, logits_soft_cap=cfg.cap, return_residuals=True,
       implementation=cfg.implementation)
 
 
-def _block_mask(cfg, q_ids, kv_ids, lengths, allowed=None, rows=0, cols=0, q_offset=0):
+def _block_mask(cfg, q_ids, kv_ids, lengths, allowed=None, rows=0, cols=0, q_offset=0,
+                batch=1):
   """The block's ``Mask``; with a mask array ``allowed``, that array and'ed with the Mask's dense
-  view (a call takes one or the other: the kernels then skip blocks by the array's contents)."""
+  view (a call takes one or the other: the kernels then skip blocks by the array's contents),
+  except a key-padding mask ``[B|1, 1, 1, S_block]``, which joins the segment ids instead
+  (``masks.key_mask_as_segments``: no dense view)."""
+  if allowed is not None and allowed.shape[1:3] == (1, 1):
+    q_ids, kv_ids = M.key_mask_as_segments(allowed, None if q_ids is None else (q_ids, kv_ids),
+                                           batch, rows)
+    allowed = None
   parts = [] if cfg.static is None else [cfg.static]
   if q_ids is not None:
     parts.append(M.SegmentMask(q_ids, kv_ids))
@@ -306,7 +314,8 @@ def _block_grads(cfg, q, k, v, q_ids, kv_ids, lengths, slopes, scale, out, lse, 
   rows' whole ``(out, lse)`` and their cotangents (``attention_gradients``: the backend's
   backward pass alone, no forward)."""
   from jaxattn.ops.attention import attention_gradients
-  mask = _block_mask(cfg, q_ids, kv_ids, lengths, allowed, q.shape[1], k.shape[1], q_offset)
+  mask = _block_mask(cfg, q_ids, kv_ids, lengths, allowed, q.shape[1], k.shape[1], q_offset,
+                     q.shape[0])
   dq, dk, dv, d_bias, d_slopes = attention_gradients(
       q, k, v, out, lse, d_out, d_lse, bias, mask,
       scale=cfg.static_scale if scale is None else scale, q_offset=q_offset, alibi_slopes=slopes,

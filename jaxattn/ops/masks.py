@@ -308,6 +308,19 @@ def _xp(*xs):
   return jnp if any(isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer) for x in xs) else np
 
 
+def key_mask_as_segments(mask_array, segments, batch: int, q_len: int):
+  """Segment ids that allow what ``segments`` (None or ``(q_ids [B, T], kv_ids [B, S])``) and a
+  key-padding mask ``[B|1, 1, 1, S]`` allow together: a masked key gets an id no query of its
+  row has (one less than the row's smallest).  The block tables then skip fully masked key
+  blocks and evaluate partly masked ones, as they do for the mask array."""
+  keep = jnp.broadcast_to(mask_array[:, 0, 0, :], (batch, mask_array.shape[-1]))
+  if segments is None:
+    return jnp.zeros((batch, q_len), jnp.int32), jnp.where(keep, 0, -1).astype(jnp.int32)
+  q_ids, kv_ids = (jnp.asarray(x).astype(jnp.int32) for x in segments)
+  never = q_ids.min(axis=1, keepdims=True) - 1
+  return q_ids, jnp.where(keep, kv_ids, never)
+
+
 def make_mask(*, is_causal: bool = False, local_window_size=None, segment_ids=None, kv_lengths=None,
               mask: Mask | None = None, q_len: int | None = None) -> Mask | None:
   """Folds the convenience arguments of ``dot_product_attention`` into one ``Mask`` (or None).

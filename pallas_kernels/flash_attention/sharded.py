@@ -22,6 +22,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxattn import sharding as jsharding
+from jaxattn.ops import masks as M
 from pallas_kernels.flash_attention import common
 
 
@@ -142,19 +143,6 @@ def shard_attention(local: Callable, query, key, value, *, q_ids, kv_ids, kv_len
   return run_sharded(body, [named[k] for k in names], mesh, specs)
 
 
-def key_mask_as_segments(mask_array, segments, batch: int, q_len: int):
-  """Segment ids that allow what ``segments`` (None or ``(q_ids [B, T], kv_ids [B, S])``) and a
-  key-padding mask ``[B|1, 1, 1, S]`` allow together: a masked key gets an id no query of its
-  row has (one less than the row's smallest).  The block tables then skip fully masked key
-  blocks and evaluate partly masked ones, as they do for the mask array."""
-  keep = jnp.broadcast_to(mask_array[:, 0, 0, :], (batch, mask_array.shape[-1]))
-  if segments is None:
-    return jnp.zeros((batch, q_len), jnp.int32), jnp.where(keep, 0, -1).astype(jnp.int32)
-  q_ids, kv_ids = (jnp.asarray(x).astype(jnp.int32) for x in segments)
-  never = q_ids.min(axis=1, keepdims=True) - 1
-  return q_ids, jnp.where(keep, kv_ids, never)
-
-
 def run_flash(query, key, value, mask, *, scale, alibi_slopes, logits_soft_cap, q_offset,
               block_sizes, interpret, mesh, build, pow2_blocks=False, residuals=None, bias=None,
               mask_array=None, key_mask_ids=False):
@@ -164,7 +152,7 @@ def run_flash(query, key, value, mask, *, scale, alibi_slopes, logits_soft_cap, 
   A ``bias`` or boolean ``mask_array`` of key length 1 is broadcast here (the kernels stream
   blocks of key columns); size-1 batch, head and query dims stay size 1 (a ``[B, 1, 1, S]`` key
   padding mask is read as one row per key block, never as ``[B, 1, T, S]``; with
-  ``key_mask_ids`` it becomes segment ids instead, ``key_mask_as_segments``)."""
+  ``key_mask_ids`` it becomes segment ids instead, ``masks.key_mask_as_segments``)."""
   static, segments, lengths = common.split_mask(mask)
   if isinstance(alibi_slopes, (list, tuple)):   # (passed the checks, then failed on .astype;
     alibi_slopes = jnp.asarray(alibi_slopes)     # shard_attention takes NumPy arrays as arrays)
@@ -179,7 +167,7 @@ def run_flash(query, key, value, mask, *, scale, alibi_slopes, logits_soft_cap, 
 
   bias, mask_array = with_all_keys(bias, key.shape[1]), with_all_keys(mask_array, key.shape[1])
   if key_mask_ids and mask_array is not None and mask_array.shape[1:3] == (1, 1):
-    segments = key_mask_as_segments(mask_array, segments, *query.shape[:2])
+    segments = M.key_mask_as_segments(mask_array, segments, *query.shape[:2])
     mask_array = None
 
   def local(q, k, v, q_ids, kv_ids, lens, slopes, offset, scl, bias, mask_array, given):
@@ -214,4 +202,4 @@ def _place(x, spec, mesh):
 
 
 __all__ = ["dense_spec", "latent_specs", "shard_attention", "plan_specs", "run_flash",
-           "run_sharded", "with_all_keys", "key_mask_as_segments"]
+           "run_sharded", "with_all_keys"]

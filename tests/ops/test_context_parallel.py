@@ -8,6 +8,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxattn.ops import GlobalTokensMask, dot_product_attention, sliding_window
+from jaxattn.ops.masks import SegmentMask
 from jaxattn.ops import context_parallel as cp
 from jaxattn.sharding import make_mesh
 
@@ -161,6 +162,38 @@ def test_dense_bias_and_mask_array_on_both_strategies(strategy, load_balance, kw
   assert ("all-gather" in hlo) == (strategy == "all_gather")
   assert np.all(np.asarray(lse0[1, :, 9]) == -np.inf)
   assert float(jnp.abs(g0[3]).max()) > 0.05
+  _close_results((out, lse, grads), (out0, lse0, g0), (2e-5, 2e-5, 5e-5))
+
+
+@pytest.mark.parametrize("strategy,load_balance,kw", [
+    ("all_gather", None, dict(is_causal=True)),
+    ("ring", None, dict(is_causal=True)),              # zigzag layout
+    ("ring", False, dict(segment_ids=SEG)),            # contiguous, packed sequences
+])
+def test_key_padding_mask_joins_the_segment_ids(strategy, load_balance, kw):
+  """A key-padding mask ``[B, 1, 1, T]`` (left padding on row 0, a hole on row 1) is not
+  and'ed into a dense view per block: each block's chunk of it joins the segment ids (a masked
+  key gets an id no query has).  Results and gradients equal the unsharded formula's."""
+  q, k, v, d_out = _inputs(seed=6)
+  keep = np.ones((B, 1, 1, T), bool)
+  keep[0, ..., :7] = False
+  keep[1, ..., 20:26] = False
+  keep = jnp.asarray(keep)
+  # (cp._block_mask: no dense view, the ids carry the mask)
+  cfg = cp._Config(size=4, t=8, band=None, static=None)
+  mask = cp._block_mask(cfg, None, None, None, keep, rows=8, cols=T, batch=B)
+  assert isinstance(mask, SegmentMask)
+
+  def loss(q, k, v):
+    return _loss(q, k, v, d_out, mask=keep, **kw)
+
+  fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+  (_, (out0, lse0)), g0 = fn(q, k, v)
+  mesh = make_mesh({"data": 2, "context": 4})
+  with jax.set_mesh(mesh), cp.set_options(strategy=strategy, load_balance=load_balance):
+    args = [jax.device_put(x, NamedSharding(mesh, P("data", "context"))) for x in (q, k, v)]
+    (_, (out, lse)), grads = fn(*args)
+  assert np.all(np.asarray(lse0[0, :, :7]) == -np.inf) == bool(kw.get("is_causal"))
   _close_results((out, lse, grads), (out0, lse0, g0), (2e-5, 2e-5, 5e-5))
 
 
