@@ -27,9 +27,9 @@
 #      with 192-key steps, with 3 stages and with persistent CTAs), then
 #      the Triton kernels; the Hopper forward + backward benchmark (T = 2k, 8k);
 #   5. (more) the Triton forward + backward benchmark, and with a learned dense bias and a
-#      key-padding mask array on both sides (bench_flash --dense; the bias' forward alone, its
-#      gradient by its own kernel, then by atomic adds: --shared-bias atomic); the Hopper
-#      forward + backward
+#      key-padding mask array on both sides (bench_flash --dense; the bias' forward alone; on
+#      Triton's backward its gradient by its own kernel, then by atomic adds: --shared-bias
+#      atomic); the Hopper forward + backward
 #      schedules
 #      at T = 8k, causal (HOPPER_BWD_SWEEP: the backward's matmuls in turn or in flight
 #      together, with each forward schedule; the dQ kernel at 64 or 128 keys per step); the
@@ -215,11 +215,13 @@ if want more flash; then
   # the forward alone with the bias (the Hopper forward streams its tiles; Triton's otherwise)
   step "dense bias: forward against cuDNN" 45 \
     "$PY" -m experiments.bench_flash --dense bias --seq-lens 2048 8192 --repeats 3 --no-plot
-  # the batch-shared bias' gradient the other way (atomic adds in the dQ kernel, not its own
-  # kernel): which default the Triton option `shared_bias` should have
-  step "dense bias, gradient by atomic adds: forward + backward against cuDNN" 60 \
-    "$PY" -m experiments.bench_flash --dense bias --shared-bias atomic --backward \
-    --seq-lens 2048 8192 --repeats 3 --no-plot
+  # Triton's backward with the batch-shared bias' gradient both ways (its own kernel, atomic
+  # adds in the dQ kernel): which default the Triton option `shared_bias` should have
+  for way in kernel atomic; do
+    step "dense bias, Triton backward, gradient by $way: forward + backward against cuDNN" 60 \
+      "$PY" -m experiments.bench_flash --dense bias --gpu-backward triton --shared-bias "$way" \
+      --backward --seq-lens 2048 8192 --repeats 3 --no-plot
+  done
   if want more -; then  # tuning (PART=more / all)
     step "hopper forward + backward schedules at 8k (causal; backward overlap, dQ steps)" 190 \
       "$PY" -m experiments.bench_flash --sweep 8192 --sweep-kernels hopper --backward \

@@ -387,12 +387,12 @@ def test_device_check_all_steps_pass(tmp_path):
   assert proc.returncode == 0, proc.stdout
   assert proc.stdout.splitlines()[-1] == "device_check: PASSED"
   assert log == proc.stdout                           # the tee'd log is complete
-  assert proc.stdout.count("=== ") == 2 * 22 and "SKIPPED" not in proc.stdout
+  assert proc.stdout.count("=== ") == 2 * 23 and "SKIPPED" not in proc.stdout
   # one pytest run compiles every GPU kernel test file, before any benchmark
   steps = [x for x in proc.stdout.splitlines() if x.startswith("=== ") and "limit" in x]
   assert steps[1].startswith("=== GPU kernel tests (") and steps[1].count(".py") == 4, steps
-  for part, first, n in (("core", "GPU kernel tests", 8), ("more", "triton kernels: fo", 13),
-                         ("flash", "GPU kernel tests", 14)):
+  for part, first, n in (("core", "GPU kernel tests", 8), ("more", "triton kernels: fo", 14),
+                         ("flash", "GPU kernel tests", 15)):
     proc, _, _ = _device_check(tmp_path, PART=part)
     steps = [x for x in proc.stdout.splitlines() if x.startswith("=== ") and "limit" in x]
     assert proc.returncode == 0 and len(steps) == 1 + n, proc.stdout

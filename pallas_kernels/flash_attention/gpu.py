@@ -67,7 +67,7 @@ from pallas_kernels.flash_attention.sharded import run_flash
 #            but not yet timed on a GPU.
 #   forward: "triton" (the kernel below), "hopper" (``hopper.py``: Mosaic GPU, TMA + wgmma + warp
 #            specialisation, for sm_90 GPUs; band masks with segment ids, key lengths, ALiBi and
-#            soft-cap and (forward) a dense bias [B|1, N|1, T, S]; calls it does not take -- fp32,
+#            soft-cap and a dense bias [B|1, N|1, T, S]; calls it does not take -- fp32,
 #            non-band masks, a traced scale, a one-row bias, a mask array, another GPU -- stay on
 #            Triton, see ``hopper_reason``) or "auto"
 #            ("hopper" on a compiled run, Triton when interpreted: the CPU tests interpret the
@@ -328,16 +328,15 @@ def hopper_reason(plan: C.Plan, which: str = "forward") -> str | None:
   if _OPTIONS[which] == "auto" and plan.interpret:
     return f"option {which}='auto' interprets the Triton kernels"
   if which == "backward" and (why := hopper.supports_backward(
-      head_dim=plan.head_dim, v_head_dim=plan.v_head_dim, config=_OPTIONS["hopper"])):
+      head_dim=plan.head_dim, v_head_dim=plan.v_head_dim, config=_OPTIONS["hopper"],
+      bias=plan.has_bias)):
     return why
   if not plan.interpret and (why := hopper_device_reason()):
     return why
   if plan.static_scale is None:
     return "a traced scale"
-  if plan.has_bias and which == "backward":
-    return "a dense bias (differentiated by the Triton kernels)"
   if plan.has_bias and (plan.bias_shape[2] != plan.q_len or plan.bias_dtype != plan.dtype):
-    return (f"a dense bias {plan.bias_shape} {plan.bias_dtype} (the Hopper forward streams "
+    return (f"a dense bias {plan.bias_shape} {plan.bias_dtype} (the Hopper kernels stream "
             f"[B|1, N|1, T, S] tiles in the inputs' dtype)")
   if plan.has_mask_array:  # (a key-padding mask [B|1, 1, 1, S] arrives as segment ids)
     return "a boolean mask array with heads or rows"
@@ -490,9 +489,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, entries_ref, counts_ref, iscal_ref, fscal_r
 # ----------------------------------------------------------------------------------------------
 
 
-def _backward(plan: C.Plan, q, k, v, bias, aux, out, lse, d_out, d_lse, bias_grad=False):
-  if hopper_reason(plan, "backward") is None:
-    return (*hopper.backward(q, k, v, out, lse, d_out, d_lse, **_hopper_kwargs(plan, aux)), None)
+def _backward_inputs(plan: C.Plan, q, k, v, bias, aux, out, lse, d_out, d_lse):
+  """The Triton backward kernels' operands: the padded inputs, dO, and the padded lse / delta
+  rows ``[B, N, Tp]``."""
   x = _Inputs(plan, q, k, v, aux, bias)
   do = _pad(d_out, plan.q_pad, x.vp)  # [B, Tp, N, hp]
   delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, N]
@@ -502,6 +501,19 @@ def _backward(plan: C.Plan, q, k, v, bias, aux, out, lse, d_out, d_lse, bias_gra
   # Padded query rows are not masked: an lse of +inf makes their p = 0 (0 let a large ALiBi
   # term overflow p to inf, and inf * 0 put NaN into dK / dV).
   delta, lse_safe = jnp.pad(delta, pad_t), jnp.pad(lse_safe, pad_t, constant_values=jnp.inf)
+  return x, do, lse_safe, delta
+
+
+def _backward(plan: C.Plan, q, k, v, bias, aux, out, lse, d_out, d_lse, bias_grad=False):
+  if hopper_reason(plan, "backward") is None:
+    dq, dk, dv = hopper.backward(q, k, v, out, lse, d_out, d_lse, bias=bias,
+                                 **_hopper_kwargs(plan, aux))
+    d_bias = None
+    if bias_grad:  # ds summed over what shares each block, by the Triton kernel of its own
+      x, do, lse_safe, delta = _backward_inputs(plan, q, k, v, bias, aux, out, lse, d_out, d_lse)
+      d_bias = _shared_bias_gradient(plan, aux, x, do, lse_safe, delta, bias.dtype)
+    return dq, dk, dv, d_bias
+  x, do, lse_safe, delta = _backward_inputs(plan, q, k, v, bias, aux, out, lse, d_out, d_lse)
 
   # The gradient of a bias with every dim is the dQ kernel's ds (dQ then comes from that kernel,
   # not atomics); under the "atomic" option, that of a bias shared over the batch only too (ds
@@ -651,7 +663,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entries_ref, cou
 
 def _shared_bias_gradient(plan: C.Plan, aux, x: _Inputs, do, lse, delta, dtype):
   """The gradient of a bias shared over the batch, heads and / or queries, summed over them in
-  its own kernel (``[Bb, Nb, T | 1, S]``, never a ``[B, N, T, S]`` buffer)."""
+  its own kernel (``[Bb, Nb, T | 1, S]``, never a ``[B, N, T, S]`` buffer); also that of a bias
+  with every dim after the Hopper backward (one pair per block)."""
   rows = plan.bias_shape[2] > 1
   union = plan.bias_shape[0] == 1 and plan.batch > 1 and plan.per_batch_tables
   entries, counts = C.block_tables(plan, q_ids=aux["q_ids"], kv_ids=aux["kv_ids"],

@@ -41,11 +41,13 @@ id ranges and the lengths), read from global memory by all three warpgroups and 
 the band's runs; in masked blocks the ids (the consumer's rows resident, each key block's streamed
 by TMA beside K) and ``j < kv_lengths[b]`` join the band test.  ALiBi adds
 ``slope * (j - (i + q_offset))`` to every block's logits (slope read per head) before the
-soft-cap.  A dense bias ``[B|1, N|1, T, S]`` (the forward only; its gradient is the Triton
-backward's) is streamed by TMA as a ``[2 block_q, block_k]`` tile in each K slot, each consumer
-reading its rows into the wgmma layout and adding them after the scale (the scale then is not
-folded into the exponent).  fp32 inputs, non-band masks, mask arrays and one-row biases are the
-Triton kernel's (``supports`` / ``gpu.hopper_reason`` say why).
+soft-cap.  A dense bias ``[B|1, N|1, T, S]`` is streamed by TMA as a ``[2 block_q, block_k]``
+tile in each K slot (the dQ kernel likewise; the dK/dV kernel reads the bias transposed, a
+``[128 keys, 64 rows]`` tile beside each query block), each consumer loading its rows into the
+wgmma layout and adding them after the scale (the scale then is not folded into the exponent);
+its gradient is ``gpu.py``'s (the Triton kernel of its own).  fp32 inputs, non-band masks,
+mask arrays and one-row biases are the Triton kernel's (``supports`` / ``gpu.hopper_reason``
+say why).
 
 The backward (``backward``) is FlashAttention-2's two passes on the same skeleton (``_Ctx``: a
 producer ring, two consumers, skip / masked / full runs): a dQ kernel over query tiles streams
@@ -301,9 +303,9 @@ def forward(query, key, value, *, mask: Mask | None = None, scale: float | None 
   ``segment_ids = (q_ids [B, T], kv_ids [B, S])`` allows pairs of equal ids; ``kv_lengths [B]``
   allows keys ``j < kv_lengths[b]``.  ``bias [B|1, N|1, T, S]`` in the inputs' dtype: a dense
   additive bias (a T5 relative bias), added after the scale, before ALiBi and the soft-cap;
-  streamed by TMA as ``[2 block_q, block_k]`` tiles beside each key block (the backward is the
-  Triton kernels').  ``interpret``: None runs the hardware, or pass ``plgpu.InterpretParams`` /
-  True to run Mosaic GPU's interpreter on CPU.
+  streamed by TMA as ``[2 block_q, block_k]`` tiles beside each key block.  ``interpret``:
+  None runs the hardware, or pass ``plgpu.InterpretParams`` / True to run Mosaic GPU's
+  interpreter on CPU.
   """
   data = dict(alibi_slopes=alibi_slopes, segment_ids=segment_ids, kv_lengths=kv_lengths,
               q_offset=q_offset)
@@ -325,7 +327,7 @@ def _static(name: str, query, key, value, *, mask, scale, q_offset, logits_soft_
   reason = supports(dtype=query.dtype, head_dim=h, v_head_dim=hv, static_mask=mask,
                     config=config, segments=segment_ids is not None, bias=bias is not None)
   if reason is None and name == "backward":
-    reason = supports_backward(head_dim=h, v_head_dim=hv, config=config)
+    reason = supports_backward(head_dim=h, v_head_dim=hv, config=config, bias=bias is not None)
   if reason is not None:
     raise ValueError(f"hopper.{name}: unsupported call: {reason}.")
   if n % kh:
@@ -739,9 +741,10 @@ def _folds(st: _Static) -> bool:
 
 
 def _backward_folds(st: _Static) -> tuple[bool, float | None]:
-  """``(raw, c)`` of the backward kernels: without ALiBi or a soft-cap they take raw logits and
-  ``p = exp2(s c - lse)`` (one fused multiply-add; no max is taken, so any sign of scale)."""
-  raw = st.soft_cap is None and not st.alibi
+  """``(raw, c)`` of the backward kernels: without ALiBi, a bias or a soft-cap they take raw
+  logits and ``p = exp2(s c - lse)`` (one fused multiply-add; no max is taken, so any sign of
+  scale)."""
+  raw = st.soft_cap is None and not st.alibi and st.bias is None
   return raw, (st.scale * _LOG2E if raw else None)
 
 
@@ -813,13 +816,16 @@ def _data_names(st: _Static) -> tuple[str, ...]:
           + (("bias",) if st.bias is not None else ()))
 
 
-def _data_inputs(st: _Static, aux: dict, tab, q_pad: int, kv_pad: int) -> list:
+def _data_inputs(st: _Static, aux: dict, tab, q_pad: int, kv_pad: int,
+                 transpose: bool = False) -> list:
   vals = dict(aux, tab=tab)
   if st.segments:
     vals["q_ids"], vals["kv_ids"] = pad_edge(aux["q_ids"], q_pad), pad_edge(aux["kv_ids"], kv_pad)
   if st.bias is not None:  # whole tiles for TMA (padded rows / keys are masked or dropped)
     b = aux["bias"]
     vals["bias"] = jnp.pad(b, ((0, 0), (0, 0), (0, q_pad - b.shape[2]), (0, kv_pad - b.shape[3])))
+    if transpose:  # [B|1, N|1, Sp, Tp]: the dK/dV kernel's s^T orientation
+      vals["bias"] = jnp.swapaxes(vals["bias"], 2, 3)
   return [vals[name] for name in _data_names(st)]
 
 
@@ -1252,34 +1258,40 @@ def _pad_seq(x, length: int):
 
 
 def supports_backward(*, head_dim: int, v_head_dim: int | None = None,
-                      config: Config | None = None) -> str | None:
+                      config: Config | None = None, bias: bool = False) -> str | None:
   """None when the Hopper backward kernels take a call that the forward takes, else why not:
   equal head sizes up to 128 in one dK/dV kernel (``_fused_dkv``), other sizes up to 192 (MLA's
-  192 / 128) with dK and dV from kernels of their own."""
+  192 / 128) with dK and dV from kernels of their own; ``bias``: with a dense bias' tiles."""
   hv = head_dim if v_head_dim is None else v_head_dim
   if max(head_dim, hv) > 192:
     return (f"head sizes {head_dim} / {hv} (the backward's resident key and value tiles and "
             f"streamed query and output-gradient slots: at most 192)")
-  config = config or default_config(head_dim, hv)
-  need = backward_smem_bytes(head_dim, config, hv)
+  config = config or default_config(head_dim, hv, bias=bias)
+  need = backward_smem_bytes(head_dim, config, hv, bias=bias)
   if need > _SMEM_BYTES:
     return (f"{config} needs {need} bytes of shared memory in the backward at head sizes "
             f"{head_dim} / {hv} (at most {_SMEM_BYTES})")
   return None
 
 
-def backward_smem_bytes(head_dim: int, config: Config, v_head_dim: int | None = None) -> int:
+def backward_smem_bytes(head_dim: int, config: Config, v_head_dim: int | None = None, *,
+                        bias: bool = False) -> int:
   """Shared memory of the larger backward CTA: two resident 64-row tiles of each of two
   operands (``q`` and ``do``, or ``k`` and ``v``) and ``stages`` slots of the other two (64 rows
   in the dK/dV kernel, ``dq_block_k`` keys in the dQ kernel), head sizes ``H`` and ``Hv``; fp32
   row vectors (``lse``, ``delta``) and segment ids (assumed) in 1 KiB buffers; barriers (the
-  dK/dV kernel's: more ready barriers per slot).  ``smem_bytes``' terms."""
+  dK/dV kernel's: more ready barriers per slot); with ``bias`` a 16-bit bias tile per slot
+  (``[128, dq_block_k]`` in the dQ kernel, ``[128 keys, 64 rows]`` of the transposed bias in
+  the dK/dV kernel) and its ready barriers.  ``smem_bytes``' terms."""
   c, hv = config, head_dim if v_head_dim is None else v_head_dim
   rows = _BWD_BLOCK
 
   def need(streamed: int, vectors: list[int], barriers: int) -> int:
     tiles = [2 * 2 * rows * head_dim, 2 * 2 * rows * hv, 2 * c.stages * streamed * head_dim,
              2 * c.stages * streamed * hv]
+    if bias:
+      tiles.append(2 * c.stages * 2 * rows * streamed)
+      barriers += c.stages
     return sum(map(_kib, tiles + vectors)) + 8 * barriers
 
   # dK/dV: resident k, v (+ ids), streamed q, do, lse, delta (+ ids); dQ: resident q, do, lse,
@@ -1299,14 +1311,19 @@ def _fused_dkv(st: "_Static") -> bool:
 def backward(query, key, value, out, lse, d_out, d_lse=None, *, mask: Mask | None = None,
              scale: float | None = None, q_offset=0,
              logits_soft_cap: float | None = None, alibi_slopes=None, segment_ids=None,
-             kv_lengths=None, config: Config | None = None, interpret=None):
+             kv_lengths=None, config: Config | None = None, interpret=None, bias=None):
   """``(dq, dk, dv)`` of ``forward`` from its ``out`` and ``lse`` (FlashAttention-2's backward on
   Hopper: a dQ kernel over query tiles and a dK/dV kernel over key tiles, each a producer and two
   ping-ponging ``wgmma`` consumers; the dK/dV kernel walks the ``G`` query heads of its KV head in
   turn, so GQA gradients are summed in fp32 in the kernel).  ``d_lse``: the cotangent of ``lse``
-  (None: zero).  The data arguments are ``forward``'s (they get no gradient)."""
+  (None: zero).  The data arguments and ``bias`` are ``forward``'s (they get no gradient here:
+  a bias' is ``ds``, which ``gpu.py`` computes with its own kernel); the dK/dV kernel streams
+  the bias transposed (``[B|1, N|1, S, T]``, one XLA transpose) so that its tiles arrive in the
+  ``s^T`` orientation."""
   data = dict(alibi_slopes=alibi_slopes, segment_ids=segment_ids, kv_lengths=kv_lengths,
               q_offset=q_offset)
+  if bias is not None:
+    data["bias"] = bias
   st = _static("backward", query, key, value, mask=mask, scale=scale,
                logits_soft_cap=logits_soft_cap, config=config, interpret=interpret, **data)
   aux = _aux(st, **data)
@@ -1377,9 +1394,12 @@ def _dq_call(st: _Static):
         pl.when(wg == 1)(lambda: ctx.take_turn(turn))
 
       def probs(s, slot, block, masked):
+        dense = None  # this consumer's rows of the slot's bias tile
+        if st.bias is not None:
+          dense = ctx.load_tile(scratch["bias"].at[slot].at[pl.ds(wg * bq, bq)])
         s, tanh = _scores(ctx, s, q0=r0, k0=block * bk, rows_dim=0, masked=masked,
                           k_seg=_streamed_ids(ctx, scratch, "kseg", slot, masked), raw=raw,
-                          **data)
+                          dense=dense, **data)
         return jnp.exp2(_minus(s, c, lax.broadcast_in_dim(lse, s.shape, [0]))), tanh
 
       def grad_logits(p, tanh, dp):  # 16-bit ds
@@ -1391,6 +1411,8 @@ def _dq_call(st: _Static):
         plgpu.barrier_wait(k_ready.at[slot])
         if st.segments:
           plgpu.barrier_wait(scratch["kseg_ready"].at[slot])
+        if st.bias is not None:
+          plgpu.barrier_wait(scratch["bias_ready"].at[slot])
         k_slot, v_slot = scratch["k"].at[slot], scratch["v"].at[slot]
         if overlap:  # q k^T and do v^T in flight together; p computed while do v^T runs
           plgpu.barrier_wait(v_ready.at[slot])
@@ -1417,7 +1439,7 @@ def _dq_call(st: _Static):
           ds = grad_logits(p, tanh, ctx.mm(my_do, v_slot, (bq, bk), transpose_b=True))
         dq = ctx.mm_acc(dq, ds, k_slot)
         ctx.take_turn(turn)
-        ctx.release(free, slot, generic_reads=st.segments)
+        ctx.release(free, slot, generic_reads=st.generic_reads)
         return dq
 
       dq = ctx.consume(ctx.full((bq, h), 0.0), outer=1, cta_lo=cta_lo, steps=steps,
@@ -1432,13 +1454,19 @@ def _dq_call(st: _Static):
 
     @pl.when(wg == 2)
     def _producer():
-      ctx.produce(steps, free, _kv_loader(st, refs, scratch, batch, kv_head, cta_lo, bk))
+      bias_rows = None
+      if st.bias is not None:  # the tile's rows of its (batch row, head) of the bias
+        bias_rows = (batch if st.bias[0] > 1 else 0, head if st.bias[1] > 1 else 0,
+                     pl.ds(tile * rows, rows))
+      ctx.produce(steps, free, _kv_loader(st, refs, scratch, batch, kv_head, cta_lo, bk,
+                                          bias_rows=bias_rows))
 
   scratch = _ring_scratch(
       st, dtype, stages,
       resident=(("q", bq, None), ("do", bq, None, st.v_head_dim), ("lse", bq, jnp.float32),
                 ("delta", bq, jnp.float32)) + _ids(st, "qseg", bq),
-      streamed=(("k", bk, None), ("v", bk, None, st.v_head_dim)) + _ids(st, "kseg", bk))
+      streamed=(("k", bk, None), ("v", bk, None, st.v_head_dim)) + _ids(st, "kseg", bk)
+      + ((("bias", rows, None, bk),) if st.bias is not None else ()))
   names = ("q", "k", "v", "do", "lse", "delta") + _data_names(st) + ("dq",)
   call = _launch(st, _entry(names, scratch, kernel),
                  jax.ShapeDtypeStruct((st.batch, tp, st.num_heads, h), dtype),
@@ -1499,13 +1527,20 @@ def _dkv_call(st: _Static, part: str = "both"):
       if cfg.pingpong:
         pl.when(wg == 1)(lambda: ctx.take_turn(turn))
 
+      # the step's other streamed buffers: the rows' ids, the transposed bias tile
+      streamed_extra = (("qseg",) if st.segments else ()) + (
+          ("bias",) if st.bias is not None else ())
+
       def probs(s, slot, block, o, masked):
         """``(p^T, tanh)`` of the raw logits ``s^T`` of query block ``block``."""
         slope = refs["slopes"][kv_head * groups + o] if st.alibi else None
         q_seg = _streamed_ids(ctx, scratch, "qseg", slot, masked)
+        dense = None  # this consumer's keys of the slot's transposed bias tile
+        if st.bias is not None:
+          dense = ctx.load_tile(scratch["bias"].at[slot].at[pl.ds(wg * bk, bk)])
         s, tanh = _scores(ctx, s, q0=block * bq, k0=k0, rows_dim=1, masked=masked,
                           q_offset=q_offset, slope=slope,
-                          limit=limit, q_seg=q_seg, k_seg=k_seg, raw=raw)
+                          limit=limit, q_seg=q_seg, k_seg=k_seg, raw=raw, dense=dense)
         lse = ctx.load_vec(scratch["lse"].at[slot], 0)
         return jnp.exp2(_minus(s, c, lax.broadcast_in_dim(lse, s.shape, [1]))), tanh
 
@@ -1527,7 +1562,7 @@ def _dkv_call(st: _Static, part: str = "both"):
         or with ``part`` the one; ``carry`` holds what is computed)."""
         del t
         dk, dv = unpack(carry)
-        for name in ("q", "lse") + (("qseg",) if st.segments else ()):
+        for name in ("q", "lse") + streamed_extra:
           plgpu.barrier_wait(scratch[name + "_ready"].at[slot])
         q_slot, do_slot = scratch["q"].at[slot], scratch["do"].at[slot]
         s = ctx.mm(my_k, q_slot, (bk, bq), transpose_b=True, turn=turn)  # s^T
@@ -1551,7 +1586,7 @@ def _dkv_call(st: _Static, part: str = "both"):
         done)."""
         del t
         dk, dv = unpack(carry)  # (part "dv" never overlaps: no dp^T)
-        for name in ("q", "lse", "do", "delta") + (("qseg",) if st.segments else ()):
+        for name in ("q", "lse", "do", "delta") + streamed_extra:
           plgpu.barrier_wait(scratch[name + "_ready"].at[slot])
         q_slot, do_slot = scratch["q"].at[slot], scratch["do"].at[slot]
         if ctx.interpret:
@@ -1583,8 +1618,7 @@ def _dkv_call(st: _Static, part: str = "both"):
         ctx.release(free, slot, generic_reads=True)
         return pack(dk, dv)
 
-      ready = tuple(scratch[n + "_ready"] for n in ("q", "do", "lse", "delta")) + (
-          (scratch["qseg_ready"],) if st.segments else ())
+      ready = tuple(scratch[n + "_ready"] for n in ("q", "do", "lse", "delta") + streamed_extra)
       walk = dict(outer=groups, cta_lo=cta_lo, steps=steps, runs=runs(k0), ready=ready,
                   free=free, turn=turn)
       # the dV kernel has no dp^T to overlap: its matmuls are issued in turn
@@ -1622,6 +1656,11 @@ def _dkv_call(st: _Static, part: str = "both"):
         if st.segments:
           plgpu.copy_gmem_to_smem(refs["q_ids"].at[batch, rows_], scratch["qseg"].at[slot],
                                   scratch["qseg_ready"].at[slot])
+        if st.bias is not None:  # [CTA's keys, rows] of the transposed bias
+          src = refs["bias"].at[batch if st.bias[0] > 1 else 0, head if st.bias[1] > 1 else 0,
+                                pl.ds(tile * keys_per_cta, keys_per_cta), rows_]
+          plgpu.copy_gmem_to_smem(src, scratch["bias"].at[slot],
+                                  scratch["bias_ready"].at[slot])
 
       ctx.produce(groups * steps, free, load)
 
@@ -1629,7 +1668,8 @@ def _dkv_call(st: _Static, part: str = "both"):
       st, dtype, stages,
       resident=(("k", bk, None), ("v", bk, None, hv)) + _ids(st, "kseg", bk),
       streamed=(("q", bq, None), ("do", bq, None, hv), ("lse", bq, jnp.float32),
-                ("delta", bq, jnp.float32)) + _ids(st, "qseg", bq))
+                ("delta", bq, jnp.float32)) + _ids(st, "qseg", bq)
+      + ((("bias", keys_per_cta, None, bq),) if st.bias is not None else ()))
   outs = {"both": ("dk", "dv")}.get(part, (part,))
   names = ("q", "k", "v", "do", "lse", "delta") + _data_names(st) + outs
   shapes = {n: jax.ShapeDtypeStruct((st.batch, sp, st.num_kv_heads, h if n == "dk" else hv),
@@ -1640,7 +1680,7 @@ def _dkv_call(st: _Static, part: str = "both"):
   def run(q, k, v, do, lse2, delta, aux):
     tab = _data_table(st, aux, tp, sp, bq, bk, transpose=True)
     got = call(_pad_seq(q, tp), _pad_seq(k, sp), _pad_seq(v, sp), _pad_seq(do, tp),
-               *_rows(lse2, delta, tp), *_data_inputs(st, aux, tab, tp, sp))
+               *_rows(lse2, delta, tp), *_data_inputs(st, aux, tab, tp, sp, transpose=True))
     got = tuple(x[:, :st.kv_len] for x in got)
     return got if part == "both" else got[0]
 
