@@ -16,8 +16,8 @@ Backward: a dQ kernel (programs over query blocks, loop over key blocks) and a d
 orientation).  With GQA each query head writes its own fp32 dK/dV partial and XLA sums the ``G``
 heads of a group: no atomics, and any group size (a Triton tile cannot span a group of 3 or 7).
 A dense bias' gradient is the dQ kernel's ``ds`` for a bias with every dim; one shared over the
-batch, heads or queries has its own kernel (``_dbias_call``), summing the sharing pairs' ``ds``
-per block in registers.
+batch, heads or queries (and any bias after the Hopper backward) has its own kernel
+(``_dbias_call``), summing the sharing pairs' ``ds`` per block in registers.
 
 Validated here in interpret mode only (``interpret=True`` runs the kernels on CPU);
 ``experiments/device_check.sh`` runs the tests and the benchmark on a real GPU.
@@ -192,7 +192,7 @@ def flash_attention(
   ``block_sizes`` defaults to ``BlockSizes.gpu()``; its blocks must be powers of two >= 16.
   ``interpret=None`` interprets (on CPU) unless the default backend is a GPU.  A key-padding
   ``mask_array`` ``[B|1, 1, 1, S]`` (Hugging Face's) is taken as segment ids
-  (``sharded.key_mask_as_segments``: a masked key gets an id no query has), which every kernel,
+  (``masks.key_mask_as_segments``: a masked key gets an id no query has), which every kernel,
   the Hopper ones included, streams per key block.
   """
   on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
