@@ -533,6 +533,19 @@ def block_tables(plan: Plan, *, q_ids=None, kv_ids=None, kv_lengths=None, mask_a
   return jnp.asarray(entries), jnp.asarray(counts)
 
 
+def bias_gradient_tables(plan: Plan, aux, pad_width_to_pow2=False):
+  """``(entries, counts, union)``: the block tables of a kernel that sums a shared bias'
+  gradient: the forward tiling for a bias with a row per query, the transposed (dK/dV) one for
+  a bias with one row; ``union`` (one table for all batch rows, ``batch_union``) when the kernel
+  sums the batch and the tables differ per row."""
+  union = plan.bias_shape[0] == 1 and plan.batch > 1 and plan.per_batch_tables
+  entries, counts = block_tables(plan, q_ids=aux["q_ids"], kv_ids=aux["kv_ids"],
+                                 kv_lengths=aux["kv_lengths"], mask_array=aux["mask_array"],
+                                 transpose=plan.bias_shape[2] == 1,
+                                 pad_width_to_pow2=pad_width_to_pow2, union=union)
+  return entries, counts, union
+
+
 def block_counts(query_shape, key_shape, mask: Mask | None = None, *, q_offset: int = 0,
                  block_sizes: BlockSizes | None = None) -> dict[str, int]:
   """How many (query block, key block) pairs the forward pass visits, from the position-only part

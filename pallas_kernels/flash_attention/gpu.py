@@ -666,10 +666,7 @@ def _shared_bias_gradient(plan: C.Plan, aux, x: _Inputs, do, lse, delta, dtype):
   its own kernel (``[Bb, Nb, T | 1, S]``, never a ``[B, N, T, S]`` buffer); also that of a bias
   with every dim after the Hopper backward (one pair per block)."""
   rows = plan.bias_shape[2] > 1
-  union = plan.bias_shape[0] == 1 and plan.batch > 1 and plan.per_batch_tables
-  entries, counts = C.block_tables(plan, q_ids=aux["q_ids"], kv_ids=aux["kv_ids"],
-                                   kv_lengths=aux["kv_lengths"], mask_array=aux["mask_array"],
-                                   transpose=not rows, pad_width_to_pow2=True, union=union)
+  entries, counts, union = C.bias_gradient_tables(plan, aux, pad_width_to_pow2=True)
   d = _dbias_call(plan, entries.shape[-1], x.hp, x.vp, union)(
       x.q, x.k, x.v, do, lse, delta, entries, counts, x.iscal, x.fscal, *x.segs, *x.dense)
   if rows:  # blocks no batch row visits were never written

@@ -276,6 +276,11 @@ class _Static:
   lengths: bool = False
   bias: tuple[int, int] | None = None  # a dense bias' (batch, heads) sizes, each 1 or B / N
 
+  def bias_index(self, batch, head):
+    """The (batch, head) of the bias' block that batch row ``batch`` and query head ``head``
+    read (0 along a size-1 dim)."""
+    return (batch if self.bias[0] > 1 else 0), (head if self.bias[1] > 1 else 0)
+
   @property
   def generic_reads(self) -> bool:
     """Whether consumers read a streamed slot through the generic proxy (segment ids, bias
@@ -969,7 +974,7 @@ def _ids(st: _Static, name: str, rows: int) -> tuple:
 def _key_ready(st: _Static, scratch) -> tuple:
   return (scratch["k_ready"], scratch["v_ready"]) + (
       (scratch["kseg_ready"],) if st.segments else ()) + (
-      (scratch["bias_ready"],) if "bias_ready" in scratch else ())
+      (scratch["bias_ready"],) if st.bias is not None else ())
 
 
 def _query_rows(ctx: _Ctx, refs, scratch, wg, batch, head, rows_, my_tiles):
@@ -1185,8 +1190,7 @@ def _call(st: _Static):
     def _producer():
       bias_rows = None
       if st.bias is not None:  # the tile's rows of its (batch row, head) of the bias
-        bias_rows = (batch if st.bias[0] > 1 else 0, head if st.bias[1] > 1 else 0,
-                     pl.ds(tile * rows, rows))
+        bias_rows = (*st.bias_index(batch, head), pl.ds(tile * rows, rows))
       load = _kv_loader(st, refs, scratch, batch, kv_head, cta_lo, bk, split=cfg.overlap,
                         bias_rows=bias_rows)
       ctx.produce(steps, (k_free, v_free) if cfg.overlap else free, load, t0=t0)
@@ -1456,8 +1460,7 @@ def _dq_call(st: _Static):
     def _producer():
       bias_rows = None
       if st.bias is not None:  # the tile's rows of its (batch row, head) of the bias
-        bias_rows = (batch if st.bias[0] > 1 else 0, head if st.bias[1] > 1 else 0,
-                     pl.ds(tile * rows, rows))
+        bias_rows = (*st.bias_index(batch, head), pl.ds(tile * rows, rows))
       ctx.produce(steps, free, _kv_loader(st, refs, scratch, batch, kv_head, cta_lo, bk,
                                           bias_rows=bias_rows))
 
@@ -1657,8 +1660,8 @@ def _dkv_call(st: _Static, part: str = "both"):
           plgpu.copy_gmem_to_smem(refs["q_ids"].at[batch, rows_], scratch["qseg"].at[slot],
                                   scratch["qseg_ready"].at[slot])
         if st.bias is not None:  # [CTA's keys, rows] of the transposed bias
-          src = refs["bias"].at[batch if st.bias[0] > 1 else 0, head if st.bias[1] > 1 else 0,
-                                pl.ds(tile * keys_per_cta, keys_per_cta), rows_]
+          src = refs["bias"].at[(*st.bias_index(batch, head),
+                                 pl.ds(tile * keys_per_cta, keys_per_cta), rows_)]
           plgpu.copy_gmem_to_smem(src, scratch["bias"].at[slot],
                                   scratch["bias_ready"].at[slot])
 

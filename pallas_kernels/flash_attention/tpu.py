@@ -575,10 +575,7 @@ def _shared_bias_gradient(plan: C.Plan, aux, x: _Inputs, key_inputs, dtype):
   the kernel (``[Bb, Nb, T | 1, S]``, never a ``[B, N, T, S]`` buffer).  ``key_inputs``: the
   dK/dV kernel's arrays (lse / delta as rows, segment ids for the transposed orientation)."""
   rows = plan.bias_shape[2] > 1
-  union = plan.bias_shape[0] == 1 and plan.batch > 1 and plan.per_batch_tables
-  entries, _ = C.block_tables(plan, q_ids=aux["q_ids"], kv_ids=aux["kv_ids"],
-                              kv_lengths=aux["kv_lengths"], mask_array=aux["mask_array"],
-                              transpose=not rows, union=union)
+  entries, _, union = C.bias_gradient_tables(plan, aux)
   d = _dbias_call(plan, entries.shape[-1], union)(entries.reshape(-1), x.iscal, x.fscal,
                                                     *key_inputs)
   if rows:  # blocks no batch row visits were never written
@@ -728,6 +725,7 @@ def _block_p_ds_t(plan, q_start, kv_start, masked, q_offset, scale, slope, kv_le
   p = jnp.exp(s - lse_ref[:1, :])  # [bk, bq] = p^T
   dp = lax.dot_general(v, do, NT_DIMS, preferred_element_type=jnp.float32)  # [bk, bq] = dp^T
   return p, C.soft_cap_grad(p * (dp - delta_ref[:1, :]), s, plan)
+
 
 @functools.lru_cache(maxsize=128)
 def _dkv_call(plan: C.Plan, width: int):

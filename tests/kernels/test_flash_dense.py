@@ -177,20 +177,27 @@ def test_bias_bf16(backend, name):
     assert_close(g, rg, 3e-2, label)
 
 
-def _dq_kernel_outputs(jaxpr, kernel="flash_dq") -> list[int]:
-  """Numbers of outputs of the dQ ``pallas_call``s (or another ``kernel``'s) in a (nested)
+def _pallas_calls(jaxpr) -> list[tuple[str, list[tuple], list[tuple]]]:
+  """``(kernel name, operand shapes, output shapes)`` of every ``pallas_call`` in a (nested)
   jaxpr."""
   found = []
 
   def walk(jx):
     for eqn in jx.eqns:
-      if eqn.primitive.name == "pallas_call" and kernel in str(eqn.params.get("name")):
-        found.append(len(eqn.outvars))
+      if eqn.primitive.name == "pallas_call":
+        found.append((str(eqn.params.get("name")), [tuple(x.aval.shape) for x in eqn.invars],
+                      [tuple(x.aval.shape) for x in eqn.outvars]))
       for sub in jax.extend.core.jaxprs_in_params(eqn.params):
         walk(sub)
 
   walk(jaxpr.jaxpr)
   return found
+
+
+def _dq_kernel_outputs(jaxpr, kernel="flash_dq") -> list[int]:
+  """Numbers of outputs of the dQ ``pallas_call``s (or another ``kernel``'s) in a (nested)
+  jaxpr."""
+  return [len(outs) for name, _, outs in _pallas_calls(jaxpr) if kernel in name]
 
 
 @pytest.mark.parametrize("backend", ["tpu", "gpu"])
@@ -305,18 +312,7 @@ def test_bias_kernels_are_race_free(race_states):
 
 def _pallas_shapes(jaxpr) -> dict[str, list[list[tuple]]]:
   """Kernel name -> [operand shapes, output shapes] of the ``pallas_call``s in a jaxpr."""
-  found = {}
-
-  def walk(jx):
-    for eqn in jx.eqns:
-      if eqn.primitive.name == "pallas_call":
-        found[str(eqn.params.get("name"))] = [[tuple(x.aval.shape) for x in eqn.invars],
-                                               [tuple(x.aval.shape) for x in eqn.outvars]]
-      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-        walk(sub)
-
-  walk(jaxpr.jaxpr)
-  return found
+  return {name: [ins, outs] for name, ins, outs in _pallas_calls(jaxpr)}
 
 
 # bias shape -> how the TPU backward differentiates it
@@ -527,16 +523,7 @@ def test_one_row_inputs_are_read_not_broadcast(backend):
   attn = kernel(backend, M.CausalMask(), mask_array=allowed)
   # (the bias constant: a learned one adds its gradient's buffer, [B|1, N, T, S] by design)
   jaxpr = jax.make_jaxpr(jax.grad(lambda q, bias: jnp.sum(attn(q, k, v, bias)[0] ** 2)))(q, bias)
-  shapes = {}
-
-  def walk(jx):
-    for eqn in jx.eqns:
-      if eqn.primitive.name == "pallas_call":
-        shapes[str(eqn.params.get("name"))] = [tuple(x.aval.shape) for x in eqn.invars]
-      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-        walk(sub)
-
-  walk(jaxpr.jaxpr)
+  shapes = {name: ins for name, (ins, _) in _pallas_shapes(jaxpr).items()}
   assert len(shapes) == 3, shapes  # forward, dQ, dK/dV
   for name, operands in shapes.items():
     dense = [x for x in operands if len(x) == 4 and x[2] == 1 and x[0] in (1, b)
