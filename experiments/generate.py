@@ -40,7 +40,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxattn.generation import NO_PENALTIES, TextStream, generate
+from jaxattn.generation import TextStream, generate
 from jaxattn.nn.model import DecoderLM, ModelConfig
 from jaxattn.speculative import speculative_generate
 from jaxattn.train.checkpoint import Checkpointer
@@ -147,11 +147,6 @@ def main(argv=None) -> int:
   for flag, value in (("presence", args.presence_penalty), ("frequency", args.frequency_penalty)):
     if not math.isfinite(value):
       p.error(f"argument --{flag}-penalty: must be a finite number (0: none), got {value}")
-  penalized = (args.repetition_penalty, args.presence_penalty,
-               args.frequency_penalty) != NO_PENALTIES
-  if penalized and args.draft is not None:
-    p.error("arguments --repetition-penalty / --presence-penalty / --frequency-penalty: not "
-            "supported with --draft")
   if args.max_new_tokens < 0:
     p.error(f"argument --max-new-tokens: must be an int >= 0, got {args.max_new_tokens}")
   if args.eos_id is not None and args.eos_id < -1:
@@ -201,13 +196,13 @@ def main(argv=None) -> int:
   settings = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                   min_p=args.min_p, seed=args.seed, eos_id=eos_id, on_token=stream,
                   cache_dtype=args.cache_dtype)
+  settings.update(repetition_penalty=args.repetition_penalty,
+                  presence_penalty=args.presence_penalty,
+                  frequency_penalty=args.frequency_penalty)
   t0 = time.perf_counter()
   try:
     if draft is None:
-      penalties = dict(repetition_penalty=args.repetition_penalty,
-                       presence_penalty=args.presence_penalty,
-                       frequency_penalty=args.frequency_penalty)
-      out, stats = generate(model, prompt, args.max_new_tokens, **settings, **penalties), None
+      out, stats = generate(model, prompt, args.max_new_tokens, **settings), None
     else:
       out, stats = speculative_generate(model, prompt, args.max_new_tokens, draft=draft,
                                         num_draft_tokens=num_draft_tokens, **settings)

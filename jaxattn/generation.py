@@ -1,6 +1,6 @@
 """Autoregressive generation with the KV cache: one jitted prefill, then one jitted decode step per
 token; greedy, temperature, top-k, nucleus (top-p) and min-p sampling; repetition, presence and
-frequency penalties (here and in ``jaxattn.serving.Engine``; not with speculative decoding);
+frequency penalties (here, with speculative decoding too, and in ``jaxattn.serving.Engine``);
 tokens streamed to a callback.
 
     out = generate(model, prompt, max_new_tokens=64, temperature=0.8, top_p=0.95, seed=0,
@@ -109,22 +109,40 @@ def _repetition(x, seen, r):
   return jnp.where(seen, jnp.where(x > 0, x / r, x * r), x)
 
 
-def penalized_rows(logits: Float[Array, "B V"], history: Int[Array, "B L"],
+def penalized_rows(logits: Float[Array, "B *T V"], history: Int[Array, "B L"],
                    num_prompt: Int[Array, "B"], repetition: Float[Array, "B"],
-                   presence: Float[Array, "B"], frequency: Float[Array, "B"]
-                   ) -> Float[Array, "B V"]:
+                   presence: Float[Array, "B"], frequency: Float[Array, "B"],
+                   ahead: Int[Array, "B m"] | None = None) -> Float[Array, "B *T V"]:
   """``penalized_logits`` with settings per row (traced: one program for any mix), the seen set
   and counts built from each row's ``history`` (its prompt, then its generated tokens; ``-1``
-  pads): row ``i``'s first ``num_prompt[i]`` entries are seen, the rest seen and counted."""
-  b, v = logits.shape
+  pads): row ``i``'s first ``num_prompt[i]`` entries are seen, the rest seen and counted.
+
+  ``ahead [B, m]`` (speculative decoding: drafts, ``-1`` for none), tokens generated after the
+  history: with ``logits [B, V]`` all of them count; with ``logits [B, T, V]`` (``m = T - 1``,
+  a check of ``T - 1`` drafts) position ``j`` is penalized as if ``ahead[:, :j]`` had been."""
+  b, v = logits.shape[0], logits.shape[-1]
   valid = history >= 0
   ids = jnp.where(valid, history, 0)
   rows = jnp.arange(b)[:, None]
   seen = jnp.zeros((b, v), jnp.int32).at[rows, ids].max(valid.astype(jnp.int32)) > 0
   generated = valid & (jnp.arange(history.shape[1])[None, :] >= num_prompt[:, None])
   counts = jnp.zeros((b, v), jnp.float32).at[rows, ids].add(generated.astype(jnp.float32))
-  x = _repetition(logits.astype(jnp.float32), seen, repetition[:, None])
-  return x - presence[:, None] * (counts > 0) - frequency[:, None] * counts
+  settings = [repetition, presence, frequency]
+  if ahead is not None:
+    hits = jax.nn.one_hot(ahead, v, dtype=jnp.float32)        # (-1: a zero row)
+    if logits.ndim == 3:
+      if ahead.shape[1] != logits.shape[1] - 1:
+        raise ValueError(f"`ahead` must be [B, T - 1 = {logits.shape[1] - 1}] with logits "
+                         f"[B, T, V], got shape {ahead.shape}.")
+      cum = jnp.concatenate([jnp.zeros_like(hits[:, :1]), jnp.cumsum(hits, axis=1)], axis=1)
+      seen, counts = seen[:, None] | (cum > 0), counts[:, None] + cum
+      settings = [x[:, None] for x in settings]
+    else:
+      hits = jnp.sum(hits, axis=1)
+      seen, counts = seen | (hits > 0), counts + hits
+  repetition, presence, frequency = (x[..., None] for x in settings)
+  x = _repetition(logits.astype(jnp.float32), seen, repetition)
+  return x - presence * (counts > 0) - frequency * counts
 
 
 def sample_logits(logits: Float[Array, "B V"], key, *, temperature: float = 0.0,
@@ -367,22 +385,21 @@ def generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_tokens: int, *
 
   ``repetition_penalty`` (1: none), ``presence_penalty`` and ``frequency_penalty`` (0: none):
   ``penalized_logits`` on every step's logits before temperature and the filters; the counts hold
-  the sampled tokens (a finished sequence's no longer matter).  Not with ``draft``.
+  the sampled tokens (a finished sequence's no longer matter).  With ``draft`` too (each draft
+  and checked position penalized as if the drafts before it had been emitted).
   """
   check_penalties(repetition_penalty, presence_penalty, frequency_penalty)
   penalties = (float(repetition_penalty), float(presence_penalty), float(frequency_penalty))
   penalized = penalties != NO_PENALTIES
-  if draft is not None and penalized:
-    raise ValueError("repetition / presence / frequency penalties are not supported with "
-                     "speculative decoding (`draft`): the draft and the model would need the "
-                     "penalty state of every proposed position; generate without `draft`.")
   if draft is not None:
     from jaxattn.speculative import speculative_generate
     return speculative_generate(model, prompt, max_new_tokens, draft=draft,
                                 num_draft_tokens=num_draft_tokens, temperature=temperature,
                                 top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
-                                max_len=max_len,
-                                eos_id=eos_id, on_token=on_token, cache_dtype=cache_dtype)[0]
+                                max_len=max_len, eos_id=eos_id, on_token=on_token,
+                                cache_dtype=cache_dtype, repetition_penalty=repetition_penalty,
+                                presence_penalty=presence_penalty,
+                                frequency_penalty=frequency_penalty)[0]
   check_sampling(temperature, top_p, top_k, min_p)
   _check(model, prompt, max_new_tokens, max_len, eos_id)
   if not is_int(seed):

@@ -22,6 +22,9 @@ masked, so rewinding is setting the index).
   top-p filtered distributions ``generate`` samples from), whatever the draft; a better draft only
   keeps more tokens per call.  The tokens differ from ``generate``'s with the same seed (other
   random numbers), their distribution does not.
+* Repetition / presence / frequency penalties: draft ``d_j`` is proposed, and the check's
+  position ``j`` judged, with the penalty state the sequence would have after ``d_1 .. d_{j-1}``
+  / ``d_1 .. d_j`` were emitted (``_Penalties``), so both statements above still hold.
 
 Drafts: a ``DecoderLM`` with the same vocabulary (a smaller model; it keeps a cache of its own,
 rewound with the model's), or ``"ngram"``: prompt lookup, no model at all: the last ``ngram_size``
@@ -57,8 +60,8 @@ from jaxtyping import Array, Float, Int
 from jaxattn.cache import KVCache
 from jaxattn.checks import is_int
 from jaxattn.dsa_cache import DSACache
-from jaxattn.generation import (_check, check_sampling, eval_model, filtered_logits, row_filtered,
-                                token_key)
+from jaxattn.generation import (NO_PENALTIES, _check, check_penalties, check_sampling, eval_model,
+                                filtered_logits, penalized_logits, row_filtered, token_key)
 from jaxattn.mla_cache import LatentCache
 from jaxattn.nn.gated_deltanet import DeltaNetCache
 from jaxattn.nn.model import DecoderLM, ModelCache
@@ -209,42 +212,98 @@ def _draft_dist(logits, key, temperature, top_p, top_k, min_p):
           jax.nn.softmax(f, axis=-1))
 
 
+class _Penalties:
+  """Repetition / presence / frequency penalties (``generation.penalized_logits``) through
+  speculative rounds.  The state ``(seen [B, V] bool, counts [B, V] int32)`` holds the tokens
+  emitted so far (the prompt's seen, not counted); a draft ``d_j`` and the model's check at
+  position ``j`` of ``[x_n, d_1, .., d_k]`` are penalized as the sequence would be after
+  ``d_1 .. d_j`` (the state of a step of ``generate`` that had emitted them), so greedy output is
+  ``generate``'s with the same penalties and sampling keeps its distribution (the check's ``p``
+  and the draft's ``q`` are the penalized ones).  ``settings`` None: no penalties, every method
+  the identity (the state is None)."""
+
+  def __init__(self, settings: tuple[float, float, float] | None):
+    self.on = settings is not None
+    if self.on:
+      rep, presence, frequency = settings
+      self.apply = functools.partial(penalized_logits, repetition_penalty=rep,
+                                     presence_penalty=presence, frequency_penalty=frequency)
+
+  def start(self, prompt, vocab_size: int):
+    """The state after the prompt: its tokens seen, nothing counted."""
+    if not self.on:
+      return None
+    b = prompt.shape[0]
+    seen = jnp.zeros((b, vocab_size), bool).at[jnp.arange(b)[:, None], prompt].set(True)
+    return seen, jnp.zeros((b, vocab_size), jnp.int32)
+
+  def add(self, pstate, tokens, keep=None):
+    """``pstate`` with ``tokens [B, m]`` emitted (those where ``keep [B, m]``, default all)."""
+    if not self.on:
+      return None
+    seen, counts = pstate
+    hits = jax.nn.one_hot(tokens, counts.shape[-1], dtype=jnp.int32)
+    if keep is not None:
+      hits = hits * keep[..., None].astype(jnp.int32)
+    hits = jnp.sum(hits, axis=1)
+    return seen | (hits > 0), counts + hits
+
+  def __call__(self, logits, pstate):
+    """``logits [B, V]`` penalized with ``pstate``."""
+    return logits if not self.on else self.apply(logits, *pstate)
+
+  def check(self, logits, pstate, drafts):
+    """The check's ``logits [B, k + 1, V]``: position ``j`` penalized with ``pstate`` after
+    ``drafts[:, :j]`` (``drafts [B, k]``)."""
+    if not self.on:
+      return logits
+    seen, counts = pstate
+    hits = jax.nn.one_hot(drafts, counts.shape[-1], dtype=jnp.int32)
+    cum = jnp.concatenate([jnp.zeros_like(hits[:, :1]), jnp.cumsum(hits, axis=1)], axis=1)
+    return self.apply(logits, seen[:, None] | (cum > 0), counts[:, None] + cum)
+
+
 @functools.lru_cache(maxsize=16)
 def speculative_functions(graphdef, draft_graphdef, batch: int, max_len: int, k: int,
                           vocab_size: int, *, temperature: float = 0.0,
                           top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
-                          cache_dtype=None):
+                          cache_dtype=None, penalties: tuple[float, float, float] | None = None):
   """The jitted programs of ``speculative_generate`` (made once per structure and settings):
 
-  * ``prefill(state, draft_state, prompt [B, T], key) -> (first [B], cache, draft_cache)``;
-  * ``round(state, draft_state, cache, draft_cache, recent [B, 2], n, drafts [B, k], done [B],
-    key) -> (tokens [B, k + 1], kept, accepted [B], cache, draft_cache)``: ``recent`` the
-    sequence's tokens ``n - 1`` and ``n`` (the model's cache holds its first ``n``; the last one
-    is fed now, the draft re-reads both), ``drafts`` the prompt-lookup
+  * ``prefill(state, draft_state, prompt [B, T], key) -> (first [B], cache, draft_cache,
+    pstate)``;
+  * ``round(state, draft_state, cache, draft_cache, pstate, recent [B, 2], n, drafts [B, k],
+    done [B], key) -> (tokens [B, k + 1], kept, accepted [B], cache, draft_cache, pstate)``:
+    ``recent`` the sequence's tokens ``n - 1`` and ``n`` (the model's cache holds its first
+    ``n``; the last one is fed now, the draft re-reads both), ``drafts`` the prompt-lookup
     drafts (unused with a draft model, which drafts here), ``kept + 1`` tokens of
     ``tokens`` are emitted (``kept``: the fewest drafts an unfinished row kept), the model's
     cache rewound to ``n + kept + 1`` positions.  The caches are donated.
 
   ``draft_graphdef`` None: prompt-lookup drafts (``ngram_propose``, made on the host).
+  ``penalties``: ``(repetition, presence, frequency)`` (``_Penalties``); ``pstate`` is their
+  state after the emitted tokens (None without penalties).
   """
   settings = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
+  pen = _Penalties(penalties)
 
   if draft_graphdef == "mtp":
-    return _mtp_functions(graphdef, batch, max_len, k, settings, cache_dtype)
+    return _mtp_functions(graphdef, batch, max_len, k, settings, cache_dtype, pen)
 
   @jax.jit
   def prefill(state, draft_state, prompt, key):
     m = eval_model(graphdef, state)
     logits, cache = m(prompt, cache=m.init_cache(batch, max_len, cache_dtype))
-    first = _draft_dist(logits[:, -1], key, **settings)[0]
+    pstate = pen.start(prompt, vocab_size)
+    first = _draft_dist(pen(logits[:, -1], pstate), key, **settings)[0]
     draft_cache = None
     if draft_graphdef is not None:
       d = eval_model(draft_graphdef, draft_state)
       _, draft_cache = d(prompt, cache=d.init_cache(batch, max_len, cache_dtype))
-    return first, cache, draft_cache
+    return first, cache, draft_cache, pen.add(pstate, first[:, None])
 
-  @functools.partial(jax.jit, donate_argnums=(2, 3))
-  def round_(state, draft_state, cache, draft_cache, recent, n, drafts, done, key):
+  @functools.partial(jax.jit, donate_argnums=(2, 3, 4))
+  def round_(state, draft_state, cache, draft_cache, pstate, recent, n, drafts, done, key):
     last = recent[:, 1]
     if draft_graphdef is None:
       probs = jax.nn.one_hot(drafts, vocab_size, dtype=jnp.float32)
@@ -254,25 +313,31 @@ def speculative_functions(graphdef, draft_graphdef, batch: int, max_len: int, k:
       # kept draft when every draft was kept): it re-reads x_{n-1} with x_n, a fixed shape.
       draft_cache = rewind_cache(draft_cache, n - 1)
       logits, draft_cache = d(recent, cache=draft_cache)
-      drafts, probs = [], []
+      drafts, probs, ahead = [], [], pstate    # ahead: the penalties' state after the drafts
       for j in range(k):
-        tok, q = _draft_dist(logits[:, -1], jax.random.fold_in(key, j), **settings)
+        tok, q = _draft_dist(pen(logits[:, -1], ahead), jax.random.fold_in(key, j), **settings)
         drafts.append(tok)
         probs.append(q)
         if j + 1 < k:
+          ahead = pen.add(ahead, tok[:, None])
           logits, draft_cache = d(tok[:, None], cache=draft_cache)
       drafts = jnp.stack(drafts, axis=1)
       probs = None if temperature == 0.0 else jnp.stack(probs, axis=1)
     m = eval_model(graphdef, state)
     logits, cache = m(jnp.concatenate([last[:, None], drafts], axis=1),
                       cache=cache.with_snapshots())
-    tokens, accepted = speculative_accept(logits, drafts, probs, jax.random.fold_in(key, k),
-                                          **settings)
+    tokens, accepted = speculative_accept(pen.check(logits, pstate, drafts), drafts, probs,
+                                          jax.random.fold_in(key, k), **settings)
     kept = jnp.min(jnp.where(done, k, accepted))
     cache = rewind_cache(cache, n + kept + 1)    # (the draft's is rewound by the next round)
-    return tokens, kept, accepted, cache, draft_cache
+    return tokens, kept, accepted, cache, draft_cache, _emitted(pen, pstate, tokens, kept)
 
   return prefill, round_
+
+
+def _emitted(pen: _Penalties, pstate, tokens, kept):
+  """The penalties' state after a round emits ``tokens[:, :kept + 1]``."""
+  return pen.add(pstate, tokens, jnp.arange(tokens.shape[1])[None, :] <= kept)
 
 
 def _mtp_run(m: DecoderLM, tokens, h_prev, mtp_cache: ModelCache):
@@ -283,7 +348,8 @@ def _mtp_run(m: DecoderLM, tokens, h_prev, mtp_cache: ModelCache):
   return h, m.mtp_logits(m.mtp[0], h), mtp_cache
 
 
-def _mtp_functions(graphdef, batch: int, max_len: int, k: int, settings: dict, cache_dtype):
+def _mtp_functions(graphdef, batch: int, max_len: int, k: int, settings: dict, cache_dtype,
+                   pen: _Penalties):
   """``speculative_functions`` with the model's own multi-token prediction as the draft
   (self-speculation).  The draft state is ``(cache, h [B, 1, D], logits [B, V])``: the depth-1
   module's cache holds the pairs ``(h_i, x_{i+1})`` of every position before the model's last
@@ -293,45 +359,48 @@ def _mtp_functions(graphdef, batch: int, max_len: int, k: int, settings: dict, c
   known yet).  After the model's check the module's cache is rewound to ``n`` and re-reads the
   model's true hidden states with the tokens that followed them (``k + 1`` positions at once,
   those past the kept ones are rewound away): its output at the last kept position is the next
-  round's first draft."""
+  round's first draft (penalized, as every draft and check, with ``pen``'s state)."""
 
   @jax.jit
   def prefill(state, draft_state, prompt, key):
     del draft_state
     m = eval_model(graphdef, state)
     h, cache = m(prompt, cache=m.init_cache(batch, max_len, cache_dtype), return_hidden=True)
-    first = _draft_dist(m.head(h[:, -1]).astype(jnp.float32), key, **settings)[0]
+    pstate = pen.start(prompt, m.config.vocab_size)
+    first = _draft_dist(pen(m.head(h[:, -1]).astype(jnp.float32), pstate), key, **settings)[0]
     mtp_cache = m.init_mtp_cache(batch, max_len, cache_dtype)
     ahead = jnp.concatenate([prompt[:, 1:], first[:, None]], axis=1)
     g, logits, mtp_cache = _mtp_run(m, ahead, h, mtp_cache)
-    return first, cache, (mtp_cache, g[:, -1:], logits[:, -1])
+    return first, cache, (mtp_cache, g[:, -1:], logits[:, -1]), pen.add(pstate, first[:, None])
 
-  @functools.partial(jax.jit, donate_argnums=(2, 3))
-  def round_(state, draft_state, cache, draft_cache, recent, n, drafts, done, key):
+  @functools.partial(jax.jit, donate_argnums=(2, 3, 4))
+  def round_(state, draft_state, cache, draft_cache, pstate, recent, n, drafts, done, key):
     del draft_state, drafts
     m = eval_model(graphdef, state)
     mtp_cache, g, logits = draft_cache
-    drafts, probs = [], []
-    tok, q = _draft_dist(logits, jax.random.fold_in(key, 0), **settings)
+    drafts, probs, ahead = [], [], pstate
+    tok, q = _draft_dist(pen(logits, ahead), jax.random.fold_in(key, 0), **settings)
     for j in range(k):
       drafts.append(tok)
       probs.append(q)
       if j + 1 < k:     # position n + j: the module's own output stands for the model's
+        ahead = pen.add(ahead, tok[:, None])
         g, lg, mtp_cache = _mtp_run(m, tok[:, None], g, mtp_cache)
-        tok, q = _draft_dist(lg[:, -1], jax.random.fold_in(key, j + 1), **settings)
+        tok, q = _draft_dist(pen(lg[:, -1], ahead), jax.random.fold_in(key, j + 1), **settings)
     drafts = jnp.stack(drafts, axis=1)
     probs = None if settings["temperature"] == 0.0 else jnp.stack(probs, axis=1)
     h, cache = m(jnp.concatenate([recent[:, 1:], drafts], axis=1),
                  cache=cache.with_snapshots(), return_hidden=True)
-    tokens, accepted = speculative_accept(m.head(h).astype(jnp.float32), drafts, probs,
-                                          jax.random.fold_in(key, k), **settings)
+    tokens, accepted = speculative_accept(pen.check(m.head(h).astype(jnp.float32), pstate, drafts),
+                                          drafts, probs, jax.random.fold_in(key, k), **settings)
     kept = jnp.min(jnp.where(done, k, accepted))
     cache = rewind_cache(cache, n + kept + 1)
     # the model's hidden state at n + j with the token after it (tokens[:, j]), j <= kept
     g, lg, mtp_cache = _mtp_run(m, tokens, h, rewind_cache(mtp_cache, n))
     g = jax.lax.dynamic_slice_in_dim(g, kept, 1, axis=1)
     lg = jax.lax.dynamic_index_in_dim(lg, kept, axis=1, keepdims=False)
-    return tokens, kept, accepted, cache, (rewind_cache(mtp_cache, n + kept + 1), g, lg)
+    return (tokens, kept, accepted, cache, (rewind_cache(mtp_cache, n + kept + 1), g, lg),
+            _emitted(pen, pstate, tokens, kept))
 
   return prefill, round_
 
@@ -342,7 +411,9 @@ def speculative_generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_to
                          top_k: int = 0, min_p: float = 0.0, seed: int = 0,
                          max_len: int | None = None, eos_id: int | None = None,
                          on_token: Callable[[np.ndarray], None] | None = None,
-                         cache_dtype=None) -> tuple[np.ndarray, SpeculativeStats]:
+                         cache_dtype=None, repetition_penalty: float = 1.0,
+                         presence_penalty: float = 0.0, frequency_penalty: float = 0.0
+                         ) -> tuple[np.ndarray, SpeculativeStats]:
   """``generate`` with speculative decoding (module docstring): ``(tokens [B, T + n], stats)``.
 
   ``draft``: a ``DecoderLM`` with ``model``'s vocabulary, ``"ngram"`` (prompt lookup, the last
@@ -351,9 +422,14 @@ def speculative_generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_to
   arguments are ``generate``'s: greedy output equals ``generate``'s token for token; sampled
   output has its distribution.  ``max_len`` (default: ``T + max_new_tokens + k`` rounded up to
   128) must leave room for a round's ``k + 1`` positions past the last kept token.
-  ``on_token`` receives each emitted ``[B]`` array in order.
+  ``on_token`` receives each emitted ``[B]`` array in order.  ``repetition_penalty`` /
+  ``presence_penalty`` / ``frequency_penalty``: ``generate``'s; each draft and each position of
+  the check is penalized as the sequence would be with the drafts before it emitted
+  (``_Penalties``), so greedy output is still ``generate``'s and sampling its distribution.
   """
   check_sampling(temperature, top_p, top_k, min_p)
+  check_penalties(repetition_penalty, presence_penalty, frequency_penalty)
+  penalties = (float(repetition_penalty), float(presence_penalty), float(frequency_penalty))
   _check(model, prompt, max_new_tokens, None, eos_id)
   where = "speculative_generate"
   if not is_int(seed):
@@ -394,6 +470,8 @@ def speculative_generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_to
                      f"learned position table (max_seq_len={cfg.max_seq_len}).")
   quant = ({} if cache_dtype is None else
            dict(cache_dtype=check_cache_dtype(cache_dtype, where, "cache_dtype")))
+  if penalties != NO_PENALTIES:   # (passed only when set, as cache_dtype)
+    quant["penalties"] = penalties
   graphdef, state = nnx.split(model)
   if isinstance(draft, str):
     draft_graphdef, draft_state = (None if draft == "ngram" else draft), None
@@ -427,8 +505,8 @@ def speculative_generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_to
         return True
     return False
 
-  first, cache, draft_cache = prefill(state, draft_state, jnp.asarray(prompt),
-                                      token_key(seed, 0))
+  first, cache, draft_cache, pstate = prefill(state, draft_state, jnp.asarray(prompt),
+                                              token_key(seed, 0))
   first = np.asarray(first)
   finished = emit(first[:, None])
   n = t                                     # the last token's index (the cache holds n)
@@ -437,9 +515,9 @@ def speculative_generate(model: DecoderLM, prompt: Int[Array, "B T"], max_new_to
   while not finished:
     if draft_graphdef is None:
       drafts = np.stack([ngram_propose(row[:n + 1], k, ngram_size) for row in context])
-    tokens, kept, _, cache, draft_cache = round_(
-        state, draft_state, cache, draft_cache, jnp.asarray(context[:, n - 1:n + 1]), jnp.int32(n),
-        jnp.asarray(drafts), jnp.asarray(done), token_key(seed, len(out) - 1))
+    tokens, kept, _, cache, draft_cache, pstate = round_(
+        state, draft_state, cache, draft_cache, pstate, jnp.asarray(context[:, n - 1:n + 1]),
+        jnp.int32(n), jnp.asarray(drafts), jnp.asarray(done), token_key(seed, len(out) - 1))
     kept = int(kept)
     tokens = np.asarray(tokens)[:, :kept + 1]
     stats.rounds += 1

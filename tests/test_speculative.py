@@ -98,7 +98,7 @@ def test_mtp_draft_state_is_the_uncached_module(llama_mtp):
   model, k = llama_mtp, 3
   graphdef, state = nnx.split(model)
   prefill, round_ = speculative_functions(graphdef, "mtp", 2, 64, k, model.config.vocab_size)
-  first, cache, draft_cache = prefill(state, None, jnp.asarray(PROMPT), token_key(0, 0))
+  first, cache, draft_cache, _ = prefill(state, None, jnp.asarray(PROMPT), token_key(0, 0))
   seq, n = np.concatenate([PROMPT, np.asarray(first)[:, None]], axis=1), PROMPT.shape[1]
 
   def check():
@@ -109,12 +109,47 @@ def test_mtp_draft_state_is_the_uncached_module(llama_mtp):
 
   check()
   for r in range(4):
-    tokens, kept, _, cache, draft_cache = round_(
-        state, None, cache, draft_cache, jnp.asarray(seq[:, n - 1:n + 1]), jnp.int32(n),
+    tokens, kept, _, cache, draft_cache, _ = round_(
+        state, None, cache, draft_cache, None, jnp.asarray(seq[:, n - 1:n + 1]), jnp.int32(n),
         jnp.zeros((2, k), jnp.int32), jnp.zeros((2,), bool), token_key(0, r + 1))
     seq = np.concatenate([seq, np.asarray(tokens)[:, :int(kept) + 1]], axis=1)
     n += int(kept) + 1
     check()
+
+
+PENALTIES = dict(repetition_penalty=1.8, presence_penalty=0.3, frequency_penalty=0.6)
+
+
+@pytest.mark.parametrize("which", ["ngram", "itself", "small", "mtp"])
+def test_penalized_greedy_is_generates(llama, small_draft, llama_mtp, which):
+  """Repetition / presence / frequency penalties: each draft and each checked position is
+  penalized as if the drafts before it had been emitted, so greedy output is ``generate``'s with
+  the penalties (which change it), and the model drafting for itself still keeps every draft
+  (its drafts' penalty state is the check's)."""
+  model = llama_mtp if which == "mtp" else llama
+  draft = {"ngram": "ngram", "itself": llama, "small": small_draft, "mtp": "mtp"}[which]
+  want = generate(model, PROMPT, 16, **PENALTIES)
+  assert not np.array_equal(want, generate(model, PROMPT, 16))
+  out, stats = speculative_generate(model, PROMPT, 16, draft=draft, num_draft_tokens=3,
+                                    **PENALTIES)
+  np.testing.assert_array_equal(out, want)
+  if which == "itself":
+    assert stats.accepted == stats.drafted
+  np.testing.assert_array_equal(generate(model, PROMPT, 16, draft=draft, num_draft_tokens=3,
+                                         **PENALTIES), want)
+
+
+def test_penalized_sampling(llama, small_draft):
+  """Sampling with penalties: the prefill's token is ``generate``'s (same key, same penalized
+  distribution); at top-1 every later token too, whatever the draft proposed (the check's point
+  mass is the penalized argmax after the kept drafts)."""
+  first = generate(llama, PROMPT, 1, temperature=1.0, seed=7, **PENALTIES)
+  out, _ = speculative_generate(llama, PROMPT, 1, draft="ngram", temperature=1.0, seed=7,
+                                **PENALTIES)
+  np.testing.assert_array_equal(out, first)
+  out, _ = speculative_generate(llama, PROMPT, 12, draft=small_draft, temperature=0.8, top_k=1,
+                                seed=3, **PENALTIES)
+  np.testing.assert_array_equal(out, generate(llama, PROMPT, 12, **PENALTIES))
 
 
 @pytest.fixture(scope="module")
@@ -140,14 +175,14 @@ def test_deltanet_state_rewinds_to_the_last_kept_token(hybrid):
   want = np.asarray(generate(model, PROMPT, 18))
   graphdef, state = nnx.split(model)
   prefill, round_ = speculative_functions(graphdef, None, 2, 64, k, model.config.vocab_size)
-  first, cache, _ = prefill(state, None, jnp.asarray(PROMPT), token_key(0, 0))
+  first, cache, _, _ = prefill(state, None, jnp.asarray(PROMPT), token_key(0, 0))
   seq, n = np.concatenate([PROMPT, np.asarray(first)[:, None]], axis=1), PROMPT.shape[1]
   for r, spoil in enumerate([None, 1, 0, 2]):
     drafts = want[:, n + 1:n + 1 + k].copy()
     if spoil is not None:
       drafts[:, spoil] = (drafts[:, spoil] + 1) % model.config.vocab_size
-    tokens, kept, _, cache, _ = round_(
-        state, None, cache, None, jnp.asarray(seq[:, n - 1:n + 1]), jnp.int32(n),
+    tokens, kept, _, cache, _, _ = round_(
+        state, None, cache, None, None, jnp.asarray(seq[:, n - 1:n + 1]), jnp.int32(n),
         jnp.asarray(drafts), jnp.zeros((2,), bool), token_key(0, r + 1))
     assert int(kept) == (k if spoil is None else spoil)
     seq = np.concatenate([seq, np.asarray(tokens)[:, :int(kept) + 1]], axis=1)
@@ -240,6 +275,8 @@ def test_refused(llama, small_draft, hybrid):
     speculative_generate(llama, PROMPT, 4, max_len=13)
   with pytest.raises(ValueError, match="`temperature`"):
     speculative_generate(llama, PROMPT, 4, temperature=-1.0)
+  with pytest.raises(ValueError, match="`presence_penalty`"):
+    speculative_generate(llama, PROMPT, 4, presence_penalty=float("nan"))
   with pytest.raises(ValueError, match="`draft_probs` must be"):
     speculative_accept(jnp.zeros((1, 3, 5)), jnp.zeros((1, 2), jnp.int32), None,
                        jax.random.key(0), temperature=1.0)
