@@ -28,7 +28,7 @@ again: recompute, from cached pages with a prefix cache) -- vLLM's policy.  Gree
 decoding in fp32 gives each request exactly what ``generate`` gives it alone (tested for attention,
 MLA, DSA, hybrid Gated DeltaNet and dropless MoE models).  So does sampling: each request has its
 own settings and seed (``submit(..., temperature=, top_p=, top_k=, min_p=, seed=)``; penalties
-``repetition_penalty=, presence_penalty=, frequency_penalty=`` without speculative decoding), and
+``repetition_penalty=, presence_penalty=, frequency_penalty=``, with speculative decoding too), and
 its output ``i`` draws with ``token_key(seed, i)`` whatever the batch, chunking or preemptions
 around it;
 ``Engine(logprobs=True)`` returns the generated tokens' log-probabilities too.  Two cases where the
@@ -52,7 +52,9 @@ prediction module's (``draft="mtp"``, fed the model's hidden states after every 
 ragged chunk; the model keeps the drafts it agrees with (``jaxattn.speculative.accept_rows``:
 greedy, or speculative sampling with the request's seed) and each sequence is rewound to them
 (``PagedModelCache.rewind``), so a step emits 1 to ``k + 1`` tokens per slot.  Greedy results
-stay ``generate``'s.
+stay ``generate``'s.  A request with penalties has each check position penalized as if the
+row's drafts before it had been emitted (``penalized_rows``' ``ahead``), and a draft model's or
+the MTP module's proposals are penalized the same way (prompt lookup's are what they are).
 
 Under a device mesh (``Engine(model, mesh=mesh)``, or the mesh set by ``jax.set_mesh`` when the
 engine is built; Auto axes, ``jaxattn.sharding.make_mesh``) the weights are placed by their
@@ -250,7 +252,7 @@ def _step(m: DecoderLM, tokens, num_tokens, rows, cache, sampling, pages, greedy
 
 
 def _verify(m: DecoderLM, tokens, num_tokens, rows, cache, sampling, pages, greedy,
-            release_windows, draft_probs=None):
+            release_windows, draft_probs=None, penalties=None):
   """``verify_function``'s verify on a merged model: ``(tokens, accepted, logprob, cache, h,
   sub)``, as ``_step``'s (``sub`` rewound to the kept tokens)."""
   full, cache = cache, cache.take(rows, pages)
@@ -258,8 +260,14 @@ def _verify(m: DecoderLM, tokens, num_tokens, rows, cache, sampling, pages, gree
   # (recurrent layers keep their state after each token: the rewind picks the kept one)
   h, cache = m(tokens, cache=cache.with_snapshots(), num_tokens=num_tokens, return_hidden=True)
   drafts = jnp.maximum(num_tokens - 1, 0)
-  out, accepted, logprob = accept_rows(m.head(h).astype(jnp.float32), tokens[:, 1:], drafts,
-                                       *sampling, greedy=greedy, draft_probs=draft_probs)
+  logits = m.head(h).astype(jnp.float32)
+  judged = logits     # position j penalized as if the drafts before it had been emitted
+  if penalties is not None:
+    judged = penalized_rows(logits, *penalties, ahead=tokens[:, 1:])
+  out, accepted, logprob = accept_rows(judged, tokens[:, 1:], drafts, *sampling, greedy=greedy,
+                                       draft_probs=draft_probs)
+  if penalties is not None:   # the log-probabilities stay the model's
+    logprob = jnp.take_along_axis(jax.nn.log_softmax(logits), out[..., None], axis=-1)[..., 0]
   sub = cache.rewind(jnp.where(num_tokens > 0, before + accepted + 1, before), before)
   cache = full.put(rows, sub)
   if release_windows:
@@ -318,15 +326,18 @@ def verify_function(graphdef, *, release_windows: bool = False):
   ``index`` the first output's), and each sequence is rewound to the tokens kept
   (``PagedModelCache.rewind``: its last token and ``accepted[i]`` drafts; the pages past them
   back to the pools).  ``draft_probs [b, T - 1, V]``: the distributions sampled drafts were drawn
-  from (a draft model's, ``draft_functions``); None: one-hot drafts.  Donates the cache and
-  returns it as ``step`` does."""
+  from (a draft model's, ``draft_functions``); None: one-hot drafts.  ``penalties``: ``step``'s;
+  the check's position ``j`` is penalized as if the row's drafts before it had been emitted
+  (``penalized_rows``' ``ahead``), so greedy rows keep what ``step`` would have chosen and
+  sampled rows their distribution.  Donates the cache and returns it as ``step`` does."""
 
   @functools.partial(jax.jit, donate_argnums=4, static_argnames=("pages", "greedy"))
   def verify(state, tokens, num_tokens, rows, cache, sampling, pages=None, greedy=False,
-             draft_probs=None):
+             draft_probs=None, penalties=None):
     m = eval_model(graphdef, state)
     out, accepted, logprob, cache, *_ = _verify(m, tokens, num_tokens, rows, cache, sampling,
-                                                pages, greedy, release_windows, draft_probs)
+                                                pages, greedy, release_windows, draft_probs,
+                                                penalties)
     return out, accepted, logprob, cache.shard()
 
   return verify
@@ -342,8 +353,24 @@ def _draft_tokens(logits, sampling, index):
   return propose_rows(logits, seeds, index, *settings)
 
 
+def _draft_penalizer(penalties, emitted=None):
+  """A proposer's penalties (None without): ``penalize(logits [b, V], drafts) -> logits`` as
+  ``penalized_rows`` gives them after the rows' history, then ``emitted [b, e]`` (tokens the
+  call keeps before the drafts, ``-1``: none), then ``drafts`` (a list of the ``[b]`` drafts
+  so far): the state the check will judge each draft with."""
+  if penalties is None:
+    return None
+
+  def penalize(logits, drafts):
+    ahead = ([] if emitted is None else [emitted]) + [d[:, None] for d in drafts]
+    return penalized_rows(logits, *penalties,
+                          ahead=jnp.concatenate(ahead, axis=1) if ahead else None)
+
+  return penalize
+
+
 def _mtp_drafts(m: DecoderLM, h, ahead, num, start, table: PageTable, mtp_cache: PagedModelCache,
-                k: int, sampling=None, base=None):
+                k: int, sampling=None, base=None, penalize=None):
   """The depth-1 MTP module after a model call: it reads the pairs ``(h [b, T, D], ahead
   [b, T])`` of the ``num[i]`` positions row ``i`` kept (the model's hidden state at each, the
   token after it) from position ``start[i]`` on, then drafts ``k`` tokens, chaining on its own
@@ -353,8 +380,8 @@ def _mtp_drafts(m: DecoderLM, h, ahead, num, start, table: PageTable, mtp_cache:
   own, and shares the prefix cache's pages.  The chained drafts' positions past the sequence go
   to the spare pages past the model's pool (freed with the call).  Greedy drafts without
   ``sampling``; with it, row ``i``'s draft ``j`` is sampled for its output ``base[i] + j``
-  (``propose_rows``); ``k = 0``: the read alone.  Returns ``(drafts [b, k], q [b, k, V] or
-  None, mtp_cache)``."""
+  (``propose_rows``); ``k = 0``: the read alone; ``penalize``: ``_draft_penalizer``'s, applied
+  to each draft's logits.  Returns ``(drafts [b, k], q [b, k, V] or None, mtp_cache)``."""
   (layer,), = mtp_cache.groups
   pool = layer.table.num_pages
   spare = jnp.arange(pool - 1, table.num_pages - 1, -1, dtype=jnp.int32)     # pool ids past P
@@ -364,15 +391,20 @@ def _mtp_drafts(m: DecoderLM, h, ahead, num, start, table: PageTable, mtp_cache:
   module = m.mtp[0]
 
   def draft(g, j):
-    return _draft_tokens(m.mtp_logits(module, g)[:, 0], sampling, base + j)
+    logits = m.mtp_logits(module, g)[:, 0]
+    if penalize is not None:
+      logits = penalize(logits, drafts)
+    return _draft_tokens(logits, sampling, base + j)
 
+  drafts = []
   g, cache = m.mtp_decode(h, ahead, cache, num_tokens=num)
   if not k:                                                  # the read alone
     return (jnp.zeros((num.size, 0), jnp.int32), None,
             cache.on_table(layer.table, mtp_cache.lengths).shard())
   g = jnp.take_along_axis(g, jnp.maximum(num - 1, 0)[:, None, None], axis=1)     # [b, 1, D]
   tok, q = draft(g, 0)
-  drafts, probs, feed = [tok], [q], (num > 0).astype(jnp.int32)
+  drafts.append(tok)
+  probs, feed = [q], (num > 0).astype(jnp.int32)
   for j in range(1, k):
     g, cache = m.mtp_decode(g, tok[:, None], cache, num_tokens=feed)
     tok, q = draft(g, j)
@@ -407,9 +439,10 @@ def mtp_functions(graphdef, k: int, *, release_windows: bool = False):
   sampling); greedy rows' drafts are the argmax.  With ``greedy`` (static: every row greedy)
   ``probs`` is passed through untouched (None is fine).  Both donate the caches and ``probs``."""
 
-  def propose(m, h, ahead, num, sub, mtp_cache, sampling, base, rows, probs, greedy, n=k):
+  def propose(m, h, ahead, num, sub, mtp_cache, sampling, base, rows, probs, greedy, n=k,
+              penalize=None):
     drafts, q, mtp_cache = _mtp_drafts(m, h, ahead, num, sub.lengths - num, sub.whole_table(),
-                                       mtp_cache, n, None if greedy else sampling, base)
+                                       mtp_cache, n, None if greedy else sampling, base, penalize)
     if q is not None:
       probs = probs.at[rows].set(q, mode="drop")
     return drafts, mtp_cache, probs
@@ -417,27 +450,31 @@ def mtp_functions(graphdef, k: int, *, release_windows: bool = False):
   @functools.partial(jax.jit, donate_argnums=(4, 6, 8),
                      static_argnames=("pages", "greedy", "draft"))
   def step(state, tokens, num_tokens, rows, cache, sampling, mtp_cache, following, probs,
-           pages=None, greedy=False, draft=True):
+           pages=None, greedy=False, draft=True, penalties=None):
     m = eval_model(graphdef, state)
     nxt, logprob, cache, h, sub = _step(m, tokens, num_tokens, rows, cache, sampling, pages,
-                                        greedy, release_windows)
+                                        greedy, release_windows, penalties)
     last = jnp.arange(tokens.shape[1])[None, :] == (num_tokens - 1)[:, None]
     after = jnp.where(following >= 0, following, nxt)
     ahead = jnp.where(last, after[:, None], shift_left(tokens, 1))
+    penalize = _draft_penalizer(penalties, jnp.where(following >= 0, -1, nxt)[:, None])
     drafts, mtp_cache, probs = propose(m, h, ahead, num_tokens, sub, mtp_cache, sampling,
-                                       sampling[1] + 1, rows, probs, greedy, k if draft else 0)
+                                       sampling[1] + 1, rows, probs, greedy, k if draft else 0,
+                                       penalize)
     return nxt, logprob, cache.shard(), drafts, mtp_cache, probs
 
   @functools.partial(jax.jit, donate_argnums=(4, 6, 7), static_argnames=("pages", "greedy"))
   def verify(state, tokens, num_tokens, rows, cache, sampling, mtp_cache, probs, pages=None,
-             greedy=False):
+             greedy=False, penalties=None):
     m = eval_model(graphdef, state)
     q = None if greedy else jnp.take(probs, rows, axis=0, mode="clip")[:, :tokens.shape[1] - 1]
     out, accepted, logprob, cache, h, sub = _verify(m, tokens, num_tokens, rows, cache, sampling,
-                                                    pages, greedy, release_windows, q)
+                                                    pages, greedy, release_windows, q, penalties)
     kept = jnp.where(num_tokens > 0, accepted + 1, 0)
+    emitted = jnp.where(jnp.arange(out.shape[1])[None, :] < kept[:, None], out, -1)
     drafts, mtp_cache, probs = propose(m, h, out, kept, sub, mtp_cache, sampling,
-                                       sampling[1] + accepted + 1, rows, probs, greedy)
+                                       sampling[1] + accepted + 1, rows, probs, greedy,
+                                       penalize=_draft_penalizer(penalties, emitted))
     return out, accepted, logprob, cache.shard(), drafts, mtp_cache, probs
 
   return step, verify
@@ -478,8 +515,9 @@ def draft_functions(graphdef, k: int):
 
   @functools.partial(jax.jit, donate_argnums=(6, 7), static_argnames=("t", "pages", "greedy"))
   def propose(state, first, num_first, start, num_drafts, rows, cache, model_cache, sampling, t,
-              pages=None, greedy=True):
+              pages=None, greedy=True, penalties=None):
     m = eval_model(graphdef, state)
+    penalize = _draft_penalizer(penalties)
     real = rows < model_cache.batch
     check = jnp.zeros_like(model_cache.lengths).at[rows].set(num_drafts + 1, mode="drop")
     model_cache = model_cache.reserve_ahead(check, t)
@@ -488,13 +526,17 @@ def draft_functions(graphdef, k: int):
     sub = full.take(rows, pages)
 
     def draft(logits, j):
+      if penalize is not None:
+        logits = penalize(logits, drafts)
       return _draft_tokens(logits, None if greedy else sampling, sampling[1] + j)
 
+    drafts = []
     count = jnp.where(real, num_first, 0)
     logits, sub = m(first, cache=sub, num_tokens=count)
     last = jnp.take_along_axis(logits, jnp.maximum(count - 1, 0)[:, None, None], axis=1)
     tok, q = draft(last[:, 0], 0)
-    drafts, probs = [tok], [q]
+    drafts.append(tok)
+    probs = [q]
     for j in range(1, k):
       logits, sub = m(tok[:, None], cache=sub,
                       num_tokens=(real & (num_drafts > j)).astype(jnp.int32))
@@ -524,14 +566,15 @@ def draft_verify_function(graphdef, draft_graphdef, k: int):
 
   @functools.partial(jax.jit, donate_argnums=(8, 9), static_argnames=("t", "pages", "greedy"))
   def speculate(state, draft_state, first, num_first, start, tokens, num_tokens, rows, cache,
-                draft_cache, sampling, t, pages=None, greedy=True):
+                draft_cache, sampling, t, pages=None, greedy=True, penalties=None):
     drafts, q, draft_cache, cache = propose(draft_state, first, num_first, start, num_tokens - 1,
                                             rows, draft_cache, cache, sampling, t=t, pages=pages,
-                                            greedy=greedy)
+                                            greedy=greedy, penalties=penalties)
     tokens = tokens.at[:, 1:].set(drafts[:, :t - 1])          # the verify masks past counts
     out, accepted, logprob, cache = verify(state, tokens, num_tokens, rows, cache, sampling,
                                            pages=pages, greedy=greedy,
-                                           draft_probs=None if q is None else q[:, :t - 1])
+                                           draft_probs=None if q is None else q[:, :t - 1],
+                                           penalties=penalties)
     return out, accepted, logprob, cache, draft_cache, drafts
 
   return speculate
@@ -679,7 +722,8 @@ class Engine:
     repetition_penalty, presence_penalty, frequency_penalty: the requests' default penalties, as
       in ``generate`` (``jaxattn.generation.penalized_logits``: the prompt and the output so far
       are seen, the output counted; the logprobs reported stay the model's); ``submit`` may give
-      a request its own.  Not with speculative decoding (``num_draft_tokens > 0``).
+      a request its own.  With speculative decoding too: each draft is proposed and each
+      position of the check judged as if the drafts before it had been emitted.
     seed: the requests' default seeds: request ``rid`` samples with ``seed + rid`` unless
       ``submit`` gives it one.  Generated token ``i`` of a request with seed ``s`` draws with
       ``jaxattn.generation.token_key(s, i)``, as ``generate`` does: a sampled request gets the
@@ -790,7 +834,6 @@ class Engine:
       raise ValueError(f"`num_draft_tokens` must be an int in [0, 64] (0: no speculative "
                        f"decoding), got {num_draft_tokens!r}.")
     self.num_draft_tokens = int(num_draft_tokens)
-    self._check_penalties_without_drafts(self.penalties)
     self.ngram_size = _positive_int("ngram_size", ngram_size)
     if policy not in POLICIES:
       raise ValueError(f"`policy` must be one of {POLICIES}, got {policy!r}.")
@@ -1017,13 +1060,6 @@ class Engine:
 
   # -- requests --------------------------------------------------------------------------------
 
-  def _check_penalties_without_drafts(self, penalties: dict) -> None:
-    if self.num_draft_tokens and tuple(penalties.values()) != NO_PENALTIES:
-      raise ValueError(f"repetition / presence / frequency penalties ({penalties}) are not "
-                       f"supported with speculative decoding (num_draft_tokens="
-                       f"{self.num_draft_tokens}): drafts would need the penalty state of every "
-                       f"proposed position; use an engine with num_draft_tokens=0.")
-
   def submit(self, prompt, max_new_tokens: int, *, eos_id=None, stop=None,
              temperature: float | None = None, top_p: float | None = None,
              top_k: int | None = None, min_p: float | None = None, seed: int | None = None,
@@ -1084,7 +1120,6 @@ class Engine:
         self.penalties.items(), (repetition_penalty, presence_penalty, frequency_penalty))}
     check_penalties(**penalties)
     penalties = {k: float(v) for k, v in penalties.items()}
-    self._check_penalties_without_drafts(penalties)
     if seed is not None and (not is_int(seed) or not 0 <= seed < _SEEDS):
       raise ValueError(f"`seed` must be None or an int in [0, 2**31), got {seed!r}.")
     if not is_int(priority):
@@ -1538,6 +1573,7 @@ class Engine:
     tokens, counts_d, rows_d = jnp.asarray(tokens), jnp.asarray(counts), jnp.asarray(rows)
     narrow = None if pages == m else pages
     static = dict(pages=narrow, greedy=not temperature.any())
+    penalties = self._penalty_rows(group, size)
     with self._on_mesh():
       args = (self._state, tokens, counts_d, rows_d, self.cache, sampling)
       if self._mtp and not static["greedy"] and self.mtp_probs is None:
@@ -1545,21 +1581,22 @@ class Engine:
         self.mtp_probs = jnp.zeros(probs.shape, probs.dtype)
       if self._mtp and speculate:
         out, accepted, logprob, self.cache, drafts, self.mtp_cache, self.mtp_probs = (
-            self._mtp_verify(*args, self.mtp_cache, self.mtp_probs, **static))
+            self._mtp_verify(*args, self.mtp_cache, self.mtp_probs, **static,
+                             penalties=penalties))
       elif self._mtp:
         out, logprob, self.cache, drafts, self.mtp_cache, self.mtp_probs = self._mtp_step(
             *args, self.mtp_cache, jnp.asarray(following), self.mtp_probs, **static,
-            draft=bool((following[:len(group)] < 0).any()))    # mid-prompt rows alone: no drafts
+            draft=bool((following[:len(group)] < 0).any()),    # mid-prompt rows alone: no drafts
+            penalties=penalties)
       elif self._draft_verify is not None and speculate:   # the draft proposes, the model checks
         out, accepted, logprob, self.cache, self.draft_cache, _ = self._draft_verify(
             self._state, self._draft_state, jnp.asarray(first), jnp.asarray(num_first),
             jnp.asarray(start), tokens, counts_d, rows_d, self.cache, self.draft_cache, sampling,
-            t=t, **static)
+            t=t, **static, penalties=penalties)
       elif speculate:
-        out, accepted, logprob, self.cache = self._verify(*args, **static)
+        out, accepted, logprob, self.cache = self._verify(*args, **static, penalties=penalties)
       else:
-        out, logprob, self.cache = self._step(*args, **static,
-                                              penalties=self._penalty_rows(group, size))
+        out, logprob, self.cache = self._step(*args, **static, penalties=penalties)
       if self._draft_verify is not None and group[0][1].reading:   # the draft reads prompts too
         self.draft_cache = self._draft_read(self._draft_state, tokens, counts_d, rows_d,
                                             self.draft_cache, self.cache, pages=narrow)

@@ -590,7 +590,7 @@ def test_penalized_requests_equal_generate_alone():
   own, one with none) next to each other, greedy and sampled, on two schedules (the second with
   preemptions: a recomputed request keeps its prompt and outputs as its history): each request
   gets what ``generate`` gives it alone with its penalties; the penalties change the tokens.
-  A speculating engine refuses them, naming the reason."""
+  (With speculative decoding: tests/test_serving_speculative.py, tests/test_serving_mtp.py.)"""
   model = model_for("llama")
   ps = prompts(5)
   own = [dict(), dict(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0),
@@ -611,10 +611,5 @@ def test_penalized_requests_equal_generate_alone():
   plain = [generate(model, p[None], n)[0] for p, (_, n) in zip(ps, REQUESTS)]
   assert not np.array_equal(out[ids[0]], plain[0])         # the defaults did something
   np.testing.assert_array_equal(out[ids[1]], plain[1])     # penalties off: unchanged
-  with pytest.raises(ValueError, match="not supported with speculative decoding"):
-    Engine(model, num_draft_tokens=2, repetition_penalty=1.2)
-  engine = Engine(model, num_draft_tokens=2)
-  with pytest.raises(ValueError, match="not supported with speculative decoding"):
-    engine.submit(ps[0], 4, presence_penalty=0.3)
   with pytest.raises(ValueError, match="repetition_penalty"):
     Engine(model).submit(ps[0], 4, repetition_penalty=-1.0)

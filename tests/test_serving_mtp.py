@@ -10,22 +10,25 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxattn.generation import generate, penalized_rows
 from jaxattn.nn.mtp import shift_left
 from jaxattn.serving import Engine
 from tests.test_serving import alone, model_for
 from tests.test_serving_speculative import WORK, _draft, _pools_whole
 
 
-def _reference(model, k: int):
+def _reference(model, k: int, penalties=None):
   """The uncached depth-1 module's drafts, one jitted program for every length: ``ref(full
   [1, T], L, drafts [k]) -> [k]`` after the model has read ``full[:L]`` and sampled ``full[L]``:
   ``d_1`` from the pair ``(h_{L-1}, t_L)``, then ``d_{j+1}`` from the module's own output at the
   position before with ``d_j`` (``drafts[j - 1]``, the engine's, chained on).  Positions past
-  ``L + j`` are ignored padding (everything is causal)."""
+  ``L + j`` are ignored padding (everything is causal).  ``penalties`` (``generate``'s keywords):
+  ``ref(full, L, drafts, num_prompt)``, draft ``d_{j+1}`` the argmax after the penalties of
+  ``full[:L + 1]`` (its first ``num_prompt`` tokens the prompt) and ``d_1 .. d_j``."""
   graphdef, state = nnx.split(model)
 
   @jax.jit
-  def ref(full, length, drafts):
+  def ref(full, length, drafts, num_prompt=0):
     m = nnx.merge(graphdef, state)
     module = m.mtp[0]
     t = full.shape[1]
@@ -35,7 +38,15 @@ def _reference(model, k: int):
     for j in range(k):
       g, _, _ = module(h, m.mtp_embed(ahead), positions=pos)
       g = jax.lax.dynamic_slice_in_dim(g, length - 1 + j, 1, axis=1)
-      out.append(jnp.argmax(m.mtp_logits(module, g)[0, 0]))
+      logits = m.mtp_logits(module, g)[0]
+      if penalties is not None:
+        history = jnp.where(jnp.arange(t) <= length, full, -1)
+        logits = penalized_rows(
+            logits, history, jnp.reshape(num_prompt, (1,)),
+            *(jnp.full((1,), penalties[name], jnp.float32) for name in
+              ("repetition_penalty", "presence_penalty", "frequency_penalty")),
+            ahead=drafts[None, :j] if j else None)
+      out.append(jnp.argmax(logits[0]))
       h = jax.lax.dynamic_update_slice_in_dim(h, g.astype(h.dtype), length + j, axis=1)
       ahead = jax.lax.dynamic_update_slice_in_dim(ahead, drafts[None, j:j + 1], length + j,
                                                   axis=1)
@@ -66,16 +77,20 @@ def _serve(engine, work, seen):
   return ids, engine.pop_results()
 
 
-def _check(model, work, ids, results, seen, k):
-  """Greedy results are ``generate``'s, and every draft proposed is the uncached module's."""
+def _check(model, work, ids, results, seen, k, penalties=None):
+  """Greedy results are ``generate``'s, and every draft proposed is the uncached module's
+  (with ``penalties``, every request's, both after them)."""
   for rid, (p, n) in zip(ids, work):
-    np.testing.assert_array_equal(results[rid], alone(model, p, n), err_msg=f"request {rid}")
-  ref = _reference(model, k)
+    want = generate(model, p[None], n, **(penalties or {}))[0]
+    np.testing.assert_array_equal(results[rid], want, err_msg=f"request {rid}")
+  ref = _reference(model, k, penalties)
+  prompt_size = {rid: p.size for rid, (p, _) in zip(ids, work)}
   t = model.config.max_seq_len
   for rid, length, d in seen:
     full = np.zeros((1, t), np.int32)
     full[0, :results[rid].size] = results[rid]
-    want = np.asarray(ref(jnp.asarray(full), length, jnp.asarray(d)))
+    want = np.asarray(ref(jnp.asarray(full), length, jnp.asarray(d),
+                          *([prompt_size[rid]] if penalties else [])))
     np.testing.assert_array_equal(d, want, err_msg=f"request {rid} at length {length}")
 
 
@@ -109,6 +124,22 @@ def test_mtp_drafts_are_the_modules_and_greedy_requests_equal_generate(name, mod
   if kw:
     assert st.preempted >= 1
   assert _pools_whole(engine)
+
+
+def test_penalized_requests_draft_and_check_with_their_penalties():
+  """Repetition / presence / frequency penalties (the engine's defaults) with the module
+  drafting: greedy results are ``generate``'s with the penalties (which change them), and every
+  draft is the uncached module's argmax after the penalties of the sequence so far and the
+  drafts before it (the state the check judges it with)."""
+  model, k = _model("llama"), 3
+  penalties = dict(repetition_penalty=1.6, presence_penalty=3.0, frequency_penalty=0.4)
+  engine = Engine(model, max_batch=3, page_size=4, chunk=4, num_draft_tokens=k, draft="mtp",
+                  **penalties)
+  seen = []
+  ids, results = _serve(engine, WORK, seen)
+  _check(model, WORK, ids, results, seen, k, penalties)
+  assert any((results[rid] != alone(model, p, n)).any() for rid, (p, n) in zip(ids, WORK))
+  assert len(seen) > 0
 
 
 def test_mtp_drafts_over_cached_prefixes():

@@ -1,9 +1,11 @@
 """Speculative decoding in the serving engine (``Engine(num_draft_tokens=k)``, prompt lookup or a
-draft model; the model's own MTP module in tests/test_serving_mtp.py): greedy requests get exactly ``generate``'s tokens (attention, a prefix cache, pages on demand
-with preemptions, a hybrid Gated DeltaNet model; sliding windows in tests/test_serving_fuzz.py; MLA's latent pages truncate
-through the same page tables, and its chunk path is chunked prefill's) and the pools (the draft's
-too) come back whole; sampled requests do not depend on their neighbours and keep the model's
-distribution; rewinding a paged cache returns the pages past the kept tokens."""
+draft model; the model's own MTP module in tests/test_serving_mtp.py): greedy requests get
+exactly ``generate``'s tokens (attention, a prefix cache, pages on demand with preemptions, a
+hybrid Gated DeltaNet model, requests with penalties; sliding windows in
+tests/test_serving_fuzz.py; MLA's latent pages truncate through the same page tables, and its
+chunk path is chunked prefill's) and the pools (the draft's too) come back whole; sampled
+requests do not depend on their neighbours and keep the model's distribution; rewinding a paged
+cache returns the pages past the kept tokens."""
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +15,7 @@ import pytest
 from flax import nnx
 
 from jaxattn.configs import get_config
-from jaxattn.generation import filtered_logits, sample_rows
+from jaxattn.generation import filtered_logits, generate, sample_rows
 from jaxattn.nn.model import DecoderLM
 from jaxattn.paged_cache import PageTable
 from jaxattn.serving import Engine
@@ -89,6 +91,38 @@ def test_a_draft_model_gives_generates_tokens(name, kw):
     assert all((again[i] == want).all() for i, want in zip(ids, results))
     assert itself.stats.accepted_drafts == itself.stats.drafted > 0
     assert itself.stats.steps < st.steps
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "itself"])
+def test_penalized_requests_equal_generate_alone(drafter):
+  """Repetition / presence / frequency penalties (the engine's defaults, a request's own, none;
+  one request sampled at top-1, so the batch takes the sampling path) with prompt lookup or the
+  model drafting for itself: each request gets what ``generate`` gives it alone with its
+  penalties (which change the tokens); a draft model's proposals are penalized with the state
+  the check judges them with (drafting for itself, every draft is kept); the log-probabilities
+  reported are the model's, unpenalized."""
+  model = model_for("llama")
+  defaults = dict(repetition_penalty=1.6, frequency_penalty=0.4)
+  own = [dict(), dict(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0),
+         dict(repetition_penalty=2.0, presence_penalty=0.5), dict(frequency_penalty=1.5),
+         dict(temperature=0.8, top_k=1, presence_penalty=1.0)]
+  engine = Engine(model, max_batch=3, page_size=4, chunk=4, num_draft_tokens=3,
+                  draft=model if drafter == "itself" else None, logprobs=True, **defaults)
+  ids = [engine.submit(p, n, **o) for (p, n), o in zip(WORK, own)]
+  results = engine.run()
+  forward = nnx.jit(lambda m, t: jax.nn.log_softmax(m(t).astype(jnp.float32)))
+  changed = False
+  for rid, (p, n), o in zip(ids, WORK, own):
+    settings = {**defaults, **{key: v for key, v in o.items() if key.endswith("penalty")}}
+    want = generate(model, p[None], n, **settings)[0]
+    tokens, logprob = results[rid]
+    np.testing.assert_array_equal(tokens, want, err_msg=f"request {rid}")
+    changed |= not np.array_equal(tokens, alone(model, p, n))
+    ref = np.asarray(forward(model, jnp.asarray(tokens[None, :-1])))[0, p.size - 1:]
+    np.testing.assert_allclose(logprob, ref[np.arange(n), tokens[p.size:]], atol=2e-4)
+  assert changed and engine.stats.drafted > 0
+  if drafter == "itself":   # (prompt lookup's repeats are what the penalties discourage)
+    assert engine.stats.accepted_drafts == engine.stats.drafted
 
 
 def _greedy_chains(model, length: int = 48):
