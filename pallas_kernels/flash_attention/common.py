@@ -415,22 +415,23 @@ def data_kinds(plan: Plan, bq: int, bk: int, q_ids, kv_ids, kv_lengths, mask_arr
   (FULL: unconstrained)."""
   kinds = pair_kinds(plan.batch, plan.q_pad, plan.kv_pad, bq, bk, q_ids, kv_ids, kv_lengths)
   if mask_array is not None:
-    kinds = jnp.minimum(kinds, mask_array_kinds(mask_array, plan, bq, bk))
+    kinds = jnp.minimum(kinds, mask_array_kinds(mask_array, plan.batch, plan.q_pad, plan.kv_pad,
+                                                bq, bk))
   return kinds
 
 
-def mask_array_kinds(mask_array, plan: Plan, bq: int, bk: int):
+def mask_array_kinds(mask_array, batch: int, q_pad: int, kv_pad: int, bq: int, bk: int):
   """``[B, Tp/bq, Sp/bk]`` kinds of a dense boolean mask ``[Bm, Nm, T|1, S]``, over all its heads
   (the tables are per batch row, not per head): EMPTY where no head allows any pair of the block,
   FULL where every head allows every pair, else PARTIAL.  Padded rows / keys count as masked (a
   one-row mask has no padded rows: its blocks are the same for every query block)."""
   bm, nm, t, s = mask_array.shape
-  tp = plan.q_pad if t > 1 else 1
-  m = jnp.pad(mask_array, ((0, 0), (0, 0), (0, tp - t), (0, plan.kv_pad - s)))
-  m = m.reshape(bm, nm, tp // min(bq, tp), min(bq, tp), plan.kv_pad // bk, bk)
+  tp = q_pad if t > 1 else 1
+  m = jnp.pad(mask_array, ((0, 0), (0, 0), (0, tp - t), (0, kv_pad - s)))
+  m = m.reshape(bm, nm, tp // min(bq, tp), min(bq, tp), kv_pad // bk, bk)
   any_, all_ = m.any(axis=(1, 3, 5)), m.all(axis=(1, 3, 5))
   kinds = jnp.where(any_, jnp.where(all_, FULL, PARTIAL), EMPTY).astype(jnp.int8)
-  return jnp.broadcast_to(kinds, (plan.batch, plan.q_pad // bq, kinds.shape[2]))
+  return jnp.broadcast_to(kinds, (batch, q_pad // bq, kinds.shape[2]))
 
 
 def pair_kinds(batch: int, q_pad: int, kv_pad: int, bq: int, bk: int, q_ids, kv_ids, kv_lengths):

@@ -67,9 +67,9 @@ from pallas_kernels.flash_attention.sharded import run_flash
 #            but not yet timed on a GPU.
 #   forward: "triton" (the kernel below), "hopper" (``hopper.py``: Mosaic GPU, TMA + wgmma + warp
 #            specialisation, for sm_90 GPUs; band masks with segment ids, key lengths, ALiBi and
-#            soft-cap and a dense bias [B|1, N|1, T, S]; calls it does not take -- fp32,
-#            non-band masks, a traced scale, a one-row bias, a mask array, another GPU -- stay on
-#            Triton, see ``hopper_reason``) or "auto"
+#            soft-cap and a dense bias or a mask array [B|1, N|1, T, S]; calls it does not take
+#            -- fp32, non-band masks, a traced scale, a one-row bias, a mask array with a bias,
+#            another GPU -- stay on Triton, see ``hopper_reason``) or "auto"
 #            ("hopper" on a compiled run, Triton when interpreted: the CPU tests interpret the
 #            Hopper kernels only where they ask for them).  Either backward takes either forward's
 #            output.  On an H200 at T = 8k (bf16, 16 heads of 128) the Hopper forward ran 533-554
@@ -329,7 +329,7 @@ def hopper_reason(plan: C.Plan, which: str = "forward") -> str | None:
     return f"option {which}='auto' interprets the Triton kernels"
   if which == "backward" and (why := hopper.supports_backward(
       head_dim=plan.head_dim, v_head_dim=plan.v_head_dim, config=_OPTIONS["hopper"],
-      bias=plan.has_bias)):
+      bias=plan.has_bias or plan.has_mask_array)):
     return why
   if not plan.interpret and (why := hopper_device_reason()):
     return why
@@ -338,12 +338,14 @@ def hopper_reason(plan: C.Plan, which: str = "forward") -> str | None:
   if plan.has_bias and (plan.bias_shape[2] != plan.q_len or plan.bias_dtype != plan.dtype):
     return (f"a dense bias {plan.bias_shape} {plan.bias_dtype} (the Hopper kernels stream "
             f"[B|1, N|1, T, S] tiles in the inputs' dtype)")
-  if plan.has_mask_array:  # (a key-padding mask [B|1, 1, 1, S] arrives as segment ids)
-    return "a boolean mask array with heads or rows"
+  # (a key-padding mask [B|1, 1, 1, S] arrives as segment ids)
+  if plan.has_mask_array and (plan.has_bias or plan.mask_shape[2] != plan.q_len):
+    return ("a boolean mask array with a bias, or with heads and one row (the Hopper kernels "
+            "stream [B|1, N|1, T, S] tiles, the bias' or the mask's)")
   return hopper.supports(dtype=plan.dtype, head_dim=plan.head_dim, v_head_dim=plan.v_head_dim,
                          static_mask=plan.static_mask,
                          config=_OPTIONS["hopper"], segments=plan.has_segments,
-                         bias=plan.has_bias)
+                         bias=plan.has_bias or plan.has_mask_array)
 
 
 def _hopper_kwargs(plan: C.Plan, aux) -> dict:
@@ -355,7 +357,8 @@ def _hopper_kwargs(plan: C.Plan, aux) -> dict:
               interpret=plan.interpret or None,
               alibi_slopes=aux["slopes"] if plan.has_alibi else None,
               segment_ids=(aux["q_ids"], aux["kv_ids"]) if plan.has_segments else None,
-              kv_lengths=aux["kv_lengths"] if plan.has_lengths else None)
+              kv_lengths=aux["kv_lengths"] if plan.has_lengths else None,
+              mask_array=aux["mask_array"] if plan.has_mask_array else None)
 
 
 def _forward(plan: C.Plan, q, k, v, bias, aux):

@@ -45,9 +45,13 @@ soft-cap.  A dense bias ``[B|1, N|1, T, S]`` is streamed by TMA as a ``[2 block_
 tile in each K slot (the dQ kernel likewise; the dK/dV kernel reads the bias transposed, a
 ``[128 keys, 64 rows]`` tile beside each query block), each consumer loading its rows into the
 wgmma layout and adding them after the scale (the scale then is not folded into the exponent);
-its gradient is ``gpu.py``'s (the Triton kernel of its own).  fp32 inputs, non-band masks,
-mask arrays and one-row biases are the Triton kernel's (``supports`` / ``gpu.hopper_reason``
-say why).
+its gradient is ``gpu.py``'s (the Triton kernel of its own).  A boolean mask array of that
+shape (Flax's ``make_attention_mask``) takes the same tiles as 0 / 1 in the inputs' dtype,
+and'ed with the other masks in masked blocks; its blocks refine the run table over all heads
+(EMPTY where no head allows a pair: skipped; FULL where every head allows every pair: not
+evaluated).  fp32 inputs, non-band masks, a mask array with a bias, one-row biases and masks
+with heads and one row are the Triton kernel's (``supports`` / ``gpu.hopper_reason`` say
+why).
 
 The backward (``backward``) is FlashAttention-2's two passes on the same skeleton (``_Ctx``: a
 producer ring, two consumers, skip / masked / full runs): a dQ kernel over query tiles streams
@@ -80,7 +84,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxattn.ops.masks import EMPTY, FULL, Mask, _band
-from pallas_kernels.flash_attention.common import pad_edge, pair_kinds
+from pallas_kernels.flash_attention.common import mask_array_kinds, pad_edge, pair_kinds
 
 # ``plgpu.load(ref, idx, *, layout)`` in jax 0.10 (``idx`` required), optional in 0.11, gone
 # in 0.12.
@@ -275,6 +279,7 @@ class _Static:
   segments: bool = False
   lengths: bool = False
   bias: tuple[int, int] | None = None  # a dense bias' (batch, heads) sizes, each 1 or B / N
+  dense_mask: bool = False  # the dense tile is a boolean mask array (1: allowed), not a bias
 
   def bias_index(self, batch, head):
     """The (batch, head) of the bias' block that batch row ``batch`` and query head ``head``
@@ -289,14 +294,15 @@ class _Static:
 
   @property
   def data(self) -> bool:
-    """Whether segment ids / key lengths refine the blocks' runs (per batch row, at run time)."""
-    return self.segments or self.lengths
+    """Whether segment ids / key lengths / a mask array refine the blocks' runs (per batch row,
+    at run time)."""
+    return self.segments or self.lengths or self.dense_mask
 
 
 def forward(query, key, value, *, mask: Mask | None = None, scale: float | None = None,
             q_offset=0, logits_soft_cap: float | None = None, alibi_slopes=None,
             segment_ids=None, kv_lengths=None, config: Config | None = None, interpret=None,
-            bias=None):
+            bias=None, mask_array=None):
   """``(out [B, T, N, Hv], lse [B, N, T] fp32, natural log)`` of band-masked attention.
 
   ``query [B, T, N, H]``, ``key [B, S, K, H]``, ``value [B, S, K, Hv]`` in bf16 or fp16 (``N`` a
@@ -308,22 +314,37 @@ def forward(query, key, value, *, mask: Mask | None = None, scale: float | None 
   ``segment_ids = (q_ids [B, T], kv_ids [B, S])`` allows pairs of equal ids; ``kv_lengths [B]``
   allows keys ``j < kv_lengths[b]``.  ``bias [B|1, N|1, T, S]`` in the inputs' dtype: a dense
   additive bias (a T5 relative bias), added after the scale, before ALiBi and the soft-cap;
-  streamed by TMA as ``[2 block_q, block_k]`` tiles beside each key block.  ``interpret``:
-  None runs the hardware, or pass ``plgpu.InterpretParams`` / True to run Mosaic GPU's
-  interpreter on CPU.
+  streamed by TMA as ``[2 block_q, block_k]`` tiles beside each key block.  ``mask_array [B|1,
+  N|1, T, S]`` bool (True: allowed; Flax's ``make_attention_mask`` shape), and'ed with the other
+  masks: streamed as the bias is (in the inputs' dtype, 0 / 1; not with a ``bias``), every
+  block then evaluates its mask.  ``interpret``: None runs the hardware, or pass
+  ``plgpu.InterpretParams`` / True to run Mosaic GPU's interpreter on CPU.
   """
   data = dict(alibi_slopes=alibi_slopes, segment_ids=segment_ids, kv_lengths=kv_lengths,
               q_offset=q_offset)
-  if bias is not None:
-    data["bias"] = bias
+  data.update(_dense_input("forward", query, bias, mask_array))
   st = _static("forward", query, key, value, mask=mask, scale=scale,
                logits_soft_cap=logits_soft_cap, config=config, interpret=interpret, **data)
   return _call(st)(query, key, value, _aux(st, **data))
 
 
+def _dense_input(name: str, query, bias, mask_array) -> dict:
+  """The dense tile input of a call: ``{"bias": bias}``, or a boolean ``mask_array`` as a 0 / 1
+  tile in the inputs' dtype (``dense_mask``); ``{}`` without either."""
+  if mask_array is None:
+    return {} if bias is None else dict(bias=bias)
+  if bias is not None:
+    raise ValueError(f"hopper.{name}: `bias` and `mask_array` stream through the same tiles; "
+                     f"pass one (the Triton kernels take both).")
+  if getattr(mask_array, "dtype", None) != jnp.bool_:
+    raise ValueError(f"hopper.{name}: `mask_array` must be bool, got "
+                     f"{getattr(mask_array, 'dtype', type(mask_array).__name__)}.")
+  return dict(bias=mask_array.astype(query.dtype), dense_mask=True)
+
+
 def _static(name: str, query, key, value, *, mask, scale, q_offset, logits_soft_cap, config,
             interpret, alibi_slopes=None, segment_ids=None, kv_lengths=None,
-            bias=None) -> _Static:
+            bias=None, dense_mask: bool = False) -> _Static:
   """Checks a call of ``forward`` / ``backward`` (``ValueError`` naming what is unsupported) and
   returns its static description."""
   b, t, n, h = query.shape
@@ -353,9 +374,11 @@ def _static(name: str, query, key, value, *, mask, scale, q_offset, logits_soft_
   if bias is not None and (np.ndim(bias) != 4 or bias.shape[0] not in (1, b)
                            or bias.shape[1] not in (1, n) or tuple(bias.shape[2:]) != (t, s)
                            or bias.dtype != query.dtype):
-    raise ValueError(f"hopper.{name}: `bias` must be [B|1, N|1, T, S] with [B, N, T, S] = "
-                     f"{(b, n, t, s)} in {query.dtype}, got {tuple(np.shape(bias))} "
-                     f"{getattr(bias, 'dtype', None)}.")
+    what = "mask_array" if dense_mask else "bias"
+    raise ValueError(f"hopper.{name}: `{what}` must be [B|1, N|1, T, S] with [B, N, T, S] = "
+                     f"{(b, n, t, s)}" + ("" if dense_mask else f" in {query.dtype}")
+                     + f", got {tuple(np.shape(bias))}"
+                     + ("" if dense_mask else f" {getattr(bias, 'dtype', None)}") + ".")
   if kv_lengths is not None and tuple(kv_lengths.shape) != (b,):
     raise ValueError(f"hopper.{name}: `kv_lengths` must have shape [B] = ({b},), got "
                      f"{tuple(kv_lengths.shape)}.")
@@ -376,10 +399,12 @@ def _static(name: str, query, key, value, *, mask, scale, q_offset, logits_soft_
                  soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
                  config=config, interpret=interpret or None, alibi=alibi_slopes is not None,
                  segments=segment_ids is not None, lengths=kv_lengths is not None,
-                 bias=None if bias is None else (int(bias.shape[0]), int(bias.shape[1])))
+                 bias=None if bias is None else (int(bias.shape[0]), int(bias.shape[1])),
+                 dense_mask=dense_mask)
 
 
-def _aux(st: _Static, *, alibi_slopes, segment_ids, kv_lengths, q_offset, bias=None) -> dict:
+def _aux(st: _Static, *, alibi_slopes, segment_ids, kv_lengths, q_offset, bias=None,
+         dense_mask: bool = False) -> dict:
   """The data inputs of a call (unpadded), by the names the kernels read them under."""
   aux = {}
   if st.q_offset is None:
@@ -711,9 +736,14 @@ def _scores(ctx: _Ctx, s, *, q0, k0, rows_dim: int, masked: bool, q_offset, slop
   mask: the band, keys ``>= limit`` (None: no bound) and unequal segment ids (``q_seg`` /
   ``k_seg``: the tile's row and column id vectors).  ``raw`` (no ALiBi, no soft-cap): the tile
   masked but not scaled, for a caller that folds the scale into its exponent (``_folds``).
-  ``dense``: the tile of a dense bias (fp32, natural units), added with ALiBi's."""
+  ``dense``: the tile of a dense bias (fp32, natural units), added with ALiBi's; with
+  ``st.dense_mask`` the tile of a mask array (1: allowed), and'ed with the others (its run
+  table's FULL blocks allow every pair, so ``masked`` still decides)."""
   st = ctx.st
   kd = 1 - rows_dim
+  allowed = None
+  if dense is not None and st.dense_mask:   # (FULL blocks of the run table: all allowed)
+    allowed, dense = dense > 0.5, None
   if slope is not None or masked:
     q_pos = ctx.iota(s.shape, rows_dim) + (q0 + q_offset)
     k_pos = ctx.iota(s.shape, kd) + k0
@@ -732,7 +762,8 @@ def _scores(ctx: _Ctx, s, *, q0, k0, rows_dim: int, masked: bool, q_offset, slop
                (k_pos >= q_pos - st.left) if st.left is not None else None,
                (k_pos <= q_pos + st.right) if st.right is not None else None,
                (lax.broadcast_in_dim(q_seg, s.shape, [rows_dim])
-                == lax.broadcast_in_dim(k_seg, s.shape, [kd])) if q_seg is not None else None):
+                == lax.broadcast_in_dim(k_seg, s.shape, [kd])) if q_seg is not None else None,
+               allowed):
     if cond is not None:
       ok = cond if ok is None else ok & cond
   return (s if ok is None else jnp.where(ok, s, -jnp.inf)), tanh
@@ -742,14 +773,15 @@ def _folds(st: _Static) -> bool:
   """Whether the forward folds the scale into its exponent (``_scores(raw=True)``): no ALiBi,
   no dense bias, no soft-cap, and a positive scale (the max of the raw logits is then the max
   of the scaled)."""
-  return st.soft_cap is None and not st.alibi and st.bias is None and st.scale > 0
+  return (st.soft_cap is None and not st.alibi and (st.bias is None or st.dense_mask)
+          and st.scale > 0)
 
 
 def _backward_folds(st: _Static) -> tuple[bool, float | None]:
   """``(raw, c)`` of the backward kernels: without ALiBi, a bias or a soft-cap they take raw
   logits and ``p = exp2(s c - lse)`` (one fused multiply-add; no max is taken, so any sign of
   scale)."""
-  raw = st.soft_cap is None and not st.alibi and st.bias is None
+  raw = st.soft_cap is None and not st.alibi and (st.bias is None or st.dense_mask)
   return raw, (st.scale * _LOG2E if raw else None)
 
 
@@ -805,11 +837,15 @@ def run_table(kinds):
 def _data_table(st: _Static, aux: dict, q_pad: int, kv_pad: int, bq: int, bk: int,
                 transpose: bool):
   """The run table of a kernel over ``bq``-row query tiles and ``bk``-key blocks (``transpose``:
-  over ``bk``-key tiles and ``bq``-row query blocks); None without segment ids / key lengths."""
+  over ``bk``-key tiles and ``bq``-row query blocks); None without segment ids / key lengths /
+  a mask array (whose blocks count over all its heads: EMPTY where none allows a pair, FULL
+  where all allow every pair)."""
   if not st.data:
     return None
   kinds = pair_kinds(st.batch, q_pad, kv_pad, bq, bk, aux.get("q_ids"), aux.get("kv_ids"),
                      aux.get("lengths"))
+  if st.dense_mask:
+    kinds = jnp.minimum(kinds, mask_array_kinds(aux["bias"] > 0, st.batch, q_pad, kv_pad, bq, bk))
   return run_table(jnp.swapaxes(kinds, 1, 2) if transpose else kinds)
 
 
@@ -1315,7 +1351,8 @@ def _fused_dkv(st: "_Static") -> bool:
 def backward(query, key, value, out, lse, d_out, d_lse=None, *, mask: Mask | None = None,
              scale: float | None = None, q_offset=0,
              logits_soft_cap: float | None = None, alibi_slopes=None, segment_ids=None,
-             kv_lengths=None, config: Config | None = None, interpret=None, bias=None):
+             kv_lengths=None, config: Config | None = None, interpret=None, bias=None,
+             mask_array=None):
   """``(dq, dk, dv)`` of ``forward`` from its ``out`` and ``lse`` (FlashAttention-2's backward on
   Hopper: a dQ kernel over query tiles and a dK/dV kernel over key tiles, each a producer and two
   ping-ponging ``wgmma`` consumers; the dK/dV kernel walks the ``G`` query heads of its KV head in
@@ -1323,11 +1360,10 @@ def backward(query, key, value, out, lse, d_out, d_lse=None, *, mask: Mask | Non
   (None: zero).  The data arguments and ``bias`` are ``forward``'s (they get no gradient here:
   a bias' is ``ds``, which ``gpu.py`` computes with its own kernel); the dK/dV kernel streams
   the bias transposed (``[B|1, N|1, S, T]``, one XLA transpose) so that its tiles arrive in the
-  ``s^T`` orientation."""
+  ``s^T`` orientation; a ``mask_array`` likewise."""
   data = dict(alibi_slopes=alibi_slopes, segment_ids=segment_ids, kv_lengths=kv_lengths,
               q_offset=q_offset)
-  if bias is not None:
-    data["bias"] = bias
+  data.update(_dense_input("backward", query, bias, mask_array))
   st = _static("backward", query, key, value, mask=mask, scale=scale,
                logits_soft_cap=logits_soft_cap, config=config, interpret=interpret, **data)
   aux = _aux(st, **data)

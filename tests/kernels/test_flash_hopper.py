@@ -416,6 +416,83 @@ def test_backward_bias_matches_formula(case):
     assert_close(g, w, 3e-2, f"{name} {label}")
 
 
+def mask_array(shape, seed):
+  """A boolean mask ``[Bm, Nm, T, S]`` whose 64-key blocks are, for every head and row: all
+  allowed (keys 64..127: FULL where a tile has no padded row), none allowed (128..191: EMPTY,
+  skipped) and random elsewhere (heads and rows differ), except that the first head allows
+  none of keys 0..63 (the run table must take the union of the heads); query row 5 allows no
+  key at all."""
+  m = np.random.default_rng(seed).random(shape) < 0.6
+  m[..., 64:128] = True
+  m[..., 128:192] = False
+  if shape[1] > 1:
+    m[:, 0, :, :64] = False
+  m[..., 5, :] = False
+  return jnp.asarray(m)
+
+
+def with_array(full_mask, allowed, t, s, q_offset):
+  """The formula's mask: a static / data mask and'ed with a mask array, as one boolean array."""
+  if full_mask is None:
+    return allowed
+  dense = jnp.asarray(full_mask.dense(t, s, q_offset))
+  return allowed & (dense[None, None] if dense.ndim == 2 else dense[:, None])
+
+
+MASK_CASES = [
+    # name, (b, t, s, n, k), mask array dims (batch, heads), mask, q_offset, config, data
+    ("per row and head causal gqa offset", (2, 130, 200, 2, 1), (2, 2), M.CausalMask(), 70,
+     hopper.Config(block_k=64, pingpong=True), False),
+    ("shared packed lengths alibi overlap", (1, 130, 200, 2, 1), (1, 1), None, 0,
+     hopper.Config(block_k=64, overlap=True), True),
+]
+
+
+@pytest.mark.parametrize("case", params(MASK_CASES))
+def test_forward_mask_array_matches_formula(case):
+  """A boolean mask array ``[B|1, N|1, T, S]`` (Flax's ``make_attention_mask`` shape): streamed
+  as the bias is, and'ed with the band and the data masks; its blocks refine the run table over
+  all heads (EMPTY ones skipped, FULL ones not evaluated: a block some head masks must be, so
+  the heads' random blocks are), a row with no allowed key gives 0 and ``lse = -inf``."""
+  name, (b, t, s, n, k), dims, mask, q_offset, config, data = case
+  (q, key, v), kw, full_mask = data_case(
+      b, t, s, n, k, mask, jnp.bfloat16, segments="packed" if data else None,
+      lengths=(190,) if data else None, alibi=data, seed=4)
+  allowed = mask_array((b if dims[0] > 1 else 1, n if dims[1] > 1 else 1, t, s), seed=2)
+  out, lse = hopper.forward(q, key, v, mask=mask, q_offset=q_offset, config=config,
+                            interpret=interpret(), mask_array=allowed, **kw)
+  want_out, want_lse = formula(q, key, v, with_array(full_mask, allowed, t, s, q_offset),
+                               q_offset, None, kw.get("alibi_slopes"))
+  empty = ~np.isfinite(np.asarray(want_lse))
+  assert empty[:, :, 5].all()
+  assert np.array_equal(~np.isfinite(np.asarray(lse)), empty)
+  assert np.all(np.asarray(out, np.float32).transpose(0, 2, 1, 3)[empty] == 0.0)
+  assert_close(out, want_out, TOL, name + " out")
+  assert_close(jnp.where(empty, 0.0, lse), jnp.where(empty, 0.0, want_lse), 1e-2, name + " lse")
+
+
+def test_backward_mask_array_matches_formula():
+  """dQ, dK, dV with a per-row-and-head mask array (the dK/dV kernel reads it transposed, its
+  run table too), GQA and a causal band, against the formula's VJP; masked pairs get no
+  gradient and the row with no key none at all."""
+  b, t, s, n, k = 1, 130, 200, 2, 1
+  q, key, v = inputs(b, t, s, n, k, 64, seed=6)
+  allowed = mask_array((b, n, t, s), seed=3)
+  mask, q_offset, config = M.CausalMask(), 70, hopper.Config(block_k=64, overlap=True)
+  d_out = jax.random.normal(jax.random.key(12), (b, t, n, 64)).astype(jnp.bfloat16)
+  out, lse = hopper.forward(q, key, v, mask=mask, q_offset=q_offset, config=config,
+                            interpret=interpret(), mask_array=allowed)
+  got = hopper.backward(q, key, v, out, lse, d_out, mask=mask, q_offset=q_offset,
+                        config=config, interpret=interpret(), mask_array=allowed)
+  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+  _, vjp = jax.vjp(lambda q, k, v: formula(q, k, v, with_array(mask, allowed, t, s, q_offset),
+                                           q_offset, None)[0], f32(q), f32(key), f32(v))
+  want = vjp(f32(d_out))
+  assert not np.asarray(got[0])[:, 5].any()
+  for g, w, label in zip(got, want, ("dq", "dk", "dv")):
+    assert_close(g, w, 3e-2, f"mask array {label}")
+
+
 @pytest.mark.parametrize("case", params(DATA_CASES))
 def test_forward_data_features_match_formula(case):
   """Segment ids (packed, and scattered so that every block is evaluated masked), key lengths (a
@@ -662,6 +739,51 @@ def test_key_padding_mask_runs_on_hopper(packed):
     assert_close(g, w, 3e-2, name)
 
 
+def test_flax_mask_array_runs_on_hopper():
+  """A Flax-style mask ``[B, 1, T, S]`` (``make_attention_mask`` of query and key padding, and'ed
+  with a causal band) through ``flash_attention_gpu``: the Hopper forward and backward take it
+  (both counted, the array passed as such), output, log-sum-exp and gradients match the
+  formula with the same array (rows with no allowed key: 0, -inf, no gradient)."""
+  b, t, n = 2, 128, 2
+  q, key, v = inputs(b, t, t, n, 1, 64, jnp.bfloat16, seed=7)
+  valid = np.ones((b, t), bool)
+  valid[0, 100:] = False            # padding at the end of row 0
+  valid[1, :30] = False             # and at the start of row 1
+  allowed = jnp.asarray(valid[:, None, :, None] & valid[:, None, None, :])
+  calls = {"forward": [], "backward": []}
+  real = {name: getattr(hopper, name) for name in calls}
+  saved = gpu_kernel.get_options()
+  try:
+    gpu_kernel.set_options(forward="hopper", backward="hopper",
+                           hopper=hopper.Config(block_k=64))
+    for name in calls:
+      setattr(hopper, name, lambda *a, _n=name, **kw: (calls[_n].append(kw), real[_n](*a, **kw))[1])
+
+    def loss(f):
+      def g(q, k, v):
+        out, lse = f(q, k, v)
+        o = out.astype(jnp.float32)
+        return jnp.sum(o * jnp.cos(o)), (out, lse)
+      return jax.value_and_grad(g, argnums=(0, 1, 2), has_aux=True)
+
+    (_, (out, lse)), grads = loss(lambda q, k, v: flash_attention_gpu(
+        q, k, v, M.CausalMask(), mask_array=allowed, return_residuals=True))(q, key, v)
+  finally:
+    for name in calls:
+      setattr(hopper, name, real[name])
+    gpu_kernel.set_options(**saved)
+  assert all(c and c[0]["mask_array"] is not None for c in calls.values())
+  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+  (_, (want, want_lse)), want_grads = loss(lambda q, k, v: dot_product_attention(
+      f32(q), f32(k), f32(v), mask=allowed, is_causal=True, implementation="xla",
+      return_residuals=True))(q, key, v)
+  empty = ~np.isfinite(np.asarray(want_lse))
+  assert empty[0, :, 100:].all() and np.array_equal(~np.isfinite(np.asarray(lse)), empty)
+  assert_close(out, want, TOL, "out")
+  for g, w, name in zip(grads, want_grads, ("dq", "dk", "dv")):
+    assert_close(g, w, 3e-2, name)
+
+
 def _plan(**kw):
   q, key, v = inputs(1, 64, 64, 2, 1, 64, kw.pop("dtype", jnp.bfloat16))
   args = dict(static_mask=M.CausalMask(), q_offset=0, logits_soft_cap=None, alibi_slopes=None,
@@ -689,19 +811,25 @@ def test_dispatch_reasons():
                                           kv_lengths=jnp.full((1,), 50))) is None
     assert "GlobalTokensMask" in gpu_kernel.hopper_reason(
         _plan(static_mask=M.GlobalTokensMask((0,))))
-    # a dense bias [B|1, N|1, T, S] in the inputs' dtype: the Hopper forward, Triton's backward;
-    # one row for all queries, another dtype or a mask array: Triton's forward too
+    # a dense bias [B|1, N|1, T, S] in the inputs' dtype, or a mask array of that shape: the
+    # Hopper kernels; one row for all queries, another dtype, a mask array with a bias or with
+    # heads and one row: Triton's
     bias = jnp.zeros((1, 2, 64, 64), jnp.bfloat16)
+    allowed = jnp.ones((1, 2, 64, 64), bool)
     assert gpu_kernel.hopper_reason(_plan(bias=bias)) is None
+    assert gpu_kernel.hopper_reason(_plan(mask_array=allowed)) is None
     assert "(1, 2, 1)" in gpu_kernel.hopper_reason(_plan(bias=bias[:, :, :1]))
     assert "float32" in gpu_kernel.hopper_reason(_plan(bias=bias.astype(jnp.float32)))
-    assert "mask array" in gpu_kernel.hopper_reason(
-        _plan(mask_array=jnp.ones((1, 1, 64, 64), bool)))
+    assert "mask array with a bias" in gpu_kernel.hopper_reason(
+        _plan(bias=bias, mask_array=allowed))
+    assert "with heads and one row" in gpu_kernel.hopper_reason(
+        _plan(mask_array=allowed[:, :, :1]))
     gpu_kernel.set_options(backward="triton")
     assert gpu_kernel.hopper_reason(_plan(), "backward") == "option backward='triton'"
     gpu_kernel.set_options(backward="hopper")
     assert gpu_kernel.hopper_reason(_plan(), "backward") is None
     assert gpu_kernel.hopper_reason(_plan(bias=bias), "backward") is None
+    assert gpu_kernel.hopper_reason(_plan(mask_array=allowed), "backward") is None
     q, key, v = inputs(1, 64, 64, 2, 1, 256)
     wide = C.make_plan(q, key, v, static_mask=None, q_offset=0, logits_soft_cap=None,
                        alibi_slopes=None, segment_ids=None, kv_lengths=None,
@@ -807,6 +935,14 @@ def test_errors():
               jnp.zeros((1, 2, 64, 64), jnp.float32)):
     with pytest.raises(ValueError, match=r"`bias` must be \[B\|1, N\|1, T, S\]"):
       hopper.forward(q, key, v, bias=bad)
+  with pytest.raises(ValueError, match=r"`mask_array` must be \[B\|1, N\|1, T, S\] with "
+                                       r"\[B, N, T, S\] = \(1, 2, 64, 64\), got \(1, 2, 1, 64\)"):
+    hopper.forward(q, key, v, mask_array=jnp.ones((1, 2, 1, 64), bool))
+  with pytest.raises(ValueError, match="`mask_array` must be bool, got int32"):
+    hopper.forward(q, key, v, mask_array=jnp.ones((1, 2, 64, 64), jnp.int32))
+  with pytest.raises(ValueError, match="`bias` and `mask_array` stream through the same tiles"):
+    hopper.backward(q, key, v, q, jnp.zeros((1, 2, 64)), q, bias=jnp.zeros((1, 2, 64, 64),
+                    jnp.bfloat16), mask_array=jnp.ones((1, 2, 64, 64), bool))
   q, key, v = inputs(2, 64, 80, 2, 1, 64)
   ids = jnp.zeros((2, 64), jnp.int32)
   with pytest.raises(ValueError, match=r"`alibi_slopes` must have shape \[N\] = \(2,\)"):
@@ -836,7 +972,8 @@ def test_errors():
     (128, M.CausalMask(), None, "plain 3 stages", False),
     (128, M.CausalMask(), 30.0, "overlap persistent", True), (64, None, None, "persistent", False),
     (128, M.CausalMask(), None, "pingpong bias", True), (128, None, 30.0, "overlap bias", False),
-    (64, M.CausalMask(), None, "overlap persistent bias", True)])
+    (64, M.CausalMask(), None, "overlap persistent bias", True),
+    (128, M.CausalMask(), None, "pingpong mask", True)])
 def test_lowers_for_cuda(h, mask, cap, schedule, data):
   """The hardware program (wgmma from shared memory and registers, layouts, TMA, barriers) goes
   through Mosaic GPU's lowering to one custom call, for every head size and each schedule (the
@@ -844,7 +981,8 @@ def test_lowers_for_cuda(h, mask, cap, schedule, data):
   lengths, ALiBi and a traced query offset (``data``); ``h`` a pair: query / key and value head
   sizes (192 / 128 writes its output through the query tiles' bytes, a ``RefUnion`` at 128-key
   steps; 64 / 128 into tiles of its own); with a dense bias ``[1, N, T, S]`` (``bias`` in the
-  schedule: its tiles loaded from shared memory into the wgmma layout); the backward wherever
+  schedule: its tiles loaded from shared memory into the wgmma layout), or a mask array ``[B, 1,
+  T, S]`` (``mask``: the same tiles, compared); the backward wherever
   ``supports_backward`` takes the call (two kernels, or three with dK and dV apart at unequal
   sizes)."""
   h, hv = h if isinstance(h, tuple) else (h, h)
@@ -863,8 +1001,10 @@ def test_lowers_for_cuda(h, mask, cap, schedule, data):
     return dict(segment_ids=(q_ids, kv_ids), kv_lengths=lengths, alibi_slopes=slopes,
                 q_offset=offset)
 
-  with_bias = "bias" in schedule
-  bias = jax.ShapeDtypeStruct((1, 4, 1000, 1000), jnp.bfloat16)
+  with_bias = "bias" in schedule or "mask" in schedule
+  dense = "mask_array" if "mask" in schedule else "bias"
+  bias = (jax.ShapeDtypeStruct((2, 1, 1000, 1000), bool) if dense == "mask_array" else
+          jax.ShapeDtypeStruct((1, 4, 1000, 1000), jnp.bfloat16))
   cfg = hopper.Config(block_k=192 if "192" in schedule else hopper.default_config(
                           h, hv, bias=with_bias).block_k,
                       stages=3 if "3 stages" in schedule else 2,
@@ -876,7 +1016,7 @@ def test_lowers_for_cuda(h, mask, cap, schedule, data):
   assert hopper.smem_bytes(h, cfg, hv, segments=data, bias=with_bias) <= 227 * 1024
   if with_bias:
     f = lambda q, k, v, b, *extra: hopper.forward(  # noqa: E731
-        q, k, v, mask=mask, logits_soft_cap=cap, config=cfg, bias=b, **kw(*extra))
+        q, k, v, mask=mask, logits_soft_cap=cap, config=cfg, **{dense: b}, **kw(*extra))
     text = jax.export.export(jax.jit(f), platforms=("cuda",))(q, k, v, bias,
                                                               *extra).mlir_module()
     assert re.findall(r"custom_call @(mosaic_gpu\w*)", text)
@@ -885,7 +1025,8 @@ def test_lowers_for_cuda(h, mask, cap, schedule, data):
     lse = jax.ShapeDtypeStruct((2, 4, 1000), jnp.float32)
     o = jax.ShapeDtypeStruct((2, 1000, 4, hv), jnp.bfloat16)
     g = lambda q, k, v, o, lse, do, b, *extra: hopper.backward(  # noqa: E731
-        q, k, v, o, lse, do, mask=mask, logits_soft_cap=cap, config=cfg, bias=b, **kw(*extra))
+        q, k, v, o, lse, do, mask=mask, logits_soft_cap=cap, config=cfg, **{dense: b},
+        **kw(*extra))
     text = jax.export.export(jax.jit(g), platforms=("cuda",))(q, k, v, o, lse, o, bias,
                                                               *extra).mlir_module()
     assert len(re.findall(r"custom_call @(mosaic_gpu\w*)", text)) == 2
