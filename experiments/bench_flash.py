@@ -71,7 +71,7 @@ def _make(kind, causal, backward, dense="none"):
   of ``(q, k, v, extra)``: ``extra`` is the dense input of ``--dense`` (None for "none"), given
   to both implementations alike (``bias``: learned, so forward + backward differentiates it)."""
   def dense_kwargs(extra):
-    return {"none": {}, "bias": {"bias": extra}, "mask": {"mask": extra}}[dense]
+    return {"none": {}, "bias": {"bias": extra}}.get(dense, {"mask": extra})
 
   if kind == "ours":
     impl = {"gpu": "pallas_gpu", "tpu": "pallas_tpu", "cpu": "xla_chunked"}[_platform()]
@@ -95,12 +95,16 @@ def _make(kind, causal, backward, dense="none"):
 
 def dense_input(kind: str, b: int, t: int, heads: int, dtype, seed: int):
   """``--dense``'s extra input: a T5-style bias shared over the batch ``[1, N, T, T]`` (in the
-  activations' dtype), or a key-padding mask ``[B, 1, 1, T]`` hiding each row's last eighth."""
+  activations' dtype), a key-padding mask ``[B, 1, 1, T]`` hiding each row's last eighth
+  ("mask"), or the Flax mask of the same padding ``[B, 1, T, T]`` ("flax-mask":
+  ``make_attention_mask`` of queries and keys, so padded queries see nothing)."""
   if kind == "none":
     return None
   if kind == "bias":
     return jax.random.normal(jax.random.key(seed), (1, heads, t, t), jnp.float32).astype(dtype)
   valid = jnp.arange(t) < t - t // 8
+  if kind == "flax-mask":
+    return jnp.broadcast_to(valid[:, None] & valid[None, :], (b, 1, t, t))
   return jnp.broadcast_to(valid, (b, 1, 1, t))
 
 
@@ -642,9 +646,10 @@ def main(argv=None):
                  help="value head size (default: = head dim; e.g. 192 / 128 for MLA's prefill)")
   p.add_argument("--dtype", default=None, help="default bfloat16 (accelerators) / float32 (CPU)")
   p.add_argument("--backward", action="store_true", help="time forward + backward")
-  p.add_argument("--dense", choices=("none", "bias", "mask"), default="none",
-                 help="give both implementations a learned T5-style bias [1, N, T, T] or a "
-                      "key-padding mask array [B, 1, 1, T] (the last eighth of keys hidden)")
+  p.add_argument("--dense", choices=("none", "bias", "mask", "flax-mask"), default="none",
+                 help="give both implementations a learned T5-style bias [1, N, T, T], a "
+                      "key-padding mask array [B, 1, 1, T] (the last eighth of keys hidden) or "
+                      "that padding as a Flax mask [B, 1, T, T] (queries too)")
   p.add_argument("--shared-bias", choices=("kernel", "atomic"), default=None,
                  help="GPU, with --dense bias --backward: how the Triton kernels differentiate "
                  "the batch-shared bias (its own kernel, or atomic adds in the dQ kernel; "

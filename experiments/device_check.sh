@@ -26,8 +26,9 @@
 #      settings: plain, overlap, overlap + ping-pong, the last two at 240 registers too, overlap
 #      with 192-key steps, with 3 stages and with persistent CTAs), then
 #      the Triton kernels; the Hopper forward + backward benchmark (T = 2k, 8k);
-#   5. (more) the Triton forward + backward benchmark, and with a learned dense bias and a
-#      key-padding mask array on both sides (bench_flash --dense; the bias' forward alone; on
+#   5. (more) the Triton forward + backward benchmark, and with a learned dense bias, a
+#      key-padding mask array and a Flax mask [B, 1, T, T] (the Hopper kernels' tiles) on both
+#      sides (bench_flash --dense; the bias' forward alone; on
 #      Triton's backward its gradient by its own kernel, then by atomic adds: --shared-bias
 #      atomic); the Hopper forward + backward
 #      schedules
@@ -207,7 +208,7 @@ if want more flash; then
   step "triton kernels: forward+backward benchmark" 60 \
     "$PY" -m experiments.bench_flash --gpu-forward triton --gpu-backward triton --backward \
     --seq-lens 2048 8192 --repeats 3 --plot "$DEST/bench_flash_gpu_bwd.png"
-  for d in bias mask; do  # both sides given the same dense input (cuDNN takes a bias too)
+  for d in bias mask flax-mask; do  # both sides given the same dense input (cuDNN takes them)
     step "dense $d: forward + backward against cuDNN" 60 \
       "$PY" -m experiments.bench_flash --dense "$d" --backward --seq-lens 2048 8192 \
       --repeats 3 --no-plot

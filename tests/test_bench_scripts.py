@@ -278,10 +278,11 @@ def test_flash_check_error_still_runs_the_benchmark_and_times_in_rounds(monkeypa
   assert [inner for inner, _ in seen] == ["auto"] * 4      # (ours, base) x (full, causal)
 
 
-@pytest.mark.parametrize("dense", ["bias", "mask"])
+@pytest.mark.parametrize("dense", ["bias", "mask", "flax-mask"])
 def test_flash_dense_inputs_reach_both_sides(dense, monkeypatch, capsys):
-  """``--dense bias`` / ``--dense mask``: ours and the baseline each get the same dense input
-  (a [1, N, T, T] bias, differentiated in forward + backward; a [B, 1, 1, T] key-padding mask)."""
+  """``--dense bias`` / ``mask`` / ``flax-mask``: ours and the baseline each get the same dense
+  input (a [1, N, T, T] bias, differentiated in forward + backward; a [B, 1, 1, T] key-padding
+  mask; the same padding as a [B, 1, T, T] mask)."""
   seen = {"ours": [], "base": []}
   real_ours, real_base = bench_flash.dot_product_attention, jax.nn.dot_product_attention
 
@@ -299,12 +300,15 @@ def test_flash_dense_inputs_reach_both_sides(dense, monkeypatch, capsys):
                          "16", "--repeats", "1", "--matmul-size", "32", "--no-plot",
                          "--backward", "--dense", dense])
   assert rc == 0
-  want = {"bias": {"bias": (1, 2, 32, 32)}, "mask": {"mask": (2, 1, 1, 32)}}[dense]
+  want = {"bias": {"bias": (1, 2, 32, 32)}, "mask": {"mask": (2, 1, 1, 32)},
+          "flax-mask": {"mask": (2, 1, 32, 32)}}[dense]
   assert seen["ours"] and all(x == want for x in seen["ours"] + seen["base"]), seen
   out = capsys.readouterr().out
   assert f"dense={dense}" in out and "    32  False   2 |" in out and "n/a" not in out
   mask = bench_flash.dense_input("mask", 2, 32, 2, jnp.float32, 0)
   assert mask.dtype == jnp.bool_ and int(mask.sum()) == 2 * 28  # the last eighth hidden
+  flax = bench_flash.dense_input("flax-mask", 2, 32, 2, jnp.float32, 0)
+  assert flax.shape == (2, 1, 32, 32) and int(flax.sum()) == 2 * 28 * 28
 
 
 def test_flash_hopper_config_flag():
@@ -387,12 +391,12 @@ def test_device_check_all_steps_pass(tmp_path):
   assert proc.returncode == 0, proc.stdout
   assert proc.stdout.splitlines()[-1] == "device_check: PASSED"
   assert log == proc.stdout                           # the tee'd log is complete
-  assert proc.stdout.count("=== ") == 2 * 23 and "SKIPPED" not in proc.stdout
+  assert proc.stdout.count("=== ") == 2 * 24 and "SKIPPED" not in proc.stdout
   # one pytest run compiles every GPU kernel test file, before any benchmark
   steps = [x for x in proc.stdout.splitlines() if x.startswith("=== ") and "limit" in x]
   assert steps[1].startswith("=== GPU kernel tests (") and steps[1].count(".py") == 4, steps
-  for part, first, n in (("core", "GPU kernel tests", 8), ("more", "triton kernels: fo", 14),
-                         ("flash", "GPU kernel tests", 15)):
+  for part, first, n in (("core", "GPU kernel tests", 8), ("more", "triton kernels: fo", 15),
+                         ("flash", "GPU kernel tests", 16)):
     proc, _, _ = _device_check(tmp_path, PART=part)
     steps = [x for x in proc.stdout.splitlines() if x.startswith("=== ") and "limit" in x]
     assert proc.returncode == 0 and len(steps) == 1 + n, proc.stdout
