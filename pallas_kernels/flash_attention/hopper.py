@@ -49,9 +49,10 @@ its gradient is ``gpu.py``'s (the Triton kernel of its own).  A boolean mask arr
 shape (Flax's ``make_attention_mask``) takes the same tiles as 0 / 1 in the inputs' dtype,
 and'ed with the other masks in masked blocks; its blocks refine the run table over all heads
 (EMPTY where no head allows a pair: skipped; FULL where every head allows every pair: not
-evaluated).  fp32 inputs, non-band masks, a mask array with a bias, one-row biases and masks
-with heads and one row are the Triton kernel's (``supports`` / ``gpu.hopper_reason`` say
-why).
+evaluated).  A bias with one row for all queries ``[B|1, N|1, 1, S]`` (any float dtype) is
+streamed as an fp32 vector of each slot's keys, broadcast over the rows.  fp32 inputs, non-band
+masks, a mask array with a bias and masks with heads and one row are the Triton kernel's
+(``supports`` / ``gpu.hopper_reason`` say why).
 
 The backward (``backward``) is FlashAttention-2's two passes on the same skeleton (``_Ctx``: a
 producer ring, two consumers, skip / masked / full runs): a dQ kernel over query tiles streams
@@ -192,13 +193,14 @@ def _kib(n: int) -> int:
 
 
 def smem_bytes(head_dim: int, config: Config, v_head_dim: int | None = None, *,
-               segments: bool = True, bias: bool = False) -> int:
+               segments: bool = True, bias: bool | str = False) -> int:
   """Shared memory of the forward's CTA as Mosaic GPU lays it out: every scratch buffer rounded
   up to 1 KiB -- two query tiles (which take the output when the head sizes agree or the values
   are narrower, ``_aliased_out_rows``; else two output tiles of their own), ``stages`` key and
   value slots (16-bit) and, with ``segments`` (assumed when not known), the id vectors of the
   rows and of each key slot, with ``bias`` a 16-bit ``[2 block_q, block_k]`` bias tile per key
-  slot -- plus 8 bytes per mbarrier.  The log-sum-exp rows are stored
+  slot (``bias="row"``: a one-row bias' fp32 ``[block_k]`` vector) -- plus 8 bytes per
+  mbarrier.  The log-sum-exp rows are stored
   from registers and no cross-warp reduction space is reserved (``_launch``).
 
   On an H200 (jax 0.11.2) the 128-key, 3-stage forward at head size 128 asked for 232,544 bytes
@@ -210,7 +212,9 @@ def smem_bytes(head_dim: int, config: Config, v_head_dim: int | None = None, *,
   tiles = [2 * 2 * c.block_q * head_dim, 2 * c.stages * c.block_k * head_dim,
            2 * c.stages * c.block_k * hv] + ([] if aliased else [2 * 2 * c.block_q * hv])
   ids = [4 * 2 * c.block_q, 4 * c.stages * c.block_k] if segments else []
-  if bias:
+  if bias == "row":
+    ids.append(4 * c.stages * c.block_k)
+  elif bias:
     tiles.append(2 * c.stages * 2 * c.block_q * c.block_k)
   # q_ready[2], k_ready / v_ready / free (k_free and v_free when overlapped) per stage, the
   # turn, the overlapped ping-pong's go[2], the ids' ready barriers
@@ -219,10 +223,11 @@ def smem_bytes(head_dim: int, config: Config, v_head_dim: int | None = None, *,
   return sum(map(_kib, tiles + ids)) + 8 * barriers
 
 
-def default_config(head_dim: int, v_head_dim: int | None = None, *, bias: bool = False) -> Config:
+def default_config(head_dim: int, v_head_dim: int | None = None, *,
+                   bias: bool | str = False) -> Config:
   """128-key steps where two stages of them fit in shared memory (head sizes up to 128, and
   DeepSeek's 192 / 128 of MLA's prefill, whose output shares the query tiles), else 64 (256);
-  ``bias``: with a dense bias' tiles in the ring too."""
+  ``bias``: with a dense bias' tiles in the ring too (``"row"``: a one-row bias' vectors)."""
   wide = Config(block_k=128)
   fits = smem_bytes(head_dim, wide, v_head_dim, bias=bias) <= _SMEM_BYTES
   return wide if fits else Config(block_k=64)
@@ -238,12 +243,13 @@ HEAD_SIZES = (64, 128, 192, 256)  # wgmma contracts over multiples of 64; at mos
 
 
 def supports(*, dtype, head_dim: int, v_head_dim: int, static_mask,
-             config: Config | None = None, segments: bool = True, bias: bool = False
+             config: Config | None = None, segments: bool = True, bias: bool | str = False
              ) -> str | None:
   """None when the Hopper kernel runs this call, else the reason it does not (ALiBi, segment
   ids, key lengths and any query offset, static or traced, are always taken).  ``segments``:
   whether the call has segment ids (their buffers count against shared memory; True when not
-  known); ``bias``: whether it has a dense bias (the forward's tiles of it, likewise)."""
+  known); ``bias``: whether it has a dense bias (the forward's tiles of it, likewise; ``"row"``:
+  a one-row bias, streamed as vectors)."""
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"dtype {jnp.dtype(dtype).name} (the wgmma path takes bfloat16 / float16)"
   if head_dim not in HEAD_SIZES or v_head_dim not in HEAD_SIZES:
@@ -280,6 +286,12 @@ class _Static:
   lengths: bool = False
   bias: tuple[int, int] | None = None  # a dense bias' (batch, heads) sizes, each 1 or B / N
   dense_mask: bool = False  # the dense tile is a boolean mask array (1: allowed), not a bias
+  bias_row: bool = False  # a one-row bias [B|1, N|1, 1, S]: streamed as fp32 key vectors
+
+  @property
+  def bias_kind(self) -> bool | str:
+    """The shared-memory models' ``bias``: False, True (tiles) or ``"row"`` (vectors)."""
+    return "row" if self.bias_row else self.bias is not None
 
   def bias_index(self, batch, head):
     """The (batch, head) of the bias' block that batch row ``batch`` and query head ``head``
@@ -314,10 +326,11 @@ def forward(query, key, value, *, mask: Mask | None = None, scale: float | None 
   ``segment_ids = (q_ids [B, T], kv_ids [B, S])`` allows pairs of equal ids; ``kv_lengths [B]``
   allows keys ``j < kv_lengths[b]``.  ``bias [B|1, N|1, T, S]`` in the inputs' dtype: a dense
   additive bias (a T5 relative bias), added after the scale, before ALiBi and the soft-cap;
-  streamed by TMA as ``[2 block_q, block_k]`` tiles beside each key block.  ``mask_array [B|1,
-  N|1, T, S]`` bool (True: allowed; Flax's ``make_attention_mask`` shape), and'ed with the other
-  masks: streamed as the bias is (in the inputs' dtype, 0 / 1; not with a ``bias``), every
-  block then evaluates its mask.  ``interpret``: None runs the hardware, or pass
+  streamed by TMA as ``[2 block_q, block_k]`` tiles beside each key block; ``[B|1, N|1, 1, S]``
+  (one row for all queries, any float dtype): streamed as fp32 ``[block_k]`` vectors.
+  ``mask_array [B|1, N|1, T, S]`` bool (True: allowed; Flax's ``make_attention_mask`` shape),
+  and'ed with the other masks: streamed as the bias is (in the inputs' dtype, 0 / 1; not with a
+  ``bias``), its blocks refining the run table.  ``interpret``: None runs the hardware, or pass
   ``plgpu.InterpretParams`` / True to run Mosaic GPU's interpreter on CPU.
   """
   data = dict(alibi_slopes=alibi_slopes, segment_ids=segment_ids, kv_lengths=kv_lengths,
@@ -349,11 +362,13 @@ def _static(name: str, query, key, value, *, mask, scale, q_offset, logits_soft_
   returns its static description."""
   b, t, n, h = query.shape
   s, kh, hv = key.shape[1], key.shape[2], value.shape[-1]
-  config = config or default_config(h, hv, bias=bias is not None)
+  bias_row = bias is not None and not dense_mask and np.ndim(bias) == 4 and bias.shape[2] == 1
+  kind = "row" if bias_row else bias is not None
+  config = config or default_config(h, hv, bias=kind)
   reason = supports(dtype=query.dtype, head_dim=h, v_head_dim=hv, static_mask=mask,
-                    config=config, segments=segment_ids is not None, bias=bias is not None)
+                    config=config, segments=segment_ids is not None, bias=kind)
   if reason is None and name == "backward":
-    reason = supports_backward(head_dim=h, v_head_dim=hv, config=config, bias=bias is not None)
+    reason = supports_backward(head_dim=h, v_head_dim=hv, config=config, bias=kind)
   if reason is not None:
     raise ValueError(f"hopper.{name}: unsupported call: {reason}.")
   if n % kh:
@@ -372,11 +387,14 @@ def _static(name: str, query, key, value, *, mask, scale, q_offset, logits_soft_
     raise ValueError(f"hopper.{name}: `segment_ids` must be (q_ids [B, T] = {(b, t)}, kv_ids "
                      f"[B, S] = {(b, s)}), got {tuple(tuple(x.shape) for x in segment_ids)}.")
   if bias is not None and (np.ndim(bias) != 4 or bias.shape[0] not in (1, b)
-                           or bias.shape[1] not in (1, n) or tuple(bias.shape[2:]) != (t, s)
-                           or bias.dtype != query.dtype):
+                           or bias.shape[1] not in (1, n)
+                           or tuple(bias.shape[2:]) not in ((t, s), (1, s) if bias_row else ())
+                           or not (bias.dtype == query.dtype or (
+                               bias_row and jnp.issubdtype(bias.dtype, jnp.floating)))):
     what = "mask_array" if dense_mask else "bias"
     raise ValueError(f"hopper.{name}: `{what}` must be [B|1, N|1, T, S] with [B, N, T, S] = "
-                     f"{(b, n, t, s)}" + ("" if dense_mask else f" in {query.dtype}")
+                     f"{(b, n, t, s)}" + ("" if dense_mask else f" in {query.dtype} (or "
+                                          f"[B|1, N|1, 1, S], one row, any float dtype)")
                      + f", got {tuple(np.shape(bias))}"
                      + ("" if dense_mask else f" {getattr(bias, 'dtype', None)}") + ".")
   if kv_lengths is not None and tuple(kv_lengths.shape) != (b,):
@@ -400,7 +418,7 @@ def _static(name: str, query, key, value, *, mask, scale, q_offset, logits_soft_
                  config=config, interpret=interpret or None, alibi=alibi_slopes is not None,
                  segments=segment_ids is not None, lengths=kv_lengths is not None,
                  bias=None if bias is None else (int(bias.shape[0]), int(bias.shape[1])),
-                 dense_mask=dense_mask)
+                 dense_mask=dense_mask, bias_row=bias_row)
 
 
 def _aux(st: _Static, *, alibi_slopes, segment_ids, kv_lengths, q_offset, bias=None,
@@ -736,11 +754,14 @@ def _scores(ctx: _Ctx, s, *, q0, k0, rows_dim: int, masked: bool, q_offset, slop
   mask: the band, keys ``>= limit`` (None: no bound) and unequal segment ids (``q_seg`` /
   ``k_seg``: the tile's row and column id vectors).  ``raw`` (no ALiBi, no soft-cap): the tile
   masked but not scaled, for a caller that folds the scale into its exponent (``_folds``).
-  ``dense``: the tile of a dense bias (fp32, natural units), added with ALiBi's; with
+  ``dense``: the tile of a dense bias (fp32, natural units), added with ALiBi's (a one-row
+  bias: the keys' vector, broadcast over the rows); with
   ``st.dense_mask`` the tile of a mask array (1: allowed), and'ed with the others (its run
   table's FULL blocks allow every pair, so ``masked`` still decides)."""
   st = ctx.st
   kd = 1 - rows_dim
+  if dense is not None and dense.ndim == 1:  # a one-row bias: the tile's keys' vector
+    dense = lax.broadcast_in_dim(dense, s.shape, [kd])
   allowed = None
   if dense is not None and st.dense_mask:   # (FULL blocks of the run table: all allowed)
     allowed, dense = dense > 0.5, None
@@ -862,7 +883,10 @@ def _data_inputs(st: _Static, aux: dict, tab, q_pad: int, kv_pad: int,
   vals = dict(aux, tab=tab)
   if st.segments:
     vals["q_ids"], vals["kv_ids"] = pad_edge(aux["q_ids"], q_pad), pad_edge(aux["kv_ids"], kv_pad)
-  if st.bias is not None:  # whole tiles for TMA (padded rows / keys are masked or dropped)
+  if st.bias_row:  # [B|1, N|1, Sp] fp32 key vectors (padded keys are masked or dropped)
+    b = aux["bias"][:, :, 0].astype(jnp.float32)
+    vals["bias"] = jnp.pad(b, ((0, 0), (0, 0), (0, kv_pad - b.shape[2])))
+  elif st.bias is not None:  # whole tiles for TMA (padded rows / keys are masked or dropped)
     b = aux["bias"]
     vals["bias"] = jnp.pad(b, ((0, 0), (0, 0), (0, q_pad - b.shape[2]), (0, kv_pad - b.shape[3])))
     if transpose:  # [B|1, N|1, Sp, Tp]: the dK/dV kernel's s^T orientation
@@ -942,8 +966,8 @@ def _kv_loader(st: "_Static", refs, scratch, batch, kv_head, cta_lo, bk: int,
                               scratch["kseg_ready"].at[slot])
     if bias_rows is not None:
       bb, nb, rows_ = bias_rows
-      plgpu.copy_gmem_to_smem(refs["bias"].at[bb, nb, rows_, keys], scratch["bias"].at[slot],
-                              scratch["bias_ready"].at[slot])
+      src = refs["bias"].at[bb, nb, keys] if st.bias_row else refs["bias"].at[bb, nb, rows_, keys]
+      plgpu.copy_gmem_to_smem(src, scratch["bias"].at[slot], scratch["bias_ready"].at[slot])
 
   def load_v(t, slot):
     keys = pl.ds((cta_lo + t) * bk, bk)
@@ -1005,6 +1029,28 @@ def _ring_scratch(st: _Static, dtype, stages: int, *, resident: tuple, streamed:
 def _ids(st: _Static, name: str, rows: int) -> tuple:
   """The segment-id vector buffer ``name`` of a kernel, when the call has segment ids."""
   return ((name, rows, jnp.int32),) if st.segments else ()
+
+
+def _bias_buffer(st: _Static, rows: int, width: int, keys: int) -> tuple:
+  """A kernel's streamed bias buffer: a 16-bit ``[rows, width]`` tile per slot (a bias or mask
+  array), or a one-row bias' fp32 vector of the slot's ``keys``; none without."""
+  if st.bias is None:
+    return ()
+  return (("bias", keys, jnp.float32),) if st.bias_row else (("bias", rows, None, width),)
+
+
+def _bias_part(ctx: _Ctx, scratch, slot, start, size: int, keys: bool = False):
+  """This consumer's part of the bias in ``slot`` (None without one): the tile's rows ``start ..
+  start + size`` (16-bit, as fp32 in the wgmma layout), or a one-row bias' key vector: all of
+  it, or with ``keys`` (the dK/dV kernel, whose consumers own the slot's keys in halves) those
+  same entries, laid out along the tile's rows."""
+  st = ctx.st
+  if st.bias is None:
+    return None
+  ref = scratch["bias"].at[slot]
+  if not st.bias_row:
+    return ctx.load_tile(ref.at[pl.ds(start, size)])
+  return ctx.load_vec(ref.at[pl.ds(start, size)], 1) if keys else ctx.load_vec(ref, 0)
 
 
 def _key_ready(st: _Static, scratch) -> tuple:
@@ -1094,9 +1140,7 @@ def _call(st: _Static):
         the exponent: the max of the raw tile times ``scale log2(e)``, then ``p = exp2(s c -
         m)``, one fused multiply-add per logit where scaling first takes a multiply and a
         subtraction."""
-        dense = None  # this consumer's rows of the slot's bias tile
-        if st.bias is not None:
-          dense = ctx.load_tile(scratch["bias"].at[slot].at[pl.ds(wg * bq, bq)])
+        dense = _bias_part(ctx, scratch, slot, wg * bq, bq)
         s, _ = _scores(ctx, s, q0=r0, k0=block * bk, rows_dim=0, masked=masked,
                        k_seg=_streamed_ids(ctx, scratch, "kseg", slot, masked), raw=fold,
                        dense=dense, **data)
@@ -1258,7 +1302,7 @@ def _call(st: _Static):
 
   scratch = _ring_scratch(st, dtype, stages, resident=(("q", bq, None),) + _ids(st, "qseg", bq),
                           streamed=(("k", bk, None), ("v", bk, None, hv)) + _ids(st, "kseg", bk)
-                          + ((("bias", rows, None, bk),) if st.bias is not None else ()))
+                          + _bias_buffer(st, rows, bk, bk))
   if own_out:
     scratch["out"] = plgpu.SMEM((2, bq, hv), dtype, transforms=_tiled())
   if alias:  # consumer c's output rows start at consumer c's query tile
@@ -1298,10 +1342,11 @@ def _pad_seq(x, length: int):
 
 
 def supports_backward(*, head_dim: int, v_head_dim: int | None = None,
-                      config: Config | None = None, bias: bool = False) -> str | None:
+                      config: Config | None = None, bias: bool | str = False) -> str | None:
   """None when the Hopper backward kernels take a call that the forward takes, else why not:
   equal head sizes up to 128 in one dK/dV kernel (``_fused_dkv``), other sizes up to 192 (MLA's
-  192 / 128) with dK and dV from kernels of their own; ``bias``: with a dense bias' tiles."""
+  192 / 128) with dK and dV from kernels of their own; ``bias``: with a dense bias' tiles
+  (``"row"``: a one-row bias' vectors)."""
   hv = head_dim if v_head_dim is None else v_head_dim
   if max(head_dim, hv) > 192:
     return (f"head sizes {head_dim} / {hv} (the backward's resident key and value tiles and "
@@ -1315,30 +1360,35 @@ def supports_backward(*, head_dim: int, v_head_dim: int | None = None,
 
 
 def backward_smem_bytes(head_dim: int, config: Config, v_head_dim: int | None = None, *,
-                        bias: bool = False) -> int:
+                        bias: bool | str = False) -> int:
   """Shared memory of the larger backward CTA: two resident 64-row tiles of each of two
   operands (``q`` and ``do``, or ``k`` and ``v``) and ``stages`` slots of the other two (64 rows
   in the dK/dV kernel, ``dq_block_k`` keys in the dQ kernel), head sizes ``H`` and ``Hv``; fp32
   row vectors (``lse``, ``delta``) and segment ids (assumed) in 1 KiB buffers; barriers (the
   dK/dV kernel's: more ready barriers per slot); with ``bias`` a 16-bit bias tile per slot
   (``[128, dq_block_k]`` in the dQ kernel, ``[128 keys, 64 rows]`` of the transposed bias in
-  the dK/dV kernel) and its ready barriers.  ``smem_bytes``' terms."""
+  the dK/dV kernel; ``bias="row"``: a one-row bias' fp32 vector of the slot's keys, 128 in the
+  dK/dV kernel) and its ready barriers.  ``smem_bytes``' terms."""
   c, hv = config, head_dim if v_head_dim is None else v_head_dim
   rows = _BWD_BLOCK
 
-  def need(streamed: int, vectors: list[int], barriers: int) -> int:
+  def need(streamed: int, vectors: list[int], barriers: int, keys: int) -> int:
     tiles = [2 * 2 * rows * head_dim, 2 * 2 * rows * hv, 2 * c.stages * streamed * head_dim,
              2 * c.stages * streamed * hv]
-    if bias:
+    if bias == "row":
+      vectors = vectors + [4 * c.stages * keys]
+      barriers += c.stages
+    elif bias:
       tiles.append(2 * c.stages * 2 * rows * streamed)
       barriers += c.stages
     return sum(map(_kib, tiles + vectors)) + 8 * barriers
 
   # dK/dV: resident k, v (+ ids), streamed q, do, lse, delta (+ ids); dQ: resident q, do, lse,
   # delta (+ ids), streamed k, v (+ ids); barriers: one per buffer and slot, free, the turn
-  dkv = need(rows, [4 * 2 * rows] + [4 * c.stages * rows] * 3, 2 * 3 + c.stages * 6 + 1)
+  dkv = need(rows, [4 * 2 * rows] + [4 * c.stages * rows] * 3, 2 * 3 + c.stages * 6 + 1,
+             2 * rows)
   dq = need(c.dq_block_k, [4 * 2 * rows] * 3 + [4 * c.stages * c.dq_block_k],
-            2 * 5 + c.stages * 4 + 1)
+            2 * 5 + c.stages * 4 + 1, c.dq_block_k)
   return max(dkv, dq)
 
 
@@ -1434,9 +1484,7 @@ def _dq_call(st: _Static):
         pl.when(wg == 1)(lambda: ctx.take_turn(turn))
 
       def probs(s, slot, block, masked):
-        dense = None  # this consumer's rows of the slot's bias tile
-        if st.bias is not None:
-          dense = ctx.load_tile(scratch["bias"].at[slot].at[pl.ds(wg * bq, bq)])
+        dense = _bias_part(ctx, scratch, slot, wg * bq, bq)
         s, tanh = _scores(ctx, s, q0=r0, k0=block * bk, rows_dim=0, masked=masked,
                           k_seg=_streamed_ids(ctx, scratch, "kseg", slot, masked), raw=raw,
                           dense=dense, **data)
@@ -1505,7 +1553,7 @@ def _dq_call(st: _Static):
       resident=(("q", bq, None), ("do", bq, None, st.v_head_dim), ("lse", bq, jnp.float32),
                 ("delta", bq, jnp.float32)) + _ids(st, "qseg", bq),
       streamed=(("k", bk, None), ("v", bk, None, st.v_head_dim)) + _ids(st, "kseg", bk)
-      + ((("bias", rows, None, bk),) if st.bias is not None else ()))
+      + _bias_buffer(st, rows, bk, bk))
   names = ("q", "k", "v", "do", "lse", "delta") + _data_names(st) + ("dq",)
   call = _launch(st, _entry(names, scratch, kernel),
                  jax.ShapeDtypeStruct((st.batch, tp, st.num_heads, h), dtype),
@@ -1574,9 +1622,7 @@ def _dkv_call(st: _Static, part: str = "both"):
         """``(p^T, tanh)`` of the raw logits ``s^T`` of query block ``block``."""
         slope = refs["slopes"][kv_head * groups + o] if st.alibi else None
         q_seg = _streamed_ids(ctx, scratch, "qseg", slot, masked)
-        dense = None  # this consumer's keys of the slot's transposed bias tile
-        if st.bias is not None:
-          dense = ctx.load_tile(scratch["bias"].at[slot].at[pl.ds(wg * bk, bk)])
+        dense = _bias_part(ctx, scratch, slot, wg * bk, bk, keys=True)
         s, tanh = _scores(ctx, s, q0=block * bq, k0=k0, rows_dim=1, masked=masked,
                           q_offset=q_offset, slope=slope,
                           limit=limit, q_seg=q_seg, k_seg=k_seg, raw=raw, dense=dense)
@@ -1695,9 +1741,10 @@ def _dkv_call(st: _Static, part: str = "both"):
         if st.segments:
           plgpu.copy_gmem_to_smem(refs["q_ids"].at[batch, rows_], scratch["qseg"].at[slot],
                                   scratch["qseg_ready"].at[slot])
-        if st.bias is not None:  # [CTA's keys, rows] of the transposed bias
-          src = refs["bias"].at[(*st.bias_index(batch, head),
-                                 pl.ds(tile * keys_per_cta, keys_per_cta), rows_)]
+        if st.bias is not None:  # [CTA's keys, rows] of the transposed bias (a row: keys)
+          cta_keys = pl.ds(tile * keys_per_cta, keys_per_cta)
+          src = refs["bias"].at[(*st.bias_index(batch, head), cta_keys)
+                                + (() if st.bias_row else (rows_,))]
           plgpu.copy_gmem_to_smem(src, scratch["bias"].at[slot],
                                   scratch["bias_ready"].at[slot])
 
@@ -1708,7 +1755,7 @@ def _dkv_call(st: _Static, part: str = "both"):
       resident=(("k", bk, None), ("v", bk, None, hv)) + _ids(st, "kseg", bk),
       streamed=(("q", bq, None), ("do", bq, None, hv), ("lse", bq, jnp.float32),
                 ("delta", bq, jnp.float32)) + _ids(st, "qseg", bq)
-      + ((("bias", keys_per_cta, None, bq),) if st.bias is not None else ()))
+      + _bias_buffer(st, keys_per_cta, bq, keys_per_cta))
   outs = {"both": ("dk", "dv")}.get(part, (part,))
   names = ("q", "k", "v", "do", "lse", "delta") + _data_names(st) + outs
   shapes = {n: jax.ShapeDtypeStruct((st.batch, sp, st.num_kv_heads, h if n == "dk" else hv),

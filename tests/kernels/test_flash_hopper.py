@@ -416,6 +416,57 @@ def test_backward_bias_matches_formula(case):
     assert_close(g, w, 3e-2, f"{name} {label}")
 
 
+ROW_BIAS_CASES = [
+    # name, (b, t, s, n, k), bias dims (batch, heads), bias dtype, mask, q_offset, cap, config
+    ("per row causal offset fp32", (2, 130, 200, 2, 1), (2, 1), jnp.float32, M.CausalMask(), 70,
+     None, hopper.Config(block_k=64, pingpong=True)),
+    ("per head softcap persistent overlap", (1, 130, 200, 2, 1), (1, 2), jnp.bfloat16, None, 0,
+     30.0, hopper.Config(block_k=64, overlap=True, persistent=True)),
+]
+
+
+@pytest.mark.parametrize("case", params(ROW_BIAS_CASES))
+def test_forward_one_row_bias_matches_formula(case):
+  """A bias with one row for all queries ``[B|1, N|1, 1, S]`` (a per-key bias: an additive
+  padding mask, a learned per-key prior), any float dtype: streamed as fp32 ``[block_k]``
+  vectors beside each key block and broadcast over the rows, added before the soft-cap."""
+  name, (b, t, s, n, k), dims, dtype, mask, q_offset, cap, config = case
+  q, key, v = inputs(b, t, s, n, k, 64, seed=12)
+  bias = 2.0 * jax.random.normal(jax.random.key(13), (b if dims[0] > 1 else 1,
+                                                      n if dims[1] > 1 else 1, 1, s))
+  bias = bias.at[..., 150:170].set(-1e9).astype(dtype)    # keys masked the additive way
+  out, lse = hopper.forward(q, key, v, mask=mask, q_offset=q_offset, logits_soft_cap=cap,
+                            config=config, interpret=interpret(), bias=bias)
+  want_out, want_lse = dot_product_attention(
+      *(x.astype(jnp.float32) for x in (q, key, v, bias)), mask=mask, q_offset=q_offset,
+      logits_soft_cap=cap, implementation="xla", return_residuals=True)
+  plain = formula(q, key, v, mask, q_offset, cap)[0]
+  assert float(jnp.abs(plain - want_out).max()) > 0.3
+  assert_close(out, want_out, TOL, name + " out")
+  assert_close(lse, want_lse, 1e-2, name + " lse")
+
+
+def test_backward_one_row_bias_matches_formula():
+  """dQ, dK, dV with a one-row bias per head ``[1, N, 1, S]`` and GQA: the dK/dV kernel streams
+  the vector of its keys for each query head of the group in turn (the wrong head's would move
+  dK); the bias' gradient is ``gpu.py``'s."""
+  b, t, s, n, k = 1, 130, 200, 2, 1
+  q, key, v = inputs(b, t, s, n, k, 64, seed=14)
+  bias = (3.0 * jax.random.normal(jax.random.key(15), (1, n, 1, s))).astype(jnp.bfloat16)
+  mask, config = M.CausalMask(), hopper.Config(block_k=64, overlap=True)
+  d_out = jax.random.normal(jax.random.key(16), (b, t, n, 64)).astype(jnp.bfloat16)
+  out, lse = hopper.forward(q, key, v, mask=mask, q_offset=70, config=config,
+                            interpret=interpret(), bias=bias)
+  got = hopper.backward(q, key, v, out, lse, d_out, mask=mask, q_offset=70, config=config,
+                        interpret=interpret(), bias=bias)
+  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+  _, vjp = jax.vjp(lambda q, k, v: dot_product_attention(
+      q, k, v, f32(bias), mask=mask, q_offset=70, implementation="xla"),
+      f32(q), f32(key), f32(v))
+  for g, w, label in zip(got, vjp(f32(d_out)), ("dq", "dk", "dv")):
+    assert_close(g, w, 3e-2, f"one-row bias {label}")
+
+
 def mask_array(shape, seed):
   """A boolean mask ``[Bm, Nm, T, S]`` whose 64-key blocks are, for every head and row: all
   allowed (keys 64..127: FULL where a tile has no padded row), none allowed (128..191: EMPTY,
@@ -784,6 +835,44 @@ def test_flax_mask_array_runs_on_hopper():
     assert_close(g, w, 3e-2, name)
 
 
+def test_one_row_bias_through_the_entry_point_with_its_gradient():
+  """A learned per-key bias ``[B, 1, 1, S]`` in fp32 through ``flash_attention_gpu``: the Hopper
+  forward and backward take it (counted, as its fp32 key vectors), and its gradient (``ds``
+  summed over the heads and query rows, by the Triton kernel of its own) matches the formula's,
+  as do dQ, dK and dV."""
+  b, t, n = 2, 128, 2
+  q, key, v = inputs(b, t, t, n, 1, 64, jnp.bfloat16, seed=9)
+  bias = 2.0 * jax.random.normal(jax.random.key(17), (b, 1, 1, t), jnp.float32)
+  calls = {"forward": [], "backward": []}
+  real = {name: getattr(hopper, name) for name in calls}
+  saved = gpu_kernel.get_options()
+
+  def loss(f):
+    def g(q, k, v, bias):
+      o = f(q, k, v, bias).astype(jnp.float32)
+      return jnp.sum(o * jnp.cos(o))
+    return jax.value_and_grad(g, argnums=(0, 1, 2, 3))
+
+  try:
+    gpu_kernel.set_options(forward="hopper", backward="hopper",
+                           hopper=hopper.Config(block_k=64))
+    for name in calls:
+      setattr(hopper, name, lambda *a, _n=name, **kw: (calls[_n].append(kw), real[_n](*a, **kw))[1])
+    _, grads = loss(lambda q, k, v, bias: flash_attention_gpu(
+        q, k, v, M.CausalMask(), bias=bias))(q, key, v, bias)
+  finally:
+    for name in calls:
+      setattr(hopper, name, real[name])
+    gpu_kernel.set_options(**saved)
+  assert all(c and c[0]["bias"].shape == (b, 1, 1, t) for c in calls.values())
+  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+  _, want = loss(lambda q, k, v, bias: dot_product_attention(
+      f32(q), f32(k), f32(v), bias, is_causal=True, implementation="xla"))(q, key, v, bias)
+  assert grads[3].shape == bias.shape and grads[3].dtype == jnp.float32
+  for g, w, name in zip(grads, want, ("dq", "dk", "dv", "dbias")):
+    assert_close(g, w, 3e-2, name)
+
+
 def _plan(**kw):
   q, key, v = inputs(1, 64, 64, 2, 1, 64, kw.pop("dtype", jnp.bfloat16))
   args = dict(static_mask=M.CausalMask(), q_offset=0, logits_soft_cap=None, alibi_slopes=None,
@@ -811,14 +900,15 @@ def test_dispatch_reasons():
                                           kv_lengths=jnp.full((1,), 50))) is None
     assert "GlobalTokensMask" in gpu_kernel.hopper_reason(
         _plan(static_mask=M.GlobalTokensMask((0,))))
-    # a dense bias [B|1, N|1, T, S] in the inputs' dtype, or a mask array of that shape: the
-    # Hopper kernels; one row for all queries, another dtype, a mask array with a bias or with
-    # heads and one row: Triton's
+    # a dense bias [B|1, N|1, T, S] in the inputs' dtype, a one-row bias of any float dtype, or
+    # a mask array [B|1, N|1, T, S]: the Hopper kernels; a full bias of another dtype, a mask
+    # array with a bias or with heads and one row: Triton's
     bias = jnp.zeros((1, 2, 64, 64), jnp.bfloat16)
     allowed = jnp.ones((1, 2, 64, 64), bool)
     assert gpu_kernel.hopper_reason(_plan(bias=bias)) is None
     assert gpu_kernel.hopper_reason(_plan(mask_array=allowed)) is None
-    assert "(1, 2, 1)" in gpu_kernel.hopper_reason(_plan(bias=bias[:, :, :1]))
+    assert gpu_kernel.hopper_reason(_plan(bias=bias[:, :, :1])) is None
+    assert gpu_kernel.hopper_reason(_plan(bias=bias[:, :, :1].astype(jnp.float32))) is None
     assert "float32" in gpu_kernel.hopper_reason(_plan(bias=bias.astype(jnp.float32)))
     assert "mask array with a bias" in gpu_kernel.hopper_reason(
         _plan(bias=bias, mask_array=allowed))
@@ -830,6 +920,7 @@ def test_dispatch_reasons():
     assert gpu_kernel.hopper_reason(_plan(), "backward") is None
     assert gpu_kernel.hopper_reason(_plan(bias=bias), "backward") is None
     assert gpu_kernel.hopper_reason(_plan(mask_array=allowed), "backward") is None
+    assert gpu_kernel.hopper_reason(_plan(bias=bias[:, :, :1]), "backward") is None
     q, key, v = inputs(1, 64, 64, 2, 1, 256)
     wide = C.make_plan(q, key, v, static_mask=None, q_offset=0, logits_soft_cap=None,
                        alibi_slopes=None, segment_ids=None, kv_lengths=None,
@@ -875,6 +966,13 @@ def test_shared_memory_limit_and_defaults():
     assert hopper.smem_bytes(h, cfg, bias=True) - hopper.smem_bytes(h, cfg) == (
         2 * 2 * 128 * cfg.block_k + 8 * 2)
   assert hopper.default_config(128, bias=True).block_k == 128
+  # a one-row bias: a [block_k] fp32 vector per slot (1 KiB at 128 keys and 2 stages) and its
+  # barriers; the default 128-key steps with segment ids still fit at head size 128
+  assert hopper.smem_bytes(128, hopper.Config(block_k=128), bias="row") - hopper.smem_bytes(
+      128, hopper.Config(block_k=128)) == 1024 + 8 * 2
+  assert hopper.default_config(128, bias="row").block_k == 128
+  assert hopper.smem_bytes(128, hopper.default_config(128, bias="row"), bias="row") <= 227 * 1024
+  assert hopper.supports_backward(head_dim=128, bias="row") is None
   # the backward: a [128, 64] bias tile per slot in both kernels (dQ at 64 keys per step)
   assert hopper.backward_smem_bytes(128, hopper.Config(), bias=True) - hopper.backward_smem_bytes(
       128, hopper.Config()) == 2 * 2 * 128 * 64 + 8 * 2
@@ -931,8 +1029,8 @@ def test_errors():
   with pytest.raises(ValueError, match="multiple of key heads"):
     hopper.forward(q, key, v)
   q, key, v = inputs(1, 64, 64, 2, 1, 64)
-  for bad in (jnp.zeros((1, 2, 1, 64), jnp.bfloat16), jnp.zeros((1, 3, 64, 64), jnp.bfloat16),
-              jnp.zeros((1, 2, 64, 64), jnp.float32)):
+  for bad in (jnp.zeros((1, 2, 2, 64), jnp.bfloat16), jnp.zeros((1, 3, 64, 64), jnp.bfloat16),
+              jnp.zeros((1, 2, 64, 64), jnp.float32), jnp.zeros((1, 2, 1, 64), jnp.int32)):
     with pytest.raises(ValueError, match=r"`bias` must be \[B\|1, N\|1, T, S\]"):
       hopper.forward(q, key, v, bias=bad)
   with pytest.raises(ValueError, match=r"`mask_array` must be \[B\|1, N\|1, T, S\] with "
@@ -973,7 +1071,8 @@ def test_errors():
     (128, M.CausalMask(), 30.0, "overlap persistent", True), (64, None, None, "persistent", False),
     (128, M.CausalMask(), None, "pingpong bias", True), (128, None, 30.0, "overlap bias", False),
     (64, M.CausalMask(), None, "overlap persistent bias", True),
-    (128, M.CausalMask(), None, "pingpong mask", True)])
+    (128, M.CausalMask(), None, "pingpong mask", True),
+    (128, M.CausalMask(), 30.0, "overlap row bias", True)])
 def test_lowers_for_cuda(h, mask, cap, schedule, data):
   """The hardware program (wgmma from shared memory and registers, layouts, TMA, barriers) goes
   through Mosaic GPU's lowering to one custom call, for every head size and each schedule (the
@@ -1004,23 +1103,25 @@ def test_lowers_for_cuda(h, mask, cap, schedule, data):
   with_bias = "bias" in schedule or "mask" in schedule
   dense = "mask_array" if "mask" in schedule else "bias"
   bias = (jax.ShapeDtypeStruct((2, 1, 1000, 1000), bool) if dense == "mask_array" else
+          jax.ShapeDtypeStruct((1, 4, 1, 1000), jnp.float32) if "row" in schedule else
           jax.ShapeDtypeStruct((1, 4, 1000, 1000), jnp.bfloat16))
+  kind = "row" if "row" in schedule else with_bias
   cfg = hopper.Config(block_k=192 if "192" in schedule else hopper.default_config(
-                          h, hv, bias=with_bias).block_k,
+                          h, hv, bias=kind).block_k,
                       stages=3 if "3 stages" in schedule else 2,
                       persistent="persistent" in schedule,
                       pingpong=schedule in ("pingpong", "both 240", "pingpong bias"),
                       overlap=schedule.startswith(("overlap", "both")),
                       registers=240 if schedule == "both 240" else 232,
                       dq_block_k=128 if "dq128" in schedule else 64)
-  assert hopper.smem_bytes(h, cfg, hv, segments=data, bias=with_bias) <= 227 * 1024
+  assert hopper.smem_bytes(h, cfg, hv, segments=data, bias=kind) <= 227 * 1024
   if with_bias:
     f = lambda q, k, v, b, *extra: hopper.forward(  # noqa: E731
         q, k, v, mask=mask, logits_soft_cap=cap, config=cfg, **{dense: b}, **kw(*extra))
     text = jax.export.export(jax.jit(f), platforms=("cuda",))(q, k, v, bias,
                                                               *extra).mlir_module()
     assert re.findall(r"custom_call @(mosaic_gpu\w*)", text)
-    if hopper.supports_backward(head_dim=h, v_head_dim=hv, config=cfg, bias=True):
+    if hopper.supports_backward(head_dim=h, v_head_dim=hv, config=cfg, bias=kind):
       return
     lse = jax.ShapeDtypeStruct((2, 4, 1000), jnp.float32)
     o = jax.ShapeDtypeStruct((2, 1000, 4, hv), jnp.bfloat16)
