@@ -67,10 +67,9 @@ from pallas_kernels.flash_attention.sharded import run_flash
 #            but not yet timed on a GPU.
 #   forward: "triton" (the kernel below), "hopper" (``hopper.py``: Mosaic GPU, TMA + wgmma + warp
 #            specialisation, for sm_90 GPUs; band masks with segment ids, key lengths, ALiBi and
-#            soft-cap, a dense bias or a mask array [B|1, N|1, T, S] and a one-row bias
-#            [B|1, N|1, 1, S]; calls it does not take -- fp32, non-band masks, a traced scale,
-#            a mask array with a bias, another GPU -- stay on Triton, see ``hopper_reason``) or
-#            "auto"
+#            soft-cap, a dense bias or a mask array [B|1, N|1, T|1, S]; calls it does not take
+#            -- fp32, non-band masks, a traced scale, a mask array with a bias, another GPU --
+#            stay on Triton, see ``hopper_reason``) or "auto"
 #            ("hopper" on a compiled run, Triton when interpreted: the CPU tests interpret the
 #            Hopper kernels only where they ask for them).  Either backward takes either forward's
 #            output.  On an H200 at T = 8k (bf16, 16 heads of 128) the Hopper forward ran 533-554
@@ -341,9 +340,9 @@ def hopper_reason(plan: C.Plan, which: str = "forward") -> str | None:
     return (f"a dense bias {plan.bias_shape} {plan.bias_dtype} (the Hopper kernels stream "
             f"[B|1, N|1, T, S] tiles in the inputs' dtype, or one-row biases as fp32 vectors)")
   # (a key-padding mask [B|1, 1, 1, S] arrives as segment ids)
-  if plan.has_mask_array and (plan.has_bias or plan.mask_shape[2] != plan.q_len):
-    return ("a boolean mask array with a bias, or with heads and one row (the Hopper kernels "
-            "stream [B|1, N|1, T, S] tiles, the bias' or the mask's)")
+  if plan.has_mask_array and plan.has_bias:
+    return ("a boolean mask array with a bias (the Hopper kernels stream one dense input, the "
+            "bias' or the mask's)")
   return hopper.supports(dtype=plan.dtype, head_dim=plan.head_dim, v_head_dim=plan.v_head_dim,
                          static_mask=plan.static_mask,
                          config=_OPTIONS["hopper"], segments=plan.has_segments, bias=dense)
@@ -351,9 +350,10 @@ def hopper_reason(plan: C.Plan, which: str = "forward") -> str | None:
 
 def _hopper_dense(plan: C.Plan) -> bool | str:
   """The Hopper kernels' dense input (their shared-memory models' ``bias``): ``"row"`` for a
-  bias with one row for all queries (fp32 key vectors), True for a bias or mask array tile,
-  else False."""
-  if plan.has_bias and plan.bias_shape[2] == 1:
+  bias or mask array with one row for all queries (fp32 key vectors), True for a bias or mask
+  array tile, else False."""
+  shape = plan.bias_shape or plan.mask_shape
+  if shape is not None and shape[2] == 1:
     return "row"
   return plan.has_bias or plan.has_mask_array
 

@@ -49,10 +49,10 @@ its gradient is ``gpu.py``'s (the Triton kernel of its own).  A boolean mask arr
 shape (Flax's ``make_attention_mask``) takes the same tiles as 0 / 1 in the inputs' dtype,
 and'ed with the other masks in masked blocks; its blocks refine the run table over all heads
 (EMPTY where no head allows a pair: skipped; FULL where every head allows every pair: not
-evaluated).  A bias with one row for all queries ``[B|1, N|1, 1, S]`` (any float dtype) is
-streamed as an fp32 vector of each slot's keys, broadcast over the rows.  fp32 inputs, non-band
-masks, a mask array with a bias and masks with heads and one row are the Triton kernel's
-(``supports`` / ``gpu.hopper_reason`` say why).
+evaluated).  A bias or mask with one row for all queries ``[B|1, N|1, 1, S]`` (a bias of any
+float dtype) is streamed as an fp32 vector of each slot's keys, broadcast over the rows.  fp32
+inputs, non-band masks and a mask array with a bias are the Triton kernel's (``supports`` /
+``gpu.hopper_reason`` say why).
 
 The backward (``backward``) is FlashAttention-2's two passes on the same skeleton (``_Ctx``: a
 producer ring, two consumers, skip / masked / full runs): a dQ kernel over query tiles streams
@@ -328,9 +328,9 @@ def forward(query, key, value, *, mask: Mask | None = None, scale: float | None 
   additive bias (a T5 relative bias), added after the scale, before ALiBi and the soft-cap;
   streamed by TMA as ``[2 block_q, block_k]`` tiles beside each key block; ``[B|1, N|1, 1, S]``
   (one row for all queries, any float dtype): streamed as fp32 ``[block_k]`` vectors.
-  ``mask_array [B|1, N|1, T, S]`` bool (True: allowed; Flax's ``make_attention_mask`` shape),
-  and'ed with the other masks: streamed as the bias is (in the inputs' dtype, 0 / 1; not with a
-  ``bias``), its blocks refining the run table.  ``interpret``: None runs the hardware, or pass
+  ``mask_array [B|1, N|1, T|1, S]`` bool (True: allowed; Flax's ``make_attention_mask``
+  shape), and'ed with the other masks: streamed as the bias is (0 / 1; not with a ``bias``), its
+  blocks refining the run table.  ``interpret``: None runs the hardware, or pass
   ``plgpu.InterpretParams`` / True to run Mosaic GPU's interpreter on CPU.
   """
   data = dict(alibi_slopes=alibi_slopes, segment_ids=segment_ids, kv_lengths=kv_lengths,
@@ -362,7 +362,7 @@ def _static(name: str, query, key, value, *, mask, scale, q_offset, logits_soft_
   returns its static description."""
   b, t, n, h = query.shape
   s, kh, hv = key.shape[1], key.shape[2], value.shape[-1]
-  bias_row = bias is not None and not dense_mask and np.ndim(bias) == 4 and bias.shape[2] == 1
+  bias_row = bias is not None and np.ndim(bias) == 4 and bias.shape[2] == 1
   kind = "row" if bias_row else bias is not None
   config = config or default_config(h, hv, bias=kind)
   reason = supports(dtype=query.dtype, head_dim=h, v_head_dim=hv, static_mask=mask,
@@ -388,13 +388,13 @@ def _static(name: str, query, key, value, *, mask, scale, q_offset, logits_soft_
                      f"[B, S] = {(b, s)}), got {tuple(tuple(x.shape) for x in segment_ids)}.")
   if bias is not None and (np.ndim(bias) != 4 or bias.shape[0] not in (1, b)
                            or bias.shape[1] not in (1, n)
-                           or tuple(bias.shape[2:]) not in ((t, s), (1, s) if bias_row else ())
+                           or tuple(bias.shape[2:]) not in ((t, s), (1, s))
                            or not (bias.dtype == query.dtype or (
                                bias_row and jnp.issubdtype(bias.dtype, jnp.floating)))):
     what = "mask_array" if dense_mask else "bias"
-    raise ValueError(f"hopper.{name}: `{what}` must be [B|1, N|1, T, S] with [B, N, T, S] = "
-                     f"{(b, n, t, s)}" + ("" if dense_mask else f" in {query.dtype} (or "
-                                          f"[B|1, N|1, 1, S], one row, any float dtype)")
+    raise ValueError(f"hopper.{name}: `{what}` must be [B|1, N|1, T|1, S] with [B, N, T, S] = "
+                     f"{(b, n, t, s)}" + ("" if dense_mask else f" in {query.dtype} (one row: "
+                                          f"any float dtype)")
                      + f", got {tuple(np.shape(bias))}"
                      + ("" if dense_mask else f" {getattr(bias, 'dtype', None)}") + ".")
   if kv_lengths is not None and tuple(kv_lengths.shape) != (b,):

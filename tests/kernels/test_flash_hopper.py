@@ -478,7 +478,8 @@ def mask_array(shape, seed):
   m[..., 128:192] = False
   if shape[1] > 1:
     m[:, 0, :, :64] = False
-  m[..., 5, :] = False
+  if shape[2] > 5:
+    m[..., 5, :] = False
   return jnp.asarray(m)
 
 
@@ -496,6 +497,9 @@ MASK_CASES = [
      hopper.Config(block_k=64, pingpong=True), False),
     ("shared packed lengths alibi overlap", (1, 130, 200, 2, 1), (1, 1), None, 0,
      hopper.Config(block_k=64, overlap=True), True),
+    # one row per head (streamed as key vectors; its run table the same for every query tile)
+    ("one row per head window", (1, 130, 200, 2, 1), (1, 2, "row"), M.SlidingWindowMask(90, 0),
+     70, hopper.Config(block_k=64, pingpong=True), False),
 ]
 
 
@@ -509,13 +513,14 @@ def test_forward_mask_array_matches_formula(case):
   (q, key, v), kw, full_mask = data_case(
       b, t, s, n, k, mask, jnp.bfloat16, segments="packed" if data else None,
       lengths=(190,) if data else None, alibi=data, seed=4)
-  allowed = mask_array((b if dims[0] > 1 else 1, n if dims[1] > 1 else 1, t, s), seed=2)
+  allowed = mask_array((b if dims[0] > 1 else 1, n if dims[1] > 1 else 1,
+                        1 if "row" in dims else t, s), seed=2)
   out, lse = hopper.forward(q, key, v, mask=mask, q_offset=q_offset, config=config,
                             interpret=interpret(), mask_array=allowed, **kw)
   want_out, want_lse = formula(q, key, v, with_array(full_mask, allowed, t, s, q_offset),
                                q_offset, None, kw.get("alibi_slopes"))
   empty = ~np.isfinite(np.asarray(want_lse))
-  assert empty[:, :, 5].all()
+  assert "row" in dims or empty[:, :, 5].all()
   assert np.array_equal(~np.isfinite(np.asarray(lse)), empty)
   assert np.all(np.asarray(out, np.float32).transpose(0, 2, 1, 3)[empty] == 0.0)
   assert_close(out, want_out, TOL, name + " out")
@@ -900,9 +905,9 @@ def test_dispatch_reasons():
                                           kv_lengths=jnp.full((1,), 50))) is None
     assert "GlobalTokensMask" in gpu_kernel.hopper_reason(
         _plan(static_mask=M.GlobalTokensMask((0,))))
-    # a dense bias [B|1, N|1, T, S] in the inputs' dtype, a one-row bias of any float dtype, or
-    # a mask array [B|1, N|1, T, S]: the Hopper kernels; a full bias of another dtype, a mask
-    # array with a bias or with heads and one row: Triton's
+    # a dense bias [B|1, N|1, T, S] in the inputs' dtype, a one-row bias of any float dtype, a
+    # mask array [B|1, N|1, T|1, S]: the Hopper kernels; a full bias of another dtype or a mask
+    # array with a bias: Triton's
     bias = jnp.zeros((1, 2, 64, 64), jnp.bfloat16)
     allowed = jnp.ones((1, 2, 64, 64), bool)
     assert gpu_kernel.hopper_reason(_plan(bias=bias)) is None
@@ -912,8 +917,7 @@ def test_dispatch_reasons():
     assert "float32" in gpu_kernel.hopper_reason(_plan(bias=bias.astype(jnp.float32)))
     assert "mask array with a bias" in gpu_kernel.hopper_reason(
         _plan(bias=bias, mask_array=allowed))
-    assert "with heads and one row" in gpu_kernel.hopper_reason(
-        _plan(mask_array=allowed[:, :, :1]))
+    assert gpu_kernel.hopper_reason(_plan(mask_array=allowed[:, :, :1])) is None
     gpu_kernel.set_options(backward="triton")
     assert gpu_kernel.hopper_reason(_plan(), "backward") == "option backward='triton'"
     gpu_kernel.set_options(backward="hopper")
@@ -1031,11 +1035,11 @@ def test_errors():
   q, key, v = inputs(1, 64, 64, 2, 1, 64)
   for bad in (jnp.zeros((1, 2, 2, 64), jnp.bfloat16), jnp.zeros((1, 3, 64, 64), jnp.bfloat16),
               jnp.zeros((1, 2, 64, 64), jnp.float32), jnp.zeros((1, 2, 1, 64), jnp.int32)):
-    with pytest.raises(ValueError, match=r"`bias` must be \[B\|1, N\|1, T, S\]"):
+    with pytest.raises(ValueError, match=r"`bias` must be \[B\|1, N\|1, T\|1, S\]"):
       hopper.forward(q, key, v, bias=bad)
-  with pytest.raises(ValueError, match=r"`mask_array` must be \[B\|1, N\|1, T, S\] with "
-                                       r"\[B, N, T, S\] = \(1, 2, 64, 64\), got \(1, 2, 1, 64\)"):
-    hopper.forward(q, key, v, mask_array=jnp.ones((1, 2, 1, 64), bool))
+  with pytest.raises(ValueError, match=r"`mask_array` must be \[B\|1, N\|1, T\|1, S\] with "
+                                       r"\[B, N, T, S\] = \(1, 2, 64, 64\), got \(1, 2, 2, 64\)"):
+    hopper.forward(q, key, v, mask_array=jnp.ones((1, 2, 2, 64), bool))
   with pytest.raises(ValueError, match="`mask_array` must be bool, got int32"):
     hopper.forward(q, key, v, mask_array=jnp.ones((1, 2, 64, 64), jnp.int32))
   with pytest.raises(ValueError, match="`bias` and `mask_array` stream through the same tiles"):
