@@ -69,6 +69,16 @@ def params(cases, ids=None):
           for c, i in zip(cases, ids)]
 
 
+def residual_loss(f):
+  """``value_and_grad`` over ``(q, k, v)`` of ``sum(o cos o)`` for ``f(q, k, v) -> (out, lse)``,
+  with ``(out, lse)`` as its aux."""
+  def g(q, k, v):
+    out, lse = f(q, k, v)
+    o = out.astype(jnp.float32)
+    return jnp.sum(o * jnp.cos(o)), (out, lse)
+  return jax.value_and_grad(g, argnums=(0, 1, 2), has_aux=True)
+
+
 def assert_close(got, want, tol, name):
   got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
   scale = max(1.0, float(np.max(np.abs(want[np.isfinite(want)]), initial=0.0)))
@@ -773,21 +783,14 @@ def test_key_padding_mask_runs_on_hopper(packed):
                            hopper=hopper.Config(block_k=64))
     hopper.forward = lambda *a, **kw: (calls.append(kw), real(*a, **kw))[1]
 
-    def loss(f):
-      def g(q, k, v):
-        out, lse = f(q, k, v)
-        o = out.astype(jnp.float32)
-        return jnp.sum(o * jnp.cos(o)), (out, lse)
-      return jax.value_and_grad(g, argnums=(0, 1, 2), has_aux=True)
-
-    (_, (out, lse)), grads = loss(lambda q, k, v: flash_attention_gpu(
+    (_, (out, lse)), grads = residual_loss(lambda q, k, v: flash_attention_gpu(
         q, k, v, mask, mask_array=keep, return_residuals=True))(q, key, v)
   finally:
     hopper.forward = real
     gpu_kernel.set_options(**saved)
   assert calls and calls[0]["segment_ids"] is not None
   f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-  (_, (want, want_lse)), want_grads = loss(lambda q, k, v: dot_product_attention(
+  (_, (want, want_lse)), want_grads = residual_loss(lambda q, k, v: dot_product_attention(
       f32(q), f32(k), f32(v), mask=keep, is_causal=True,
       segment_ids=ids if packed else None, implementation="xla",
       return_residuals=True))(q, key, v)
@@ -818,14 +821,7 @@ def test_flax_mask_array_runs_on_hopper():
     for name in calls:
       setattr(hopper, name, lambda *a, _n=name, **kw: (calls[_n].append(kw), real[_n](*a, **kw))[1])
 
-    def loss(f):
-      def g(q, k, v):
-        out, lse = f(q, k, v)
-        o = out.astype(jnp.float32)
-        return jnp.sum(o * jnp.cos(o)), (out, lse)
-      return jax.value_and_grad(g, argnums=(0, 1, 2), has_aux=True)
-
-    (_, (out, lse)), grads = loss(lambda q, k, v: flash_attention_gpu(
+    (_, (out, lse)), grads = residual_loss(lambda q, k, v: flash_attention_gpu(
         q, k, v, M.CausalMask(), mask_array=allowed, return_residuals=True))(q, key, v)
   finally:
     for name in calls:
@@ -833,7 +829,7 @@ def test_flax_mask_array_runs_on_hopper():
     gpu_kernel.set_options(**saved)
   assert all(c and c[0]["mask_array"] is not None for c in calls.values())
   f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-  (_, (want, want_lse)), want_grads = loss(lambda q, k, v: dot_product_attention(
+  (_, (want, want_lse)), want_grads = residual_loss(lambda q, k, v: dot_product_attention(
       f32(q), f32(k), f32(v), mask=allowed, is_causal=True, implementation="xla",
       return_residuals=True))(q, key, v)
   empty = ~np.isfinite(np.asarray(want_lse))
