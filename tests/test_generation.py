@@ -7,7 +7,8 @@ import pytest
 from flax import nnx
 
 from jaxattn.configs import get_config
-from jaxattn.generation import decode_functions, generate, sample_logits, sample_rows, token_key
+from jaxattn.generation import (decode_functions, generate, penalized_rows, sample_logits,
+                                sample_rows, token_key)
 from jaxattn.nn.model import DecoderLM
 
 
@@ -175,6 +176,29 @@ def test_top_k_keeps_the_k_most_likely_then_top_p():
   # k at or above the vocabulary is no limit.
   wide = np.asarray(sample_logits(logits, jax.random.key(2), temperature=1.0, top_k=10))
   np.testing.assert_allclose(np.bincount(wide, minlength=4) / wide.size, probs, atol=0.03)
+
+
+def test_penalized_rows_ahead_counts_the_drafts_before_each_position():
+  """``penalized_rows(..., ahead=)``: a check's position ``j`` is penalized as the history with
+  the first ``j`` drafts appended (generated: seen and counted; ``-1``: no draft); ``[B, V]``
+  logits take all of them; ``ahead`` of the wrong width is refused, naming it."""
+  v = 6
+  logits = 3.0 * jax.random.normal(jax.random.key(0), (2, 3, v))
+  history = jnp.array([[1, 2, -1, -1], [3, 3, 4, -1]], jnp.int32)
+  num_prompt = jnp.array([1, 2], jnp.int32)
+  settings = (jnp.array([1.5, 2.0]), jnp.array([0.5, 0.0]), jnp.array([0.25, 1.0]))
+  ahead = jnp.array([[2, 5], [4, -1]], jnp.int32)
+  got = penalized_rows(logits, history, num_prompt, *settings, ahead=ahead)
+  for j in range(3):
+    grown = jnp.concatenate([history, ahead[:, :j]], axis=1)
+    want = penalized_rows(logits[:, j], grown, num_prompt, *settings)
+    np.testing.assert_allclose(got[:, j], want, rtol=1e-6, err_msg=f"position {j}")
+  assert not np.allclose(got[:, 2], penalized_rows(logits[:, 2], history, num_prompt, *settings))
+  np.testing.assert_allclose(
+      penalized_rows(logits[:, 0], history, num_prompt, *settings, ahead=ahead),
+      penalized_rows(logits[:, 0], jnp.concatenate([history, ahead], 1), num_prompt, *settings))
+  with pytest.raises(ValueError, match=r"`ahead` must be \[B, T - 1 = 2\]"):
+    penalized_rows(logits, history, num_prompt, *settings, ahead=ahead[:, :1])
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -288,11 +288,6 @@ class _Static:
   dense_mask: bool = False  # the dense tile is a boolean mask array (1: allowed), not a bias
   bias_row: bool = False  # a one-row bias [B|1, N|1, 1, S]: streamed as fp32 key vectors
 
-  @property
-  def bias_kind(self) -> bool | str:
-    """The shared-memory models' ``bias``: False, True (tiles) or ``"row"`` (vectors)."""
-    return "row" if self.bias_row else self.bias is not None
-
   def bias_index(self, batch, head):
     """The (batch, head) of the bias' block that batch row ``batch`` and query head ``head``
     read (0 along a size-1 dim)."""
@@ -792,8 +787,8 @@ def _scores(ctx: _Ctx, s, *, q0, k0, rows_dim: int, masked: bool, q_offset, slop
 
 def _folds(st: _Static) -> bool:
   """Whether the forward folds the scale into its exponent (``_scores(raw=True)``): no ALiBi,
-  no dense bias, no soft-cap, and a positive scale (the max of the raw logits is then the max
-  of the scaled)."""
+  no dense bias (a mask array's tiles are compared, not added), no soft-cap, and a positive
+  scale (the max of the raw logits is then the max of the scaled)."""
   return (st.soft_cap is None and not st.alibi and (st.bias is None or st.dense_mask)
           and st.scale > 0)
 
