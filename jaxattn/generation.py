@@ -105,6 +105,33 @@ def penalized_logits(logits: Float[Array, "B V"], seen: Array, counts: Int[Array
   return x
 
 
+def penalty_start(tokens: Int[Array, "B T"], vocab_size: int) -> tuple[Array, Array]:
+  """The penalty state after a prompt: ``(seen [B, V] bool, counts [B, V] int32)``, its tokens
+  seen, none counted."""
+  b = tokens.shape[0]
+  seen = jnp.zeros((b, vocab_size), bool).at[jnp.arange(b)[:, None], tokens].set(True)
+  return seen, jnp.zeros((b, vocab_size), jnp.int32)
+
+
+def penalty_add(pstate, tokens: Int[Array, "B m"], keep=None) -> tuple[Array, Array]:
+  """``pstate`` with ``tokens [B, m]`` generated (seen and counted; those where ``keep [B, m]``,
+  default all)."""
+  seen, counts = pstate
+  hits = jax.nn.one_hot(tokens, counts.shape[-1], dtype=counts.dtype)
+  if keep is not None:
+    hits = hits * keep[..., None].astype(counts.dtype)
+  hits = jnp.sum(hits, axis=1)
+  return seen | (hits > 0), counts + hits
+
+
+def after_each(seen, counts, ahead: Int[Array, "B m"]) -> tuple[Array, Array]:
+  """``(seen, counts)`` ``[B, m + 1, V]``: position ``j`` the state after ``ahead[:, :j]`` were
+  generated (``-1``: none), for a check of ``m`` drafts."""
+  hits = jax.nn.one_hot(ahead, counts.shape[-1], dtype=counts.dtype)
+  cum = jnp.concatenate([jnp.zeros_like(hits[:, :1]), jnp.cumsum(hits, axis=1)], axis=1)
+  return seen[:, None] | (cum > 0), counts[:, None] + cum
+
+
 def _repetition(x, seen, r):
   return jnp.where(seen, jnp.where(x > 0, x / r, x * r), x)
 
@@ -128,18 +155,15 @@ def penalized_rows(logits: Float[Array, "B *T V"], history: Int[Array, "B L"],
   generated = valid & (jnp.arange(history.shape[1])[None, :] >= num_prompt[:, None])
   counts = jnp.zeros((b, v), jnp.float32).at[rows, ids].add(generated.astype(jnp.float32))
   settings = [repetition, presence, frequency]
-  if ahead is not None:
-    hits = jax.nn.one_hot(ahead, v, dtype=jnp.float32)        # (-1: a zero row)
+  if ahead is not None:                                        # (-1: no token)
     if logits.ndim == 3:
       if ahead.shape[1] != logits.shape[1] - 1:
         raise ValueError(f"`ahead` must be [B, T - 1 = {logits.shape[1] - 1}] with logits "
                          f"[B, T, V], got shape {ahead.shape}.")
-      cum = jnp.concatenate([jnp.zeros_like(hits[:, :1]), jnp.cumsum(hits, axis=1)], axis=1)
-      seen, counts = seen[:, None] | (cum > 0), counts[:, None] + cum
+      seen, counts = after_each(seen, counts, ahead)
       settings = [x[:, None] for x in settings]
     else:
-      hits = jnp.sum(hits, axis=1)
-      seen, counts = seen | (hits > 0), counts + hits
+      seen, counts = penalty_add((seen, counts), ahead)
   repetition, presence, frequency = (x[..., None] for x in settings)
   x = _repetition(logits.astype(jnp.float32), seen, repetition)
   return x - presence * (counts > 0) - frequency * counts
@@ -325,9 +349,7 @@ def decode_functions(graphdef, batch: int, max_len: int, *, temperature: float =
                                  presence_penalty=presence, frequency_penalty=frequency)
 
     def counted(pstate, token):  # the sampled token joins the seen set and the counts
-      seen, counts = pstate
-      hit = jax.nn.one_hot(token, counts.shape[-1], dtype=jnp.int32)
-      return seen | (hit > 0), counts + hit
+      return penalty_add(pstate, token[:, None])
 
   @jax.jit
   def prefill(state, tokens, key):
@@ -335,9 +357,7 @@ def decode_functions(graphdef, batch: int, max_len: int, *, temperature: float =
     logits, cache = m(tokens, cache=m.init_cache(batch, max_len, cache_dtype))
     if penalties is None:
       return sample(logits[:, -1], key), cache
-    v = logits.shape[-1]
-    seen = jnp.zeros((batch, v), bool).at[jnp.arange(batch)[:, None], tokens].set(True)
-    pstate = (seen, jnp.zeros((batch, v), jnp.int32))
+    pstate = penalty_start(tokens, logits.shape[-1])
     token = sample(penalize(logits[:, -1], *pstate), key)
     return token, cache, counted(pstate, token)
 

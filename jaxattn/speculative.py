@@ -60,8 +60,9 @@ from jaxtyping import Array, Float, Int
 from jaxattn.cache import KVCache
 from jaxattn.checks import is_int
 from jaxattn.dsa_cache import DSACache
-from jaxattn.generation import (NO_PENALTIES, _check, check_penalties, check_sampling, eval_model,
-                                filtered_logits, penalized_logits, row_filtered, token_key)
+from jaxattn.generation import (NO_PENALTIES, _check, after_each, check_penalties, check_sampling,
+                                eval_model, filtered_logits, penalized_logits, penalty_add,
+                                penalty_start, row_filtered, token_key)
 from jaxattn.mla_cache import LatentCache
 from jaxattn.nn.gated_deltanet import DeltaNetCache
 from jaxattn.nn.model import DecoderLM, ModelCache
@@ -230,23 +231,12 @@ class _Penalties:
                                      presence_penalty=presence, frequency_penalty=frequency)
 
   def start(self, prompt, vocab_size: int):
-    """The state after the prompt: its tokens seen, nothing counted."""
-    if not self.on:
-      return None
-    b = prompt.shape[0]
-    seen = jnp.zeros((b, vocab_size), bool).at[jnp.arange(b)[:, None], prompt].set(True)
-    return seen, jnp.zeros((b, vocab_size), jnp.int32)
+    """The state after the prompt (``generation.penalty_start``)."""
+    return penalty_start(prompt, vocab_size) if self.on else None
 
   def add(self, pstate, tokens, keep=None):
     """``pstate`` with ``tokens [B, m]`` emitted (those where ``keep [B, m]``, default all)."""
-    if not self.on:
-      return None
-    seen, counts = pstate
-    hits = jax.nn.one_hot(tokens, counts.shape[-1], dtype=jnp.int32)
-    if keep is not None:
-      hits = hits * keep[..., None].astype(jnp.int32)
-    hits = jnp.sum(hits, axis=1)
-    return seen | (hits > 0), counts + hits
+    return penalty_add(pstate, tokens, keep) if self.on else None
 
   def __call__(self, logits, pstate):
     """``logits [B, V]`` penalized with ``pstate``."""
@@ -255,12 +245,7 @@ class _Penalties:
   def check(self, logits, pstate, drafts):
     """The check's ``logits [B, k + 1, V]``: position ``j`` penalized with ``pstate`` after
     ``drafts[:, :j]`` (``drafts [B, k]``)."""
-    if not self.on:
-      return logits
-    seen, counts = pstate
-    hits = jax.nn.one_hot(drafts, counts.shape[-1], dtype=jnp.int32)
-    cum = jnp.concatenate([jnp.zeros_like(hits[:, :1]), jnp.cumsum(hits, axis=1)], axis=1)
-    return self.apply(logits, seen[:, None] | (cum > 0), counts[:, None] + cum)
+    return self.apply(logits, *after_each(*pstate, drafts)) if self.on else logits
 
 
 @functools.lru_cache(maxsize=16)
