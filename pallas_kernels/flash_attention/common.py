@@ -393,15 +393,24 @@ def validate(query, key, value, *, q_offset, scale, alibi_slopes, logits_soft_ca
 
 def static_kinds(plan: Plan, bq: int, bk: int) -> np.ndarray:
   """``[Tp/bq, Sp/bk]`` block kinds from the position-only mask and the padding of the arrays."""
-  t, s = plan.q_len, plan.kv_len
-  nq, nk = plan.q_pad // bq, plan.kv_pad // bk
+  return mask_kinds(plan.static_mask, plan.q_len, plan.kv_len, plan.q_pad, plan.kv_pad,
+                    plan.static_q_offset, bq, bk)
+
+
+def mask_kinds(mask, q_len: int, kv_len: int, q_pad: int, kv_pad: int, q_offset: int | None,
+               bq: int, bk: int) -> np.ndarray:
+  """``[q_pad/bq, kv_pad/bk]`` block kinds of a position-only ``mask`` (None: all allowed) over
+  arrays padded to ``q_pad`` rows and ``kv_pad`` keys: blocks of padding only are EMPTY, a block
+  holding padding keys is not FULL; ``q_offset`` None (traced): every real block PARTIAL."""
+  t, s = q_len, kv_len
+  nq, nk = q_pad // bq, kv_pad // bk
   rq, rk = -(-t // bq), -(-s // bk)  # blocks that hold real rows / keys
-  if plan.static_mask is None:
+  if mask is None:
     real = np.full((rq, rk), FULL, np.int8)
-  elif plan.static_q_offset is None:  # traced offset: every block may hold allowed pairs.
+  elif q_offset is None:  # traced offset: every block may hold allowed pairs.
     real = np.full((rq, rk), PARTIAL, np.int8)
   else:
-    real = np.array(plan.static_mask.block_view(t, s, bq, bk, plan.static_q_offset), np.int8)
+    real = np.array(mask.block_view(t, s, bq, bk, q_offset), np.int8)
   kinds = np.full((nq, nk), EMPTY, np.int8)  # blocks made only of padding are never visited
   kinds[:rq, :rk] = real
   if s % bk:  # the last real key block holds padding keys, which must be masked out

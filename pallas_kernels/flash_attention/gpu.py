@@ -66,9 +66,10 @@ from pallas_kernels.flash_attention.sharded import run_flash
 #            five matmuls, no dQ kernel).  Default "kernel"; "atomic" is tested for results here
 #            but not yet timed on a GPU.
 #   forward: "triton" (the kernel below), "hopper" (``hopper.py``: Mosaic GPU, TMA + wgmma + warp
-#            specialisation, for sm_90 GPUs; band masks with segment ids, key lengths, ALiBi and
-#            soft-cap, a dense bias or a mask array [B|1, N|1, T|1, S]; calls it does not take
-#            -- fp32, non-band masks, a traced scale, a mask array with a bias, another GPU --
+#            specialisation, for sm_90 GPUs; band masks and (static offset) Longformer-style
+#            block-sparse ones, segment ids, key lengths, ALiBi and soft-cap, a dense bias or
+#            a mask array [B|1, N|1, T|1, S]; calls it does not take -- fp32, other masks, a
+#            traced scale, a mask array with a bias, another GPU --
 #            stay on Triton, see ``hopper_reason``) or "auto"
 #            ("hopper" on a compiled run, Triton when interpreted: the CPU tests interpret the
 #            Hopper kernels only where they ask for them).  Either backward takes either forward's
@@ -345,7 +346,8 @@ def hopper_reason(plan: C.Plan, which: str = "forward") -> str | None:
             "bias' or the mask's)")
   return hopper.supports(dtype=plan.dtype, head_dim=plan.head_dim, v_head_dim=plan.v_head_dim,
                          static_mask=plan.static_mask,
-                         config=_OPTIONS["hopper"], segments=plan.has_segments, bias=dense)
+                         config=_OPTIONS["hopper"], segments=plan.has_segments, bias=dense,
+                         static_offset=plan.static_q_offset is not None)
 
 
 def _hopper_dense(plan: C.Plan) -> bool | str:

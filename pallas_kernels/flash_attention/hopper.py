@@ -34,6 +34,16 @@ the band are not computed (a consumer still waits for and releases them, which k
 mbarrier phases of the two consumers in step).  The CTA loads only the union of its two consumers'
 runs.
 
+Block-sparse masks walk block lists instead (``list_table``): a mask that is not a band but is
+built of full / causal / window / global-token masks with ``&`` and ``|`` (Longformer's window
+and global tokens; a causal window with attention sinks; ``listable``), and a mask array, each
+with a static query offset.  Per CTA the table lists the blocks either consumer's tile may see
+(the static mask's block kinds met with the data's), in order, and each consumer's runs over
+those list positions; the producer loads ``blocks[t]`` at step ``t`` and the consumers read the
+same entry, so blocks between a row's sinks and its window, or a mask array's emptied blocks, are
+neither loaded nor computed.  In masked blocks the mask is evaluated from the positions
+(``common.eval_mask``: one compare per global token).
+
 Data masks refine the runs per batch row at run time: segment ids (packed sequences) and key
 lengths give, per 64-row (or, in the dK/dV kernel, 64-key) tile, the block range that can hold an
 allowed pair and the FULL run inside it (``run_table``, from ``common.pair_kinds``: the blocks'
@@ -51,8 +61,8 @@ and'ed with the other masks in masked blocks; its blocks refine the run table ov
 (EMPTY where no head allows a pair: skipped; FULL where every head allows every pair: not
 evaluated).  A bias or mask with one row for all queries ``[B|1, N|1, 1, S]`` (a bias of any
 float dtype) is streamed as an fp32 vector of each slot's keys, broadcast over the rows.  fp32
-inputs, non-band masks and a mask array with a bias are the Triton kernel's (``supports`` /
-``gpu.hopper_reason`` say why).
+inputs, other masks (or a non-band one with a traced offset) and a mask array with a bias are
+the Triton kernel's (``supports`` / ``gpu.hopper_reason`` say why).
 
 The backward (``backward``) is FlashAttention-2's two passes on the same skeleton (``_Ctx``: a
 producer ring, two consumers, skip / masked / full runs): a dQ kernel over query tiles streams
@@ -84,8 +94,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxattn.ops.masks import EMPTY, FULL, Mask, _band
-from pallas_kernels.flash_attention.common import mask_array_kinds, pad_edge, pair_kinds
+from jaxattn.ops.masks import (EMPTY, FULL, AndMask, CausalMask, FullMask, GlobalTokensMask, Mask,
+                               OrMask, SlidingWindowMask, _band)
+from pallas_kernels.flash_attention.common import (eval_mask, mask_array_kinds, mask_kinds,
+                                                   pad_edge, pair_kinds)
 
 # ``plgpu.load(ref, idx, *, layout)`` in jax 0.10 (``idx`` required), optional in 0.11, gone
 # in 0.12.
@@ -184,6 +196,15 @@ def band(mask: Mask | None) -> tuple[bool, int | None, int | None]:
   return True, left, right
 
 
+def listable(mask: Mask | None) -> bool:
+  """Whether the kernels take a position mask that is not a band (block lists, ``list_table``):
+  full, causal, sliding-window and global-token masks joined by ``&`` and ``|`` (Longformer's
+  window plus global tokens), each evaluated in masked blocks with a few compares per logit."""
+  if isinstance(mask, (AndMask, OrMask)):
+    return listable(mask.a) and listable(mask.b)
+  return isinstance(mask, (FullMask, CausalMask, SlidingWindowMask, GlobalTokensMask))
+
+
 _SMEM_BYTES = 227 * 1024  # shared memory one H100 / H200 CTA may hold
 
 
@@ -243,19 +264,25 @@ HEAD_SIZES = (64, 128, 192, 256)  # wgmma contracts over multiples of 64; at mos
 
 
 def supports(*, dtype, head_dim: int, v_head_dim: int, static_mask,
-             config: Config | None = None, segments: bool = True, bias: bool | str = False
-             ) -> str | None:
+             config: Config | None = None, segments: bool = True, bias: bool | str = False,
+             static_offset: bool = True) -> str | None:
   """None when the Hopper kernel runs this call, else the reason it does not (ALiBi, segment
-  ids, key lengths and any query offset, static or traced, are always taken).  ``segments``:
-  whether the call has segment ids (their buffers count against shared memory; True when not
-  known); ``bias``: whether it has a dense bias (the forward's tiles of it, likewise; ``"row"``:
-  a one-row bias, streamed as vectors)."""
+  ids, key lengths and any query offset, static or traced, are always taken with a band mask;
+  a non-band mask that ``listable`` takes needs a static offset: ``static_offset``).
+  ``segments``: whether the call has segment ids (their buffers count against shared memory;
+  True when not known); ``bias``: whether it has a dense bias (the forward's tiles of it,
+  likewise; ``"row"``: a one-row bias, streamed as vectors)."""
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"dtype {jnp.dtype(dtype).name} (the wgmma path takes bfloat16 / float16)"
   if head_dim not in HEAD_SIZES or v_head_dim not in HEAD_SIZES:
     return f"head sizes {head_dim} / {v_head_dim} (each one of 64 / 128 / 192 / 256)"
   if not band(static_mask)[0]:
-    return f"mask {type(static_mask).__name__} (band masks only)"
+    if not listable(static_mask):
+      return (f"mask {type(static_mask).__name__} (band masks, and full / causal / window / "
+              f"global-token masks joined by & and |)")
+    if not static_offset:
+      return (f"mask {type(static_mask).__name__} with a traced q_offset (a non-band mask's "
+              f"block lists are built from a static offset)")
   config = config or default_config(head_dim, v_head_dim, bias=bias)
   need = smem_bytes(head_dim, config, v_head_dim, segments=segments, bias=bias)
   if need > _SMEM_BYTES:
@@ -287,6 +314,7 @@ class _Static:
   bias: tuple[int, int] | None = None  # a dense bias' (batch, heads) sizes, each 1 or B / N
   dense_mask: bool = False  # the dense tile is a boolean mask array (1: allowed), not a bias
   bias_row: bool = False  # a one-row bias [B|1, N|1, 1, S]: streamed as fp32 key vectors
+  mask: Mask | None = None  # a position mask that is not a band (``listable``)
 
   def bias_index(self, batch, head):
     """The (batch, head) of the bias' block that batch row ``batch`` and query head ``head``
@@ -301,16 +329,24 @@ class _Static:
 
   @property
   def data(self) -> bool:
-    """Whether segment ids / key lengths / a mask array refine the blocks' runs (per batch row,
-    at run time)."""
-    return self.segments or self.lengths or self.dense_mask
+    """Whether the kernels read a block table: segment ids / key lengths / a mask array refine
+    the blocks' runs (per batch row, at run time), or the blocks come from lists (``listed``)."""
+    return self.segments or self.lengths or self.dense_mask or self.mask is not None
+
+  @property
+  def listed(self) -> bool:
+    """Whether each CTA walks a list of blocks (``list_table``) rather than one range: for a
+    non-band mask, and for a mask array with a static query offset (whose blocks may leave
+    holes that a range would load and evaluate)."""
+    return (self.mask is not None or self.dense_mask) and self.q_offset is not None
 
 
 def forward(query, key, value, *, mask: Mask | None = None, scale: float | None = None,
             q_offset=0, logits_soft_cap: float | None = None, alibi_slopes=None,
             segment_ids=None, kv_lengths=None, config: Config | None = None, interpret=None,
             bias=None, mask_array=None):
-  """``(out [B, T, N, Hv], lse [B, N, T] fp32, natural log)`` of band-masked attention.
+  """``(out [B, T, N, Hv], lse [B, N, T] fp32, natural log)`` of masked attention (a band mask,
+  or with a static ``q_offset`` a block-sparse one that ``listable`` takes).
 
   ``query [B, T, N, H]``, ``key [B, S, K, H]``, ``value [B, S, K, Hv]`` in bf16 or fp16 (``N`` a
   multiple of ``K``); rows without an allowed key give 0 and ``lse = -inf``.  ``q_offset``: the
@@ -360,8 +396,16 @@ def _static(name: str, query, key, value, *, mask, scale, q_offset, logits_soft_
   bias_row = bias is not None and np.ndim(bias) == 4 and bias.shape[2] == 1
   kind = "row" if bias_row else bias is not None
   config = config or default_config(h, hv, bias=kind)
+  if np.ndim(q_offset) != 0:
+    raise ValueError(f"hopper.{name}: `q_offset` must be a scalar, got shape "
+                     f"{np.shape(q_offset)}.")
+  try:
+    static_offset = int(q_offset)
+  except (TypeError, jax.errors.ConcretizationTypeError):  # traced: read by the kernels
+    static_offset = None
   reason = supports(dtype=query.dtype, head_dim=h, v_head_dim=hv, static_mask=mask,
-                    config=config, segments=segment_ids is not None, bias=kind)
+                    config=config, segments=segment_ids is not None, bias=kind,
+                    static_offset=static_offset is not None)
   if reason is None and name == "backward":
     reason = supports_backward(head_dim=h, v_head_dim=hv, config=config, bias=kind)
   if reason is not None:
@@ -395,16 +439,9 @@ def _static(name: str, query, key, value, *, mask, scale, q_offset, logits_soft_
   if kv_lengths is not None and tuple(kv_lengths.shape) != (b,):
     raise ValueError(f"hopper.{name}: `kv_lengths` must have shape [B] = ({b},), got "
                      f"{tuple(kv_lengths.shape)}.")
-  if np.ndim(q_offset) != 0:
-    raise ValueError(f"hopper.{name}: `q_offset` must be a scalar, got shape "
-                     f"{np.shape(q_offset)}.")
-  try:
-    static_offset = int(q_offset)
-  except (TypeError, jax.errors.ConcretizationTypeError):  # traced: read by the kernels
-    static_offset = None
   if interpret is True:
     interpret = _interpret_params()
-  _, left, right = band(mask)
+  is_band, left, right = band(mask)
   return _Static(batch=b, q_len=t, kv_len=s, num_heads=n, num_kv_heads=kh, head_dim=h,
                  v_head_dim=hv,
                  dtype=jnp.dtype(query.dtype).name, left=left, right=right,
@@ -413,7 +450,7 @@ def _static(name: str, query, key, value, *, mask, scale, q_offset, logits_soft_
                  config=config, interpret=interpret or None, alibi=alibi_slopes is not None,
                  segments=segment_ids is not None, lengths=kv_lengths is not None,
                  bias=None if bias is None else (int(bias.shape[0]), int(bias.shape[1])),
-                 dense_mask=dense_mask, bias_row=bias_row)
+                 dense_mask=dense_mask, bias_row=bias_row, mask=None if is_band else mask)
 
 
 def _aux(st: _Static, *, alibi_slopes, segment_ids, kv_lengths, q_offset, bias=None,
@@ -642,9 +679,11 @@ class _Ctx:
         plgpu.barrier_wait(fr.at[lax.rem(t, self.stages)])
 
   def consume(self, carry, *, outer: int, cta_lo, steps, runs, ready, free, turn, compute,
-              t0=None):
+              t0=None, block_of=None):
     """One consumer's walk over ``outer`` passes of the CTA's ``steps`` blocks (global step
     ``t = o * steps + s``): ``[skip | masked | full | masked | skip]`` from its own ``runs``.
+    Step ``s`` holds block ``cta_lo + s``, or ``block_of(s)`` (a block list, whose ``runs``
+    count list positions: ``cta_lo`` 0).
     ``compute(t, slot, block, o, carry, masked) -> carry`` must hand the slot back
     (``release``) and take two turns; a skipped step waits for its copies, releases the slot and
     takes its two turns, so both consumers see every barrier phase.  ``t0``: as ``produce``'s
@@ -653,6 +692,7 @@ class _Ctx:
     a, b, c, d = (_clamp(jnp.int32(0), x - cta_lo, steps) for x in (lo, f_lo, f_hi, hi))
     stages = self.stages
     ring = (lambda t: t) if t0 is None else (lambda t: t0 + t)
+    block_of = block_of or (lambda s: cta_lo + s)
 
     def skip(o):
       def body(s, carry):
@@ -668,7 +708,7 @@ class _Ctx:
     def run(o, masked):
       def body(s, carry):
         t = o * steps + s
-        return compute(t, lax.rem(ring(t), stages), cta_lo + s, o, carry, masked)
+        return compute(t, lax.rem(ring(t), stages), block_of(s), o, carry, masked)
       return body
 
     def one_pass(o, carry):
@@ -684,7 +724,7 @@ class _Ctx:
     return lax.fori_loop(0, outer, one_pass, carry)
 
   def consume_overlapped(self, carry, *, cta_lo, steps, runs, ready, frees, first, step, last,
-                         idle=None, t0=None):
+                         idle=None, t0=None, block_of=None):
     """``consume`` for a loop whose step ``s`` finishes block ``s - 1``: blocks are computed over
     the same ``[skip | masked | full | masked | skip]`` runs, but the first computed block runs
     ``first(slot, block, carry)`` (always masked: exact for any block), each later one
@@ -693,11 +733,13 @@ class _Ctx:
     for every ``ready`` barrier and release every ring in ``frees``.  Loops of zero or one trip
     stand in for conditionals (a consumer with no computed block runs neither end).  ``idle()``
     (ping-pong turns): called once per skipped step, and once more by a consumer without a
-    computed block, so that every consumer takes ``steps + 1`` turns.  ``t0``: as ``consume``'s."""
+    computed block, so that every consumer takes ``steps + 1`` turns.  ``t0``, ``block_of``:
+    as ``consume``'s."""
     i32, stages = jnp.int32, self.stages
     lo, hi, f_lo, f_hi = runs
     a, b, c, d = (_clamp(i32(0), x - cta_lo, steps) for x in (lo, f_lo, f_hi, hi))
     ring = (lambda t: t) if t0 is None else (lambda t: t0 + t)
+    block_of = block_of or (lambda s: cta_lo + s)
 
     def skip(s, carry):
       slot = lax.rem(ring(s), stages)
@@ -710,11 +752,11 @@ class _Ctx:
       return carry
 
     def run(masked):
-      return lambda s, carry: step(lax.rem(ring(s), stages), cta_lo + s, carry, masked)
+      return lambda s, carry: step(lax.rem(ring(s), stages), block_of(s), carry, masked)
 
     lax.fori_loop(0, a, skip, None)
     one = lax.min(a + 1, d)
-    carry = lax.fori_loop(a, one, lambda s, carry: first(lax.rem(ring(s), stages), cta_lo + s,
+    carry = lax.fori_loop(a, one, lambda s, carry: first(lax.rem(ring(s), stages), block_of(s),
                                                          carry), carry)
     b1, c1 = lax.max(b, one), lax.max(c, one)
     carry = lax.fori_loop(one, b1, run(True), carry)
@@ -750,7 +792,8 @@ def _scores(ctx: _Ctx, s, *, q0, k0, rows_dim: int, masked: bool, q_offset, slop
   ``k_seg``: the tile's row and column id vectors).  ``raw`` (no ALiBi, no soft-cap): the tile
   masked but not scaled, for a caller that folds the scale into its exponent (``_folds``).
   ``dense``: the tile of a dense bias (fp32, natural units), added with ALiBi's (a one-row
-  bias: the keys' vector, broadcast over the rows); with
+  bias: the keys' vector, broadcast over the rows); ``st.mask`` (a non-band mask) joins the
+  masked blocks' tests (``eval_mask``: compares of the positions); with
   ``st.dense_mask`` the tile of a mask array (1: allowed), and'ed with the others (its run
   table's FULL blocks allow every pair, so ``masked`` still decides)."""
   st = ctx.st
@@ -779,6 +822,7 @@ def _scores(ctx: _Ctx, s, *, q0, k0, rows_dim: int, masked: bool, q_offset, slop
                (k_pos <= q_pos + st.right) if st.right is not None else None,
                (lax.broadcast_in_dim(q_seg, s.shape, [rows_dim])
                 == lax.broadcast_in_dim(k_seg, s.shape, [kd])) if q_seg is not None else None,
+               eval_mask(st.mask, q_pos, k_pos, 0) if st.mask is not None else None,
                allowed):
     if cond is not None:
       ok = cond if ok is None else ok & cond
@@ -850,19 +894,65 @@ def run_table(kinds):
                    axis=-1).astype(i32)
 
 
+def list_table(kinds, width: int | None = None):
+  """``[B, R/2, 9 + width]`` int32 block lists of kinds ``[B, R, C]`` (``R`` even), one per CTA
+  (rows ``2 i`` and ``2 i + 1``: its two consumers' tiles): ``[count, runs of tile 2 i, runs of
+  tile 2 i + 1, blocks...]``.  The CTA loads ``count`` blocks, those either tile needs, in
+  order (positions past ``count``: 0, never read); each tile's runs ``(lo, hi, f_lo, f_hi)``
+  are ``run_table``'s over those positions (a block only the other tile needs, inside a run, is
+  evaluated masked: exact).  ``width``: at least the largest count (default ``C``)."""
+  i32 = jnp.int32
+  width = kinds.shape[-1] if width is None else width
+  ka, kb = kinds[:, 0::2], kinds[:, 1::2]
+  need = (ka != EMPTY) | (kb != EMPTY)
+  count = need.sum(-1, dtype=i32)
+  order = jnp.argsort(~need, axis=-1, stable=True)[..., :width].astype(i32)  # needed first
+  valid = jnp.arange(width, dtype=i32) < count[..., None]
+
+  def listed(k):  # a tile's kinds at the list's positions
+    return jnp.where(valid, jnp.take_along_axis(k, order, axis=-1), EMPTY)
+
+  return jnp.concatenate([count[..., None], run_table(listed(ka)), run_table(listed(kb)),
+                          jnp.where(valid, order, 0)], axis=-1).astype(i32)
+
+
 def _data_table(st: _Static, aux: dict, q_pad: int, kv_pad: int, bq: int, bk: int,
                 transpose: bool):
-  """The run table of a kernel over ``bq``-row query tiles and ``bk``-key blocks (``transpose``:
-  over ``bk``-key tiles and ``bq``-row query blocks); None without segment ids / key lengths /
-  a mask array (whose blocks count over all its heads: EMPTY where none allows a pair, FULL
-  where all allow every pair)."""
+  """The block table of a kernel over ``bq``-row query tiles and ``bk``-key blocks
+  (``transpose``: over ``bk``-key tiles and ``bq``-row query blocks): ``list_table``'s lists
+  (``st.listed``), else the run table; None without segment ids / key lengths / a mask array
+  (whose blocks count over all its heads: EMPTY where none allows a pair, FULL where all allow
+  every pair) / a non-band mask."""
   if not st.data:
     return None
+  if st.listed:
+    return _list_table(st, aux, q_pad, kv_pad, bq, bk, transpose)
   kinds = pair_kinds(st.batch, q_pad, kv_pad, bq, bk, aux.get("q_ids"), aux.get("kv_ids"),
                      aux.get("lengths"))
   if st.dense_mask:
     kinds = jnp.minimum(kinds, mask_array_kinds(aux["bias"] > 0, st.batch, q_pad, kv_pad, bq, bk))
   return run_table(jnp.swapaxes(kinds, 1, 2) if transpose else kinds)
+
+
+def _list_table(st: _Static, aux: dict, q_pad: int, kv_pad: int, bq: int, bk: int,
+                transpose: bool):
+  """``list_table`` of the position mask's blocks (static) met with the data's (segment ids, key
+  lengths, the mask array's over all heads), per batch row; its width the static lists' widest
+  (the data only empties blocks)."""
+  mask = st.mask
+  if mask is None and (st.left is not None or st.right is not None):
+    mask = SlidingWindowMask(st.left, st.right)
+  static = mask_kinds(mask, st.q_len, st.kv_len, q_pad, kv_pad, st.q_offset, bq, bk)
+  kinds = jnp.broadcast_to(jnp.asarray(static), (st.batch,) + static.shape)
+  if st.segments or st.lengths:
+    kinds = jnp.minimum(kinds, pair_kinds(st.batch, q_pad, kv_pad, bq, bk, aux.get("q_ids"),
+                                          aux.get("kv_ids"), aux.get("lengths")))
+  if st.dense_mask:
+    kinds = jnp.minimum(kinds, mask_array_kinds(aux["bias"] > 0, st.batch, q_pad, kv_pad, bq, bk))
+  if transpose:
+    static, kinds = static.T, jnp.swapaxes(kinds, 1, 2)
+  need = (static[0::2] != EMPTY) | (static[1::2] != EMPTY)
+  return list_table(kinds, max(1, int(need.sum(-1).max(initial=0))))
 
 
 def _data_names(st: _Static) -> tuple[str, ...]:
@@ -904,11 +994,12 @@ def _key_limit(st: _Static, refs, batch, always: bool):
 
 
 def _query_cta(st: "_Static", refs, tp: int, bq: int, bk: int, sp: int, index=None):
-  """``(tile, head, batch, wg, kv_head, cta_lo, steps, runs)`` of a kernel over query tiles of
-  two consumers' ``bq`` rows (grid ``("q", "heads", "batch")``, or ``index``: a persistent
-  CTA's tile number, in the same order); ``runs(r0)``: the runs of the consumer whose rows start
-  at ``r0``.  Tiles run last-first: under a causal mask the last tiles see the most keys, and
-  starting them first shortens the final wave (as in the Triton kernel)."""
+  """``(tile, head, batch, wg, kv_head, cta_lo, steps, runs, block_of)`` of a kernel over query
+  tiles of two consumers' ``bq`` rows (grid ``("q", "heads", "batch")``, or ``index``: a
+  persistent CTA's tile number, in the same order); ``runs(r0)``: the runs of the consumer whose
+  rows start at ``r0``; ``block_of(s)``: the key block of the CTA's step ``s`` (``_cta_walk``).
+  Tiles run last-first: under a causal mask the last tiles see the most keys, and starting them
+  first shortens the final wave (as in the Triton kernel)."""
   rows = 2 * bq
   if index is None:
     q_index, head, batch = (lax.axis_index(n) for n in ("q", "heads", "batch"))
@@ -920,12 +1011,32 @@ def _query_cta(st: "_Static", refs, tp: int, bq: int, bk: int, sp: int, index=No
   kv_head = lax.div(head, jnp.int32(st.num_heads // st.num_kv_heads))
   q_offset = _q_offset(st, refs)
 
-  def runs(r0):
-    return _with_data(key_blocks(st, r0, bq, bk, sp // bk, q_offset), refs.get("tab"), batch,
-                      lax.div(r0, jnp.int32(bq)))
+  def band_runs(r0):
+    return key_blocks(st, r0, bq, bk, sp // bk, q_offset)
 
-  cta_lo, steps = _union(runs(tile * rows), runs(tile * rows + bq))
-  return tile, head, batch, lax.axis_index("wg"), kv_head, cta_lo, steps, runs
+  walk = _cta_walk(st, refs, batch, tile, bq, band_runs)
+  return (tile, head, batch, lax.axis_index("wg"), kv_head) + walk
+
+
+def _cta_walk(st: "_Static", refs, batch, tile, bt: int, band_runs):
+  """``(cta_lo, steps, runs, block_of)`` of CTA ``tile`` (two consumers' ``bt``-row or -key
+  tiles, ``2 tile`` and ``2 tile + 1`` of the table): it loads ``steps`` blocks, step ``s`` block
+  ``block_of(s)``; ``runs(x0)`` are the runs of the consumer whose tile starts at ``x0``.  A
+  range: ``cta_lo + s`` over the union of the consumers' band runs (``band_runs(x0)``) met with
+  the data table; a block list (``st.listed``): row ``tile`` of ``list_table``, its runs over
+  list positions (``cta_lo`` 0)."""
+  tab = refs.get("tab")
+  if st.listed:
+    def runs(x0):
+      col = 1 + 4 * lax.rem(lax.div(x0, jnp.int32(bt)), jnp.int32(2))
+      return tuple(tab[batch, tile, col + i] for i in range(4))
+    return jnp.int32(0), tab[batch, tile, 0], runs, lambda s: tab[batch, tile, 9 + s]
+
+  def runs(x0):
+    return _with_data(band_runs(x0), tab, batch, lax.div(x0, jnp.int32(bt)))
+
+  cta_lo, steps = _union(runs(2 * bt * tile), runs(2 * bt * tile + bt))
+  return cta_lo, steps, runs, lambda s: cta_lo + s
 
 
 def _persistent_ctas(st: "_Static", n_tiles: int) -> int:
@@ -946,14 +1057,14 @@ def _load_resident(wg, *copies):
     plgpu.barrier_wait(bar.at[wg])
 
 
-def _kv_loader(st: "_Static", refs, scratch, batch, kv_head, cta_lo, bk: int,
+def _kv_loader(st: "_Static", refs, scratch, batch, kv_head, block_of, bk: int,
                split: bool = False, bias_rows=None):
-  """The producer's ``load(t, slot)`` of key block ``cta_lo + t``: K, V (and the keys' segment
+  """The producer's ``load(t, slot)`` of key block ``block_of(t)``: K, V (and the keys' segment
   ids; with ``bias_rows = (bias batch, bias head, rows)`` the dense bias' tile of those rows and
   keys) by TMA, each to its own ready barrier.  ``split``: ``(load_k, load_v)``, K (with the ids
   and the bias tile) and V as two loads, for rings released separately."""
   def load_k(t, slot):
-    keys = pl.ds((cta_lo + t) * bk, bk)
+    keys = pl.ds(block_of(t) * bk, bk)
     plgpu.copy_gmem_to_smem(refs["k"].at[batch, keys, kv_head], scratch["k"].at[slot],
                             scratch["k_ready"].at[slot])
     if st.segments:
@@ -965,7 +1076,7 @@ def _kv_loader(st: "_Static", refs, scratch, batch, kv_head, cta_lo, bk: int,
       plgpu.copy_gmem_to_smem(src, scratch["bias"].at[slot], scratch["bias_ready"].at[slot])
 
   def load_v(t, slot):
-    keys = pl.ds((cta_lo + t) * bk, bk)
+    keys = pl.ds(block_of(t) * bk, bk)
     plgpu.copy_gmem_to_smem(refs["v"].at[batch, keys, kv_head], scratch["v"].at[slot],
                             scratch["v_ready"].at[slot])
 
@@ -1101,8 +1212,8 @@ def _call(st: _Static):
   fold, c = _folds(st), st.scale * _LOG2E
   handoff = cfg.overlap and cfg.pingpong
 
-  def one_tile(refs, scratch, tile, head, batch, wg, kv_head, cta_lo, steps, runs, t0=None,
-               first_tile=True, last_tile=True):
+  def one_tile(refs, scratch, tile, head, batch, wg, kv_head, cta_lo, steps, runs, block_of,
+               t0=None, first_tile=True, last_tile=True):
     """One query tile: the whole kernel, or (``t0``: the K/V ring's step at its first block) one
     tile of a persistent CTA; ``first_tile`` / ``last_tile`` (traced for a persistent CTA): the
     CTA's first and last (the overlapped ping-pong's turns run on from tile to tile)."""
@@ -1238,13 +1349,13 @@ def _call(st: _Static):
         acc, m, l, _, _ = ctx.consume_overlapped(
             carry, cta_lo=cta_lo, steps=steps, runs=runs(r0), ready=_key_ready(st, scratch),
             frees=(k_free, v_free), first=first, step=step, last=last,
-            idle=idle if handoff else None, t0=t0)
+            idle=idle if handoff else None, t0=t0, block_of=block_of)
         if handoff:  # consumer 1's last pass (the CTA's last tile's: see the grant above)
           pl.when((wg == 0) & last_tile)(lambda: plgpu.barrier_wait(go.at[0]))
       else:
         acc, m, l = ctx.consume(carry, outer=1, cta_lo=cta_lo, steps=steps, runs=runs(r0),
                                 ready=_key_ready(st, scratch), free=free, turn=turn,
-                                compute=compute, t0=t0)
+                                compute=compute, t0=t0, block_of=block_of)
       if ctx.pingpong:
         pl.when(wg == 0)(lambda: ctx.take_turn(turn))  # balance consumer 1's first turn
 
@@ -1266,7 +1377,7 @@ def _call(st: _Static):
       bias_rows = None
       if st.bias is not None:  # the tile's rows of its (batch row, head) of the bias
         bias_rows = (*st.bias_index(batch, head), pl.ds(tile * rows, rows))
-      load = _kv_loader(st, refs, scratch, batch, kv_head, cta_lo, bk, split=cfg.overlap,
+      load = _kv_loader(st, refs, scratch, batch, kv_head, block_of, bk, split=cfg.overlap,
                         bias_rows=bias_rows)
       ctx.produce(steps, (k_free, v_free) if cfg.overlap else free, load, t0=t0)
 
@@ -1457,7 +1568,8 @@ def _dq_call(st: _Static):
   overlap = cfg.overlaps_backward
 
   def kernel(refs, scratch):
-    tile, head, batch, wg, kv_head, cta_lo, steps, runs = _query_cta(st, refs, tp, bq, bk, sp)
+    (tile, head, batch, wg, kv_head, cta_lo, steps, runs,
+     block_of) = _query_cta(st, refs, tp, bq, bk, sp)
     k_ready, v_ready, free, turn = (scratch[n] for n in ("k_ready", "v_ready", "free", "turn"))
 
     @pl.when(wg < 2)
@@ -1527,7 +1639,7 @@ def _dq_call(st: _Static):
 
       dq = ctx.consume(ctx.full((bq, h), 0.0), outer=1, cta_lo=cta_lo, steps=steps,
                        runs=runs(r0), ready=_key_ready(st, scratch), free=free, turn=turn,
-                       compute=compute)
+                       compute=compute, block_of=block_of)
       if cfg.pingpong:
         pl.when(wg == 0)(lambda: ctx.take_turn(turn))
       my_q[...] = (dq * st.scale).astype(dtype)
@@ -1540,7 +1652,7 @@ def _dq_call(st: _Static):
       bias_rows = None
       if st.bias is not None:  # the tile's rows of its (batch row, head) of the bias
         bias_rows = (*st.bias_index(batch, head), pl.ds(tile * rows, rows))
-      ctx.produce(steps, free, _kv_loader(st, refs, scratch, batch, kv_head, cta_lo, bk,
+      ctx.produce(steps, free, _kv_loader(st, refs, scratch, batch, kv_head, block_of, bk,
                                           bias_rows=bias_rows))
 
   scratch = _ring_scratch(
@@ -1586,11 +1698,8 @@ def _dkv_call(st: _Static, part: str = "both"):
     free, turn = scratch["free"], scratch["turn"]
     q_offset = _q_offset(st, refs)  # read once, not per step
 
-    def runs(k0):
-      return _with_data(query_blocks(st, k0, bk, bq, q_offset), refs.get("tab"), batch,
-                        lax.div(k0, jnp.int32(bk)))
-
-    cta_lo, steps = _union(runs(tile * keys_per_cta), runs(tile * keys_per_cta + bk))
+    cta_lo, steps, runs, block_of = _cta_walk(
+        st, refs, batch, tile, bk, lambda k0: query_blocks(st, k0, bk, bq, q_offset))
 
     @pl.when(wg < 2)
     def _consumer():
@@ -1700,7 +1809,7 @@ def _dkv_call(st: _Static, part: str = "both"):
 
       ready = tuple(scratch[n + "_ready"] for n in ("q", "do", "lse", "delta") + streamed_extra)
       walk = dict(outer=groups, cta_lo=cta_lo, steps=steps, runs=runs(k0), ready=ready,
-                  free=free, turn=turn)
+                  free=free, turn=turn, block_of=block_of)
       # the dV kernel has no dp^T to overlap: its matmuls are issued in turn
       step = compute_overlapped if overlap and part != "dv" else compute
       if part == "both":
@@ -1727,7 +1836,7 @@ def _dkv_call(st: _Static, part: str = "both"):
       def load(t, slot):
         g = lax.div(t, steps)
         head = kv_head * groups + g
-        rows_ = pl.ds((cta_lo + t - g * steps) * bq, bq)
+        rows_ = pl.ds(block_of(t - g * steps) * bq, bq)
         for name, src in (("q", refs["q"].at[batch, rows_, head]),
                           ("lse", refs["lse"].at[batch, head, rows_]),
                           ("do", refs["do"].at[batch, rows_, head]),

@@ -562,6 +562,92 @@ def test_backward_mask_array_matches_formula():
     assert_close(g, w, 3e-2, f"mask array {label}")
 
 
+def test_mask_array_holes_are_not_loaded():
+  """A mask array with a static query offset walks block lists (``list_table``): key blocks that
+  no row of a CTA may see are neither loaded nor evaluated, even between blocks it sees (keys
+  128..191 here, masked for every row and head, hold NaN: a loaded block, evaluated masked,
+  would carry NaN through ``p v``); the result is the formula's on clean inputs.  The persistent
+  overlapped schedule: a CTA's ring runs on across tiles with lists of different lengths."""
+  b, t, s, n, k = 2, 130, 260, 2, 1
+  q, key, v = inputs(b, t, s, n, k, 64, seed=8)
+  allowed = mask_array((b, n, t, s), seed=5)
+  hole = (jnp.arange(s) >= 128) & (jnp.arange(s) < 192)
+  poison = lambda x: jnp.where(hole[None, :, None, None], jnp.nan, x)  # noqa: E731
+  mask, q_offset = M.CausalMask(), 130
+  for config in (hopper.Config(block_k=64, pingpong=True),
+                 hopper.Config(block_k=64, overlap=True, persistent=True)):
+    out, lse = hopper.forward(q, poison(key), poison(v), mask=mask, q_offset=q_offset,
+                              config=config, interpret=interpret(), mask_array=allowed)
+    want_out, want_lse = formula(q, key, v, with_array(mask, allowed, t, s, q_offset), q_offset,
+                                 None)
+    empty = ~np.isfinite(np.asarray(want_lse))
+    assert not np.isnan(np.asarray(out, np.float32)).any(), config
+    assert_close(out, want_out, TOL, f"holes {config} out")
+    assert_close(jnp.where(empty, 0.0, lse), jnp.where(empty, 0.0, want_lse), 1e-2, "lse")
+
+
+def sinks_and_window(window):
+  """StreamingLLM's attention: a causal window and the first keys (the sinks) for every row."""
+  return M.CausalMask() & (M.sliding_window(window) | M.GlobalTokensMask((0, 1, 2, 3)))
+
+
+LONGFORMER = M.sliding_window(40, causal=False) | M.GlobalTokensMask((0, 3, 150))
+
+LIST_CASES = [
+    # name, (b, t, s, n, k), mask, q_offset, cap, config
+    ("longformer gqa ragged", (1, 330, 330, 2, 1), LONGFORMER, 0, None,
+     hopper.Config(block_k=64, pingpong=True)),
+    ("sinks and window offset softcap overlap", (1, 200, 390, 2, 1), sinks_and_window(60), 190,
+     30.0, hopper.Config(block_k=64, overlap=True)),
+    ("longformer persistent overlap pingpong", (2, 200, 200, 2, 2), LONGFORMER, 0, None,
+     hopper.Config(block_k=64, overlap=True, pingpong=True, persistent=True)),
+]
+
+
+@pytest.mark.parametrize("case", params(LIST_CASES))
+def test_forward_non_band_masks_match_formula(case):
+  """Masks that are not a band (Longformer's window and global tokens, a causal window with
+  attention sinks) run on the Hopper kernels through block lists: each CTA loads the blocks its
+  rows may see, in order (the sinks' block, then the window's, skipping those between), and
+  evaluates the mask (a few compares per logit) in blocks it does not wholly allow."""
+  name, (b, t, s, n, k), mask, q_offset, cap, config = case
+  q, key, v = inputs(b, t, s, n, k, 64, seed=10)
+  out, lse = hopper.forward(q, key, v, mask=mask, q_offset=q_offset, logits_soft_cap=cap,
+                            config=config, interpret=interpret())
+  want_out, want_lse = formula(q, key, v, mask, q_offset, cap)
+  assert_close(out, want_out, TOL, name + " out")
+  assert_close(lse, want_lse, 1e-2, name + " lse")
+
+
+def test_backward_non_band_mask_matches_formula():
+  """dQ (lists of key blocks per query tile) and dK / dV (lists of query blocks per key tile,
+  the GQA group's heads in turn) with Longformer's mask against the formula's VJP."""
+  q, key, v = inputs(1, 330, 330, 2, 1, 64, seed=11)
+  check_backward("longformer", q, key, v, LONGFORMER, 0, None,
+                 hopper.Config(block_k=64, backward_overlap=True), seed=13)
+
+
+def test_list_table():
+  """Per CTA (two tiles' rows of kinds): the blocks either tile needs, in order, and each
+  tile's runs over those positions (a FULL run only where its FULL positions are contiguous)."""
+  E, P, F = C.EMPTY, C.PARTIAL, C.FULL
+  kinds = jnp.asarray([[[F, E, E, P, E, E], [F, E, E, E, P, F],
+                        [E, E, E, E, E, E], [E, P, E, E, E, E]]], jnp.int8)
+  table = np.asarray(hopper.list_table(kinds, 4))
+  assert table.shape == (1, 2, 13)
+  np.testing.assert_array_equal(table[0], [[4, 0, 2, 0, 1, 0, 4, 0, 0, 0, 3, 4, 5],
+                                           [1, 0, 0, 0, 0, 0, 1, 0, 0, 1, 0, 0, 0]])
+  # the sinks and a window: a tile far from the start loads the sinks' block and its window's,
+  # not the blocks between (a range would load all 12 blocks of the last CTA)
+  st = hopper._static("forward", *inputs(1, 768, 768, 1, 1, 64), mask=sinks_and_window(60),
+                      scale=None, q_offset=0, logits_soft_cap=None,
+                      config=hopper.Config(block_k=64), interpret=None)
+  tab = np.asarray(hopper._data_table(st, {}, 768, 768, 64, 64, transpose=False))
+  assert tab.shape[-1] == 9 + 4
+  np.testing.assert_array_equal(tab[0, -1, :5], [4, 0, 3, 0, 0])
+  np.testing.assert_array_equal(tab[0, -1, 9:], [0, 9, 10, 11])
+
+
 @pytest.mark.parametrize("case", params(DATA_CASES))
 def test_forward_data_features_match_formula(case):
   """Segment ids (packed, and scattered so that every block is evaluated masked), key lengths (a
@@ -886,6 +972,19 @@ def _plan(**kw):
   return C.make_plan(q, key, v, **args)
 
 
+class Stripes(M.Mask):
+  """A position mask the kernels do not know (even keys only)."""
+
+  def __call__(self, q_idx, kv_idx, q_offset=0):
+    return (kv_idx % 2 == 0) | (q_idx < -1)
+
+  def __hash__(self):
+    return 0
+
+  def __eq__(self, other):
+    return isinstance(other, Stripes)
+
+
 def test_dispatch_reasons():
   """What stays on the Triton forward, and why (the reasons name the feature)."""
   saved = gpu_kernel.get_options()
@@ -902,8 +1001,13 @@ def test_dispatch_reasons():
     ids = jnp.zeros((1, 64), jnp.int32)
     assert gpu_kernel.hopper_reason(_plan(alibi_slopes=jnp.ones((2,)), segment_ids=(ids, ids),
                                           kv_lengths=jnp.full((1,), 50))) is None
-    assert "GlobalTokensMask" in gpu_kernel.hopper_reason(
-        _plan(static_mask=M.GlobalTokensMask((0,))))
+    # a non-band mask: block lists, built from a static query offset
+    assert gpu_kernel.hopper_reason(_plan(static_mask=M.GlobalTokensMask((0,)))) is None
+    traced = []
+    jax.jit(lambda offset: traced.append(gpu_kernel.hopper_reason(
+        _plan(static_mask=M.GlobalTokensMask((0,)), q_offset=offset))) or offset)(3)
+    assert "traced q_offset" in traced[0]
+    assert "Stripes" in gpu_kernel.hopper_reason(_plan(static_mask=Stripes()))
     # a dense bias [B|1, N|1, T, S] in the inputs' dtype, a one-row bias of any float dtype, a
     # mask array [B|1, N|1, T|1, S]: the Hopper kernels; a full bias of another dtype or a mask
     # array with a bias: Triton's
@@ -1075,7 +1179,11 @@ def test_errors():
     (128, M.CausalMask(), None, "pingpong bias", True), (128, None, 30.0, "overlap bias", False),
     (64, M.CausalMask(), None, "overlap persistent bias", True),
     (128, M.CausalMask(), None, "pingpong mask", True),
-    (128, M.CausalMask(), 30.0, "overlap row bias", True)])
+    (128, M.CausalMask(), 30.0, "overlap row bias", True),
+    # block lists: a mask array with a static offset, non-band masks
+    (128, M.CausalMask(), None, "overlap mask", False),
+    (128, LONGFORMER, 30.0, "overlap persistent", False),
+    (64, sinks_and_window(256), None, "pingpong", False)])
 def test_lowers_for_cuda(h, mask, cap, schedule, data):
   """The hardware program (wgmma from shared memory and registers, layouts, TMA, barriers) goes
   through Mosaic GPU's lowering to one custom call, for every head size and each schedule (the
@@ -1084,7 +1192,9 @@ def test_lowers_for_cuda(h, mask, cap, schedule, data):
   sizes (192 / 128 writes its output through the query tiles' bytes, a ``RefUnion`` at 128-key
   steps; 64 / 128 into tiles of its own); with a dense bias ``[1, N, T, S]`` (``bias`` in the
   schedule: its tiles loaded from shared memory into the wgmma layout), or a mask array ``[B, 1,
-  T, S]`` (``mask``: the same tiles, compared); the backward wherever
+  T, S]`` (``mask``: the same tiles, compared); with block lists (a mask array and a static
+  offset, or a non-band mask: the producer's loads and the consumers' blocks read from the
+  list); the backward wherever
   ``supports_backward`` takes the call (two kernels, or three with dK and dV apart at unequal
   sizes)."""
   h, hv = h if isinstance(h, tuple) else (h, h)
