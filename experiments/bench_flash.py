@@ -60,16 +60,43 @@ def _platform() -> str:
   return "gpu" if p in ("gpu", "cuda", "rocm") else p
 
 
-def attention_flops(b, t, s, n, h, hv, causal, backward) -> float:
-  pairs = t * (t + 1) / 2 if causal and t == s else t * s
+def attention_flops(b, t, s, n, h, hv, causal, backward, pairs=None) -> float:
+  """Matmul flops of attention over ``pairs`` (query, key) pairs (default: causal or all)."""
+  if pairs is None:
+    pairs = t * (t + 1) / 2 if causal and t == s else t * s
   fwd = 2.0 * b * n * (h + hv) * pairs
   return fwd * (3.5 if backward else 1.0)
+
+
+SINKS = 4  # --dense sinks: attention sinks (the first keys) ...
+
+
+def sinks_window(t: int) -> int:
+  """... beside a causal window of ``max(128, T / 8)`` keys."""
+  return max(128, t // 8)
+
+
+def sinks_mask(t: int):
+  """``--dense sinks``' mask as the library's position mask (block-sparse: the kernels load a
+  row's sinks' block and its window's, not those between)."""
+  from jaxattn.ops import masks as M  # noqa: PLC0415
+  return M.CausalMask() & (M.sliding_window(sinks_window(t))
+                           | M.GlobalTokensMask(tuple(range(SINKS))))
+
+
+def sinks_pairs(t: int) -> int:
+  """Allowed (query, key) pairs of ``sinks_mask(t)``: row p sees ``min(p, W) + 1`` window keys
+  and the sinks before its window."""
+  p = np.arange(t, dtype=np.int64)
+  w = sinks_window(t)
+  return int((np.minimum(p, w) + 1 + np.clip(p - w, 0, SINKS)).sum())
 
 
 def _make(kind, causal, backward, dense="none"):
   """The function timed for one implementation: forward, or forward + backward (grads of sum),
   of ``(q, k, v, extra)``: ``extra`` is the dense input of ``--dense`` (None for "none"), given
-  to both implementations alike (``bias``: learned, so forward + backward differentiates it)."""
+  to both implementations alike (``bias``: learned, so forward + backward differentiates it;
+  ``sinks``: the baseline gets the boolean array, ours the position mask it came from)."""
   def dense_kwargs(extra):
     return {"none": {}, "bias": {"bias": extra}}.get(dense, {"mask": extra})
 
@@ -77,14 +104,16 @@ def _make(kind, causal, backward, dense="none"):
     impl = {"gpu": "pallas_gpu", "tpu": "pallas_tpu", "cpu": "xla_chunked"}[_platform()]
 
     def fwd(q, k, v, extra):
+      if dense == "sinks":
+        return dot_product_attention(q, k, v, mask=sinks_mask(q.shape[1]), implementation=impl)
       return dot_product_attention(q, k, v, is_causal=causal, implementation=impl,
                                    **dense_kwargs(extra))
   else:
     impl = "cudnn" if _platform() == "gpu" else "xla"
 
     def fwd(q, k, v, extra):
-      return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl,
-                                          **dense_kwargs(extra))
+      return jax.nn.dot_product_attention(q, k, v, is_causal=causal and dense != "sinks",
+                                          implementation=impl, **dense_kwargs(extra))
 
   if not backward:
     return fwd
@@ -97,9 +126,12 @@ def dense_input(kind: str, b: int, t: int, heads: int, dtype, seed: int):
   """``--dense``'s extra input: a T5-style bias shared over the batch ``[1, N, T, T]`` (in the
   activations' dtype), a key-padding mask ``[B, 1, 1, T]`` hiding each row's last eighth
   ("mask"), or the Flax mask of the same padding ``[B, 1, T, T]`` ("flax-mask":
-  ``make_attention_mask`` of queries and keys, so padded queries see nothing)."""
+  ``make_attention_mask`` of queries and keys, so padded queries see nothing), or ``[1, 1, T,
+  T]`` of ``sinks_mask`` ("sinks")."""
   if kind == "none":
     return None
+  if kind == "sinks":
+    return jnp.asarray(sinks_mask(t).dense(t, t))[None, None]
   if kind == "bias":
     return jax.random.normal(jax.random.key(seed), (1, heads, t, t), jnp.float32).astype(dtype)
   valid = jnp.arange(t) < t - t // 8
@@ -134,7 +166,8 @@ def run_benchmark(args) -> list[dict]:
   print(f"matmul peak ({peak_size}^3, {dtype.name}): {peak:.1f} {uname}")
   print(f"{'T':>6} {'causal':>6} {'B':>3} | {ours_name + ' ms':>15} {uname:>8} {'% peak':>7} "
         f"{'mem MiB':>8} | {base_name + ' ms':>17} {uname:>8} {'mem MiB':>8} | {'speedup':>7}")
-  jobs = [(t, c) for t in seq_lens for c in (False, True)]
+  # (the sinks' mask is causal: one row per length)
+  jobs = [(t, c) for t in seq_lens for c in ((True,) if args.dense == "sinks" else (False, True))]
   it = tqdm(jobs, desc="bench_flash", leave=False, file=sys.stderr) if tqdm else jobs
   rows = []
   for t, causal in it:
@@ -146,7 +179,7 @@ def run_benchmark(args) -> list[dict]:
                           jnp.float32).astype(dtype)
     extra = dense_input(args.dense, b, t, args.heads, dtype, t + 1)
     flops = attention_flops(b, t, t, args.heads, args.head_dim, args.v_head_dim, causal,
-                            args.backward)
+                            args.backward, sinks_pairs(t) if args.dense == "sinks" else None)
     row = {"T": t, "causal": causal, "B": b}
     for kind in ("ours", "base"):
       try:
@@ -646,10 +679,14 @@ def main(argv=None):
                  help="value head size (default: = head dim; e.g. 192 / 128 for MLA's prefill)")
   p.add_argument("--dtype", default=None, help="default bfloat16 (accelerators) / float32 (CPU)")
   p.add_argument("--backward", action="store_true", help="time forward + backward")
-  p.add_argument("--dense", choices=("none", "bias", "mask", "flax-mask"), default="none",
+  p.add_argument("--dense", choices=("none", "bias", "mask", "flax-mask", "sinks"),
+                 default="none",
                  help="give both implementations a learned T5-style bias [1, N, T, T], a "
-                      "key-padding mask array [B, 1, 1, T] (the last eighth of keys hidden) or "
-                      "that padding as a Flax mask [B, 1, T, T] (queries too)")
+                      "key-padding mask array [B, 1, 1, T] (the last eighth of keys hidden), "
+                      "that padding as a Flax mask [B, 1, T, T] (queries too), or (sinks) 4 "
+                      "attention sinks and a causal window of T/8 keys: the baseline as a "
+                      "[1, 1, T, T] boolean mask, ours as the position mask (block-sparse); "
+                      "rates count the allowed pairs only")
   p.add_argument("--shared-bias", choices=("kernel", "atomic"), default=None,
                  help="GPU, with --dense bias --backward: how the Triton kernels differentiate "
                  "the batch-shared bias (its own kernel, or atomic adds in the dQ kernel; "

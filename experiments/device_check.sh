@@ -28,7 +28,8 @@
 #      the Triton kernels; the Hopper forward + backward benchmark (T = 2k, 8k);
 #   5. (more) the Triton forward + backward benchmark, and with a learned dense bias, a
 #      key-padding mask array and a Flax mask [B, 1, T, T] (the Hopper kernels' tiles) on both
-#      sides (bench_flash --dense; the bias' forward alone; on
+#      sides, and attention sinks + a causal window (block lists against cuDNN's boolean mask)
+#      (bench_flash --dense; the bias' forward alone; on
 #      Triton's backward its gradient by its own kernel, then by atomic adds: --shared-bias
 #      atomic); the Hopper forward + backward
 #      schedules
@@ -208,7 +209,9 @@ if want more flash; then
   step "triton kernels: forward+backward benchmark" 60 \
     "$PY" -m experiments.bench_flash --gpu-forward triton --gpu-backward triton --backward \
     --seq-lens 2048 8192 --repeats 3 --plot "$DEST/bench_flash_gpu_bwd.png"
-  for d in bias mask flax-mask; do  # both sides given the same dense input (cuDNN takes them)
+  # both sides given the same dense input (cuDNN takes them; sinks: cuDNN the boolean array,
+  # ours the position mask, whose block lists skip the blocks between the sinks and the window)
+  for d in bias mask flax-mask sinks; do
     step "dense $d: forward + backward against cuDNN" 60 \
       "$PY" -m experiments.bench_flash --dense "$d" --backward --seq-lens 2048 8192 \
       --repeats 3 --no-plot

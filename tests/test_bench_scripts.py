@@ -311,6 +311,34 @@ def test_flash_dense_inputs_reach_both_sides(dense, monkeypatch, capsys):
   assert flax.shape == (2, 1, 32, 32) and int(flax.sum()) == 2 * 28 * 28
 
 
+def test_flash_sinks_mask_reaches_both_sides(monkeypatch, capsys):
+  """``--dense sinks``: the baseline gets the boolean ``[1, 1, T, T]`` array, ours the position
+  mask it came from (causal window + sinks); one causal row per length, rates over the allowed
+  pairs (``sinks_pairs`` counts the array's)."""
+  seen = []
+  real_ours = bench_flash.dot_product_attention
+
+  def ours(q, k, v, **kw):
+    seen.append(kw.get("mask"))
+    return real_ours(q, k, v, **kw)
+
+  monkeypatch.setattr(bench_flash, "dot_product_attention", ours)
+  rc = bench_flash.main(["--seq-lens", "256", "--tokens", "256", "--heads", "2", "--head-dim",
+                         "16", "--repeats", "1", "--matmul-size", "32", "--no-plot",
+                         "--dense", "sinks"])
+  assert rc == 0
+  assert seen and all(m == bench_flash.sinks_mask(256) for m in seen)
+  dense = bench_flash.dense_input("sinks", 1, 256, 2, jnp.float32, 0)
+  assert dense.shape == (1, 1, 256, 256)
+  np.testing.assert_array_equal(np.asarray(dense[0, 0]),
+                                np.asarray(bench_flash.sinks_mask(256).dense(256, 256)))
+  assert bench_flash.sinks_pairs(256) == int(dense.sum())
+  assert int(dense.sum()) < 256 * 257 // 2  # sparser than causal
+  out = capsys.readouterr().out
+  assert "dense=sinks" in out and "   256   True   1 |" in out
+  assert "   256  False" not in out and "n/a" not in out
+
+
 def test_flash_hopper_config_flag():
   """``--hopper block_k=64,stages=3,overlap=1`` builds the Hopper kernels' config; unknown names,
   non-integers and configs the kernel refuses are argument errors naming what is allowed."""
@@ -391,12 +419,12 @@ def test_device_check_all_steps_pass(tmp_path):
   assert proc.returncode == 0, proc.stdout
   assert proc.stdout.splitlines()[-1] == "device_check: PASSED"
   assert log == proc.stdout                           # the tee'd log is complete
-  assert proc.stdout.count("=== ") == 2 * 24 and "SKIPPED" not in proc.stdout
+  assert proc.stdout.count("=== ") == 2 * 25 and "SKIPPED" not in proc.stdout
   # one pytest run compiles every GPU kernel test file, before any benchmark
   steps = [x for x in proc.stdout.splitlines() if x.startswith("=== ") and "limit" in x]
   assert steps[1].startswith("=== GPU kernel tests (") and steps[1].count(".py") == 4, steps
-  for part, first, n in (("core", "GPU kernel tests", 8), ("more", "triton kernels: fo", 15),
-                         ("flash", "GPU kernel tests", 16)):
+  for part, first, n in (("core", "GPU kernel tests", 8), ("more", "triton kernels: fo", 16),
+                         ("flash", "GPU kernel tests", 17)):
     proc, _, _ = _device_check(tmp_path, PART=part)
     steps = [x for x in proc.stdout.splitlines() if x.startswith("=== ") and "limit" in x]
     assert proc.returncode == 0 and len(steps) == 1 + n, proc.stdout
