@@ -147,23 +147,42 @@ def penalized_rows(logits: Float[Array, "B *T V"], history: Int[Array, "B L"],
   ``ahead [B, m]`` (speculative decoding: drafts, ``-1`` for none), tokens generated after the
   history: with ``logits [B, V]`` all of them count; with ``logits [B, T, V]`` (``m = T - 1``,
   a check of ``T - 1`` drafts) position ``j`` is penalized as if ``ahead[:, :j]`` had been."""
-  b, v = logits.shape[0], logits.shape[-1]
-  valid = history >= 0
-  ids = jnp.where(valid, history, 0)
-  rows = jnp.arange(b)[:, None]
-  seen = jnp.zeros((b, v), jnp.int32).at[rows, ids].max(valid.astype(jnp.int32)) > 0
-  generated = valid & (jnp.arange(history.shape[1])[None, :] >= num_prompt[:, None])
-  counts = jnp.zeros((b, v), jnp.float32).at[rows, ids].add(generated.astype(jnp.float32))
-  settings = [repetition, presence, frequency]
+  seen, counts = history_state(history, num_prompt, logits.shape[-1])
   if ahead is not None:                                        # (-1: no token)
     if logits.ndim == 3:
       if ahead.shape[1] != logits.shape[1] - 1:
         raise ValueError(f"`ahead` must be [B, T - 1 = {logits.shape[1] - 1}] with logits "
                          f"[B, T, V], got shape {ahead.shape}.")
       seen, counts = after_each(seen, counts, ahead)
-      settings = [x[:, None] for x in settings]
     else:
       seen, counts = penalty_add((seen, counts), ahead)
+  return penalized_by_state(logits, (seen, counts), repetition, presence, frequency)
+
+
+def history_state(history: Int[Array, "B L"], num_prompt: Int[Array, "B"],
+                  vocab_size: int) -> tuple[Array, Array]:
+  """``penalized_rows``' state of each row's ``history`` (``-1`` pads): ``(seen [B, V] bool,
+  counts [B, V] fp32)``, the first ``num_prompt[i]`` entries seen, the rest seen and counted."""
+  b = history.shape[0]
+  valid = history >= 0
+  ids = jnp.where(valid, history, 0)
+  rows = jnp.arange(b)[:, None]
+  seen = jnp.zeros((b, vocab_size), jnp.int32).at[rows, ids].max(valid.astype(jnp.int32)) > 0
+  generated = valid & (jnp.arange(history.shape[1])[None, :] >= num_prompt[:, None])
+  counts = jnp.zeros((b, vocab_size), jnp.float32).at[rows, ids].add(
+      generated.astype(jnp.float32))
+  return seen, counts
+
+
+def penalized_by_state(logits: Float[Array, "B *T V"], pstate, repetition: Float[Array, "B"],
+                       presence: Float[Array, "B"], frequency: Float[Array, "B"]
+                       ) -> Float[Array, "B *T V"]:
+  """fp32 ``logits`` penalized with per-row settings and the state ``pstate = (seen, counts)``
+  (``[B, V]``, or ``[B, T, V]`` per position with ``logits [B, T, V]``)."""
+  seen, counts = pstate
+  settings = [repetition, presence, frequency]
+  if logits.ndim == 3:
+    settings = [x[:, None] for x in settings]
   repetition, presence, frequency = (x[..., None] for x in settings)
   x = _repetition(logits.astype(jnp.float32), seen, repetition)
   return x - presence * (counts > 0) - frequency * counts

@@ -83,7 +83,8 @@ from flax import nnx
 
 from jaxattn.checks import is_int
 from jaxattn.generation import (NO_PENALTIES, check_penalties, check_sampling, eval_model,
-                                penalized_rows, sample_rows)
+                                history_state, penalized_by_state, penalized_rows, penalty_add,
+                                sample_rows)
 from jaxattn.nn.model import DecoderLM, PagedModelCache
 from jaxattn.nn.mtp import mtp_layer_kind, shift_left
 from jaxattn.paged_cache import PageTable
@@ -360,11 +361,16 @@ def _draft_penalizer(penalties, emitted=None):
   so far): the state the check will judge each draft with."""
   if penalties is None:
     return None
+  history, num_prompt, *settings = penalties
+  states = []  # states[j]: after the history, ``emitted`` and the first j drafts (built once)
 
   def penalize(logits, drafts):
-    ahead = ([] if emitted is None else [emitted]) + [d[:, None] for d in drafts]
-    return penalized_rows(logits, *penalties,
-                          ahead=jnp.concatenate(ahead, axis=1) if ahead else None)
+    if not states:
+      state = history_state(history, num_prompt, logits.shape[-1])
+      states.append(state if emitted is None else penalty_add(state, emitted))
+    for d in drafts[len(states) - 1:]:       # the proposer's loop adds one draft per call
+      states.append(penalty_add(states[-1], d[:, None]))
+    return penalized_by_state(logits, states[len(drafts)], *settings)
 
   return penalize
 
