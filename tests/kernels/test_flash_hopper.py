@@ -627,6 +627,28 @@ def test_backward_non_band_mask_matches_formula():
                  hopper.Config(block_k=64, backward_overlap=True), seed=13)
 
 
+def test_sinks_and_window_through_the_entry_point():
+  """``implementation="pallas_gpu"`` with a causal window and attention sinks runs the Hopper
+  forward (counted; the block lists), and matches the formula."""
+  q, key, v = inputs(1, 200, 200, 2, 1, 64, seed=12)
+  mask, calls, real = sinks_and_window(50), [], hopper.forward
+
+  def counting(*a, **kw):
+    calls.append(kw["mask"])
+    return real(*a, **kw)
+
+  saved = gpu_kernel.get_options()
+  try:
+    gpu_kernel.set_options(forward="hopper", hopper=hopper.Config(block_k=64))
+    hopper.forward = counting
+    out = dot_product_attention(q, key, v, mask=mask, implementation="pallas_gpu")
+  finally:
+    hopper.forward = real
+    gpu_kernel.set_options(**saved)
+  assert calls == [mask]
+  assert_close(out, formula(q, key, v, mask, 0, None)[0], TOL, "sinks")
+
+
 def test_list_table():
   """Per CTA (two tiles' rows of kinds): the blocks either tile needs, in order, and each
   tile's runs over those positions (a FULL run only where its FULL positions are contiguous)."""
