@@ -200,9 +200,17 @@ def listable(mask: Mask | None) -> bool:
   """Whether the kernels take a position mask that is not a band (block lists, ``list_table``):
   full, causal, sliding-window and global-token masks joined by ``&`` and ``|`` (Longformer's
   window plus global tokens), each evaluated in masked blocks with a few compares per logit."""
+  return _foreign_part(mask) is None
+
+
+def _foreign_part(mask: Mask | None) -> Mask | None:
+  """The first part of ``mask`` that ``listable`` does not take (None: every part is taken)."""
   if isinstance(mask, (AndMask, OrMask)):
-    return listable(mask.a) and listable(mask.b)
-  return isinstance(mask, (FullMask, CausalMask, SlidingWindowMask, GlobalTokensMask))
+    a = _foreign_part(mask.a)
+    return a if a is not None else _foreign_part(mask.b)
+  if isinstance(mask, (FullMask, CausalMask, SlidingWindowMask, GlobalTokensMask)):
+    return None
+  return mask
 
 
 _SMEM_BYTES = 227 * 1024  # shared memory one H100 / H200 CTA may hold
@@ -277,8 +285,8 @@ def supports(*, dtype, head_dim: int, v_head_dim: int, static_mask,
   if head_dim not in HEAD_SIZES or v_head_dim not in HEAD_SIZES:
     return f"head sizes {head_dim} / {v_head_dim} (each one of 64 / 128 / 192 / 256)"
   if not band(static_mask)[0]:
-    if not listable(static_mask):
-      return (f"mask {type(static_mask).__name__} (band masks, and full / causal / window / "
+    if (part := _foreign_part(static_mask)) is not None:
+      return (f"mask {type(part).__name__} (band masks, and full / causal / window / "
               f"global-token masks joined by & and |)")
     if not static_offset:
       return (f"mask {type(static_mask).__name__} with a traced q_offset (a non-band mask's "

@@ -1178,6 +1178,12 @@ def test_errors():
     hopper.forward(q, key, v, segment_ids=(ids, ids))  # kv ids must be [B, S] = (2, 80)
   with pytest.raises(ValueError, match="`q_offset` must be a scalar"):
     hopper.forward(q, key, v, q_offset=jnp.zeros((2,), jnp.int32))
+  # masks: a band, or built of full / causal / window / global-token masks (with a static offset)
+  with pytest.raises(ValueError, match=r"unsupported call: mask Stripes \(band masks, and full / "
+                                       r"causal / window / global-token masks joined by & and \|"):
+    hopper.forward(q, key, v, mask=M.CausalMask() & Stripes())
+  with pytest.raises(ValueError, match="mask OrMask with a traced q_offset"):
+    jax.jit(lambda offset: hopper.forward(q, key, v, mask=LONGFORMER, q_offset=offset))(3)
   with pytest.raises(ValueError, match=r"`kv_lengths` must have shape \[B\] = \(2,\)"):
     hopper.backward(q, key, v, q, jnp.zeros((2, 2, 64)), q, kv_lengths=jnp.ones((1,), jnp.int32))
   with pytest.raises(ValueError, match="allowed"):
