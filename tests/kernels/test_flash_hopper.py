@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from jaxattn.ops import masks as M
 from jaxattn.ops.attention import dot_product_attention
@@ -625,6 +626,42 @@ def test_backward_non_band_mask_matches_formula():
   q, key, v = inputs(1, 330, 330, 2, 1, 64, seed=11)
   check_backward("longformer", q, key, v, LONGFORMER, 0, None,
                  hopper.Config(block_k=64, backward_overlap=True), seed=13)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(data=st.data(), ctas=st.integers(1, 3), cols=st.integers(1, 9), batch=st.integers(1, 2))
+def test_list_table_lists_what_each_tile_needs(data, ctas, cols, batch):
+  """For random block kinds: each CTA lists exactly the blocks either tile needs, in order; each
+  tile's run ``[lo, hi)`` holds every position it needs (and starts and ends on one), and its
+  FULL run only positions FULL for it -- all of them when they are contiguous."""
+  kinds = np.asarray(data.draw(st.lists(st.sampled_from([C.EMPTY, C.PARTIAL, C.FULL]),
+                                        min_size=batch * 2 * ctas * cols,
+                                        max_size=batch * 2 * ctas * cols)),
+                     np.int8).reshape(batch, 2 * ctas, cols)
+  width = cols if data.draw(st.booleans()) else None
+  table = np.asarray(hopper.list_table(jnp.asarray(kinds), width))
+  assert table.shape == (batch, ctas, 9 + cols)
+  for b in range(batch):
+    for c in range(ctas):
+      row = table[b, c]
+      pair = kinds[b, 2 * c:2 * c + 2]
+      need = np.flatnonzero((pair != C.EMPTY).any(0))
+      count = row[0]
+      assert count == need.size
+      np.testing.assert_array_equal(row[9:9 + count], need)
+      for x in range(2):
+        lo, hi, f_lo, f_hi = row[1 + 4 * x:5 + 4 * x]
+        listed = pair[x][need]
+        mine = np.flatnonzero(listed != C.EMPTY)
+        if mine.size:
+          assert (lo, hi) == (mine[0], mine[-1] + 1)
+        else:
+          assert hi <= lo
+        assert lo <= f_lo <= f_hi <= max(hi, lo)
+        assert (listed[f_lo:f_hi] == C.FULL).all()
+        full = np.flatnonzero(listed == C.FULL)
+        if full.size and full[-1] - full[0] + 1 == full.size:
+          assert (f_lo, f_hi) == (full[0], full[-1] + 1)
 
 
 def test_sinks_and_window_through_the_entry_point():
