@@ -172,7 +172,7 @@ want core decode && TESTS+=(tests/kernels/test_decode_gpu.py)
 want core flash && TESTS+=(tests/kernels/test_flash_gpu.py tests/kernels/test_flash_hopper.py
                            tests/ops/test_attention_cudnn.py)
 if [ ${#TESTS[@]} -gt 0 ]; then
-  step "GPU kernel tests (${TESTS[*]})" 150 \
+  step "GPU kernel tests (${TESTS[*]})" 170 \
     "$PY" -m pytest -q -rf -n 8 -p no:cacheprovider -m "slow or not slow" "${TESTS[@]}"
 fi
 if want core flash; then  # the Triton kernels with a dense bias / mask array (the GPU cases)
