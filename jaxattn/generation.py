@@ -178,11 +178,13 @@ def penalized_by_state(logits: Float[Array, "B *T V"], pstate, repetition: Float
                        presence: Float[Array, "B"], frequency: Float[Array, "B"]
                        ) -> Float[Array, "B *T V"]:
   """fp32 ``logits`` penalized with per-row settings and the state ``pstate = (seen, counts)``
-  (``[B, V]``, or ``[B, T, V]`` per position with ``logits [B, T, V]``)."""
+  (``[B, V]``, for every position of ``logits [B, T, V]`` too, or ``[B, T, V]`` per position)."""
   seen, counts = pstate
   settings = [repetition, presence, frequency]
   if logits.ndim == 3:
     settings = [x[:, None] for x in settings]
+    if seen.ndim == 2:
+      seen, counts = seen[:, None], counts[:, None]
   repetition, presence, frequency = (x[..., None] for x in settings)
   x = _repetition(logits.astype(jnp.float32), seen, repetition)
   return x - presence * (counts > 0) - frequency * counts

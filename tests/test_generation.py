@@ -181,7 +181,8 @@ def test_top_k_keeps_the_k_most_likely_then_top_p():
 def test_penalized_rows_ahead_counts_the_drafts_before_each_position():
   """``penalized_rows(..., ahead=)``: a check's position ``j`` is penalized as the history with
   the first ``j`` drafts appended (generated: seen and counted; ``-1``: no draft); ``[B, V]``
-  logits take all of them; ``ahead`` of the wrong width is refused, naming it."""
+  logits take all of them; ``[B, T, V]`` logits without ``ahead``, the history's state at every
+  position; ``ahead`` of the wrong width is refused, naming it."""
   v = 6
   logits = 3.0 * jax.random.normal(jax.random.key(0), (2, 3, v))
   history = jnp.array([[1, 2, -1, -1], [3, 3, 4, -1]], jnp.int32)
@@ -197,6 +198,12 @@ def test_penalized_rows_ahead_counts_the_drafts_before_each_position():
   np.testing.assert_allclose(
       penalized_rows(logits[:, 0], history, num_prompt, *settings, ahead=ahead),
       penalized_rows(logits[:, 0], jnp.concatenate([history, ahead], 1), num_prompt, *settings))
+  # [B, T, V] logits without drafts: every position penalized with the history alone
+  plain = penalized_rows(logits, history, num_prompt, *settings)
+  for j in range(3):
+    np.testing.assert_allclose(plain[:, j],
+                               penalized_rows(logits[:, j], history, num_prompt, *settings),
+                               rtol=1e-6, err_msg=f"no drafts, position {j}")
   with pytest.raises(ValueError, match=r"`ahead` must be \[B, T - 1 = 2\]"):
     penalized_rows(logits, history, num_prompt, *settings, ahead=ahead[:, :1])
 
