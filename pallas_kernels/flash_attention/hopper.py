@@ -687,11 +687,11 @@ class _Ctx:
         plgpu.barrier_wait(fr.at[lax.rem(t, self.stages)])
 
   def consume(self, carry, *, outer: int, cta_lo, steps, runs, ready, free, turn, compute,
-              t0=None, block_of=None):
+              block_of, t0=None):
     """One consumer's walk over ``outer`` passes of the CTA's ``steps`` blocks (global step
     ``t = o * steps + s``): ``[skip | masked | full | masked | skip]`` from its own ``runs``.
-    Step ``s`` holds block ``cta_lo + s``, or ``block_of(s)`` (a block list, whose ``runs``
-    count list positions: ``cta_lo`` 0).
+    Step ``s`` holds block ``block_of(s)`` (``_cta_walk``: ``cta_lo + s``, or a block list's
+    entry, whose ``runs`` count list positions with ``cta_lo`` 0).
     ``compute(t, slot, block, o, carry, masked) -> carry`` must hand the slot back
     (``release``) and take two turns; a skipped step waits for its copies, releases the slot and
     takes its two turns, so both consumers see every barrier phase.  ``t0``: as ``produce``'s
@@ -700,7 +700,6 @@ class _Ctx:
     a, b, c, d = (_clamp(jnp.int32(0), x - cta_lo, steps) for x in (lo, f_lo, f_hi, hi))
     stages = self.stages
     ring = (lambda t: t) if t0 is None else (lambda t: t0 + t)
-    block_of = block_of or (lambda s: cta_lo + s)
 
     def skip(o):
       def body(s, carry):
@@ -732,7 +731,7 @@ class _Ctx:
     return lax.fori_loop(0, outer, one_pass, carry)
 
   def consume_overlapped(self, carry, *, cta_lo, steps, runs, ready, frees, first, step, last,
-                         idle=None, t0=None, block_of=None):
+                         block_of, idle=None, t0=None):
     """``consume`` for a loop whose step ``s`` finishes block ``s - 1``: blocks are computed over
     the same ``[skip | masked | full | masked | skip]`` runs, but the first computed block runs
     ``first(slot, block, carry)`` (always masked: exact for any block), each later one
@@ -747,7 +746,6 @@ class _Ctx:
     lo, hi, f_lo, f_hi = runs
     a, b, c, d = (_clamp(i32(0), x - cta_lo, steps) for x in (lo, f_lo, f_hi, hi))
     ring = (lambda t: t) if t0 is None else (lambda t: t0 + t)
-    block_of = block_of or (lambda s: cta_lo + s)
 
     def skip(s, carry):
       slot = lax.rem(ring(s), stages)
@@ -935,11 +933,18 @@ def _data_table(st: _Static, aux: dict, q_pad: int, kv_pad: int, bq: int, bk: in
     return None
   if st.listed:
     return _list_table(st, aux, q_pad, kv_pad, bq, bk, transpose)
+  kinds = _data_kinds(st, aux, q_pad, kv_pad, bq, bk)
+  return run_table(jnp.swapaxes(kinds, 1, 2) if transpose else kinds)
+
+
+def _data_kinds(st: _Static, aux: dict, q_pad: int, kv_pad: int, bq: int, bk: int):
+  """``[B, q_pad/bq, kv_pad/bk]`` kinds that segment ids, key lengths and a mask array (over all
+  its heads) allow (FULL: unconstrained)."""
   kinds = pair_kinds(st.batch, q_pad, kv_pad, bq, bk, aux.get("q_ids"), aux.get("kv_ids"),
                      aux.get("lengths"))
   if st.dense_mask:
     kinds = jnp.minimum(kinds, mask_array_kinds(aux["bias"] > 0, st.batch, q_pad, kv_pad, bq, bk))
-  return run_table(jnp.swapaxes(kinds, 1, 2) if transpose else kinds)
+  return kinds
 
 
 def _list_table(st: _Static, aux: dict, q_pad: int, kv_pad: int, bq: int, bk: int,
@@ -951,12 +956,7 @@ def _list_table(st: _Static, aux: dict, q_pad: int, kv_pad: int, bq: int, bk: in
   if mask is None and (st.left is not None or st.right is not None):
     mask = SlidingWindowMask(st.left, st.right)
   static = mask_kinds(mask, st.q_len, st.kv_len, q_pad, kv_pad, st.q_offset, bq, bk)
-  kinds = jnp.broadcast_to(jnp.asarray(static), (st.batch,) + static.shape)
-  if st.segments or st.lengths:
-    kinds = jnp.minimum(kinds, pair_kinds(st.batch, q_pad, kv_pad, bq, bk, aux.get("q_ids"),
-                                          aux.get("kv_ids"), aux.get("lengths")))
-  if st.dense_mask:
-    kinds = jnp.minimum(kinds, mask_array_kinds(aux["bias"] > 0, st.batch, q_pad, kv_pad, bq, bk))
+  kinds = jnp.minimum(jnp.asarray(static)[None], _data_kinds(st, aux, q_pad, kv_pad, bq, bk))
   if transpose:
     static, kinds = static.T, jnp.swapaxes(kinds, 1, 2)
   need = (static[0::2] != EMPTY) | (static[1::2] != EMPTY)
